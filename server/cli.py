@@ -1,0 +1,88 @@
+"""The `hetserve` command line.
+
+Each subcommand lives in its own module and is imported only when chosen, so `hetserve
+devices` or `hetserve compose` never pay for (or initialize) what `serve` needs. Bad input
+is a `UsageError`: one line naming the bad value and the accepted forms, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from server.errors import UsageError
+
+# subcommand -> "module:function(args) -> int"
+_COMMANDS = {
+    "serve": "server.serve:run",
+    "plan": "server.plan:run",
+    "compose": "server.compose:run",
+    "devices": "server.devices:run",
+}
+
+
+def _add_simulate(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--simulate",
+        metavar="SPEC",
+        default=None,
+        help="simulate a GPU topology on a CPU host, e.g. `sm_80,sm_89,sm_90` (tokens: sm_XY, gfxNNN, cpu)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetserve",
+        description="Inference server for hosts whose GPUs are of different architectures.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    serve = sub.add_parser("serve", help="start the router and one worker per GPU")
+    serve.add_argument("--model", metavar="DIR", default=None, help="Hugging Face model directory (default: the embedded model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    serve.add_argument("--devices", default="all", metavar="all|0,2|UUID,...", help="GPUs to use: all, indices or UUIDs")
+    _add_simulate(serve)
+    serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    serve.add_argument("--quantize", default="none", choices=["none", "fp8"])
+    serve.add_argument("--max-batch", type=int, default=32, metavar="N", help="running sequences per worker")
+    serve.add_argument("--max-queue", type=int, default=256, metavar="N", help="waiting requests per worker before 429")
+    serve.add_argument("--api-key", default=None, metavar="KEY", help="require `Authorization: Bearer KEY`")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    plan = sub.add_parser("plan", help="show per device the kernels and fp8 convention chosen, without loading weights")
+    _add_simulate(plan)
+    plan.add_argument("--devices", default="all", metavar="all|0,2|UUID,...")
+    plan.add_argument("--json", action="store_true", help="print JSON")
+
+    compose = sub.add_parser("compose", help="write a docker compose file for this host's GPUs")
+    _add_simulate(compose)
+    compose.add_argument("--model", metavar="DIR", default=None, help="host model directory to mount")
+    compose.add_argument("--output", "-o", metavar="FILE", default=None, help="write here instead of stdout")
+    compose.add_argument("--port", type=int, default=8000)
+    compose.add_argument("--image", default="hetserve:latest")
+
+    devices = sub.add_parser("devices", help="list this host's GPUs (NVML) or the simulated ones")
+    _add_simulate(devices)
+    devices.add_argument("--devices", default="all", metavar="all|0,2|UUID,...")
+    devices.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, func_name = _COMMANDS[args.command].split(":")
+    try:
+        func = getattr(importlib.import_module(module_name), func_name)
+        return int(func(args) or 0)
+    except UsageError as e:
+        print(f"hetserve {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Shared test configuration: the `gpu` marker skips cleanly on hosts without CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none on this host)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,150 @@
+"""Device descriptions that need no torch: the simulated topology and `--devices` selection.
+
+Both the router (which must never initialize CUDA) and the worker read this module, so it
+imports nothing heavy. A simulated device carries only what a real one would report
+(capability, name, memory, UUID); every decision made from it runs the real code.
+
+Spec tokens: `sm_XY` / `sm_XXY` (CUDA capability X.Y, e.g. `sm_89`, `sm_100`), `gfxNNN`
+(ROCm arch, e.g. `gfx90a`, `gfx942`) and `cpu`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+ACCEPTED_TOKENS = "sm_XY (e.g. sm_75, sm_80, sm_89, sm_90, sm_100, sm_120), gfxNNN (e.g. gfx90a, gfx942) or cpu"
+ACCEPTED_DEVICES = "all, comma-separated indices (e.g. 0,2) or GPU UUIDs (e.g. GPU-...)"
+
+_SM_RE = re.compile(r"^sm_(\d{1,2})(\d)$")
+_GFX_RE = re.compile(r"^gfx(\d{1,2})([0-9a-f])([0-9a-f])$")
+
+# Representative product per CUDA capability, for names and memory of simulated devices.
+_CUDA_CATALOG: dict[tuple[int, int], tuple[str, int]] = {
+    (7, 0): ("Tesla V100-SXM2-32GB", 32),
+    (7, 5): ("Tesla T4", 16),
+    (8, 0): ("NVIDIA A100-SXM4-80GB", 80),
+    (8, 6): ("NVIDIA A10", 24),
+    (8, 7): ("NVIDIA Jetson AGX Orin", 32),
+    (8, 9): ("NVIDIA L40S", 48),
+    (9, 0): ("NVIDIA H100 80GB HBM3", 80),
+    (10, 0): ("NVIDIA B200", 180),
+    (12, 0): ("NVIDIA GeForce RTX 5090", 32),
+}
+_ROCM_CATALOG: dict[str, tuple[str, int]] = {
+    "gfx90a": ("AMD Instinct MI250X", 64),
+    "gfx942": ("AMD Instinct MI300X", 192),
+    "gfx950": ("AMD Instinct MI355X", 288),
+    "gfx1100": ("AMD Radeon RX 7900 XTX", 24),
+}
+_GIB = 1024**3
+
+
+class TopologySpecError(ValueError):
+    """A `--simulate` or `--devices` value that cannot be understood."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device as the router sees it (from NVML or the simulated topology)."""
+
+    index: int
+    uuid: str
+    name: str
+    type: str  # "cuda" | "rocm" | "cpu"
+    capability: tuple[int, int] | None
+    memory_total_bytes: int
+    simulated: bool
+    pci_bus_id: str | None = None
+    arch: str | None = None  # the spec token (`sm_89`, `gfx942`, `cpu`) or the ROCm arch
+
+    @property
+    def capability_str(self) -> str | None:
+        return None if self.capability is None else f"{self.capability[0]}.{self.capability[1]}"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["capability"] = self.capability_str
+        return d
+
+
+def parse_token(token: str) -> tuple[str, tuple[int, int] | None]:
+    """`sm_89` -> ("cuda", (8, 9)); `gfx942` -> ("rocm", (9, 4)); `cpu` -> ("cpu", None)."""
+    t = token.strip().lower()
+    if t == "cpu":
+        return "cpu", None
+    m = _SM_RE.match(t)
+    if m:
+        major, minor = int(m.group(1)), int(m.group(2))
+        if 3 <= major <= 15:
+            return "cuda", (major, minor)
+    m = _GFX_RE.match(t)
+    if m:
+        return "rocm", (int(m.group(1)), int(m.group(2), 16))
+    raise TopologySpecError(f"Unknown simulated device `{token}`. Accepted: {ACCEPTED_TOKENS}")
+
+
+def simulated_device(token: str, index: int) -> DeviceInfo:
+    """The simulated device for one spec token at position `index`."""
+    dtype, cap = parse_token(token)
+    t = token.strip().lower()
+    if dtype == "cpu":
+        name, mem_gib = "CPU (simulated)", 16
+    elif dtype == "cuda":
+        assert cap is not None
+        base, mem_gib = _CUDA_CATALOG.get(cap, (f"NVIDIA GPU sm_{cap[0]}{cap[1]}", 24))
+        name = f"{base} (simulated)"
+    else:
+        base, mem_gib = _ROCM_CATALOG.get(t, (f"AMD GPU {t}", 64))
+        name = f"{base} (simulated)"
+    return DeviceInfo(
+        index=index,
+        uuid=f"GPU-5e000000-0000-4000-8000-{index:012d}",
+        name=name,
+        type=dtype,
+        capability=cap,
+        memory_total_bytes=mem_gib * _GIB,
+        simulated=True,
+        pci_bus_id=f"00000000:{0x10 + index:02X}:00.0",
+        arch=t,
+    )
+
+
+def parse_simulate(spec: str) -> list[DeviceInfo]:
+    """`sm_80,sm_89,sm_90` -> three simulated devices, indices 0..2 in spec order."""
+    tokens = [t for t in (spec or "").split(",")]
+    if not spec or any(not t.strip() for t in tokens):
+        raise TopologySpecError(f"Empty device in `--simulate {spec}`. Accepted: {ACCEPTED_TOKENS}, comma-separated")
+    return [simulated_device(t, i) for i, t in enumerate(tokens)]
+
+
+def select_devices(inventory: list[DeviceInfo], spec: str | None) -> list[DeviceInfo]:
+    """Apply `--devices all|0,2|UUID,...` to an inventory, keeping the order given."""
+    if spec is None or spec.strip().lower() in ("", "all"):
+        return list(inventory)
+    by_index = {d.index: d for d in inventory}
+    by_uuid = {d.uuid.lower(): d for d in inventory}
+    chosen: list[DeviceInfo] = []
+    for raw in spec.split(","):
+        tok = raw.strip()
+        if tok.isdigit():
+            dev = by_index.get(int(tok))
+            if dev is None:
+                have = ", ".join(str(i) for i in sorted(by_index)) or "none"
+                raise TopologySpecError(
+                    f"Device index `{tok}` is out of range. This host has indices: {have}. Accepted: {ACCEPTED_DEVICES}"
+                )
+        elif tok.lower().startswith(("gpu-", "mig-")):
+            dev = by_uuid.get(tok.lower())
+            if dev is None:
+                raise TopologySpecError(
+                    f"Unknown GPU UUID `{tok}`. Known: {', '.join(d.uuid for d in inventory) or 'none'}"
+                )
+        else:
+            raise TopologySpecError(f"Invalid device `{tok}` in `--devices {spec}`. Accepted: {ACCEPTED_DEVICES}")
+        if dev in chosen:
+            raise TopologySpecError(f"Device `{tok}` is listed twice in `--devices {spec}`")
+        chosen.append(dev)
+    return chosen
