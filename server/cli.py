@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from server.errors import UsageError
+from workers.topology import TopologySpecError
 
 # subcommand -> "module:function(args) -> int"
 _COMMANDS = {
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(args) or 0)
-    except UsageError as e:
+    except (UsageError, TopologySpecError) as e:
         print(f"hetserve {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

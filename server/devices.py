@@ -1,0 +1,23 @@
+"""`hetserve devices`: the router's inventory, as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+
+from server.inventory import inventory
+from workers.topology import select_devices
+
+
+def run(args) -> int:
+    devices = select_devices(inventory(args.simulate), args.devices)
+    if args.json:
+        print(json.dumps({"devices": [d.to_dict() for d in devices]}, indent=2))
+        return 0
+    if not devices:
+        print("No GPU found through NVML; `hetserve serve` will run one CPU worker.")
+        return 0
+    print(f"{'IDX':<4} {'CAP':<5} {'MEMORY':>9}  {'UUID':<42} NAME")
+    for d in devices:
+        mem = f"{d.memory_total_bytes / 1024**3:.0f} GiB"
+        print(f"{d.index:<4} {d.capability_str or '-':<5} {mem:>9}  {d.uuid:<42} {d.name}")
+    return 0
