@@ -1,0 +1,140 @@
+"""fp8 convention: the choice, the process lock, and exact e4m3 rounding on both paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers import fp8
+from workers.fp8 import (
+    EMULATED_E4M3,
+    NATIVE_E4M3,
+    NATIVE_FP8_CAPABILITY,
+    MixedFp8ConventionError,
+    choose_fp8,
+    decode_e4m3,
+    dequantize,
+    encode_e4m3,
+    lock_convention,
+    quantize,
+    quantize_weight_per_channel,
+    round_to_e4m3,
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_lock():
+    fp8._reset_lock_for_tests()
+    yield
+    fp8._reset_lock_for_tests()
+
+
+@pytest.mark.parametrize(
+    "cap,expected",
+    [((7, 0), "emulated"), ((7, 5), "emulated"), ((8, 0), "emulated"), ((8, 6), "emulated"),
+     ((8, 9), "native_e4m3"), ((9, 0), "native_e4m3"), ((10, 0), "native_e4m3"), ((12, 0), "native_e4m3")],
+)
+def test_cuda_choice_threshold(cap, expected):
+    conv, reason = choose_fp8("cuda", cap)
+    assert conv.name == expected
+    assert f"{cap[0]}.{cap[1]}" in reason
+    assert conv.native == (cap >= NATIVE_FP8_CAPABILITY)
+
+
+def test_rocm_uses_fnuz_and_cpu_is_emulated():
+    conv, reason = choose_fp8("rocm", (9, 4))
+    assert conv.native and conv.fp8_dtype == torch.float8_e4m3fnuz and conv.max_value == 240.0
+    old, _ = choose_fp8("rocm", (9, 0))
+    assert not old.native and old.storage_dtype == torch.uint8 and old.fmt == "e4m3fnuz"
+    cpu, reason = choose_fp8("cpu", None)
+    assert cpu == EMULATED_E4M3 and "CPU" in reason
+    with pytest.raises(ValueError, match="`tpu`"):
+        choose_fp8("tpu", None)
+
+
+def test_buffer_dtype_and_kernel_flag_come_from_one_value():
+    for cap in [(8, 0), (8, 9), (9, 0)]:
+        conv, _ = choose_fp8("cuda", cap)
+        q, _ = quantize(torch.randn(4, 32), conv)
+        # The host buffer dtype is exactly what the kernel flag implies.
+        assert (q.dtype == torch.float8_e4m3fn) == conv.native
+        assert (q.dtype == torch.uint8) == (not conv.native)
+        assert q.dtype == conv.storage_dtype
+
+
+def test_lock_refuses_a_second_convention():
+    """Guards `elif _locked != conv: raise MixedFp8ConventionError` in `lock_convention`:
+    without it a process silently mixes native and emulated buffers."""
+    assert lock_convention(NATIVE_E4M3) is NATIVE_E4M3
+    assert lock_convention(NATIVE_E4M3) is NATIVE_E4M3  # the same one again is fine
+    with pytest.raises(MixedFp8ConventionError, match="native_e4m3.*refusing `emulated`"):
+        lock_convention(EMULATED_E4M3)
+    assert fp8.locked_convention() is NATIVE_E4M3
+
+
+def test_native_and_emulated_bytes_identical_and_equal_torch_rne():
+    """2**22 samples over [-448, 448]: both paths give identical bytes, equal to torch's
+    round-to-nearest-even cast of the raw fp32 values."""
+    g = torch.Generator().manual_seed(1234)
+    x = (torch.rand(1 << 22, generator=g) * 2 - 1) * 448
+    # include exact ties, subnormals, zeros and the extremes
+    x[:8] = torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-9, 2.0**-10, 1.0625, 17.0])
+    grid = round_to_e4m3(x)
+    native = grid.to(torch.float8_e4m3fn).view(torch.uint8)
+    emulated = encode_e4m3(grid)
+    reference = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(native, emulated)
+    assert torch.equal(native, reference)
+    assert torch.equal(decode_e4m3(emulated), grid)
+
+
+def test_fnuz_grid_matches_torch():
+    g = torch.Generator().manual_seed(7)
+    x = (torch.rand(1 << 18, generator=g) * 2 - 1) * 240
+    grid = round_to_e4m3(x, "e4m3fnuz")
+    assert torch.equal(encode_e4m3(grid, "e4m3fnuz"), x.to(torch.float8_e4m3fnuz).view(torch.uint8))
+
+
+def test_rounding_happens_in_fp32_before_any_downcast():
+    """Guards `x32 = x.to(torch.float32)` in `quantize`: dividing an fp16 tensor by the fp32
+    0-d scale in fp16 rounds once to fp16 and again to e4m3 (double rounding), which moves about
+    0.4% of values one ULP toward zero and makes emulated and native paths disagree."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(1 << 16, generator=g) * 3).to(torch.float16)
+    for conv in (NATIVE_E4M3, EMULATED_E4M3):
+        q, scale = quantize(x, conv)
+        expected = round_to_e4m3(x.to(torch.float32) / scale)
+        got = q.to(torch.float32) if conv.native else decode_e4m3(q)
+        assert torch.equal(got, expected)
+    # The failure this prevents exists: fp32 -> fp16 -> e4m3 differs from fp32 -> e4m3.
+    y = (torch.rand(1 << 16, generator=g) * 2 - 1) * 448
+    assert not torch.equal(y.half().float().to(torch.float8_e4m3fn).view(torch.uint8),
+                           y.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("group_size", [None, 16])
+def test_quantize_roundtrip_per_tensor_and_per_group(group_size):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 64, generator=g, dtype=torch.float32)
+    outs = []
+    for conv in (NATIVE_E4M3, EMULATED_E4M3):
+        q, scale = quantize(x, conv, group_size=group_size)
+        assert scale.shape == (() if group_size is None else (6, 64 // group_size))
+        y = dequantize(q, scale, conv, dtype=torch.float32, group_size=group_size)
+        # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 for normal values
+        torch.testing.assert_close(y, x, rtol=2**-4, atol=scale.max().item() * 2.0**-9)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_per_channel_weight_scales():
+    w = torch.randn(8, 32) * torch.arange(1, 9).unsqueeze(1)
+    for conv in (NATIVE_E4M3, EMULATED_E4M3):
+        q, scale = quantize_weight_per_channel(w, conv)
+        assert q.shape == w.shape and scale.shape == (8,)
+        torch.testing.assert_close(dequantize(q, scale, conv), w, rtol=2**-4, atol=1e-3)
+
+
+def test_bad_group_size_is_named():
+    with pytest.raises(ValueError, match="`group_size=5`"):
+        quantize(torch.randn(2, 16), NATIVE_E4M3, group_size=5)
