@@ -1,0 +1,23 @@
+#!/bin/sh
+# Container entry point: `hetserve serve` bound to all interfaces, so the published port
+# reaches it (the CLI's own default, 127.0.0.1, is unreachable from outside a container).
+#
+# Model: a Hugging Face directory mounted at $HETSERVE_MODEL_DIR (default /models, the
+# image's volume) is served when it holds a config.json; otherwise the embedded default
+# model shipped in the package. A `--model` among the arguments wins (argparse keeps the
+# last one). Arguments starting with "-" are appended to `hetserve serve`; anything else
+# runs as given (`docker run IMAGE hetserve devices`, `docker run -it IMAGE bash`).
+set -eu
+
+if [ "$#" -gt 0 ] && [ "${1#-}" = "$1" ]; then
+    exec "$@"
+fi
+
+model_dir="${HETSERVE_MODEL_DIR:-/models}"
+if [ -f "$model_dir/config.json" ]; then
+    echo "entrypoint: serving the model mounted at $model_dir" >&2
+    set -- --model "$model_dir" "$@"
+else
+    echo "entrypoint: no config.json in $model_dir, serving the embedded default model" >&2
+fi
+exec hetserve serve --host 0.0.0.0 --port "${HETSERVE_PORT:-8000}" "$@"
