@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     compose.add_argument("--output", "-o", metavar="FILE", default=None, help="write here instead of stdout")
     compose.add_argument("--port", type=int, default=8000)
     compose.add_argument("--image", default="hetserve:latest")
+    compose.add_argument("--devices", default="all", metavar="all|0,2|UUID,...", help="GPUs to pin (default all)")
 
     devices = sub.add_parser("devices", help="list this host's GPUs (NVML) or the simulated ones")
     _add_simulate(devices)
