@@ -32,9 +32,10 @@ def test_same_device_needs_no_switch():
 
 
 def test_restores_even_when_the_switch_failed():
-    """Guards `self._restore_to = previous if index != previous else None`, set before
-    `set_device`: the restore follows what the caller asked for, not whether the switch
-    succeeded, so a switch that raised half-way still leaves the caller's device."""
+    """Guards `self._restore()` in the `except` branch around `set_device` in `__enter__`
+    (with `_restore_to` recorded before the switch): the restore follows what the caller asked
+    for, not whether the switch succeeded, so a switch that raised half-way still leaves the
+    caller's device."""
     p = FailingPlatform(count=2, current=0)
     with pytest.raises(RuntimeError, match="driver error"):
         with device_guard(1, platform=p):
