@@ -1,0 +1,182 @@
+"""Engine: one batched step per iteration, streaming text, stop strings, cancellation,
+seeded determinism across batch mates and backpressure — with a fake model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.engine_fakes import EOS_ID, FakeRunner, tokenizer
+from workers.detokenize import IncrementalDetokenizer, special_token_ids
+from workers.engine import Engine, EngineOverloaded, EngineUnavailable, ErrorEvent
+from workers.sampling import SamplingParams
+from workers.scheduler import CapacityError, Scheduler, SchedulerConfig
+
+TOK = tokenizer()
+
+
+def make_engine(max_sequences=4, max_seq_len=64, max_queue=4, **runner_kw) -> tuple[Engine, FakeRunner]:
+    runner = FakeRunner(**runner_kw)
+    sched = Scheduler(SchedulerConfig(max_sequences, max_seq_len, eos_token_ids=(EOS_ID,)))
+    return Engine(runner, sched, TOK, max_queue=max_queue), runner
+
+
+def run_until_idle(engine: Engine, limit=200) -> int:
+    steps = 0
+    while engine.step() and steps < limit:
+        steps += 1
+    return steps
+
+
+def prompt(text="Hello world") -> list[int]:
+    return TOK.encode(text).ids
+
+
+def text_of(stream) -> str:
+    return "".join(e.text for e in stream.events if not e.special)
+
+
+# -- detokenization --------------------------------------------------------------------------
+
+
+def test_streamed_pieces_never_split_a_utf8_character():
+    """Guards the `full_text.endswith(REPLACEMENT_CHAR)` hold-back in `IncrementalDetokenizer.add`."""
+    ids = TOK.encode("Hello €uro 日本!").ids[1:]  # '€', '日', '本' are 3 byte-tokens each here
+    detok = IncrementalDetokenizer(TOK, [0], special_token_ids(TOK))
+    pieces = [detok.add(t)[0] for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces.count("") >= 4  # the first bytes of the multi-byte characters were held back
+    assert "".join(pieces) == "Hello €uro 日本!" == detok.text
+
+
+def test_flush_releases_an_incomplete_tail_and_special_tokens_stay_out_of_text():
+    ids = TOK.encode("ok €").ids[1:-1]  # '€' cut after its second byte
+    detok = IncrementalDetokenizer(TOK, [0], special_token_ids(TOK))
+    pieces = [detok.add(t)[0] for t in ids]
+    assert "".join(pieces) == "ok "
+    assert detok.add(EOS_ID) == ("</s>", True)
+    assert detok.flush() == "\ufffd" and detok.text == "ok \ufffd"
+
+
+def test_stop_string_cuts_text_even_across_tokens():
+    detok = IncrementalDetokenizer(TOK, [0], special_token_ids(TOK), stop=["y do"])
+    pieces = [detok.add(t)[0] for t in TOK.encode("The quick brown fox jumps over the lazy dog.").ids[1:]]
+    assert detok.stopped and detok.text == "The quick brown fox jumps over the lazy do"
+    assert "".join(pieces) == detok.text
+
+
+# -- the engine with a fake model --------------------------------------------------------------
+
+
+def test_one_forward_per_step_holds_new_prefills_and_running_decodes():
+    engine, runner = make_engine(max_sequences=4)
+    a = engine.submit(prompt(), SamplingParams.create(max_new_tokens=3), request_id="a")
+    engine.step()
+    b = engine.submit(prompt("The quick"), SamplingParams.create(max_new_tokens=3), request_id="b")
+    run_until_idle(engine)
+    # step 2 ran a's decode and b's prefill in the same forward
+    assert [(rid, n > 1) for rid, _, _, n in runner.steps[1]] == [("a", False), ("b", True)]
+    for s in (a, b):
+        assert [e.index for e in s.events] == [0, 1, 2]
+        fin = s.events[-1].finish
+        assert fin.reason == "length" and fin.generated_tokens == 3 and fin.generated_text == text_of(s)
+    assert engine.load() == (0, 0)
+
+
+def test_eos_and_stop_sequence_finish_reasons():
+    hello = TOK.encode("Hello world").ids[1:]
+    engine, _ = make_engine(script={"s": hello}, eos_after={"e": 2})
+    e = engine.submit(prompt(), SamplingParams.create(max_new_tokens=10), request_id="e")
+    s = engine.submit(prompt(), SamplingParams.create(max_new_tokens=10, stop=["wor"]), request_id="s")
+    run_until_idle(engine)
+    assert e.events[-1].finish.reason == "eos_token" and e.events[-1].special
+    assert e.events[-1].finish.generated_tokens == 2
+    assert s.events[-1].finish.reason == "stop_sequence"
+    assert s.events[-1].finish.generated_text == "Hello wor" == text_of(s)
+
+
+def test_abort_frees_the_slot_for_the_next_step():
+    engine, runner = make_engine(max_sequences=1)
+    engine.submit(prompt(), SamplingParams.create(max_new_tokens=50), request_id="gone")
+    waiting = engine.submit(prompt(), SamplingParams.create(max_new_tokens=2), request_id="next")
+    engine.step()
+    engine.step()
+    engine.abort("gone")
+    engine.step()
+    assert [rid for rid, *_ in runner.steps[-1]] == ["next"]  # the very next step
+    run_until_idle(engine)
+    assert waiting.events[-1].finish.reason == "length"
+    assert engine.load() == (0, 0)
+
+
+def test_seeded_output_is_the_same_whatever_the_batch_mates():
+    params = SamplingParams.create(temperature=0.8, top_k=50, seed=7, max_new_tokens=12)
+
+    def tokens(n_mates: int) -> list[int]:
+        engine, _ = make_engine(max_sequences=8, max_queue=8)
+        for i in range(n_mates):
+            engine.submit(prompt(f"mate {i}"), SamplingParams.create(do_sample=True, seed=i, max_new_tokens=5 + i))
+        mine = engine.submit(prompt(), params)
+        run_until_idle(engine)
+        return [e.token_id for e in mine.events]
+
+    alone = tokens(0)
+    assert alone == tokens(3) == tokens(7)
+    assert len(set(alone)) > 3  # really sampled, not a constant
+
+
+def test_unseeded_sampling_reports_the_seed_it_used():
+    engine, _ = make_engine()
+    s = engine.submit(prompt(), SamplingParams.create(do_sample=True, max_new_tokens=2))
+    g = engine.submit(prompt(), SamplingParams.create(max_new_tokens=2))
+    run_until_idle(engine)
+    assert isinstance(s.events[-1].finish.seed, int) and g.events[-1].finish.seed is None
+
+
+def test_bounded_queue_refuses_beyond_running_plus_queued():
+    engine, _ = make_engine(max_sequences=2, max_queue=1)
+    for _ in range(3):
+        engine.submit(prompt(), SamplingParams.create(max_new_tokens=2))
+    with pytest.raises(EngineOverloaded) as e:
+        engine.submit(prompt(), SamplingParams.create(max_new_tokens=2))
+    assert "limit 3" in str(e.value) and e.value.retry_after >= 1
+    run_until_idle(engine)
+    engine.submit(prompt(), SamplingParams.create(max_new_tokens=2))  # room again
+
+
+def test_request_over_capacity_is_refused_before_queueing():
+    engine, _ = make_engine(max_seq_len=16)
+    with pytest.raises(CapacityError, match="<= 16"):
+        engine.submit(prompt(), SamplingParams.create(max_new_tokens=100))
+    assert engine.load() == (0, 0)
+
+
+def test_threaded_engine_streams_to_asyncio_and_shutdown_fails_leftovers():
+    engine, _ = make_engine(max_sequences=4, max_queue=8, delay=0.002)
+    engine.start()
+
+    async def consume(max_new: int):
+        stream = engine.submit(prompt(), SamplingParams.create(max_new_tokens=max_new), asyncio.get_running_loop())
+        return [e async for e in stream]
+
+    async def main():
+        return await asyncio.gather(*(consume(n) for n in (3, 5, 8, 2, 6)))
+
+    results = asyncio.run(main())
+    assert [len(r) for r in results] == [3, 5, 8, 2, 6]
+    assert all(r[-1].finish is not None for r in results)
+
+    async def leftover():
+        stream = engine.submit(prompt(), SamplingParams.create(max_new_tokens=60), asyncio.get_running_loop())
+        events = []
+        async for e in stream:
+            events.append(e)
+            if len(events) == 2:
+                await asyncio.to_thread(engine.shutdown, 0.0)
+        return events
+
+    events = asyncio.run(leftover())
+    assert isinstance(events[-1], ErrorEvent) and "shut down" in events[-1].message
+    with pytest.raises(EngineUnavailable):
+        engine.submit(prompt(), SamplingParams.create(max_new_tokens=2))

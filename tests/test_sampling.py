@@ -1,0 +1,120 @@
+"""Sampling: parameter validation, warpers, seeded determinism independent of batch mates."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workers.sampling import ParameterError, SamplingParams, make_generator, sample
+
+
+class Row:
+    def __init__(self, params: SamplingParams, prompt=(5,), output=()):
+        self.params = params
+        self.generator = make_generator(params.seed) if params.do_sample else None
+        self.prompt_ids = list(prompt)
+        self.output_ids = list(output)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"temperature": 0.0, "do_sample": True}, "`temperature` must be > 0 when `do_sample`"),
+        ({"temperature": -1.0}, "`temperature`"),
+        ({"top_p": 0.0}, "`top_p` must be in (0, 1]"),
+        ({"top_p": 1.5}, "`top_p`"),
+        ({"top_k": -1}, "`top_k` must be an integer >= 0"),
+        ({"max_new_tokens": 0}, "`max_new_tokens` must be an integer >= 1"),
+        ({"repetition_penalty": 0.0}, "`repetition_penalty` must be > 0"),
+        ({"seed": -3}, "`seed`"),
+        ({"stop": [""]}, "`stop`"),
+        ({"stop": ["a"] * 9}, "at most 8"),
+    ],
+)
+def test_invalid_parameters_name_the_field(kwargs, needle):
+    with pytest.raises(ParameterError) as e:
+        SamplingParams.create(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_tgi_semantics_warpers_turn_sampling_on():
+    assert SamplingParams.create().greedy
+    assert SamplingParams.create(temperature=0.0).greedy  # 0 without do_sample = greedy
+    assert SamplingParams.create(temperature=1.0).greedy
+    assert SamplingParams.create(temperature=0.7).do_sample
+    assert SamplingParams.create(top_k=5).do_sample
+    assert SamplingParams.create(top_p=0.9).do_sample
+    assert SamplingParams.create(top_p=1.0).greedy
+    assert SamplingParams.create().max_new_tokens == 100
+
+
+def test_greedy_picks_argmax_with_its_logprob():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, -1.0]])
+    ids, lps = sample(logits, [Row(SamplingParams()), Row(SamplingParams())])
+    assert ids == [1, 0]
+    expected = torch.log_softmax(logits, -1)
+    assert lps == pytest.approx([expected[0, 1].item(), expected[1, 0].item()], abs=1e-6)
+
+
+def test_top_k_one_is_greedy_even_when_sampling():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    rows = [Row(SamplingParams.create(do_sample=True, top_k=1, seed=i)) for i in range(4)]
+    ids, lps = sample(logits, rows)
+    assert ids == logits.argmax(-1).tolist()
+    assert lps == pytest.approx([0.0] * 4, abs=1e-6)  # the only token left has probability 1
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = set()
+    for seed in range(200):
+        ids, _ = sample(logits, [Row(SamplingParams.create(top_p=0.7, seed=seed))])
+        seen.add(ids[0])
+    assert seen == {0, 1}  # 0.5 + 0.3 >= 0.7: tokens 2 and 3 are cut
+
+
+def test_temperature_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.log(probs)[None].repeat(4000, 1)
+    rows = [Row(SamplingParams.create(do_sample=True, seed=i)) for i in range(4000)]
+    ids, _ = sample(logits, rows)
+    freq = torch.bincount(torch.tensor(ids), minlength=3).float() / 4000
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    ids, _ = sample(logits, [Row(SamplingParams.create(repetition_penalty=1.5), prompt=[0])])
+    assert ids == [1]  # 2.0 / 1.5 < 1.9
+    ids, _ = sample(logits, [Row(SamplingParams.create(repetition_penalty=1.0), prompt=[0])])
+    assert ids == [0]
+
+
+def test_seed_gives_same_tokens_whatever_the_batch_mates():
+    """Guards the per-row `torch.rand(1, generator=rows[i].generator)` draw in `sample`."""
+    gen = torch.Generator().manual_seed(0)
+    mine = torch.randn(1, 100, generator=gen)
+    params = SamplingParams.create(temperature=0.9, seed=1234)
+
+    def run(batch_mates: int) -> list[int]:
+        row = Row(params)
+        mates = [Row(SamplingParams.create(do_sample=True, seed=i)) for i in range(batch_mates)]
+        out = []
+        for _ in range(20):
+            logits = torch.cat([torch.randn(batch_mates, 100, generator=gen), mine])
+            ids, _ = sample(logits, mates + [row])
+            out.append(ids[-1])
+        return out
+
+    assert run(0) == run(3) == run(17)
+    other = Row(SamplingParams.create(temperature=0.9, seed=99))
+    assert [sample(mine, [other])[0][0] for _ in range(20)] != run(0)
+
+
+def test_logprob_is_finite_and_from_the_warped_distribution():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    _, lps = sample(logits, [Row(SamplingParams.create(top_k=2, seed=3))])
+    kept = torch.log_softmax(torch.tensor([3.0, 4.0]), -1)
+    assert math.isfinite(lps[0]) and any(abs(lps[0] - k) < 1e-5 for k in kept.tolist())

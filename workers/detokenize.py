@@ -1,0 +1,97 @@
+"""Incremental detokenization and stop strings, one small state object per sequence.
+
+Design (the prefix/read-offset scheme of TGI and vLLM): each step decodes two short windows
+of token ids — `ids[prefix:read]` (text already emitted) and `ids[prefix:]` — and emits the
+difference. A window whose text ends in U+FFFD (a UTF-8 character split across tokens by a
+byte-level tokenizer) emits nothing yet; the bytes stay in the window until the character
+is complete, so a streamed piece never carries half a character. The window is seeded with
+the prompt's last tokens, so a first token's leading space (SentencePiece `▁`) decodes as it
+would in context. Trade-off: two small decodes per token instead of one full decode, which
+keeps the cost per step flat however long the sequence grows.
+
+Special tokens (EOS, ...) are not fed to the window: their streamed text is their own
+content (`</s>`) flagged `special`, and they never enter the generated text, as in TGI.
+
+Stop strings are matched on the emitted text; the text is cut right after the stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens kept in the window so the first piece decodes in context
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokenizer's special added tokens (`tokenizers.Tokenizer`)."""
+    try:
+        decoder = tokenizer.get_added_tokens_decoder()
+    except AttributeError:
+        return frozenset()
+    return frozenset(i for i, tok in decoder.items() if getattr(tok, "special", False))
+
+
+class IncrementalDetokenizer:
+    """Text of one sequence's generated tokens, piece by piece."""
+
+    __slots__ = ("_tok", "_ids", "_prefix", "_read", "_special", "_stops", "_max_stop", "text", "stopped")
+
+    def __init__(self, tokenizer, prompt_ids: list[int], special_ids: frozenset[int], stop: Iterable[str] = ()):
+        self._tok = tokenizer
+        self._special = special_ids
+        context = [t for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:] if t not in special_ids]
+        self._ids: list[int] = context
+        self._prefix = 0
+        self._read = len(context)
+        self._stops = tuple(stop)
+        self._max_stop = max((len(s) for s in self._stops), default=0)
+        self.text = ""  # generated text emitted so far (after any stop-string cut)
+        self.stopped = False  # a stop string was found
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Feed one generated token; returns (its streamed text, is_special)."""
+        if self.stopped:
+            return "", token_id in self._special
+        if token_id in self._special:
+            return self._tok.id_to_token(token_id) or "", True
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        full_text = self._decode(self._ids[self._prefix :])
+        # 1. Hold back an incomplete UTF-8 character (decodes as U+FFFD) until it completes.
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return "", False
+        # 2. Emit the new text and slide the window.
+        piece = full_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        return self._append(piece), False
+
+    def flush(self) -> str:
+        """Text still held back when the sequence ends (even an incomplete character)."""
+        if self.stopped or self._read == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        piece = self._decode(self._ids[self._prefix :])[len(prefix_text) :]
+        self._prefix = self._read = len(self._ids)
+        return self._append(piece)
+
+    def _append(self, piece: str) -> str:
+        """Add `piece` to the text; cut it after the first stop string it completes."""
+        if not self._stops or not piece:
+            self.text += piece
+            return piece
+        start = max(0, len(self.text) - self._max_stop + 1)  # a stop may straddle the old text
+        text = self.text + piece
+        ends = [text.find(s, start) for s in self._stops]
+        hits = [pos + len(s) for pos, s in zip(ends, self._stops, strict=True) if pos >= 0]
+        if not hits:
+            self.text = text
+            return piece
+        cut = min(hits)
+        self.stopped = True
+        kept = text[len(self.text) : cut]
+        self.text = text[:cut]
+        return kept

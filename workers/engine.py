@@ -1,0 +1,347 @@
+"""The engine: a loop in its own thread that turns requests into tokens on one device.
+
+Design: each step is schedule -> execute -> update.
+- schedule: the `Scheduler` (plain CPU code) picks decodes of the running batch and
+  prefills of newly admitted prompts;
+- execute: the `ModelRunner` packs them into ONE `ForwardBatch` and calls
+  `model.step(batch, kv)` once -> logits `[N, V]`; `sample()` picks one token per row;
+- update: the scheduler appends the tokens and finishes sequences; each sequence's
+  detokenizer produces its streamed text and checks stop strings; events go out.
+Requests join (inbox) and leave (finish, abort) only between steps, so a disconnected
+client's slot is free for the very next step.
+
+Threads: the asyncio HTTP side calls `submit()` / `abort()` (they only put on a thread-safe
+inbox) and reads a `RequestStream`; the engine thread hands one step's events to each event
+loop with a single `loop.call_soon_threadsafe`, so the per-step cost of crossing threads is
+one wake-up, not one per token. Trade-off: Python bookkeeping stays on the critical path of
+every step (the GIL is shared with the HTTP side), so it is kept to a few list operations
+per sequence; the tensor work releases the GIL.
+
+Backpressure: at most `max_sequences + max_queue` requests are in flight; `submit()` beyond
+that raises `EngineOverloaded` (HTTP 429 with Retry-After) instead of queueing forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from workers.detokenize import IncrementalDetokenizer, special_token_ids
+from workers.metrics import WorkerMetrics
+from workers.sampling import SamplingParams, make_generator, sample
+from workers.scheduler import FINISH_STOP, Scheduler, SchedulerOutput, Sequence
+
+logger = logging.getLogger(__name__)
+
+_ADD, _ABORT, _STOP = "add", "abort", "stop"
+
+
+class EngineOverloaded(RuntimeError):
+    """The bounded queue is full (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is draining, stopped or dead (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class FinishInfo:
+    reason: str  # "length" | "eos_token" | "stop_sequence"
+    generated_text: str
+    generated_tokens: int
+    input_length: int
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    index: int
+    token_id: int
+    text: str
+    logprob: float
+    special: bool
+    finish: FinishInfo | None = None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+    error_type: str = "internal"
+
+
+class RequestStream:
+    """The HTTP side's end of one request: `async for event in stream` until a `finish` or an
+    `ErrorEvent`. Without an event loop (tests driving `step()`), events collect in `.events`."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None):
+        self.request_id = request_id
+        self.loop = loop
+        self.events: list[TokenEvent | ErrorEvent] = []
+        self._queue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+
+    def push(self, event: TokenEvent | ErrorEvent) -> None:
+        """Called on the stream's loop (or directly without one)."""
+        if self._queue is None:
+            self.events.append(event)
+        else:
+            self._queue.put_nowait(event)
+
+    async def __aiter__(self):
+        while True:
+            event = await self._queue.get()
+            yield event
+            if isinstance(event, ErrorEvent) or event.finish is not None:
+                return
+
+
+def _push_all(items: list[tuple[RequestStream, TokenEvent | ErrorEvent]]) -> None:
+    for stream, event in items:
+        stream.push(event)
+
+
+class ModelRunner:
+    """Runs one `SchedulerOutput` as one `model.step` (the only tensor work of a step)."""
+
+    def __init__(self, model, kv, device: str | torch.device):
+        from workers.kv_cache import ForwardBatch, SeqChunk
+
+        self.model, self.kv, self.device = model, kv, torch.device(device)
+        self._build, self._chunk = ForwardBatch.build, SeqChunk
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        chunk = self._chunk
+        items = [(chunk(c.slot, c.start_pos, len(c.token_ids)), c.token_ids) for c in out.chunks]
+        return self.model.step(self._build(items, self.device), self.kv)  # [N, V] float32
+
+
+class Engine:
+    def __init__(
+        self,
+        runner,
+        scheduler: Scheduler,
+        tokenizer,
+        *,
+        max_queue: int = 128,
+        metrics: WorkerMetrics | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
+        self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.metrics = metrics or WorkerMetrics()
+        self.on_fatal = on_fatal
+        self._init_admission(max_queue)
+        self._init_thread()
+
+    def _init_admission(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self.max_in_flight = self.scheduler.config.max_sequences + max_queue
+        self._special_ids = special_token_ids(self.tokenizer)
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._accepting = True
+        self._next_id = 0
+
+    def _init_thread(self) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._num_threads = torch.get_num_threads()
+        self.fatal_error: BaseException | None = None
+
+    # -- called from the HTTP side (any thread) --------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; raises `CapacityError` (never fits), `EngineOverloaded` (queue full)
+        or `EngineUnavailable` (draining / dead)."""
+        self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
+        with self._lock:
+            if not self._accepting or self.fatal_error is not None:
+                raise EngineUnavailable("The worker is not accepting requests (draining or stopped)")
+            if self._in_flight >= self.max_in_flight:
+                self.metrics.rejected.labels("overloaded").inc()
+                raise EngineOverloaded(
+                    f"Worker queue is full: {self._in_flight} requests in flight, limit "
+                    f"{self.max_in_flight} ({self.scheduler.config.max_sequences} running + {self.max_queue} queued)"
+                )
+            self._in_flight += 1
+            self._next_id += 1
+            rid = request_id or f"req-{self._next_id}"
+        seq = Sequence(rid, prompt_ids, params)
+        seed = params.seed
+        if params.do_sample:
+            seed = secrets.randbits(53) if seed is None else seed
+            seq.generator = make_generator(seed)
+        seq.seed = seed
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, self._special_ids, params.stop)
+        seq.stream = RequestStream(rid, loop)
+        self._inbox.put((_ADD, seq))
+        return seq.stream
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: free the request's slot before the next step."""
+        self._inbox.put((_ABORT, request_id))
+
+    def load(self) -> tuple[int, int]:
+        """(running, queued) right now."""
+        running = self.scheduler.num_running
+        return running, max(0, self._in_flight - running)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.fatal_error is None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to `drain_timeout` seconds, then
+        end the rest with an error and stop the thread. Idempotent."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while self._in_flight and self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._inbox.put((_STOP, None))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
+        try:
+            with torch.inference_mode():
+                while self._wait_for_work():
+                    self.step()
+        except BaseException as exc:  # the model or a bug: every request gets an error
+            logger.exception("Engine step failed; failing %s in-flight requests", self._in_flight)
+            self.fatal_error = exc
+            self._abort_all(f"Engine error: {exc}")
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def _wait_for_work(self) -> bool:
+        """Block while idle; False once asked to stop."""
+        if self.scheduler.has_unfinished():
+            return self._drain_inbox()
+        msg = self._inbox.get()
+        return self._handle(msg) and self._drain_inbox()
+
+    def _drain_inbox(self) -> bool:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            if not self._handle(msg):
+                return False
+
+    def _handle(self, msg) -> bool:
+        kind, value = msg
+        if kind == _ADD:
+            self.scheduler.add_request(value)
+        elif kind == _ABORT:
+            seq = self.scheduler.abort_request(value)
+            if seq is not None:
+                self._release(seq)
+        else:
+            self._abort_all("The worker shut down before the request finished")
+            return False
+        return True
+
+    def step(self) -> int:
+        """One engine step; returns the number of sequences it ran (0 when idle)."""
+        t0 = time.perf_counter()
+        self._drain_inbox()
+        # 1. schedule
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return 0
+        # 2. execute: one batched forward, one token per chunk
+        logits = self.runner.execute(out)  # [N, V]
+        seqs = [c.seq for c in out.chunks]
+        token_ids, logprobs = sample(logits, seqs)
+        # 3. update: append, detokenize, stop, stream
+        updates = self.scheduler.update_from_output(out, token_ids, logprobs)
+        self._deliver(self._events(updates))
+        running = self.scheduler.num_running
+        self.metrics.on_step(time.perf_counter() - t0, len(seqs), out.num_prefill_tokens, len(updates))
+        self.metrics.set_load(running, max(0, self._in_flight - running))
+        return len(seqs)
+
+    def _events(self, updates) -> list[tuple[RequestStream, TokenEvent]]:
+        now = time.monotonic()
+        items = []
+        for u in updates:
+            seq = u.seq
+            text, special = seq.detok.add(u.token_id)
+            reason = u.finish_reason
+            if seq.detok.stopped:
+                reason = FINISH_STOP
+                self.scheduler.finish(seq, FINISH_STOP)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.metrics.ttft.observe(now - seq.arrival_time)
+            finish = None
+            if reason is not None:
+                text += seq.detok.flush()
+                finish = FinishInfo(reason, seq.detok.text, len(seq.output_ids), len(seq.prompt_ids), seq.seed)
+                self.metrics.requests.labels(reason).inc()
+                self.metrics.e2e.observe(now - seq.arrival_time)
+                self._release(seq)
+            items.append((seq.stream, TokenEvent(len(seq.output_ids) - 1, u.token_id, text, u.logprob, special, finish)))
+        return items
+
+    def _release(self, seq: Sequence) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _abort_all(self, message: str) -> None:
+        items = []
+        for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
+            self.scheduler.abort_request(seq.request_id)
+            self._release(seq)
+            items.append((seq.stream, ErrorEvent(message)))
+        while True:  # requests submitted but never seen by the scheduler
+            try:
+                kind, value = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == _ADD:
+                self._release(value)
+                items.append((value.stream, ErrorEvent(message)))
+        self._deliver(items)
+
+    @staticmethod
+    def _deliver(items) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, event in items:
+            if stream.loop is None:
+                stream.push(event)
+            else:
+                by_loop.setdefault(stream.loop, []).append((stream, event))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_push_all, batch)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass

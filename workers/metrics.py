@@ -1,0 +1,61 @@
+"""This worker's own Prometheus series (the router adds worker id and capability labels).
+
+Design: one `CollectorRegistry` per `WorkerMetrics` instance, never the global one, so a
+test process can build several workers and the text holds only this worker's series. The
+engine thread updates counters once per request event and once per step (prometheus_client
+is thread-safe); the HTTP side only renders.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "hetserve_worker"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "Requests finished, by finish reason", ["finish_reason"], registry=r)
+        self.rejected = Counter(f"{PREFIX}_rejected_requests", "Requests refused, by reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter(f"{PREFIX}_generated_tokens", "Tokens generated", registry=r)
+        self.steps = Counter(f"{PREFIX}_engine_steps", "Engine steps run", registry=r)
+        self.running = Gauge(f"{PREFIX}_running_requests", "Sequences in the running batch", registry=r)
+        self.queued = Gauge(f"{PREFIX}_queued_requests", "Requests accepted and waiting", registry=r)
+        self.kv_slots_used = Gauge(f"{PREFIX}_kv_slots_used", "KV cache slots in use", registry=r)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_request_duration_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.step_seconds = Histogram(
+            f"{PREFIX}_step_seconds", "Duration of one engine step", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            f"{PREFIX}_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
+        )
+
+    def on_step(self, seconds: float, batch: int, prefill_tokens: int, new_tokens: int) -> None:
+        self.steps.inc()
+        self.step_seconds.observe(seconds)
+        self.batch_size.observe(batch)
+        if prefill_tokens:
+            self.prompt_tokens.inc(prefill_tokens)
+        self.generated_tokens.inc(new_tokens)
+
+    def set_load(self, running: int, queued: int) -> None:
+        self.running.set(running)
+        self.kv_slots_used.set(running)
+        self.queued.set(queued)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
