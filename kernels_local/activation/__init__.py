@@ -1,0 +1,6 @@
+"""hetserve-activation: SiluAndMul in Triton (CUDA/ROCm, tuned per architecture) and torch (CPU)."""
+
+from . import layers
+from .silu_and_mul import TUNINGS, SiluAndMulTuning, runs_triton, silu_and_mul, silu_and_mul_reference
+
+__all__ = ["TUNINGS", "SiluAndMulTuning", "layers", "runs_triton", "silu_and_mul", "silu_and_mul_reference"]

@@ -1,0 +1,46 @@
+"""Kernel layers replacing the model's `SiluAndMul` forward (`kernels` layer rules).
+
+Stateless: no `__init__`, only `forward(self, x)` with x [..., 2I] -> [..., I]. The Triton
+layers differ only in launch tuning; on CPU tensors they run the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .silu_and_mul import HOPPER, PRE_HOPPER, ROCM, silu_and_mul, silu_and_mul_reference
+
+
+class SiluAndMul(nn.Module):
+    """Torch reference (CPU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_reference(x)
+
+
+class SiluAndMulTritonSm70(nn.Module):
+    """Triton, pre-Hopper tuning (sm_70..sm_89)."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x, PRE_HOPPER)
+
+
+class SiluAndMulTritonSm90(nn.Module):
+    """Triton, Hopper-and-later tuning (sm_90+)."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x, HOPPER)
+
+
+class SiluAndMulTritonRocm(nn.Module):
+    """Triton, ROCm tuning (64-lane wavefronts)."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x, ROCM)

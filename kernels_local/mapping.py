@@ -1,0 +1,202 @@
+"""The kernel mapping: which local kernel layer each model layer gets on which device.
+
+Design: ONE table (`_ENTRIES`) declares, per model layer, a kernel layer for every device
+type (`kernels`' `Device` with `CUDAProperties` / `ROCMProperties` capability ranges), and
+`KERNEL_MAPPING` is built from it in the shape `kernels.use_kernel_mapping` takes. Every
+device type listed stays listed: entries are merged per layer, never assigned over each
+other, and a duplicate (layer, device) is refused.
+
+`select(device_type, capability)` resolves the table the way `kernels` does (the smallest
+capability interval that contains the device wins; an entry without properties spans all
+capabilities) but as a pure function of its arguments: no current device, no cache. The
+worker kernelizes with exactly the choices `select` returns, so simulation and real GPUs
+run the same selection code. Every capability resolves: the CUDA entries without
+properties catch what no range covers (below sm_70), and the last ranges are open-ended so
+architectures newer than the tuned ones (sm_100, sm_120) get a defined, forward-compatible
+choice whose reason says so.
+
+The fp8 linear variants follow the fp8 convention rule (native e4m3 from sm_89, CDNA3 on
+ROCm): `FP8_NATIVE_CUDA_MIN` / `FP8_NATIVE_ROCM` mirror `workers.fp8`, and a test checks
+that for every capability the chosen variant agrees with `choose_fp8`. This module imports
+neither torch nor the kernel repositories, so the router's `plan` stays light.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kernels import CUDAProperties, Device, LocalLayerRepository, ROCMProperties
+
+REPO_ROOT = Path(__file__).resolve().parent
+LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear")
+DEVICE_TYPES = ("cuda", "rocm", "cpu")
+
+# Open upper bound of a capability range (what `kernels` uses for a Device without properties).
+_ANY = sys.maxsize
+# fp8 convention thresholds, as capability integers (major * 10 + minor); see workers.fp8.
+FP8_NATIVE_CUDA_MIN = 89
+FP8_NATIVE_ROCM = (94, 99)  # CDNA3+ (gfx942, gfx950): fp8 matrix cores
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """One layer's kernel for one device, with the reason it was chosen."""
+
+    repo: str  # repository directory, relative to the project ("kernels_local/rmsnorm")
+    layer: str  # layer class inside the repository's `layers`
+    variant: str  # tuning / convention variant ("triton-sm90", "native_e4m3-triton", "torch")
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def repository(self) -> LocalLayerRepository:
+        """The `kernels` repository object that loads this layer."""
+        return LocalLayerRepository(repo_path=REPO_ROOT / Path(self.repo).name, layer_name=self.layer)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    layer: str  # the model's layer name (its `use_kernel_forward_from_hub` name)
+    device: Device
+    repo: str  # directory under kernels_local/
+    layer_class: str
+    variant: str
+    why: str
+
+
+def _cuda(lo: int, hi: int) -> Device:
+    return Device(type="cuda", properties=CUDAProperties(min_capability=lo, max_capability=hi))
+
+
+def _rocm(lo: int, hi: int) -> Device:
+    return Device(type="rocm", properties=ROCMProperties(min_capability=lo, max_capability=hi))
+
+
+_NEWER = "newer than the newest tuned architecture; the nearest tuning, forward-compatible Triton code"
+
+# fmt: off
+_ENTRIES: tuple[_Entry, ...] = (
+    # -- RMSNorm --------------------------------------------------------------------------
+    _Entry("RMSNorm", Device(type="cpu"), "rmsnorm", "RMSNorm", "torch",
+           "CPU: the torch reference (Triton needs a GPU)"),
+    _Entry("RMSNorm", Device(type="cuda"), "rmsnorm", "RMSNorm", "torch",
+           "below sm_70 Triton has no code generator: the torch reference"),
+    _Entry("RMSNorm", _cuda(70, 89), "rmsnorm", "RMSNormTritonSm70", "triton-sm70",
+           "pre-Hopper (sm_70..sm_89): Triton, one row per program, 8 elements per thread"),
+    _Entry("RMSNorm", _cuda(90, 99), "rmsnorm", "RMSNormTritonSm90", "triton-sm90",
+           "Hopper (sm_90): Triton, several narrow rows per program, 16 elements per thread"),
+    _Entry("RMSNorm", _cuda(100, _ANY), "rmsnorm", "RMSNormTritonSm90", "triton-sm90",
+           f"sm_100+ is {_NEWER} (Hopper)"),
+    _Entry("RMSNorm", Device(type="rocm"), "rmsnorm", "RMSNormTritonRocm", "triton-rocm",
+           "ROCm: Triton tuned for 64-lane wavefronts"),
+    # -- SiluAndMul -----------------------------------------------------------------------
+    _Entry("SiluAndMul", Device(type="cpu"), "activation", "SiluAndMul", "torch",
+           "CPU: the torch reference (Triton needs a GPU)"),
+    _Entry("SiluAndMul", Device(type="cuda"), "activation", "SiluAndMul", "torch",
+           "below sm_70 Triton has no code generator: the torch reference"),
+    _Entry("SiluAndMul", _cuda(70, 89), "activation", "SiluAndMulTritonSm70", "triton-sm70",
+           "pre-Hopper (sm_70..sm_89): Triton, 1024 columns x 4 warps per program"),
+    _Entry("SiluAndMul", _cuda(90, 99), "activation", "SiluAndMulTritonSm90", "triton-sm90",
+           "Hopper (sm_90): Triton, 4096 columns x 8 warps per program"),
+    _Entry("SiluAndMul", _cuda(100, _ANY), "activation", "SiluAndMulTritonSm90", "triton-sm90",
+           f"sm_100+ is {_NEWER} (Hopper)"),
+    _Entry("SiluAndMul", Device(type="rocm"), "activation", "SiluAndMulTritonRocm", "triton-rocm",
+           "ROCm: Triton tuned for 64-lane wavefronts"),
+    # -- Fp8Linear (variant follows the device's fp8 convention) ---------------------------
+    _Entry("Fp8Linear", Device(type="cpu"), "fp8_linear", "Fp8Linear", "emulated-torch",
+           "CPU: emulated fp8, uint8 weights dequantized for a torch matmul"),
+    _Entry("Fp8Linear", Device(type="cuda"), "fp8_linear", "Fp8Linear", "emulated-torch",
+           "below sm_80 (no fp8 tensor cores, Triton dots need sm_80): emulated, dequantize + cuBLAS matmul"),
+    _Entry("Fp8Linear", _cuda(80, FP8_NATIVE_CUDA_MIN - 1), "fp8_linear", "Fp8LinearTritonEmulatedSm80",
+           "emulated-triton", "sm_80..sm_88 lack fp8 tensor cores: Triton NATIVE=False, uint8 weights "
+           "decoded in registers, fp16 mma"),
+    _Entry("Fp8Linear", _cuda(FP8_NATIVE_CUDA_MIN, FP8_NATIVE_CUDA_MIN), "fp8_linear", "Fp8LinearTritonNativeSm89",
+           "native_e4m3-triton", "Ada (sm_89) has fp8 tensor cores: Triton NATIVE=True, e4m3 mma, 3 stages"),
+    _Entry("Fp8Linear", _cuda(90, 99), "fp8_linear", "Fp8LinearTritonNativeSm90", "native_e4m3-triton",
+           "Hopper (sm_90) fp8 tensor cores: Triton NATIVE=True, 128-wide tiles, 4 stages"),
+    _Entry("Fp8Linear", _cuda(100, _ANY), "fp8_linear", "Fp8LinearTritonNativeSm90", "native_e4m3-triton",
+           f"sm_100+ has fp8 tensor cores and is {_NEWER} (Hopper, NATIVE=True)"),
+    _Entry("Fp8Linear", Device(type="rocm"), "fp8_linear", "Fp8LinearTritonEmulatedRocm", "emulated-triton",
+           "ROCm arch without fp8 matrix cores: Triton NATIVE=False, e4m3fnuz bytes decoded in registers"),
+    _Entry("Fp8Linear", _rocm(*FP8_NATIVE_ROCM), "fp8_linear", "Fp8LinearTritonNativeRocm", "native_e4m3-triton",
+           "CDNA3+ (gfx94x/gfx95x) fp8 matrix cores: Triton NATIVE=True on e4m3fnuz"),
+)
+# fmt: on
+
+
+def _declare(entries: tuple[_Entry, ...]) -> dict[str, dict[Device, LocalLayerRepository]]:
+    """`{layer: {Device: LocalLayerRepository}}`, every device type of every layer kept."""
+    mapping: dict[str, dict[Device, LocalLayerRepository]] = {}
+    for e in entries:
+        per_device = mapping.setdefault(e.layer, {})  # merge: never replace a layer's devices
+        if e.device in per_device:
+            raise ValueError(f"Duplicate kernel mapping entry for `{e.layer}` on `{e.device}`")
+        per_device[e.device] = LocalLayerRepository(repo_path=REPO_ROOT / e.repo, layer_name=e.layer_class)
+    return mapping
+
+
+KERNEL_MAPPING = _declare(_ENTRIES)
+
+
+def _interval(device: Device) -> tuple[int, int]:
+    props = device.properties
+    return (0, _ANY) if props is None else (props.min_capability, props.max_capability)
+
+
+def capability_int(device_type: str, capability: tuple[int, int] | None) -> int | None:
+    """(9, 0) -> 90, as `kernels` encodes capabilities; None for CPU."""
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"Unsupported device type `{device_type}`. Supported: {', '.join(DEVICE_TYPES)}")
+    if device_type == "cpu":
+        return None
+    if capability is None or len(capability) != 2 or min(capability) < 0:
+        raise ValueError(
+            f"A `{device_type}` device needs a capability (major, minor), got `{capability}`. Example: (9, 0)"
+        )
+    return int(capability[0]) * 10 + int(capability[1])
+
+
+def _describe(device_type: str, capability: tuple[int, int] | None) -> str:
+    if device_type == "cpu":
+        return "cpu"
+    assert capability is not None
+    major, minor = capability
+    return f"sm_{major}{minor}" if device_type == "cuda" else f"ROCm capability {major}.{minor}"
+
+
+def _resolve(layer: str, device_type: str, cap: int | None) -> _Entry:
+    candidates = []
+    for e in _ENTRIES:
+        if e.layer != layer or e.device.type != device_type:
+            continue
+        lo, hi = _interval(e.device)
+        if cap is None or lo <= cap <= hi:
+            candidates.append((hi - lo, e))
+    if not candidates:  # the table covers every capability; a test walks them all
+        raise LookupError(f"No kernel mapping entry for `{layer}` on `{device_type}` capability `{cap}`")
+    return min(candidates, key=lambda c: c[0])[1]  # the smallest interval wins, as in `kernels`
+
+
+def select(device_type: str, capability: tuple[int, int] | None) -> dict[str, KernelChoice]:
+    """The kernel for each layer on one device. Pure: depends only on its arguments."""
+    cap = capability_int(device_type, capability)
+    where = _describe(device_type, capability)
+    choices = {}
+    for layer in LAYERS:
+        e = _resolve(layer, device_type, cap)
+        reason = e.why if device_type == "cpu" else f"{where}: {e.why}"
+        choices[layer] = KernelChoice(
+            repo=f"kernels_local/{e.repo}", layer=e.layer_class, variant=e.variant, reason=reason
+        )
+    return choices
+
+
+def resolved_mapping(
+    choices: dict[str, KernelChoice], device_type: str
+) -> dict[str, dict[Device, LocalLayerRepository]]:
+    """A mapping holding only these choices, registered for `device_type` (no capability
+    ranges left for `kernels` to resolve on its own)."""
+    return {layer: {Device(type=device_type): c.repository()} for layer, c in choices.items()}

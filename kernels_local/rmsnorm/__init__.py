@@ -1,0 +1,14 @@
+"""hetserve-rmsnorm: RMSNorm in Triton (CUDA/ROCm, tuned per architecture) and torch (CPU)."""
+
+from . import layers
+from .rmsnorm import MAX_BLOCK_N, TUNINGS, RMSNormTuning, rms_norm, rms_norm_reference, runs_triton
+
+__all__ = [
+    "MAX_BLOCK_N",
+    "TUNINGS",
+    "RMSNormTuning",
+    "layers",
+    "rms_norm",
+    "rms_norm_reference",
+    "runs_triton",
+]

@@ -1,0 +1,47 @@
+"""Kernel layers replacing the model's `RMSNorm` forward (`kernels` layer rules).
+
+Each layer is stateless: no `__init__`, only `forward(self, hidden_states)`, reading the
+`weight` and `variance_epsilon` of the module it replaces. The Triton layers differ only in
+their launch tuning; on CPU tensors they run the torch reference (see `rms_norm`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .rmsnorm import HOPPER, PRE_HOPPER, ROCM, rms_norm, rms_norm_reference
+
+
+class RMSNorm(nn.Module):
+    """Torch reference (CPU)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm_reference(hidden_states, self.weight, self.variance_epsilon)
+
+
+class RMSNormTritonSm70(nn.Module):
+    """Triton, pre-Hopper tuning (sm_70..sm_89): one row per program."""
+
+    has_backward = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, PRE_HOPPER)
+
+
+class RMSNormTritonSm90(nn.Module):
+    """Triton, Hopper-and-later tuning (sm_90+): several narrow rows per program."""
+
+    has_backward = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, HOPPER)
+
+
+class RMSNormTritonRocm(nn.Module):
+    """Triton, ROCm tuning (64-lane wavefronts)."""
+
+    has_backward = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, ROCM)
