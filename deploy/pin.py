@@ -6,7 +6,9 @@ The closure is read from the environment hetserve is installed in (run it from t
 that passed the tests). Trade-off: the pins come from this host's Python and platform, so a
 package that exists only on another platform is not pinned; pip then resolves it within the
 range pyproject.toml allows. torch's local build tag (`+cpu`) is dropped: the image takes
-the CUDA build of the same version.
+the CUDA build of the same version. triton is left to torch: torch's CUDA wheel pins it
+exactly (torch 2.13.0 on PyPI requires triton==3.7.1), which need not be the triton installed
+beside a CPU torch here, so pinning ours would make the image unsolvable.
 
     python deploy/pin.py > deploy/constraints.txt
 """
@@ -20,6 +22,8 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+LEFT_TO_TORCH = frozenset({"triton"})
+
 
 def closure(root: str = "hetserve") -> dict[str, str]:
     """Canonical name -> installed version for every runtime dependency of `root`, recursively."""
@@ -32,7 +36,7 @@ def closure(root: str = "hetserve") -> dict[str, str]:
         if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
             continue
         name = canonicalize_name(req.name)
-        if name in pins:
+        if name in pins or name in LEFT_TO_TORCH:
             continue
         try:
             version = md.version(req.name)
