@@ -1,0 +1,140 @@
+"""Which worker gets a request: least outstanding work among the ready workers that match.
+
+A request may constrain where it runs, through headers (they work the same for the TGI and
+the OpenAI routes, and every client can set headers):
+
+  X-Hetserve-Worker: gpu1            a worker id (also accepted: device index `1` or its UUID)
+  X-Hetserve-Min-Capability: 8.9     a minimum CUDA capability (`8.9` or `sm_89`)
+  X-Hetserve-Fp8: native_e4m3        an fp8 convention (`native_e4m3` or `emulated`)
+
+`choose` is a pure function of the workers' current state and returns a `Decision` with its
+reason: a worker, or why none (422: no worker can ever satisfy the constraints; 429: every
+matching worker's queue is full; wait: matching workers exist but none is ready right now;
+503: none left to try). Least-outstanding ties go to the worker picked least often, so
+idle workers take turns. Trade-off: the router counts the requests it has in flight per
+worker instead of asking workers for their queue depth, which is exact for requests that
+come through this router and costs nothing per request.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from server.worker_handle import FAILED, WorkerHandle
+
+HEADER_WORKER = "x-hetserve-worker"
+HEADER_MIN_CAPABILITY = "x-hetserve-min-capability"
+HEADER_FP8 = "x-hetserve-fp8"
+FP8_CONVENTIONS = ("native_e4m3", "emulated")
+_FP8_ALIASES = {"native": "native_e4m3", "native_e4m3": "native_e4m3", "e4m3": "native_e4m3", "emulated": "emulated"}
+_CAP_RE = re.compile(r"^(?:(\d{1,2})\.(\d)|sm_(\d{1,2})(\d))$")
+
+PICK, UNSATISFIABLE, OVERLOADED, WAIT, UNAVAILABLE = "pick", "unsatisfiable", "overloaded", "wait", "unavailable"
+
+
+class ConstraintError(ValueError):
+    """A constraint header with a value that cannot be understood (422)."""
+
+
+@dataclass(frozen=True)
+class Constraints:
+    worker: str | None = None
+    min_capability: tuple[int, int] | None = None
+    fp8: str | None = None
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in (self.worker, self.min_capability, self.fp8))
+
+    def describe(self) -> str:
+        parts = []
+        if self.worker is not None:
+            parts.append(f"worker `{self.worker}`")
+        if self.min_capability is not None:
+            parts.append(f"capability >= `{self.min_capability[0]}.{self.min_capability[1]}`")
+        if self.fp8 is not None:
+            parts.append(f"fp8 `{self.fp8}`")
+        return ", ".join(parts) or "none"
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str  # PICK | UNSATISFIABLE | OVERLOADED | WAIT | UNAVAILABLE
+    reason: str
+    worker: WorkerHandle | None = None
+
+
+def parse_capability(value: str) -> tuple[int, int]:
+    m = _CAP_RE.match(value.strip().lower())
+    if not m:
+        raise ConstraintError(f"Invalid minimum capability `{value}`. Accepted: `X.Y` (e.g. 8.9) or `sm_XY` (e.g. sm_89)")
+    major, minor = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+    return int(major), int(minor)
+
+
+def parse_constraints(headers: Mapping[str, str]) -> Constraints:
+    """Constraints from request headers (names are case-insensitive); empty values are ignored."""
+    worker = (headers.get(HEADER_WORKER) or "").strip() or None
+    raw_cap = (headers.get(HEADER_MIN_CAPABILITY) or "").strip()
+    raw_fp8 = (headers.get(HEADER_FP8) or "").strip()
+    fp8 = None
+    if raw_fp8:
+        fp8 = _FP8_ALIASES.get(raw_fp8.lower())
+        if fp8 is None:
+            raise ConstraintError(f"Invalid fp8 convention `{raw_fp8}`. Accepted: {', '.join(FP8_CONVENTIONS)}")
+    return Constraints(worker=worker, min_capability=parse_capability(raw_cap) if raw_cap else None, fp8=fp8)
+
+
+def matches(handle: WorkerHandle, c: Constraints) -> tuple[bool | None, str]:
+    """(True, _) matches; (False, why) never will; (None, why) unknown until it reports (fp8)."""
+    if c.worker is not None:
+        wanted = c.worker.lower()
+        names = {handle.id.lower(), str(handle.spec.device.index), handle.spec.device.uuid.lower()}
+        if wanted not in names:
+            return False, f"{handle.id} is not `{c.worker}`"
+    if c.min_capability is not None:
+        cap = handle.capability
+        if cap is None or cap < c.min_capability:
+            return False, f"{handle.id} has capability {handle.capability_label}"
+    if c.fp8 is not None:
+        conv = handle.fp8_convention
+        if conv is None:
+            return None, f"{handle.id} has not reported its fp8 convention yet"
+        if conv != c.fp8:
+            return False, f"{handle.id} uses fp8 {conv}"
+    return True, "matches"
+
+
+def choose(workers: Iterable[WorkerHandle], c: Constraints, capacity: int,
+           exclude: Mapping[str, int] | None = None) -> Decision:
+    """The worker for one request (see the module docstring).
+
+    `exclude` maps worker id -> the generation (process) that already failed this request; a
+    worker restarted since then is eligible again.
+    """
+    exclude = exclude or {}
+    candidates: list[WorkerHandle] = []
+    refused: list[str] = []
+    for h in workers:
+        ok, why = matches(h, c)
+        if ok is False:
+            refused.append(why)
+        elif h.state == FAILED:
+            refused.append(f"{h.id} failed ({h.reason})")
+        else:
+            candidates.append(h)
+    if not candidates:
+        return Decision(UNSATISFIABLE, f"No worker satisfies {c.describe()}: {'; '.join(refused) or 'no workers'}")
+    ready = [h for h in candidates if h.routable and matches(h, c)[0] and exclude.get(h.id) != h.generation]
+    if ready:
+        free = [h for h in ready if h.outstanding < capacity]
+        if not free:
+            return Decision(OVERLOADED, f"All {len(ready)} matching workers have {capacity} requests in flight")
+        best = min(free, key=lambda h: (h.outstanding, h.picks))
+        return Decision(PICK, f"least outstanding ({best.outstanding}) of {len(free)}", best)
+    waiting = [h for h in candidates if not h.routable]
+    if waiting:
+        states = ", ".join(f"{h.id} {h.state}" for h in waiting)
+        return Decision(WAIT, f"No matching worker is ready yet ({states})")
+    return Decision(UNAVAILABLE, "Every matching ready worker already failed this request")

@@ -1,0 +1,196 @@
+"""Sends one request to a worker and makes sure it ends in a result or a clear error.
+
+Invariant 7 lives here. A request is retried on another ready worker when its worker fails
+before the client has received anything: the worker is unreachable or dies before
+answering (non-streamed), dies before the first event (streamed), or answers 503 (not ready,
+draining) or 429 (its queue is full). A stream whose first event has gone out is never
+retried (the client already has tokens); it ends with an error event instead. When every
+matching worker is busy the answer is 429 with `Retry-After`; when none is ready, the request
+waits a bounded time for one (a single worker restarting after a crash) and then gets 503.
+Trade-off: a stream's headers are sent only with its first event, so the retry is invisible
+to the client at the price of holding the response until the first token exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from server.balancer import OVERLOADED, PICK, UNSATISFIABLE, WAIT, Constraints, choose
+from server.router_metrics import RouterMetrics
+from server.settings import RouterSettings
+from server.supervisor import Supervisor
+from server.worker_client import WorkerGone, iter_sse_events
+from server.worker_handle import WorkerHandle
+
+logger = logging.getLogger(__name__)
+
+_RETRY_STATUSES = (429, 503)  # the worker did not take the request: try another
+_WORKER_HEADERS = ("x-worker-id", "x-worker-capability", "x-fp8-convention")
+
+
+class DispatchError(Exception):
+    """The router answers this itself (no worker produced a response)."""
+
+    def __init__(self, status: int, message: str, error_type: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.retry_after = retry_after
+
+
+@dataclass
+class WorkerReply:
+    """A worker's complete (non-streamed) answer, or its refusal of a stream."""
+
+    status: int
+    content: bytes
+    headers: dict[str, str]
+    worker: WorkerHandle
+
+
+@dataclass
+class WorkerStream:
+    """An open stream whose first event has arrived; `aclose()` exactly once, always."""
+
+    worker: WorkerHandle
+    headers: dict[str, str]
+    first: str
+    events: AsyncIterator[str]
+    _stack: contextlib.AsyncExitStack
+    _closed: bool = field(default=False)
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.worker.outstanding -= 1
+            await self._stack.aclose()
+
+    def lost_message(self, tokens_sent: int) -> str:
+        why = self.worker.last_exit or "connection lost"
+        return f"worker {self.worker.id} was lost after {tokens_sent} events ({why}); the generation is incomplete"
+
+
+def worker_headers(worker: WorkerHandle, response_headers) -> dict[str, str]:
+    """X-Worker-Id, X-Worker-Capability, X-Fp8-Convention: the worker's, else what the router knows."""
+    fallback = {
+        "x-worker-id": worker.id,
+        "x-worker-capability": worker.capability_label,
+        "x-fp8-convention": worker.fp8_convention or "unknown",
+    }
+    return {name: response_headers.get(name) or fallback[name] for name in _WORKER_HEADERS}
+
+
+class Dispatcher:
+    """Picks workers (balancer), forwards requests (worker client), retries (see module doc)."""
+
+    def __init__(self, supervisor: Supervisor, settings: RouterSettings, metrics: RouterMetrics):
+        self.supervisor = supervisor
+        self.settings = settings
+        self.metrics = metrics
+
+    # --- choosing ----------------------------------------------------------------------
+    async def _acquire(self, c: Constraints, exclude: dict[str, int], deadline: float, saw_429: bool) -> WorkerHandle:
+        """A worker with one more outstanding request, or a `DispatchError`."""
+        s = self.settings
+        while True:
+            d = choose(self.supervisor.workers.values(), c, s.worker_capacity, exclude)
+            if d.kind == PICK:
+                assert d.worker is not None
+                d.worker.outstanding += 1
+                d.worker.picks += 1
+                return d.worker
+            if d.kind == UNSATISFIABLE:
+                raise DispatchError(422, d.reason, "validation")
+            if d.kind == OVERLOADED or saw_429:
+                raise DispatchError(429, f"Overloaded: {d.reason if d.kind == OVERLOADED else 'every worker queue is full'}; retry later",
+                                    "overloaded", s.retry_after_s)
+            left = deadline - time.monotonic()
+            if d.kind == WAIT and left > 0:
+                await self.supervisor.wait_changed(min(left, 0.5))
+                continue
+            raise DispatchError(503, f"No worker available: {d.reason}", "unavailable", s.retry_after_s)
+
+    def _attempts(self) -> int:
+        return 2 * len(self.supervisor.workers) + 2
+
+    def _failed(self, worker: WorkerHandle, generation: int, exclude: dict[str, int], why: str) -> None:
+        exclude[worker.id] = generation
+        self.metrics.worker_retry(worker)
+        logger.warning("request failed on worker %s (%s); retrying elsewhere", worker.id, why)
+        self.supervisor.report_unreachable(worker, generation)
+
+    # --- non-streamed ------------------------------------------------------------------
+    async def generate(self, path: str, body: dict, c: Constraints) -> WorkerReply:
+        """The worker's whole answer (any status but 429/503, which are retried elsewhere)."""
+        exclude: dict[str, int] = {}
+        deadline = time.monotonic() + self.settings.ready_wait_s
+        saw_429 = False
+        last: WorkerReply | None = None
+        for _ in range(self._attempts()):
+            try:
+                worker = await self._acquire(c, exclude, deadline, saw_429)
+            except DispatchError:
+                if last is not None and last.status != 429:
+                    return last
+                raise
+            generation, client = worker.generation, worker.client
+            assert client is not None
+            self.metrics.worker_request(worker)
+            try:
+                r = await client.post(path, body)
+            except WorkerGone as e:
+                self._failed(worker, generation, exclude, repr(e))
+                continue
+            finally:
+                worker.outstanding -= 1
+            last = WorkerReply(r.status_code, r.content, worker_headers(worker, r.headers), worker)
+            if r.status_code not in _RETRY_STATUSES:
+                return last
+            saw_429 = saw_429 or r.status_code == 429
+            self._failed(worker, generation, exclude, f"answered {r.status_code}")
+        raise DispatchError(503, "No worker could take the request after several tries", "unavailable",
+                            self.settings.retry_after_s)
+
+    # --- streamed ----------------------------------------------------------------------
+    async def open_stream(self, path: str, body: dict, c: Constraints) -> WorkerStream | WorkerReply:
+        """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply."""
+        exclude: dict[str, int] = {}
+        deadline = time.monotonic() + self.settings.ready_wait_s
+        saw_429 = False
+        for _ in range(self._attempts()):
+            worker = await self._acquire(c, exclude, deadline, saw_429)
+            generation, client = worker.generation, worker.client
+            assert client is not None
+            self.metrics.worker_request(worker)
+            stack = contextlib.AsyncExitStack()
+            try:
+                response = await stack.enter_async_context(client.stream(path, body))
+                headers = worker_headers(worker, response.headers)
+                if response.status_code != 200:
+                    content = await response.aread()
+                    await stack.aclose()
+                    worker.outstanding -= 1
+                    if response.status_code not in _RETRY_STATUSES:
+                        return WorkerReply(response.status_code, content, headers, worker)
+                    saw_429 = saw_429 or response.status_code == 429
+                    self._failed(worker, generation, exclude, f"answered {response.status_code}")
+                    continue
+                events = iter_sse_events(response)
+                first = await anext(events)
+            except (*WorkerGone, StopAsyncIteration) as e:
+                await stack.aclose()
+                worker.outstanding -= 1
+                self._failed(worker, generation, exclude, f"no first event: {e!r}")
+                continue
+            except BaseException:
+                await stack.aclose()
+                worker.outstanding -= 1
+                raise
+            return WorkerStream(worker, headers, first, events, stack)
+        raise DispatchError(503, "No worker could take the request after several tries", "unavailable",
+                            self.settings.retry_after_s)

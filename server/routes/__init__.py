@@ -1,0 +1,1 @@
+"""Public HTTP routes, one module per concern: generate (TGI), openai, workers, health, metrics."""

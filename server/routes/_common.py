@@ -1,0 +1,48 @@
+"""Helpers the route modules share: constraints, the context-length check, stream endings."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+from fastapi import Request
+
+from server.app import RouterContext
+from server.balancer import Constraints, parse_constraints
+from server.dispatch import DispatchError, WorkerStream
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def constraints(request: Request) -> Constraints:
+    """Routing constraints from the `X-Hetserve-*` headers (`ConstraintError` -> 422)."""
+    return parse_constraints(request.headers)
+
+
+def check_new_tokens(ctx: RouterContext, value: int | None, name: str) -> None:
+    """422 when more new tokens are asked for than the model's context holds."""
+    limit = ctx.context_length()
+    if value is not None and limit is not None and value > limit:
+        raise DispatchError(422, f"`{name}` = `{value}` exceeds the model's context length ({limit} tokens)",
+                            "validation")
+
+
+def parse_event(data: str) -> dict | None:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def is_final(event: dict | None) -> bool:
+    """A worker stream's last event carries `details`/`generated_text`, or is an error."""
+    if event is None:
+        return False
+    return event.get("error") is not None or event.get("details") is not None or event.get("generated_text") is not None
+
+
+async def close_shielded(stream: WorkerStream) -> None:
+    """Close the worker stream even while the client's request is being cancelled."""
+    with anyio.CancelScope(shield=True):
+        await stream.aclose()

@@ -1,0 +1,118 @@
+"""TGI-shaped generation: `POST /generate`, `POST /generate_stream` (SSE), `POST /`, `GET /info`.
+
+Request and response bodies are the worker's own (same TGI shapes), so the router
+validates the request, picks a worker and relays the answer bytes untouched, adding the
+worker headers. `POST /` is TGI's compat route (what `huggingface_hub.InferenceClient`
+calls when given the server's URL): `"stream": true` streams, otherwise it generates.
+A stream the worker loses after its first event ends with
+`data: {"error": ..., "error_type": "incomplete_generation"}` (what TGI clients raise as
+an incomplete generation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from server.app import VERSION, RouterContext, get_ctx
+from server.dispatch import WorkerReply, WorkerStream
+from server.routes._common import (
+    SSE_HEADERS,
+    check_new_tokens,
+    close_shielded,
+    constraints,
+    is_final,
+    parse_event,
+)
+from server.schemas import ErrorResponse, GenerateRequest, GenerateResponse
+from server.worker_client import WorkerGone
+
+logger = logging.getLogger(__name__)
+router = APIRouter(tags=["text-generation-inference"])
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (401, 413, 422, 429, 503)}
+_STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events, one per token"}}
+
+
+def _reply(reply: WorkerReply) -> Response:
+    return Response(reply.content, status_code=reply.status, media_type="application/json", headers=reply.headers)
+
+
+def _worker_body(req: GenerateRequest, ctx: RouterContext) -> dict:
+    params = req.parameters.to_worker()
+    check_new_tokens(ctx, params.get("max_new_tokens"), "parameters.max_new_tokens")
+    return {"inputs": req.inputs, "parameters": params}
+
+
+async def _generate(req: GenerateRequest, request: Request) -> Response:
+    ctx = get_ctx(request)
+    reply = await ctx.dispatcher.generate("/generate", _worker_body(req, ctx), constraints(request))
+    return _reply(reply)
+
+
+async def _generate_stream(req: GenerateRequest, request: Request) -> Response:
+    ctx = get_ctx(request)
+    opened = await ctx.dispatcher.open_stream("/generate_stream", _worker_body(req, ctx), constraints(request))
+    if isinstance(opened, WorkerReply):
+        return _reply(opened)
+    return StreamingResponse(relay_tgi(opened, ctx), media_type="text/event-stream",
+                             headers={**opened.headers, **SSE_HEADERS})
+
+
+async def relay_tgi(stream: WorkerStream, ctx: RouterContext):
+    """The worker's events as they come; an error event if the worker is lost midway."""
+    sent, last = 0, stream.first
+    try:
+        yield f"data: {stream.first}\n\n"
+        sent = 1
+        async for data in stream.events:
+            last = data
+            yield f"data: {data}\n\n"
+            sent += 1
+        if is_final(parse_event(last)):
+            return
+        error = stream.lost_message(sent)
+    except WorkerGone as e:
+        logger.warning("stream on worker %s lost after %d events: %r", stream.worker.id, sent, e)
+        error = stream.lost_message(sent)
+    finally:
+        await close_shielded(stream)
+    ctx.metrics.stream_error(stream.worker)
+    yield f"data: {json.dumps({'error': error, 'error_type': 'incomplete_generation'})}\n\n"
+
+
+@router.post("/generate", response_model=None, responses={200: {"model": GenerateResponse}, **_ERRORS})
+async def generate(req: GenerateRequest, request: Request) -> Response:
+    """Generate text for `inputs` (TGI shape); the answer carries the worker headers."""
+    return await _generate(req, request)
+
+
+@router.post("/generate_stream", response_model=None, responses={**_STREAM_DOC, **_ERRORS})
+async def generate_stream(req: GenerateRequest, request: Request) -> Response:
+    """Generate text token by token as Server-Sent Events (TGI shape)."""
+    return await _generate_stream(req, request)
+
+
+@router.post("/", response_model=None, responses={200: {"model": GenerateResponse}, **_ERRORS})
+async def compat_generate(req: GenerateRequest, request: Request) -> Response:
+    """TGI's compat route: streams when `stream` is true, else like `/generate`."""
+    return await (_generate_stream(req, request) if req.stream else _generate(req, request))
+
+
+@router.get("/info")
+async def info(request: Request) -> dict:
+    """Model and router facts (TGI's `/info`, trimmed to what this server knows)."""
+    ctx = get_ctx(request)
+    return {
+        "model_id": ctx.model_id(),
+        "max_total_tokens": ctx.context_length(),
+        "max_best_of": 1,
+        "max_stop_sequences": 4,
+        "max_concurrent_requests": ctx.settings.worker_capacity * max(1, len(ctx.supervisor.workers)),
+        "version": VERSION,
+        "router": "hetserve",
+        "workers": len(ctx.supervisor.workers),
+    }

@@ -1,0 +1,35 @@
+"""`GET /health`: 200 `ok` when every worker is ready, 200 `degraded` when some are, 503 when none is.
+
+Open without the API key, so load balancers and orchestrators can probe it.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from server.app import get_ctx
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health", responses={503: {"description": "no worker is ready"}})
+async def health(request: Request) -> JSONResponse:
+    ctx = get_ctx(request)
+    handles = list(ctx.supervisor.workers.values())
+    ready = [h.id for h in handles if h.routable]
+    if not ready:
+        status, code = "unavailable", 503
+    elif len(ready) == len(handles):
+        status, code = "ok", 200
+    else:
+        status, code = "degraded", 200
+    body = {
+        "status": status,
+        "ready": len(ready),
+        "total": len(handles),
+        "workers": {h.id: h.state for h in handles},
+        "model": ctx.model_id(),
+    }
+    headers = {"retry-after": str(ctx.settings.retry_after_s)} if code == 503 else None
+    return JSONResponse(body, status_code=code, headers=headers)

@@ -1,0 +1,33 @@
+"""`GET /workers` and `GET /workers/{id}`: each worker's state, device, fp8, kernels and load.
+
+`{id}` is the worker id (`gpu1`); the device index (`1`) and the device UUID are accepted
+too. States: starting, ready, unhealthy, restarting, failed (`reason` says why).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Request
+
+from server.app import get_ctx
+
+router = APIRouter(tags=["workers"])
+
+
+@router.get("/workers")
+async def list_workers(request: Request) -> dict:
+    """Every worker, in device order."""
+    ctx = get_ctx(request)
+    max_batch = ctx.settings.max_batch
+    return {"workers": [h.snapshot(max_batch) for h in ctx.supervisor.workers.values()]}
+
+
+@router.get("/workers/{worker_id}")
+async def get_worker(worker_id: str, request: Request) -> dict:
+    """One worker by id, device index or device UUID."""
+    ctx = get_ctx(request)
+    wanted = worker_id.lower()
+    for h in ctx.supervisor.workers.values():
+        if wanted in (h.id.lower(), str(h.spec.device.index), h.spec.device.uuid.lower()):
+            return h.snapshot(ctx.settings.max_batch)
+    known = ", ".join(ctx.supervisor.workers) or "none"
+    raise HTTPException(404, f"No worker `{worker_id}`. Known: {known}")

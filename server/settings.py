@@ -1,0 +1,101 @@
+"""The router's settings: one frozen value built from `hetserve serve` arguments.
+
+Everything the supervisor, the balancer and the HTTP edge need to know about the run lives
+here, so each of them is a plain function of (settings, workers) and tests can build one
+without a command line. Timeouts are bounded everywhere: a request never waits forever for
+a worker and a shutdown never waits forever for a request.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import workers
+from server.errors import UsageError
+
+# The embedded default checkpoint ships inside the `workers` package. Found by path, not by
+# importing `workers.loader`, which needs torch (the router must never import it).
+DEFAULT_MODEL_DIR = Path(workers.__file__).resolve().parent / "default_model"
+
+# Runs the worker under another command (a wrapper, a profiler, a test double):
+# `HETSERVE_WORKER_CMD="python path/to/worker.py"`. Default: `<this python> -m workers`.
+WORKER_CMD_ENV = "HETSERVE_WORKER_CMD"
+
+
+def _default_worker_command() -> tuple[str, ...]:
+    raw = os.environ.get(WORKER_CMD_ENV, "").strip()
+    if raw:
+        return tuple(shlex.split(raw))
+    return (sys.executable, "-m", "workers")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """What one `hetserve serve` run was asked for (see `from_args`)."""
+
+    model_dir: Path = DEFAULT_MODEL_DIR
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    quantize: str = "none"
+    max_batch: int = 32  # running sequences per worker
+    max_queue: int = 256  # waiting requests per worker before it answers 429
+    api_key: str | None = None
+    log_level: str = "info"
+    # HTTP edge
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    retry_after_s: int = 1  # `Retry-After` on 429 and 503
+    ready_wait_s: float = 30.0  # how long a request waits for a ready worker (none ready yet)
+    drain_timeout_s: float = 30.0  # in-flight requests get this long after SIGTERM
+    # supervisor
+    worker_command: tuple[str, ...] = field(default_factory=_default_worker_command)
+    worker_stop_timeout_s: float = 15.0  # SIGTERM -> SIGKILL
+    startup_timeout_s: float = 900.0  # a worker not ready by then is killed and restarted
+    health_interval_s: float = 1.0
+    unhealthy_after_failures: int = 3  # consecutive failed health checks
+    unhealthy_kill_after_s: float = 60.0  # an unhealthy (hung) worker is killed and restarted
+    restart_backoff_initial_s: float = 0.5
+    restart_backoff_max_s: float = 30.0
+    max_startup_crashes: int = 5  # crashes in a row before ever becoming ready -> `failed`
+    kv_cache_bytes: int | None = None
+    threads: int | None = None  # CPU threads for all workers together (default: this process's CPUs)
+
+    @property
+    def worker_capacity(self) -> int:
+        """Requests one worker accepts at once (running + queued); beyond it the router answers 429."""
+        return self.max_batch + self.max_queue
+
+    @classmethod
+    def from_args(cls, args) -> RouterSettings:
+        """Validate `hetserve serve` arguments (argparse namespace) into settings."""
+        model_dir = DEFAULT_MODEL_DIR if not getattr(args, "model", None) else Path(args.model).expanduser().resolve()
+        if getattr(args, "model", None) and not model_dir.is_dir():
+            raise UsageError(f"Model directory `{args.model}` does not exist. Pass a Hugging Face model directory or omit --model")
+        for name in ("max_batch", "max_queue"):
+            value = getattr(args, name, None)
+            if value is not None and value < 1:
+                raise UsageError(f"`--{name.replace('_', '-')} {value}` must be at least 1")
+        port = getattr(args, "port", 8000)
+        if not 0 <= port <= 65535:
+            raise UsageError(f"`--port {port}` is out of range. Accepted: 0-65535 (0 picks a free port)")
+        kwargs = {
+            "model_dir": model_dir,
+            "host": getattr(args, "host", "127.0.0.1"),
+            "port": port,
+            "dtype": getattr(args, "dtype", "auto"),
+            "quantize": getattr(args, "quantize", "none"),
+            "max_batch": getattr(args, "max_batch", 32),
+            "max_queue": getattr(args, "max_queue", 256),
+            "api_key": getattr(args, "api_key", None) or None,
+            "log_level": getattr(args, "log_level", "info"),
+        }
+        # Optional knobs a future CLI may add; absent means the defaults above.
+        for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "threads"):
+            value = getattr(args, name, None)
+            if value is not None:
+                kwargs[name] = value
+        return cls(**kwargs)

@@ -1,0 +1,345 @@
+"""Starts one worker process per device, tracks readiness, restarts crashes, stops cleanly.
+
+Each worker has one lifecycle task on the router's event loop: spawn -> wait until ready
+(status file says so, `/health` answers 200, `/capability` read) -> health-check every
+second -> on exit, decide. A worker that *failed to start* (exit code 3, status file names
+the step: bind, capability, load, kernelize, fp8) is marked `failed` with that reason and is
+not restarted: the same start would fail the same way. Anything else (a crash, `kill -9`, a
+fatal error while serving, a hung worker killed after failing health checks) is restarted
+with exponential backoff while the other workers keep serving. Trade-off: a worker that
+keeps crashing before it ever becomes ready is given up on after a few tries instead of
+retried forever.
+
+No orphans: workers run in their own session (a Ctrl-C in the terminal reaches only the
+router, which then drains and stops them in order), get `--parent-pid` and, on Linux,
+`PR_SET_PDEATHSIG`, so they exit even when the router is killed with SIGKILL. Sockets and
+status files live in a private temporary directory (mode 0700) removed at stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from server.settings import RouterSettings
+from server.worker_client import WorkerClient, WorkerGone
+from server.worker_handle import FAILED, READY, RESTARTING, STARTING, UNHEALTHY, WorkerHandle, read_status
+from server.worker_spec import build_worker_specs
+from workers.topology import DeviceInfo
+
+logger = logging.getLogger(__name__)
+
+EXIT_FAILED_TO_START = 3
+EXIT_FATAL = 4
+_BACKOFF_RESET_AFTER_S = 60.0  # a worker that served this long restarts with the initial backoff
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _PRCTL = _LIBC.prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+
+
+def _child_setup() -> None:
+    """Runs in the child between fork and exec: die with the router (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def describe_exit(returncode: int, status: dict) -> str:
+    """`killed by signal SIGKILL`, `fatal error while serving: ...`, `exited with code 1`."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"killed by signal {name}"
+    if returncode == EXIT_FATAL or status.get("state") == "fatal":
+        return f"fatal error while serving: {status.get('reason') or 'no reason given'}"
+    return f"exited with code {returncode}"
+
+
+def describe_failure(returncode: int, status: dict) -> str:
+    """Why a start failed, as `/workers` shows it: `kernelize: <reason>`."""
+    step = status.get("step") or "startup"
+    reason = status.get("reason") or f"exited with code {returncode} without a status file"
+    return f"{step}: {reason}"
+
+
+class Supervisor:
+    """Owns the worker processes of one router (see the module docstring)."""
+
+    def __init__(self, devices: list[DeviceInfo], settings: RouterSettings):
+        self.settings = settings
+        self._devices = list(devices)
+        self.workers: dict[str, WorkerHandle] = {}
+        self.run_dir: Path | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self._stop_event: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+
+    # --- public ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Create the private run directory and spawn every worker (does not wait for ready)."""
+        self._init_run_dir()
+        self._init_handles()
+        self._stop_event = asyncio.Event()
+        self._changed = asyncio.Event()
+        for handle in self.workers.values():
+            self._tasks.append(asyncio.create_task(self._lifecycle(handle), name=f"worker-{handle.id}"))
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        return self.workers.get(worker_id)
+
+    def ready(self) -> list[WorkerHandle]:
+        return [h for h in self.workers.values() if h.routable]
+
+    def settled(self) -> bool:
+        """Every worker is ready or has failed for good."""
+        return all(h.state in (READY, FAILED) for h in self.workers.values())
+
+    def all_failed(self) -> bool:
+        return bool(self.workers) and all(h.state == FAILED for h in self.workers.values())
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Return when any worker changes state, or after `timeout` seconds."""
+        event = self._changed
+        if event is None:
+            await asyncio.sleep(timeout)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    async def wait_settled(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.settled():
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await self.wait_changed(min(left, 1.0))
+        return True
+
+    def report_unreachable(self, handle: WorkerHandle, generation: int) -> None:
+        """The dispatcher could not talk to this worker: check its health now."""
+        if handle.generation == generation:
+            handle.check_now.set()
+
+    async def stop(self) -> None:
+        """SIGTERM every worker (they drain), SIGKILL what is left after the timeout, clean up."""
+        self._stopping = True
+        if self._stop_event is not None:
+            self._stop_event.set()
+        procs = [h.process for h in self.workers.values() if h.process and h.process.returncode is None]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        if procs:
+            done, pending = await asyncio.wait(
+                [asyncio.create_task(p.wait()) for p in procs], timeout=self.settings.worker_stop_timeout_s
+            )
+            for proc in procs:
+                if proc.returncode is None:
+                    logger.warning("worker pid %s did not stop within %.0fs; killing it", proc.pid,
+                                   self.settings.worker_stop_timeout_s)
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for handle in self.workers.values():
+            await self._drop_client(handle)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # --- setup -------------------------------------------------------------------------
+    def _init_run_dir(self) -> None:
+        self.run_dir = Path(tempfile.mkdtemp(prefix="hetserve-"))
+        os.chmod(self.run_dir, 0o700)
+
+    def _init_handles(self) -> None:
+        assert self.run_dir is not None
+        specs = build_worker_specs(self._devices, self.settings, self.run_dir, os.getpid())
+        self.workers = {spec.id: WorkerHandle(spec) for spec in specs}
+
+    # --- state -------------------------------------------------------------------------
+    def _set(self, handle: WorkerHandle, state: str, reason: str | None = None) -> None:
+        if handle.state != state:
+            logger.info("worker %s: %s -> %s%s", handle.id, handle.state, state, f" ({reason})" if reason else "")
+        handle.state = state
+        handle.reason = reason
+        if state != READY and state != UNHEALTHY:
+            handle.ready_since = None
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def _lifecycle(self, handle: WorkerHandle) -> None:
+        s = self.settings
+        backoff = s.restart_backoff_initial_s
+        startup_crashes = 0
+        while not self._stopping:
+            # 1. spawn
+            try:
+                await self._spawn(handle)
+            except OSError as e:
+                self._set(handle, FAILED, f"could not start `{' '.join(handle.spec.argv[:3])}`: {e}")
+                return
+            # 2. watch readiness and health until the process exits
+            watcher = asyncio.create_task(self._watch(handle))
+            assert handle.process is not None
+            returncode = await handle.process.wait()
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            served_for = time.monotonic() - handle.ready_since if handle.ready_since is not None else None
+            await self._drop_client(handle)
+            if self._stopping:
+                return
+            # 3. decide: failed to start (do not loop) or crashed (restart with backoff)
+            status = read_status(handle.spec.status_path)
+            if returncode == EXIT_FAILED_TO_START or status.get("state") == "failed":
+                handle.last_exit = f"exited with code {returncode}"
+                self._set(handle, FAILED, describe_failure(returncode, status))
+                logger.error("worker %s failed to start at %s", handle.id, handle.reason)
+                return
+            handle.last_exit = describe_exit(returncode, status)
+            startup_crashes = 0 if served_for is not None else startup_crashes + 1
+            if startup_crashes >= s.max_startup_crashes:
+                self._set(handle, FAILED, f"crashed {startup_crashes} times before becoming ready; last: {handle.last_exit}")
+                logger.error("worker %s: giving up: %s", handle.id, handle.reason)
+                return
+            if served_for is not None and served_for >= _BACKOFF_RESET_AFTER_S:
+                backoff = s.restart_backoff_initial_s
+            handle.restarts += 1
+            self._set(handle, RESTARTING, f"{handle.last_exit}; restart {handle.restarts} in {backoff:.1f}s")
+            logger.warning("worker %s (pid %s) %s; restarting in %.1fs", handle.id, handle.pid, handle.last_exit, backoff)
+            await self._sleep_unless_stopping(backoff)
+            backoff = min(backoff * 2, s.restart_backoff_max_s)
+
+    async def _spawn(self, handle: WorkerHandle) -> None:
+        spec = handle.spec
+        for stale in (spec.socket_path, spec.status_path):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        handle.info = {}
+        handle.step = None
+        handle.process = await asyncio.create_subprocess_exec(
+            *spec.argv,
+            env=spec.environ(),
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_child_setup,
+        )
+        handle.pid = handle.process.pid
+        handle.generation += 1
+        handle.client = WorkerClient(spec.socket_path)
+        if handle.state != RESTARTING:
+            self._set(handle, STARTING, "spawned")
+        logger.info("worker %s: started pid %s (%s)", handle.id, handle.pid, spec.device.name)
+
+    async def _drop_client(self, handle: WorkerHandle) -> None:
+        client, handle.client = handle.client, None
+        if client is not None:
+            await client.aclose()
+
+    async def _sleep_unless_stopping(self, seconds: float) -> None:
+        assert self._stop_event is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop_event.wait(), seconds)
+
+    # --- readiness and health ----------------------------------------------------------
+    async def _watch(self, handle: WorkerHandle) -> None:
+        if await self._wait_ready(handle):
+            await self._health_loop(handle)
+
+    async def _wait_ready(self, handle: WorkerHandle) -> bool:
+        """Poll the status file and `/health` until ready; False if it failed or timed out."""
+        spec, client = handle.spec, handle.client
+        assert client is not None
+        started = time.monotonic()
+        delay = 0.05
+        while True:
+            status = read_status(spec.status_path)
+            if status.get("state") == "failed":
+                handle.reason = describe_failure(-1, status)
+                return False  # the worker exits with code 3; the lifecycle marks it failed
+            if status.get("step") and status.get("step") != handle.step:
+                handle.step = status["step"]
+                handle.reason = f"step: {handle.step}"
+            if spec.socket_path.exists() and status.get("state") in (None, "ready"):
+                info = await self._probe(client)
+                if info is not None:
+                    handle.info = info
+                    handle.ready_since = time.monotonic()
+                    self._set(handle, READY)
+                    return True
+            if time.monotonic() - started > self.settings.startup_timeout_s:
+                handle.reason = f"not ready after {self.settings.startup_timeout_s:.0f}s"
+                logger.error("worker %s %s; killing it", handle.id, handle.reason)
+                self._kill(handle)
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+
+    @staticmethod
+    async def _probe(client: WorkerClient) -> dict | None:
+        """The worker's /capability once its /health says ready; None if not yet."""
+        try:
+            code, _ = await client.health()
+            if code != 200:
+                return None
+            return await client.capability()
+        except (*WorkerGone, httpx.HTTPStatusError, ValueError):
+            return None
+
+    async def _health_loop(self, handle: WorkerHandle) -> None:
+        s, client = self.settings, handle.client
+        assert client is not None
+        failures = 0
+        unhealthy_since: float | None = None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(handle.check_now.wait(), s.health_interval_s)
+            urgent = handle.check_now.is_set()
+            handle.check_now.clear()
+            try:
+                code, body = await client.health()
+                ok, why = code == 200, f"/health answered {code} {body.get('status', '')}".strip()
+            except httpx.ConnectError as e:
+                ok, why = False, f"unreachable: {e!r}"
+                failures = max(failures, s.unhealthy_after_failures - 1) if urgent else failures
+            except WorkerGone as e:
+                ok, why = False, f"health check failed: {e!r}"
+            if ok:
+                failures, unhealthy_since = 0, None
+                if handle.state == UNHEALTHY:
+                    self._set(handle, READY)
+                continue
+            failures += 1
+            if failures >= s.unhealthy_after_failures and handle.state == READY:
+                unhealthy_since = time.monotonic()
+                self._set(handle, UNHEALTHY, why)
+            if unhealthy_since is not None and time.monotonic() - unhealthy_since > s.unhealthy_kill_after_s:
+                logger.error("worker %s unhealthy for %.0fs (%s); killing it", handle.id, s.unhealthy_kill_after_s, why)
+                self._kill(handle)
+                return
+
+    @staticmethod
+    def _kill(handle: WorkerHandle) -> None:
+        if handle.process is not None and handle.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                handle.process.kill()

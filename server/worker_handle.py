@@ -1,0 +1,111 @@
+"""The router's live view of one worker: state, process, what it reported, its load.
+
+A `WorkerHandle` is mutable and lives on the router's event loop only (no locks): the
+supervisor moves it through its states, the dispatcher counts the requests it has sent
+there. `snapshot()` is the `/workers` entry; everything in it is either what the worker
+reported about itself (`/capability`) or, before it has, what the router knows from the
+inventory.
+
+States: `starting` (first start, not ready yet) -> `ready` <-> `unhealthy` (alive but failing
+health checks, not routed to) ; a crash -> `restarting` (until ready again) ; a start that
+failed at a step (exit code 3) or kept crashing -> `failed` (not restarted, `reason` says why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.worker_client import WorkerClient
+from server.worker_spec import WorkerSpec
+
+STARTING = "starting"
+READY = "ready"
+UNHEALTHY = "unhealthy"
+RESTARTING = "restarting"
+FAILED = "failed"
+STATES = (STARTING, READY, UNHEALTHY, RESTARTING, FAILED)
+
+_DEVICE_KEYS = ("type", "index", "uuid", "name", "capability", "simulated", "memory_total_bytes")
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    spec: WorkerSpec
+    state: str = STARTING
+    reason: str | None = None  # why it is not ready (current step, failure, last exit)
+    step: str | None = None  # the startup step the status file reports
+    pid: int | None = None
+    restarts: int = 0
+    generation: int = 0  # +1 per spawn: a request that failed on generation g may retry g+1
+    info: dict = field(default_factory=dict)  # the worker's /capability answer
+    outstanding: int = 0  # requests the router has in flight there
+    picks: int = 0  # requests ever sent there (tie-break of least-outstanding)
+    ready_since: float | None = None
+    last_exit: str | None = None
+    client: WorkerClient | None = None
+    process: asyncio.subprocess.Process | None = None
+    check_now: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        return self.spec.device.capability
+
+    @property
+    def capability_label(self) -> str:
+        return self.spec.capability_label
+
+    @property
+    def fp8_convention(self) -> str | None:
+        """What the worker chose (None until it has reported)."""
+        fp8 = self.info.get("fp8") or {}
+        return fp8.get("convention")
+
+    @property
+    def routable(self) -> bool:
+        return self.state == READY and self.client is not None
+
+    def device_dict(self) -> dict:
+        reported = self.info.get("device")
+        base = self.spec.device.to_dict()
+        if isinstance(reported, dict):
+            base.update({k: reported[k] for k in _DEVICE_KEYS if k in reported})
+        return {k: base.get(k) for k in _DEVICE_KEYS}
+
+    def load(self, max_batch: int) -> dict:
+        """Requests in flight there, split at the worker's batch size into running and queued."""
+        running = min(self.outstanding, max_batch)
+        return {"running": running, "queued": self.outstanding - running}
+
+    def snapshot(self, max_batch: int) -> dict:
+        """This worker's `/workers` entry."""
+        fp8 = self.info.get("fp8") or {}
+        return {
+            "id": self.id,
+            "state": self.state,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "reason": self.reason,
+            "device": self.device_dict(),
+            "fp8": {"convention": fp8.get("convention"), "reason": fp8.get("reason")},
+            "kernels": self.info.get("kernels") or {},
+            "load": self.load(max_batch),
+            "capacity": self.info.get("capacity"),
+            "model": {k: v for k, v in (self.info.get("model") or {}).items() if k != "chat_template"},
+            "last_exit": self.last_exit,
+        }
+
+
+def read_status(path: Path) -> dict:
+    """The worker's status file ({} when absent or half-written)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,224 @@
+"""A stand-in worker for router tests: the worker's socket API without a model or torch.
+
+Speaks the worker contract (`python -m workers` arguments, status file, exit codes, Unix
+socket with /health, /capability, /generate, /generate_stream, /metrics, the X-Worker-*
+headers, 422/429/503 JSON errors) and produces deterministic text: token i is ` t{i}`.
+Behaviour for tests comes from the environment:
+
+  FAKE_FAIL_STEP=kernelize     write a `failed` status at that step and exit 3
+  FAKE_FAIL_IDS=gpu0           only these workers fail (default: all, when FAKE_FAIL_STEP is set)
+  FAKE_EXIT_AT_START=1         exit 1 before writing anything (a crash loop)
+  FAKE_STARTUP_S=0.5           seconds before becoming ready
+  FAKE_TOKEN_S=0.002           seconds per generated token
+  FAKE_CRASH_IDS=gpu0          workers that die on the prompts `__crash_before_first__`
+                               (before any token) and `__crash_mid_stream__` (after 2 tokens)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--socket", required=True)
+    p.add_argument("--worker-id", default="w0")
+    p.add_argument("--model")
+    p.add_argument("--simulate")
+    p.add_argument("--device-index", type=int, default=0)
+    p.add_argument("--device-uuid", default="GPU-fake")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantize", default="none")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--kv-cache-bytes", type=int)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--status-file")
+    p.add_argument("--parent-pid", type=int)
+    return p.parse_args(argv)
+
+
+def write_status(path, **status):
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(status, f)
+    os.replace(tmp, path)
+
+
+def capability_of(token):
+    if not token or token == "cpu":
+        return None
+    digits = token.removeprefix("sm_")
+    return (int(digits[:-1]), int(digits[-1]))
+
+
+def build_app(args) -> FastAPI:
+    cap = capability_of(args.simulate)
+    cap_str = "cpu" if cap is None else f"{cap[0]}.{cap[1]}"
+    native = cap is not None and cap >= (8, 9)
+    fp8 = {"convention": "native_e4m3" if native else "emulated",
+           "reason": f"capability {cap_str} {'>=' if native else '<'} 8.9"}
+    token_s = float(os.environ.get("FAKE_TOKEN_S", "0.002"))
+    crashes = args.worker_id in os.environ.get("FAKE_CRASH_IDS", "").split(",")
+    capacity = args.max_batch + args.max_queue
+    state = {"inflight": 0, "served": 0}
+    headers = {"X-Worker-Id": args.worker_id, "X-Worker-Capability": cap_str, "X-Fp8-Convention": fp8["convention"]}
+    app = FastAPI()
+
+    def error(status, msg, kind):
+        extra = {"Retry-After": "1"} if status == 429 else {}
+        return JSONResponse({"error": msg, "error_type": kind}, status_code=status, headers={**headers, **extra})
+
+    def validate(body):
+        params = body.get("parameters") or {}
+        if not isinstance(body.get("inputs"), str) or not body["inputs"]:
+            return None, error(422, "`inputs` must be a non-empty string", "validation")
+        n = params.get("max_new_tokens") or 20
+        if n > 512:
+            return None, error(422, f"`max_new_tokens` {n} exceeds 512", "validation")
+        if state["inflight"] >= capacity:
+            return None, error(429, "queue full", "overloaded")
+        return (body["inputs"], n, params), None
+
+    def token(i):
+        return {"id": 100 + i, "text": f" t{i}", "logprob": -0.5, "special": False}
+
+    def details(prompt, n, params):
+        return {"finish_reason": "length", "generated_tokens": n, "input_length": len(prompt.split()),
+                "seed": params.get("seed")}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ready", "worker_id": args.worker_id}
+
+    @app.get("/capability")
+    async def capability():
+        return {
+            "worker_id": args.worker_id, "pid": os.getpid(),
+            "device": {"type": "cpu" if cap is None else "cuda", "index": args.device_index, "uuid": args.device_uuid,
+                       "name": f"fake {args.simulate}", "capability": None if cap is None else cap_str,
+                       "simulated": True, "memory_total_bytes": 1 << 30},
+            "fp8": fp8,
+            "kernels": {"RMSNorm": {"repo": "fake", "layer": "RMSNorm", "variant": "torch", "reason": "fake"}},
+            "capacity": {"max_sequences": args.max_batch, "max_tokens": 4096, "max_seq_len": 512, "kv_cache_bytes": 0},
+            "model": {"id": "fake-model", "dtype": "float32", "context_length": 512,
+                      "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                                       "{% if add_generation_prompt %}<assistant>{% endif %}",
+                      "eos_token": "</s>", "bos_token": "<s>"},
+            "versions": {"hetserve": "0.1.0"},
+            "load": {"running": state["inflight"], "queued": 0},
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(
+            "# HELP hetserve_worker_requests_total Requests served.\n# TYPE hetserve_worker_requests_total counter\n"
+            f"hetserve_worker_requests_total {state['served']}\n"
+            "# HELP hetserve_worker_queue_depth Waiting requests.\n# TYPE hetserve_worker_queue_depth gauge\n"
+            'hetserve_worker_queue_depth{kind="waiting"} 0\n'
+        )
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        parsed, err = validate(await request.json())
+        if err:
+            return err
+        prompt, n, params = parsed
+        if crashes and prompt.startswith("__crash"):
+            os._exit(1)
+        state["inflight"] += 1
+        try:
+            await asyncio.sleep(token_s * n)
+        finally:
+            state["inflight"] -= 1
+        state["served"] += 1
+        text = "".join(f" t{i}" for i in range(n))
+        body = {"generated_text": (prompt + text) if params.get("return_full_text") else text}
+        if params.get("details"):
+            body["details"] = {**details(prompt, n, params), "prefill": [], "tokens": [token(i) for i in range(n)]}
+        return JSONResponse(body, headers=headers)
+
+    @app.post("/generate_stream")
+    async def generate_stream(request: Request):
+        parsed, err = validate(await request.json())
+        if err:
+            return err
+        prompt, n, params = parsed
+        if crashes and prompt == "__crash_before_first__":
+            os._exit(1)
+
+        async def events():
+            state["inflight"] += 1
+            try:
+                for i in range(n):
+                    await asyncio.sleep(token_s)
+                    if crashes and prompt == "__crash_mid_stream__" and i == 2:
+                        os._exit(1)
+                    last = i == n - 1
+                    event = {"index": i, "token": token(i),
+                             "generated_text": "".join(f" t{j}" for j in range(n)) if last else None,
+                             "details": details(prompt, n, params) if last else None}
+                    yield f"data: {json.dumps(event)}\n\n"
+            finally:
+                state["inflight"] -= 1
+                state["served"] += 1
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    return app
+
+
+async def watch_parent(pid):
+    while True:
+        await asyncio.sleep(0.5)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if os.environ.get("FAKE_EXIT_AT_START"):
+        return 1
+    write_status(args.status_file, state="starting", step="bind")
+    fail_step = os.environ.get("FAKE_FAIL_STEP")
+    fail_ids = os.environ.get("FAKE_FAIL_IDS")
+    if fail_step and (not fail_ids or args.worker_id in fail_ids.split(",")):
+        write_status(args.status_file, state="failed", step=fail_step, reason=f"fake failure at {fail_step}")
+        return 3
+    time.sleep(float(os.environ.get("FAKE_STARTUP_S", "0")))
+    app = build_app(args)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.socket)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(args.socket)
+    os.chmod(args.socket, 0o600)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    async def serve():
+        if args.parent_pid:
+            asyncio.get_running_loop().create_task(watch_parent(args.parent_pid))
+        write_status(args.status_file, state="ready")
+        await server.serve(sockets=[sock])
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

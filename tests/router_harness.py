@@ -1,0 +1,125 @@
+"""Starts a real `hetserve serve` process for tests and benchmarks (loopback, free port).
+
+`RouterProcess` runs `python -m server.cli serve ...` with the given extra arguments and
+environment, waits until `/health` says every worker is ready, and on `stop()` sends
+SIGTERM and checks that the router and all its workers are gone. With `fake=True` the
+workers are `tests/router_fake_worker.py` (no model, no torch) instead of `python -m workers`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_WORKER = ROOT / "tests" / "router_fake_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+class RouterProcess:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, fake: bool = True,
+                 ready_timeout: float = 120.0, expect_ready: int | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        full_env = {**os.environ, **(env or {})}
+        if fake:
+            full_env["HETSERVE_WORKER_CMD"] = f"{sys.executable} {FAKE_WORKER}"
+        else:
+            full_env.pop("HETSERVE_WORKER_CMD", None)
+        self.log = tempfile.NamedTemporaryFile(prefix="hetserve-router-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.worker_pids: list[int] = []
+        self._wait_ready(ready_timeout, expect_ready)
+
+    def _wait_ready(self, timeout: float, expect_ready: int | None) -> None:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=2)
+                last = r.json()
+                want = expect_ready if expect_ready is not None else last.get("total")
+                settled = all(s in ("ready", "failed") for s in last.get("workers", {}).values())
+                if last.get("ready", 0) >= (want or 1) and settled:
+                    self.worker_pids = children_of(self.proc.pid)
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"router not ready after {timeout}s (last /health {last}):\n{self.output()}")
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 60), **kw)
+
+    def workers(self) -> list[dict]:
+        return httpx.get(f"{self.url}/workers", timeout=10).json()["workers"]
+
+    def wait_for(self, predicate, timeout: float = 30.0, interval: float = 0.1):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(interval)
+        raise AssertionError(f"condition not met within {timeout}s")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Stop the router; returns its exit code. Kills leftovers (and reports them) on timeout."""
+        pids = set(self.worker_pids) | set(children_of(self.proc.pid))
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.1)
+        self.orphans = [p for p in pids if alive(p)]
+        for p in self.orphans:
+            os.kill(p, signal.SIGKILL)
+        self.log.close()
+        return self.proc.returncode
