@@ -17,7 +17,6 @@ bools, trailing comments).
 from __future__ import annotations
 
 import json
-import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -26,8 +25,6 @@ from pathlib import Path
 from server.errors import UsageError
 from server.inventory import inventory
 from workers.topology import DeviceInfo, TopologySpecError, select_devices
-
-logger = logging.getLogger(__name__)
 
 CONTAINER_PORT = 8000
 CONTAINER_MODEL_DIR = "/models"
@@ -191,7 +188,12 @@ def build(args) -> ComposeFile:
     gpus = _gpus(args)
     if not gpus:
         header = [
-            "hetserve, CPU variant: written by `hetserve compose` on a host where NVML reports no NVIDIA GPU.",
+            "hetserve, CPU variant: written by `hetserve compose` for "
+            + (
+                f"`--simulate {args.simulate}` (no GPU)."
+                if args.simulate
+                else "a host where NVML reports no NVIDIA GPU."
+            ),
             "No device is reserved: the router runs one CPU worker. Run `hetserve compose` on the GPU host to",
             f"pin its GPUs, or add `--simulate`, `{SIMULATE_EXAMPLE}` to `command` to try the mixed-GPU path",
             "(one worker per simulated device) on this CPU.",
