@@ -1,0 +1,125 @@
+"""The worker's HTTP API (TGI shapes, errors, headers) over a fake-model engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.engine_fakes import EOS_ID, FakeRunner, tokenizer
+from workers.api import WorkerInfo, create_app
+from workers.engine import Engine
+from workers.sampling import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig
+
+TOK = tokenizer()
+INFO = WorkerInfo(
+    worker_id="gpu1",
+    device={"type": "cuda", "index": 1, "uuid": "GPU-sim-1", "name": "NVIDIA L40S", "capability": "8.9",
+            "simulated": True, "memory_total_bytes": 48 << 30},
+    capability_label="8.9",
+    fp8={"convention": "native_e4m3", "reason": "capability 8.9 >= 8.9"},
+    kernels={"RMSNorm": {"repo": "rmsnorm", "layer": "RMSNorm", "variant": "triton", "reason": "r"}},
+    capacity={"max_sequences": 2, "max_tokens": 128, "max_seq_len": 64, "kv_cache_bytes": 1234},
+    model={"id": "tiny", "dtype": "float32", "context_length": 64},
+    versions={"hetserve": "0.1.0"},
+)
+HEADERS = {"x-worker-id": "gpu1", "x-worker-capability": "8.9", "x-fp8-convention": "native_e4m3"}
+
+
+@pytest.fixture
+def setup():
+    runner = FakeRunner(delay=0.001)
+    engine = Engine(runner, Scheduler(SchedulerConfig(2, 64, eos_token_ids=(EOS_ID,))), TOK, max_queue=1)
+    with TestClient(create_app(INFO, engine, TOK, drain_timeout=1.0)) as client:
+        yield client, engine
+
+
+def sse_events(text: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_generate_returns_tgi_shape_with_details_and_worker_headers(setup):
+    client, _ = setup
+    r = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5, "details": True}})
+    assert r.status_code == 200, r.text
+    assert {k: r.headers[k] for k in HEADERS} == HEADERS
+    body = r.json()
+    d = body["details"]
+    assert d["finish_reason"] == "length" and d["generated_tokens"] == 5 and d["input_length"] == 2
+    assert d["seed"] is None and d["prefill"] == [] and len(d["tokens"]) == 5
+    assert set(d["tokens"][0]) == {"id", "text", "logprob", "special"}
+    assert body["generated_text"] == "".join(t["text"] for t in d["tokens"] if not t["special"])
+    plain = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5}}).json()
+    assert plain == {"generated_text": body["generated_text"]}  # greedy is reproducible
+    full = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5, "return_full_text": True}})
+    assert full.json()["generated_text"] == "Hello" + body["generated_text"]
+
+
+def test_generate_stream_events_and_final_details(setup):
+    client, _ = setup
+    r = client.post("/generate_stream", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "seed": 3, "do_sample": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["x-worker-id"] == "gpu1"
+    events = sse_events(r.text)
+    assert [e["index"] for e in events] == [0, 1, 2, 3]
+    assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
+    last = events[-1]
+    assert last["details"] == {"finish_reason": "length", "generated_tokens": 4, "input_length": 2, "seed": 3}
+    assert last["generated_text"] == "".join(e["token"]["text"] for e in events if not e["token"]["special"])
+    again = sse_events(client.post("/generate_stream", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "seed": 3, "do_sample": True}}).text)
+    assert [e["token"]["id"] for e in again] == [e["token"]["id"] for e in events]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "needle"),
+    [
+        ({"temperature": 0, "do_sample": True}, "`temperature` must be > 0 when `do_sample`"),
+        ({"top_p": 0}, "`top_p` must be in (0, 1]"),
+        ({"top_k": -2}, "`top_k`"),
+        ({"max_new_tokens": 0}, "`max_new_tokens` must be an integer >= 1"),
+        ({"max_new_tokens": "many"}, "`parameters.max_new_tokens`"),
+        ({"max_new_tokens": 63}, "must be <= 64 on this worker. Given: 2 `inputs` tokens and 63 `max_new_tokens`"),
+    ],
+)
+def test_validation_errors_are_422_in_tgi_shape(setup, parameters, needle):
+    client, _ = setup
+    for path in ("/generate", "/generate_stream"):
+        r = client.post(path, json={"inputs": "Hello", "parameters": parameters})
+        assert r.status_code == 422, r.text
+        body = r.json()
+        assert body["error_type"] == "validation" and needle in body["error"], body
+        assert r.headers["x-worker-id"] == "gpu1"
+
+
+def test_missing_inputs_is_422(setup):
+    client, _ = setup
+    r = client.post("/generate", json={"parameters": {}})
+    assert r.status_code == 422 and "`inputs`" in r.json()["error"]
+
+
+def test_full_queue_answers_429_with_retry_after(setup):
+    client, engine = setup
+    # 2 running + 1 queued fill this worker; hold them with long generations.
+    held = [engine.submit(TOK.encode("x").ids, SamplingParams.create(max_new_tokens=60)) for _ in range(3)]
+    r = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 429
+    assert r.json()["error_type"] == "overloaded" and int(r.headers["retry-after"]) >= 1
+    assert r.headers["x-worker-id"] == "gpu1"
+    for s in held:
+        engine.abort(s.request_id)
+    assert "hetserve_worker_rejected_requests_total{reason=\"overloaded\"} 1.0" in client.get("/metrics").text
+
+
+def test_health_capability_metrics(setup):
+    client, _ = setup
+    h = client.get("/health")
+    assert h.status_code == 200 and h.json()["status"] == "ready"
+    cap = client.get("/capability").json()
+    assert set(cap) == {"worker_id", "pid", "device", "fp8", "kernels", "capacity", "model", "versions", "load"}
+    assert cap["capacity"]["max_seq_len"] == 64 and cap["load"] == {"running": 0, "queued": 0}
+    client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
+    text = client.get("/metrics").text
+    assert 'hetserve_worker_requests_total{finish_reason="length"} 1.0' in text
+    assert "hetserve_worker_generated_tokens_total 3.0" in text

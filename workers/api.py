@@ -1,0 +1,216 @@
+"""The worker's HTTP API on its Unix socket: what the router (and only the router) calls.
+
+Routes: POST /generate, POST /generate_stream (SSE), GET /health, GET /capability,
+GET /metrics — TGI shapes, errors as `{"error", "error_type"}` (422 validation, 429
+overloaded with Retry-After, 503 unavailable, 500 internal). Every response carries
+X-Worker-Id, X-Worker-Capability and X-Fp8-Convention (added by a pure ASGI middleware,
+so streamed responses get them too and no route can forget them).
+
+Design: `create_app()` is a factory over a ready engine (no model work at import). The
+engine thread starts in the lifespan and stops there. A request is tokenized and validated
+here, so a bad one is answered before it takes a queue place; the route then only awaits
+its `RequestStream`. A client that goes away is noticed by a task waiting for
+`http.disconnect` (non-streamed) or by Starlette cancelling the stream (streamed); both
+abort the request, which frees its slot before the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from workers.engine import Engine, EngineOverloaded, EngineUnavailable, ErrorEvent, RequestStream
+from workers.metrics import CONTENT_TYPE
+from workers.sampling import ParameterError, SamplingParams
+from workers.scheduler import CapacityError
+from workers.schemas import GenerateRequest, generate_response, stream_event
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What /capability reports; fixed once the worker is ready."""
+
+    worker_id: str
+    device: dict  # BoundDevice.to_dict()
+    capability_label: str  # "9.0", or "cpu" for a device without a capability
+    fp8: dict  # {"convention", "reason"}
+    kernels: dict  # layer -> {repo, layer, variant, reason}
+    capacity: dict  # max_sequences, max_tokens, max_seq_len, kv_cache_bytes
+    model: dict  # id, dtype, context_length, chat_template?, eos_token?, bos_token?
+    versions: dict
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {
+            "X-Worker-Id": self.worker_id,
+            "X-Worker-Capability": self.capability_label,
+            "X-Fp8-Convention": str(self.fp8.get("convention", "")),
+        }
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, error_type: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.error_type, self.headers = status, message, error_type, headers
+
+
+def error_response(status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "error_type": error_type}, status_code=status, headers=headers)
+
+
+class WorkerHeaders:
+    """Pure ASGI middleware: the worker's identity headers on every HTTP response."""
+
+    def __init__(self, app, headers: dict[str, str]):
+        self.app = app
+        self.raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self.raw]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_headers)
+
+
+def _field_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"`{loc}`: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has already been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(info: WorkerInfo, engine: Engine, tokenizer, *, drain_timeout: float = 30.0) -> FastAPI:
+    state = {"status": "starting"}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        state["status"] = "ready"
+        try:
+            yield
+        finally:
+            state["status"] = "draining"
+            await asyncio.to_thread(engine.shutdown, drain_timeout)
+
+    app = FastAPI(title="hetserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(WorkerHeaders, headers=info.headers)
+    app.state.worker = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.error_type, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return error_response(422, _field_message(exc), "validation")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("Unhandled error on %s", request.url.path)
+        return error_response(500, "Internal error in the worker; see its log", "internal")
+
+    def submit(req: GenerateRequest) -> tuple[RequestStream, SamplingParams]:
+        """Tokenize, validate and queue; every refusal is an `APIError`."""
+        if state["status"] != "ready" or not engine.accepting:
+            raise APIError(503, f"Worker `{info.worker_id}` is {state['status']}: not accepting requests", "unavailable")
+        try:
+            params = req.parameters.sampling()
+            prompt_ids = tokenizer.encode(req.inputs).ids
+            return engine.submit(prompt_ids, params, asyncio.get_running_loop()), params
+        except (ParameterError, CapacityError) as e:
+            engine.metrics.rejected.labels("validation").inc()
+            raise APIError(422, str(e), "validation") from e
+        except EngineOverloaded as e:
+            raise APIError(429, str(e), "overloaded", {"Retry-After": str(e.retry_after)}) from e
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), "unavailable") from e
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest, request: Request):
+        stream, _ = submit(req)
+
+        async def collect():
+            return [e async for e in stream]
+
+        collector = asyncio.ensure_future(collect())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait((collector, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not collector.done():  # the client left (or this task was cancelled)
+                collector.cancel()
+                engine.abort(stream.request_id)
+        if not collector.done() or collector.cancelled():
+            return Response(status_code=499)
+        events = collector.result()
+        if isinstance(events[-1], ErrorEvent):
+            return error_response(500, events[-1].message, events[-1].error_type)
+        prefix = req.inputs if req.parameters.return_full_text else ""
+        return JSONResponse(generate_response(events, prefix, req.parameters.details))
+
+    @app.post("/generate_stream")
+    async def generate_stream(req: GenerateRequest):
+        stream, _ = submit(req)
+        prefix = req.inputs if req.parameters.return_full_text else ""
+
+        async def sse():
+            finished = False
+            try:
+                async for e in stream:
+                    if isinstance(e, ErrorEvent):
+                        finished = True
+                        yield f"data: {json.dumps({'error': e.message, 'error_type': e.error_type})}\n\n"
+                        return
+                    finished = e.finish is not None
+                    yield f"data: {json.dumps(stream_event(e, prefix))}\n\n"
+            finally:
+                if not finished:  # cancelled: the client went away mid-stream
+                    engine.abort(stream.request_id)
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/health")
+    async def health():
+        running, queued = engine.load()
+        ok = state["status"] == "ready" and engine.accepting
+        status = "ready" if ok else ("starting" if state["status"] == "starting" else "draining")
+        body = {"status": status, "worker_id": info.worker_id, "load": {"running": running, "queued": queued}}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/capability")
+    async def capability():
+        running, queued = engine.load()
+        return {
+            "worker_id": info.worker_id, "pid": os.getpid(), "device": info.device, "fp8": info.fp8,
+            "kernels": info.kernels, "capacity": info.capacity, "model": info.model,
+            "versions": info.versions, "load": {"running": running, "queued": queued},
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
