@@ -210,3 +210,19 @@ def test_config_from_hf_spellings_and_errors():
         ModelConfig.from_hf_config({**base, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 2}})
     assert ModelConfig.from_hf_config(ModelConfig(**TINY, tie_word_embeddings=True).to_hf_config()) == ModelConfig(
         **TINY, tie_word_embeddings=True, torch_dtype="float32")
+
+
+@pytest.mark.gpu
+def test_step_on_cuda_matches_cpu():
+    """The same mixed step on a CUDA device (bf16) stays close to the CPU fp32 result."""
+    cpu = tiny_model()
+    gpu = Transformer.from_config(cpu.config, torch.bfloat16, "cuda")
+    gpu.load_weights({k: v.to("cuda", torch.bfloat16) for k, v in cpu.state_dict().items()})
+    seqs = prompts(9, 4)
+    outs = []
+    for model, device in ((cpu, "cpu"), (gpu, "cuda")):
+        kv = model.new_kv_cache(4, 16)
+        model.step(ForwardBatch.build([(SeqChunk(3, 0, 8), seqs[0][:8])], device), kv)
+        outs.append(model.step(ForwardBatch.build(
+            [(SeqChunk(3, 8, 1), seqs[0][8:]), (SeqChunk(1, 0, 4), seqs[1])], device), kv).cpu())
+    assert_close(outs[1], outs[0], rtol=0.05, atol=0.15)
