@@ -73,7 +73,7 @@ def test_decode_only_consecutive_slots_matches_full_forward():
     """The view path (consecutive slots, no gather) with rows of different lengths masked."""
     model = tiny_model()
     seqs = prompts(5, 11, 2, 8, seed=1)
-    kv = model.new_kv_cache(num_slots=4, max_seq_len=16)
+    kv = model.new_kv_cache(num_slots=5, max_seq_len=16)
     kv.k.fill_(1e4)  # stale garbage past each sequence's length must be masked out
     kv.v.fill_(1e4)
     model.step(ForwardBatch.build([(SeqChunk(i, 0, len(s) - 1), s[:-1]) for i, s in enumerate(seqs)]), kv)
@@ -81,6 +81,14 @@ def test_decode_only_consecutive_slots_matches_full_forward():
     assert batch.decode_slot_start == 0 and not batch.prefills
     out = model.step(batch, kv)
     assert_close(out, torch.stack([reference(model, s)[-1] for s in seqs]), rtol=1e-4, atol=1e-4)
+    # Consecutive decode rows followed by a prefill (the sliced, gather-free mixed path).
+    new = prompts(6, seed=2)[0]
+    nxt = [s + [(7 * i) % 128] for i, s in enumerate(seqs)]
+    mixed = ForwardBatch.build([(SeqChunk(i, len(s) - 1, 1), s[-1:]) for i, s in enumerate(nxt)]
+                               + [(SeqChunk(4, 0, 6), new)])
+    assert mixed.decode_rows_start == 0 and mixed.prefills
+    out = model.step(mixed, kv)
+    assert_close(out, torch.stack([reference(model, s)[-1] for s in [*nxt, new]]), rtol=1e-4, atol=1e-4)
 
 
 def test_step_bfloat16_close_to_float32():

@@ -95,7 +95,10 @@ class Attention(nn.Module):
             return self.wo(self._decode(q, kc, vc, ctx).flatten(-2))  # [T, H]
         out = torch.empty_like(q)  # [T, Hq, D]
         # 2. Decode rows together, 3. prefills one by one.
-        if batch.decode_rows.numel():
+        if batch.decode_rows_start is not None:  # consecutive rows: slices, no gather/scatter
+            rows = slice(batch.decode_rows_start, batch.decode_rows_start + batch.decode_rows.numel())
+            out[rows] = self._decode(q[rows], kc, vc, ctx)
+        elif batch.decode_rows.numel():
             out[batch.decode_rows] = self._decode(q[batch.decode_rows], kc, vc, ctx)
         for span, mask in zip(batch.prefills, ctx.prefill_masks, strict=True):
             rows = slice(span.row_start, span.row_start + span.num_tokens)
