@@ -110,7 +110,9 @@ def fp8_linear_reference(
     k = x.shape[-1]
     grid, sx = quantize_rows(x.reshape(-1, k), fmt)  # [M, K], [M, 1]
     w = decode(qweight, fmt) if qweight.dtype == torch.uint8 else qweight.to(torch.float32)  # [N, K]
-    y = (grid * sx) @ (w * weight_scale.to(torch.float32)[:, None]).t()  # [M, N]
+    # [K, N] materialized, as torch._scaled_mm does on CPU: the same BLAS call, the same bits
+    w_t = (w * weight_scale.to(torch.float32)[:, None]).t().contiguous()
+    y = (grid * sx) @ w_t  # [M, N]
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])

@@ -1,0 +1,144 @@
+"""The local kernel repositories: `kernels` layout, stateless layers, tunings, and the torch
+paths (CPU) against the host's references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from kernels import LocalLayerRepository
+from kernels.layer.layer import _validate_layer
+
+from kernels_local import activation, fp8_linear, rmsnorm
+from workers import fp8 as host_fp8
+from workers.layers import RMSNorm as ModelRMSNorm
+from workers.layers import SiluAndMul as ModelSiluAndMul
+
+REPOS = Path(__file__).resolve().parents[1] / "kernels_local"
+REPO_LAYERS = {
+    "rmsnorm": ["RMSNorm", "RMSNormTritonSm70", "RMSNormTritonSm90", "RMSNormTritonRocm"],
+    "activation": ["SiluAndMul", "SiluAndMulTritonSm70", "SiluAndMulTritonSm90", "SiluAndMulTritonRocm"],
+    "fp8_linear": [
+        "Fp8Linear",
+        "Fp8LinearTritonEmulatedSm80",
+        "Fp8LinearTritonNativeSm89",
+        "Fp8LinearTritonNativeSm90",
+        "Fp8LinearTritonEmulatedRocm",
+        "Fp8LinearTritonNativeRocm",
+    ],
+}
+
+
+@pytest.mark.parametrize("repo", sorted(REPO_LAYERS))
+def test_metadata_follows_the_kernels_layout(repo):
+    meta = json.loads((REPOS / repo / "metadata.json").read_text())
+    assert set(meta) == {"id", "name", "version", "license", "python-depends", "backend"}
+    assert meta["name"] == meta["name"].lower() and "_" not in meta["name"]
+    assert meta["python-depends"] == [] and meta["backend"] == {"type": "cpu"}
+
+
+@pytest.mark.parametrize("repo", sorted(REPO_LAYERS))
+def test_layers_load_and_are_stateless(repo):
+    """`kernels` refuses layers with a constructor or extra members; check every layer the
+    way it does, against the model layer it replaces."""
+    from workers.quantize import Fp8Linear as ModelFp8Linear
+
+    replaced = {"rmsnorm": ModelRMSNorm, "activation": ModelSiluAndMul, "fp8_linear": ModelFp8Linear}[repo]
+    for name in REPO_LAYERS[repo]:
+        lrepo = LocalLayerRepository(repo_path=REPOS / repo, layer_name=name)
+        cls = lrepo.load()
+        _validate_layer(check_cls=replaced, cls=cls, repo=lrepo)
+        assert cls.__init__ is torch.nn.Module.__init__
+
+
+def test_rms_norm_tunings_really_differ():
+    t = rmsnorm.TUNINGS
+    # a narrow row: pre-Hopper runs one row per program, Hopper packs several
+    assert t["sm70"].launch_shape(256)[0] == 1 and t["sm90"].launch_shape(256)[0] == 8
+    # a wide row: Hopper spreads it over more warps; ROCm's 64-lane wavefronts need fewer
+    assert t["sm90"].launch_shape(8192)[1] == 16
+    assert t["sm70"].launch_shape(8192)[1] == 8
+    assert t["rocm"].launch_shape(8192)[1] == 8
+    assert t["rocm"].launch_shape(1024)[0] == 2
+
+
+def test_silu_and_mul_tunings_really_differ():
+    t = activation.TUNINGS
+    assert t["sm90"].launch_shape(14336) == (4096, 8)
+    assert t["sm70"].launch_shape(14336) == (1024, 4)
+    assert t["rocm"].launch_shape(14336) == (2048, 4)
+    assert t["sm70"].launch_shape(48) == (64, 1)  # narrow rows shrink the block
+
+
+def test_fp8_gemm_tunings_really_differ():
+    t = fp8_linear.TUNINGS
+    assert t["sm90"].launch_shape(512)[:3] == (128, 128, 128) and t["sm90"].num_stages == 4
+    assert t["sm89"].launch_shape(512)[:3] == (64, 64, 128) and t["sm89"].num_stages == 3
+    assert t["sm80"].launch_shape(1)[:3] == (16, 64, 64)  # decode: the smallest M tile tl.dot takes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cpu_paths_equal_the_model_references(dtype):
+    """On CPU tensors (no interpreter) the Triton launchers run the torch reference, which is
+    the model's own math bit for bit."""
+    norm = ModelRMSNorm(40, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 7, 40).to(dtype)
+    for tuning in rmsnorm.TUNINGS.values():
+        assert torch.equal(rmsnorm.rms_norm(x, norm.weight, norm.variance_epsilon, tuning), norm(x))
+    act = ModelSiluAndMul()
+    x2 = torch.randn(3, 7, 80).to(dtype)
+    for tuning in activation.TUNINGS.values():
+        assert torch.equal(activation.silu_and_mul(x2, tuning), act(x2))
+
+
+# -- e4m3 arithmetic: the repository's copy agrees with the host's quantizer ----------------
+
+
+def _edge_values() -> torch.Tensor:
+    grid = host_fp8.decode_e4m3(torch.arange(256, dtype=torch.uint8), "e4m3fn")
+    grid = grid[torch.isfinite(grid)]
+    mids = (grid[:-1] + grid[1:]) / 2  # exact ties between neighbours (round half to even)
+    rnd = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 100
+    return torch.cat([grid, mids, -mids, rnd, torch.tensor([0.0, -0.0, 1e-12, 500.0, -1e6, 2.0**-10])])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+def test_round_to_grid_equals_the_host_rounding(fmt):
+    x = _edge_values()
+    ours, host = fp8_linear.round_to_grid(x, fmt), host_fp8.round_to_e4m3(x, fmt)
+    assert torch.equal(ours.view(torch.int32), host.view(torch.int32))  # bits, incl. signed zeros
+
+
+@pytest.mark.parametrize("conv", [host_fp8.NATIVE_E4M3, host_fp8.EMULATED_E4M3_FNUZ], ids=lambda c: c.fmt)
+def test_per_token_quantization_equals_the_host_quantizer(conv):
+    x = torch.randn(9, 48, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 9)[:, None]
+    grid, scale = fp8_linear.quantize_rows(x, conv.fmt)
+    q, host_scale = host_fp8.quantize(x, conv, group_size=48)
+    assert torch.equal(scale, host_scale)  # [9, 1]
+    assert torch.equal(grid, host_fp8.dequantize(q, torch.ones(()), conv))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+def test_decode_equals_the_host_decode(fmt):
+    b = torch.arange(256, dtype=torch.uint8)
+    ours, host = fp8_linear.decode(b, fmt), host_fp8.decode_e4m3(b, fmt)
+    finite = torch.isfinite(host)
+    assert torch.equal(ours[finite], host[finite])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scaled_mm_on_cpu_equals_the_emulated_reference_bit_for_bit(dtype):
+    """The native path on CPU (`torch._scaled_mm`) and the emulated reference dequantize both
+    operands and multiply in fp32 in the same order: identical bits."""
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(2))
+    qn, scale = host_fp8.quantize_weight_per_channel(w, host_fp8.NATIVE_E4M3)
+    qe, _ = host_fp8.quantize_weight_per_channel(w, host_fp8.EMULATED_E4M3)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(24).to(dtype)
+    native = fp8_linear.fp8_linear(x, qn, scale, bias, native=True, fmt="e4m3fn")
+    emulated = fp8_linear.fp8_linear(x, qe, scale, bias, native=False, fmt="e4m3fn")
+    assert native.shape == (2, 5, 24) and native.dtype == dtype
+    assert torch.equal(native, emulated)
