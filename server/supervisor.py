@@ -57,6 +57,10 @@ def _child_setup() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _alive(handle: WorkerHandle) -> bool:
+    return handle.process is not None and handle.process.returncode is None
+
+
 def describe_exit(returncode: int, status: dict) -> str:
     """`killed by signal SIGKILL`, `fatal error while serving: ...`, `exited with code 1`."""
     if returncode < 0:
@@ -203,8 +207,10 @@ class Supervisor:
             watcher = asyncio.create_task(self._watch(handle))
             assert handle.process is not None
             returncode = await handle.process.wait()
+            # Python 3.11's wait_for can swallow a cancel that races its inner wait, so the
+            # watcher also stops by itself once the process has exited; never wait on it forever.
             watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            await asyncio.wait([watcher], timeout=5.0)
             served_for = time.monotonic() - handle.ready_since if handle.ready_since is not None else None
             await self._drop_client(handle)
             if self._stopping:
@@ -272,7 +278,7 @@ class Supervisor:
         assert client is not None
         started = time.monotonic()
         delay = 0.05
-        while True:
+        while _alive(handle):
             status = read_status(spec.status_path)
             if status.get("state") == "failed":
                 handle.reason = describe_failure(-1, status)
@@ -294,6 +300,7 @@ class Supervisor:
                 return False
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.5)
+        return False
 
     @staticmethod
     async def _probe(client: WorkerClient) -> dict | None:
@@ -311,7 +318,7 @@ class Supervisor:
         assert client is not None
         failures = 0
         unhealthy_since: float | None = None
-        while True:
+        while _alive(handle):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(handle.check_now.wait(), s.health_interval_s)
             urgent = handle.check_now.is_set()

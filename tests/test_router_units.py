@@ -1,0 +1,197 @@
+"""Pure router decisions: worker environment, balancing and constraints, chat templates, metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.balancer import (
+    OVERLOADED,
+    PICK,
+    UNAVAILABLE,
+    UNSATISFIABLE,
+    WAIT,
+    ConstraintError,
+    Constraints,
+    choose,
+    parse_constraints,
+)
+from server.chat import CHATML_TEMPLATE, ChatTemplateError, load_chat_template
+from server.router_metrics import merge_worker_metrics
+from server.settings import RouterSettings
+from server.worker_handle import READY, WorkerHandle
+from server.worker_spec import build_worker_specs, threads_per_worker
+from workers.topology import DeviceInfo, parse_simulate
+
+REAL_H100 = DeviceInfo(index=3, uuid="GPU-aaaa-bbbb", name="NVIDIA H100", type="cuda", capability=(9, 0),
+                       memory_total_bytes=80 << 30, simulated=False, pci_bus_id="00000000:41:00.0")
+
+
+def _specs(devices, **kw):
+    return build_worker_specs(devices, RouterSettings(worker_command=("python", "-m", "workers"), **kw),
+                              Path("/tmp/run"), parent_pid=42, base_env={"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1",
+                                                                         "HETSERVE_SIMULATE": "sm_75"})
+
+
+# --- worker processes --------------------------------------------------------------------
+def test_real_gpu_worker_sees_only_its_uuid_and_is_not_simulated():
+    (spec,) = _specs([REAL_H100])
+    env = spec.environ()
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa-bbbb" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert "HETSERVE_SIMULATE" not in env  # inherited value dropped
+    assert env["HETSERVE_DEVICE_INDEX"] == "3" and env["HETSERVE_DEVICE_UUID"] == "GPU-aaaa-bbbb"
+    assert spec.id == "gpu3" and "--simulate" not in spec.argv
+    assert spec.argv[:3] == ("python", "-m", "workers")
+    assert spec.argv[spec.argv.index("--device-uuid") + 1] == "GPU-aaaa-bbbb"
+    assert spec.argv[spec.argv.index("--socket") + 1] == "/tmp/run/gpu3.sock"
+
+
+def test_simulated_workers_hide_real_gpus_and_share_the_cpu_threads():
+    specs = _specs(parse_simulate("sm_80,sm_89,sm_90"), threads=7)
+    assert [s.id for s in specs] == ["gpu0", "gpu1", "gpu2"]
+    for spec, token in zip(specs, ("sm_80", "sm_89", "sm_90"), strict=True):
+        env = spec.environ()
+        assert env["HETSERVE_SIMULATE"] == token and env["CUDA_VISIBLE_DEVICES"] == ""
+        assert spec.threads == 2 and spec.argv[spec.argv.index("--threads") + 1] == "2"
+    assert threads_per_worker(1, 3) == 1
+
+
+def test_no_device_gives_one_cpu_worker():
+    (spec,) = _specs([])
+    assert spec.id == "cpu0" and spec.environ()["HETSERVE_SIMULATE"] == "cpu"
+    assert spec.argv[spec.argv.index("--simulate") + 1] == "cpu" and spec.capability_label == "cpu"
+
+
+# --- balancing ---------------------------------------------------------------------------
+def _handles(spec="sm_80,sm_89,sm_90", state=READY):
+    handles = []
+    for s in _specs(parse_simulate(spec)):
+        h = WorkerHandle(s, state=state)
+        h.client = object()  # routable
+        h.generation = 1
+        native = s.device.capability >= (8, 9)
+        h.info = {"fp8": {"convention": "native_e4m3" if native else "emulated", "reason": "test"}}
+        handles.append(h)
+    return handles
+
+
+def test_least_outstanding_wins_and_ties_take_turns():
+    hs = _handles()
+    hs[0].outstanding, hs[1].outstanding, hs[2].outstanding = 3, 1, 2
+    assert choose(hs, Constraints(), capacity=10).worker is hs[1]
+    for h in hs:
+        h.outstanding = 0
+    picked = []
+    for _ in range(6):
+        d = choose(hs, Constraints(), capacity=10)
+        d.worker.picks += 1
+        picked.append(d.worker.id)
+    assert sorted(picked) == ["gpu0", "gpu0", "gpu1", "gpu1", "gpu2", "gpu2"]
+
+
+def test_constraints_filter_by_id_capability_and_fp8():
+    hs = _handles()
+    assert choose(hs, Constraints(worker="gpu2"), 10).worker.id == "gpu2"
+    assert choose(hs, Constraints(worker="1"), 10).worker.id == "gpu1"
+    assert choose(hs, Constraints(min_capability=(9, 0)), 10).worker.id == "gpu2"
+    assert choose(hs, Constraints(fp8="emulated"), 10).worker.id == "gpu0"
+    d = choose(hs, Constraints(min_capability=(10, 0)), 10)
+    assert d.kind == UNSATISFIABLE and "10.0" in d.reason and "gpu2 has capability 9.0" in d.reason
+
+
+def test_all_matching_queues_full_is_overloaded_not_a_wait():
+    hs = _handles()
+    for h in hs:
+        h.outstanding = 4
+    assert choose(hs, Constraints(), capacity=4).kind == OVERLOADED
+    hs[1].outstanding = 3
+    assert choose(hs, Constraints(), capacity=4).worker is hs[1]
+
+
+def test_not_ready_matching_workers_mean_wait_and_excluded_ones_unavailable():
+    hs = _handles()
+    hs[2].state = "restarting"
+    d = choose(hs, Constraints(worker="gpu2"), 10)
+    assert d.kind == WAIT and "gpu2 restarting" in d.reason
+    hs[2].state = READY
+    assert choose(hs, Constraints(worker="gpu2"), 10, exclude={"gpu2": 1}).kind == UNAVAILABLE
+    hs[2].generation = 2  # restarted since it failed this request: eligible again
+    assert choose(hs, Constraints(worker="gpu2"), 10, exclude={"gpu2": 1}).kind == PICK
+
+
+def test_a_worker_that_has_not_reported_fp8_is_waited_for():
+    hs = _handles()
+    hs[1].state, hs[1].info = "starting", {}
+    hs[2].state, hs[2].info = "starting", {}
+    assert choose(hs, Constraints(fp8="native_e4m3"), 10).kind == WAIT
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({}, Constraints()),
+        ({"x-hetserve-worker": " gpu1 "}, Constraints(worker="gpu1")),
+        ({"x-hetserve-min-capability": "8.9"}, Constraints(min_capability=(8, 9))),
+        ({"x-hetserve-min-capability": "sm_100"}, Constraints(min_capability=(10, 0))),
+        ({"x-hetserve-fp8": "Native"}, Constraints(fp8="native_e4m3")),
+    ],
+)
+def test_constraint_headers_parse(headers, expected):
+    assert parse_constraints(headers) == expected
+
+
+@pytest.mark.parametrize("headers", [{"x-hetserve-min-capability": "9"}, {"x-hetserve-fp8": "e5m2"}])
+def test_bad_constraint_headers_name_the_value(headers):
+    with pytest.raises(ConstraintError, match=f"`{next(iter(headers.values()))}`"):
+        parse_constraints(headers)
+
+
+# --- chat templates ----------------------------------------------------------------------
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def test_chat_template_from_tokenizer_config_with_added_token_dicts(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}"
+                         "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}",
+    }))
+    t = load_chat_template(tmp_path)
+    assert t.render(MESSAGES) == "<s>[system] be brief</s>[user] hi</s>[assistant]"
+
+
+def test_chat_template_jinja_file_wins_and_named_templates_use_default(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "DEFAULT"}]}))
+    assert load_chat_template(tmp_path).render(MESSAGES) == "DEFAULT"
+    (tmp_path / "chat_template.jinja").write_text("FILE")
+    assert load_chat_template(tmp_path).render(MESSAGES) == "FILE"
+
+
+def test_chat_template_falls_back_to_the_worker_then_chatml(tmp_path):
+    assert load_chat_template(tmp_path, {"chat_template": "W{{ messages|length }}"}).render(MESSAGES) == "W2"
+    t = load_chat_template(tmp_path)
+    assert t.source == CHATML_TEMPLATE and t.render(MESSAGES).endswith("<|im_start|>assistant\n")
+
+
+def test_chat_template_exceptions_become_named_errors(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"}))
+    with pytest.raises(ChatTemplateError, match="first must be user"):
+        load_chat_template(tmp_path).render(MESSAGES)
+
+
+# --- metrics -----------------------------------------------------------------------------
+def test_worker_metrics_are_relabelled_and_merged_per_family():
+    hs = _handles("sm_80,sm_90")
+    text = ("# HELP reqs_total Requests.\n# TYPE reqs_total counter\nreqs_total 3\n"
+            "# HELP q Queue.\n# TYPE q gauge\nq{kind=\"waiting\"} 1\n")
+    merged = merge_worker_metrics([(hs[0], text), (hs[1], text.replace("3", "5"))])
+    assert merged.count("# TYPE reqs_total counter") == 1
+    fams = {f.name: f for f in text_string_to_metric_families(merged)}
+    totals = {(s.labels["worker_id"], s.labels["capability"]): s.value for s in fams["reqs"].samples}
+    assert totals == {("gpu0", "8.0"): 3.0, ("gpu1", "9.0"): 5.0}
+    assert {s.labels["kind"] for s in fams["q"].samples} == {"waiting"}
