@@ -180,3 +180,25 @@ def test_threaded_engine_streams_to_asyncio_and_shutdown_fails_leftovers():
     assert isinstance(events[-1], ErrorEvent) and "shut down" in events[-1].message
     with pytest.raises(EngineUnavailable):
         engine.submit(prompt(), SamplingParams.create(max_new_tokens=2))
+
+
+def test_model_failure_is_fatal_and_every_request_gets_an_error():
+    class Broken:
+        def execute(self, out):
+            raise RuntimeError("device lost")
+
+    fatal = []
+    sched = Scheduler(SchedulerConfig(2, 64, eos_token_ids=(EOS_ID,)))
+    engine = Engine(Broken(), sched, TOK, max_queue=4, on_fatal=fatal.append)
+    engine.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        streams = [engine.submit(prompt(), SamplingParams.create(max_new_tokens=4), loop) for _ in range(3)]
+        return [[e async for e in s] for s in streams]
+
+    results = asyncio.run(main())
+    assert all(len(r) == 1 and isinstance(r[0], ErrorEvent) and "device lost" in r[0].message for r in results)
+    engine.shutdown()  # joins the (already ended) engine thread
+    assert len(fatal) == 1 and engine.fatal_error is fatal[0] and not engine.accepting
+    assert engine.load() == (0, 0)

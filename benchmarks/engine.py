@@ -1,0 +1,206 @@
+"""Engine throughput, measured side by side in one run on the same checkpoint.
+
+    python benchmarks/engine.py                  # the embedded model (or a stand-in of its size)
+    python benchmarks/engine.py --model DIR --requests 32 --new-tokens 64 --threads 2
+
+Prints generated tokens per second for
+  (a) a bare batched loop: one prefill of all prompts, then one `model.step` + argmax per
+      token for the whole batch, no scheduler, no sampling, no detokenization (the ceiling);
+  (b) the engine serving all requests concurrently (thread, scheduler, sampler, streaming
+      text to asyncio consumers, as the HTTP side reads them);
+  (c) the same requests through the engine one at a time;
+  (d) transformers `generate`, one request at a time, on the same checkpoint;
+and the ratios b/a (target >= 0.8), b/c (>= 5), b/d (>= 5). Decoding is greedy and ignores
+EOS so every request makes exactly `--new-tokens` tokens. The machines are shared and
+noisy: each figure is the best of `--repeats` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from workers.engine import Engine, ModelRunner  # noqa: E402
+from workers.kv_cache import ForwardBatch, KVCache, SeqChunk  # noqa: E402
+from workers.loader import default_model_dir, load_model  # noqa: E402
+from workers.sampling import SamplingParams  # noqa: E402
+from workers.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog and keeps running",
+    "Once upon a time there was a little language model that could",
+    "A heterogeneous host has GPUs of different architectures in one box",
+    "Hello, world! This is a small benchmark of the batched engine",
+    "Each worker binds one device, then picks its kernels and its fp8 convention",
+    "What is the capital of France? Paris is the capital of France",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000",
+    "def main():\n    print('hello')\n    return 0",
+]
+# The embedded model's shape (scripts/train_default_model.py), for a stand-in when it is absent.
+STAND_IN = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                max_position_embeddings=512)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="HF-layout model dir (default: embedded model, else a stand-in)")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="torch threads for every mode (1: see the README)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--skip-hf", action="store_true", help="skip (d), transformers generate")
+    return p.parse_args(argv)
+
+
+def model_dir(args, tmp: Path) -> tuple[Path, str]:
+    if args.model:
+        return args.model, str(args.model)
+    default = default_model_dir()
+    if (default / "config.json").is_file():
+        return default, "embedded model (workers/default_model)"
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp / "stand-in", **STAND_IN)
+    return path, "stand-in checkpoint of the embedded model's shape (tests/checkpoints.py)"
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer.encode(SENTENCES[i % len(SENTENCES)] + f" #{i}").ids for i in range(n)]
+
+
+def best(fn, repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+# -- (a) the ceiling -------------------------------------------------------------------------
+
+
+def bare_loop(model, cfg, dtype, batch: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    kv = KVCache.for_config(cfg, len(batch), max(map(len, batch)) + new_tokens, dtype, "cpu")
+    out = [[] for _ in batch]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        items = [(SeqChunk(i, 0, len(p)), p) for i, p in enumerate(batch)]
+        for _ in range(new_tokens):
+            ids = model.step(ForwardBatch.build(items, "cpu"), kv).argmax(-1).tolist()
+            items = []
+            for i, t in enumerate(ids):
+                out[i].append(t)
+                items.append((SeqChunk(i, len(batch[i]) + len(out[i]) - 1, 1), [t]))
+    return time.perf_counter() - t0, out
+
+
+# -- (b), (c) the engine ---------------------------------------------------------------------
+
+
+def make_engine(loaded, n_slots: int, max_seq_len: int) -> Engine:
+    kv = KVCache.for_config(loaded.config, n_slots, max_seq_len, loaded.dtype, "cpu")
+    sched = Scheduler(SchedulerConfig(n_slots, max_seq_len, eos_token_ids=()))  # ignore EOS: fixed lengths
+    return Engine(ModelRunner(loaded.model, kv, "cpu"), sched, loaded.tokenizer, max_queue=1024)
+
+
+async def _consume(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    stream = engine.submit(prompt, params, asyncio.get_running_loop())
+    ids, text = [], []
+    async for e in stream:
+        ids.append(e.token_id)
+        text.append(e.text)
+    return ids
+
+
+def engine_run(engine: Engine, batch: list[list[int]], new_tokens: int, concurrent: bool) -> tuple[float, list]:
+    params = SamplingParams.create(max_new_tokens=new_tokens)
+
+    async def main():
+        if concurrent:
+            return await asyncio.gather(*(_consume(engine, p, params) for p in batch))
+        return [await _consume(engine, p, params) for p in batch]
+
+    t0 = time.perf_counter()
+    out = asyncio.run(main())
+    return time.perf_counter() - t0, out
+
+
+# -- (d) transformers ------------------------------------------------------------------------
+
+
+def hf_run(path: Path, batch: list[list[int]], new_tokens: int, repeats: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # fixed lengths, as in (a)-(c)
+    model.generation_config.pad_token_id = 0
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for p in batch:
+                ids = torch.tensor([p])
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False)
+        return time.perf_counter() - t0
+
+    run_one = batch[:1]
+    with torch.inference_mode():
+        model.generate(torch.tensor(run_one), max_new_tokens=4, do_sample=False)  # warm-up
+    return best(run, repeats)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path, label = model_dir(args, Path(tmp))
+        loaded = load_model(path, "float32")
+        cfg = loaded.config
+        batch = prompts(loaded.tokenizer, args.requests)
+        max_seq_len = max(map(len, batch)) + args.new_tokens
+        n_tok = args.requests * args.new_tokens
+        print(f"model: {label}: {cfg.num_parameters / 1e6:.1f}M params, hidden {cfg.hidden_size}, "
+              f"{cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, {loaded.dtype}")
+        print(f"work: {args.requests} requests x {args.new_tokens} new tokens (prompts "
+              f"{min(map(len, batch))}-{max(map(len, batch))} tokens), {args.threads} threads, best of {args.repeats}")
+
+        bare_loop(loaded.model, cfg, loaded.dtype, batch[:4], 4)  # warm-up
+        t_a = best(lambda: bare_loop(loaded.model, cfg, loaded.dtype, batch, args.new_tokens)[0], args.repeats)
+        _, ref = bare_loop(loaded.model, cfg, loaded.dtype, batch, args.new_tokens)
+
+        engine = make_engine(loaded, args.requests, max_seq_len)
+        engine.start()
+        try:
+            engine_run(engine, batch[:4], 4, concurrent=True)  # warm-up
+            t_b = best(lambda: engine_run(engine, batch, args.new_tokens, True)[0], args.repeats)
+            _, out_b = engine_run(engine, batch, args.new_tokens, True)
+            t_c = best(lambda: engine_run(engine, batch, args.new_tokens, False)[0], args.repeats)
+        finally:
+            engine.shutdown()
+        t_d = None if args.skip_hf else hf_run(path, batch, args.new_tokens, args.repeats)
+
+    rate = {k: n_tok / t for k, t in (("a", t_a), ("b", t_b), ("c", t_c), ("d", t_d)) if t}
+    rows = [("a", "bare batched loop (ceiling)"), ("b", "engine, concurrent"), ("c", "engine, one at a time"),
+            ("d", "transformers generate, one at a time")]
+    print(f"\n{'':3}{'mode':40}{'tokens/s':>10}{'seconds':>10}")
+    for key, name in rows:
+        if key in rate:
+            print(f"({key}) {name:40}{rate[key]:10.0f}{n_tok / rate[key]:10.2f}")
+    same = sum(x == y for x, y in zip(out_b, ref, strict=True))
+    print(f"\nengine tokens equal to the bare loop's: {same}/{len(ref)} requests")
+    print(f"b/a = {rate['b'] / rate['a']:.2f}  (target >= 0.8)")
+    print(f"b/c = {rate['b'] / rate['c']:.1f}  (target >= 5)")
+    if "d" in rate:
+        print(f"b/d = {rate['b'] / rate['d']:.1f}  (target >= 5)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
