@@ -75,7 +75,7 @@ def _rocm(lo: int, hi: int) -> Device:
     return Device(type="rocm", properties=ROCMProperties(min_capability=lo, max_capability=hi))
 
 
-_NEWER = "newer than the newest tuned architecture; the nearest tuning, forward-compatible Triton code"
+_NEWER = "newer than the newest tuned architecture (sm_90): its Hopper tuning, the nearest, on forward-compatible Triton code"
 
 # fmt: off
 _ENTRIES: tuple[_Entry, ...] = (
@@ -89,9 +89,9 @@ _ENTRIES: tuple[_Entry, ...] = (
     _Entry("RMSNorm", _cuda(90, 99), "rmsnorm", "RMSNormTritonSm90", "triton-sm90",
            "Hopper (sm_90): Triton, several narrow rows per program, 16 elements per thread"),
     _Entry("RMSNorm", _cuda(100, _ANY), "rmsnorm", "RMSNormTritonSm90", "triton-sm90",
-           f"sm_100+ is {_NEWER} (Hopper)"),
+           _NEWER),
     _Entry("RMSNorm", Device(type="rocm"), "rmsnorm", "RMSNormTritonRocm", "triton-rocm",
-           "ROCm: Triton tuned for 64-lane wavefronts"),
+           "Triton tuned for CDNA's 64-lane wavefronts"),
     # -- SiluAndMul -----------------------------------------------------------------------
     _Entry("SiluAndMul", Device(type="cpu"), "activation", "SiluAndMul", "torch",
            "CPU: the torch reference (Triton needs a GPU)"),
@@ -102,9 +102,9 @@ _ENTRIES: tuple[_Entry, ...] = (
     _Entry("SiluAndMul", _cuda(90, 99), "activation", "SiluAndMulTritonSm90", "triton-sm90",
            "Hopper (sm_90): Triton, 4096 columns x 8 warps per program"),
     _Entry("SiluAndMul", _cuda(100, _ANY), "activation", "SiluAndMulTritonSm90", "triton-sm90",
-           f"sm_100+ is {_NEWER} (Hopper)"),
+           _NEWER),
     _Entry("SiluAndMul", Device(type="rocm"), "activation", "SiluAndMulTritonRocm", "triton-rocm",
-           "ROCm: Triton tuned for 64-lane wavefronts"),
+           "Triton tuned for CDNA's 64-lane wavefronts"),
     # -- Fp8Linear (variant follows the device's fp8 convention) ---------------------------
     _Entry("Fp8Linear", Device(type="cpu"), "fp8_linear", "Fp8Linear", "emulated-torch",
            "CPU: emulated fp8, uint8 weights dequantized for a torch matmul"),
@@ -118,7 +118,7 @@ _ENTRIES: tuple[_Entry, ...] = (
     _Entry("Fp8Linear", _cuda(90, 99), "fp8_linear", "Fp8LinearTritonNativeSm90", "native_e4m3-triton",
            "Hopper (sm_90) fp8 tensor cores: Triton NATIVE=True, 128-wide tiles, 4 stages"),
     _Entry("Fp8Linear", _cuda(100, _ANY), "fp8_linear", "Fp8LinearTritonNativeSm90", "native_e4m3-triton",
-           f"sm_100+ has fp8 tensor cores and is {_NEWER} (Hopper, NATIVE=True)"),
+           f"fp8 tensor cores, NATIVE=True; {_NEWER}"),
     _Entry("Fp8Linear", Device(type="rocm"), "fp8_linear", "Fp8LinearTritonEmulatedRocm", "emulated-triton",
            "ROCm arch without fp8 matrix cores: Triton NATIVE=False, e4m3fnuz bytes decoded in registers"),
     _Entry("Fp8Linear", _rocm(*FP8_NATIVE_ROCM), "fp8_linear", "Fp8LinearTritonNativeRocm", "native_e4m3-triton",

@@ -1,0 +1,89 @@
+"""`hetserve plan`: per device, the kernel each layer gets and the fp8 convention, with reasons,
+without loading weights.
+
+Design: the plan runs the workers' own decision functions (`kernels_local.mapping.select`
+and `workers.fp8.choose_fp8`, both pure) on the router's inventory (NVML, or `--simulate`),
+so it shows what each worker will choose, not a copy of the rules. Field names match
+`/workers`: `device{type, index, uuid, name, capability, simulated, memory_total_bytes}`,
+`fp8{convention, reason}`, `kernels{<layer>: {repo, layer, variant, reason}}`. The
+trade-off: `choose_fp8` lives with the worker code and imports torch, so this one-shot
+command pays that import (the serving router never imports this module).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from server.errors import UsageError
+from workers.topology import DeviceInfo, TopologySpecError, select_devices
+
+DEVICE_FIELDS = ("type", "index", "uuid", "name", "capability", "simulated", "memory_total_bytes")
+
+
+def _cpu_device() -> DeviceInfo:
+    """The one CPU worker `hetserve serve` runs on a host without GPUs."""
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        mem = 0
+    return DeviceInfo(
+        index=0, uuid="cpu", name="CPU", type="cpu", capability=None, memory_total_bytes=mem, simulated=False
+    )
+
+
+def _devices(simulate: str | None, devices: str | None) -> list[DeviceInfo]:
+    from server.inventory import inventory
+
+    try:
+        found = inventory(simulate)
+        return select_devices(found, devices) if found else [_cpu_device()]
+    except TopologySpecError as e:
+        raise UsageError(str(e)) from e
+
+
+def plan_device(dev: DeviceInfo) -> dict:
+    """One device's plan: its description, fp8 convention and kernel per layer."""
+    from kernels_local.mapping import select
+    from workers.fp8 import choose_fp8
+
+    conv, fp8_reason = choose_fp8(dev.type, dev.capability)
+    described = dev.to_dict()
+    return {
+        "device": {k: described[k] for k in DEVICE_FIELDS},
+        "fp8": {"convention": conv.name, "reason": fp8_reason},
+        "kernels": {layer: c.to_dict() for layer, c in select(dev.type, dev.capability).items()},
+    }
+
+
+def build_plan(simulate: str | None = None, devices: str | None = "all") -> dict:
+    """`{"devices": [plan_device(d), ...]}` for the inventory (or one CPU device)."""
+    return {"devices": [plan_device(d) for d in _devices(simulate, devices)]}
+
+
+def _render(plan: dict) -> str:
+    lines = []
+    for entry in plan["devices"]:
+        d = entry["device"]
+        cap = f"capability {d['capability']}" if d["capability"] else "no GPU capability"
+        sim = ", simulated" if d["simulated"] else ""
+        lines.append(f"device {d['index']}: {d['name']} [{d['type']}, {cap}{sim}] {d['uuid']}")
+        rows = [("fp8", entry["fp8"]["convention"], "", entry["fp8"]["reason"])]
+        rows += [
+            (layer, k["variant"], f"{k['repo']}:{k['layer']}", k["reason"])
+            for layer, k in entry["kernels"].items()
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        for r in rows:
+            lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
+def run(args) -> int:
+    plan = build_plan(getattr(args, "simulate", None), getattr(args, "devices", "all"))
+    if getattr(args, "json", False):
+        print(json.dumps(plan, indent=2))
+    else:
+        print(_render(plan))
+    return 0

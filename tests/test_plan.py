@@ -1,0 +1,130 @@
+"""`hetserve plan`: every device gets a kernel for every layer and the fp8 convention with
+reasons, in `/workers`' field names, from the same decision code the workers run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import server.inventory
+from kernels_local.mapping import LAYERS
+from server.cli import main
+from workers.topology import simulated_device
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = "sm_75,sm_80,sm_89,sm_90,sm_100,sm_120"
+
+
+def _plan_json(capsys, *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_every_device_gets_every_layer_and_native_fp8_exactly_from_sm89(capsys):
+    plan = _plan_json(capsys, "--simulate", SPEC)
+    caps = [d["device"]["capability"] for d in plan["devices"]]
+    assert caps == ["7.5", "8.0", "8.9", "9.0", "10.0", "12.0"]
+    for entry in plan["devices"]:
+        assert set(entry["kernels"]) == set(LAYERS)
+        for k in entry["kernels"].values():
+            assert set(k) == {"repo", "layer", "variant", "reason"} and all(k.values())
+        native = entry["fp8"]["convention"] == "native_e4m3"
+        assert native == (tuple(map(int, entry["device"]["capability"].split("."))) >= (8, 9))
+        assert entry["kernels"]["Fp8Linear"]["variant"].startswith(entry["fp8"]["convention"])
+        assert entry["fp8"]["reason"]
+
+
+def test_field_names_match_workers(capsys):
+    entry = _plan_json(capsys, "--simulate", "sm_90")["devices"][0]
+    assert set(entry) == {"device", "fp8", "kernels"}
+    assert set(entry["device"]) == {
+        "type",
+        "index",
+        "uuid",
+        "name",
+        "capability",
+        "simulated",
+        "memory_total_bytes",
+    }
+    assert set(entry["fp8"]) == {"convention", "reason"}
+    assert entry["device"]["simulated"] is True and entry["device"]["type"] == "cuda"
+
+
+def test_plan_equals_what_the_worker_kernelizes_with(capsys):
+    """The same selection code: a worker bound to the simulated device reports these kernels."""
+    import torch
+
+    from workers.config import ModelConfig
+    from workers.device import BoundDevice
+    from workers.kernelize import kernelize_for_device
+    from workers.model import Transformer
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)  # fmt: skip
+    for entry in _plan_json(capsys, "--simulate", "sm_80,gfx942,cpu")["devices"]:
+        d = entry["device"]
+        cap = None if d["capability"] is None else tuple(map(int, d["capability"].split(".")))
+        bound = BoundDevice(d["type"], d["index"], d["uuid"], d["name"], cap, d["memory_total_bytes"], True)
+        chosen = kernelize_for_device(Transformer.random(cfg, torch.float32), bound)
+        assert {k: v.to_dict() for k, v in chosen.items()} == entry["kernels"]
+
+
+def test_without_simulate_uses_the_nvml_inventory(monkeypatch, capsys):
+    gpus = [simulated_device("sm_80", 0), simulated_device("sm_90", 1)]
+    gpus = [
+        g.__class__(**{**g.__dict__, "simulated": False, "name": g.name.replace(" (simulated)", "")})
+        for g in gpus
+    ]
+    monkeypatch.setattr(server.inventory, "nvml_inventory", lambda: gpus)
+    plan = _plan_json(capsys)
+    assert [e["device"]["name"] for e in plan["devices"]] == [
+        "NVIDIA A100-SXM4-80GB",
+        "NVIDIA H100 80GB HBM3",
+    ]
+    assert plan["devices"][1]["kernels"]["RMSNorm"]["variant"] == "triton-sm90"
+    assert _plan_json(capsys, "--devices", "1")["devices"][0]["device"]["index"] == 1
+
+
+def test_without_gpus_plans_one_cpu_device(monkeypatch, capsys):
+    monkeypatch.setattr(server.inventory, "nvml_inventory", lambda: [])
+    (entry,) = _plan_json(capsys)["devices"]
+    assert entry["device"]["type"] == "cpu" and entry["device"]["capability"] is None
+    assert entry["fp8"]["convention"] == "emulated"
+    assert {k["variant"] for k in entry["kernels"].values()} == {"torch", "emulated-torch"}
+
+
+def test_human_readable_table(capsys):
+    assert main(["plan", "--simulate", "sm_89,gfx942"]) == 0
+    out = capsys.readouterr().out
+    assert "device 0: NVIDIA L40S (simulated) [cuda, capability 8.9, simulated]" in out
+    assert "device 1: AMD Instinct MI300X (simulated) [rocm, capability 9.4, simulated]" in out
+    for layer in ("fp8", *LAYERS):
+        assert out.count(f"\n  {layer} ") == 2
+    assert "kernels_local/fp8_linear:Fp8LinearTritonNativeSm89" in out
+
+
+@pytest.mark.parametrize("argv", [["--simulate", "sm_x"], ["--simulate", "sm_80", "--devices", "5"]])
+def test_bad_input_is_a_usage_error(capsys, argv):
+    assert main(["plan", *argv]) == 2
+    assert "hetserve plan: error:" in capsys.readouterr().err
+
+
+def test_plan_loads_no_weights_and_initializes_no_cuda():
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from server.cli import main
+        assert main(["plan", "--simulate", "{SPEC}", "--json"]) == 0
+        loaded = [m for m in ("workers.loader", "workers.model", "safetensors") if m in sys.modules]
+        assert not loaded, loaded
+        import torch
+        assert not torch.cuda.is_initialized()
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
