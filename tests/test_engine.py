@@ -108,6 +108,7 @@ def test_abort_frees_the_slot_for_the_next_step():
     run_until_idle(engine)
     assert waiting.events[-1].finish.reason == "length"
     assert engine.load() == (0, 0)
+    assert 'hetserve_worker_requests_total{finish_reason="aborted"} 1.0' in engine.metrics.render().decode()
 
 
 def test_seeded_output_is_the_same_whatever_the_batch_mates():

@@ -263,6 +263,7 @@ class Engine:
         elif kind == _ABORT:
             seq = self.scheduler.abort_request(value)
             if seq is not None:
+                self.metrics.requests.labels(seq.finish_reason).inc()
                 self._release(seq)
         else:
             self._abort_all("The worker shut down before the request finished")
