@@ -163,7 +163,7 @@ def run_worker(args: argparse.Namespace) -> int:
             if args.quantize == "fp8":
                 from workers.quantize import quantize_model
 
-                quantize_model(loaded.model, conv)
+                logger.info("fp8 weights: %s", quantize_model(loaded.model, conv))
             logger.info("fp8 convention %s: %s", conv.name, fp8_reason)
         with startup_step("serve", status):
             server = WorkerServer(args, bound, loaded, kernels, conv, fp8_reason)
