@@ -1,0 +1,167 @@
+"""End to end: `hetserve serve --simulate sm_80,sm_89,sm_90` with real worker processes.
+
+One router for the whole module, serving a tiny random checkpoint (tests/checkpoints.py)
+through three real workers (`python -m workers`): per-device fp8 conventions in /workers,
+balancing, the `openai` and `huggingface_hub` clients unchanged, no 5xx under schema
+fuzzing (schemathesis), and `kill -9` of a worker under load (last: it restarts a worker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.router_harness import RouterProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    from tests.checkpoints import make_checkpoint
+
+    model = make_checkpoint(tmp_path_factory.mktemp("e2e") / "tiny")
+    r = RouterProcess(["--simulate", "sm_80,sm_89,sm_90", "--model", str(model), "--max-batch", "8"],
+                      fake=False, ready_timeout=240)
+    yield r
+    r.stop()
+    assert not r.orphans, f"workers left running: {r.orphans}"
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    with router.client(timeout=120) as c:
+        yield c
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+
+
+def test_workers_are_ready_with_their_own_fp8_convention_and_kernels(client):
+    workers = client.get("/workers").json()["workers"]
+    assert [(w["id"], w["state"]) for w in workers] == [("gpu0", "ready"), ("gpu1", "ready"), ("gpu2", "ready")]
+    assert [w["device"]["capability"] for w in workers] == ["8.0", "8.9", "9.0"]
+    assert [w["fp8"]["convention"] for w in workers] == ["emulated", "native_e4m3", "native_e4m3"]
+    for w in workers:
+        assert w["device"]["simulated"] is True and w["restarts"] == 0 and w["pid"] > 0
+        assert w["fp8"]["reason"] and w["kernels"], w
+        for choice in w["kernels"].values():
+            assert set(choice) >= {"repo", "layer", "variant", "reason"}
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_generate_and_stream_carry_the_worker_headers(client):
+    r = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5, "details": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["details"]["generated_tokens"] <= 5
+    assert {"x-worker-id", "x-worker-capability", "x-fp8-convention"} <= set(r.headers)
+    r = client.post("/generate_stream", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4}})
+    events = _events(r.text)
+    assert r.status_code == 200 and events[-1]["details"]["generated_tokens"] == len(events)
+    assert events[-1]["generated_text"] is not None
+
+
+def test_requests_spread_over_the_three_workers(client):
+    def one(_):
+        r = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 8}})
+        assert r.status_code == 200, r.text
+        return r.headers["x-worker-id"], r.headers["x-fp8-convention"]
+
+    with ThreadPoolExecutor(6) as pool:
+        seen = set(pool.map(one, range(18)))
+    assert {w for w, _ in seen} == {"gpu0", "gpu1", "gpu2"}
+    assert dict(seen) == {"gpu0": "emulated", "gpu1": "native_e4m3", "gpu2": "native_e4m3"}
+
+
+def test_seeded_sampling_is_the_same_on_every_worker(client):
+    """Same prompt, same seed, greedy: every device answers the same text (fp8 off)."""
+    texts = {}
+    for wid in ("gpu0", "gpu1", "gpu2"):
+        r = client.post("/generate", json={"inputs": "The quick", "parameters": {"max_new_tokens": 6}},
+                        headers={"X-Hetserve-Worker": wid})
+        assert r.headers["x-worker-id"] == wid
+        texts[wid] = r.json()["generated_text"]
+    assert len(set(texts.values())) == 1, texts
+
+
+def test_openai_client_unchanged(router):
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    model = c.models.list().data[0].id
+    done = c.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+    assert done.usage.prompt_tokens > 0 and 0 < done.usage.completion_tokens <= 4
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens > 5  # the template's tokens
+    chunks = list(c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens >= 1
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("length", "stop")
+    many = c.completions.create(model=model, prompt=["a", "b"], n=2, max_tokens=2, seed=1)
+    assert [ch.index for ch in many.choices] == [0, 1, 2, 3]
+
+
+def test_huggingface_inference_client_unchanged(router):
+    hub = pytest.importorskip("huggingface_hub")
+    c = hub.InferenceClient(model=router.url)
+    text = c.text_generation("Hello", max_new_tokens=4)
+    assert isinstance(text, str)
+    out = c.text_generation("Hello", max_new_tokens=4, details=True, seed=3, do_sample=True)
+    assert 1 <= out.details.generated_tokens <= 4
+    streamed = list(c.text_generation("Hello", max_new_tokens=3, stream=True, details=True))
+    assert streamed[-1].details is not None and streamed[-1].generated_text is not None
+
+
+def test_schema_fuzzing_finds_no_server_error(router):
+    """Every operation of /openapi.json, 25 generated requests each: no answer is a 5xx."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    schema = schemathesis.openapi.from_url(f"{router.url}/openapi.json")
+    failures = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        def fuzz(case):
+            response = case.call(base_url=router.url, timeout=60)
+            if response.status_code >= 500:
+                failures.append((case.method, case.path, case.body, response.status_code, response.text[:300]))
+
+        fuzz()
+    assert not failures, sorted({(m, p, code, text) for m, p, _, code, text in failures})
+    with router.client() as c:
+        assert c.get("/health").json()["status"] == "ok"  # the fuzzing crashed no worker
+
+
+def test_kill_9_under_load_loses_no_request_and_the_worker_comes_back(router, client):
+    victim = next(w for w in client.get("/workers").json()["workers"] if w["id"] == "gpu1")
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 40, "details": True}}
+
+    def one(_):
+        r = client.post("/generate", json=body)
+        return r.status_code, r.json()
+
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(one, i) for i in range(36)]
+        time.sleep(0.5)
+        os.kill(victim["pid"], signal.SIGKILL)
+        health = router.wait_for(lambda: (h := client.get("/health").json())["status"] == "degraded" and h, 15)
+        results = [f.result() for f in futures]
+    assert health["workers"]["gpu1"] in ("unhealthy", "restarting", "starting")
+    for code, payload in results:  # a result, or at least a clear error
+        assert code == 200 or (code in (429, 503) and payload.get("error")), (code, payload)
+    assert sum(code == 200 for code, _ in results) == len(results), results
+    back = router.wait_for(lambda: (w := next(x for x in client.get("/workers").json()["workers"]
+                                              if x["id"] == "gpu1"))["state"] == "ready" and w, 120)
+    assert back["restarts"] == 1 and back["pid"] != victim["pid"]
+    assert back["fp8"]["convention"] == "native_e4m3"
+    assert client.get("/health").json()["status"] == "ok"
