@@ -142,3 +142,28 @@ def test_scaled_mm_on_cpu_equals_the_emulated_reference_bit_for_bit(dtype):
     emulated = fp8_linear.fp8_linear(x, qe, scale, bias, native=False, fmt="e4m3fn")
     assert native.shape == (2, 5, 24) and native.dtype == dtype
     assert torch.equal(native, emulated)
+
+
+@pytest.mark.gpu
+def test_chosen_kernels_on_this_gpu_match_the_references():
+    """On a real GPU: the variants `select()` picks for it, compiled, against the references."""
+    from kernels_local.mapping import select
+
+    cap = torch.cuda.get_device_capability(0)
+    kind = "rocm" if torch.version.hip else "cuda"
+    chosen = {k: v.repository().load() for k, v in select(kind, cap).items()}
+    norm = ModelRMSNorm(4096).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(33, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(chosen["RMSNorm"].forward(norm, x), norm(x))
+    act = ModelSiluAndMul()
+    x2 = torch.randn(5, 2 * 11008, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(chosen["SiluAndMul"].forward(act, x2), act(x2))
+    if kind == "cuda" and cap >= (8, 0):
+        from workers.quantize import Fp8Linear
+
+        conv = host_fp8.choose_fp8(kind, cap)[0]
+        linear = torch.nn.Linear(4096, 1000, bias=True, device="cuda", dtype=torch.bfloat16)
+        layer = Fp8Linear.from_linear(linear, conv)
+        x3 = torch.randn(7, 4096, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(chosen["Fp8Linear"].forward(layer, x3), layer(x3), rtol=2e-2, atol=2e-2)

@@ -196,3 +196,23 @@ def test_fp8_linear_refuses_a_buffer_of_the_other_convention(interp):
         m.fp8_linear(x, q_emulated, scale, None, native=True, fmt="e4m3fn")
     with pytest.raises(TypeError, match="dtype `torch.float8_e4m3fn`"):
         m.fp8_linear(x, q_native, scale, None, native=False, fmt="e4m3fn")
+
+
+@pytest.mark.parametrize("fmt", sorted(CONVENTIONS))
+@needs_interpreter
+def test_fused_per_token_quantization_matches_the_torch_quantizer(interp, fmt):
+    """The GPU path's one-kernel quantizer against `quantize_rows`, bit for bit: exact ties
+    (round half to even), subnormals, the saturation point, zero rows, fp8 and fp16 outputs."""
+    quant = interp["fp8_linear"].quant
+    native = CONVENTIONS[fmt][0]
+    grid = host_fp8.decode_e4m3(torch.arange(256, dtype=torch.uint8), fmt)
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].sort().values
+    ties = (grid[:-1] + grid[1:]) / 2
+    row = torch.cat([grid, ties, -ties])  # amax is the format's max: scale 1, x / scale == x
+    rows = torch.stack([row, row * 3.7, torch.zeros_like(row), torch.randn(row.numel()) * 1e-3])
+    rows = torch.cat([rows, torch.zeros(4, 3)], dim=1)  # width not a power of two
+    want_grid, want_scale = quant.quantize_rows(rows, fmt)
+    for out_dtype in (native.fp8_dtype, torch.float16):
+        q, scale = quant.quantize_rows_triton(rows, fmt, out_dtype)
+        assert q.dtype == out_dtype and torch.equal(scale, want_scale)
+        assert torch.equal(q.to(torch.float32), want_grid)

@@ -1,10 +1,11 @@
 """fp8 (e4m3) linear: y = x @ W.T + b with per-token activation scales and per-output-channel
 weight scales, as one Triton kernel, its torch reference, and per-architecture tuning.
 
-Design: activations are quantized per token in fp32 onto the e4m3 grid (`quant.py`); the
-weight arrives already quantized, in the worker's convention. One kernel serves both
-conventions through the compile-time flag `NATIVE`, which the caller passes from that same
-convention (the value that also chose the weight buffer's dtype):
+Design: activations are quantized per token in fp32 onto the e4m3 grid (`quant.py`, one
+fused kernel on GPUs); the weight arrives already quantized, in the worker's convention.
+One GEMM kernel serves both conventions through the compile-time flag `NATIVE`, which the
+caller passes from that same convention (the value that also chose the weight buffer's
+dtype):
 - `NATIVE=True`: weight and activations are fp8 tensors and `tl.dot` runs on fp8 tensor
   cores (sm_89+, or CDNA3 with e4m3fnuz).
 - `NATIVE=False` (emulated): the weight is uint8 bytes, decoded to fp16 in registers with
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import decode, get_format, quantize_rows
+from .quant import decode, get_format, quantize_rows, quantize_rows_triton
 
 
 @triton.jit
@@ -198,9 +199,10 @@ def fp8_linear(
             return scaled_mm_cpu(x, qweight, weight_scale, bias, fmt)
         return fp8_linear_reference(x, qweight, weight_scale, bias, fmt)
     k, n = x.shape[-1], qweight.shape[0]
-    grid, sx = quantize_rows(x.reshape(-1, k), fmt)  # [M, K] on the grid, [M, 1]
-    # the operand the flag's branch expects: fp8 bytes, or fp16 grid values (both exact)
-    a = grid.to(qweight.dtype) if native else grid.to(torch.float16)
+    # 1. per-token quantization into the operand the flag's branch expects: fp8 bytes, or
+    #    fp16 grid values (both exact)
+    a, sx = quantize_rows_triton(x.reshape(-1, k), fmt, qweight.dtype if native else torch.float16)
+    # 2. one GEMM launch, NATIVE taken from the caller's convention
     m = a.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     w = qweight if qweight.stride(-1) == 1 else qweight.contiguous()

@@ -1,11 +1,13 @@
-"""e4m3 arithmetic in torch for the fp8 linear layers: per-token activation quantization and
-byte decoding.
+"""e4m3 arithmetic for the fp8 linear layers: per-token activation quantization (a Triton
+kernel and its torch reference) and byte decoding.
 
 Values are rounded onto the e4m3 grid in fp32 (round-to-nearest-even, saturating) before
 any downcast, so a cast of the result to an fp8 dtype is exact and the native and emulated
 paths see the same numbers. This repository is self-contained (a `kernels` repository
 imports nothing from the server); the host's own quantizer uses the same rule, and a test
-checks the two agree bit for bit.
+checks the two agree bit for bit. On a GPU the per-token quantization is one fused kernel
+(one program per token: amax, scale, rounding, store) instead of a dozen elementwise
+launches, which would dominate a decode step's small matmuls.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+import triton
+import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -82,3 +86,75 @@ def _decode_table(fmt: str) -> torch.Tensor:
 def decode(q: torch.Tensor, fmt: str) -> torch.Tensor:
     """fp32 values of uint8 e4m3 bytes (exact; NaN encodings are not expected in weights)."""
     return _decode_table(fmt).to(q.device)[q.to(torch.int64)]
+
+
+@triton.jit
+def _round_to_e4m3(v, MAX_VALUE: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr):
+    # 1. exponent of |v| from its fp32 bits, floored at the smallest normal
+    a = tl.abs(v)
+    e = (a.to(tl.uint32, bitcast=True) >> 23).to(tl.int32) - 127
+    e = tl.maximum(e, 1 - BIAS)
+    # 2. scale to units of the grid spacing 2**(e - 3): multiplying by a power of two is exact
+    t = a * ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
+    # 3. round half to even: floor(t + 0.5) is exact for t < 16; ties go back to the even integer
+    r = tl.floor(t + 0.5)
+    odd = (r.to(tl.int32) & 1) == 1
+    r = tl.where((r - t == 0.5) & odd, r - 1.0, r)
+    # 4. back to a value, saturate, and put the sign bit back (fnuz has no negative zero)
+    r = tl.minimum(r * ((e - 3 + 127) << 23).to(tl.float32, bitcast=True), MAX_VALUE)
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    r = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    if FNUZ:
+        r = tl.where(r == 0.0, 0.0, r)
+    return r
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    X,
+    Q,
+    S,
+    n_cols,
+    stride_x,
+    stride_q,
+    MAX_VALUE: tl.constexpr,
+    BIAS: tl.constexpr,
+    FNUZ: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # 1. this program's token (row) and the column block it walks with
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    # 2. amax over the row
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, n_cols, BLOCK):
+        x = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < n_cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    # 3. the row's scale, with IEEE division as the torch reference computes it
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), MAX_VALUE), 1.1754943508222875e-38)
+    tl.store(S + row, scale)
+    # 4. x / scale rounded onto the grid, stored exactly in Q's dtype (fp8, or fp16 grid values)
+    for k0 in range(0, n_cols, BLOCK):
+        mask = k0 + offs < n_cols
+        x = tl.load(X + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        r = _round_to_e4m3(tl.div_rn(x, scale), MAX_VALUE, BIAS, FNUZ)
+        tl.store(Q + row * stride_q + k0 + offs, r.to(Q.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_triton(
+    x: torch.Tensor, fmt: str, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` as one kernel: x [M, K] -> grid values [M, K] in `out_dtype` (an fp8
+    dtype, or fp16: both hold every e4m3 value exactly) and fp32 scales [M, 1]."""
+    f = get_format(fmt)
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    block = min(4096, triton.next_power_of_2(k))
+    _quantize_rows_kernel[(m,)](
+        x, q, scale, k, x.stride(0), q.stride(0),
+        MAX_VALUE=f.max_value, BIAS=f.bias, FNUZ=fmt == "e4m3fnuz", BLOCK=block, num_warps=4 if block >= 1024 else 1,
+    )  # fmt: skip
+    return q, scale

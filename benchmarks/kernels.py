@@ -1,0 +1,150 @@
+"""Our Triton kernels vs torch on the local GPU: correctness first, then time, side by side.
+
+For each shape, every tuning of a kernel (the one `select()` picks for this GPU is marked
+`*`) and the torch baseline are checked against the torch reference, then timed in
+interleaved rounds (CUDA events, median), so machine noise hits all alike. Ratios are
+torch time / kernel time: above 1 means the kernel is faster. Baselines: the eager torch
+reference for RMSNorm and SiluAndMul; `F.linear` in bf16 and the dequantize-then-matmul
+reference for the fp8 linear (native e4m3 only from sm_89).
+
+    python benchmarks/kernels.py [--rounds 50] [--only rmsnorm silu fp8]
+
+Without CUDA it prints one skip line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RMS_SHAPES = [(1, 4096), (32, 4096), (256, 2048), (4096, 4096), (16, 8192)]  # (tokens, hidden)
+SILU_SHAPES = [(1, 14336), (32, 14336), (2048, 11008)]  # (tokens, intermediate)
+GEMM_SHAPES = [(1, 4096, 4096), (32, 4096, 4096), (256, 14336, 4096), (1024, 4096, 14336)]  # (M, N, K)
+
+
+def _time(fns: dict, rounds: int) -> dict[str, float]:
+    """Median microseconds per call, calls interleaved round by round."""
+    for fn in fns.values():  # warm up: compile, autotune caches, allocator
+        fn()
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples[name].append(start.elapsed_time(end) * 1000.0)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _report(title: str, times: dict[str, float], baseline: str, nbytes: int | None = None) -> None:
+    base = times[baseline]
+    parts = []
+    for name, us in times.items():
+        bw = f", {nbytes / us / 1e3:.0f} GB/s" if nbytes else ""
+        ratio = "" if name == baseline else f", x{base / us:.2f}"
+        parts.append(f"{name} {us:.1f} us{bw}{ratio}")
+    print(f"{title}: " + "; ".join(parts))
+
+
+def bench_rmsnorm(m: int, n: int, chosen: str, rounds: int) -> None:
+    from kernels_local.rmsnorm import TUNINGS, rms_norm, rms_norm_reference
+
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ref = rms_norm_reference(x, w, 1e-6)
+    fns = {"torch": lambda: rms_norm_reference(x, w, 1e-6)}
+    for name, t in TUNINGS.items():
+        torch.testing.assert_close(rms_norm(x, w, 1e-6, t), ref)
+        fns[name + ("*" if name == chosen else "")] = lambda t=t: rms_norm(x, w, 1e-6, t)
+    _report(f"RMSNorm [{m}, {n}] bf16", _time(fns, rounds), "torch", 2 * x.numel() * 2)
+
+
+def bench_silu(m: int, i: int, chosen: str, rounds: int) -> None:
+    from kernels_local.activation import TUNINGS, silu_and_mul, silu_and_mul_reference
+
+    x = torch.randn(m, 2 * i, device="cuda", dtype=torch.bfloat16)
+    ref = silu_and_mul_reference(x)
+    fns = {"torch": lambda: silu_and_mul_reference(x)}
+    for name, t in TUNINGS.items():
+        torch.testing.assert_close(silu_and_mul(x, t), ref)
+        fns[name + ("*" if name == chosen else "")] = lambda t=t: silu_and_mul(x, t)
+    _report(f"SiluAndMul [{m}, 2x{i}] bf16", _time(fns, rounds), "torch", 3 * m * i * 2)
+
+
+def bench_fp8(m: int, n: int, k: int, chosen: str, native_ok: bool, rounds: int) -> None:
+    import torch.nn.functional as F
+
+    from kernels_local.fp8_linear import TUNINGS, fp8_linear, fp8_linear_reference
+    from workers import fp8
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    q_emulated, scale = fp8.quantize_weight_per_channel(w, fp8.EMULATED_E4M3)
+    ref = fp8_linear_reference(x, q_emulated, scale, None, "e4m3fn")
+    fns = {"bf16 F.linear": lambda: F.linear(x, w), "torch dequant": lambda: fp8_linear_reference(
+        x, q_emulated, scale, None, "e4m3fn")}  # fmt: skip
+    variants = [(False, q_emulated)]
+    if native_ok:
+        variants.append((True, q_emulated.view(torch.float8_e4m3fn)))
+    for native, q in variants:
+        for name, t in TUNINGS.items():
+            if name == "rocm":
+                continue
+            label = f"{'native' if native else 'emulated'}-{name}" + ("*" if name == chosen else "")
+            try:
+                y = fp8_linear(x, q, scale, None, native=native, fmt="e4m3fn", tuning=t)
+            except Exception as e:  # a tile shape for a bigger GPU: out of shared memory here
+                print(f"  {label}: not run on this GPU ({type(e).__name__}: {str(e)[:80]})")
+                continue
+            torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+            fns[label] = lambda q=q, t=t, native=native: fp8_linear(
+                x, q, scale, None, native=native, fmt="e4m3fn", tuning=t
+            )
+    _report(f"Fp8Linear M={m} N={n} K={k}", _time(fns, rounds), "bf16 F.linear")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=50)
+    p.add_argument(
+        "--only", nargs="*", default=["rmsnorm", "silu", "fp8"], choices=["rmsnorm", "silu", "fp8"]
+    )
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "benchmarks/kernels.py: skipped, no CUDA device (the kernels need a GPU; CPU runs the torch reference)"
+        )
+        return 0
+    from kernels_local.mapping import select
+
+    cap = torch.cuda.get_device_capability(0)
+    kind = "rocm" if torch.version.hip else "cuda"
+    choices = select(kind, cap)
+    print(f"{torch.cuda.get_device_name(0)} ({kind} {cap[0]}.{cap[1]}); chosen: "
+          + ", ".join(f"{k}={v.variant}" for k, v in choices.items()))  # fmt: skip
+    tuning = {"triton-sm70": "sm70", "triton-sm90": "sm90", "triton-rocm": "rocm"}
+    if "rmsnorm" in args.only:
+        for m, n in RMS_SHAPES:
+            bench_rmsnorm(m, n, tuning.get(choices["RMSNorm"].variant, ""), args.rounds)
+    if "silu" in args.only:
+        for m, i in SILU_SHAPES:
+            bench_silu(m, i, tuning.get(choices["SiluAndMul"].variant, ""), args.rounds)
+    if "fp8" in args.only and kind == "cuda" and cap >= (8, 0):
+        fp8_tuning = {"Fp8LinearTritonEmulatedSm80": "sm80", "Fp8LinearTritonNativeSm89": "sm89",
+                      "Fp8LinearTritonNativeSm90": "sm90"}.get(choices["Fp8Linear"].layer, "")  # fmt: skip
+        for m, n, k in GEMM_SHAPES:
+            bench_fp8(m, n, k, fp8_tuning, cap >= (8, 9), args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
