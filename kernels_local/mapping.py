@@ -77,6 +77,8 @@ def _rocm(lo: int, hi: int) -> Device:
 
 _NEWER = "newer than the newest tuned architecture (sm_90): its Hopper tuning, the nearest, on forward-compatible Triton code"
 
+_RDNA = "RDNA (gfx10+) runs the CDNA tuning: correct, with fewer warps than its 32-lane waves would like"
+
 # fmt: off
 _ENTRIES: tuple[_Entry, ...] = (
     # -- RMSNorm --------------------------------------------------------------------------
@@ -92,6 +94,7 @@ _ENTRIES: tuple[_Entry, ...] = (
            _NEWER),
     _Entry("RMSNorm", Device(type="rocm"), "rmsnorm", "RMSNormTritonRocm", "triton-rocm",
            "Triton tuned for CDNA's 64-lane wavefronts"),
+    _Entry("RMSNorm", _rocm(100, _ANY), "rmsnorm", "RMSNormTritonRocm", "triton-rocm", _RDNA),
     # -- SiluAndMul -----------------------------------------------------------------------
     _Entry("SiluAndMul", Device(type="cpu"), "activation", "SiluAndMul", "torch",
            "CPU: the torch reference (Triton needs a GPU)"),
@@ -105,6 +108,7 @@ _ENTRIES: tuple[_Entry, ...] = (
            _NEWER),
     _Entry("SiluAndMul", Device(type="rocm"), "activation", "SiluAndMulTritonRocm", "triton-rocm",
            "Triton tuned for CDNA's 64-lane wavefronts"),
+    _Entry("SiluAndMul", _rocm(100, _ANY), "activation", "SiluAndMulTritonRocm", "triton-rocm", _RDNA),
     # -- Fp8Linear (variant follows the device's fp8 convention) ---------------------------
     _Entry("Fp8Linear", Device(type="cpu"), "fp8_linear", "Fp8Linear", "emulated-torch",
            "CPU: emulated fp8, uint8 weights dequantized for a torch matmul"),
