@@ -23,7 +23,7 @@ from server.balancer import OVERLOADED, PICK, UNSATISFIABLE, WAIT, Constraints, 
 from server.router_metrics import RouterMetrics
 from server.settings import RouterSettings
 from server.supervisor import Supervisor
-from server.worker_client import WorkerGone, iter_sse_events
+from server.worker_client import SSEEvents, WorkerGone, split_events
 from server.worker_handle import WorkerHandle
 
 logger = logging.getLogger(__name__)
@@ -55,12 +55,17 @@ class WorkerReply:
 
 @dataclass
 class WorkerStream:
-    """An open stream whose first event has arrived; `aclose()` exactly once, always."""
+    """An open stream whose first event has arrived; `aclose()` exactly once, always.
+
+    `first_raw` holds the first complete event(s) as the worker sent them and `first_data`
+    the last of those events' payload; `sse` yields what follows.
+    """
 
     worker: WorkerHandle
     headers: dict[str, str]
-    first: str
-    events: AsyncIterator[str]
+    first_raw: bytes
+    first_data: str
+    sse: SSEEvents
     _stack: contextlib.AsyncExitStack
     _closed: bool = field(default=False)
 
@@ -70,9 +75,16 @@ class WorkerStream:
             self.worker.outstanding -= 1
             await self._stack.aclose()
 
-    def lost_message(self, tokens_sent: int) -> str:
+    async def events(self) -> AsyncIterator[str]:
+        """Every event's data payload, the first ones included."""
+        for data in split_events(self.first_raw):
+            yield data
+        async for data in self.sse.events():
+            yield data
+
+    def lost_message(self, events_sent: int) -> str:
         why = self.worker.last_exit or "connection lost"
-        return f"worker {self.worker.id} was lost after {tokens_sent} events ({why}); the generation is incomplete"
+        return f"worker {self.worker.id} was lost after {events_sent} events ({why}); the generation is incomplete"
 
 
 def worker_headers(worker: WorkerHandle, response_headers) -> dict[str, str]:
@@ -142,17 +154,17 @@ class Dispatcher:
             assert client is not None
             self.metrics.worker_request(worker)
             try:
-                r = await client.post(path, body)
+                status, headers, content = await client.post(path, body)
             except WorkerGone as e:
                 self._failed(worker, generation, exclude, repr(e))
                 continue
             finally:
                 worker.outstanding -= 1
-            last = WorkerReply(r.status_code, r.content, worker_headers(worker, r.headers), worker)
-            if r.status_code not in _RETRY_STATUSES:
+            last = WorkerReply(status, content, worker_headers(worker, headers), worker)
+            if status not in _RETRY_STATUSES:
                 return last
-            saw_429 = saw_429 or r.status_code == 429
-            self._failed(worker, generation, exclude, f"answered {r.status_code}")
+            saw_429 = saw_429 or status == 429
+            self._failed(worker, generation, exclude, f"answered {status}")
         raise DispatchError(503, "No worker could take the request after several tries", "unavailable",
                             self.settings.retry_after_s)
 
@@ -172,7 +184,7 @@ class Dispatcher:
                 response = await stack.enter_async_context(client.stream(path, body))
                 headers = worker_headers(worker, response.headers)
                 if response.status_code != 200:
-                    content = await response.aread()
+                    content = await response.read()
                     await stack.aclose()
                     worker.outstanding -= 1
                     if response.status_code not in _RETRY_STATUSES:
@@ -180,8 +192,10 @@ class Dispatcher:
                     saw_429 = saw_429 or response.status_code == 429
                     self._failed(worker, generation, exclude, f"answered {response.status_code}")
                     continue
-                events = iter_sse_events(response)
-                first = await anext(events)
+                sse = SSEEvents(response.iter_chunks())
+                first = await sse.next_batch()
+                if first is None:
+                    raise StopAsyncIteration("the stream ended before its first event")
             except (*WorkerGone, StopAsyncIteration) as e:
                 await stack.aclose()
                 worker.outstanding -= 1
@@ -191,6 +205,6 @@ class Dispatcher:
                 await stack.aclose()
                 worker.outstanding -= 1
                 raise
-            return WorkerStream(worker, headers, first, events, stack)
+            return WorkerStream(worker, headers, first[0], first[1], sse, stack)
         raise DispatchError(503, "No worker could take the request after several tries", "unavailable",
                             self.settings.retry_after_s)

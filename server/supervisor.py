@@ -29,10 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from server.settings import RouterSettings
-from server.worker_client import WorkerClient, WorkerGone
+from server.worker_client import WorkerClient, WorkerDown, WorkerGone, WorkerHTTPError
 from server.worker_handle import FAILED, READY, RESTARTING, STARTING, UNHEALTHY, WorkerHandle, read_status
 from server.worker_spec import build_worker_specs
 from workers.topology import DeviceInfo
@@ -310,7 +308,7 @@ class Supervisor:
             if code != 200:
                 return None
             return await client.capability()
-        except (*WorkerGone, httpx.HTTPStatusError, ValueError):
+        except (*WorkerGone, WorkerHTTPError, ValueError):
             return None
 
     async def _health_loop(self, handle: WorkerHandle) -> None:
@@ -326,7 +324,7 @@ class Supervisor:
             try:
                 code, body = await client.health()
                 ok, why = code == 200, f"/health answered {code} {body.get('status', '')}".strip()
-            except httpx.ConnectError as e:
+            except WorkerDown as e:
                 ok, why = False, f"unreachable: {e!r}"
                 failures = max(failures, s.unhealthy_after_failures - 1) if urgent else failures
             except WorkerGone as e:

@@ -1,28 +1,32 @@
-"""HTTP to one worker over its Unix socket (httpx, one pooled client per worker).
+"""HTTP to one worker over its Unix socket (server/uds_http.py, one keep-alive pool per worker).
 
 The worker's socket API mirrors the public one (TGI shapes), so the router forwards request
-bodies and streamed events mostly untouched. A worker that dies shows up here as an
-`httpx.TransportError` (connection refused, reset, or closed mid-response); the dispatcher
-turns that into a retry or an error event. Reads have no timeout (a long generation is not
-a failure); a hung worker is caught by the supervisor's health checks instead.
+bodies and streamed bytes untouched. A worker that dies shows up here as one of `WorkerGone`
+(nothing listens, or the connection broke mid-answer); the dispatcher turns that into a
+retry or an error event. Generation reads have no timeout (a long generation is not a
+failure); a hung worker is caught by the supervisor's health checks instead. Control calls
+(health, capability, metrics) time out after a few seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import httpx
+from server.uds_http import Response, UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
 
-# Generation reads are unbounded; connecting and control calls are not.
-_GENERATE_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0)
-_CONTROL_TIMEOUT = httpx.Timeout(5.0)
-_LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+_CONTROL_TIMEOUT_S = 5.0
 
 # Errors that mean "the worker is gone or went away mid-answer" (not a bad request).
-WorkerGone = (httpx.TransportError,)
+WorkerGone = (WorkerConnectError, WorkerConnectionLost, TimeoutError)
+WorkerDown = WorkerConnectError  # nothing listens on the socket at all
+
+
+class WorkerHTTPError(Exception):
+    """A control call answered with an error status."""
 
 
 class WorkerClient:
@@ -30,48 +34,46 @@ class WorkerClient:
 
     def __init__(self, socket_path: Path | str):
         self.socket_path = str(socket_path)
-        self._client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=self.socket_path, limits=_LIMITS),
-            base_url="http://worker",
-            timeout=_GENERATE_TIMEOUT,
-        )
+        self._pool = UnixHTTPPool(self.socket_path)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._pool.aclose()
 
     # --- control -----------------------------------------------------------------------
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        status, _, content = await asyncio.wait_for(self._pool.request("GET", path), _CONTROL_TIMEOUT_S)
+        return status, content
+
     async def health(self) -> tuple[int, dict]:
-        """(status code, body) of GET /health; raises `WorkerGone` when unreachable."""
-        r = await self._client.get("/health", timeout=_CONTROL_TIMEOUT)
-        return r.status_code, _json_or_empty(r.content)
+        """(status code, body) of GET /health; raises one of `WorkerGone` when unreachable."""
+        status, content = await self._get("/health")
+        return status, _json_or_empty(content)
 
     async def capability(self) -> dict:
-        r = await self._client.get("/capability", timeout=_CONTROL_TIMEOUT)
-        r.raise_for_status()
-        return r.json()
+        status, content = await self._get("/capability")
+        if status != 200:
+            raise WorkerHTTPError(f"/capability answered {status}")
+        return json.loads(content)
 
     async def metrics(self) -> str:
-        r = await self._client.get("/metrics", timeout=_CONTROL_TIMEOUT)
-        r.raise_for_status()
-        return r.text
+        status, content = await self._get("/metrics")
+        if status != 200:
+            raise WorkerHTTPError(f"/metrics answered {status}")
+        return content.decode("utf-8", errors="replace")
 
     # --- generation --------------------------------------------------------------------
-    async def post(self, path: str, body: dict) -> httpx.Response:
-        """A non-streamed call; the whole answer is read before returning."""
-        return await self._client.post(path, content=json.dumps(body).encode(), headers=_JSON)
+    async def post(self, path: str, body: dict) -> tuple[int, dict[str, str], bytes]:
+        """A non-streamed call: (status, headers, body), the whole answer read."""
+        return await self._pool.request("POST", path, json.dumps(body).encode())
 
     @asynccontextmanager
-    async def stream(self, path: str, body: dict) -> AsyncIterator[httpx.Response]:
-        """A streamed call; the response's body is read by the caller inside the block."""
-        request = self._client.build_request("POST", path, content=json.dumps(body).encode(), headers=_JSON)
-        response = await self._client.send(request, stream=True)
+    async def stream(self, path: str, body: dict) -> AsyncIterator[Response]:
+        """A streamed call; read `iter_chunks()` inside the block."""
+        response = await self._pool.send("POST", path, json.dumps(body).encode())
         try:
             yield response
         finally:
             await response.aclose()
-
-
-_JSON = {"content-type": "application/json"}
 
 
 def _json_or_empty(content: bytes) -> dict:
@@ -82,20 +84,43 @@ def _json_or_empty(content: bytes) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-async def iter_sse_events(response: httpx.Response) -> AsyncIterator[str]:
-    """The `data:` payloads of a Server-Sent-Events body, one string per event.
+class SSEEvents:
+    """Splits a worker's SSE byte stream into events, keeping the raw bytes for relaying.
 
-    Events end at a blank line; several `data:` lines of one event are joined with "\\n"
-    (the SSE rule). Comments and other fields are skipped.
+    `next_batch()` returns the raw bytes of the next complete events (several may arrive
+    in one chunk) plus the last event's `data:` payload, so relays forward bytes untouched
+    and look at a payload only where they must (first event, last event).
     """
-    data: list[str] = []
-    async for line in response.aiter_lines():
-        if not line:
-            if data:
-                yield "\n".join(data)
-                data = []
-            continue
-        if line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-    if data:  # a last event without its blank line (the stream was cut short)
-        yield "\n".join(data)
+
+    def __init__(self, chunks: AsyncIterator[bytes]):
+        self._chunks = chunks
+        self._buffer = b""
+
+    async def next_batch(self) -> tuple[bytes, str] | None:
+        """(raw bytes of >= 1 complete events, the last one's data) or None at the end."""
+        async for chunk in self._chunks:
+            self._buffer += chunk
+            end = self._buffer.rfind(b"\n\n")
+            if end < 0:
+                continue
+            raw, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
+            previous = raw.rfind(b"\n\n", 0, end)  # the end of the event before the last one
+            return raw, event_data(raw[previous + 2 : end] if previous >= 0 else raw[:end])
+        return None
+
+    async def events(self) -> AsyncIterator[str]:
+        """Every further event's data payload, one by one."""
+        while (batch := await self.next_batch()) is not None:
+            for data in split_events(batch[0]):
+                yield data
+
+
+def split_events(raw: bytes) -> list[str]:
+    """The data payloads of the complete events in `raw`."""
+    return [event_data(block) for block in raw.split(b"\n\n") if block.strip()]
+
+
+def event_data(block: bytes) -> str:
+    """The `data:` payload of one SSE event block (several data lines joined by newlines)."""
+    lines = [line[5:].lstrip(b" ") for line in block.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines).decode("utf-8", errors="replace")

@@ -63,14 +63,13 @@ async def _generate_stream(req: GenerateRequest, request: Request) -> Response:
 
 
 async def relay_tgi(stream: WorkerStream, ctx: RouterContext):
-    """The worker's events as they come; an error event if the worker is lost midway."""
-    sent, last = 0, stream.first
+    """The worker's event bytes as they come; an error event if the worker is lost midway."""
+    sent, last = 1, stream.first_data
     try:
-        yield f"data: {stream.first}\n\n"
-        sent = 1
-        async for data in stream.events:
-            last = data
-            yield f"data: {data}\n\n"
+        yield stream.first_raw
+        while (batch := await stream.sse.next_batch()) is not None:
+            raw, last = batch
+            yield raw
             sent += 1
         if is_final(parse_event(last)):
             return
@@ -81,7 +80,7 @@ async def relay_tgi(stream: WorkerStream, ctx: RouterContext):
     finally:
         await close_shielded(stream)
     ctx.metrics.stream_error(stream.worker)
-    yield f"data: {json.dumps({'error': error, 'error_type': 'incomplete_generation'})}\n\n"
+    yield f"data: {json.dumps({'error': error, 'error_type': 'incomplete_generation'})}\n\n".encode()
 
 
 @router.post("/generate", response_model=None, responses={200: {"model": GenerateResponse}, **_ERRORS})

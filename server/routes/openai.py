@@ -145,12 +145,6 @@ async def _stream(ctx: RouterContext, c: Constraints, request: Request, body: di
                              headers={**opened.headers, **SSE_HEADERS})
 
 
-async def _events(stream: WorkerStream):
-    yield stream.first
-    async for data in stream.events:
-        yield data
-
-
 async def _relay(stream: WorkerStream, ctx: RouterContext, chat: bool, include_usage: bool, prefix: str):
     """Worker token events -> OpenAI chunks, `[DONE]` at the end, an error event if the worker is lost."""
     cid, created, model = fmt.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), ctx.model_id()
@@ -166,7 +160,7 @@ async def _relay(stream: WorkerStream, ctx: RouterContext, chat: bool, include_u
             yield fmt.sse(fmt.chat_chunk(cid, created, model, {"role": "assistant", "content": ""}, None))
         if prefix:
             yield chunk(prefix, None)
-        async for data in _events(stream):
+        async for data in stream.events():
             event = parse_event(data) or {}
             if event.get("error") is not None:
                 yield fmt.sse({"error": {"message": str(event["error"]), "type": event.get("error_type", "internal"),
