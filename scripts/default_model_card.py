@@ -100,8 +100,9 @@ Seed {args['seed']}; {f['steps']} steps of {args['batch_size']} x {args['seq_len
 {args['weight_decay']:g}), peak learning rate {args['lr']:g} with {args['warmup']} warm-up steps and cosine
 decay to {args['lr'] * args['min_lr_ratio']:g}; gradient clipping 1.0; bf16 autocast with fp32 master
 weights. Trained with hetserve's own `workers.model.Transformer` on {f['threads']} CPU threads
-(torch {f['torch']}): training took {_minutes(f['train_seconds'])}, the whole script
-{_minutes(f['total_seconds'])}. The script downloads the corpus itself with
+(torch {f['torch']}): training took {_minutes(f['train_seconds'])}
+({f['tokens_seen'] / f['train_seconds']:,.0f} tokens/s on average, on 2 cores shared with other jobs),
+the whole script {_minutes(f['total_seconds'])}. The script downloads the corpus itself with
 `apt-get download` (run `apt-get update` first; `--fortunes-dir DIR` reads an unpacked copy).
 
 | step | train loss | held-out loss (200 fortunes) | perplexity |
@@ -119,7 +120,7 @@ fortune scored on its own from `<|bos|>`), with this checkpoint loaded by
 - on `{HELDOUT_FILE}` alone: loss {f['sample_nll']:.3f}, perplexity {math.exp(f['sample_nll']):.1f}
   (tests/test_default_model.py bounds it).
 
-Greedy samples (40 new tokens at most):
+Greedy samples (40 new tokens at most; `chat:` prompts go through the chat template):
 
 {samples}
 

@@ -80,6 +80,7 @@ def write_checkpoint(
     dtype_name = str(dtype).removeprefix("torch.")
     tensors = {k: v.to(dtype).contiguous() for k, v in to_hf(model).items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "model.safetensors").chmod(0o644)  # save_file creates it 0600
     hf_config = replace(config, torch_dtype=dtype_name).to_hf_config()
     hf_config.update({"torch_dtype": dtype_name, "pad_token_id": tokenizer.token_to_id(PAD), "use_cache": True})
     _write_json(out_dir / "config.json", hf_config)

@@ -3,7 +3,7 @@
 Design: one reproducible pipeline, seeded end to end. (1) Fetch and split the corpus
 (scripts/prepare_corpus.py: BSD fortune files from Debian's package archive, 5% held out).
 (2) Train a byte-level BPE tokenizer (4,096 tokens) on the training split only.
-(3) Train a small Llama (hidden 256, 6 layers, GQA 4/2 heads, tied embeddings, ~5.4M
+(3) Train a small Llama (hidden 256, 4 layers, GQA 4/2 heads, tied embeddings, ~4.0M
 parameters) with the server's own `workers.model.Transformer`, on packed 512-token
 windows, AdamW + cosine schedule, bf16 autocast. (4) Export a Hugging Face checkpoint
 (scripts/export_default_model.py), load it back through `workers.loader.load_model` --
@@ -52,13 +52,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=688)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=60)
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     sample_nll, _ = document_nll(loaded.model, sample_docs, pad)
     samples = {p: greedy(loaded.model, tok, p) for p in model_card.PROMPTS}
     chat_prompt = export.render_chat([{"role": "user", "content": model_card.CHAT_PROMPT}], True)
-    samples[model_card.CHAT_PROMPT] = greedy(loaded.model, tok, chat_prompt)
+    samples[f"chat: {model_card.CHAT_PROMPT}"] = greedy(loaded.model, tok, chat_prompt)
     for prompt, text in samples.items():
         logger.info("greedy %r -> %r", prompt, text)
     # 5. Word list, held-out sample and model card.
