@@ -3,7 +3,8 @@
 Invariant 7 lives here. A request is retried on another ready worker when its worker fails
 before the client has received anything: the worker is unreachable or dies before
 answering (non-streamed), dies before the first event (streamed), or answers 503 (not ready,
-draining) or 429 (its queue is full). A stream whose first event has gone out is never
+draining) or 429 (its queue is full); another 5xx is retried once (a worker about to exit
+fatally may answer 500 first), then answered as is. A stream whose first event has gone out is never
 retried (the client already has tokens); it ends with an error event instead. When every
 matching worker is busy the answer is 429 with `Retry-After`; when none is ready, the request
 waits a bounded time for one (a single worker restarting after a crash) and then gets 503.
@@ -29,6 +30,16 @@ from server.worker_handle import WorkerHandle
 logger = logging.getLogger(__name__)
 
 _RETRY_STATUSES = (429, 503)  # the worker did not take the request: try another
+
+
+def _retry(status: int, error_retried: bool) -> tuple[bool, bool]:
+    """(retry elsewhere?, error retry used?). 429/503: always; another 5xx: once (the worker may
+    be failing, as before a fatal exit); anything else is the answer."""
+    if status in _RETRY_STATUSES:
+        return True, error_retried
+    if status >= 500 and not error_retried:
+        return True, True
+    return False, error_retried
 _WORKER_HEADERS = ("x-worker-id", "x-worker-capability", "x-fp8-convention")
 
 
@@ -141,7 +152,7 @@ class Dispatcher:
         """The worker's whole answer (any status but 429/503, which are retried elsewhere)."""
         exclude: dict[str, int] = {}
         deadline = time.monotonic() + self.settings.ready_wait_s
-        saw_429 = False
+        saw_429 = error_retried = False
         last: WorkerReply | None = None
         for _ in range(self._attempts()):
             try:
@@ -161,7 +172,8 @@ class Dispatcher:
             finally:
                 worker.outstanding -= 1
             last = WorkerReply(status, content, worker_headers(worker, headers), worker)
-            if status not in _RETRY_STATUSES:
+            again, error_retried = _retry(status, error_retried)
+            if not again:
                 return last
             saw_429 = saw_429 or status == 429
             self._failed(worker, generation, exclude, f"answered {status}")
@@ -173,9 +185,15 @@ class Dispatcher:
         """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply."""
         exclude: dict[str, int] = {}
         deadline = time.monotonic() + self.settings.ready_wait_s
-        saw_429 = False
+        saw_429 = error_retried = False
+        last: WorkerReply | None = None
         for _ in range(self._attempts()):
-            worker = await self._acquire(c, exclude, deadline, saw_429)
+            try:
+                worker = await self._acquire(c, exclude, deadline, saw_429)
+            except DispatchError:
+                if last is not None and last.status != 429:
+                    return last
+                raise
             generation, client = worker.generation, worker.client
             assert client is not None
             self.metrics.worker_request(worker)
@@ -187,8 +205,10 @@ class Dispatcher:
                     content = await response.read()
                     await stack.aclose()
                     worker.outstanding -= 1
-                    if response.status_code not in _RETRY_STATUSES:
-                        return WorkerReply(response.status_code, content, headers, worker)
+                    last = WorkerReply(response.status_code, content, headers, worker)
+                    again, error_retried = _retry(response.status_code, error_retried)
+                    if not again:
+                        return last
                     saw_429 = saw_429 or response.status_code == 429
                     self._failed(worker, generation, exclude, f"answered {response.status_code}")
                     continue

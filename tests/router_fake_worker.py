@@ -11,7 +11,8 @@ Behaviour for tests comes from the environment:
   FAKE_STARTUP_S=0.5           seconds before becoming ready
   FAKE_TOKEN_S=0.002           seconds per generated token
   FAKE_CRASH_IDS=gpu0          workers that die on the prompts `__crash_before_first__`
-                               (before any token) and `__crash_mid_stream__` (after 2 tokens)
+                               (before any token) and `__crash_mid_stream__` (after 2 tokens),
+                               and answer 500 to `__error_500__`
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ def build_app(args) -> FastAPI:
         prompt, n, params = parsed
         if crashes and prompt.startswith("__crash"):
             os._exit(1)
+        if crashes and prompt == "__error_500__":
+            return error(500, "fake internal error", "internal")
         state["inflight"] += 1
         try:
             await asyncio.sleep(token_s * n)

@@ -119,6 +119,16 @@ def test_stream_under_way_ends_with_an_error_event_when_its_worker_dies(router, 
     pytest.fail("no stream landed on gpu0")
 
 
+def test_a_worker_answering_500_is_retried_once_elsewhere_else_the_error_is_returned(router, client):
+    for _ in range(4):
+        _wait_ready(router, "gpu0")
+        r = client.post("/generate", json={"inputs": "__error_500__", "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and r.headers["x-worker-id"] in ("gpu1", "gpu2"), r.text
+    r = client.post("/generate", json={"inputs": "__error_500__"}, headers={"X-Hetserve-Worker": "gpu0"})
+    assert r.status_code == 500 and r.json() == {"error": "fake internal error", "error_type": "internal"}
+    assert r.headers["x-worker-id"] == "gpu0"
+
+
 def test_kill_9_under_load_loses_no_request_and_the_worker_comes_back(router, client):
     victim = _wait_ready(router, "gpu1")
     restarts = victim["restarts"]
