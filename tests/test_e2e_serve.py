@@ -90,6 +90,20 @@ def test_greedy_text_is_the_same_on_every_worker(client):
     assert len(set(texts.values())) == 1, texts
 
 
+def test_metrics_carry_every_worker_series_with_id_and_capability(client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    families = list(text_string_to_metric_families(client.get("/metrics").text))
+    worker_samples = [s for f in families if not f.name.startswith("hetserve_router_requests")
+                      and not f.name.startswith("hetserve_router_request_duration") for s in f.samples]
+    assert worker_samples
+    labels = {(s.labels.get("worker_id"), s.labels.get("capability")) for s in worker_samples}
+    assert labels == {("gpu0", "8.0"), ("gpu1", "8.9"), ("gpu2", "9.0")}, labels
+    own = {f.name for f in families if not f.name.startswith("hetserve_router_")}
+    assert own, "no series scraped from the workers"
+
+
 def test_openai_client_unchanged(router):
     openai = pytest.importorskip("openai")
     c = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
