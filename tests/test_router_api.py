@@ -223,3 +223,15 @@ def test_router_binds_loopback_only(router):
         pytest.skip("no non-loopback address on this host")
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://{ip}:{router.port}/health", timeout=2)
+
+
+def test_a_client_leaving_mid_stream_releases_its_worker_slot(router, client):
+    """Guards the stream release (`RelayResponse.__call__` and the relays' `finally`): the worker stream is closed and its
+    outstanding count returns to zero when the client disconnects."""
+    for _ in range(3):
+        with client.stream("POST", "/generate_stream", json={"inputs": "x", "parameters": {"max_new_tokens": 500}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break  # leave after the first event
+    loads = router.wait_for(lambda: all(w["load"] == {"running": 0, "queued": 0} for w in router.workers()), 10)
+    assert loads

@@ -6,6 +6,7 @@ import json
 
 import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from server.app import RouterContext
 from server.balancer import Constraints, parse_constraints
@@ -46,3 +47,18 @@ async def close_shielded(stream: WorkerStream) -> None:
     """Close the worker stream even while the client's request is being cancelled."""
     with anyio.CancelScope(shield=True):
         await stream.aclose()
+
+
+class RelayResponse(StreamingResponse):
+    """A streamed relay that closes its worker stream however the response ends, even when
+    the client goes away before the body generator has started (then its `finally` never runs)."""
+
+    def __init__(self, content, stream: WorkerStream, **kwargs):
+        super().__init__(content, media_type="text/event-stream", headers={**stream.headers, **SSE_HEADERS}, **kwargs)
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await close_shielded(self._stream)

@@ -15,12 +15,12 @@ import json
 import logging
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from server.app import VERSION, RouterContext, get_ctx
 from server.dispatch import WorkerReply, WorkerStream
 from server.routes._common import (
-    SSE_HEADERS,
+    RelayResponse,
     check_new_tokens,
     close_shielded,
     constraints,
@@ -58,8 +58,7 @@ async def _generate_stream(req: GenerateRequest, request: Request) -> Response:
     opened = await ctx.dispatcher.open_stream("/generate_stream", _worker_body(req, ctx), constraints(request))
     if isinstance(opened, WorkerReply):
         return _reply(opened)
-    return StreamingResponse(relay_tgi(opened, ctx), media_type="text/event-stream",
-                             headers={**opened.headers, **SSE_HEADERS})
+    return RelayResponse(relay_tgi(opened, ctx), opened)
 
 
 async def relay_tgi(stream: WorkerStream, ctx: RouterContext):

@@ -17,14 +17,14 @@ import logging
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from server import openai_format as fmt
 from server.app import RouterContext, get_ctx
 from server.balancer import Constraints
 from server.dispatch import DispatchError, WorkerReply, WorkerStream
 from server.http_errors import error_response
-from server.routes._common import SSE_HEADERS, check_new_tokens, close_shielded, constraints, parse_event
+from server.routes._common import RelayResponse, check_new_tokens, close_shielded, constraints, parse_event
 from server.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
 from server.worker_client import WorkerGone
 
@@ -141,8 +141,7 @@ async def _stream(ctx: RouterContext, c: Constraints, request: Request, body: di
     if isinstance(opened, WorkerReply):
         return _failed(request.url.path, [opened]) or Response(opened.content, opened.status, headers=opened.headers)
     include_usage = bool(options and options.include_usage)
-    return StreamingResponse(_relay(opened, ctx, chat, include_usage, prefix), media_type="text/event-stream",
-                             headers={**opened.headers, **SSE_HEADERS})
+    return RelayResponse(_relay(opened, ctx, chat, include_usage, prefix), opened)
 
 
 async def _relay(stream: WorkerStream, ctx: RouterContext, chat: bool, include_usage: bool, prefix: str):
