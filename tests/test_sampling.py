@@ -75,6 +75,17 @@ def test_top_p_keeps_only_the_nucleus():
     assert seen == {0, 1}  # 0.5 + 0.3 >= 0.7: tokens 2 and 3 are cut
 
 
+def test_top_p_below_fp32_resolution_keeps_the_best_token():
+    """Guards `remove[:, 0] = False` in `_apply_top_k_top_p`: a `top_p` such as 1e-300 rounds to
+    0 in fp32, so `mass_before >= p` removed every token, the row became all -inf and the worker
+    answered 500 (a -inf logprob is not JSON)."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    rows = [Row(SamplingParams.create(top_p=1e-300, seed=i)) for i in range(3)]
+    ids, lps = sample(logits, rows)
+    assert ids == logits.argmax(-1).tolist()
+    assert all(math.isfinite(lp) for lp in lps)
+
+
 def test_temperature_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = torch.log(probs)[None].repeat(4000, 1)

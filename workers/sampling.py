@@ -129,7 +129,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
         p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)[:, None]  # [N, 1]
         probs = sorted_logits.masked_fill(remove, -math.inf).softmax(dim=-1)  # [N, V]
         mass_before = probs.cumsum(dim=-1) - probs  # [N, V]: mass of strictly better tokens
-        remove |= mass_before >= p  # the best token always stays
+        remove |= mass_before >= p
+    remove[:, 0] = False  # the best token always stays, even when `p` underflows to 0 in fp32
     mask = torch.empty_like(remove).scatter_(1, order, remove)  # back to vocab order
     return logits.masked_fill(mask, -math.inf)
 
