@@ -58,6 +58,11 @@ class RouterContext:
         value = self._model_info().get("context_length")
         return value if isinstance(value, int) and value > 0 else None
 
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config sampling values, as the workers reported them."""
+        value = self._model_info().get("sampling_defaults")
+        return value if isinstance(value, dict) else {}
+
     def chat_template(self) -> ChatTemplate:
         """Loaded once, from the model directory (or what the worker reported)."""
         if self._chat is None:

@@ -139,20 +139,28 @@ class _OpenAISampling(_Edge):
             raise ValueError("`logit_bias` is not supported. Accepted: null or {}")
         return self
 
-    def sampling(self, max_tokens: int | None) -> dict:
-        """Worker `parameters` for these OpenAI fields (temperature 0 means greedy)."""
-        temperature = 1.0 if self.temperature is None else self.temperature
+    def sampling(self, max_tokens: int | None, defaults: dict | None = None) -> dict:
+        """Worker `parameters` for these OpenAI fields (temperature 0 means greedy). A field the
+        request leaves out takes the model's generation_config value (`defaults`), then OpenAI's."""
+        defaults = defaults or {}
+
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
+        temperature = pick("temperature", 1.0)
         p: dict[str, Any] = {"details": True, "do_sample": temperature > 0}
         if temperature > 0:
             p["temperature"] = temperature
         if max_tokens is not None:
             p["max_new_tokens"] = max_tokens
-        if self.top_p is not None and self.top_p < 1.0:
-            p["top_p"] = self.top_p
-        if self.top_k is not None and self.top_k > 0:
-            p["top_k"] = self.top_k
-        if self.repetition_penalty is not None:
-            p["repetition_penalty"] = self.repetition_penalty
+        top_p, top_k, repetition_penalty = pick("top_p", None), pick("top_k", None), pick("repetition_penalty", None)
+        if temperature > 0 and top_p is not None and 0 < top_p < 1.0:
+            p["top_p"] = top_p
+        if temperature > 0 and top_k is not None and top_k > 0:
+            p["top_k"] = top_k
+        if repetition_penalty is not None and repetition_penalty > 0:
+            p["repetition_penalty"] = repetition_penalty
         if self.seed is not None:
             p["seed"] = self.seed
         if self.stop:

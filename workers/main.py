@@ -327,6 +327,13 @@ class WorkerServer:
         for key in ("chat_template", "eos_token", "bos_token"):
             if getattr(loaded, key) is not None:
                 model[key] = getattr(loaded, key)
+        # The model's recommended sampling (generation_config.json), which the OpenAI routes
+        # apply to fields a request leaves out, as vLLM does.
+        model["sampling_defaults"] = {
+            k: loaded.generation_config[k]
+            for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+            if isinstance(loaded.generation_config.get(k), (int, float))
+        }
         info = WorkerInfo(
             worker_id=self.args.worker_id,
             device=self.bound.to_dict(),

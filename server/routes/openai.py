@@ -82,7 +82,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     """Text completion (`prompt`: a string or a list of strings)."""
     ctx, c = get_ctx(request), constraints(request)
     check_new_tokens(ctx, req.max_tokens, "max_tokens")
-    params = req.sampling(req.max_tokens)
+    params = req.sampling(req.max_tokens, ctx.sampling_defaults())
     prompts = req.prompts
     if req.stream:
         if len(prompts) * req.n != 1:
@@ -113,7 +113,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     ctx, c = get_ctx(request), constraints(request)
     check_new_tokens(ctx, req.max_new_tokens, "max_tokens")
     prompt = ctx.chat_template().render(req.template_messages(), add_generation_prompt=True)
-    params = req.sampling(req.max_new_tokens)
+    params = req.sampling(req.max_new_tokens, ctx.sampling_defaults())
     if req.stream:
         if req.n != 1:
             raise DispatchError(422, "Streaming serves one choice: `n` must be 1", "validation")
