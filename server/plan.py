@@ -13,23 +13,11 @@ command pays that import (the serving router never imports this module).
 from __future__ import annotations
 
 import json
-import os
 
 from server.errors import UsageError
-from workers.topology import DeviceInfo, TopologySpecError, select_devices
+from workers.topology import DeviceInfo, TopologySpecError, cpu_device, select_devices
 
 DEVICE_FIELDS = ("type", "index", "uuid", "name", "capability", "simulated", "memory_total_bytes")
-
-
-def _cpu_device() -> DeviceInfo:
-    """The one CPU worker `hetserve serve` runs on a host without GPUs."""
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        mem = 0
-    return DeviceInfo(
-        index=0, uuid="cpu", name="CPU", type="cpu", capability=None, memory_total_bytes=mem, simulated=False
-    )
 
 
 def _devices(simulate: str | None, devices: str | None) -> list[DeviceInfo]:
@@ -37,7 +25,7 @@ def _devices(simulate: str | None, devices: str | None) -> list[DeviceInfo]:
 
     try:
         found = inventory(simulate)
-        return select_devices(found, devices) if found else [_cpu_device()]
+        return select_devices(found, devices) if found else [cpu_device()]
     except TopologySpecError as e:
         raise UsageError(str(e)) from e
 

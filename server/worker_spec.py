@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.settings import RouterSettings
-from workers.topology import DeviceInfo, simulated_device
+from workers.topology import DeviceInfo, cpu_device
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,11 +56,6 @@ def worker_id(device: DeviceInfo) -> str:
     return f"{'cpu' if device.type == 'cpu' else 'gpu'}{device.index}"
 
 
-def cpu_worker_device() -> DeviceInfo:
-    """The device of the single CPU worker a host without GPU (and without --simulate) gets."""
-    return simulated_device("cpu", 0)
-
-
 def available_cpus() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -74,9 +69,7 @@ def threads_per_worker(total_threads: int, n_workers: int) -> int:
 
 
 def _simulate_token(device: DeviceInfo) -> str | None:
-    """The `--simulate` token of a simulated device (`sm_89`), `cpu` for the CPU worker."""
-    if device.type == "cpu":
-        return "cpu"
+    """The `--simulate` token of a simulated device (`sm_89`, `cpu`); None for a real device."""
     if not device.simulated:
         return None
     if device.arch:
@@ -93,9 +86,10 @@ def worker_environment(device: DeviceInfo, threads: int, base: dict[str, str]) -
     env["HETSERVE_DEVICE_INDEX"] = str(device.index)
     env["HETSERVE_DEVICE_UUID"] = device.uuid
     token = _simulate_token(device)
-    if token is not None:
-        # Simulated (or CPU): the worker computes on the CPU and must not see any real GPU.
-        env["HETSERVE_SIMULATE"] = token
+    if token is not None or device.type == "cpu":
+        # Simulated, or the host CPU: the worker computes on the CPU and must not see any GPU.
+        if token is not None:
+            env["HETSERVE_SIMULATE"] = token
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif device.type == "rocm":
         env["HIP_VISIBLE_DEVICES"] = str(device.index)
@@ -139,7 +133,7 @@ def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, sock
 def build_worker_specs(devices: list[DeviceInfo], settings: RouterSettings, run_dir: Path,
                        parent_pid: int, base_env: dict[str, str] | None = None) -> list[WorkerSpec]:
     """One spec per device; no device at all gives the single CPU worker."""
-    devices = list(devices) or [cpu_worker_device()]
+    devices = list(devices) or [cpu_device()]
     base = dict(os.environ if base_env is None else base_env)
     total = settings.threads or available_cpus()
     threads = threads_per_worker(total, len(devices))

@@ -20,7 +20,7 @@ import re
 import threading
 from dataclasses import dataclass
 
-from workers.topology import DeviceInfo, simulated_device
+from workers.topology import DeviceInfo, cpu_device, simulated_device
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +102,7 @@ def _rocm_capability(gcn_arch_name: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2), 16)
 
 
-def _bind_simulated(token: str, index: int, uuid: str | None) -> BoundDevice:
-    info: DeviceInfo = simulated_device(token, index)
+def _bound_from_info(info: DeviceInfo, uuid: str | None = None) -> BoundDevice:
     return BoundDevice(
         type=info.type,
         index=info.index,
@@ -111,18 +110,8 @@ def _bind_simulated(token: str, index: int, uuid: str | None) -> BoundDevice:
         name=info.name,
         capability=info.capability,
         memory_total_bytes=info.memory_total_bytes,
-        simulated=True,
+        simulated=info.simulated,
         arch=info.arch,
-    )
-
-
-def _bind_cpu() -> BoundDevice:
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        mem = 0
-    return BoundDevice(
-        type="cpu", index=0, uuid="cpu", name="CPU", capability=None, memory_total_bytes=mem, simulated=False
     )
 
 
@@ -181,11 +170,11 @@ def bind_device(simulate: str | None = None, index: int | None = None, uuid: str
         uuid = visible if visible.lower().startswith(("gpu-", "mig-")) else None
     with _bind_lock:
         if simulate:
-            dev = _bind_simulated(simulate, index, uuid)
+            dev = _bound_from_info(simulated_device(simulate, index), uuid)
         else:
             import torch
 
-            dev = _bind_gpu(index, uuid) if torch.cuda.is_available() else _bind_cpu()
+            dev = _bind_gpu(index, uuid) if torch.cuda.is_available() else _bound_from_info(cpu_device())
         if _bound is not None and _bound != dev:
             raise DeviceBindError(f"This process is already bound to `{_bound.uuid}`; refusing `{dev.uuid}`")
         _bound = dev

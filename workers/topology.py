@@ -10,6 +10,7 @@ Spec tokens: `sm_XY` / `sm_XXY` (CUDA capability X.Y, e.g. `sm_89`, `sm_100`), `
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass
 
@@ -109,6 +110,17 @@ def simulated_device(token: str, index: int) -> DeviceInfo:
         simulated=True,
         pci_bus_id=f"00000000:{0x10 + index:02X}:00.0",
         arch=t,
+    )
+
+
+def cpu_device() -> DeviceInfo:
+    """The host CPU as a device: what a host without GPUs (and without `--simulate`) serves on."""
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        mem = 0
+    return DeviceInfo(
+        index=0, uuid="cpu", name="CPU", type="cpu", capability=None, memory_total_bytes=mem, simulated=False, arch="cpu"
     )
 
 
