@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from server.balancer import OVERLOADED, PICK, UNSATISFIABLE, WAIT, Constraints, choose
@@ -40,7 +40,17 @@ def _retry(status: int, error_retried: bool) -> tuple[bool, bool]:
     if status >= 500 and not error_retried:
         return True, True
     return False, error_retried
+
+
 _WORKER_HEADERS = ("x-worker-id", "x-worker-capability", "x-fp8-convention")
+
+
+class _Lost(Exception):
+    """The worker went away before the client received anything: try another."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
 
 
 class DispatchError(Exception):
@@ -147,9 +157,13 @@ class Dispatcher:
         logger.warning("request failed on worker %s (%s); retrying elsewhere", worker.id, why)
         self.supervisor.report_unreachable(worker, generation)
 
-    # --- non-streamed ------------------------------------------------------------------
-    async def generate(self, path: str, body: dict, c: Constraints) -> WorkerReply:
-        """The worker's whole answer (any status but 429/503, which are retried elsewhere)."""
+    # --- one loop of attempts for both kinds ---------------------------------------------
+    async def _with_retries(self, c: Constraints,
+                            attempt: Callable[[WorkerHandle], Awaitable[WorkerReply | WorkerStream]]):
+        """Runs `attempt` on chosen workers until one gives an answer that is not retried.
+
+        `attempt` returns the worker's reply (retried on 429/503, once on another 5xx) or an open
+        stream, and raises `_Lost` when the worker went away before the client got anything."""
         exclude: dict[str, int] = {}
         deadline = time.monotonic() + self.settings.ready_wait_s
         saw_429 = error_retried = False
@@ -161,57 +175,54 @@ class Dispatcher:
                 if last is not None and last.status != 429:
                     return last
                 raise
-            generation, client = worker.generation, worker.client
-            assert client is not None
+            generation = worker.generation
+            assert worker.client is not None
             self.metrics.worker_request(worker)
             try:
-                status, headers, content = await client.post(path, body)
-            except WorkerGone as e:
-                self._failed(worker, generation, exclude, repr(e))
+                result = await attempt(worker)
+            except _Lost as e:
+                self._failed(worker, generation, exclude, e.why)
                 continue
-            finally:
-                worker.outstanding -= 1
-            last = WorkerReply(status, content, worker_headers(worker, headers), worker)
-            again, error_retried = _retry(status, error_retried)
-            if not again:
-                return last
-            saw_429 = saw_429 or status == 429
-            self._failed(worker, generation, exclude, f"answered {status}")
+            if isinstance(result, WorkerReply):
+                last = result
+                again, error_retried = _retry(result.status, error_retried)
+                if again:
+                    saw_429 = saw_429 or result.status == 429
+                    self._failed(worker, generation, exclude, f"answered {result.status}")
+                    continue
+            return result
         raise DispatchError(503, "No worker could take the request after several tries", "unavailable",
                             self.settings.retry_after_s)
+
+    # --- non-streamed ------------------------------------------------------------------
+    async def generate(self, path: str, body: dict, c: Constraints) -> WorkerReply:
+        """The worker's whole answer (any status but 429/503, which are retried elsewhere)."""
+
+        async def attempt(worker: WorkerHandle) -> WorkerReply:
+            try:
+                status, headers, content = await worker.client.post(path, body)
+            except WorkerGone as e:
+                raise _Lost(repr(e)) from e
+            finally:
+                worker.outstanding -= 1
+            return WorkerReply(status, content, worker_headers(worker, headers), worker)
+
+        return await self._with_retries(c, attempt)
 
     # --- streamed ----------------------------------------------------------------------
     async def open_stream(self, path: str, body: dict, c: Constraints) -> WorkerStream | WorkerReply:
         """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply."""
-        exclude: dict[str, int] = {}
-        deadline = time.monotonic() + self.settings.ready_wait_s
-        saw_429 = error_retried = False
-        last: WorkerReply | None = None
-        for _ in range(self._attempts()):
-            try:
-                worker = await self._acquire(c, exclude, deadline, saw_429)
-            except DispatchError:
-                if last is not None and last.status != 429:
-                    return last
-                raise
-            generation, client = worker.generation, worker.client
-            assert client is not None
-            self.metrics.worker_request(worker)
+
+        async def attempt(worker: WorkerHandle) -> WorkerStream | WorkerReply:
             stack = contextlib.AsyncExitStack()
             try:
-                response = await stack.enter_async_context(client.stream(path, body))
+                response = await stack.enter_async_context(worker.client.stream(path, body))
                 headers = worker_headers(worker, response.headers)
                 if response.status_code != 200:
                     content = await response.read()
                     await stack.aclose()
                     worker.outstanding -= 1
-                    last = WorkerReply(response.status_code, content, headers, worker)
-                    again, error_retried = _retry(response.status_code, error_retried)
-                    if not again:
-                        return last
-                    saw_429 = saw_429 or response.status_code == 429
-                    self._failed(worker, generation, exclude, f"answered {response.status_code}")
-                    continue
+                    return WorkerReply(response.status_code, content, headers, worker)
                 sse = SSEEvents(response.iter_chunks())
                 first = await sse.next_batch()
                 if first is None:
@@ -219,12 +230,11 @@ class Dispatcher:
             except (*WorkerGone, StopAsyncIteration) as e:
                 await stack.aclose()
                 worker.outstanding -= 1
-                self._failed(worker, generation, exclude, f"no first event: {e!r}")
-                continue
+                raise _Lost(f"no first event: {e!r}") from e
             except BaseException:
                 await stack.aclose()
                 worker.outstanding -= 1
                 raise
             return WorkerStream(worker, headers, first[0], first[1], sse, stack)
-        raise DispatchError(503, "No worker could take the request after several tries", "unavailable",
-                            self.settings.retry_after_s)
+
+        return await self._with_retries(c, attempt)

@@ -61,8 +61,11 @@ def test_simulated_workers_hide_real_gpus_and_share_the_cpu_threads():
 
 def test_no_device_gives_one_cpu_worker():
     (spec,) = _specs([])
-    assert spec.id == "cpu0" and spec.environ()["HETSERVE_SIMULATE"] == "cpu"
-    assert spec.argv[spec.argv.index("--simulate") + 1] == "cpu" and spec.capability_label == "cpu"
+    env = spec.environ()
+    # the host CPU is a real device: no simulate token, and no GPU visible to the worker
+    assert spec.id == "cpu0" and "HETSERVE_SIMULATE" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert "--simulate" not in spec.argv and spec.capability_label == "cpu"
+    assert spec.device.simulated is False
 
 
 # --- balancing ---------------------------------------------------------------------------
