@@ -7,7 +7,7 @@ torch time / kernel time: above 1 means the kernel is faster. Baselines: the eag
 reference for RMSNorm and SiluAndMul; `F.linear` in bf16 and the dequantize-then-matmul
 reference for the fp8 linear (native e4m3 only from sm_89).
 
-    python benchmarks/kernels.py [--rounds 50] [--only rmsnorm silu fp8]
+    python benchmarks/triton_kernels.py [--rounds 50] [--only rmsnorm silu fp8]
 
 Without CUDA it prints one skip line and exits 0.
 """
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "benchmarks/kernels.py: skipped, no CUDA device (the kernels need a GPU; CPU runs the torch reference)"
+            "benchmarks/triton_kernels.py: skipped, no CUDA device (the kernels need a GPU; CPU runs the torch reference)"
         )
         return 0
     from kernels_local.mapping import select
