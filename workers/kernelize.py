@@ -20,6 +20,7 @@ The trade-off: the mapping is resolved once per process; a worker never re-selec
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -77,12 +78,25 @@ def kernelize_for_device(model: nn.Module, bound: BoundDevice) -> dict[str, Kern
 def apply_plan(module: nn.Module, plan: KernelPlan) -> int:
     """Kernelize `module` (and its children) with `plan`; returns how many layers were swapped."""
     mapping = resolved_mapping(plan.choices, plan.device_type)
-    with use_kernel_mapping(mapping, inherit_mapping=False):
+    with use_kernel_mapping(mapping, inherit_mapping=False), _quiet_root_info():
         # layers we do not map keep their forward; a mapped one that cannot load raises
         kernelize(
             module, device=plan.device_type, mode=Mode.INFERENCE, use_fallback=KernelizeFallback.NO_LAYER
         )
     return _verify(module, plan)
+
+
+@contextlib.contextmanager
+def _quiet_root_info():
+    """`kernels` logs one INFO line per swapped module on the root logger; the worker logs
+    the choice once per layer instead, so those lines are held back while kernelizing."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        root.setLevel(level)
 
 
 def _verify(module: nn.Module, plan: KernelPlan) -> int:
