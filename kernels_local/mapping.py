@@ -29,6 +29,8 @@ from pathlib import Path
 
 from kernels import CUDAProperties, Device, LocalLayerRepository, ROCMProperties
 
+from workers.topology import normalize_capability
+
 REPO_ROOT = Path(__file__).resolve().parent
 LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear")
 DEVICE_TYPES = ("cuda", "rocm", "cpu")
@@ -184,8 +186,10 @@ def _resolve(layer: str, device_type: str, cap: int | None) -> _Entry:
     return min(candidates, key=lambda c: c[0])[1]  # the smallest interval wins, as in `kernels`
 
 
-def select(device_type: str, capability: tuple[int, int] | None) -> dict[str, KernelChoice]:
-    """The kernel for each layer on one device. Pure: depends only on its arguments."""
+def select(device_type: str, capability) -> dict[str, KernelChoice]:
+    """The kernel for each layer on one device. Pure: depends only on its arguments.
+    `capability` is (major, minor); 90, "9.0" and "sm_90" are accepted too."""
+    capability = normalize_capability(capability)
     cap = capability_int(device_type, capability)
     where = _describe(device_type, capability)
     choices = {}

@@ -22,6 +22,8 @@ from functools import cache
 
 import torch
 
+from workers.topology import normalize_capability
+
 NATIVE_FP8_CAPABILITY = (8, 9)
 # ROCm: CDNA3 (gfx94x, reported as capability 9.4) and later have fp8 matrix cores.
 ROCM_NATIVE_FP8_CAPABILITY = (9, 4)
@@ -91,7 +93,9 @@ EMULATED_E4M3_FNUZ = Fp8Convention("emulated", native=False, fmt="e4m3fnuz")
 
 
 def choose_fp8(device_type: str, capability: tuple[int, int] | None) -> tuple[Fp8Convention, str]:
-    """The fp8 convention for one device, with the reason. Pure: no device is touched."""
+    """The fp8 convention for one device, with the reason. Pure: no device is touched.
+    `capability` is (major, minor); 90, "9.0" and "sm_90" are accepted too."""
+    capability = normalize_capability(capability)
     cap = "none" if capability is None else f"{capability[0]}.{capability[1]}"
     if device_type == "cuda":
         if capability is not None and tuple(capability) >= NATIVE_FP8_CAPABILITY:

@@ -87,6 +87,26 @@ def parse_token(token: str) -> tuple[str, tuple[int, int] | None]:
     raise TopologySpecError(f"Unknown simulated device `{token}`. Accepted: {ACCEPTED_TOKENS}")
 
 
+def normalize_capability(capability) -> tuple[int, int] | None:
+    """(9, 0), 90 (as `kernels` encodes it), "9.0" or "sm_90" -> (9, 0); None stays None."""
+    if capability is None or isinstance(capability, tuple):
+        return capability
+    if isinstance(capability, list):
+        return tuple(capability)
+    if isinstance(capability, int) and not isinstance(capability, bool) and capability >= 0:
+        return divmod(capability, 10)
+    if isinstance(capability, str):
+        text = capability.strip().lower().removeprefix("sm_")
+        try:
+            if "." in text:
+                major, minor = text.split(".", 1)
+                return int(major), int(minor)
+            return divmod(int(text), 10)
+        except ValueError:
+            pass
+    raise ValueError(f"Capability `{capability}` is not understood. Accepted: (9, 0), 90, \"9.0\" or \"sm_90\"")
+
+
 def simulated_device(token: str, index: int) -> DeviceInfo:
     """The simulated device for one spec token at position `index`."""
     dtype, cap = parse_token(token)
