@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The checks that need a real GPU, as one short run: the gpu-marked tests, one real worker
+# bound to the GPU answering /generate, and the Triton kernel benchmark. Writes logs under
+# $OUT (default /tmp/gpu-check). Uses the machine's python3 (with its CUDA torch and Triton);
+# packages it lacks (kernels, fastapi, uvicorn, pydantic, ...) can be placed as wheels in
+# .whl/ (for example `pip download --no-deps --only-binary=:all: -d .whl kernels==0.17.2 ...`)
+# and are installed into a private target first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/gpu-check}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+"$PY" - <<'PY' 2>&1 | tee "$OUT/env.txt"
+import torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+PY
+# 1. tests that need CUDA (they skip everywhere else)
+"$PY" -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu-tests.txt"
+# 2. one real worker on the GPU, then a request over its socket
+sock="$OUT/w.sock"
+"$PY" -m workers --socket "$sock" --status-file "$OUT/w.json" >"$OUT/worker.log" 2>&1 &
+wpid=$!
+for _ in $(seq 60); do grep -q '"ready"' "$OUT/w.json" 2>/dev/null && break; sleep 1; done
+cat "$OUT/w.json"; echo
+curl -s --unix-socket "$sock" http://w/capability | tee "$OUT/capability.json"; echo
+curl -s --unix-socket "$sock" http://w/generate -H 'content-type: application/json' \
+  -d '{"inputs": "The meaning of life is", "parameters": {"max_new_tokens": 24}}' | tee "$OUT/generate.json"; echo
+kill "$wpid"; wait "$wpid"
+# 3. our Triton kernels against torch, side by side
+"$PY" benchmarks/triton_kernels.py --rounds 30 2>&1 | tee "$OUT/kernels.txt"
