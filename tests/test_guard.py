@@ -100,3 +100,30 @@ def test_real_cuda_guard_restores():
         with device_guard(torch.cuda.device_count()):
             pass
     assert torch.cuda.current_device() == before
+
+
+def test_binding_switch_is_validated_and_never_restored():
+    from workers.guard import bind_current_device
+
+    p = SimulatedPlatform(count=2, current=0)
+    bind_current_device(1, platform=p)
+    assert p.current_device() == 1 and p.switches == [1]
+    with pytest.raises(InvalidDeviceIndexError, match="`2` is absent"):
+        bind_current_device(2, platform=p)
+    assert p.switches == [1]
+
+
+def test_every_device_switch_in_the_code_goes_through_the_guard_module():
+    """Invariant 5: no module but workers/guard.py calls a device-switching primitive."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    switch = re.compile(r"\.set_device\(|torch\.cuda\.device\(|_exchange_device\(")
+    offenders = [
+        str(f.relative_to(root))
+        for pkg in ("server", "workers", "kernels_local", "benchmarks", "scripts")
+        for f in (root / pkg).rglob("*.py")
+        if f.name != "guard.py" and switch.search(f.read_text())
+    ]
+    assert offenders == []

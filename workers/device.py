@@ -20,6 +20,7 @@ import re
 import threading
 from dataclasses import dataclass
 
+from workers.guard import CudaPlatform, bind_current_device
 from workers.topology import DeviceInfo, cpu_device, simulated_device
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def _bind_gpu(index: int, expected_uuid: str | None) -> BoundDevice:
             f"(CUDA_VISIBLE_DEVICES=`{os.environ.get('CUDA_VISIBLE_DEVICES', '')}`)"
         )
     # 2. make it current for the whole life of the process (the binding itself, never undone)
-    torch.cuda.set_device(0)
+    bind_current_device(0, CudaPlatform())
     props = torch.cuda.get_device_properties(0)
     # 3. it is the device the router meant
     uuid = f"GPU-{props.uuid}" if getattr(props, "uuid", None) is not None else (expected_uuid or "")

@@ -1,4 +1,5 @@
-"""The one device guard: every scoped device switch in hetserve goes through `device_guard`.
+"""The one device guard: every scoped device switch in hetserve goes through `device_guard`,
+and the worker's one permanent switch (its binding) through `bind_current_device`.
 
 Design: the guard remembers the caller's device on entry and restores it on exit whenever the
 caller *asked* for a different device, whether or not the switch reported success (a switch
@@ -70,6 +71,25 @@ def default_platform() -> Platform:
     return CudaPlatform() if torch.cuda.is_available() else SimulatedPlatform(count=1)
 
 
+def _checked_index(index, platform: Platform) -> int:
+    """`index` if it names a device this process sees; `InvalidDeviceIndexError` otherwise."""
+    if index is None or isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise InvalidDeviceIndexError(f"Device index `{index}` is invalid: expected an integer >= 0")
+    count = platform.device_count()
+    if index >= count:
+        raise InvalidDeviceIndexError(
+            f"Device index `{index}` is absent: this process sees {count} device(s) (0..{count - 1})"
+        )
+    return index
+
+
+def bind_current_device(index: int, platform: Platform | None = None) -> None:
+    """The worker's binding: `index` becomes the current device for the rest of the process and is
+    never restored. The only device switch outside `device_guard`, validated the same way."""
+    platform = platform if platform is not None else default_platform()
+    platform.set_device(_checked_index(index, platform))
+
+
 class device_guard:  # noqa: N801 - used like a function: `with device_guard(i):`
     """`with device_guard(i):` runs the block on device `i` and restores the caller's device."""
 
@@ -80,21 +100,10 @@ class device_guard:  # noqa: N801 - used like a function: `with device_guard(i):
         self._depth = 0
         self._restore_to: int | None = None
 
-    def _validate(self) -> int:
-        index = self.index
-        if index is None or isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise InvalidDeviceIndexError(f"Device index `{index}` is invalid: expected an integer >= 0")
-        count = self.platform.device_count()
-        if index >= count:
-            raise InvalidDeviceIndexError(
-                f"Device index `{index}` is absent: this process sees {count} device(s) (0..{count - 1})"
-            )
-        return index
-
     def __enter__(self) -> device_guard:
         with self._lock:
             if self._depth == 0:
-                index = self._validate()  # raises before any device is touched
+                index = _checked_index(self.index, self.platform)  # raises before any device is touched
                 previous = self.platform.current_device()
                 # Restore is owed because the caller asked for a different device, not because
                 # the switch succeeded: remember it before switching.
