@@ -129,16 +129,16 @@ def run_worker(args: argparse.Namespace) -> int:
     phase: dict = {"server": None}  # the uvicorn server once serving
     _install_sigterm(phase)
     _watch_parent(args.parent_pid)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     server = None
     try:
         with startup_step("bind", status):
             from workers.device import bind_device
 
             bound = bind_device(args.simulate, args.device_index, args.device_uuid)
+        if args.threads:  # the CPU threads the router gave this worker, before any compute
+            import torch
+
+            torch.set_num_threads(args.threads)
         with startup_step("capability", status):
             from workers.device import capability, check_kernels_capability
 
