@@ -79,6 +79,30 @@ def describe_failure(returncode: int, status: dict) -> str:
     return f"{step}: {reason}"
 
 
+
+RUN_DIR_PREFIX = "hetserve-"
+
+
+def sweep_stale_run_dirs(tmp: Path | None = None) -> list[Path]:
+    """Remove run directories (`hetserve-<pid>-*`, ours) left by routers that died without
+    cleaning up (SIGKILL). A directory whose router pid still exists is kept."""
+    removed = []
+    for d in Path(tmp or tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*-*"):
+        pid = d.name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not d.is_dir() or d.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # that router is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
 class Supervisor:
     """Owns the worker processes of one router (see the module docstring)."""
 
@@ -169,7 +193,8 @@ class Supervisor:
 
     # --- setup -------------------------------------------------------------------------
     def _init_run_dir(self) -> None:
-        self.run_dir = Path(tempfile.mkdtemp(prefix="hetserve-"))
+        sweep_stale_run_dirs()
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-"))
         os.chmod(self.run_dir, 0o700)
 
     def _init_handles(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,21 @@ def test_worker_metrics_are_relabelled_and_merged_per_family():
     totals = {(s.labels["worker_id"], s.labels["capability"]): s.value for s in fams["reqs"].samples}
     assert totals == {("gpu0", "8.0"): 3.0, ("gpu1", "9.0"): 5.0}
     assert {s.labels["kind"] for s in fams["q"].samples} == {"waiting"}
+
+
+def test_run_dirs_of_dead_routers_are_swept(tmp_path):
+    """Guards `shutil.rmtree(d, ...)` in `sweep_stale_run_dirs`: a router killed with SIGKILL
+    leaves its private run directory behind; the next router removes it."""
+    import subprocess
+    import sys
+
+    from server.supervisor import sweep_stale_run_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"hetserve-{dead.stdout.strip()}-abc"
+    live = tmp_path / f"hetserve-{os.getpid()}-def"
+    other = tmp_path / "hetserve-notapid-x"
+    for d in (stale, live, other):
+        d.mkdir()
+    assert sweep_stale_run_dirs(tmp_path) == [stale]
+    assert not stale.exists() and live.exists() and other.exists()
