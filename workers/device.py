@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass
 
 from workers.guard import CudaPlatform, bind_current_device
-from workers.topology import DeviceInfo, cpu_device, simulated_device
+from workers.topology import DeviceInfo, TopologySpecError, cpu_device, parse_token, simulated_device
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +96,14 @@ def read_capability(index: int) -> tuple[int, int]:
 
 def _rocm_capability(gcn_arch_name: str) -> tuple[int, int]:
     """`gfx942:sramecc+:xnack-` -> (9, 4); `gfx90a` -> (9, 0); `gfx1100` -> (11, 0)."""
-    m = re.match(r"gfx(\d{1,2})([0-9a-f])[0-9a-f]", gcn_arch_name.strip().lower())
-    if not m:
+    arch = gcn_arch_name.split(":", 1)[0]
+    try:
+        kind, cap = parse_token(arch)
+    except TopologySpecError:
+        kind, cap = None, None
+    if kind != "rocm" or cap is None:
         raise DeviceBindError(f"Unknown ROCm arch `{gcn_arch_name}`; expected gfxNNN (e.g. gfx90a, gfx942)")
-    return int(m.group(1)), int(m.group(2), 16)
+    return cap
 
 
 def _bound_from_info(info: DeviceInfo, uuid: str | None = None) -> BoundDevice:

@@ -99,11 +99,6 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def clear_slot(self, slot: int) -> None:
-        """Not needed for correctness (stale positions are masked); useful in tests."""
-        self.k[:, slot].zero_()
-        self.v[:, slot].zero_()
-
 
 @dataclass(frozen=True)
 class SeqChunk:
