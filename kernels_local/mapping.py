@@ -2,7 +2,7 @@
 
 Design: ONE table (`_ENTRIES`) declares, per model layer, a kernel layer for every device
 type (`kernels`' `Device` with `CUDAProperties` / `ROCMProperties` capability ranges), and
-`KERNEL_MAPPING` is built from it in the shape `kernels.use_kernel_mapping` takes. Every
+`kernel_mapping()` builds it in the shape `kernels.use_kernel_mapping` takes. Every
 device type listed stays listed: entries are merged per layer, never assigned over each
 other, and a duplicate (layer, device) is refused.
 
@@ -15,10 +15,12 @@ properties catch what no range covers (below sm_70), and the last ranges are ope
 architectures newer than the tuned ones (sm_100, sm_120) get a defined, forward-compatible
 choice whose reason says so.
 
-The fp8 linear variants follow the fp8 convention rule (native e4m3 from sm_89, CDNA3 on
-ROCm): `FP8_NATIVE_CUDA_MIN` / `FP8_NATIVE_ROCM` mirror `workers.fp8`, and a test checks
-that for every capability the chosen variant agrees with `choose_fp8`. This module imports
-neither torch nor the kernel repositories, so the router's `plan` stays light.
+The fp8 linear entries take their capability ranges from the fp8 rule itself
+(`workers.contract.fp8_rule`: native e4m3 from sm_89, CDNA3 on ROCm) and each names the
+convention it was built for (`KernelChoice.fp8`), which the quantizer compares with the
+worker's convention; a test checks both agree for every capability. This module imports
+neither torch nor the kernel repositories, only the torch-free contract, so the router's
+`plan` stays light.
 """
 
 from __future__ import annotations
@@ -29,17 +31,26 @@ from pathlib import Path
 
 from kernels import CUDAProperties, Device, LocalLayerRepository, ROCMProperties
 
-from workers.topology import normalize_capability
+from workers.contract import (
+    ACCEPTED_CAPABILITY_SPELLINGS,
+    DEVICE_TYPES,
+    EMULATED,
+    NATIVE,
+    NATIVE_FP8_CAPABILITY,
+    ROCM_NATIVE_FP8_CAPABILITY,
+    ROCM_NATIVE_FP8_LAST,
+    Capability,
+    CapabilityError,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent
 LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear")
-DEVICE_TYPES = ("cuda", "rocm", "cpu")
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
-# fp8 convention thresholds, as capability integers (major * 10 + minor); see workers.fp8.
-FP8_NATIVE_CUDA_MIN = 89
-FP8_NATIVE_ROCM = (94, 99)  # CDNA3+ (gfx942, gfx950): fp8 matrix cores
+# fp8 convention thresholds as `kernels` capability integers, from the one fp8 rule.
+_FP8_NATIVE_CUDA = NATIVE_FP8_CAPABILITY.int  # 89
+_FP8_NATIVE_ROCM = (ROCM_NATIVE_FP8_CAPABILITY.int, ROCM_NATIVE_FP8_LAST.int)  # CDNA3+ (gfx942, gfx950)
 
 
 @dataclass(frozen=True)
@@ -50,9 +61,11 @@ class KernelChoice:
     layer: str  # layer class inside the repository's `layers`
     variant: str  # tuning / convention variant ("triton-sm90", "native_e4m3-triton", "torch")
     reason: str
+    fp8: str | None = None  # the fp8 convention an fp8 kernel is built for; None for other layers
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """`/workers` `kernels` entry: repo, layer, variant, reason."""
+        return {k: v for k, v in asdict(self).items() if k != "fp8"}
 
     def repository(self) -> LocalLayerRepository:
         """The `kernels` repository object that loads this layer."""
@@ -67,6 +80,7 @@ class _Entry:
     layer_class: str
     variant: str
     why: str
+    fp8: str | None = None
 
 
 def _cuda(lo: int, hi: int) -> Device:
@@ -111,24 +125,25 @@ _ENTRIES: tuple[_Entry, ...] = (
     _Entry("SiluAndMul", Device(type="rocm"), "activation", "SiluAndMulTritonRocm", "triton-rocm",
            "Triton tuned for CDNA's 64-lane wavefronts"),
     _Entry("SiluAndMul", _rocm(100, _ANY), "activation", "SiluAndMulTritonRocm", "triton-rocm", _RDNA),
-    # -- Fp8Linear (variant follows the device's fp8 convention) ---------------------------
+    # -- Fp8Linear (ranges and convention from the fp8 rule) --------------------------------
     _Entry("Fp8Linear", Device(type="cpu"), "fp8_linear", "Fp8Linear", "emulated-torch",
-           "CPU: emulated fp8, uint8 weights dequantized for a torch matmul"),
+           "CPU: emulated fp8, uint8 weights dequantized for a torch matmul", EMULATED),
     _Entry("Fp8Linear", Device(type="cuda"), "fp8_linear", "Fp8Linear", "emulated-torch",
-           "below sm_80 (no fp8 tensor cores, Triton dots need sm_80): emulated, dequantize + cuBLAS matmul"),
-    _Entry("Fp8Linear", _cuda(80, FP8_NATIVE_CUDA_MIN - 1), "fp8_linear", "Fp8LinearTritonEmulatedSm80",
+           "below sm_80 (no fp8 tensor cores, Triton dots need sm_80): emulated, dequantize + cuBLAS matmul",
+           EMULATED),
+    _Entry("Fp8Linear", _cuda(80, _FP8_NATIVE_CUDA - 1), "fp8_linear", "Fp8LinearTritonEmulatedSm80",
            "emulated-triton", "sm_80..sm_88 lack fp8 tensor cores: Triton NATIVE=False, uint8 weights "
-           "decoded in registers, fp16 mma"),
-    _Entry("Fp8Linear", _cuda(FP8_NATIVE_CUDA_MIN, FP8_NATIVE_CUDA_MIN), "fp8_linear", "Fp8LinearTritonNativeSm89",
-           "native_e4m3-triton", "Ada (sm_89) has fp8 tensor cores: Triton NATIVE=True, e4m3 mma, 3 stages"),
+           "decoded in registers, fp16 mma", EMULATED),
+    _Entry("Fp8Linear", _cuda(_FP8_NATIVE_CUDA, 89), "fp8_linear", "Fp8LinearTritonNativeSm89",
+           "native_e4m3-triton", "Ada (sm_89) has fp8 tensor cores: Triton NATIVE=True, e4m3 mma, 3 stages", NATIVE),
     _Entry("Fp8Linear", _cuda(90, 99), "fp8_linear", "Fp8LinearTritonNativeSm90", "native_e4m3-triton",
-           "Hopper (sm_90) fp8 tensor cores: Triton NATIVE=True, 128-wide tiles, 4 stages"),
+           "Hopper (sm_90) fp8 tensor cores: Triton NATIVE=True, 128-wide tiles, 4 stages", NATIVE),
     _Entry("Fp8Linear", _cuda(100, _ANY), "fp8_linear", "Fp8LinearTritonNativeSm90", "native_e4m3-triton",
-           f"fp8 tensor cores, NATIVE=True; {_NEWER}"),
+           f"fp8 tensor cores, NATIVE=True; {_NEWER}", NATIVE),
     _Entry("Fp8Linear", Device(type="rocm"), "fp8_linear", "Fp8LinearTritonEmulatedRocm", "emulated-triton",
-           "ROCm arch without fp8 matrix cores: Triton NATIVE=False, e4m3fnuz bytes decoded in registers"),
-    _Entry("Fp8Linear", _rocm(*FP8_NATIVE_ROCM), "fp8_linear", "Fp8LinearTritonNativeRocm", "native_e4m3-triton",
-           "CDNA3+ (gfx94x/gfx95x) fp8 matrix cores: Triton NATIVE=True on e4m3fnuz"),
+           "ROCm arch without fp8 matrix cores: Triton NATIVE=False, e4m3fnuz bytes decoded in registers", EMULATED),
+    _Entry("Fp8Linear", _rocm(*_FP8_NATIVE_ROCM), "fp8_linear", "Fp8LinearTritonNativeRocm", "native_e4m3-triton",
+           "CDNA3+ (gfx94x/gfx95x) fp8 matrix cores: Triton NATIVE=True on e4m3fnuz", NATIVE),
 )
 # fmt: on
 
@@ -144,7 +159,11 @@ def _declare(entries: tuple[_Entry, ...]) -> dict[str, dict[Device, LocalLayerRe
     return mapping
 
 
-KERNEL_MAPPING = _declare(_ENTRIES)
+def kernel_mapping() -> dict[str, dict[Device, LocalLayerRepository]]:
+    """The whole table in the shape `kernels.use_kernel_mapping` takes (every device type of
+    every layer). The worker registers only `resolved_mapping(select(...))`; this is for
+    checking the table against `kernels`' own resolution."""
+    return _declare(_ENTRIES)
 
 
 def _interval(device: Device) -> tuple[int, int]:
@@ -152,25 +171,25 @@ def _interval(device: Device) -> tuple[int, int]:
     return (0, _ANY) if props is None else (props.min_capability, props.max_capability)
 
 
-def capability_int(device_type: str, capability: tuple[int, int] | None) -> int | None:
-    """(9, 0) -> 90, as `kernels` encodes capabilities; None for CPU."""
+def _checked(device_type: str, capability) -> Capability | None:
+    """The device's capability (None for CPU); a GPU without one is an error."""
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"Unsupported device type `{device_type}`. Supported: {', '.join(DEVICE_TYPES)}")
     if device_type == "cpu":
         return None
-    if capability is None or len(capability) != 2 or min(capability) < 0:
+    try:
+        return Capability.parse(capability)
+    except CapabilityError:
         raise ValueError(
-            f"A `{device_type}` device needs a capability (major, minor), got `{capability}`. Example: (9, 0)"
-        )
-    return int(capability[0]) * 10 + int(capability[1])
+            f"A `{device_type}` device needs a capability (major, minor), got `{capability}`. "
+            f"Accepted: {ACCEPTED_CAPABILITY_SPELLINGS}"
+        ) from None
 
 
-def _describe(device_type: str, capability: tuple[int, int] | None) -> str:
-    if device_type == "cpu":
+def _describe(device_type: str, capability: Capability | None) -> str:
+    if capability is None:
         return "cpu"
-    assert capability is not None
-    major, minor = capability
-    return f"sm_{major}{minor}" if device_type == "cuda" else f"ROCm capability {major}.{minor}"
+    return capability.sm if device_type == "cuda" else f"ROCm capability {capability.label}"
 
 
 def _resolve(layer: str, device_type: str, cap: int | None) -> _Entry:
@@ -189,15 +208,15 @@ def _resolve(layer: str, device_type: str, cap: int | None) -> _Entry:
 def select(device_type: str, capability) -> dict[str, KernelChoice]:
     """The kernel for each layer on one device. Pure: depends only on its arguments.
     `capability` is (major, minor); 90, "9.0" and "sm_90" are accepted too."""
-    capability = normalize_capability(capability)
-    cap = capability_int(device_type, capability)
+    capability = _checked(device_type, capability)
+    cap = None if capability is None else capability.int
     where = _describe(device_type, capability)
     choices = {}
     for layer in LAYERS:
         e = _resolve(layer, device_type, cap)
         reason = e.why if device_type == "cpu" else f"{where}: {e.why}"
         choices[layer] = KernelChoice(
-            repo=f"kernels_local/{e.repo}", layer=e.layer_class, variant=e.variant, reason=reason
+            repo=f"kernels_local/{e.repo}", layer=e.layer_class, variant=e.variant, reason=reason, fp8=e.fp8
         )
     return choices
 

@@ -5,82 +5,37 @@ worker per device) and, on shutdown, stops it after uvicorn has drained in-fligh
 Startup does not wait for workers to be ready (loading a model takes a while): `/health`
 answers 503 until one is, and requests arriving meanwhile wait a bounded time for one.
 Routes are grouped by concern in `server/routes/`; all reach the run's state through
-`RouterContext` on `app.state.ctx`.
+`RouterContext` (`server/context.py`) on `app.state.ctx`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
-from server.chat import ChatTemplate, load_chat_template
+from server.context import VERSION, RouterContext
 from server.dispatch import Dispatcher
 from server.http_errors import install_error_handlers
 from server.middleware import EdgeMiddleware
 from server.router_metrics import RouterMetrics
+from server.routes import generate, health, openai, workers
+from server.routes import metrics as metrics_routes
 from server.settings import RouterSettings
 from server.supervisor import Supervisor
-from server.worker_handle import READY
-from workers.topology import DeviceInfo
+from workers.contract import DeviceInfo, WorkerState
 
 logger = logging.getLogger(__name__)
-
-VERSION = "0.1.0"
-
-
-@dataclass
-class RouterContext:
-    """What every route needs: settings, supervisor, dispatcher, metrics and model facts."""
-
-    settings: RouterSettings
-    supervisor: Supervisor
-    dispatcher: Dispatcher
-    metrics: RouterMetrics
-    started_at: float = field(default_factory=time.time)
-    _chat: ChatTemplate | None = None
-
-    def _model_info(self) -> dict:
-        for h in self.supervisor.workers.values():
-            if h.info.get("model"):
-                return h.info["model"]
-        return {}
-
-    def model_id(self) -> str:
-        return self._model_info().get("id") or self.settings.model_dir.name
-
-    def context_length(self) -> int | None:
-        value = self._model_info().get("context_length")
-        return value if isinstance(value, int) and value > 0 else None
-
-    def sampling_defaults(self) -> dict:
-        """The model's generation_config sampling values, as the workers reported them."""
-        value = self._model_info().get("sampling_defaults")
-        return value if isinstance(value, dict) else {}
-
-    def chat_template(self) -> ChatTemplate:
-        """Loaded once, from the model directory (or what the worker reported)."""
-        if self._chat is None:
-            info = self._model_info()
-            self._chat = load_chat_template(self.settings.model_dir, info)
-            logger.info("chat template from %s", self._chat.origin)
-        return self._chat
-
-
-def get_ctx(request: Request) -> RouterContext:
-    return request.app.state.ctx
 
 
 def ready_summary(supervisor: Supervisor) -> str:
     """`gpu0 sm_80 emulated, gpu1 sm_89 native_e4m3` (ready workers) + failed ones."""
     parts = []
     for h in supervisor.workers.values():
-        if h.state == READY:
+        if h.state == WorkerState.READY:
             parts.append(f"{h.id} ({h.capability_label}, fp8 {h.fp8_convention})")
         else:
             parts.append(f"{h.id} {h.state}: {h.reason}")
@@ -118,9 +73,6 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
     install_error_handlers(app)
     app.add_middleware(EdgeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        metrics=metrics)
-    from server.routes import generate, health, openai, workers
-    from server.routes import metrics as metrics_routes
-
     for module in (generate, openai, workers, health, metrics_routes):
         app.include_router(module.router)
     return app

@@ -18,18 +18,23 @@ come through this router and costs nothing per request.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from server.worker_handle import FAILED, WorkerHandle
+from server.worker_handle import WorkerHandle
+from workers.contract import (
+    EMULATED,
+    FP8_CONVENTIONS,
+    HEADER_FP8,
+    HEADER_MIN_CAPABILITY,
+    HEADER_PIN_WORKER,
+    NATIVE,
+    Capability,
+    CapabilityError,
+    WorkerState,
+)
 
-HEADER_WORKER = "x-hetserve-worker"
-HEADER_MIN_CAPABILITY = "x-hetserve-min-capability"
-HEADER_FP8 = "x-hetserve-fp8"
-FP8_CONVENTIONS = ("native_e4m3", "emulated")
-_FP8_ALIASES = {"native": "native_e4m3", "native_e4m3": "native_e4m3", "e4m3": "native_e4m3", "emulated": "emulated"}
-_CAP_RE = re.compile(r"^(?:(\d{1,2})\.(\d)|sm_(\d{1,2})(\d))$")
+_FP8_ALIASES = {"native": NATIVE, NATIVE: NATIVE, "e4m3": NATIVE, EMULATED: EMULATED}
 
 PICK, UNSATISFIABLE, OVERLOADED, WAIT, UNAVAILABLE = "pick", "unsatisfiable", "overloaded", "wait", "unavailable"
 
@@ -41,8 +46,11 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class Constraints:
     worker: str | None = None
-    min_capability: tuple[int, int] | None = None
+    min_capability: Capability | None = None
     fp8: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "min_capability", Capability.parse_optional(self.min_capability))
 
     def __bool__(self) -> bool:
         return any(v is not None for v in (self.worker, self.min_capability, self.fp8))
@@ -52,7 +60,7 @@ class Constraints:
         if self.worker is not None:
             parts.append(f"worker `{self.worker}`")
         if self.min_capability is not None:
-            parts.append(f"capability >= `{self.min_capability[0]}.{self.min_capability[1]}`")
+            parts.append(f"capability >= `{self.min_capability.label}`")
         if self.fp8 is not None:
             parts.append(f"fp8 `{self.fp8}`")
         return ", ".join(parts) or "none"
@@ -65,19 +73,22 @@ class Decision:
     worker: WorkerHandle | None = None
 
 
-def parse_capability(value: str) -> tuple[int, int]:
-    m = _CAP_RE.match(value.strip().lower())
-    if not m:
-        raise ConstraintError(f"Invalid minimum capability `{value}`. Accepted: `X.Y` (e.g. 8.9) or `sm_XY` (e.g. sm_89)")
-    major, minor = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
-    return int(major), int(minor)
+def parse_capability(value: str) -> Capability:
+    """A header's minimum capability: `X.Y` (e.g. 8.9) or `sm_XY` (e.g. sm_89)."""
+    text = value.strip().lower()
+    try:
+        if "." in text or text.startswith("sm_"):
+            return Capability.parse(text)
+    except CapabilityError:
+        pass
+    raise ConstraintError(f"Invalid minimum capability `{value}`. Accepted: `X.Y` (e.g. 8.9) or `sm_XY` (e.g. sm_89)")
 
 
 def parse_constraints(headers: Mapping[str, str]) -> Constraints:
     """Constraints from request headers (names are case-insensitive); empty values are ignored."""
-    worker = (headers.get(HEADER_WORKER) or "").strip() or None
-    raw_cap = (headers.get(HEADER_MIN_CAPABILITY) or "").strip()
-    raw_fp8 = (headers.get(HEADER_FP8) or "").strip()
+    worker = (headers.get(HEADER_PIN_WORKER.lower()) or "").strip() or None
+    raw_cap = (headers.get(HEADER_MIN_CAPABILITY.lower()) or "").strip()
+    raw_fp8 = (headers.get(HEADER_FP8.lower()) or "").strip()
     fp8 = None
     if raw_fp8:
         fp8 = _FP8_ALIASES.get(raw_fp8.lower())
@@ -88,11 +99,8 @@ def parse_constraints(headers: Mapping[str, str]) -> Constraints:
 
 def matches(handle: WorkerHandle, c: Constraints) -> tuple[bool | None, str]:
     """(True, _) matches; (False, why) never will; (None, why) unknown until it reports (fp8)."""
-    if c.worker is not None:
-        wanted = c.worker.lower()
-        names = {handle.id.lower(), str(handle.spec.device.index), handle.spec.device.uuid.lower()}
-        if wanted not in names:
-            return False, f"{handle.id} is not `{c.worker}`"
+    if c.worker is not None and not handle.answers_to(c.worker):
+        return False, f"{handle.id} is not `{c.worker}`"
     if c.min_capability is not None:
         cap = handle.capability
         if cap is None or cap < c.min_capability:
@@ -120,7 +128,7 @@ def choose(workers: Iterable[WorkerHandle], c: Constraints, capacity: int,
         ok, why = matches(h, c)
         if ok is False:
             refused.append(why)
-        elif h.state == FAILED:
+        elif h.state == WorkerState.FAILED:
             refused.append(f"{h.id} failed ({h.reason})")
         else:
             candidates.append(h)

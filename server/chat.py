@@ -1,10 +1,10 @@
 """Chat messages -> prompt text through the model's own chat template (jinja2, no torch).
 
-The template comes from the model directory, as `transformers` would find it:
-`chat_template.jinja`, else `tokenizer_config.json["chat_template"]` (a string, or a list of
-named templates of which `default` is used); else the template the worker reported in
-`/capability`; else a plain ChatML template, with a warning, so a model without a template
-still answers. Rendering mirrors `transformers`' `apply_chat_template`: a sandboxed jinja2
+The template comes from the model directory through the same lookup the worker uses
+(`workers.contract.find_chat_template`: `chat_template.jinja`, else
+`tokenizer_config.json["chat_template"]`); else the template the worker reported in
+`/capability` (a router that cannot read the worker's directory); else a plain ChatML
+template, with a warning, so a model without a template still answers. Rendering mirrors `transformers`' `apply_chat_template`: a sandboxed jinja2
 environment with `trim_blocks`/`lstrip_blocks`, `raise_exception`, `strftime_now` and a
 `tojson` filter, and the variables `messages`, `bos_token`, `eos_token`,
 `add_generation_prompt`. A template that raises (say, roles that do not alternate) becomes
@@ -22,6 +22,8 @@ from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from workers.contract import ModelDescription, find_chat_template, read_tokenizer_config, token_text
 
 logger = logging.getLogger(__name__)
 
@@ -75,40 +77,17 @@ def _compile(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"The chat template does not compile: {e}") from e
 
 
-def _token_text(value) -> str | None:
-    """`"<s>"` or an AddedToken dict `{"content": "<s>", ...}` -> `"<s>"`."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _template_from_config(raw) -> str | None:
-    if isinstance(raw, str):
-        return raw
-    if isinstance(raw, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
-        return named.get("default") or next((t for t in named.values() if isinstance(t, str)), None)
-    return None
-
-
-def load_chat_template(model_dir: Path | None, reported: dict | None = None) -> ChatTemplate:
-    """The model's chat template (see the module docstring for the order of sources)."""
-    reported = reported or {}
-    config: dict = {}
-    if model_dir is not None:
-        try:
-            config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
-        except (OSError, ValueError):
-            config = {}
-    bos = _token_text(config.get("bos_token")) or _token_text(reported.get("bos_token"))
-    eos = _token_text(config.get("eos_token")) or _token_text(reported.get("eos_token"))
-    jinja_file = Path(model_dir) / "chat_template.jinja" if model_dir is not None else None
-    if jinja_file is not None and jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(), bos, eos, str(jinja_file))
-    source = _template_from_config(config.get("chat_template"))
-    if source:
-        return ChatTemplate(source, bos, eos, f"{model_dir}/tokenizer_config.json")
-    if isinstance(reported.get("chat_template"), str) and reported["chat_template"]:
-        return ChatTemplate(reported["chat_template"], bos, eos, "the worker's /capability")
+def load_chat_template(model_dir: Path | None, reported: ModelDescription | dict | None = None) -> ChatTemplate:
+    """The model's chat template (see the module docstring for the order of sources);
+    `reported` is the `model` object of a worker's `/capability`."""
+    reported = ModelDescription.model_validate(reported or {})
+    config = read_tokenizer_config(model_dir)
+    bos = token_text(config.get("bos_token")) or reported.bos_token
+    eos = token_text(config.get("eos_token")) or reported.eos_token
+    found = find_chat_template(model_dir, config)
+    if found is not None:
+        return ChatTemplate(found.source, bos, eos, found.origin)
+    if reported.chat_template:
+        return ChatTemplate(reported.chat_template, bos, eos, "the worker's /capability")
     logger.warning("model %s has no chat template; using ChatML for /v1/chat/completions", model_dir)
     return ChatTemplate(CHATML_TEMPLATE, bos, eos, "ChatML (the model has no chat template)")

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from server.errors import UsageError
+from workers.contract import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
 from workers.topology import TopologySpecError
 
 # subcommand -> "module:function(args) -> int"
@@ -48,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(serve)
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     serve.add_argument("--quantize", default="none", choices=["none", "fp8"])
-    serve.add_argument("--max-batch", type=int, default=32, metavar="N", help="running sequences per worker")
-    serve.add_argument("--max-queue", type=int, default=256, metavar="N", help="waiting requests per worker before 429")
+    serve.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
+                       help=f"running sequences per worker (default {DEFAULT_MAX_BATCH})")
+    serve.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                       help=f"waiting requests per worker before 429 (default {DEFAULT_MAX_QUEUE})")
     serve.add_argument("--api-key", default=None, metavar="KEY", help="require `Authorization: Bearer KEY`")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

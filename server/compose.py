@@ -178,7 +178,7 @@ def _service(image: str, port: int, model: Path | None, command: list[str]) -> d
 
 
 def _device_comment(d: DeviceInfo) -> str:
-    cap = f"sm_{d.capability[0]}{d.capability[1]}" if d.capability else d.type
+    cap = d.capability.sm if d.capability else d.type
     return f"index {d.index}: {d.name}, {cap}"
 
 

@@ -11,7 +11,8 @@ from workers.topology import select_devices
 def run(args) -> int:
     devices = select_devices(inventory(args.simulate), args.devices)
     if args.json:
-        print(json.dumps({"devices": [d.to_dict() for d in devices]}, indent=2))
+        listed = [{**d.to_dict(), "pci_bus_id": d.pci_bus_id, "arch": d.arch} for d in devices]
+        print(json.dumps({"devices": listed}, indent=2))
         return 0
     if not devices:
         print("No GPU found through NVML; `hetserve serve` will run one CPU worker.")

@@ -1,6 +1,6 @@
 """Sends one request to a worker and makes sure it ends in a result or a clear error.
 
-Invariant 7 lives here. A request is retried on another ready worker when its worker fails
+Nothing is lost: a request is retried on another ready worker when its worker fails
 before the client has received anything: the worker is unreachable or dies before
 answering (non-streamed), dies before the first event (streamed), or answers 503 (not ready,
 draining) or 429 (its queue is full); another 5xx is retried once (a worker about to exit
@@ -26,6 +26,7 @@ from server.settings import RouterSettings
 from server.supervisor import Supervisor
 from server.worker_client import SSEEvents, WorkerGone, split_events
 from server.worker_handle import WorkerHandle
+from workers.contract import HEADER_FP8_CONVENTION, HEADER_WORKER_CAPABILITY, HEADER_WORKER_ID, WORKER_HEADERS
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ def _retry(status: int, error_retried: bool) -> tuple[bool, bool]:
     return False, error_retried
 
 
-_WORKER_HEADERS = ("x-worker-id", "x-worker-capability", "x-fp8-convention")
 
 
 class _Lost(Exception):
@@ -111,11 +111,11 @@ class WorkerStream:
 def worker_headers(worker: WorkerHandle, response_headers) -> dict[str, str]:
     """X-Worker-Id, X-Worker-Capability, X-Fp8-Convention: the worker's, else what the router knows."""
     fallback = {
-        "x-worker-id": worker.id,
-        "x-worker-capability": worker.capability_label,
-        "x-fp8-convention": worker.fp8_convention or "unknown",
+        HEADER_WORKER_ID: worker.id,
+        HEADER_WORKER_CAPABILITY: worker.capability_label,
+        HEADER_FP8_CONVENTION: worker.fp8_convention or "unknown",
     }
-    return {name: response_headers.get(name) or fallback[name] for name in _WORKER_HEADERS}
+    return {name.lower(): response_headers.get(name.lower()) or fallback[name] for name in WORKER_HEADERS}
 
 
 class Dispatcher:

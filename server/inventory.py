@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from workers.topology import DeviceInfo, parse_simulate
+from workers.contract import DeviceInfo
+from workers.topology import parse_simulate
 
 logger = logging.getLogger(__name__)
 

@@ -2,12 +2,13 @@
 without loading weights.
 
 Design: the plan runs the workers' own decision functions (`kernels_local.mapping.select`
-and `workers.fp8.choose_fp8`, both pure) on the router's inventory (NVML, or `--simulate`),
-so it shows what each worker will choose, not a copy of the rules. Field names match
-`/workers`: `device{type, index, uuid, name, capability, simulated, memory_total_bytes}`,
-`fp8{convention, reason}`, `kernels{<layer>: {repo, layer, variant, reason}}`. The
-trade-off: `choose_fp8` lives with the worker code and imports torch, so this one-shot
-command pays that import (the serving router never imports this module).
+and the fp8 rule `workers.contract.fp8_rule`, both pure) on the router's inventory (NVML,
+or `--simulate`), so it shows what each worker will choose, not a copy of the rules. Field
+names match `/workers`: `device{type, index, uuid, name, capability, simulated,
+memory_total_bytes}`, `fp8{convention, reason}`, `kernels{<layer>: {repo, layer, variant,
+reason}}`. The trade-off: `select` reads the mapping through the `kernels` library, which
+imports torch, so this one-shot command pays that import (the serving router never imports
+this module).
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from __future__ import annotations
 import json
 
 from server.errors import UsageError
-from workers.topology import DeviceInfo, TopologySpecError, cpu_device, select_devices
-
-DEVICE_FIELDS = ("type", "index", "uuid", "name", "capability", "simulated", "memory_total_bytes")
+from workers.contract import DeviceInfo, fp8_rule
+from workers.topology import TopologySpecError, cpu_device, select_devices
 
 
 def _devices(simulate: str | None, devices: str | None) -> list[DeviceInfo]:
@@ -33,13 +33,11 @@ def _devices(simulate: str | None, devices: str | None) -> list[DeviceInfo]:
 def plan_device(dev: DeviceInfo) -> dict:
     """One device's plan: its description, fp8 convention and kernel per layer."""
     from kernels_local.mapping import select
-    from workers.fp8 import choose_fp8
 
-    conv, fp8_reason = choose_fp8(dev.type, dev.capability)
-    described = dev.to_dict()
+    fp8 = fp8_rule(dev.type, dev.capability)
     return {
-        "device": {k: described[k] for k in DEVICE_FIELDS},
-        "fp8": {"convention": conv.name, "reason": fp8_reason},
+        "device": dev.to_dict(),
+        "fp8": {"convention": fp8.convention, "reason": fp8.reason},
         "kernels": {layer: c.to_dict() for layer, c in select(dev.type, dev.capability).items()},
     }
 

@@ -20,7 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.worker_handle import STATES, WorkerHandle
+from server.worker_handle import WorkerHandle
+from workers.contract import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class _WorkerStateCollector:
                                         "Requests in flight at the worker.", labels=_LABELS)
         for h in self._workers_fn():
             labels = [h.id, h.capability_label]
-            for s in STATES:
+            for s in WorkerState:
                 state.add_metric([*labels, s], 1.0 if h.state == s else 0.0)
             up.add_metric(labels, 1.0 if h.routable else 0.0)
             restarts.add_metric(labels, float(h.restarts))

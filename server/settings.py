@@ -14,12 +14,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import workers
 from server.errors import UsageError
-
-# The embedded default checkpoint ships inside the `workers` package. Found by path, not by
-# importing `workers.loader`, which needs torch (the router must never import it).
-DEFAULT_MODEL_DIR = Path(workers.__file__).resolve().parent / "default_model"
+from workers.contract import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MODEL_DIR, DRAIN_TIMEOUT_S
 
 # Runs the worker under another command (a wrapper, a profiler, a test double):
 # `HETSERVE_WORKER_CMD="python path/to/worker.py"`. Default: `<this python> -m workers`.
@@ -42,15 +38,15 @@ class RouterSettings:
     port: int = 8000
     dtype: str = "auto"
     quantize: str = "none"
-    max_batch: int = 32  # running sequences per worker
-    max_queue: int = 256  # waiting requests per worker before it answers 429
+    max_batch: int = DEFAULT_MAX_BATCH  # running sequences per worker
+    max_queue: int = DEFAULT_MAX_QUEUE  # waiting requests per worker before it answers 429
     api_key: str | None = None
     log_level: str = "info"
     # HTTP edge
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     retry_after_s: int = 1  # `Retry-After` on 429 and 503
     ready_wait_s: float = 30.0  # how long a request waits for a ready worker (none ready yet)
-    drain_timeout_s: float = 30.0  # in-flight requests get this long after SIGTERM
+    drain_timeout_s: float = DRAIN_TIMEOUT_S  # in-flight requests get this long after SIGTERM
     # supervisor
     worker_command: tuple[str, ...] = field(default_factory=_default_worker_command)
     worker_stop_timeout_s: float = 15.0  # SIGTERM -> SIGKILL
@@ -88,8 +84,8 @@ class RouterSettings:
             "port": port,
             "dtype": getattr(args, "dtype", "auto"),
             "quantize": getattr(args, "quantize", "none"),
-            "max_batch": getattr(args, "max_batch", 32),
-            "max_queue": getattr(args, "max_queue", 256),
+            "max_batch": getattr(args, "max_batch", DEFAULT_MAX_BATCH),
+            "max_queue": getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
             "api_key": getattr(args, "api_key", None) or None,
             "log_level": getattr(args, "log_level", "info"),
         }

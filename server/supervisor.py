@@ -31,14 +31,12 @@ from pathlib import Path
 
 from server.settings import RouterSettings
 from server.worker_client import WorkerClient, WorkerDown, WorkerGone, WorkerHTTPError
-from server.worker_handle import FAILED, READY, RESTARTING, STARTING, UNHEALTHY, WorkerHandle, read_status
+from server.worker_handle import WorkerHandle, read_status
 from server.worker_spec import build_worker_specs
-from workers.topology import DeviceInfo
+from workers.contract import CapabilityPayload, DeviceInfo, ExitCode, WorkerState, WorkerStatus
 
 logger = logging.getLogger(__name__)
 
-EXIT_FAILED_TO_START = 3
-EXIT_FATAL = 4
 _BACKOFF_RESET_AFTER_S = 60.0  # a worker that served this long restarts with the initial backoff
 
 _PR_SET_PDEATHSIG = 1
@@ -67,7 +65,7 @@ def describe_exit(returncode: int, status: dict) -> str:
         except ValueError:
             name = str(-returncode)
         return f"killed by signal {name}"
-    if returncode == EXIT_FATAL or status.get("state") == "fatal":
+    if returncode == ExitCode.FATAL or status.get("state") == WorkerStatus.FATAL:
         return f"fatal error while serving: {status.get('reason') or 'no reason given'}"
     return f"exited with code {returncode}"
 
@@ -126,18 +124,15 @@ class Supervisor:
         for handle in self.workers.values():
             self._tasks.append(asyncio.create_task(self._lifecycle(handle), name=f"worker-{handle.id}"))
 
-    def get(self, worker_id: str) -> WorkerHandle | None:
-        return self.workers.get(worker_id)
-
     def ready(self) -> list[WorkerHandle]:
         return [h for h in self.workers.values() if h.routable]
 
     def settled(self) -> bool:
         """Every worker is ready or has failed for good."""
-        return all(h.state in (READY, FAILED) for h in self.workers.values())
+        return all(h.state in (WorkerState.READY, WorkerState.FAILED) for h in self.workers.values())
 
     def all_failed(self) -> bool:
-        return bool(self.workers) and all(h.state == FAILED for h in self.workers.values())
+        return bool(self.workers) and all(h.state == WorkerState.FAILED for h in self.workers.values())
 
     async def wait_changed(self, timeout: float) -> None:
         """Return when any worker changes state, or after `timeout` seconds."""
@@ -208,7 +203,7 @@ class Supervisor:
             logger.info("worker %s: %s -> %s%s", handle.id, handle.state, state, f" ({reason})" if reason else "")
         handle.state = state
         handle.reason = reason
-        if state != READY and state != UNHEALTHY:
+        if state != WorkerState.READY and state != WorkerState.UNHEALTHY:
             handle.ready_since = None
         if self._changed is not None:
             self._changed.set()
@@ -220,13 +215,11 @@ class Supervisor:
         backoff = s.restart_backoff_initial_s
         startup_crashes = 0
         while not self._stopping:
-            # 1. spawn
             try:
                 await self._spawn(handle)
             except OSError as e:
-                self._set(handle, FAILED, f"could not start `{' '.join(handle.spec.argv[:3])}`: {e}")
+                self._set(handle, WorkerState.FAILED, f"could not start `{' '.join(handle.spec.argv[:3])}`: {e}")
                 return
-            # 2. watch readiness and health until the process exits
             watcher = asyncio.create_task(self._watch(handle))
             assert handle.process is not None
             returncode = await handle.process.wait()
@@ -238,23 +231,24 @@ class Supervisor:
             await self._drop_client(handle)
             if self._stopping:
                 return
-            # 3. decide: failed to start (do not loop) or crashed (restart with backoff)
+            # Decide: failed to start (the same start would fail again: no loop) or crashed
+            # (restart with backoff).
             status = read_status(handle.spec.status_path)
-            if returncode == EXIT_FAILED_TO_START or status.get("state") == "failed":
+            if returncode == ExitCode.FAILED_TO_START or status.get("state") == WorkerStatus.FAILED:
                 handle.last_exit = f"exited with code {returncode}"
-                self._set(handle, FAILED, describe_failure(returncode, status))
+                self._set(handle, WorkerState.FAILED, describe_failure(returncode, status))
                 logger.error("worker %s failed to start at %s", handle.id, handle.reason)
                 return
             handle.last_exit = describe_exit(returncode, status)
             startup_crashes = 0 if served_for is not None else startup_crashes + 1
             if startup_crashes >= s.max_startup_crashes:
-                self._set(handle, FAILED, f"crashed {startup_crashes} times before becoming ready; last: {handle.last_exit}")
+                self._set(handle, WorkerState.FAILED, f"crashed {startup_crashes} times before becoming ready; last: {handle.last_exit}")
                 logger.error("worker %s: giving up: %s", handle.id, handle.reason)
                 return
             if served_for is not None and served_for >= _BACKOFF_RESET_AFTER_S:
                 backoff = s.restart_backoff_initial_s
             handle.restarts += 1
-            self._set(handle, RESTARTING, f"{handle.last_exit}; restart {handle.restarts} in {backoff:.1f}s")
+            self._set(handle, WorkerState.RESTARTING, f"{handle.last_exit}; restart {handle.restarts} in {backoff:.1f}s")
             logger.warning("worker %s (pid %s) %s; restarting in %.1fs", handle.id, handle.pid, handle.last_exit, backoff)
             await self._sleep_unless_stopping(backoff)
             backoff = min(backoff * 2, s.restart_backoff_max_s)
@@ -264,7 +258,7 @@ class Supervisor:
         for stale in (spec.socket_path, spec.status_path):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
-        handle.info = {}
+        handle.info = None
         handle.step = None
         handle.process = await asyncio.create_subprocess_exec(
             *spec.argv,
@@ -276,8 +270,8 @@ class Supervisor:
         handle.pid = handle.process.pid
         handle.generation += 1
         handle.client = WorkerClient(spec.socket_path)
-        if handle.state != RESTARTING:
-            self._set(handle, STARTING, "spawned")
+        if handle.state != WorkerState.RESTARTING:
+            self._set(handle, WorkerState.STARTING, "spawned")
         logger.info("worker %s: started pid %s (%s)", handle.id, handle.pid, spec.device.name)
 
     async def _drop_client(self, handle: WorkerHandle) -> None:
@@ -303,18 +297,18 @@ class Supervisor:
         delay = 0.05
         while _alive(handle):
             status = read_status(spec.status_path)
-            if status.get("state") == "failed":
+            if status.get("state") == WorkerStatus.FAILED:
                 handle.reason = describe_failure(-1, status)
                 return False  # the worker exits with code 3; the lifecycle marks it failed
             if status.get("step") and status.get("step") != handle.step:
                 handle.step = status["step"]
                 handle.reason = f"step: {handle.step}"
-            if spec.socket_path.exists() and status.get("state") in (None, "ready"):
+            if spec.socket_path.exists() and status.get("state") in (None, WorkerStatus.READY):
                 info = await self._probe(client)
                 if info is not None:
                     handle.info = info
                     handle.ready_since = time.monotonic()
-                    self._set(handle, READY)
+                    self._set(handle, WorkerState.READY)
                     return True
             if time.monotonic() - started > self.settings.startup_timeout_s:
                 handle.reason = f"not ready after {self.settings.startup_timeout_s:.0f}s"
@@ -326,7 +320,7 @@ class Supervisor:
         return False
 
     @staticmethod
-    async def _probe(client: WorkerClient) -> dict | None:
+    async def _probe(client: WorkerClient) -> CapabilityPayload | None:
         """The worker's /capability once its /health says ready; None if not yet."""
         try:
             code, _ = await client.health()
@@ -356,13 +350,13 @@ class Supervisor:
                 ok, why = False, f"health check failed: {e!r}"
             if ok:
                 failures, unhealthy_since = 0, None
-                if handle.state == UNHEALTHY:
-                    self._set(handle, READY)
+                if handle.state == WorkerState.UNHEALTHY:
+                    self._set(handle, WorkerState.READY)
                 continue
             failures += 1
-            if failures >= s.unhealthy_after_failures and handle.state == READY:
+            if failures >= s.unhealthy_after_failures and handle.state == WorkerState.READY:
                 unhealthy_since = time.monotonic()
-                self._set(handle, UNHEALTHY, why)
+                self._set(handle, WorkerState.UNHEALTHY, why)
             if unhealthy_since is not None and time.monotonic() - unhealthy_since > s.unhealthy_kill_after_s:
                 logger.error("worker %s unhealthy for %.0fs (%s); killing it", handle.id, s.unhealthy_kill_after_s, why)
                 self._kill(handle)

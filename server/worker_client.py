@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from server.uds_http import Response, UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
+from workers.contract import CapabilityPayload
 
 _CONTROL_TIMEOUT_S = 5.0
 
@@ -49,11 +50,12 @@ class WorkerClient:
         status, content = await self._get("/health")
         return status, _json_or_empty(content)
 
-    async def capability(self) -> dict:
+    async def capability(self) -> CapabilityPayload:
+        """The worker's `/capability`, parsed (a `ValueError` when it does not fit the contract)."""
         status, content = await self._get("/capability")
         if status != 200:
             raise WorkerHTTPError(f"/capability answered {status}")
-        return json.loads(content)
+        return CapabilityPayload.model_validate_json(content)
 
     async def metrics(self) -> str:
         status, content = await self._get("/metrics")

@@ -20,27 +20,19 @@ from pathlib import Path
 
 from server.worker_client import WorkerClient
 from server.worker_spec import WorkerSpec
-
-STARTING = "starting"
-READY = "ready"
-UNHEALTHY = "unhealthy"
-RESTARTING = "restarting"
-FAILED = "failed"
-STATES = (STARTING, READY, UNHEALTHY, RESTARTING, FAILED)
-
-_DEVICE_KEYS = ("type", "index", "uuid", "name", "capability", "simulated", "memory_total_bytes")
+from workers.contract import DEVICE_FIELDS, Capability, CapabilityPayload, WorkerState
 
 
 @dataclass(eq=False)
 class WorkerHandle:
     spec: WorkerSpec
-    state: str = STARTING
+    state: WorkerState = WorkerState.STARTING
     reason: str | None = None  # why it is not ready (current step, failure, last exit)
     step: str | None = None  # the startup step the status file reports
     pid: int | None = None
     restarts: int = 0
     generation: int = 0  # +1 per spawn: a request that failed on generation g may retry g+1
-    info: dict = field(default_factory=dict)  # the worker's /capability answer
+    info: CapabilityPayload | None = None  # the worker's /capability answer, once ready
     outstanding: int = 0  # requests the router has in flight there
     picks: int = 0  # requests ever sent there (tie-break of least-outstanding)
     ready_since: float | None = None
@@ -54,29 +46,34 @@ class WorkerHandle:
         return self.spec.id
 
     @property
-    def capability(self) -> tuple[int, int] | None:
+    def capability(self) -> Capability | None:
         return self.spec.device.capability
 
     @property
     def capability_label(self) -> str:
-        return self.spec.capability_label
+        return self.spec.device.capability_label
 
     @property
     def fp8_convention(self) -> str | None:
         """What the worker chose (None until it has reported)."""
-        fp8 = self.info.get("fp8") or {}
-        return fp8.get("convention")
+        return None if self.info is None else self.info.fp8.convention
 
     @property
     def routable(self) -> bool:
-        return self.state == READY and self.client is not None
+        return self.state == WorkerState.READY and self.client is not None
+
+    def answers_to(self, name: str) -> bool:
+        """Is `name` this worker's id, its device index or its device UUID (any case)?"""
+        device = self.spec.device
+        return name.strip().lower() in (self.id.lower(), str(device.index), device.uuid.lower())
 
     def device_dict(self) -> dict:
-        reported = self.info.get("device")
+        """The inventory's description, overridden by what the worker reported."""
         base = self.spec.device.to_dict()
-        if isinstance(reported, dict):
-            base.update({k: reported[k] for k in _DEVICE_KEYS if k in reported})
-        return {k: base.get(k) for k in _DEVICE_KEYS}
+        if self.info is not None:
+            reported = self.info.device.model_dump(exclude_unset=True)
+            base.update({k: reported[k] for k in DEVICE_FIELDS if k in reported})
+        return base
 
     def load(self, max_batch: int) -> dict:
         """Requests in flight there, split at the worker's batch size into running and queued."""
@@ -85,7 +82,7 @@ class WorkerHandle:
 
     def snapshot(self, max_batch: int) -> dict:
         """This worker's `/workers` entry."""
-        fp8 = self.info.get("fp8") or {}
+        info = self.info or CapabilityPayload()
         return {
             "id": self.id,
             "state": self.state,
@@ -93,11 +90,11 @@ class WorkerHandle:
             "restarts": self.restarts,
             "reason": self.reason,
             "device": self.device_dict(),
-            "fp8": {"convention": fp8.get("convention"), "reason": fp8.get("reason")},
-            "kernels": self.info.get("kernels") or {},
+            "fp8": info.fp8.model_dump(),
+            "kernels": {layer: k.model_dump() for layer, k in info.kernels.items()},
             "load": self.load(max_batch),
-            "capacity": self.info.get("capacity"),
-            "model": {k: v for k, v in (self.info.get("model") or {}).items() if k != "chat_template"},
+            "capacity": info.capacity or None,
+            "model": info.model.model_dump(exclude={"chat_template"}, exclude_none=True),
             "last_exit": self.last_exit,
         }
 

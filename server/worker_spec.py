@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.settings import RouterSettings
-from workers.topology import DeviceInfo, cpu_device
+from workers.contract import ENV_DEVICE_INDEX, ENV_DEVICE_UUID, ENV_SIMULATE, DeviceInfo
+from workers.topology import cpu_device
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,9 +25,9 @@ _DEVICE_ENV = (
     "CUDA_VISIBLE_DEVICES",
     "HIP_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES",
-    "HETSERVE_SIMULATE",
-    "HETSERVE_DEVICE_INDEX",
-    "HETSERVE_DEVICE_UUID",
+    ENV_SIMULATE,
+    ENV_DEVICE_INDEX,
+    ENV_DEVICE_UUID,
 )
 
 
@@ -41,11 +42,6 @@ class WorkerSpec:
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]  # sorted (name, value) pairs: hashable and comparable
     threads: int
-
-    @property
-    def capability_label(self) -> str:
-        """`9.0` for a GPU, `cpu` for a CPU worker (the `capability` label of metrics)."""
-        return self.device.capability_str or "cpu"
 
     def environ(self) -> dict[str, str]:
         return dict(self.env)
@@ -68,28 +64,17 @@ def threads_per_worker(total_threads: int, n_workers: int) -> int:
     return max(1, total_threads // max(1, n_workers))
 
 
-def _simulate_token(device: DeviceInfo) -> str | None:
-    """The `--simulate` token of a simulated device (`sm_89`, `cpu`); None for a real device."""
-    if not device.simulated:
-        return None
-    if device.arch:
-        return device.arch
-    assert device.capability is not None
-    major, minor = device.capability
-    return f"sm_{major}{minor}"
-
-
 def worker_environment(device: DeviceInfo, threads: int, base: dict[str, str]) -> dict[str, str]:
     """The child's environment: `base` without inherited device choices, plus this device's."""
     env = {k: v for k, v in base.items() if k not in _DEVICE_ENV}
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    env["HETSERVE_DEVICE_INDEX"] = str(device.index)
-    env["HETSERVE_DEVICE_UUID"] = device.uuid
-    token = _simulate_token(device)
+    env[ENV_DEVICE_INDEX] = str(device.index)
+    env[ENV_DEVICE_UUID] = device.uuid
+    token = device.simulate_token
     if token is not None or device.type == "cpu":
         # Simulated, or the host CPU: the worker computes on the CPU and must not see any GPU.
         if token is not None:
-            env["HETSERVE_SIMULATE"] = token
+            env[ENV_SIMULATE] = token
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif device.type == "rocm":
         env["HIP_VISIBLE_DEVICES"] = str(device.index)
@@ -106,7 +91,7 @@ def worker_environment(device: DeviceInfo, threads: int, base: dict[str, str]) -
 
 def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, socket_path: Path,
                 status_path: Path, threads: int, parent_pid: int) -> tuple[str, ...]:
-    """The command line of `python -m workers` (CONTRACTS: the worker entry point)."""
+    """The command line of `python -m workers` (its arguments are the worker's `parse_args`)."""
     argv = [
         *settings.worker_command,
         "--socket", str(socket_path),
@@ -122,9 +107,8 @@ def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, sock
         "--status-file", str(status_path),
         "--parent-pid", str(parent_pid),
     ]
-    token = _simulate_token(device)
-    if token is not None:
-        argv += ["--simulate", token]
+    if device.simulate_token is not None:
+        argv += ["--simulate", device.simulate_token]
     if settings.kv_cache_bytes is not None:
         argv += ["--kv-cache-bytes", str(settings.kv_cache_bytes)]
     return tuple(argv)

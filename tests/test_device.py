@@ -1,4 +1,4 @@
-"""Device binding and capability (DESIGN.md invariants 1 and 2). Only the capability source
+"""Device binding (bind first) and capability (no process-wide cache). Only the capability source
 is faked: torch.cuda's answers are patched, the binding code is the real one."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def test_capability_memo_is_keyed_by_device_index(fake_cuda):
 
 
 def test_kernels_library_capability_cache_goes_stale(fake_cuda):
-    """The failure invariant 2 removes: `kernels`' `_find_capability` is an lru_cache over the
+    """The failure a per-device capability removes: `kernels`' `_find_capability` is an lru_cache over the
     current device, so after the device changes it keeps the first answer."""
     from kernels.layer.repos import _find_capability
 

@@ -1,4 +1,4 @@
-"""The one device guard (DESIGN.md invariant 5), on a simulated platform and on real CUDA."""
+"""The one device guard, on a simulated platform and on real CUDA."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_binding_switch_is_validated_and_never_restored():
 
 
 def test_every_device_switch_in_the_code_goes_through_the_guard_module():
-    """Invariant 5: no module but workers/guard.py calls a device-switching primitive."""
+    """One guard: no module but workers/guard.py calls a device-switching primitive."""
     import pathlib
     import re
 

@@ -137,7 +137,7 @@ def test_real_gpu_path_kernelizes_for_cuda_when_kernels_agrees(monkeypatch, call
 
 
 def test_real_gpu_refuses_when_kernels_computes_another_capability(monkeypatch):
-    """Invariant 2: `kernels`' `_find_capability()` (stale at device 0's 8.0) vs a bound 9.0."""
+    """No stale capability: `kernels`' `_find_capability()` (stale at device 0's 8.0) vs a bound 9.0."""
     monkeypatch.setattr(kernels_repos, "_find_capability", lambda: 80)
     model = tiny_model()
     with pytest.raises(KernelCapabilityMismatchError, match="capability `9.0`.*80"):

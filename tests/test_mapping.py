@@ -11,7 +11,7 @@ import pytest
 from kernels import Device, Mode, use_kernel_mapping
 from kernels.layer.globals import _KERNEL_MAPPING
 
-from kernels_local.mapping import DEVICE_TYPES, KERNEL_MAPPING, LAYERS, KernelChoice, _declare, _Entry, select
+from kernels_local.mapping import DEVICE_TYPES, LAYERS, KernelChoice, _declare, _Entry, kernel_mapping, select
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,9 +25,9 @@ def test_every_layer_keeps_every_device_type():
     kept only the last device type of each layer (a `{"cuda": ..., "rocm": ...}` mapping
     whose entries overwrote each other)."""
     for layer in LAYERS:
-        assert {d.type for d in KERNEL_MAPPING[layer]} == set(DEVICE_TYPES), layer
+        assert {d.type for d in kernel_mapping()[layer]} == set(DEVICE_TYPES), layer
     # ... and `kernels` keeps them all once registered
-    with use_kernel_mapping(KERNEL_MAPPING, inherit_mapping=False):
+    with use_kernel_mapping(kernel_mapping(), inherit_mapping=False):
         registered = _KERNEL_MAPPING.get()
         for layer in LAYERS:
             assert set(registered[layer]) == set(DEVICE_TYPES), layer
@@ -83,8 +83,8 @@ def test_fp8_variant_follows_the_fp8_convention(device_type, caps):
 
     for cap in caps:
         conv, _ = choose_fp8(device_type, cap)
-        variant = select(device_type, cap)["Fp8Linear"].variant
-        assert variant.startswith(conv.name), (device_type, cap, variant, conv.name)
+        choice = select(device_type, cap)["Fp8Linear"]
+        assert choice.fp8 == conv.name and choice.variant.startswith(conv.name), (device_type, cap, choice)
 
 
 def test_native_fp8_exactly_from_sm89():
@@ -96,7 +96,7 @@ def test_native_fp8_exactly_from_sm89():
 def test_select_agrees_with_kernels_own_resolution(device_type, caps):
     """`kernels` resolves a capability with `find_smallest_interval` over what we register;
     ask it directly (no `_find_capability`) and compare with `select`."""
-    with use_kernel_mapping(KERNEL_MAPPING, inherit_mapping=False):
+    with use_kernel_mapping(kernel_mapping(), inherit_mapping=False):
         registered = _KERNEL_MAPPING.get()
         for cap in caps:
             chosen = select(device_type, cap)
@@ -140,7 +140,7 @@ def test_bad_input_names_the_value(device_type, cap, match):
 
 
 def test_every_mapped_layer_loads_through_kernels():
-    for layer, per_device in KERNEL_MAPPING.items():
+    for layer, per_device in kernel_mapping().items():
         for device, repo in per_device.items():
             cls = repo.load()
             assert cls.__name__ == repo.layer_name, (layer, device)

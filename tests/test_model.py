@@ -224,7 +224,7 @@ def test_config_from_hf_spellings_and_errors():
 def test_step_on_cuda_matches_cpu():
     """The same mixed step on a CUDA device (bf16) stays close to the CPU fp32 result."""
     cpu = tiny_model()
-    gpu = Transformer.from_config(cpu.config, torch.bfloat16, "cuda")
+    gpu = Transformer.from_config(cpu.config, torch.bfloat16)
     gpu.load_weights({k: v.to("cuda", torch.bfloat16) for k, v in cpu.state_dict().items()})
     seqs = prompts(9, 4)
     outs = []

@@ -1,4 +1,4 @@
-"""Invariant 6: the router never initializes CUDA. It never even imports torch, so it cannot
+"""The router never initializes CUDA. It never even imports torch, so it cannot
 hold a CUDA context or a capability of its own; NVML is its only window on the GPUs."""
 
 from __future__ import annotations

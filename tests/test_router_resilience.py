@@ -1,4 +1,4 @@
-"""Invariant 7 (nothing is lost) and the supervisor's restart rules, over stand-in workers.
+"""Nothing is lost, and the supervisor's restart rules, over stand-in workers.
 
 One router per module with four simulated devices: gpu0 dies on the `__crash_*` prompts,
 gpu3 fails to start at `kernelize` (exit code 3 + status file), gpu1 and gpu2 serve.

@@ -23,8 +23,9 @@ from server.balancer import (
 from server.chat import CHATML_TEMPLATE, ChatTemplateError, load_chat_template
 from server.router_metrics import merge_worker_metrics
 from server.settings import RouterSettings
-from server.worker_handle import READY, WorkerHandle
+from server.worker_handle import WorkerHandle
 from server.worker_spec import build_worker_specs, threads_per_worker
+from workers.contract import CapabilityPayload, WorkerState
 from workers.topology import DeviceInfo, parse_simulate
 
 REAL_H100 = DeviceInfo(index=3, uuid="GPU-aaaa-bbbb", name="NVIDIA H100", type="cuda", capability=(9, 0),
@@ -65,19 +66,19 @@ def test_no_device_gives_one_cpu_worker():
     env = spec.environ()
     # the host CPU is a real device: no simulate token, and no GPU visible to the worker
     assert spec.id == "cpu0" and "HETSERVE_SIMULATE" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
-    assert "--simulate" not in spec.argv and spec.capability_label == "cpu"
+    assert "--simulate" not in spec.argv and spec.device.capability_label == "cpu"
     assert spec.device.simulated is False
 
 
 # --- balancing ---------------------------------------------------------------------------
-def _handles(spec="sm_80,sm_89,sm_90", state=READY):
+def _handles(spec="sm_80,sm_89,sm_90", state=WorkerState.READY):
     handles = []
     for s in _specs(parse_simulate(spec)):
         h = WorkerHandle(s, state=state)
         h.client = object()  # routable
         h.generation = 1
         native = s.device.capability >= (8, 9)
-        h.info = {"fp8": {"convention": "native_e4m3" if native else "emulated", "reason": "test"}}
+        h.info = CapabilityPayload(fp8={"convention": "native_e4m3" if native else "emulated", "reason": "test"})
         handles.append(h)
     return handles
 
@@ -120,7 +121,7 @@ def test_not_ready_matching_workers_mean_wait_and_excluded_ones_unavailable():
     hs[2].state = "restarting"
     d = choose(hs, Constraints(worker="gpu2"), 10)
     assert d.kind == WAIT and "gpu2 restarting" in d.reason
-    hs[2].state = READY
+    hs[2].state = WorkerState.READY
     assert choose(hs, Constraints(worker="gpu2"), 10, exclude={"gpu2": 1}).kind == UNAVAILABLE
     hs[2].generation = 2  # restarted since it failed this request: eligible again
     assert choose(hs, Constraints(worker="gpu2"), 10, exclude={"gpu2": 1}).kind == PICK
@@ -128,8 +129,8 @@ def test_not_ready_matching_workers_mean_wait_and_excluded_ones_unavailable():
 
 def test_a_worker_that_has_not_reported_fp8_is_waited_for():
     hs = _handles()
-    hs[1].state, hs[1].info = "starting", {}
-    hs[2].state, hs[2].info = "starting", {}
+    hs[1].state, hs[1].info = WorkerState.STARTING, None
+    hs[2].state, hs[2].info = WorkerState.STARTING, None
     assert choose(hs, Constraints(fp8="native_e4m3"), 10).kind == WAIT
 
 

@@ -85,19 +85,19 @@ def test_every_subcommand_has_help():
 @pytest.mark.parametrize("form", [(9, 0), [9, 0], 90, "9.0", "sm_90", " SM_90 "])
 def test_capability_forms_agree(form):
     from kernels_local.mapping import select
+    from workers.contract import Capability
     from workers.fp8 import choose_fp8
-    from workers.topology import normalize_capability
 
-    assert normalize_capability(form) == (9, 0)
+    assert Capability.parse(form) == (9, 0)
     assert select("cuda", form) == select("cuda", (9, 0))
     assert choose_fp8("cuda", form) == choose_fp8("cuda", (9, 0))
 
 
 def test_capability_forms_of_newer_archs_and_bad_values():
-    from workers.topology import normalize_capability
+    from workers.contract import Capability
 
-    assert normalize_capability(100) == (10, 0) and normalize_capability("12.0") == (12, 0)
-    assert normalize_capability(None) is None
+    assert Capability.parse(100) == (10, 0) and Capability.parse("12.0") == (12, 0)
+    assert Capability.parse_optional(None) is None
     for bad in ("x", -1, True, 9.0):
         with pytest.raises(ValueError, match="is not understood"):
-            normalize_capability(bad)
+            Capability.parse(bad)

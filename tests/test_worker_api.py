@@ -8,17 +8,17 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.engine_fakes import EOS_ID, FakeRunner, tokenizer
-from workers.api import WorkerInfo, create_app
+from workers.api import create_app
+from workers.contract import CapabilityPayload
 from workers.engine import Engine
 from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 
 TOK = tokenizer()
-INFO = WorkerInfo(
+INFO = CapabilityPayload(
     worker_id="gpu1",
     device={"type": "cuda", "index": 1, "uuid": "GPU-sim-1", "name": "NVIDIA L40S", "capability": "8.9",
             "simulated": True, "memory_total_bytes": 48 << 30},
-    capability_label="8.9",
     fp8={"convention": "native_e4m3", "reason": "capability 8.9 >= 8.9"},
     kernels={"RMSNorm": {"repo": "rmsnorm", "layer": "RMSNorm", "variant": "triton", "reason": "r"}},
     capacity={"max_sequences": 2, "max_tokens": 128, "max_seq_len": 64, "kv_cache_bytes": 1234},

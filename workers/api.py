@@ -21,12 +21,19 @@ import json
 import logging
 import os
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from workers.contract import (
+    DRAIN_TIMEOUT_S,
+    HEADER_FP8_CONVENTION,
+    HEADER_WORKER_CAPABILITY,
+    HEADER_WORKER_ID,
+    CapabilityPayload,
+)
+from workers.contract.payload import Load
 from workers.engine import Engine, EngineOverloaded, EngineUnavailable, ErrorEvent, RequestStream
 from workers.metrics import CONTENT_TYPE
 from workers.sampling import ParameterError, SamplingParams
@@ -36,26 +43,13 @@ from workers.schemas import GenerateRequest, generate_response, stream_event
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What /capability reports; fixed once the worker is ready."""
-
-    worker_id: str
-    device: dict  # BoundDevice.to_dict()
-    capability_label: str  # "9.0", or "cpu" for a device without a capability
-    fp8: dict  # {"convention", "reason"}
-    kernels: dict  # layer -> {repo, layer, variant, reason}
-    capacity: dict  # max_sequences, max_tokens, max_seq_len, kv_cache_bytes
-    model: dict  # id, dtype, context_length, chat_template?, eos_token?, bos_token?
-    versions: dict
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {
-            "X-Worker-Id": self.worker_id,
-            "X-Worker-Capability": self.capability_label,
-            "X-Fp8-Convention": str(self.fp8.get("convention", "")),
-        }
+def identity_headers(info: CapabilityPayload) -> dict[str, str]:
+    """X-Worker-Id, X-Worker-Capability ("9.0" or "cpu") and X-Fp8-Convention of this worker."""
+    return {
+        HEADER_WORKER_ID: info.worker_id or "",
+        HEADER_WORKER_CAPABILITY: info.device.capability or "cpu",
+        HEADER_FP8_CONVENTION: info.fp8.convention or "",
+    }
 
 
 class APIError(Exception):
@@ -101,7 +95,9 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def create_app(info: WorkerInfo, engine: Engine, tokenizer, *, drain_timeout: float = 30.0) -> FastAPI:
+def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_timeout: float = DRAIN_TIMEOUT_S) -> FastAPI:
+    """The worker's app over a ready engine; `info` is its `/capability` answer but for `pid`
+    and `load`, which are filled in per request."""
     state = {"status": "starting"}
 
     @asynccontextmanager
@@ -115,7 +111,7 @@ def create_app(info: WorkerInfo, engine: Engine, tokenizer, *, drain_timeout: fl
             await asyncio.to_thread(engine.shutdown, drain_timeout)
 
     app = FastAPI(title="hetserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(WorkerHeaders, headers=info.headers)
+    app.add_middleware(WorkerHeaders, headers=identity_headers(info))
     app.state.worker = state
 
     @app.exception_handler(APIError)
@@ -203,11 +199,8 @@ def create_app(info: WorkerInfo, engine: Engine, tokenizer, *, drain_timeout: fl
     @app.get("/capability")
     async def capability():
         running, queued = engine.load()
-        return {
-            "worker_id": info.worker_id, "pid": os.getpid(), "device": info.device, "fp8": info.fp8,
-            "kernels": info.kernels, "capacity": info.capacity, "model": info.model,
-            "versions": info.versions, "load": {"running": running, "queued": queued},
-        }
+        now = info.model_copy(update={"pid": os.getpid(), "load": Load(running=running, queued=queued)})
+        return now.model_dump(mode="json")
 
     @app.get("/metrics")
     async def metrics():

@@ -19,14 +19,19 @@ import os
 import threading
 from dataclasses import dataclass
 
+from workers.contract import (
+    ENV_DEVICE_INDEX,
+    ENV_DEVICE_UUID,
+    ENV_SIMULATE,
+    Capability,
+    DeviceDescribing,
+    DeviceInfo,
+)
 from workers.guard import CudaPlatform, bind_current_device
-from workers.topology import DeviceInfo, TopologySpecError, cpu_device, parse_token, simulated_device
+from workers.topology import TopologySpecError, cpu_device, parse_token, simulated_device
 
 logger = logging.getLogger(__name__)
 
-ENV_SIMULATE = "HETSERVE_SIMULATE"
-ENV_INDEX = "HETSERVE_DEVICE_INDEX"
-ENV_UUID = "HETSERVE_DEVICE_UUID"
 
 
 class DeviceNotBoundError(RuntimeError):
@@ -38,21 +43,20 @@ class DeviceBindError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class BoundDevice:
-    """The one device this worker serves."""
+class BoundDevice(DeviceDescribing):
+    """The one device this worker serves; it describes itself as the router's `DeviceInfo` does."""
 
     type: str  # "cuda" | "rocm" | "cpu"
     index: int  # physical index on the host (NVML / PCI order)
     uuid: str
     name: str
-    capability: tuple[int, int] | None
+    capability: Capability | None
     memory_total_bytes: int
     simulated: bool
     arch: str | None = None  # the simulate token or the ROCm gcnArchName
 
-    @property
-    def capability_str(self) -> str | None:
-        return None if self.capability is None else f"{self.capability[0]}.{self.capability[1]}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capability", Capability.parse_optional(self.capability))
 
     @property
     def is_real_gpu(self) -> bool:
@@ -63,25 +67,14 @@ class BoundDevice:
         # A bound GPU is the only visible one, so it is local index 0.
         return "cuda:0" if self.is_real_gpu else "cpu"
 
-    def to_dict(self) -> dict:
-        return {
-            "type": self.type,
-            "index": self.index,
-            "uuid": self.uuid,
-            "name": self.name,
-            "capability": self.capability_str,
-            "simulated": self.simulated,
-            "memory_total_bytes": self.memory_total_bytes,
-        }
-
 
 _bind_lock = threading.Lock()
 _bound: BoundDevice | None = None
 # Raw capability reads, keyed by device index: never one answer for the whole process.
-_capability_by_index: dict[int, tuple[int, int]] = {}
+_capability_by_index: dict[int, Capability] = {}
 
 
-def read_capability(index: int) -> tuple[int, int]:
+def read_capability(index: int) -> Capability:
     """Capability of CUDA device `index` (explicit index; memo keyed by index)."""
     if index is None or index < 0:
         raise ValueError(f"Device index `{index}` is invalid: an explicit index >= 0 is required")
@@ -89,12 +82,12 @@ def read_capability(index: int) -> tuple[int, int]:
     if cap is None:
         import torch
 
-        cap = tuple(torch.cuda.get_device_capability(index))
+        cap = Capability.parse(tuple(torch.cuda.get_device_capability(index)))
         _capability_by_index[index] = cap
     return cap
 
 
-def _rocm_capability(gcn_arch_name: str) -> tuple[int, int]:
+def _rocm_capability(gcn_arch_name: str) -> Capability:
     """`gfx942:sramecc+:xnack-` -> (9, 4); `gfx90a` -> (9, 0); `gfx1100` -> (11, 0)."""
     arch = gcn_arch_name.split(":", 1)[0]
     try:
@@ -167,8 +160,8 @@ def bind_device(simulate: str | None = None, index: int | None = None, uuid: str
     global _bound
     simulate = simulate if simulate is not None else os.environ.get(ENV_SIMULATE) or None
     if index is None:
-        index = int(os.environ.get(ENV_INDEX, "0") or 0)
-    uuid = uuid if uuid is not None else os.environ.get(ENV_UUID) or None
+        index = int(os.environ.get(ENV_DEVICE_INDEX, "0") or 0)
+    uuid = uuid if uuid is not None else os.environ.get(ENV_DEVICE_UUID) or None
     if uuid is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         uuid = visible if visible.lower().startswith(("gpu-", "mig-")) else None
@@ -196,7 +189,7 @@ def bound_device() -> BoundDevice:
     return dev
 
 
-def capability() -> tuple[int, int] | None:
+def capability() -> Capability | None:
     """Capability of the bound device (None for a CPU); `DeviceNotBoundError` before binding."""
     return bound_device().capability
 
@@ -212,7 +205,7 @@ def check_kernels_capability(dev: BoundDevice) -> tuple[bool, str]:
     from kernels.layer.repos import _find_capability
 
     theirs = _find_capability()
-    ours = dev.capability[0] * 10 + dev.capability[1] if dev.capability else None
+    ours = dev.capability.int if dev.capability else None
     if theirs != ours:
         return False, f"`kernels` computes capability {theirs}, the bound device has {ours}"
     return True, f"`kernels` capability {theirs} matches the bound device"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.contract import DEFAULT_MAX_QUEUE
 from workers.detokenize import IncrementalDetokenizer, special_token_ids
 from workers.metrics import WorkerMetrics
 from workers.sampling import SamplingParams, make_generator, sample
@@ -133,7 +134,7 @@ class Engine:
         scheduler: Scheduler,
         tokenizer,
         *,
-        max_queue: int = 128,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         metrics: WorkerMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ):

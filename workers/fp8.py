@@ -2,7 +2,8 @@
 
 Design: a device gets native e4m3 at or above `NATIVE_FP8_CAPABILITY` (fp8 tensor cores),
 emulated fp8 below it (uint8 storage, dequantized compute), and the fnuz variant of e4m3 on
-ROCm. The choice is one frozen `Fp8Convention` value: the host's buffer dtype
+ROCm; the rule itself is torch-free (`workers.contract.fp8_rule`), shared with the kernel
+mapping and `hetserve plan`. The choice is one frozen `Fp8Convention` value: the host's buffer dtype
 (`storage_dtype`) and the kernels' compile-time flag (`native`) are both read from it, so
 they cannot disagree. A process locks the first convention it uses and refuses any other
 (`MixedFp8ConventionError`): a buffer made under one convention can never reach a kernel
@@ -22,11 +23,8 @@ from functools import cache
 
 import torch
 
-from workers.topology import normalize_capability
-
-NATIVE_FP8_CAPABILITY = (8, 9)
-# ROCm: CDNA3 (gfx94x, reported as capability 9.4) and later have fp8 matrix cores.
-ROCM_NATIVE_FP8_CAPABILITY = (9, 4)
+from workers.contract.fp8_rule import EMULATED, NATIVE, fp8_rule
+from workers.contract.fp8_rule import NATIVE_FP8_CAPABILITY as NATIVE_FP8_CAPABILITY  # re-exported
 
 
 class MixedFp8ConventionError(RuntimeError):
@@ -86,36 +84,21 @@ class Fp8Convention:
         return getattr(torch, self.storage_dtype_name)
 
 
-NATIVE_E4M3 = Fp8Convention("native_e4m3", native=True, fmt="e4m3fn")
-EMULATED_E4M3 = Fp8Convention("emulated", native=False, fmt="e4m3fn")
-NATIVE_E4M3_FNUZ = Fp8Convention("native_e4m3", native=True, fmt="e4m3fnuz")
-EMULATED_E4M3_FNUZ = Fp8Convention("emulated", native=False, fmt="e4m3fnuz")
+NATIVE_E4M3 = Fp8Convention(NATIVE, native=True, fmt="e4m3fn")
+EMULATED_E4M3 = Fp8Convention(EMULATED, native=False, fmt="e4m3fn")
+NATIVE_E4M3_FNUZ = Fp8Convention(NATIVE, native=True, fmt="e4m3fnuz")
+EMULATED_E4M3_FNUZ = Fp8Convention(EMULATED, native=False, fmt="e4m3fnuz")
 
 
-def choose_fp8(device_type: str, capability: tuple[int, int] | None) -> tuple[Fp8Convention, str]:
-    """The fp8 convention for one device, with the reason. Pure: no device is touched.
-    `capability` is (major, minor); 90, "9.0" and "sm_90" are accepted too."""
-    capability = normalize_capability(capability)
-    cap = "none" if capability is None else f"{capability[0]}.{capability[1]}"
-    if device_type == "cuda":
-        if capability is not None and tuple(capability) >= NATIVE_FP8_CAPABILITY:
-            return NATIVE_E4M3, (
-                f"capability {cap} >= {NATIVE_FP8_CAPABILITY[0]}.{NATIVE_FP8_CAPABILITY[1]}: "
-                "fp8 tensor cores, e4m3fn storage and native fp8 matmul"
-            )
-        return EMULATED_E4M3, (
-            f"capability {cap} < {NATIVE_FP8_CAPABILITY[0]}.{NATIVE_FP8_CAPABILITY[1]}: "
-            "no fp8 tensor cores, e4m3 bytes stored as uint8 and dequantized for the matmul"
-        )
-    if device_type == "rocm":
-        if capability is not None and capability[0] == 9 and tuple(capability) >= ROCM_NATIVE_FP8_CAPABILITY:
-            return NATIVE_E4M3_FNUZ, f"ROCm arch {cap} (CDNA3+): fp8 matrix cores, float8_e4m3fnuz storage"
-        return EMULATED_E4M3_FNUZ, (
-            f"ROCm arch {cap}: no fp8 matrix cores, e4m3fnuz bytes stored as uint8 and dequantized"
-        )
-    if device_type == "cpu":
-        return EMULATED_E4M3, "CPU without a GPU capability: e4m3 bytes stored as uint8 and dequantized"
-    raise ValueError(f"Unsupported device type `{device_type}`. Supported: cpu, cuda, rocm")
+_CONVENTIONS = {(c.name, c.fmt): c for c in (NATIVE_E4M3, EMULATED_E4M3, NATIVE_E4M3_FNUZ, EMULATED_E4M3_FNUZ)}
+
+
+def choose_fp8(device_type: str, capability) -> tuple[Fp8Convention, str]:
+    """The fp8 convention for one device, with the reason: `workers.contract.fp8_rule`'s
+    decision as buffer dtypes. Pure: no device is touched. `capability` is (major, minor);
+    90, "9.0" and "sm_90" are accepted too."""
+    decision = fp8_rule(device_type, capability)
+    return _CONVENTIONS[(decision.convention, decision.fmt)], decision.reason
 
 
 # -- the process-wide lock ------------------------------------------------------------------

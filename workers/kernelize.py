@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 class KernelCapabilityMismatchError(RuntimeError):
-    """`kernels`' own capability lookup disagrees with the bound device (invariant 2)."""
+    """`kernels`' own capability lookup disagrees with the bound device: its kernels would be
+    chosen for another device than the one this worker serves."""
 
 
 class KernelizeError(RuntimeError):

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from workers.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from workers.contract import DEFAULT_MODEL_DIR, find_chat_template, token_text
 from workers.model import Transformer
 from workers.weights import IGNORED_HF, hf_shapes, map_name, to_ours
 
@@ -26,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 
 
 class ModelLoadError(ValueError):
@@ -108,12 +108,6 @@ def _weight_files(model_dir: Path) -> list[Path]:
     )
 
 
-def _token_str(value: Any) -> str | None:
-    if isinstance(value, dict):  # AddedToken serialised as {"content": ...}
-        return value.get("content")
-    return value
-
-
 def _load_tokenizer(model_dir: Path):
     from tokenizers import Tokenizer
 
@@ -124,17 +118,6 @@ def _load_tokenizer(model_dir: Path):
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on bad files
         raise ModelLoadError(f"`tokenizer.json` in `{model_dir}` could not be read: {e}") from e
-
-
-def _chat_template(model_dir: Path, tok_cfg: dict) -> str | None:
-    template = tok_cfg.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template}
-        template = named.get("default") or next(iter(named.values()), None)
-    jinja = model_dir / "chat_template.jinja"
-    if template is None and jinja.is_file():
-        template = jinja.read_text()
-    return template
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -187,7 +170,6 @@ def load_model(
         )
     if not model_dir.is_dir():
         raise ModelLoadError(f"Model directory `{model_dir}` does not exist")
-    # 1. Config -> architecture and sizes.
     hf_config = _read_json(model_dir, "config.json", required=True)
     try:
         config = ModelConfig.from_hf_config(hf_config)
@@ -195,23 +177,23 @@ def load_model(
         raise ModelLoadError(f"{e} (in `{model_dir / 'config.json'}`)") from e
     except KeyError as e:
         raise ModelLoadError(f"`config.json` in `{model_dir}` lacks the field `{e.args[0]}`") from e
-    # 2. dtype (with its reason), 3. tokenizer and templates, 4. weights into a meta model.
     torch_dtype, reason = choose_dtype(dtype, config.torch_dtype, device.type, capability)
     tokenizer = _load_tokenizer(model_dir)
     tok_cfg = _read_json(model_dir, "tokenizer_config.json", required=False)
     generation_config = _read_json(model_dir, "generation_config.json", required=False)
     state_dict = _read_weights(model_dir, config, torch_dtype, str(device))
-    model = Transformer.from_config(config, torch_dtype, device)
+    model = Transformer.from_config(config, torch_dtype)
     model.load_weights(state_dict)
     model.eval()
-    bos_token = _token_str(tok_cfg.get("bos_token"))
-    eos_token = _token_str(tok_cfg.get("eos_token"))
+    bos_token = token_text(tok_cfg.get("bos_token"))
+    eos_token = token_text(tok_cfg.get("eos_token"))
+    template = find_chat_template(model_dir, tok_cfg)
     eos_ids = _eos_ids(generation_config, config, tokenizer, eos_token)
     model_id = hf_config.get("_name_or_path") or model_dir.name
     logger.info("Loaded %s (%s, %s params) as %s: %s", model_id, config.architecture, config.num_parameters, torch_dtype, reason)
     return LoadedModel(
         model=model, config=config, tokenizer=tokenizer, generation_config=generation_config,
-        chat_template=_chat_template(model_dir, tok_cfg), bos_token=bos_token, eos_token=eos_token,
+        chat_template=None if template is None else template.source, bos_token=bos_token, eos_token=eos_token,
         eos_token_ids=eos_ids, dtype=torch_dtype, dtype_reason=reason, model_dir=model_dir, model_id=str(model_id),
     )
 
@@ -227,12 +209,7 @@ def _eos_ids(generation_config: dict, config: ModelConfig, tokenizer, eos_token:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def load_default_model(dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
-    """The embedded model; a clear error when it has not been shipped."""
-    return load_model(default_model_dir(), dtype, device)
-
-
 __all__ = [
-    "LoadedModel", "ModelLoadError", "load_model", "load_default_model", "default_model_dir",
+    "LoadedModel", "ModelLoadError", "load_model", "default_model_dir",
     "choose_dtype", "DTYPE_CHOICES", "SUPPORTED_ARCHITECTURES",
 ]

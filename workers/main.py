@@ -12,27 +12,27 @@ exits 0. Cleanup happens in `finally`, whatever the path.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
+
+from workers.contract import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MODEL_DIR,
+    ENV_DEVICE_INDEX,
+    ExitCode,
+    WorkerStatus,
+)
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED_TO_START, EXIT_FATAL = 0, 3, 4
-STEPS = ("bind", "capability", "load", "kernelize", "fp8", "serve")
-DRAIN_TIMEOUT_S = 30.0
 PARENT_POLL_S = 0.5
-GPU_FREE_FRACTION = 0.85  # of the bound device's free memory after loading; the rest for activations
-CPU_KV_DEFAULT_BYTES = 512 << 20
-MIN_SEQ_LEN = 512
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,8 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-uuid", help="device UUID to check after binding")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     p.add_argument("--quantize", default="none", choices=("none", "fp8"))
-    p.add_argument("--max-batch", type=int, default=32, help="most sequences running at once (KV slots)")
-    p.add_argument("--max-queue", type=int, default=128, help="requests waiting beyond the batch before 429")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="most sequences running at once (KV slots)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests waiting beyond the batch before 429")
     p.add_argument("--kv-cache-bytes", type=int, help="KV cache budget (default: free GPU memory, or 512 MiB on CPU)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--status-file", help="JSON status file, rewritten atomically at each step")
@@ -79,7 +80,7 @@ class StatusFile:
     def __init__(self, path: str | None, worker_id: str):
         self.path, self.worker_id = path, worker_id
 
-    def write(self, state: str, **fields) -> None:
+    def write(self, state: WorkerStatus, **fields) -> None:
         if not self.path:
             return
         body = {"state": state, **fields, "worker_id": self.worker_id, "pid": os.getpid(), "time": time.time()}
@@ -93,7 +94,7 @@ class StatusFile:
 def startup_step(name: str, status: StatusFile) -> Iterator[None]:
     """Run one mission step: status `starting`, one log line with its duration, and any
     exception turned into `StartupError(name, reason)`."""
-    status.write("starting", step=name)
+    status.write(WorkerStatus.STARTING, step=name)
     t0 = time.perf_counter()
     try:
         yield
@@ -105,7 +106,7 @@ def startup_step(name: str, status: StatusFile) -> Iterator[None]:
 
 
 def _default_worker_id(args: argparse.Namespace) -> str:
-    index = args.device_index if args.device_index is not None else os.environ.get("HETSERVE_DEVICE_INDEX", "0")
+    index = args.device_index if args.device_index is not None else os.environ.get(ENV_DEVICE_INDEX, "0")
     return f"worker-{index}"
 
 
@@ -140,18 +141,15 @@ def run_worker(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(args.threads)
         with startup_step("capability", status):
-            from workers.device import capability, check_kernels_capability
+            from workers.device import capability
 
             cap = capability()
-            ok, why = check_kernels_capability(bound)
-            if not ok:
-                raise StartupError("capability", why)
-            logger.info("capability %s (%s): %s", bound.capability_str or "none", bound.type, why)
+            logger.info("capability %s (%s)", bound.capability_label, bound.type)
         with startup_step("load", status):
-            from workers.loader import default_model_dir, load_model
+            from workers.loader import load_model
 
-            loaded = load_model(args.model or default_model_dir(), args.dtype, bound.torch_device, cap)
-        with startup_step("kernelize", status):
+            loaded = load_model(args.model or DEFAULT_MODEL_DIR, args.dtype, bound.torch_device, cap)
+        with startup_step("kernelize", status):  # also checks `kernels`' own capability lookup
             from workers.kernelize import kernelize_for_device
 
             kernels = kernelize_for_device(loaded.model, bound)
@@ -166,26 +164,28 @@ def run_worker(args: argparse.Namespace) -> int:
                 logger.info("fp8 weights: %s", quantize_model(loaded.model, conv))
             logger.info("fp8 convention %s: %s", conv.name, fp8_reason)
         with startup_step("serve", status):
+            from workers.serving import WorkerServer
+
             server = WorkerServer(args, bound, loaded, kernels, conv, fp8_reason)
         phase["server"] = server.server
-        server.run(on_ready=lambda: status.write("ready", socket=args.socket))
+        server.run(on_ready=lambda: status.write(WorkerStatus.READY, socket=args.socket))
         if server.fatal_error is not None:
-            status.write("fatal", reason=f"{type(server.fatal_error).__name__}: {server.fatal_error}")
-            return EXIT_FATAL
-        status.write("stopped")
-        return EXIT_OK
+            status.write(WorkerStatus.FATAL, reason=f"{type(server.fatal_error).__name__}: {server.fatal_error}")
+            return ExitCode.FATAL
+        status.write(WorkerStatus.STOPPED)
+        return ExitCode.OK
     except StartupError as e:
         logger.exception("failed to start at step %s: %s", e.step, e.reason)
-        status.write("failed", step=e.step, reason=e.reason)
-        return EXIT_FAILED_TO_START
+        status.write(WorkerStatus.FAILED, step=e.step, reason=e.reason)
+        return ExitCode.FAILED_TO_START
     except _ShutdownRequested:
         logger.info("shutdown requested before serving; exiting")
-        status.write("stopped")
-        return EXIT_OK
+        status.write(WorkerStatus.STOPPED)
+        return ExitCode.OK
     except Exception as e:
         logger.exception("fatal error while serving")
-        status.write("fatal", reason=f"{type(e).__name__}: {e}")
-        return EXIT_FATAL
+        status.write(WorkerStatus.FATAL, reason=f"{type(e).__name__}: {e}")
+        return ExitCode.FATAL
     finally:
         if server is not None:
             server.close()
@@ -229,153 +229,3 @@ def _watch_parent(parent_pid: int | None) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def bind_unix_socket(path: str) -> socket.socket:
-    """A listening Unix socket that is 0600 from its creation (umask), never world-reachable."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        if p.is_socket():
-            p.unlink()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
-    try:
-        sock.bind(str(p))
-    finally:
-        os.umask(old)
-    os.chmod(p, 0o600)
-    sock.listen(2048)
-    return sock
-
-
-# -- the serve step ----------------------------------------------------------------------------
-
-
-def kv_budget(args: argparse.Namespace, bound) -> tuple[int, str]:
-    """This worker's KV cache budget in bytes, from its own device only, with the reason."""
-    if bound.is_real_gpu:
-        import torch
-
-        free, _total = torch.cuda.mem_get_info(bound.torch_device)
-        usable = int(free * GPU_FREE_FRACTION)
-        if args.kv_cache_bytes:
-            return min(args.kv_cache_bytes, usable), f"--kv-cache-bytes {args.kv_cache_bytes}, capped at {usable} usable"
-        return usable, f"{GPU_FREE_FRACTION:.0%} of the bound device's {free} free bytes after loading"
-    if args.kv_cache_bytes:
-        return args.kv_cache_bytes, f"--kv-cache-bytes {args.kv_cache_bytes}"
-    return CPU_KV_DEFAULT_BYTES, f"default CPU budget {CPU_KV_DEFAULT_BYTES} bytes"
-
-
-def plan_kv_shape(bytes_per_token: int, context: int, budget: int, max_batch: int) -> tuple[int, int, str]:
-    """(slots, max_seq_len, reason): `max_batch` slots as long as the budget allows, down to
-    `MIN_SEQ_LEN` tokens (or the context); below that, fewer slots of that length."""
-    seq_len = min(context, budget // (max_batch * bytes_per_token))
-    floor = min(context, MIN_SEQ_LEN)
-    if seq_len >= floor:
-        return max_batch, seq_len, f"{max_batch} slots x {seq_len} tokens (context {context})"
-    slots = budget // (floor * bytes_per_token)
-    return slots, floor, f"budget fits {slots} of {max_batch} slots at {floor} tokens"
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {}
-    for name in ("hetserve", "torch", "triton", "kernels"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-class WorkerServer:
-    """KV cache + engine + HTTP app + uvicorn on the Unix socket: built by the serve step."""
-
-    def __init__(self, args, bound, loaded, kernels: dict, conv, fp8_reason: str):
-        self.args, self.bound, self.loaded = args, bound, loaded
-        self._init_kv_cache()
-        self._init_engine()
-        self._init_app(kernels, conv, fp8_reason)
-        self._init_server()
-
-    def _init_kv_cache(self) -> None:
-        from workers.kv_cache import KVCache
-
-        cfg, dtype = self.loaded.config, self.loaded.dtype
-        budget, why = kv_budget(self.args, self.bound)
-        slots, seq_len, shape = plan_kv_shape(KVCache.bytes_per_token(cfg, dtype), cfg.max_position_embeddings, budget, self.args.max_batch)
-        self.kv = KVCache.for_budget(cfg, dtype, self.bound.torch_device, budget, slots, seq_len)
-        logger.info("KV cache %s bytes: %s; budget %s (%s)", self.kv.nbytes, shape, budget, why)
-
-    def _init_engine(self) -> None:
-        from workers.engine import Engine, ModelRunner
-        from workers.scheduler import Scheduler, SchedulerConfig
-
-        config = SchedulerConfig(self.kv.num_slots, self.kv.max_seq_len, eos_token_ids=self.loaded.eos_token_ids)
-        runner = ModelRunner(self.loaded.model, self.kv, self.bound.torch_device)
-        self.engine = Engine(runner, Scheduler(config), self.loaded.tokenizer, max_queue=self.args.max_queue,
-                             on_fatal=self._on_fatal)
-
-    def _init_app(self, kernels: dict, conv, fp8_reason: str) -> None:
-        from workers.api import WorkerInfo, create_app
-
-        loaded, kv = self.loaded, self.kv
-        model = {"id": loaded.model_id, "dtype": str(loaded.dtype).removeprefix("torch."),
-                 "context_length": loaded.config.max_position_embeddings}
-        for key in ("chat_template", "eos_token", "bos_token"):
-            if getattr(loaded, key) is not None:
-                model[key] = getattr(loaded, key)
-        # The model's recommended sampling (generation_config.json), which the OpenAI routes
-        # apply to fields a request leaves out, as vLLM does.
-        model["sampling_defaults"] = {
-            k: loaded.generation_config[k]
-            for k in ("temperature", "top_p", "top_k", "repetition_penalty")
-            if isinstance(loaded.generation_config.get(k), (int, float))
-        }
-        info = WorkerInfo(
-            worker_id=self.args.worker_id,
-            device=self.bound.to_dict(),
-            capability_label=self.bound.capability_str or "cpu",
-            fp8={"convention": conv.name, "reason": fp8_reason},
-            kernels={k: (v.to_dict() if hasattr(v, "to_dict") else dict(v)) for k, v in kernels.items()},
-            capacity={**self.engine.scheduler.capacity(), "kv_cache_bytes": kv.nbytes},
-            model=model,
-            versions=_versions(),
-        )
-        self.app = create_app(info, self.engine, loaded.tokenizer, drain_timeout=DRAIN_TIMEOUT_S)
-
-    def _init_server(self) -> None:
-        import uvicorn
-
-        self.sock = bind_unix_socket(self.args.socket)
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
-        self.server = uvicorn.Server(config)
-
-    def _on_fatal(self, exc: BaseException) -> None:
-        """Engine thread: the model failed; stop serving so the router restarts this worker."""
-        self.server.should_exit = True
-
-    @property
-    def fatal_error(self) -> BaseException | None:
-        return self.engine.fatal_error
-
-    def run(self, on_ready) -> None:
-        async def serve():
-            task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
-            while not self.server.started and not task.done():
-                await asyncio.sleep(0.01)
-            if self.server.started:
-                on_ready()
-                logger.info("ready on %s", self.args.socket)
-            await task
-
-        asyncio.run(serve())
-
-    def close(self) -> None:
-        self.engine.shutdown(0.0)
-        self.sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.args.socket)

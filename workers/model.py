@@ -69,17 +69,12 @@ class Transformer(nn.Module):
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
-    def from_config(
-        cls, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-    ) -> Transformer:
-        """Build on the meta device (no memory). Load weights with `load_weights` (or
-        `load_state_dict(sd, assign=True)` then `tie_weights()`); `device` and `dtype` are
-        where and what those weights are expected to be."""
+    def from_config(cls, config: ModelConfig, dtype: torch.dtype = torch.float32) -> Transformer:
+        """Build on the meta device (no memory) in `dtype`. Load weights with `load_weights` (or
+        `load_state_dict(sd, assign=True)` then `tie_weights()`): they bring their device."""
         with torch.device("meta"):
             model = cls(config)
         model.to(dtype=dtype)
-        model.target_device = torch.device(device)
-        model.target_dtype = dtype
         return model
 
     @classmethod
@@ -92,7 +87,7 @@ class Transformer(nn.Module):
         std: float = 0.02,
     ) -> Transformer:
         """A materialised model with random weights (training from scratch, tests)."""
-        model = cls.from_config(config, dtype, device)
+        model = cls.from_config(config, dtype)
         model.to_empty(device=device)
         model.tie_weights()
         model.init_weights(seed, std)

@@ -113,10 +113,10 @@ def quantize_model(model: nn.Module, conv: Fp8Convention, *, include_lm_head: bo
     plan = getattr(model, "kernel_plan", None)
     choice = None if plan is None else plan.choices.get("Fp8Linear")
     # 1. the kernel chosen for this device must be of this convention
-    if choice is not None and not choice.variant.startswith(conv.name):
+    if choice is not None and choice.fp8 != conv.name:
         raise Fp8KernelMismatchError(
-            f"The `Fp8Linear` kernel chosen for this device (`{choice.variant}`) is not of the fp8 "
-            f"convention `{conv.name}`; both must come from the same device decision"
+            f"The `Fp8Linear` kernel chosen for this device (`{choice.variant}`) is built for the fp8 "
+            f"convention `{choice.fp8}`, not `{conv.name}`; both must come from the same device decision"
         )
     # 2. swap each projection; the full-precision weight is released as we go
     targets = _targets(model, include_lm_head)

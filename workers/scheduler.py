@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
@@ -119,29 +118,10 @@ class TokenUpdate:
     finish_reason: str | None
 
 
-class SchedulerInterface(ABC):
-    @abstractmethod
-    def add_request(self, seq: Sequence) -> None: ...
+class Scheduler:
+    """The engine's scheduler (plain CPU code): `add_request`, `abort_request`, `schedule`,
+    `update_from_output`, `finish`, `has_unfinished`."""
 
-    @abstractmethod
-    def abort_request(self, request_id: str) -> Sequence | None: ...
-
-    @abstractmethod
-    def schedule(self) -> SchedulerOutput: ...
-
-    @abstractmethod
-    def update_from_output(
-        self, output: SchedulerOutput, token_ids: SequenceT[int], logprobs: SequenceT[float]
-    ) -> list[TokenUpdate]: ...
-
-    @abstractmethod
-    def finish(self, seq: Sequence, reason: str) -> None: ...
-
-    @abstractmethod
-    def has_unfinished(self) -> bool: ...
-
-
-class Scheduler(SchedulerInterface):
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self._init_queues()

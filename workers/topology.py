@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass
+
+from workers.contract.capability import Capability
+from workers.contract.device import DeviceInfo
 
 ACCEPTED_TOKENS = "sm_XY (e.g. sm_75, sm_80, sm_89, sm_90, sm_100, sm_120), gfxNNN (e.g. gfx90a, gfx942) or cpu"
 ACCEPTED_DEVICES = "all, comma-separated indices (e.g. 0,2) or GPU UUIDs (e.g. GPU-...)"
@@ -47,31 +49,7 @@ class TopologySpecError(ValueError):
     exit_code = 2
 
 
-@dataclass(frozen=True)
-class DeviceInfo:
-    """One device as the router sees it (from NVML or the simulated topology)."""
-
-    index: int
-    uuid: str
-    name: str
-    type: str  # "cuda" | "rocm" | "cpu"
-    capability: tuple[int, int] | None
-    memory_total_bytes: int
-    simulated: bool
-    pci_bus_id: str | None = None
-    arch: str | None = None  # the spec token (`sm_89`, `gfx942`, `cpu`) or the ROCm arch
-
-    @property
-    def capability_str(self) -> str | None:
-        return None if self.capability is None else f"{self.capability[0]}.{self.capability[1]}"
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["capability"] = self.capability_str
-        return d
-
-
-def parse_token(token: str) -> tuple[str, tuple[int, int] | None]:
+def parse_token(token: str) -> tuple[str, Capability | None]:
     """`sm_89` -> ("cuda", (8, 9)); `gfx942` -> ("rocm", (9, 4)); `cpu` -> ("cpu", None)."""
     t = token.strip().lower()
     if t == "cpu":
@@ -80,31 +58,11 @@ def parse_token(token: str) -> tuple[str, tuple[int, int] | None]:
     if m:
         major, minor = int(m.group(1)), int(m.group(2))
         if 3 <= major <= 15:
-            return "cuda", (major, minor)
+            return "cuda", Capability(major, minor)
     m = _GFX_RE.match(t)
     if m:
-        return "rocm", (int(m.group(1)), int(m.group(2), 16))
+        return "rocm", Capability(int(m.group(1)), int(m.group(2), 16))
     raise TopologySpecError(f"Unknown simulated device `{token}`. Accepted: {ACCEPTED_TOKENS}")
-
-
-def normalize_capability(capability) -> tuple[int, int] | None:
-    """(9, 0), 90 (as `kernels` encodes it), "9.0" or "sm_90" -> (9, 0); None stays None."""
-    if capability is None or isinstance(capability, tuple):
-        return capability
-    if isinstance(capability, list):
-        return tuple(capability)
-    if isinstance(capability, int) and not isinstance(capability, bool) and capability >= 0:
-        return divmod(capability, 10)
-    if isinstance(capability, str):
-        text = capability.strip().lower().removeprefix("sm_")
-        try:
-            if "." in text:
-                major, minor = text.split(".", 1)
-                return int(major), int(minor)
-            return divmod(int(text), 10)
-        except ValueError:
-            pass
-    raise ValueError(f"Capability `{capability}` is not understood. Accepted: (9, 0), 90, \"9.0\" or \"sm_90\"")
 
 
 def simulated_device(token: str, index: int) -> DeviceInfo:
@@ -115,7 +73,7 @@ def simulated_device(token: str, index: int) -> DeviceInfo:
         name, mem_gib = "CPU (simulated)", 16
     elif dtype == "cuda":
         assert cap is not None
-        base, mem_gib = _CUDA_CATALOG.get(cap, (f"NVIDIA GPU sm_{cap[0]}{cap[1]}", 24))
+        base, mem_gib = _CUDA_CATALOG.get(cap, (f"NVIDIA GPU {cap.sm}", 24))
         name = f"{base} (simulated)"
     else:
         base, mem_gib = _ROCM_CATALOG.get(t, (f"AMD GPU {t}", 64))

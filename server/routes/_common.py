@@ -8,8 +8,8 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from server.app import RouterContext
 from server.balancer import Constraints, parse_constraints
+from server.context import RouterContext
 from server.dispatch import DispatchError, WorkerStream
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}

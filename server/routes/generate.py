@@ -17,7 +17,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.app import VERSION, RouterContext, get_ctx
+from server.context import VERSION, RouterContext, get_ctx
 from server.dispatch import WorkerReply, WorkerStream
 from server.routes._common import (
     RelayResponse,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from server.app import get_ctx
+from server.context import get_ctx
 
 router = APIRouter(tags=["health"])
 

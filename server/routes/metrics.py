@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from server.app import get_ctx
+from server.context import get_ctx
 from server.router_metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["metrics"])

@@ -20,8 +20,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from server import openai_format as fmt
-from server.app import RouterContext, get_ctx
 from server.balancer import Constraints
+from server.context import RouterContext, get_ctx
 from server.dispatch import DispatchError, WorkerReply, WorkerStream
 from server.http_errors import error_response
 from server.routes._common import RelayResponse, check_new_tokens, close_shielded, constraints, parse_event

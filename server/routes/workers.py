@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Request
 
-from server.app import get_ctx
+from server.context import get_ctx
 
 router = APIRouter(tags=["workers"])
 
@@ -25,9 +25,8 @@ async def list_workers(request: Request) -> dict:
 async def get_worker(worker_id: str, request: Request) -> dict:
     """One worker by id, device index or device UUID."""
     ctx = get_ctx(request)
-    wanted = worker_id.lower()
     for h in ctx.supervisor.workers.values():
-        if wanted in (h.id.lower(), str(h.spec.device.index), h.spec.device.uuid.lower()):
+        if h.answers_to(worker_id):
             return h.snapshot(ctx.settings.max_batch)
     known = ", ".join(ctx.supervisor.workers) or "none"
     raise HTTPException(404, f"No worker `{worker_id}`. Known: {known}")

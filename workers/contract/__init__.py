@@ -1,0 +1,71 @@
+"""The torch-free contract between the router and its workers.
+
+Both processes import this package, and the router imports nothing else from `workers`
+except `workers.topology` (import-linter enforces it): the capability type, the device
+description, the fp8 rule, the worker's lifecycle values, shared defaults and header names,
+the chat-template lookup and the `/capability` payload. Each fact has one definition here.
+"""
+
+from workers.contract.capability import (
+    ACCEPTED_CAPABILITY_SPELLINGS,
+    Capability,
+    CapabilityError,
+    capability_label,
+)
+from workers.contract.chat_template import (
+    FoundTemplate,
+    find_chat_template,
+    read_tokenizer_config,
+    token_text,
+)
+from workers.contract.defaults import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MODEL_DIR,
+    DRAIN_TIMEOUT_S,
+    ENV_DEVICE_INDEX,
+    ENV_DEVICE_UUID,
+    ENV_SIMULATE,
+    HEADER_FP8,
+    HEADER_FP8_CONVENTION,
+    HEADER_MIN_CAPABILITY,
+    HEADER_PIN_WORKER,
+    HEADER_WORKER_CAPABILITY,
+    HEADER_WORKER_ID,
+    WORKER_HEADERS,
+)
+from workers.contract.device import DEVICE_FIELDS, DeviceDescribing, DeviceInfo
+from workers.contract.fp8_rule import (
+    DEVICE_TYPES,
+    EMULATED,
+    FP8_CONVENTIONS,
+    NATIVE,
+    NATIVE_FP8_CAPABILITY,
+    ROCM_NATIVE_FP8_CAPABILITY,
+    ROCM_NATIVE_FP8_LAST,
+    Fp8Decision,
+    fp8_rule,
+)
+from workers.contract.lifecycle import STARTUP_STEPS, ExitCode, WorkerState, WorkerStatus
+from workers.contract.payload import (
+    CapabilityPayload,
+    DeviceDescription,
+    Fp8Description,
+    KernelDescription,
+    ModelDescription,
+)
+
+__all__ = [
+    "ACCEPTED_CAPABILITY_SPELLINGS", "Capability", "CapabilityError", "capability_label",
+    "FoundTemplate", "find_chat_template", "read_tokenizer_config", "token_text",
+    "DEFAULT_MAX_BATCH", "DEFAULT_MAX_QUEUE", "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S",
+    "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_SIMULATE",
+    "HEADER_FP8", "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_PIN_WORKER",
+    "HEADER_WORKER_CAPABILITY", "HEADER_WORKER_ID", "WORKER_HEADERS",
+    "DEVICE_FIELDS", "DeviceDescribing", "DeviceInfo",
+    "DEVICE_TYPES", "EMULATED", "FP8_CONVENTIONS", "NATIVE", "NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_CAPABILITY",
+    "ROCM_NATIVE_FP8_LAST",
+    "Fp8Decision", "fp8_rule",
+    "STARTUP_STEPS", "ExitCode", "WorkerState", "WorkerStatus",
+    "CapabilityPayload", "DeviceDescription", "Fp8Description", "KernelDescription", "ModelDescription",
+]

@@ -1,0 +1,32 @@
+"""Values the router and the worker must agree on: defaults, timeouts and header names.
+
+The router passes most of these to each worker on its command line, but a worker started by
+hand (`python -m workers`) must behave the same, so both read the defaults from here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The embedded checkpoint served without `--model`. Found by path: nothing is imported.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
+
+DEFAULT_MAX_BATCH = 32  # sequences running at once per worker
+DEFAULT_MAX_QUEUE = 256  # requests waiting per worker beyond the batch before it answers 429
+DRAIN_TIMEOUT_S = 30.0  # in-flight requests get this long after SIGTERM (router and worker)
+
+# The environment the router gives each worker before its Python starts (with
+# CUDA_DEVICE_ORDER / CUDA_VISIBLE_DEVICES): which device it binds, and whether it is simulated.
+ENV_SIMULATE = "HETSERVE_SIMULATE"
+ENV_DEVICE_INDEX = "HETSERVE_DEVICE_INDEX"
+ENV_DEVICE_UUID = "HETSERVE_DEVICE_UUID"
+
+# Response headers: which worker answered, its capability and its fp8 convention.
+HEADER_WORKER_ID = "X-Worker-Id"
+HEADER_WORKER_CAPABILITY = "X-Worker-Capability"
+HEADER_FP8_CONVENTION = "X-Fp8-Convention"
+WORKER_HEADERS = (HEADER_WORKER_ID, HEADER_WORKER_CAPABILITY, HEADER_FP8_CONVENTION)
+# Request headers that constrain routing (matched case-insensitively).
+HEADER_PIN_WORKER = "X-Hetserve-Worker"
+HEADER_MIN_CAPABILITY = "X-Hetserve-Min-Capability"
+HEADER_FP8 = "X-Hetserve-Fp8"

@@ -1,0 +1,67 @@
+"""The device description that the router and the worker exchange.
+
+The router knows a device from NVML or the simulated topology (`DeviceInfo`); the worker
+knows the device it bound (`workers.device.BoundDevice`). Both describe themselves the same
+way, through `DeviceDescribing`: the seven fields `/workers`, `/capability` and `hetserve
+plan` show (`DEVICE_FIELDS`), with the capability as its label ("9.0"). One description
+means a field added or renamed on one side cannot silently go missing on the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.contract.capability import Capability, capability_label
+
+DEVICE_FIELDS = ("type", "index", "uuid", "name", "capability", "simulated", "memory_total_bytes")
+
+
+class DeviceDescribing:
+    """Mixin for frozen device dataclasses with the `DEVICE_FIELDS` attributes."""
+
+    capability: Capability | None
+    type: str
+
+    @property
+    def capability_str(self) -> str | None:
+        """`"9.0"`, or None for a device without a capability (a CPU)."""
+        return None if self.capability is None else Capability.parse(self.capability).label
+
+    @property
+    def capability_label(self) -> str:
+        """`"9.0"`, or `"cpu"`: the `capability` label of metrics and headers."""
+        return capability_label(self.capability)
+
+    def to_dict(self) -> dict:
+        """The `/workers` `device` object: exactly `DEVICE_FIELDS`."""
+        out = {name: getattr(self, name) for name in DEVICE_FIELDS}
+        out["capability"] = self.capability_str
+        return out
+
+
+@dataclass(frozen=True)
+class DeviceInfo(DeviceDescribing):
+    """One device as the router sees it (from NVML or the simulated topology)."""
+
+    index: int
+    uuid: str
+    name: str
+    type: str  # "cuda" | "rocm" | "cpu"
+    capability: Capability | None
+    memory_total_bytes: int
+    simulated: bool
+    pci_bus_id: str | None = None
+    arch: str | None = None  # the spec token (`sm_89`, `gfx942`, `cpu`) or the ROCm arch
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capability", Capability.parse_optional(self.capability))
+
+    @property
+    def simulate_token(self) -> str | None:
+        """The `--simulate` token that recreates this device (`sm_89`, `gfx942`, `cpu`); None
+        for a real device."""
+        if not self.simulated:
+            return None
+        if self.arch:
+            return self.arch
+        return "cpu" if self.capability is None else self.capability.sm

@@ -1,0 +1,72 @@
+"""`GET /capability`: what a ready worker says about itself, as one pydantic model.
+
+The worker builds a `CapabilityPayload` and serves `model_dump(mode="json")`; the router
+parses the answer with `CapabilityPayload.model_validate` and reads typed fields, never
+`dict.get` chains. This is the HTTP edge between the two processes, hence pydantic here
+while the values inside each process are frozen dataclasses. Nested objects allow extra
+fields, so a newer worker can report more (say, compile records of its kernels) without
+breaking an older router; every field has a default so that a partial answer (a worker
+stand-in, an older worker) still parses, and what is missing reads as unknown.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class DeviceDescription(_Open):
+    """`/workers` `device`: the same seven fields the router knows from its inventory."""
+
+    type: str | None = None
+    index: int | None = None
+    uuid: str | None = None
+    name: str | None = None
+    capability: str | None = None  # "9.0"; None for a CPU
+    simulated: bool | None = None
+    memory_total_bytes: int | None = None
+
+
+class Fp8Description(_Open):
+    convention: str | None = None  # "native_e4m3" | "emulated"
+    reason: str | None = None
+
+
+class KernelDescription(_Open):
+    """One layer's chosen kernel (`kernels_local.mapping.KernelChoice`)."""
+
+    repo: str
+    layer: str
+    variant: str
+    reason: str
+
+
+class ModelDescription(_Open):
+    id: str | None = None
+    dtype: str | None = None
+    context_length: int | None = None
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    # generation_config.json sampling values (temperature, top_p, top_k, repetition_penalty)
+    sampling_defaults: dict[str, float] = Field(default_factory=dict)
+
+
+class Load(BaseModel):
+    running: int = 0
+    queued: int = 0
+
+
+class CapabilityPayload(_Open):
+    worker_id: str | None = None
+    pid: int | None = None
+    device: DeviceDescription = Field(default_factory=DeviceDescription)
+    fp8: Fp8Description = Field(default_factory=Fp8Description)
+    kernels: dict[str, KernelDescription] = Field(default_factory=dict)
+    capacity: dict = Field(default_factory=dict)  # max_sequences, max_tokens, max_seq_len, kv_cache_bytes
+    model: ModelDescription = Field(default_factory=ModelDescription)
+    versions: dict[str, str | None] = Field(default_factory=dict)
+    load: Load = Field(default_factory=Load)

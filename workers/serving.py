@@ -1,0 +1,141 @@
+"""The serve step: KV cache, engine, HTTP app and uvicorn on the worker's Unix socket.
+
+`WorkerServer` is built by the worker's last startup step, once the device is bound and the
+model loaded, kernelized and (optionally) quantized. Its constructor orchestrates small
+`_init_*` steps; `run()` serves until SIGTERM or a fatal engine error and `close()` frees
+the socket. The socket is created 0600 (only the router, as the same user, reaches it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from pathlib import Path
+
+from workers.contract import DRAIN_TIMEOUT_S, CapabilityPayload
+from workers.kv_sizing import kv_budget, plan_kv_shape
+
+logger = logging.getLogger(__name__)
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """A listening Unix socket that is 0600 from its creation (umask), never world-reachable."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        if p.is_socket():
+            p.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(p))
+    finally:
+        os.umask(old)
+    os.chmod(p, 0o600)
+    sock.listen(2048)
+    return sock
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for name in ("hetserve", "torch", "triton", "kernels"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+class WorkerServer:
+    """KV cache + engine + HTTP app + uvicorn on the Unix socket: built by the serve step."""
+
+    def __init__(self, args, bound, loaded, kernels: dict, conv, fp8_reason: str):
+        self.args, self.bound, self.loaded = args, bound, loaded
+        self._init_kv_cache()
+        self._init_engine()
+        self._init_app(kernels, conv, fp8_reason)
+        self._init_server()
+
+    def _init_kv_cache(self) -> None:
+        from workers.kv_cache import KVCache
+
+        cfg, dtype = self.loaded.config, self.loaded.dtype
+        budget, why = kv_budget(self.args, self.bound)
+        slots, seq_len, shape = plan_kv_shape(KVCache.bytes_per_token(cfg, dtype), cfg.max_position_embeddings, budget, self.args.max_batch)
+        self.kv = KVCache.for_budget(cfg, dtype, self.bound.torch_device, budget, slots, seq_len)
+        logger.info("KV cache %s bytes: %s; budget %s (%s)", self.kv.nbytes, shape, budget, why)
+
+    def _init_engine(self) -> None:
+        from workers.engine import Engine, ModelRunner
+        from workers.scheduler import Scheduler, SchedulerConfig
+
+        config = SchedulerConfig(self.kv.num_slots, self.kv.max_seq_len, eos_token_ids=self.loaded.eos_token_ids)
+        runner = ModelRunner(self.loaded.model, self.kv, self.bound.torch_device)
+        self.engine = Engine(runner, Scheduler(config), self.loaded.tokenizer, max_queue=self.args.max_queue,
+                             on_fatal=self._on_fatal)
+
+    def _init_app(self, kernels: dict, conv, fp8_reason: str) -> None:
+        from workers.api import create_app
+
+        loaded, kv = self.loaded, self.kv
+        model = {"id": loaded.model_id, "dtype": str(loaded.dtype).removeprefix("torch."),
+                 "context_length": loaded.config.max_position_embeddings}
+        for key in ("chat_template", "eos_token", "bos_token"):
+            if getattr(loaded, key) is not None:
+                model[key] = getattr(loaded, key)
+        # The model's recommended sampling (generation_config.json), which the OpenAI routes
+        # apply to fields a request leaves out, as vLLM does.
+        model["sampling_defaults"] = {
+            k: loaded.generation_config[k]
+            for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+            if isinstance(loaded.generation_config.get(k), (int, float))
+        }
+        info = CapabilityPayload(
+            worker_id=self.args.worker_id,
+            device=self.bound.to_dict(),
+            fp8={"convention": conv.name, "reason": fp8_reason},
+            kernels={k: v.to_dict() for k, v in kernels.items()},
+            capacity={**self.engine.scheduler.capacity(), "kv_cache_bytes": kv.nbytes},
+            model=model,
+            versions=_versions(),
+        )
+        self.app = create_app(info, self.engine, loaded.tokenizer)
+
+    def _init_server(self) -> None:
+        import uvicorn
+
+        self.sock = bind_unix_socket(self.args.socket)
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
+        self.server = uvicorn.Server(config)
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        """Engine thread: the model failed; stop serving so the router restarts this worker."""
+        self.server.should_exit = True
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        return self.engine.fatal_error
+
+    def run(self, on_ready) -> None:
+        async def serve():
+            task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
+            while not self.server.started and not task.done():
+                await asyncio.sleep(0.01)
+            if self.server.started:
+                on_ready()
+                logger.info("ready on %s", self.args.socket)
+            await task
+
+        asyncio.run(serve())
+
+    def close(self) -> None:
+        self.engine.shutdown(0.0)
+        self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.args.socket)
