@@ -22,11 +22,14 @@ from server.dispatch import Dispatcher
 from server.http_errors import install_error_handlers
 from server.middleware import EdgeMiddleware
 from server.router_metrics import RouterMetrics
-from server.routes import generate, health, openai, workers
+from server.routes import generate, health, openai, status, workers
 from server.routes import metrics as metrics_routes
 from server.settings import RouterSettings
 from server.supervisor import Supervisor
+from server.tracing import TracingMiddleware
+from server.worker_stats import WorkerStats
 from workers.contract import DeviceInfo, WorkerState
+from workers.contract.tracing import Tracing, fastapi_telemetry_off, start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -43,23 +46,33 @@ def ready_summary(supervisor: Supervisor) -> str:
 
 
 def create_app(settings: RouterSettings, devices: list[DeviceInfo],
-               on_settled: Callable[[Supervisor], None] | None = None) -> FastAPI:
-    """The public app; `on_settled(supervisor)` runs once every worker is ready or failed."""
+               on_settled: Callable[[Supervisor], None] | None = None, tracing: Tracing | None = None) -> FastAPI:
+    """The public app; `on_settled(supervisor)` runs once every worker is ready or failed.
+    `tracing`: the router's spans (default: from `settings.otlp_endpoint`, off without one)."""
     supervisor = Supervisor(devices, settings)
-    metrics = RouterMetrics(lambda: list(supervisor.workers.values()))
-    ctx = RouterContext(settings, supervisor, Dispatcher(supervisor, settings, metrics), metrics)
+
+    def handles() -> list:
+        return list(supervisor.workers.values())
+
+    metrics = RouterMetrics(handles)
+    tracing = tracing or start_tracing(settings.otlp_endpoint, "hetserve-router")
+    ctx = RouterContext(settings, supervisor, Dispatcher(supervisor, settings, metrics, tracing), metrics,
+                        WorkerStats(handles, settings.stats_interval_s))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await supervisor.start()
-        watcher = asyncio.create_task(_announce_when_settled(supervisor, on_settled))
+        background = [asyncio.create_task(_announce_when_settled(supervisor, on_settled)),
+                      asyncio.create_task(ctx.stats.run())]
         try:
             yield
         finally:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             logger.info("stopping %d workers", len(supervisor.workers))
             await supervisor.stop()
+            tracing.shutdown()
 
     app = FastAPI(
         title="hetserve",
@@ -68,12 +81,15 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
         "OpenAI-compatible `/v1/*`, per-worker state at `/workers`. Route a request with the headers "
         "`X-Hetserve-Worker`, `X-Hetserve-Min-Capability`, `X-Hetserve-Fp8`.",
         lifespan=lifespan,
+        **fastapi_telemetry_off(),
     )
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(EdgeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        metrics=metrics)
-    for module in (generate, openai, workers, health, metrics_routes):
+    if tracing.enabled:  # outermost: the span covers the whole request, refusals included
+        app.add_middleware(TracingMiddleware, tracing=tracing)
+    for module in (generate, openai, workers, health, metrics_routes, status):
         app.include_router(module.router)
     return app
 

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"waiting requests per worker before 429 (default {DEFAULT_MAX_QUEUE})")
     serve.add_argument("--api-key", default=None, metavar="KEY", help="require `Authorization: Bearer KEY`")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                       help="export OpenTelemetry spans of the router and every worker to this OTLP collector "
+                            "(e.g. http://collector:4318; off by default)")
 
     plan = sub.add_parser("plan", help="show per device the kernels and fp8 convention chosen, without loading weights")
     _add_simulate(plan)

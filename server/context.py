@@ -1,6 +1,6 @@
 """What every route needs, and the dependency that hands it over.
 
-`RouterContext` holds the run's settings, supervisor, dispatcher and metrics, plus the
+`RouterContext` holds the run's settings, supervisor, dispatcher, metrics and stats, plus the
 model facts that the workers reported (`/capability`). The app puts one on
 `app.state.ctx`; routes take it through `get_ctx` and import nothing from the app module,
 so the app can import every router at the top (FastAPI's "bigger applications" shape).
@@ -19,6 +19,7 @@ from server.dispatch import Dispatcher
 from server.router_metrics import RouterMetrics
 from server.settings import RouterSettings
 from server.supervisor import Supervisor
+from server.worker_stats import WorkerStats
 from workers.contract import ModelDescription
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class RouterContext:
     supervisor: Supervisor
     dispatcher: Dispatcher
     metrics: RouterMetrics
+    stats: WorkerStats | None = None  # the status page's per-worker history
     started_at: float = field(default_factory=time.time)
     _chat: ChatTemplate | None = None
 

@@ -20,13 +20,15 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from server.balancer import OVERLOADED, PICK, UNSATISFIABLE, WAIT, Constraints, choose
+from server.balancer import OVERLOADED, PICK, UNSATISFIABLE, WAIT, Constraints, Decision, choose
 from server.router_metrics import RouterMetrics
 from server.settings import RouterSettings
 from server.supervisor import Supervisor
+from server.tracing import note_answer, note_retry, note_route
 from server.worker_client import SSEEvents, WorkerGone, split_events
 from server.worker_handle import WorkerHandle
 from workers.contract import HEADER_FP8_CONVENTION, HEADER_WORKER_CAPABILITY, HEADER_WORKER_ID, WORKER_HEADERS
+from workers.contract.tracing import NO_TRACING, Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +123,16 @@ def worker_headers(worker: WorkerHandle, response_headers) -> dict[str, str]:
 class Dispatcher:
     """Picks workers (balancer), forwards requests (worker client), retries (see module doc)."""
 
-    def __init__(self, supervisor: Supervisor, settings: RouterSettings, metrics: RouterMetrics):
+    def __init__(self, supervisor: Supervisor, settings: RouterSettings, metrics: RouterMetrics,
+                 tracing: Tracing = NO_TRACING):
         self.supervisor = supervisor
         self.settings = settings
         self.metrics = metrics
+        self.tracing = tracing  # notes route decisions and retries on the request's span
 
     # --- choosing ----------------------------------------------------------------------
-    async def _acquire(self, c: Constraints, exclude: dict[str, int], deadline: float, saw_429: bool) -> WorkerHandle:
-        """A worker with one more outstanding request, or a `DispatchError`."""
+    async def _acquire(self, c: Constraints, exclude: dict[str, int], deadline: float, saw_429: bool) -> Decision:
+        """The decision for a worker (now with one more outstanding request), or a `DispatchError`."""
         s = self.settings
         while True:
             d = choose(self.supervisor.workers.values(), c, s.worker_capacity, exclude)
@@ -136,7 +140,7 @@ class Dispatcher:
                 assert d.worker is not None
                 d.worker.outstanding += 1
                 d.worker.picks += 1
-                return d.worker
+                return d
             if d.kind == UNSATISFIABLE:
                 raise DispatchError(422, d.reason, "validation")
             if d.kind == OVERLOADED or saw_429:
@@ -154,6 +158,7 @@ class Dispatcher:
     def _failed(self, worker: WorkerHandle, generation: int, exclude: dict[str, int], why: str) -> None:
         exclude[worker.id] = generation
         self.metrics.worker_retry(worker)
+        note_retry(self.tracing, worker, why)
         logger.warning("request failed on worker %s (%s); retrying elsewhere", worker.id, why)
         self.supervisor.report_unreachable(worker, generation)
 
@@ -168,13 +173,15 @@ class Dispatcher:
         deadline = time.monotonic() + self.settings.ready_wait_s
         saw_429 = error_retried = False
         last: WorkerReply | None = None
-        for _ in range(self._attempts()):
+        for n in range(self._attempts()):
             try:
-                worker = await self._acquire(c, exclude, deadline, saw_429)
+                decision = await self._acquire(c, exclude, deadline, saw_429)
             except DispatchError:
                 if last is not None and last.status != 429:
                     return last
                 raise
+            worker = decision.worker
+            note_route(self.tracing, worker, decision.reason, n + 1)
             generation = worker.generation
             assert worker.client is not None
             self.metrics.worker_request(worker)
@@ -190,6 +197,7 @@ class Dispatcher:
                     saw_429 = saw_429 or result.status == 429
                     self._failed(worker, generation, exclude, f"answered {result.status}")
                     continue
+            note_answer(self.tracing, worker)
             return result
         raise DispatchError(503, "No worker could take the request after several tries", "unavailable",
                             self.settings.retry_after_s)
@@ -200,7 +208,7 @@ class Dispatcher:
 
         async def attempt(worker: WorkerHandle) -> WorkerReply:
             try:
-                status, headers, content = await worker.client.post(path, body)
+                status, headers, content = await worker.client.post(path, body, self.tracing.inject())
             except WorkerGone as e:
                 raise _Lost(repr(e)) from e
             finally:
@@ -216,7 +224,7 @@ class Dispatcher:
         async def attempt(worker: WorkerHandle) -> WorkerStream | WorkerReply:
             stack = contextlib.AsyncExitStack()
             try:
-                response = await stack.enter_async_context(worker.client.stream(path, body))
+                response = await stack.enter_async_context(worker.client.stream(path, body, self.tracing.inject()))
                 headers = worker_headers(worker, response.headers)
                 if response.status_code != 200:
                     content = await response.read()

@@ -2,7 +2,8 @@
 
 Pure ASGI (not `BaseHTTPMiddleware`) so streamed responses pass through untouched and the
 per-request cost stays a few dict lookups. `--api-key` guards everything but `/health`
-(load balancers and orchestrators probe it without credentials); the key is compared in
+(load balancers and orchestrators probe it without credentials) and the status page's shell
+(`GET /`, `GET /status`: no data in it); the key is compared in
 constant time. Bodies over the limit get 413 from the `Content-Length` header or, for
 chunked bodies, as soon as the running count passes it. Metrics label each request with its
 route template among the known ones (anything else is `other`, so a fuzzer or a scanner
@@ -21,8 +22,10 @@ from server.http_errors import error_body
 from server.router_metrics import RouterMetrics
 
 PUBLIC_PATHS = frozenset({"/health"})
+# The status page's shell holds no data (it asks for the key, then calls the API with it).
+PUBLIC_PAGES = frozenset({"/", "/status"})
 KNOWN_ROUTES = frozenset({
-    "/", "/generate", "/generate_stream", "/info", "/health", "/metrics", "/workers",
+    "/", "/generate", "/generate_stream", "/info", "/health", "/metrics", "/workers", "/status", "/stats",
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/docs", "/openapi.json",
 })
 
@@ -66,7 +69,7 @@ class EdgeMiddleware:
             await send(message)
 
         # 1. API key (everything but /health)
-        if self.expected is not None and path not in PUBLIC_PATHS and not self._authorized(scope):
+        if self.expected is not None and not _public(scope, path) and not self._authorized(scope):
             await _json(send_wrapper, path, 401, "Missing or wrong API key: send `Authorization: Bearer <key>`",
                         {"www-authenticate": "Bearer"})
             return
@@ -107,6 +110,10 @@ class EdgeMiddleware:
     def _authorized(self, scope) -> bool:
         given = _header(scope, b"authorization")
         return given is not None and hmac.compare_digest(given.strip(), self.expected)
+
+
+def _public(scope, path: str) -> bool:
+    return path in PUBLIC_PATHS or (path in PUBLIC_PAGES and scope.get("method") in ("GET", "HEAD"))
 
 
 _FORM = (b"application/x-www-form-urlencoded", b"text/plain")

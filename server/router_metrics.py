@@ -22,11 +22,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.worker_handle import WorkerHandle
 from workers.contract import WorkerState
+from workers.contract.defaults import GATEWAY_KV_USAGE, GATEWAY_POD, GATEWAY_RUNNING, GATEWAY_WAITING
 
 logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LABELS = ("worker_id", "capability")
+_GATEWAY_NAMES = frozenset({GATEWAY_WAITING, GATEWAY_RUNNING, *GATEWAY_KV_USAGE})
 
 
 class _WorkerStateCollector:
@@ -116,9 +118,31 @@ def _format_value(v: float) -> str:
     return repr(float(v)) if not float(v).is_integer() else f"{v:.1f}"
 
 
+def _kv_weight(h: WorkerHandle) -> float:
+    """How much KV cache a worker holds, in tokens (blocks x block size, or slots x length)."""
+    capacity = h.info.capacity if h.info is not None else {}
+    if capacity.get("kv_blocks_total") and capacity.get("kv_block_size"):
+        return float(capacity["kv_blocks_total"] * capacity["kv_block_size"])
+    return float(capacity.get("max_tokens") or 1)
+
+
+def pod_totals(values: dict[str, list[tuple[WorkerHandle, float]]]) -> dict[str, float]:
+    """The pod's gateway gauges from its workers': requests add up; KV usage is the fraction of
+    all the workers' KV cache in use (each worker's fraction weighted by its cache size)."""
+    totals = {name: sum(v for _, v in values[name]) for name in (GATEWAY_WAITING, GATEWAY_RUNNING) if name in values}
+    for name in GATEWAY_KV_USAGE:
+        if name in values:
+            weights = [(_kv_weight(h), v) for h, v in values[name]]
+            totals[name] = sum(w * v for w, v in weights) / sum(w for w, _ in weights)
+    return totals
+
+
 def merge_worker_metrics(scrapes: list[tuple[WorkerHandle, str]]) -> str:
-    """Prometheus text of the workers' families, each sample labelled with its worker."""
+    """Prometheus text of the workers' families, each sample labelled with its worker; the
+    gateway gauges end with the pod's total (`worker_id="all"`), which an inference
+    gateway's endpoint picker reads for this pod."""
     families: dict[str, tuple[str, str, list[str]]] = {}
+    gateway: dict[str, list[tuple[WorkerHandle, float]]] = {}
     for h, text in scrapes:
         try:
             parsed = list(text_string_to_metric_families(text))
@@ -131,6 +155,11 @@ def merge_worker_metrics(scrapes: list[tuple[WorkerHandle, str]]) -> str:
                 labels = {**sample.labels, "worker_id": h.id, "capability": h.capability_label}
                 rendered = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
                 entry[2].append(f"{sample.name}{{{rendered}}} {_format_value(sample.value)}")
+                if sample.name in _GATEWAY_NAMES:
+                    gateway.setdefault(sample.name, []).append((h, sample.value))
+    pod = ",".join(f'{label}="{GATEWAY_POD}"' for label in _LABELS)
+    for name, value in pod_totals(gateway).items():
+        families[name][2].append(f"{name}{{{pod}}} {_format_value(value)}")
     lines = []
     for name, (kind, doc, samples) in families.items():
         # The parser drops `_total` from counter family names; text format 0.0.4 wants it back.

@@ -55,10 +55,15 @@ def run(args) -> int:
 
     from server.app import create_app, ready_summary
     from server.inventory import inventory
+    from workers.contract.tracing import TracingUnavailable, start_tracing
     from workers.topology import select_devices
 
     settings = RouterSettings.from_args(args)
     _setup_logging(settings.log_level)
+    try:  # before anything starts: a missing exporter is a usage error
+        tracing = start_tracing(settings.otlp_endpoint, "hetserve-router")
+    except (TracingUnavailable, ValueError) as e:
+        raise UsageError(str(e)) from e
     # 1. devices: NVML or the simulated topology (never CUDA), then --devices
     devices = select_devices(inventory(getattr(args, "simulate", None)), getattr(args, "devices", "all"))
     if not devices:
@@ -79,7 +84,7 @@ def run(args) -> int:
                     len(supervisor.workers), ready_summary(supervisor), settings.model_dir)
 
     # 3. the app; its lifespan starts the workers
-    app = create_app(settings, devices, on_settled=on_settled)
+    app = create_app(settings, devices, on_settled=on_settled, tracing=tracing)
     config = uvicorn.Config(
         app,
         log_level=settings.log_level,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from server.errors import UsageError
 from workers.contract import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MODEL_DIR, DRAIN_TIMEOUT_S
+from workers.contract.tracing import check_endpoint
 
 # Runs the worker under another command (a wrapper, a profiler, a test double):
 # `HETSERVE_WORKER_CMD="python path/to/worker.py"`. Default: `<this python> -m workers`.
@@ -59,6 +60,8 @@ class RouterSettings:
     max_startup_crashes: int = 5  # crashes in a row before ever becoming ready -> `failed`
     kv_cache_bytes: int | None = None
     threads: int | None = None  # CPU threads for all workers together (default: this process's CPUs)
+    otlp_endpoint: str | None = None  # OpenTelemetry collector for router and worker spans (off when None)
+    stats_interval_s: float = 2.0  # how often the status page's per-worker samples are taken
 
     @property
     def worker_capacity(self) -> int:
@@ -89,6 +92,12 @@ class RouterSettings:
             "api_key": getattr(args, "api_key", None) or None,
             "log_level": getattr(args, "log_level", "info"),
         }
+        endpoint = getattr(args, "otlp_endpoint", None)
+        if endpoint:
+            try:
+                kwargs["otlp_endpoint"] = check_endpoint(endpoint)
+            except ValueError as e:
+                raise UsageError(f"--otlp-endpoint: {e}") from e
         # Optional knobs a future CLI may add; absent means the defaults above.
         for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "threads"):
             value = getattr(args, name, None)

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 _IDLE_MAX_S = 4.0  # uvicorn closes idle keep-alive connections after 5 s
 _MAX_IDLE = 64
@@ -141,9 +141,12 @@ class UnixHTTPPool:
             conn.close()
 
     async def send(self, method: str, path: str, body: bytes | None = None,
-                   content_type: str = "application/json") -> Response:
-        """Send a request; return once the status line and headers have arrived."""
+                   content_type: str = "application/json", headers: Mapping[str, str] | None = None) -> Response:
+        """Send a request (with extra `headers`, e.g. the trace context); return once the
+        status line and headers have arrived."""
         head = f"{method} {path} HTTP/1.1\r\nHost: worker\r\n"
+        for name, value in (headers or {}).items():
+            head += f"{name}: {value}\r\n"
         if body is not None:
             head += f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
         payload = head.encode("latin-1") + b"\r\n" + (body or b"")
@@ -180,9 +183,10 @@ class UnixHTTPPool:
         head_only = method == "HEAD" or status in (204, 304) or 100 <= status < 200
         return Response(self, conn, status, headers, head_only)
 
-    async def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    async def request(self, method: str, path: str, body: bytes | None = None,
+                      headers: Mapping[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
         """A whole exchange: (status, headers, body)."""
-        response = await self.send(method, path, body)
+        response = await self.send(method, path, body, headers=headers)
         try:
             content = await response.read()
         finally:

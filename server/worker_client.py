@@ -64,14 +64,15 @@ class WorkerClient:
         return content.decode("utf-8", errors="replace")
 
     # --- generation --------------------------------------------------------------------
-    async def post(self, path: str, body: dict) -> tuple[int, dict[str, str], bytes]:
-        """A non-streamed call: (status, headers, body), the whole answer read."""
-        return await self._pool.request("POST", path, json.dumps(body).encode())
+    async def post(self, path: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        """A non-streamed call: (status, headers, body), the whole answer read. `headers`: extra
+        request headers (the trace context)."""
+        return await self._pool.request("POST", path, json.dumps(body).encode(), headers)
 
     @asynccontextmanager
-    async def stream(self, path: str, body: dict) -> AsyncIterator[Response]:
+    async def stream(self, path: str, body: dict, headers: dict[str, str] | None = None) -> AsyncIterator[Response]:
         """A streamed call; read `iter_chunks()` inside the block."""
-        response = await self._pool.send("POST", path, json.dumps(body).encode())
+        response = await self._pool.send("POST", path, json.dumps(body).encode(), headers=headers)
         try:
             yield response
         finally:

@@ -111,6 +111,8 @@ def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, sock
         argv += ["--simulate", device.simulate_token]
     if settings.kv_cache_bytes is not None:
         argv += ["--kv-cache-bytes", str(settings.kv_cache_bytes)]
+    if settings.otlp_endpoint is not None:
+        argv += ["--otlp-endpoint", settings.otlp_endpoint]
     return tuple(argv)
 
 

@@ -13,6 +13,8 @@ Behaviour for tests comes from the environment:
   FAKE_CRASH_IDS=gpu0          workers that die on the prompts `__crash_before_first__`
                                (before any token) and `__crash_mid_stream__` (after 2 tokens),
                                and answer 500 to `__error_500__`
+  FAKE_TRACE_LOG=/path         append `<worker id> <traceparent header or ->` per generation
+                               request (what the router propagated)
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int)
     p.add_argument("--status-file")
     p.add_argument("--parent-pid", type=int)
+    p.add_argument("--otlp-endpoint")
     return p.parse_args(argv)
 
 
@@ -75,7 +78,13 @@ def build_app(args) -> FastAPI:
     token_s = float(os.environ.get("FAKE_TOKEN_S", "0.002"))
     crashes = args.worker_id in os.environ.get("FAKE_CRASH_IDS", "").split(",")
     capacity = args.max_batch + args.max_queue
-    state = {"inflight": 0, "served": 0}
+    state = {"inflight": 0, "served": 0, "tokens": 0}
+    trace_log = os.environ.get("FAKE_TRACE_LOG")
+
+    def log_trace(request):
+        if trace_log:
+            with open(trace_log, "a") as f:
+                f.write(f"{args.worker_id} {request.headers.get('traceparent', '-')}\n")
     headers = {"X-Worker-Id": args.worker_id, "X-Worker-Capability": cap_str, "X-Fp8-Convention": fp8["convention"]}
     app = FastAPI()
 
@@ -130,10 +139,17 @@ def build_app(args) -> FastAPI:
             f"hetserve_worker_requests_total {state['served']}\n"
             "# HELP hetserve_worker_queue_depth Waiting requests.\n# TYPE hetserve_worker_queue_depth gauge\n"
             'hetserve_worker_queue_depth{kind="waiting"} 0\n'
+            "# HELP hetserve_worker_generated_tokens_total Tokens generated.\n"
+            "# TYPE hetserve_worker_generated_tokens_total counter\n"
+            f"hetserve_worker_generated_tokens_total {state['tokens']}\n"
+            f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
+            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {state['inflight']}\n"
+            f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {state['inflight'] / args.max_batch}\n"
         )
 
     @app.post("/generate")
     async def generate(request: Request):
+        log_trace(request)
         parsed, err = validate(await request.json())
         if err:
             return err
@@ -148,6 +164,7 @@ def build_app(args) -> FastAPI:
         finally:
             state["inflight"] -= 1
         state["served"] += 1
+        state["tokens"] += n
         text = "".join(f" t{i}" for i in range(n))
         body = {"generated_text": (prompt + text) if params.get("return_full_text") else text}
         if params.get("details"):
@@ -156,6 +173,7 @@ def build_app(args) -> FastAPI:
 
     @app.post("/generate_stream")
     async def generate_stream(request: Request):
+        log_trace(request)
         parsed, err = validate(await request.json())
         if err:
             return err
@@ -168,6 +186,7 @@ def build_app(args) -> FastAPI:
             try:
                 for i in range(n):
                     await asyncio.sleep(token_s)
+                    state["tokens"] += 1
                     if crashes and prompt == "__crash_mid_stream__" and i == 2:
                         os._exit(1)
                     last = i == n - 1

@@ -34,8 +34,10 @@ from workers.contract import (
     CapabilityPayload,
 )
 from workers.contract.payload import Load
+from workers.contract.tracing import NO_TRACING, Tracing, fastapi_telemetry_off
 from workers.engine import Engine, EngineOverloaded, EngineUnavailable, ErrorEvent, RequestStream
 from workers.metrics import CONTENT_TYPE
+from workers.request_trace import RequestTracer
 from workers.sampling import ParameterError, SamplingParams
 from workers.scheduler import CapacityError
 from workers.schemas import GenerateRequest, generate_response, stream_event
@@ -95,10 +97,12 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_timeout: float = DRAIN_TIMEOUT_S) -> FastAPI:
+def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_timeout: float = DRAIN_TIMEOUT_S,
+               tracing: Tracing = NO_TRACING) -> FastAPI:
     """The worker's app over a ready engine; `info` is its `/capability` answer but for `pid`
-    and `load`, which are filled in per request."""
+    and `load`, which are filled in per request. `tracing`: one span per generation request."""
     state = {"status": "starting"}
+    tracer = RequestTracer(tracing, info)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -110,7 +114,8 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
             state["status"] = "draining"
             await asyncio.to_thread(engine.shutdown, drain_timeout)
 
-    app = FastAPI(title="hetserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="hetserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  **fastapi_telemetry_off())
     app.add_middleware(WorkerHeaders, headers=identity_headers(info))
     app.state.worker = state
 
@@ -143,9 +148,19 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
         except EngineUnavailable as e:
             raise APIError(503, str(e), "unavailable") from e
 
+    def submit_traced(req: GenerateRequest, request: Request):
+        """`submit` inside the request's span: (stream, params, span); a refusal ends the span."""
+        span = tracer.start(request.url.path, request.headers)
+        try:
+            stream, params = submit(req)
+        except APIError as e:
+            tracer.end(span, None, refused=e.message)
+            raise
+        return stream, params, span
+
     @app.post("/generate")
     async def generate(req: GenerateRequest, request: Request):
-        stream, _ = submit(req)
+        stream, params, span = submit_traced(req, request)
 
         async def collect():
             return [e async for e in stream]
@@ -159,6 +174,8 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
             if not collector.done():  # the client left (or this task was cancelled)
                 collector.cancel()
                 engine.abort(stream.request_id)
+            done = collector.done() and not collector.cancelled()
+            tracer.end(span, collector.result()[-1] if done else None, stream.request_id, params)
         if not collector.done() or collector.cancelled():
             return Response(status_code=499)
         events = collector.result()
@@ -168,12 +185,12 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
         return JSONResponse(generate_response(events, prefix, req.parameters.details))
 
     @app.post("/generate_stream")
-    async def generate_stream(req: GenerateRequest):
-        stream, _ = submit(req)
+    async def generate_stream(req: GenerateRequest, request: Request):
+        stream, params, span = submit_traced(req, request)
         prefix = req.inputs if req.parameters.return_full_text else ""
 
         async def sse():
-            finished = False
+            finished, e = False, None
             try:
                 async for e in stream:
                     if isinstance(e, ErrorEvent):
@@ -185,6 +202,7 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
             finally:
                 if not finished:  # cancelled: the client went away mid-stream
                     engine.abort(stream.request_id)
+                tracer.end(span, e if finished else None, stream.request_id, params)
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

@@ -58,12 +58,23 @@ class EngineUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
+class RequestTimings:
+    """Where one request's time went, in seconds: waiting for the engine, the step that produced
+    its first token (the prefill), and the steps after it (the decode)."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
 class FinishInfo:
     reason: str  # "length" | "eos_token" | "stop_sequence"
     generated_text: str
     generated_tokens: int
     input_length: int
     seed: int | None
+    timings: RequestTimings | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +100,7 @@ class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None):
         self.request_id = request_id
         self.loop = loop
+        self.prefill_started: float | None = None  # monotonic start of the step that produced the first token
         self.events: list[TokenEvent | ErrorEvent] = []
         self._queue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
 
@@ -105,6 +117,12 @@ class RequestStream:
             yield event
             if isinstance(event, ErrorEvent) or event.finish is not None:
                 return
+
+
+def _timings(seq: Sequence, finished: float) -> RequestTimings:
+    prefill_started = seq.stream.prefill_started or seq.arrival_time
+    first = seq.first_token_time or finished
+    return RequestTimings(max(0.0, prefill_started - seq.arrival_time), first - prefill_started, finished - first)
 
 
 def _push_all(items: list[tuple[RequestStream, TokenEvent | ErrorEvent]]) -> None:
@@ -143,6 +161,7 @@ class Engine:
         self.on_fatal = on_fatal
         self._init_admission(max_queue)
         self._init_thread()
+        self.metrics.track(self.load, self.kv_usage)  # the gateway gauges, read at scrape time
 
     def _init_admission(self, max_queue: int) -> None:
         self.max_queue = max_queue
@@ -202,6 +221,11 @@ class Engine:
         """(running, queued) right now."""
         running = self.scheduler.num_running
         return running, max(0, self._in_flight - running)
+
+    def kv_usage(self) -> float:
+        """The fraction of this worker's KV cache in use right now (slots held by running sequences)."""
+        total = self.scheduler.config.max_sequences
+        return (total - self.scheduler.num_free_slots) / total if total else 0.0
 
     @property
     def accepting(self) -> bool:
@@ -285,14 +309,16 @@ class Engine:
         token_ids, logprobs = sample(logits, seqs)
         # 3. update: append, detokenize, stop, stream
         updates = self.scheduler.update_from_output(out, token_ids, logprobs)
-        self._deliver(self._events(updates))
+        self._deliver(self._events(updates, t0))
         running = self.scheduler.num_running
         self.metrics.on_step(time.perf_counter() - t0, len(seqs), out.num_prefill_tokens, len(updates))
         self.metrics.set_load(running, max(0, self._in_flight - running))
         return len(seqs)
 
-    def _events(self, updates) -> list[tuple[RequestStream, TokenEvent]]:
+    def _events(self, updates, step_started: float) -> list[tuple[RequestStream, TokenEvent]]:
         now = time.monotonic()
+        # perf_counter and monotonic share a clock on Linux, but not everywhere: convert once.
+        step_started = now - (time.perf_counter() - step_started)
         items = []
         for u in updates:
             seq = u.seq
@@ -303,11 +329,13 @@ class Engine:
                 self.scheduler.finish(seq, FINISH_STOP)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                seq.stream.prefill_started = step_started
                 self.metrics.ttft.observe(now - seq.arrival_time)
             finish = None
             if reason is not None:
                 text += seq.detok.flush()
-                finish = FinishInfo(reason, seq.detok.text, len(seq.output_ids), len(seq.prompt_ids), seq.seed)
+                finish = FinishInfo(reason, seq.detok.text, len(seq.output_ids), len(seq.prompt_ids), seq.seed,
+                                    _timings(seq, now))
                 self.metrics.requests.labels(reason).inc()
                 self.metrics.e2e.observe(now - seq.arrival_time)
                 self._release(seq)

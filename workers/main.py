@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--status-file", help="JSON status file, rewritten atomically at each step")
     p.add_argument("--parent-pid", type=int, help="exit when this process dies")
+    p.add_argument("--otlp-endpoint", metavar="URL", help="export OpenTelemetry spans (OTLP) to this collector")
     args = p.parse_args(argv)
     for name in ("max_batch", "threads"):
         value = getattr(args, name)

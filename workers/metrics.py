@@ -4,12 +4,22 @@ Design: one `CollectorRegistry` per `WorkerMetrics` instance, never the global o
 test process can build several workers and the text holds only this worker's series. The
 engine thread updates counters once per request event and once per step (prometheus_client
 is thread-safe); the HTTP side only renders.
+
+Beside the `hetserve_worker_` series, the gauges that Kubernetes inference gateways scrape
+(the Gateway API Inference Extension's model server protocol, under the vLLM names its
+endpoint picker reads by default) are read from the engine at scrape time (`track()`), so
+they are never stale between engine steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from workers.contract.defaults import GATEWAY_KV_USAGE, GATEWAY_RUNNING, GATEWAY_WAITING
 
 PREFIX = "hetserve_worker"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -19,9 +29,25 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+class GatewayGauges:
+    """The inference gateways' gauges, read from the engine when scraped."""
+
+    def __init__(self, load: Callable[[], tuple[int, int]], kv_usage: Callable[[], float]):
+        self._load, self._kv_usage = load, kv_usage
+
+    def collect(self):
+        running, queued = self._load()
+        yield GaugeMetricFamily(GATEWAY_WAITING, "Requests waiting to be scheduled.", value=queued)
+        yield GaugeMetricFamily(GATEWAY_RUNNING, "Requests in the running batch.", value=running)
+        usage = self._kv_usage()
+        for name in GATEWAY_KV_USAGE:
+            yield GaugeMetricFamily(name, "Fraction of the KV cache in use (1 = full).", value=usage)
+
+
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._tracking = False
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "Requests finished, by finish reason", ["finish_reason"], registry=r)
         self.rejected = Counter(f"{PREFIX}_rejected_requests", "Requests refused, by reason", ["reason"], registry=r)
@@ -56,6 +82,12 @@ class WorkerMetrics:
         self.running.set(running)
         self.kv_slots_used.set(running)
         self.queued.set(queued)
+
+    def track(self, load: Callable[[], tuple[int, int]], kv_usage: Callable[[], float]) -> None:
+        """Serve the gateway gauges from these readers (once per registry)."""
+        if not self._tracking:
+            self.registry.register(GatewayGauges(load, kv_usage))
+            self._tracking = True
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

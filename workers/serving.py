@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 
 from workers.contract import DRAIN_TIMEOUT_S, CapabilityPayload
+from workers.contract.tracing import start_tracing
 from workers.kv_sizing import kv_budget, plan_kv_shape
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,9 @@ class WorkerServer:
             model=model,
             versions=_versions(),
         )
-        self.app = create_app(info, self.engine, loaded.tokenizer)
+        self.tracing = start_tracing(getattr(self.args, "otlp_endpoint", None), "hetserve-worker",
+                                     {"service.instance.id": info.worker_id or ""})
+        self.app = create_app(info, self.engine, loaded.tokenizer, tracing=self.tracing)
 
     def _init_server(self) -> None:
         import uvicorn
@@ -136,6 +139,7 @@ class WorkerServer:
 
     def close(self) -> None:
         self.engine.shutdown(0.0)
+        self.tracing.shutdown()  # flush the last spans
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.args.socket)

@@ -8,14 +8,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from server.context import get_ctx
+from server.context import RouterContext, get_ctx
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health", responses={503: {"description": "no worker is ready"}})
-async def health(request: Request) -> JSONResponse:
-    ctx = get_ctx(request)
+def health_verdict(ctx: RouterContext) -> tuple[dict, int]:
+    """`/health`'s body and status code (the status page shows the same verdict)."""
     handles = list(ctx.supervisor.workers.values())
     ready = [h.id for h in handles if h.routable]
     if not ready:
@@ -31,5 +30,12 @@ async def health(request: Request) -> JSONResponse:
         "workers": {h.id: h.state for h in handles},
         "model": ctx.model_id(),
     }
+    return body, code
+
+
+@router.get("/health", responses={503: {"description": "no worker is ready"}})
+async def health(request: Request) -> JSONResponse:
+    ctx = get_ctx(request)
+    body, code = health_verdict(ctx)
     headers = {"retry-after": str(ctx.settings.retry_after_s)} if code == 503 else None
     return JSONResponse(body, status_code=code, headers=headers)

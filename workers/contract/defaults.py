@@ -30,3 +30,12 @@ WORKER_HEADERS = (HEADER_WORKER_ID, HEADER_WORKER_CAPABILITY, HEADER_FP8_CONVENT
 HEADER_PIN_WORKER = "X-Hetserve-Worker"
 HEADER_MIN_CAPABILITY = "X-Hetserve-Min-Capability"
 HEADER_FP8 = "X-Hetserve-Fp8"
+
+# The gauges Kubernetes inference gateways scrape (Gateway API Inference Extension, model server
+# protocol: TotalQueuedRequests, TotalRunningRequests, KVCacheUtilization as a 0..1 fraction),
+# under the vLLM names its endpoint picker reads by default. `vllm:gpu_cache_usage_perc` is the
+# KV name of older endpoint pickers. Each worker serves them; the router adds the pod's totals.
+GATEWAY_WAITING = "vllm:num_requests_waiting"
+GATEWAY_RUNNING = "vllm:num_requests_running"
+GATEWAY_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+GATEWAY_POD = "all"  # `worker_id` and `capability` of the pod's total samples
