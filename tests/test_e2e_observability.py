@@ -1,0 +1,288 @@
+"""End to end: the status page in a real browser, traces over OTLP, gateway gauges.
+
+One `hetserve serve --simulate sm_80,sm_89,sm_90 --api-key KEY --otlp-endpoint URL` with
+three real worker processes, an OTLP/HTTP receiver in this process (the collector), and
+Debian's Chromium driven by Playwright (scripts/browser.sh installs the browser; the
+browser test skips, saying why, where none can be had). The browser test runs last: it
+kills a worker with SIGKILL and watches its card turn `restarting` and back to `ready`
+without a reload. Screenshots go to $HETSERVE_ARTIFACTS (default `artifacts/`);
+`HETSERVE_UPDATE_DOCS=1` also refreshes the README's `docs/status-page.png`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.router_harness import ROOT, RouterProcess
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("opentelemetry.proto", reason="the tracing extra is not installed")
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+KEY = "status-page-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+ARTIFACTS = Path(os.environ.get("HETSERVE_ARTIFACTS", ROOT / "artifacts"))
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                  "--disable-background-networking", "--disable-component-update", "--disable-default-apps"]
+
+
+class OTLPReceiver:
+    """An OTLP/HTTP trace collector on loopback: keeps every span it is sent, decoded."""
+
+    def __init__(self):
+        self.spans: list[dict] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.headers.get("content-encoding") == "gzip":
+                    body = gzip.decompress(body)
+                receiver._keep(ExportTraceServiceRequest.FromString(body))
+                answer = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _keep(self, request) -> None:
+        for rs in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    self.spans.append({
+                        "service": resource.get("service.name"), "name": s.name, "trace": s.trace_id.hex(),
+                        "span": s.span_id.hex(), "parent": s.parent_span_id.hex() or None,
+                        "attributes": {a.key: _value(a.value) for a in s.attributes},
+                        "events": [e.name for e in s.events],
+                    })
+
+    def wait_for(self, predicate, timeout: float = 20.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [s for s in list(self.spans) if predicate(s)]
+            if found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"no such span within {timeout}s; received: {[(s['service'], s['name']) for s in self.spans]}")
+
+
+def _value(v):
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+@pytest.fixture(scope="module")
+def collector():
+    receiver = OTLPReceiver()
+    yield receiver
+    receiver.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory, collector):
+    from tests.checkpoints import make_checkpoint
+
+    model = make_checkpoint(tmp_path_factory.mktemp("obs") / "tiny")
+    r = RouterProcess(["--simulate", "sm_80,sm_89,sm_90", "--model", str(model), "--max-batch", "8",
+                       "--api-key", KEY, "--otlp-endpoint", collector.url],
+                      env={"OTEL_BSP_SCHEDULE_DELAY": "200"}, fake=False, ready_timeout=240)
+    yield r
+    r.stop()
+    assert not r.orphans, f"workers left running: {r.orphans}"
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    with router.client(timeout=120, headers=AUTH) as c:
+        yield c
+
+
+def test_router_and_worker_spans_form_one_trace_across_the_socket(client, collector):
+    caller_span = "00f067aa0ba902b7"
+    r = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 6, "details": True}},
+                    headers={"traceparent": f"00-{CALLER_TRACE}-{caller_span}-01"})
+    assert r.status_code == 200, r.text
+    in_trace = lambda service: lambda s: s["trace"] == CALLER_TRACE and s["service"] == service  # noqa: E731
+    (router_span,) = collector.wait_for(in_trace("hetserve-router"))
+    (worker_span,) = collector.wait_for(in_trace("hetserve-worker"))
+    assert router_span["name"] == "POST /generate" and router_span["parent"] == caller_span
+    assert worker_span["name"] == "POST /generate" and worker_span["parent"] == router_span["span"]
+    assert router_span["events"] == ["route"]
+    worker, capability, fp8 = r.headers["x-worker-id"], r.headers["x-worker-capability"], r.headers["x-fp8-convention"]
+    for span in (router_span, worker_span):
+        a = span["attributes"]
+        assert (a["hetserve.worker.id"], a["hetserve.worker.capability"], a["hetserve.fp8.convention"]) == (
+            worker, capability, fp8)
+    a = worker_span["attributes"]
+    assert a["gen_ai.usage.completion_tokens"] == r.json()["details"]["generated_tokens"]
+    assert a["hetserve.device.simulated"] is True and a["gen_ai.latency.e2e"] > 0
+    assert a["gen_ai.latency.time_in_model_decode"] > 0 and a["gen_ai.latency.time_in_queue"] >= 0
+
+
+def test_gateway_gauges_per_worker_and_for_the_pod(client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc"):
+        family = families[name]
+        assert family.type == "gauge"
+        labels = [(s.labels["worker_id"], s.labels["capability"]) for s in family.samples]
+        assert labels == [("gpu0", "8.0"), ("gpu1", "8.9"), ("gpu2", "9.0"), ("all", "all")], (name, labels)
+        assert all(0 <= s.value for s in family.samples)
+    assert all(s.value <= 1 for s in families["vllm:kv_cache_usage_perc"].samples)
+
+
+# --- the browser -------------------------------------------------------------------------
+
+
+def _chromium() -> str:
+    """The system Chromium, or a skip that says why there is none."""
+    path = os.environ.get("HETSERVE_CHROMIUM") or next(
+        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    if path is None:
+        note = ROOT / ".venv" / ".browser-unavailable"
+        why = note.read_text().strip() if note.exists() else "no chromium on PATH (scripts/browser.sh installs it)"
+        pytest.skip(f"status page browser test: {why}")
+    return path
+
+
+def _future_fields(page) -> None:
+    """Serve the page /workers and /stats as a router with breakers, canaries and a paged KV
+    cache would: gpu2 gets verdicts and block counts, and no KV gauge, in the real answers."""
+
+    def workers(route):
+        body = route.fetch().json()
+        for w in body["workers"]:
+            if w["id"] == "gpu2":
+                w["health"] = {"breaker": {"state": "open", "failures": 5}, "canary": {"agreement": 0.97}}
+                w["capacity"] = {**(w["capacity"] or {}), "kv_blocks_total": 1024, "kv_blocks_free": 256,
+                                 "kv_block_size": 16}
+        route.fulfill(json=body)
+
+    def stats(route):
+        body = route.fetch().json()
+        body["workers"]["gpu2"]["kv_usage"] = None
+        route.fulfill(json=body)
+
+    page.route("**/workers", workers)
+    page.route("**/stats", stats)
+
+
+def _load(router, stop: threading.Event) -> None:
+    """Streamed requests in the background, so the sparklines and load bars have something to show."""
+    with httpx.Client(base_url=router.url, headers=AUTH, timeout=60) as c:
+        while not stop.is_set():
+            try:
+                with c.stream("POST", "/generate_stream", json={"inputs": "Once upon a time",
+                                                                "parameters": {"max_new_tokens": 48}}) as r:
+                    for _ in r.iter_bytes():
+                        pass
+            except httpx.HTTPError:  # the router stopping under us at the end
+                return
+
+
+@pytest.mark.browser
+def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(router, client):
+    executable = _chromium()
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extras)")
+    expect = sync_api.expect  # polls from Playwright's own world: the page's CSP forbids eval
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    loaders = [threading.Thread(target=_load, args=(router, stop), daemon=True) for _ in range(3)]
+    for t in loaders:
+        t.start()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 760})
+            requested, errors = [], []
+            page.on("request", lambda req: requested.append(req.url))
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(router.url + "/")
+            # 1. the shell asks for the key once; the data calls then carry it
+            page.wait_for_selector("#keyform:not([hidden])", timeout=10_000)
+            assert page.locator(".card").count() == 0
+            page.fill("#keyinput", KEY)
+            page.click("#keyform button")
+            expect(page.locator(".card[data-state=ready]")).to_have_count(3, timeout=20_000)
+            assert page.evaluate("sessionStorage.getItem('hetserve.apiKey')") == KEY
+            # 2. three cards in device order, each with its own capability, fp8 path and kernels
+            cards = page.locator(".card")
+            assert [cards.nth(i).get_attribute("data-worker") for i in range(3)] == ["gpu0", "gpu1", "gpu2"]
+            assert [cards.nth(i).locator(".cap").get_attribute("data-capability") for i in range(3)] == ["8.0", "8.9", "9.0"]
+            assert [cards.nth(i).locator(".fp8").get_attribute("data-convention") for i in range(3)] == [
+                "emulated", "native_e4m3", "native_e4m3"]
+            assert "sm_89" in cards.nth(1).locator(".cap").inner_text()
+            assert all(cards.nth(i).locator(".sim").is_visible() for i in range(3))
+            gpu1 = page.locator(".card[data-worker=gpu1]")
+            gpu1.locator("details.kernels summary").click()
+            assert gpu1.locator("details.kernels li").count() >= 2 and "8.9" in gpu1.locator(".fp8-reason").inner_text()
+            # 3. live figures: tokens/s sparklines from /stats, the health verdict in the header
+            for i in range(3):
+                expect(cards.nth(i).locator("svg.spark polyline").first).to_be_attached(timeout=30_000)
+            expect(page.locator("#health")).to_have_text("ok")
+            page.screenshot(path=str(ARTIFACTS / "status-page.png"), full_page=True)
+            # 4. kill -9 one worker: its card turns `restarting`, then `ready`, with no reload
+            page.evaluate("window.__sameDocument = true")
+            victim = next(w for w in client.get("/workers").json()["workers"] if w["id"] == "gpu1")
+            os.kill(victim["pid"], signal.SIGKILL)
+            page.wait_for_selector(".card[data-worker=gpu1][data-state=restarting]", timeout=15_000)
+            expect(page.locator("#health")).to_have_text("degraded", timeout=5_000)
+            page.screenshot(path=str(ARTIFACTS / "status-page-restarting.png"), full_page=True)
+            page.wait_for_selector(".card[data-worker=gpu1][data-state=ready]", timeout=120_000)
+            assert page.evaluate("window.__sameDocument === true"), "the page was reloaded"
+            proc = gpu1.locator(".proc").inner_text()
+            assert "1 restart" in proc and "killed by signal SIGKILL" in proc and str(victim["pid"]) not in proc
+            expect(page.locator("#health")).to_have_text("ok", timeout=10_000)
+            page.screenshot(path=str(ARTIFACTS / "status-page-after-restart.png"), full_page=True)
+            if os.environ.get("HETSERVE_UPDATE_DOCS"):
+                page.screenshot(path=str(ROOT / "docs" / "status-page.png"), full_page=True)
+            # 5. fields other parts of the router may add: a health verdict, a block pool's KV counts
+            _future_fields(page)
+            gpu2 = page.locator(".card[data-worker=gpu2]")
+            expect(gpu2.locator("dd.health")).to_contain_text("breaker: state=open", timeout=5_000)
+            expect(gpu2.locator("dd.health")).to_contain_text("canary: agreement=0.97")
+            expect(gpu2.locator(".kv-text")).to_have_text("75.0% of 1024 blocks × 16 tokens")
+            assert not page.locator(".card[data-worker=gpu0] dd.health").is_visible()
+            page.unroute("**/workers")
+            page.unroute("**/stats")
+            # 6. a phone-width screen: one column, nothing wider than the screen
+            page.set_viewport_size({"width": 390, "height": 844})
+            page.wait_for_timeout(300)
+            assert page.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+            page.screenshot(path=str(ARTIFACTS / "status-page-phone.png"), full_page=True)
+            # 7. air-gapped: nothing but this server was asked for anything
+            assert requested and all(u.startswith(router.url + "/") for u in requested), sorted(set(requested))
+            assert not errors, errors
+        finally:
+            stop.set()
+            browser.close()
+    for t in loaders:
+        t.join(timeout=60)
