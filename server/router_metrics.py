@@ -6,7 +6,9 @@ worker's `/metrics`, which the router scrapes at request time and relabels, so o
 of the router sees every device. Families are merged by name across workers, as the text
 format requires each family's samples together under one TYPE line. A worker that does not
 answer its scrape within a second is skipped and counted in
-`hetserve_router_worker_scrape_errors_total`. Registries are per router (not the global
+`hetserve_router_worker_scrape_errors_total`. The inference gateways' gauges (vLLM names,
+see `workers/contract/defaults.py`) also get the pod's totals, as the last sample of their
+family, labelled `worker_id="all"`. Registries are per router (not the global
 default), so several routers in one test process do not collide.
 """
 
