@@ -99,7 +99,11 @@ def test_metrics_carry_every_worker_series_with_id_and_capability(client):
                       and not f.name.startswith("hetserve_router_request_duration") for s in f.samples]
     assert worker_samples
     labels = {(s.labels.get("worker_id"), s.labels.get("capability")) for s in worker_samples}
-    assert labels == {("gpu0", "8.0"), ("gpu1", "8.9"), ("gpu2", "9.0")}, labels
+    # the inference gateways' gauges also carry the pod's total, labelled `all`
+    assert labels == {("gpu0", "8.0"), ("gpu1", "8.9"), ("gpu2", "9.0"), ("all", "all")}, labels
+    pod = {f.name for f in families for s in f.samples if s.labels.get("worker_id") == "all"}
+    assert pod == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                   "vllm:gpu_cache_usage_perc"}, pod
     own = {f.name for f in families if not f.name.startswith("hetserve_router_")}
     assert own, "no series scraped from the workers"
 
