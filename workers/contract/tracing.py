@@ -65,15 +65,13 @@ class Tracing:
         self.provider = provider
         self.enabled = tracer is not None
 
-    def start_span(self, name: str, *, server: bool = True, headers: Mapping[str, str] | None = None,
-                   attributes: Mapping | None = None):
-        """A span whose parent is the trace context in `headers` (none: a new trace)."""
+    def start_span(self, name: str, *, headers: Mapping[str, str] | None = None, attributes: Mapping | None = None):
+        """A SERVER span whose parent is the trace context in `headers` (none: a new trace)."""
         from opentelemetry.propagate import extract
         from opentelemetry.trace import SpanKind
 
         context = extract(headers) if headers is not None else None
-        return self.tracer.start_span(name, context=context, kind=SpanKind.SERVER if server else SpanKind.INTERNAL,
-                                      attributes=dict(attributes or {}))
+        return self.tracer.start_span(name, context=context, kind=SpanKind.SERVER, attributes=dict(attributes or {}))
 
     def use_span(self, span):
         """Context manager: `span` is the current span inside (it is not ended on exit)."""
