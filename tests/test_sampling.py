@@ -30,7 +30,7 @@ class Row:
         ({"repetition_penalty": 0.0}, "`repetition_penalty` must be > 0"),
         ({"seed": -3}, "`seed`"),
         ({"stop": [""]}, "`stop`"),
-        ({"stop": ["a"] * 9}, "at most 8"),
+        ({"stop": ["a"] * 17}, "at most 16"),
     ],
 )
 def test_invalid_parameters_name_the_field(kwargs, needle):

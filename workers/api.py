@@ -35,12 +35,15 @@ from workers.contract import (
 )
 from workers.contract.payload import Load
 from workers.contract.tracing import NO_TRACING, Tracing, fastapi_telemetry_off
+from workers.detokenize import special_token_ids
 from workers.engine import Engine, EngineOverloaded, EngineUnavailable, ErrorEvent, RequestStream
+from workers.grammar import GrammarError, Grammars
+from workers.logprobs import TokenBytes
 from workers.metrics import CONTENT_TYPE
 from workers.request_trace import RequestTracer
 from workers.sampling import ParameterError, SamplingParams
 from workers.scheduler import CapacityError
-from workers.schemas import GenerateRequest, generate_response, stream_event
+from workers.schemas import GenerateRequest, Render
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +100,39 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _prompt_ids(req: GenerateRequest, tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
+    """The prompt's token ids, and the text they decode to when the request gave ids."""
+    if req.input_ids is None:
+        if not req.inputs:
+            raise ParameterError("`inputs` must be a non-empty string (or give `input_ids`)")
+        return tokenizer.encode(req.inputs).ids, None
+    if req.inputs:
+        raise ParameterError("Give the prompt as `inputs` or as `input_ids`, not both")
+    bad = [t for t in req.input_ids if not 0 <= t < vocab_size]
+    if not req.input_ids or bad:
+        raise ParameterError(f"`input_ids` must be a non-empty list of token ids in [0, {vocab_size - 1}]"
+                             + (f", got `{bad[0]}`" if bad else ""))
+    return list(req.input_ids), tokenizer.decode(req.input_ids, skip_special_tokens=True)
+
+
+def _check_vocab(params, vocab_size: int) -> None:
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise ParameterError(f"`logit_bias` token id `{bad[0]}` is outside the vocabulary (0 to {vocab_size - 1})")
+
+
 def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_timeout: float = DRAIN_TIMEOUT_S,
                tracing: Tracing = NO_TRACING) -> FastAPI:
     """The worker's app over a ready engine; `info` is its `/capability` answer but for `pid`
-    and `load`, which are filled in per request. `tracing`: one span per generation request."""
+    and `load`, which are filled in per request. `tracing`: one span per generation request.
+    The engine's grammar engine compiles constrained requests (made from `tokenizer` when the
+    engine has none)."""
     state = {"status": "starting"}
     tracer = RequestTracer(tracing, info)
+    if engine.grammars is None:
+        engine.grammars = Grammars.for_tokenizer(tokenizer, None, engine.scheduler.config.eos_token_ids)
+    grammars = engine.grammars
+    token_bytes = TokenBytes(grammars.tokenizer.decode_bytes, special_token_ids(tokenizer))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -132,15 +162,20 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
         logger.exception("Unhandled error on %s", request.url.path)
         return error_response(500, "Internal error in the worker; see its log", "internal")
 
-    def submit(req: GenerateRequest) -> tuple[RequestStream, SamplingParams]:
-        """Tokenize, validate and queue; every refusal is an `APIError`."""
+    async def submit(req: GenerateRequest) -> tuple[RequestStream, SamplingParams, Render]:
+        """Tokenize, validate, compile the grammar (cached; off the event loop) and queue;
+        every refusal is an `APIError`."""
         if state["status"] != "ready" or not engine.accepting:
             raise APIError(503, f"Worker `{info.worker_id}` is {state['status']}: not accepting requests", "unavailable")
         try:
             params = req.parameters.sampling()
-            prompt_ids = tokenizer.encode(req.inputs).ids
-            return engine.submit(prompt_ids, params, asyncio.get_running_loop()), params
-        except (ParameterError, CapacityError) as e:
+            prompt_ids, input_text = _prompt_ids(req, tokenizer, grammars.vocab_size)
+            _check_vocab(params, grammars.vocab_size)
+            grammar = None if params.grammar is None else await asyncio.to_thread(grammars.compile, params.grammar)
+            stream = engine.submit(prompt_ids, params, asyncio.get_running_loop(), grammar=grammar)
+            prefix = (req.inputs or input_text or "") if req.parameters.return_full_text else ""
+            return stream, params, Render(token_bytes, req.parameters, prefix, input_text)
+        except (ParameterError, CapacityError, GrammarError) as e:
             engine.metrics.rejected.labels("validation").inc()
             raise APIError(422, str(e), "validation") from e
         except EngineOverloaded as e:
@@ -148,19 +183,19 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
         except EngineUnavailable as e:
             raise APIError(503, str(e), "unavailable") from e
 
-    def submit_traced(req: GenerateRequest, request: Request):
-        """`submit` inside the request's span: (stream, params, span); a refusal ends the span."""
+    async def submit_traced(req: GenerateRequest, request: Request):
+        """`submit` inside the request's span: (stream, params, render, span); a refusal ends the span."""
         span = tracer.start(request.url.path, request.headers)
         try:
-            stream, params = submit(req)
+            stream, params, render = await submit(req)
         except APIError as e:
             tracer.end(span, None, refused=e.message)
             raise
-        return stream, params, span
+        return stream, params, render, span
 
     @app.post("/generate")
     async def generate(req: GenerateRequest, request: Request):
-        stream, params, span = submit_traced(req, request)
+        stream, params, render, span = await submit_traced(req, request)
 
         async def collect():
             return [e async for e in stream]
@@ -181,13 +216,14 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
         events = collector.result()
         if isinstance(events[-1], ErrorEvent):
             return error_response(500, events[-1].message, events[-1].error_type)
-        prefix = req.inputs if req.parameters.return_full_text else ""
-        return JSONResponse(generate_response(events, prefix, req.parameters.details))
+        return JSONResponse(render.response(events, req.parameters.details or req.parameters.decoder_input_details))
 
     @app.post("/generate_stream")
     async def generate_stream(req: GenerateRequest, request: Request):
-        stream, params, span = submit_traced(req, request)
-        prefix = req.inputs if req.parameters.return_full_text else ""
+        if req.parameters.scoring_only:
+            raise APIError(422, "`max_new_tokens` must be an integer >= 1 on `/generate_stream` "
+                                "(0, prompt scoring, is answered by `/generate`)", "validation")
+        stream, params, render, span = await submit_traced(req, request)
 
         async def sse():
             finished, e = False, None
@@ -198,7 +234,7 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
                         yield f"data: {json.dumps({'error': e.message, 'error_type': e.error_type})}\n\n"
                         return
                     finished = e.finish is not None
-                    yield f"data: {json.dumps(stream_event(e, prefix))}\n\n"
+                    yield f"data: {json.dumps(render.event(e))}\n\n"
             finally:
                 if not finished:  # cancelled: the client went away mid-stream
                     engine.abort(stream.request_id)

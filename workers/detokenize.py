@@ -12,7 +12,11 @@ keeps the cost per step flat however long the sequence grows.
 Special tokens (EOS, ...) are not fed to the window: their streamed text is their own
 content (`</s>`) flagged `special`, and they never enter the generated text, as in TGI.
 
-Stop strings are matched on the emitted text; the text is cut right after the stop string.
+Stop strings are matched on the emitted text; the text is cut right after the stop string
+(TGI), or right before it when the stop must not be part of the output (OpenAI, vLLM's
+`include_stop_str_in_output=False`). Then a streamed piece never shows the start of a stop
+string that may still complete: text that could begin one is held back until it either
+completes the stop (and is dropped) or cannot any more (and goes out).
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ def special_token_ids(tokenizer) -> frozenset[int]:
 class IncrementalDetokenizer:
     """Text of one sequence's generated tokens, piece by piece."""
 
-    __slots__ = ("_tok", "_ids", "_prefix", "_read", "_special", "_stops", "_max_stop", "text", "stopped")
+    __slots__ = ("_tok", "_ids", "_prefix", "_read", "_special", "_stops", "_max_stop", "_keep_stop", "_held",
+                 "text", "stopped")
 
-    def __init__(self, tokenizer, prompt_ids: list[int], special_ids: frozenset[int], stop: Iterable[str] = ()):
+    def __init__(self, tokenizer, prompt_ids: list[int], special_ids: frozenset[int], stop: Iterable[str] = (),
+                 stop_in_text: bool = True):
         self._tok = tokenizer
         self._special = special_ids
         context = [t for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:] if t not in special_ids]
@@ -46,6 +52,8 @@ class IncrementalDetokenizer:
         self._read = len(context)
         self._stops = tuple(stop)
         self._max_stop = max((len(s) for s in self._stops), default=0)
+        self._keep_stop = stop_in_text
+        self._held = ""  # text held back because it may start a stop string (stop not kept)
         self.text = ""  # generated text emitted so far (after any stop-string cut)
         self.stopped = False  # a stop string was found
 
@@ -71,15 +79,22 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Text still held back when the sequence ends (even an incomplete character)."""
-        if self.stopped or self._read == len(self._ids):
+        if self.stopped:
             return ""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        piece = self._decode(self._ids[self._prefix :])[len(prefix_text) :]
-        self._prefix = self._read = len(self._ids)
-        return self._append(piece)
+        piece = ""
+        if self._read != len(self._ids):
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            piece = self._decode(self._ids[self._prefix :])[len(prefix_text) :]
+            self._prefix = self._read = len(self._ids)
+        out = self._append(piece)
+        if not self.stopped and self._held:  # no stop completed: what was held is text after all
+            out, self.text, self._held = out + self._held, self.text + self._held, ""
+        return out
 
     def _append(self, piece: str) -> str:
-        """Add `piece` to the text; cut it after the first stop string it completes."""
+        """Add `piece` to the text; cut it after (or before) the first stop string it completes."""
+        if not self._keep_stop:
+            return self._append_without_stop(piece)
         if not self._stops or not piece:
             self.text += piece
             return piece
@@ -95,3 +110,19 @@ class IncrementalDetokenizer:
         kept = text[len(self.text) : cut]
         self.text = text[:cut]
         return kept
+
+    def _append_without_stop(self, piece: str) -> str:
+        """Emit what cannot be part of a stop string; cut before a completed one."""
+        buf = self._held + piece
+        hits = [(pos, s) for s in self._stops if (pos := buf.find(s)) >= 0]
+        if hits:
+            cut = min(pos for pos, _ in hits)
+            self.stopped, self._held = True, ""
+            self.text += buf[:cut]
+            return buf[:cut]
+        # Hold back the longest tail of `buf` that begins some stop string.
+        keep = next((n for n in range(min(len(buf), self._max_stop - 1), 0, -1)
+                     if any(s.startswith(buf[-n:]) for s in self._stops)), 0)
+        out, self._held = buf[: len(buf) - keep], buf[len(buf) - keep :]
+        self.text += out
+        return out

@@ -4,9 +4,13 @@ Design: each step is schedule -> execute -> update.
 - schedule: the `Scheduler` (plain CPU code) picks decodes of the running batch and
   prefills of newly admitted prompts;
 - execute: the `ModelRunner` packs them into ONE `ForwardBatch` and calls
-  `model.step(batch, kv)` once -> logits `[N, V]`; `sample()` picks one token per row;
+  `model.step(batch, kv)` once -> logits `[N, V]`; `sample_tokens()` picks one token per
+  row (constrained rows masked by their grammar). A step holding a prompt that asks for
+  its own logprobs (echo, `decoder_input_details`) also gets the logits of that prompt's
+  rows from the same forward (`execute_with_prompt_logits`, see `workers/logprobs.py`);
 - update: the scheduler appends the tokens and finishes sequences; each sequence's
-  detokenizer produces its streamed text and checks stop strings; events go out.
+  detokenizer produces its streamed text and checks stop strings; a constrained sequence
+  advances its grammar and ends when the grammar is complete; events go out.
 Requests join (inbox) and leave (finish, abort) only between steps, so a disconnected
 client's slot is free for the very next step.
 
@@ -30,15 +34,17 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from workers.contract import DEFAULT_MAX_QUEUE
 from workers.detokenize import IncrementalDetokenizer, special_token_ids
+from workers.grammar import CompiledGrammar, Grammars, advance
+from workers.logprobs import TopList, prompt_chunks, record_prompt
 from workers.metrics import WorkerMetrics
-from workers.sampling import SamplingParams, make_generator, sample
-from workers.scheduler import FINISH_STOP, Scheduler, SchedulerOutput, Sequence
+from workers.sampling import SamplingParams, make_generator, sample_tokens
+from workers.scheduler import FINISH_EOS, FINISH_STOP, Scheduler, SchedulerOutput, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +91,8 @@ class TokenEvent:
     logprob: float
     special: bool
     finish: FinishInfo | None = None
+    top: TopList | None = None  # the best alternatives, when the request asked (`logprobs`)
+    prefill: tuple | None = None  # on the first event: (id, logprob, top) per prompt token, when asked
 
 
 @dataclass(frozen=True)
@@ -139,10 +147,31 @@ class ModelRunner:
         self.model, self.kv, self.device = model, kv, torch.device(device)
         self._build, self._chunk = ForwardBatch.build, SeqChunk
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def _batch(self, out: SchedulerOutput):
         chunk = self._chunk
         items = [(chunk(c.slot, c.start_pos, len(c.token_ids)), c.token_ids) for c in out.chunks]
-        return self.model.step(self._build(items, self.device), self.kv)  # [N, V] float32
+        return self._build(items, self.device)
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        return self.model.step(self._batch(out), self.kv)  # [N, V] float32
+
+    def execute_with_prompt_logits(self, out: SchedulerOutput, scored: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`execute`, plus the logits at every row of the chunks `scored` (indices into
+        `out.chunks`), from the same forward: ([N, V], [[len(chunk), V] per scored chunk])."""
+        batch = self._batch(out)
+        starts = [0]
+        for c in out.chunks:
+            starts.append(starts[-1] + len(c.token_ids))
+        last = batch.logits_index.tolist()
+        spans = [range(starts[i], starts[i + 1]) for i in scored]
+        rows = sorted(set(last).union(*spans))  # ascending and unique: all rows reads as identity
+        where = {r: k for k, r in enumerate(rows)}
+        logits = self.model.step(replace(batch, logits_index=torch.tensor(rows, device=self.device)), self.kv)
+
+        def pick(wanted) -> torch.Tensor:
+            return logits[torch.tensor([where[r] for r in wanted], device=logits.device)]
+
+        return pick(last), [pick(span) for span in spans]
 
 
 class Engine:
@@ -155,8 +184,10 @@ class Engine:
         max_queue: int = DEFAULT_MAX_QUEUE,
         metrics: WorkerMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        grammars: Grammars | None = None,
     ):
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.grammars = grammars  # the grammar engine constrained requests use
         self.metrics = metrics or WorkerMetrics()
         self.on_fatal = on_fatal
         self._init_admission(max_queue)
@@ -186,9 +217,12 @@ class Engine:
         params: SamplingParams,
         loop: asyncio.AbstractEventLoop | None = None,
         request_id: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> RequestStream:
-        """Queue a request; raises `CapacityError` (never fits), `EngineOverloaded` (queue full)
-        or `EngineUnavailable` (draining / dead)."""
+        """Queue a request (`grammar`: its compiled `params.grammar`); raises `CapacityError`
+        (never fits), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
+        if (grammar is None) != (params.grammar is None):
+            raise ValueError("`grammar` must be the compiled `params.grammar` (both given or neither)")
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
         with self._lock:
             if not self._accepting or self.fatal_error is not None:
@@ -208,8 +242,11 @@ class Engine:
             seed = secrets.randbits(53) if seed is None else seed
             seq.generator = make_generator(seed)
         seq.seed = seed
-        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, self._special_ids, params.stop)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, self._special_ids, params.stop,
+                                           params.stop_in_output)
         seq.stream = RequestStream(rid, loop)
+        if grammar is not None:
+            seq.grammar = grammar.matcher()
         self._inbox.put((_ADD, seq))
         return seq.stream
 
@@ -303,19 +340,26 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return 0
-        # 2. execute: one batched forward, one token per chunk
-        logits = self.runner.execute(out)  # [N, V]
+        # 2. execute: one batched forward, one token per chunk (plus prompt rows some asked for)
+        scored = prompt_chunks(out.chunks)
+        if scored:
+            logits, prompt_logits = self.runner.execute_with_prompt_logits(out, scored)
+            for i, rows in zip(scored, prompt_logits, strict=True):
+                record_prompt(out.chunks[i], rows)
+        else:
+            logits = self.runner.execute(out)  # [N, V]
         seqs = [c.seq for c in out.chunks]
-        token_ids, logprobs = sample(logits, seqs)
+        sampled = sample_tokens(logits, seqs, self.grammars)
         # 3. update: append, detokenize, stop, stream
-        updates = self.scheduler.update_from_output(out, token_ids, logprobs)
-        self._deliver(self._events(updates, t0))
+        updates = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs)
+        tops = {id(s): t for s, t in zip(seqs, sampled.top, strict=True) if t is not None}
+        self._deliver(self._events(updates, tops, t0))
         running = self.scheduler.num_running
         self.metrics.on_step(time.perf_counter() - t0, len(seqs), out.num_prefill_tokens, len(updates))
         self.metrics.set_load(running, max(0, self._in_flight - running))
         return len(seqs)
 
-    def _events(self, updates, step_started: float) -> list[tuple[RequestStream, TokenEvent]]:
+    def _events(self, updates, tops: dict[int, TopList], step_started: float) -> list[tuple[RequestStream, TokenEvent]]:
         now = time.monotonic()
         # perf_counter and monotonic share a clock on Linux, but not everywhere: convert once.
         step_started = now - (time.perf_counter() - step_started)
@@ -327,6 +371,9 @@ class Engine:
             if seq.detok.stopped:
                 reason = FINISH_STOP
                 self.scheduler.finish(seq, FINISH_STOP)
+            elif seq.grammar is not None and advance(seq.grammar, u.token_id) and reason is None:
+                reason = FINISH_EOS  # the grammar is complete: only EOS could follow
+                self.scheduler.finish(seq, FINISH_EOS)
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 seq.stream.prefill_started = step_started
@@ -339,7 +386,10 @@ class Engine:
                 self.metrics.requests.labels(reason).inc()
                 self.metrics.e2e.observe(now - seq.arrival_time)
                 self._release(seq)
-            items.append((seq.stream, TokenEvent(len(seq.output_ids) - 1, u.token_id, text, u.logprob, special, finish)))
+            index = len(seq.output_ids) - 1
+            prefill = tuple(seq.prompt_logprobs) if index == 0 and seq.prompt_logprobs is not None else None
+            items.append((seq.stream, TokenEvent(index, u.token_id, text, u.logprob, special, finish,
+                                                 tops.get(id(seq)), prefill)))
         return items
 
     def _release(self, seq: Sequence) -> None:

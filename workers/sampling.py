@@ -3,8 +3,11 @@
 Design: `SamplingParams` is a frozen value validated once at the HTTP edge (TGI semantics:
 any warper — temperature != 1, top_k, top_p — turns sampling on, as `do_sample` does).
 The sampler turns one step's logits `[N, V]` into one token per row with a few batched
-tensor ops: repetition penalty (only rows that ask for it) -> temperature -> top_k ->
-top_p -> log_softmax -> argmax for greedy rows, inverse-CDF draw for sampled rows.
+tensor ops, in vLLM's order: logit bias -> penalties (repetition, presence, frequency) ->
+grammar mask -> temperature -> top_k -> top_p -> log_softmax -> argmax for greedy rows,
+inverse-CDF draw for sampled rows. Each processor runs only when a row asks for it
+(`workers/logits_processors.py`, `workers/grammar.py`), so constrained, penalized and plain
+rows share one batch and a plain batch pays nothing for the others.
 
 Determinism: each sampled request owns a `torch.Generator` seeded from its `seed`, and draws
 exactly one uniform number from it per step. Every other op is row-wise, so a row's token
@@ -12,22 +15,30 @@ depends only on its own logits and its own generator, never on its batch mates.
 Trade-off: one tiny `torch.rand` call per sampled row per step (a few microseconds) instead
 of one batched draw, which would tie each row's randomness to the batch composition.
 
-The logprob returned is the chosen token's log-probability under the distribution it was
-drawn from (after penalty and warpers), as TGI reports it.
+The logprob returned (and the top alternatives, `logprobs`) is the token's log-probability
+under the distribution it was drawn from: after bias, mask, penalties and warpers (vLLM's
+`processed_logprobs`, TGI's choice; see `workers/logprobs.py`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from workers.contract import MAX_LOGPROBS, MAX_STOP_SEQUENCES
+from workers.grammar import Grammars, GrammarSpec, apply_bitmask, fill_bitmasks
+from workers.logits_processors import apply_logit_bias, apply_penalties, apply_top_k_top_p
+from workers.logprobs import TopList, top_alternatives
+
 DEFAULT_MAX_NEW_TOKENS = 100
-MAX_STOP_SEQUENCES = 8
 MAX_SEED = 2**64 - 1
+MAX_LOGIT_BIAS = 100.0  # |bias| limit, as OpenAI
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| limit, as OpenAI
 
 
 class ParameterError(ValueError):
@@ -36,7 +47,7 @@ class ParameterError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request chooses its tokens and when it stops."""
+    """How one request chooses its tokens, what it reports and when it stops."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     do_sample: bool = False  # effective: True when any warper asks for sampling
@@ -46,10 +57,21 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_in_output: bool = True  # a matched stop string ends the text (TGI) or is cut off (OpenAI)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None  # top alternatives per token (0..MAX_LOGPROBS); None: not asked
+    prompt_logprobs: bool = False  # score every prompt token (echo, decoder_input_details)
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     @classmethod
     def create(
@@ -63,6 +85,13 @@ class SamplingParams:
         repetition_penalty: float | None = None,
         seed: int | None = None,
         stop: Sequence[str] | None = None,
+        stop_in_output: bool = True,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        grammar: GrammarSpec | None = None,
     ) -> SamplingParams:
         """Validate raw request values (None = default) and normalize them; `ParameterError`
         names the bad value and what is allowed."""
@@ -86,17 +115,41 @@ class SamplingParams:
             raise ParameterError(f"`stop` accepts at most {MAX_STOP_SEQUENCES} sequences, got `{len(stops)}`")
         if any(not isinstance(s, str) or not s for s in stops):
             raise ParameterError(f"`stop` sequences must be non-empty strings, got `{list(stops)}`")
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            if value is not None and not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise ParameterError(f"`{name}` must be in [-{MAX_PENALTY}, {MAX_PENALTY}] (0 disables it), got `{value}`")
+        if logprobs is not None and (isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ParameterError(f"`top_n_tokens` must be an integer in [0, {MAX_LOGPROBS}], got `{logprobs}`")
         # TGI semantics: temperature 0 without do_sample means greedy; any warper means sampling.
         temp = 1.0 if temperature is None or temperature == 0 else float(temperature)
         k = int(top_k or 0)
         p = 1.0 if top_p is None else float(top_p)
         sample = bool(do_sample) or temp != 1.0 or k > 0 or p < 1.0
         rp = 1.0 if repetition_penalty is None else float(repetition_penalty)
-        return cls(n, sample, temp, k, p, rp, seed, stops)
+        return cls(n, sample, temp, k, p, rp, seed, stops, bool(stop_in_output), float(presence_penalty or 0.0),
+                   float(frequency_penalty or 0.0), _logit_bias(logit_bias), logprobs, bool(prompt_logprobs), grammar)
+
+
+def _logit_bias(bias: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ParameterError(f"`logit_bias` lists {len(bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are accepted")
+    out = []
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ParameterError(f"`logit_bias` keys must be token ids (integers >= 0), got `{token}`")
+        if isinstance(value, bool) or not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise ParameterError(f"`logit_bias` values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got `{value}` for token `{token}`")
+        if value:
+            out.append((token, float(value)))
+    return tuple(sorted(out))
 
 
 class SampleRow(Protocol):
-    """What the sampler needs from a sequence (the scheduler's `Sequence` provides it)."""
+    """What the sampler needs from a sequence (the scheduler's `Sequence` provides it);
+    `grammar` (an llguidance matcher, or None) is optional."""
 
     params: SamplingParams
     generator: torch.Generator | None
@@ -104,45 +157,39 @@ class SampleRow(Protocol):
     output_ids: list[int]
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SampleRow], which: list[int]) -> torch.Tensor:
-    """CTRL-style penalty on every token seen so far (prompt and output), row by row."""
-    logits = logits.clone()
-    for i in which:
-        seen = torch.tensor(rows[i].prompt_ids + rows[i].output_ids, dtype=torch.int64, device=logits.device)
-        seen = seen.unique()
-        rp = rows[i].params.repetition_penalty
-        score = logits[i, seen]
-        logits[i, seen] = torch.where(score < 0, score * rp, score / rp)
-    return logits
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # of each chosen token
+    top: list[TopList | None]  # the `params.logprobs` best alternatives per row (None: not asked)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask (to -inf) what top_k / top_p remove, per row, in one sort."""
-    n, vocab = logits.shape
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)  # [N, V] in sorted order
-    if any(top_k):
-        k = torch.tensor([min(x, vocab) if x > 0 else vocab for x in top_k], device=logits.device)  # [N]
-        kth = sorted_logits.gather(1, (k - 1)[:, None])  # [N, 1]
-        remove |= sorted_logits < kth  # ties with the k-th value stay, as in HF
-    if any(p < 1.0 for p in top_p):
-        p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)[:, None]  # [N, 1]
-        probs = sorted_logits.masked_fill(remove, -math.inf).softmax(dim=-1)  # [N, V]
-        mass_before = probs.cumsum(dim=-1) - probs  # [N, V]: mass of strictly better tokens
-        remove |= mass_before >= p
-    remove[:, 0] = False  # the best token always stays, even when `p` underflows to 0 in fp32
-    mask = torch.empty_like(remove).scatter_(1, order, remove)  # back to vocab order
-    return logits.masked_fill(mask, -math.inf)
-
-
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], list[float]]:
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Grammars | None = None
+           ) -> tuple[list[int], list[float]]:
     """One token and its logprob per row of `logits` [N, V] (float32)."""
+    out = sample_tokens(logits, rows, grammars)
+    return out.token_ids, out.logprobs
+
+
+def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Grammars | None = None) -> SampleOutput:
+    """One token per row of `logits` [N, V], its logprob and the asked-for alternatives."""
     params = [r.params for r in rows]
-    # 1. Fast path: every row greedy without penalty (one argmax, one log_softmax).
-    penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    # 1. Processors that change the argmax, on the rows that ask for them (bias, penalties, grammar).
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    constrained = [(m, i) for i, r in enumerate(rows) if (m := getattr(r, "grammar", None)) is not None]
+    if biased or penalized or constrained:
+        logits = logits.clone()
+        if biased:
+            apply_logit_bias(logits, rows, biased)
+        if penalized:
+            apply_penalties(logits, rows, penalized)
+        if constrained:
+            if grammars is None:
+                raise ValueError("A constrained row needs the grammar engine (`Grammars`), got `None`")
+            bitmask = fill_bitmasks(grammars.executor, constrained, len(rows), grammars.vocab_size)
+            apply_bitmask(logits, bitmask, [i for _, i in constrained], grammars.eos_token_ids)
     sampled = [i for i, p in enumerate(params) if p.do_sample]
-    if penalized:
-        logits = _apply_repetition_penalty(logits, rows, penalized)
     if sampled:
         # 2. Warpers, batched over rows; greedy rows get neutral values.
         temps = [p.temperature if p.do_sample else 1.0 for p in params]
@@ -151,7 +198,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], 
         top_k = [p.top_k if p.do_sample else 0 for p in params]
         top_p = [p.top_p if p.do_sample else 1.0 for p in params]
         if any(top_k) or any(p < 1.0 for p in top_p):
-            logits = _apply_top_k_top_p(logits, top_k, top_p)
+            logits = apply_top_k_top_p(logits, top_k, top_p)
     logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
     ids = logprobs.argmax(dim=-1)  # [N]
     if sampled:
@@ -162,7 +209,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], 
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
         ids[idx] = drawn[:, 0]
     chosen = logprobs.gather(1, ids[:, None])[:, 0]  # [N]
-    return ids.tolist(), chosen.tolist()
+    # 4. The alternatives some rows asked for (one topk over those rows).
+    top = top_alternatives(logprobs, [p.logprobs for p in params])
+    return SampleOutput(ids.tolist(), chosen.tolist(), top)
 
 
 def make_generator(seed: int) -> torch.Generator:

@@ -52,6 +52,7 @@ class Sequence:
     __slots__ = (
         "request_id", "prompt_ids", "params", "output_ids", "logprobs", "slot", "num_computed",
         "status", "finish_reason", "generator", "seed", "arrival_time", "first_token_time", "detok", "stream",
+        "grammar", "prompt_logprobs",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, generator=None):
@@ -70,6 +71,8 @@ class Sequence:
         self.first_token_time: float | None = None
         self.detok = None  # the engine's IncrementalDetokenizer
         self.stream = None  # the engine's delivery target
+        self.grammar = None  # this request's grammar matcher (structured output), advanced per token
+        self.prompt_logprobs: list | None = None  # (token id, logprob, top) per prompt token, when asked
 
     @property
     def num_tokens(self) -> int:

@@ -73,12 +73,17 @@ class WorkerServer:
 
     def _init_engine(self) -> None:
         from workers.engine import Engine, ModelRunner
+        from workers.grammar import Grammars
         from workers.scheduler import Scheduler, SchedulerConfig
 
-        config = SchedulerConfig(self.kv.num_slots, self.kv.max_seq_len, eos_token_ids=self.loaded.eos_token_ids)
-        runner = ModelRunner(self.loaded.model, self.kv, self.bound.torch_device)
-        self.engine = Engine(runner, Scheduler(config), self.loaded.tokenizer, max_queue=self.args.max_queue,
-                             on_fatal=self._on_fatal)
+        loaded = self.loaded
+        config = SchedulerConfig(self.kv.num_slots, self.kv.max_seq_len, eos_token_ids=loaded.eos_token_ids)
+        runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device)
+        # The grammar engine masks the logits' full width (the model's vocab may pad the tokenizer's).
+        grammars = Grammars.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids,
+                                          self.args.threads or 1)
+        self.engine = Engine(runner, Scheduler(config), loaded.tokenizer, max_queue=self.args.max_queue,
+                             on_fatal=self._on_fatal, grammars=grammars)
 
     def _init_app(self, kernels: dict, conv, fp8_reason: str) -> None:
         from workers.api import create_app

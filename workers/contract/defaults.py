@@ -15,6 +15,10 @@ DEFAULT_MAX_BATCH = 32  # sequences running at once per worker
 DEFAULT_MAX_QUEUE = 256  # requests waiting per worker beyond the batch before it answers 429
 DRAIN_TIMEOUT_S = 30.0  # in-flight requests get this long after SIGTERM (router and worker)
 
+# Request limits both sides check (the router at its edge, the worker again at its own).
+MAX_STOP_SEQUENCES = 16  # `stop` strings per request (OpenAI allows 4; more are accepted here)
+MAX_LOGPROBS = 20  # top alternatives per token (`top_logprobs`, `logprobs`, `top_n_tokens`), as vLLM
+
 # The environment the router gives each worker before its Python starts (with
 # CUDA_DEVICE_ORDER / CUDA_VISIBLE_DEVICES): which device it binds, and whether it is simulated.
 ENV_SIMULATE = "HETSERVE_SIMULATE"

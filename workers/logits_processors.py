@@ -1,0 +1,69 @@
+"""Logit processors of the sampler: bias, penalties and the top_k / top_p truncation.
+
+Design: each processor takes one step's logits `[N, V]` (float32) and the rows that ask for
+it, and touches only those rows, so a batch where nobody asks pays nothing (the sampler
+skips the call). Per-row work (the seen tokens of one sequence) is a small loop over the
+rows that ask; the truncation is batched over all rows in one sort.
+
+Semantics, as vLLM and OpenAI define them:
+- `logit_bias`: added to the logits of the listed token ids before anything else.
+- `repetition_penalty` (CTRL, TGI and transformers): every token seen so far, prompt and
+  output, has its logit divided by the penalty when positive, multiplied when negative.
+- `presence_penalty` / `frequency_penalty` (OpenAI): subtracted once per distinct output
+  token / once per occurrence of it; the prompt is not counted.
+Trade-off: seen-token sets are rebuilt from the token lists at every step (a `bincount` per
+penalized row) instead of kept incrementally, which costs microseconds and needs no state
+beyond the sequence's own tokens, so preemption or recomputation can never desynchronize it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence, which: list[int]) -> torch.Tensor:
+    """Add each row's `params.logit_bias` ((token id, bias) pairs) to its logits, in place."""
+    for i in which:
+        ids, bias = zip(*rows[i].params.logit_bias, strict=True)
+        index = torch.tensor(ids, dtype=torch.int64, device=logits.device)
+        logits[i].index_add_(0, index, torch.tensor(bias, dtype=logits.dtype, device=logits.device))
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence, which: list[int]) -> torch.Tensor:
+    """Repetition (prompt + output), presence and frequency (output only) penalties, in place."""
+    vocab = logits.shape[-1]
+    for i in which:
+        p, row = rows[i].params, logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(rows[i].prompt_ids + rows[i].output_ids, dtype=torch.int64, device=logits.device)
+            seen = seen[seen < vocab].unique()
+            score = row[seen]
+            row[seen] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and rows[i].output_ids:
+            out = torch.tensor(rows[i].output_ids, dtype=torch.int64, device=logits.device)
+            counts = out[out < vocab].bincount(minlength=vocab).to(logits.dtype)  # [V]
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what top_k / top_p remove, per row, in one sort."""
+    n, vocab = logits.shape
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)  # [N, V] in sorted order
+    if any(top_k):
+        k = torch.tensor([min(x, vocab) if x > 0 else vocab for x in top_k], device=logits.device)  # [N]
+        kth = sorted_logits.gather(1, (k - 1)[:, None])  # [N, 1]
+        remove |= sorted_logits < kth  # ties with the k-th value stay, as in HF
+    if any(p < 1.0 for p in top_p):
+        p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)[:, None]  # [N, 1]
+        probs = sorted_logits.masked_fill(remove, -math.inf).softmax(dim=-1)  # [N, V]
+        mass_before = probs.cumsum(dim=-1) - probs  # [N, V]: mass of strictly better tokens
+        remove |= mass_before >= p
+    remove[:, 0] = False  # the best token always stays, even when `p` underflows to 0 in fp32
+    mask = torch.empty_like(remove).scatter_(1, order, remove)  # back to vocab order
+    return logits.masked_fill(mask, -math.inf)

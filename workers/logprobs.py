@@ -1,0 +1,98 @@
+"""Log-probabilities: the top alternatives of each token, prompt tokens, and each token's bytes.
+
+Which distribution (as vLLM documents its `logprobs_mode`, ours is its `processed_logprobs`):
+- a generated token's logprob, and its top alternatives, are log-softmax of the logits the
+  sampler drew from: after `logit_bias`, the grammar mask, the repetition / presence /
+  frequency penalties, the temperature and top_k / top_p (a token they removed has -inf,
+  reported as -9999.0 as vLLM does, since JSON has no infinity). A greedy row has no
+  temperature or truncation, so its logprobs are the model's after bias, mask and penalties;
+- a prompt token's logprob (echo, `decoder_input_details`) is the model's own distribution
+  at the previous position (raw logits: nothing was sampled there). The first prompt
+  token has none (null).
+
+Prompt logprobs come from a small hook in the engine step: for a chunk whose sequence asks for
+them, the runner also returns the logits of the chunk's earlier rows (`prompt_chunks` picks
+those chunks, `record_prompt` turns their rows into entries). It works per chunk, so a
+prompt split across steps (chunked prefill) is scored piece by piece.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+MIN_LOGPROB = -9999.0  # what -inf is reported as (vLLM's value)
+
+TopList = tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+def finite(logprob: float | None) -> float | None:
+    """A logprob JSON can carry: -inf (and NaN) become `MIN_LOGPROB`."""
+    if logprob is None:
+        return None
+    return logprob if math.isfinite(logprob) and logprob > MIN_LOGPROB else MIN_LOGPROB
+
+
+def top_alternatives(logprobs: torch.Tensor, counts: Sequence[int | None]) -> list[TopList | None]:
+    """The `counts[i]` best (id, logprob) of each row of `logprobs` [N, V] (None where not asked)."""
+    want = [i for i, k in enumerate(counts) if k]
+    out: list[TopList | None] = [None if k is None else () for k in counts]
+    if not want:
+        return out
+    k_max = min(max(counts[i] for i in want), logprobs.shape[-1])
+    values, ids = logprobs[torch.tensor(want, device=logprobs.device)].topk(k_max, dim=-1)  # [W, k]
+    values, ids = values.tolist(), ids.tolist()
+    for j, i in enumerate(want):
+        k = counts[i]
+        out[i] = tuple(zip(ids[j][:k], values[j][:k], strict=True))
+    return out
+
+
+def prompt_chunks(chunks: Sequence) -> list[int]:
+    """Indices of the step's chunks whose rows score prompt tokens not scored yet."""
+    picked = []
+    for i, c in enumerate(chunks):
+        seq = c.seq
+        done = 1 if seq.prompt_logprobs is None else len(seq.prompt_logprobs)
+        if seq.params.prompt_logprobs and c.start_pos + 1 < len(seq.prompt_ids) and done < len(seq.prompt_ids):
+            picked.append(i)
+    return picked
+
+
+def record_prompt(chunk, logits: torch.Tensor) -> None:
+    """Append the logprobs of the prompt tokens that `chunk`'s rows predict (`logits` [n, V]:
+    row j at position start_pos + j predicts the token at start_pos + j + 1)."""
+    seq = chunk.seq
+    if seq.prompt_logprobs is None:
+        seq.prompt_logprobs = [(seq.prompt_ids[0], None, None)]
+    first = len(seq.prompt_logprobs)  # next prompt position without an entry
+    end = min(chunk.start_pos + len(chunk.token_ids) + 1, len(seq.prompt_ids))
+    if end <= first or first - 1 < chunk.start_pos:  # nothing new, or a gap before this chunk
+        return
+    rows = logits[first - 1 - chunk.start_pos : end - 1 - chunk.start_pos].float()  # [m, V]
+    logprobs = torch.log_softmax(rows, dim=-1)
+    targets = seq.prompt_ids[first:end]
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])[:, 0].tolist()
+    tops = top_alternatives(logprobs, [seq.params.logprobs] * len(targets))
+    seq.prompt_logprobs.extend(zip(targets, chosen, tops, strict=True))
+
+
+class TokenBytes:
+    """Each token's own bytes (not its streamed piece), for logprob entries; cached per id.
+    A special token's bytes are its content (`<|eos|>`)."""
+
+    def __init__(self, decode_bytes, special_ids: frozenset[int] = frozenset()):
+        self._decode = decode_bytes
+        self.special_ids = special_ids
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        b = self._cache.get(token_id)
+        if b is None:
+            b = self._cache[token_id] = bytes(self._decode([token_id]))
+        return b
+
+    def text(self, token_id: int) -> str:
+        return self(token_id).decode("utf-8", errors="replace")
