@@ -49,16 +49,28 @@ async def close_shielded(stream: WorkerStream) -> None:
         await stream.aclose()
 
 
+def merged_headers(sources) -> dict[str, str]:
+    """Worker headers of several answers (replies or streams): distinct values, comma-separated."""
+    merged: dict[str, list[str]] = {}
+    for source in sources:
+        for name, value in source.headers.items():
+            if value not in merged.setdefault(name, []):
+                merged[name].append(value)
+    return {name: ",".join(values) for name, values in merged.items()}
+
+
 class RelayResponse(StreamingResponse):
-    """A streamed relay that closes its worker stream however the response ends, even when
+    """A streamed relay that closes its worker streams however the response ends, even when
     the client goes away before the body generator has started (then its `finally` never runs)."""
 
-    def __init__(self, content, stream: WorkerStream, **kwargs):
-        super().__init__(content, media_type="text/event-stream", headers={**stream.headers, **SSE_HEADERS}, **kwargs)
-        self._stream = stream
+    def __init__(self, content, streams: WorkerStream | list[WorkerStream], **kwargs):
+        self._streams = streams if isinstance(streams, list) else [streams]
+        super().__init__(content, media_type="text/event-stream",
+                         headers={**merged_headers(self._streams), **SSE_HEADERS}, **kwargs)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await close_shielded(self._stream)
+            for stream in self._streams:
+                await close_shielded(stream)

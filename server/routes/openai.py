@@ -2,10 +2,13 @@
 
 So the `openai` client works unchanged (`base_url="http://127.0.0.1:8000/v1"`). Each
 choice is one worker `/generate` call (choices of one request may run on different
-workers, concurrently); streams relay one worker's token events as OpenAI chunks and end
-with `data: [DONE]`. Chat prompts are rendered with the model's chat template. `n` > 1
-with a `seed` gives choice k the seed `seed + k`, so choices differ yet stay reproducible.
-Streaming serves one choice (`n` = 1, one prompt). Any model name is accepted: this
+workers, concurrently); `n` > 1 with a `seed` gives choice k the seed `seed + k`, so choices
+differ yet stay reproducible. Streams open one worker stream per choice and interleave their
+deltas, each chunk carrying its choice's `index`, then `data: [DONE]`. Chat prompts are
+rendered with the model's chat template (with `tools` when given); `response_format` and a
+forced `tool_choice` become the worker's grammar (`server/tools.py`). Completions take text
+or token-id prompts; `echo` with `logprobs` scores the prompt, and `max_tokens` = 0 scores it
+without generating (answered whole, also when streamed). Any model name is accepted: this
 server serves one model, named in `/v1/models` and in every response.
 """
 
@@ -24,8 +27,17 @@ from server.balancer import Constraints
 from server.context import RouterContext, get_ctx
 from server.dispatch import DispatchError, WorkerReply, WorkerStream
 from server.http_errors import error_response
-from server.routes._common import RelayResponse, check_new_tokens, close_shielded, constraints, parse_event
-from server.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
+from server.openai_choices import ChoiceSpec, ChoiceStream, chat_choice, completion_choice
+from server.routes._common import (
+    RelayResponse,
+    check_new_tokens,
+    close_shielded,
+    constraints,
+    merged_headers,
+    parse_event,
+)
+from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.tools import plan_tools, response_grammar, template_messages
 from server.worker_client import WorkerGone
 
 logger = logging.getLogger(__name__)
@@ -34,18 +46,13 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 _ERRORS = {code: {"description": "OpenAI-shaped error"} for code in (401, 413, 422, 429, 503)}
 
 
-def _merged_headers(replies: list[WorkerReply]) -> dict[str, str]:
-    """Worker headers of several choices: distinct values, comma-separated, in order."""
-    merged: dict[str, list[str]] = {}
-    for r in replies:
-        for name, value in r.headers.items():
-            if value not in merged.setdefault(name, []):
-                merged[name].append(value)
-    return {name: ",".join(values) for name, values in merged.items()}
-
-
 def _choice_params(params: dict, k: int) -> dict:
     return {**params, "seed": params["seed"] + k} if k and "seed" in params else params
+
+
+def _worker_body(prompt: str | list[int], params: dict) -> dict:
+    return {"inputs": prompt, "parameters": params} if isinstance(prompt, str) else \
+        {"input_ids": prompt, "parameters": params}
 
 
 async def _generate_all(ctx: RouterContext, c: Constraints, bodies: list[dict]) -> list[WorkerReply]:
@@ -69,6 +76,17 @@ def _failed(path: str, replies: list[WorkerReply]) -> Response | None:
     return None
 
 
+def _usage(bodies: list[dict], prompt_of: list[int]) -> dict:
+    """Prompt tokens once per prompt, completion tokens of every choice."""
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens = 0
+    for body, p in zip(bodies, prompt_of, strict=True):
+        details = body.get("details") or {}
+        prompt_tokens[p] = details.get("input_length") or 0
+        completion_tokens += details.get("generated_tokens") or 0
+    return fmt.usage(sum(prompt_tokens.values()), completion_tokens)
+
+
 @router.get("/models")
 async def models(request: Request) -> dict:
     """The served model (one per server)."""
@@ -79,32 +97,32 @@ async def models(request: Request) -> dict:
 
 @router.post("/completions", response_model=None, responses=_ERRORS)
 async def completions(req: CompletionRequest, request: Request) -> Response:
-    """Text completion (`prompt`: a string or a list of strings)."""
+    """Text completion (`prompt`: text, token ids, or a list of either)."""
     ctx, c = get_ctx(request), constraints(request)
     check_new_tokens(ctx, req.max_tokens, "max_tokens")
     params = req.sampling(req.max_tokens, ctx.sampling_defaults())
+    if req.logprobs is not None:
+        params["top_n_tokens"] = req.logprobs
+    if req.scoring_only or (req.echo and req.logprobs is not None):
+        params["decoder_input_details"] = True
     prompts = req.prompts
-    if req.stream:
-        if len(prompts) * req.n != 1:
-            raise DispatchError(422, "Streaming serves one choice: send one `prompt` and `n` = 1", "validation")
-        return await _stream(ctx, c, request, {"inputs": prompts[0], "parameters": params}, chat=False,
-                             options=req.stream_options, prefix=prompts[0] if req.echo else "")
     jobs = [(i, k) for i in range(len(prompts)) for k in range(req.n)]
-    replies = await _generate_all(ctx, c, [{"inputs": prompts[i], "parameters": _choice_params(params, k)}
-                                           for i, k in jobs])
+    specs = [ChoiceSpec(index, req.logprobs, req.echo, prompts[i] if isinstance(prompts[i], str) else None)
+             for index, (i, _k) in enumerate(jobs)]
+    bodies = [_worker_body(prompts[i], _choice_params(params, k)) for i, k in jobs]
+    prompt_of = [i for i, _k in jobs]
+    if req.stream and not req.scoring_only:
+        return await _stream(ctx, c, request, bodies, specs, prompt_of, chat=False, usage=_include_usage(req))
+    replies = await _generate_all(ctx, c, bodies)
     if (failed := _failed(request.url.path, replies)) is not None:
         return failed
-    choices, prompt_tokens, completion_tokens = [], {}, 0
-    for index, ((i, _k), reply) in enumerate(zip(jobs, replies, strict=True)):
-        body = json.loads(reply.content)
-        details = body.get("details") or {}
-        text = body.get("generated_text", "")
-        choices.append(fmt.completion_choice(index, prompts[i] + text if req.echo else text, details))
-        prompt_tokens[i] = details.get("input_length") or 0
-        completion_tokens += details.get("generated_tokens") or 0
-    use = fmt.usage(sum(prompt_tokens.values()), completion_tokens)
+    answers = [json.loads(r.content) for r in replies]
+    use = _usage(answers, prompt_of)
+    if req.stream:  # prompt scoring: nothing to wait for, so the whole answer as one stream
+        return _whole_stream(ctx, specs, answers, use if _include_usage(req) else None, merged_headers(replies))
+    choices = [completion_choice(spec, a) for spec, a in zip(specs, answers, strict=True)]
     return JSONResponse(fmt.completion(fmt.new_id("cmpl"), ctx.model_id(), choices, use),
-                        headers=_merged_headers(replies))
+                        headers=merged_headers(replies))
 
 
 @router.post("/chat/completions", response_model=None, responses=_ERRORS)
@@ -112,76 +130,117 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     """Chat completion; the prompt is the messages rendered with the model's chat template."""
     ctx, c = get_ctx(request), constraints(request)
     check_new_tokens(ctx, req.max_new_tokens, "max_tokens")
-    prompt = ctx.chat_template().render(req.template_messages(), add_generation_prompt=True)
+    plan = plan_tools(req)
+    template = ctx.chat_template()
+    native_tools = "tools" in template.source
+    extra = {"tools": [{"type": "function", "function": f} for f in plan.functions]} if plan.functions else {}
+    prompt = template.render(template_messages(req, native_tools), add_generation_prompt=True, **extra)
     params = req.sampling(req.max_new_tokens, ctx.sampling_defaults())
+    try:
+        grammar = plan.grammar() or response_grammar(req)
+    except ValueError as e:
+        raise DispatchError(422, str(e), "validation") from e
+    if grammar is not None:
+        params["grammar"] = grammar
+    if req.top_n is not None:
+        params["top_n_tokens"] = req.top_n
+    specs = [ChoiceSpec(k, req.top_n, tools=plan) for k in range(req.n)]
+    bodies = [_worker_body(prompt, _choice_params(params, k)) for k in range(req.n)]
     if req.stream:
-        if req.n != 1:
-            raise DispatchError(422, "Streaming serves one choice: `n` must be 1", "validation")
-        return await _stream(ctx, c, request, {"inputs": prompt, "parameters": params}, chat=True,
-                             options=req.stream_options)
-    replies = await _generate_all(ctx, c, [{"inputs": prompt, "parameters": _choice_params(params, k)}
-                                           for k in range(req.n)])
+        return await _stream(ctx, c, request, bodies, specs, [0] * req.n, chat=True, usage=_include_usage(req))
+    replies = await _generate_all(ctx, c, bodies)
     if (failed := _failed(request.url.path, replies)) is not None:
         return failed
-    choices, prompt_tokens, completion_tokens = [], 0, 0
-    for k, reply in enumerate(replies):
-        body = json.loads(reply.content)
-        details = body.get("details") or {}
-        choices.append(fmt.chat_choice(k, body.get("generated_text", ""), details))
-        prompt_tokens = details.get("input_length") or prompt_tokens
-        completion_tokens += details.get("generated_tokens") or 0
+    answers = [json.loads(r.content) for r in replies]
+    choices = [chat_choice(spec, a) for spec, a in zip(specs, answers, strict=True)]
     return JSONResponse(fmt.chat_completion(fmt.new_id("chatcmpl"), ctx.model_id(), choices,
-                                            fmt.usage(prompt_tokens, completion_tokens)),
-                        headers=_merged_headers(replies))
+                                            _usage(answers, [0] * req.n)),
+                        headers=merged_headers(replies))
 
 
-async def _stream(ctx: RouterContext, c: Constraints, request: Request, body: dict, chat: bool,
-                  options: StreamOptions | None, prefix: str = "") -> Response:
-    opened = await ctx.dispatcher.open_stream("/generate_stream", body, c)
-    if isinstance(opened, WorkerReply):
-        return _failed(request.url.path, [opened]) or Response(opened.content, opened.status, headers=opened.headers)
-    include_usage = bool(options and options.include_usage)
-    return RelayResponse(_relay(opened, ctx, chat, include_usage, prefix), opened)
+def _include_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
 
 
-async def _relay(stream: WorkerStream, ctx: RouterContext, chat: bool, include_usage: bool, prefix: str):
-    """Worker token events -> OpenAI chunks, `[DONE]` at the end, an error event if the worker is lost."""
-    cid, created, model = fmt.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), ctx.model_id()
+def _whole_stream(ctx: RouterContext, specs: list[ChoiceSpec], answers: list[dict], use: dict | None,
+                  headers: dict[str, str]) -> Response:
+    """Complete answers as one SSE body (completion chunks, usage, `[DONE]`)."""
+    cid, created, model = fmt.new_id("cmpl"), int(time.time()), ctx.model_id()
+    parts = [fmt.sse(fmt.completion_chunk(cid, created, model, delta))
+             for spec, a in zip(specs, answers, strict=True) for delta in ChoiceStream(spec, chat=False).whole(a)]
+    if use is not None:
+        parts.append(fmt.sse(fmt.usage_chunk(cid, created, model, "text_completion", use)))
+    parts.append("data: [DONE]\n\n")
+    return Response("".join(parts), media_type="text/event-stream", headers=headers)
 
-    def chunk(text: str | None, finish: str | None) -> str:
-        if chat:
-            return fmt.sse(fmt.chat_chunk(cid, created, model, {} if text is None else {"content": text}, finish))
-        return fmt.sse(fmt.completion_chunk(cid, created, model, text or "", finish))
 
-    sent = 0
+async def _stream(ctx: RouterContext, c: Constraints, request: Request, bodies: list[dict], specs: list[ChoiceSpec],
+                  prompt_of: list[int], chat: bool, usage: bool) -> Response:
+    """One worker stream per choice, opened concurrently; a refusal of any is the answer."""
+    opened = await asyncio.gather(*(ctx.dispatcher.open_stream("/generate_stream", b, c) for b in bodies),
+                                  return_exceptions=True)
+    streams = [o for o in opened if isinstance(o, WorkerStream)]
+    problem = next((o for o in opened if not isinstance(o, WorkerStream)), None)
+    if problem is not None:
+        for s in streams:
+            await close_shielded(s)
+        if isinstance(problem, BaseException):
+            raise problem
+        return _failed(request.url.path, [problem]) or Response(problem.content, problem.status, headers=problem.headers)
+    choices = [ChoiceStream(spec, chat) for spec in specs]
+    return RelayResponse(_relay(streams, choices, prompt_of, ctx, chat, usage), streams)
+
+
+async def _pump(k: int, stream: WorkerStream, queue: asyncio.Queue) -> None:
+    """Stream k's event payloads into `queue` as (k, data); (k, None) at its end, (k, error) if lost."""
     try:
-        if chat:
-            yield fmt.sse(fmt.chat_chunk(cid, created, model, {"role": "assistant", "content": ""}, None))
-        if prefix:
-            yield chunk(prefix, None)
         async for data in stream.events():
+            await queue.put((k, data))
+        await queue.put((k, None))
+    except WorkerGone as e:
+        await queue.put((k, e))
+
+
+async def _relay(streams: list[WorkerStream], choices: list[ChoiceStream], prompt_of: list[int], ctx: RouterContext,
+                 chat: bool, usage: bool):
+    """Worker token events -> OpenAI chunks of every choice, interleaved as they come; usage and
+    `[DONE]` at the end; an error event if a worker is lost or fails mid-stream."""
+    cid, created, model = fmt.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), ctx.model_id()
+    obj, chunk = ("chat.completion.chunk", fmt.chat_chunk) if chat else ("text_completion", fmt.completion_chunk)
+    queue: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(k, s, queue)) for k, s in enumerate(streams)]
+    sent = [0] * len(streams)
+    live, lost = len(streams), None
+    try:
+        while live and lost is None:
+            k, data = await queue.get()
+            if data is None or isinstance(data, BaseException):
+                live -= 1
+                if not choices[k].done:
+                    if isinstance(data, BaseException):
+                        logger.warning("stream on worker %s lost after %d events: %r", streams[k].worker.id, sent[k], data)
+                    lost = k
+                continue
             event = parse_event(data) or {}
             if event.get("error") is not None:
                 yield fmt.sse({"error": {"message": str(event["error"]), "type": event.get("error_type", "internal"),
                                          "param": None, "code": None}})
                 return
-            token = event.get("token") or {}
-            if token.get("text") and not token.get("special"):
-                yield chunk(token["text"], None)
-            sent += 1
-            details = event.get("details")
-            if details is not None or event.get("generated_text") is not None:
-                yield chunk(None, fmt.finish_reason(details) or "stop")
-                if include_usage:
-                    use = fmt.usage((details or {}).get("input_length") or 0, (details or {}).get("generated_tokens") or sent)
-                    yield fmt.sse(fmt.usage_chunk(cid, created, model, "chat.completion.chunk" if chat else "text_completion", use))
-                yield "data: [DONE]\n\n"
-                return
-        error = stream.lost_message(sent)
-    except WorkerGone as e:
-        logger.warning("stream on worker %s lost after %d events: %r", stream.worker.id, sent, e)
-        error = stream.lost_message(sent)
+            sent[k] += 1
+            for delta in choices[k].on_event(event):
+                yield fmt.sse(chunk(cid, created, model, delta))
+        if lost is None:
+            if usage:
+                prompts = {prompt_of[k]: ch.prompt_tokens for k, ch in enumerate(choices)}
+                use = fmt.usage(sum(prompts.values()), sum(ch.completion_tokens for ch in choices))
+                yield fmt.sse(fmt.usage_chunk(cid, created, model, obj, use))
+            yield "data: [DONE]\n\n"
+            return
     finally:
-        await close_shielded(stream)
-    ctx.metrics.stream_error(stream.worker)
-    yield fmt.sse({"error": {"message": error, "type": "incomplete_generation", "param": None, "code": None}})
+        for p in pumps:
+            p.cancel()
+        for s in streams:
+            await close_shielded(s)
+    ctx.metrics.stream_error(streams[lost].worker)
+    yield fmt.sse({"error": {"message": streams[lost].lost_message(sent[lost]), "type": "incomplete_generation",
+                             "param": None, "code": None}})

@@ -1,0 +1,42 @@
+"""What the public request shapes share: the edge model config, refusals and limits."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workers.contract import MAX_STOP_SEQUENCES
+
+MAX_STOP = MAX_STOP_SEQUENCES
+SEED_MAX = 2**63 - 1
+TOKENS_MAX = 1_000_000
+
+StopText = Annotated[str, Field(min_length=1, max_length=1000)]
+
+
+class Edge(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def refuse(model: BaseModel, allowed: dict[str, tuple]) -> None:
+    """422 for fields set to something this server cannot do (names field and accepted values)."""
+    for name, ok_values in allowed.items():
+        value = getattr(model, name)
+        if value not in ok_values:
+            shown = ", ".join("null" if v is None else str(v).lower() for v in ok_values)
+            raise ValueError(f"`{name}` = `{value}` is not supported. Accepted: {shown}")
+
+
+def json_schema_value(value: Any, field: str) -> dict | bool:
+    """A JSON schema given as an object (or as JSON text, as TGI clients may): well-formedness
+    only; the worker's grammar engine says what it cannot enforce."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"`{field}` is not valid JSON: {e}") from e
+    if not isinstance(value, dict | bool):
+        raise ValueError(f"`{field}` must be a JSON schema (an object), got `{type(value).__name__}`")
+    return value
