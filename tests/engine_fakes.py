@@ -55,3 +55,15 @@ class FakeRunner:
                 row[script[len(seq.output_ids)]] = 1e4
             rows.append(row)
         return torch.stack(rows)  # [N, V]
+
+    def execute_with_prompt_logits(self, out, scored: list[int]):
+        """`execute`, plus each scored chunk's rows: row j predicts the token after position
+        start_pos + j, from the history up to it (what the real runner returns)."""
+        last = self.execute(out)
+        rows = []
+        for i in scored:
+            c = out.chunks[i]
+            history = c.seq.prompt_ids + c.seq.output_ids
+            rows.append(torch.stack([history_logits(history[: c.start_pos + j + 1], self.vocab)
+                                     for j in range(len(c.token_ids))]))
+        return last, rows

@@ -203,3 +203,40 @@ def test_model_failure_is_fatal_and_every_request_gets_an_error():
     engine.shutdown()  # joins the (already ended) engine thread
     assert len(fatal) == 1 and engine.fatal_error is fatal[0] and not engine.accepting
     assert engine.load() == (0, 0)
+
+
+# -- stop strings cut off, structured output -----------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["The quick brown fox jumps over the lazy dog.", "ab ab abc ab abc"])
+def test_a_stop_string_cut_off_is_never_streamed_in_part(text):
+    """Guards `_append_without_stop`'s hold-back: OpenAI's `stop` must not show in the output,
+    not even its first characters in an earlier streamed piece."""
+    stops = ["y do", "abc"]
+    detok = IncrementalDetokenizer(TOK, [0], special_token_ids(TOK), stop=stops, stop_in_text=False)
+    pieces = [detok.add(t)[0] for t in TOK.encode(text).ids[1:]]
+    cut = min(i for i in (text.find(s) for s in stops) if i >= 0)
+    assert detok.stopped and detok.text == text[:cut] == "".join(pieces)
+    kept = IncrementalDetokenizer(TOK, [0], special_token_ids(TOK), stop=["zz!"], stop_in_text=False)
+    pieces = [kept.add(t)[0] for t in TOK.encode("fizz buzz z").ids[1:]]
+    assert not kept.stopped and "".join(pieces) + kept.flush() == "fizz buzz z" == kept.text
+
+
+def test_a_constrained_request_ends_when_its_grammar_is_complete():
+    """The fake model never emits EOS by itself: the grammar's completion ends the request
+    (guards the `advance(...)` finish in `Engine._events`)."""
+    from workers.grammar import Grammars, GrammarSpec, json_text
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    spec = GrammarSpec("json_schema", json_text(schema))
+    engine, _ = make_engine()
+    engine.grammars = Grammars.for_tokenizer(TOK, None, (EOS_ID,))
+    params = SamplingParams.create(max_new_tokens=40, grammar=spec)
+    with pytest.raises(ValueError, match="compiled"):
+        engine.submit(prompt(), params)
+    constrained = engine.submit(prompt(), params, grammar=engine.grammars.compile(spec))
+    plain = engine.submit(prompt(), SamplingParams.create(max_new_tokens=5))
+    run_until_idle(engine)
+    fin = constrained.events[-1].finish
+    assert fin.reason == "eos_token" and fin.generated_text in ('{"ok":true}', '{"ok":false}')
+    assert plain.events[-1].finish.generated_tokens == 5

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers.sampling import ParameterError, SamplingParams, make_generator, sample
+from workers.sampling import ParameterError, SamplingParams, make_generator, sample, sample_tokens
 
 
 class Row:
@@ -129,3 +129,56 @@ def test_logprob_is_finite_and_from_the_warped_distribution():
     _, lps = sample(logits, [Row(SamplingParams.create(top_k=2, seed=3))])
     kept = torch.log_softmax(torch.tensor([3.0, 4.0]), -1)
     assert math.isfinite(lps[0]) and any(abs(lps[0] - k) < 1e-5 for k in kept.tolist())
+
+
+# -- bias, penalties, alternatives -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"presence_penalty": 2.5}, "`presence_penalty` must be in [-2.0, 2.0]"),
+        ({"frequency_penalty": float("nan")}, "`frequency_penalty`"),
+        ({"logit_bias": {5: 101.0}}, "`logit_bias` values must be in [-100, 100]"),
+        ({"logit_bias": {-1: 1.0}}, "`logit_bias` keys must be token ids"),
+        ({"logprobs": 21}, "`top_n_tokens` must be an integer in [0, 20]"),
+    ],
+)
+def test_new_parameters_are_validated_and_named(kwargs, needle):
+    with pytest.raises(ParameterError) as e:
+        SamplingParams.create(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_logit_bias_moves_the_argmax_of_its_row_only():
+    logits = torch.tensor([[3.0, 1.0, 0.0], [3.0, 1.0, 0.0]])
+    rows = [Row(SamplingParams.create(logit_bias={2: 5.0})), Row(SamplingParams())]
+    ids, lps = sample(logits, rows)
+    assert ids == [2, 0]
+    assert lps[0] == pytest.approx(torch.log_softmax(torch.tensor([3.0, 1.0, 5.0]), -1)[2].item(), abs=1e-6)
+    assert logits[0, 2] == 0.0  # the caller's logits are not modified
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    """OpenAI semantics: `logit -= frequency * count + presence * (count > 0)` over the output;
+    the prompt's tokens are not penalized (guards `apply_penalties`' output-only bincount)."""
+    logits = torch.tensor([[4.0, 3.0, 2.5, 0.0]])
+    out = sample_tokens(logits, [Row(SamplingParams.create(frequency_penalty=0.6), prompt=[1, 1, 1], output=[0, 0])])
+    # token 0: 4.0 - 2 * 0.6 = 2.8 < 3.0 (token 1 appears only in the prompt: untouched)
+    assert out.token_ids == [1]
+    out = sample_tokens(logits, [Row(SamplingParams.create(presence_penalty=1.6), output=[0, 0, 0, 1])])
+    assert out.token_ids == [2]  # once per distinct token: 4.0 - 1.6 = 2.4 and 3.0 - 1.6 = 1.4 fall below 2.5
+    lp = torch.log_softmax(torch.tensor([2.4, 1.4, 2.5, 0.0]), -1)[2].item()
+    assert out.logprobs[0] == pytest.approx(lp, abs=1e-6)
+
+
+def test_top_alternatives_are_the_best_of_the_sampled_distribution():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 3.0], [1.0, 0.0, 0.0, 0.0]])
+    rows = [Row(SamplingParams.create(logprobs=2, temperature=0.5, seed=1)), Row(SamplingParams())]
+    out = sample_tokens(logits, rows)
+    expected = torch.log_softmax(logits[0] / 0.5, -1)
+    assert [i for i, _ in out.top[0]] == [3, 1]
+    assert [lp for _, lp in out.top[0]] == pytest.approx([expected[3].item(), expected[1].item()], abs=1e-5)
+    assert out.top[1] is None  # not asked
+    zero = sample_tokens(logits[:1], [Row(SamplingParams.create(logprobs=0))])
+    assert zero.top == [()]  # asked for logprobs without alternatives

@@ -123,3 +123,63 @@ def test_health_capability_metrics(setup):
     text = client.get("/metrics").text
     assert 'hetserve_worker_requests_total{finish_reason="length"} 1.0' in text
     assert "hetserve_worker_generated_tokens_total 3.0" in text
+
+
+# -- logprobs, prompt scoring, grammars ----------------------------------------------------------
+
+
+def test_top_n_tokens_give_each_token_its_bytes_and_alternatives(setup):
+    client, _ = setup
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 4, "details": True, "top_n_tokens": 3}}
+    d = client.post("/generate", json=body).json()["details"]
+    assert len(d["tokens"]) == len(d["top_tokens"]) == 4
+    for token, top in zip(d["tokens"], d["top_tokens"], strict=True):
+        assert bytes(token["bytes"]) == TOK.decode([token["id"]]).encode()
+        assert len(top) == 3 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert top[0]["id"] == token["id"] and top[0]["logprob"] == pytest.approx(token["logprob"])  # greedy
+    events = sse_events(client.post("/generate_stream", json=body).text)
+    assert [len(e["top_tokens"]) for e in events] == [3] * 4 and "bytes" in events[0]["token"]
+
+
+def test_prompt_scoring_with_token_ids_and_no_new_tokens(setup):
+    """`max_new_tokens` 0 + `decoder_input_details`: the prompt's logprobs and nothing generated."""
+    client, _ = setup
+    ids = TOK.encode("Hello world").ids
+    r = client.post("/generate", json={"input_ids": ids, "parameters": {
+        "max_new_tokens": 0, "decoder_input_details": True, "top_n_tokens": 1}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["generated_text"] == "" and body["input_text"] == "Hello world"
+    d = body["details"]
+    assert d["generated_tokens"] == 0 and d["tokens"] == [] and d["input_length"] == len(ids)
+    assert [p["id"] for p in d["prefill"]] == ids and d["prefill"][0]["logprob"] is None
+    assert all(p["logprob"] <= 0 and len(p["top_tokens"]) == 1 for p in d["prefill"][1:])
+    r = client.post("/generate_stream", json={"input_ids": ids, "parameters": {"max_new_tokens": 0, "decoder_input_details": True}})
+    assert r.status_code == 422 and "`/generate`" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"input_ids": [1, 99999]}, "`input_ids` must be a non-empty list of token ids in [0, 511], got `99999`"),
+        ({"inputs": "x", "input_ids": [1]}, "not both"),
+        ({"inputs": "x", "parameters": {"logit_bias": {"600": 1.0}}}, "`logit_bias` token id `600` is outside"),
+        ({"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {"type": "wat"}}}},
+         "The json schema cannot be enforced: Invalid type: wat"),
+        ({"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": ""}}}, "`grammar.value`"),
+    ],
+)
+def test_bad_prompts_biases_and_grammars_are_422(setup, body, needle):
+    client, _ = setup
+    r = client.post("/generate", json=body)
+    assert r.status_code == 422 and needle in r.json()["error"], r.text
+
+
+def test_grammar_constrains_the_output(setup):
+    client, _ = setup
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    r = client.post("/generate", json={"inputs": "Hello", "parameters": {
+        "max_new_tokens": 20, "grammar": {"type": "json", "value": json.dumps(schema)}, "details": True}})
+    assert r.status_code == 200, r.text
+    assert 0 <= json.loads(r.json()["generated_text"])["n"] <= 9 and r.json()["details"]["finish_reason"] == "eos_token"
