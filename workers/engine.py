@@ -5,9 +5,9 @@ Design: each step is schedule -> execute -> update.
   prefills of newly admitted prompts;
 - execute: the `ModelRunner` packs them into ONE `ForwardBatch` and calls
   `model.step(batch, kv)` once -> logits `[N, V]`; `sample_tokens()` picks one token per
-  row (constrained rows masked by their grammar). A step holding a prompt that asks for
-  its own logprobs (echo, `decoder_input_details`) also gets the logits of that prompt's
-  rows from the same forward (`execute_with_prompt_logits`, see `workers/logprobs.py`);
+  row, constrained rows masked by their grammar (masks computed on a helper thread during
+  the forward: they depend only on each grammar's state). A prompt that asks for its own
+  logprobs also gets its rows' logits from that forward (`execute_with_prompt_logits`);
 - update: the scheduler appends the tokens and finishes sequences; each sequence's
   detokenizer produces its streamed text and checks stop strings; a constrained sequence
   advances its grammar and ends when the grammar is complete; events go out.
@@ -34,19 +34,24 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
 from workers.contract import DEFAULT_MAX_QUEUE
 from workers.detokenize import IncrementalDetokenizer, special_token_ids
+from workers.events import ErrorEvent, FinishInfo, RequestTimings, TokenEvent
 from workers.grammar import CompiledGrammar, Grammars, advance
 from workers.logprobs import TopList, prompt_chunks, record_prompt
 from workers.metrics import WorkerMetrics
-from workers.sampling import SamplingParams, make_generator, sample_tokens
+from workers.sampling import SamplingParams, grammar_bitmask, make_generator, sample_tokens
 from workers.scheduler import FINISH_EOS, FINISH_STOP, Scheduler, SchedulerOutput, Sequence
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineOverloaded", "EngineUnavailable", "ErrorEvent", "FinishInfo", "ModelRunner",
+           "RequestStream", "RequestTimings", "TokenEvent"]
 
 _ADD, _ABORT, _STOP = "add", "abort", "stop"
 
@@ -61,44 +66,6 @@ class EngineOverloaded(RuntimeError):
 
 class EngineUnavailable(RuntimeError):
     """The engine is draining, stopped or dead (HTTP 503)."""
-
-
-@dataclass(frozen=True)
-class RequestTimings:
-    """Where one request's time went, in seconds: waiting for the engine, the step that produced
-    its first token (the prefill), and the steps after it (the decode)."""
-
-    queue_s: float
-    prefill_s: float
-    decode_s: float
-
-
-@dataclass(frozen=True)
-class FinishInfo:
-    reason: str  # "length" | "eos_token" | "stop_sequence"
-    generated_text: str
-    generated_tokens: int
-    input_length: int
-    seed: int | None
-    timings: RequestTimings | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    index: int
-    token_id: int
-    text: str
-    logprob: float
-    special: bool
-    finish: FinishInfo | None = None
-    top: TopList | None = None  # the best alternatives, when the request asked (`logprobs`)
-    prefill: tuple | None = None  # on the first event: (id, logprob, top) per prompt token, when asked
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    message: str
-    error_type: str = "internal"
 
 
 class RequestStream:
@@ -206,6 +173,7 @@ class Engine:
     def _init_thread(self) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._masker: ThreadPoolExecutor | None = None  # grammar masks, overlapped with the forward
         self._num_threads = torch.get_num_threads()
         self.fatal_error: BaseException | None = None
 
@@ -286,6 +254,8 @@ class Engine:
         self._inbox.put((_STOP, None))
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._masker is not None:
+            self._masker.shutdown(wait=False)
 
     # -- the engine thread -----------------------------------------------------------------
 
@@ -340,7 +310,10 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return 0
-        # 2. execute: one batched forward, one token per chunk (plus prompt rows some asked for)
+        # 2. execute: one batched forward, one token per chunk (plus prompt rows some asked for);
+        #    the grammar masks are computed meanwhile (llguidance releases the GIL)
+        seqs = [c.seq for c in out.chunks]
+        masks = self._start_masks(seqs)
         scored = prompt_chunks(out.chunks)
         if scored:
             logits, prompt_logits = self.runner.execute_with_prompt_logits(out, scored)
@@ -348,8 +321,7 @@ class Engine:
                 record_prompt(out.chunks[i], rows)
         else:
             logits = self.runner.execute(out)  # [N, V]
-        seqs = [c.seq for c in out.chunks]
-        sampled = sample_tokens(logits, seqs, self.grammars)
+        sampled = sample_tokens(logits, seqs, self.grammars, None if masks is None else masks.result())
         # 3. update: append, detokenize, stop, stream
         updates = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs)
         tops = {id(s): t for s, t in zip(seqs, sampled.top, strict=True) if t is not None}
@@ -358,6 +330,13 @@ class Engine:
         self.metrics.on_step(time.perf_counter() - t0, len(seqs), out.num_prefill_tokens, len(updates))
         self.metrics.set_load(running, max(0, self._in_flight - running))
         return len(seqs)
+
+    def _start_masks(self, seqs: list[Sequence]) -> Future | None:
+        if all(s.grammar is None for s in seqs):
+            return None
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._masker.submit(grammar_bitmask, seqs, self.grammars)
 
     def _events(self, updates, tops: dict[int, TopList], step_started: float) -> list[tuple[RequestStream, TokenEvent]]:
         now = time.monotonic()

@@ -171,13 +171,31 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Grammars |
     return out.token_ids, out.logprobs
 
 
-def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Grammars | None = None) -> SampleOutput:
-    """One token per row of `logits` [N, V], its logprob and the asked-for alternatives."""
+def constrained_rows(rows: Sequence[SampleRow]) -> list[tuple[object, int]]:
+    """(grammar matcher, row) of the rows with a grammar."""
+    return [(m, i) for i, r in enumerate(rows) if (m := getattr(r, "grammar", None)) is not None]
+
+
+def grammar_bitmask(rows: Sequence[SampleRow], grammars: Grammars | None) -> torch.Tensor | None:
+    """The allowed-token bitmasks of this step's rows (None when no row has a grammar). Needs
+    only the grammars' state, not the logits, so the engine computes it during the forward."""
+    constrained = constrained_rows(rows)
+    if not constrained:
+        return None
+    if grammars is None:
+        raise ValueError("A constrained row needs the grammar engine (`Grammars`), got `None`")
+    return fill_bitmasks(grammars.executor, constrained, len(rows), grammars.vocab_size)
+
+
+def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Grammars | None = None,
+                  bitmask: torch.Tensor | None = None) -> SampleOutput:
+    """One token per row of `logits` [N, V], its logprob and the asked-for alternatives
+    (`bitmask`: this step's `grammar_bitmask`, when the caller computed it already)."""
     params = [r.params for r in rows]
     # 1. Processors that change the argmax, on the rows that ask for them (bias, penalties, grammar).
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalized = [i for i, p in enumerate(params) if p.penalized]
-    constrained = [(m, i) for i, r in enumerate(rows) if (m := getattr(r, "grammar", None)) is not None]
+    constrained = constrained_rows(rows)
     if biased or penalized or constrained:
         logits = logits.clone()
         if biased:
@@ -185,9 +203,7 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Gra
         if penalized:
             apply_penalties(logits, rows, penalized)
         if constrained:
-            if grammars is None:
-                raise ValueError("A constrained row needs the grammar engine (`Grammars`), got `None`")
-            bitmask = fill_bitmasks(grammars.executor, constrained, len(rows), grammars.vocab_size)
+            bitmask = grammar_bitmask(rows, grammars) if bitmask is None else bitmask
             apply_bitmask(logits, bitmask, [i for _, i in constrained], grammars.eos_token_ids)
     sampled = [i for i, p in enumerate(params) if p.do_sample]
     if sampled:

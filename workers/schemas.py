@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workers.engine import FinishInfo, TokenEvent
+from workers.events import FinishInfo, TokenEvent
 from workers.grammar import GrammarSpec, json_text
 from workers.logprobs import TokenBytes, TopList, finite
 from workers.sampling import ParameterError, SamplingParams
