@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workers.contract import MAX_STOP_SEQUENCES
+from workers.contract import MAX_STOP_SEQUENCES, load_json_schema
 
 MAX_STOP = MAX_STOP_SEQUENCES
 SEED_MAX = 2**63 - 1
@@ -32,11 +31,4 @@ def refuse(model: BaseModel, allowed: dict[str, tuple]) -> None:
 def json_schema_value(value: Any, field: str) -> dict | bool:
     """A JSON schema given as an object (or as JSON text, as TGI clients may): well-formedness
     only; the worker's grammar engine says what it cannot enforce."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"`{field}` is not valid JSON: {e}") from e
-    if not isinstance(value, dict | bool):
-        raise ValueError(f"`{field}` must be a JSON schema (an object), got `{type(value).__name__}`")
-    return value
+    return load_json_schema(value, f"`{field}`")

@@ -122,7 +122,7 @@ def test_a_non_strict_schema_ignores_unknown_keywords(grammars):
 def test_malformed_specs_are_refused():
     with pytest.raises(GrammarError, match="not valid JSON"):
         json_text("{nope")
-    with pytest.raises(GrammarError, match="must be an object"):
+    with pytest.raises(GrammarError, match="must be a JSON schema"):
         json_text([1, 2])
     with pytest.raises(GrammarError, match="Supported: json_schema, json_object, regex"):
         GrammarSpec("lark", "start: x")

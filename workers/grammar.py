@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
+from workers.contract import load_json_schema
+
 logger = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "json_object", "regex")
@@ -127,13 +129,10 @@ class Grammars:
 def json_text(value) -> str:
     """A schema given as an object or as JSON text -> compact JSON text (the cache key). Keys keep
     their order: properties are generated in the order the schema lists them."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise GrammarError(f"The JSON schema is not valid JSON: {e}") from e
-    if not isinstance(value, dict | bool):
-        raise GrammarError(f"A JSON schema must be an object, got `{type(value).__name__}`")
+    try:
+        value = load_json_schema(value, "The JSON schema")
+    except ValueError as e:
+        raise GrammarError(str(e)) from e
     return json.dumps(value, separators=(",", ":"))
 
 

@@ -29,6 +29,7 @@ from server.routes._common import (
 )
 from server.schemas import ErrorResponse, GenerateRequest, GenerateResponse
 from server.worker_client import WorkerGone
+from workers.contract import MAX_STOP_SEQUENCES
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["text-generation-inference"])
@@ -108,7 +109,7 @@ async def info(request: Request) -> dict:
         "model_id": ctx.model_id(),
         "max_total_tokens": ctx.context_length(),
         "max_best_of": 1,
-        "max_stop_sequences": 4,
+        "max_stop_sequences": MAX_STOP_SEQUENCES,
         "max_concurrent_requests": ctx.settings.worker_capacity * max(1, len(ctx.supervisor.workers)),
         "version": VERSION,
         "router": "hetserve",

@@ -48,6 +48,7 @@ from workers.contract.fp8_rule import (
     Fp8Decision,
     fp8_rule,
 )
+from workers.contract.json_schema import load_json_schema
 from workers.contract.lifecycle import STARTUP_STEPS, ExitCode, WorkerState, WorkerStatus
 from workers.contract.payload import (
     CapabilityPayload,
@@ -68,6 +69,7 @@ __all__ = [
     "DEVICE_TYPES", "EMULATED", "FP8_CONVENTIONS", "NATIVE", "NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_CAPABILITY",
     "ROCM_NATIVE_FP8_LAST",
     "Fp8Decision", "fp8_rule",
+    "load_json_schema",
     "STARTUP_STEPS", "ExitCode", "WorkerState", "WorkerStatus",
     "CapabilityPayload", "DeviceDescription", "Fp8Description", "KernelDescription", "ModelDescription",
 ]
