@@ -147,16 +147,19 @@ def fill_bitmasks(executor: llguidance.LLExecutor, matchers: list[tuple[llguidan
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
                   fallback_ids: tuple[int, ...]) -> torch.Tensor:
-    """Set the logits of tokens a row's bitmask disallows to -inf, in place. A row whose mask
-    allows nothing (a matcher in an error state) allows `fallback_ids` (EOS), so it ends."""
-    index = torch.tensor(rows, dtype=torch.int64)
-    words = bitmask.index_select(0, index)  # [R, W]
-    allowed = ((words[:, :, None] >> _SHIFTS) & 1).bool().flatten(1)[:, : logits.shape[1]]  # [R, V]
-    empty = ~allowed.any(dim=1)
-    if empty.any() and fallback_ids:
-        allowed[empty.nonzero()[:, 0][:, None], torch.tensor(fallback_ids)] = True
-    index = index.to(logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    """Set the logits of tokens a row's bitmask disallows to -inf, in place, on the logits'
+    device. A row whose mask allows nothing (a matcher in an error state) allows
+    `fallback_ids` (EOS), so it ends."""
+    device = logits.device
+    index = torch.tensor(rows, dtype=torch.int64, device=device)
+    words = bitmask.index_select(0, torch.tensor(rows, dtype=torch.int64)).to(device, non_blocking=True)  # [R, W]
+    allowed = ((words[:, :, None] >> _SHIFTS.to(device)) & 1).bool().flatten(1)[:, : logits.shape[1]]  # [R, V]
+    if fallback_ids:
+        empty = ~allowed.any(dim=1, keepdim=True)  # [R, 1]
+        fallback = torch.zeros_like(allowed)
+        fallback[:, torch.tensor(fallback_ids, device=device)] = True
+        allowed |= empty & fallback
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
 
 
