@@ -85,8 +85,8 @@ def test_openai_client_works_unchanged(router):
     assert chunks[-1].usage.completion_tokens == 3
     stream = list(c.completions.create(model=model, prompt="p", max_tokens=2, stream=True))
     assert "".join(ch.choices[0].text for ch in stream) == " t0 t1"
-    with pytest.raises(openai.UnprocessableEntityError):
-        c.completions.create(model=model, prompt="p", max_tokens=2, logprobs=3)
+    with pytest.raises(openai.UnprocessableEntityError, match="`suffix`"):  # a field this server cannot honour
+        c.completions.create(model=model, prompt="p", max_tokens=2, suffix="!")
 
 
 def test_huggingface_inference_client_works_unchanged(router):
