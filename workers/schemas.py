@@ -16,6 +16,7 @@ piece, which may hold back half a character), so the router can build OpenAI log
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -148,7 +149,7 @@ class Render:
         """`/generate` body from one request's events (the last carries `finish`)."""
         finish, prefill = events[-1].finish, events[0].prefill
         if self.scoring_only:  # the one token drawn to finish the prefill is not an answer
-            finish = FinishInfo("length", "", 0, finish.input_length, finish.seed)
+            finish = replace(finish, reason="length", generated_text="", generated_tokens=0)
             events = []
         body: dict = {"generated_text": self.prefix + finish.generated_text}
         if self.input_text is not None:
