@@ -4,7 +4,9 @@ TGI shapes for `/generate` (`inputs`, `parameters{...}`) and OpenAI shapes for `
 Clients of both send fields this server cannot honour (`best_of`, `grammar`, `logprobs`,
 penalties...); those are accepted when they ask for nothing (null, 0, false, 1) and refused
 with a 422 naming the field otherwise, never silently ignored. Unknown fields are ignored,
-as TGI and OpenAI servers do. Floats must be finite. Internally the router forwards plain
+as TGI and OpenAI servers do. Types are strict (an integer field refuses `"5"`, `true` and
+`2.0`), floats must be finite, and text must be valid Unicode (no lone surrogate such as
+`"\ud800"`, which no tokenizer can encode). Internally the router forwards plain
 dicts; nothing below the edge sees these classes.
 """
 
@@ -23,7 +25,8 @@ StopText = Annotated[str, Field(min_length=1, max_length=1000)]
 
 
 class _Edge(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: `"5"`, `true` and `2.0` are not integers, `"true"` is not a boolean (as the OpenAI API)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 def _refuse(model: BaseModel, allowed: dict[str, tuple]) -> None:
@@ -198,6 +201,18 @@ class ChatMessage(_Edge):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _unicode(self):
+        """A lone surrogate (`"\\ud800"`, valid JSON) cannot be encoded, so no tokenizer takes it."""
+        for field, value in (("content", self.text()), ("name", self.name or "")):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                bad = value[e.start:e.end].encode("unicode_escape").decode()
+                raise ValueError(f"`{field}` is not valid Unicode: a lone surrogate `{bad}` at character {e.start}. "
+                                 "Accepted: text whose \\ud800-\\udfff escapes come in valid pairs") from None
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):

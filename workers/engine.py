@@ -290,6 +290,7 @@ class Engine:
             if seq is not None:
                 self.metrics.requests.labels(seq.finish_reason).inc()
                 self._release(seq)
+                self._publish_load()  # no step may follow: the gauges must not wait for one
         else:
             self._abort_all("The worker shut down before the request finished")
             return False
@@ -310,10 +311,12 @@ class Engine:
         # 3. update: append, detokenize, stop, stream
         updates = self.scheduler.update_from_output(out, token_ids, logprobs)
         self._deliver(self._events(updates, t0))
-        running = self.scheduler.num_running
         self.metrics.on_step(time.perf_counter() - t0, len(seqs), out.num_prefill_tokens, len(updates))
-        self.metrics.set_load(running, max(0, self._in_flight - running))
+        self._publish_load()
         return len(seqs)
+
+    def _publish_load(self) -> None:
+        self.metrics.set_load(*self.load())
 
     def _events(self, updates, step_started: float) -> list[tuple[RequestStream, TokenEvent]]:
         now = time.monotonic()
@@ -360,6 +363,7 @@ class Engine:
             if kind == _ADD:
                 self._release(value)
                 items.append((value.stream, ErrorEvent(message)))
+        self._publish_load()
         self._deliver(items)
 
     @staticmethod

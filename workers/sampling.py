@@ -14,6 +14,11 @@ of one batched draw, which would tie each row's randomness to the batch composit
 
 The logprob returned is the chosen token's log-probability under the distribution it was
 drawn from (after penalty and warpers), as TGI reports it.
+
+Finite for every accepted value: a temperature below `MIN_TEMPERATURE` means greedy (as in
+vLLM; dividing fp32 logits by 1e-300 gives inf and then NaN), and the penalized and
+tempered logits are clamped to fp32's finite range, so a tiny `repetition_penalty` cannot
+overflow a row to inf (whose softmax is NaN).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import torch
 DEFAULT_MAX_NEW_TOKENS = 100
 MAX_STOP_SEQUENCES = 8
 MAX_SEED = 2**64 - 1
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy (vLLM's `_SAMPLING_EPS`)
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 class ParameterError(ValueError):
@@ -87,6 +94,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ParameterError(f"`stop` sequences must be non-empty strings, got `{list(stops)}`")
         # TGI semantics: temperature 0 without do_sample means greedy; any warper means sampling.
+        if temperature is not None and 0 < temperature < MIN_TEMPERATURE:  # greedy, as vLLM does
+            return cls(n, False, 1.0, 0, 1.0, 1.0 if repetition_penalty is None else float(repetition_penalty),
+                       seed, stops)
         temp = 1.0 if temperature is None or temperature == 0 else float(temperature)
         k = int(top_k or 0)
         p = 1.0 if top_p is None else float(top_p)
@@ -110,9 +120,9 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SampleRow], w
     for i in which:
         seen = torch.tensor(rows[i].prompt_ids + rows[i].output_ids, dtype=torch.int64, device=logits.device)
         seen = seen.unique()
-        rp = rows[i].params.repetition_penalty
+        rp = max(rows[i].params.repetition_penalty, torch.finfo(logits.dtype).tiny)  # never 0 in fp32
         score = logits[i, seen]
-        logits[i, seen] = torch.where(score < 0, score * rp, score / rp)
+        logits[i, seen] = torch.where(score < 0, score * rp, score / rp).clamp(-_FP32_MAX, _FP32_MAX)
     return logits
 
 
@@ -148,6 +158,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], 
         temps = [p.temperature if p.do_sample else 1.0 for p in params]
         if any(t != 1.0 for t in temps):
             logits = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+            logits = logits.clamp(max=_FP32_MAX)  # a huge logit over a small temperature stays finite
         top_k = [p.top_k if p.do_sample else 0 for p in params]
         top_p = [p.top_p if p.do_sample else 1.0 for p in params]
         if any(top_k) or any(p < 1.0 for p in top_p):

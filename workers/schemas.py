@@ -8,7 +8,7 @@ which is cheaper per streamed token than a pydantic model.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from workers.engine import FinishInfo, TokenEvent
 from workers.sampling import SamplingParams
@@ -43,6 +43,16 @@ class GenerateRequest(BaseModel):
 
     inputs: str
     parameters: Parameters = Field(default_factory=Parameters)
+
+    @field_validator("inputs")
+    @classmethod
+    def _unicode(cls, value: str) -> str:
+        """The tokenizer cannot encode a lone surrogate (valid JSON, not valid Unicode): a 422, not a 500."""
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"not valid Unicode: a lone surrogate at character {e.start}") from None
+        return value
 
 
 def token_dict(e: TokenEvent) -> dict:
