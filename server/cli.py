@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a request's headers may take to arrive (default 10); then 408")
     serve.add_argument("--body-timeout", type=float, default=None, metavar="S",
                        help="seconds a request body may pause (default 30); then 408")
+    serve.add_argument("--special-tokens-in-content", action="store_true",
+                       help="let chat message text contain the model's special tokens (default: 422), which then "
+                            "act as control tokens")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
                        help="export OpenTelemetry spans of the router and every worker to this OTLP collector "

@@ -48,6 +48,7 @@ class RouterSettings:
     api_key: str | None = None
     api_key_source: str = "none"  # --api-key, --api-key-file PATH, $HETSERVE_API_KEY or none
     log_level: str = "info"
+    special_tokens_in_content: bool = False  # chat content may hold the model's special tokens
     # HTTP edge
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     header_timeout_s: float = HEADER_TIMEOUT_S  # a request head must arrive within this (408)
@@ -104,6 +105,7 @@ class RouterSettings:
             "api_key": api_key,
             "api_key_source": api_key_source,
             "log_level": getattr(args, "log_level", "info"),
+            "special_tokens_in_content": bool(getattr(args, "special_tokens_in_content", False)),
         }
         endpoint = getattr(args, "otlp_endpoint", None)
         if endpoint:

@@ -210,6 +210,7 @@ def _install_sigterm(phase: dict) -> None:
             # Once only: the parent's death may signal twice (PR_SET_PDEATHSIG and the parent
             # watch); a second raise would interrupt the shutdown that the first one started.
             phase["stopping"] = True
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already, through exit
             raise _ShutdownRequested()
 
     if threading.current_thread() is threading.main_thread():

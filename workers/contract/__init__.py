@@ -15,6 +15,7 @@ from workers.contract.capability import (
 from workers.contract.chat_template import (
     FoundTemplate,
     find_chat_template,
+    read_special_tokens,
     read_tokenizer_config,
     token_text,
 )
@@ -61,7 +62,7 @@ from workers.contract.payload import (
 
 __all__ = [
     "ACCEPTED_CAPABILITY_SPELLINGS", "Capability", "CapabilityError", "capability_label",
-    "FoundTemplate", "find_chat_template", "read_tokenizer_config", "token_text",
+    "FoundTemplate", "find_chat_template", "read_special_tokens", "read_tokenizer_config", "token_text",
     "DEFAULT_MAX_BATCH", "DEFAULT_MAX_QUEUE", "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S",
     "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_SIMULATE",
     "HEADER_FP8", "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_PIN_WORKER",
