@@ -141,9 +141,6 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._head_timer = None
         super().on_headers_complete()
 
-    def on_body(self, body: bytes) -> None:
-        super().on_body(body)
-
     def on_message_complete(self) -> None:
         self._in_head, self._head_bytes = True, 0
         self._cancel(self._body_timer)
@@ -209,8 +206,10 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._closed_by_us = True
         self._cancel_timers()
         cycle = self.cycle
-        started = cycle is not None and cycle.response_started and not cycle.response_complete
-        if not started and not self.transport.is_closing():
+        # While a head is read, `cycle` is the previous request's (answered); otherwise an
+        # answer already under way (the app answered without reading the body) gets no second one.
+        answered = not self._in_head and cycle is not None and cycle.response_started
+        if not answered and not self.transport.is_closing():
             path = self._path()
             body = json.dumps(error_body(path, status, message)).encode()
             head = [STATUS_LINE[status]]
@@ -219,7 +218,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                      b"connection: close\r\n\r\n"]
             self.transport.write(b"".join(head) + body)
         if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True
+            cycle.disconnected = True  # the app, if still reading, sees the client gone
             cycle.message_event.set()
         logger.info("answered %d to %s on %s: %s", status, self.client, shown(self._path()), message)
         self.transport.close()

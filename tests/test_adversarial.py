@@ -117,7 +117,7 @@ def edge(tmp_path_factory):
 
 
 def test_oversized_header_is_431_before_it_is_buffered(edge):
-    """Item 1. Guards the per-chunk head count in `EdgeHttpProtocol.data_received` (a 30 MiB
+    """Guards the per-chunk head count in `EdgeHttpProtocol.data_received` (a 30 MiB
     header was buffered whole, +25 MiB of router memory, then answered 200 on /health)."""
     before = rss_bytes(edge.proc.pid)
     prefix = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
@@ -128,14 +128,14 @@ def test_oversized_header_is_431_before_it_is_buffered(edge):
 
 
 def test_too_many_headers_is_431(edge):
-    """Item 1. Guards the header count in `EdgeHttpProtocol.on_header` (10,000 headers were accepted)."""
+    """Guards the header count in `EdgeHttpProtocol.on_header` (10,000 headers were accepted)."""
     many = b"".join(b"X-H%d: v\r\n" % i for i in range(MAX_HEADER_COUNT + 1))
     status, _, body = raw_exchange(edge.port, [b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n"])
     assert status == 431 and f"more than {MAX_HEADER_COUNT} headers" in error_text(body)
 
 
 def test_a_long_routing_header_is_quoted_short_once(edge):
-    """Item 1. Guards `shown()` in the balancer's messages (a 1 MB `X-Hetserve-Worker` came
+    """Guards `shown()` in the balancer's messages (a 1 MB `X-Hetserve-Worker` came
     back in the 422 once per worker)."""
     with edge.client(headers=AUTH) as c:
         r = c.post("/generate", json={"inputs": "x"}, headers={"X-Hetserve-Worker": "w" * 4000})
@@ -144,7 +144,7 @@ def test_a_long_routing_header_is_quoted_short_once(edge):
 
 
 def test_slow_headers_are_cut_off_with_408(edge):
-    """Item 6. Guards the head timer of `EdgeHttpProtocol` (clients sending a header byte per
+    """Guards the head timer of `EdgeHttpProtocol` (clients sending a header byte per
     second stayed connected for ever)."""
     request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
     results: list = []
@@ -169,7 +169,7 @@ def test_slow_headers_are_cut_off_with_408(edge):
     (b"Content-Length: 100\r\n", b'{"inputs": '),  # fewer bytes than declared
 ])
 def test_stalled_bodies_are_cut_off_with_408(edge, head, body):
-    """Item 6. Guards the body timer of `EdgeHttpProtocol` (such a request held its
+    """Guards the body timer of `EdgeHttpProtocol` (such a request held its
     connection for ever)."""
     t0 = time.monotonic()
     status, _, answer = raw_exchange(edge.port, [
@@ -187,7 +187,7 @@ def test_stalled_bodies_are_cut_off_with_408(edge, head, body):
     (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400, "Invalid HTTP request"),
 ])
 def test_malformed_http_gets_the_json_error_shape(edge, request_bytes, status, words):
-    """Item 11. Guards `EdgeHttpProtocol.send_400_response`/`_answer` (uvicorn answered
+    """Guards `EdgeHttpProtocol.send_400_response`/`_answer` (uvicorn answered
     plain text `Invalid HTTP request received.`)."""
     got, headers, body = raw_exchange(edge.port, [request_bytes])
     assert got == status and headers["content-type"] == "application/json"
@@ -195,7 +195,7 @@ def test_malformed_http_gets_the_json_error_shape(edge, request_bytes, status, w
 
 
 def test_bearer_scheme_is_case_insensitive_and_head_answers_like_get(edge):
-    """Item 11. Guards `EdgeMiddleware._authorized` (scheme compared case-sensitively) and the
+    """Guards `EdgeMiddleware._authorized` (scheme compared case-sensitively) and the
     HEAD -> GET rewrite (HEAD was 405, so `curl -I` health checks failed)."""
     for scheme in ("bearer", "BEARER", "Bearer"):
         assert httpx.get(f"{edge.url}/workers", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
@@ -207,7 +207,7 @@ def test_bearer_scheme_is_case_insensitive_and_head_answers_like_get(edge):
 
 
 def test_api_key_from_the_environment_stays_out_of_ps_and_the_workers(edge):
-    """Item 7. Guards `resolve_api_key`'s environment source and `env.pop(ENV_API_KEY)` in
+    """Guards `resolve_api_key`'s environment source and `env.pop(ENV_API_KEY)` in
     the worker specs (the key could only be given as `--api-key KEY`, shown by `ps`)."""
     assert httpx.get(f"{edge.url}/workers").status_code == 401
     assert httpx.get(f"{edge.url}/workers", headers=AUTH).status_code == 200
@@ -217,7 +217,7 @@ def test_api_key_from_the_environment_stays_out_of_ps_and_the_workers(edge):
 
 
 def test_api_key_file_and_the_open_bind_warning(tmp_path):
-    """Item 7. Guards `--api-key-file` and `_log_api_key`'s warning for a non-loopback bind
+    """Guards `--api-key-file` and `_log_api_key`'s warning for a non-loopback bind
     without a key (the container entry point binds 0.0.0.0)."""
     key_file = tmp_path / "key"
     key_file.write_text(KEY + "\n")
@@ -237,7 +237,7 @@ def test_api_key_file_and_the_open_bind_warning(tmp_path):
 
 
 def test_clients_that_leave_free_the_router_and_worker_at_once(edge):
-    """Item 3. Guards `DisconnectGuard` (a non-streamed request whose client left kept its
+    """Guards `DisconnectGuard` (a non-streamed request whose client left kept its
     worker request running to the end: 400 tokens at 10 ms each here, 4 s)."""
     def gone_after(path: str, body: dict) -> None:
         with pytest.raises(httpx.ReadTimeout):
@@ -262,7 +262,7 @@ def test_clients_that_leave_free_the_router_and_worker_at_once(edge):
 
 
 def test_strict_types_at_the_edge(edge):
-    """Item 12. Guards `strict=True` in `server/schemas.py` (`"5"`, `true` and `2.0` were
+    """Guards `strict=True` in `server/schemas.py` (`"5"`, `true` and `2.0` were
     taken as `max_new_tokens`)."""
     with edge.client(headers=AUTH) as c:
         for bad in ("5", True, 2.0):
@@ -275,7 +275,7 @@ def test_strict_types_at_the_edge(edge):
 
 @pytest.mark.parametrize("content", ["a\ud800b", [{"type": "text", "text": "\udc00"}]])
 def test_lone_surrogate_in_chat_content_is_422(edge, content):
-    """Item 8. Guards `ChatMessage._unicode` (the worker's tokenizer raised: a 500)."""
+    """Guards `ChatMessage._unicode` (the worker's tokenizer raised: a 500)."""
     body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 2})
     assert "\\ud800" in body or "\\udc00" in body  # sent as JSON escapes, as a client would
     r = httpx.post(f"{edge.url}/v1/chat/completions", content=body, headers={**AUTH, "content-type": "application/json"})
@@ -283,7 +283,7 @@ def test_lone_surrogate_in_chat_content_is_422(edge, content):
 
 
 def test_control_tokens_in_chat_content_are_refused(edge):
-    """Item 12. Guards `ChatTemplate.check_content` (a user typing `<|system|>` got the real
+    """Guards `ChatTemplate.check_content` (a user typing `<|system|>` got the real
     control token in the prompt)."""
     with edge.client(headers=AUTH) as c:
         r = c.post("/v1/chat/completions", json={"messages": [
@@ -296,7 +296,7 @@ def test_control_tokens_in_chat_content_are_refused(edge):
 
 
 def test_docs_page_needs_nothing_from_outside(edge):
-    """Item 12. Guards `server/routes/docs.py` (Swagger UI came from a public CDN)."""
+    """Guards `server/routes/docs.py` (Swagger UI came from a public CDN)."""
     with edge.client(headers=AUTH) as c:
         page = c.get("/docs")
         assert page.status_code == 200
@@ -309,7 +309,7 @@ def test_docs_page_needs_nothing_from_outside(edge):
 
 
 def test_the_sweep_removes_only_marked_run_directories(edge):
-    """Item 9. Guards `_is_run_dir` in the start-up sweep (any `hetserve-<dead pid>-*` folder
+    """Guards `_is_run_dir` in the start-up sweep (any `hetserve-<dead pid>-*` folder
     was deleted, someone else's included)."""
     assert not edge.stale.exists()
     assert (edge.unrelated / "keep.txt").read_text() == "mine"
@@ -319,7 +319,7 @@ def test_the_sweep_removes_only_marked_run_directories(edge):
 
 # --- a worker signalled twice while it starts --------------------------------------------
 def test_worker_signalled_twice_during_startup_stops_cleanly(tmp_path):
-    """Item 10. Guards the once-only raise in `_install_sigterm` and the tmp cleanup in
+    """Guards the once-only raise in `_install_sigterm` and the tmp cleanup in
     `StatusFile.write` (a second SIGTERM interrupted the shutdown: traceback, a leftover
     `*.tmp`, no `stopped`)."""
     status = tmp_path / "w.status.json"
@@ -357,7 +357,7 @@ def real(tmp_path_factory):
 @pytest.mark.parametrize("params", [{"temperature": 1e-300}, {"repetition_penalty": 1e-300},
                                     {"temperature": 1e-40, "do_sample": True, "repetition_penalty": 1e-40}])
 def test_tiny_sampling_values_stay_finite(real, params):
-    """Item 2. Guards `MIN_TEMPERATURE` in `SamplingParams.create` and the clamps in
+    """Guards `MIN_TEMPERATURE` in `SamplingParams.create` and the clamps in
     `workers/sampling.py` (temperature 1e-300 divided fp32 logits by 0: NaN logprobs, a 500
     and invalid JSON in streams)."""
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 6, "details": True, **params}}
@@ -391,7 +391,7 @@ def _drop_streams(url: str, n: int) -> None:
 
 
 def test_gauges_follow_aborts_of_dropped_streams(real):
-    """Item 4. Guards `_publish_load()` on abort in `workers/engine.py` (the running and KV
+    """Guards `_publish_load()` on abort in `workers/engine.py` (the running and KV
     slot gauges kept the last step's values, 8 here, while the worker ran nothing)."""
     _drop_streams(real.url, 8)
     with real.client() as c:
@@ -401,7 +401,7 @@ def test_gauges_follow_aborts_of_dropped_streams(real):
 
 
 def test_non_streamed_client_leaving_aborts_the_worker_request(real):
-    """Item 3. Guards `DisconnectGuard` end to end: the worker stops generating for
+    """Guards `DisconnectGuard` end to end: the worker stops generating for
     `/generate` requests whose clients left after 0.5 s (16 x 450 tokens ran to the end)."""
     n, new_tokens = 16, 450
     with real.client() as c:
@@ -427,7 +427,7 @@ def test_non_streamed_client_leaving_aborts_the_worker_request(real):
 
 
 def test_matmul_kernels_compiled_stay_within_the_row_buckets(real):
-    """Item 5. Guards `install_row_buckets` (and the capped caches): on CPU, oneDNN compiles
+    """Guards `install_row_buckets` (and the capped caches): on CPU, oneDNN compiles
     and keeps one bf16 matmul kernel per distinct row count, and dropped streams leave every
     batch size behind, so worker memory grew by 20-25% over 13 rounds and stayed."""
     from workers.row_buckets import row_bucket
@@ -441,7 +441,7 @@ def test_matmul_kernels_compiled_stay_within_the_row_buckets(real):
 
 
 def test_clean_shutdown_leaves_nothing_in_tmp(real):
-    """Item 12. Guards `TORCHINDUCTOR_CACHE_DIR` under the run directory (an empty
+    """Guards `TORCHINDUCTOR_CACHE_DIR` under the run directory (an empty
     `torchinductor_<user>` stayed in the temporary directory after every run)."""
     assert real.stop() in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
     assert not list(real.tmp.iterdir()), list(real.tmp.iterdir())
