@@ -18,11 +18,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from server.context import VERSION, RouterContext
+from server.disconnect import DisconnectGuard
 from server.dispatch import Dispatcher
 from server.http_errors import install_error_handlers
 from server.middleware import EdgeMiddleware
 from server.router_metrics import RouterMetrics
-from server.routes import generate, health, openai, status, workers
+from server.routes import docs, generate, health, openai, status, workers
 from server.routes import metrics as metrics_routes
 from server.settings import RouterSettings
 from server.supervisor import Supervisor
@@ -82,15 +83,19 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
         "`X-Hetserve-Worker`, `X-Hetserve-Min-Capability`, `X-Hetserve-Fp8`.",
         lifespan=lifespan,
         **fastapi_telemetry_off(),
+        docs_url=None,  # served by server/routes/docs.py with local assets
+        redoc_url=None,
     )
     app.state.ctx = ctx
     install_error_handlers(app)
+    app.add_middleware(DisconnectGuard)  # inside the edge: runs for requests the edge let through
     app.add_middleware(EdgeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        metrics=metrics)
     if tracing.enabled:  # outermost: the span covers the whole request, refusals included
         app.add_middleware(TracingMiddleware, tracing=tracing)
-    for module in (generate, openai, workers, health, metrics_routes, status):
+    for module in (generate, openai, workers, health, metrics_routes, status, docs):
         app.include_router(module.router)
+    docs.mount_assets(app)
     return app
 
 

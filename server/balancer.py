@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from server.errors import shown
 from server.worker_handle import WorkerHandle
 from workers.contract import (
     EMULATED,
@@ -58,7 +59,7 @@ class Constraints:
     def describe(self) -> str:
         parts = []
         if self.worker is not None:
-            parts.append(f"worker `{self.worker}`")
+            parts.append(f"worker `{shown(self.worker)}`")
         if self.min_capability is not None:
             parts.append(f"capability >= `{self.min_capability.label}`")
         if self.fp8 is not None:
@@ -81,7 +82,7 @@ def parse_capability(value: str) -> Capability:
             return Capability.parse(text)
     except CapabilityError:
         pass
-    raise ConstraintError(f"Invalid minimum capability `{value}`. Accepted: `X.Y` (e.g. 8.9) or `sm_XY` (e.g. sm_89)")
+    raise ConstraintError(f"Invalid minimum capability `{shown(value)}`. Accepted: `X.Y` (e.g. 8.9) or `sm_XY` (e.g. sm_89)")
 
 
 def parse_constraints(headers: Mapping[str, str]) -> Constraints:
@@ -93,14 +94,14 @@ def parse_constraints(headers: Mapping[str, str]) -> Constraints:
     if raw_fp8:
         fp8 = _FP8_ALIASES.get(raw_fp8.lower())
         if fp8 is None:
-            raise ConstraintError(f"Invalid fp8 convention `{raw_fp8}`. Accepted: {', '.join(FP8_CONVENTIONS)}")
+            raise ConstraintError(f"Invalid fp8 convention `{shown(raw_fp8)}`. Accepted: {', '.join(FP8_CONVENTIONS)}")
     return Constraints(worker=worker, min_capability=parse_capability(raw_cap) if raw_cap else None, fp8=fp8)
 
 
 def matches(handle: WorkerHandle, c: Constraints) -> tuple[bool | None, str]:
     """(True, _) matches; (False, why) never will; (None, why) unknown until it reports (fp8)."""
     if c.worker is not None and not handle.answers_to(c.worker):
-        return False, f"{handle.id} is not `{c.worker}`"
+        return False, f"{handle.id} has another id, index and UUID"
     if c.min_capability is not None:
         cap = handle.capability
         if cap is None or cap < c.min_capability:

@@ -53,7 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"running sequences per worker (default {DEFAULT_MAX_BATCH})")
     serve.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                        help=f"waiting requests per worker before 429 (default {DEFAULT_MAX_QUEUE})")
-    serve.add_argument("--api-key", default=None, metavar="KEY", help="require `Authorization: Bearer KEY`")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file or "
+                            "$HETSERVE_API_KEY)")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file's first line")
+    serve.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                       help="seconds a request's headers may take to arrive (default 10); then 408")
+    serve.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                       help="seconds a request body may pause (default 30); then 408")
+    serve.add_argument("--special-tokens-in-content", action="store_true",
+                       help="let chat message text contain the model's special tokens (default: 422), which then "
+                            "act as control tokens")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
                        help="export OpenTelemetry spans of the router and every worker to this OTLP collector "

@@ -60,7 +60,8 @@ class RouterContext:
     def chat_template(self) -> ChatTemplate:
         """Loaded once, from the model directory (or what the worker reported)."""
         if self._chat is None:
-            self._chat = load_chat_template(self.settings.model_dir, self._model_info())
+            self._chat = load_chat_template(self.settings.model_dir, self._model_info(),
+                                            self.settings.special_tokens_in_content)
             logger.info("chat template from %s", self._chat.origin)
         return self._chat
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.balancer import ConstraintError
 from server.chat import ChatTemplateError
 from server.dispatch import DispatchError
+from server.errors import shown
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
-            message = f"No route `{request.method} {request.url.path}`"
+            message = f"No route `{request.method} {shown(request.url.path)}`"
         elif exc.status_code == 405:
-            message = f"Method `{request.method}` is not allowed on `{request.url.path}`"
+            message = f"Method `{request.method}` is not allowed on `{shown(request.url.path)}`"
         return error_response(request.url.path, exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)

@@ -1,10 +1,11 @@
-"""The HTTP edge as one pure-ASGI middleware: API key, body size limit, request metrics.
+"""The HTTP edge as one pure-ASGI middleware: API key, HEAD, body size limit, request metrics.
 
 Pure ASGI (not `BaseHTTPMiddleware`) so streamed responses pass through untouched and the
 per-request cost stays a few dict lookups. `--api-key` guards everything but `/health`
 (load balancers and orchestrators probe it without credentials) and the status page's shell
-(`GET /`, `GET /status`: no data in it); the key is compared in
-constant time. Bodies over the limit get 413 from the `Content-Length` header or, for
+(`GET /`, `GET /status`: no data in it); the scheme `Bearer` is matched in any case (RFC
+9110) and the key compared in constant time. `HEAD` is answered as `GET` without a body
+(`curl -I` health checks). Bodies over the limit get 413 from the `Content-Length` header or, for
 chunked bodies, as soon as the running count passes it. Metrics label each request with its
 route template among the known ones (anything else is `other`, so a fuzzer or a scanner
 cannot blow up the label set) and its status, timed to the last byte of the response.
@@ -18,6 +19,7 @@ import time
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.errors import shown
 from server.http_errors import error_body
 from server.router_metrics import RouterMetrics
 
@@ -48,7 +50,7 @@ def route_label(path: str) -> str:
 class EdgeMiddleware:
     def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: RouterMetrics | None = None):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
 
@@ -73,16 +75,21 @@ class EdgeMiddleware:
             await _json(send_wrapper, path, 401, "Missing or wrong API key: send `Authorization: Bearer <key>`",
                         {"www-authenticate": "Bearer"})
             return
-        # 2. a POST without a JSON content type (`curl -d`) is read as JSON all the same
+        # 2. HEAD is GET without a body (the server writes no body for a HEAD request either)
+        if scope.get("method") == "HEAD":
+            scope = {**scope, "method": "GET"}
+            send_wrapper = _without_body(send_wrapper)
+        # 3. a POST without a JSON content type (`curl -d`) is read as JSON all the same
         if scope.get("method") == "POST":
             scope = _json_content_type(scope)
-        # 3. body size: declared length first, then the running count of a chunked body
+        # 4. body size: declared length first, then the running count of a chunked body
         declared = _header(scope, b"content-length")
         if declared is not None:
             try:
                 too_large = int(declared) > self.max_body_bytes
             except ValueError:
-                await _json(send_wrapper, path, 400, f"Invalid Content-Length `{declared.decode(errors='replace')}`")
+                await _json(send_wrapper, path, 400,
+                            f"Invalid Content-Length `{shown(declared.decode(errors='replace'))}`")
                 return
             if too_large:
                 await _json(send_wrapper, path, 413, self._too_large_message())
@@ -109,7 +116,21 @@ class EdgeMiddleware:
 
     def _authorized(self, scope) -> bool:
         given = _header(scope, b"authorization")
-        return given is not None and hmac.compare_digest(given.strip(), self.expected)
+        if given is None:
+            return False
+        scheme, _, token = given.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+
+
+def _without_body(send):
+    """`send` for a HEAD request: the GET response's status and headers, an empty body."""
+
+    async def send_head(message):
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return send_head
 
 
 def _public(scope, path: str) -> bool:

@@ -151,6 +151,18 @@ class ChatMessage(Edge):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = Field(None, max_length=200)
 
+    @model_validator(mode="after")
+    def _unicode(self):
+        """A lone surrogate (`"\\ud800"`, valid JSON) cannot be encoded, so no tokenizer takes it."""
+        for field, value in (("content", self.text()), ("name", self.name or "")):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                bad = value[e.start:e.end].encode("unicode_escape").decode()
+                raise ValueError(f"`{field}` is not valid Unicode: a lone surrogate `{bad}` at character {e.start}. "
+                                 "Accepted: text whose \\ud800-\\udfff escapes come in valid pairs") from None
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
@@ -158,7 +170,7 @@ class ChatMessage(Edge):
 
 
 class JsonSchemaFormat(Edge):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True, populate_by_name=True)
 
     name: str = Field("response", max_length=64)
     description: str | None = None

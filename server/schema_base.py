@@ -16,7 +16,8 @@ StopText = Annotated[str, Field(min_length=1, max_length=1000)]
 
 
 class Edge(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: `"5"`, `true` and `2.0` are not integers, `"true"` is not a boolean (as the OpenAI API)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 def refuse(model: BaseModel, allowed: dict[str, tuple]) -> None:

@@ -4,7 +4,9 @@ TGI shapes for `/generate` (`inputs`, `parameters{...}`) and OpenAI shapes for `
 (requests in `server/openai_schemas.py`). Clients of both send fields this server cannot
 honour (`best_of`, `watermark`, `suffix`...); those are accepted when they ask for nothing
 (null, 0, false, 1) and refused with a 422 naming the field otherwise, never silently
-ignored. Unknown fields are ignored, as TGI and OpenAI servers do. Floats must be finite.
+ignored. Unknown fields are ignored, as TGI and OpenAI servers do. Types are strict (an
+integer field refuses `"5"`, `true` and `2.0`), floats must be finite, and text must be
+valid Unicode (no lone surrogate such as `"\ud800"`, which no tokenizer can encode).
 Internally the router forwards plain dicts; nothing below the edge sees these classes.
 """
 

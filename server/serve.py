@@ -11,6 +11,7 @@ Ctrl-C skips the wait.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 
@@ -45,6 +46,21 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _log_api_key(settings: RouterSettings) -> None:
+    if settings.api_key is not None:
+        logger.info("API key required on every route but /health (key from %s)", settings.api_key_source)
+    elif not _is_loopback(settings.host):
+        logger.warning("listening on %s without an API key: anyone who reaches this address can generate. "
+                       "Set --api-key-file PATH or $HETSERVE_API_KEY", settings.host)
+
+
 def _url(host: str, port: int) -> str:
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}"
@@ -54,6 +70,7 @@ def run(args) -> int:
     import uvicorn
 
     from server.app import create_app, ready_summary
+    from server.http_protocol import EdgeLimits, edge_protocol
     from server.inventory import inventory
     from workers.contract.tracing import TracingUnavailable, start_tracing
     from workers.topology import select_devices
@@ -64,6 +81,7 @@ def run(args) -> int:
         tracing = start_tracing(settings.otlp_endpoint, "hetserve-router")
     except (TracingUnavailable, ValueError) as e:
         raise UsageError(str(e)) from e
+    _log_api_key(settings)
     # 1. devices: NVML or the simulated topology (never CUDA), then --devices
     devices = select_devices(inventory(getattr(args, "simulate", None)), getattr(args, "devices", "all"))
     if not devices:
@@ -93,6 +111,7 @@ def run(args) -> int:
         timeout_keep_alive=30,
         server_header=False,
         lifespan="on",
+        http=edge_protocol(EdgeLimits.from_settings(settings)),
     )
     server = uvicorn.Server(config)
     logger.info("hetserve starting %d worker(s) for %s; listening on %s", max(1, len(devices)),

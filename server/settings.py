@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from server.api_key import resolve_api_key
 from server.errors import UsageError
 from workers.contract import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MODEL_DIR, DRAIN_TIMEOUT_S
 from workers.contract.tracing import check_endpoint
@@ -21,6 +22,9 @@ from workers.contract.tracing import check_endpoint
 # Runs the worker under another command (a wrapper, a profiler, a test double):
 # `HETSERVE_WORKER_CMD="python path/to/worker.py"`. Default: `<this python> -m workers`.
 WORKER_CMD_ENV = "HETSERVE_WORKER_CMD"
+
+HEADER_TIMEOUT_S = 10.0  # a request head (request line and headers) must arrive within this
+BODY_TIMEOUT_S = 30.0  # a request body may pause this long between bytes
 
 
 def _default_worker_command() -> tuple[str, ...]:
@@ -42,9 +46,13 @@ class RouterSettings:
     max_batch: int = DEFAULT_MAX_BATCH  # running sequences per worker
     max_queue: int = DEFAULT_MAX_QUEUE  # waiting requests per worker before it answers 429
     api_key: str | None = None
+    api_key_source: str = "none"  # --api-key, --api-key-file PATH, $HETSERVE_API_KEY or none
     log_level: str = "info"
+    special_tokens_in_content: bool = False  # chat content may hold the model's special tokens
     # HTTP edge
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    header_timeout_s: float = HEADER_TIMEOUT_S  # a request head must arrive within this (408)
+    body_timeout_s: float = BODY_TIMEOUT_S  # longest pause inside a request body (408)
     retry_after_s: int = 1  # `Retry-After` on 429 and 503
     ready_wait_s: float = 30.0  # how long a request waits for a ready worker (none ready yet)
     drain_timeout_s: float = DRAIN_TIMEOUT_S  # in-flight requests get this long after SIGTERM
@@ -81,6 +89,11 @@ class RouterSettings:
         port = getattr(args, "port", 8000)
         if not 0 <= port <= 65535:
             raise UsageError(f"`--port {port}` is out of range. Accepted: 0-65535 (0 picks a free port)")
+        for name in ("header_timeout", "body_timeout"):
+            value = getattr(args, name, None)
+            if value is not None and not value > 0:
+                raise UsageError(f"`--{name.replace('_', '-')} {value}` must be > 0 seconds")
+        api_key, api_key_source = resolve_api_key(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
         kwargs = {
             "model_dir": model_dir,
             "host": getattr(args, "host", "127.0.0.1"),
@@ -89,8 +102,10 @@ class RouterSettings:
             "quantize": getattr(args, "quantize", "none"),
             "max_batch": getattr(args, "max_batch", DEFAULT_MAX_BATCH),
             "max_queue": getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
-            "api_key": getattr(args, "api_key", None) or None,
+            "api_key": api_key,
+            "api_key_source": api_key_source,
             "log_level": getattr(args, "log_level", "info"),
+            "special_tokens_in_content": bool(getattr(args, "special_tokens_in_content", False)),
         }
         endpoint = getattr(args, "otlp_endpoint", None)
         if endpoint:
@@ -103,4 +118,7 @@ class RouterSettings:
             value = getattr(args, name, None)
             if value is not None:
                 kwargs[name] = value
+        for name in ("header_timeout", "body_timeout"):
+            if getattr(args, name, None) is not None:
+                kwargs[f"{name}_s"] = getattr(args, name)
         return cls(**kwargs)

@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +34,14 @@ from server.settings import RouterSettings
 from server.worker_client import WorkerClient, WorkerDown, WorkerGone, WorkerHTTPError
 from server.worker_handle import WorkerHandle, read_status
 from server.worker_spec import build_worker_specs
-from workers.contract import CapabilityPayload, DeviceInfo, ExitCode, WorkerState, WorkerStatus
+from workers.contract import (
+    RUN_DIR_MARKER,
+    CapabilityPayload,
+    DeviceInfo,
+    ExitCode,
+    WorkerState,
+    WorkerStatus,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +85,29 @@ def describe_failure(returncode: int, status: dict) -> str:
     return f"{step}: {reason}"
 
 
-
 RUN_DIR_PREFIX = "hetserve-"
 
 
+def _is_run_dir(d: Path) -> bool:
+    """A real directory (not a link) of ours holding the marker file this router writes first."""
+    try:
+        st = d.lstat()
+        marker = (d / RUN_DIR_MARKER).lstat()
+    except OSError:
+        return False
+    uid = os.getuid()
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == uid
+            and stat.S_ISREG(marker.st_mode) and marker.st_uid == uid)
+
+
 def sweep_stale_run_dirs(tmp: Path | None = None) -> list[Path]:
-    """Remove run directories (`hetserve-<pid>-*`, ours) left by routers that died without
-    cleaning up (SIGKILL). A directory whose router pid still exists is kept."""
+    """Remove run directories left by routers that died without cleaning up (SIGKILL): named
+    `hetserve-<pid>-*`, holding the marker file, owned by this user, whose router pid is gone.
+    Anything else with a matching name (another program's folder, a link) is left alone."""
     removed = []
     for d in Path(tmp or tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*-*"):
         pid = d.name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or not d.is_dir() or d.stat().st_uid != os.getuid():
+        if not pid.isdigit() or not _is_run_dir(d):
             continue
         try:
             os.kill(int(pid), 0)
@@ -191,6 +211,7 @@ class Supervisor:
         sweep_stale_run_dirs()
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-"))
         os.chmod(self.run_dir, 0o700)
+        (self.run_dir / RUN_DIR_MARKER).write_text(f"hetserve router pid {os.getpid()}\n")
 
     def _init_handles(self) -> None:
         assert self.run_dir is not None

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.api_key import ENV_API_KEY
 from server.settings import RouterSettings
 from workers.contract import ENV_DEVICE_INDEX, ENV_DEVICE_UUID, ENV_SIMULATE, DeviceInfo
 from workers.topology import cpu_device
@@ -129,6 +130,9 @@ def build_worker_specs(devices: list[DeviceInfo], settings: RouterSettings, run_
         socket_path = run_dir / f"{wid}.sock"
         status_path = run_dir / f"{wid}.status.json"
         env = worker_environment(device, threads, base)
+        # torch's compile cache, else an empty /tmp/torchinductor_<user> outlives every run
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_dir / f"{wid}.inductor"))
+        env.pop(ENV_API_KEY, None)  # workers have no use for the router's key
         argv = worker_argv(wid, device, settings, socket_path, status_path, threads, parent_pid)
         specs.append(WorkerSpec(wid, device, socket_path, status_path, argv, tuple(sorted(env.items())), threads))
     return specs

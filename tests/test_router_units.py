@@ -209,6 +209,7 @@ def test_run_dirs_of_dead_routers_are_swept(tmp_path):
     import sys
 
     from server.supervisor import sweep_stale_run_dirs
+    from workers.contract import RUN_DIR_MARKER
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f"hetserve-{dead.stdout.strip()}-abc"
@@ -216,5 +217,6 @@ def test_run_dirs_of_dead_routers_are_swept(tmp_path):
     other = tmp_path / "hetserve-notapid-x"
     for d in (stale, live, other):
         d.mkdir()
+        (d / RUN_DIR_MARKER).write_text("")
     assert sweep_stale_run_dirs(tmp_path) == [stale]
     assert not stale.exists() and live.exists() and other.exists()

@@ -297,6 +297,7 @@ class Engine:
             if seq is not None:
                 self.metrics.requests.labels(seq.finish_reason).inc()
                 self._release(seq)
+                self._publish_load()  # no step may follow: the gauges must not wait for one
         else:
             self._abort_all("The worker shut down before the request finished")
             return False
@@ -326,9 +327,8 @@ class Engine:
         updates = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs)
         tops = {id(s): t for s, t in zip(seqs, sampled.top, strict=True) if t is not None}
         self._deliver(self._events(updates, tops, t0))
-        running = self.scheduler.num_running
         self.metrics.on_step(time.perf_counter() - t0, len(seqs), out.num_prefill_tokens, len(updates))
-        self.metrics.set_load(running, max(0, self._in_flight - running))
+        self._publish_load()
         return len(seqs)
 
     def _start_masks(self, seqs: list[Sequence]) -> Future | None:
@@ -337,6 +337,9 @@ class Engine:
         if self._masker is None:
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         return self._masker.submit(grammar_bitmask, seqs, self.grammars)
+
+    def _publish_load(self) -> None:
+        self.metrics.set_load(*self.load())
 
     def _events(self, updates, tops: dict[int, TopList], step_started: float) -> list[tuple[RequestStream, TokenEvent]]:
         now = time.monotonic()
@@ -389,6 +392,7 @@ class Engine:
             if kind == _ADD:
                 self._release(value)
                 items.append((value.stream, ErrorEvent(message)))
+        self._publish_load()
         self._deliver(items)
 
     @staticmethod

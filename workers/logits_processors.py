@@ -42,7 +42,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence, which: list[int]) -> t
             seen = torch.tensor(rows[i].prompt_ids + rows[i].output_ids, dtype=torch.int64, device=logits.device)
             seen = seen[seen < vocab].unique()
             score = row[seen]
-            row[seen] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
+            rp = max(p.repetition_penalty, torch.finfo(logits.dtype).tiny)  # never 0 in fp32
+            finite = torch.finfo(logits.dtype).max  # a tiny penalty must not overflow a row to inf
+            row[seen] = torch.where(score < 0, score * rp, score / rp).clamp(-finite, finite)
         if (p.presence_penalty or p.frequency_penalty) and rows[i].output_ids:
             out = torch.tensor(rows[i].output_ids, dtype=torch.int64, device=logits.device)
             counts = out[out < vocab].bincount(minlength=vocab).to(logits.dtype)  # [V]

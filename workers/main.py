@@ -29,6 +29,7 @@ from workers.contract import (
     ExitCode,
     WorkerStatus,
 )
+from workers.row_buckets import cap_native_caches
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,13 @@ class StatusFile:
             return
         body = {"state": state, **fields, "worker_id": self.worker_id, "pid": os.getpid(), "time": time.time()}
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(body, f)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(body, f)
+            os.replace(tmp, self.path)
+        finally:  # interrupted (a signal mid-write): leave no half-written file behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
 
 @contextlib.contextmanager
@@ -119,6 +124,7 @@ def configure_logging(worker_id: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    cap_native_caches()  # before torch loads (see workers/row_buckets.py)
     args = parse_args(argv)
     args.worker_id = args.worker_id or _default_worker_id(args)
     configure_logging(args.worker_id)
@@ -198,9 +204,14 @@ def _install_sigterm(phase: dict) -> None:
 
     def on_sigterm(signum, frame):
         server = phase.get("server")
-        if server is None:
+        if server is not None:
+            server.should_exit = True  # between the serve step and uvicorn taking over SIGTERM
+        elif not phase.get("stopping"):
+            # Once only: the parent's death may signal twice (PR_SET_PDEATHSIG and the parent
+            # watch); a second raise would interrupt the shutdown that the first one started.
+            phase["stopping"] = True
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already, through exit
             raise _ShutdownRequested()
-        server.should_exit = True  # between the serve step and uvicorn taking over SIGTERM
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)

@@ -18,6 +18,11 @@ of one batched draw, which would tie each row's randomness to the batch composit
 The logprob returned (and the top alternatives, `logprobs`) is the token's log-probability
 under the distribution it was drawn from: after bias, mask, penalties and warpers (vLLM's
 `processed_logprobs`, TGI's choice; see `workers/logprobs.py`).
+
+Finite for every accepted value: a temperature below `MIN_TEMPERATURE` means greedy (as in
+vLLM; dividing fp32 logits by 1e-300 gives inf and then NaN), and the penalized and
+tempered logits are clamped to fp32's finite range, so a tiny `repetition_penalty` cannot
+overflow a row to inf (whose softmax is NaN).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ MAX_SEED = 2**64 - 1
 MAX_LOGIT_BIAS = 100.0  # |bias| limit, as OpenAI
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| limit, as OpenAI
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy (vLLM's `_SAMPLING_EPS`)
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 class ParameterError(ValueError):
@@ -121,10 +128,11 @@ class SamplingParams:
         if logprobs is not None and (isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ParameterError(f"`top_n_tokens` must be an integer in [0, {MAX_LOGPROBS}], got `{logprobs}`")
         # TGI semantics: temperature 0 without do_sample means greedy; any warper means sampling.
-        temp = 1.0 if temperature is None or temperature == 0 else float(temperature)
-        k = int(top_k or 0)
-        p = 1.0 if top_p is None else float(top_p)
-        sample = bool(do_sample) or temp != 1.0 or k > 0 or p < 1.0
+        tiny = temperature is not None and 0 < temperature < MIN_TEMPERATURE  # greedy, as vLLM does
+        temp = 1.0 if temperature is None or temperature == 0 or tiny else float(temperature)
+        k = 0 if tiny else int(top_k or 0)
+        p = 1.0 if top_p is None or tiny else float(top_p)
+        sample = not tiny and (bool(do_sample) or temp != 1.0 or k > 0 or p < 1.0)
         rp = 1.0 if repetition_penalty is None else float(repetition_penalty)
         return cls(n, sample, temp, k, p, rp, seed, stops, bool(stop_in_output), float(presence_penalty or 0.0),
                    float(frequency_penalty or 0.0), _logit_bias(logit_bias), logprobs, bool(prompt_logprobs), grammar)
@@ -211,6 +219,7 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Gra
         temps = [p.temperature if p.do_sample else 1.0 for p in params]
         if any(t != 1.0 for t in temps):
             logits = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+            logits = logits.clamp(max=FP32_MAX)  # a huge logit over a small temperature stays finite
         top_k = [p.top_k if p.do_sample else 0 for p in params]
         top_p = [p.top_p if p.do_sample else 1.0 for p in params]
         if any(top_k) or any(p < 1.0 for p in top_p):

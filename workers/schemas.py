@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from workers.events import FinishInfo, TokenEvent
 from workers.grammar import GrammarSpec, json_text
@@ -103,6 +103,16 @@ class GenerateRequest(BaseModel):
     inputs: str = ""
     input_ids: list[int] | None = None
     parameters: Parameters = Field(default_factory=Parameters)
+
+    @field_validator("inputs")
+    @classmethod
+    def _unicode(cls, value: str) -> str:
+        """The tokenizer cannot encode a lone surrogate (valid JSON, not valid Unicode): a 422, not a 500."""
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"not valid Unicode: a lone surrogate at character {e.start}") from None
+        return value
 
 
 class Render:

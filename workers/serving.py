@@ -57,10 +57,18 @@ class WorkerServer:
 
     def __init__(self, args, bound, loaded, kernels: dict, conv, fp8_reason: str):
         self.args, self.bound, self.loaded = args, bound, loaded
+        self._init_row_buckets()
         self._init_kv_cache()
         self._init_engine()
         self._init_app(kernels, conv, fp8_reason)
         self._init_server()
+
+    def _init_row_buckets(self) -> None:
+        from workers.row_buckets import install_row_buckets
+
+        n = install_row_buckets(self.loaded.model, self.bound.torch_device, self.loaded.dtype)
+        if n:
+            logger.info("CPU %s projections: rows padded to buckets (%d layers)", self.loaded.dtype, n)
 
     def _init_kv_cache(self) -> None:
         from workers.kv_cache import KVCache

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, Request
 
 from server.context import get_ctx
+from server.errors import shown
 
 router = APIRouter(tags=["workers"])
 
@@ -29,4 +30,4 @@ async def get_worker(worker_id: str, request: Request) -> dict:
         if h.answers_to(worker_id):
             return h.snapshot(ctx.settings.max_batch)
     known = ", ".join(ctx.supervisor.workers) or "none"
-    raise HTTPException(404, f"No worker `{worker_id}`. Known: {known}")
+    raise HTTPException(404, f"No worker `{shown(worker_id)}`. Known: {known}")

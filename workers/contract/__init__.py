@@ -15,6 +15,7 @@ from workers.contract.capability import (
 from workers.contract.chat_template import (
     FoundTemplate,
     find_chat_template,
+    read_special_tokens,
     read_tokenizer_config,
     token_text,
 )
@@ -32,8 +33,12 @@ from workers.contract.defaults import (
     HEADER_PIN_WORKER,
     HEADER_WORKER_CAPABILITY,
     HEADER_WORKER_ID,
+    MAX_HEADER_BYTES,
+    MAX_HEADER_COUNT,
     MAX_LOGPROBS,
     MAX_STOP_SEQUENCES,
+    MAX_URL_BYTES,
+    RUN_DIR_MARKER,
     WORKER_HEADERS,
 )
 from workers.contract.device import DEVICE_FIELDS, DeviceDescribing, DeviceInfo
@@ -60,11 +65,12 @@ from workers.contract.payload import (
 
 __all__ = [
     "ACCEPTED_CAPABILITY_SPELLINGS", "Capability", "CapabilityError", "capability_label",
-    "FoundTemplate", "find_chat_template", "read_tokenizer_config", "token_text",
+    "FoundTemplate", "find_chat_template", "read_special_tokens", "read_tokenizer_config", "token_text",
     "DEFAULT_MAX_BATCH", "DEFAULT_MAX_QUEUE", "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S",
     "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_SIMULATE",
     "HEADER_FP8", "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_PIN_WORKER",
     "HEADER_WORKER_CAPABILITY", "HEADER_WORKER_ID", "MAX_LOGPROBS", "MAX_STOP_SEQUENCES", "WORKER_HEADERS",
+    "MAX_HEADER_BYTES", "MAX_HEADER_COUNT", "MAX_URL_BYTES", "RUN_DIR_MARKER",
     "DEVICE_FIELDS", "DeviceDescribing", "DeviceInfo",
     "DEVICE_TYPES", "EMULATED", "FP8_CONVENTIONS", "NATIVE", "NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_CAPABILITY",
     "ROCM_NATIVE_FP8_LAST",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 JINJA_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,26 @@ def read_tokenizer_config(model_dir: Path | str | None) -> dict:
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def read_special_tokens(model_dir: Path | str | None) -> tuple[str, ...]:
+    """The text of every special token the tokenizer parses out of a prompt (`<|im_start|>`,
+    `</s>`): `tokenizer.json`'s special added tokens and `tokenizer_config.json`'s
+    `added_tokens_decoder`; () when neither file says."""
+    if model_dir is None:
+        return ()
+    found: set[str] = set()
+    try:
+        tokenizer = json.loads((Path(model_dir) / TOKENIZER_FILE).read_text())
+    except (OSError, ValueError):
+        tokenizer = {}
+    entries = list(tokenizer.get("added_tokens") or []) if isinstance(tokenizer, dict) else []
+    decoder = read_tokenizer_config(model_dir).get("added_tokens_decoder") or {}
+    entries += list(decoder.values()) if isinstance(decoder, dict) else []
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("special") and isinstance(entry.get("content"), str) and entry["content"]:
+            found.add(entry["content"])
+    return tuple(sorted(found, key=lambda t: (-len(t), t)))
 
 
 def token_text(value) -> str | None:

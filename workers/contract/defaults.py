@@ -43,3 +43,13 @@ GATEWAY_WAITING = "vllm:num_requests_waiting"
 GATEWAY_RUNNING = "vllm:num_requests_running"
 GATEWAY_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 GATEWAY_POD = "all"  # `worker_id` and `capability` of the pod's total samples
+
+# HTTP heads: the router refuses a request head (request line + headers) larger than this
+# (431) and reads a worker's response head up to the same size.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_COUNT = 100  # headers in one request; more is a 431
+MAX_URL_BYTES = 8 * 1024  # request target (path and query); longer is a 414
+
+# The file the router writes first into each run directory (worker sockets and status
+# files): a start-up sweep removes only directories that hold it.
+RUN_DIR_MARKER = ".hetserve-run"
