@@ -93,7 +93,12 @@ def render_preflight(entry: dict) -> list[str]:
     lines = [head, f"  triton cache {pf.get('triton_cache')}"]
     native = entry["fp8"].get("native_compile")
     if native is not None:
-        verdict = "compiles" if native["ok"] else f"does not compile: {native['error']}"
+        if not native["ok"]:
+            verdict = f"does not compile: {native['error']}"
+        elif native["instruction"] is None:
+            verdict = "compiles, but only without fp8 matrix instructions (none on this architecture)"
+        else:
+            verdict = f"compiles ({native['instruction']})"
         lines.append(f"  native fp8 kernel on {native['target']} ({native['kernel']}): {verdict}")
     return lines
 

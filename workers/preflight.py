@@ -251,7 +251,7 @@ def device_limits(bound) -> ArchLimits | None:
     """A real GPU's own limits (shared memory per block, warp size) over its table row."""
     import torch
 
-    row = arch_limits(bound.arch or Target.current().arch)
+    row = arch_limits(bound.arch_name)
     props = torch.cuda.get_device_properties(0)
     shared = getattr(props, "shared_memory_per_block_optin", None)
     if row is None or not shared:
@@ -298,6 +298,16 @@ def compare(a: dict, b: dict) -> list[str]:
     return diffs
 
 
+def _as_report(doc: dict) -> dict:
+    """A preflight report from this module's JSON, or from `hetserve plan --compile --json` (its
+    first device)."""
+    if "devices" not in doc:
+        return doc
+    entry = doc["devices"][0]
+    return {"target": entry["preflight"].get("target"),
+            "layers": {layer: k.get("compiled", {}) for layer, k in entry["kernels"].items()}}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workers.preflight",
                                 description="Compile every selected Triton kernel for one device and check it.")
@@ -308,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.compare:
-        a, b = (json.loads(Path(f).read_text()) for f in args.compare)
-        diffs = compare(a.get("preflight", a), b.get("preflight", b))
-        print("\n".join(diffs) if diffs else f"agree: {len(a.get('preflight', a)['layers'])} layers on {a['target']}")
+        a, b = (_as_report(json.loads(Path(f).read_text())) for f in args.compare)
+        diffs = compare(a, b)
+        print("\n".join(diffs) if diffs else f"agree: {len(a['layers'])} layers on {a['target']}")
         return 1 if diffs else 0
     from workers.device import bind_device
     from workers.loader import choose_dtype
