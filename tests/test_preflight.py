@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import triton.language as tl
 
 from kernels_local.compile_spec import CompileSpec, Workload
 from kernels_local.mapping import select
@@ -27,6 +28,10 @@ from workers.contract import ENV_TRITON_CACHE
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "triton-preflight"
+# A cold matrix on two busy cores can take longer than the suite's default per-test limit.
+pytestmark = pytest.mark.timeout(3000)
+compiles_here = pytest.mark.skipif(type(tl.sum).__name__ == "InterpretedFunction",
+                                   reason="TRITON_INTERPRET=1: kernels are interpreted, not compiled")  # fmt: skip
 BELOW_SM89 = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_87")
 # Expected tensor-core instruction of the fp8 linear GEMM per architecture (independent of the table).
 EXPECTED_GEMM = {
@@ -184,6 +189,7 @@ def _oversized_gemm() -> CompileSpec:
     return CompileSpec(spec.kernel, spec.args, spec.constexprs, spec.num_warps, 6, spec.dot)
 
 
+@compiles_here
 def test_an_oversized_launch_is_refused_naming_kernel_figure_and_limit(monkeypatch):
     """Guards `_exceeds` in workers/preflight.py: a launch that needs more shared memory than
     sm_89's 99 KiB is refused, not left to fail with `out of resource` at the first request."""
@@ -204,6 +210,7 @@ def test_an_oversized_launch_is_refused_naming_kernel_figure_and_limit(monkeypat
     assert check(spec, compiled, target, ARCH_LIMITS["sm_90"]).ok
 
 
+@compiles_here
 def test_a_worker_refuses_a_selection_that_does_not_fit(monkeypatch):
     """Guards `preflight_or_refuse`: the kernelize step raises with every refused launch."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(CACHE / "sm_89"))
@@ -238,6 +245,24 @@ def test_plan_compile_exits_1_when_a_device_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(plan_compile, "preflight_reports", refused)
     assert main(["plan", "--compile", "--simulate", "sm_89"]) == 1
     assert "preflight FAILED: boom" in capsys.readouterr().out
+
+
+def test_when_a_worker_runs_its_preflight_and_on_what():
+    from tests.test_kernelize import device
+    from workers.config import ModelConfig
+    from workers.preflight import model_workload, wants_preflight
+
+    assert wants_preflight("auto", device("sm_90", simulated=False))
+    assert not wants_preflight("auto", device("sm_90")) and wants_preflight("on", device("sm_90"))
+    assert not wants_preflight("on", device("cpu")) and not wants_preflight("off", device("sm_90", simulated=False))
+    with pytest.raises(ValueError, match="`sometimes`"):
+        wants_preflight("sometimes", device("sm_90"))
+    cfg = ModelConfig(vocab_size=32, hidden_size=48, intermediate_size=136, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)  # fmt: skip
+    import torch
+
+    w = model_workload(cfg, torch.float16)
+    assert w.dtype == "fp16" and {48, 136, 256, 16384} <= set(w.widths)  # its own widths and the realistic ones
 
 
 # -- a worker's own preflight, end to end ------------------------------------------------------
