@@ -5,8 +5,9 @@ fp8 -> serve. Right after binding, Triton is pointed at this architecture's own 
 directory (before anything imports it). On a real GPU, kernelize also compiles every selected
 kernel for the device ahead of time and checks it against the device's limits (the
 preflight), and once fp8 has swapped in its layers one forward is compared with the torch
-reference path (the self-test); either failing fails the start at `kernelize`. Everything is built inside this process (vLLM `run_engine_core` style): the
-router passes only arguments and environment. Each startup step is logged once with its
+reference path (the self-test); either failing fails the start at `kernelize`. Everything is
+built inside this process (vLLM `run_engine_core` style): the router passes only arguments
+and environment. Each startup step is logged once with its
 duration and written to the status file, so a worker that cannot start says which step
 failed and why (exit 3), distinct from a fatal error while serving (exit 4). A clean
 shutdown (SIGTERM, or the parent dying) drains in-flight requests within a bound and
