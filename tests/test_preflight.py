@@ -247,6 +247,19 @@ def test_plan_compile_exits_1_when_a_device_is_refused(monkeypatch, capsys):
     assert "preflight FAILED: boom" in capsys.readouterr().out
 
 
+def test_the_worker_flag_and_its_environment_default(monkeypatch, capsys):
+    from workers.main import parse_args
+
+    assert parse_args(["--socket", "s"]).preflight == "auto"
+    monkeypatch.setenv("HETSERVE_PREFLIGHT", "on")
+    assert parse_args(["--socket", "s"]).preflight == "on"
+    assert parse_args(["--socket", "s", "--preflight", "off"]).preflight == "off"
+    monkeypatch.setenv("HETSERVE_PREFLIGHT", "bogus")
+    with pytest.raises(SystemExit):
+        parse_args(["--socket", "s"])
+    assert "`$HETSERVE_PREFLIGHT=bogus` is not a preflight mode. Accepted: auto, on, off" in capsys.readouterr().err
+
+
 def test_when_a_worker_runs_its_preflight_and_on_what():
     from tests.test_kernelize import device
     from workers.config import ModelConfig

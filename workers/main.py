@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"`--{name.replace('_', '-')}` must be >= 1, got `{value}`")
     if args.max_queue < 0:
         p.error(f"`--max-queue` must be >= 0, got `{args.max_queue}`")
+    if args.preflight not in PREFLIGHT_MODES:  # a default from the environment skips argparse's check
+        p.error(f"`${ENV_PREFLIGHT}={args.preflight}` is not a preflight mode. Accepted: {', '.join(PREFLIGHT_MODES)}")
     return args
 
 
