@@ -15,6 +15,7 @@ under `fp8.native_compile`. The trade-off: each child pays the import of torch a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -53,8 +54,6 @@ def _run_child(device: DeviceInfo) -> dict:
 
 
 def _base_env() -> dict[str, str]:
-    import os
-
     # The interpreter would make the kernels plain Python functions with nothing to compile.
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
