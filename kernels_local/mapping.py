@@ -16,9 +16,10 @@ architectures newer than the tuned ones (sm_100, sm_120) get a defined, forward-
 choice whose reason says so.
 
 The fp8 linear entries take their capability ranges from the fp8 rule itself
-(`workers.contract.fp8_rule`: native e4m3 from sm_89, CDNA3 on ROCm) and each names the
-convention it was built for (`KernelChoice.fp8`), which the quantizer compares with the
-worker's convention; a test checks both agree for every capability. This module imports
+(`workers.contract.fp8_rule`: native e4m3 from sm_89; on ROCm e4m3fnuz on CDNA3 and OCP
+e4m3fn from CDNA4) and each names the convention it was built for (`KernelChoice.fp8`),
+which the quantizer compares with the worker's convention; a test checks both agree for
+every capability. This module imports
 neither torch nor the kernel repositories, only the torch-free contract, so the router's
 `plan` stays light.
 """
@@ -39,6 +40,7 @@ from workers.contract import (
     NATIVE_FP8_CAPABILITY,
     ROCM_NATIVE_FP8_CAPABILITY,
     ROCM_NATIVE_FP8_LAST,
+    ROCM_OCP_FP8_CAPABILITY,
     Capability,
     CapabilityError,
 )
@@ -50,7 +52,8 @@ LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear")
 _ANY = sys.maxsize
 # fp8 convention thresholds as `kernels` capability integers, from the one fp8 rule.
 _FP8_NATIVE_CUDA = NATIVE_FP8_CAPABILITY.int  # 89
-_FP8_NATIVE_ROCM = (ROCM_NATIVE_FP8_CAPABILITY.int, ROCM_NATIVE_FP8_LAST.int)  # CDNA3+ (gfx942, gfx950)
+_FP8_FNUZ_ROCM = (ROCM_NATIVE_FP8_CAPABILITY.int, ROCM_OCP_FP8_CAPABILITY.int - 1)  # CDNA3 (gfx94x)
+_FP8_OCP_ROCM = (ROCM_OCP_FP8_CAPABILITY.int, ROCM_NATIVE_FP8_LAST.int)  # CDNA4+ (gfx950)
 
 
 @dataclass(frozen=True)
@@ -142,8 +145,10 @@ _ENTRIES: tuple[_Entry, ...] = (
            f"fp8 tensor cores, NATIVE=True; {_NEWER}", NATIVE),
     _Entry("Fp8Linear", Device(type="rocm"), "fp8_linear", "Fp8LinearTritonEmulatedRocm", "emulated-triton",
            "ROCm arch without fp8 matrix cores: Triton NATIVE=False, e4m3fnuz bytes decoded in registers", EMULATED),
-    _Entry("Fp8Linear", _rocm(*_FP8_NATIVE_ROCM), "fp8_linear", "Fp8LinearTritonNativeRocm", "native_e4m3-triton",
-           "CDNA3+ (gfx94x/gfx95x) fp8 matrix cores: Triton NATIVE=True on e4m3fnuz", NATIVE),
+    _Entry("Fp8Linear", _rocm(*_FP8_FNUZ_ROCM), "fp8_linear", "Fp8LinearTritonNativeRocm", "native_e4m3-triton",
+           "CDNA3 (gfx94x) fp8 matrix cores: Triton NATIVE=True on e4m3fnuz", NATIVE),
+    _Entry("Fp8Linear", _rocm(*_FP8_OCP_ROCM), "fp8_linear", "Fp8LinearTritonNativeRocm", "native_e4m3-triton",
+           "CDNA4 (gfx950) fp8 matrix cores: Triton NATIVE=True on OCP e4m3fn (not fnuz)", NATIVE),
 )
 # fmt: on
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a real GPU, as one short run: the gpu-marked tests, one real worker
-# bound to the GPU answering /generate, and the Triton kernel benchmark. Writes logs under
+# bound to the GPU answering /generate (its start runs the kernel preflight and the self-test),
+# the Triton kernel benchmark, and the preflight on the real device compared with the
+# simulated plan of its architecture (they must agree). Writes logs under
 # $OUT (default /tmp/gpu-check). Uses the machine's python3 (with its CUDA torch and Triton);
 # packages it lacks (kernels, fastapi, uvicorn, pydantic, ...) can be placed as wheels in
 # .whl/ (for example `pip download --no-deps --only-binary=:all: -d .whl kernels==0.17.2 ...`)
@@ -28,7 +30,7 @@ PY
 sock="$OUT/w.sock"
 "$PY" -m workers --socket "$sock" --status-file "$OUT/w.json" >"$OUT/worker.log" 2>&1 &
 wpid=$!
-for _ in $(seq 60); do grep -q '"ready"' "$OUT/w.json" 2>/dev/null && break; sleep 1; done
+for _ in $(seq 240); do grep -q '"ready"' "$OUT/w.json" 2>/dev/null && break; sleep 1; done
 cat "$OUT/w.json"; echo
 curl -s --unix-socket "$sock" http://w/capability | tee "$OUT/capability.json"; echo
 curl -s --unix-socket "$sock" http://w/generate -H 'content-type: application/json' \
@@ -36,3 +38,9 @@ curl -s --unix-socket "$sock" http://w/generate -H 'content-type: application/js
 kill "$wpid"; wait "$wpid"
 # 3. our Triton kernels against torch, side by side
 "$PY" benchmarks/triton_kernels.py --rounds 30 2>&1 | tee "$OUT/kernels.txt"
+# 4. the preflight on the real device against `hetserve plan --compile` simulating its architecture
+"$PY" -m workers.preflight >"$OUT/preflight-real.json" 2>"$OUT/preflight-real.log"
+arch="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["arch"])' "$OUT/preflight-real.json")"
+"$PY" -m server.cli plan --compile --simulate "$arch" --json >"$OUT/preflight-simulated.json"
+"$PY" -m workers.preflight --compare "$OUT/preflight-real.json" "$OUT/preflight-simulated.json" \
+  | tee "$OUT/preflight-compare.txt"

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(plan)
     plan.add_argument("--devices", default="all", metavar="all|0,2|UUID,...")
     plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("--compile", action="store_true",
+                      help="also compile every selected Triton kernel for each device's target (no GPU needed) and "
+                           "check it against the device's limits; exits 1 if any is refused")  # fmt: skip
 
     compose = sub.add_parser("compose", help="write a docker compose file for this host's GPUs")
     _add_simulate(compose)

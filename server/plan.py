@@ -8,7 +8,9 @@ names match `/workers`: `device{type, index, uuid, name, capability, simulated,
 memory_total_bytes}`, `fp8{convention, reason}`, `kernels{<layer>: {repo, layer, variant,
 reason}}`. The trade-off: `select` reads the mapping through the `kernels` library, which
 imports torch, so this one-shot command pays that import (the serving router never imports
-this module).
+this module). With `--compile`, each device's preflight (`server.plan_compile`) adds the
+compile record of every kernel under `kernels.<layer>.compiled` and, where fp8 is emulated,
+the native fp8 kernel's verdict under `fp8.native_compile`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 
 from server.errors import UsageError
+from server.plan_compile import render_layer, render_preflight
 from workers.contract import DeviceInfo, fp8_rule
 from workers.topology import TopologySpecError, cpu_device, select_devices
 
@@ -42,9 +45,17 @@ def plan_device(dev: DeviceInfo) -> dict:
     }
 
 
-def build_plan(simulate: str | None = None, devices: str | None = "all") -> dict:
-    """`{"devices": [plan_device(d), ...]}` for the inventory (or one CPU device)."""
-    return {"devices": [plan_device(d) for d in _devices(simulate, devices)]}
+def build_plan(simulate: str | None = None, devices: str | None = "all", compile: bool = False) -> dict:
+    """`{"devices": [plan_device(d), ...]}` for the inventory (or one CPU device); with
+    `compile`, each entry carries its preflight."""
+    found = _devices(simulate, devices)
+    plan = {"devices": [plan_device(d) for d in found]}
+    if compile:
+        from server.plan_compile import attach, preflight_reports
+
+        for entry, report in zip(plan["devices"], preflight_reports(found), strict=True):
+            attach(entry, report)
+    return plan
 
 
 def _render(plan: dict) -> str:
@@ -60,16 +71,20 @@ def _render(plan: dict) -> str:
             for layer, k in entry["kernels"].items()
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        for r in rows:
+        for r, kernel in zip(rows, [None, *entry["kernels"].values()], strict=True):
             lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
+            lines += [] if kernel is None else render_layer(kernel)
+        lines += render_preflight(entry)
         lines.append("")
     return "\n".join(lines).rstrip("\n")
 
 
 def run(args) -> int:
-    plan = build_plan(getattr(args, "simulate", None), getattr(args, "devices", "all"))
+    compile_ = getattr(args, "compile", False)
+    plan = build_plan(getattr(args, "simulate", None), getattr(args, "devices", "all"), compile_)
     if getattr(args, "json", False):
         print(json.dumps(plan, indent=2))
     else:
         print(_render(plan))
-    return 0
+    refused = [e for e in plan["devices"] if compile_ and not e["preflight"]["ok"]]
+    return 1 if refused else 0

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from server.worker_client import WorkerClient
 from server.worker_spec import WorkerSpec
-from workers.contract import DEVICE_FIELDS, Capability, CapabilityPayload, WorkerState
+from workers.contract import DEVICE_FIELDS, ENV_TRITON_CACHE_DIR, Capability, CapabilityPayload, WorkerState
 
 
 @dataclass(eq=False)
@@ -91,7 +91,8 @@ class WorkerHandle:
             "reason": self.reason,
             "device": self.device_dict(),
             "fp8": info.fp8.model_dump(),
-            "kernels": {layer: k.model_dump() for layer, k in info.kernels.items()},
+            "kernels": {layer: k.model_dump(exclude_none=True) for layer, k in info.kernels.items()},
+            "triton_cache": info.triton_cache or self.spec.environ().get(ENV_TRITON_CACHE_DIR),
             "load": self.load(max_batch),
             "capacity": info.capacity or None,
             "model": info.model.model_dump(exclude={"chat_template"}, exclude_none=True),

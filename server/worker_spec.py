@@ -5,7 +5,8 @@ which is what makes "bind first" possible: a real GPU worker sees exactly one de
 (`CUDA_DEVICE_ORDER=PCI_BUS_ID`, `CUDA_VISIBLE_DEVICES=<its UUID>`), a simulated one sees
 none (`CUDA_VISIBLE_DEVICES=""`) and learns its capability from `HETSERVE_SIMULATE`.
 Simulated workers share this host's CPUs: each gets `--threads` = CPUs / workers, so three
-simulated devices on two cores do not oversubscribe them threefold.
+simulated devices on two cores do not oversubscribe them threefold. Each worker compiles into
+its architecture's own Triton cache (`TRITON_CACHE_DIR=<root>/sm_89`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from server.api_key import ENV_API_KEY
 from server.settings import RouterSettings
-from workers.contract import ENV_DEVICE_INDEX, ENV_DEVICE_UUID, ENV_SIMULATE, DeviceInfo
+from workers.contract import ENV_DEVICE_INDEX, ENV_DEVICE_UUID, ENV_SIMULATE, DeviceInfo, use_triton_cache
 from workers.topology import cpu_device
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +82,7 @@ def worker_environment(device: DeviceInfo, threads: int, base: dict[str, str]) -
         env["HIP_VISIBLE_DEVICES"] = str(device.index)
     else:
         env["CUDA_VISIBLE_DEVICES"] = device.uuid
+    use_triton_cache(device.arch_name, env)  # <root>/<arch>: no two architectures share binaries
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
     # `python -m workers` must import this checkout even when it is not installed.

@@ -61,6 +61,53 @@ def test_simulated_workers_hide_real_gpus_and_share_the_cpu_threads():
     assert threads_per_worker(1, 3) == 1
 
 
+def test_each_architecture_gets_its_own_triton_cache(monkeypatch):
+    """Guards `use_triton_cache` in server/worker_spec.py: workers of different architectures
+    never share a Triton cache directory; the root is HETSERVE_TRITON_CACHE, else the user's
+    TRITON_CACHE_DIR, else Triton's default."""
+    devices = parse_simulate("sm_80,sm_89,sm_89,gfx942") + [REAL_H100]
+    base = {"PATH": "/bin", "HETSERVE_TRITON_CACHE": "/c"}
+    specs = build_worker_specs(devices, RouterSettings(worker_command=("w",)), Path("/tmp/run"), 1, base_env=base)
+    dirs = [s.environ()["TRITON_CACHE_DIR"] for s in specs]
+    assert dirs == ["/c/sm_80", "/c/sm_89", "/c/sm_89", "/c/gfx942", "/c/sm_90"]
+    assert all(s.environ()["HETSERVE_TRITON_CACHE"] == "/c" for s in specs)
+    (spec,) = build_worker_specs([REAL_H100], RouterSettings(worker_command=("w",)), Path("/r"), 1,
+                                 base_env={"TRITON_CACHE_DIR": "/mine"})  # fmt: skip
+    assert spec.environ()["TRITON_CACHE_DIR"] == "/mine/sm_90"
+    monkeypatch.setenv("HOME", "/home/u")
+    (spec,) = build_worker_specs([REAL_H100], RouterSettings(worker_command=("w",)), Path("/r"), 1, base_env={})
+    assert spec.environ()["TRITON_CACHE_DIR"] == "/home/u/.triton/cache/sm_90"
+
+
+def test_a_worker_started_by_hand_sets_its_own_cache_and_keeps_the_routers():
+    from workers.contract import triton_cache_dir, use_triton_cache
+
+    env = {}
+    assert use_triton_cache("gfx950", env) == Path(env["TRITON_CACHE_DIR"]) == Path.home() / ".triton/cache/gfx950"
+    env = {"TRITON_CACHE_DIR": "/c/sm_89", "HETSERVE_TRITON_CACHE": "/c"}  # what the router set
+    assert use_triton_cache("sm_89", env) == Path("/c/sm_89") and env["TRITON_CACHE_DIR"] == "/c/sm_89"
+    env = {"TRITON_CACHE_DIR": "/c/sm_89"}  # a router's directory without the root variable
+    assert use_triton_cache("sm_89", env) == Path("/c/sm_89")
+    with pytest.raises(ValueError, match="`../x`"):
+        triton_cache_dir("../x", {})
+
+
+def test_workers_entry_shows_compile_records_and_the_cache():
+    """The router passes each layer's `compiled` record and the worker's cache directory through
+    from `/capability` to `/workers`; a worker without a preflight shows the four plain fields."""
+    (spec,) = _specs(parse_simulate("sm_89"))
+    handle = WorkerHandle(spec, state=WorkerState.READY)
+    compiled = {"target": "sm_89", "shared_bytes": 32768, "instruction": "mma.sync.aligned.m16n8k32", "ok": True}
+    kernel = {"repo": "kernels_local/fp8_linear", "layer": "L", "variant": "v", "reason": "r"}
+    handle.info = CapabilityPayload(kernels={"Fp8Linear": {**kernel, "compiled": compiled}, "RMSNorm": kernel},
+                                    triton_cache="/c/sm_89")  # fmt: skip
+    snap = handle.snapshot(4)
+    assert snap["kernels"]["Fp8Linear"]["compiled"] == compiled
+    assert snap["kernels"]["RMSNorm"] == kernel and snap["triton_cache"] == "/c/sm_89"
+    handle.info = None  # before it reported: the directory the router gave it
+    assert handle.snapshot(4)["triton_cache"] == spec.environ()["TRITON_CACHE_DIR"]
+
+
 def test_no_device_gives_one_cpu_worker():
     (spec,) = _specs([])
     env = spec.environ()

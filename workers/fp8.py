@@ -1,8 +1,8 @@
 """The fp8 convention of one worker, and exact e4m3 quantization.
 
 Design: a device gets native e4m3 at or above `NATIVE_FP8_CAPABILITY` (fp8 tensor cores),
-emulated fp8 below it (uint8 storage, dequantized compute), and the fnuz variant of e4m3 on
-ROCm; the rule itself is torch-free (`workers.contract.fp8_rule`), shared with the kernel
+emulated fp8 below it (uint8 storage, dequantized compute); on ROCm the encoding its matrix
+cores take (the fnuz variant of e4m3 on CDNA3, OCP e4m3fn on CDNA4); the rule itself is torch-free (`workers.contract.fp8_rule`), shared with the kernel
 mapping and `hetserve plan`. The choice is one frozen `Fp8Convention` value: the host's buffer dtype
 (`storage_dtype`) and the kernels' compile-time flag (`native`) are both read from it, so
 they cannot disagree. A process locks the first convention it uses and refuses any other
@@ -35,7 +35,7 @@ class MixedFp8ConventionError(RuntimeError):
 class E4M3Format:
     """Bit layout of an e4m3 flavour: 1 sign, 4 exponent, 3 mantissa bits."""
 
-    name: str  # "e4m3fn" (OCP, NVIDIA) | "e4m3fnuz" (AMD CDNA3)
+    name: str  # "e4m3fn" (OCP: NVIDIA, AMD CDNA4) | "e4m3fnuz" (AMD CDNA3)
     bias: int
     max_value: float
     nan_byte: int

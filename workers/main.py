@@ -1,8 +1,13 @@
 """The worker process: one device, one model, one engine, one Unix socket.
 
 `run_worker(args)` reads top-down as the mission: bind -> capability -> load -> kernelize ->
-fp8 -> serve. Everything is built inside this process (vLLM `run_engine_core` style): the
-router passes only arguments and environment. Each startup step is logged once with its
+fp8 -> serve. Right after binding, Triton is pointed at this architecture's own cache
+directory (before anything imports it). On a real GPU, kernelize also compiles every selected
+kernel for the device ahead of time and checks it against the device's limits (the
+preflight), and once fp8 has swapped in its layers one forward is compared with the torch
+reference path (the self-test); either failing fails the start at `kernelize`. Everything is
+built inside this process (vLLM `run_engine_core` style): the router passes only arguments
+and environment. Each startup step is logged once with its
 duration and written to the status file, so a worker that cannot start says which step
 failed and why (exit 3), distinct from a fatal error while serving (exit 4). A clean
 shutdown (SIGTERM, or the parent dying) drains in-flight requests within a bound and
@@ -26,8 +31,11 @@ from workers.contract import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_MODEL_DIR,
     ENV_DEVICE_INDEX,
+    ENV_PREFLIGHT,
+    PREFLIGHT_MODES,
     ExitCode,
     WorkerStatus,
+    use_triton_cache,
 )
 from workers.row_buckets import cap_native_caches
 
@@ -54,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--status-file", help="JSON status file, rewritten atomically at each step")
     p.add_argument("--parent-pid", type=int, help="exit when this process dies")
     p.add_argument("--otlp-endpoint", metavar="URL", help="export OpenTelemetry spans (OTLP) to this collector")
+    p.add_argument("--preflight", choices=PREFLIGHT_MODES, default=os.environ.get(ENV_PREFLIGHT, "auto"),
+                   help="compile and check the selected kernels before ready: auto (real GPUs), on (simulated "
+                        f"GPUs too), off (default: ${ENV_PREFLIGHT} or auto)")  # fmt: skip
     args = p.parse_args(argv)
     for name in ("max_batch", "threads"):
         value = getattr(args, name)
@@ -61,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"`--{name.replace('_', '-')}` must be >= 1, got `{value}`")
     if args.max_queue < 0:
         p.error(f"`--max-queue` must be >= 0, got `{args.max_queue}`")
+    if args.preflight not in PREFLIGHT_MODES:  # a default from the environment skips argparse's check
+        p.error(f"`${ENV_PREFLIGHT}={args.preflight}` is not a preflight mode. Accepted: {', '.join(PREFLIGHT_MODES)}")
     return args
 
 
@@ -143,6 +156,7 @@ def run_worker(args: argparse.Namespace) -> int:
             from workers.device import bind_device
 
             bound = bind_device(args.simulate, args.device_index, args.device_uuid)
+            logger.info("Triton cache %s", use_triton_cache(bound.arch_name))  # before Triton is imported
         if args.threads:  # the CPU threads the router gave this worker, before any compute
             import torch
 
@@ -158,8 +172,12 @@ def run_worker(args: argparse.Namespace) -> int:
             loaded = load_model(args.model or DEFAULT_MODEL_DIR, args.dtype, bound.torch_device, cap)
         with startup_step("kernelize", status):  # also checks `kernels`' own capability lookup
             from workers.kernelize import kernelize_for_device
+            from workers.preflight import model_workload, preflight_or_refuse, wants_preflight
 
             kernels = kernelize_for_device(loaded.model, bound)
+            compiled = None
+            if wants_preflight(args.preflight, bound):  # every selected kernel compiled and fitting
+                compiled = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
         with startup_step("fp8", status):
             from workers.fp8 import choose_fp8, lock_convention
 
@@ -170,10 +188,15 @@ def run_worker(args: argparse.Namespace) -> int:
 
                 logger.info("fp8 weights: %s", quantize_model(loaded.model, conv))
             logger.info("fp8 convention %s: %s", conv.name, fp8_reason)
+        if bound.is_real_gpu:
+            with startup_step("kernelize", status):  # its last check, once fp8 swapped in its layers
+                from workers.selftest import self_test
+
+                logger.info("self-test: %s", self_test(loaded.model, loaded.config, bound.torch_device))
         with startup_step("serve", status):
             from workers.serving import WorkerServer
 
-            server = WorkerServer(args, bound, loaded, kernels, conv, fp8_reason)
+            server = WorkerServer(args, bound, loaded, kernels, conv, fp8_reason, compiled)
         phase["server"] = server.server
         server.run(on_ready=lambda: status.write(WorkerStatus.READY, socket=args.socket))
         if server.fatal_error is not None:

@@ -15,7 +15,7 @@ import os
 import socket
 from pathlib import Path
 
-from workers.contract import DRAIN_TIMEOUT_S, CapabilityPayload
+from workers.contract import DRAIN_TIMEOUT_S, ENV_TRITON_CACHE_DIR, CapabilityPayload
 from workers.contract.tracing import start_tracing
 from workers.kv_sizing import kv_budget, plan_kv_shape
 
@@ -55,12 +55,12 @@ def _versions() -> dict:
 class WorkerServer:
     """KV cache + engine + HTTP app + uvicorn on the Unix socket: built by the serve step."""
 
-    def __init__(self, args, bound, loaded, kernels: dict, conv, fp8_reason: str):
+    def __init__(self, args, bound, loaded, kernels: dict, conv, fp8_reason: str, preflight=None):
         self.args, self.bound, self.loaded = args, bound, loaded
         self._init_row_buckets()
         self._init_kv_cache()
         self._init_engine()
-        self._init_app(kernels, conv, fp8_reason)
+        self._init_app(kernels, conv, fp8_reason, preflight)
         self._init_server()
 
     def _init_row_buckets(self) -> None:
@@ -93,7 +93,7 @@ class WorkerServer:
         self.engine = Engine(runner, Scheduler(config), loaded.tokenizer, max_queue=self.args.max_queue,
                              on_fatal=self._on_fatal, grammars=grammars)
 
-    def _init_app(self, kernels: dict, conv, fp8_reason: str) -> None:
+    def _init_app(self, kernels: dict, conv, fp8_reason: str, preflight) -> None:
         from workers.api import create_app
 
         loaded, kv = self.loaded, self.kv
@@ -109,11 +109,19 @@ class WorkerServer:
             for k in ("temperature", "top_p", "top_k", "repetition_penalty")
             if isinstance(loaded.generation_config.get(k), (int, float))
         }
+        kernel_info = {k: v.to_dict() for k, v in kernels.items()}
+        fp8 = {"convention": conv.name, "reason": fp8_reason}
+        if preflight is not None:  # each layer's compile record; why native fp8 is not used, if so
+            for layer, entry in kernel_info.items():
+                entry["compiled"] = preflight.layers[layer].compiled()
+            if preflight.native_fp8 is not None:
+                fp8["native_compile"] = preflight.native_fp8.to_dict()
         info = CapabilityPayload(
             worker_id=self.args.worker_id,
             device=self.bound.to_dict(),
-            fp8={"convention": conv.name, "reason": fp8_reason},
-            kernels={k: v.to_dict() for k, v in kernels.items()},
+            fp8=fp8,
+            kernels=kernel_info,
+            triton_cache=os.environ.get(ENV_TRITON_CACHE_DIR),
             capacity={**self.engine.scheduler.capacity(), "kv_cache_bytes": kv.nbytes},
             model=model,
             versions=_versions(),

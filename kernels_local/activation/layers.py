@@ -2,14 +2,18 @@
 
 Stateless: no `__init__`, only `forward(self, x)` with x [..., 2I] -> [..., I]. The Triton
 layers differ only in launch tuning; on CPU tensors they run the torch reference.
+`COMPILE_SPECS` names, per Triton layer, the launches its forward can make (compiled ahead
+of time by the preflight); each entry's tuning is the one its forward passes.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from .silu_and_mul import HOPPER, PRE_HOPPER, ROCM, silu_and_mul, silu_and_mul_reference
+from .silu_and_mul import HOPPER, PRE_HOPPER, ROCM, compile_specs, silu_and_mul, silu_and_mul_reference
 
 
 class SiluAndMul(nn.Module):
@@ -44,3 +48,11 @@ class SiluAndMulTritonRocm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x, ROCM)
+
+
+# Ahead-of-time compile specs of each Triton layer: `spec(workload) -> (CompileSpec, ...)`.
+COMPILE_SPECS = {
+    "SiluAndMulTritonSm70": partial(compile_specs, PRE_HOPPER),
+    "SiluAndMulTritonSm90": partial(compile_specs, HOPPER),
+    "SiluAndMulTritonRocm": partial(compile_specs, ROCM),
+}

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -98,3 +100,14 @@ def silu_and_mul(x: torch.Tensor, tuning: SiluAndMulTuning = PRE_HOPPER) -> torc
     grid = (x2.shape[0], triton.cdiv(d, block))
     _silu_and_mul_kernel[grid](x2, out, d, x2.stride(0), out.stride(0), BLOCK=block, num_warps=warps)
     return out.reshape(*x.shape[:-1], d)
+
+
+def compile_specs(tuning: SiluAndMulTuning, workload: Workload) -> tuple[CompileSpec, ...]:
+    """Every launch `silu_and_mul` makes with `tuning` on outputs of the workload's widths."""
+    specs = []
+    for d in workload.widths:
+        block, warps = tuning.launch_shape(d)
+        t = pointer(workload.dtype)
+        args = (("X", t), ("Y", t), ("n_cols", int_arg(d)), ("stride_x", int_arg(2 * d)), ("stride_y", int_arg(d)))
+        specs.append(CompileSpec(_silu_and_mul_kernel, args, (("BLOCK", block),), warps))
+    return unique(specs)

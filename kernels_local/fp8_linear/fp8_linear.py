@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import decode, get_format, quantize_rows, quantize_rows_triton
+from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
+
+from .quant import decode, get_format, quantize_rows, quantize_rows_triton, quantize_specs
 
 
 @triton.jit
@@ -146,10 +148,11 @@ class Fp8LinearTuning:
     max_block_m: int
     num_warps: int
     num_stages: int
+    min_block_m: int = 16  # tl.dot needs >= 16 rows; Hopper's wgmma and Blackwell's tcgen05 want 64
 
     def launch_shape(self, m: int) -> tuple[int, int, int, int, int]:
         """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for `m` tokens."""
-        block_m = max(16, min(self.max_block_m, triton.next_power_of_2(m)))  # tl.dot needs >= 16
+        block_m = max(self.min_block_m, min(self.max_block_m, triton.next_power_of_2(m)))
         return block_m, self.block_n, self.block_k, self.num_warps, self.num_stages
 
 
@@ -157,8 +160,10 @@ class Fp8LinearTuning:
 SM80 = Fp8LinearTuning("sm80", block_n=64, block_k=64, max_block_m=64, num_warps=4, num_stages=3)
 # Ada (native): fp8 mma wants K tiles of 32+; ~100 KiB shared memory keeps 3 stages.
 SM89 = Fp8LinearTuning("sm89", block_n=64, block_k=128, max_block_m=64, num_warps=4, num_stages=3)
-# Hopper+ (native): wgmma over 228 KiB shared memory: wider N tiles, 4 stages, 8 warps.
-SM90 = Fp8LinearTuning("sm90", block_n=128, block_k=128, max_block_m=128, num_warps=8, num_stages=4)
+# Hopper+ (native): wgmma over 228 KiB shared memory: wider N tiles, 4 stages, 8 warps. Tiles
+# of at least 64 rows even for a decode step: below that Triton falls back from wgmma (and
+# Blackwell's tcgen05) to an fp16 mma on upcast operands.
+SM90 = Fp8LinearTuning("sm90", block_n=128, block_k=128, max_block_m=128, num_warps=8, num_stages=4, min_block_m=64)
 # CDNA: 64-lane wavefronts, the AMD backend's stream pipeliner prefers 2 stages.
 ROCM = Fp8LinearTuning("rocm", block_n=64, block_k=64, max_block_m=64, num_warps=4, num_stages=2)
 TUNINGS = {t.name: t for t in (SM80, SM89, SM90, ROCM)}
@@ -216,3 +221,24 @@ def fp8_linear(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
+
+
+def compile_specs(tuning: Fp8LinearTuning, workload: Workload, *, native: bool) -> tuple[CompileSpec, ...]:
+    """Every launch `fp8_linear` makes with `tuning`: the GEMM for each tile height the token
+    counts select (with and without bias; N and K are the workload's widths), and the
+    per-token quantizer on the widths."""
+    fp8 = workload.fp8_type
+    a, w = (fp8, fp8) if native else ("fp16", "u8")  # operand types of the NATIVE flag's branch
+    specs = []
+    for dim in dict.fromkeys(int_arg(n) for n in workload.widths):  # N, K: multiples of 16 or not
+        for m in workload.token_counts():
+            block_m, block_n, block_k, warps, stages = tuning.launch_shape(m)
+            for has_bias in (False, True):
+                args = (("A", pointer(a)), ("W", pointer(w)), ("SA", pointer("fp32")), ("SW", pointer("fp32")),
+                        ("B", pointer(workload.dtype)), ("Y", pointer(workload.dtype)), ("M", "i32"),
+                        ("N", dim), ("K", dim), ("stride_am", dim), ("stride_wn", dim), ("stride_ym", dim))  # fmt: skip
+                constexprs = (("NATIVE", native), ("FNUZ", workload.fp8_fmt == "e4m3fnuz"), ("HAS_BIAS", has_bias),
+                              ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_K", block_k))  # fmt: skip
+                dot = "fp8" if native else "f16"
+                specs.append(CompileSpec(_fp8_linear_kernel, args, constexprs, warps, stages, dot=dot))
+    return unique(specs) + quantize_specs(workload, a)

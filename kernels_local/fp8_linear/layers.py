@@ -5,10 +5,14 @@ replaces: `qweight` [N, K] (uint8 bytes when emulated, an fp8 tensor when native
 `weight_scale` [N] fp32, `bias` [N] or None, `fp8_native` (bool) and `fp8_fmt`
 ("e4m3fn" | "e4m3fnuz"). `fp8_native` and the buffer dtype were both set from the worker's
 one fp8 convention; the Triton layers pass `fp8_native` as the kernel's `NATIVE` flag, and
-each layer refuses a module of the other convention.
+each layer refuses a module of the other convention. `COMPILE_SPECS` names, per Triton
+layer, the launches its forward can make (the preflight compiles them ahead of time), with
+the tuning and `NATIVE` flag its forward passes.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
@@ -20,6 +24,7 @@ from .fp8_linear import (
     SM90,
     Fp8LinearTuning,
     check_weight,
+    compile_specs,
     fp8_linear,
     fp8_linear_reference,
     scaled_mm_cpu,
@@ -96,3 +101,13 @@ class Fp8LinearTritonNativeRocm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _run(self, x, True, ROCM)
+
+
+# Ahead-of-time compile specs of each Triton layer: `spec(workload) -> (CompileSpec, ...)`.
+COMPILE_SPECS = {
+    "Fp8LinearTritonEmulatedSm80": partial(compile_specs, SM80, native=False),
+    "Fp8LinearTritonNativeSm89": partial(compile_specs, SM89, native=True),
+    "Fp8LinearTritonNativeSm90": partial(compile_specs, SM90, native=True),
+    "Fp8LinearTritonEmulatedRocm": partial(compile_specs, ROCM, native=False),
+    "Fp8LinearTritonNativeRocm": partial(compile_specs, ROCM, native=True),
+}

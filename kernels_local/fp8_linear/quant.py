@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
+
 
 @dataclass(frozen=True)
 class E4M3:
@@ -152,9 +154,29 @@ def quantize_rows_triton(
         x = x.contiguous()
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    block = min(4096, triton.next_power_of_2(k))
+    block, warps = _quantize_launch(k)
     _quantize_rows_kernel[(m,)](
         x, q, scale, k, x.stride(0), q.stride(0),
-        MAX_VALUE=f.max_value, BIAS=f.bias, FNUZ=fmt == "e4m3fnuz", BLOCK=block, num_warps=4 if block >= 1024 else 1,
+        MAX_VALUE=f.max_value, BIAS=f.bias, FNUZ=fmt == "e4m3fnuz", BLOCK=block, num_warps=warps,
     )  # fmt: skip
     return q, scale
+
+
+def _quantize_launch(k: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of `k` columns: a row is walked in blocks of at most 4096."""
+    block = min(4096, triton.next_power_of_2(k))
+    return block, 4 if block >= 1024 else 1
+
+
+def quantize_specs(workload: Workload, out_type: str) -> tuple[CompileSpec, ...]:
+    """Every launch `quantize_rows_triton` makes on rows of the workload's widths, writing
+    `out_type` (Triton's name: an fp8 type, or "fp16" grid values)."""
+    f = get_format(workload.fp8_fmt)
+    specs = []
+    for k in workload.widths:
+        block, warps = _quantize_launch(k)
+        args = (("X", pointer(workload.dtype)), ("Q", pointer(out_type)), ("S", pointer("fp32")),
+                ("n_cols", int_arg(k)), ("stride_x", int_arg(k)), ("stride_q", int_arg(k)))  # fmt: skip
+        constexprs = (("MAX_VALUE", f.max_value), ("BIAS", f.bias), ("FNUZ", f.name == "e4m3fnuz"), ("BLOCK", block))
+        specs.append(CompileSpec(_quantize_rows_kernel, args, constexprs, warps))
+    return unique(specs)

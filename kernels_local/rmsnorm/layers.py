@@ -3,14 +3,18 @@
 Each layer is stateless: no `__init__`, only `forward(self, hidden_states)`, reading the
 `weight` and `variance_epsilon` of the module it replaces. The Triton layers differ only in
 their launch tuning; on CPU tensors they run the torch reference (see `rms_norm`).
+`COMPILE_SPECS` names, per Triton layer, the launches its forward can make (the preflight
+compiles them ahead of time); each entry's tuning is the one its forward passes.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from .rmsnorm import HOPPER, PRE_HOPPER, ROCM, rms_norm, rms_norm_reference
+from .rmsnorm import HOPPER, PRE_HOPPER, ROCM, compile_specs, rms_norm, rms_norm_reference
 
 
 class RMSNorm(nn.Module):
@@ -45,3 +49,11 @@ class RMSNormTritonRocm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, ROCM)
+
+
+# Ahead-of-time compile specs of each Triton layer: `spec(workload) -> (CompileSpec, ...)`.
+COMPILE_SPECS = {
+    "RMSNormTritonSm70": partial(compile_specs, PRE_HOPPER),
+    "RMSNormTritonSm90": partial(compile_specs, HOPPER),
+    "RMSNormTritonRocm": partial(compile_specs, ROCM),
+}

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
+
 # Widest row one tile holds in registers (fp32 accumulation: 64 KiB per row at 16 warps).
 MAX_BLOCK_N = 16384
 
@@ -105,13 +107,19 @@ def runs_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or _INTERPRETED
 
 
+def _block_n(n: int) -> int | None:
+    """The tile width for rows of `n` columns; None when the row is too wide for one tile."""
+    block_n = triton.next_power_of_2(n)
+    return block_n if block_n <= MAX_BLOCK_N else None
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, tuning: RMSNormTuning = PRE_HOPPER
 ) -> torch.Tensor:
     """RMSNorm over the last dim of `x` [..., N] with `weight` [N]; the torch reference on CPU."""
     n = x.shape[-1]
-    block_n = triton.next_power_of_2(n)
-    if not runs_triton(x) or block_n > MAX_BLOCK_N or x.numel() == 0:
+    block_n = _block_n(n)
+    if not runs_triton(x) or block_n is None or x.numel() == 0:
         return rms_norm_reference(x, weight, eps)
     x2 = x.reshape(-1, n)  # [M, N]
     if x2.stride(-1) != 1:
@@ -124,3 +132,18 @@ def rms_norm(
         ROWS=rows, BLOCK_N=block_n, num_warps=warps,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
+
+
+def compile_specs(tuning: RMSNormTuning, workload: Workload) -> tuple[CompileSpec, ...]:
+    """Every launch `rms_norm` makes with `tuning` on rows of the workload's widths."""
+    specs = []
+    for n in workload.widths:
+        block_n = _block_n(n)
+        if block_n is None:
+            continue  # the torch reference takes rows this wide
+        rows, warps = tuning.launch_shape(block_n)
+        t = pointer(workload.dtype)
+        args = (("X", t), ("W", t), ("Y", t), ("n_rows", "i32"), ("n_cols", int_arg(n)),
+                ("stride_x", int_arg(n)), ("stride_y", int_arg(n)), ("eps", "fp32"))  # fmt: skip
+        specs.append(CompileSpec(_rms_norm_kernel, args, (("ROWS", rows), ("BLOCK_N", block_n)), warps))
+    return unique(specs)

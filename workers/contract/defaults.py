@@ -25,6 +25,11 @@ ENV_SIMULATE = "HETSERVE_SIMULATE"
 ENV_DEVICE_INDEX = "HETSERVE_DEVICE_INDEX"
 ENV_DEVICE_UUID = "HETSERVE_DEVICE_UUID"
 
+# Whether a worker compiles and checks its selected kernels before ready (`--preflight`):
+# auto = on real GPUs only, on = simulated GPUs too (compiled for their target), off = never.
+ENV_PREFLIGHT = "HETSERVE_PREFLIGHT"
+PREFLIGHT_MODES = ("auto", "on", "off")
+
 # Response headers: which worker answered, its capability and its fp8 convention.
 HEADER_WORKER_ID = "X-Worker-Id"
 HEADER_WORKER_CAPABILITY = "X-Worker-Capability"

@@ -28,6 +28,17 @@ class DeviceDescribing:
         return None if self.capability is None else Capability.parse(self.capability).label
 
     @property
+    def arch_name(self) -> str:
+        """`sm_89`, `gfx942` or `cpu`: the architecture code for this device is compiled for
+        (its Triton cache directory and preflight target)."""
+        if self.type == "cpu" or self.capability is None:
+            return "cpu"
+        if self.type == "rocm":
+            arch = (getattr(self, "arch", None) or "").split(":")[0].strip().lower()
+            return arch or f"rocm-{Capability.parse(self.capability).label}"
+        return Capability.parse(self.capability).sm
+
+    @property
     def capability_label(self) -> str:
         """`"9.0"`, or `"cpu"`: the `capability` label of metrics and headers."""
         return capability_label(self.capability)

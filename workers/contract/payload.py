@@ -36,12 +36,14 @@ class Fp8Description(_Open):
 
 
 class KernelDescription(_Open):
-    """One layer's chosen kernel (`kernels_local.mapping.KernelChoice`)."""
+    """One layer's chosen kernel (`kernels_local.mapping.KernelChoice`) and, when the worker
+    ran the preflight, its compile record (`compiled{target, shared_bytes, instruction, ok}`)."""
 
     repo: str
     layer: str
     variant: str
     reason: str
+    compiled: dict | None = None
 
 
 class ModelDescription(_Open):
@@ -70,3 +72,4 @@ class CapabilityPayload(_Open):
     model: ModelDescription = Field(default_factory=ModelDescription)
     versions: dict[str, str | None] = Field(default_factory=dict)
     load: Load = Field(default_factory=Load)
+    triton_cache: str | None = None  # this architecture's Triton cache directory

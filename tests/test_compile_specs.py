@@ -1,0 +1,188 @@
+"""What the preflight compiles, without compiling: every Triton layer declares its launches,
+the declared launches are exactly what the wrappers launch, and the limits table agrees with
+the fp8 rule. Fast (no Triton compile): the launches are recorded by stand-in kernels."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels_local.compile_spec import REALISTIC_WIDTHS, CompileSpec, Workload
+from kernels_local.mapping import _ENTRIES
+from workers.arch_limits import ARCH_LIMITS, arch_limits
+from workers.contract import fp8_rule
+from workers.topology import parse_token
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _layers_module(repo: str):
+    return importlib.import_module(f"kernels_local.{repo}.layers")
+
+
+TRITON_LAYERS = sorted({(e.repo, e.layer_class) for e in _ENTRIES if "triton" in e.variant})
+
+
+@pytest.mark.parametrize("repo,layer", TRITON_LAYERS)
+def test_every_triton_layer_the_mapping_can_select_declares_its_launches(repo, layer):
+    specs = _layers_module(repo).COMPILE_SPECS[layer](Workload())
+    assert specs and all(isinstance(s, CompileSpec) for s in specs)
+    assert len(set(specs)) == len(specs)  # one entry per distinct launch
+    for s in specs:
+        assert [n for n, _ in s.args] + [n for n, _ in s.constexprs] == list(s.kernel.arg_names)
+
+
+def test_torch_layers_declare_nothing():
+    for e in _ENTRIES:
+        if "triton" not in e.variant:
+            assert e.layer_class not in _layers_module(e.repo).COMPILE_SPECS
+
+
+class _Recorder:
+    """Stands in for a `@triton.jit` function: records each launch's arguments."""
+
+    def __init__(self, name: str):
+        self.__name__ = name
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def _launched(recorder: _Recorder) -> list[tuple[tuple, int, int]]:
+    """(constexprs, num_warps, num_stages) of each recorded launch."""
+    out = []
+    for _, kw in recorder.launches:
+        warps, stages = kw.pop("num_warps"), kw.pop("num_stages", 3)
+        out.append((tuple(kw.items()), warps, stages))
+    return out
+
+
+def _declared(specs, kernel: str) -> list[tuple[tuple, int, int]]:
+    return [(s.constexprs, s.num_warps, s.num_stages) for s in specs if s.name == kernel]
+
+
+@pytest.mark.parametrize("width", [48, 256, 688, 4096, 16384])
+def test_rmsnorm_and_silu_specs_are_what_the_wrappers_launch(monkeypatch, width):
+    """Guards the shared `launch_shape` calls in rmsnorm.py / silu_and_mul.py: a wrapper that
+    launched a shape its specs do not declare would run a kernel the preflight never saw."""
+    for repo, module, kernel, call in (
+        ("rmsnorm", "rmsnorm", "_rms_norm_kernel", lambda m, t: m.rms_norm(torch.ones(3, width), torch.ones(width),
+                                                                            1e-6, t)),
+        ("activation", "silu_and_mul", "_silu_and_mul_kernel", lambda m, t: m.silu_and_mul(torch.ones(3, 2 * width),
+                                                                                          t)),
+    ):  # fmt: skip
+        mod = importlib.import_module(f"kernels_local.{repo}.{module}")
+        for tuning in mod.TUNINGS.values():
+            rec = _Recorder(kernel)
+            monkeypatch.setattr(mod, kernel, rec)
+            monkeypatch.setattr(mod, "runs_triton", lambda x: True)
+            call(mod, tuning)
+            declared = _declared(mod.compile_specs(tuning, Workload(widths=(width,))), kernel)
+            assert _launched(rec) == declared, (repo, tuning.name, width)
+
+
+@pytest.mark.parametrize("native,fmt", [(False, "e4m3fn"), (True, "e4m3fn"), (True, "e4m3fnuz")])
+@pytest.mark.parametrize("tokens", [1, 16, 40, 200])
+def test_fp8_linear_specs_are_what_the_wrapper_launches(monkeypatch, native, fmt, tokens):
+    gemm_mod = importlib.import_module("kernels_local.fp8_linear.fp8_linear")  # the package exports a function
+    quant_mod = importlib.import_module("kernels_local.fp8_linear.quant")
+
+    k, n = 688, 256
+    gemm, quant = _Recorder("_fp8_linear_kernel"), _Recorder("_quantize_rows_kernel")
+    monkeypatch.setattr(gemm_mod, "_fp8_linear_kernel", gemm)
+    monkeypatch.setattr(quant_mod, "_quantize_rows_kernel", quant)
+    monkeypatch.setattr(gemm_mod, "runs_triton", lambda x: True)
+    storage = getattr(torch, "float8_e4m3fn" if fmt == "e4m3fn" else "float8_e4m3fnuz") if native else torch.uint8
+    bias = torch.zeros(n)
+    for tuning in gemm_mod.TUNINGS.values():
+        gemm.launches.clear(), quant.launches.clear()
+        w = torch.zeros(n, k, dtype=storage)
+        gemm_mod.fp8_linear(torch.ones(tokens, k), w, torch.ones(n), bias, native=native, fmt=fmt, tuning=tuning)
+        workload = Workload(widths=(k,), max_tokens=tokens, fp8_fmt=fmt)
+        specs = gemm_mod.compile_specs(tuning, workload, native=native)
+        assert _launched(gemm)[0] in _declared(specs, "_fp8_linear_kernel"), tuning.name
+        assert _launched(quant) == _declared(specs, "_quantize_rows_kernel")
+
+
+@pytest.mark.parametrize("repo,launcher", [("rmsnorm", "rms_norm"), ("activation", "silu_and_mul"),
+                                           ("fp8_linear", "fp8_linear")])  # fmt: skip
+def test_each_layer_passes_the_tuning_its_specs_declare(monkeypatch, repo, launcher):
+    """Guards the `COMPILE_SPECS` tables: a layer whose forward passed another tuning (or NATIVE
+    flag) than its entry would be preflighted with the wrong tile shapes."""
+    layers = _layers_module(repo)
+    seen = {}
+    monkeypatch.setattr(layers, launcher, lambda *a, **kw: seen.update(tuning=kw.get("tuning", a[-1]),
+                                                                         native=kw.get("native")))
+    module = torch.nn.Module()
+    module.weight, module.variance_epsilon = torch.ones(4), 1e-6
+    module.qweight, module.weight_scale, module.bias, module.fp8_fmt = torch.zeros(4, 4), torch.ones(4), None, "e4m3fn"
+    for name, spec in layers.COMPILE_SPECS.items():
+        module.fp8_native = spec.keywords.get("native", False)
+        getattr(layers, name).forward(module, torch.ones(2, 4))
+        assert seen["tuning"] is spec.args[0], name
+        if repo == "fp8_linear":
+            assert seen["native"] is spec.keywords["native"], name
+
+
+def test_default_workload_covers_every_realistic_launch():
+    assert REALISTIC_WIDTHS == (256, 512, 1024, 2048, 4096, 8192, 16384)
+    assert Workload(max_tokens=100).token_counts() == (1, 2, 4, 8, 16, 32, 64, 100)
+    with pytest.raises(ValueError, match="`fp16x`"):
+        Workload(dtype="fp16x")
+    with pytest.raises(ValueError, match="`e5m2`"):
+        Workload(fp8_fmt="e5m2")
+
+
+# -- the limits table -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_LIMITS))
+def test_limits_table_rows_have_sources_and_agree_with_the_fp8_rule(arch):
+    row = ARCH_LIMITS[arch]
+    assert row.source and ("CUDA C++ Programming Guide" in row.source or "ROCm docs" in row.source)
+    assert row.warp_size == (32 if arch.startswith("sm_") else 64)
+    device_type, cap = parse_token(arch)
+    decision = fp8_rule(device_type, cap)
+    assert row.fp8 == (decision.fmt if decision.native else None), arch
+    assert (row.fp8_instruction is None) == (not decision.native)
+
+
+def test_the_table_figures():
+    kib = 1024
+    shared = {a: r.shared_bytes // kib for a, r in ARCH_LIMITS.items()}
+    assert shared == {"sm_70": 96, "sm_75": 64, "sm_80": 163, "sm_86": 99, "sm_87": 163, "sm_89": 99, "sm_90": 227,
+                      "sm_100": 227, "sm_103": 227, "sm_120": 99, "gfx90a": 64, "gfx942": 64, "gfx950": 160}
+
+
+def test_gfx950_is_ocp_e4m3fn_not_fnuz():
+    """Guards `ROCM_OCP_FP8_CAPABILITY` in workers/contract/fp8_rule.py: MI355 (CDNA4) fp8
+    matrix cores take OCP e4m3fn; only CDNA3 takes FNUZ."""
+    assert ARCH_LIMITS["gfx950"].fp8 == "e4m3fn" and ARCH_LIMITS["gfx942"].fp8 == "e4m3fnuz"
+    from kernels_local.mapping import select
+    from workers.fp8 import NATIVE_E4M3, NATIVE_E4M3_FNUZ, choose_fp8
+
+    assert choose_fp8("rocm", parse_token("gfx950")[1])[0] == NATIVE_E4M3
+    assert choose_fp8("rocm", parse_token("gfx950")[1])[0].storage_dtype == torch.float8_e4m3fn
+    assert choose_fp8("rocm", parse_token("gfx942")[1])[0] == NATIVE_E4M3_FNUZ
+    assert "OCP e4m3fn" in select("rocm", (9, 5))["Fp8Linear"].reason
+    assert "e4m3fnuz" in select("rocm", (9, 4))["Fp8Linear"].reason
+
+
+@pytest.mark.parametrize("arch,row", [("sm_121", "sm_120"), ("sm_72", "sm_70"), ("sm_101", "sm_100"),
+                                      ("gfx941", None), ("gfx1100", None), ("sm_61", None), ("cpu", None)])  # fmt: skip
+def test_an_architecture_without_a_row_reads_its_family_or_none(arch, row):
+    found = arch_limits(arch)
+    assert (found.arch if found else None) == row
+
+
+def test_repositories_import_only_the_spec_module_from_the_project():
+    """The spec module is the one thing repositories import from outside themselves."""
+    for repo in ("rmsnorm", "activation", "fp8_linear"):
+        text = "\n".join(p.read_text() for p in (ROOT / "kernels_local" / repo).glob("*.py"))
+        outside = {line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))
+                   and line.split()[1].startswith("kernels_local")}  # fmt: skip
+        assert outside <= {"kernels_local.compile_spec"}, (repo, outside)

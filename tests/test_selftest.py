@@ -1,0 +1,75 @@
+"""The start-up self-test: the kernelized model's forward against the same model's torch
+reference path. On CPU the kernel layers of a simulated device run their torch paths, so
+a sabotaged layer stands in for a miscompiled kernel; on a real GPU (`gpu` marker) the real
+Triton kernels are compared, fp8 included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_kernelize import device, tiny_model
+from workers.kernelize import kernelize_for_device
+from workers.layers import RMSNorm
+from workers.selftest import TOLERANCE, SelfTestError, compare_with_reference, reference_path, self_test
+
+
+def test_kernelized_model_agrees_with_its_reference_path():
+    model = tiny_model()
+    kernelize_for_device(model, device("sm_90"))
+    result = self_test(model, model.config, "cpu")
+    assert result.ok and result.swapped == 2 * 2 + 1 + 2  # norms + activations of the tiny model
+    assert result.max_abs_error == 0.0 and result.shape == (2, 16, model.config.vocab_size)
+    assert result.tolerance == TOLERANCE[torch.float32]
+
+
+def test_a_wrong_kernel_fails_the_self_test_with_its_figures():
+    """Guards the comparison in `self_test`: a layer that computes something else than its
+    reference (here a norm off by 10%) must stop the worker, with the error figures."""
+    model = tiny_model()
+    kernelize_for_device(model, device("sm_90"))
+    norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
+    kernel = norm.forward
+    norm.forward = lambda x: kernel(x) * 1.1
+    with pytest.raises(SelfTestError, match=r"max \|kernel - reference\| = [\d.e-]+, [\d.]+% of max \|logit\|"
+                                            r" [\d.e-]+ \(tolerance 0\.1%\)"):
+        self_test(model, model.config, "cpu")
+
+
+def test_reference_path_restores_every_kernel_forward():
+    model = tiny_model()
+    kernelize_for_device(model, device("sm_80"))
+    before = {m: m.__dict__["forward"] for m in model.modules() if "forward" in m.__dict__}
+    with reference_path(model) as swapped:
+        assert swapped == len(before) and all("forward" not in m.__dict__ for m in before)
+    assert {m: m.__dict__["forward"] for m in before} == before
+
+
+def test_nan_from_a_kernel_is_a_failure():
+    model = tiny_model()
+    kernelize_for_device(model, device("sm_90"))
+    norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
+    norm.forward = lambda x: x * float("nan")
+    assert not compare_with_reference(model, model.config.vocab_size, "cpu").ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [False, True])
+def test_self_test_on_the_real_gpu(quantize):
+    """The embedded model on the real device, kernelized for it (and fp8-quantized in its
+    convention): the Triton kernels agree with the torch path within the tolerance."""
+    from workers.contract import DEFAULT_MODEL_DIR
+    from workers.device import bind_device
+    from workers.fp8 import _reset_lock_for_tests, choose_fp8
+    from workers.loader import load_model
+    from workers.quantize import quantize_model
+
+    bound = bind_device()
+    loaded = load_model(DEFAULT_MODEL_DIR, "auto", bound.torch_device, bound.capability)
+    kernelize_for_device(loaded.model, bound)
+    if quantize:
+        _reset_lock_for_tests()
+        quantize_model(loaded.model, choose_fp8(bound.type, bound.capability)[0])
+    result = self_test(loaded.model, loaded.config, bound.torch_device)
+    print(result)
+    assert result.ok and result.swapped > 0
