@@ -67,7 +67,7 @@ def test_lock_refuses_a_second_convention():
     without it a process silently mixes native and emulated buffers."""
     assert lock_convention(NATIVE_E4M3) is NATIVE_E4M3
     assert lock_convention(NATIVE_E4M3) is NATIVE_E4M3  # the same one again is fine
-    with pytest.raises(MixedFp8ConventionError, match="native_e4m3.*refusing `emulated`"):
+    with pytest.raises(MixedFp8ConventionError, match="native_e4m3.*refusing `emulated`.*One process serves one device with one convention\\.$"):
         lock_convention(EMULATED_E4M3)
     assert fp8.locked_convention() is NATIVE_E4M3
 
@@ -138,3 +138,26 @@ def test_per_channel_weight_scales():
 def test_bad_group_size_is_named():
     with pytest.raises(ValueError, match="`group_size=5`"):
         quantize(torch.randn(2, 16), NATIVE_E4M3, group_size=5)
+
+
+def test_weights_are_rounded_onto_the_grid_in_fp32_not_through_float16():
+    """Guards `w32 = w.to(torch.float32)` and the fp32 division in `grid = round_to_e4m3(w32 /
+    scale.unsqueeze(1), conv.fmt)` in `quantize_weight_per_channel`: a weight downcast to float16
+    before the e4m3 rounding (of the weight itself or of weight / scale) is rounded twice.
+
+    Each row's amax is 448, so its scale is exactly 1 and weight / scale is the weight. The other
+    values sit 2**-12 (2**-8 near 17) off the midpoint between two e4m3 neighbours: rounded once in
+    fp32 they go to the nearer neighbour; float16 (spacing 2**-10 near 1) first rounds them onto
+    the midpoint, whose tie then goes to the even neighbour, the other one."""
+    crafted = torch.tensor([1.0625 + 2**-12, 1.1875 - 2**-12, 17.0 + 2**-8, -(1.0625 + 2**-12)])
+    once = torch.tensor([1.125, 1.125, 18.0, -1.125])  # the nearer neighbour
+    twice = torch.tensor([1.0, 1.25, 16.0, -1.0])  # where fp32 -> float16 -> e4m3 lands
+    assert torch.equal(round_to_e4m3(crafted.half().float()), twice)  # the hazard is real
+    w = torch.cat([torch.tensor([448.0]), crafted]).repeat(2, 1)  # [out=2, in=5]
+    for conv in (NATIVE_E4M3, EMULATED_E4M3):
+        q, scale = quantize_weight_per_channel(w, conv)
+        assert torch.equal(scale, torch.ones(2))
+        got = q.to(torch.float32) if conv.native else decode_e4m3(q)
+        assert torch.equal(got[:, 1:], once.repeat(2, 1)), conv.name
+        # ... and equal to torch's own (single) round-to-nearest-even cast of the fp32 weight
+        assert torch.equal(got, w.to(torch.float8_e4m3fn).to(torch.float32)), conv.name
