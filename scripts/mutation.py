@@ -44,7 +44,12 @@ SAFETY_CORE = (
     "workers.contract.fp8_rule.*",
     "workers.contract.capability.*",
     "kernels_local.mapping.*",
-    "kernels_local.fp8_linear.quant.*",
+    # the repository's e4m3 helpers; its Triton launch wrapper runs only under the interpreter, in
+    # the child process of tests/test_kernels_triton.py, where no mutant can be switched on
+    "kernels_local.fp8_linear.quant.x_get_format__mutmut_*",
+    "kernels_local.fp8_linear.quant.x_round_to_grid__mutmut_*",
+    "kernels_local.fp8_linear.quant.x_quantize_rows__mutmut_*",
+    "kernels_local.fp8_linear.quant.x_decode__mutmut_*",
     # routing constraints only: pinned worker, minimum capability, fp8 convention
     "server.balancer.xǁConstraintsǁ*",
     "server.balancer.x_parse_capability__mutmut_*",

@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 COPIED = ("server", "workers", "kernels_local", "tests", "pyproject.toml")
-OWN_PACKAGES = ("server", "workers", "kernels_local", "tests", "conftest")
+WARM_MODULES = ("torch", "kernels", "triton", "triton.language", "numpy", "safetensors", "tokenizers")
 
 CACHE = "process-wide capability cache"
 MAPPING = "kernel mapping that keeps one device type"
@@ -177,30 +177,31 @@ def apply(bug: SeedBug, root: Path) -> None:
     path.write_text(text.replace(bug.old, bug.new))
 
 
-def _warm_up(bugs: tuple[SeedBug, ...]) -> None:
-    """Import, once, every third-party module the children need (pytest's plugins, torch,
-    `kernels`, and whatever the targeted test modules pull in), then forget hetserve's own
-    modules again, so that each child imports those from its copy."""
+def _warm_up() -> None:
+    """Import, once, the third-party modules every child needs (pytest with its own and installed
+    plugins, torch, `kernels`, triton) and none of hetserve's: each child imports those from its
+    copy. Then freeze the heap, so the children's garbage collections (pytest runs several at
+    exit) skip torch's millions of objects."""
+    import gc
     import importlib
     import importlib.metadata
 
-    import pytest  # noqa: F401
+    from _pytest.config import default_plugins
 
+    for name in default_plugins:
+        importlib.import_module(f"_pytest.{name}")
     for ep in importlib.metadata.entry_points(group="pytest11"):
         try:
             ep.load()
         except Exception:  # a broken plugin fails in the child with its own message
             pass
-    sys.path.insert(0, str(ROOT))
-    try:
-        for module in sorted({t.split("::")[0][: -len(".py")].replace("/", ".") for b in bugs for t in b.tests}):
-            importlib.import_module(module)
-    finally:
-        sys.path.remove(str(ROOT))
-        for name, mod in list(sys.modules.items()):
-            file = getattr(mod, "__file__", None) or ""
-            if name.split(".")[0] in OWN_PACKAGES or file.startswith(str(ROOT) + os.sep):
-                del sys.modules[name]
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    gc.collect()
+    gc.freeze()
 
 
 def _child(root: Path, tests: tuple[str, ...], log: Path) -> None:
@@ -214,7 +215,8 @@ def _child(root: Path, tests: tuple[str, ...], log: Path) -> None:
         sys.path.insert(0, str(root))
         import pytest
 
-        code = int(pytest.main(["-q", "-x", "-p", "no:cacheprovider", "--rootdir", str(root), *tests]))
+        quiet = ["-W", "ignore::pytest.PytestAssertRewriteWarning"]  # plugins were imported before pytest ran
+        code = int(pytest.main(["-q", "-x", "-p", "no:cacheprovider", *quiet, "--rootdir", str(root), *tests]))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -229,7 +231,7 @@ def _last_line(log: Path) -> str:
 def run_all(bugs: tuple[SeedBug, ...] = SEED_BUGS, jobs: int = 2) -> dict[str, dict]:
     """Run every bug's tests against its patched copy (and the unpatched copy against all of them,
     as the baseline "clean"); returns {name: {exit_code, summary, seconds, error}}."""
-    _warm_up(bugs)
+    _warm_up()
     results: dict[str, dict] = {}
     clean_tests = tuple(dict.fromkeys(t for b in bugs for t in b.tests))
     with tempfile.TemporaryDirectory(prefix="hetserve-seed-bugs-") as tmp:
@@ -253,12 +255,13 @@ def run_all(bugs: tuple[SeedBug, ...] = SEED_BUGS, jobs: int = 2) -> dict[str, d
                 if pid == 0:
                     _child(root, tests, log)
                 running[pid] = (name, log, time.monotonic())
-            pid, status = os.wait()
+            pid, status, usage = os.wait4(-1, 0)
             name, log, started = running.pop(pid)
             results[name] = {
                 "exit_code": os.waitstatus_to_exitcode(status),
                 "summary": _last_line(log),
                 "seconds": round(time.monotonic() - started, 2),
+                "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2),
                 "error": None,
                 "log_tail": log.read_text(errors="replace")[-3000:],
             }
@@ -266,14 +269,19 @@ def run_all(bugs: tuple[SeedBug, ...] = SEED_BUGS, jobs: int = 2) -> dict[str, d
 
 
 def main(argv: list[str]) -> int:
+    started = time.monotonic()
     results = run_all()
+    print(f"all seed bugs: {time.monotonic() - started:.1f}s", file=sys.stderr)
     if argv[:1] == ["--json"]:
         Path(argv[1]).write_text(json.dumps({"bugs": [asdict(b) for b in SEED_BUGS], "results": results}))
         return 0
     for name, r in results.items():
-        print(f"{name:45s} exit {r['exit_code']}  {r['seconds']:5.1f}s  {r['error'] or r['summary']}")
+        print(f"{name:42s} exit {r['exit_code']} {r['seconds']:5.1f}s wall {r.get('cpu_seconds', 0):5.1f}s cpu  "
+              f"{r['error'] or r['summary']}")  # fmt: skip
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(code)  # the frozen heap is not torn down (triton's bindings would report it as leaked)

@@ -141,6 +141,20 @@ def test_bind_refuses_a_different_uuid(fake_cuda):
         bind_device(uuid="GPU-00000000-1111-2222-3333-444444444444")
 
 
+@pytest.mark.parametrize("visible", ["GPU-00000000-1111-2222-3333-444444444444", "gpu-00000000-1111-2222-3333-444444444444"])
+def test_the_uuid_in_cuda_visible_devices_is_the_one_checked(fake_cuda, monkeypatch, visible):
+    """With no explicit UUID, the one the router put in CUDA_VISIBLE_DEVICES (any case) is checked."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with pytest.raises(DeviceBindError, match=f"differs from the requested `{visible}`"):
+        bind_device()
+
+
+def test_a_mig_instance_keeps_its_id_when_the_driver_reports_no_uuid(fake_cuda, monkeypatch):
+    fake_cuda.props.uuid = None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5e1f0000-0000-4000-8000-000000000001")
+    assert bind_device().uuid == "MIG-5e1f0000-0000-4000-8000-000000000001"
+
+
 def test_rocm_capability_from_gcn_arch_name(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")
     fake_cuda.props = SimpleNamespace(name="AMD Instinct MI300X", uuid=None, gcnArchName="gfx942:sramecc+:xnack-",
@@ -232,7 +246,10 @@ def test_startup_cross_check_refuses_a_stale_kernels_capability(fake_cuda):
 
 def test_simulated_devices_need_no_kernels_cross_check():
     ok, reason = check_kernels_capability(bind_device(simulate="sm_90"))
-    assert ok and "simulated" in reason
+    assert (ok, reason) == (True, "no real CUDA device (simulated cuda): nothing to cross-check")
+    cpu = BoundDevice(type="cpu", index=0, uuid="cpu", name="CPU", capability=None, memory_total_bytes=1,
+                      simulated=False)  # fmt: skip
+    assert check_kernels_capability(cpu) == (True, "no real CUDA device (cpu): nothing to cross-check")
 
 
 def test_capability_lookup_after_binding_is_cheap():

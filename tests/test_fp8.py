@@ -161,3 +161,25 @@ def test_weights_are_rounded_onto_the_grid_in_fp32_not_through_float16():
         assert torch.equal(got[:, 1:], once.repeat(2, 1)), conv.name
         # ... and equal to torch's own (single) round-to-nearest-even cast of the fp32 weight
         assert torch.equal(got, w.to(torch.float8_e4m3fn).to(torch.float32)), conv.name
+
+
+def test_the_reason_names_the_capability_the_threshold_and_the_storage():
+    """The fp8 `reason` that `/workers`, `hetserve plan` and the worker's log show."""
+    assert choose_fp8("cuda", (8, 0))[1] == (
+        "capability 8.0 < 8.9: no fp8 tensor cores, e4m3 bytes stored as uint8 and dequantized for the matmul"
+    )
+    assert choose_fp8("cuda", "sm_90")[1] == (
+        "capability 9.0 >= 8.9: fp8 tensor cores, e4m3fn storage and native fp8 matmul"
+    )
+    assert choose_fp8("cuda", None)[1].startswith("capability none < 8.9: ")
+    assert choose_fp8("rocm", (9, 4))[1] == "ROCm arch 9.4 (CDNA3+): fp8 matrix cores, float8_e4m3fnuz storage"
+    assert choose_fp8("rocm", (9, 0))[1] == (
+        "ROCm arch 9.0: no fp8 matrix cores, e4m3fnuz bytes stored as uint8 and dequantized"
+    )
+    assert choose_fp8("cpu", None)[1] == "CPU without a GPU capability: e4m3 bytes stored as uint8 and dequantized"
+
+
+@pytest.mark.parametrize("cap,native", [((9, 3), False), ((9, 4), True), ((9, 9), True), ((10, 0), False)])
+def test_rocm_native_fp8_spans_cdna3_and_later_cdna_only(cap, native):
+    """gfx94x/gfx95x (9.4 and up within 9.x) have fp8 matrix cores; gfx10+ (RDNA, 10.x) does not."""
+    assert choose_fp8("rocm", cap)[0].native is native
