@@ -149,6 +149,15 @@ def test_the_uuid_in_cuda_visible_devices_is_the_one_checked(fake_cuda, monkeypa
         bind_device()
 
 
+def test_device_indices_in_cuda_visible_devices_are_no_uuid(fake_cuda, monkeypatch):
+    """`CUDA_VISIBLE_DEVICES=0` names a device by position, not by UUID: nothing to check or keep."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    fake_cuda.props.uuid = None
+    assert bind_device().uuid == ""
+    devmod._unbind_for_tests()
+    assert bind_device(simulate="sm_80").uuid.startswith("GPU-5e000000-")
+
+
 def test_a_mig_instance_keeps_its_id_when_the_driver_reports_no_uuid(fake_cuda, monkeypatch):
     fake_cuda.props.uuid = None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5e1f0000-0000-4000-8000-000000000001")

@@ -48,7 +48,7 @@ def test_rocm_uses_fnuz_and_cpu_is_emulated():
     assert not old.native and old.storage_dtype == torch.uint8 and old.fmt == "e4m3fnuz"
     cpu, reason = choose_fp8("cpu", None)
     assert cpu == EMULATED_E4M3 and "CPU" in reason
-    with pytest.raises(ValueError, match="`tpu`"):
+    with pytest.raises(ValueError, match="^Unsupported device type `tpu`. Supported: cuda, rocm, cpu$"):
         choose_fp8("tpu", None)
 
 
@@ -183,3 +183,60 @@ def test_the_reason_names_the_capability_the_threshold_and_the_storage():
 def test_rocm_native_fp8_spans_cdna3_and_later_cdna_only(cap, native):
     """gfx94x/gfx95x (9.4 and up within 9.x) have fp8 matrix cores; gfx10+ (RDNA, 10.x) does not."""
     assert choose_fp8("rocm", cap)[0].native is native
+
+
+@pytest.mark.parametrize("conv", [fp8.NATIVE_E4M3_FNUZ, fp8.EMULATED_E4M3_FNUZ], ids=lambda c: c.name)
+def test_fnuz_conventions_quantize_in_their_own_format(conv):
+    """ROCm's e4m3fnuz (bias 8, max 240) all the way through quantize, the per-channel weights
+    and dequantize: bytes equal torch's own fnuz cast of the same fp32 values."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 32, generator=g) * 3
+
+    def fnuz_bytes(values: torch.Tensor) -> torch.Tensor:
+        return values.to(torch.float8_e4m3fnuz).view(torch.uint8)
+
+    def as_bytes(q: torch.Tensor) -> torch.Tensor:
+        return q.view(torch.uint8) if conv.native else q
+
+    q, scale = quantize(x, conv)
+    assert scale == x.abs().amax() / 240 and torch.equal(as_bytes(q), fnuz_bytes(x / scale))
+    qg, sg = quantize(x, conv, group_size=8)
+    assert torch.equal(as_bytes(qg), fnuz_bytes((x.reshape(4, 4, 8) / sg.unsqueeze(-1)).reshape(4, 32)))
+    qw, sw = quantize_weight_per_channel(x, conv)
+    assert torch.equal(as_bytes(qw), fnuz_bytes(x / sw.unsqueeze(1)))
+    expected = fnuz_bytes(x / sw.unsqueeze(1)).view(torch.float8_e4m3fnuz).to(torch.float32) * sw.unsqueeze(1)
+    assert torch.equal(dequantize(qw, sw, conv), expected)
+
+
+def test_dequantize_returns_the_asked_dtype():
+    x = torch.randn(3, 16)
+    for conv in (NATIVE_E4M3, EMULATED_E4M3):
+        q, s = quantize(x, conv)
+        qg, sg = quantize(x, conv, group_size=8)
+        qw, sw = quantize_weight_per_channel(x, conv)
+        for y in (dequantize(q, s, conv, torch.bfloat16), dequantize(qg, sg, conv, torch.bfloat16, group_size=8),
+                  dequantize(qw, sw, conv, torch.bfloat16)):  # fmt: skip
+            assert y.dtype == torch.bfloat16 and y.shape == x.shape
+
+
+def test_group_quantization_of_activations_with_leading_dimensions():
+    """Activations [batch, tokens, hidden] group along the last dimension only."""
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(4))
+    for conv in (NATIVE_E4M3, EMULATED_E4M3):
+        q, scale = quantize(x, conv, group_size=16)
+        assert q.shape == (2, 3, 64) and scale.shape == (2, 3, 4)
+        assert torch.equal(scale, x.reshape(2, 3, 4, 16).abs().amax(-1) / 448)
+        y = dequantize(q, scale, conv, group_size=16)
+        torch.testing.assert_close(y, x, rtol=2**-4, atol=float(scale.max()) * 2.0**-9)
+    with pytest.raises(ValueError, match=r"`group_size=5` must be positive and divide the last dimension \(64\)"):
+        quantize(x, NATIVE_E4M3, group_size=5)
+    with pytest.raises(ValueError, match="`group_size=0`"):
+        quantize(x, NATIVE_E4M3, group_size=0)
+    q1, s1 = quantize(x[0, 0, :4], EMULATED_E4M3, group_size=1)  # one scale per value: each is +-448
+    assert torch.equal(decode_e4m3(q1), torch.where(x[0, 0, :4] < 0, -448.0, 448.0))
+
+
+def test_fnuz_has_no_negative_zero_byte():
+    """0x80 is fnuz's NaN: a negative zero must encode as 0x00."""
+    assert encode_e4m3(torch.tensor([-0.0, 0.0]), "e4m3fnuz").tolist() == [0, 0]
+    assert encode_e4m3(torch.tensor([-0.0]), "e4m3fn").tolist() == [0x80]

@@ -36,19 +36,20 @@ def test_round_to_grid_is_torchs_round_to_nearest_even_and_the_hosts(fmt):
         assert not torch.signbit(grid[grid == 0]).any()  # fnuz has no negative zero
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_quantize_rows_equals_the_host_quantizer_bit_for_bit(fmt):
+def test_quantize_rows_equals_the_host_quantizer_bit_for_bit(fmt, dtype):
     """Per-token scales (amax / max, floored for an all-zero row) and grid values, against
     `workers.fp8.quantize(..., group_size=K)`: the host and the kernel repository use one rule."""
     native = host_fp8.choose_fp8("rocm" if fmt == "e4m3fnuz" else "cuda", (9, 4) if fmt == "e4m3fnuz" else (9, 0))[0]
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(5, 40, generator=g) * torch.tensor([1.0, 1e-3, 300.0, 0.0, 7.0]).unsqueeze(1)
+    x = (torch.randn(5, 40, generator=g) * torch.tensor([1.0, 1e-3, 300.0, 0.0, 7.0]).unsqueeze(1)).to(dtype)
     grid, scale = quant.quantize_rows(x, fmt)
     q, host_scale = host_fp8.quantize(x, native, group_size=x.shape[-1])
     assert scale.shape == (5, 1) and torch.equal(scale, host_scale)
     assert torch.equal(grid, q.to(torch.float32))
     assert scale[3].item() == torch.finfo(torch.float32).tiny and torch.equal(grid[3], torch.zeros(40))
-    torch.testing.assert_close(grid * scale, x, rtol=2**-4, atol=float(scale.max()) * 2.0**-9)
+    torch.testing.assert_close(grid * scale, x.float(), rtol=2**-4, atol=float(scale.max()) * 2.0**-9)
 
 
 def test_quantize_rows_rounds_in_fp32_before_any_downcast():

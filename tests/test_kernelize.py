@@ -173,3 +173,15 @@ def test_a_conflicting_mapping_registered_in_the_process_does_not_win(monkeypatc
     sm90 = LocalLayerRepository(repo_path=REPOS / "rmsnorm", layer_name="RMSNormTritonSm90").load()
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert len(norms) == NORMS_PER_FORWARD and all(m.forward.__func__ is sm90.forward for m in norms)
+
+
+def test_layers_a_plan_does_not_map_keep_their_forward():
+    """`apply_plan` kernelizes with `KernelizeFallback.NO_LAYER`: a layer left out of the plan
+    keeps its torch forward instead of failing, and only the planned ones are counted."""
+    from workers.kernelize import apply_plan
+
+    model = tiny_model()
+    only_norm = KernelPlan("cpu", {"RMSNorm": select("cuda", (9, 0))["RMSNorm"]})
+    assert apply_plan(model, only_norm) == NORMS_PER_FORWARD
+    acts = [m for m in model.modules() if isinstance(m, SiluAndMul)]
+    assert acts and all(getattr(m.forward, "__func__", None) is SiluAndMul.forward for m in acts)
