@@ -185,3 +185,23 @@ def test_layers_a_plan_does_not_map_keep_their_forward():
     assert apply_plan(model, only_norm) == NORMS_PER_FORWARD
     acts = [m for m in model.modules() if isinstance(m, SiluAndMul)]
     assert acts and all(getattr(m.forward, "__func__", None) is SiluAndMul.forward for m in acts)
+
+
+def test_verify_catches_a_module_that_runs_another_kernel():
+    """Guards the check after kernelize (`_verify`): a module that does not run the planned
+    layer's forward is named, with the kernel it should run."""
+    from workers.kernelize import KernelizeError, _verify
+
+    model = tiny_model()
+    kernelize_for_device(model, device("sm_80"))  # installs the sm70 tuning
+    sm90 = KernelPlan("cpu", select("cuda", (9, 0)))
+    with pytest.raises(KernelizeError) as info:
+        _verify(model, sm90)
+    assert str(info.value) == (
+        "Module `layers.0.attention_norm` (RMSNorm) does not run the chosen kernel "
+        "`kernels_local/rmsnorm:RMSNormTritonSm90` (triton-sm90) after kernelize"
+    )
+    norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
+    with pytest.raises(KernelizeError, match=r"^Module `RMSNorm` \(RMSNorm\) does not run"):
+        _verify(norm, sm90)  # a layer verified on its own is named by its class
+    assert _verify(model, model.kernel_plan) == NORMS_PER_FORWARD + ACTS_PER_FORWARD
