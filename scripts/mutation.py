@@ -146,7 +146,8 @@ def report(found: dict[str, str], listed: dict[str, Listed], candidates: Path | 
     counts = Counter(found.values())
     total = len(found)
     detected = sum(counts[s] for s in DETECTED)
-    survivors = sorted(n for n, s in found.items() if s not in DETECTED)
+    unchecked = sorted(n for n, s in found.items() if s == "not checked")  # an interrupted run
+    survivors = sorted(n for n, s in found.items() if s not in DETECTED and s != "not checked")
     os.chdir(STAGE)  # mutmut's helpers read `mutants/` and pyproject.toml from the working directory
     explained, new, lines = [], [], []
     for name in survivors:
@@ -158,11 +159,15 @@ def report(found: dict[str, str], listed: dict[str, Listed], candidates: Path | 
         else:
             new.append((name, found[name], diff))
             lines.append(f"{name} {fp} TODO ({found[name]})")
-    stale = sorted(set(listed) - set(explained))
+    stale = sorted(set(listed) - set(explained) - set(unchecked))
     print(f"\nmutants of the safety core: {total}; " + ", ".join(f"{s} {c}" for s, c in counts.most_common()))
-    if total:
-        print(f"score: {detected}/{total} = {detected / total:.1%} detected by the tests; "
+    checked = total - len(unchecked)
+    if checked:
+        print(f"score: {detected}/{checked} = {detected / checked:.1%} detected by the tests; "
               f"{len(explained)} explained in {EQUIVALENTS.relative_to(ROOT)}; {len(new)} unexplained")  # fmt: skip
+    if unchecked:
+        print(f"the run did not finish: {len(unchecked)} mutants not checked "
+              f"({', '.join(sorted({n.partition('__mutmut_')[0] for n in unchecked}))})")  # fmt: skip
     for name in stale:
         print(f"stale entry (no longer a survivor with that diff): {name}")
     for name, status, diff in new:
@@ -170,7 +175,7 @@ def report(found: dict[str, str], listed: dict[str, Listed], candidates: Path | 
     if candidates is not None:
         candidates.write_text("\n".join(lines) + ("\n" if lines else ""))
         print(f"\n{len(lines)} candidate lines written to {candidates}")
-    return 1 if new or not total else 0
+    return 1 if new or unchecked or not total else 0
 
 
 def main(argv: list[str] | None = None) -> int:
