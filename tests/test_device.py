@@ -52,11 +52,13 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: state.current)
     monkeypatch.setattr(torch.cuda, "get_device_capability", get_device_capability)
-    monkeypatch.setattr(
-        torch.cuda,
-        "get_device_properties",
-        lambda i: SimpleNamespace(name="NVIDIA H100 80GB HBM3", uuid=H100_UUID, total_memory=80 << 30),
-    )
+    state.props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", uuid=H100_UUID, total_memory=80 << 30)
+
+    def get_device_properties(i):
+        assert i == 0, f"properties of device {i!r}: a bound worker sees one device, index 0"
+        return state.props
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", get_device_properties)
     monkeypatch.setattr(torch.version, "hip", None)
     return state
 
@@ -64,7 +66,7 @@ def fake_cuda(monkeypatch):
 def test_capability_before_binding_raises():
     """Guards `if dev is None: raise DeviceNotBoundError` in `bound_device`: without it a
     capability read before binding would answer for device 0."""
-    with pytest.raises(DeviceNotBoundError, match="bind_device"):
+    with pytest.raises(DeviceNotBoundError, match="^Capability was read before the worker bound its device"):
         capability()
     with pytest.raises(DeviceNotBoundError):
         bound_device()
@@ -80,6 +82,25 @@ def test_bind_simulated_from_environment(monkeypatch):
     assert dev.to_dict()["capability"] == "8.9" and dev.to_dict()["simulated"] is True
     with pytest.raises(AttributeError):
         dev.capability = (9, 0)  # frozen
+
+
+def test_simulated_binding_describes_the_simulated_device():
+    from workers.topology import simulated_device
+
+    info = simulated_device("gfx942", 3)
+    dev = bind_device(simulate="gfx942", index=3)
+    assert dev == BoundDevice(type="rocm", index=3, uuid=info.uuid, name=info.name, capability=(9, 4),
+                              memory_total_bytes=info.memory_total_bytes, simulated=True, arch="gfx942")  # fmt: skip
+
+
+def test_binding_takes_the_routers_environment(monkeypatch):
+    """The router passes the device as HETSERVE_SIMULATE / _DEVICE_INDEX / _DEVICE_UUID; an empty
+    index means 0."""
+    monkeypatch.setenv("HETSERVE_SIMULATE", "sm_80")
+    monkeypatch.setenv("HETSERVE_DEVICE_INDEX", "")
+    monkeypatch.setenv("HETSERVE_DEVICE_UUID", "GPU-from-the-router")
+    dev = bind_device()
+    assert (dev.index, dev.uuid, dev.capability) == (0, "GPU-from-the-router", (8, 0))
 
 
 def test_bind_cpu_without_cuda_or_simulation():
@@ -106,9 +127,12 @@ def test_bind_real_cuda_checks_uuid_and_reads_capability_by_index(fake_cuda, mon
     assert dev.torch_device == "cuda:0"
 
 
-def test_bind_refuses_more_than_one_visible_device(fake_cuda):
+def test_bind_refuses_more_than_one_visible_device(fake_cuda, monkeypatch):
     fake_cuda.visible = 2
-    with pytest.raises(DeviceBindError, match="sees 2 devices"):
+    with pytest.raises(DeviceBindError, match=r"sees 2 devices; it must see exactly 1 \(CUDA_VISIBLE_DEVICES=``\)"):
+        bind_device()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(DeviceBindError, match=r"\(CUDA_VISIBLE_DEVICES=`0,1`\)"):
         bind_device()
 
 
@@ -117,15 +141,61 @@ def test_bind_refuses_a_different_uuid(fake_cuda):
         bind_device(uuid="GPU-00000000-1111-2222-3333-444444444444")
 
 
+@pytest.mark.parametrize("visible", ["GPU-00000000-1111-2222-3333-444444444444", "gpu-00000000-1111-2222-3333-444444444444"])
+def test_the_uuid_in_cuda_visible_devices_is_the_one_checked(fake_cuda, monkeypatch, visible):
+    """With no explicit UUID, the one the router put in CUDA_VISIBLE_DEVICES (any case) is checked."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with pytest.raises(DeviceBindError, match=f"differs from the requested `{visible}`"):
+        bind_device()
+
+
+def test_device_indices_in_cuda_visible_devices_are_no_uuid(fake_cuda, monkeypatch):
+    """`CUDA_VISIBLE_DEVICES=0` names a device by position, not by UUID: nothing to check or keep."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    fake_cuda.props.uuid = None
+    assert bind_device().uuid == ""
+    devmod._unbind_for_tests()
+    assert bind_device(simulate="sm_80").uuid.startswith("GPU-5e000000-")
+
+
+def test_a_mig_instance_keeps_its_id_when_the_driver_reports_no_uuid(fake_cuda, monkeypatch):
+    fake_cuda.props.uuid = None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5e1f0000-0000-4000-8000-000000000001")
+    assert bind_device().uuid == "MIG-5e1f0000-0000-4000-8000-000000000001"
+
+
 def test_rocm_capability_from_gcn_arch_name(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties",
-        lambda i: SimpleNamespace(name="AMD Instinct MI300X", uuid=None, gcnArchName="gfx942:sramecc+:xnack-",
-                                  total_memory=192 << 30),
-    )
-    dev = bind_device()
-    assert dev.type == "rocm" and dev.capability == (9, 4) and dev.arch == "gfx942"
+    fake_cuda.props = SimpleNamespace(name="AMD Instinct MI300X", uuid=None, gcnArchName="gfx942:sramecc+:xnack-",
+                                      total_memory=192 << 30)  # fmt: skip
+    dev = bind_device(index=2)
+    assert dev == BoundDevice(type="rocm", index=2, uuid="", name="AMD Instinct MI300X", capability=(9, 4),
+                              memory_total_bytes=192 << 30, simulated=False, arch="gfx942")  # fmt: skip
+    assert dev.is_real_gpu and dev.torch_device == "cuda:0"
+
+
+def test_rocm_without_a_uuid_keeps_the_one_the_router_gave(fake_cuda, monkeypatch):
+    """A ROCm device whose properties carry no `uuid` attribute keeps the router's UUID."""
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    fake_cuda.props = SimpleNamespace(name="AMD Instinct MI250X", gcnArchName="gfx90a", total_memory=64 << 30)
+    assert bind_device(uuid="GPU-abc").uuid == "GPU-abc"
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx", ""], ids=repr)
+def test_unknown_rocm_arch_is_named(fake_cuda, monkeypatch, arch):
+    """Guards `if kind != "rocm" or cap is None` in `_rocm_capability`: a token that parses as
+    another kind of device (`sm_90`) is no ROCm arch either."""
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    fake_cuda.props = SimpleNamespace(name="AMD GPU", uuid=None, gcnArchName=arch, total_memory=1 << 30)
+    with pytest.raises(DeviceBindError, match=f"^Unknown ROCm arch `{arch}`; expected gfxNNN"):
+        bind_device()
+
+
+def test_rocm_properties_without_an_arch_are_refused(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    fake_cuda.props = SimpleNamespace(name="AMD GPU", uuid=None, total_memory=1 << 30)
+    with pytest.raises(DeviceBindError, match="^Unknown ROCm arch ``"):
+        bind_device()
 
 
 def test_capability_memo_is_keyed_by_device_index(fake_cuda):
@@ -138,6 +208,15 @@ def test_capability_memo_is_keyed_by_device_index(fake_cuda):
     assert read_capability(0) == (8, 0)
     with pytest.raises(ValueError, match="`-1`"):
         read_capability(-1)
+
+
+def test_capability_memo_reads_each_device_once(fake_cuda):
+    """The memo is real: a second read of one index does not ask the driver again."""
+    fake_cuda.caps = {0: (8, 0), 1: (9, 0)}
+    fake_cuda.visible = 2
+    for _ in range(3):
+        read_capability(0), read_capability(1)
+    assert fake_cuda.reads == [0, 1]
 
 
 def test_kernels_library_capability_cache_goes_stale(fake_cuda):
@@ -176,7 +255,10 @@ def test_startup_cross_check_refuses_a_stale_kernels_capability(fake_cuda):
 
 def test_simulated_devices_need_no_kernels_cross_check():
     ok, reason = check_kernels_capability(bind_device(simulate="sm_90"))
-    assert ok and "simulated" in reason
+    assert (ok, reason) == (True, "no real CUDA device (simulated cuda): nothing to cross-check")
+    cpu = BoundDevice(type="cpu", index=0, uuid="cpu", name="CPU", capability=None, memory_total_bytes=1,
+                      simulated=False)  # fmt: skip
+    assert check_kernels_capability(cpu) == (True, "no real CUDA device (cpu): nothing to cross-check")
 
 
 def test_capability_lookup_after_binding_is_cheap():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from workers.guard import InvalidDeviceIndexError, SimulatedPlatform, device_guard
 
@@ -108,9 +109,24 @@ def test_binding_switch_is_validated_and_never_restored():
     p = SimulatedPlatform(count=2, current=0)
     bind_current_device(1, platform=p)
     assert p.current_device() == 1 and p.switches == [1]
-    with pytest.raises(InvalidDeviceIndexError, match="`2` is absent"):
+    with pytest.raises(InvalidDeviceIndexError, match=r"`2` is absent: this process sees 2 device\(s\) \(0\.\.1\)"):
         bind_current_device(2, platform=p)
     assert p.switches == [1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA host the default platform is CUDA")
+def test_without_a_platform_a_cpu_host_guards_its_one_simulated_device():
+    """No CUDA: the default platform is one simulated device, current 0; the guard and the
+    binding both take it when no platform is given."""
+    from workers.guard import bind_current_device, default_platform
+
+    p = default_platform()
+    assert isinstance(p, SimulatedPlatform) and (p.device_count(), p.current_device()) == (1, 0)
+    with device_guard(0) as g:
+        assert isinstance(g.platform, SimulatedPlatform)
+    bind_current_device(0)
+    with pytest.raises(InvalidDeviceIndexError, match="`1` is absent"):
+        bind_current_device(1)
 
 
 def test_every_device_switch_in_the_code_goes_through_the_guard_module():

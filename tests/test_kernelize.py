@@ -12,7 +12,7 @@ from pathlib import Path
 import kernels.layer.repos as kernels_repos
 import pytest
 import torch
-from kernels import LocalLayerRepository
+from kernels import CUDAProperties, Device, LocalLayerRepository, use_kernel_mapping
 
 from kernels_local.mapping import select
 from workers.config import ModelConfig
@@ -156,3 +156,52 @@ def test_same_selection_in_simulation_and_on_a_real_gpu(monkeypatch):
     for a, b in zip(sim.modules(), real.modules(), strict=True):
         if isinstance(a, (RMSNorm, SiluAndMul)):
             assert a.forward.__func__ is b.forward.__func__
+
+
+def test_a_conflicting_mapping_registered_in_the_process_does_not_win(monkeypatch):
+    """Guards `use_kernel_mapping(mapping, inherit_mapping=False)` in `apply_plan`: inheriting
+    would merge our choice into whatever mapping the process already registered, and `kernels`
+    resolves a CUDA capability to the *narrowest* range, so another module's sm_90-only entry
+    would replace the layer `select()` chose for this device."""
+    monkeypatch.setattr(kernels_repos, "_find_capability", lambda: 90)
+    sm70 = LocalLayerRepository(repo_path=REPOS / "rmsnorm", layer_name="RMSNormTritonSm70")
+    sm90_only = Device(type="cuda", properties=CUDAProperties(min_capability=90, max_capability=90))
+    model = tiny_model()
+    with use_kernel_mapping({"RMSNorm": {sm90_only: sm70}}, inherit_mapping=False):  # registered elsewhere
+        choices = kernelize_for_device(model, device("sm_90", simulated=False))
+    assert choices["RMSNorm"].layer == "RMSNormTritonSm90"
+    sm90 = LocalLayerRepository(repo_path=REPOS / "rmsnorm", layer_name="RMSNormTritonSm90").load()
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == NORMS_PER_FORWARD and all(m.forward.__func__ is sm90.forward for m in norms)
+
+
+def test_layers_a_plan_does_not_map_keep_their_forward():
+    """`apply_plan` kernelizes with `KernelizeFallback.NO_LAYER`: a layer left out of the plan
+    keeps its torch forward instead of failing, and only the planned ones are counted."""
+    from workers.kernelize import apply_plan
+
+    model = tiny_model()
+    only_norm = KernelPlan("cpu", {"RMSNorm": select("cuda", (9, 0))["RMSNorm"]})
+    assert apply_plan(model, only_norm) == NORMS_PER_FORWARD
+    acts = [m for m in model.modules() if isinstance(m, SiluAndMul)]
+    assert acts and all(getattr(m.forward, "__func__", None) is SiluAndMul.forward for m in acts)
+
+
+def test_verify_catches_a_module_that_runs_another_kernel():
+    """Guards the check after kernelize (`_verify`): a module that does not run the planned
+    layer's forward is named, with the kernel it should run."""
+    from workers.kernelize import KernelizeError, _verify
+
+    model = tiny_model()
+    kernelize_for_device(model, device("sm_80"))  # installs the sm70 tuning
+    sm90 = KernelPlan("cpu", select("cuda", (9, 0)))
+    with pytest.raises(KernelizeError) as info:
+        _verify(model, sm90)
+    assert str(info.value) == (
+        "Module `layers.0.attention_norm` (RMSNorm) does not run the chosen kernel "
+        "`kernels_local/rmsnorm:RMSNormTritonSm90` (triton-sm90) after kernelize"
+    )
+    norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
+    with pytest.raises(KernelizeError, match=r"^Module `RMSNorm` \(RMSNorm\) does not run"):
+        _verify(norm, sm90)  # a layer verified on its own is named by its class
+    assert _verify(model, model.kernel_plan) == NORMS_PER_FORWARD + ACTS_PER_FORWARD

@@ -8,10 +8,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from kernels import Device, Mode, use_kernel_mapping
+from kernels import CUDAProperties, Device, Mode, ROCMProperties, use_kernel_mapping
 from kernels.layer.globals import _KERNEL_MAPPING
 
-from kernels_local.mapping import DEVICE_TYPES, LAYERS, KernelChoice, _declare, _Entry, kernel_mapping, select
+from kernels_local.mapping import (
+    DEVICE_TYPES,
+    LAYERS,
+    KernelChoice,
+    _cuda,
+    _declare,
+    _Entry,
+    _rocm,
+    kernel_mapping,
+    select,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,3 +154,11 @@ def test_every_mapped_layer_loads_through_kernels():
         for device, repo in per_device.items():
             cls = repo.load()
             assert cls.__name__ == repo.layer_name, (layer, device)
+
+
+def test_range_helpers_declare_kernels_devices():
+    """The table's capability ranges are `kernels`' own Device / CUDAProperties / ROCMProperties
+    (built at import; checked here at run time), and the native fp8 entry starts at sm_89."""
+    assert _cuda(80, 88) == Device(type="cuda", properties=CUDAProperties(min_capability=80, max_capability=88))
+    assert _rocm(94, 99) == Device(type="rocm", properties=ROCMProperties(min_capability=94, max_capability=99))
+    assert _cuda(89, 89) in kernel_mapping()["Fp8Linear"]
