@@ -9,7 +9,7 @@ serving a test checkpoint mounted read-only at /models: deploy/docker-compose.cp
 file `hetserve compose --simulate --model` writes, with only its GPU reservation reset (no
 NVIDIA runtime here) and `--simulate` put before its command, so the UUIDs it pins name
 simulated devices. The checkpoint has no end-of-sequence token, so a stream runs as long as
-asked while `down` drains it. Trade-off: one image build per session (minutes) serves every
+asked while `down` drains it. Trade-off: one image build (minutes) serves every
 test, and the tests of a stack share one running container; `down` is each stack's last test.
 """
 
@@ -73,9 +73,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def docker_image() -> str:
-    """The CPU image, built once; at the end everything the script made is removed."""
+    """The CPU image, built once; after this module everything the script made is removed
+    (engine included), so the rest of the suite runs without it."""
     try:
         r = _script("image", timeout=2100)
         if r.returncode == 2:  # no engine can be had here
