@@ -33,7 +33,7 @@ export HETSERVE_IMAGE="${HETSERVE_IMAGE:-hetserve:cpu-check}"
 PY="$root/.venv/bin/python"
 [ -x "$PY" ] || PY=python3
 
-log() { echo "[docker_check] $*" >&2; }
+log() { echo "[docker_check +${SECONDS}s] $*" >&2; }
 no_engine() { echo "no Docker engine: $*" >&2; exit 2; }
 die() { echo "[docker_check] FAILED: $*" >&2; exit 1; }
 record() { mkdir -p "$state"; echo "$2" >>"$state/$1"; }
@@ -42,7 +42,13 @@ recorded() { [ ! -f "$state/$1" ] || cat "$state/$1"; }
 logged() {
   local name="$1"; shift
   mkdir -p "$state"
-  if ! "$@" >"$state/$name.log" 2>&1; then
+  # each line stamped with the script's elapsed seconds: where the minutes go
+  local rc
+  set +e
+  "$@" 2>&1 | while IFS= read -r line; do echo "+${SECONDS}s $line"; done >"$state/$name.log"
+  rc="${PIPESTATUS[0]}"
+  set -e
+  if [ "$rc" != 0 ]; then
     tail -n 40 "$state/$name.log" >&2
     return 1
   fi
@@ -83,7 +89,7 @@ engine() {
   setsid dockerd >"$state/dockerd.log" 2>&1 </dev/null &
   echo $! >"$state/dockerd.pid"
   for _ in $(seq 60); do
-    docker info >/dev/null 2>&1 && return 0
+    docker info >/dev/null 2>&1 && { log "dockerd up"; return 0; }
     kill -0 "$(cat "$state/dockerd.pid")" 2>/dev/null || break
     sleep 1
   done
@@ -125,6 +131,7 @@ local_base() {
   tar -C "$rootfs" -c . | docker import - "$tag" >/dev/null
   rm -rf "$rootfs"
   record images "$tag"
+  log "made $tag"
   echo "$tag"
 }
 
@@ -257,6 +264,7 @@ clean() {
     fi
   fi
   rm -rf "$state"
+  log "cleaned up"
 }
 
 # ---------------------------------------------------------------------------- all
