@@ -270,11 +270,12 @@ clean() {
 # ---------------------------------------------------------------------------- all
 
 all() {
-  local models port project="hetserve-check-$$"
-  trap 'clean' EXIT
+  local port project="hetserve-check-$$"
+  # an empty model folder (the embedded model is served), world-readable for uid 10001
+  HETSERVE_MODEL_DIR="$(mktemp -d)"; chmod 755 "$HETSERVE_MODEL_DIR"
+  export HETSERVE_MODEL_DIR
+  trap 'clean; rm -rf "$HETSERVE_MODEL_DIR"' EXIT
   image >/dev/null
-  models="$(mktemp -d)"; chmod 755 "$models"
-  export HETSERVE_MODEL_DIR="$models"
   port="$(up "$project" auto "$cpu_compose")"
   log "up on port $port"
   "$PY" - "$port" <<'PY'
@@ -288,7 +289,6 @@ with urllib.request.urlopen(req, timeout=60) as r:
     print({k: v for k, v in r.headers.items() if k.lower().startswith("x-")}, json.load(r))
 PY
   down "$project" "$cpu_compose"
-  rmdir "$models"
 }
 
 case "${1:-all}" in
