@@ -4,7 +4,8 @@
 #
 # Model: a Hugging Face directory mounted at $HETSERVE_MODEL_DIR (default /models, the
 # image's volume) is served when it holds a config.json; otherwise the embedded default
-# model shipped in the package. A `--model` among the arguments wins (argparse keeps the
+# model shipped in the package; a mounted file the container user cannot read stops it with a
+# message naming the file. A `--model` among the arguments wins (argparse keeps the
 # last one). Arguments starting with "-" are appended to `hetserve serve`; anything else
 # runs as given (`docker run IMAGE hetserve devices`, `docker run -it IMAGE bash`).
 set -eu
@@ -15,6 +16,14 @@ fi
 
 model_dir="${HETSERVE_MODEL_DIR:-/models}"
 if [ -f "$model_dir/config.json" ]; then
+    # Files the container user cannot read (safetensors writes 0600 files) would fail every
+    # worker at load with a misleading "No such file or directory"; say so once, plainly.
+    for f in "$model_dir"/*; do
+        if [ -f "$f" ] && [ ! -r "$f" ]; then
+            echo "entrypoint: $f is not readable by uid $(id -u) (the container user): make the model directory world-readable (chmod -R a+rX DIR) or run with --user matching its owner" >&2
+            exit 2
+        fi
+    done
     echo "entrypoint: serving the model mounted at $model_dir" >&2
     set -- --model "$model_dir" "$@"
 else

@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
+DOCKERFILE = DEPLOY / "Dockerfile"
 
 
 def missing(what: str):
@@ -86,3 +88,10 @@ def compose_config(path: Path, tmp_path: Path) -> dict:
 def reserved_devices(svc: dict) -> list[dict]:
     """A normalized compose service's device reservations."""
     return svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """deploy/Dockerfile as (INSTRUCTION, arguments), continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines]

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import tomllib
 import zipfile
@@ -26,9 +27,11 @@ import pytest
 import yaml
 from deploy_tools import (
     DEPLOY,
+    DOCKERFILE,
     ROOT,
     compose_binary,
     compose_config,
+    dockerfile_instructions,
     hadolint_binary,
     k8s_validator,
     reserved_devices,
@@ -74,6 +77,20 @@ def test_cpu_compose_simulates_the_mixed_topology_on_a_cpu_image(tmp_path):
     assert reserved_devices(svc) == []
     assert "nvidia" not in svc["build"]["args"]["BASE_IMAGE"]
     assert svc["build"]["args"]["TORCH_INDEX_URL"].endswith("/cpu")
+    assert svc["build"]["args"]["TRITON_LAUNCHER_DEPS"] == ""  # no C toolchain without a GPU
+
+
+def test_cpu_compose_base_image_can_be_a_local_one(tmp_path):
+    """HETSERVE_BASE_IMAGE swaps the public base for one made without a registry."""
+    path = DEPLOY / "docker-compose.cpu.yml"
+    assert compose_config(path, tmp_path)["services"]["hetserve"]["build"]["args"]["BASE_IMAGE"] == "ubuntu:24.04"
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "HETSERVE_BASE_IMAGE": "local-base:bookworm"}
+    r = subprocess.run(
+        [compose_binary(), "-f", str(path), "config", "--format", "json"], capture_output=True, text=True,
+        env=env, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["services"]["hetserve"]["build"]["args"]["BASE_IMAGE"] == "local-base:bookworm"
 
 
 def test_compose_validator_rejects_an_invalid_file(tmp_path):
@@ -87,16 +104,6 @@ def test_compose_validator_rejects_an_invalid_file(tmp_path):
 
 
 # ------------------------------------------------------------------- Dockerfile
-
-DOCKERFILE = DEPLOY / "Dockerfile"
-
-
-def _instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines]
-
 
 def test_dockerfile_passes_hadolint_with_no_finding():
     r = subprocess.run(
@@ -120,7 +127,7 @@ def test_dockerfile_ignores_are_justified_and_needed():
 
 
 def test_dockerfile_contract():
-    ins = _instructions()
+    ins = dockerfile_instructions()
     args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)
     assert re.fullmatch(r"nvidia/cuda:[\d.]+-runtime-ubuntu[\d.]+", args["BASE_IMAGE"])
     final = ins[max(i for i, (k, _) in enumerate(ins) if k == "FROM") :]
@@ -134,6 +141,10 @@ def test_dockerfile_contract():
     assert json.loads(final_keys["ENTRYPOINT"]) == ["hetserve-entrypoint"]
     runs = " ".join(a for k, a in ins if k == "RUN")
     assert '"torch==${TORCH_VERSION}"' in runs and "-c deploy/constraints.txt ." in runs
+    # the local wheel directory comes before any index: torch from it alone, then as find-links
+    assert ("COPY", "deploy/wheels /wheels") in ins
+    assert runs.index("--no-index --no-deps --find-links /wheels") < runs.index("--index-url")
+    assert "pip install --find-links /wheels -c deploy/constraints.txt ." in runs
 
 
 def test_torch_pin_agrees_everywhere():
@@ -239,6 +250,32 @@ def test_entrypoint_binds_all_interfaces_and_picks_the_model(fake_hetserve):
     assert _entry(env, "hetserve", "devices") == ["devices"]  # a command runs as given
 
 
+def test_entrypoint_names_a_model_file_the_container_user_cannot_read():
+    """Guards the readability loop in deploy/entrypoint.sh: without it, a mounted 0600 file
+    (what safetensors writes) failed every worker at load with "No such file or directory"."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the entry point as another user")
+    d = Path(tempfile.mkdtemp(prefix="hetserve-entry-"))  # pytest's tmp dirs are 0700
+    try:
+        d.chmod(0o755)
+        fake = d / "hetserve"
+        fake.write_text('#!/bin/sh\necho serving "$@"\n')
+        fake.chmod(0o755)
+        (d / "config.json").write_text("{}")
+        weights = d / "model.safetensors"
+        weights.write_bytes(b"")
+        env = {"PATH": f"{d}:/usr/bin:/bin", "HETSERVE_MODEL_DIR": str(d)}
+        drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", str(DEPLOY / "entrypoint.sh")]
+        weights.chmod(0o600)
+        r = subprocess.run(drop, capture_output=True, text=True, env=env, timeout=30)
+        assert r.returncode == 2 and f"{weights} is not readable by uid 65534" in r.stderr, r.stderr
+        weights.chmod(0o644)
+        r = subprocess.run(drop, capture_output=True, text=True, env=env, timeout=30)
+        assert r.returncode == 0 and r.stdout.startswith("serving serve"), r.stderr
+    finally:
+        shutil.rmtree(d)
+
+
 class _Health(http.server.BaseHTTPRequestHandler):
     status = 200
 
@@ -319,7 +356,7 @@ def test_k8s_daemonset_holds_each_gpu_nodes_gpus_behind_a_service():
     assert ports[svc["spec"]["ports"][0]["targetPort"]] == 8000
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert ds["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-    uid = dict(_instructions()[::-1])["USER"].split(":")[0]
+    uid = dict(dockerfile_instructions()[::-1])["USER"].split(":")[0]
     assert (
         pod["spec"]["securityContext"]["runAsNonRoot"]
         and str(pod["spec"]["securityContext"]["runAsUser"]) == uid
