@@ -172,7 +172,12 @@ def test_the_reason_names_the_capability_the_threshold_and_the_storage():
         "capability 9.0 >= 8.9: fp8 tensor cores, e4m3fn storage and native fp8 matmul"
     )
     assert choose_fp8("cuda", None)[1].startswith("capability none < 8.9: ")
-    assert choose_fp8("rocm", (9, 4))[1] == "ROCm arch 9.4 (CDNA3+): fp8 matrix cores, float8_e4m3fnuz storage"
+    assert choose_fp8("rocm", (9, 4))[1] == (
+        "ROCm arch 9.4 (CDNA3): fp8 matrix cores on the FNUZ encoding, float8_e4m3fnuz storage"
+    )
+    assert choose_fp8("rocm", (9, 5))[1] == (
+        "ROCm arch 9.5 (CDNA4+): fp8 matrix cores on the OCP encoding, float8_e4m3fn storage"
+    )
     assert choose_fp8("rocm", (9, 0))[1] == (
         "ROCm arch 9.0: no fp8 matrix cores, e4m3fnuz bytes stored as uint8 and dequantized"
     )
