@@ -11,7 +11,10 @@ engine thread starts in the lifespan and stops there. A request is tokenized and
 here, so a bad one is answered before it takes a queue place; the route then only awaits
 its `RequestStream`. A client that goes away is noticed by a task waiting for
 `http.disconnect` (non-streamed) or by Starlette cancelling the stream (streamed); both
-abort the request, which frees its slot before the next engine step.
+abort the request, which frees its slot before the next engine step. `/health` reports the
+engine's liveness (pending work, age of its last step) beside the HTTP side's state, so the
+router can tell a hung engine from an idle one; a request's `resume_ids` continues a stream
+another worker began.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from workers.contract import (
     HEADER_WORKER_ID,
     CapabilityPayload,
 )
-from workers.contract.payload import Load
+from workers.contract.payload import EngineLiveness, HealthPayload, Load
 from workers.contract.tracing import NO_TRACING, Tracing, fastapi_telemetry_off
 from workers.detokenize import special_token_ids
 from workers.engine import Engine, EngineOverloaded, EngineUnavailable, ErrorEvent, RequestStream
@@ -172,7 +175,8 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
             prompt_ids, input_text = _prompt_ids(req, tokenizer, grammars.vocab_size)
             _check_vocab(params, grammars.vocab_size)
             grammar = None if params.grammar is None else await asyncio.to_thread(grammars.compile, params.grammar)
-            stream = engine.submit(prompt_ids, params, asyncio.get_running_loop(), grammar=grammar)
+            stream = engine.submit(prompt_ids, params, asyncio.get_running_loop(), grammar=grammar,
+                                   resume_ids=req.resume_ids)
             prefix = (req.inputs or input_text or "") if req.parameters.return_full_text else ""
             return stream, params, Render(token_bytes, req.parameters, prefix, input_text)
         except (ParameterError, CapacityError, GrammarError) as e:
@@ -247,8 +251,11 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
         running, queued = engine.load()
         ok = state["status"] == "ready" and engine.accepting
         status = "ready" if ok else ("starting" if state["status"] == "starting" else "draining")
-        body = {"status": status, "worker_id": info.worker_id, "load": {"running": running, "queued": queued}}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        live = engine.liveness()
+        body = HealthPayload(status=status, worker_id=info.worker_id, load=Load(running=running, queued=queued),
+                             engine=EngineLiveness(pending=live.pending, last_step_age_s=round(live.last_step_age_s, 3),
+                                                   steps=live.steps))
+        return JSONResponse(body.model_dump(mode="json"), status_code=200 if ok else 503)
 
     @app.get("/capability")
     async def capability():

@@ -23,6 +23,8 @@ per sequence; the tensor work releases the GIL.
 
 Backpressure: at most `max_sequences + max_queue` requests are in flight; `submit()` beyond
 that raises `EngineOverloaded` (HTTP 429 with Retry-After) instead of queueing forever.
+A request may resume a stream begun on another worker (`resume_ids`, workers/resume.py), and
+`liveness()` tells a hung engine from an idle one (workers/liveness.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as SequenceT
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
@@ -43,8 +46,10 @@ from workers.contract import DEFAULT_MAX_QUEUE
 from workers.detokenize import IncrementalDetokenizer, special_token_ids
 from workers.events import ErrorEvent, FinishInfo, RequestTimings, TokenEvent
 from workers.grammar import CompiledGrammar, Grammars, advance
+from workers.liveness import Liveness, LivenessClock
 from workers.logprobs import TopList, prompt_chunks, record_prompt
 from workers.metrics import WorkerMetrics
+from workers.resume import check_resume_ids, replay
 from workers.sampling import SamplingParams, grammar_bitmask, make_generator, sample_tokens
 from workers.scheduler import FINISH_EOS, FINISH_STOP, Scheduler, SchedulerOutput, Sequence
 
@@ -113,6 +118,7 @@ class ModelRunner:
 
         self.model, self.kv, self.device = model, kv, torch.device(device)
         self._build, self._chunk = ForwardBatch.build, SeqChunk
+        self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
 
     def _batch(self, out: SchedulerOutput):
         chunk = self._chunk
@@ -169,6 +175,7 @@ class Engine:
         self._in_flight = 0
         self._accepting = True
         self._next_id = 0
+        self._liveness = LivenessClock()
 
     def _init_thread(self) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -186,12 +193,15 @@ class Engine:
         loop: asyncio.AbstractEventLoop | None = None,
         request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
+        resume_ids: SequenceT[int] = (),
     ) -> RequestStream:
-        """Queue a request (`grammar`: its compiled `params.grammar`); raises `CapacityError`
-        (never fits), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
+        """Queue a request (`grammar`: its compiled `params.grammar`; `resume_ids`: tokens already
+        generated for it elsewhere); raises `CapacityError` (never fits), `ParameterError` (bad
+        `resume_ids`), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
         if (grammar is None) != (params.grammar is None):
             raise ValueError("`grammar` must be the compiled `params.grammar` (both given or neither)")
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
+        resumed = check_resume_ids(resume_ids, params, getattr(self.runner, "vocab_size", None))
         with self._lock:
             if not self._accepting or self.fatal_error is not None:
                 raise EngineUnavailable("The worker is not accepting requests (draining or stopped)")
@@ -201,6 +211,8 @@ class Engine:
                     f"Worker queue is full: {self._in_flight} requests in flight, limit "
                     f"{self.max_in_flight} ({self.scheduler.config.max_sequences} running + {self.max_queue} queued)"
                 )
+            if self._in_flight == 0:
+                self._liveness.work_arrived()
             self._in_flight += 1
             self._next_id += 1
             rid = request_id or f"req-{self._next_id}"
@@ -208,13 +220,14 @@ class Engine:
         seed = params.seed
         if params.do_sample:
             seed = secrets.randbits(53) if seed is None else seed
-            seq.generator = make_generator(seed)
+            seq.generator = make_generator(seed, skip=len(resumed))
         seq.seed = seed
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, self._special_ids, params.stop,
                                            params.stop_in_output)
         seq.stream = RequestStream(rid, loop)
         if grammar is not None:
             seq.grammar = grammar.matcher()
+        replay(seq, resumed)
         self._inbox.put((_ADD, seq))
         return seq.stream
 
@@ -231,6 +244,10 @@ class Engine:
         """The fraction of this worker's KV cache in use right now (slots held by running sequences)."""
         total = self.scheduler.config.max_sequences
         return (total - self.scheduler.num_free_slots) / total if total else 0.0
+
+    def liveness(self) -> Liveness:
+        """Pending work and the age of the engine's last completed step (any thread)."""
+        return self._liveness.read(self._in_flight > 0)
 
     @property
     def accepting(self) -> bool:
@@ -327,6 +344,7 @@ class Engine:
         updates = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs)
         tops = {id(s): t for s, t in zip(seqs, sampled.top, strict=True) if t is not None}
         self._deliver(self._events(updates, tops, t0))
+        self._liveness.step_done()
         self.metrics.on_step(time.perf_counter() - t0, len(seqs), out.num_prefill_tokens, len(updates))
         self._publish_load()
         return len(seqs)

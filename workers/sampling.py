@@ -239,8 +239,11 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Gra
     return SampleOutput(ids.tolist(), chosen.tolist(), top)
 
 
-def make_generator(seed: int) -> torch.Generator:
-    """A CPU generator for one request (CPU so a seed means the same draws on every device)."""
+def make_generator(seed: int, skip: int = 0) -> torch.Generator:
+    """A CPU generator for one request (CPU so a seed means the same draws on every device),
+    past the `skip` draws of the steps a resumed request already ran (one per step, as in `sample`)."""
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)
+    for _ in range(skip):
+        torch.rand(1, generator=g)
     return g

@@ -185,7 +185,9 @@ class Scheduler:
         prefill_tokens = 0
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
-            n = len(seq.prompt_ids)
+            # A resumed sequence arrives with output tokens generated elsewhere: prefill them too.
+            tokens = seq.prompt_ids + seq.output_ids if seq.output_ids else seq.prompt_ids
+            n = len(tokens)
             if prefill_tokens and prefill_tokens + n > budget:
                 break
             self.waiting.popleft()
@@ -194,7 +196,7 @@ class Scheduler:
             self.running[slot] = seq
             self.reserved_tokens += seq.reserved_tokens
             prefill_tokens += n
-            chunks.append(ScheduledChunk(seq, slot, 0, seq.prompt_ids))
+            chunks.append(ScheduledChunk(seq, slot, 0, tokens))
         return SchedulerOutput(tuple(chunks), prefill_tokens)
 
     def update_from_output(

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from workers.events import FinishInfo, TokenEvent
 from workers.grammar import GrammarSpec, json_text
@@ -103,6 +103,9 @@ class GenerateRequest(BaseModel):
     inputs: str = ""
     input_ids: list[int] | None = None
     parameters: Parameters = Field(default_factory=Parameters)
+    # Token ids already generated for this request on another worker (a migrated stream): the
+    # answer goes on after them, as the original would have (workers/resume.py).
+    resume_ids: list[StrictInt] = Field(default_factory=list)
 
     @field_validator("inputs")
     @classmethod

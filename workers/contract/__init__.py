@@ -41,6 +41,7 @@ from workers.contract.defaults import (
     MAX_STOP_SEQUENCES,
     MAX_URL_BYTES,
     PREFLIGHT_MODES,
+    RESUME_IDS,
     RUN_DIR_MARKER,
     WORKER_HEADERS,
 )
@@ -62,7 +63,9 @@ from workers.contract.lifecycle import STARTUP_STEPS, ExitCode, WorkerState, Wor
 from workers.contract.payload import (
     CapabilityPayload,
     DeviceDescription,
+    EngineLiveness,
     Fp8Description,
+    HealthPayload,
     KernelDescription,
     ModelDescription,
 )
@@ -80,8 +83,8 @@ __all__ = [
     "DEFAULT_MAX_BATCH", "DEFAULT_MAX_QUEUE", "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S",
     "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_PREFLIGHT", "ENV_SIMULATE", "PREFLIGHT_MODES",
     "HEADER_FP8", "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_PIN_WORKER",
-    "HEADER_WORKER_CAPABILITY", "HEADER_WORKER_ID", "MAX_LOGPROBS", "MAX_STOP_SEQUENCES", "WORKER_HEADERS",
-    "MAX_HEADER_BYTES", "MAX_HEADER_COUNT", "MAX_URL_BYTES", "RUN_DIR_MARKER",
+    "HEADER_WORKER_CAPABILITY", "HEADER_WORKER_ID", "MAX_LOGPROBS", "MAX_STOP_SEQUENCES", "RESUME_IDS",
+    "WORKER_HEADERS", "MAX_HEADER_BYTES", "MAX_HEADER_COUNT", "MAX_URL_BYTES", "RUN_DIR_MARKER",
     "DEVICE_FIELDS", "DeviceDescribing", "DeviceInfo",
     "DEVICE_TYPES", "EMULATED", "FP8_CONVENTIONS", "NATIVE", "NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_CAPABILITY",
     "ROCM_NATIVE_FP8_LAST", "ROCM_OCP_FP8_CAPABILITY",
@@ -89,5 +92,6 @@ __all__ = [
     "load_json_schema",
     "STARTUP_STEPS", "ExitCode", "WorkerState", "WorkerStatus",
     "ENV_TRITON_CACHE", "ENV_TRITON_CACHE_DIR", "triton_cache_dir", "triton_cache_root", "use_triton_cache",
-    "CapabilityPayload", "DeviceDescription", "Fp8Description", "KernelDescription", "ModelDescription",
+    "CapabilityPayload", "DeviceDescription", "EngineLiveness", "Fp8Description", "HealthPayload",
+    "KernelDescription", "ModelDescription",
 ]

@@ -35,6 +35,9 @@ HEADER_WORKER_ID = "X-Worker-Id"
 HEADER_WORKER_CAPABILITY = "X-Worker-Capability"
 HEADER_FP8_CONVENTION = "X-Fp8-Convention"
 WORKER_HEADERS = (HEADER_WORKER_ID, HEADER_WORKER_CAPABILITY, HEADER_FP8_CONVENTION)
+# The generate request field that carries the token ids a migrated stream already delivered:
+# the worker that takes the stream over goes on after them (workers/resume.py).
+RESUME_IDS = "resume_ids"
 # Request headers that constrain routing (matched case-insensitively).
 HEADER_PIN_WORKER = "X-Hetserve-Worker"
 HEADER_MIN_CAPABILITY = "X-Hetserve-Min-Capability"

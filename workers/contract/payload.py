@@ -62,6 +62,24 @@ class Load(BaseModel):
     queued: int = 0
 
 
+class EngineLiveness(_Open):
+    """`/health` `engine`: whether the engine makes progress (workers/liveness.py)."""
+
+    pending: bool = False  # requests accepted and not finished
+    last_step_age_s: float = 0.0  # since the last completed step, or since work arrived if later
+    steps: int = 0
+
+
+class HealthPayload(_Open):
+    """A worker's `GET /health` (200 when ready, 503 otherwise). `engine` is None from a worker
+    that does not report liveness (an older worker, a stand-in)."""
+
+    status: str | None = None  # "ready" | "starting" | "draining"
+    worker_id: str | None = None
+    load: Load = Field(default_factory=Load)
+    engine: EngineLiveness | None = None
+
+
 class CapabilityPayload(_Open):
     worker_id: str | None = None
     pid: int | None = None
