@@ -9,8 +9,8 @@ the OpenAI routes, and every client can set headers):
 
 `choose` is a pure function of the workers' current state and returns a `Decision` with its
 reason: a worker, or why none (422: no worker can ever satisfy the constraints; 429: every
-matching worker's queue is full; wait: matching workers exist but none is ready right now;
-503: none left to try). Least-outstanding ties go to the worker picked least often, so
+matching worker's queue is full; wait: matching workers exist but none is ready right now,
+or every ready one has its circuit breaker open; 503: none left to try). Least-outstanding ties go to the worker picked least often, so
 idle workers take turns. Trade-off: the router counts the requests it has in flight per
 worker instead of asking workers for their queue depth, which is exact for requests that
 come through this router and costs nothing per request.
@@ -137,6 +137,11 @@ def choose(workers: Iterable[WorkerHandle], c: Constraints, capacity: int,
         return Decision(UNSATISFIABLE, f"No worker satisfies {c.describe()}: {'; '.join(refused) or 'no workers'}")
     ready = [h for h in candidates if h.routable and matches(h, c)[0] and exclude.get(h.id) != h.generation]
     if ready:
+        admitted = [h for h in ready if h.breaker.admits()]
+        if not admitted:
+            opened = ", ".join(f"{h.id} (retry in {h.breaker.retry_in_s():.1f}s)" for h in ready)
+            return Decision(WAIT, f"The circuit breaker of every matching ready worker is open: {opened}")
+        ready = admitted
         free = [h for h in ready if h.outstanding < capacity]
         if not free:
             return Decision(OVERLOADED, f"All {len(ready)} matching workers have {capacity} requests in flight")

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from server.errors import UsageError
+from server.settings import RouterSettings
 from workers.contract import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
 from workers.topology import TopologySpecError
 
@@ -31,6 +32,26 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
         default=None,
         help="simulate a GPU topology on a CPU host, e.g. `sm_80,sm_89,sm_90` (tokens: sm_XY, gfxNNN, cpu)",
     )
+
+
+def _add_failure_flags(serve: argparse.ArgumentParser) -> None:
+    d = RouterSettings()
+    g = serve.add_argument_group("failures", "stream migration, circuit breakers, hang detection")
+    g.add_argument("--migration-limit", type=int, default=None, metavar="N",
+                   help=f"times a stream may move to another worker when its own is lost (default {d.migration_limit}; "
+                        "0: end it with an error event instead)")
+    g.add_argument("--stall-timeout", type=float, default=None, metavar="S",
+                   help="seconds a worker may hold pending work without completing an engine step before it is "
+                        f"taken for hung and restarted (default {d.stall_timeout_s:g})")
+    g.add_argument("--health-timeout", type=float, default=None, metavar="S",
+                   help=f"seconds a worker's health probe may go unanswered before it is taken for hung "
+                        f"(default {d.health_timeout_s:g}; probes run every {d.health_interval_s:g} s)")
+    g.add_argument("--breaker-failures", type=int, default=None, metavar="N",
+                   help=f"consecutive failed requests (connection errors, 5xx, lost streams) that open a worker's "
+                        f"circuit breaker (default {d.breaker_failures})")
+    g.add_argument("--breaker-cooldown", type=float, default=None, metavar="S",
+                   help=f"seconds an open breaker keeps requests away before one probe request "
+                        f"(default {d.breaker_cooldown_s:g})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
                        help="export OpenTelemetry spans of the router and every worker to this OTLP collector "
                             "(e.g. http://collector:4318; off by default)")
+    _add_failure_flags(serve)
 
     plan = sub.add_parser("plan", help="show per device the kernels and fp8 convention chosen, without loading weights")
     _add_simulate(plan)

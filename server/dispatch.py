@@ -4,12 +4,14 @@ Nothing is lost: a request is retried on another ready worker when its worker fa
 before the client has received anything: the worker is unreachable or dies before
 answering (non-streamed), dies before the first event (streamed), or answers 503 (not ready,
 draining) or 429 (its queue is full); another 5xx is retried once (a worker about to exit
-fatally may answer 500 first), then answered as is. A stream whose first event has gone out is never
-retried (the client already has tokens); it ends with an error event instead. When every
-matching worker is busy the answer is 429 with `Retry-After`; when none is ready, the request
-waits a bounded time for one (a single worker restarting after a crash) and then gets 503.
-Trade-off: a stream's headers are sent only with its first event, so the retry is invisible
-to the client at the price of holding the response until the first token exists.
+fatally may answer 500 first), then answered as is. A stream whose first event has gone out is
+not retried from the start (the client already has tokens): server/migration.py moves it to
+another worker from the token it reached. When every matching worker is busy the answer is 429
+with `Retry-After`; when none is ready, the request waits a bounded time for one (a single
+worker restarting after a crash) and then gets 503. Every outcome feeds the worker's circuit
+breaker (server/breaker.py): a connection error or a 5xx is a failure, an answer a success,
+a 429 neither. Trade-off: a stream's headers are sent only with its first event, so the retry
+is invisible to the client at the price of holding the response until the first token exists.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class WorkerStream:
     _stack: contextlib.AsyncExitStack
     _closed: bool = field(default=False)
 
+    generation: int = 0  # the worker process that serves it
+
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
@@ -104,10 +108,6 @@ class WorkerStream:
             yield data
         async for data in self.sse.events():
             yield data
-
-    def lost_message(self, events_sent: int) -> str:
-        why = self.worker.last_exit or "connection lost"
-        return f"worker {self.worker.id} was lost after {events_sent} events ({why}); the generation is incomplete"
 
 
 def worker_headers(worker: WorkerHandle, response_headers) -> dict[str, str]:
@@ -140,6 +140,7 @@ class Dispatcher:
                 assert d.worker is not None
                 d.worker.outstanding += 1
                 d.worker.picks += 1
+                d.worker.breaker.on_dispatch()
                 return d
             if d.kind == UNSATISFIABLE:
                 raise DispatchError(422, d.reason, "validation")
@@ -162,14 +163,25 @@ class Dispatcher:
         logger.warning("request failed on worker %s (%s); retrying elsewhere", worker.id, why)
         self.supervisor.report_unreachable(worker, generation)
 
+    @staticmethod
+    def _judge(worker: WorkerHandle, generation: int, result: WorkerReply | WorkerStream) -> None:
+        """The breaker's view of an answer: 5xx failure, 429 no verdict, anything else success."""
+        status = result.status if isinstance(result, WorkerReply) else 200
+        if status == 429:
+            worker.request_outcome(generation, None)
+        else:
+            worker.request_outcome(generation, status < 500, f"answered {status}")
+
     # --- one loop of attempts for both kinds ---------------------------------------------
     async def _with_retries(self, c: Constraints,
-                            attempt: Callable[[WorkerHandle], Awaitable[WorkerReply | WorkerStream]]):
+                            attempt: Callable[[WorkerHandle], Awaitable[WorkerReply | WorkerStream]],
+                            exclude: dict[str, int] | None = None):
         """Runs `attempt` on chosen workers until one gives an answer that is not retried.
 
         `attempt` returns the worker's reply (retried on 429/503, once on another 5xx) or an open
-        stream, and raises `_Lost` when the worker went away before the client got anything."""
-        exclude: dict[str, int] = {}
+        stream, and raises `_Lost` when the worker went away before the client got anything.
+        `exclude` (worker id -> generation that failed this request) may come from earlier tries."""
+        exclude = {} if exclude is None else exclude
         deadline = time.monotonic() + self.settings.ready_wait_s
         saw_429 = error_retried = False
         last: WorkerReply | None = None
@@ -188,8 +200,13 @@ class Dispatcher:
             try:
                 result = await attempt(worker)
             except _Lost as e:
+                worker.request_outcome(generation, False, e.why)
                 self._failed(worker, generation, exclude, e.why)
                 continue
+            except BaseException:  # cancelled (the client left): no verdict on the worker
+                worker.request_outcome(generation, None)
+                raise
+            self._judge(worker, generation, result)
             if isinstance(result, WorkerReply):
                 last = result
                 again, error_retried = _retry(result.status, error_retried)
@@ -218,10 +235,13 @@ class Dispatcher:
         return await self._with_retries(c, attempt)
 
     # --- streamed ----------------------------------------------------------------------
-    async def open_stream(self, path: str, body: dict, c: Constraints) -> WorkerStream | WorkerReply:
-        """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply."""
+    async def open_stream(self, path: str, body: dict, c: Constraints,
+                          exclude: dict[str, int] | None = None) -> WorkerStream | WorkerReply:
+        """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply.
+        `exclude`: workers (id -> generation) that already failed this request."""
 
         async def attempt(worker: WorkerHandle) -> WorkerStream | WorkerReply:
+            generation = worker.generation
             stack = contextlib.AsyncExitStack()
             try:
                 response = await stack.enter_async_context(worker.client.stream(path, body, self.tracing.inject()))
@@ -243,6 +263,6 @@ class Dispatcher:
                 await stack.aclose()
                 worker.outstanding -= 1
                 raise
-            return WorkerStream(worker, headers, first[0], first[1], sse, stack)
+            return WorkerStream(worker, headers, first[0], first[1], sse, stack, generation=generation)
 
-        return await self._with_retries(c, attempt)
+        return await self._with_retries(c, attempt, exclude)

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.breaker import BreakerState
 from server.worker_handle import WorkerHandle
 from workers.contract import WorkerState
 from workers.contract.defaults import GATEWAY_KV_USAGE, GATEWAY_POD, GATEWAY_RUNNING, GATEWAY_WAITING
@@ -46,6 +47,8 @@ class _WorkerStateCollector:
         restarts = GaugeMetricFamily("hetserve_router_worker_restarts", "Restarts after crashes.", labels=_LABELS)
         outstanding = GaugeMetricFamily("hetserve_router_worker_outstanding_requests",
                                         "Requests in flight at the worker.", labels=_LABELS)
+        breaker = GaugeMetricFamily("hetserve_router_worker_breaker_state",
+                                    "1 for the state of the worker's circuit breaker.", labels=[*_LABELS, "state"])
         for h in self._workers_fn():
             labels = [h.id, h.capability_label]
             for s in WorkerState:
@@ -53,7 +56,10 @@ class _WorkerStateCollector:
             up.add_metric(labels, 1.0 if h.routable else 0.0)
             restarts.add_metric(labels, float(h.restarts))
             outstanding.add_metric(labels, float(h.outstanding))
-        yield from (state, up, restarts, outstanding)
+            current = h.breaker.state
+            for s in BreakerState:
+                breaker.add_metric([*labels, s], 1.0 if current == s else 0.0)
+        yield from (state, up, restarts, outstanding, breaker)
 
 
 class RouterMetrics:
@@ -72,8 +78,11 @@ class RouterMetrics:
                                       "Requests the worker failed before answering, retried elsewhere.",
                                       _LABELS, registry=self.registry)
         self.stream_errors = Counter("hetserve_router_worker_stream_errors",
-                                     "Streams the worker lost after their first event.", _LABELS,
-                                     registry=self.registry)
+                                     "Streams that ended with an error event: lost by this worker after their "
+                                     "first event and continued by none.", _LABELS, registry=self.registry)
+        self.stream_migrations = Counter("hetserve_router_worker_stream_migrations",
+                                         "Streams this worker lost mid-way that moved to another worker.", _LABELS,
+                                         registry=self.registry)
         self.scrape_errors = Counter("hetserve_router_worker_scrape_errors", "Worker /metrics scrapes that failed.",
                                      _LABELS, registry=self.registry)
         self.registry.register(_WorkerStateCollector(workers_fn))
@@ -90,6 +99,9 @@ class RouterMetrics:
 
     def stream_error(self, h: WorkerHandle) -> None:
         self.stream_errors.labels(h.id, h.capability_label).inc()
+
+    def stream_migration(self, h: WorkerHandle) -> None:
+        self.stream_migrations.labels(h.id, h.capability_label).inc()
 
     async def render(self) -> str:
         """Router series, then every ready worker's series relabelled and merged by family."""

@@ -61,6 +61,9 @@ class RouterSettings:
     worker_stop_timeout_s: float = 15.0  # SIGTERM -> SIGKILL
     startup_timeout_s: float = 900.0  # a worker not ready by then is killed and restarted
     health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0  # a /health probe unanswered this long means the worker hangs
+    stall_timeout_s: float = 30.0  # pending work and no engine step this long means the worker hangs
+    hang_kill_grace_s: float = 5.0  # a hung worker gets SIGTERM, then SIGKILL after this
     unhealthy_after_failures: int = 3  # consecutive failed health checks
     unhealthy_kill_after_s: float = 60.0  # an unhealthy (hung) worker is killed and restarted
     restart_backoff_initial_s: float = 0.5
@@ -70,6 +73,10 @@ class RouterSettings:
     threads: int | None = None  # CPU threads for all workers together (default: this process's CPUs)
     otlp_endpoint: str | None = None  # OpenTelemetry collector for router and worker spans (off when None)
     stats_interval_s: float = 2.0  # how often the status page's per-worker samples are taken
+    # failures
+    migration_limit: int = 3  # times one stream may move to another worker after losing its own
+    breaker_failures: int = 5  # consecutive failed requests that open a worker's circuit breaker
+    breaker_cooldown_s: float = 10.0  # an open breaker lets one probe request through after this
 
     @property
     def worker_capacity(self) -> int:
@@ -113,6 +120,7 @@ class RouterSettings:
                 kwargs["otlp_endpoint"] = check_endpoint(endpoint)
             except ValueError as e:
                 raise UsageError(f"--otlp-endpoint: {e}") from e
+        kwargs.update(_failure_knobs(args))
         # Optional knobs a future CLI may add; absent means the defaults above.
         for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "threads"):
             value = getattr(args, name, None)
@@ -122,3 +130,27 @@ class RouterSettings:
             if getattr(args, name, None) is not None:
                 kwargs[f"{name}_s"] = getattr(args, name)
         return cls(**kwargs)
+
+
+# `hetserve serve` flag -> (settings field, smallest accepted value, whether the bound is strict)
+_FAILURE_FLAGS = {
+    "migration_limit": ("migration_limit", 0, False),
+    "stall_timeout": ("stall_timeout_s", 0, True),
+    "health_timeout": ("health_timeout_s", 0, True),
+    "breaker_failures": ("breaker_failures", 1, False),
+    "breaker_cooldown": ("breaker_cooldown_s", 0, False),
+}
+
+
+def _failure_knobs(args) -> dict:
+    """The failure-handling flags that were given, checked (`UsageError` names the bad one)."""
+    out = {}
+    for flag, (name, low, strict) in _FAILURE_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if value < low or (strict and value == low):
+            bound = f"> {low}" if strict else f">= {low}"
+            raise UsageError(f"`--{flag.replace('_', '-')} {value}` must be {bound}")
+        out[name] = value
+    return out

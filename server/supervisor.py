@@ -2,13 +2,16 @@
 
 Each worker has one lifecycle task on the router's event loop: spawn -> wait until ready
 (status file says so, `/health` answers 200, `/capability` read) -> health-check every
-second -> on exit, decide. A worker that *failed to start* (exit code 3, status file names
-the step: bind, capability, load, kernelize, fp8) is marked `failed` with that reason and is
-not restarted: the same start would fail the same way. Anything else (a crash, `kill -9`, a
-fatal error while serving, a hung worker killed after failing health checks) is restarted
-with exponential backoff while the other workers keep serving. Trade-off: a worker that
-keeps crashing before it ever becomes ready is given up on after a few tries instead of
-retried forever.
+second (server/probe.py) -> on exit, decide. A worker found hung (its probe unanswered
+within the timeout, or its engine stalled with work pending) is taken out of rotation at
+once, its connections are broken so its requests are retried or migrated elsewhere, and it
+is stopped (SIGTERM, then SIGKILL) and restarted. A worker that *failed to start* (exit code
+3, status file names the step: bind, capability, load, kernelize, fp8) is marked `failed`
+with that reason and is not restarted: the same start would fail the same way. Anything else
+(a crash, `kill -9`, a fatal error while serving, a hung worker) is restarted with
+exponential backoff while the other workers keep serving. Trade-off: a worker that keeps
+crashing before it ever becomes ready is given up on after a few tries instead of retried
+forever.
 
 No orphans: workers run in their own session (a Ctrl-C in the terminal reaches only the
 router, which then drains and stops them in order), get `--parent-pid` and, on Linux,
@@ -25,23 +28,17 @@ import logging
 import os
 import shutil
 import signal
-import stat
-import tempfile
 import time
 from pathlib import Path
 
+from server.breaker import BreakerPolicy, CircuitBreaker
+from server.probe import Probe, probe
+from server.run_dir import make_run_dir, sweep_stale_run_dirs
 from server.settings import RouterSettings
-from server.worker_client import WorkerClient, WorkerDown, WorkerGone, WorkerHTTPError
+from server.worker_client import WorkerClient, WorkerGone, WorkerHTTPError
 from server.worker_handle import WorkerHandle, read_status
 from server.worker_spec import build_worker_specs
-from workers.contract import (
-    RUN_DIR_MARKER,
-    CapabilityPayload,
-    DeviceInfo,
-    ExitCode,
-    WorkerState,
-    WorkerStatus,
-)
+from workers.contract import CapabilityPayload, DeviceInfo, ExitCode, WorkerState, WorkerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -83,42 +80,6 @@ def describe_failure(returncode: int, status: dict) -> str:
     step = status.get("step") or "startup"
     reason = status.get("reason") or f"exited with code {returncode} without a status file"
     return f"{step}: {reason}"
-
-
-RUN_DIR_PREFIX = "hetserve-"
-
-
-def _is_run_dir(d: Path) -> bool:
-    """A real directory (not a link) of ours holding the marker file this router writes first."""
-    try:
-        st = d.lstat()
-        marker = (d / RUN_DIR_MARKER).lstat()
-    except OSError:
-        return False
-    uid = os.getuid()
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == uid
-            and stat.S_ISREG(marker.st_mode) and marker.st_uid == uid)
-
-
-def sweep_stale_run_dirs(tmp: Path | None = None) -> list[Path]:
-    """Remove run directories left by routers that died without cleaning up (SIGKILL): named
-    `hetserve-<pid>-*`, holding the marker file, owned by this user, whose router pid is gone.
-    Anything else with a matching name (another program's folder, a link) is left alone."""
-    removed = []
-    for d in Path(tmp or tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*-*"):
-        pid = d.name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or not _is_run_dir(d):
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # that router is alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
 
 
 class Supervisor:
@@ -209,14 +170,13 @@ class Supervisor:
     # --- setup -------------------------------------------------------------------------
     def _init_run_dir(self) -> None:
         sweep_stale_run_dirs()
-        self.run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-"))
-        os.chmod(self.run_dir, 0o700)
-        (self.run_dir / RUN_DIR_MARKER).write_text(f"hetserve router pid {os.getpid()}\n")
+        self.run_dir = make_run_dir()
 
     def _init_handles(self) -> None:
         assert self.run_dir is not None
         specs = build_worker_specs(self._devices, self.settings, self.run_dir, os.getpid())
-        self.workers = {spec.id: WorkerHandle(spec) for spec in specs}
+        policy = BreakerPolicy(self.settings.breaker_failures, self.settings.breaker_cooldown_s)
+        self.workers = {spec.id: WorkerHandle(spec, breaker=CircuitBreaker(policy)) for spec in specs}
 
     # --- state -------------------------------------------------------------------------
     def _set(self, handle: WorkerHandle, state: str, reason: str | None = None) -> None:
@@ -261,6 +221,8 @@ class Supervisor:
                 logger.error("worker %s failed to start at %s", handle.id, handle.reason)
                 return
             handle.last_exit = describe_exit(returncode, status)
+            if handle.exit_cause is not None:  # the router stopped it (hung): say why first
+                handle.last_exit, handle.exit_cause = f"{handle.exit_cause}; {handle.last_exit}", None
             startup_crashes = 0 if served_for is not None else startup_crashes + 1
             if startup_crashes >= s.max_startup_crashes:
                 self._set(handle, WorkerState.FAILED, f"crashed {startup_crashes} times before becoming ready; last: {handle.last_exit}")
@@ -281,6 +243,8 @@ class Supervisor:
                 stale.unlink()
         handle.info = None
         handle.step = None
+        handle.probe = None
+        handle.breaker.reset()  # a new process starts with a clean record
         handle.process = await asyncio.create_subprocess_exec(
             *spec.argv,
             env=spec.environ(),
@@ -361,19 +325,18 @@ class Supervisor:
                 await asyncio.wait_for(handle.check_now.wait(), s.health_interval_s)
             urgent = handle.check_now.is_set()
             handle.check_now.clear()
-            try:
-                code, body = await client.health()
-                ok, why = code == 200, f"/health answered {code} {body.get('status', '')}".strip()
-            except WorkerDown as e:
-                ok, why = False, f"unreachable: {e!r}"
-                failures = max(failures, s.unhealthy_after_failures - 1) if urgent else failures
-            except WorkerGone as e:
-                ok, why = False, f"health check failed: {e!r}"
-            if ok:
+            verdict = handle.probe = await probe(client, s.health_timeout_s, s.stall_timeout_s)
+            why = verdict.why
+            if verdict.kind == Probe.HUNG:
+                await self._replace_hung(handle, why)
+                return
+            if verdict.kind == Probe.OK:
                 failures, unhealthy_since = 0, None
                 if handle.state == WorkerState.UNHEALTHY:
                     self._set(handle, WorkerState.READY)
                 continue
+            if verdict.kind == Probe.DOWN and urgent:
+                failures = max(failures, s.unhealthy_after_failures - 1)
             failures += 1
             if failures >= s.unhealthy_after_failures and handle.state == WorkerState.READY:
                 unhealthy_since = time.monotonic()
@@ -382,6 +345,28 @@ class Supervisor:
                 logger.error("worker %s unhealthy for %.0fs (%s); killing it", handle.id, s.unhealthy_kill_after_s, why)
                 self._kill(handle)
                 return
+
+    async def _replace_hung(self, handle: WorkerHandle, why: str) -> None:
+        """Out of rotation now, its requests back (broken connections: retried or migrated by
+        the dispatcher), then SIGTERM and, after a grace period, SIGKILL; the lifecycle restarts it."""
+        logger.error("worker %s (pid %s) is hung (%s): moving its requests and restarting it", handle.id,
+                     handle.pid, why)
+        handle.exit_cause = f"hung: {why}"
+        self._set(handle, WorkerState.UNHEALTHY, handle.exit_cause)
+        if handle.client is not None:
+            handle.client.abort()
+        process = handle.process
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+            process.send_signal(signal.SIGCONT)  # a stopped process can only act on SIGTERM once continued
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), self.settings.hang_kill_grace_s)
+        if process.returncode is None:
+            logger.error("worker %s did not stop within %.0fs of SIGTERM; killing it", handle.id,
+                         self.settings.hang_kill_grace_s)
+            self._kill(handle)
 
     @staticmethod
     def _kill(handle: WorkerHandle) -> None:

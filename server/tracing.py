@@ -5,7 +5,9 @@ POST request, as a child of the caller's `traceparent` when it sends one, keeps 
 while the route runs and ends it with the last byte of the response (a stream: its last
 event). The dispatcher notes on that span each route decision (`route` event: worker,
 capability, fp8 convention, the balancer's reason), each failed attempt (`retry` event:
-worker, why) and, once a worker answers, that worker's id, capability and fp8 convention.
+worker, why), each move of a stream to another worker (`migrate` event: the worker that lost
+it, why, tokens already sent) and, once a worker answers, that worker's id, capability and
+fp8 convention.
 Every call to a worker carries the span's context as `traceparent` (`Tracing.inject`), so
 the worker's span is its child. With tracing off the middleware is absent and the `note_*`
 functions return at their first line.
@@ -44,6 +46,16 @@ def note_retry(tracing: Tracing, worker: WorkerHandle, why: str) -> None:
         span.add_event("retry", {**worker_attributes(worker), "hetserve.retry.reason": why})
         retries = getattr(span, "attributes", None) or {}
         span.set_attribute("hetserve.retries", int(retries.get("hetserve.retries", 0)) + 1)
+
+
+def note_migration(tracing: Tracing, worker: WorkerHandle, why: str, tokens_sent: int) -> None:
+    """A stream under way lost `worker` and moves to another one from token `tokens_sent`."""
+    if tracing.enabled:
+        span = tracing.current_span()
+        span.add_event("migrate", {**worker_attributes(worker), "hetserve.migration.reason": why,
+                                   "hetserve.migration.tokens_sent": tokens_sent})
+        moves = getattr(span, "attributes", None) or {}
+        span.set_attribute("hetserve.migrations", int(moves.get("hetserve.migrations", 0)) + 1)
 
 
 def note_answer(tracing: Tracing, worker: WorkerHandle) -> None:

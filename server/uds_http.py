@@ -13,6 +13,9 @@ Failures are two exceptions: `WorkerConnectError` (nothing listens: the worker i
 and `WorkerConnectionLost` (the connection broke mid-exchange: the worker died or closed
 it). A reused idle connection that turns out closed before any byte of the answer is
 retried once on a fresh connection, as the server may close idle connections at any time.
+`abort()` closes every connection of the pool, those in use included: a read blocked on a
+hung worker then fails at once with `WorkerConnectionLost` (the supervisor's way of taking
+such a worker's requests back).
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ class WorkerConnectionLost(ConnectionError):
 
 
 class _Conn:
-    __slots__ = ("reader", "writer", "idle_since", "reused")
+    __slots__ = ("reader", "writer", "idle_since", "reused", "closed")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
         self.idle_since = 0.0
         self.reused = False
+        self.closed = False
 
     def close(self) -> None:
+        self.closed = True
         with contextlib.suppress(Exception):
             self.writer.close()
 
@@ -114,6 +119,7 @@ class UnixHTTPPool:
     def __init__(self, path: str):
         self.path = path
         self._idle: deque[_Conn] = deque()
+        self._busy: set[_Conn] = set()  # connections with a request under way
         self._closed = False
 
     async def _connect(self) -> _Conn:
@@ -134,7 +140,8 @@ class UnixHTTPPool:
         return None
 
     def _release(self, conn: _Conn, reusable: bool) -> None:
-        if reusable and not self._closed and len(self._idle) < _MAX_IDLE:
+        self._busy.discard(conn)
+        if reusable and not conn.closed and not self._closed and len(self._idle) < _MAX_IDLE:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
@@ -159,21 +166,22 @@ class UnixHTTPPool:
         return await self._exchange(await self._connect(), method, payload)
 
     async def _exchange(self, conn: _Conn, method: str, payload: bytes) -> Response:
+        self._busy.add(conn)
         try:
             conn.writer.write(payload)
             await conn.writer.drain()
             raw = await conn.reader.readuntil(b"\r\n\r\n")
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
-            conn.close()
+            self._release(conn, False)
             raise WorkerConnectionLost(f"no answer from the worker: {e!r}") from e
         except BaseException:
-            conn.close()
+            self._release(conn, False)
             raise
         lines = raw.decode("latin-1").split("\r\n")
         try:
             status = int(lines[0].split(" ", 2)[1])
         except (IndexError, ValueError) as e:
-            conn.close()
+            self._release(conn, False)
             raise WorkerConnectionLost(f"malformed status line {lines[0]!r}") from e
         headers = {}
         for line in lines[1:]:
@@ -192,6 +200,14 @@ class UnixHTTPPool:
         finally:
             await response.aclose()
         return response.status_code, response.headers, content
+
+    def abort(self) -> None:
+        """Close every connection, in use or idle: blocked reads fail with `WorkerConnectionLost`."""
+        for conn in list(self._busy):
+            conn.close()
+        self._busy.clear()
+        while self._idle:
+            self._idle.pop().close()
 
     async def aclose(self) -> None:
         self._closed = True

@@ -3,8 +3,9 @@
 The worker's socket API mirrors the public one (TGI shapes), so the router forwards request
 bodies and streamed bytes untouched. A worker that dies shows up here as one of `WorkerGone`
 (nothing listens, or the connection broke mid-answer); the dispatcher turns that into a
-retry or an error event. Generation reads have no timeout (a long generation is not a
-failure); a hung worker is caught by the supervisor's health checks instead. Control calls
+retry or a migration. Generation reads have no timeout (a long generation is not a
+failure); a hung worker is caught by the supervisor's health checks instead, which then
+`abort()` its connections so that every read blocked on it fails at once. Control calls
 (health, capability, metrics) time out after a few seconds.
 """
 
@@ -40,14 +41,19 @@ class WorkerClient:
     async def aclose(self) -> None:
         await self._pool.aclose()
 
+    def abort(self) -> None:
+        """Break every connection to the worker (it hangs): requests under way fail at once."""
+        self._pool.abort()
+
     # --- control -----------------------------------------------------------------------
-    async def _get(self, path: str) -> tuple[int, bytes]:
-        status, _, content = await asyncio.wait_for(self._pool.request("GET", path), _CONTROL_TIMEOUT_S)
+    async def _get(self, path: str, timeout: float = _CONTROL_TIMEOUT_S) -> tuple[int, bytes]:
+        status, _, content = await asyncio.wait_for(self._pool.request("GET", path), timeout)
         return status, content
 
-    async def health(self) -> tuple[int, dict]:
-        """(status code, body) of GET /health; raises one of `WorkerGone` when unreachable."""
-        status, content = await self._get("/health")
+    async def health(self, timeout: float = _CONTROL_TIMEOUT_S) -> tuple[int, dict]:
+        """(status code, body) of GET /health; raises one of `WorkerGone` when unreachable or
+        silent for `timeout` seconds (`TimeoutError`)."""
+        status, content = await self._get("/health", timeout)
         return status, _json_or_empty(content)
 
     async def capability(self) -> CapabilityPayload:

@@ -7,8 +7,11 @@ reported about itself (`/capability`) or, before it has, what the router knows f
 inventory.
 
 States: `starting` (first start, not ready yet) -> `ready` <-> `unhealthy` (alive but failing
-health checks, not routed to) ; a crash -> `restarting` (until ready again) ; a start that
-failed at a step (exit code 3) or kept crashing -> `failed` (not restarted, `reason` says why).
+health checks, or hung and being replaced: not routed to) ; a crash -> `restarting` (until
+ready again) ; a start that failed at a step (exit code 3) or kept crashing -> `failed` (not
+restarted, `reason` says why). Beside its state, each worker has a circuit breaker fed by the
+outcomes of the requests sent to its current process (server/breaker.py) and the verdict of
+its last health probe (server/probe.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from server.breaker import BreakerPolicy, CircuitBreaker
+from server.probe import ProbeVerdict
 from server.worker_client import WorkerClient
 from server.worker_spec import WorkerSpec
 from workers.contract import DEVICE_FIELDS, ENV_TRITON_CACHE_DIR, Capability, CapabilityPayload, WorkerState
@@ -40,6 +45,9 @@ class WorkerHandle:
     client: WorkerClient | None = None
     process: asyncio.subprocess.Process | None = None
     check_now: asyncio.Event = field(default_factory=asyncio.Event)
+    breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(BreakerPolicy()))
+    probe: ProbeVerdict | None = None  # the last health probe's verdict
+    exit_cause: str | None = None  # why the router stopped this process itself (a hang), for `last_exit`
 
     @property
     def id(self) -> str:
@@ -61,6 +69,18 @@ class WorkerHandle:
     @property
     def routable(self) -> bool:
         return self.state == WorkerState.READY and self.client is not None
+
+    def request_outcome(self, generation: int, ok: bool | None, why: str = "") -> None:
+        """Feed the breaker: a request sent to process `generation` succeeded (True), failed
+        (False: `why`) or ended without a verdict (None). Outcomes of an earlier process are ignored."""
+        if generation != self.generation:
+            return
+        if ok is None:
+            self.breaker.on_neutral()
+        elif ok:
+            self.breaker.on_success()
+        else:
+            self.breaker.on_failure(why)
 
     def answers_to(self, name: str) -> bool:
         """Is `name` this worker's id, its device index or its device UUID (any case)?"""
@@ -97,6 +117,8 @@ class WorkerHandle:
             "capacity": info.capacity or None,
             "model": info.model.model_dump(exclude={"chat_template"}, exclude_none=True),
             "last_exit": self.last_exit,
+            "breaker": self.breaker.snapshot(),
+            "health": None if self.probe is None else self.probe.snapshot(),
         }
 
 

@@ -2,8 +2,10 @@
 
 Speaks the worker contract (`python -m workers` arguments, status file, exit codes, Unix
 socket with /health, /capability, /generate, /generate_stream, /metrics, the X-Worker-*
-headers, 422/429/503 JSON errors) and produces deterministic text: token i is ` t{i}`.
-Behaviour for tests comes from the environment:
+headers, 422/429/503 JSON errors) and produces deterministic text: token i is ` t{i}` (id
+100 + i); a request with `resume_ids` goes on from token len(resume_ids), as a real worker
+continues a migrated stream. `/health` reports engine liveness (`engine.pending`,
+`engine.last_step_age_s`). Behaviour for tests comes from the environment:
 
   FAKE_FAIL_STEP=kernelize     write a `failed` status at that step and exit 3
   FAKE_FAIL_IDS=gpu0           only these workers fail (default: all, when FAKE_FAIL_STEP is set)
@@ -12,7 +14,10 @@ Behaviour for tests comes from the environment:
   FAKE_TOKEN_S=0.002           seconds per generated token
   FAKE_CRASH_IDS=gpu0          workers that die on the prompts `__crash_before_first__`
                                (before any token) and `__crash_mid_stream__` (after 2 tokens),
-                               and answer 500 to `__error_500__`
+                               answer 500 to `__error_500__`, and on `__stall_mid_stream__`
+                               stop producing tokens after 2 while /health reports the engine
+                               stalled (work pending, the last step ever older)
+  FAKE_ERROR_IDS=gpu2          workers that answer 500 to every generation request
   FAKE_TRACE_LOG=/path         append `<worker id> <traceparent header or ->` per generation
                                request (what the router propagated)
 """
@@ -77,8 +82,9 @@ def build_app(args) -> FastAPI:
            "reason": f"capability {cap_str} {'>=' if native else '<'} 8.9"}
     token_s = float(os.environ.get("FAKE_TOKEN_S", "0.002"))
     crashes = args.worker_id in os.environ.get("FAKE_CRASH_IDS", "").split(",")
+    broken = args.worker_id in os.environ.get("FAKE_ERROR_IDS", "").split(",")
     capacity = args.max_batch + args.max_queue
-    state = {"inflight": 0, "served": 0, "tokens": 0}
+    state = {"inflight": 0, "served": 0, "tokens": 0, "stalled_since": None}
     trace_log = os.environ.get("FAKE_TRACE_LOG")
 
     def log_trace(request):
@@ -94,14 +100,19 @@ def build_app(args) -> FastAPI:
 
     def validate(body):
         params = body.get("parameters") or {}
+        if broken:
+            return None, error(500, "fake broken worker", "internal")
         if not isinstance(body.get("inputs"), str) or not body["inputs"]:
             return None, error(422, "`inputs` must be a non-empty string", "validation")
         n = params.get("max_new_tokens") or 20
         if n > 512:
             return None, error(422, f"`max_new_tokens` {n} exceeds 512", "validation")
+        resumed = body.get("resume_ids") or []
+        if len(resumed) >= n:
+            return None, error(422, f"`resume_ids` holds {len(resumed)} tokens, `max_new_tokens` is {n}", "validation")
         if state["inflight"] >= capacity:
             return None, error(429, "queue full", "overloaded")
-        return (body["inputs"], n, params), None
+        return (body["inputs"], n, params, len(resumed)), None
 
     def token(i):
         return {"id": 100 + i, "text": f" t{i}", "logprob": -0.5, "special": False}
@@ -112,7 +123,10 @@ def build_app(args) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ready", "worker_id": args.worker_id}
+        stalled = state["stalled_since"]
+        engine = {"pending": state["inflight"] > 0, "steps": state["tokens"],
+                  "last_step_age_s": 0.0 if stalled is None else time.monotonic() - stalled}
+        return {"status": "ready", "worker_id": args.worker_id, "engine": engine}
 
     @app.get("/capability")
     async def capability():
@@ -153,7 +167,7 @@ def build_app(args) -> FastAPI:
         parsed, err = validate(await request.json())
         if err:
             return err
-        prompt, n, params = parsed
+        prompt, n, params, _ = parsed
         if crashes and prompt.startswith("__crash"):
             os._exit(1)
         if crashes and prompt == "__error_500__":
@@ -177,18 +191,21 @@ def build_app(args) -> FastAPI:
         parsed, err = validate(await request.json())
         if err:
             return err
-        prompt, n, params = parsed
+        prompt, n, params, start = parsed
         if crashes and prompt == "__crash_before_first__":
             os._exit(1)
 
         async def events():
             state["inflight"] += 1
             try:
-                for i in range(n):
+                for i in range(start, n):
                     await asyncio.sleep(token_s)
                     state["tokens"] += 1
                     if crashes and prompt == "__crash_mid_stream__" and i == 2:
                         os._exit(1)
+                    if crashes and prompt == "__stall_mid_stream__" and i == 2:
+                        state["stalled_since"] = state["stalled_since"] or time.monotonic()
+                        await asyncio.Event().wait()  # hangs until the router gives up on it
                     last = i == n - 1
                     event = {"index": i, "token": token(i),
                              "generated_text": "".join(f" t{j}" for j in range(n)) if last else None,

@@ -104,17 +104,39 @@ def test_stream_is_retried_when_its_worker_dies_before_the_first_token(router, c
     _crash_until_gpu0_restarts(router, client, "/generate_stream")
 
 
-def test_stream_under_way_ends_with_an_error_event_when_its_worker_dies(router, client):
+def _migrations(client, wid: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("hetserve_router_worker_stream_migrations_total{") and f'worker_id="{wid}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("kind", ["tgi", "openai"])
+def test_stream_under_way_moves_to_another_worker_when_its_worker_dies(router, client, kind):
+    """Guards `ClientStream._move` (server/migration.py): without it the stream ends with an
+    `incomplete_generation` error event after ` t0 t1`."""
     for _ in range(12):
         _wait_ready(router, "gpu0")
-        r = client.post("/generate_stream", json={"inputs": "__crash_mid_stream__", "parameters": {"max_new_tokens": 6}})
-        assert r.status_code == 200
-        events = _events(r.text)
+        moved_before = _migrations(client, "gpu0")
+        if kind == "tgi":
+            r = client.post("/generate_stream", json={"inputs": "__crash_mid_stream__", "parameters": {"max_new_tokens": 6}})
+            events = _events(r.text)
+            assert r.status_code == 200 and "error" not in events[-1], events
+            assert [e["index"] for e in events] == list(range(6))  # no gap, no repeat
+            assert [e["token"]["text"] for e in events] == [f" t{i}" for i in range(6)]
+            assert events[-1]["generated_text"] == " t0 t1 t2 t3 t4 t5"
+            moves = events[-1]["details"].get("migrations", 0)
+        else:
+            r = client.post("/v1/completions", json={"prompt": "__crash_mid_stream__", "max_tokens": 6, "stream": True})
+            chunks = _events(r.text)
+            assert r.status_code == 200 and "error" not in chunks[-1], chunks
+            assert "".join(c["choices"][0]["text"] for c in chunks) == " t0 t1 t2 t3 t4 t5"
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            moves = chunks[-1].get("migrations", 0)
         if r.headers["x-worker-id"] != "gpu0":
-            assert events[-1]["generated_text"] is not None
+            assert moves == 0
             continue
-        assert [e["token"]["text"] for e in events[:-1]] == [" t0", " t1"]
-        assert events[-1]["error_type"] == "incomplete_generation" and "gpu0" in events[-1]["error"]
+        assert moves == 1 and _migrations(client, "gpu0") == moved_before + 1
         return
     pytest.fail("no stream landed on gpu0")
 

@@ -255,7 +255,7 @@ def test_run_dirs_of_dead_routers_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from server.supervisor import sweep_stale_run_dirs
+    from server.run_dir import sweep_stale_run_dirs
     from workers.contract import RUN_DIR_MARKER
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -113,6 +113,24 @@ def test_unknown_paths_do_not_multiply_span_names(traced_router):
     assert span.name == "POST other" and span.attributes["url.path"] == "/no/such/route/42"
 
 
+def test_a_stream_moving_to_another_worker_is_recorded_on_the_request_span(traced_router):
+    """gpu0 dies after two tokens of this prompt: the stream moves to gpu1 (`note_migration`)."""
+    client, exporter, _ = traced_router
+    for _ in range(2):  # idle workers take turns: one of the two starts on gpu0
+        r = client.post("/generate_stream", json={"inputs": "__crash_mid_stream__", "parameters": {"max_new_tokens": 4}})
+        assert r.status_code == 200 and r.text.count("data:") == 4 and '"error"' not in r.text, r.text
+        span = _spans(exporter, "POST /generate_stream")[-1]
+        if r.headers["x-worker-id"] == "gpu0":
+            break
+    else:
+        pytest.fail("no stream started on gpu0")
+    assert [e.name for e in span.events] == ["route", "migrate", "route"]
+    moved = span.events[1].attributes
+    assert moved["hetserve.worker.id"] == "gpu0" and moved["hetserve.migration.tokens_sent"] == 2
+    assert moved["hetserve.migration.reason"].startswith("connection lost")
+    assert span.attributes["hetserve.migrations"] == 1 and span.attributes["hetserve.worker.id"] == "gpu1"
+
+
 # --- the worker --------------------------------------------------------------------------
 
 

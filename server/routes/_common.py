@@ -1,8 +1,6 @@
-"""Helpers the route modules share: constraints, the context-length check, stream endings."""
+"""Helpers the route modules share: constraints, the context-length check, stream relays."""
 
 from __future__ import annotations
-
-import json
 
 import anyio
 from fastapi import Request
@@ -10,7 +8,8 @@ from fastapi.responses import StreamingResponse
 
 from server.balancer import Constraints, parse_constraints
 from server.context import RouterContext
-from server.dispatch import DispatchError, WorkerStream
+from server.dispatch import DispatchError
+from server.migration import ClientStream
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -28,22 +27,7 @@ def check_new_tokens(ctx: RouterContext, value: int | None, name: str) -> None:
                             "validation")
 
 
-def parse_event(data: str) -> dict | None:
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def is_final(event: dict | None) -> bool:
-    """A worker stream's last event carries `details`/`generated_text`, or is an error."""
-    if event is None:
-        return False
-    return event.get("error") is not None or event.get("details") is not None or event.get("generated_text") is not None
-
-
-async def close_shielded(stream: WorkerStream) -> None:
+async def close_shielded(stream: ClientStream) -> None:
     """Close the worker stream even while the client's request is being cancelled."""
     with anyio.CancelScope(shield=True):
         await stream.aclose()
@@ -63,7 +47,7 @@ class RelayResponse(StreamingResponse):
     """A streamed relay that closes its worker streams however the response ends, even when
     the client goes away before the body generator has started (then its `finally` never runs)."""
 
-    def __init__(self, content, streams: WorkerStream | list[WorkerStream], **kwargs):
+    def __init__(self, content, streams: ClientStream | list[ClientStream], **kwargs):
         self._streams = streams if isinstance(streams, list) else [streams]
         super().__init__(content, media_type="text/event-stream",
                          headers={**merged_headers(self._streams), **SSE_HEADERS}, **kwargs)

@@ -4,7 +4,8 @@ Request and response bodies are the worker's own (same TGI shapes), so the route
 validates the request, picks a worker and relays the answer bytes untouched, adding the
 worker headers. `POST /` is TGI's compat route (what `huggingface_hub.InferenceClient`
 calls when given the server's URL): `"stream": true` streams, otherwise it generates.
-A stream the worker loses after its first event ends with
+A stream the worker loses after its first event moves to another worker from the token
+it reached (server/migration.py); one that no worker can continue ends with
 `data: {"error": ..., "error_type": "incomplete_generation"}` (what TGI clients raise as
 an incomplete generation).
 """
@@ -18,17 +19,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.context import VERSION, RouterContext, get_ctx
-from server.dispatch import WorkerReply, WorkerStream
-from server.routes._common import (
-    RelayResponse,
-    check_new_tokens,
-    close_shielded,
-    constraints,
-    is_final,
-    parse_event,
-)
+from server.dispatch import WorkerReply
+from server.migration import ClientStream, StreamIncomplete, open_client_stream
+from server.routes._common import RelayResponse, check_new_tokens, close_shielded, constraints
 from server.schemas import ErrorResponse, GenerateRequest, GenerateResponse
-from server.worker_client import WorkerGone
 from workers.contract import MAX_STOP_SEQUENCES
 
 logger = logging.getLogger(__name__)
@@ -56,27 +50,21 @@ async def _generate(req: GenerateRequest, request: Request) -> Response:
 
 async def _generate_stream(req: GenerateRequest, request: Request) -> Response:
     ctx = get_ctx(request)
-    opened = await ctx.dispatcher.open_stream("/generate_stream", _worker_body(req, ctx), constraints(request))
+    opened = await open_client_stream(ctx.dispatcher, "/generate_stream", _worker_body(req, ctx), constraints(request))
     if isinstance(opened, WorkerReply):
         return _reply(opened)
     return RelayResponse(relay_tgi(opened, ctx), opened)
 
 
-async def relay_tgi(stream: WorkerStream, ctx: RouterContext):
-    """The worker's event bytes as they come; an error event if the worker is lost midway."""
-    sent, last = 1, stream.first_data
+async def relay_tgi(stream: ClientStream, ctx: RouterContext):
+    """The workers' event bytes as they come; an error event if no worker can finish the stream."""
     try:
-        yield stream.first_raw
-        while (batch := await stream.sse.next_batch()) is not None:
-            raw, last = batch
+        async for raw in stream.batches():
             yield raw
-            sent += 1
-        if is_final(parse_event(last)):
-            return
-        error = stream.lost_message(sent)
-    except WorkerGone as e:
-        logger.warning("stream on worker %s lost after %d events: %r", stream.worker.id, sent, e)
-        error = stream.lost_message(sent)
+        return
+    except StreamIncomplete as e:
+        logger.warning("stream ends incomplete: %s", e)
+        error = str(e)
     finally:
         await close_shielded(stream)
     ctx.metrics.stream_error(stream.worker)

@@ -1,4 +1,5 @@
-"""`GET /health`: 200 `ok` when every worker is ready, 200 `degraded` when some are, 503 when none is.
+"""`GET /health`: 200 `ok` when every worker is ready, 200 `degraded` when some are or while any
+worker's circuit breaker is not closed (`open_breakers` names them), 503 when none is ready.
 
 Open without the API key, so load balancers and orchestrators can probe it.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from server.breaker import BreakerState
 from server.context import RouterContext, get_ctx
 
 router = APIRouter(tags=["health"])
@@ -17,9 +19,10 @@ def health_verdict(ctx: RouterContext) -> tuple[dict, int]:
     """`/health`'s body and status code (the status page shows the same verdict)."""
     handles = list(ctx.supervisor.workers.values())
     ready = [h.id for h in handles if h.routable]
+    open_breakers = [h.id for h in handles if h.breaker.state != BreakerState.CLOSED]
     if not ready:
         status, code = "unavailable", 503
-    elif len(ready) == len(handles):
+    elif len(ready) == len(handles) and not open_breakers:
         status, code = "ok", 200
     else:
         status, code = "degraded", 200
@@ -28,6 +31,7 @@ def health_verdict(ctx: RouterContext) -> tuple[dict, int]:
         "ready": len(ready),
         "total": len(handles),
         "workers": {h.id: h.state for h in handles},
+        "open_breakers": open_breakers,
         "model": ctx.model_id(),
     }
     return body, code

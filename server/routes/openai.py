@@ -4,7 +4,9 @@ So the `openai` client works unchanged (`base_url="http://127.0.0.1:8000/v1"`). 
 choice is one worker `/generate` call (choices of one request may run on different
 workers, concurrently); `n` > 1 with a `seed` gives choice k the seed `seed + k`, so choices
 differ yet stay reproducible. Streams open one worker stream per choice and interleave their
-deltas, each chunk carrying its choice's `index`, then `data: [DONE]`. Chat prompts are
+deltas, each chunk carrying its choice's `index`, then `data: [DONE]`; a choice whose worker is
+lost mid-way moves to another worker (server/migration.py) and its finishing chunk carries
+`migrations`. Chat prompts are
 rendered with the model's chat template (with `tools` when given); `response_format` and a
 forced `tool_choice` become the worker's grammar (`server/tools.py`). Completions take text
 or token-id prompts; `echo` with `logprobs` scores the prompt, and `max_tokens` = 0 scores it
@@ -25,8 +27,9 @@ from fastapi.responses import JSONResponse, Response
 from server import openai_format as fmt
 from server.balancer import Constraints
 from server.context import RouterContext, get_ctx
-from server.dispatch import DispatchError, WorkerReply, WorkerStream
+from server.dispatch import DispatchError, WorkerReply
 from server.http_errors import error_response
+from server.migration import ClientStream, StreamIncomplete, open_client_stream, parse_event
 from server.openai_choices import ChoiceSpec, ChoiceStream, chat_choice, completion_choice
 from server.routes._common import (
     RelayResponse,
@@ -34,11 +37,9 @@ from server.routes._common import (
     close_shielded,
     constraints,
     merged_headers,
-    parse_event,
 )
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.tools import plan_tools, response_grammar, template_messages
-from server.worker_client import WorkerGone
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -177,10 +178,10 @@ def _whole_stream(ctx: RouterContext, specs: list[ChoiceSpec], answers: list[dic
 async def _stream(ctx: RouterContext, c: Constraints, request: Request, bodies: list[dict], specs: list[ChoiceSpec],
                   prompt_of: list[int], chat: bool, usage: bool) -> Response:
     """One worker stream per choice, opened concurrently; a refusal of any is the answer."""
-    opened = await asyncio.gather(*(ctx.dispatcher.open_stream("/generate_stream", b, c) for b in bodies),
+    opened = await asyncio.gather(*(open_client_stream(ctx.dispatcher, "/generate_stream", b, c) for b in bodies),
                                   return_exceptions=True)
-    streams = [o for o in opened if isinstance(o, WorkerStream)]
-    problem = next((o for o in opened if not isinstance(o, WorkerStream)), None)
+    streams = [o for o in opened if isinstance(o, ClientStream)]
+    problem = next((o for o in opened if not isinstance(o, ClientStream)), None)
     if problem is not None:
         for s in streams:
             await close_shielded(s)
@@ -191,26 +192,26 @@ async def _stream(ctx: RouterContext, c: Constraints, request: Request, bodies: 
     return RelayResponse(_relay(streams, choices, prompt_of, ctx, chat, usage), streams)
 
 
-async def _pump(k: int, stream: WorkerStream, queue: asyncio.Queue) -> None:
-    """Stream k's event payloads into `queue` as (k, data); (k, None) at its end, (k, error) if lost."""
+async def _pump(k: int, stream: ClientStream, queue: asyncio.Queue) -> None:
+    """Stream k's event payloads into `queue` as (k, data); (k, None) at its end, (k, error) when
+    no worker can finish it."""
     try:
         async for data in stream.events():
             await queue.put((k, data))
         await queue.put((k, None))
-    except WorkerGone as e:
+    except StreamIncomplete as e:
         await queue.put((k, e))
 
 
-async def _relay(streams: list[WorkerStream], choices: list[ChoiceStream], prompt_of: list[int], ctx: RouterContext,
+async def _relay(streams: list[ClientStream], choices: list[ChoiceStream], prompt_of: list[int], ctx: RouterContext,
                  chat: bool, usage: bool):
     """Worker token events -> OpenAI chunks of every choice, interleaved as they come; usage and
-    `[DONE]` at the end; an error event if a worker is lost or fails mid-stream."""
+    `[DONE]` at the end; an error event if a choice's stream cannot be finished by any worker."""
     cid, created, model = fmt.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), ctx.model_id()
     obj, chunk = ("chat.completion.chunk", fmt.chat_chunk) if chat else ("text_completion", fmt.completion_chunk)
     queue: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.ensure_future(_pump(k, s, queue)) for k, s in enumerate(streams)]
-    sent = [0] * len(streams)
-    live, lost = len(streams), None
+    live, lost, why = len(streams), None, "the stream ended before its last event"
     try:
         while live and lost is None:
             k, data = await queue.get()
@@ -218,17 +219,15 @@ async def _relay(streams: list[WorkerStream], choices: list[ChoiceStream], promp
                 live -= 1
                 if not choices[k].done:
                     if isinstance(data, BaseException):
-                        logger.warning("stream on worker %s lost after %d events: %r", streams[k].worker.id, sent[k], data)
+                        logger.warning("stream ends incomplete: %s", data)
+                        why = str(data)
                     lost = k
                 continue
             event = parse_event(data) or {}
-            if event.get("error") is not None:
-                yield fmt.sse({"error": {"message": str(event["error"]), "type": event.get("error_type", "internal"),
-                                         "param": None, "code": None}})
-                return
-            sent[k] += 1
+            moves = (event.get("details") or {}).get("migrations")
             for delta in choices[k].on_event(event):
-                yield fmt.sse(chunk(cid, created, model, delta))
+                body = chunk(cid, created, model, delta)
+                yield fmt.sse({**body, "migrations": moves} if moves and delta.get("finish_reason") else body)
         if lost is None:
             if usage:
                 prompts = {prompt_of[k]: ch.prompt_tokens for k, ch in enumerate(choices)}
@@ -242,5 +241,4 @@ async def _relay(streams: list[WorkerStream], choices: list[ChoiceStream], promp
         for s in streams:
             await close_shielded(s)
     ctx.metrics.stream_error(streams[lost].worker)
-    yield fmt.sse({"error": {"message": streams[lost].lost_message(sent[lost]), "type": "incomplete_generation",
-                             "param": None, "code": None}})
+    yield fmt.sse({"error": {"message": why, "type": "incomplete_generation", "param": None, "code": None}})
