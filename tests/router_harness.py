@@ -4,10 +4,12 @@
 environment, waits until `/health` says every worker is ready, and on `stop()` sends
 SIGTERM and checks that the router and all its workers are gone. With `fake=True` the
 workers are `tests/router_fake_worker.py` (no model, no torch) instead of `python -m workers`.
+`running_router(...)` is the same as a module fixture's body; `sse_events` parses a stream.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_WORKER = ROOT / "tests" / "router_fake_worker.py"
@@ -96,6 +99,13 @@ class RouterProcess:
     def workers(self) -> list[dict]:
         return httpx.get(f"{self.url}/workers", timeout=10).json()["workers"]
 
+    def worker(self, wid: str) -> dict:
+        return next(w for w in self.workers() if w["id"] == wid)
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The first `/metrics` sample named `name` carrying `labels`, or None."""
+        return metric_value(httpx.get(f"{self.url}/metrics", timeout=10).text, name, **labels)
+
     def wait_for(self, predicate, timeout: float = 30.0, interval: float = 0.1):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -123,3 +133,25 @@ class RouterProcess:
             os.kill(p, signal.SIGKILL)
         self.log.close()
         return self.proc.returncode
+
+
+def running_router(*args, **kwargs):
+    """A module fixture's body: a started `RouterProcess`, stopped afterwards with no worker left."""
+    r = RouterProcess(*args, **kwargs)
+    yield r
+    r.stop()
+    assert not r.orphans, f"workers left running: {r.orphans}"
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The first sample named `name` carrying `labels` in Prometheus `text`, or None."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+def sse_events(text: str) -> list[dict]:
+    """The JSON events of an SSE body (`[DONE]` left out)."""
+    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and "[DONE]" not in line]

@@ -19,10 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from server.settings import DEFAULT_MODEL_DIR
-from tests.router_harness import RouterProcess
+from tests.router_harness import RouterProcess, metric_value, running_router
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,11 +37,8 @@ HEALTH_TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="module")
 def router():
-    r = RouterProcess(["--simulate", "sm_80,sm_90", "--dtype", "float32", "--health-timeout", str(HEALTH_TIMEOUT_S)],
-                      fake=False, ready_timeout=240)
-    yield r
-    r.stop()
-    assert not r.orphans, f"workers left running: {r.orphans}"
+    yield from running_router(["--simulate", "sm_80,sm_90", "--dtype", "float32", "--health-timeout",
+                               str(HEALTH_TIMEOUT_S)], fake=False, ready_timeout=240)
 
 
 def _request(i: int) -> tuple[str, dict]:
@@ -105,23 +101,21 @@ def reference(router) -> list[dict]:
     return runs
 
 
-def _worker(router: RouterProcess, wid: str) -> dict:
-    return next(w for w in router.workers() if w["id"] == wid)
-
-
 def _disturb(router: RouterProcess, sig: int):
-    """Send `sig` to the worker serving stream 0 once it has KILL_AFTER tokens; returns a
-    function giving (victim id, seconds until the router took it out of rotation)."""
+    """Send `sig` to the worker serving stream 0 once it has KILL_AFTER tokens; the returned
+    function gives (victim's /workers entry, seconds until the router took it out of rotation)."""
+    before = {w["id"]: w for w in router.workers()}  # read now: at the kill point there is no time for it
 
     def disturb(progress, first_worker):
         deadline = time.monotonic() + 60
         while progress[0] < KILL_AFTER or 0 not in first_worker:
             assert time.monotonic() < deadline, "stream 0 never reached its kill point"
-            time.sleep(0.002)
-        victim = _worker(router, first_worker[0])
+            time.sleep(0.001)
+        victim = before[first_worker[0]]
         os.kill(victim["pid"], sig)
-        sent = time.monotonic()
-        router.wait_for(lambda: _worker(router, victim["id"])["state"] != "ready", timeout=30, interval=0.05)
+        sent, at = time.monotonic(), progress[0]
+        assert at < NEW_TOKENS - 8, f"stream 0 was at {at} tokens when its worker was stopped: too late to test"
+        router.wait_for(lambda: router.worker(victim["id"])["state"] != "ready", timeout=30, interval=0.05)
         return victim, time.monotonic() - sent
 
     return disturb
@@ -139,54 +133,17 @@ def _check_nothing_lost(runs, reference, first_worker, victim_id) -> None:
         assert run["migrations"] == (1 if i in moved else 0), (i, first_worker, run["migrations"])
 
 
-def _migrations_counted(router: RouterProcess, victim_id: str) -> float:
-    text = httpx.get(f"{router.url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "hetserve_router_worker_stream_migrations_total" and s.labels["worker_id"] == victim_id:
-                return s.value
-    return 0.0
-
-
 def _wait_all_ready(router: RouterProcess) -> None:
     router.wait_for(lambda: all(w["state"] == "ready" for w in router.workers()), timeout=120, interval=0.2)
 
 
-def test_kill_9_mid_stream_loses_and_repeats_nothing(router, reference):
-    """Guards `ClientStream._move` and the worker's `resume_ids`: without them the streams of the
-    killed worker end with an `incomplete_generation` error after ~20 tokens."""
-    _wait_all_ready(router)
-    runs, first_worker, (victim, _) = _run_all(router, _disturb(router, signal.SIGKILL))
-    _check_nothing_lost(runs, reference, first_worker, victim["id"])
-    assert _migrations_counted(router, victim["id"]) >= sum(first_worker[i] == victim["id"] for i in first_worker)
-    back = router.wait_for(lambda: (w := _worker(router, victim["id"]))["state"] == "ready" and w, timeout=120)
-    assert "SIGKILL" in back["last_exit"] and back["restarts"] == victim["restarts"] + 1
-
-
-def test_sigstop_mid_stream_is_detected_and_its_streams_move(router, reference):
-    """Guards the probe timeout in `server/probe.py` and `Supervisor._replace_hung` (broken
-    connections, SIGTERM then SIGKILL): without them a frozen worker's streams wait forever."""
-    _wait_all_ready(router)
-    runs, first_worker, (victim, took) = _run_all(router, _disturb(router, signal.SIGSTOP))
-    assert took <= 1.0 + HEALTH_TIMEOUT_S + 1.5, f"a frozen worker was taken out after {took:.1f}s"
-    _check_nothing_lost(runs, reference, first_worker, victim["id"])
-    back = router.wait_for(lambda: (w := _worker(router, victim["id"]))["state"] == "ready" and w, timeout=120)
-    assert back["last_exit"].startswith("hung: /health did not answer"), back["last_exit"]
-    assert back["pid"] != victim["pid"] and back["restarts"] == victim["restarts"] + 1
-
-
 def _worker_series(router: RouterProcess, wid: str) -> dict[str, float]:
     text = httpx.get(f"{router.url}/metrics", timeout=10).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.labels.get("worker_id") != wid:
-                continue
-            if s.name == "hetserve_worker_requests_total":
-                out[f"finished_{s.labels['finish_reason']}"] = s.value
-            elif s.name in ("hetserve_worker_generated_tokens_total", "vllm:num_requests_running"):
-                out[s.name] = s.value
-    return out
+    return {
+        "aborted": metric_value(text, "hetserve_worker_requests_total", worker_id=wid, finish_reason="aborted") or 0.0,
+        "generated": metric_value(text, "hetserve_worker_generated_tokens_total", worker_id=wid),
+        "running": metric_value(text, "vllm:num_requests_running", worker_id=wid),
+    }
 
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["tgi", "openai"])
@@ -207,11 +164,34 @@ def test_client_going_away_mid_stream_aborts_the_worker_request(router, kind):
         while got < 5:
             got += next(lines).startswith("data:")
     # the response and its connection are closed here
-    after = router.wait_for(lambda: (s := _worker_series(router, "gpu0")).get("finished_aborted", 0)
-                            > before.get("finished_aborted", 0) and s, timeout=10, interval=0.05)
-    assert after["vllm:num_requests_running"] == 0
-    generated = after["hetserve_worker_generated_tokens_total"] - before["hetserve_worker_generated_tokens_total"]
+    after = router.wait_for(lambda: (s := _worker_series(router, "gpu0"))["aborted"] > before["aborted"] and s,
+                            timeout=10, interval=0.05)
+    assert after["running"] == 0
+    generated = after["generated"] - before["generated"]
     assert generated < 100, f"{generated} tokens generated after the client left at 5"
     time.sleep(0.3)
-    assert _worker_series(router, "gpu0")["hetserve_worker_generated_tokens_total"] == \
-        after["hetserve_worker_generated_tokens_total"]
+    assert _worker_series(router, "gpu0")["generated"] == after["generated"]
+
+
+def test_kill_9_mid_stream_loses_and_repeats_nothing(router, reference):
+    """Guards `ClientStream._move` and the worker's `resume_ids`: without them the streams of the
+    killed worker end with an `incomplete_generation` error after ~20 tokens."""
+    _wait_all_ready(router)
+    runs, first_worker, (victim, _) = _run_all(router, _disturb(router, signal.SIGKILL))
+    _check_nothing_lost(runs, reference, first_worker, victim["id"])
+    moved = router.metric("hetserve_router_worker_stream_migrations_total", worker_id=victim["id"])
+    assert moved >= sum(first_worker[i] == victim["id"] for i in first_worker)
+    back = router.wait_for(lambda: (w := router.worker(victim["id"]))["state"] == "ready" and w, timeout=120)
+    assert "SIGKILL" in back["last_exit"] and back["restarts"] == victim["restarts"] + 1
+
+
+def test_sigstop_mid_stream_is_detected_and_its_streams_move(router, reference):
+    """Guards the probe timeout in `server/probe.py` and `Supervisor._replace_hung` (broken
+    connections, SIGTERM then SIGKILL): without them a frozen worker's streams wait forever."""
+    _wait_all_ready(router)
+    runs, first_worker, (victim, took) = _run_all(router, _disturb(router, signal.SIGSTOP))
+    assert took <= 1.0 + HEALTH_TIMEOUT_S + 1.5, f"a frozen worker was taken out after {took:.1f}s"
+    _check_nothing_lost(runs, reference, first_worker, victim["id"])
+    gone = router.wait_for(lambda: (w := router.worker(victim["id"]))["restarts"] > victim["restarts"] and w,
+                           timeout=30)  # SIGTERM, then SIGKILL after 5 s
+    assert gone["last_exit"].startswith("hung: /health did not answer"), gone["last_exit"]

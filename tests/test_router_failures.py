@@ -8,14 +8,12 @@ Breaker and stall thresholds are lowered by their flags so that the tests run in
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.inprocess_router import inprocess_router
-from tests.router_harness import RouterProcess
+from tests.router_harness import metric_value, running_router, sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +22,11 @@ COOLDOWN_S = 4.0
 
 @pytest.fixture(scope="module")
 def router():
-    r = RouterProcess(
+    yield from running_router(
         ["--simulate", "sm_80,sm_89,sm_90", "--stall-timeout", "1", "--breaker-failures", "2",
          "--breaker-cooldown", str(COOLDOWN_S)],
         env={"FAKE_CRASH_IDS": "gpu0", "FAKE_ERROR_IDS": "gpu2", "FAKE_TOKEN_S": "0.002"},
     )
-    yield r
-    r.stop()
-    assert not r.orphans, f"workers left running: {r.orphans}"
 
 
 @pytest.fixture(scope="module")
@@ -40,24 +35,15 @@ def client(router):
         yield c
 
 
-def _events(text: str) -> list[dict]:
-    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+_events = sse_events
 
 
 def _worker(router, wid) -> dict:
-    return next(w for w in router.workers() if w["id"] == wid)
+    return router.worker(wid)
 
 
-def _sample(client, name: str, **labels) -> float | None:
-    for family in text_string_to_metric_families(client.get("/metrics").text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return None
-
-
-def _sent_to(client, wid: str) -> float:
-    return _sample(client, "hetserve_router_worker_requests_total", worker_id=wid) or 0.0
+def _sent_to(router, wid: str) -> float:
+    return router.metric("hetserve_router_worker_requests_total", worker_id=wid) or 0.0
 
 
 def _served_without_gpu2(client, n: int) -> None:
@@ -84,17 +70,17 @@ def test_a_worker_answering_500_to_everything_is_isolated_by_its_breaker(router,
     assert w["breaker"]["last_failure"] == "answered 500" and w["breaker"]["retry_in_s"] > 0
     health = client.get("/health").json()
     assert health["status"] == "degraded" and health["open_breakers"] == ["gpu2"]
-    assert _sample(client, "hetserve_router_worker_breaker_state", worker_id="gpu2", state="open") == 1.0
+    assert router.metric("hetserve_router_worker_breaker_state", worker_id="gpu2", state="open") == 1.0
     # 2. While it is open, gpu2 gets nothing.
-    sent, opened = _sent_to(client, "gpu2"), w["breaker"]["times_opened"]
+    sent, opened = _sent_to(router, "gpu2"), w["breaker"]["times_opened"]
     _served_without_gpu2(client, 6)
     if _worker(router, "gpu2")["breaker"]["state"] == "open":  # (a loaded machine may outlast the cool-down)
-        assert _sent_to(client, "gpu2") == sent
+        assert _sent_to(router, "gpu2") == sent
     # 3. After the cool-down exactly one request probes it; it fails, so the breaker opens again.
     router.wait_for(lambda: _worker(router, "gpu2")["breaker"]["state"] == "half_open", timeout=COOLDOWN_S + 5)
-    sent = _sent_to(client, "gpu2")
+    sent = _sent_to(router, "gpu2")
     _served_without_gpu2(client, 4)
-    assert _sent_to(client, "gpu2") == sent + 1
+    assert _sent_to(router, "gpu2") == sent + 1
     again = _worker(router, "gpu2")["breaker"]
     assert again["state"] == "open" and again["times_opened"] == opened + 1
 
@@ -133,7 +119,8 @@ def test_a_stream_no_worker_can_continue_ends_with_a_clear_error_event():
         assert error["error_type"] == "incomplete_generation", error
         assert error["error"].startswith("worker gpu0 was lost after 2 tokens (connection lost")
         assert "no worker could continue it: No worker available" in error["error"]
-        assert _sample(client, "hetserve_router_worker_stream_errors_total", worker_id="gpu0") == 1.0
+        errors = metric_value(client.get("/metrics").text, "hetserve_router_worker_stream_errors_total", worker_id="gpu0")
+        assert errors == 1.0
 
 
 def test_migration_limit_zero_ends_a_lost_stream_with_an_error_event():

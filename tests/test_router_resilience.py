@@ -6,7 +6,6 @@ gpu3 fails to start at `kernelize` (exit code 3 + status file), gpu1 and gpu2 se
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -14,21 +13,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.router_harness import RouterProcess
+from tests.router_harness import running_router, sse_events
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def router():
-    r = RouterProcess(
+    yield from running_router(
         ["--simulate", "sm_80,sm_89,sm_90,sm_75"],
         env={"FAKE_CRASH_IDS": "gpu0", "FAKE_FAIL_STEP": "kernelize", "FAKE_FAIL_IDS": "gpu3", "FAKE_TOKEN_S": "0.002"},
         expect_ready=3,
     )
-    yield r
-    r.stop()
-    assert not r.orphans, f"workers left running: {r.orphans}"
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +34,14 @@ def client(router):
 
 
 def _worker(router, wid) -> dict:
-    return next(w for w in router.workers() if w["id"] == wid)
+    return router.worker(wid)
 
 
 def _wait_ready(router, wid, timeout=30.0) -> dict:
     return router.wait_for(lambda: (w := _worker(router, wid))["state"] == "ready" and w, timeout)
 
 
-def _events(text: str) -> list[dict]:
-    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+_events = sse_events
 
 
 def test_worker_failing_at_kernelize_is_failed_with_its_reason_not_restarted(router, client):
@@ -104,11 +99,8 @@ def test_stream_is_retried_when_its_worker_dies_before_the_first_token(router, c
     _crash_until_gpu0_restarts(router, client, "/generate_stream")
 
 
-def _migrations(client, wid: str) -> float:
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("hetserve_router_worker_stream_migrations_total{") and f'worker_id="{wid}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+def _migrations(router, wid: str) -> float:
+    return router.metric("hetserve_router_worker_stream_migrations_total", worker_id=wid) or 0.0
 
 
 @pytest.mark.parametrize("kind", ["tgi", "openai"])
@@ -117,7 +109,7 @@ def test_stream_under_way_moves_to_another_worker_when_its_worker_dies(router, c
     `incomplete_generation` error event after ` t0 t1`."""
     for _ in range(12):
         _wait_ready(router, "gpu0")
-        moved_before = _migrations(client, "gpu0")
+        moved_before = _migrations(router, "gpu0")
         if kind == "tgi":
             r = client.post("/generate_stream", json={"inputs": "__crash_mid_stream__", "parameters": {"max_new_tokens": 6}})
             events = _events(r.text)
@@ -136,7 +128,7 @@ def test_stream_under_way_moves_to_another_worker_when_its_worker_dies(router, c
         if r.headers["x-worker-id"] != "gpu0":
             assert moves == 0
             continue
-        assert moves == 1 and _migrations(client, "gpu0") == moved_before + 1
+        assert moves == 1 and _migrations(router, "gpu0") == moved_before + 1
         return
     pytest.fail("no stream landed on gpu0")
 
