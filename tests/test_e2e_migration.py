@@ -146,29 +146,37 @@ def _worker_series(router: RouterProcess, wid: str) -> dict[str, float]:
     }
 
 
-@pytest.mark.parametrize("kind", [0, 1], ids=["tgi", "openai"])
-def test_client_going_away_mid_stream_aborts_the_worker_request(router, kind):
-    """Guards the relay closing its worker stream when the client leaves (`RelayResponse`,
-    `close_shielded`): without it the worker generates all 400 tokens for nobody."""
-    _wait_all_ready(router)
-    path, body = _request(kind)
-    if kind == 0:
-        body["parameters"]["max_new_tokens"] = 400
-    else:
-        body["max_tokens"] = 400
-    before = _worker_series(router, "gpu0")
+def _leave_early(router: RouterProcess, kind: str, new_tokens: int) -> None:
+    """Start a long generation on gpu0 and go away: after 5 events (streams) or 0.3 s (`generate`)."""
+    headers = {"X-Hetserve-Worker": "gpu0"}
+    if kind == "generate":
+        body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": new_tokens}}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{router.url}/generate", json=body, headers=headers, timeout=httpx.Timeout(30, read=0.3))
+        return
+    path, body = _request(0 if kind == "tgi" else 1)
+    body.get("parameters", body)["max_new_tokens" if kind == "tgi" else "max_tokens"] = new_tokens
     with httpx.Client(base_url=router.url, timeout=60) as client, client.stream(
-            "POST", path, json=body, headers={"X-Hetserve-Worker": "gpu0"}) as r:
-        lines = r.iter_lines()
-        got = 0
+            "POST", path, json=body, headers=headers) as r:
+        lines, got = r.iter_lines(), 0
         while got < 5:
             got += next(lines).startswith("data:")
     # the response and its connection are closed here
+
+
+@pytest.mark.parametrize("kind", ["tgi", "openai", "generate"])
+def test_client_going_away_aborts_the_worker_request(router, kind):
+    """Guards the relay closing its worker stream when the client leaves (`RelayResponse`,
+    `close_shielded`) and the disconnect guard (server/disconnect.py) for `/generate`: without
+    them the worker generates all 480 tokens for nobody and finishes with `length`, not `aborted`."""
+    _wait_all_ready(router)
+    before = _worker_series(router, "gpu0")
+    _leave_early(router, kind, 480)
     after = router.wait_for(lambda: (s := _worker_series(router, "gpu0"))["aborted"] > before["aborted"] and s,
                             timeout=10, interval=0.05)
     assert after["running"] == 0
     generated = after["generated"] - before["generated"]
-    assert generated < 100, f"{generated} tokens generated after the client left at 5"
+    assert generated < (100 if kind != "generate" else 480), f"{generated} tokens generated for a client that left"
     time.sleep(0.3)
     assert _worker_series(router, "gpu0")["generated"] == after["generated"]
 
