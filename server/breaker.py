@@ -98,11 +98,11 @@ class CircuitBreaker:
         return max(0.0, self.policy.cooldown_s - (self._clock() - self._opened_at))
 
     def snapshot(self) -> dict:
-        """`/workers` `breaker`."""
-        return {
-            "state": str(self.state),
-            "consecutive_failures": self.consecutive_failures,
-            "times_opened": self.times_opened,
-            "last_failure": self.last_failure,
-            "retry_in_s": round(self.retry_in_s(), 1),
-        }
+        """`/workers` `breaker`: `last_failure` once there is one, `retry_in_s` while open."""
+        out: dict = {"state": str(self.state), "consecutive_failures": self.consecutive_failures,
+                     "times_opened": self.times_opened}
+        if self.last_failure is not None:
+            out["last_failure"] = self.last_failure
+        if out["state"] == BreakerState.OPEN:
+            out["retry_in_s"] = round(self.retry_in_s(), 1)
+        return out
