@@ -1,4 +1,4 @@
-"""Decode-step time: our `Transformer.step` with its KV cache vs transformers with its own
+"""Decode-step time: our `Transformer.step` with its paged KV cache vs transformers with its own
 KV cache (DynamicCache), on the same checkpoint and dtype, measured side by side.
 
 Each round times one decode step of ours and one of theirs, alternately, at every batch
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.checkpoints import make_checkpoint  # noqa: E402
-from workers.kv_cache import ForwardBatch, SeqChunk  # noqa: E402
+from workers.kv import DecodeMirror, ForwardBatch, SeqChunk  # noqa: E402
 from workers.loader import load_model  # noqa: E402
 
 MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -30,16 +30,23 @@ MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden
 
 
 class Ours:
-    def __init__(self, lm, batch: int, prompt_len: int, max_len: int) -> None:
-        self.model, self.batch, self.pos = lm.model, batch, prompt_len
-        self.kv = self.model.new_kv_cache(batch, max_len)
+    """The engine's decode path on the CPU: a paged pool whose blocks the sequences took as they
+    grew together (interleaved, so every read goes through the block tables), read through the
+    decode mirror."""
+
+    def __init__(self, lm, batch: int, prompt_len: int, max_len: int, block_size: int = 16) -> None:
+        self.model, self.batch, self.pos, self.bs = lm.model, batch, prompt_len, block_size
+        per_seq = -(-max_len // block_size)
+        self.kv = self.model.new_kv_pool(batch * per_seq, block_size)
+        self.tables = [[s + batch * j for j in range(per_seq)] for s in range(batch)]
+        self.mirror = DecodeMirror(self.kv)
         prompt = list(range(3, 3 + prompt_len))
-        for slot in range(batch):
-            self.model.step(ForwardBatch.build([(SeqChunk(slot, 0, prompt_len), prompt)]), self.kv)
+        for s in range(batch):
+            self.model.step(ForwardBatch.build([(SeqChunk(0, prompt_len, self.tables[s]), prompt)], block_size), self.kv)
 
     def step(self) -> None:
-        batch = ForwardBatch.build([(SeqChunk(s, self.pos, 1), [7]) for s in range(self.batch)])
-        self.model.step(batch, self.kv)
+        items = [(SeqChunk(self.pos, 1, self.tables[s], key=s), [7]) for s in range(self.batch)]
+        self.model.step(ForwardBatch.build(items, self.bs, mirror=self.mirror), self.kv)
         self.pos += 1
 
 

@@ -107,8 +107,8 @@ def engine_rounds(model_dir: Path, n: int, tokens: int, rounds: int, eos: int) -
     prompt = loaded.tokenizer.encode("List people, please.").ids
 
     def one(constrained: bool, seed: int) -> float:
-        kv = loaded.model.new_kv_cache(n, len(prompt) + tokens + 1)
-        config = SchedulerConfig(n, kv.max_seq_len, eos_token_ids=loaded.eos_token_ids)
+        config = SchedulerConfig(n, len(prompt) + tokens + 1, eos_token_ids=loaded.eos_token_ids)  # blocks for n
+        kv = loaded.model.new_kv_pool(config.num_blocks, config.block_size)
         engine = Engine(ModelRunner(loaded.model, kv, "cpu"), Scheduler(config), loaded.tokenizer, grammars=grammars)
         for i in range(n):
             params = SamplingParams.create(max_new_tokens=tokens, temperature=1.0, seed=seed + i, logit_bias={eos: -100},

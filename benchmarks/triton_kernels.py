@@ -5,9 +5,10 @@ For each shape, every tuning of a kernel (the one `select()` picks for this GPU 
 interleaved rounds (CUDA events, median), so machine noise hits all alike. Ratios are
 torch time / kernel time: above 1 means the kernel is faster. Baselines: the eager torch
 reference for RMSNorm and SiluAndMul; `F.linear` in bf16 and the dequantize-then-matmul
-reference for the fp8 linear (native e4m3 only from sm_89).
+reference for the fp8 linear (native e4m3 only from sm_89); for paged decode attention, the
+torch path (gather the rows' blocks, one SDPA) over the same scattered block tables.
 
-    python benchmarks/triton_kernels.py [--rounds 50] [--only rmsnorm silu fp8]
+    python benchmarks/triton_kernels.py [--rounds 50] [--only rmsnorm silu fp8 paged]
 
 Without CUDA it prints one skip line and exits 0.
 """
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RMS_SHAPES = [(1, 4096), (32, 4096), (256, 2048), (4096, 4096), (16, 8192)]  # (tokens, hidden)
 SILU_SHAPES = [(1, 14336), (32, 14336), (2048, 11008)]  # (tokens, intermediate)
 GEMM_SHAPES = [(1, 4096, 4096), (32, 4096, 4096), (256, 14336, 4096), (1024, 4096, 14336)]  # (M, N, K)
+PAGED_SHAPES = [(1, 512), (32, 512), (32, 4096), (128, 1024)]  # (decode rows, tokens each); 32/8 heads, D 128
 
 
 def _time(fns: dict, rounds: int) -> dict[str, float]:
@@ -112,11 +114,30 @@ def bench_fp8(m: int, n: int, k: int, chosen: str, native_ok: bool, rounds: int)
     _report(f"Fp8Linear M={m} N={n} K={k}", _time(fns, rounds), "bf16 F.linear")
 
 
+def bench_paged(rows: int, length: int, chosen: str, rounds: int) -> None:
+    from kernels_local.paged_attention import TUNINGS, paged_decode, paged_decode_reference
+
+    bs, hq, hkv, d = 16, 32, 8, 128
+    per_row = -(-length // bs)
+    blocks = torch.randperm(rows * per_row + 7, device="cuda")  # scattered over a slightly bigger pool
+    tables = blocks[: rows * per_row].view(rows, per_row)
+    kv = torch.randn(2, hkv, rows * per_row + 7, bs, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((rows,), length, device="cuda")
+    ref = paged_decode_reference(q, kv, tables, lens, length)
+    fns = {"torch": lambda: paged_decode_reference(q, kv, tables, lens, length)}
+    for name, t in TUNINGS.items():
+        torch.testing.assert_close(paged_decode(q, kv, tables, lens, length, t), ref, rtol=2e-2, atol=2e-2)
+        fns[name + ("*" if name == chosen else "")] = lambda t=t: paged_decode(q, kv, tables, lens, length, t)
+    _report(f"PagedAttention {rows} rows x {length} tokens bf16", _time(fns, rounds), "torch",
+            2 * rows * length * hkv * d * 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument(
-        "--only", nargs="*", default=["rmsnorm", "silu", "fp8"], choices=["rmsnorm", "silu", "fp8"]
+        "--only", nargs="*", default=["rmsnorm", "silu", "fp8", "paged"], choices=["rmsnorm", "silu", "fp8", "paged"]
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -143,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                       "Fp8LinearTritonNativeSm90": "sm90"}.get(choices["Fp8Linear"].layer, "")  # fmt: skip
         for m, n, k in GEMM_SHAPES:
             bench_fp8(m, n, k, fp8_tuning, cap >= (8, 9), args.rounds)
+    if "paged" in args.only:
+        for rows, length in PAGED_SHAPES:
+            bench_paged(rows, length, tuning.get(choices["PagedAttention"].variant, ""), args.rounds)
     return 0
 
 

@@ -46,7 +46,7 @@ from workers.contract import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent
-LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear")
+LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention")
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
@@ -149,6 +149,20 @@ _ENTRIES: tuple[_Entry, ...] = (
            "CDNA3 (gfx94x) fp8 matrix cores: Triton NATIVE=True on e4m3fnuz", NATIVE),
     _Entry("Fp8Linear", _rocm(*_FP8_OCP_ROCM), "fp8_linear", "Fp8LinearTritonNativeRocm", "native_e4m3-triton",
            "CDNA4 (gfx950) fp8 matrix cores: Triton NATIVE=True on OCP e4m3fn (not fnuz)", NATIVE),
+    # -- PagedAttention (decode over the paged KV cache) --------------------------------------
+    _Entry("PagedAttention", Device(type="cpu"), "paged_attention", "PagedAttention", "torch",
+           "CPU: the rows' blocks gathered, one SDPA (Triton needs a GPU)"),
+    _Entry("PagedAttention", Device(type="cuda"), "paged_attention", "PagedAttention", "torch",
+           "below sm_70, which Triton does not target: gathered blocks and SDPA"),
+    _Entry("PagedAttention", _cuda(70, 89), "paged_attention", "PagedAttentionTritonSm70", "triton-sm70",
+           "pre-Hopper (sm_70..sm_89): Triton reads blocks in place through the block table, 64-position tiles, 4 warps"),
+    _Entry("PagedAttention", _cuda(90, 99), "paged_attention", "PagedAttentionTritonSm90", "triton-sm90",
+           "Hopper (sm_90): Triton reads blocks in place, up to 128-position tiles, 8 warps"),
+    _Entry("PagedAttention", _cuda(100, _ANY), "paged_attention", "PagedAttentionTritonSm90", "triton-sm90",
+           _NEWER),
+    _Entry("PagedAttention", Device(type="rocm"), "paged_attention", "PagedAttentionTritonRocm", "triton-rocm",
+           "Triton reading blocks in place, tuned for CDNA's 64-lane wavefronts"),
+    _Entry("PagedAttention", _rocm(100, _ANY), "paged_attention", "PagedAttentionTritonRocm", "triton-rocm", _RDNA),
 )
 # fmt: on
 

@@ -13,7 +13,13 @@ import sys
 
 from server.errors import UsageError
 from server.settings import RouterSettings
-from workers.contract import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
+from workers.contract import (
+    DEFAULT_KV_BLOCK_SIZE,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_QUEUE,
+    KV_BLOCK_SIZES,
+)
 from workers.topology import TopologySpecError
 
 # subcommand -> "module:function(args) -> int"
@@ -74,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"running sequences per worker (default {DEFAULT_MAX_BATCH})")
     serve.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                        help=f"waiting requests per worker before 429 (default {DEFAULT_MAX_QUEUE})")
+    serve.add_argument("--kv-block-size", type=int, default=DEFAULT_KV_BLOCK_SIZE, metavar="N",
+                       help=f"tokens per KV cache block, one of {', '.join(map(str, KV_BLOCK_SIZES))} "
+                            f"(default {DEFAULT_KV_BLOCK_SIZE})")
+    serve.add_argument("--no-prefix-cache", action="store_true",
+                       help="workers do not reuse the KV blocks of shared prompt prefixes")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="N",
+                       help="tokens one engine step computes: running decodes first, then prompt chunks "
+                            f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help="require `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file or "
                             "$HETSERVE_API_KEY)")

@@ -35,6 +35,7 @@ class ProbeVerdict:
     kind: Probe
     why: str
     engine: EngineLiveness | None = None  # what the worker reported about its engine, if it answered
+    capacity: dict | None = None  # the worker's changing KV figures (`kv_blocks_free`), if it answered
 
     def snapshot(self) -> dict:
         """`/workers` `health`: the last probe's verdict and the engine's liveness."""
@@ -52,13 +53,13 @@ def judge(code: int, body: dict, stall_timeout_s: float) -> ProbeVerdict:
         payload = HealthPayload.model_validate(body)
     except ValidationError:
         payload = HealthPayload()
-    engine = payload.engine
+    engine, capacity = payload.engine, payload.capacity
     if engine is not None and engine.pending and engine.last_step_age_s > stall_timeout_s:
         return ProbeVerdict(Probe.HUNG, f"engine stalled: work pending and no step for {engine.last_step_age_s:.1f}s "
-                                        f"(stall timeout {stall_timeout_s:g}s)", engine)
+                                        f"(stall timeout {stall_timeout_s:g}s)", engine, capacity)
     if code == 200:
-        return ProbeVerdict(Probe.OK, "ok", engine)
-    return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine)
+        return ProbeVerdict(Probe.OK, "ok", engine, capacity)
+    return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine, capacity)
 
 
 async def probe(client: WorkerClient, timeout_s: float, stall_timeout_s: float) -> ProbeVerdict:

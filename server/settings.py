@@ -16,7 +16,15 @@ from pathlib import Path
 
 from server.api_key import resolve_api_key
 from server.errors import UsageError
-from workers.contract import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MODEL_DIR, DRAIN_TIMEOUT_S
+from workers.contract import (
+    DEFAULT_KV_BLOCK_SIZE,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MODEL_DIR,
+    DRAIN_TIMEOUT_S,
+    engine_limits_error,
+)
 from workers.contract.tracing import check_endpoint
 
 # Runs the worker under another command (a wrapper, a profiler, a test double):
@@ -45,6 +53,9 @@ class RouterSettings:
     quantize: str = "none"
     max_batch: int = DEFAULT_MAX_BATCH  # running sequences per worker
     max_queue: int = DEFAULT_MAX_QUEUE  # waiting requests per worker before it answers 429
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV cache block
+    prefix_cache: bool = True  # workers reuse the KV blocks of shared prompt prefixes
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # tokens per engine step
     api_key: str | None = None
     api_key_source: str = "none"  # --api-key, --api-key-file PATH, $HETSERVE_API_KEY or none
     log_level: str = "info"
@@ -93,6 +104,15 @@ class RouterSettings:
             value = getattr(args, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`--{name.replace('_', '-')} {value}` must be at least 1")
+        engine = {
+            "kv_block_size": getattr(args, "kv_block_size", DEFAULT_KV_BLOCK_SIZE),
+            "prefix_cache": not getattr(args, "no_prefix_cache", False),
+            "max_num_batched_tokens": getattr(args, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        }
+        error = engine_limits_error(engine["kv_block_size"], engine["max_num_batched_tokens"],
+                                    getattr(args, "max_batch", DEFAULT_MAX_BATCH))
+        if error:
+            raise UsageError(error)
         port = getattr(args, "port", 8000)
         if not 0 <= port <= 65535:
             raise UsageError(f"`--port {port}` is out of range. Accepted: 0-65535 (0 picks a free port)")
@@ -109,6 +129,7 @@ class RouterSettings:
             "quantize": getattr(args, "quantize", "none"),
             "max_batch": getattr(args, "max_batch", DEFAULT_MAX_BATCH),
             "max_queue": getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
+            **engine,
             "api_key": api_key,
             "api_key_source": api_key_source,
             "log_level": getattr(args, "log_level", "info"),

@@ -327,6 +327,8 @@ class Supervisor:
             handle.check_now.clear()
             verdict = handle.probe = await probe(client, s.health_timeout_s, s.stall_timeout_s)
             why = verdict.why
+            if verdict.capacity is not None:
+                handle.live_capacity = verdict.capacity
             if verdict.kind == Probe.HUNG:
                 await self._replace_hung(handle, why)
                 return

@@ -38,6 +38,7 @@ class WorkerHandle:
     restarts: int = 0
     generation: int = 0  # +1 per spawn: a request that failed on generation g may retry g+1
     info: CapabilityPayload | None = None  # the worker's /capability answer, once ready
+    live_capacity: dict = field(default_factory=dict)  # what its last /health said changed (free KV blocks)
     outstanding: int = 0  # requests the router has in flight there
     picks: int = 0  # requests ever sent there (tie-break of least-outstanding)
     ready_since: float | None = None
@@ -114,7 +115,7 @@ class WorkerHandle:
             "kernels": {layer: k.model_dump(exclude_none=True) for layer, k in info.kernels.items()},
             "triton_cache": info.triton_cache or self.spec.environ().get(ENV_TRITON_CACHE_DIR),
             "load": self.load(max_batch),
-            "capacity": info.capacity or None,
+            "capacity": {**info.capacity, **self.live_capacity} if info.capacity else None,
             "model": info.model.model_dump(exclude={"chat_template"}, exclude_none=True),
             "last_exit": self.last_exit,
             "breaker": self.breaker.snapshot(),

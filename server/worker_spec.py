@@ -106,12 +106,16 @@ def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, sock
         "--quantize", settings.quantize,
         "--max-batch", str(settings.max_batch),
         "--max-queue", str(settings.max_queue),
+        "--kv-block-size", str(settings.kv_block_size),
+        "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
         "--threads", str(threads),
         "--status-file", str(status_path),
         "--parent-pid", str(parent_pid),
     ]
     if device.simulate_token is not None:
         argv += ["--simulate", device.simulate_token]
+    if not settings.prefix_cache:
+        argv.append("--no-prefix-cache")
     if settings.kv_cache_bytes is not None:
         argv += ["--kv-cache-bytes", str(settings.kv_cache_bytes)]
     if settings.otlp_endpoint is not None:

@@ -16,10 +16,11 @@ from workers.scheduler import CapacityError, Scheduler, SchedulerConfig
 TOK = tokenizer()
 
 
-def make_engine(max_sequences=4, max_seq_len=64, max_queue=4, **runner_kw) -> tuple[Engine, FakeRunner]:
-    runner = FakeRunner(**runner_kw)
-    sched = Scheduler(SchedulerConfig(max_sequences, max_seq_len, eos_token_ids=(EOS_ID,)))
-    return Engine(runner, sched, TOK, max_queue=max_queue), runner
+def make_engine(max_sequences=4, max_seq_len=64, max_queue=4, num_blocks=64, block_size=4, budget=2048,
+                **runner_kw) -> tuple[Engine, FakeRunner]:
+    runner = FakeRunner(block_size=block_size, **runner_kw)
+    config = SchedulerConfig(max_sequences, max_seq_len, num_blocks, block_size, budget, eos_token_ids=(EOS_ID,))
+    return Engine(runner, Scheduler(config), TOK, max_queue=max_queue), runner
 
 
 def run_until_idle(engine: Engine, limit=200) -> int:
@@ -76,7 +77,7 @@ def test_one_forward_per_step_holds_new_prefills_and_running_decodes():
     b = engine.submit(prompt("The quick"), SamplingParams.create(max_new_tokens=3), request_id="b")
     run_until_idle(engine)
     # step 2 ran a's decode and b's prefill in the same forward
-    assert [(rid, n > 1) for rid, _, _, n in runner.steps[1]] == [("a", False), ("b", True)]
+    assert [(rid, n > 1) for rid, _, n, _ in runner.steps[1]] == [("a", False), ("b", True)]
     for s in (a, b):
         assert [e.index for e in s.events] == [0, 1, 2]
         fin = s.events[-1].finish
@@ -96,7 +97,7 @@ def test_eos_and_stop_sequence_finish_reasons():
     assert s.events[-1].finish.generated_text == "Hello wor" == text_of(s)
 
 
-def test_abort_frees_the_slot_for_the_next_step():
+def test_abort_frees_the_batch_place_and_blocks_for_the_next_step():
     engine, runner = make_engine(max_sequences=1)
     engine.submit(prompt(), SamplingParams.create(max_new_tokens=50), request_id="gone")
     waiting = engine.submit(prompt(), SamplingParams.create(max_new_tokens=2), request_id="next")
@@ -105,6 +106,7 @@ def test_abort_frees_the_slot_for_the_next_step():
     engine.abort("gone")
     engine.step()
     assert [rid for rid, *_ in runner.steps[-1]] == ["next"]  # the very next step
+    assert engine.scheduler.kv.num_free_blocks == 64 - 1  # only next's one block is held
     run_until_idle(engine)
     assert waiting.events[-1].finish.reason == "length"
     assert engine.load() == (0, 0)
@@ -183,23 +185,50 @@ def test_threaded_engine_streams_to_asyncio_and_shutdown_fails_leftovers():
         engine.submit(prompt(), SamplingParams.create(max_new_tokens=2))
 
 
+def test_an_idle_engine_runs_the_first_step_on_the_submitting_thread():
+    """Guards `Engine._first_step_here`: a request reaching an idle engine is stepped at once on
+    the caller's thread (no hand-off to the engine thread); the engine thread takes over for
+    the steps after, and a request arriving while others run queues for the engine thread."""
+    engine, runner = make_engine(max_sequences=4, delay=0.002)
+    engine.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        one = engine.submit(prompt(), SamplingParams.create(max_new_tokens=1), loop)
+        assert runner.threads == ["MainThread"]  # done before submit() returned
+        first = [e async for e in one]
+        long = engine.submit(prompt("The quick"), SamplingParams.create(max_new_tokens=6), loop)
+        assert runner.threads[-1] == "MainThread"
+        busy = engine.submit(prompt("Hello"), SamplingParams.create(max_new_tokens=2), loop)
+        return first, [e async for e in long], [e async for e in busy]
+
+    first, long, busy = asyncio.run(main())
+    engine.shutdown()
+    assert first[-1].finish.generated_tokens == 1 and long[-1].finish.generated_tokens == 6
+    assert busy[-1].finish.generated_tokens == 2
+    assert runner.threads.count("MainThread") == 2 and runner.threads[2:] == ["engine"] * (len(runner.threads) - 2)
+    assert any(rid == "req-3" for step in runner.steps[2:] for rid, *_ in step)
+
+
 def test_model_failure_is_fatal_and_every_request_gets_an_error():
     class Broken:
         def execute(self, out):
             raise RuntimeError("device lost")
 
     fatal = []
-    sched = Scheduler(SchedulerConfig(2, 64, eos_token_ids=(EOS_ID,)))
+    sched = Scheduler(SchedulerConfig(2, 64, 32, eos_token_ids=(EOS_ID,)))
     engine = Engine(Broken(), sched, TOK, max_queue=4, on_fatal=fatal.append)
-    engine.start()
 
     async def main():
         loop = asyncio.get_running_loop()
         streams = [engine.submit(prompt(), SamplingParams.create(max_new_tokens=4), loop) for _ in range(3)]
+        engine.start()  # the three wait in the inbox; the engine thread's first step fails
         return [[e async for e in s] for s in streams]
 
     results = asyncio.run(main())
     assert all(len(r) == 1 and isinstance(r[0], ErrorEvent) and "device lost" in r[0].message for r in results)
+    with pytest.raises(EngineUnavailable):
+        engine.submit(prompt(), SamplingParams.create(max_new_tokens=4))
     engine.shutdown()  # joins the (already ended) engine thread
     assert len(fatal) == 1 and engine.fatal_error is fatal[0] and not engine.accepting
     assert engine.load() == (0, 0)

@@ -29,13 +29,14 @@ def _values(text: str) -> dict[str, float]:
 def test_worker_gauges_follow_the_engine_between_steps():
     """Read at scrape time: queued before the first step, running after it, free again after an abort."""
     tok = tokenizer()
-    engine = Engine(FakeRunner(), Scheduler(SchedulerConfig(2, 64)), tok, max_queue=4)
+    engine = Engine(FakeRunner(block_size=32), Scheduler(SchedulerConfig(2, 64, num_blocks=2, block_size=32)), tok,
+                    max_queue=4)
     ids = tok.encode("Hello").ids
     streams = [engine.submit(ids, SamplingParams(max_new_tokens=20)) for _ in range(3)]
     assert _values(engine.metrics.render().decode()) == {
         "vllm:num_requests_waiting": 3, "vllm:num_requests_running": 0,
         "vllm:kv_cache_usage_perc": 0.0, "vllm:gpu_cache_usage_perc": 0.0}
-    engine.step()  # two of the three take the two KV slots
+    engine.step()  # two of the three take the pool's two KV blocks
     assert _values(engine.metrics.render().decode()) == {
         "vllm:num_requests_waiting": 1, "vllm:num_requests_running": 2,
         "vllm:kv_cache_usage_perc": 1.0, "vllm:gpu_cache_usage_perc": 1.0}

@@ -26,6 +26,7 @@ TINY = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_laye
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
 NORMS_PER_FORWARD = 2 * TINY["num_hidden_layers"] + 1
 ACTS_PER_FORWARD = TINY["num_hidden_layers"]
+PAGED_PER_MODEL = TINY["num_hidden_layers"]  # one decode attention per layer (engine steps only)
 
 
 def tiny_model(dtype=torch.float32) -> Transformer:
@@ -204,4 +205,4 @@ def test_verify_catches_a_module_that_runs_another_kernel():
     norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
     with pytest.raises(KernelizeError, match=r"^Module `RMSNorm` \(RMSNorm\) does not run"):
         _verify(norm, sm90)  # a layer verified on its own is named by its class
-    assert _verify(model, model.kernel_plan) == NORMS_PER_FORWARD + ACTS_PER_FORWARD
+    assert _verify(model, model.kernel_plan) == NORMS_PER_FORWARD + ACTS_PER_FORWARD + PAGED_PER_MODEL

@@ -13,6 +13,7 @@ from kernels.layer.layer import _validate_layer
 
 from kernels_local import activation, fp8_linear, rmsnorm
 from workers import fp8 as host_fp8
+from workers.layers import PagedAttention as ModelPagedAttention
 from workers.layers import RMSNorm as ModelRMSNorm
 from workers.layers import SiluAndMul as ModelSiluAndMul
 
@@ -28,6 +29,8 @@ REPO_LAYERS = {
         "Fp8LinearTritonEmulatedRocm",
         "Fp8LinearTritonNativeRocm",
     ],
+    "paged_attention": ["PagedAttention", "PagedAttentionTritonSm70", "PagedAttentionTritonSm90",
+                        "PagedAttentionTritonRocm"],
 }
 
 
@@ -45,7 +48,8 @@ def test_layers_load_and_are_stateless(repo):
     way it does, against the model layer it replaces."""
     from workers.quantize import Fp8Linear as ModelFp8Linear
 
-    replaced = {"rmsnorm": ModelRMSNorm, "activation": ModelSiluAndMul, "fp8_linear": ModelFp8Linear}[repo]
+    replaced = {"rmsnorm": ModelRMSNorm, "activation": ModelSiluAndMul, "fp8_linear": ModelFp8Linear,
+                "paged_attention": ModelPagedAttention}[repo]
     for name in REPO_LAYERS[repo]:
         lrepo = LocalLayerRepository(repo_path=REPOS / repo, layer_name=name)
         cls = lrepo.load()
@@ -167,3 +171,15 @@ def test_chosen_kernels_on_this_gpu_match_the_references():
         layer = Fp8Linear.from_linear(linear, conv)
         x3 = torch.randn(7, 4096, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(chosen["Fp8Linear"].forward(layer, x3), layer(x3), rtol=2e-2, atol=2e-2)
+    from workers.kv import ForwardBatch, SeqChunk
+
+    kv = torch.randn(2, 8, 64, 16, 128, device="cuda", dtype=torch.bfloat16)  # [K|V, Hkv, NB, B, D]
+    lens = [1, 15, 16, 17, 200, 333]
+    per = [-(-n // 16) for n in lens]
+    ids = torch.randperm(64).tolist()  # scattered blocks, none shared
+    tables = [ids[sum(per[:i]) : sum(per[: i + 1])] for i in range(len(lens))]
+    decode = ForwardBatch.build([(SeqChunk(n - 1, 1, t), [0]) for n, t in zip(lens, tables, strict=True)], 16, "cuda").decode
+    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    attn = ModelPagedAttention()
+    torch.testing.assert_close(chosen["PagedAttention"].forward(attn, q, kv, decode), attn(q, kv, decode),
+                               rtol=2e-2, atol=2e-2)

@@ -49,12 +49,14 @@ def test_kernels_run_under_the_interpreter():
 def interp():
     import kernels_local.activation
     import kernels_local.fp8_linear
+    import kernels_local.paged_attention
     import kernels_local.rmsnorm
 
     mods = {
         "rmsnorm": kernels_local.rmsnorm,
         "activation": kernels_local.activation,
         "fp8_linear": kernels_local.fp8_linear,
+        "paged_attention": kernels_local.paged_attention,
     }
     for repo, mod in mods.items():
         assert mod.runs_triton(torch.empty(1)), f"{repo} was not created under the interpreter"
@@ -216,3 +218,71 @@ def test_fused_per_token_quantization_matches_the_torch_quantizer(interp, fmt):
         q, scale = quant.quantize_rows_triton(rows, fmt, out_dtype)
         assert q.dtype == out_dtype and torch.equal(scale, want_scale)
         assert torch.equal(q.to(torch.float32), want_grid)
+
+
+# -- paged attention (decode) ------------------------------------------------------------------
+
+
+def _per_row_attention(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], lens: list[int]) -> torch.Tensor:
+    """Plain math, one row at a time: positions read one by one through the block table."""
+    _, hkv, _, bs, d = kv.shape
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for n, (table, length) in enumerate(zip(tables, lens, strict=True)):
+        pos = torch.arange(length)
+        blocks = torch.tensor(table)[pos // bs]
+        k = kv[0][:, blocks, pos % bs].float()  # [Hkv, L, D]
+        v = kv[1][:, blocks, pos % bs].float()
+        group = q.shape[1] // hkv
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [Hq, L, D]
+        p = torch.softmax(torch.einsum("hd,hld->hl", q[n].float(), k) / d**0.5, dim=-1)
+        out[n] = torch.einsum("hl,hld->hd", p, v)
+    return out
+
+
+PAGED_CASES = [  # (query heads, kv heads, head dim, block size, lengths)
+    (4, 2, 64, 16, [1, 17, 40]),  # GQA, a length of one, lengths across blocks
+    (4, 1, 40, 4, [7, 13, 3, 21]),  # MQA, head dim not a power of two, small blocks
+    (2, 2, 32, 8, [33]),  # MHA, one row
+    (8, 2, 16, 1, [5, 9]),  # a block per position
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PAGED_CASES, ids=str)
+@needs_interpreter
+def test_paged_decode_matches_the_torch_paths(interp, case, dtype):
+    """The Triton kernel (every tuning) against the repository's torch path, the model's own
+    `PagedAttention` forward over a real `ForwardBatch`, and a per-row plain reference, on
+    block tables scattered over the pool."""
+    from workers.kv import ForwardBatch, SeqChunk
+    from workers.layers import PagedAttention
+
+    m = interp["paged_attention"]
+    hq, hkv, d, bs, lens = case
+    gen = torch.Generator().manual_seed(sum(lens) + d)
+    per_row = [-(-n // bs) for n in lens]
+    num_blocks = 2 * sum(per_row) + 1
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [ids[sum(per_row[:i]) : sum(per_row[: i + 1])] for i in range(len(lens))]
+    kv = torch.randn(2, hkv, num_blocks, bs, d, generator=gen).to(dtype)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+    batch = ForwardBatch.build([(SeqChunk(n - 1, 1, t), [0]) for n, t in zip(lens, tables, strict=True)], bs)
+    decode = batch.decode
+    expected = _per_row_attention(q, kv, tables, lens)
+    torch_path = m.paged_decode_reference(q, kv, decode.block_tables, decode.seq_lens, decode.max_len)
+    model_path = PagedAttention()(q, kv, decode)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(torch_path.float(), expected, **tol)
+    torch.testing.assert_close(model_path, torch_path)
+    for tuning in m.TUNINGS.values():
+        out = m.paged_decode(q, kv, decode.block_tables, decode.seq_lens, decode.max_len, tuning)
+        assert out.shape == q.shape and out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, **tol)
+
+
+@needs_interpreter
+def test_paged_decode_layers_run_the_kernel_and_refuse_odd_groups(interp):
+    m = interp["paged_attention"]
+    kv = torch.randn(2, 2, 4, 4, 8)
+    with pytest.raises(ValueError, match="Query heads `3` must be a multiple of the KV heads `2`"):
+        m.paged_decode(torch.randn(1, 3, 8), kv, torch.tensor([[0]]), torch.tensor([2]), 2)

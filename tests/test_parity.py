@@ -11,7 +11,7 @@ import torch
 from torch.testing import assert_close
 
 from tests.checkpoints import LLAMA3_ROPE, make_checkpoint
-from workers.kv_cache import ForwardBatch, SeqChunk
+from workers.kv import ForwardBatch, SeqChunk
 from workers.loader import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -36,23 +36,29 @@ def pair(request, tmp_path_factory):
     return ours, theirs
 
 
-def greedy_ours(lm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def greedy_ours(lm, prompts: list[list[int]], new_tokens: int, block_size: int = 4) -> list[list[int]]:
     """Greedy decoding of all prompts at once through step(); prompts start staggered so
-    later ones are prefilled while earlier ones decode."""
-    kv = lm.model.new_kv_cache(num_slots=len(prompts), max_seq_len=64)
+    later ones are prefilled while earlier ones decode. Block tables interleave the
+    sequences (row i owns blocks i, i + n, i + 2n, ...), so every read goes through them."""
+    n = len(prompts)
+    per_seq = -(-(max(map(len, prompts)) + new_tokens) // block_size)
+    kv = lm.model.new_kv_pool(num_blocks=n * per_seq, block_size=block_size)
+    tables = [[i + n * j for j in range(per_seq)] for i in range(n)]
     out: list[list[int]] = [[] for _ in prompts]
     started = 0
     while any(len(o) < new_tokens for o in out):
-        items = []
-        for slot in range(started):
-            if len(out[slot]) < new_tokens:
-                items.append((SeqChunk(slot, len(prompts[slot]) + len(out[slot]) - 1, 1), out[slot][-1:]))
-        if started < len(prompts):  # admit one new prompt per step
-            items.append((SeqChunk(started, 0, len(prompts[started])), prompts[started]))
+        items, rows = [], []
+        for i in range(started):
+            if len(out[i]) < new_tokens:
+                items.append((SeqChunk(len(prompts[i]) + len(out[i]) - 1, 1, tables[i]), out[i][-1:]))
+                rows.append(i)
+        if started < n:  # admit one new prompt per step
+            items.append((SeqChunk(0, len(prompts[started]), tables[started]), prompts[started]))
+            rows.append(started)
             started += 1
-        logits = lm.model.step(ForwardBatch.build(items), kv)
-        for (chunk, _), row in zip(items, logits.argmax(-1).tolist(), strict=True):
-            out[chunk.slot].append(row)
+        logits = lm.model.step(ForwardBatch.build(items, block_size), kv)
+        for i, token in zip(rows, logits.argmax(-1).tolist(), strict=True):
+            out[i].append(token)
     return out
 
 

@@ -43,8 +43,9 @@ def test_prompt_logprobs_equal_the_full_forward_and_batch_mates_are_unaffected()
     scored, plain = (torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (9, 6))
 
     def engine() -> Engine:
-        runner = ModelRunner(model, model.new_kv_cache(4, 64), "cpu")
-        return Engine(runner, Scheduler(SchedulerConfig(4, 64)), TOK)
+        config = SchedulerConfig(4, 64)
+        runner = ModelRunner(model, model.new_kv_pool(config.num_blocks, config.block_size), "cpu")
+        return Engine(runner, Scheduler(config), TOK)
 
     alone = run(engine(), [(plain, SamplingParams.create(max_new_tokens=4))])[0]
     ev_scored, ev_plain = run(engine(), [(scored, SamplingParams.create(max_new_tokens=4, logprobs=3, prompt_logprobs=True)),

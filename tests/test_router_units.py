@@ -108,6 +108,35 @@ def test_workers_entry_shows_compile_records_and_the_cache():
     assert handle.snapshot(4)["triton_cache"] == spec.environ()["TRITON_CACHE_DIR"]
 
 
+def test_engine_flags_reach_every_worker_and_bad_ones_are_refused_before_spawning():
+    from server.cli import build_parser
+    from server.errors import UsageError
+
+    args = build_parser().parse_args(["serve", "--kv-block-size", "32", "--no-prefix-cache",
+                                      "--max-num-batched-tokens", "512"])
+    settings = RouterSettings.from_args(args)
+    assert (settings.kv_block_size, settings.prefix_cache, settings.max_num_batched_tokens) == (32, False, 512)
+    argv = _specs([REAL_H100], kv_block_size=32, prefix_cache=False, max_num_batched_tokens=512)[0].argv
+    assert argv[argv.index("--kv-block-size") + 1] == "32" and "--no-prefix-cache" in argv
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "512"
+    defaults = _specs([REAL_H100])[0].argv
+    assert "--no-prefix-cache" not in defaults and defaults[defaults.index("--kv-block-size") + 1] == "16"
+    for bad, needle in ((["--kv-block-size", "12"], "`--kv-block-size 12` is not supported. Supported: 1, 2, 4"),
+                        (["--max-num-batched-tokens", "8"], "`--max-num-batched-tokens 8` must be >= `--max-batch 32`")):
+        with pytest.raises(UsageError, match=needle):
+            RouterSettings.from_args(build_parser().parse_args(["serve", *bad]))
+
+
+def test_workers_capacity_merges_the_live_free_blocks_from_health():
+    (spec,) = _specs([REAL_H100])
+    handle = WorkerHandle(spec, info=CapabilityPayload(capacity={"kv_block_size": 16, "kv_blocks_total": 100,
+                                                                 "kv_blocks_free": 100, "prefix_cache": True}))
+    handle.live_capacity = {"kv_blocks_free": 37}
+    assert handle.snapshot(32)["capacity"] == {"kv_block_size": 16, "kv_blocks_total": 100, "kv_blocks_free": 37,
+                                               "prefix_cache": True}
+    assert WorkerHandle(spec).snapshot(32)["capacity"] is None
+
+
 def test_no_device_gives_one_cpu_worker():
     (spec,) = _specs([])
     env = spec.environ()

@@ -31,7 +31,7 @@ HEADERS = {"x-worker-id": "gpu1", "x-worker-capability": "8.9", "x-fp8-conventio
 @pytest.fixture
 def setup():
     runner = FakeRunner(delay=0.001)
-    engine = Engine(runner, Scheduler(SchedulerConfig(2, 64, eos_token_ids=(EOS_ID,))), TOK, max_queue=1)
+    engine = Engine(runner, Scheduler(SchedulerConfig(2, 64, 32, eos_token_ids=(EOS_ID,))), TOK, max_queue=1)
     with TestClient(create_app(INFO, engine, TOK, drain_timeout=1.0)) as client:
         yield client, engine
 
@@ -184,3 +184,18 @@ def test_grammar_constrains_the_output(setup):
         "max_new_tokens": 20, "grammar": {"type": "json", "value": json.dumps(schema)}, "details": True}})
     assert r.status_code == 200, r.text
     assert 0 <= json.loads(r.json()["generated_text"])["n"] <= 9 and r.json()["details"]["finish_reason"] == "eos_token"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--kv-block-size", "3"], "`--kv-block-size 3` is not supported. Supported: 1, 2, 4, 8, 16"),
+    (["--max-num-batched-tokens", "4", "--max-batch", "8"], "`--max-num-batched-tokens 4` must be >= `--max-batch 8`"),
+    (["--kv-cache-bytes", "0"], "`--kv-cache-bytes` must be >= 1, got `0`"),
+])
+def test_worker_engine_flags_are_checked(argv, needle, capsys):
+    from workers.main import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--socket", "/tmp/x.sock", *argv])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+    args = parse_args(["--socket", "/tmp/x.sock", "--no-prefix-cache", "--kv-block-size", "32"])
+    assert args.no_prefix_cache and args.kv_block_size == 32 and args.max_num_batched_tokens == 2048

@@ -62,7 +62,8 @@ def worker(tmp_path_factory):
     model = make_checkpoint(tmp / "model")
     parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     proc, sock, status = start_worker(
-        tmp, model, "--simulate", "sm_89", "--max-batch", "4", "--max-queue", "2", "--parent-pid", str(parent.pid)
+        tmp, model, "--simulate", "sm_89", "--max-batch", "4", "--max-queue", "2", "--parent-pid", str(parent.pid),
+        "--kv-block-size", "8", "--max-num-batched-tokens", "16",  # prompts longer than 16 tokens are chunked
     )
     try:
         wait_state(proc, status, {"ready"})
@@ -104,7 +105,12 @@ def test_socket_is_private_and_capability_is_the_simulated_device(worker):
     assert cap["worker_id"] == "gpu7" and cap["pid"] == worker["proc"].pid
     assert cap["device"]["capability"] == "8.9" and cap["device"]["simulated"] is True
     assert cap["fp8"]["convention"] == "native_e4m3"
-    assert cap["capacity"]["max_sequences"] == 4 and cap["capacity"]["max_seq_len"] == 256
+    capacity = cap["capacity"]
+    assert capacity["max_sequences"] == 4 and capacity["max_seq_len"] == 256
+    # the CPU default budget: --max-batch sequences of the full context, in blocks of 8 tokens
+    assert capacity["kv_block_size"] == 8 and capacity["kv_blocks_total"] == 4 * 256 // 8
+    assert capacity["max_tokens"] == 4 * 256 and capacity["prefix_cache"] is True
+    assert 0 <= capacity["kv_blocks_free"] <= capacity["kv_blocks_total"]
     assert cap["model"]["context_length"] == 256 and cap["model"]["eos_token"] == "</s>"
 
 
@@ -131,6 +137,34 @@ def test_concurrent_requests_each_match_their_solo_greedy_decoding(worker):
         assert got == solo_greedy(worker["model"], p, 12), p
 
 
+def test_a_repeated_long_prompt_skips_its_cached_prefix_and_reports_it(worker):
+    """Over HTTP: the second request with the same 40-token prompt finds its first blocks in
+    the prefix cache (the metrics count them), is chunked like the first, and gives the same
+    greedy tokens."""
+    prompt = "The quick brown fox jumps over the lazy dog " * 4
+
+    def metric(text: str, name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    with client(worker["sock"]) as c:
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 6, "details": True}}
+        before = c.get("/metrics").text
+        first = c.post("/generate", json=body).json()
+        second = c.post("/generate", json=body).json()
+        after = c.get("/metrics").text
+        assert c.get("/health").json()["capacity"]["kv_blocks_free"] == 4 * 256 // 8  # all free again
+    n_prompt = first["details"]["input_length"]
+    assert n_prompt > 16 and first["generated_text"] == second["generated_text"]
+    hits = metric(after, "hetserve_worker_prefix_cache_hits_tokens_total") - metric(
+        before, "hetserve_worker_prefix_cache_hits_tokens_total")
+    assert hits == (n_prompt - 1) // 8 * 8
+    skipped = 'hetserve_worker_prefill_tokens_total{kind="skipped"}'
+    assert metric(after, skipped) - metric(before, skipped) == hits
+    for series in ("hetserve_worker_kv_cache_usage_ratio", "hetserve_worker_preemptions_total",
+                   "hetserve_worker_prefix_cache_queries_tokens_total"):
+        assert series in after
+
+
 def test_too_long_request_is_422_naming_the_numbers(worker):
     with client(worker["sock"]) as c:
         r = c.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 1000}})
@@ -138,21 +172,21 @@ def test_too_long_request_is_422_naming_the_numbers(worker):
     assert "256" in r.json()["error"] and "1000 `max_new_tokens`" in r.json()["error"]
 
 
-def test_disconnected_stream_frees_its_slot(worker):
+def test_disconnected_stream_frees_its_blocks(worker):
     with client(worker["sock"]) as c:
         body = {"inputs": "Hello", "parameters": {"max_new_tokens": 250, "do_sample": True, "seed": 1}}
         with c.stream("POST", "/generate_stream", json=body) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["index"] == 0
-        # the response is closed: the worker must notice and drop the sequence
+        # the response is closed: the worker must notice and drop the sequence and its blocks
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            load = c.get("/health").json()["load"]
-            if load == {"running": 0, "queued": 0}:
+            health = c.get("/health").json()
+            if health["load"] == {"running": 0, "queued": 0}:
                 break
             time.sleep(0.02)
-        assert load == {"running": 0, "queued": 0}
+        assert health["load"] == {"running": 0, "queued": 0} and health["capacity"]["kv_blocks_free"] == 128
         metrics = c.get("/metrics").text
     generated = [line for line in metrics.splitlines() if line.startswith("hetserve_worker_generated_tokens_total")]
     assert float(generated[0].split()[-1]) < 12 * 4 + 250  # the cancelled stream did not run to its end

@@ -6,15 +6,18 @@ overloaded with Retry-After, 503 unavailable, 500 internal). Every response carr
 X-Worker-Id, X-Worker-Capability and X-Fp8-Convention (added by a pure ASGI middleware,
 so streamed responses get them too and no route can forget them).
 
-Design: `create_app()` is a factory over a ready engine (no model work at import). The
+Design: `create_app()` is a factory over a ready engine (no model work at import).
+`/capability` is the worker's fixed description plus what changes: its load and its free
+KV blocks. The
 engine thread starts in the lifespan and stops there. A request is tokenized and validated
 here, so a bad one is answered before it takes a queue place; the route then only awaits
 its `RequestStream`. A client that goes away is noticed by a task waiting for
-`http.disconnect` (non-streamed) or by Starlette cancelling the stream (streamed); both
-abort the request, which frees its slot before the next engine step. `/health` reports the
-engine's liveness (pending work, age of its last step) beside the HTTP side's state, so the
-router can tell a hung engine from an idle one; a request's `resume_ids` continues a stream
-another worker began.
+`http.disconnect` (non-streamed), which also ends the request's stream, or by Starlette
+cancelling the stream (streamed); both abort the request, which frees its KV blocks before
+the next engine step. `/health` reports the engine's liveness (pending work, age of its last
+step) beside the HTTP side's state, so the router can tell a hung engine from an idle one,
+and the KV cache's free blocks; a request's `resume_ids` continues a stream another worker
+began.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from workers.scheduler import CapacityError
 from workers.schemas import GenerateRequest, Render
 
 logger = logging.getLogger(__name__)
+
+CLIENT_GONE = "client_disconnected"  # the error type that ends a stream whose client left
 
 
 def identity_headers(info: CapabilityPayload) -> dict[str, str]:
@@ -97,10 +102,13 @@ def _field_message(exc: RequestValidationError) -> str:
     return "; ".join(parts)
 
 
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client goes away (the body has already been read)."""
+async def _abort_on_disconnect(request: Request, engine: Engine, stream: RequestStream) -> None:
+    """Waits until the client goes away (the body has already been read), then aborts its
+    request and ends its stream."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+    engine.abort(stream.request_id)
+    stream.push(ErrorEvent("The client disconnected", CLIENT_GONE))
 
 
 def _prompt_ids(req: GenerateRequest, tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
@@ -200,25 +208,23 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
     @app.post("/generate")
     async def generate(req: GenerateRequest, request: Request):
         stream, params, render, span = await submit_traced(req, request)
-
-        async def collect():
-            return [e async for e in stream]
-
-        collector = asyncio.ensure_future(collect())
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        # a request an idle engine finished within submit() has nothing left to abort
+        watcher = None if stream.ended else asyncio.ensure_future(_abort_on_disconnect(request, engine, stream))
+        events = []
         try:
-            await asyncio.wait((collector, watcher), return_when=asyncio.FIRST_COMPLETED)
+            async for e in stream:
+                events.append(e)
         finally:
-            watcher.cancel()
-            if not collector.done():  # the client left (or this task was cancelled)
-                collector.cancel()
-                engine.abort(stream.request_id)
-            done = collector.done() and not collector.cancelled()
-            tracer.end(span, collector.result()[-1] if done else None, stream.request_id, params)
-        if not collector.done() or collector.cancelled():
-            return Response(status_code=499)
-        events = collector.result()
+            if watcher is not None:
+                watcher.cancel()
+            last = events[-1] if events else None
+            if last is None or not (isinstance(last, ErrorEvent) or last.finish is not None):
+                engine.abort(stream.request_id)  # this handler was cancelled mid-request
+            gone = last is None or (isinstance(last, ErrorEvent) and last.error_type == CLIENT_GONE)
+            tracer.end(span, None if gone else last, stream.request_id, params)
         if isinstance(events[-1], ErrorEvent):
+            if events[-1].error_type == CLIENT_GONE:
+                return Response(status_code=499)
             return error_response(500, events[-1].message, events[-1].error_type)
         return JSONResponse(render.response(events, req.parameters.details or req.parameters.decoder_input_details))
 
@@ -254,13 +260,15 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
         live = engine.liveness()
         body = HealthPayload(status=status, worker_id=info.worker_id, load=Load(running=running, queued=queued),
                              engine=EngineLiveness(pending=live.pending, last_step_age_s=round(live.last_step_age_s, 3),
-                                                   steps=live.steps))
+                                                   steps=live.steps),
+                             capacity=engine.kv_now())
         return JSONResponse(body.model_dump(mode="json"), status_code=200 if ok else 503)
 
     @app.get("/capability")
     async def capability():
         running, queued = engine.load()
-        now = info.model_copy(update={"pid": os.getpid(), "load": Load(running=running, queued=queued)})
+        now = info.model_copy(update={"pid": os.getpid(), "load": Load(running=running, queued=queued),
+                                      "capacity": {**info.capacity, **engine.kv_now()}})
         return now.model_dump(mode="json")
 
     @app.get("/metrics")

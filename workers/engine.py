@@ -1,25 +1,34 @@
 """The engine: a loop in its own thread that turns requests into tokens on one device.
 
 Design: each step is schedule -> execute -> update.
-- schedule: the `Scheduler` (plain CPU code) picks decodes of the running batch and
-  prefills of newly admitted prompts;
-- execute: the `ModelRunner` packs them into ONE `ForwardBatch` and calls
-  `model.step(batch, kv)` once -> logits `[N, V]`; `sample_tokens()` picks one token per
-  row, constrained rows masked by their grammar (masks computed on a helper thread during
-  the forward: they depend only on each grammar's state). A prompt that asks for its own
-  logprobs also gets its rows' logits from that forward (`execute_with_prompt_logits`);
-- update: the scheduler appends the tokens and finishes sequences; each sequence's
-  detokenizer produces its streamed text and checks stop strings; a constrained sequence
-  advances its grammar and ends when the grammar is complete; events go out.
+- schedule: the `Scheduler` (plain CPU code) picks decodes of the running batch, then
+  prompt chunks (continuing ones, then newly admitted prompts from their cached prefix)
+  within the step's token budget, preempting the newest sequences when blocks run out;
+- execute: the `ModelRunner` (`workers.runner`) packs them into ONE `ForwardBatch` over the
+  paged KV cache and calls `model.step(batch, kv)` once -> logits `[N, V]` for the chunks
+  that sample; `sample_tokens()` picks one token per row, constrained rows masked by their
+  grammar (masks computed on a helper thread during the forward: they depend only on each
+  grammar's state). A prompt that asks for its own logprobs also gets its rows' logits from
+  that forward (`execute_with_prompt_logits`);
+- update: the scheduler advances every chunk, appends the tokens, finishes sequences and
+  indexes newly full blocks for prefix caching; each sequence's detokenizer produces its
+  streamed text and checks stop strings; a constrained sequence advances its grammar and
+  ends when the grammar is complete; events go out.
 Requests join (inbox) and leave (finish, abort) only between steps, so a disconnected
-client's slot is free for the very next step.
+client's blocks are free for the very next step. A preempted sequence sends nothing until
+it is recomputed and samples its next token, so a client never sees a token twice.
 
-Threads: the asyncio HTTP side calls `submit()` / `abort()` (they only put on a thread-safe
+Threads: the asyncio HTTP side calls `submit()` / `abort()` (they put on a thread-safe
 inbox) and reads a `RequestStream`; the engine thread hands one step's events to each event
-loop with a single `loop.call_soon_threadsafe`, so the per-step cost of crossing threads is
-one wake-up, not one per token. Trade-off: Python bookkeeping stays on the critical path of
-every step (the GIL is shared with the HTTP side), so it is kept to a few list operations
-per sequence; the tensor work releases the GIL.
+loop in one batch (`workers.events.deliver`), so the per-step cost of crossing threads is
+one wake-up, not one per token. An idle engine runs a new request's first step on the
+submitting thread itself, under the step lock: a request arriving at a quiet worker pays no
+thread hand-off (two wake-ups and two GIL transfers, the larger part of a one-token
+request's cost on a busy host), and the engine thread takes over if more steps are needed.
+Trade-off: that first step blocks the caller's event loop for one step, which only happens
+when no other request is running. Python bookkeeping stays on the critical path of every
+step (the GIL is shared with the HTTP side), so it is kept to a few list operations per
+sequence; the tensor work releases the GIL.
 
 Backpressure: at most `max_sequences + max_queue` requests are in flight; `submit()` beyond
 that raises `EngineOverloaded` (HTTP 429 with Retry-After) instead of queueing forever.
@@ -38,27 +47,27 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceT
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 
 from workers.contract import DEFAULT_MAX_QUEUE
 from workers.detokenize import IncrementalDetokenizer, special_token_ids
-from workers.events import ErrorEvent, FinishInfo, RequestTimings, TokenEvent
+from workers.events import ErrorEvent, FinishInfo, RequestStream, RequestTimings, TokenEvent, deliver
 from workers.grammar import CompiledGrammar, Grammars, advance
 from workers.liveness import Liveness, LivenessClock
 from workers.logprobs import TopList, prompt_chunks, record_prompt
 from workers.metrics import WorkerMetrics
 from workers.resume import check_resume_ids, replay
+from workers.runner import ModelRunner
 from workers.sampling import SamplingParams, grammar_bitmask, make_generator, sample_tokens
-from workers.scheduler import FINISH_EOS, FINISH_STOP, Scheduler, SchedulerOutput, Sequence
+from workers.scheduler import FINISH_EOS, FINISH_STOP, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineOverloaded", "EngineUnavailable", "ErrorEvent", "FinishInfo", "ModelRunner",
            "RequestStream", "RequestTimings", "TokenEvent"]
 
-_ADD, _ABORT, _STOP = "add", "abort", "stop"
+_ADD, _ABORT, _WAKE, _STOP = "add", "abort", "wake", "stop"
 
 
 class EngineOverloaded(RuntimeError):
@@ -73,78 +82,10 @@ class EngineUnavailable(RuntimeError):
     """The engine is draining, stopped or dead (HTTP 503)."""
 
 
-class RequestStream:
-    """The HTTP side's end of one request: `async for event in stream` until a `finish` or an
-    `ErrorEvent`. Without an event loop (tests driving `step()`), events collect in `.events`."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None):
-        self.request_id = request_id
-        self.loop = loop
-        self.prefill_started: float | None = None  # monotonic start of the step that produced the first token
-        self.events: list[TokenEvent | ErrorEvent] = []
-        self._queue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
-
-    def push(self, event: TokenEvent | ErrorEvent) -> None:
-        """Called on the stream's loop (or directly without one)."""
-        if self._queue is None:
-            self.events.append(event)
-        else:
-            self._queue.put_nowait(event)
-
-    async def __aiter__(self):
-        while True:
-            event = await self._queue.get()
-            yield event
-            if isinstance(event, ErrorEvent) or event.finish is not None:
-                return
-
-
 def _timings(seq: Sequence, finished: float) -> RequestTimings:
     prefill_started = seq.stream.prefill_started or seq.arrival_time
     first = seq.first_token_time or finished
     return RequestTimings(max(0.0, prefill_started - seq.arrival_time), first - prefill_started, finished - first)
-
-
-def _push_all(items: list[tuple[RequestStream, TokenEvent | ErrorEvent]]) -> None:
-    for stream, event in items:
-        stream.push(event)
-
-
-class ModelRunner:
-    """Runs one `SchedulerOutput` as one `model.step` (the only tensor work of a step)."""
-
-    def __init__(self, model, kv, device: str | torch.device):
-        from workers.kv_cache import ForwardBatch, SeqChunk
-
-        self.model, self.kv, self.device = model, kv, torch.device(device)
-        self._build, self._chunk = ForwardBatch.build, SeqChunk
-        self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
-
-    def _batch(self, out: SchedulerOutput):
-        chunk = self._chunk
-        items = [(chunk(c.slot, c.start_pos, len(c.token_ids)), c.token_ids) for c in out.chunks]
-        return self._build(items, self.device)
-
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        return self.model.step(self._batch(out), self.kv)  # [N, V] float32
-
-    def execute_with_prompt_logits(self, out: SchedulerOutput, scored: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """`execute`, plus the logits at every row of the chunks `scored` (indices into
-        `out.chunks`), from the same forward: ([N, V], [[len(chunk), V] per scored chunk])."""
-        batch = self._batch(out)
-        starts = [0]
-        for c in out.chunks:
-            starts.append(starts[-1] + len(c.token_ids))
-        last = batch.logits_index.tolist()
-        spans = [range(starts[i], starts[i + 1]) for i in scored]
-        rows = sorted(set(last).union(*spans))  # ascending and unique: all rows reads as identity
-        where = {r: k for k, r in enumerate(rows)}
-        logits = self.model.step(replace(batch, logits_index=torch.tensor(rows, device=self.device)), self.kv)
-
-        def pick(wanted) -> torch.Tensor:
-            return logits[torch.tensor([where[r] for r in wanted], device=logits.device)]
-
-        return pick(last), [pick(span) for span in spans]
 
 
 class Engine:
@@ -180,8 +121,10 @@ class Engine:
     def _init_thread(self) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._step_lock = threading.RLock()  # the scheduler and the model: one step at a time
         self._masker: ThreadPoolExecutor | None = None  # grammar masks, overlapped with the forward
         self._num_threads = torch.get_num_threads()
+        self._stopping = False
         self.fatal_error: BaseException | None = None
 
     # -- called from the HTTP side (any thread) --------------------------------------------
@@ -228,11 +171,29 @@ class Engine:
         if grammar is not None:
             seq.grammar = grammar.matcher()
         replay(seq, resumed)
-        self._inbox.put((_ADD, seq))
+        if not self._first_step_here(seq):
+            self._inbox.put((_ADD, seq))
         return seq.stream
 
+    def _first_step_here(self, seq: Sequence) -> bool:
+        """When the engine thread is idle, add `seq` and run its first step on this thread (no
+        hand-off); the engine thread is woken only if more steps are needed. False (nothing
+        done) when the engine is busy, not started, or another thread holds the step lock."""
+        if self._thread is None or not self._step_lock.acquire(blocking=False):
+            return False
+        try:
+            if self.scheduler.has_unfinished() or not self._inbox.empty() or not self.accepting:
+                return False
+            self.scheduler.add_request(seq)
+            self._guarded_step()
+            if self.scheduler.has_unfinished():
+                self._inbox.put((_WAKE, None))
+            return True
+        finally:
+            self._step_lock.release()
+
     def abort(self, request_id: str) -> None:
-        """The client went away: free the request's slot before the next step."""
+        """The client went away: free the request's KV blocks before the next step."""
         self._inbox.put((_ABORT, request_id))
 
     def load(self) -> tuple[int, int]:
@@ -241,9 +202,12 @@ class Engine:
         return running, max(0, self._in_flight - running)
 
     def kv_usage(self) -> float:
-        """The fraction of this worker's KV cache in use right now (slots held by running sequences)."""
-        total = self.scheduler.config.max_sequences
-        return (total - self.scheduler.num_free_slots) / total if total else 0.0
+        """The fraction of this worker's KV cache blocks held by running sequences right now."""
+        return self.scheduler.kv.usage
+
+    def kv_now(self) -> dict:
+        """The KV cache's changing figures right now (`/capability` `capacity`)."""
+        return {"kv_blocks_free": self.scheduler.kv.num_free_blocks}
 
     def liveness(self) -> Liveness:
         """Pending work and the age of the engine's last completed step (any thread)."""
@@ -278,34 +242,34 @@ class Engine:
 
     def _run(self) -> None:
         torch.set_num_threads(self._num_threads)
+        while not self._stopping and self.fatal_error is None:
+            if not self.scheduler.has_unfinished():
+                msg = self._inbox.get()  # idle: sleep until a request (or a stop) arrives
+                with self._step_lock:
+                    self._handle(msg)
+            self._guarded_step()
+
+    def _guarded_step(self) -> None:
+        """`step()`, where an exception (the model, or a bug) is fatal: every request gets an
+        error and `on_fatal` is told."""
         try:
-            with torch.inference_mode():
-                while self._wait_for_work():
-                    self.step()
-        except BaseException as exc:  # the model or a bug: every request gets an error
+            self.step()
+        except BaseException as exc:
             logger.exception("Engine step failed; failing %s in-flight requests", self._in_flight)
             self.fatal_error = exc
             self._abort_all(f"Engine error: {exc}")
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 
-    def _wait_for_work(self) -> bool:
-        """Block while idle; False once asked to stop."""
-        if self.scheduler.has_unfinished():
-            return self._drain_inbox()
-        msg = self._inbox.get()
-        return self._handle(msg) and self._drain_inbox()
-
-    def _drain_inbox(self) -> bool:
+    def _drain_inbox(self) -> None:
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                return True
-            if not self._handle(msg):
-                return False
+                return
+            self._handle(msg)
 
-    def _handle(self, msg) -> bool:
+    def _handle(self, msg) -> None:
         kind, value = msg
         if kind == _ADD:
             self.scheduler.add_request(value)
@@ -315,22 +279,27 @@ class Engine:
                 self.metrics.requests.labels(seq.finish_reason).inc()
                 self._release(seq)
                 self._publish_load()  # no step may follow: the gauges must not wait for one
-        else:
+        elif kind == _STOP:
+            self._stopping = True
             self._abort_all("The worker shut down before the request finished")
-            return False
-        return True
 
     def step(self) -> int:
         """One engine step; returns the number of sequences it ran (0 when idle)."""
+        with self._step_lock, torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> int:
         t0 = time.perf_counter()
         self._drain_inbox()
+        if self._stopping:
+            return 0
         # 1. schedule
         out = self.scheduler.schedule()
         if out.is_empty:
             return 0
-        # 2. execute: one batched forward, one token per chunk (plus prompt rows some asked for);
-        #    the grammar masks are computed meanwhile (llguidance releases the GIL)
-        seqs = [c.seq for c in out.chunks]
+        # 2. execute: one batched forward, one token per sampling chunk (plus prompt rows some
+        #    asked for); the grammar masks are computed meanwhile (llguidance releases the GIL)
+        seqs = [c.seq for c in out.chunks if c.samples]
         masks = self._start_masks(seqs)
         scored = prompt_chunks(out.chunks)
         if scored:
@@ -340,14 +309,14 @@ class Engine:
         else:
             logits = self.runner.execute(out)  # [N, V]
         sampled = sample_tokens(logits, seqs, self.grammars, None if masks is None else masks.result())
-        # 3. update: append, detokenize, stop, stream
+        # 3. update: advance, append, detokenize, stop, stream
         updates = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs)
         tops = {id(s): t for s, t in zip(seqs, sampled.top, strict=True) if t is not None}
-        self._deliver(self._events(updates, tops, t0))
+        deliver(self._events(updates, tops, t0))
         self._liveness.step_done()
-        self.metrics.on_step(time.perf_counter() - t0, len(seqs), out.num_prefill_tokens, len(updates))
+        self.metrics.on_step(time.perf_counter() - t0, len(out.chunks), out, len(updates))
         self._publish_load()
-        return len(seqs)
+        return len(out.chunks)
 
     def _start_masks(self, seqs: list[Sequence]) -> Future | None:
         if all(s.grammar is None for s in seqs):
@@ -398,7 +367,7 @@ class Engine:
 
     def _abort_all(self, message: str) -> None:
         items = []
-        for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort_request(seq.request_id)
             self._release(seq)
             items.append((seq.stream, ErrorEvent(message)))
@@ -411,18 +380,4 @@ class Engine:
                 self._release(value)
                 items.append((value.stream, ErrorEvent(message)))
         self._publish_load()
-        self._deliver(items)
-
-    @staticmethod
-    def _deliver(items) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for stream, event in items:
-            if stream.loop is None:
-                stream.push(event)
-            else:
-                by_loop.setdefault(stream.loop, []).append((stream, event))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_push_all, batch)
-            except RuntimeError:  # that loop is closed: nobody is listening any more
-                pass
+        deliver(items)

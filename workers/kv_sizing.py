@@ -1,10 +1,13 @@
-"""How much KV cache a worker gets, and how it is shaped: from its own device only.
+"""How much KV cache a worker gets, and how many blocks that is: from its own device only.
 
 The budget is read from the bound device (its free memory after the model is loaded, or a
-fixed CPU default), never from another device or a process-wide answer. The shape trades
-slots against length: `max_batch` slots as long as the budget allows, down to a floor of
-`MIN_SEQ_LEN` tokens (or the model's context); below that floor, fewer slots of that
-length, so a small card serves fewer sequences rather than uselessly short ones.
+fixed CPU default), never from another device or a process-wide answer. A GPU worker takes
+`GPU_FREE_FRACTION` of its free memory, as vLLM does: blocks beyond what the running batch
+needs keep more prefixes cached. A CPU worker without `--kv-cache-bytes` takes what
+`--max-batch` sequences of the full context need (the footprint of a contiguous cache), at
+most `CPU_KV_MAX_DEFAULT_BYTES`, so simulated workers sharing one host stay small. The pool
+is then `budget // (block_size x bytes per token)` blocks; a sequence may be as long as the
+model's context or the whole pool, whichever is shorter.
 """
 
 from __future__ import annotations
@@ -12,11 +15,10 @@ from __future__ import annotations
 import argparse
 
 GPU_FREE_FRACTION = 0.85  # of the bound device's free memory after loading; the rest for activations
-CPU_KV_DEFAULT_BYTES = 512 << 20
-MIN_SEQ_LEN = 512
+CPU_KV_MAX_DEFAULT_BYTES = 512 << 20
 
 
-def kv_budget(args: argparse.Namespace, bound) -> tuple[int, str]:
+def kv_budget(args: argparse.Namespace, bound, bytes_per_token: int, context: int) -> tuple[int, str]:
     """This worker's KV cache budget in bytes, from its own device only, with the reason."""
     if bound.is_real_gpu:
         import torch
@@ -28,15 +30,20 @@ def kv_budget(args: argparse.Namespace, bound) -> tuple[int, str]:
         return usable, f"{GPU_FREE_FRACTION:.0%} of the bound device's {free} free bytes after loading"
     if args.kv_cache_bytes:
         return args.kv_cache_bytes, f"--kv-cache-bytes {args.kv_cache_bytes}"
-    return CPU_KV_DEFAULT_BYTES, f"default CPU budget {CPU_KV_DEFAULT_BYTES} bytes"
+    full = args.max_batch * context * bytes_per_token
+    if full <= CPU_KV_MAX_DEFAULT_BYTES:
+        return full, f"CPU default: {args.max_batch} sequences x {context} tokens of context"
+    return CPU_KV_MAX_DEFAULT_BYTES, f"CPU default: at most {CPU_KV_MAX_DEFAULT_BYTES} bytes"
 
 
-def plan_kv_shape(bytes_per_token: int, context: int, budget: int, max_batch: int) -> tuple[int, int, str]:
-    """(slots, max_seq_len, reason): `max_batch` slots as long as the budget allows, down to
-    `MIN_SEQ_LEN` tokens (or the context); below that, fewer slots of that length."""
-    seq_len = min(context, budget // (max_batch * bytes_per_token))
-    floor = min(context, MIN_SEQ_LEN)
-    if seq_len >= floor:
-        return max_batch, seq_len, f"{max_batch} slots x {seq_len} tokens (context {context})"
-    slots = budget // (floor * bytes_per_token)
-    return slots, floor, f"budget fits {slots} of {max_batch} slots at {floor} tokens"
+def plan_kv_blocks(bytes_per_token: int, block_size: int, budget: int, context: int) -> tuple[int, str]:
+    """(blocks, description) for a budget; raises when not even one block fits."""
+    per_block = bytes_per_token * block_size
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"KV cache budget `{budget}` bytes is below one block of {block_size} tokens ({per_block} bytes); "
+            f"raise `--kv-cache-bytes` or lower `--kv-block-size`"
+        )
+    longest = min(context, blocks * block_size)
+    return blocks, f"{blocks} blocks x {block_size} tokens ({blocks * block_size} tokens; longest request {longest})"

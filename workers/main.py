@@ -27,7 +27,9 @@ import time
 from collections.abc import Iterator
 
 from workers.contract import (
+    DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MODEL_DIR,
     ENV_DEVICE_INDEX,
@@ -35,6 +37,7 @@ from workers.contract import (
     PREFLIGHT_MODES,
     ExitCode,
     WorkerStatus,
+    engine_limits_error,
     use_triton_cache,
 )
 from workers.row_buckets import cap_native_caches
@@ -54,10 +57,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-uuid", help="device UUID to check after binding")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     p.add_argument("--quantize", default="none", choices=("none", "fp8"))
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="most sequences running at once (KV slots)")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="most sequences running at once")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests waiting beyond the batch before 429")
-    p.add_argument("--kv-cache-bytes", type=int, help="KV cache budget (default: free GPU memory, or 512 MiB on CPU)")
+    p.add_argument("--kv-cache-bytes", type=int,
+                   help="KV cache budget (default: 85%% of free GPU memory; on CPU --max-batch full-context "
+                        "sequences, at most 512 MiB)")
+    p.add_argument("--kv-block-size", type=int, default=DEFAULT_KV_BLOCK_SIZE,
+                   help=f"tokens per KV cache block (default {DEFAULT_KV_BLOCK_SIZE})")
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV blocks of shared prompt prefixes")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help=f"tokens one engine step computes: decodes first, then prompt chunks "
+                        f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--status-file", help="JSON status file, rewritten atomically at each step")
     p.add_argument("--parent-pid", type=int, help="exit when this process dies")
@@ -66,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile and check the selected kernels before ready: auto (real GPUs), on (simulated "
                         f"GPUs too), off (default: ${ENV_PREFLIGHT} or auto)")  # fmt: skip
     args = p.parse_args(argv)
-    for name in ("max_batch", "threads"):
+    for name in ("max_batch", "threads", "kv_cache_bytes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"`--{name.replace('_', '-')}` must be >= 1, got `{value}`")
@@ -74,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"`--max-queue` must be >= 0, got `{args.max_queue}`")
     if args.preflight not in PREFLIGHT_MODES:  # a default from the environment skips argparse's check
         p.error(f"`${ENV_PREFLIGHT}={args.preflight}` is not a preflight mode. Accepted: {', '.join(PREFLIGHT_MODES)}")
+    error = engine_limits_error(args.kv_block_size, args.max_num_batched_tokens, args.max_batch)
+    if error:
+        p.error(error)
     return args
 
 

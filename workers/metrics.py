@@ -30,7 +30,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class GatewayGauges:
-    """The inference gateways' gauges, read from the engine when scraped."""
+    """The inference gateways' gauges, and this worker's own KV usage ratio, read from the
+    engine when scraped."""
 
     def __init__(self, load: Callable[[], tuple[int, int]], kv_usage: Callable[[], float]):
         self._load, self._kv_usage = load, kv_usage
@@ -42,6 +43,8 @@ class GatewayGauges:
         usage = self._kv_usage()
         for name in GATEWAY_KV_USAGE:
             yield GaugeMetricFamily(name, "Fraction of the KV cache in use (1 = full).", value=usage)
+        yield GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV cache blocks held by running "
+                                "sequences (cached prefix blocks nobody holds count as free)", value=usage)
 
 
 class WorkerMetrics:
@@ -51,12 +54,26 @@ class WorkerMetrics:
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "Requests finished, by finish reason", ["finish_reason"], registry=r)
         self.rejected = Counter(f"{PREFIX}_rejected_requests", "Requests refused, by reason", ["reason"], registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prefill_tokens = Counter(
+            f"{PREFIX}_prefill_tokens", "Prompt tokens computed, or skipped because the prefix cache held them",
+            ["kind"], registry=r,
+        )
+        for kind in ("computed", "skipped"):
+            self.prefill_tokens.labels(kind)
+        self.prefix_queries = Counter(
+            f"{PREFIX}_prefix_cache_queries_tokens", "Tokens of admitted sequences looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            f"{PREFIX}_prefix_cache_hits_tokens", "Tokens found in the prefix cache (not computed again)", registry=r
+        )
+        self.preemptions = Counter(
+            f"{PREFIX}_preemptions", "Running sequences preempted for KV blocks (recomputed later)", registry=r
+        )
         self.generated_tokens = Counter(f"{PREFIX}_generated_tokens", "Tokens generated", registry=r)
         self.steps = Counter(f"{PREFIX}_engine_steps", "Engine steps run", registry=r)
         self.running = Gauge(f"{PREFIX}_running_requests", "Sequences in the running batch", registry=r)
         self.queued = Gauge(f"{PREFIX}_queued_requests", "Requests accepted and waiting", registry=r)
-        self.kv_slots_used = Gauge(f"{PREFIX}_kv_slots_used", "KV cache slots in use", registry=r)
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -70,17 +87,24 @@ class WorkerMetrics:
             f"{PREFIX}_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
         )
 
-    def on_step(self, seconds: float, batch: int, prefill_tokens: int, new_tokens: int) -> None:
+    def on_step(self, seconds: float, batch: int, out, new_tokens: int) -> None:
+        """One engine step; `out` is its `SchedulerOutput` (prefill and prefix-cache figures)."""
         self.steps.inc()
         self.step_seconds.observe(seconds)
         self.batch_size.observe(batch)
-        if prefill_tokens:
-            self.prompt_tokens.inc(prefill_tokens)
+        if out.num_prefill_tokens:
+            self.prefill_tokens.labels("computed").inc(out.num_prefill_tokens)
+        if out.num_queried_tokens:
+            self.prefix_queries.inc(out.num_queried_tokens)
+        if out.num_cached_tokens:
+            self.prefix_hits.inc(out.num_cached_tokens)
+            self.prefill_tokens.labels("skipped").inc(out.num_cached_tokens)
+        if out.preempted:
+            self.preemptions.inc(len(out.preempted))
         self.generated_tokens.inc(new_tokens)
 
     def set_load(self, running: int, queued: int) -> None:
         self.running.set(running)
-        self.kv_slots_used.set(running)
         self.queued.set(queued)
 
     def track(self, load: Callable[[], tuple[int, int]], kv_usage: Callable[[], float]) -> None:

@@ -11,7 +11,8 @@ Two entry points share the weights:
   tests, training);
 - `model.step(batch, kv) -> logits [N, V] fp32`: one engine step over packed chunks
   (prefills of any length plus one-token decodes at any position), writing K/V into the
-  cache and projecting only each chunk's last token to the vocabulary.
+  paged cache and projecting only the rows the batch asks for (each sampling chunk's last
+  token; any positions, e.g. for prompt logprobs) to the vocabulary.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from torch import nn
 
 from workers.attention import Attention, build_step_context
 from workers.config import ModelConfig
-from workers.kv_cache import ForwardBatch, KVCache
-from workers.layers import RMSNorm, SiluAndMul
+from workers.kv import ForwardBatch, KVPool
+from workers.layers import PagedAttention, RMSNorm, SiluAndMul
 from workers.rope import RotaryTables
 
-__all__ = ["Transformer", "TransformerBlock", "FeedForward", "RMSNorm", "SiluAndMul"]
+__all__ = ["Transformer", "TransformerBlock", "FeedForward", "PagedAttention", "RMSNorm", "SiluAndMul"]
 
 
 class FeedForward(nn.Module):
@@ -125,8 +126,8 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
-    def new_kv_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> KVCache:
-        return KVCache.for_config(self.config, num_slots, max_seq_len, dtype or self.dtype, self.device)
+    def new_kv_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVPool:
+        return KVPool.for_config(self.config, num_blocks, block_size, dtype or self.dtype, self.device)
 
     # ---- forward passes --------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -139,17 +140,18 @@ class Transformer(nn.Module):
         return self.output(self.norm(x))  # [B, S, V]
 
     @torch.inference_mode()
-    def step(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """One engine step: logits [N, V] fp32 at the last token of each chunk."""
-        if batch.max_pos >= kv.max_seq_len:
+    def step(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        """One engine step: logits [N, V] fp32 at the rows of `batch.logits_index`."""
+        if batch.max_block >= kv.num_blocks or batch.block_size != kv.block_size:
             raise ValueError(
-                f"Position `{batch.max_pos}` does not fit the KV cache (`max_seq_len={kv.max_seq_len}`)"
+                f"Batch reads block `{batch.max_block}` of size {batch.block_size}; the KV pool has "
+                f"{kv.num_blocks} blocks of size {kv.block_size}"
             )
         cos, sin = self.rope.lookup(batch.positions, batch.max_pos, self.dtype)  # [T, 1, D/2]
         ctx = build_step_context(batch, kv, cos, sin)
         x = self.tok_embeddings(batch.input_ids)  # [T, H]
         for layer in self.layers:
             x = layer.step(x, ctx)
-        if x.shape[0] != batch.logits_index.shape[0]:
+        if x.shape[0] != batch.logits_index.shape[0]:  # equal only when every row is projected, in order
             x = x.index_select(0, batch.logits_index)  # [N, H]
         return self.output(self.norm(x)).float()  # [N, V]

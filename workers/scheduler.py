@@ -1,33 +1,44 @@
-"""Continuous-batching scheduler: which sequences run in the next step.
+"""Continuous-batching scheduler over a paged KV cache: which tokens run in the next step.
 
-Design (vLLM v1 `SchedulerInterface` style): plain CPU bookkeeping behind a small
-interface, no tensors and no model, so tests drive it with hand-built outputs.
-- A waiting queue (FCFS) and a running set. Each running sequence owns one KV cache slot
-  (the cache reserves `max_seq_len` positions per slot), so capacity accounting is slots in
-  use and the tokens they reserve.
-- `schedule()` returns one chunk per running sequence (one decode token, ordered by slot so
-  the model reads consecutive slots as views) followed by whole-prompt prefills of newly
-  admitted sequences, admitted while a slot is free and the step's prefill token budget
-  holds (the first prompt of a step is always admitted, so a long prompt cannot starve).
-- `update_from_output()` appends each sampled token and finishes sequences on EOS or
-  `max_new_tokens`; the engine finishes on stop strings through `finish()`. A finished or
-  aborted sequence frees its slot at once, so a newcomer can take it in the next step.
-Trade-off: no chunked prefill and no preemption. Admission already guarantees that
-`prompt + max_new_tokens` fits a slot, so a running sequence never runs out of cache.
+Design (vLLM v1 style): plain CPU bookkeeping behind a small interface, no tensors and no
+model, so tests drive it with hand-built outputs. A sequence is its tokens (prompt, then
+generated) and how many of them are already in the cache (`num_computed`); a step computes
+some of the rest. Each step has a token budget (`max_num_batched_tokens`), filled in order:
+1. every running sequence's decode token, oldest first;
+2. the next chunk of running sequences whose prompt is not done (a long prompt, or tokens
+   recomputed after a preemption), oldest first;
+3. newly admitted waiting sequences (FCFS), each starting after its cached prefix, while the
+   batch (`max_sequences`), the budget and the free blocks allow.
+A prompt longer than what is left of the budget is cut into chunks over several steps, so
+a long prompt never holds the others' decodes back for more than one budgeted step. A
+chunk that reaches the sequence's last token samples one new token; the others only fill
+the cache.
+
+Memory pressure: blocks are taken as sequences grow. A running sequence that needs a block
+when none is free preempts the newest running sequences (never older ones): their blocks
+are freed (their full blocks stay cached), they go back to the front of the queue with the
+tokens they already generated, and are recomputed later, usually from their cached prefix.
+If there is nothing newer to preempt, the sequence preempts itself. So the oldest sequence
+always progresses, nothing is lost and nothing already streamed is sampled again. Only a
+request that could never fit (beyond the model's context or the whole pool) is refused.
 """
 
 from __future__ import annotations
 
-import heapq
+import itertools
 import time
 from collections import deque
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
+from workers.contract import DEFAULT_KV_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS
+from workers.kv import KVCacheManager
 from workers.sampling import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 FINISH_LENGTH, FINISH_EOS, FINISH_STOP, FINISH_ABORT = "length", "eos_token", "stop_sequence", "aborted"
+WATERMARK = 0.01  # of the blocks, kept free when admitting, so running sequences can grow a while
+_UIDS = itertools.count()
 
 
 class CapacityError(ValueError):
@@ -36,33 +47,45 @@ class CapacityError(ValueError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_sequences: int  # KV cache slots = most sequences running at once
-    max_seq_len: int  # tokens one slot holds (prompt + generated)
-    max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one prompt)
+    max_sequences: int  # sequences running at once (--max-batch)
+    max_seq_len: int  # longest sequence, prompt + generated (the model's context)
+    num_blocks: int | None = None  # KV cache blocks in the pool (None: max_sequences full-length sequences)
+    block_size: int = DEFAULT_KV_BLOCK_SIZE
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # tokens computed per step
+    prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()
+    cache_root: bytes = b""  # what besides tokens decides a block's contents (model, dtype, ...)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is None and self.block_size >= 1:
+            object.__setattr__(self, "num_blocks", self.max_sequences * -(-self.max_seq_len // self.block_size))
+        for name in ("max_sequences", "max_seq_len", "num_blocks", "block_size", "max_num_batched_tokens"):
+            if (getattr(self, name) or 0) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got `{getattr(self, name)}`")
 
     @property
     def max_tokens(self) -> int:
-        return self.max_sequences * self.max_seq_len
+        """Tokens the whole KV pool holds."""
+        return self.num_blocks * self.block_size
 
 
 class Sequence:
     """One request's mutable state inside the engine (not shared with the HTTP side)."""
 
     __slots__ = (
-        "request_id", "prompt_ids", "params", "output_ids", "logprobs", "slot", "num_computed",
-        "status", "finish_reason", "generator", "seed", "arrival_time", "first_token_time", "detok", "stream",
-        "grammar", "prompt_logprobs",
+        "uid", "request_id", "prompt_ids", "params", "output_ids", "logprobs", "num_computed", "status",
+        "finish_reason", "generator", "seed", "arrival_time", "first_token_time", "detok", "stream",
+        "block_ids", "block_hashes", "num_cached_blocks", "num_preemptions", "grammar", "prompt_logprobs",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, generator=None):
+        self.uid = next(_UIDS)  # unique in this process, never reused (request ids may be)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
-        self.slot: int | None = None
-        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.num_computed = 0  # leading tokens whose K/V are in the cache
         self.status = WAITING
         self.finish_reason: str | None = None
         self.generator = generator  # per-request torch.Generator when sampling
@@ -71,6 +94,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.detok = None  # the engine's IncrementalDetokenizer
         self.stream = None  # the engine's delivery target
+        self.block_ids: list[int] = []  # KV blocks holding positions 0.. in order (the block table)
+        self.block_hashes: list[bytes] = []  # chained hashes of its full blocks, computed once
+        self.num_cached_blocks = 0
+        self.num_preemptions = 0
         self.grammar = None  # this request's grammar matcher (structured output), advanced per token
         self.prompt_logprobs: list | None = None  # (token id, logprob, top) per prompt token, when asked
 
@@ -78,37 +105,42 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    @property
-    def reserved_tokens(self) -> int:
-        """Cache positions this sequence may use by its end."""
-        return len(self.prompt_ids) + self.params.max_new_tokens
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     def __repr__(self) -> str:
-        return f"Sequence({self.request_id!r}, {self.status}, slot={self.slot}, out={len(self.output_ids)})"
+        return (f"Sequence({self.request_id!r}, {self.status}, computed={self.num_computed}/{self.num_tokens}, "
+                f"blocks={len(self.block_ids)})")
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """One sequence's tokens in a step: its whole prompt (prefill) or its last token (decode)."""
+    """One sequence's tokens in a step: a decode token, or a chunk of its prompt."""
 
     seq: Sequence
-    slot: int
-    start_pos: int
+    start_pos: int  # = seq.num_computed when scheduled
     token_ids: list[int]
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.start_pos == 0
+    block_table: list[int]  # the sequence's blocks, covering every position of the chunk
+    samples: bool  # the chunk reaches the sequence's last token: a new token is sampled
+    is_prefill: bool  # prompt (or recomputed) tokens rather than one decode token
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    chunks: tuple[ScheduledChunk, ...]  # decodes (by slot), then prefills
-    num_prefill_tokens: int
+    chunks: tuple[ScheduledChunk, ...]  # decodes (oldest first), then prompt chunks
+    num_prefill_tokens: int  # prompt tokens computed this step
+    num_cached_tokens: int  # prompt tokens of newly admitted sequences found in the prefix cache
+    num_queried_tokens: int  # tokens of newly admitted sequences looked up in the prefix cache
+    preempted: tuple[Sequence, ...] = ()
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def sampling(self) -> list[ScheduledChunk]:
+        """The chunks that get one new token each, in chunk order (the rows of the logits)."""
+        return [c for c in self.chunks if c.samples]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,28 +160,34 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self._init_queues()
-        self._init_slots()
+        self._init_kv()
 
     def _init_queues(self) -> None:
         self.waiting: deque[Sequence] = deque()
-        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self.running: list[Sequence] = []  # in admission order: oldest first
         self._by_id: dict[str, Sequence] = {}
+        self.num_preemptions = 0
 
-    def _init_slots(self) -> None:
-        self._free_slots = list(range(self.config.max_sequences))  # a heap: lowest slot first
-        self.reserved_tokens = 0
+    def _init_kv(self) -> None:
+        c = self.config
+        self.kv = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching, c.cache_root)
+        self._reserve = int(WATERMARK * c.num_blocks)
 
     # -- admission ---------------------------------------------------------------------------
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """`CapacityError` naming the numbers when a request can never fit one slot."""
+        """`CapacityError` naming the numbers when a request can never fit this worker."""
         if prompt_len < 1:
             raise CapacityError("`inputs` must contain at least one token")
-        total, limit = prompt_len + max_new_tokens, self.config.max_seq_len
-        if total > limit:
+        c = self.config
+        total = prompt_len + max_new_tokens
+        given = f"Given: {prompt_len} `inputs` tokens and {max_new_tokens} `max_new_tokens` ({total} tokens)"
+        if total > c.max_seq_len:
+            raise CapacityError(f"`inputs` tokens + `max_new_tokens` must be <= {c.max_seq_len} on this worker. {given}")
+        if total > c.max_tokens:
             raise CapacityError(
-                f"`inputs` tokens + `max_new_tokens` must be <= {limit} on this worker. "
-                f"Given: {prompt_len} `inputs` tokens and {max_new_tokens} `max_new_tokens` ({total} tokens)"
+                f"`inputs` tokens + `max_new_tokens` must be <= {c.max_tokens}, the whole KV cache of this "
+                f"worker ({c.num_blocks} blocks of {c.block_size} tokens). {given}"
             )
 
     def add_request(self, seq: Sequence) -> None:
@@ -160,7 +198,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> Sequence | None:
-        """Drop a waiting or running request (client gone); frees its slot now."""
+        """Drop a waiting or running request (client gone); frees its blocks now."""
         seq = self._by_id.get(request_id)
         if seq is None:
             return None
@@ -175,41 +213,118 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        # 1. Every running sequence decodes its last token, in slot order.
-        chunks = [
-            ScheduledChunk(seq, slot, seq.num_computed, [seq.output_ids[-1]])
-            for slot, seq in sorted(self.running.items())
-        ]
-        # 2. Admit waiting prompts FCFS while a slot is free and the prefill budget holds.
-        budget = self.config.max_prefill_tokens
-        prefill_tokens = 0
-        while self.waiting and self._free_slots:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[int] = set()  # id() of the sequences in `chunks`
+        preempted: list[Sequence] = []
+        # 1. Decodes of running sequences, oldest first; a block shortage preempts newer ones.
+        prompting = []
+        for seq in list(self.running):
+            if seq.status != RUNNING:
+                continue
+            if seq.num_tokens - seq.num_computed != 1:
+                prompting.append(seq)
+            elif self._grow_or_preempt(seq, 1, scheduled, preempted):  # else it preempted itself
+                chunks.append(self._chunk(seq, 1))
+                scheduled.add(id(seq))
+                budget -= 1
+        # 2. The next chunk of running sequences whose prompt is not done, oldest first.
+        for seq in prompting:
+            if budget <= 0:
+                break
+            if seq.status != RUNNING:  # preempted by an older one in this step
+                continue
+            n = self._fit(seq, min(seq.num_tokens - seq.num_computed, budget), scheduled, preempted)
+            if n:
+                chunks.append(self._chunk(seq, n))
+                scheduled.add(id(seq))
+                budget -= n
+        # 3. Admit waiting sequences (FCFS) from their cached prefix while batch, budget and blocks allow.
+        cached = queried = 0
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_sequences:
             seq = self.waiting[0]
-            # A resumed sequence arrives with output tokens generated elsewhere: prefill them too.
-            tokens = seq.prompt_ids + seq.output_ids if seq.output_ids else seq.prompt_ids
-            n = len(tokens)
-            if prefill_tokens and prefill_tokens + n > budget:
+            admission = self.kv.admit(seq, budget, self._reserve if self.running else 0)
+            if admission is None:
                 break
             self.waiting.popleft()
-            slot = heapq.heappop(self._free_slots)
-            seq.slot, seq.status = slot, RUNNING
-            self.running[slot] = seq
-            self.reserved_tokens += seq.reserved_tokens
-            prefill_tokens += n
-            chunks.append(ScheduledChunk(seq, slot, 0, tokens))
-        return SchedulerOutput(tuple(chunks), prefill_tokens)
+            seq.status = RUNNING
+            self.running.append(seq)
+            cached += admission.cached_tokens
+            queried += admission.queried_tokens
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        prefill = sum(len(c.token_ids) for c in chunks if c.is_prefill)
+        return SchedulerOutput(tuple(chunks), prefill, cached, queried, tuple(preempted))
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start, prompt = seq.num_computed, len(seq.prompt_ids)
+        end = start + n
+        if n == 1 and start >= prompt:  # the decode token: the last generated one
+            tokens = [seq.output_ids[start - prompt]]
+        else:
+            tokens = seq.token_ids()[start:end]
+        return ScheduledChunk(seq, start, tokens, seq.block_ids, end == seq.num_tokens,
+                              n > 1 or start < prompt)
+
+    def _grow_or_preempt(self, seq: Sequence, n: int, scheduled: set[int], preempted: list[Sequence]) -> bool:
+        """Blocks for `seq`'s next `n` tokens, preempting newer unscheduled sequences (newest
+        first) while the pool is short; preempts `seq` itself when nothing newer is left."""
+        while not self.kv.grow(seq, seq.num_computed + n):
+            victim = self._newest_unscheduled_after(seq, scheduled)
+            self._preempt(victim or seq, preempted)
+            if victim is None:
+                return False
+        return True
+
+    def _fit(self, seq: Sequence, n: int, scheduled: set[int], preempted: list[Sequence]) -> int:
+        """How many of `n` prompt tokens `seq` can compute now (blocks taken): all of them if
+        preempting newer unscheduled sequences makes room, else as many as the free blocks hold."""
+        while not self.kv.grow(seq, seq.num_computed + n):
+            victim = self._newest_unscheduled_after(seq, scheduled)
+            if victim is None:
+                room = (len(seq.block_ids) + self.kv.num_free_blocks) * self.config.block_size - seq.num_computed
+                n = max(0, min(n, room))
+                return n if n and self.kv.grow(seq, seq.num_computed + n) else 0
+            self._preempt(victim, preempted)
+        return n
+
+    def _newest_unscheduled_after(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
+        for other in reversed(self.running):
+            if other is seq:
+                return None
+            if id(other) not in scheduled:
+                return other
+        return None
+
+    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
+        """Free a running sequence's blocks and requeue it first; it keeps its tokens."""
+        self.kv.free(seq)
+        self.running.remove(seq)
+        seq.num_computed, seq.status = 0, WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        preempted.append(seq)
 
     def update_from_output(
         self, output: SchedulerOutput, token_ids: SequenceT[int], logprobs: SequenceT[float]
     ) -> list[TokenUpdate]:
-        """Append each chunk's sampled token; finish on EOS or length."""
-        eos = self.config.eos_token_ids
+        """Advance every chunk's sequence; append the sampled token to each sampling chunk (in
+        chunk order) and finish on EOS or length; index the blocks that became full."""
+        eos, bs = self.config.eos_token_ids, self.config.block_size
         updates = []
-        for chunk, tid, lp in zip(output.chunks, token_ids, logprobs, strict=True):
+        sampled = iter(zip(token_ids, logprobs, strict=True))
+        for chunk in output.chunks:
             seq = chunk.seq
+            tid, lp = next(sampled) if chunk.samples else (None, None)
             if seq.status != RUNNING:  # finished while the step ran (cannot happen in one thread)
                 continue
             seq.num_computed += len(chunk.token_ids)
+            if seq.num_computed // bs > seq.num_cached_blocks:  # a block became full: index it
+                self.kv.cache_full_blocks(seq)
+            if tid is None:
+                continue
             seq.output_ids.append(tid)
             seq.logprobs.append(lp)
             reason = None
@@ -223,14 +338,15 @@ class Scheduler:
         return updates
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a running sequence and free its slot (idempotent)."""
+        """End a running sequence and free its blocks (idempotent)."""
         if seq.status == FINISHED:
             return
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq)
+        elif seq in self.waiting:  # preempted, then stopped by the engine
+            self.waiting.remove(seq)
         seq.status, seq.finish_reason = FINISHED, reason
-        if seq.slot is not None and self.running.get(seq.slot) is seq:
-            del self.running[seq.slot]
-            heapq.heappush(self._free_slots, seq.slot)
-            self.reserved_tokens -= seq.reserved_tokens
         self._by_id.pop(seq.request_id, None)
 
     # -- accounting --------------------------------------------------------------------------
@@ -246,10 +362,13 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
-
     def capacity(self) -> dict:
+        """`/capability` `capacity`: batch, lengths and the KV pool in blocks and tokens
+        (`max_seq_len`: the longest request served, the context or the whole pool)."""
         c = self.config
-        return {"max_sequences": c.max_sequences, "max_tokens": c.max_tokens, "max_seq_len": c.max_seq_len}
+        return {
+            "max_sequences": c.max_sequences, "max_tokens": c.max_tokens, "max_seq_len": min(c.max_seq_len, c.max_tokens),
+            "kv_block_size": c.block_size, "kv_blocks_total": c.num_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks, "prefix_cache": c.prefix_caching,
+            "max_num_batched_tokens": c.max_num_batched_tokens,
+        }

@@ -1,4 +1,4 @@
-"""The serve step: KV cache, engine, HTTP app and uvicorn on the worker's Unix socket.
+"""The serve step: paged KV cache, engine, HTTP app and uvicorn on the worker's Unix socket.
 
 `WorkerServer` is built by the worker's last startup step, once the device is bound and the
 model loaded, kernelized and (optionally) quantized. Its constructor orchestrates small
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from workers.contract import DRAIN_TIMEOUT_S, ENV_TRITON_CACHE_DIR, CapabilityPayload
 from workers.contract.tracing import start_tracing
-from workers.kv_sizing import kv_budget, plan_kv_shape
+from workers.kv_sizing import kv_budget, plan_kv_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -71,26 +71,35 @@ class WorkerServer:
             logger.info("CPU %s projections: rows padded to buckets (%d layers)", self.loaded.dtype, n)
 
     def _init_kv_cache(self) -> None:
-        from workers.kv_cache import KVCache
+        from workers.kv import KVPool
 
-        cfg, dtype = self.loaded.config, self.loaded.dtype
-        budget, why = kv_budget(self.args, self.bound)
-        slots, seq_len, shape = plan_kv_shape(KVCache.bytes_per_token(cfg, dtype), cfg.max_position_embeddings, budget, self.args.max_batch)
-        self.kv = KVCache.for_budget(cfg, dtype, self.bound.torch_device, budget, slots, seq_len)
-        logger.info("KV cache %s bytes: %s; budget %s (%s)", self.kv.nbytes, shape, budget, why)
+        cfg, dtype, bs = self.loaded.config, self.loaded.dtype, self.args.kv_block_size
+        per_token, context = KVPool.bytes_per_token(cfg, dtype), cfg.max_position_embeddings
+        budget, why = kv_budget(self.args, self.bound, per_token, context)
+        blocks, shape = plan_kv_blocks(per_token, bs, budget, context)
+        self.kv = KVPool.for_config(cfg, blocks, bs, dtype, self.bound.torch_device)
+        logger.info("KV cache %s bytes: %s; budget %s (%s); prefix cache %s", self.kv.nbytes, shape, budget, why,
+                    "off" if self.args.no_prefix_cache else "on")
 
     def _init_engine(self) -> None:
         from workers.engine import Engine, ModelRunner
         from workers.grammar import Grammars
+        from workers.kv import root_hash
         from workers.scheduler import Scheduler, SchedulerConfig
 
-        loaded = self.loaded
-        config = SchedulerConfig(self.kv.num_slots, self.kv.max_seq_len, eos_token_ids=loaded.eos_token_ids)
+        args, loaded = self.args, self.loaded
+        # What besides the tokens decides a block's contents: the prefix cache's hash root.
+        root = root_hash(loaded.model_id, loaded.dtype, args.quantize, args.kv_block_size)
+        config = SchedulerConfig(
+            args.max_batch, loaded.config.max_position_embeddings, self.kv.num_blocks, self.kv.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_cache,
+            eos_token_ids=loaded.eos_token_ids, cache_root=root,
+        )
         runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device)
         # The grammar engine masks the logits' full width (the model's vocab may pad the tokenizer's).
         grammars = Grammars.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids,
-                                          self.args.threads or 1)
-        self.engine = Engine(runner, Scheduler(config), loaded.tokenizer, max_queue=self.args.max_queue,
+                                          args.threads or 1)
+        self.engine = Engine(runner, Scheduler(config), loaded.tokenizer, max_queue=args.max_queue,
                              on_fatal=self._on_fatal, grammars=grammars)
 
     def _init_app(self, kernels: dict, conv, fp8_reason: str, preflight) -> None:

@@ -21,7 +21,9 @@ from workers.contract.chat_template import (
     token_text,
 )
 from workers.contract.defaults import (
+    DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MODEL_DIR,
     DRAIN_TIMEOUT_S,
@@ -35,6 +37,7 @@ from workers.contract.defaults import (
     HEADER_PIN_WORKER,
     HEADER_WORKER_CAPABILITY,
     HEADER_WORKER_ID,
+    KV_BLOCK_SIZES,
     MAX_HEADER_BYTES,
     MAX_HEADER_COUNT,
     MAX_LOGPROBS,
@@ -44,6 +47,7 @@ from workers.contract.defaults import (
     RESUME_IDS,
     RUN_DIR_MARKER,
     WORKER_HEADERS,
+    engine_limits_error,
 )
 from workers.contract.device import DEVICE_FIELDS, DeviceDescribing, DeviceInfo
 from workers.contract.fp8_rule import (
@@ -80,7 +84,8 @@ from workers.contract.triton_cache import (
 __all__ = [
     "ACCEPTED_CAPABILITY_SPELLINGS", "Capability", "CapabilityError", "capability_label",
     "FoundTemplate", "find_chat_template", "read_special_tokens", "read_tokenizer_config", "token_text",
-    "DEFAULT_MAX_BATCH", "DEFAULT_MAX_QUEUE", "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S",
+    "DEFAULT_KV_BLOCK_SIZE", "DEFAULT_MAX_BATCH", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_QUEUE",
+    "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S", "KV_BLOCK_SIZES", "engine_limits_error",
     "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_PREFLIGHT", "ENV_SIMULATE", "PREFLIGHT_MODES",
     "HEADER_FP8", "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_PIN_WORKER",
     "HEADER_WORKER_CAPABILITY", "HEADER_WORKER_ID", "MAX_LOGPROBS", "MAX_STOP_SEQUENCES", "RESUME_IDS",

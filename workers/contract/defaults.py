@@ -18,6 +18,24 @@ DRAIN_TIMEOUT_S = 30.0  # in-flight requests get this long after SIGTERM (router
 # Request limits both sides check (the router at its edge, the worker again at its own).
 MAX_STOP_SEQUENCES = 16  # `stop` strings per request (OpenAI allows 4; more are accepted here)
 MAX_LOGPROBS = 20  # top alternatives per token (`top_logprobs`, `logprobs`, `top_n_tokens`), as vLLM
+# The paged KV cache and the engine's step budget (`--kv-block-size`, `--max-num-batched-tokens`).
+DEFAULT_KV_BLOCK_SIZE = 16  # tokens per KV cache block
+KV_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the GPU kernel's tiles stay aligned
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens one engine step computes (decodes first, then prompt chunks)
+
+
+def engine_limits_error(kv_block_size: int, max_num_batched_tokens: int, max_batch: int) -> str | None:
+    """Why these engine flags cannot work together (one message naming the value and what is
+    allowed), or None. The router checks them before it spawns anything; a worker started by
+    hand checks the same."""
+    if kv_block_size not in KV_BLOCK_SIZES:
+        return f"`--kv-block-size {kv_block_size}` is not supported. Supported: {', '.join(map(str, KV_BLOCK_SIZES))}"
+    if max_num_batched_tokens < max_batch:
+        return (
+            f"`--max-num-batched-tokens {max_num_batched_tokens}` must be >= `--max-batch {max_batch}`: every "
+            f"running sequence decodes one token per step within that budget"
+        )
+    return None
 
 # The environment the router gives each worker before its Python starts (with
 # CUDA_DEVICE_ORDER / CUDA_VISIBLE_DEVICES): which device it binds, and whether it is simulated.

@@ -78,6 +78,7 @@ class HealthPayload(_Open):
     worker_id: str | None = None
     load: Load = Field(default_factory=Load)
     engine: EngineLiveness | None = None
+    capacity: dict | None = None  # the KV cache's changing figures (`kv_blocks_free`)
 
 
 class CapabilityPayload(_Open):
@@ -86,7 +87,9 @@ class CapabilityPayload(_Open):
     device: DeviceDescription = Field(default_factory=DeviceDescription)
     fp8: Fp8Description = Field(default_factory=Fp8Description)
     kernels: dict[str, KernelDescription] = Field(default_factory=dict)
-    capacity: dict = Field(default_factory=dict)  # max_sequences, max_tokens, max_seq_len, kv_cache_bytes
+    # max_sequences, max_tokens, max_seq_len, kv_cache_bytes, kv_block_size, kv_blocks_total,
+    # kv_blocks_free (at the time of the answer), prefix_cache ("on" / "off")
+    capacity: dict = Field(default_factory=dict)
     model: ModelDescription = Field(default_factory=ModelDescription)
     versions: dict[str, str | None] = Field(default_factory=dict)
     load: Load = Field(default_factory=Load)

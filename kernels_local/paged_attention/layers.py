@@ -1,0 +1,55 @@
+"""Kernel layers replacing the model's `PagedAttention` forward (`kernels` layer rules).
+
+Each layer is stateless: no `__init__`, only `forward(self, query, kv, decode)`, where
+`decode` is the step's decode rows: `block_tables` [N, MB], `seq_lens` [N] and `max_len` for
+the kernel, and `attend(query, kv)`, the torch path (SDPA over the rows' K/V, which the
+worker may keep contiguous across steps instead of gathering them). The Triton layers differ
+only in their launch tuning; on CPU tensors they take the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .paged_attention import HOPPER, PRE_HOPPER, ROCM, PagedAttentionTuning, paged_decode, runs_triton
+
+
+def _triton_or_torch(query: torch.Tensor, kv: torch.Tensor, decode, tuning: PagedAttentionTuning) -> torch.Tensor:
+    if not runs_triton(query):
+        return decode.attend(query, kv)
+    return paged_decode(query, kv, decode.block_tables, decode.seq_lens, decode.max_len, tuning)
+
+
+class PagedAttention(nn.Module):
+    """Torch (CPU): SDPA over the rows' K/V."""
+
+    def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
+        return decode.attend(query, kv)
+
+
+class PagedAttentionTritonSm70(nn.Module):
+    """Triton, pre-Hopper tuning (sm_70..sm_89): 64-position tiles, 4 warps."""
+
+    has_backward = False
+
+    def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
+        return _triton_or_torch(query, kv, decode, PRE_HOPPER)
+
+
+class PagedAttentionTritonSm90(nn.Module):
+    """Triton, Hopper-and-later tuning (sm_90+): up to 128-position tiles, 8 warps."""
+
+    has_backward = False
+
+    def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
+        return _triton_or_torch(query, kv, decode, HOPPER)
+
+
+class PagedAttentionTritonRocm(nn.Module):
+    """Triton, ROCm tuning (64-lane wavefronts)."""
+
+    has_backward = False
+
+    def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
+        return _triton_or_torch(query, kv, decode, ROCM)

@@ -1,0 +1,171 @@
+"""Decode attention over a paged KV cache as one Triton kernel, its torch path, and launch tuning.
+
+Layout (the worker's KV pool): one layer's cache is `kv [2 (K, V), Hkv, NB, B, D]`; sequence
+`n` keeps position `p` in block `block_tables[n, p // B]` at offset `p % B`. Each decode row
+has one query token, at position `seq_lens[n] - 1`, whose K/V are already written.
+
+Design: one program per (sequence, query head). It walks the sequence's positions `TILE` at
+a time, looks up each position's block through the block table (so any block size works,
+and a tile may span several blocks), loads K `[TILE, D]`, computes the scores in fp32, keeps
+a running max and sum (online softmax, as flash-decoding does), and accumulates `p @ V`; the
+query heads of one KV group read the same K/V (grouped-query attention without repeating
+them). Loads past the sequence's length or the head dim are masked. The trade-off: the G
+query heads of a group load their K/V tiles separately (G x the reads of a fused group
+kernel, mostly served from L2), which keeps the kernel free of `tl.dot` and its
+per-architecture precision and shape constraints (fp32 inputs would otherwise be rounded
+to tf32 on Ampere and later).
+
+Launch configurations (grid `(num_rows, num_query_heads)`, constexprs `GROUP`, `BLOCK_SIZE`,
+`TILE`, `HEAD_DIM`): `TILE = clamp(tile_elements // HEAD_DIM, 16, max_tile)`:
+- pre-Hopper (sm_70..sm_89): tile_elements 4096, max_tile 64, 4 warps;
+- Hopper and later (sm_90+): tile_elements 8192, max_tile 128, 8 warps (more bytes in flight);
+- ROCm (64-lane wavefronts): tile_elements 4096, max_tile 64, 4 wavefronts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    BLOCK_TABLES,
+    SEQ_LENS,
+    stride_qn,
+    stride_qh,
+    stride_kh,
+    stride_kb,
+    stride_kt,
+    stride_on,
+    stride_oh,
+    stride_bt,
+    head_dim,
+    scale,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    # 1. this program's sequence, query head and the KV head its group reads
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_head = h // GROUP
+    seq_len = tl.load(SEQ_LENS + n)
+    d = tl.arange(0, HEAD_DIM)
+    d_mask = d < head_dim
+    q = tl.load(Q + n * stride_qn + h * stride_qh + d, mask=d_mask, other=0.0).to(tl.float32)
+    q = q * scale
+    # 2. running max, running sum and the weighted sum of V, in fp32
+    m_i = tl.zeros([1], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for start in range(0, seq_len, TILE):
+        # 3. this tile's positions -> their blocks (through the table) -> K/V addresses
+        pos = start + tl.arange(0, TILE)
+        p_mask = pos < seq_len
+        block = tl.load(BLOCK_TABLES + n * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
+        base = kv_head * stride_kh + block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt  # [TILE]
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, HEAD_DIM]
+        # 4. scores of this tile; masked positions get -inf
+        s = tl.sum(k * q[None, :], axis=1)  # [TILE]
+        s = tl.where(p_mask, s, float("-inf"))
+        # 5. online softmax: rescale what was accumulated to the new running max
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)  # [TILE]
+        v = tl.load(V + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, HEAD_DIM]
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    # 6. normalize and store in the query's dtype
+    out = acc / l_i
+    tl.store(Out + n * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+def paged_decode_reference(
+    query: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """The torch path: gather the rows' blocks, one masked SDPA with the GQA group folded into
+    the query axis. `query` [N, Hq, D], `kv` [2, Hkv, NB, B, D] -> [N, Hq, D]."""
+    _, hkv, nb, bs, d = kv.shape
+    n, hq, _ = query.shape
+    g = kv.reshape(2 * hkv, nb, bs * d).index_select(1, block_tables.flatten())  # [2*Hkv, N*MB, B*D]
+    g = g.view(2, hkv, n, -1, d)[..., :max_len, :]  # [2, Hkv, N, L, D]
+    k, v = g[0].transpose(0, 1), g[1].transpose(0, 1)  # [N, Hkv, L, D]
+    mask = (torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+    q = query.view(n, hkv, hq // hkv, d)  # [N, Hkv, G, D]
+    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+    return o.reshape(n, hq, d)
+
+
+@dataclass(frozen=True)
+class PagedAttentionTuning:
+    """Launch shape for one architecture family: positions per iteration and warps."""
+
+    name: str
+    tile_elements: int  # TILE x HEAD_DIM elements of K (and of V) one iteration holds
+    max_tile: int
+    num_warps: int
+
+    def launch_shape(self, head_dim: int) -> tuple[int, int, int]:
+        """(TILE, HEAD_DIM, num_warps) for a head dim."""
+        padded = triton.next_power_of_2(head_dim)
+        tile = max(16, min(self.max_tile, self.tile_elements // padded))
+        return tile, padded, self.num_warps
+
+
+PRE_HOPPER = PagedAttentionTuning("sm70", tile_elements=4096, max_tile=64, num_warps=4)
+HOPPER = PagedAttentionTuning("sm90", tile_elements=8192, max_tile=128, num_warps=8)
+ROCM = PagedAttentionTuning("rocm", tile_elements=4096, max_tile=64, num_warps=4)
+TUNINGS = {t.name: t for t in (PRE_HOPPER, HOPPER, ROCM)}
+
+# Kernels made while TRITON_INTERPRET=1 run on CPU tensors (tests); others need a GPU.
+_INTERPRETED = type(_paged_decode_kernel).__name__ == "InterpretedFunction"
+
+
+def runs_triton(x: torch.Tensor) -> bool:
+    """Whether a launch on `x` runs the kernel (GPU tensor, or the interpreter on CPU)."""
+    return x.is_cuda or _INTERPRETED
+
+
+def paged_decode(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    tuning: PagedAttentionTuning = PRE_HOPPER,
+) -> torch.Tensor:
+    """Decode attention `query` [N, Hq, D] over `kv` [2, Hkv, NB, B, D] through `block_tables`
+    [N, MB] for rows of `seq_lens` [N] positions -> [N, Hq, D]; the torch path on CPU."""
+    n, hq, d = query.shape
+    _, hkv, _, bs, _ = kv.shape
+    if hq % hkv:
+        raise ValueError(f"Query heads `{hq}` must be a multiple of the KV heads `{hkv}`")
+    if not runs_triton(query) or n == 0:
+        return paged_decode_reference(query, kv, block_tables, seq_lens, max_len)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    k, v = kv[0], kv[1]  # [Hkv, NB, B, D] each
+    if k.stride(-1) != 1:
+        raise ValueError("The KV cache's head dim must be contiguous")
+    out = torch.empty_like(query)  # [N, Hq, D]
+    tile, padded, warps = tuning.launch_shape(d)
+    _paged_decode_kernel[(n, hq)](
+        query, k, v, out, block_tables, seq_lens,
+        query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        out.stride(0), out.stride(1), block_tables.stride(0), d, 1.0 / math.sqrt(d),
+        GROUP=hq // hkv, BLOCK_SIZE=bs, TILE=tile, HEAD_DIM=padded, num_warps=warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,243 @@
+"""The batch one `Transformer.step` runs: packed chunks of several sequences over block tables.
+
+`ForwardBatch.build` does all index bookkeeping once on the host: each token's position and
+its cache slot (`block * block_size + offset`, where its K/V are written), which chunks
+decode (one token: attended together, `DecodeRows`) and which prefill (several tokens:
+attended one by one, `PrefillSpan`), and which rows are projected to logits. The model's
+step is then only tensor work.
+
+Decode rows are attended by `DecodeRows.attend` on the torch path (the GPU kernel reads the
+blocks in place through the block table instead). Reading a sequence's K/V back from blocks
+is a gather (`gather_kv`), a copy of every attended position per layer and step, so the torch
+path avoids it where it can: with a `DecodeMirror` (the CPU engine keeps each decoding
+sequence's K/V contiguous across steps), or when row `i`'s blocks are `first + i * stride +
+j` (one block per sequence as in a contiguous cache, or a lone sequence on a fresh pool),
+which makes the rows a strided view of the pool (`DecodeRows.view`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.kv.mirror import DecodeMirror, MirrorRows, attend_rows
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """A run of one sequence's tokens in a step: a prompt (or part of one) or one decode token."""
+
+    start_pos: int  # position of the chunk's first token (tokens before it are in the cache)
+    num_tokens: int
+    block_table: Sequence[int]  # the sequence's blocks; must cover positions < start_pos + num_tokens
+    num_logits: int = 1  # logits for this many of the chunk's last tokens (0: a prompt chunk mid-prompt)
+    key: int | None = None  # the sequence's identity across steps (needed with a `DecodeMirror`)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    """Where a multi-token chunk lies in the packed batch (host ints, no tensor sync)."""
+
+    row_start: int  # first row of the chunk in the packed [T] tokens
+    num_tokens: int
+    start_pos: int
+    blocks: torch.Tensor | None  # [1, nb] blocks holding positions < start_pos + num_tokens; None when start_pos == 0
+
+
+def gather_kv(kv: torch.Tensor, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V `[N, Hkv, length, D]` of `N` sequences from one layer's blocks `kv` `[2, Hkv, NB, B, D]`
+    through `tables` `[N, MB]` (one copy: blocks and in-block offsets merge into positions)."""
+    _, hkv, nb, bs, d = kv.shape
+    n, mb = tables.shape
+    g = kv.reshape(2 * hkv, nb, bs * d).index_select(1, tables.flatten())  # [2*Hkv, N*MB, B*D]
+    g = g.view(2, hkv, n, mb * bs, d)[..., :length, :]  # [2, Hkv, N, length, D]
+    return g[0].transpose(0, 1), g[1].transpose(0, 1)  # [N, Hkv, length, D] each
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeRows:
+    """The one-token chunks of a step, attended together over their block tables."""
+
+    rows: torch.Tensor  # [Nd] rows of the packed batch
+    rows_start: int | None  # first row when the rows are consecutive (slices, no gather/scatter)
+    block_tables: torch.Tensor  # [Nd, MB] int64, padded with block 0
+    seq_lens: torch.Tensor  # [Nd] int64, attended length (position + 1)
+    max_len: int
+    mask: torch.Tensor | None  # [Nd, 1, 1, max_len] bool; None when every row has length max_len
+    view: tuple[int, int] | None  # (first block, blocks per row) when row i's blocks are first + i*stride + j
+    mirror: MirrorRows | None = None  # the rows' K/V kept contiguous across steps (CPU engine)
+
+    @property
+    def num(self) -> int:
+        return int(self.rows.shape[0])
+
+    def attend(self, query: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """The torch path: one query token per row `query` [Nd, Hq, D] over one layer's blocks `kv`
+        [2, Hkv, NB, B, D] (this step's K/V already written) -> [Nd, Hq, D]."""
+        if self.mirror is not None:
+            return self.mirror.attend(query, kv)
+        k, v = self.gather(kv)  # [Nd, Hkv, L, D] each
+        return attend_rows(query, k, v, self.mask)
+
+    def gather(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V `[Nd, Hkv, max_len, D]` of every row: a strided view when `view` allows, else a gather."""
+        _, hkv, nb, bs, d = kv.shape
+        if self.view is not None and self.view[0] + self.num * self.view[1] <= nb:
+            first, stride = self.view
+            g = kv[:, :, first : first + self.num * stride].reshape(2, hkv, self.num, stride * bs, d)
+            g = g[..., : self.max_len, :]  # [2, Hkv, Nd, L, D], a view
+            return g[0].transpose(0, 1), g[1].transpose(0, 1)
+        return gather_kv(kv, self.block_tables, self.max_len)
+
+
+def _strided_view(tables: list[Sequence[int]]) -> tuple[int, int] | None:
+    """(first, stride) when row i's blocks are `first + i * stride + j` with stride >= every row's
+    block count; None otherwise (checked up to the first row that breaks it)."""
+    first = tables[0][0]
+    stride = tables[1][0] - first if len(tables) > 1 else len(tables[0])
+    if stride < max(map(len, tables)):
+        return None
+    for i, table in enumerate(tables):
+        start = first + i * stride
+        if any(b != start + j for j, b in enumerate(table)):
+            return None
+    return first, stride
+
+
+def _int64(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardBatch:
+    """Packed tokens of several chunks, with where each one's K/V go and come from."""
+
+    input_ids: torch.Tensor  # [T] int64, chunks' tokens concatenated in chunk order
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, block * block_size + offset of each token
+    logits_index: torch.Tensor  # [N] int64, rows projected to logits, in chunk order
+    decode: DecodeRows | None
+    prefills: tuple[PrefillSpan, ...]
+    block_size: int
+    max_pos: int  # largest position in the batch
+    max_block: int  # largest block id the batch reads or writes
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        items: Sequence[tuple[SeqChunk, Sequence[int]]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        mirror: DecodeMirror | None = None,
+    ) -> ForwardBatch:
+        """Pack `(chunk, token ids)` pairs; `len(ids)` must equal `chunk.num_tokens`. With a
+        `mirror`, decode rows (whose chunks must carry a `key`) are attended from it."""
+        if not items:
+            raise ValueError("A ForwardBatch needs at least one chunk, got `0`")
+        bs = block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_index: list[int] = []
+        dec_rows: list[int] = []
+        dec_tables: list[Sequence[int]] = []
+        dec_lens: list[int] = []
+        dec_keys: list[int | None] = []
+        prefills: list[PrefillSpan] = []
+        max_block = 0
+        # 1. Lay the chunks out one after the other: each token's slot, each chunk's role.
+        for chunk, tokens in items:
+            start, n = chunk.start_pos, chunk.num_tokens
+            end = start + n
+            if n == 1 and len(tokens) == 1 and start >= 0 and chunk.num_logits in (0, 1) and len(chunk.block_table) > start // bs:
+                # a decode token (the common case, kept short): earlier positions went through
+                # the same table in earlier steps, so only the block written now is checked
+                row, used = len(ids), start // bs + 1
+                block = chunk.block_table[used - 1]
+                max_block = max(max_block, block)
+                ids.append(tokens[0])
+                positions.append(start)
+                slots.append(block * bs + start % bs)
+                if chunk.num_logits == 1:
+                    logits_index.append(row)
+                dec_rows.append(row)
+                dec_tables.append(chunk.block_table[:used])
+                dec_lens.append(end)
+                dec_keys.append(chunk.key)
+                continue
+            if n < 1 or len(tokens) != n or start < 0 or not 0 <= chunk.num_logits <= n:
+                raise ValueError(
+                    f"Chunk `{chunk}` carries `{len(tokens)}` tokens; it needs start_pos >= 0, "
+                    f"num_tokens == len(tokens) >= 1 and 0 <= num_logits <= num_tokens"
+                )
+            used = -(-end // bs)
+            if len(chunk.block_table) < used:
+                raise ValueError(
+                    f"Chunk ending at position {end} needs {used} blocks of {bs} tokens, its block "
+                    f"table has `{len(chunk.block_table)}`"
+                )
+            table = chunk.block_table[:used]
+            max_block = max(max_block, max(table))
+            row = len(ids)
+            ids.extend(tokens)
+            positions.extend(range(start, end))
+            for b in range(start // bs, used):  # the chunk's positions, block by block
+                base = table[b] * bs - b * bs
+                slots.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))
+            logits_index.extend(range(row + n - chunk.num_logits, row + n))
+            if n == 1:
+                dec_rows.append(row)
+                dec_tables.append(table)
+                dec_lens.append(end)
+                dec_keys.append(chunk.key)
+            else:
+                blocks = _int64([table], device) if start > 0 else None
+                prefills.append(PrefillSpan(row, n, start, blocks))
+        # 2. Every index list in one host -> device copy, then views of it.
+        n_tok, n_log, n_dec = len(ids), len(logits_index), len(dec_rows)
+        flat = ids + positions + slots + logits_index
+        if n_dec:
+            width = -(-max(dec_lens) // bs)
+            flat += dec_rows + dec_lens
+            for t in dec_tables:  # block tables padded with block 0
+                flat.extend(t)
+                flat.extend([0] * (width - len(t)))
+        data = torch.tensor(flat, dtype=torch.int64, device=device)
+        cut = n_tok * 3 + n_log
+        # 3. Decode rows: the mask and the copy-free view serve the torch path without a mirror.
+        decode = None
+        if n_dec:
+            max_len = max(dec_lens)
+            lens = data[cut + n_dec : cut + 2 * n_dec]
+            mask, view = None, None
+            if mirror is None:
+                view = _strided_view(dec_tables)
+                if min(dec_lens) != max_len:
+                    cols = torch.arange(max_len, device=device)
+                    mask = (cols[None, :] < lens[:, None])[:, None, None, :]  # [Nd, 1, 1, L]
+            elif None in dec_keys:
+                raise ValueError("Decode chunks need a `key` when the batch uses a DecodeMirror")
+            decode = DecodeRows(
+                rows=data[cut : cut + n_dec],
+                rows_start=dec_rows[0] if dec_rows[-1] - dec_rows[0] == n_dec - 1 else None,
+                block_tables=data[cut + 2 * n_dec :].view(n_dec, width),
+                seq_lens=lens, max_len=max_len, mask=mask, view=view,
+                mirror=None if mirror is None else mirror.prepare(dec_keys, dec_tables, dec_lens, bs),
+            )
+        return cls(
+            input_ids=data[:n_tok],
+            positions=data[n_tok : 2 * n_tok],
+            slot_mapping=data[2 * n_tok : 3 * n_tok],
+            logits_index=data[3 * n_tok : cut],
+            decode=decode,
+            prefills=tuple(prefills),
+            block_size=bs,
+            max_pos=max(positions),
+            max_block=max_block,
+        )
