@@ -12,6 +12,9 @@ repository's `layers` module maps its Triton layer classes to such functions
 layers declare, so a new kernel is preflighted by declaring its specs, not by editing
 the preflight.
 
+Attention kernels launch per head rather than per row: their launches depend on the head
+dim (`head_dims`, again only through its next power of two).
+
 The alignment marks mirror what Triton's JIT specializes at run time: tensors from torch's
 allocator are 16-byte aligned and the model's widths are multiples of 16, and that
 specialization is the one that vectorizes and pipelines (the most shared memory). An
@@ -30,6 +33,8 @@ from typing import Any
 # Row widths of realistic models (hidden, intermediate and attention sizes from 256 to 16384):
 # every launch shape the tunings choose depends only on the next power of two of a width.
 REALISTIC_WIDTHS = tuple(2**k for k in range(8, 15))
+# Head dims of realistic models (64: Llama 3.2 1B; 128: most; 256: Gemma); 80 and 96 pad to 128.
+REALISTIC_HEAD_DIMS = (64, 128, 256)
 # Tokens one launch can carry (a long prefill); every smaller count is a power of two below it.
 MAX_TOKENS = 8192
 DTYPES = ("bf16", "fp16", "fp32")
@@ -39,12 +44,13 @@ FP8_TYPES = {"e4m3fn": "fp8e4nv", "e4m3fnuz": "fp8e4b8"}  # Triton's names of th
 @dataclass(frozen=True)
 class Workload:
     """What the kernels will be launched on: activation dtype, row widths, tokens per launch,
-    and the e4m3 flavour of the device's fp8 convention."""
+    the e4m3 flavour of the device's fp8 convention, and attention head dims."""
 
     dtype: str = "bf16"  # Triton's name of the model dtype: "bf16" | "fp16" | "fp32"
     widths: tuple[int, ...] = REALISTIC_WIDTHS
     max_tokens: int = MAX_TOKENS
     fp8_fmt: str = "e4m3fn"  # "e4m3fn" (OCP) | "e4m3fnuz" (AMD CDNA3)
+    head_dims: tuple[int, ...] = REALISTIC_HEAD_DIMS
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -53,7 +59,10 @@ class Workload:
             raise ValueError(f"Unknown e4m3 format `{self.fp8_fmt}`. Supported: {', '.join(FP8_TYPES)}")
         if not self.widths or min(self.widths) < 1 or self.max_tokens < 1:
             raise ValueError(f"A workload needs positive widths and tokens, got `{self.widths}`, `{self.max_tokens}`")
+        if not self.head_dims or min(self.head_dims) < 1:
+            raise ValueError(f"A workload needs positive head dims, got `{self.head_dims}`")
         object.__setattr__(self, "widths", tuple(sorted(set(self.widths))))
+        object.__setattr__(self, "head_dims", tuple(sorted(set(self.head_dims))))
 
     @property
     def fp8_type(self) -> str:

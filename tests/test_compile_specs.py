@@ -5,6 +5,7 @@ the fp8 rule. Fast (no Triton compile): the launches are recorded by stand-in ke
 from __future__ import annotations
 
 import importlib
+import types
 from pathlib import Path
 
 import pytest
@@ -128,9 +129,71 @@ def test_each_layer_passes_the_tuning_its_specs_declare(monkeypatch, repo, launc
             assert seen["native"] is spec.keywords["native"], name
 
 
+def _jit_type(kernel, name: str, value) -> str:
+    """The type Triton's JIT gives argument `name` of `kernel` for `value`, in the specs'
+    notation (`*bf16:16`, `i32:16`, `i32`; `constexpr=1` for an integer it makes a constant)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    param = next(p for p in kernel.params if p.name == name)
+    ty, key = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                     not param.do_not_specialize_on_alignment)  # fmt: skip
+    if ty == "constexpr":
+        return f"constexpr={key}"
+    return f"{ty}:16" if key == "D" else ty
+
+
+PAGED_SHAPES = [  # (query heads, kv heads, head dim, block size, pool blocks, lengths)
+    (32, 8, 128, 16, 4096, [1, 300, 17]),  # Llama 3 8B, a long table
+    (4, 4, 64, 1, 64, [16]),  # MHA, a block per position, one row of 16 blocks
+    (14, 2, 64, 8, 7, [5, 40]),  # Qwen2's group of 7, an odd pool
+    (8, 1, 256, 4, 33, [9]),  # MQA, head dim 256, one row
+    (20, 4, 80, 2, 100, [3, 4, 50]),  # head dim 80 pads to 128
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,nb,lens", PAGED_SHAPES)
+def test_paged_attention_specs_are_what_the_wrapper_launches(monkeypatch, hq, hkv, d, bs, nb, lens):
+    """Guards `compile_specs` in paged_attention.py (and its `do_not_specialize` list): the
+    wrapper's launch has the declared constexprs and warps, and every runtime argument the
+    type Triton's JIT compiles it as, whatever the block size, group, pool and block table
+    width. An integer left to specialization (a block table one block wide is `constexpr=1`,
+    a width of 16 is `i32:16`) would run a variant the preflight never compiled."""
+    mod = importlib.import_module("kernels_local.paged_attention.paged_attention")
+    kernel = mod._paged_decode_kernel
+    monkeypatch.setattr(mod, "runs_triton", lambda x: True)
+    width = -(-max(lens) // bs)
+    kv = torch.zeros(2, hkv, nb, bs, d, dtype=torch.bfloat16)
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
+    q = torch.zeros(len(lens), hq, d, dtype=torch.bfloat16)
+    for tuning in mod.TUNINGS.values():
+        rec = _Recorder("_paged_decode_kernel")
+        monkeypatch.setattr(mod, "_paged_decode_kernel", rec)
+        mod.paged_decode(q, kv, tables, torch.tensor(lens), max(lens), tuning)
+        (args, _), = rec.launches
+        launched = [_jit_type(kernel, name, value) for name, value in zip(kernel.arg_names, args, strict=False)]
+        specs = mod.compile_specs(tuning, Workload(head_dims=(d,)))
+        assert _launched(rec) == _declared(specs, "_paged_decode_kernel"), tuning.name
+        assert launched == [t for _, t in specs[0].args], tuning.name
+
+
+def test_each_paged_attention_layer_passes_the_tuning_its_specs_declare(monkeypatch):
+    layers = _layers_module("paged_attention")
+    seen = []
+    monkeypatch.setattr(layers, "runs_triton", lambda x: True)
+    monkeypatch.setattr(layers, "paged_decode", lambda *a: seen.append(a[-1]))
+    decode = types.SimpleNamespace(block_tables=None, seq_lens=None, max_len=1)
+    for name, spec in layers.COMPILE_SPECS.items():
+        getattr(layers, name).forward(torch.nn.Module(), torch.ones(1, 2, 4), torch.ones(2, 1, 1, 1, 4), decode)
+        assert seen.pop() is spec.args[0], name
+
+
 def test_default_workload_covers_every_realistic_launch():
     assert REALISTIC_WIDTHS == (256, 512, 1024, 2048, 4096, 8192, 16384)
+    assert Workload().head_dims == (64, 128, 256)
     assert Workload(max_tokens=100).token_counts() == (1, 2, 4, 8, 16, 32, 64, 100)
+    with pytest.raises(ValueError, match="positive head dims, got `\\(\\)`"):
+        Workload(head_dims=())
     with pytest.raises(ValueError, match="`fp16x`"):
         Workload(dtype="fp16x")
     with pytest.raises(ValueError, match="`e5m2`"):
@@ -181,7 +244,7 @@ def test_an_architecture_without_a_row_reads_its_family_or_none(arch, row):
 
 def test_repositories_import_only_the_spec_module_from_the_project():
     """The spec module is the one thing repositories import from outside themselves."""
-    for repo in ("rmsnorm", "activation", "fp8_linear"):
+    for repo in ("rmsnorm", "activation", "fp8_linear", "paged_attention"):
         text = "\n".join(p.read_text() for p in (ROOT / "kernels_local" / repo).glob("*.py"))
         outside = {line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))
                    and line.split()[1].startswith("kernels_local")}  # fmt: skip

@@ -276,6 +276,7 @@ def test_when_a_worker_runs_its_preflight_and_on_what():
 
     w = model_workload(cfg, torch.float16)
     assert w.dtype == "fp16" and {48, 136, 256, 16384} <= set(w.widths)  # its own widths and the realistic ones
+    assert w.head_dims == (24, 64, 128, 256)  # its own head dim (48 / 2 heads) and the realistic ones
 
 
 # -- a worker's own preflight, end to end ------------------------------------------------------

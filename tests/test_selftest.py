@@ -10,7 +10,7 @@ import torch
 
 from tests.test_kernelize import device, tiny_model
 from workers.kernelize import kernelize_for_device
-from workers.layers import RMSNorm
+from workers.layers import PagedAttention, RMSNorm
 from workers.selftest import TOLERANCE, SelfTestError, compare_with_reference, reference_path, self_test
 
 
@@ -34,6 +34,19 @@ def test_a_wrong_kernel_fails_the_self_test_with_its_figures():
     with pytest.raises(SelfTestError, match=r"max \|kernel - reference\| = [\d.e-]+, [\d.]+% of max \|logit\|"
                                             r" [\d.e-]+ \(tolerance 0\.1%\)"):
         self_test(model, model.config, "cpu")
+
+
+def test_a_wrong_decode_attention_kernel_fails_the_self_test():
+    """Guards the paged decode step in `compare_with_reference`: the full forward never runs
+    `PagedAttention`, so a decode attention kernel off by 10% must be caught by that step."""
+    model = tiny_model()
+    kernelize_for_device(model, device("sm_90"))
+    for m in model.modules():
+        if isinstance(m, PagedAttention):
+            kernel = m.forward
+            m.forward = lambda q, kv, decode, kernel=kernel: kernel(q, kv, decode) * 1.1
+    result = compare_with_reference(model, model.config.vocab_size, "cpu")
+    assert not result.ok and result.relative_error > 10 * result.tolerance
 
 
 def test_reference_path_restores_every_kernel_forward():

@@ -130,7 +130,8 @@ class Preflight:
             "target": self.target,
             "ok": self.ok,
             "limits": None if self.limits is None else self.limits.to_dict(),
-            "workload": {"dtype": w.dtype, "widths": list(w.widths), "max_tokens": w.max_tokens, "fp8_fmt": w.fp8_fmt},
+            "workload": {"dtype": w.dtype, "widths": list(w.widths), "max_tokens": w.max_tokens, "fp8_fmt": w.fp8_fmt,
+                         "head_dims": list(w.head_dims)},
             "layers": {name: lp.to_dict() for name, lp in self.layers.items()},
             "native_fp8": None if self.native_fp8 is None else self.native_fp8.to_dict(),
         }
@@ -241,10 +242,11 @@ def wants_preflight(mode: str, bound) -> bool:
 
 
 def model_workload(config, dtype) -> Workload:
-    """The realistic workload widened by this model's own widths and in its dtype."""
+    """The realistic workload widened by this model's own widths and head dim, in its dtype."""
     name = _TRITON_DTYPES[str(dtype).removeprefix("torch.")]
     own = (config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim)
-    return Workload(dtype=name, widths=Workload().widths + own)
+    realistic = Workload()
+    return Workload(dtype=name, widths=realistic.widths + own, head_dims=realistic.head_dims + (config.head_dim,))
 
 
 def device_limits(bound) -> ArchLimits | None:

@@ -4,15 +4,27 @@ Each layer is stateless: no `__init__`, only `forward(self, query, kv, decode)`,
 `decode` is the step's decode rows: `block_tables` [N, MB], `seq_lens` [N] and `max_len` for
 the kernel, and `attend(query, kv)`, the torch path (SDPA over the rows' K/V, which the
 worker may keep contiguous across steps instead of gathering them). The Triton layers differ
-only in their launch tuning; on CPU tensors they take the torch path.
+only in their launch tuning; on CPU tensors they take the torch path. `COMPILE_SPECS` names,
+per Triton layer, the launches its forward can make (the preflight compiles them ahead of
+time); each entry's tuning is the one its forward passes.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from .paged_attention import HOPPER, PRE_HOPPER, ROCM, PagedAttentionTuning, paged_decode, runs_triton
+from .paged_attention import (
+    HOPPER,
+    PRE_HOPPER,
+    ROCM,
+    PagedAttentionTuning,
+    compile_specs,
+    paged_decode,
+    runs_triton,
+)
 
 
 def _triton_or_torch(query: torch.Tensor, kv: torch.Tensor, decode, tuning: PagedAttentionTuning) -> torch.Tensor:
@@ -53,3 +65,11 @@ class PagedAttentionTritonRocm(nn.Module):
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
         return _triton_or_torch(query, kv, decode, ROCM)
+
+
+# Ahead-of-time compile specs of each Triton layer: `spec(workload) -> (CompileSpec, ...)`.
+COMPILE_SPECS = {
+    "PagedAttentionTritonSm70": partial(compile_specs, PRE_HOPPER),
+    "PagedAttentionTritonSm90": partial(compile_specs, HOPPER),
+    "PagedAttentionTritonRocm": partial(compile_specs, ROCM),
+}

@@ -15,11 +15,18 @@ kernel, mostly served from L2), which keeps the kernel free of `tl.dot` and its
 per-architecture precision and shape constraints (fp32 inputs would otherwise be rounded
 to tf32 on Ampere and later).
 
-Launch configurations (grid `(num_rows, num_query_heads)`, constexprs `GROUP`, `BLOCK_SIZE`,
-`TILE`, `HEAD_DIM`): `TILE = clamp(tile_elements // HEAD_DIM, 16, max_tile)`:
+Launch configurations (grid `(num_rows, num_query_heads)`, constexprs `TILE` and
+`HEAD_DIM`): `TILE = clamp(tile_elements // HEAD_DIM, 16, max_tile)`:
 - pre-Hopper (sm_70..sm_89): tile_elements 4096, max_tile 64, 4 warps;
 - Hopper and later (sm_90+): tile_elements 8192, max_tile 128, 8 warps (more bytes in flight);
 - ROCm (64-lane wavefronts): tile_elements 4096, max_tile 64, 4 wavefronts.
+The block size, the GQA group, the pool's block count, the block table's width and the row
+stride are runtime integers the JIT does not specialize on (`do_not_specialize`), and K/V
+rows are addressed as `(head * num_blocks + block) * block_size + offset` rows of
+`head_dim`: so one compiled launch per padded head dim serves every block size, group,
+pool size (no stride beyond int32 however large the pool) and step, and `compile_specs`
+declares exactly the launches the wrapper makes. The trade-off: a division and a modulo by
+a runtime block size per position instead of shifts (negligible next to the K/V loads).
 """
 
 from __future__ import annotations
@@ -32,8 +39,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
 
-@triton.jit
+# Runtime integers compiled once for every value (no divisibility or ==1 specialization).
+_UNSPECIALIZED = ("stride_n", "num_blocks", "stride_bt", "group", "block_size")
+
+
+@triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _paged_decode_kernel(
     Q,
     K,
@@ -41,29 +53,24 @@ def _paged_decode_kernel(
     Out,
     BLOCK_TABLES,
     SEQ_LENS,
-    stride_qn,
-    stride_qh,
-    stride_kh,
-    stride_kb,
-    stride_kt,
-    stride_on,
-    stride_oh,
+    stride_n,
+    num_blocks,
     stride_bt,
+    group,
+    block_size,
     head_dim,
     scale,
-    GROUP: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
     # 1. this program's sequence, query head and the KV head its group reads
     n = tl.program_id(0)
     h = tl.program_id(1)
-    kv_head = h // GROUP
+    kv_head = h // group
     seq_len = tl.load(SEQ_LENS + n)
     d = tl.arange(0, HEAD_DIM)
     d_mask = d < head_dim
-    q = tl.load(Q + n * stride_qn + h * stride_qh + d, mask=d_mask, other=0.0).to(tl.float32)
+    q = tl.load(Q + n * stride_n + h * head_dim + d, mask=d_mask, other=0.0).to(tl.float32)
     q = q * scale
     # 2. running max, running sum and the weighted sum of V, in fp32
     m_i = tl.zeros([1], dtype=tl.float32) - float("inf")
@@ -73,8 +80,9 @@ def _paged_decode_kernel(
         # 3. this tile's positions -> their blocks (through the table) -> K/V addresses
         pos = start + tl.arange(0, TILE)
         p_mask = pos < seq_len
-        block = tl.load(BLOCK_TABLES + n * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
-        base = kv_head * stride_kh + block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt  # [TILE]
+        block = tl.load(BLOCK_TABLES + n * stride_bt + pos // block_size, mask=p_mask, other=0)
+        row = (kv_head * num_blocks + block.to(tl.int64)) * block_size + pos % block_size  # [TILE]
+        base = row * head_dim
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, HEAD_DIM]
         # 4. scores of this tile; masked positions get -inf
@@ -90,7 +98,7 @@ def _paged_decode_kernel(
         m_i = m_new
     # 6. normalize and store in the query's dtype
     out = acc / l_i
-    tl.store(Out + n * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_mask)
+    tl.store(Out + n * stride_n + h * head_dim + d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
 def paged_decode_reference(
@@ -155,17 +163,28 @@ def paged_decode(
         raise ValueError(f"Query heads `{hq}` must be a multiple of the KV heads `{hkv}`")
     if not runs_triton(query) or n == 0:
         return paged_decode_reference(query, kv, block_tables, seq_lens, max_len)
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    k, v = kv[0], kv[1]  # [Hkv, NB, B, D] each
-    if k.stride(-1) != 1:
-        raise ValueError("The KV cache's head dim must be contiguous")
+    if not kv.is_contiguous():
+        raise ValueError(f"The KV cache layer must be contiguous [2, Hkv, NB, B, D], got strides `{kv.stride()}`")
+    query = query.contiguous()  # [N, Hq, D]: rows of Hq x D, heads of D
+    tables = block_tables.to(torch.int64).contiguous()  # [N, MB]
     out = torch.empty_like(query)  # [N, Hq, D]
     tile, padded, warps = tuning.launch_shape(d)
     _paged_decode_kernel[(n, hq)](
-        query, k, v, out, block_tables, seq_lens,
-        query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0), d, 1.0 / math.sqrt(d),
-        GROUP=hq // hkv, BLOCK_SIZE=bs, TILE=tile, HEAD_DIM=padded, num_warps=warps,
+        query, kv[0], kv[1], out, tables, seq_lens.to(torch.int64),
+        query.stride(0), kv.shape[2], tables.stride(0), hq // hkv, bs, d, 1.0 / math.sqrt(d),
+        TILE=tile, HEAD_DIM=padded, num_warps=warps,
     )  # fmt: skip
     return out
+
+
+def compile_specs(tuning: PagedAttentionTuning, workload: Workload) -> tuple[CompileSpec, ...]:
+    """Every launch `paged_decode` makes with `tuning` for the workload's head dims: one per
+    padded head dim (the other integers are not specialized, see the module docstring)."""
+    specs = []
+    for d in workload.head_dims:
+        tile, padded, warps = tuning.launch_shape(d)
+        t, index = pointer(workload.dtype), pointer("i64")
+        args = (("Q", t), ("K", t), ("V", t), ("Out", t), ("BLOCK_TABLES", index), ("SEQ_LENS", index),
+                *((name, "i32") for name in _UNSPECIALIZED), ("head_dim", int_arg(d)), ("scale", "fp32"))
+        specs.append(CompileSpec(_paged_decode_kernel, args, (("TILE", tile), ("HEAD_DIM", padded)), warps))
+    return unique(specs)
