@@ -81,3 +81,27 @@ def test_a_prompt_scored_in_pieces_equals_one_piece():
     assert len(whole.prompt_logprobs) == len(prompt)
     assert pieces.prompt_logprobs == whole.prompt_logprobs
     assert prompt_chunks([types.SimpleNamespace(seq=pieces, start_pos=9, token_ids=[19])]) == []  # all scored
+
+
+def test_a_scored_prompt_whose_prefix_is_cached_is_still_scored_whole():
+    """Guards `_cacheable` in workers/scheduler.py: a prompt asking for its logprobs may not
+    start after a cached prefix (those rows would never be computed, so its entries would
+    stop at the first token); the prefix computed again gives every entry, as with no cache."""
+    model = tiny_model()
+    prompt = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    config = SchedulerConfig(2, 64)
+    engine = Engine(ModelRunner(model, model.new_kv_pool(config.num_blocks, config.block_size), "cpu"),
+                    Scheduler(config), TOK)
+    run(engine, [(prompt, SamplingParams.create(max_new_tokens=2))])  # caches the prompt's two full blocks
+    scored = SamplingParams.create(max_new_tokens=2, prompt_logprobs=True)
+    events = run(engine, [(prompt, scored)])[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), -1)  # [S, V]
+    assert [p[0] for p in events[0].prefill] == prompt
+    assert [p[1] for p in events[0].prefill[1:]] == pytest.approx([ref[j - 1, prompt[j]].item()
+                                                                   for j in range(1, len(prompt))], abs=1e-4)
+    plain = run(engine, [(prompt, SamplingParams.create(max_new_tokens=2))])[0]  # the cache still serves others
+    hits = [line for line in engine.metrics.render().decode().splitlines()
+            if line.startswith("hetserve_worker_prefix_cache_hits_tokens_total ")]
+    assert float(hits[0].split()[-1]) == 32  # the plain one reused both blocks, the scored one none
+    assert [e.token_id for e in plain] == [e.token_id for e in events]

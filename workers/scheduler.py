@@ -41,6 +41,16 @@ WATERMARK = 0.01  # of the blocks, kept free when admitting, so running sequence
 _UIDS = itertools.count()
 
 
+def _cacheable(seq: Sequence) -> int | None:
+    """How many leading tokens `seq` may take from the prefix cache (None: any). A prompt scored
+    for its logprobs computes every row not scored yet: a row taken from the cache has no
+    logits, so its entry would be missing."""
+    if not seq.params.prompt_logprobs:
+        return None
+    scored = 0 if seq.prompt_logprobs is None else len(seq.prompt_logprobs) - 1  # rows whose entries exist
+    return None if scored >= len(seq.prompt_ids) - 1 else scored
+
+
 class CapacityError(ValueError):
     """A request that can never fit this worker (answered with HTTP 422)."""
 
@@ -243,7 +253,7 @@ class Scheduler:
         cached = queried = 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_sequences:
             seq = self.waiting[0]
-            admission = self.kv.admit(seq, budget, self._reserve if self.running else 0)
+            admission = self.kv.admit(seq, budget, self._reserve if self.running else 0, _cacheable(seq))
             if admission is None:
                 break
             self.waiting.popleft()

@@ -1,10 +1,11 @@
 """Per-sequence block tables over the block pool, and automatic prefix caching.
 
 Design: the scheduler asks this manager three things, all plain CPU bookkeeping:
-- `admit(seq, num_new)`: the sequence's cached prefix (every leading full block whose
-  chained hash is in the pool, at most `len(tokens) - 1` tokens so the last token is always
-  computed and gives logits) plus fresh blocks for the next `num_new` tokens, or nothing if
-  they do not fit;
+- `admit(seq, num_new, reserve, max_cached)`: the sequence's cached prefix (every leading
+  full block whose chained hash is in the pool, at most `len(tokens) - 1` tokens so the last
+  token is always computed and gives logits, and at most `max_cached` tokens when the caller
+  needs some rows computed, e.g. a prompt scored for its logprobs) plus fresh blocks for the
+  next `num_new` tokens, or nothing if they do not fit;
 - `grow(seq, end)`: blocks up to position `end` for a running sequence, or False (then the
   scheduler preempts);
 - `free(seq)`: every reference dropped, last block first.
@@ -81,11 +82,12 @@ class KVCacheManager:
 
     # -- sequences ------------------------------------------------------------------------------
 
-    def admit(self, seq: KVSequence, num_new: int, reserve: int = 0) -> Admission | None:
-        """Give a waiting sequence its cached prefix and blocks for up to `num_new` more tokens,
-        keeping `reserve` blocks free; None (and nothing taken) when they do not fit."""
+    def admit(self, seq: KVSequence, num_new: int, reserve: int = 0, max_cached: int | None = None) -> Admission | None:
+        """Give a waiting sequence its cached prefix (at most `max_cached` tokens of it) and blocks
+        for up to `num_new` more tokens, keeping `reserve` blocks free; None (and nothing taken)
+        when they do not fit."""
         tokens = seq.token_ids()
-        hits = self._prefix_hits(seq, tokens)
+        hits = self._prefix_hits(seq, tokens, max_cached)
         cached = len(hits) * self.block_size
         num_new = min(num_new, len(tokens) - cached)
         fresh = self.blocks_for(cached + num_new) - len(hits)
@@ -96,7 +98,7 @@ class KVCacheManager:
         seq.block_ids = hits + self.pool.allocate(fresh)
         seq.num_cached_blocks = len(hits)
         seq.num_computed = cached
-        return Admission(cached, len(tokens) if self.prefix_caching else 0)
+        return Admission(cached, len(tokens) if self.prefix_caching and max_cached != 0 else 0)
 
     def grow(self, seq: KVSequence, end: int) -> bool:
         """Blocks for positions `< end`; False when the pool has too few free blocks."""
@@ -124,11 +126,12 @@ class KVCacheManager:
             self.pool.register(seq.block_ids[i], seq.block_hashes[i])
         seq.num_cached_blocks = full
 
-    def _prefix_hits(self, seq: KVSequence, tokens: list[int]) -> list[int]:
-        """Cached blocks holding the sequence's leading full blocks, before its last token."""
-        if not self.prefix_caching:
+    def _prefix_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None) -> list[int]:
+        """Cached blocks holding the sequence's leading full blocks, before its last token (and
+        within its first `max_cached` tokens)."""
+        limit = (len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)) // self.block_size
+        if not self.prefix_caching or limit == 0:
             return []
-        limit = (len(tokens) - 1) // self.block_size
         chain_hashes(self.root, tokens[: limit * self.block_size], self.block_size, seq.block_hashes)
         hits = []
         for h in seq.block_hashes[:limit]:
