@@ -392,12 +392,13 @@ def _drop_streams(url: str, n: int) -> None:
 
 
 def test_gauges_follow_aborts_of_dropped_streams(real):
-    """Guards `_publish_load()` on abort in `workers/engine.py` (the running and KV
-    slot gauges kept the last step's values, 8 here, while the worker ran nothing)."""
+    """Guards `_publish_load()` on abort in `workers/engine.py` (the running gauge kept the
+    last step's value, 8 here, while the worker ran nothing); the KV usage gauge, read from
+    the block pool at scrape time, shows the aborted streams' blocks freed."""
     _drop_streams(real.url, 8)
     with real.client() as c:
         real.wait_for(lambda: gauge(c.get("/metrics").text, "hetserve_worker_running_requests") == 0, timeout=3)
-        assert gauge(c.get("/metrics").text, "hetserve_worker_kv_slots_used") == 0
+        assert gauge(c.get("/metrics").text, "hetserve_worker_kv_cache_usage_ratio") == 0
         assert c.get("/workers").json()["workers"][0]["load"]["running"] == 0
 
 
