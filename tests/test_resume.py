@@ -53,7 +53,7 @@ def test_a_resumed_request_goes_on_exactly_as_the_original(params, cut):
     assert (done.generated_tokens, done.input_length, done.generated_text, done.seed, done.reason) == \
            (ref.generated_tokens, ref.input_length, ref.generated_text, ref.seed, ref.reason)
     # One prefill over prompt + resumed tokens, then decodes.
-    assert runner.steps[0][0][3] == len(TOK.encode("Hello world").ids) + cut
+    assert runner.steps[0][0][2] == len(TOK.encode("Hello world").ids) + cut
 
 
 def test_a_character_split_at_the_migration_point_and_a_stop_string_across_it_come_out_whole():
