@@ -98,36 +98,39 @@ _NEWER = "newer than the newest tuned architecture (sm_90): its Hopper tuning, t
 
 _RDNA = "RDNA (gfx10+) runs the CDNA tuning: correct, with fewer warps than its 32-lane waves would like"
 
+_CPU_REFERENCE = "CPU: the torch reference (Triton needs a GPU)"
+
+_BELOW_SM70 = "below sm_70, which Triton does not target: the torch reference"
+
+_CDNA_TUNING = "Triton tuned for CDNA's 64-lane wavefronts"
+
+
+def _triton_family(layer: str, repo: str, cls: str, cpu: str, below: str, sm70: str, sm90: str,
+                   rocm: str) -> tuple[_Entry, ...]:
+    """The seven entries of a layer with the usual Triton family: the torch reference on CPU and
+    below sm_70, `<cls>TritonSm70` up to Ada, `<cls>TritonSm90` from Hopper on, `<cls>TritonRocm`."""
+    return (
+        _Entry(layer, Device(type="cpu"), repo, cls, "torch", cpu),
+        _Entry(layer, Device(type="cuda"), repo, cls, "torch", below),
+        _Entry(layer, _cuda(70, 89), repo, f"{cls}TritonSm70", "triton-sm70", sm70),
+        _Entry(layer, _cuda(90, 99), repo, f"{cls}TritonSm90", "triton-sm90", sm90),
+        _Entry(layer, _cuda(100, _ANY), repo, f"{cls}TritonSm90", "triton-sm90", _NEWER),
+        _Entry(layer, Device(type="rocm"), repo, f"{cls}TritonRocm", "triton-rocm", rocm),
+        _Entry(layer, _rocm(100, _ANY), repo, f"{cls}TritonRocm", "triton-rocm", _RDNA),
+    )
+
 # fmt: off
 _ENTRIES: tuple[_Entry, ...] = (
-    # -- RMSNorm --------------------------------------------------------------------------
-    _Entry("RMSNorm", Device(type="cpu"), "rmsnorm", "RMSNorm", "torch",
-           "CPU: the torch reference (Triton needs a GPU)"),
-    _Entry("RMSNorm", Device(type="cuda"), "rmsnorm", "RMSNorm", "torch",
-           "below sm_70, which Triton does not target: the torch reference"),
-    _Entry("RMSNorm", _cuda(70, 89), "rmsnorm", "RMSNormTritonSm70", "triton-sm70",
-           "pre-Hopper (sm_70..sm_89): Triton, one row per program, 8 elements per thread"),
-    _Entry("RMSNorm", _cuda(90, 99), "rmsnorm", "RMSNormTritonSm90", "triton-sm90",
-           "Hopper (sm_90): Triton, several narrow rows per program, 16 elements per thread"),
-    _Entry("RMSNorm", _cuda(100, _ANY), "rmsnorm", "RMSNormTritonSm90", "triton-sm90",
-           _NEWER),
-    _Entry("RMSNorm", Device(type="rocm"), "rmsnorm", "RMSNormTritonRocm", "triton-rocm",
-           "Triton tuned for CDNA's 64-lane wavefronts"),
-    _Entry("RMSNorm", _rocm(100, _ANY), "rmsnorm", "RMSNormTritonRocm", "triton-rocm", _RDNA),
-    # -- SiluAndMul -----------------------------------------------------------------------
-    _Entry("SiluAndMul", Device(type="cpu"), "activation", "SiluAndMul", "torch",
-           "CPU: the torch reference (Triton needs a GPU)"),
-    _Entry("SiluAndMul", Device(type="cuda"), "activation", "SiluAndMul", "torch",
-           "below sm_70, which Triton does not target: the torch reference"),
-    _Entry("SiluAndMul", _cuda(70, 89), "activation", "SiluAndMulTritonSm70", "triton-sm70",
-           "pre-Hopper (sm_70..sm_89): Triton, 1024 columns x 4 warps per program"),
-    _Entry("SiluAndMul", _cuda(90, 99), "activation", "SiluAndMulTritonSm90", "triton-sm90",
-           "Hopper (sm_90): Triton, 4096 columns x 8 warps per program"),
-    _Entry("SiluAndMul", _cuda(100, _ANY), "activation", "SiluAndMulTritonSm90", "triton-sm90",
-           _NEWER),
-    _Entry("SiluAndMul", Device(type="rocm"), "activation", "SiluAndMulTritonRocm", "triton-rocm",
-           "Triton tuned for CDNA's 64-lane wavefronts"),
-    _Entry("SiluAndMul", _rocm(100, _ANY), "activation", "SiluAndMulTritonRocm", "triton-rocm", _RDNA),
+    *_triton_family(
+        "RMSNorm", "rmsnorm", "RMSNorm", _CPU_REFERENCE, _BELOW_SM70,
+        "pre-Hopper (sm_70..sm_89): Triton, one row per program, 8 elements per thread",
+        "Hopper (sm_90): Triton, several narrow rows per program, 16 elements per thread",
+        _CDNA_TUNING),
+    *_triton_family(
+        "SiluAndMul", "activation", "SiluAndMul", _CPU_REFERENCE, _BELOW_SM70,
+        "pre-Hopper (sm_70..sm_89): Triton, 1024 columns x 4 warps per program",
+        "Hopper (sm_90): Triton, 4096 columns x 8 warps per program",
+        _CDNA_TUNING),
     # -- Fp8Linear (ranges and convention from the fp8 rule) --------------------------------
     _Entry("Fp8Linear", Device(type="cpu"), "fp8_linear", "Fp8Linear", "emulated-torch",
            "CPU: emulated fp8, uint8 weights dequantized for a torch matmul", EMULATED),
@@ -149,20 +152,13 @@ _ENTRIES: tuple[_Entry, ...] = (
            "CDNA3 (gfx94x) fp8 matrix cores: Triton NATIVE=True on e4m3fnuz", NATIVE),
     _Entry("Fp8Linear", _rocm(*_FP8_OCP_ROCM), "fp8_linear", "Fp8LinearTritonNativeRocm", "native_e4m3-triton",
            "CDNA4 (gfx950) fp8 matrix cores: Triton NATIVE=True on OCP e4m3fn (not fnuz)", NATIVE),
-    # -- PagedAttention (decode over the paged KV cache) --------------------------------------
-    _Entry("PagedAttention", Device(type="cpu"), "paged_attention", "PagedAttention", "torch",
-           "CPU: the rows' blocks gathered, one SDPA (Triton needs a GPU)"),
-    _Entry("PagedAttention", Device(type="cuda"), "paged_attention", "PagedAttention", "torch",
-           "below sm_70, which Triton does not target: gathered blocks and SDPA"),
-    _Entry("PagedAttention", _cuda(70, 89), "paged_attention", "PagedAttentionTritonSm70", "triton-sm70",
-           "pre-Hopper (sm_70..sm_89): Triton reads blocks in place through the block table, 64-position tiles, 4 warps"),
-    _Entry("PagedAttention", _cuda(90, 99), "paged_attention", "PagedAttentionTritonSm90", "triton-sm90",
-           "Hopper (sm_90): Triton reads blocks in place, up to 128-position tiles, 8 warps"),
-    _Entry("PagedAttention", _cuda(100, _ANY), "paged_attention", "PagedAttentionTritonSm90", "triton-sm90",
-           _NEWER),
-    _Entry("PagedAttention", Device(type="rocm"), "paged_attention", "PagedAttentionTritonRocm", "triton-rocm",
-           "Triton reading blocks in place, tuned for CDNA's 64-lane wavefronts"),
-    _Entry("PagedAttention", _rocm(100, _ANY), "paged_attention", "PagedAttentionTritonRocm", "triton-rocm", _RDNA),
+    *_triton_family(
+        "PagedAttention", "paged_attention", "PagedAttention",
+        "CPU: the rows' blocks gathered, one SDPA (Triton needs a GPU)",
+        "below sm_70, which Triton does not target: gathered blocks and SDPA",
+        "pre-Hopper (sm_70..sm_89): Triton reads blocks in place through the block table, 64-position tiles, 4 warps",
+        "Hopper (sm_90): Triton reads blocks in place, up to 128-position tiles, 8 warps",
+        "Triton reading blocks in place, tuned for CDNA's 64-lane wavefronts"),
 )
 # fmt: on
 
