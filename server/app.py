@@ -25,6 +25,8 @@ from server.middleware import EdgeMiddleware
 from server.router_metrics import RouterMetrics
 from server.routes import docs, generate, health, openai, status, workers
 from server.routes import metrics as metrics_routes
+from server.routing.metrics import RoutingCollector
+from server.routing.router import Router
 from server.settings import RouterSettings
 from server.supervisor import Supervisor
 from server.tracing import TracingMiddleware
@@ -56,9 +58,11 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
         return list(supervisor.workers.values())
 
     metrics = RouterMetrics(handles)
+    router = Router(settings.routing)
+    metrics.registry.register(RoutingCollector(router, handles))
     tracing = tracing or start_tracing(settings.otlp_endpoint, "hetserve-router")
-    ctx = RouterContext(settings, supervisor, Dispatcher(supervisor, settings, metrics, tracing), metrics,
-                        WorkerStats(handles, settings.stats_interval_s))
+    ctx = RouterContext(settings, supervisor, Dispatcher(supervisor, settings, metrics, tracing, router), metrics,
+                        WorkerStats(handles, settings.stats_interval_s, observers=[router.observe]))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -7,19 +7,22 @@ the OpenAI routes, and every client can set headers):
   X-Hetserve-Min-Capability: 8.9     a minimum CUDA capability (`8.9` or `sm_89`)
   X-Hetserve-Fp8: native_e4m3        an fp8 convention (`native_e4m3` or `emulated`)
 
-`choose` is a pure function of the workers' current state and returns a `Decision` with its
-reason: a worker, or why none (422: no worker can ever satisfy the constraints; 429: every
+`choose` is the routing policy's filter stage, a pure function of the workers' current state,
+and returns a `Decision` with its reason: a worker, or why none (422: no worker can ever satisfy the constraints; 429: every
 matching worker's queue is full; wait: matching workers exist but none is ready right now,
-or every ready one has its circuit breaker open; 503: none left to try). Least-outstanding ties go to the worker picked least often, so
-idle workers take turns. Trade-off: the router counts the requests it has in flight per
+or every ready one has its circuit breaker open; 503: none left to try). Among the workers
+that pass, `pick` scores and picks (server/routing/: prefix, load, speed, sessions); without
+one, the least outstanding wins and ties go to the worker picked least often, so idle workers
+take turns. Trade-off: the router counts the requests it has in flight per
 worker instead of asking workers for their queue depth, which is exact for requests that
 come through this router and costs nothing per request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from server.errors import shown
 from server.worker_handle import WorkerHandle
@@ -35,6 +38,12 @@ from workers.contract import (
     WorkerState,
 )
 
+if TYPE_CHECKING:
+    from server.routing.policy import Route
+
+HEADER_SESSION = "X-Session-Id"  # keeps a conversation on one worker (server/routing/sessions.py)
+MAX_SESSION_CHARS = 256  # longer session ids are cut: they only need to tell sessions apart
+
 _FP8_ALIASES = {"native": NATIVE, NATIVE: NATIVE, "e4m3": NATIVE, EMULATED: EMULATED}
 
 PICK, UNSATISFIABLE, OVERLOADED, WAIT, UNAVAILABLE = "pick", "unsatisfiable", "overloaded", "wait", "unavailable"
@@ -49,6 +58,7 @@ class Constraints:
     worker: str | None = None
     min_capability: Capability | None = None
     fp8: str | None = None
+    session: str | None = None  # a preference, not a constraint: the conversation's worker while it can serve
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "min_capability", Capability.parse_optional(self.min_capability))
@@ -72,6 +82,7 @@ class Decision:
     kind: str  # PICK | UNSATISFIABLE | OVERLOADED | WAIT | UNAVAILABLE
     reason: str
     worker: WorkerHandle | None = None
+    route: Route | None = None  # the score-and-pick stage's verdict, when `choose` had a `pick`
 
 
 def parse_capability(value: str) -> Capability:
@@ -95,7 +106,9 @@ def parse_constraints(headers: Mapping[str, str]) -> Constraints:
         fp8 = _FP8_ALIASES.get(raw_fp8.lower())
         if fp8 is None:
             raise ConstraintError(f"Invalid fp8 convention `{shown(raw_fp8)}`. Accepted: {', '.join(FP8_CONVENTIONS)}")
-    return Constraints(worker=worker, min_capability=parse_capability(raw_cap) if raw_cap else None, fp8=fp8)
+    session = (headers.get(HEADER_SESSION.lower()) or "").strip()[:MAX_SESSION_CHARS] or None
+    return Constraints(worker=worker, min_capability=parse_capability(raw_cap) if raw_cap else None, fp8=fp8,
+                       session=session)
 
 
 def matches(handle: WorkerHandle, c: Constraints) -> tuple[bool | None, str]:
@@ -115,12 +128,16 @@ def matches(handle: WorkerHandle, c: Constraints) -> tuple[bool | None, str]:
     return True, "matches"
 
 
+Pick = Callable[[list[WorkerHandle]], "tuple[WorkerHandle, Route]"]
+
+
 def choose(workers: Iterable[WorkerHandle], c: Constraints, capacity: int,
-           exclude: Mapping[str, int] | None = None) -> Decision:
+           exclude: Mapping[str, int] | None = None, pick: Pick | None = None) -> Decision:
     """The worker for one request (see the module docstring).
 
     `exclude` maps worker id -> the generation (process) that already failed this request; a
-    worker restarted since then is eligible again.
+    worker restarted since then is eligible again. `pick` chooses among the workers that pass
+    (not empty) and says why.
     """
     exclude = exclude or {}
     candidates: list[WorkerHandle] = []
@@ -145,6 +162,9 @@ def choose(workers: Iterable[WorkerHandle], c: Constraints, capacity: int,
         free = [h for h in ready if h.outstanding < capacity]
         if not free:
             return Decision(OVERLOADED, f"All {len(ready)} matching workers have {capacity} requests in flight")
+        if pick is not None:
+            best, route = pick(free)
+            return Decision(PICK, f"{route.header}: {route.detail} ({len(free)} could take it)", best, route)
         best = min(free, key=lambda h: (h.outstanding, h.picks))
         return Decision(PICK, f"least outstanding ({best.outstanding}) of {len(free)}", best)
     waiting = [h for h in candidates if not h.routable]

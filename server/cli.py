@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from server.errors import UsageError
+from server.routing.config import add_routing_flags
 from server.settings import RouterSettings
 from workers.contract import (
     DEFAULT_KV_BLOCK_SIZE,
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="export OpenTelemetry spans of the router and every worker to this OTLP collector "
                             "(e.g. http://collector:4318; off by default)")
     _add_failure_flags(serve)
+    add_routing_flags(serve)
 
     plan = sub.add_parser("plan", help="show per device the kernels and fp8 convention chosen, without loading weights")
     _add_simulate(plan)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from server.balancer import OVERLOADED, PICK, UNSATISFIABLE, WAIT, Constraints, Decision, choose
 from server.router_metrics import RouterMetrics
+from server.routing.policy import HEADER_ROUTE
+from server.routing.router import Router, RouteRequest, Ticket
 from server.settings import RouterSettings
 from server.supervisor import Supervisor
 from server.tracing import note_answer, note_retry, note_route
@@ -95,11 +97,13 @@ class WorkerStream:
     _closed: bool = field(default=False)
 
     generation: int = 0  # the worker process that serves it
+    ticket: Ticket | None = None  # its dispatch, ended with the stream
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            self.worker.outstanding -= 1
+            if self.ticket is not None:
+                self.ticket.end()
             await self._stack.aclose()
 
     async def events(self) -> AsyncIterator[str]:
@@ -124,24 +128,26 @@ class Dispatcher:
     """Picks workers (balancer), forwards requests (worker client), retries (see module doc)."""
 
     def __init__(self, supervisor: Supervisor, settings: RouterSettings, metrics: RouterMetrics,
-                 tracing: Tracing = NO_TRACING):
+                 tracing: Tracing = NO_TRACING, router: Router | None = None):
         self.supervisor = supervisor
         self.settings = settings
         self.metrics = metrics
         self.tracing = tracing  # notes route decisions and retries on the request's span
+        self.router = router or Router(settings.routing)  # scores and picks among the workers that pass
 
     # --- choosing ----------------------------------------------------------------------
-    async def _acquire(self, c: Constraints, exclude: dict[str, int], deadline: float, saw_429: bool) -> Decision:
-        """The decision for a worker (now with one more outstanding request), or a `DispatchError`."""
+    async def _acquire(self, c: Constraints, req: RouteRequest, exclude: dict[str, int], deadline: float,
+                       saw_429: bool) -> tuple[Decision, Ticket]:
+        """The decision for a worker and its ticket (one more request in flight there), or a `DispatchError`."""
         s = self.settings
         while True:
-            d = choose(self.supervisor.workers.values(), c, s.worker_capacity, exclude)
+            d = choose(self.supervisor.workers.values(), c, s.worker_capacity, exclude,
+                       pick=lambda free: self.router.pick(free, c, req))
             if d.kind == PICK:
-                assert d.worker is not None
-                d.worker.outstanding += 1
-                d.worker.picks += 1
+                assert d.worker is not None and d.route is not None
+                ticket = self.router.begin(d.worker, d.route, req)
                 d.worker.breaker.on_dispatch()
-                return d
+                return d, ticket
             if d.kind == UNSATISFIABLE:
                 raise DispatchError(422, d.reason, "validation")
             if d.kind == OVERLOADED or saw_429:
@@ -173,13 +179,14 @@ class Dispatcher:
             worker.request_outcome(generation, status < 500, f"answered {status}")
 
     # --- one loop of attempts for both kinds ---------------------------------------------
-    async def _with_retries(self, c: Constraints,
-                            attempt: Callable[[WorkerHandle], Awaitable[WorkerReply | WorkerStream]],
+    async def _with_retries(self, c: Constraints, req: RouteRequest,
+                            attempt: Callable[[WorkerHandle, Ticket], Awaitable[WorkerReply | WorkerStream]],
                             exclude: dict[str, int] | None = None):
         """Runs `attempt` on chosen workers until one gives an answer that is not retried.
 
         `attempt` returns the worker's reply (retried on 429/503, once on another 5xx) or an open
-        stream, and raises `_Lost` when the worker went away before the client got anything.
+        stream, and raises `_Lost` when the worker went away before the client got anything; it
+        ends the ticket when the reply is in, a refusal read or the attempt failed (a stream: on close).
         `exclude` (worker id -> generation that failed this request) may come from earlier tries."""
         exclude = {} if exclude is None else exclude
         deadline = time.monotonic() + self.settings.ready_wait_s
@@ -187,7 +194,7 @@ class Dispatcher:
         last: WorkerReply | None = None
         for n in range(self._attempts()):
             try:
-                decision = await self._acquire(c, exclude, deadline, saw_429)
+                decision, ticket = await self._acquire(c, req, exclude, deadline, saw_429)
             except DispatchError:
                 if last is not None and last.status != 429:
                     return last
@@ -198,7 +205,7 @@ class Dispatcher:
             assert worker.client is not None
             self.metrics.worker_request(worker)
             try:
-                result = await attempt(worker)
+                result = await attempt(worker, ticket)
             except _Lost as e:
                 worker.request_outcome(generation, False, e.why)
                 self._failed(worker, generation, exclude, e.why)
@@ -207,6 +214,7 @@ class Dispatcher:
                 worker.request_outcome(generation, None)
                 raise
             self._judge(worker, generation, result)
+            result.headers[HEADER_ROUTE.lower()] = ticket.route.header
             if isinstance(result, WorkerReply):
                 last = result
                 again, error_retried = _retry(result.status, error_retried)
@@ -223,16 +231,16 @@ class Dispatcher:
     async def generate(self, path: str, body: dict, c: Constraints) -> WorkerReply:
         """The worker's whole answer (any status but 429/503, which are retried elsewhere)."""
 
-        async def attempt(worker: WorkerHandle) -> WorkerReply:
+        async def attempt(worker: WorkerHandle, ticket: Ticket) -> WorkerReply:
             try:
                 status, headers, content = await worker.client.post(path, body, self.tracing.inject())
             except WorkerGone as e:
                 raise _Lost(repr(e)) from e
             finally:
-                worker.outstanding -= 1
+                ticket.end()
             return WorkerReply(status, content, worker_headers(worker, headers), worker)
 
-        return await self._with_retries(c, attempt)
+        return await self._with_retries(c, self.router.request(body, c), attempt)
 
     # --- streamed ----------------------------------------------------------------------
     async def open_stream(self, path: str, body: dict, c: Constraints,
@@ -240,7 +248,7 @@ class Dispatcher:
         """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply.
         `exclude`: workers (id -> generation) that already failed this request."""
 
-        async def attempt(worker: WorkerHandle) -> WorkerStream | WorkerReply:
+        async def attempt(worker: WorkerHandle, ticket: Ticket) -> WorkerStream | WorkerReply:
             generation = worker.generation
             stack = contextlib.AsyncExitStack()
             try:
@@ -249,7 +257,7 @@ class Dispatcher:
                 if response.status_code != 200:
                     content = await response.read()
                     await stack.aclose()
-                    worker.outstanding -= 1
+                    ticket.end()
                     return WorkerReply(response.status_code, content, headers, worker)
                 sse = SSEEvents(response.iter_chunks())
                 first = await sse.next_batch()
@@ -257,12 +265,12 @@ class Dispatcher:
                     raise StopAsyncIteration("the stream ended before its first event")
             except (*WorkerGone, StopAsyncIteration) as e:
                 await stack.aclose()
-                worker.outstanding -= 1
+                ticket.end()
                 raise _Lost(f"no first event: {e!r}") from e
             except BaseException:
                 await stack.aclose()
-                worker.outstanding -= 1
+                ticket.end()
                 raise
-            return WorkerStream(worker, headers, first[0], first[1], sse, stack, generation=generation)
+            return WorkerStream(worker, headers, first[0], first[1], sse, stack, generation=generation, ticket=ticket)
 
-        return await self._with_retries(c, attempt, exclude)
+        return await self._with_retries(c, self.router.request(body, c), attempt, exclude)

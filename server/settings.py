@@ -16,6 +16,7 @@ from pathlib import Path
 
 from server.api_key import resolve_api_key
 from server.errors import UsageError
+from server.routing.config import RoutingConfig, routing_from_args
 from workers.contract import (
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH,
@@ -88,6 +89,7 @@ class RouterSettings:
     migration_limit: int = 3  # times one stream may move to another worker after losing its own
     breaker_failures: int = 5  # consecutive failed requests that open a worker's circuit breaker
     breaker_cooldown_s: float = 10.0  # an open breaker lets one probe request through after this
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # --routing and its parameters
 
     @property
     def worker_capacity(self) -> int:
@@ -142,6 +144,7 @@ class RouterSettings:
             except ValueError as e:
                 raise UsageError(f"--otlp-endpoint: {e}") from e
         kwargs.update(_failure_knobs(args))
+        kwargs["routing"] = routing_from_args(args)
         # Optional knobs a future CLI may add; absent means the defaults above.
         for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "threads"):
             value = getattr(args, name, None)

@@ -65,8 +65,9 @@ class WorkerStats:
     """Samples the workers' series (see the module docstring); `snapshot()` is the JSON."""
 
     def __init__(self, workers_fn: Callable[[], Iterable[WorkerHandle]], interval_s: float = 2.0,
-                 window_s: float = 300.0):
+                 window_s: float = 300.0, observers: Iterable[Callable[[WorkerHandle, str | None], None]] = ()):
         self._workers_fn = workers_fn
+        self._observers = tuple(observers)  # also handed each sample (the router's speed estimates)
         self.interval_s = interval_s
         self.window = max(2, int(window_s / interval_s))
         self.window_s = self.window * interval_s
@@ -91,6 +92,8 @@ class WorkerStats:
         now = time.monotonic()
         for h, text in zip(workers, texts, strict=True):
             self._record(self._series_of(h.id), h.pid, text, now)
+            for observe in self._observers:
+                observe(h, text)
 
     @staticmethod
     async def _scrape(h: WorkerHandle) -> str | None:

@@ -209,6 +209,9 @@ def run_worker(args: argparse.Namespace) -> int:
                 logger.info("self-test: %s", self_test(loaded.model, loaded.config, bound.torch_device))
         with startup_step("serve", status):
             from workers.serving import WorkerServer
+            from workers.slowdown import apply_slowdown
+
+            apply_slowdown(loaded.model, args.worker_id)  # $HETSERVE_SLOWDOWN: benchmarks and tests only
 
             server = WorkerServer(args, bound, loaded, kernels, conv, fp8_reason, compiled)
         phase["server"] = server.server

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from server.balancer import Constraints, parse_constraints
+from server.balancer import MAX_SESSION_CHARS, Constraints, parse_constraints
 from server.context import RouterContext
 from server.dispatch import DispatchError
 from server.migration import ClientStream
@@ -14,9 +16,13 @@ from server.migration import ClientStream
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-def constraints(request: Request) -> Constraints:
-    """Routing constraints from the `X-Hetserve-*` headers (`ConstraintError` -> 422)."""
-    return parse_constraints(request.headers)
+def constraints(request: Request, user: str | None = None) -> Constraints:
+    """Routing constraints from the `X-Hetserve-*` headers (`ConstraintError` -> 422), and the
+    session from `X-Session-Id` or else the OpenAI `user` field."""
+    c = parse_constraints(request.headers)
+    if c.session is None and user:
+        c = replace(c, session=user.strip()[:MAX_SESSION_CHARS] or None)
+    return c
 
 
 def check_new_tokens(ctx: RouterContext, value: int | None, name: str) -> None:

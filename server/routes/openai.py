@@ -99,7 +99,7 @@ async def models(request: Request) -> dict:
 @router.post("/completions", response_model=None, responses=_ERRORS)
 async def completions(req: CompletionRequest, request: Request) -> Response:
     """Text completion (`prompt`: text, token ids, or a list of either)."""
-    ctx, c = get_ctx(request), constraints(request)
+    ctx, c = get_ctx(request), constraints(request, req.user)
     check_new_tokens(ctx, req.max_tokens, "max_tokens")
     params = req.sampling(req.max_tokens, ctx.sampling_defaults())
     if req.logprobs is not None:
@@ -129,7 +129,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 @router.post("/chat/completions", response_model=None, responses=_ERRORS)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     """Chat completion; the prompt is the messages rendered with the model's chat template."""
-    ctx, c = get_ctx(request), constraints(request)
+    ctx, c = get_ctx(request), constraints(request, req.user)
     check_new_tokens(ctx, req.max_new_tokens, "max_tokens")
     plan = plan_tools(req)
     template = ctx.chat_template()

@@ -1,0 +1,64 @@
+"""A slower device, on purpose: `HETSERVE_SLOWDOWN`, for benchmarks and tests only.
+
+Routing across unequal GPUs can only be measured with unequal workers, and simulated workers
+on one CPU host are all as fast as each other. `HETSERVE_SLOWDOWN="gpu0=3,gpu2=1.5"` makes
+each listed worker's forward passes take that many times as long (a bare number applies to
+every worker): after each `model.step` the engine thread sleeps for (factor - 1) times the
+time the step took, inside the engine step, so the worker's step time, its throughput and
+its metrics all show a device that much slower, and the sleep leaves the CPU to the others,
+as a slower GPU would. The router passes its environment on to the workers, so the variable
+is set where `hetserve serve` starts. Trade-off: on a real GPU a step's launch returns before
+the device finishes, so the factor would apply to the launch time only; the knob is meant for
+simulated workers on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+ENV_SLOWDOWN = "HETSERVE_SLOWDOWN"
+
+
+def slowdown_factor(spec: str, worker_id: str) -> float:
+    """This worker's factor in a `HETSERVE_SLOWDOWN` value (1.0 when it is not listed)."""
+    spec = spec.strip()
+    if not spec:
+        return 1.0
+    factors: dict[str | None, str] = {}
+    for part in spec.split(","):
+        name, sep, value = part.strip().rpartition("=")
+        factors[name.strip() if sep else None] = value.strip()
+    raw = factors.get(worker_id, factors.get(None, "1"))
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = float("nan")
+    if not factor >= 1.0 or factor == float("inf"):
+        raise ValueError(f"Invalid {ENV_SLOWDOWN} factor `{raw}` for worker `{worker_id}`. Accepted: a number >= 1, "
+                         f"as `3` (every worker) or `gpu0=3,gpu2=1.5`")
+    return factor
+
+
+def apply_slowdown(model, worker_id: str, environ=os.environ) -> float:
+    """Wrap `model.step` so that it takes `factor` times as long; returns the factor (1.0: untouched)."""
+    factor = slowdown_factor(environ.get(ENV_SLOWDOWN, ""), worker_id)
+    if factor == 1.0:
+        return factor
+    step = model.step
+
+    @functools.wraps(step)
+    def slowed(*args, **kwargs):
+        started = time.perf_counter()
+        out = step(*args, **kwargs)
+        time.sleep((factor - 1.0) * (time.perf_counter() - started))
+        return out
+
+    model.step = slowed
+    logger.warning("%s: every forward pass of this worker takes %gx as long (benchmarks and tests only)",
+                   ENV_SLOWDOWN, factor)
+    return factor
