@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--special-tokens-in-content", action="store_true",
                        help="let chat message text contain the model's special tokens (default: 422), which then "
                             "act as control tokens")
+    serve.add_argument("--kv-cache-bytes", type=int, default=None, metavar="N",
+                       help="KV cache budget of each worker in bytes (default: the device's free memory, or 512 MiB "
+                            "on a CPU)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
                        help="export OpenTelemetry spans of the router and every worker to this OTLP collector "

@@ -29,7 +29,7 @@ class RoutingConfig:
     # Imbalance: prefix affinity is ignored while the most loaded worker's load exceeds the least
     # loaded one's by `balance_abs` tokens AND is `balance_rel` times as large (loads are tokens in
     # flight, scaled by each worker's speed relative to the fleet's median).
-    balance_abs: int = 1024
+    balance_abs: int = 4096
     balance_rel: float = 1.5
     session_load_factor: float = DEFAULT_LOAD_FACTOR  # a session moves off a worker above factor x mean load
     tree_size: int = DEFAULT_MAX_CHUNKS  # prefix chunks remembered per worker

@@ -4,9 +4,9 @@
   (`prefix`, `session`, `least-loaded`, `pinned`, `imbalance`, `round-robin`; a retry is a decision too);
 - `hetserve_router_session_moves_total{worker_id, capability, why}`: sessions that left this
   worker (`unavailable`, `overloaded`);
-- `hetserve_router_worker_prefill_tokens_per_second`, `..._decode_tokens_per_second`: the
-  measured speeds (absent until a worker has been measured);
-- `hetserve_router_worker_inflight_tokens{kind="prompt"|"new"}`: the load the router counts there;
+- `hetserve_router_worker_prefill_tokens_per_second`, `..._decode_tokens_per_second{batch}`:
+  the measured speeds, decode for one sequence and for a batch of 8 (absent until measured);
+- `hetserve_router_worker_inflight_tokens{kind="to_prefill"|"new"|"total"}`: the load the router counts there;
 - `hetserve_router_prefix_index_chunks`: prompt chunks the index remembers for that worker;
 - `hetserve_router_chars_per_token`, `hetserve_router_sessions`: fleet-wide.
 
@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from server.routing.router import Router
+from server.routing.speed import REFERENCE_BATCH
 from server.worker_handle import WorkerHandle
 
 _LABELS = ("worker_id", "capability")
@@ -40,10 +41,11 @@ class RoutingCollector:
         prefill = GaugeMetricFamily("hetserve_router_worker_prefill_tokens_per_second",
                                     "Measured prompt tokens per engine-second.", labels=_LABELS)
         decode = GaugeMetricFamily("hetserve_router_worker_decode_tokens_per_second",
-                                   "Measured generated tokens per engine-second.", labels=_LABELS)
+                                   "Measured generated tokens per engine-second, for a batch of this size.",
+                                   labels=[*_LABELS, "batch"])
         inflight = GaugeMetricFamily("hetserve_router_worker_inflight_tokens", "Tokens the router has in flight "
-                                     "there (prompt: not held in its cache; new: max_new_tokens).",
-                                     labels=[*_LABELS, "kind"])
+                                     "there (to_prefill: prompt tokens not held in its cache; new: max_new_tokens; "
+                                     "total: whole prompts and their max_new_tokens).", labels=[*_LABELS, "kind"])
         chunks = GaugeMetricFamily("hetserve_router_prefix_index_chunks", "Prompt prefix chunks the router "
                                    "remembers for the worker.", labels=_LABELS)
         for h in self._workers_fn():
@@ -57,10 +59,10 @@ class RoutingCollector:
             speed = r.telemetry.speed(h.id)
             if speed is not None:
                 prefill.add_metric(labels, speed.prefill_tps)
-                decode.add_metric(labels, speed.decode_tps)
-            prompt, new = r.inflight(h.id)
-            inflight.add_metric([*labels, "prompt"], prompt)
-            inflight.add_metric([*labels, "new"], new)
+                for batch in (1, REFERENCE_BATCH):
+                    decode.add_metric([*labels, str(batch)], speed.decode_tps(batch))
+            for kind, value in zip(("to_prefill", "new", "total"), r.inflight(h.id), strict=True):
+                inflight.add_metric([*labels, kind], value)
             chunks.add_metric(labels, r.index.size(h.id))
         yield from (decisions, moves, prefill, decode, inflight, chunks)
         yield GaugeMetricFamily("hetserve_router_chars_per_token", "Characters per token, as learned from the "

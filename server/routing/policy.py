@@ -10,26 +10,33 @@ the speed of unequal workers counted in:
 1. **imbalance**: when the loads are uneven (the most loaded worker's exceeds the least
    loaded one's by more than `balance_abs` tokens and is more than `balance_rel` times as
    large; a load is the tokens in flight there, scaled by the worker's speed relative to the
-   fleet's median, so a worker twice as fast counts half) the least loaded worker gets the
-   request, whatever it holds: a hot prefix cannot pile everything onto one worker;
-2. **prefix**: otherwise the workers that hold the longest prefix of the prompt compete, and
-3. among them (or among all, when none holds any) the one that would be done soonest wins,
-   by its estimated engine-seconds, as a processor-sharing server sees them:
+   fleet's median, so a worker twice as fast counts half; a prompt counts whole, cached or
+   not, as it holds KV cache either way) the least loaded worker gets the request, whatever
+   it holds: a hot prefix cannot pile everything onto one worker;
+2. **prefix**: otherwise the workers that hold the longest prefix of the prompt compete,
+   unless that prefix is **hot** there (other requests in flight on it share it: a system
+   prompt many clients send, not a conversation's own history): then every worker competes,
+   as one prefill copies a hot prefix to another worker and pays for itself many times, and
+3. among them (or among all, when none holds any) the one that would drain soonest wins: the
+   engine-seconds of the work in flight there plus this request's, from the worker's
+   measured speed (server/routing/speed.py: a per prompt token, t per generated token at a
+   batch of 8):
 
-       backlog  = in-flight prompt tokens x a + in-flight new tokens x b
-       own      = (prompt tokens - tokens of its prefix the worker holds) x a + new tokens x b
-       kv wait  = tokens beyond the worker's free KV cache x b          (when it reports it)
-       cost     = backlog + own + kv wait
+       cost = (prompt tokens in flight there, and this prompt's that it does not hold) x a
+            + (new tokens in flight there, and this request's) x t
+            + (this request's tokens beyond its free KV cache) x t   (when the worker reports it)
 
-   with a and b the worker's measured seconds per prompt and per generated token
-   (server/routing/speed.py). Ties go to fewer requests in flight, then to the worker picked
-   least often.
+   so work spreads in proportion to speed (a worker twice as fast takes twice the tokens) and
+   a held prefix saves exactly the prefill it avoids. Ties go to fewer requests in flight,
+   then to the worker picked least often.
 
 Trade-off: prefix first. A conversation stays on the worker holding its history while the
-loads are within the thresholds, even when another worker would answer this one request a
-little sooner: the cost model alone counts only the prefill one request saves, not what the
-same cache saves the turns that follow, nor the cache a move would duplicate elsewhere.
-The thresholds bound how uneven that may make the loads.
+loads are within the thresholds, even when another worker would drain a little sooner: the
+cost alone counts only the prefill one request saves, not what the same cache saves the
+turns that follow, nor the cache a move would duplicate elsewhere. The thresholds bound how
+uneven that may make the loads. And a drain time, not a latency: a fast worker with a few
+requests more may still answer a new one sooner than an idle slow one (batching), but
+spreading in proportion to speed keeps every worker's queue short and none idle.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from server.routing.speed import Speed
 
 HEADER_ROUTE = "X-Hetserve-Route"  # on every answer a worker gave: why that worker (`Route.header`)
 
@@ -52,12 +61,13 @@ class Candidate:
     id: str
     outstanding: int = 0  # requests in flight
     picks: int = 0  # requests ever sent (tie-break)
-    inflight_prompt: float = 0.0  # prompt tokens in flight (what its cache did not hold, as estimated)
+    inflight_prompt: float = 0.0  # prompt tokens in flight that its cache did not hold (estimated)
     inflight_new: float = 0.0  # new tokens in flight (their max_new_tokens)
-    prefill_s: float = 1e-4  # seconds per prompt token
-    decode_s: float = 1e-3  # seconds per generated token
+    inflight_tokens: float = 0.0  # all tokens in flight: whole prompts and their max_new_tokens
+    speed: Speed = Speed(step_s=1e-3, prefill_s=1e-4, sequence_s=1e-4)
     matched: int = 0  # tokens of the request's prompt this worker likely holds
     kv_free: int | None = None  # free KV cache, in tokens, when known
+    sharing: int = 0  # requests in flight there that share the prefix it holds of this prompt
 
 
 @dataclass(frozen=True)
@@ -82,26 +92,18 @@ class Route:
         return f"{PREFIX}:{self.matched}" if self.reason == PREFIX else self.reason
 
 
-def backlog_s(c: Candidate) -> float:
-    """Engine-seconds of the work already in flight there."""
-    return c.inflight_prompt * c.prefill_s + c.inflight_new * c.decode_s
-
-
-def cost_s(c: Candidate, ask: Ask, use_prefix: bool = True) -> float:
-    """Engine-seconds until the request would be done there (see the module docstring)."""
-    held = min(c.matched, ask.prompt_tokens) if use_prefix else 0
-    compute = ask.prompt_tokens - held
-    wait = 0.0
-    if c.kv_free is not None:
-        wait = max(0, compute + ask.new_tokens - c.kv_free) * c.decode_s
-    return backlog_s(c) + compute * c.prefill_s + ask.new_tokens * c.decode_s + wait
+def cost_s(c: Candidate, ask: Ask) -> float:
+    """Engine-seconds to drain the work in flight there with this request added (see the module docstring)."""
+    compute = ask.prompt_tokens - min(c.matched, ask.prompt_tokens)
+    wait = max(0, compute + ask.new_tokens - c.kv_free) if c.kv_free is not None else 0
+    return (c.inflight_prompt + compute) * c.speed.prefill_s + (c.inflight_new + ask.new_tokens + wait) * c.speed.token_s
 
 
 def loads(cands: Sequence[Candidate]) -> dict[str, float]:
-    """In-flight tokens of each candidate, scaled by its speed relative to the median: a worker
+    """Tokens in flight on each candidate, scaled by its speed relative to the median: a worker
     twice as fast as the median counts half its tokens."""
-    median = statistics.median(c.decode_s for c in cands)
-    return {c.id: (c.inflight_prompt + c.inflight_new) * c.decode_s / median for c in cands}
+    median = statistics.median(c.speed.token_s for c in cands)
+    return {c.id: c.inflight_tokens * c.speed.token_s / median for c in cands}
 
 
 def imbalanced(load: dict[str, float], balance_abs: float, balance_rel: float) -> bool:
@@ -121,9 +123,10 @@ def cache_aware(cands: Sequence[Candidate], ask: Ask, balance_abs: float, balanc
         return Route(best.id, IMBALANCE, f"load {load[best.id]:.0f} tokens, the most loaded {max(load.values()):.0f}")
     most = max(c.matched for c in cands)
     holders = [c for c in cands if c.matched == most] if most > 0 else list(cands)
-    best = min(holders, key=lambda c: (cost_s(c, ask), *_tie(c)))
+    hot = any(c.sharing for c in holders)
+    best = min(cands if hot else holders, key=lambda c: (cost_s(c, ask), *_tie(c)))
     done = f"done in {cost_s(best, ask):.3f}s of engine time"
-    if most > 0 and (len(holders) < len(cands) or len(cands) == 1):
+    if most > 0 and best.matched == most and (len(holders) < len(cands) or len(cands) == 1):
         held = min(most, ask.prompt_tokens)
         return Route(best.id, PREFIX, f"holds {held} of {ask.prompt_tokens} prompt tokens, {done}", held)
     return Route(best.id, LEAST_LOADED, done)

@@ -9,14 +9,15 @@ radix tree whose edges are chunks. Each worker has its own map, bounded (`max_ch
 kept in least-recently-used order. A prompt's match on a worker is the number of its leading
 keys that the worker's map holds. Recording a prompt touches its keys deepest first, so a
 prefix's root is always at least as recent as its leaves and eviction trims leaves before
-roots: what is left of a prefix is still a prefix. A restarted worker holds nothing; its map
-is dropped.
+roots: what is left of a prefix is still a prefix. A worker's map holds at most `max_chunks`
+keys, or fewer when its KV cache is smaller (what it could hold, in chunks), since it evicts
+what does not fit; a restarted worker holds nothing, and its map is dropped.
 
 Trade-off: characters, not tokens. A match has chunk granularity (the last partial chunk of
 a shared prefix goes unseen), its length in tokens is an estimate (characters over the
 learned characters per token), and the index only guesses what a worker's cache holds: it
-is never told of the worker's own evictions and forgets by its own LRU bound, which should
-sit near a worker's KV cache size. In exchange the router needs no tokenizer, a chunk costs
+is never told of the worker's own evictions and forgets by its own LRU bound, sized like the
+worker's cache. In exchange the router needs no tokenizer, a chunk costs
 one hash, and memory is bounded by workers x `max_chunks` keys (about 100 bytes each).
 """
 
@@ -78,14 +79,16 @@ class PrefixIndex:
             n += 1
         return n
 
-    def record(self, keys: Sequence[int], worker_id: str) -> None:
-        """The prompt with these keys was sent to the worker: it holds them now, most recent first."""
+    def record(self, keys: Sequence[int], worker_id: str, limit: int | None = None) -> None:
+        """The prompt with these keys was sent to the worker: it holds them now, most recent first.
+        `limit`: what the worker's own cache holds, in chunks, when smaller than `max_chunks`."""
         held = self._workers.setdefault(worker_id, OrderedDict())
         for key in reversed(keys):  # deepest first: the root ends up the most recent
             held[key] = None
             held.move_to_end(key)
         # The root of the prefix just recorded is now the most recent; trim from the other end.
-        while len(held) > self.max_chunks:
+        bound = self.max_chunks if limit is None else max(1, min(limit, self.max_chunks))
+        while len(held) > bound:
             held.popitem(last=False)
             self.evictions += 1
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 
 from server.balancer import Constraints
@@ -35,14 +36,14 @@ from server.routing.policy import (
 )
 from server.routing.prefix_index import PrefixIndex
 from server.routing.sessions import SessionAffinity
-from server.routing.speed import PRIOR_PREFILL_TO_DECODE, Speed
+from server.routing.speed import REFERENCE_BATCH, Speed
 from server.routing.telemetry import Telemetry
 from server.worker_handle import WorkerHandle
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NEW_TOKENS = 100  # the workers' `max_new_tokens` when a request leaves it out
-_UNMEASURED_DECODE_S = 1e-2  # seconds per generated token assumed before any worker is measured
+UNMEASURED = Speed(step_s=1e-2, prefill_s=1e-4, sequence_s=1e-3)  # before any worker is measured
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,10 @@ class Ticket:
     router: Router
     worker: WorkerHandle
     route: Route
-    prompt_tokens: float
-    new_tokens: float
+    keys: tuple[int, ...]  # its prompt's prefix keys
+    prompt_tokens: float  # to compute there (what its cache did not hold, as estimated)
+    new_tokens: float  # its max_new_tokens
+    tokens: float  # the whole prompt and its max_new_tokens: what it holds in KV cache
     ended: bool = field(default=False)
 
     def end(self) -> None:
@@ -84,7 +87,8 @@ class Router:
         self.telemetry = Telemetry()
         self.sessions = SessionAffinity(self.config.session_load_factor)
         self.decisions: dict[tuple[str, str], int] = {}  # (worker id, reason) -> requests sent
-        self._inflight: dict[str, list[float]] = {}  # worker id -> [prompt tokens, new tokens]
+        self._inflight: dict[str, list[float]] = {}  # worker id -> [prompt tokens to compute, new tokens, all tokens]
+        self._inflight_keys: dict[str, Counter[int]] = {}  # worker id -> prefix keys of its requests in flight
         self._generation: dict[str, int] = {}  # the process whose cache the index describes
         self._last_turn: str | None = None  # round-robin
 
@@ -145,10 +149,11 @@ class Router:
         fallback = _median_speed([s for s in speeds.values() if s is not None])
         out = []
         for h in free:
-            speed = speeds[h.id] or fallback
-            prompt, new = self._inflight.get(h.id, (0.0, 0.0))
-            out.append(Candidate(h.id, h.outstanding, h.picks, prompt, new, speed.prefill_s, speed.decode_s,
-                                 self._matched_tokens(req, self.index.match(req.keys, h.id)), self._kv_free(h)))
+            prompt, new, tokens = self.inflight(h.id)
+            chunks = self.index.match(req.keys, h.id)
+            sharing = self._inflight_keys.get(h.id, {}).get(req.keys[chunks - 1], 0) if chunks else 0
+            out.append(Candidate(h.id, h.outstanding, h.picks, prompt, new, tokens, speeds[h.id] or fallback,
+                                 self._matched_tokens(req, chunks), self._kv_free(h), sharing))
         return out
 
     def _fitting(self, free: list[WorkerHandle], req: RouteRequest) -> list[WorkerHandle]:
@@ -158,6 +163,13 @@ class Router:
         need = self._prompt_tokens(req) + req.new_tokens
         fit = [h for h in free if need <= _max_seq_len(h)]
         return fit or free
+
+    def _chunks_held(self, h: WorkerHandle, req: RouteRequest) -> int | None:
+        """How many prefix chunks the worker's whole KV cache holds (None: unknown)."""
+        tokens = _kv_tokens(h)
+        if tokens is None:
+            return None
+        return int(tokens * self.telemetry.chars_per_token) // req.chunk_units if req.chars else tokens // req.chunk_units
 
     def _kv_free(self, h: WorkerHandle) -> int | None:
         """Free KV cache in tokens: the worker's KV use from its last sample, over its block count."""
@@ -175,14 +187,17 @@ class Router:
     def begin(self, worker: WorkerHandle, route: Route, req: RouteRequest) -> Ticket:
         """The request goes to `worker`: count it, record its prefix there, and return its ticket."""
         self._check_generation(worker)
-        held = min(self._matched_tokens(req, self.index.match(req.keys, worker.id)), self._prompt_tokens(req))
-        ticket = Ticket(self, worker, route, self._prompt_tokens(req) - held, req.new_tokens)
+        prompt = self._prompt_tokens(req)
+        held = min(self._matched_tokens(req, self.index.match(req.keys, worker.id)), prompt)
+        ticket = Ticket(self, worker, route, req.keys, prompt - held, req.new_tokens, prompt + req.new_tokens)
         worker.outstanding += 1
         worker.picks += 1
-        load = self._inflight.setdefault(worker.id, [0.0, 0.0])
+        load = self._inflight.setdefault(worker.id, [0.0, 0.0, 0.0])
         load[0] += ticket.prompt_tokens
         load[1] += ticket.new_tokens
-        self.index.record(req.keys, worker.id)
+        load[2] += ticket.tokens
+        self._inflight_keys.setdefault(worker.id, Counter()).update(req.keys)
+        self.index.record(req.keys, worker.id, self._chunks_held(worker, req))
         self.telemetry.sent(worker.id, req.chars, req.ids)
         key = (worker.id, route.reason)
         self.decisions[key] = self.decisions.get(key, 0) + 1
@@ -193,6 +208,13 @@ class Router:
         if load is not None:
             load[0] = max(0.0, load[0] - ticket.prompt_tokens)
             load[1] = max(0.0, load[1] - ticket.new_tokens)
+            load[2] = max(0.0, load[2] - ticket.tokens)
+        keys = self._inflight_keys.get(ticket.worker.id)
+        if keys is not None:
+            keys.subtract(ticket.keys)
+            for key in set(ticket.keys):
+                if keys.get(key, 1) <= 0:
+                    del keys[key]
 
     def _check_generation(self, h: WorkerHandle) -> None:
         """A new process of a worker holds no cache: forget what the index says it held."""
@@ -206,23 +228,29 @@ class Router:
         """One `/metrics` sample of a worker (None when it did not answer)."""
         self.telemetry.observe(h.id, h.pid, text)
 
-    def inflight(self, worker_id: str) -> tuple[float, float]:
-        prompt, new = self._inflight.get(worker_id, (0.0, 0.0))
-        return prompt, new
+    def inflight(self, worker_id: str) -> tuple[float, float, float]:
+        """(prompt tokens to compute, new tokens, all tokens) in flight on the worker."""
+        prompt, new, tokens = self._inflight.get(worker_id, (0.0, 0.0, 0.0))
+        return prompt, new, tokens
 
     def snapshot(self, h: WorkerHandle) -> dict:
         """`/workers` `routing`: measured speed, tokens in flight, prefix chunks held, decisions."""
         speed = self.telemetry.speed(h.id)
-        prompt, new = self.inflight(h.id)
+        prompt, new, tokens = self.inflight(h.id)
         return {
-            "speed": None if speed is None else {"prefill_tokens_per_s": round(speed.prefill_tps, 1),
-                                                  "decode_tokens_per_s": round(speed.decode_tps, 1),
-                                                  "samples": speed.samples},
-            "inflight_tokens": {"prompt": round(prompt), "new": round(new)},
+            "speed": None if speed is None else speed_entry(speed),
+            "inflight_tokens": {"to_prefill": round(prompt), "new": round(new), "total": round(tokens)},
             "prefix_chunks": self.index.size(h.id),
             "kv_free_tokens": self._kv_free(h),
             "decisions": {reason: n for (wid, reason), n in sorted(self.decisions.items()) if wid == h.id},
         }
+
+
+def _kv_tokens(h: WorkerHandle) -> int | None:
+    """The worker's whole KV cache in tokens, when it reports one."""
+    capacity = h.info.capacity if h.info is not None else {}
+    total, size = capacity.get("kv_blocks_total"), capacity.get("kv_block_size")
+    return total * size if isinstance(total, int) and isinstance(size, int) else None
 
 
 def _max_seq_len(h: WorkerHandle) -> float:
@@ -231,7 +259,17 @@ def _max_seq_len(h: WorkerHandle) -> float:
 
 
 def _median_speed(known: list[Speed]) -> Speed:
-    """A worker not measured yet is taken to be the fleet's median."""
+    """A worker not measured yet is taken to be the fleet's median (all alike before any is)."""
     if not known:
-        return Speed(1.0 / (PRIOR_PREFILL_TO_DECODE * _UNMEASURED_DECODE_S), 1.0 / _UNMEASURED_DECODE_S, 0)
-    return Speed(statistics.median(s.prefill_tps for s in known), statistics.median(s.decode_tps for s in known), 0)
+        return UNMEASURED
+    return Speed(statistics.median(s.step_s for s in known), statistics.median(s.prefill_s for s in known),
+                 statistics.median(s.sequence_s for s in known))
+
+
+def speed_entry(speed: Speed) -> dict:
+    """`/workers` `routing.speed`: the step-time model and what it means in tokens per second."""
+    return {"prefill_tokens_per_s": round(speed.prefill_tps, 1),
+            "decode_tokens_per_s": round(speed.decode_tps(1), 1),
+            f"decode_tokens_per_s_batch_{REFERENCE_BATCH}": round(speed.decode_tps(REFERENCE_BATCH), 1),
+            "step_ms": round(1e3 * speed.step_s, 4), "per_sequence_ms": round(1e3 * speed.sequence_s, 4),
+            "samples": speed.samples}

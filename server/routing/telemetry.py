@@ -3,7 +3,8 @@
 The status page already samples every ready worker's `/metrics` every few seconds
 (server/worker_stats.py); each sample is also handed here. From the change of a worker's
 counters since its previous sample the router gets one interval of work: engine seconds
-(`hetserve_worker_step_seconds_sum`), prompt tokens computed and generated tokens, which
+and steps (`hetserve_worker_step_seconds_sum`, `_count`), prompt tokens computed and
+generated tokens, which
 feed that worker's `SpeedFit` (server/routing/speed.py), and the prompt tokens it was sent,
 which, set against the characters of the text prompts the router sent it meanwhile, teach
 the router how many characters make a token (it has no tokenizer; the prefix index and the
@@ -24,12 +25,13 @@ from server.routing.speed import DEFAULT_DECAY, Speed, SpeedFit
 from workers.contract.defaults import GATEWAY_KV_USAGE
 
 STEP_SECONDS = "hetserve_worker_step_seconds_sum"
+STEPS = "hetserve_worker_step_seconds_count"
 GENERATED = "hetserve_worker_generated_tokens_total"
 PREFILL_COMPUTED = 'hetserve_worker_prefill_tokens_total{kind="computed"}'
 PREFILL_SKIPPED = 'hetserve_worker_prefill_tokens_total{kind="skipped"}'
 PROMPT_TOKENS = "hetserve_worker_prompt_tokens_total"  # an engine without a prefix cache
 KV_USAGE = GATEWAY_KV_USAGE[0]
-_HEADS = frozenset({STEP_SECONDS, GENERATED, PREFILL_COMPUTED, PREFILL_SKIPPED, PROMPT_TOKENS, KV_USAGE})
+_HEADS = frozenset({STEP_SECONDS, STEPS, GENERATED, PREFILL_COMPUTED, PREFILL_SKIPPED, PROMPT_TOKENS, KV_USAGE})
 
 DEFAULT_CHARS_PER_TOKEN = 4.0  # until measured (English text with a BPE tokenizer: 3 to 4.5)
 _CHARS_PER_TOKEN_RANGE = (1.0, 8.0)
@@ -57,6 +59,7 @@ class Counters:
     """One sample of a worker's cumulative counters."""
 
     busy_s: float
+    steps: float
     computed: float  # prompt tokens computed (not found in the prefix cache)
     prompt: float  # prompt tokens admitted (computed + found in the prefix cache)
     generated: float
@@ -65,10 +68,11 @@ class Counters:
     @classmethod
     def read(cls, text: str) -> Counters | None:
         v = read_samples(text)
-        if STEP_SECONDS not in v or GENERATED not in v:
+        if STEP_SECONDS not in v or STEPS not in v or GENERATED not in v:
             return None
         computed = v.get(PREFILL_COMPUTED, v.get(PROMPT_TOKENS, 0.0))
-        return cls(v[STEP_SECONDS], computed, computed + v.get(PREFILL_SKIPPED, 0.0), v[GENERATED], v.get(KV_USAGE))
+        return cls(v[STEP_SECONDS], v[STEPS], computed, computed + v.get(PREFILL_SKIPPED, 0.0), v[GENERATED],
+                   v.get(KV_USAGE))
 
 
 @dataclass
@@ -109,12 +113,13 @@ class Telemetry:
             return
         w.kv_usage = now.kv_usage
         last, w.last = w.last, now
-        restarted = pid != w.pid or last is None or now.busy_s < last.busy_s or now.generated < last.generated
+        restarted = pid != w.pid or last is None or now.steps < last.steps or now.generated < last.generated
         w.pid = pid
         chars, ids, w.chars_sent, w.ids_sent = w.chars_sent, w.ids_sent, 0.0, 0.0
         if restarted:
             return
-        w.fit.observe(now.computed - last.computed, now.generated - last.generated, now.busy_s - last.busy_s)
+        w.fit.observe(now.steps - last.steps, now.computed - last.computed, now.generated - last.generated,
+                      now.busy_s - last.busy_s)
         self._learn_ratio(chars, (now.prompt - last.prompt) - ids)
 
     def _learn_ratio(self, chars: float, text_tokens: float) -> None:
