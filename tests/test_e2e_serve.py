@@ -108,6 +108,37 @@ def test_metrics_carry_every_worker_series_with_id_and_capability(client):
     assert own, "no series scraped from the workers"
 
 
+def test_turns_of_a_conversation_land_on_the_worker_holding_its_prefix(router, client):
+    """Cache-aware routing (the default) with real workers: every turn, resending the whole
+    history, goes where the history is (`X-Hetserve-Route: prefix:<tokens>`), and that worker's
+    own prefix cache counts the hits."""
+    hits = "hetserve_worker_prefix_cache_hits_tokens_total"
+    before = {w: router.metric(hits, worker_id=w) or 0.0 for w in ("gpu0", "gpu1", "gpu2")}
+    messages = [{"role": "system", "content": "Answer about this text. " + " ".join(
+        f"Part {n}: the river turns {n} times." for n in range(4))}]
+    homes, routes, prompts = [], [], []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Part {turn}?"})
+        r = client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 4,
+                                                      "temperature": 0})
+        assert r.status_code == 200, r.text
+        homes.append(r.headers["x-worker-id"])
+        routes.append(r.headers["x-hetserve-route"])
+        prompts.append(r.json()["usage"]["prompt_tokens"])
+        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    assert len(set(homes)) == 1, (homes, routes)
+    assert all(route.startswith("prefix:") and int(route.split(":")[1]) > 0 for route in routes[1:]), routes
+    home = homes[0]
+    after = {w: router.metric(hits, worker_id=w) or 0.0 for w in before}
+    # Each later turn found most of the turn before it cached (whole blocks of it).
+    assert after[home] - before[home] >= 0.6 * sum(prompts[:-1]), (before, after, prompts)
+    assert all(after[w] == before[w] for w in before if w != home), (before, after)
+    routing = router.worker(home)["routing"]
+    assert routing["prefix_chunks"] > 0 and routing["decisions"].get("prefix", 0) >= 3, routing
+    decisions = router.metric("hetserve_router_route_decisions_total", worker_id=home, reason="prefix")
+    assert decisions is not None and decisions >= 3
+
+
 def test_openai_client_unchanged(router):
     openai = pytest.importorskip("openai")
     c = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)

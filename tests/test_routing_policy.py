@@ -29,7 +29,7 @@ from server.routing.policy import (
 from server.routing.prefix_index import PrefixIndex, prefix_keys
 from server.routing.router import Router
 from server.routing.sessions import OVERLOADED, UNAVAILABLE, SessionAffinity
-from server.routing.speed import PRIOR_PREFILL_TO_DECODE, SpeedFit
+from server.routing.speed import Speed, SpeedFit
 from server.routing.telemetry import Counters, Telemetry
 from server.settings import RouterSettings
 from server.worker_handle import WorkerHandle
@@ -90,41 +90,53 @@ def test_index_refuses_a_useless_size():
 
 
 # --- speed ---------------------------------------------------------------------------------
-def test_speed_fit_recovers_prefill_and_decode_costs():
+def test_speed_fit_recovers_the_step_time_model():
     fit = SpeedFit()
-    a, b = 1 / 5000, 1 / 250  # 5000 prompt and 250 generated tokens per engine-second
-    for p, g in ((800, 40), (100, 200), (3000, 10), (0, 300), (1200, 120), (400, 60)):
-        fit.observe(p, g, a * p + b * g)
+    c, a, b = 2e-3, 1 / 5000, 1e-3  # per step, per prompt token, per sequence in a step
+    intervals = ((10, 800, 40), (50, 100, 200), (5, 3000, 10), (100, 0, 300), (40, 1200, 120), (20, 400, 60),
+                 (30, 0, 240), (60, 200, 120))
+    for steps, p, g in intervals:
+        fit.observe(steps, p, g, c * steps + a * p + b * g)
     speed = fit.estimate()
-    assert speed.prefill_tps == pytest.approx(5000, rel=1e-6)
-    assert speed.decode_tps == pytest.approx(250, rel=1e-6)
-    assert speed.samples == 6
+    assert speed.prefill_tps == pytest.approx(5000, rel=0.05)
+    assert speed.step_time(8) == pytest.approx(c + 8 * b, rel=0.05)
+    assert speed.decode_tps(8) == pytest.approx(8 / (c + 8 * b), rel=0.05)
+    assert speed.decode_tps(8) > 2 * speed.decode_tps(1)  # a batch shares the step's fixed cost
+    assert speed.samples == len(intervals)
 
 
-def test_speed_fit_without_mixes_keeps_the_ratio_and_fits_the_scale():
+def test_speed_fit_skips_idle_intervals_and_fits_what_one_batch_size_can_tell():
     fit = SpeedFit()
     assert fit.estimate() is None
-    fit.observe(1000, 0, 0.0)  # an idle engine says nothing
+    fit.observe(10, 1000, 0, 0.0)  # an idle engine says nothing
     assert fit.estimate() is None
-    for _ in range(3):  # decode only: prompt cost cannot be told, scale can
-        fit.observe(0, 100, 0.5)
+    for _ in range(3):  # decode only, always 4 sequences: the step time at 4 is all it can tell
+        fit.observe(25, 0, 100, 0.5)
     speed = fit.estimate()
-    assert speed.decode_tps == pytest.approx(200)
-    assert speed.prefill_tps == pytest.approx(200 / PRIOR_PREFILL_TO_DECODE)
+    assert speed.step_time(4) == pytest.approx(0.02)
+    assert speed.decode_tps(4) == pytest.approx(200)
+    assert speed.prefill_s > 0 and speed.step_s > 0 and speed.sequence_s > 0
 
 
 def test_speed_fit_follows_a_slower_device_within_a_few_intervals():
     fit = SpeedFit(decay=0.5)
-    for p, g in ((500, 50), (50, 100)) * 5:
-        fit.observe(p, g, p / 10000 + g / 500)
-    for p, g in ((500, 50), (50, 100)) * 4:  # now three times slower
-        fit.observe(p, g, 3 * (p / 10000 + g / 500))
-    assert fit.estimate().decode_tps == pytest.approx(500 / 3, rel=0.05)
+    c, a, b = 2e-3, 1e-4, 1e-3
+    for steps, p, g in ((10, 500, 50), (50, 50, 100)) * 5:
+        fit.observe(steps, p, g, c * steps + a * p + b * g)
+    for steps, p, g in ((10, 500, 50), (50, 50, 100)) * 4:  # now three times slower
+        fit.observe(steps, p, g, 3 * (c * steps + a * p + b * g))
+    assert fit.estimate().decode_tps(8) == pytest.approx(8 / (c + 8 * b) / 3, rel=0.1)
+
+
+def test_speed_fit_refuses_a_useless_decay():
+    with pytest.raises(ValueError, match="`0`"):
+        SpeedFit(decay=0)
 
 
 def _metrics(busy: float, computed: float, skipped: float, generated: float, usage: float = 0.25) -> str:
     return (f"# HELP hetserve_worker_step_seconds Duration of one engine step\n"
             f"hetserve_worker_step_seconds_sum {busy}\n"
+            f"hetserve_worker_step_seconds_count {generated / 4 + computed / 100}\n"
             f'hetserve_worker_prefill_tokens_total{{kind="computed"}} {computed}\n'
             f'hetserve_worker_prefill_tokens_total{{kind="skipped"}} {skipped}\n'
             f"hetserve_worker_generated_tokens_total {generated}\n"
@@ -133,8 +145,9 @@ def _metrics(busy: float, computed: float, skipped: float, generated: float, usa
 
 def test_counters_read_the_workers_series():
     c = Counters.read(_metrics(1.5, 300, 100, 40))
-    assert (c.busy_s, c.computed, c.prompt, c.generated, c.kv_usage) == (1.5, 300, 400, 40, 0.25)
-    old = Counters.read("hetserve_worker_step_seconds_sum 2.0\nhetserve_worker_prompt_tokens_total 50.0\n"
+    assert (c.busy_s, c.steps, c.computed, c.prompt, c.generated, c.kv_usage) == (1.5, 13, 300, 400, 40, 0.25)
+    old = Counters.read("hetserve_worker_step_seconds_sum 2.0\nhetserve_worker_step_seconds_count 9\n"
+                        "hetserve_worker_prompt_tokens_total 50.0\n"
                         "hetserve_worker_generated_tokens_total 7.0\n")
     assert (old.computed, old.prompt, old.kv_usage) == (50, 50, None)
     assert Counters.read("something_else 1\n") is None
@@ -217,7 +230,8 @@ def test_a_prefix_every_worker_holds_decides_nothing():
 
 
 def test_faster_workers_are_preferred_and_carry_more_load():
-    slow, fast = dict(prefill_s=3e-4, decode_s=3e-3), dict(prefill_s=1e-4, decode_s=1e-3)
+    slow = dict(speed=Speed(step_s=0.0, prefill_s=3e-4, sequence_s=3e-3))  # 3e-3 s per token at any batch
+    fast = dict(speed=Speed(step_s=0.0, prefill_s=1e-4, sequence_s=1e-3))
     ask = Ask(100, 32)
     assert cache_aware([Candidate("gpu0", **slow), Candidate("gpu1", **fast)], ask, 1024, 1.5).worker == "gpu1"
     # The fast worker with twice the tokens in flight is still done sooner ...
@@ -230,15 +244,46 @@ def test_faster_workers_are_preferred_and_carry_more_load():
 
 def test_imbalance_overrides_prefix_affinity():
     ask = Ask(prompt_tokens=400, new_tokens=16)
-    holder = Candidate("gpu0", matched=384, inflight_prompt=500, inflight_new=1500, outstanding=30)
+    holder = Candidate("gpu0", matched=384, inflight_prompt=500, inflight_new=1500, inflight_tokens=2400,
+                       outstanding=30)
     idle = Candidate("gpu1")
     route = cache_aware([holder, idle], ask, balance_abs=1024, balance_rel=1.5)
     assert (route.worker, route.header) == ("gpu1", IMBALANCE)
     # Below the absolute threshold the prefix wins.
     assert cache_aware([holder, idle], ask, balance_abs=4096, balance_rel=1.5).header == "prefix:384"
     # Both loaded alike (relative threshold not reached): the prefix wins as well.
-    both = Candidate("gpu1", inflight_prompt=400, inflight_new=1300)
+    both = Candidate("gpu1", inflight_prompt=400, inflight_new=1300, inflight_tokens=2000)
     assert cache_aware([holder, both], ask, balance_abs=1024, balance_rel=1.5).worker == "gpu0"
+
+
+def test_imbalance_counts_load_relative_to_speed():
+    ask = Ask(prompt_tokens=400, new_tokens=16)
+    fast = Speed(step_s=0.0, prefill_s=1e-4, sequence_s=1e-3)
+    slow = Speed(step_s=0.0, prefill_s=4e-4, sequence_s=4e-3)
+    holder = Candidate("gpu0", matched=384, inflight_tokens=6000, speed=fast)
+    # 6000 tokens on a worker four times as fast as the other weigh like 1500 there: no imbalance.
+    others = [Candidate("gpu1", inflight_tokens=1000, speed=slow), Candidate("gpu2", inflight_tokens=1000, speed=slow)]
+    assert cache_aware([holder, *others], ask, 1024, 1.5).header == "prefix:384"
+    # The same tokens on a worker as slow as the others do tip it.
+    same = Candidate("gpu0", matched=384, inflight_tokens=6000, speed=slow)
+    assert cache_aware([same, *others], ask, 1024, 1.5).header == IMBALANCE
+
+
+def test_a_hot_prefix_lets_every_worker_compete():
+    """Guards `cands if hot else holders` in policy.cache_aware: without it a system prompt many
+    clients send in parallel would pile every request onto the worker that saw it first."""
+    ask = Ask(prompt_tokens=400, new_tokens=16)
+    busy_holder = dict(matched=320, inflight_prompt=80, inflight_new=300, inflight_tokens=1300, outstanding=3)
+    idle = Candidate("gpu1")
+    # The prefix belongs to one conversation (nothing in flight shares it): it stays.
+    assert cache_aware([Candidate("gpu0", **busy_holder), idle], ask, 4096, 1.5).header == "prefix:320"
+    # Three requests in flight share it: a hot prefix, the idle worker takes a copy.
+    hot = Candidate("gpu0", sharing=3, **busy_holder)
+    route = cache_aware([hot, idle], ask, 4096, 1.5)
+    assert (route.worker, route.header) == ("gpu1", LEAST_LOADED)
+    # A hot prefix on an idle holder still goes there: it is also the cheapest.
+    cheap = Candidate("gpu0", matched=320, sharing=3)
+    assert cache_aware([cheap, Candidate("gpu1", inflight_tokens=10)], ask, 4096, 1.5).header == "prefix:320"
 
 
 def test_a_worker_short_of_free_kv_cache_costs_the_wait():
@@ -286,10 +331,11 @@ def test_turns_of_a_conversation_follow_their_prefix_and_load_is_counted_in_toke
     history = _text(6, "conversation")
     first = _send(router, hs, {"inputs": history, "parameters": {"max_new_tokens": 20}})
     assert first.route.header == LEAST_LOADED and first.new_tokens == 20
-    assert router.inflight(first.worker.id) == (pytest.approx(len(history) / 4.0), 20)
+    prompt = pytest.approx(len(history) / 4.0)
+    assert router.inflight(first.worker.id) == (prompt, 20, pytest.approx(len(history) / 4.0 + 20))
     first.end()
     first.end()  # idempotent
-    assert router.inflight(first.worker.id) == (0, 0) and first.worker.outstanding == 0
+    assert router.inflight(first.worker.id) == (0, 0, 0) and first.worker.outstanding == 0
     later = _send(router, hs, {"inputs": history + _text(2, "turn2"), "parameters": {"max_new_tokens": 20}})
     assert later.worker is first.worker and later.route.header == f"prefix:{round(6 * CHUNK / 4.0)}"
     # Only what the worker does not hold counts as prompt work.
@@ -318,8 +364,10 @@ def test_pinned_requests_say_so_and_a_new_process_holds_no_prefix():
     router, hs = Router(), _handles()
     prompt = {"inputs": _text(4, "pinned")}
     c = parse_constraints({"x-hetserve-worker": "gpu2"})
-    assert _send(router, hs, prompt, c).route.header == "pinned"
+    pinned = _send(router, hs, prompt, c)
+    assert pinned.route.header == "pinned"
     assert router.index.size("gpu2") == 4
+    pinned.end()  # while it ran, its prefix was hot there (shared by a request in flight)
     req = router.request(prompt, Constraints())
     assert router.pick(hs, Constraints(), req)[1].header == "prefix:64"
     hs[2].generation += 1  # restarted: its cache is empty
