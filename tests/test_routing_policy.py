@@ -406,6 +406,17 @@ def test_a_request_too_long_for_a_workers_kv_cache_goes_to_one_that_holds_it():
     assert {_send(router, hs, long_prompt(n)).worker.id for n in range(4, 10)} >= {"gpu0", "gpu1"}
 
 
+def test_free_kv_comes_from_the_latest_probe_else_the_metrics():
+    router, hs = Router(), _handles()
+    h = hs[0]  # 64 blocks of 16 tokens
+    assert router.snapshot(h)["kv_free_tokens"] is None  # nothing reported yet
+    router.observe(h, "hetserve_worker_step_seconds_sum 0\nhetserve_worker_step_seconds_count 0\n"
+                      "hetserve_worker_generated_tokens_total 0\nvllm:kv_cache_usage_perc 0.75\n")
+    assert router.snapshot(h)["kv_free_tokens"] == 16 * 16
+    h.live_capacity = {"kv_blocks_free": 10}  # the last /health probe said so
+    assert router.snapshot(h)["kv_free_tokens"] == 10 * 16
+
+
 def test_the_policy_never_sees_a_worker_the_filter_refused():
     router, hs = Router(), _handles(1)
     hs[0].breaker = CircuitBreaker(BreakerPolicy(failures=1))

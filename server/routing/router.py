@@ -172,12 +172,16 @@ class Router:
         return int(tokens * self.telemetry.chars_per_token) // req.chunk_units if req.chars else tokens // req.chunk_units
 
     def _kv_free(self, h: WorkerHandle) -> int | None:
-        """Free KV cache in tokens: the worker's KV use from its last sample, over its block count."""
+        """Free KV cache in tokens: `capacity.kv_blocks_free` from the worker's last `/health`
+        probe, else its KV use from its last `/metrics` sample, over its block count."""
         capacity = h.info.capacity if h.info is not None else {}
         total, size = capacity.get("kv_blocks_total"), capacity.get("kv_block_size")
-        usage = self.telemetry.kv_usage(h.id)
         if not isinstance(total, int) or not isinstance(size, int):
             return None
+        free = h.live_capacity.get("kv_blocks_free")
+        if isinstance(free, int):
+            return free * size
+        usage = self.telemetry.kv_usage(h.id)
         if usage is None:
             free = capacity.get("kv_blocks_free")
             return free * size if isinstance(free, int) else None
