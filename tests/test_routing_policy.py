@@ -21,6 +21,7 @@ from server.routing.policy import (
     Ask,
     Candidate,
     Route,
+    bounded_load,
     cache_aware,
     cost_s,
     least_loaded,
@@ -286,6 +287,23 @@ def test_a_hot_prefix_lets_every_worker_compete():
     assert cache_aware([cheap, Candidate("gpu1", inflight_tokens=10)], ask, 4096, 1.5).header == "prefix:320"
 
 
+def test_a_prompt_open_to_all_skips_a_worker_beyond_the_bounded_load():
+    """Guards the `bounded_load` filter in policy.cache_aware: without it the fastest worker
+    takes every new conversation (and every request behind a hot prompt) until its cost
+    catches up, far beyond its share of requests and of KV cache."""
+    assert bounded_load([0, 0, 0], 1.5) == 2 and bounded_load([8, 4, 3], 1.5) == 9
+    ask = Ask(prompt_tokens=100, new_tokens=16)
+    very_fast = Speed(step_s=0.0, prefill_s=1e-6, sequence_s=1e-6)
+    fast = Candidate("gpu2", outstanding=9, inflight_tokens=900, speed=very_fast)
+    others = [Candidate("gpu0", outstanding=3), Candidate("gpu1", outstanding=3)]
+    # 15 in flight with this one, 3 workers: at most ceil(1.5 * 16 / 3) + 1 = 9 each.
+    assert cache_aware([fast, *others], ask, 4096, 1.5, load_factor=1.5).worker == "gpu0"
+    assert cache_aware([fast, *others], ask, 4096, 1.5, load_factor=3.0).worker == "gpu2"
+    # A prefix only it holds is a conversation's: it stays (imbalance, not the bound, moves it).
+    holder = Candidate("gpu2", outstanding=9, inflight_tokens=900, speed=very_fast, matched=64)
+    assert cache_aware([holder, *others], ask, 4096, 1.5, load_factor=1.5).header == "prefix:64"
+
+
 def test_a_worker_short_of_free_kv_cache_costs_the_wait():
     ask = Ask(prompt_tokens=300, new_tokens=100)
     full = Candidate("gpu0", kv_free=50)
@@ -434,7 +452,7 @@ def test_routing_flags_reach_the_settings_and_bad_ones_are_refused():
     assert RouterSettings.from_args(build_parser().parse_args(["serve"])).routing == RoutingConfig()
     for flag, value, needle in (("--routing-balance-rel", "0.5", "`--routing-balance-rel 0.5` must be >= 1.0"),
                                 ("--routing-tree-size", "0", "`--routing-tree-size 0` must be >= 1"),
-                                ("--routing-session-load-factor", "0.9", "must be >= 1.0")):
+                                ("--routing-load-factor", "0.9", "must be >= 1.0")):
         with pytest.raises(UsageError, match=needle):
             routing_from_args(build_parser().parse_args(["serve", flag, value]))
     with pytest.raises(UsageError, match="Unknown routing policy `random`. Accepted: cache-aware"):

@@ -16,8 +16,8 @@ import argparse
 from dataclasses import dataclass
 
 from server.errors import UsageError
+from server.routing.policy import DEFAULT_LOAD_FACTOR
 from server.routing.prefix_index import DEFAULT_CHUNK_CHARS, DEFAULT_MAX_CHUNKS
-from server.routing.sessions import DEFAULT_LOAD_FACTOR
 
 CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN = "cache-aware", "least-loaded", "round-robin"
 POLICIES = (CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN)
@@ -31,7 +31,9 @@ class RoutingConfig:
     # flight, scaled by each worker's speed relative to the fleet's median).
     balance_abs: int = 4096
     balance_rel: float = 1.5
-    session_load_factor: float = DEFAULT_LOAD_FACTOR  # a session moves off a worker above factor x mean load
+    # Bounded load: a session stays on its worker, and a prompt no worker holds (or a hot one) goes
+    # to a worker, only while that worker stays within factor x the mean requests in flight (+1).
+    load_factor: float = DEFAULT_LOAD_FACTOR
     tree_size: int = DEFAULT_MAX_CHUNKS  # prefix chunks remembered per worker
     chunk_chars: int = DEFAULT_CHUNK_CHARS
 
@@ -40,7 +42,7 @@ class RoutingConfig:
             raise UsageError(f"Unknown routing policy `{self.policy}`. Accepted: {', '.join(POLICIES)}")
         checks = (("--routing-balance-abs", self.balance_abs, self.balance_abs >= 0, ">= 0 tokens"),
                   ("--routing-balance-rel", self.balance_rel, self.balance_rel >= 1.0, ">= 1.0"),
-                  ("--routing-session-load-factor", self.session_load_factor, self.session_load_factor >= 1.0,
+                  ("--routing-load-factor", self.load_factor, self.load_factor >= 1.0,
                    ">= 1.0"),
                   ("--routing-tree-size", self.tree_size, self.tree_size >= 1, ">= 1 chunk"))
         for flag, value, ok, bound in checks:
@@ -60,16 +62,17 @@ def add_routing_flags(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-balance-rel", type=float, default=None, metavar="R",
                    help=f"... and the most loaded worker carries R times the least loaded one's load "
                         f"(default {d.balance_rel:g})")
-    g.add_argument("--routing-session-load-factor", type=float, default=None, metavar="F",
-                   help="a session (X-Session-Id, OpenAI `user`) leaves its worker once that worker has more "
-                        f"than F times the mean requests in flight (default {d.session_load_factor:g})")
+    g.add_argument("--routing-load-factor", type=float, default=None, metavar="F",
+                   help="bounded load: a session (X-Session-Id, OpenAI `user`) leaves its worker, and a new or "
+                        "shared prefix skips a worker, once that worker would have more than F times the mean "
+                        f"requests in flight, plus one (default {d.load_factor:g})")
     g.add_argument("--routing-tree-size", type=int, default=None, metavar="CHUNKS",
                    help=f"prompt prefix chunks of {d.chunk_chars} characters remembered per worker, least recently "
                         f"used forgotten first (default {d.tree_size})")
 
 
 _FLAGS = {"routing": "policy", "routing_balance_abs": "balance_abs", "routing_balance_rel": "balance_rel",
-          "routing_session_load_factor": "session_load_factor", "routing_tree_size": "tree_size"}
+          "routing_load_factor": "load_factor", "routing_tree_size": "tree_size"}
 
 
 def routing_from_args(args) -> RoutingConfig:

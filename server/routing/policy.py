@@ -17,7 +17,12 @@ the speed of unequal workers counted in:
    unless that prefix is **hot** there (other requests in flight on it share it: a system
    prompt many clients send, not a conversation's own history): then every worker competes,
    as one prefill copies a hot prefix to another worker and pays for itself many times, and
-3. among them (or among all, when none holds any) the one that would drain soonest wins: the
+3. when the request is open to every worker (no worker holds any of it, or it is hot), only
+   the workers within a bounded load compete (`bounded_load`: `load_factor` x the mean
+   requests in flight, plus one, as bounded-load consistent hashing does), so that neither
+   new conversations nor a hot prompt pile onto the fastest worker, whose KV cache holds
+   no more than the others'; and
+4. among them (or among all, when none holds any) the one that would drain soonest wins: the
    engine-seconds of the work in flight there plus this request's, from the worker's
    measured speed (server/routing/speed.py: a per prompt token, t per generated token at a
    batch of 8):
@@ -41,12 +46,14 @@ spreading in proportion to speed keeps every worker's queue short and none idle.
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from server.routing.speed import Speed
 
+DEFAULT_LOAD_FACTOR = 1.5  # bounded loads (see `bounded_load`)
 HEADER_ROUTE = "X-Hetserve-Route"  # on every answer a worker gave: why that worker (`Route.header`)
 
 PREFIX, SESSION, LEAST_LOADED, PINNED, IMBALANCE, ROUND_ROBIN = (
@@ -111,11 +118,19 @@ def imbalanced(load: dict[str, float], balance_abs: float, balance_rel: float) -
     return high - low > balance_abs and high > balance_rel * low
 
 
+def bounded_load(outstanding: Iterable[int], factor: float) -> int:
+    """The most requests a worker may have in flight, a new one included, under bounded loads:
+    `factor` x the mean (the new one counted), plus one (at light load a request more is noise)."""
+    counts = list(outstanding)
+    return math.ceil(factor * (sum(counts) + 1) / max(1, len(counts))) + 1
+
+
 def _tie(c: Candidate) -> tuple[int, int, str]:
     return c.outstanding, c.picks, c.id
 
 
-def cache_aware(cands: Sequence[Candidate], ask: Ask, balance_abs: float, balance_rel: float) -> Route:
+def cache_aware(cands: Sequence[Candidate], ask: Ask, balance_abs: float, balance_rel: float,
+                load_factor: float = DEFAULT_LOAD_FACTOR) -> Route:
     """Imbalance, then the longest prefix, then the soonest done (see the module docstring)."""
     load = loads(cands)
     if len(cands) > 1 and imbalanced(load, balance_abs, balance_rel):
@@ -124,7 +139,11 @@ def cache_aware(cands: Sequence[Candidate], ask: Ask, balance_abs: float, balanc
     most = max(c.matched for c in cands)
     holders = [c for c in cands if c.matched == most] if most > 0 else list(cands)
     hot = any(c.sharing for c in holders)
-    best = min(cands if hot else holders, key=lambda c: (cost_s(c, ask), *_tie(c)))
+    pool = list(cands) if hot or most == 0 else holders
+    if len(pool) == len(cands):  # open to all: within the bound on requests in flight
+        bound = bounded_load((c.outstanding for c in cands), load_factor)
+        pool = [c for c in pool if c.outstanding + 1 <= bound] or pool
+    best = min(pool, key=lambda c: (cost_s(c, ask), *_tie(c)))
     done = f"done in {cost_s(best, ask):.3f}s of engine time"
     if most > 0 and best.matched == most and (len(holders) < len(cands) or len(cands) == 1):
         held = min(most, ask.prompt_tokens)

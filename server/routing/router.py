@@ -85,7 +85,7 @@ class Router:
         self.config = config or RoutingConfig()
         self.index = PrefixIndex(self.config.chunk_chars, self.config.tree_size)
         self.telemetry = Telemetry()
-        self.sessions = SessionAffinity(self.config.session_load_factor)
+        self.sessions = SessionAffinity(self.config.load_factor)
         self.decisions: dict[tuple[str, str], int] = {}  # (worker id, reason) -> requests sent
         self._inflight: dict[str, list[float]] = {}  # worker id -> [prompt tokens to compute, new tokens, all tokens]
         self._inflight_keys: dict[str, Counter[int]] = {}  # worker id -> prefix keys of its requests in flight
@@ -141,7 +141,7 @@ class Router:
             route = least_loaded(cands)
         else:
             assert policy == CACHE_AWARE
-            route = cache_aware(cands, ask, self.config.balance_abs, self.config.balance_rel)
+            route = cache_aware(cands, ask, self.config.balance_abs, self.config.balance_rel, self.config.load_factor)
         return by_id[route.worker], route
 
     def _candidates(self, free: list[WorkerHandle], req: RouteRequest) -> list[Candidate]:

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-DEFAULT_LOAD_FACTOR = 1.5
+from server.routing.policy import DEFAULT_LOAD_FACTOR, bounded_load
+
 DEFAULT_MAX_SESSIONS = 65536
 DEFAULT_VNODES = 64
 UNAVAILABLE, OVERLOADED = "unavailable", "overloaded"
@@ -68,8 +68,7 @@ class SessionAffinity:
 
     def bound(self, loads: Mapping[str, int]) -> int:
         """The most requests a worker may have in flight, this one included, to take a session."""
-        total = sum(loads.values()) + 1
-        return math.ceil(self.load_factor * total / max(1, len(loads))) + 1
+        return bounded_load(loads.values(), self.load_factor)
 
     def place(self, session: str, loads: Mapping[str, int], all_ids: Sequence[str]) -> Placement:
         """The worker for this session's next request. `loads`: requests in flight on each worker
