@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from server.routing.speed import Speed
 
-DEFAULT_LOAD_FACTOR = 1.5  # bounded loads (see `bounded_load`)
+DEFAULT_LOAD_FACTOR = 1.1  # bounded loads (see `bounded_load`)
 HEADER_ROUTE = "X-Hetserve-Route"  # on every answer a worker gave: why that worker (`Route.header`)
 
 PREFIX, SESSION, LEAST_LOADED, PINNED, IMBALANCE, ROUND_ROBIN = (
