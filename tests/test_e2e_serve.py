@@ -95,8 +95,9 @@ def test_metrics_carry_every_worker_series_with_id_and_capability(client):
 
     client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
     families = list(text_string_to_metric_families(client.get("/metrics").text))
-    worker_samples = [s for f in families if not f.name.startswith("hetserve_router_requests")
-                      and not f.name.startswith("hetserve_router_request_duration") for s in f.samples]
+    fleet_wide = ("hetserve_router_requests", "hetserve_router_request_duration", "hetserve_router_chars_per_token",
+                  "hetserve_router_sessions")
+    worker_samples = [s for f in families if not f.name.startswith(fleet_wide) for s in f.samples]
     assert worker_samples
     labels = {(s.labels.get("worker_id"), s.labels.get("capability")) for s in worker_samples}
     # the inference gateways' gauges also carry the pod's total, labelled `all`
