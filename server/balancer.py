@@ -1,4 +1,4 @@
-"""Which worker gets a request: least outstanding work among the ready workers that match.
+"""Which workers may take a request (the routing policy's filter stage), and among them which one.
 
 A request may constrain where it runs, through headers (they work the same for the TGI and
 the OpenAI routes, and every client can set headers):

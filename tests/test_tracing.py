@@ -71,7 +71,8 @@ def test_router_span_continues_the_callers_trace_and_is_the_workers_parent(trace
     assert attrs["hetserve.fp8.convention"] == r.headers["x-fp8-convention"] and attrs["hetserve.retries"] == 0
     route = [e for e in span.events if e.name == "route"]
     assert len(route) == 1 and route[0].attributes["hetserve.worker.id"] == worker
-    assert "least outstanding" in route[0].attributes["hetserve.route.reason"]
+    # the routing decision with its reason, as the answer's `X-Hetserve-Route` names it
+    assert route[0].attributes["hetserve.route.reason"].startswith(f"{r.headers['x-hetserve-route']}: ")
     # what the worker process received: this trace, with the router's span as the parent
     assert _received(log)[-1] == (worker, f"00-{CALLER_TRACE}-{_hex(span.context.span_id, 16)}-01")
 
