@@ -474,8 +474,10 @@ def test_slowdown_factor_per_worker_and_bad_values_named():
 
 
 def test_slowdown_makes_each_forward_take_longer():
-    def step(x):
-        time.sleep(0.02)
+    def step(x):  # 20 ms of this thread's CPU: the knob scales CPU time when torch runs on one thread
+        start = time.thread_time()
+        while time.thread_time() - start < 0.02:
+            pass
         return x + 1
 
     model = SimpleNamespace(step=step)
