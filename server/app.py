@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from server.canary import CanaryMonitor, run_canary
 from server.context import VERSION, RouterContext
 from server.disconnect import DisconnectGuard
 from server.dispatch import Dispatcher
@@ -62,13 +63,14 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
     metrics.registry.register(RoutingCollector(router, handles))
     tracing = tracing or start_tracing(settings.otlp_endpoint, "hetserve-router")
     ctx = RouterContext(settings, supervisor, Dispatcher(supervisor, settings, metrics, tracing, router), metrics,
-                        WorkerStats(handles, settings.stats_interval_s, observers=[router.observe]))
+                        WorkerStats(handles, settings.stats_interval_s, observers=[router.observe]),
+                        CanaryMonitor(supervisor, settings))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await supervisor.start()
         background = [asyncio.create_task(_announce_when_settled(supervisor, on_settled)),
-                      asyncio.create_task(ctx.stats.run())]
+                      asyncio.create_task(ctx.stats.run()), asyncio.create_task(run_canary(ctx.canary))]
         try:
             yield
         finally:

@@ -13,7 +13,7 @@ import sys
 
 from server.errors import UsageError
 from server.routing.config import add_routing_flags
-from server.settings import RouterSettings
+from server.settings import CANARY_ACTIONS, RouterSettings
 from workers.contract import (
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH,
@@ -59,6 +59,24 @@ def _add_failure_flags(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--breaker-cooldown", type=float, default=None, metavar="S",
                    help=f"seconds an open breaker keeps requests away before one probe request "
                         f"(default {d.breaker_cooldown_s:g})")
+
+
+def _add_numerics_flags(serve: argparse.ArgumentParser) -> None:
+    d = RouterSettings()
+    g = serve.add_argument_group("numerics", "deterministic mode and the cross-worker canary")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics on every worker: a request's output does not depend on what "
+                        "else the worker runs (fixed GEMM row tiles and attention splits; some throughput)")
+    g.add_argument("--canary-interval", type=float, default=None, metavar="S",
+                   help="seconds between canary rounds, which score a fixed set of short prompts on every ready "
+                        f"worker and compare them (default {d.canary_interval_s:g}; 0: off)")
+    g.add_argument("--canary-min-agreement", type=float, default=None, metavar="F",
+                   help="fraction of canary tokens that must equal the reference's where the numerics may "
+                        f"differ; below it a worker is suspect (default {d.canary_min_agreement:g}; exact where "
+                        "both run --deterministic with the same kernels)")
+    g.add_argument("--canary-action", default=None, choices=CANARY_ACTIONS,
+                   help="what a suspect worker gets: mark (shown in /workers, /metrics, /health) or drain (also "
+                        f"out of rotation, restarted, checked again before it serves; default {d.canary_action})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(e.g. http://collector:4318; off by default)")
     _add_failure_flags(serve)
     add_routing_flags(serve)
+    _add_numerics_flags(serve)
 
     plan = sub.add_parser("plan", help="show per device the kernels and fp8 convention chosen, without loading weights")
     _add_simulate(plan)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from server.canary import CanaryMonitor
 from server.chat import ChatTemplate, load_chat_template
 from server.dispatch import Dispatcher
 from server.router_metrics import RouterMetrics
@@ -36,6 +37,7 @@ class RouterContext:
     dispatcher: Dispatcher
     metrics: RouterMetrics
     stats: WorkerStats | None = None  # the status page's per-worker history
+    canary: CanaryMonitor | None = None  # the cross-worker numerics check
     started_at: float = field(default_factory=time.time)
     _chat: ChatTemplate | None = None
 

@@ -23,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.breaker import BreakerState
+from server.canary import CanaryCollector
 from server.worker_handle import WorkerHandle
 from workers.contract import WorkerState
 from workers.contract.defaults import GATEWAY_KV_USAGE, GATEWAY_POD, GATEWAY_RUNNING, GATEWAY_WAITING
@@ -86,6 +87,7 @@ class RouterMetrics:
         self.scrape_errors = Counter("hetserve_router_worker_scrape_errors", "Worker /metrics scrapes that failed.",
                                      _LABELS, registry=self.registry)
         self.registry.register(_WorkerStateCollector(workers_fn))
+        self.registry.register(CanaryCollector(workers_fn))
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()

@@ -35,6 +35,13 @@ WORKER_CMD_ENV = "HETSERVE_WORKER_CMD"
 HEADER_TIMEOUT_S = 10.0  # a request head (request line and headers) must arrive within this
 BODY_TIMEOUT_S = 30.0  # a request body may pause this long between bytes
 
+# The canary (server/canary.py): what it does with a worker whose numerics it finds suspect.
+CANARY_ACTIONS = ("mark", "drain")
+# The least agreement with the reference a healthy worker is expected to keep when its numerics
+# may differ (another architecture, fp8 convention or dtype, or batching without
+# --deterministic); the README's "Canary" section gives the measurements behind it.
+CANARY_MIN_AGREEMENT = 0.9
+
 
 def _default_worker_command() -> tuple[str, ...]:
     raw = os.environ.get(WORKER_CMD_ENV, "").strip()
@@ -90,6 +97,11 @@ class RouterSettings:
     breaker_failures: int = 5  # consecutive failed requests that open a worker's circuit breaker
     breaker_cooldown_s: float = 10.0  # an open breaker lets one probe request through after this
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # --routing and its parameters
+    # numerics
+    deterministic: bool = False  # workers run batch-invariant numerics (workers/deterministic.py)
+    canary_interval_s: float = 300.0  # seconds between canary rounds; 0 turns the canary off
+    canary_min_agreement: float = CANARY_MIN_AGREEMENT  # below it (where not exact), a worker is suspect
+    canary_action: str = "mark"  # mark | drain (out of rotation, restarted, checked again)
 
     @property
     def worker_capacity(self) -> int:
@@ -136,6 +148,7 @@ class RouterSettings:
             "api_key_source": api_key_source,
             "log_level": getattr(args, "log_level", "info"),
             "special_tokens_in_content": bool(getattr(args, "special_tokens_in_content", False)),
+            "deterministic": bool(getattr(args, "deterministic", False)),
         }
         endpoint = getattr(args, "otlp_endpoint", None)
         if endpoint:
@@ -145,6 +158,7 @@ class RouterSettings:
                 raise UsageError(f"--otlp-endpoint: {e}") from e
         kwargs.update(_failure_knobs(args))
         kwargs["routing"] = routing_from_args(args)
+        kwargs.update(_canary_knobs(args))
         # Optional knobs a future CLI may add; absent means the defaults above.
         for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "threads"):
             value = getattr(args, name, None)
@@ -177,4 +191,25 @@ def _failure_knobs(args) -> dict:
             bound = f"> {low}" if strict else f">= {low}"
             raise UsageError(f"`--{flag.replace('_', '-')} {value}` must be {bound}")
         out[name] = value
+    return out
+
+
+def _canary_knobs(args) -> dict:
+    """The canary flags that were given, checked (`UsageError` names the bad one)."""
+    out = {}
+    interval = getattr(args, "canary_interval", None)
+    if interval is not None:
+        if not interval >= 0:
+            raise UsageError(f"`--canary-interval {interval}` must be >= 0 seconds (0 turns the canary off)")
+        out["canary_interval_s"] = float(interval)
+    agreement = getattr(args, "canary_min_agreement", None)
+    if agreement is not None:
+        if not 0.0 <= agreement <= 1.0:
+            raise UsageError(f"`--canary-min-agreement {agreement}` must be a fraction in [0, 1]")
+        out["canary_min_agreement"] = float(agreement)
+    action = getattr(args, "canary_action", None)
+    if action is not None:
+        if action not in CANARY_ACTIONS:
+            raise UsageError(f"`--canary-action {action}` is not an action. Accepted: {', '.join(CANARY_ACTIONS)}")
+        out["canary_action"] = action
     return out

@@ -138,6 +138,24 @@ class Supervisor:
         if handle.generation == generation:
             handle.check_now.set()
 
+    def hold(self, handle: WorkerHandle, why: str, restart: bool = False) -> None:
+        """The canary takes `handle` out of rotation (`why`); with `restart`, its process is also
+        stopped gracefully (SIGTERM: its requests in flight finish) and the lifecycle restarts it,
+        still held until the canary releases it."""
+        handle.canary_hold = why
+        self._notify()
+        if not restart or handle.process is None or handle.process.returncode is not None:
+            return
+        logger.error("worker %s (pid %s) out of rotation and restarting: %s", handle.id, handle.pid, why)
+        handle.exit_cause = why
+        with contextlib.suppress(ProcessLookupError):
+            handle.process.send_signal(signal.SIGTERM)
+
+    def release(self, handle: WorkerHandle) -> None:
+        """The canary found `handle` healthy again: back in rotation."""
+        handle.canary_hold = None
+        self._notify()
+
     async def stop(self) -> None:
         """SIGTERM every worker (they drain), SIGKILL what is left after the timeout, clean up."""
         self._stopping = True
@@ -186,6 +204,10 @@ class Supervisor:
         handle.reason = reason
         if state != WorkerState.READY and state != WorkerState.UNHEALTHY:
             handle.ready_since = None
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake whoever waits in `wait_changed`."""
         if self._changed is not None:
             self._changed.set()
             self._changed = asyncio.Event()

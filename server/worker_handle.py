@@ -10,8 +10,9 @@ States: `starting` (first start, not ready yet) -> `ready` <-> `unhealthy` (aliv
 health checks, or hung and being replaced: not routed to) ; a crash -> `restarting` (until
 ready again) ; a start that failed at a step (exit code 3) or kept crashing -> `failed` (not
 restarted, `reason` says why). Beside its state, each worker has a circuit breaker fed by the
-outcomes of the requests sent to its current process (server/breaker.py) and the verdict of
-its last health probe (server/probe.py).
+outcomes of the requests sent to its current process (server/breaker.py), the verdict of
+its last health probe (server/probe.py) and that of its last canary check (server/canary.py),
+which may hold a ready worker out of rotation (`canary_hold`) until it checks healthy again.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.breaker import BreakerPolicy, CircuitBreaker
+from server.canary_compare import CanaryRecord
 from server.probe import ProbeVerdict
 from server.worker_client import WorkerClient
 from server.worker_spec import WorkerSpec
@@ -49,6 +51,8 @@ class WorkerHandle:
     breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(BreakerPolicy()))
     probe: ProbeVerdict | None = None  # the last health probe's verdict
     exit_cause: str | None = None  # why the router stopped this process itself (a hang), for `last_exit`
+    canary: CanaryRecord | None = None  # the last canary check's verdict
+    canary_hold: str | None = None  # why the canary keeps the worker out of rotation (kept across restarts)
 
     @property
     def id(self) -> str:
@@ -69,7 +73,7 @@ class WorkerHandle:
 
     @property
     def routable(self) -> bool:
-        return self.state == WorkerState.READY and self.client is not None
+        return self.state == WorkerState.READY and self.client is not None and self.canary_hold is None
 
     def request_outcome(self, generation: int, ok: bool | None, why: str = "") -> None:
         """Feed the breaker: a request sent to process `generation` succeeded (True), failed
@@ -120,7 +124,18 @@ class WorkerHandle:
             "last_exit": self.last_exit,
             "breaker": self.breaker.snapshot(),
             "health": None if self.probe is None else self.probe.snapshot(),
+            "deterministic": info.deterministic.model_dump(exclude_none=True),
+            "canary": self.canary_snapshot(),
         }
+
+    def canary_snapshot(self) -> dict | None:
+        """`/workers` `canary`: the last check's verdict, and whether it holds the worker out of rotation."""
+        if self.canary is None and self.canary_hold is None:
+            return None
+        out = {} if self.canary is None else self.canary.snapshot()
+        if self.canary_hold is not None:
+            out["held"] = self.canary_hold
+        return out
 
 
 def read_status(path: Path) -> dict:

@@ -120,6 +120,8 @@ def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, sock
         argv += ["--kv-cache-bytes", str(settings.kv_cache_bytes)]
     if settings.otlp_endpoint is not None:
         argv += ["--otlp-endpoint", settings.otlp_endpoint]
+    if settings.deterministic:
+        argv.append("--deterministic")
     return tuple(argv)
 
 

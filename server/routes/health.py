@@ -1,5 +1,7 @@
-"""`GET /health`: 200 `ok` when every worker is ready, 200 `degraded` when some are or while any
-worker's circuit breaker is not closed (`open_breakers` names them), 503 when none is ready.
+"""`GET /health`: 200 `ok` when every worker is ready, 200 `degraded` when some are, while any
+worker's circuit breaker is not closed (`open_breakers` names them) or while the canary finds
+any worker suspect (`canary_suspects`; a drained one is out of rotation, so not ready either),
+503 when none is ready.
 
 Open without the API key, so load balancers and orchestrators can probe it.
 """
@@ -20,9 +22,10 @@ def health_verdict(ctx: RouterContext) -> tuple[dict, int]:
     handles = list(ctx.supervisor.workers.values())
     ready = [h.id for h in handles if h.routable]
     open_breakers = [h.id for h in handles if h.breaker.state != BreakerState.CLOSED]
+    suspects = [h.id for h in handles if (h.canary is not None and h.canary.suspect) or h.canary_hold is not None]
     if not ready:
         status, code = "unavailable", 503
-    elif len(ready) == len(handles) and not open_breakers:
+    elif len(ready) == len(handles) and not open_breakers and not suspects:
         status, code = "ok", 200
     else:
         status, code = "degraded", 200
@@ -32,6 +35,7 @@ def health_verdict(ctx: RouterContext) -> tuple[dict, int]:
         "total": len(handles),
         "workers": {h.id: h.state for h in handles},
         "open_breakers": open_breakers,
+        "canary_suspects": suspects,
         "model": ctx.model_id(),
     }
     return body, code

@@ -31,6 +31,7 @@ from workers.contract.defaults import (
     ENV_DEVICE_UUID,
     ENV_PREFLIGHT,
     ENV_SIMULATE,
+    ENV_TEST_PERTURB_LOGITS,
     HEADER_FP8,
     HEADER_FP8_CONVENTION,
     HEADER_MIN_CAPABILITY,
@@ -66,6 +67,7 @@ from workers.contract.json_schema import load_json_schema
 from workers.contract.lifecycle import STARTUP_STEPS, ExitCode, WorkerState, WorkerStatus
 from workers.contract.payload import (
     CapabilityPayload,
+    DeterministicDescription,
     DeviceDescription,
     EngineLiveness,
     Fp8Description,
@@ -86,7 +88,8 @@ __all__ = [
     "FoundTemplate", "find_chat_template", "read_special_tokens", "read_tokenizer_config", "token_text",
     "DEFAULT_KV_BLOCK_SIZE", "DEFAULT_MAX_BATCH", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_QUEUE",
     "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S", "KV_BLOCK_SIZES", "engine_limits_error",
-    "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_PREFLIGHT", "ENV_SIMULATE", "PREFLIGHT_MODES",
+    "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_PREFLIGHT", "ENV_SIMULATE", "ENV_TEST_PERTURB_LOGITS",
+    "PREFLIGHT_MODES",
     "HEADER_FP8", "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_PIN_WORKER",
     "HEADER_WORKER_CAPABILITY", "HEADER_WORKER_ID", "MAX_LOGPROBS", "MAX_STOP_SEQUENCES", "RESUME_IDS",
     "WORKER_HEADERS", "MAX_HEADER_BYTES", "MAX_HEADER_COUNT", "MAX_URL_BYTES", "RUN_DIR_MARKER",
@@ -97,6 +100,6 @@ __all__ = [
     "load_json_schema",
     "STARTUP_STEPS", "ExitCode", "WorkerState", "WorkerStatus",
     "ENV_TRITON_CACHE", "ENV_TRITON_CACHE_DIR", "triton_cache_dir", "triton_cache_root", "use_triton_cache",
-    "CapabilityPayload", "DeviceDescription", "EngineLiveness", "Fp8Description", "HealthPayload",
+    "CapabilityPayload", "DeterministicDescription", "DeviceDescription", "EngineLiveness", "Fp8Description", "HealthPayload",
     "KernelDescription", "ModelDescription",
 ]

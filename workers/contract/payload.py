@@ -57,6 +57,16 @@ class ModelDescription(_Open):
     sampling_defaults: dict[str, float] = Field(default_factory=dict)
 
 
+class DeterministicDescription(_Open):
+    """`/workers` `deterministic`: whether the worker runs batch-invariant numerics
+    (`--deterministic`, workers/deterministic.py) and with which fixed shapes."""
+
+    enabled: bool = False
+    row_tile: int | None = None  # rows per projection GEMM
+    kv_split: int | None = None  # cached positions per attention split (torch path)
+    attention: str | None = None  # how every row attends: "torch splits" or the kernel's fixed tiles
+
+
 class Load(BaseModel):
     running: int = 0
     queued: int = 0
@@ -94,3 +104,4 @@ class CapabilityPayload(_Open):
     versions: dict[str, str | None] = Field(default_factory=dict)
     load: Load = Field(default_factory=Load)
     triton_cache: str | None = None  # this architecture's Triton cache directory
+    deterministic: DeterministicDescription = Field(default_factory=DeterministicDescription)
