@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.config import ModelConfig
+from workers.deterministic import attend_paged
 from workers.kv import ForwardBatch, KVPool, gather_kv
 from workers.layers import PagedAttention
 from workers.rope import apply_rotary
@@ -62,6 +63,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.wo = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.paged = PagedAttention()
+        self.kv_split: int | None = None  # deterministic mode: every row attends in fixed splits
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., T, H] -> q [..., T, Hq, D], k, v [..., T, Hkv, D] with rope applied to q and k."""
@@ -88,6 +90,8 @@ class Attention(nn.Module):
         # 1. Write every token's K/V at its slot (block * B + offset) in one indexed store.
         slots = kv.view(2, self.n_kv_heads, -1, self.head_dim)  # [2, Hkv, NB*B, D]
         slots[:, :, batch.slot_mapping] = torch.stack((k, v)).transpose(1, 2).to(kv.dtype)  # [2, Hkv, T, D]
+        if self.kv_split is not None:  # deterministic mode: one fixed-split path for every row
+            return self.wo(attend_paged(q, kv, batch, self.kv_split).flatten(-2))
         if not batch.prefills:
             return self.wo(self.paged(q, kv, decode).flatten(-2))  # [T, H]
         out = torch.empty_like(q)  # [T, Hq, D]

@@ -54,10 +54,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from workers.kv import gather_kv
+
 logger = logging.getLogger(__name__)
 
 ROW_TILE = 32  # rows per projection GEMM (CPU and GPU alike: a batch of 32 is one tile)
 KV_SPLIT = 64  # cached positions per attention split
+ATTENTION = "fixed splits over the paged cache (torch)"  # `/capability` `deterministic.attention`
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class DeterministicPlan:
 
     def to_dict(self) -> dict:
         return {"enabled": True, "row_tile": self.row_tile, "kv_split": self.kv_split,
-                "projections": self.projections}
+                "attention": ATTENTION, "projections": self.projections}
 
 
 # -- projections ----------------------------------------------------------------------------
@@ -122,6 +125,31 @@ def enable_deterministic(model: nn.Module, row_tile: int = ROW_TILE, kv_split: i
 
 
 # -- attention ------------------------------------------------------------------------------
+
+
+def attend_paged(q: torch.Tensor, kv: torch.Tensor, batch, split: int = KV_SPLIT) -> torch.Tensor:
+    """Every row of a step (decode rows and prompt rows alike) attends to its own sequence's
+    cached positions `0..p`, read back from the paged cache, through `split_attention`.
+
+    `q` [T, Hq, D]; `kv` one layer's blocks [2, Hkv, NB, B, D] with this step's K/V written;
+    `batch` the step's `ForwardBatch` -> [T, Hq, D] in `q`'s dtype."""
+    hkv, d = kv.shape[1], kv.shape[-1]
+    out = torch.empty_like(q)
+    decode = batch.decode
+    if decode is not None:
+        k, v = decode.gather(kv)  # [Nd, Hkv, L, D]
+        qd = q.index_select(0, decode.rows).view(decode.num, hkv, -1, d)
+        o = split_attention(qd, k, v, decode.seq_lens.tolist(), split)
+        out.index_copy_(0, decode.rows, o.to(q.dtype).flatten(1, 2))
+    for span in batch.prefills:
+        end = span.start_pos + span.num_tokens
+        table = torch.tensor([span.table], dtype=torch.int64, device=q.device)
+        k, v = gather_kv(kv, table, end)  # [1, Hkv, end, D]
+        rows = slice(span.row_start, span.row_start + span.num_tokens)
+        o = split_attention(q[rows].view(span.num_tokens, hkv, -1, d), k, v, list(range(span.start_pos + 1, end + 1)),
+                            split)
+        out[rows] = o.to(q.dtype).flatten(1, 2)
+    return out
 
 
 def _positions(t: torch.Tensor, start: int, split: int) -> torch.Tensor:

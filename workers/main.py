@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help=f"tokens one engine step computes: decodes first, then prompt chunks "
                         f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: a request's output does not depend on its batch mates "
+                        "(fixed GEMM row tiles and attention splits; see workers/deterministic.py)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--status-file", help="JSON status file, rewritten atomically at each step")
     p.add_argument("--parent-pid", type=int, help="exit when this process dies")

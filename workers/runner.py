@@ -7,20 +7,49 @@ for its prompt's logprobs (`execute_with_prompt_logits`), all from the same forw
 CPU the runner keeps a `DecodeMirror` of the decoding sequences' K/V (`workers.kv.mirror`),
 releasing the row of a sequence the scheduler preempts. The trade-off: one chunk list is
 walked twice per step (to pack it, then to split the logits), a few microseconds.
+
+Test-only fault injection: `$HETSERVE_TEST_PERTURB_LOGITS=<worker id>:<scale>` makes the runner
+of that worker add a fixed pseudo-random vector (standard normal x scale, seed 0) to every
+logits row it returns, a stand-in for a card that computes wrong, so that tests can check the
+router's canary catches it. It is read only when a worker id is given, never set by hetserve
+itself, and does nothing unless the id matches.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
+from workers.contract import ENV_TEST_PERTURB_LOGITS
 from workers.kv import DecodeMirror, ForwardBatch, SeqChunk
+
+logger = logging.getLogger(__name__)
+
+
+def test_perturbation(worker_id: str | None, vocab_size: int | None, device) -> torch.Tensor | None:
+    """The logits offset `$HETSERVE_TEST_PERTURB_LOGITS` asks of worker `worker_id` (test-only), or None."""
+    raw = os.environ.get(ENV_TEST_PERTURB_LOGITS, "")
+    target, _, scale = raw.rpartition(":")
+    if not raw or worker_id is None or vocab_size is None or target != worker_id:
+        return None
+    try:
+        value = float(scale)
+    except ValueError as e:
+        raise ValueError(f"`${ENV_TEST_PERTURB_LOGITS}={raw}` is not `<worker id>:<scale>`") from e
+    logger.warning("TEST-ONLY fault injection: logits perturbed by N(0, 1) x %g", value)
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(vocab_size, generator=gen) * value).to(device)
 
 
 class ModelRunner:
-    def __init__(self, model, kv, device: str | torch.device):
+    def __init__(self, model, kv, device: str | torch.device, worker_id: str | None = None, mirror: bool = True):
+        """`mirror=False` leaves the CPU decode mirror out (deterministic mode reads the pool)."""
         self.model, self.kv, self.device = model, kv, torch.device(device)
-        self.mirror = DecodeMirror(kv) if self.device.type == "cpu" else None
+        self.mirror = DecodeMirror(kv) if self.device.type == "cpu" and mirror else None
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
+        self.perturb = test_perturbation(worker_id, self.vocab_size, self.device)
 
     def _forward(self, out, rows_of) -> torch.Tensor:
         """One `model.step` where chunk `i` projects its last `rows_of(i, chunk)` rows."""
@@ -29,7 +58,8 @@ class ModelRunner:
                 self.mirror.release(seq.uid)
         items = [(SeqChunk(c.start_pos, len(c.token_ids), c.block_table, rows_of(i, c), c.seq.uid), c.token_ids)
                  for i, c in enumerate(out.chunks)]
-        return self.model.step(ForwardBatch.build(items, self.kv.block_size, self.device, self.mirror), self.kv)
+        logits = self.model.step(ForwardBatch.build(items, self.kv.block_size, self.device, self.mirror), self.kv)
+        return logits if self.perturb is None else logits + self.perturb
 
     def execute(self, out) -> torch.Tensor:
         """Logits [N, V] float32, one row per sampling chunk, in chunk order."""

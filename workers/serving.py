@@ -75,6 +75,12 @@ class WorkerServer:
         self._init_server()
 
     def _init_row_buckets(self) -> None:
+        self.deterministic = None
+        if getattr(self.args, "deterministic", False):  # fixed row tiles bound the shapes already
+            from workers.deterministic import enable_deterministic
+
+            self.deterministic = enable_deterministic(self.loaded.model)
+            return
         from workers.row_buckets import install_row_buckets
 
         n = install_row_buckets(self.loaded.model, self.bound.torch_device, self.loaded.dtype)
@@ -106,7 +112,8 @@ class WorkerServer:
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_cache,
             eos_token_ids=loaded.eos_token_ids, cache_root=root,
         )
-        runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device)
+        runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
+                             mirror=self.deterministic is None)
         # The grammar engine masks the logits' full width (the model's vocab may pad the tokenizer's).
         grammars = Grammars.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids,
                                           args.threads or 1)
@@ -145,6 +152,7 @@ class WorkerServer:
             capacity={**self.engine.scheduler.capacity(), "kv_cache_bytes": kv.nbytes},
             model=model,
             versions=_versions(),
+            deterministic=self.deterministic.to_dict() if self.deterministic else {"enabled": False},
         )
         self.tracing = start_tracing(getattr(self.args, "otlp_endpoint", None), "hetserve-worker",
                                      {"service.instance.id": info.worker_id or ""})

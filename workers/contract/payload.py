@@ -64,7 +64,7 @@ class DeterministicDescription(_Open):
     enabled: bool = False
     row_tile: int | None = None  # rows per projection GEMM
     kv_split: int | None = None  # cached positions per attention split (torch path)
-    attention: str | None = None  # how every row attends: "torch splits" or the kernel's fixed tiles
+    attention: str | None = None  # how every row attends (fixed splits over the paged cache)
 
 
 class Load(BaseModel):

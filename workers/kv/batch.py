@@ -44,6 +44,7 @@ class PrefillSpan:
     num_tokens: int
     start_pos: int
     blocks: torch.Tensor | None  # [1, nb] blocks holding positions < start_pos + num_tokens; None when start_pos == 0
+    table: Sequence[int] = ()  # those blocks as host ints, whatever start_pos (deterministic mode reads them all)
 
 
 def gather_kv(kv: torch.Tensor, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +199,7 @@ class ForwardBatch:
                 dec_keys.append(chunk.key)
             else:
                 blocks = _int64([table], device) if start > 0 else None
-                prefills.append(PrefillSpan(row, n, start, blocks))
+                prefills.append(PrefillSpan(row, n, start, blocks, table))
         # 2. Every index list in one host -> device copy, then views of it.
         n_tok, n_log, n_dec = len(ids), len(logits_index), len(dec_rows)
         flat = ids + positions + slots + logits_index
