@@ -11,7 +11,11 @@ Prints generated tokens per second for
       text to asyncio consumers, as the HTTP side reads them);
   (c) the same requests through the engine one at a time;
   (d) transformers `generate`, one request at a time, on the same checkpoint;
-and the ratios b/a (target >= 0.8), b/c (>= 5), b/d (>= 5). Decoding is greedy and ignores
+and the ratios b/a (target >= 0.8), b/c (>= 5), b/d (>= 5). Then, in bfloat16 (the served
+default), the engine serving all requests concurrently
+  (e) in the default mode (projections' rows padded to buckets, as a CPU worker runs them);
+  (f) with `--deterministic` (workers/deterministic.py: fixed row tiles, fixed attention splits);
+run alternately, and f/e (target >= 0.6). Decoding is greedy and ignores
 EOS so every request makes exactly `--new-tokens` tokens. The machines are shared and
 noisy: each figure is the best of `--repeats` runs, and (a) and (b) are run alternately.
 """
@@ -31,9 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workers.contract import DEFAULT_KV_BLOCK_SIZE  # noqa: E402
+from workers.deterministic import enable_deterministic  # noqa: E402
 from workers.engine import Engine, ModelRunner  # noqa: E402
 from workers.kv import ForwardBatch, KVPool, SeqChunk  # noqa: E402
 from workers.loader import default_model_dir, load_model  # noqa: E402
+from workers.row_buckets import install_row_buckets  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 from workers.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
@@ -109,13 +115,13 @@ def bare_loop(model, cfg, dtype, batch: list[list[int]], new_tokens: int,
 
 
 def make_engine(loaded, n_seqs: int, max_seq_len: int, block_size: int = DEFAULT_KV_BLOCK_SIZE,
-                num_blocks: int | None = None, prefix_cache: bool = True, **config) -> Engine:
+                num_blocks: int | None = None, prefix_cache: bool = True, mirror: bool = True, **config) -> Engine:
     """An engine over a pool of `num_blocks` (default: `n_seqs` sequences of `max_seq_len`)."""
     num_blocks = num_blocks or n_seqs * -(-max_seq_len // block_size)
     kv = KVPool.for_config(loaded.config, num_blocks, block_size, loaded.dtype, "cpu")
     sched = Scheduler(SchedulerConfig(n_seqs, loaded.config.max_position_embeddings, num_blocks, block_size,
                                       prefix_caching=prefix_cache, eos_token_ids=(), **config))  # ignore EOS
-    return Engine(ModelRunner(loaded.model, kv, "cpu"), sched, loaded.tokenizer, max_queue=1024)
+    return Engine(ModelRunner(loaded.model, kv, "cpu", mirror=mirror), sched, loaded.tokenizer, max_queue=1024)
 
 
 async def _consume(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -165,6 +171,34 @@ def hf_run(path: Path, batch: list[list[int]], new_tokens: int, repeats: int) ->
     return best(run, repeats)
 
 
+# -- (e), (f) deterministic mode -------------------------------------------------------------
+
+
+def deterministic_cost(path: Path, batch: list[list[int]], new_tokens: int, repeats: int):
+    """(seconds default, seconds deterministic, requests whose tokens agree), bfloat16, concurrent."""
+    engines = []
+    for deterministic in (False, True):
+        loaded = load_model(path, "bfloat16")
+        if deterministic:
+            enable_deterministic(loaded.model)
+        else:
+            install_row_buckets(loaded.model, "cpu", loaded.dtype)
+        engine = make_engine(loaded, len(batch), max(map(len, batch)) + new_tokens, mirror=not deterministic)
+        engine.start()
+        engines.append(engine)
+    try:
+        outs = [engine_run(e, batch, new_tokens, True)[1] for e in engines]  # warm-up, and the tokens
+        times = [[], []]
+        for _ in range(repeats):  # alternated, so a burst of load hits both
+            for i, e in enumerate(engines):
+                times[i].append(engine_run(e, batch, new_tokens, True)[0])
+    finally:
+        for e in engines:
+            e.shutdown()
+    same = sum(x == y for x, y in zip(*outs, strict=True))
+    return min(times[0]), min(times[1]), same
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -196,10 +230,13 @@ def main(argv=None) -> int:
         finally:
             engine.shutdown()
         t_d = None if args.skip_hf else hf_run(path, batch, args.new_tokens, args.repeats)
+        t_e, t_f, same_ef = deterministic_cost(path, batch, args.new_tokens, args.repeats)
 
-    rate = {k: n_tok / t for k, t in (("a", t_a), ("b", t_b), ("c", t_c), ("d", t_d)) if t}
+
+    rate = {k: n_tok / t for k, t in (("a", t_a), ("b", t_b), ("c", t_c), ("d", t_d), ("e", t_e), ("f", t_f)) if t}
     rows = [("a", "bare batched loop (ceiling)"), ("b", "engine, concurrent"), ("c", "engine, one at a time"),
-            ("d", "transformers generate, one at a time")]
+            ("d", "transformers generate, one at a time"), ("e", "engine, concurrent, bfloat16"),
+            ("f", "engine, concurrent, bfloat16, deterministic")]
     print(f"\n{'':3}{'mode':40}{'tokens/s':>10}{'seconds':>10}")
     for key, name in rows:
         if key in rate:
@@ -210,6 +247,8 @@ def main(argv=None) -> int:
     print(f"b/c = {rate['b'] / rate['c']:.1f}  (target >= 5)")
     if "d" in rate:
         print(f"b/d = {rate['b'] / rate['d']:.1f}  (target >= 5)")
+    print(f"f/e = {rate['f'] / rate['e']:.2f}  (target >= 0.6; deterministic vs default at batch {args.requests}, "
+          f"bfloat16; tokens equal in {same_ef}/{len(batch)} requests)")
     return 0
 
 

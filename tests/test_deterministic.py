@@ -1,0 +1,164 @@
+"""Deterministic mode (workers/deterministic.py) on the embedded model in bfloat16: a request's
+tokens do not depend on its batch mates, the batch size, chunked prefill or prefix-cache hits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.deterministic import KV_SPLIT, ROW_TILE, enable_deterministic, split_attention, tiled_rows
+from workers.engine import Engine, ModelRunner
+from workers.kv import ForwardBatch, KVPool, SeqChunk, root_hash
+from workers.loader import default_model_dir, load_model
+from workers.sampling import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig
+
+PREFIX = ("You are a helpful assistant. Answer in one short sentence, and never repeat the question back. "
+          "Here are some facts: the sky is blue, grass is green and the sea is salty. ")
+QUESTIONS = ["What is the sky?", "Tell me about grass.", "Is the sea sweet?", "Hello!", "What colour is snow?",
+             "Name a fruit.", "Why?", "Give me a number.", "Once upon a time", "The capital of France is",
+             "def main():", "1, 2, 3,", "My favourite food is", "The weather today", "In 1999,", "Dear Sir,"]
+NEW_TOKENS = 16
+
+
+def _load(deterministic: bool):
+    torch.set_num_threads(1)
+    lm = load_model(default_model_dir(), "bfloat16")
+    if deterministic:
+        enable_deterministic(lm.model)
+    return lm
+
+
+@pytest.fixture(scope="module")
+def det_lm():
+    return _load(True)
+
+
+def serve(lm, prompts, *, max_sequences: int, budget: int = 2048, prefix: bool = True, params=None):
+    """Each prompt's tokens, served `max_sequences` at a time, and the engine (for its metrics)."""
+    pool = KVPool.for_config(lm.config, 512, 16, lm.dtype)
+    config = SchedulerConfig(max_sequences, lm.config.max_position_embeddings, 512, 16, budget, prefix,
+                             eos_token_ids=(), cache_root=root_hash("embedded", lm.dtype))
+    engine = Engine(ModelRunner(lm.model, pool, "cpu", mirror=False), Scheduler(config), lm.tokenizer, max_queue=64)
+    params = params or SamplingParams.create(max_new_tokens=NEW_TOKENS)
+    streams = [engine.submit(lm.tokenizer.encode(p).ids, params) for p in prompts]
+    while engine.step():
+        pass
+    return [[e.token_id for e in s.events] for s in streams], engine
+
+
+def _skipped(engine) -> float:
+    for line in engine.metrics.render().decode().splitlines():
+        if line.startswith('hetserve_worker_prefill_tokens_total{kind="skipped"} '):
+            return float(line.split()[-1])
+    raise KeyError("prefill_tokens_total skipped")
+
+
+def test_sixteen_greedy_requests_identical_alone_together_chunked_and_cached(det_lm):
+    prompts = [PREFIX + q for q in QUESTIONS]
+    alone, _ = serve(det_lm, prompts, max_sequences=1, prefix=False)  # one by one, every prompt prefilled whole
+    together, _ = serve(det_lm, prompts, max_sequences=16, prefix=False)  # all 16 in one batch
+    chunked, _ = serve(det_lm, prompts, max_sequences=16, budget=16, prefix=False)  # 16-token prompt chunks
+    cached, engine = serve(det_lm, prompts, max_sequences=1)  # each prompt after the first hits the prefix cache
+    assert _skipped(engine) >= 16 * (len(prompts) - 1)
+    assert all(len(t) == NEW_TOKENS for t in alone)
+    assert together == alone
+    assert chunked == alone
+    assert cached == alone
+
+
+def test_seeded_sampling_identical_alone_and_together(det_lm):
+    prompts = [PREFIX + q for q in QUESTIONS[:8]]
+    params = SamplingParams.create(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0, seed=7)
+    alone, _ = serve(det_lm, prompts, max_sequences=1, params=params)
+    together, _ = serve(det_lm, prompts, max_sequences=8, budget=16, params=params)
+    assert together == alone
+    assert len({tuple(t) for t in alone}) > 1  # sampled, not one degenerate text
+
+
+# -- what makes it hold --------------------------------------------------------------------
+
+
+def _shape_dependent_kernels(monkeypatch, model) -> None:
+    """Stand-ins for GPU kernels whose reduction order follows the problem's shape (cuBLAS picks
+    split-K past a row count; attention kernels pick another tiling for a batch): projections
+    of more than 4 rows add two half-K partial products in bfloat16, attention over more than
+    one sequence at once computes its scores and softmax in bfloat16. Each is a fair result;
+    they differ in the last bits, as real kernels do."""
+
+    def linear_forward(self, x):
+        if x.reshape(-1, x.shape[-1]).shape[0] <= 4:
+            return F.linear(x, self.weight)
+        h = x.shape[-1] // 2
+        return F.linear(x[..., :h], self.weight[:, :h]) + F.linear(x[..., h:], self.weight[:, h:])
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            monkeypatch.setattr(module, "forward", linear_forward.__get__(module))
+    sdpa = F.scaled_dot_product_attention
+
+    def attention(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **kwargs):
+        if q.shape[0] == 1 or is_causal or kwargs:
+            return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
+        if enable_gqa:
+            k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", attention)
+
+
+def _last_logits(lm, ids, mates) -> torch.Tensor:
+    """The logits after `ids`: its prompt prefilled up to the last token, which is then decoded,
+    each step shared with `mates` (prompts prefilled alongside, then decoding alongside)."""
+    pool = KVPool.for_config(lm.config, 64, 16, lm.dtype)
+    tables = [list(range(i * 8, (i + 1) * 8)) for i in range(1 + len(mates))]
+    n = len(ids) - 1
+    first = [(SeqChunk(0, n, tables[0]), ids[:n])] + [(SeqChunk(0, len(m), tables[i + 1]), m)
+                                                       for i, m in enumerate(mates)]
+    lm.model.step(ForwardBatch.build(first, 16), pool)
+    second = [(SeqChunk(n, 1, tables[0]), ids[n:])] + [(SeqChunk(len(m), 1, tables[i + 1]), [5])
+                                                        for i, m in enumerate(mates)]
+    return lm.model.step(ForwardBatch.build(second, 16), pool)[0]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_batch_mates_change_nothing_only_in_deterministic_mode(monkeypatch, deterministic):
+    """Regression: guards `if self.kv_split is not None` in `Attention.step` (workers/attention.py),
+    which sends every row through `attend_paged`, and `tiled_rows` in `install_row_tiles`
+    (workers/deterministic.py). Over kernels whose numerics follow the batch's shape, a row's
+    logits move with its batch mates in the default mode, and stay bit-identical in
+    deterministic mode; without either line the deterministic case fails."""
+    lm = load_model(default_model_dir(), "bfloat16")
+    _shape_dependent_kernels(monkeypatch, lm.model)
+    if deterministic:
+        enable_deterministic(lm.model)
+    ids = lm.tokenizer.encode(PREFIX + QUESTIONS[0]).ids
+    mates = [lm.tokenizer.encode(PREFIX + q + " " + q).ids for q in QUESTIONS[1:6]]
+    alone, together = _last_logits(lm, ids, []), _last_logits(lm, ids, mates)
+    assert torch.equal(alone, together) == deterministic
+
+
+def test_fixed_shapes_whatever_the_batch():
+    """Every projection GEMM has exactly ROW_TILE rows, and a row's attention does not change
+    with a longer batch mate: its splits are fixed from position 0."""
+    seen = []
+
+    def gemm(x):
+        seen.append(x.shape[0])
+        return x * 2
+
+    x = torch.randn(70, 8)
+    assert torch.equal(tiled_rows(gemm, x, ROW_TILE), x * 2)
+    assert set(seen) == {ROW_TILE}
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.bfloat16) for s in ((2, 2, 2, 64), (2, 2, 300, 64),
+                                                                               (2, 2, 300, 64)))
+    alone = split_attention(q[:1], k[:1, :, :100], v[:1, :, :100], [100], KV_SPLIT)
+    with_mate = split_attention(q, k, v, [100, 300], KV_SPLIT)
+    assert torch.equal(alone[0], with_mate[0])
+    exact = F.scaled_dot_product_attention(q[:1].float(), k[:1, :, :100].float(), v[:1, :, :100].float())
+    assert torch.allclose(alone, exact, atol=5e-3)  # the CPU kernel rounds the weights to bfloat16
