@@ -237,10 +237,10 @@ def main(argv=None) -> int:
     rows = [("a", "bare batched loop (ceiling)"), ("b", "engine, concurrent"), ("c", "engine, one at a time"),
             ("d", "transformers generate, one at a time"), ("e", "engine, concurrent, bfloat16"),
             ("f", "engine, concurrent, bfloat16, deterministic")]
-    print(f"\n{'':3}{'mode':40}{'tokens/s':>10}{'seconds':>10}")
+    print(f"\n{'':3}{'mode':46}{'tokens/s':>10}{'seconds':>10}")
     for key, name in rows:
         if key in rate:
-            print(f"({key}) {name:40}{rate[key]:10.0f}{n_tok / rate[key]:10.2f}")
+            print(f"({key}) {name:46}{rate[key]:10.0f}{n_tok / rate[key]:10.2f}")
     same = sum(x == y for x, y in zip(out_b, ref, strict=True))
     print(f"\nengine tokens equal to the bare loop's: {same}/{len(ref)} requests")
     print(f"b/a = {rate['b'] / rate['a']:.2f}  (target >= 0.8)")

@@ -1,12 +1,14 @@
 """Deterministic mode (`--deterministic`): a row's numbers do not depend on its batch mates.
 
-Without it, a request's tokens can change with what else the worker runs: kernels pick their
-reduction order by problem shape (a GEMM of 3 rows and one of 40 sum a row's dot products in
-different orders on the CPU; cuBLAS switches algorithms, split-K among them, with the row
-count), and attention pads every decode row to the longest one of the step, so the same row
-is reduced over a different length. In bfloat16 the last bits differ, and now and then an
-argmax flips (16 greedy requests one by one vs at once: 1 of 16 texts differs). Here every
-op a row goes through is a fixed function of that row alone:
+Without it, nothing guarantees that a request's tokens stay the same whatever else the worker
+runs: kernels may pick their reduction order by problem shape (cuBLAS switches algorithms,
+split-K among them, with the row count; attention kernels split the keys by length or batch),
+and the default attention pads every decode row to the longest one of the step and takes
+another path for prompt rows than for decode rows. In bfloat16 the last bits then differ,
+and now and then an argmax flips. (On the CPU, oneDNN's bfloat16 GEMMs and the CPU flash
+attention gave batch-independent rows for the embedded model's shapes in our measurements;
+tests/test_deterministic.py therefore also checks the mode over kernels whose numerics follow
+the batch's shape.) Here every op a row goes through is a fixed function of that row alone:
 
 - **Projections** (every `nn.Linear` and `Fp8Linear`, the LM head included): rows are cut
   into tiles of exactly `ROW_TILE` rows (the last one padded), one GEMM per tile, so every
@@ -16,28 +18,30 @@ op a row goes through is a fixed function of that row alone:
   decode multiplies 32 rows where it needed 1), and large prefills run as many tile-sized
   GEMMs instead of one. It also bounds oneDNN's per-shape caches to one shape per weight,
   so `workers/row_buckets.py` is not needed.
-- **Attention** (prefill and decode rows alike): every query row attends to its own
-  sequence's cached positions `0..p` in fixed splits of `KV_SPLIT` positions counted from
-  position 0 (flash-decoding with a fixed split size, not a fixed number of splits): the
-  scores of each split are one `[G, D] x [D, KV_SPLIT]` GEMM per (row, KV head), the
-  softmax takes the row's own maximum (exact, order-free), and the splits' weighted sums are
-  added in split order. Positions past a row's length are masked to exact zeros, so padding
-  to a batch mate's length adds nothing. A prompt chunk's rows read their K/V back from the
-  cache like decode rows, so chunked prefill, a prefix-cache hit and a recomputation after
-  preemption all give the row the same numbers as one whole prefill. Cost: the splits run
-  in fp32 as batched GEMMs over the rows (one Python loop over splits and KV heads) instead
-  of one fused SDPA call; a prompt of `n` tokens does `n` rows of work per split it reaches
-  (causal: about half of `n^2 / KV_SPLIT` row-splits). On GPUs, the Triton paged-attention
-  kernel already walks every row from position 0 in fixed tiles, so every row (prompt rows
-  included) goes through it.
+- **Attention** (prefill and decode rows alike, `attend_paged`): every query row attends to
+  its own sequence's cached positions `0..p`, read back from the paged KV cache (this step's
+  K/V are written first), in fixed splits of `KV_SPLIT` positions counted from position 0
+  (flash-decoding with a fixed split size, not a fixed number of splits): the scores of each
+  split are one `[G, D] x [D, KV_SPLIT]` problem per (row, KV head), the softmax takes the
+  split's own maximum, and the splits' partial results are merged by their log-sum-exp in
+  split order, in fp32. Positions past a row's length are masked to exact zeros, so padding
+  to a batch mate's length adds nothing. A prompt row and a decode row at the same position
+  go through the same function, so chunked prefill, a prefix-cache hit and a recomputation
+  after preemption all give a row the numbers of one whole prefill. The same torch path
+  runs on every device (the GPU paged-attention kernel serves decode rows only, and its
+  prompt rows would take SDPA). Cost: K/V are gathered from the blocks for every row
+  (no CPU decode mirror, `workers/kv/mirror.py`), a prompt of `n` tokens attends `n` rows
+  per split it reaches (about `n^2 / (2 KV_SPLIT)` row-splits, causal) where SDPA would do
+  one fused call, and a Python loop runs over the splits.
 - **Norms and activations** need no change: RMSNorm reduces each row on its own (torch, and
   the Triton kernels, whose tile shape depends only on the row width), and SiluAndMul, RoPE,
   the residual adds and the embedding are element-wise.
 - **Sampling** is already per row (workers/sampling.py): a log-softmax and argmax per row,
   one generator per seeded request, so greedy and seeded sampled outputs follow.
 
-Measured cost (`python benchmarks/engine.py`, README "Worker and engine"): deterministic
-throughput at batch 32 against the default mode in the same run.
+Measured cost (`python benchmarks/engine.py --skip-hf`, README "Deterministic mode and the
+canary"): at batch 32 on the embedded model in bfloat16 (CPU, 1 thread), deterministic
+throughput is 0.76x the default mode's in the same run (target >= 0.6).
 Trade-off: exactness against a little throughput; off by default. Outputs are identical for
 the same weights, kernels, dtype and device type; two workers with different kernels (another
 architecture, another fp8 path) still differ, which the router's canary measures
