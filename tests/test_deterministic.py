@@ -1,5 +1,5 @@
 """Deterministic mode (workers/deterministic.py) on the embedded model in bfloat16: a request's
-tokens do not depend on its batch mates, the batch size, chunked prefill or prefix-cache hits."""
+tokens do not depend on its batch mates, the batch size, chunked prefill, prefix-cache hits or preemption."""
 
 from __future__ import annotations
 
@@ -35,10 +35,11 @@ def det_lm():
     return _load(True)
 
 
-def serve(lm, prompts, *, max_sequences: int, budget: int = 2048, prefix: bool = True, params=None):
+def serve(lm, prompts, *, max_sequences: int, budget: int = 2048, prefix: bool = True, params=None,
+          blocks: int = 512):
     """Each prompt's tokens, served `max_sequences` at a time, and the engine (for its metrics)."""
-    pool = KVPool.for_config(lm.config, 512, 16, lm.dtype)
-    config = SchedulerConfig(max_sequences, lm.config.max_position_embeddings, 512, 16, budget, prefix,
+    pool = KVPool.for_config(lm.config, blocks, 16, lm.dtype)
+    config = SchedulerConfig(max_sequences, lm.config.max_position_embeddings, blocks, 16, budget, prefix,
                              eos_token_ids=(), cache_root=root_hash("embedded", lm.dtype))
     engine = Engine(ModelRunner(lm.model, pool, "cpu", mirror=False), Scheduler(config), lm.tokenizer, max_queue=64)
     params = params or SamplingParams.create(max_new_tokens=NEW_TOKENS)
@@ -48,24 +49,27 @@ def serve(lm, prompts, *, max_sequences: int, budget: int = 2048, prefix: bool =
     return [[e.token_id for e in s.events] for s in streams], engine
 
 
-def _skipped(engine) -> float:
+def _metric(engine, name: str) -> float:
     for line in engine.metrics.render().decode().splitlines():
-        if line.startswith('hetserve_worker_prefill_tokens_total{kind="skipped"} '):
+        if line.startswith(name + " "):
             return float(line.split()[-1])
-    raise KeyError("prefill_tokens_total skipped")
+    raise KeyError(name)
 
 
-def test_sixteen_greedy_requests_identical_alone_together_chunked_and_cached(det_lm):
+def test_sixteen_greedy_requests_identical_alone_together_chunked_cached_and_preempted(det_lm):
     prompts = [PREFIX + q for q in QUESTIONS]
     alone, _ = serve(det_lm, prompts, max_sequences=1, prefix=False)  # one by one, every prompt prefilled whole
     together, _ = serve(det_lm, prompts, max_sequences=16, prefix=False)  # all 16 in one batch
     chunked, _ = serve(det_lm, prompts, max_sequences=16, budget=16, prefix=False)  # 16-token prompt chunks
     cached, engine = serve(det_lm, prompts, max_sequences=1)  # each prompt after the first hits the prefix cache
-    assert _skipped(engine) >= 16 * (len(prompts) - 1)
+    assert _metric(engine, 'hetserve_worker_prefill_tokens_total{kind="skipped"}') >= 16 * (len(prompts) - 1)
+    preempted, engine = serve(det_lm, prompts, max_sequences=16, prefix=False, blocks=40)  # blocks run out
+    assert _metric(engine, "hetserve_worker_preemptions_total") > 0
     assert all(len(t) == NEW_TOKENS for t in alone)
     assert together == alone
     assert chunked == alone
     assert cached == alone
+    assert preempted == alone
 
 
 def test_seeded_sampling_identical_alone_and_together(det_lm):
