@@ -69,7 +69,7 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await supervisor.start()
-        background = [asyncio.create_task(_announce_when_settled(supervisor, on_settled)),
+        background = [asyncio.create_task(_announce_when_settled(supervisor, on_settled, ctx.canary)),
                       asyncio.create_task(ctx.stats.run()), asyncio.create_task(run_canary(ctx.canary))]
         try:
             yield
@@ -105,7 +105,8 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
     return app
 
 
-async def _announce_when_settled(supervisor: Supervisor, on_settled) -> None:
+async def _announce_when_settled(supervisor: Supervisor, on_settled, canary: CanaryMonitor) -> None:
     await supervisor.wait_settled()
+    await canary.first_round.wait()  # the workers serve once checked
     if on_settled is not None:
         on_settled(supervisor)

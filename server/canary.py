@@ -13,7 +13,10 @@ Between user requests, without displacing them: a worker gets one canary request
 gets a 429 because of it; canary requests do not count as the worker's load, feed no circuit
 breaker and are not retried (a worker that cannot answer is the probe's business,
 server/probe.py). The first round also generates the reference: each prompt's greedy
-continuation (16 tokens) from every worker, and the consensus among them.
+continuation (16 tokens) from every worker, and the consensus among them. Each worker
+serves once its first check is over (`FIRST_CHECK` keeps it out of rotation until then,
+whatever the verdict in `mark` mode, and also when no verdict could be had), so the
+start-up round competes with no user request; the router's "ready" line waits for it.
 
 A worker whose agreement falls below what is expected is marked `suspect` (`/workers`
 `canary`, `hetserve_canary_suspect`, `/health` degraded). With `--canary-action drain` it is
@@ -36,6 +39,7 @@ import time
 from prometheus_client.core import GaugeMetricFamily
 
 from server.canary_compare import (
+    FIRST_CHECK,
     SUSPECT,
     CanaryRecord,
     Numerics,
@@ -87,6 +91,7 @@ class CanaryMonitor:
         self._last: dict[str, tuple[Scored, ...]] = {}  # worker id -> its last scores
         self._tried: dict[str, int] = {}  # worker id -> the process generation last checked (or tried)
         self._drains: dict[str, int] = {}  # worker id -> drains in a row without a healthy check since
+        self.first_round = asyncio.Event()  # set once the start-up round is over (at once when off)
 
     @property
     def enabled(self) -> bool:
@@ -96,12 +101,16 @@ class CanaryMonitor:
     async def run(self) -> None:
         """Check at start-up, every interval, and each worker process once it is ready."""
         if not self.enabled:
+            self.first_round.set()
             return
+        for h in self.supervisor.workers.values():  # none is ready yet: each serves after its first check
+            self.supervisor.hold(h, FIRST_CHECK)
         await self.supervisor.wait_settled(self.settings.startup_timeout_s)
         next_round = time.monotonic()
         while True:
             if time.monotonic() >= next_round:
                 await self.check(self._ready())
+                self.first_round.set()
                 next_round = time.monotonic() + self.settings.canary_interval_s
             else:
                 due = [h for h in self._ready() if self._tried.get(h.id) != h.generation]
@@ -120,13 +129,22 @@ class CanaryMonitor:
             return
         for h in handles:
             self._tried[h.id] = h.generation
-        if self.reference is None:
-            await self._record_reference(handles)
-            return
-        results = await asyncio.gather(*(self._score_all(h, self.reference.sequences) for h in handles),
-                                       return_exceptions=True)
-        for h, result in zip(handles, results, strict=True):
-            self._conclude(h, result)
+        try:
+            if self.reference is None:
+                await self._record_reference(handles)
+                return
+            results = await asyncio.gather(*(self._score_all(h, self.reference.sequences) for h in handles),
+                                           return_exceptions=True)
+            for h, result in zip(handles, results, strict=True):
+                self._conclude(h, result)
+        finally:  # checked (or no verdict could be had): a first check never keeps a worker out
+            self.release_first_checks(handles)
+
+    def release_first_checks(self, handles) -> None:
+        """Back in rotation: each of `handles` held only for its first check."""
+        for h in handles:
+            if h.canary_hold == FIRST_CHECK:
+                self.supervisor.release(h)
 
     # --- the reference -----------------------------------------------------------------
     async def _record_reference(self, handles: list[WorkerHandle]) -> None:
@@ -271,3 +289,5 @@ async def run_canary(monitor: CanaryMonitor) -> None:
             await monitor.run()
         except Exception:
             logger.exception("the canary stopped")
+            monitor.release_first_checks(monitor.supervisor.workers.values())
+            monitor.first_round.set()

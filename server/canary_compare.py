@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from workers.contract import CapabilityPayload
 
 HEALTHY, SUSPECT = "healthy", "suspect"
+# Why a worker that has not had its first canary check yet is kept out of rotation.
+FIRST_CHECK = "canary: first check before serving"
 
 
 @dataclass(frozen=True)

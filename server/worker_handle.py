@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.breaker import BreakerPolicy, CircuitBreaker
-from server.canary_compare import CanaryRecord
+from server.canary_compare import FIRST_CHECK, CanaryRecord
 from server.probe import ProbeVerdict
 from server.worker_client import WorkerClient
 from server.worker_spec import WorkerSpec
@@ -74,6 +74,11 @@ class WorkerHandle:
     @property
     def routable(self) -> bool:
         return self.state == WorkerState.READY and self.client is not None and self.canary_hold is None
+
+    @property
+    def canary_suspect(self) -> bool:
+        """The canary found this worker suspect, or keeps it out of rotation for that."""
+        return (self.canary is not None and self.canary.suspect) or self.canary_hold not in (None, FIRST_CHECK)
 
     def request_outcome(self, generation: int, ok: bool | None, why: str = "") -> None:
         """Feed the breaker: a request sent to process `generation` succeeded (True), failed

@@ -22,7 +22,7 @@ def health_verdict(ctx: RouterContext) -> tuple[dict, int]:
     handles = list(ctx.supervisor.workers.values())
     ready = [h.id for h in handles if h.routable]
     open_breakers = [h.id for h in handles if h.breaker.state != BreakerState.CLOSED]
-    suspects = [h.id for h in handles if (h.canary is not None and h.canary.suspect) or h.canary_hold is not None]
+    suspects = [h.id for h in handles if h.canary_suspect]
     if not ready:
         status, code = "unavailable", 503
     elif len(ready) == len(handles) and not open_breakers and not suspects:
