@@ -99,7 +99,7 @@ class Numerics:
         det = info.deterministic
         return cls(info.model.dtype, info.device.type, info.fp8.convention,
                    tuple(sorted((layer, k.variant) for layer, k in info.kernels.items())),
-                   (det.row_tile, det.kv_split, det.attention) if det.enabled else None)
+                   (det.row_tile, det.kv_split, det.attention) if det is not None and det.enabled else None)
 
     def exact_with(self, other: Numerics) -> bool:
         return self.deterministic is not None and self == other

@@ -27,7 +27,14 @@ from server.canary_compare import FIRST_CHECK, CanaryRecord
 from server.probe import ProbeVerdict
 from server.worker_client import WorkerClient
 from server.worker_spec import WorkerSpec
-from workers.contract import DEVICE_FIELDS, ENV_TRITON_CACHE_DIR, Capability, CapabilityPayload, WorkerState
+from workers.contract import (
+    DEVICE_FIELDS,
+    ENV_TRITON_CACHE_DIR,
+    Capability,
+    CapabilityPayload,
+    DeterministicDescription,
+    WorkerState,
+)
 
 
 @dataclass(eq=False)
@@ -129,7 +136,7 @@ class WorkerHandle:
             "last_exit": self.last_exit,
             "breaker": self.breaker.snapshot(),
             "health": None if self.probe is None else self.probe.snapshot(),
-            "deterministic": info.deterministic.model_dump(exclude_none=True),
+            "deterministic": (info.deterministic or DeterministicDescription()).model_dump(exclude_none=True),
             "canary": self.canary_snapshot(),
         }
 

@@ -269,7 +269,7 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
         running, queued = engine.load()
         now = info.model_copy(update={"pid": os.getpid(), "load": Load(running=running, queued=queued),
                                       "capacity": {**info.capacity, **engine.kv_now()}})
-        return now.model_dump(mode="json")
+        return now.model_dump(mode="json", exclude={"deterministic"} if info.deterministic is None else None)
 
     @app.get("/metrics")
     async def metrics():

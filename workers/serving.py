@@ -152,7 +152,7 @@ class WorkerServer:
             capacity={**self.engine.scheduler.capacity(), "kv_cache_bytes": kv.nbytes},
             model=model,
             versions=_versions(),
-            deterministic=self.deterministic.to_dict() if self.deterministic else {"enabled": False},
+            deterministic=self.deterministic.to_dict() if self.deterministic else None,
         )
         self.tracing = start_tracing(getattr(self.args, "otlp_endpoint", None), "hetserve-worker",
                                      {"service.instance.id": info.worker_id or ""})

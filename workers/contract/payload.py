@@ -104,4 +104,4 @@ class CapabilityPayload(_Open):
     versions: dict[str, str | None] = Field(default_factory=dict)
     load: Load = Field(default_factory=Load)
     triton_cache: str | None = None  # this architecture's Triton cache directory
-    deterministic: DeterministicDescription = Field(default_factory=DeterministicDescription)
+    deterministic: DeterministicDescription | None = None  # set (and shown) only with --deterministic
