@@ -116,3 +116,45 @@ def test_the_canary_waits_for_a_free_batch_slot(monkeypatch):
             await monitor._free_slot(h)
 
     asyncio.run(scenario())
+
+
+class _Supervisor:
+    """Records what the canary asks of the supervisor."""
+
+    def __init__(self):
+        self.workers, self.calls = {}, []
+
+    def hold(self, h, why, restart=False):
+        h.canary_hold = why
+        self.calls.append(("restart" if restart else "hold", why))
+
+    def release(self, h):
+        h.canary_hold = None
+        self.calls.append(("release", ""))
+
+
+def test_drain_restarts_a_suspect_twice_then_holds_it_until_it_passes():
+    """Guards `MAX_CANARY_RESTARTS` in `CanaryMonitor._drain` and the release in `_conclude`."""
+    from server.canary import MAX_CANARY_RESTARTS
+    from server.canary_compare import Reference
+
+    sup = _Supervisor()
+    monitor = CanaryMonitor(sup, RouterSettings(canary_action="drain"))
+    info = CapabilityPayload(model={"dtype": "bfloat16"}, device={"type": "cuda"}, fp8={"convention": "emulated"})
+    monitor.reference = Reference("m", ((1, 5, 9),), tuple(REF), "gpu0", Numerics.of(info), 0.0)
+    h = SimpleNamespace(id="gpu1", generation=1, info=info, canary=None, canary_hold=None)
+    wrong = [scored((7, -0.1, ((7, -0.1),)), (3, -0.5, ((3, -0.5),)))]
+    for _ in range(MAX_CANARY_RESTARTS + 2):
+        monitor._conclude(h, tuple(wrong))
+    kinds = [kind for kind, _ in sup.calls]
+    assert kinds == ["restart"] * MAX_CANARY_RESTARTS + ["hold", "hold"]
+    assert h.canary.suspect and "after 2 restarts" in h.canary_hold
+    monitor._conclude(h, tuple(REF))
+    assert sup.calls[-1][0] == "release" and h.canary_hold is None and not h.canary.suspect
+    monitor._conclude(h, tuple(wrong))  # healthy in between: the restarts count again
+    assert sup.calls[-1][0] == "restart"
+    marking = CanaryMonitor(_Supervisor(), RouterSettings(canary_action="mark"))
+    marking.reference = monitor.reference
+    marking._conclude(h2 := SimpleNamespace(id="gpu2", generation=1, info=info, canary=None, canary_hold=None),
+                      tuple(wrong))
+    assert h2.canary.suspect and h2.canary_hold is None and marking.supervisor.calls == []
