@@ -28,7 +28,7 @@ from workers.kv import DecodeMirror, ForwardBatch, SeqChunk
 logger = logging.getLogger(__name__)
 
 
-def test_perturbation(worker_id: str | None, vocab_size: int | None, device) -> torch.Tensor | None:
+def injected_perturbation(worker_id: str | None, vocab_size: int | None, device) -> torch.Tensor | None:
     """The logits offset `$HETSERVE_TEST_PERTURB_LOGITS` asks of worker `worker_id` (test-only), or None."""
     raw = os.environ.get(ENV_TEST_PERTURB_LOGITS, "")
     target, _, scale = raw.rpartition(":")
@@ -49,7 +49,7 @@ class ModelRunner:
         self.model, self.kv, self.device = model, kv, torch.device(device)
         self.mirror = DecodeMirror(kv) if self.device.type == "cpu" and mirror else None
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
-        self.perturb = test_perturbation(worker_id, self.vocab_size, self.device)
+        self.perturb = injected_perturbation(worker_id, self.vocab_size, self.device)
 
     def _forward(self, out, rows_of) -> torch.Tensor:
         """One `model.step` where chunk `i` projects its last `rows_of(i, chunk)` rows."""
