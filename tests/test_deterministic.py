@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.test_paged_engine import metric
 from workers.deterministic import KV_SPLIT, ROW_TILE, enable_deterministic, split_attention, tiled_rows
 from workers.engine import Engine, ModelRunner
 from workers.kv import ForwardBatch, KVPool, SeqChunk, root_hash
@@ -49,22 +50,15 @@ def serve(lm, prompts, *, max_sequences: int, budget: int = 2048, prefix: bool =
     return [[e.token_id for e in s.events] for s in streams], engine
 
 
-def _metric(engine, name: str) -> float:
-    for line in engine.metrics.render().decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise KeyError(name)
-
-
 def test_sixteen_greedy_requests_identical_alone_together_chunked_cached_and_preempted(det_lm):
     prompts = [PREFIX + q for q in QUESTIONS]
     alone, _ = serve(det_lm, prompts, max_sequences=1, prefix=False)  # one by one, every prompt prefilled whole
     together, _ = serve(det_lm, prompts, max_sequences=16, prefix=False)  # all 16 in one batch
     chunked, _ = serve(det_lm, prompts, max_sequences=16, budget=16, prefix=False)  # 16-token prompt chunks
     cached, engine = serve(det_lm, prompts, max_sequences=1)  # each prompt after the first hits the prefix cache
-    assert _metric(engine, 'hetserve_worker_prefill_tokens_total{kind="skipped"}') >= 16 * (len(prompts) - 1)
+    assert metric(engine, 'hetserve_worker_prefill_tokens_total{kind="skipped"}') >= 16 * (len(prompts) - 1)
     preempted, engine = serve(det_lm, prompts, max_sequences=16, prefix=False, blocks=40)  # blocks run out
-    assert _metric(engine, "hetserve_worker_preemptions_total") > 0
+    assert metric(engine, "hetserve_worker_preemptions_total") > 0
     assert all(len(t) == NEW_TOKENS for t in alone)
     assert together == alone
     assert chunked == alone
