@@ -32,20 +32,22 @@ _SCRAPE_TIMEOUT_S = 1.0
 
 
 def read_values(text: str, names: Iterable[str] = _WANTED) -> dict[str, float]:
-    """The first sample of each named series in Prometheus text (a line scan, no full parse)."""
+    """The first sample of each wanted series in Prometheus text (a line scan, no full parse): a
+    bare name matches its first series, a name with labels (`name{k="v"}`, as rendered) that
+    series only."""
     wanted, found = set(names), {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
-        head = line.split(" ", 1)[0]
-        if "{" in head:
-            name, _, after = line.partition("{")
-            value = after.rsplit("}", 1)[-1].split()
+        if "{" in line:
+            end = line.rindex("}") + 1
+            head, value = line[:end], line[end:].split()
         else:
-            name, value = head, line.split()[1:]
-        if name in wanted and name not in found and value:
+            head, *value = line.split()
+        key = head if head in wanted else head.partition("{")[0]
+        if key in wanted and key not in found and value:
             with contextlib.suppress(ValueError):
-                found[name] = float(value[0])
+                found[key] = float(value[0])
     return found
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.routing.speed import DEFAULT_DECAY, Speed, SpeedFit
+from server.worker_stats import read_values
 from workers.contract.defaults import GATEWAY_KV_USAGE
 
 STEP_SECONDS = "hetserve_worker_step_seconds_sum"
@@ -39,21 +40,6 @@ _MIN_CHARS = 2000  # an interval with fewer characters sent says too little abou
 _RATIO_WEIGHT = 0.3  # weight of a new interval in the characters-per-token average
 
 
-def read_samples(text: str, heads=_HEADS) -> dict[str, float]:
-    """The value of each series in `heads` (name with its labels exactly as rendered) in Prometheus text."""
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        head, _, value = line.rpartition(" ")
-        if head in heads and head not in found:
-            try:
-                found[head] = float(value)
-            except ValueError:
-                continue
-    return found
-
-
 @dataclass(frozen=True)
 class Counters:
     """One sample of a worker's cumulative counters."""
@@ -67,7 +53,7 @@ class Counters:
 
     @classmethod
     def read(cls, text: str) -> Counters | None:
-        v = read_samples(text)
+        v = read_values(text, _HEADS)
         if STEP_SECONDS not in v or STEPS not in v or GENERATED not in v:
             return None
         computed = v.get(PREFILL_COMPUTED, v.get(PROMPT_TOKENS, 0.0))
