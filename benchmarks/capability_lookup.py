@@ -13,7 +13,7 @@ import argparse
 import functools
 import timeit
 
-from workers.device import bind_device, capability
+from workers.device.bind import bind_device, capability
 
 
 def main() -> None:

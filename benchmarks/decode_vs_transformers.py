@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.checkpoints import make_checkpoint  # noqa: E402
-from workers.kv import DecodeMirror, ForwardBatch, SeqChunk  # noqa: E402
-from workers.loader import load_model  # noqa: E402
+from workers.kv.batch import ForwardBatch, SeqChunk  # noqa: E402
+from workers.kv.mirror import DecodeMirror  # noqa: E402
+from workers.model.loader import load_model  # noqa: E402
 
 MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)

@@ -14,7 +14,7 @@ Prints generated tokens per second for
 and the ratios b/a (target >= 0.8), b/c (>= 5), b/d (>= 5). Then, in bfloat16 (the served
 default), the engine serving all requests concurrently
   (e) in the default mode (projections' rows padded to buckets, as a CPU worker runs them);
-  (f) with `--deterministic` (workers/deterministic.py: fixed row tiles, fixed attention splits);
+  (f) with `--deterministic` (workers/model/deterministic.py: fixed row tiles, fixed attention splits);
 run alternately, and f/e (target >= 0.6). Decoding is greedy and ignores
 EOS so every request makes exactly `--new-tokens` tokens. The machines are shared and
 noisy: each figure is the best of `--repeats` runs, and (a) and (b) are run alternately.
@@ -35,13 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workers.contract import DEFAULT_KV_BLOCK_SIZE  # noqa: E402
-from workers.deterministic import enable_deterministic  # noqa: E402
-from workers.engine import Engine, ModelRunner  # noqa: E402
-from workers.kv import ForwardBatch, KVPool, SeqChunk  # noqa: E402
-from workers.loader import default_model_dir, load_model  # noqa: E402
-from workers.row_buckets import install_row_buckets  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
-from workers.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from workers.engine.core import Engine  # noqa: E402
+from workers.engine.runner import ModelRunner  # noqa: E402
+from workers.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from workers.kv.batch import ForwardBatch, SeqChunk  # noqa: E402
+from workers.kv.pool import KVPool  # noqa: E402
+from workers.model.deterministic import enable_deterministic  # noqa: E402
+from workers.model.loader import default_model_dir, load_model  # noqa: E402
+from workers.model.row_buckets import install_row_buckets  # noqa: E402
+from workers.sampling.params import SamplingParams  # noqa: E402
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog and keeps running",

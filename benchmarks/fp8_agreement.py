@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.device import BoundDevice  # noqa: E402
-from workers.fp8 import choose_fp8  # noqa: E402
-from workers.kernelize import kernelize_for_device  # noqa: E402
-from workers.loader import default_model_dir, load_model  # noqa: E402
-from workers.quantize import quantize_model  # noqa: E402
-from workers.topology import simulated_device  # noqa: E402
+from workers.contract import simulated_device  # noqa: E402
+from workers.device.bind import BoundDevice  # noqa: E402
+from workers.fp8.convention import choose_fp8  # noqa: E402
+from workers.fp8.linear import quantize_model  # noqa: E402
+from workers.kernelize.apply import kernelize_for_device  # noqa: E402
+from workers.model.loader import default_model_dir, load_model  # noqa: E402
 
 
 def simulated(token: str) -> BoundDevice:

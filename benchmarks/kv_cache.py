@@ -35,9 +35,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import engine as engine_bench  # noqa: E402
 
-from workers.kv import DecodeMirror, ForwardBatch, KVPool, SeqChunk  # noqa: E402
-from workers.loader import default_model_dir, load_model  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
+from workers.kv.batch import ForwardBatch, SeqChunk  # noqa: E402
+from workers.kv.mirror import DecodeMirror  # noqa: E402
+from workers.kv.pool import KVPool  # noqa: E402
+from workers.model.loader import default_model_dir, load_model  # noqa: E402
+from workers.sampling.params import SamplingParams  # noqa: E402
 
 CONTEXT = 512  # the embedded model's context
 

@@ -39,7 +39,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def default_model() -> str:
-    from server.settings import DEFAULT_MODEL_DIR
+    from workers.contract import DEFAULT_MODEL_DIR
 
     if (DEFAULT_MODEL_DIR / "config.json").is_file():
         return str(DEFAULT_MODEL_DIR)

@@ -4,7 +4,7 @@
 
 Side by side, alternating rounds, on the same in-memory worker stream (TGI token events as the
 worker writes them): (a) the bare SSE splitter the relay reads from (`SSEEvents.next_batch`),
-(b) the same through `ClientStream.batches` (server/migration.py), which keeps the relayed
+(b) the same through `ClientStream.batches` (server/dispatch/migration.py), which keeps the relayed
 bytes for a possible move and checks each batch for a worker error event. Prints microseconds
 per event for each and the difference; no process, socket or model is involved, so the
 figure is the relay's own CPU cost per streamed token.
@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.dispatch import WorkerStream  # noqa: E402
-from server.migration import ClientStream  # noqa: E402
-from server.worker_client import SSEEvents  # noqa: E402
+from server.dispatch.dispatcher import WorkerStream  # noqa: E402
+from server.dispatch.migration import ClientStream  # noqa: E402
+from server.fleet.client import SSEEvents  # noqa: E402
 
 
 def worker_events(n: int) -> list[bytes]:
-    """`n` token events, the last one final, as `workers/api.py` streams them."""
+    """`n` token events, the last one final, as `workers/serving/app.py` streams them."""
     out = []
     for i in range(n):
         last = i == n - 1

@@ -94,11 +94,12 @@ def engine_rounds(model_dir: Path, n: int, tokens: int, rounds: int, eos: int) -
     """The same comparison through the engine in this process (the worker's code, no HTTP)."""
     import torch
 
-    from workers.engine import Engine, ModelRunner
-    from workers.grammar import Grammars, GrammarSpec, json_text
-    from workers.loader import load_model
-    from workers.sampling import SamplingParams
-    from workers.scheduler import Scheduler, SchedulerConfig
+    from workers.engine.core import Engine
+    from workers.engine.runner import ModelRunner
+    from workers.engine.scheduler import Scheduler, SchedulerConfig
+    from workers.model.loader import load_model
+    from workers.sampling.grammar import Grammars, GrammarSpec, json_text
+    from workers.sampling.params import SamplingParams
 
     torch.set_num_threads(1)
     loaded = load_model(model_dir, "auto", torch.device("cpu"), None)

@@ -86,11 +86,12 @@ def bench_fp8(m: int, n: int, k: int, chosen: str, native_ok: bool, rounds: int)
     import torch.nn.functional as F
 
     from kernels_local.fp8_linear import TUNINGS, fp8_linear, fp8_linear_reference
-    from workers import fp8
+    from workers.fp8.convention import EMULATED_E4M3
+    from workers.fp8.quantize import quantize_weight_per_channel
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    q_emulated, scale = fp8.quantize_weight_per_channel(w, fp8.EMULATED_E4M3)
+    q_emulated, scale = quantize_weight_per_channel(w, EMULATED_E4M3)
     ref = fp8_linear_reference(x, q_emulated, scale, None, "e4m3fn")
     fns = {"bf16 F.linear": lambda: F.linear(x, w), "torch dequant": lambda: fp8_linear_reference(
         x, q_emulated, scale, None, "e4m3fn")}  # fmt: skip

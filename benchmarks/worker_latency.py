@@ -32,8 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workers.kv import ForwardBatch, KVPool, SeqChunk  # noqa: E402
-from workers.loader import default_model_dir, load_model  # noqa: E402
+from workers.kv.batch import ForwardBatch, SeqChunk  # noqa: E402
+from workers.kv.pool import KVPool  # noqa: E402
+from workers.model.loader import default_model_dir, load_model  # noqa: E402
 
 PROMPT = "Hello, my name is"
 

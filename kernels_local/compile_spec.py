@@ -8,7 +8,7 @@ function, its argument types in the notation of Triton's own ahead-of-time compi
 16, `"i32"`: any integer), its constexprs and its launch options. The wrapper and its
 specs compute the launch from the same tuning method, so they cannot drift apart. Each
 repository's `layers` module maps its Triton layer classes to such functions
-(`COMPILE_SPECS`); the preflight (`workers.preflight`) compiles whatever the selected
+(`COMPILE_SPECS`); the preflight (`workers.kernelize.preflight`) compiles whatever the selected
 layers declare, so a new kernel is preflighted by declaring its specs, not by editing
 the preflight.
 

@@ -113,7 +113,7 @@ the whole script {_minutes(f['total_seconds'])}. The script downloads the corpus
 
 Next-token loss on the {f['heldout_fortunes']} held-out fortunes ({f['heldout_tokens']:,} tokens, each
 fortune scored on its own from `<|bos|>`), with this checkpoint loaded by
-`workers.loader.load_model`:
+`workers.model.loader.load_model`:
 
 - held-out loss **{f['heldout_nll']:.3f}**, perplexity **{math.exp(f['heldout_nll']):.1f}**
   (fp32 weights before the bf16 export: loss {f['heldout_nll_fp32']:.3f});

@@ -4,7 +4,7 @@ Design: the embedded model is stored exactly like any model a user downloads
 (config.json with `LlamaForCausalLM`, model.safetensors under transformers' tensor names,
 tokenizer.json, tokenizer_config.json with the chat template, generation_config.json), so
 the server loads it through the same loader and nothing special-cases it. Tensor names
-come from `workers.weights.to_hf`, the inverse of the loader's one HF -> ours map (it
+come from `workers.model.weights.to_hf`, the inverse of the loader's one HF -> ours map (it
 splits our fused `wqkv` and `w_gate_up` back into q/k/v and gate/up).
 Trade-off: weights are stored in bf16 (half the bytes in git; the loader's `auto` dtype
 runs bf16 on CPU anyway), so fp32 training results move by bf16 rounding.
@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from workers.config import ModelConfig
-from workers.weights import to_hf
+from workers.model.config import ModelConfig
+from workers.model.weights import to_hf
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>")

@@ -39,8 +39,8 @@ kill "$wpid"; wait "$wpid"
 # 3. our Triton kernels against torch, side by side
 "$PY" benchmarks/triton_kernels.py --rounds 30 2>&1 | tee "$OUT/kernels.txt"
 # 4. the preflight on the real device against `hetserve plan --compile` simulating its architecture
-"$PY" -m workers.preflight >"$OUT/preflight-real.json" 2>"$OUT/preflight-real.log"
+"$PY" -m workers.kernelize >"$OUT/preflight-real.json" 2>"$OUT/preflight-real.log"
 arch="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["arch"])' "$OUT/preflight-real.json")"
 "$PY" -m server.cli plan --compile --simulate "$arch" --json >"$OUT/preflight-simulated.json"
-"$PY" -m workers.preflight --compare "$OUT/preflight-real.json" "$OUT/preflight-simulated.json" \
+"$PY" -m workers.kernelize --compare "$OUT/preflight-real.json" "$OUT/preflight-simulated.json" \
   | tee "$OUT/preflight-compare.txt"

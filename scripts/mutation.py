@@ -5,7 +5,7 @@ scripts/mutation.sh, which installs the pinned mutmut first.
 Design: the working tree (tracked and untracked, not ignored files) is copied to
 `.cache/mutation/`, where mutmut writes its `mutants/` tree, so a run never touches the sources
 and always starts fresh. mutmut's configuration (which files, which tests, fork server) is
-`[tool.mutmut]` in pyproject.toml; `SAFETY_CORE` below narrows server/balancer.py to its routing
+`[tool.mutmut]` in pyproject.toml; `SAFETY_CORE` below narrows server/routing/filter.py to its routing
 constraints (pinned worker, minimum capability, fp8 convention). A mutant that survives is
 *explained* when the equivalents file lists its name with the fingerprint of its diff and one
 line on why; a listed name whose diff changed (its function was edited, so mutmut renumbered)
@@ -37,10 +37,13 @@ EQUIVALENTS = ROOT / "scripts" / "mutation_equivalents.txt"
 
 # mutmut names mutants `<module>.x_<function>__mutmut_<n>` and `<module>.xǁ<Class>ǁ<method>__mutmut_<n>`.
 SAFETY_CORE = (
-    "workers.device.*",
-    "workers.guard.*",
-    "workers.fp8.*",
-    "workers.kernelize.*",
+    "workers.device.bind.*",
+    "workers.device.guard.*",
+    "workers.fp8.convention.*",
+    "workers.fp8.e4m3.*",
+    "workers.fp8.quantize.*",
+    "workers.kernelize.apply.*",
+    "workers.kernelize.crosscheck.*",
     "workers.contract.fp8_rule.*",
     "workers.contract.capability.*",
     "kernels_local.mapping.*",
@@ -51,10 +54,10 @@ SAFETY_CORE = (
     "kernels_local.fp8_linear.quant.x_quantize_rows__mutmut_*",
     "kernels_local.fp8_linear.quant.x_decode__mutmut_*",
     # routing constraints only: pinned worker, minimum capability, fp8 convention
-    "server.balancer.xǁConstraintsǁ*",
-    "server.balancer.x_parse_capability__mutmut_*",
-    "server.balancer.x_parse_constraints__mutmut_*",
-    "server.balancer.x_matches__mutmut_*",
+    "server.routing.filter.xǁConstraintsǁ*",
+    "server.routing.filter.x_parse_capability__mutmut_*",
+    "server.routing.filter.x_parse_constraints__mutmut_*",
+    "server.routing.filter.x_matches__mutmut_*",
 )
 DETECTED = ("killed", "timeout", "caught by type check")
 

@@ -6,7 +6,7 @@ Design: one reproducible pipeline, seeded end to end. (1) Fetch and split the co
 (3) Train a small Llama (hidden 256, 4 layers, GQA 4/2 heads, tied embeddings, ~4.0M
 parameters) with the server's own `workers.model.Transformer`, on packed 512-token
 windows, AdamW + cosine schedule, bf16 autocast. (4) Export a Hugging Face checkpoint
-(scripts/export_default_model.py), load it back through `workers.loader.load_model` --
+(scripts/export_default_model.py), load it back through `workers.model.loader.load_model` --
 the path every user's model takes -- and measure held-out loss and greedy samples on it.
 (5) Write the model card with those figures, a word list of the training text and a small
 held-out sample that tests/test_default_model.py checks against.
@@ -38,8 +38,8 @@ import default_model_card as model_card  # noqa: E402
 import export_default_model as export  # noqa: E402
 import prepare_corpus as corpus_lib  # noqa: E402
 
-from workers.config import ModelConfig  # noqa: E402
-from workers.model import Transformer  # noqa: E402
+from workers.model.config import ModelConfig  # noqa: E402
+from workers.model.transformer import Transformer  # noqa: E402
 
 logger = logging.getLogger("train_default_model")
 
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     fp32_nll, _ = document_nll(model, heldout_docs, pad)
     # 4. Export, then measure what users get: the checkpoint loaded by the server's loader.
     weight_bytes = export.write_checkpoint(args.out, model, config, tok, torch.bfloat16)
-    from workers.loader import load_model
+    from workers.model.loader import load_model
 
     loaded = load_model(args.out)
     nll, n_tokens = document_nll(loaded.model, heldout_docs, pad)

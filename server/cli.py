@@ -11,24 +11,24 @@ import argparse
 import importlib
 import sys
 
+from server.config.routing import add_routing_flags
+from server.config.settings import CANARY_ACTIONS, RouterSettings
 from server.errors import UsageError
-from server.routing.config import add_routing_flags
-from server.settings import CANARY_ACTIONS, RouterSettings
 from workers.contract import (
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_QUEUE,
     KV_BLOCK_SIZES,
+    TopologySpecError,
 )
-from workers.topology import TopologySpecError
 
 # subcommand -> "module:function(args) -> int"
 _COMMANDS = {
-    "serve": "server.serve:run",
-    "plan": "server.plan:run",
-    "compose": "server.compose:run",
-    "devices": "server.devices:run",
+    "serve": "server.commands.serve:run",
+    "plan": "server.commands.plan:run",
+    "compose": "server.commands.compose:run",
+    "devices": "server.commands.devices:run",
 }
 
 

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
-from server.settings import RouterSettings
+from server.config.settings import RouterSettings
+from server.edge.app import create_app
 from tests.router_harness import FAKE_WORKER
-from workers.topology import parse_simulate
+from workers.contract import parse_simulate
 
 
 @contextlib.contextmanager

@@ -136,7 +136,7 @@ def test_too_many_headers_is_431(edge):
 
 
 def test_a_long_routing_header_is_quoted_short_once(edge):
-    """Guards `shown()` in the balancer's messages (a 1 MB `X-Hetserve-Worker` came
+    """Guards `shown()` in the routing filter's messages (a 1 MB `X-Hetserve-Worker` came
     back in the 422 once per worker)."""
     with edge.client(headers=AUTH) as c:
         r = c.post("/generate", json={"inputs": "x"}, headers={"X-Hetserve-Worker": "w" * 4000})
@@ -263,7 +263,7 @@ def test_clients_that_leave_free_the_router_and_worker_at_once(edge):
 
 
 def test_strict_types_at_the_edge(edge):
-    """Guards `strict=True` in `server/schemas.py` (`"5"`, `true` and `2.0` were
+    """Guards `strict=True` in `server/protocol/tgi.py` (`"5"`, `true` and `2.0` were
     taken as `max_new_tokens`)."""
     with edge.client(headers=AUTH) as c:
         for bad in ("5", True, 2.0):
@@ -297,7 +297,7 @@ def test_control_tokens_in_chat_content_are_refused(edge):
 
 
 def test_docs_page_needs_nothing_from_outside(edge):
-    """Guards `server/routes/docs.py` (Swagger UI came from a public CDN)."""
+    """Guards `server/edge/routes/docs.py` (Swagger UI came from a public CDN)."""
     with edge.client(headers=AUTH) as c:
         page = c.get("/docs")
         assert page.status_code == 200
@@ -359,7 +359,7 @@ def real(tmp_path_factory):
                                     {"temperature": 1e-40, "do_sample": True, "repetition_penalty": 1e-40}])
 def test_tiny_sampling_values_stay_finite(real, params):
     """Guards `MIN_TEMPERATURE` in `SamplingParams.create` and the clamps in
-    `workers/sampling.py` (temperature 1e-300 divided fp32 logits by 0: NaN logprobs, a 500
+    `workers/sampling/sampler.py` (temperature 1e-300 divided fp32 logits by 0: NaN logprobs, a 500
     and invalid JSON in streams)."""
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 6, "details": True, **params}}
     with real.client() as c:
@@ -392,7 +392,7 @@ def _drop_streams(url: str, n: int) -> None:
 
 
 def test_gauges_follow_aborts_of_dropped_streams(real):
-    """Guards `_publish_load()` on abort in `workers/engine.py` (the running gauge kept the
+    """Guards `_publish_load()` on abort in `workers/engine/core.py` (the running gauge kept the
     last step's value, 8 here, while the worker ran nothing); the KV usage gauge, read from
     the block pool at scrape time, shows the aborted streams' blocks freed."""
     _drop_streams(real.url, 8)
@@ -432,7 +432,7 @@ def test_matmul_kernels_compiled_stay_within_the_row_buckets(real):
     """Guards `install_row_buckets` (and the capped caches): on CPU, oneDNN compiles
     and keeps one bf16 matmul kernel per distinct row count, and dropped streams leave every
     batch size behind, so worker memory grew by 20-25% over 13 rounds and stayed."""
-    from workers.row_buckets import row_bucket
+    from workers.model.row_buckets import row_bucket
 
     _drop_streams(real.url, 24)
     created = re.findall(r"create:cache_miss,cpu,matmul,.*?,(\d+)x(\d+):(\d+)x(\d+)", real.output())

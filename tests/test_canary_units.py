@@ -1,5 +1,5 @@
-"""The canary's comparison and verdicts (server/canary_compare.py), its flags, and its rule of
-never taking a batch slot a user request could use (server/canary.py)."""
+"""The canary's comparison and verdicts (server/canary/compare.py), its flags, and its rule of
+never taking a batch slot a user request could use (server/canary/monitor.py)."""
 
 from __future__ import annotations
 
@@ -9,21 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.canary import CanaryBusy, CanaryMonitor
-from server.canary_compare import (
-    HEALTHY,
-    SUSPECT,
-    Numerics,
-    Position,
-    Scored,
-    compare,
-    consensus,
-    expectation,
-    parse_scores,
-)
+from server.canary.compare import Numerics, Position, Scored, compare, consensus, expectation, parse_scores
+from server.canary.monitor import CanaryBusy, CanaryMonitor
 from server.cli import build_parser
+from server.config.settings import CANARY_MIN_AGREEMENT, RouterSettings
 from server.errors import UsageError
-from server.settings import CANARY_MIN_AGREEMENT, RouterSettings
+from server.fleet.canary_record import HEALTHY, SUSPECT
 from workers.contract import CapabilityPayload
 
 
@@ -100,7 +91,7 @@ def test_canary_flags_reach_the_settings_and_bad_values_are_named():
 
 def test_the_canary_waits_for_a_free_batch_slot(monkeypatch):
     """A worker with `--max-batch` requests in flight gets no canary request until one ends."""
-    monkeypatch.setattr("server.canary.SLOT_WAIT_S", 0.3)
+    monkeypatch.setattr("server.canary.monitor.SLOT_WAIT_S", 0.3)
     settings = RouterSettings(max_batch=2)
     monitor = CanaryMonitor(SimpleNamespace(workers={}), settings)
     h = SimpleNamespace(outstanding=2)
@@ -135,8 +126,8 @@ class _Supervisor:
 
 def test_drain_restarts_a_suspect_twice_then_holds_it_until_it_passes():
     """Guards `MAX_CANARY_RESTARTS` in `CanaryMonitor._drain` and the release in `_conclude`."""
-    from server.canary import MAX_CANARY_RESTARTS
-    from server.canary_compare import Reference
+    from server.canary.compare import Reference
+    from server.canary.monitor import MAX_CANARY_RESTARTS
 
     sup = _Supervisor()
     monitor = CanaryMonitor(sup, RouterSettings(canary_action="drain"))

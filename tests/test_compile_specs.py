@@ -13,9 +13,8 @@ import torch
 
 from kernels_local.compile_spec import REALISTIC_WIDTHS, CompileSpec, Workload
 from kernels_local.mapping import _ENTRIES
-from workers.arch_limits import ARCH_LIMITS, arch_limits
-from workers.contract import fp8_rule
-from workers.topology import parse_token
+from workers.contract import fp8_rule, parse_token
+from workers.kernelize.arch_limits import ARCH_LIMITS, arch_limits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,7 +225,7 @@ def test_gfx950_is_ocp_e4m3fn_not_fnuz():
     matrix cores take OCP e4m3fn; only CDNA3 takes FNUZ."""
     assert ARCH_LIMITS["gfx950"].fp8 == "e4m3fn" and ARCH_LIMITS["gfx942"].fp8 == "e4m3fnuz"
     from kernels_local.mapping import select
-    from workers.fp8 import NATIVE_E4M3, NATIVE_E4M3_FNUZ, choose_fp8
+    from workers.fp8.convention import NATIVE_E4M3, NATIVE_E4M3_FNUZ, choose_fp8
 
     assert choose_fp8("rocm", parse_token("gfx950")[1])[0] == NATIVE_E4M3
     assert choose_fp8("rocm", parse_token("gfx950")[1])[0].storage_dtype == torch.float8_e4m3fn

@@ -14,17 +14,17 @@ import pytest
 import yaml
 from deploy_tools import compose_config, reserved_devices
 
-from server import compose
 from server.cli import build_parser, main
+from server.commands import compose
 from server.errors import UsageError
-from workers.topology import parse_simulate
+from workers.contract import parse_simulate
 
 SIM = "sm_80,sm_89,sm_90"
 SIM_UUIDS = [d.uuid for d in parse_simulate(SIM)]
 
 
 def compose_args(*argv: str) -> argparse.Namespace:
-    """The namespace `hetserve compose ARGV` hands to `server.compose.run`."""
+    """The namespace `hetserve compose ARGV` hands to `server.commands.compose.run`."""
     return build_parser().parse_args(["compose", *argv])
 
 

@@ -1,4 +1,4 @@
-"""Deterministic mode (workers/deterministic.py) on the embedded model in bfloat16: a request's
+"""Deterministic mode (workers/model/deterministic.py) on the embedded model in bfloat16: a request's
 tokens do not depend on its batch mates, the batch size, chunked prefill, prefix-cache hits or preemption."""
 
 from __future__ import annotations
@@ -8,12 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_paged_engine import metric
-from workers.deterministic import KV_SPLIT, ROW_TILE, enable_deterministic, split_attention, tiled_rows
-from workers.engine import Engine, ModelRunner
-from workers.kv import ForwardBatch, KVPool, SeqChunk, root_hash
-from workers.loader import default_model_dir, load_model
-from workers.sampling import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
+from workers.engine.core import Engine
+from workers.engine.runner import ModelRunner
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.kv.batch import ForwardBatch, SeqChunk
+from workers.kv.hashing import root_hash
+from workers.kv.pool import KVPool
+from workers.model.deterministic import KV_SPLIT, ROW_TILE, enable_deterministic, split_attention, tiled_rows
+from workers.model.loader import default_model_dir, load_model
+from workers.sampling.params import SamplingParams
 
 PREFIX = ("You are a helpful assistant. Answer in one short sentence, and never repeat the question back. "
           "Here are some facts: the sky is blue, grass is green and the sea is salty. ")
@@ -125,9 +128,9 @@ def _last_logits(lm, ids, mates) -> torch.Tensor:
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_batch_mates_change_nothing_only_in_deterministic_mode(monkeypatch, deterministic):
-    """Regression: guards `if self.kv_split is not None` in `Attention.step` (workers/attention.py),
+    """Regression: guards `if self.kv_split is not None` in `Attention.step` (workers/model/attention.py),
     which sends every row through `attend_paged`, and `tiled_rows` in `install_row_tiles`
-    (workers/deterministic.py). Over kernels whose numerics follow the batch's shape, a row's
+    (workers/model/deterministic.py). Over kernels whose numerics follow the batch's shape, a row's
     logits move with its batch mates in the default mode, and stay bit-identical in
     deterministic mode; without either line the deterministic case fails."""
     lm = load_model(default_model_dir(), "bfloat16")

@@ -10,17 +10,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workers import device as devmod
-from workers.device import (
+from tests.process_state import unbind_device
+from workers.device.bind import (
     BoundDevice,
     DeviceBindError,
     DeviceNotBoundError,
     bind_device,
     bound_device,
     capability,
-    check_kernels_capability,
     read_capability,
 )
+from workers.kernelize.crosscheck import check_kernels_capability
 
 H100_UUID = uuidlib.UUID("6f1c1d2e-0000-4000-8000-00000000a100")
 
@@ -29,9 +29,9 @@ H100_UUID = uuidlib.UUID("6f1c1d2e-0000-4000-8000-00000000a100")
 def _unbound(monkeypatch):
     for k in ("HETSERVE_SIMULATE", "HETSERVE_DEVICE_INDEX", "HETSERVE_DEVICE_UUID", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(k, raising=False)
-    devmod._unbind_for_tests()
+    unbind_device()
     yield
-    devmod._unbind_for_tests()
+    unbind_device()
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_bind_simulated_from_environment(monkeypatch):
 
 
 def test_simulated_binding_describes_the_simulated_device():
-    from workers.topology import simulated_device
+    from workers.contract import simulated_device
 
     info = simulated_device("gfx942", 3)
     dev = bind_device(simulate="gfx942", index=3)
@@ -154,7 +154,7 @@ def test_device_indices_in_cuda_visible_devices_are_no_uuid(fake_cuda, monkeypat
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     fake_cuda.props.uuid = None
     assert bind_device().uuid == ""
-    devmod._unbind_for_tests()
+    unbind_device()
     assert bind_device(simulate="sm_80").uuid.startswith("GPU-5e000000-")
 
 

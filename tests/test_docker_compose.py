@@ -34,7 +34,7 @@ from deploy_tools import DEPLOY, ROOT
 
 from server.cli import main as hetserve_main
 from tests.checkpoints import make_checkpoint
-from workers.topology import parse_simulate
+from workers.contract import parse_simulate
 
 SCRIPT = ROOT / "scripts" / "docker_check.sh"
 SIM = "sm_80,sm_89,sm_90"

@@ -1,6 +1,6 @@
 """End to end: the router's canary over three real workers (`--simulate sm_89,sm_89,sm_89`,
 the embedded model, `--deterministic`), one of them made to compute wrong by the test-only
-fault injection (`$HETSERVE_TEST_PERTURB_LOGITS`, workers/runner.py): the canary marks
+fault injection (`$HETSERVE_TEST_PERTURB_LOGITS`, workers/engine/runner.py): the canary marks
 exactly that worker suspect within one interval, the others stay healthy with exact
 agreement, and `--canary-action drain` keeps it out of rotation (restarted, checked again,
 still wrong, so held)."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.settings import DEFAULT_MODEL_DIR
 from tests.router_harness import RouterProcess
+from workers.contract import DEFAULT_MODEL_DIR
 
 pytestmark = [
     pytest.mark.slow,

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from server.settings import DEFAULT_MODEL_DIR
 from tests.router_harness import RouterProcess
+from workers.contract import DEFAULT_MODEL_DIR
 
 pytestmark = [
     pytest.mark.slow,

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server.settings import DEFAULT_MODEL_DIR
 from tests.router_harness import RouterProcess, metric_value, running_router
+from workers.contract import DEFAULT_MODEL_DIR
 
 pytestmark = [
     pytest.mark.slow,
@@ -167,7 +167,7 @@ def _leave_early(router: RouterProcess, kind: str, new_tokens: int) -> None:
 @pytest.mark.parametrize("kind", ["tgi", "openai", "generate"])
 def test_client_going_away_aborts_the_worker_request(router, kind):
     """Guards the relay closing its worker stream when the client leaves (`RelayResponse`,
-    `close_shielded`) and the disconnect guard (server/disconnect.py) for `/generate`: without
+    `close_shielded`) and the disconnect guard (server/edge/disconnect.py) for `/generate`: without
     them the worker generates all 480 tokens for nobody and finishes with `length`, not `aborted`."""
     _wait_all_ready(router)
     before = _worker_series(router, "gpu0")
@@ -194,7 +194,7 @@ def test_kill_9_mid_stream_loses_and_repeats_nothing(router, reference):
 
 
 def test_sigstop_mid_stream_is_detected_and_its_streams_move(router, reference):
-    """Guards the probe timeout in `server/probe.py` and `Supervisor._replace_hung` (broken
+    """Guards the probe timeout in `server/fleet/probe.py` and `Supervisor._replace_hung` (broken
     connections, SIGTERM then SIGKILL): without them a frozen worker's streams wait forever."""
     _wait_all_ready(router)
     runs, first_worker, (victim, took) = _run_all(router, _disturb(router, signal.SIGSTOP))

@@ -13,8 +13,8 @@ import pytest
 from huggingface_hub import InferenceClient
 from pydantic import BaseModel, Field
 
-from server.settings import DEFAULT_MODEL_DIR
 from tests.router_harness import RouterProcess
+from workers.contract import DEFAULT_MODEL_DIR
 
 pytestmark = [
     pytest.mark.slow,

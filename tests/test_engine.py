@@ -8,10 +8,11 @@ import asyncio
 import pytest
 
 from tests.engine_fakes import EOS_ID, FakeRunner, tokenizer
-from workers.detokenize import IncrementalDetokenizer, special_token_ids
-from workers.engine import Engine, EngineOverloaded, EngineUnavailable, ErrorEvent
-from workers.sampling import SamplingParams
-from workers.scheduler import CapacityError, Scheduler, SchedulerConfig
+from workers.engine.core import Engine, EngineOverloaded, EngineUnavailable
+from workers.engine.detokenize import IncrementalDetokenizer, special_token_ids
+from workers.engine.events import ErrorEvent
+from workers.engine.scheduler import CapacityError, Scheduler, SchedulerConfig
+from workers.sampling.params import SamplingParams
 
 TOK = tokenizer()
 
@@ -254,7 +255,7 @@ def test_a_stop_string_cut_off_is_never_streamed_in_part(text):
 def test_a_constrained_request_ends_when_its_grammar_is_complete():
     """The fake model never emits EOS by itself: the grammar's completion ends the request
     (guards the `advance(...)` finish in `Engine._events`)."""
-    from workers.grammar import Grammars, GrammarSpec, json_text
+    from workers.sampling.grammar import Grammars, GrammarSpec, json_text
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
     spec = GrammarSpec("json_schema", json_text(schema))

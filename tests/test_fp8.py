@@ -5,28 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers import fp8
-from workers.fp8 import (
+from tests.process_state import locked_fp8, unlock_fp8
+from workers.contract import NATIVE_FP8_CAPABILITY
+from workers.fp8.convention import (
     EMULATED_E4M3,
+    EMULATED_E4M3_FNUZ,
     NATIVE_E4M3,
-    NATIVE_FP8_CAPABILITY,
+    NATIVE_E4M3_FNUZ,
     MixedFp8ConventionError,
     choose_fp8,
-    decode_e4m3,
-    dequantize,
-    encode_e4m3,
     lock_convention,
-    quantize,
-    quantize_weight_per_channel,
-    round_to_e4m3,
 )
+from workers.fp8.e4m3 import decode_e4m3, encode_e4m3, round_to_e4m3
+from workers.fp8.quantize import dequantize, quantize, quantize_weight_per_channel
 
 
 @pytest.fixture(autouse=True)
 def _fresh_lock():
-    fp8._reset_lock_for_tests()
+    unlock_fp8()
     yield
-    fp8._reset_lock_for_tests()
+    unlock_fp8()
 
 
 @pytest.mark.parametrize(
@@ -69,7 +67,7 @@ def test_lock_refuses_a_second_convention():
     assert lock_convention(NATIVE_E4M3) is NATIVE_E4M3  # the same one again is fine
     with pytest.raises(MixedFp8ConventionError, match="native_e4m3.*refusing `emulated`.*One process serves one device with one convention\\.$"):
         lock_convention(EMULATED_E4M3)
-    assert fp8.locked_convention() is NATIVE_E4M3
+    assert locked_fp8() is NATIVE_E4M3
 
 
 def test_native_and_emulated_bytes_identical_and_equal_torch_rne():
@@ -190,7 +188,7 @@ def test_rocm_native_fp8_spans_cdna3_and_later_cdna_only(cap, native):
     assert choose_fp8("rocm", cap)[0].native is native
 
 
-@pytest.mark.parametrize("conv", [fp8.NATIVE_E4M3_FNUZ, fp8.EMULATED_E4M3_FNUZ], ids=lambda c: c.name)
+@pytest.mark.parametrize("conv", [NATIVE_E4M3_FNUZ, EMULATED_E4M3_FNUZ], ids=lambda c: c.name)
 def test_fnuz_conventions_quantize_in_their_own_format(conv):
     """ROCm's e4m3fnuz (bias 8, max 240) all the way through quantize, the per-channel weights
     and dequantize: bytes equal torch's own fnuz cast of the same fp32 values."""

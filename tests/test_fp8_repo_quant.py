@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from kernels_local.fp8_linear import quant
-from workers import fp8 as host_fp8
+from workers.fp8.convention import choose_fp8
+from workers.fp8.e4m3 import round_to_e4m3
+from workers.fp8.quantize import quantize
 
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 
@@ -31,7 +33,7 @@ def test_round_to_grid_is_torchs_round_to_nearest_even_and_the_hosts(fmt):
     # saturating cast: torch's own cast of values clamped to the format's range
     expected = x.clamp(-f.max_value, f.max_value).to(FORMATS[fmt]).to(torch.float32)
     assert torch.equal(grid, expected)
-    assert torch.equal(grid, host_fp8.round_to_e4m3(x, fmt))
+    assert torch.equal(grid, round_to_e4m3(x, fmt))
     if fmt == "e4m3fnuz":
         assert not torch.signbit(grid[grid == 0]).any()  # fnuz has no negative zero
 
@@ -41,11 +43,11 @@ def test_round_to_grid_is_torchs_round_to_nearest_even_and_the_hosts(fmt):
 def test_quantize_rows_equals_the_host_quantizer_bit_for_bit(fmt, dtype):
     """Per-token scales (amax / max, floored for an all-zero row) and grid values, against
     `workers.fp8.quantize(..., group_size=K)`: the host and the kernel repository use one rule."""
-    native = host_fp8.choose_fp8("rocm" if fmt == "e4m3fnuz" else "cuda", (9, 4) if fmt == "e4m3fnuz" else (9, 0))[0]
+    native = choose_fp8("rocm" if fmt == "e4m3fnuz" else "cuda", (9, 4) if fmt == "e4m3fnuz" else (9, 0))[0]
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(5, 40, generator=g) * torch.tensor([1.0, 1e-3, 300.0, 0.0, 7.0]).unsqueeze(1)).to(dtype)
     grid, scale = quant.quantize_rows(x, fmt)
-    q, host_scale = host_fp8.quantize(x, native, group_size=x.shape[-1])
+    q, host_scale = quantize(x, native, group_size=x.shape[-1])
     assert scale.shape == (5, 1) and torch.equal(scale, host_scale)
     assert torch.equal(grid, q.to(torch.float32))
     assert scale[3].item() == torch.finfo(torch.float32).tiny and torch.equal(grid[3], torch.zeros(40))

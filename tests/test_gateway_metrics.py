@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.router_metrics import merge_worker_metrics
+from server.fleet.metrics import merge_worker_metrics
 from tests.engine_fakes import FakeRunner, tokenizer
 from tests.test_router_units import _handles
 from workers.contract import CapabilityPayload
-from workers.engine import Engine
-from workers.sampling import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
+from workers.engine.core import Engine
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.sampling.params import SamplingParams
 
 GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
           "vllm:gpu_cache_usage_perc")

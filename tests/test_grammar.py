@@ -13,8 +13,9 @@ import torch
 from tokenizers import Tokenizer
 
 from workers.contract import DEFAULT_MODEL_DIR
-from workers.grammar import GrammarError, Grammars, GrammarSpec, advance, apply_bitmask, json_text
-from workers.sampling import SamplingParams, make_generator, sample_tokens
+from workers.sampling.grammar import GrammarError, Grammars, GrammarSpec, advance, apply_bitmask, json_text
+from workers.sampling.params import SamplingParams
+from workers.sampling.sampler import make_generator, sample_tokens
 
 TOKENIZER = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
 EOS = 2

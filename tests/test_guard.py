@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.guard import InvalidDeviceIndexError, SimulatedPlatform, device_guard
+from workers.device.guard import InvalidDeviceIndexError, SimulatedPlatform, device_guard
 
 
 class FailingPlatform(SimulatedPlatform):
@@ -104,7 +104,7 @@ def test_real_cuda_guard_restores():
 
 
 def test_binding_switch_is_validated_and_never_restored():
-    from workers.guard import bind_current_device
+    from workers.device.guard import bind_current_device
 
     p = SimulatedPlatform(count=2, current=0)
     bind_current_device(1, platform=p)
@@ -118,7 +118,7 @@ def test_binding_switch_is_validated_and_never_restored():
 def test_without_a_platform_a_cpu_host_guards_its_one_simulated_device():
     """No CUDA: the default platform is one simulated device, current 0; the guard and the
     binding both take it when no platform is given."""
-    from workers.guard import bind_current_device, default_platform
+    from workers.device.guard import bind_current_device, default_platform
 
     p = default_platform()
     assert isinstance(p, SimulatedPlatform) and (p.device_count(), p.current_device()) == (1, 0)
@@ -130,7 +130,7 @@ def test_without_a_platform_a_cpu_host_guards_its_one_simulated_device():
 
 
 def test_every_device_switch_in_the_code_goes_through_the_guard_module():
-    """One guard: no module but workers/guard.py calls a device-switching primitive."""
+    """One guard: no module but workers/device/guard.py calls a device-switching primitive."""
     import pathlib
     import re
 

@@ -15,11 +15,12 @@ import torch
 from kernels import CUDAProperties, Device, LocalLayerRepository, use_kernel_mapping
 
 from kernels_local.mapping import select
-from workers.config import ModelConfig
-from workers.device import BoundDevice
-from workers.kernelize import KernelCapabilityMismatchError, KernelPlan, kernelize_for_device
-from workers.layers import RMSNorm, SiluAndMul
-from workers.model import Transformer
+from workers.device.bind import BoundDevice
+from workers.kernelize.apply import KernelPlan, kernelize_for_device
+from workers.kernelize.crosscheck import KernelCapabilityMismatchError
+from workers.model.config import ModelConfig
+from workers.model.layers import RMSNorm, SiluAndMul
+from workers.model.transformer import Transformer
 
 REPOS = Path(__file__).resolve().parents[1] / "kernels_local"
 TINY = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
@@ -39,7 +40,7 @@ def tiny_model(dtype=torch.float32) -> Transformer:
 
 
 def device(token: str, *, simulated: bool = True) -> BoundDevice:
-    from workers.topology import parse_token
+    from workers.contract import parse_token
 
     dtype, cap = parse_token(token)
     return BoundDevice(type=dtype, index=0, uuid=f"GPU-test-{token}", name=token, capability=cap,
@@ -179,7 +180,7 @@ def test_a_conflicting_mapping_registered_in_the_process_does_not_win(monkeypatc
 def test_layers_a_plan_does_not_map_keep_their_forward():
     """`apply_plan` kernelizes with `KernelizeFallback.NO_LAYER`: a layer left out of the plan
     keeps its torch forward instead of failing, and only the planned ones are counted."""
-    from workers.kernelize import apply_plan
+    from workers.kernelize.apply import apply_plan
 
     model = tiny_model()
     only_norm = KernelPlan("cpu", {"RMSNorm": select("cuda", (9, 0))["RMSNorm"]})
@@ -191,7 +192,7 @@ def test_layers_a_plan_does_not_map_keep_their_forward():
 def test_verify_catches_a_module_that_runs_another_kernel():
     """Guards the check after kernelize (`_verify`): a module that does not run the planned
     layer's forward is named, with the kernel it should run."""
-    from workers.kernelize import KernelizeError, _verify
+    from workers.kernelize.apply import KernelizeError, _verify
 
     model = tiny_model()
     kernelize_for_device(model, device("sm_80"))  # installs the sm70 tuning

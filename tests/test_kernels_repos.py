@@ -12,10 +12,12 @@ from kernels import LocalLayerRepository
 from kernels.layer.layer import _validate_layer
 
 from kernels_local import activation, fp8_linear, rmsnorm
-from workers import fp8 as host_fp8
-from workers.layers import PagedAttention as ModelPagedAttention
-from workers.layers import RMSNorm as ModelRMSNorm
-from workers.layers import SiluAndMul as ModelSiluAndMul
+from workers.fp8.convention import EMULATED_E4M3, EMULATED_E4M3_FNUZ, NATIVE_E4M3, choose_fp8
+from workers.fp8.e4m3 import decode_e4m3, round_to_e4m3
+from workers.fp8.quantize import dequantize, quantize, quantize_weight_per_channel
+from workers.model.layers import PagedAttention as ModelPagedAttention
+from workers.model.layers import RMSNorm as ModelRMSNorm
+from workers.model.layers import SiluAndMul as ModelSiluAndMul
 
 REPOS = Path(__file__).resolve().parents[1] / "kernels_local"
 REPO_LAYERS = {
@@ -46,7 +48,7 @@ def test_metadata_follows_the_kernels_layout(repo):
 def test_layers_load_and_are_stateless(repo):
     """`kernels` refuses layers with a constructor or extra members; check every layer the
     way it does, against the model layer it replaces."""
-    from workers.quantize import Fp8Linear as ModelFp8Linear
+    from workers.fp8.linear import Fp8Linear as ModelFp8Linear
 
     replaced = {"rmsnorm": ModelRMSNorm, "activation": ModelSiluAndMul, "fp8_linear": ModelFp8Linear,
                 "paged_attention": ModelPagedAttention}[repo]
@@ -102,7 +104,7 @@ def test_cpu_paths_equal_the_model_references(dtype):
 
 
 def _edge_values() -> torch.Tensor:
-    grid = host_fp8.decode_e4m3(torch.arange(256, dtype=torch.uint8), "e4m3fn")
+    grid = decode_e4m3(torch.arange(256, dtype=torch.uint8), "e4m3fn")
     grid = grid[torch.isfinite(grid)]
     mids = (grid[:-1] + grid[1:]) / 2  # exact ties between neighbours (round half to even)
     rnd = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 100
@@ -112,23 +114,23 @@ def _edge_values() -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
 def test_round_to_grid_equals_the_host_rounding(fmt):
     x = _edge_values()
-    ours, host = fp8_linear.round_to_grid(x, fmt), host_fp8.round_to_e4m3(x, fmt)
+    ours, host = fp8_linear.round_to_grid(x, fmt), round_to_e4m3(x, fmt)
     assert torch.equal(ours.view(torch.int32), host.view(torch.int32))  # bits, incl. signed zeros
 
 
-@pytest.mark.parametrize("conv", [host_fp8.NATIVE_E4M3, host_fp8.EMULATED_E4M3_FNUZ], ids=lambda c: c.fmt)
+@pytest.mark.parametrize("conv", [NATIVE_E4M3, EMULATED_E4M3_FNUZ], ids=lambda c: c.fmt)
 def test_per_token_quantization_equals_the_host_quantizer(conv):
     x = torch.randn(9, 48, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 9)[:, None]
     grid, scale = fp8_linear.quantize_rows(x, conv.fmt)
-    q, host_scale = host_fp8.quantize(x, conv, group_size=48)
+    q, host_scale = quantize(x, conv, group_size=48)
     assert torch.equal(scale, host_scale)  # [9, 1]
-    assert torch.equal(grid, host_fp8.dequantize(q, torch.ones(()), conv))
+    assert torch.equal(grid, dequantize(q, torch.ones(()), conv))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
 def test_decode_equals_the_host_decode(fmt):
     b = torch.arange(256, dtype=torch.uint8)
-    ours, host = fp8_linear.decode(b, fmt), host_fp8.decode_e4m3(b, fmt)
+    ours, host = fp8_linear.decode(b, fmt), decode_e4m3(b, fmt)
     finite = torch.isfinite(host)
     assert torch.equal(ours[finite], host[finite])
 
@@ -138,8 +140,8 @@ def test_scaled_mm_on_cpu_equals_the_emulated_reference_bit_for_bit(dtype):
     """The native path on CPU (`torch._scaled_mm`) and the emulated reference dequantize both
     operands and multiply in fp32 in the same order: identical bits."""
     w = torch.randn(24, 64, generator=torch.Generator().manual_seed(2))
-    qn, scale = host_fp8.quantize_weight_per_channel(w, host_fp8.NATIVE_E4M3)
-    qe, _ = host_fp8.quantize_weight_per_channel(w, host_fp8.EMULATED_E4M3)
+    qn, scale = quantize_weight_per_channel(w, NATIVE_E4M3)
+    qe, _ = quantize_weight_per_channel(w, EMULATED_E4M3)
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
     bias = torch.randn(24).to(dtype)
     native = fp8_linear.fp8_linear(x, qn, scale, bias, native=True, fmt="e4m3fn")
@@ -164,14 +166,14 @@ def test_chosen_kernels_on_this_gpu_match_the_references():
     x2 = torch.randn(5, 2 * 11008, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(chosen["SiluAndMul"].forward(act, x2), act(x2))
     if kind == "cuda" and cap >= (8, 0):
-        from workers.quantize import Fp8Linear
+        from workers.fp8.linear import Fp8Linear
 
-        conv = host_fp8.choose_fp8(kind, cap)[0]
+        conv = choose_fp8(kind, cap)[0]
         linear = torch.nn.Linear(4096, 1000, bias=True, device="cuda", dtype=torch.bfloat16)
         layer = Fp8Linear.from_linear(linear, conv)
         x3 = torch.randn(7, 4096, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(chosen["Fp8Linear"].forward(layer, x3), layer(x3), rtol=2e-2, atol=2e-2)
-    from workers.kv import ForwardBatch, SeqChunk
+    from workers.kv.batch import ForwardBatch, SeqChunk
 
     kv = torch.randn(2, 8, 64, 16, 128, device="cuda", dtype=torch.bfloat16)  # [K|V, Hkv, NB, B, D]
     lens = [1, 15, 16, 17, 200, 333]

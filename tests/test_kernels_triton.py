@@ -27,7 +27,9 @@ import pytest
 import torch
 import triton.language as tl
 
-from workers import fp8 as host_fp8
+from workers.fp8.convention import EMULATED_E4M3, EMULATED_E4M3_FNUZ, NATIVE_E4M3, NATIVE_E4M3_FNUZ
+from workers.fp8.e4m3 import decode_e4m3
+from workers.fp8.quantize import quantize_weight_per_channel
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = type(tl.sum).__name__ == "InterpretedFunction"
@@ -133,8 +135,8 @@ def test_silu_and_mul_rejects_odd_width(interp):
 # -- fp8 linear ----------------------------------------------------------------------------
 
 CONVENTIONS = {
-    "e4m3fn": (host_fp8.NATIVE_E4M3, host_fp8.EMULATED_E4M3),
-    "e4m3fnuz": (host_fp8.NATIVE_E4M3_FNUZ, host_fp8.EMULATED_E4M3_FNUZ),
+    "e4m3fn": (NATIVE_E4M3, EMULATED_E4M3),
+    "e4m3fnuz": (NATIVE_E4M3_FNUZ, EMULATED_E4M3_FNUZ),
 }
 GEMM_SHAPES = [(1, 48, 96), (5, 40, 72), (33, 24, 64)]  # (M, N, K): tails in every dim
 
@@ -142,8 +144,8 @@ GEMM_SHAPES = [(1, 48, 96), (5, 40, 72), (33, 24, 64)]  # (M, N, K): tails in ev
 def _quantized_weight(n: int, k: int, fmt: str, seed: int):
     native, emulated = CONVENTIONS[fmt]
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    q_native, scale = host_fp8.quantize_weight_per_channel(w, native)
-    q_emulated, scale_e = host_fp8.quantize_weight_per_channel(w, emulated)
+    q_native, scale = quantize_weight_per_channel(w, native)
+    q_emulated, scale_e = quantize_weight_per_channel(w, emulated)
     assert torch.equal(q_native.view(torch.uint8), q_emulated) and torch.equal(scale, scale_e)
     return q_native, q_emulated, scale
 
@@ -183,7 +185,7 @@ def test_fp8_decode_covers_every_byte(interp, fmt):
     y = m.fp8_linear(x, q, scale, None, native=False, fmt=fmt, tuning=m.TUNINGS["sm80"])
     max_value = CONVENTIONS[fmt][0].max_value
     x_scale = torch.ones(1) / max_value  # what the kernel's epilogue multiplies by
-    expected = (host_fp8.decode_e4m3(q, fmt).t() * max_value) * x_scale
+    expected = (decode_e4m3(q, fmt).t() * max_value) * x_scale
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
     y_native = m.fp8_linear(x, q.view(CONVENTIONS[fmt][0].fp8_dtype), scale, None, native=True, fmt=fmt)
     assert torch.equal(y_native, y)
@@ -207,7 +209,7 @@ def test_fused_per_token_quantization_matches_the_torch_quantizer(interp, fmt):
     (round half to even), subnormals, the saturation point, zero rows, fp8 and fp16 outputs."""
     quant = interp["fp8_linear"].quant
     native = CONVENTIONS[fmt][0]
-    grid = host_fp8.decode_e4m3(torch.arange(256, dtype=torch.uint8), fmt)
+    grid = decode_e4m3(torch.arange(256, dtype=torch.uint8), fmt)
     grid = grid[torch.isfinite(grid) & (grid >= 0)].sort().values
     ties = (grid[:-1] + grid[1:]) / 2
     row = torch.cat([grid, ties, -ties])  # amax is the format's max: scale 1, x / scale == x
@@ -254,8 +256,8 @@ def test_paged_decode_matches_the_torch_paths(interp, case, dtype):
     """The Triton kernel (every tuning) against the repository's torch path, the model's own
     `PagedAttention` forward over a real `ForwardBatch`, and a per-row plain reference, on
     block tables scattered over the pool."""
-    from workers.kv import ForwardBatch, SeqChunk
-    from workers.layers import PagedAttention
+    from workers.kv.batch import ForwardBatch, SeqChunk
+    from workers.model.layers import PagedAttention
 
     m = interp["paged_attention"]
     hq, hkv, d, bs, lens = case

@@ -7,7 +7,9 @@ import random
 
 import pytest
 
-from workers.kv import BlockPool, KVCacheManager, block_hash, chain_hashes, root_hash
+from workers.kv.blocks import BlockPool
+from workers.kv.hashing import block_hash, chain_hashes, root_hash
+from workers.kv.manager import KVCacheManager
 
 BS = 4
 

@@ -1,9 +1,12 @@
-"""The layers between the processes, enforced by import-linter (contracts in pyproject.toml).
+"""The layers between the processes and inside each, enforced by import-linter (contracts in
+pyproject.toml).
 
-The router imports from `workers` only the torch-free contract and topology, the contract
-stays torch-free, workers never import the router, kernel repositories import neither, and
-nothing in the router imports torch. `tests/test_router_no_cuda.py` checks the last one at
-run time too.
+Between the processes: the router imports from `workers` only the torch-free contract, the
+contract stays torch-free, workers never import the router, kernel repositories import
+neither, and nothing in the router imports torch (`tests/test_router_no_cuda.py` checks that
+one at run time too). Inside each: the worker's packages follow its mission (contract <-
+device <- kv <- model <- kernelize <- fp8 | sampling <- engine <- serving <- main) and the
+router's run from the commands down to the configuration; no import runs back up a layer.
 """
 
 from __future__ import annotations
@@ -33,11 +36,22 @@ def test_import_contracts_are_kept():
 @pytest.mark.parametrize(
     "module,line,contract",
     [
-        ("server/balancer.py", "import workers.engine", "only the torch-free contract and topology"),
-        ("server/balancer.py", "import torch", "never imports torch"),
-        ("workers/contract/defaults.py", "import torch", "stay light"),
-        ("workers/sampling.py", "import server.app", "never import the router"),
-        ("kernels_local/rmsnorm/layers.py", "import workers.fp8", "Kernel repositories import neither"),
+        ("server/routing/filter.py", "import workers.engine.core", "only the torch-free contract"),
+        ("server/routing/filter.py", "import torch", "never imports torch"),
+        ("workers/contract/defaults.py", "import torch", "stays light"),
+        ("workers/sampling/params.py", "import server.edge.app", "never import the router"),
+        ("kernels_local/rmsnorm/layers.py", "import workers.fp8.convention", "Kernel repositories import neither"),
+        # inside the worker: a lower step importing a higher one
+        ("workers/model/transformer.py", "import workers.engine.scheduler", "worker's packages keep their layers"),
+        ("workers/kv/pool.py", "import workers.model.config", "worker's packages keep their layers"),
+        ("workers/device/bind.py", "import workers.kernelize.apply", "worker's packages keep their layers"),
+        ("workers/sampling/params.py", "import workers.fp8.convention", "worker's packages keep their layers"),
+        # inside the router
+        ("server/protocol/chat.py", "import server.fleet.handle", "protocol translations know no worker"),
+        ("server/protocol/tgi.py", "import server.edge.context", "router's packages keep their layers"),
+        ("server/routing/router.py", "import server.edge.context", "router's packages keep their layers"),
+        ("server/fleet/handle.py", "import server.canary.compare", "router's packages keep their layers"),
+        ("server/config/settings.py", "import server.routing.router", "router's packages keep their layers"),
     ],
 )
 def test_a_violation_breaks_its_contract(tmp_path, module, line, contract):

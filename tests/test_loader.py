@@ -11,10 +11,10 @@ from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 from tests.checkpoints import CHAT_TEMPLATE, make_checkpoint
-from workers import loader
-from workers.loader import ModelLoadError, choose_dtype, default_model_dir, load_model
-from workers.model import Transformer
-from workers.weights import HF_TO_OURS, save_hf_checkpoint
+from workers.model import loader
+from workers.model.loader import ModelLoadError, choose_dtype, default_model_dir, load_model
+from workers.model.transformer import Transformer
+from workers.model.weights import HF_TO_OURS, save_hf_checkpoint
 
 
 def _rewrite(ckpt, edit) -> None:

@@ -10,11 +10,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from workers.config import ConfigError, ModelConfig
-from workers.kv import DecodeMirror, ForwardBatch, KVPool, SeqChunk
-from workers.kv_sizing import plan_kv_blocks
-from workers.layers import RMSNorm, SiluAndMul
-from workers.model import Transformer
+from workers.kv.batch import ForwardBatch, SeqChunk
+from workers.kv.mirror import DecodeMirror
+from workers.kv.pool import KVPool
+from workers.kv.sizing import plan_kv_blocks
+from workers.model.config import ConfigError, ModelConfig
+from workers.model.layers import RMSNorm, SiluAndMul
+from workers.model.transformer import Transformer
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)

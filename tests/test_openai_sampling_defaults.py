@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
 
 DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 40}
 

@@ -8,10 +8,10 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from server import openai_format as fmt
-from server.openai_choices import ChoiceSpec, ChoiceStream, chat_choice, completion_choice
-from server.schemas import ChatCompletionRequest, CompletionRequest
-from server.tools import (
+from server.protocol.openai import responses as fmt
+from server.protocol.openai.choices import ChoiceSpec, ChoiceStream, chat_choice, completion_choice
+from server.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
+from server.protocol.openai.tools import (
     AUTO,
     NAMED,
     ToolPlan,

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.engine import Engine, ModelRunner
-from workers.kv import KVPool, root_hash
-from workers.loader import default_model_dir, load_model
-from workers.sampling import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
+from workers.engine.core import Engine
+from workers.engine.runner import ModelRunner
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.kv.hashing import root_hash
+from workers.kv.pool import KVPool
+from workers.model.loader import default_model_dir, load_model
+from workers.sampling.params import SamplingParams
 
 PREFIX = ("You are a helpful assistant. Answer in one short sentence, and never repeat the "
           "question back. Here are some facts: the sky is blue, grass is green and the sea is salty.")

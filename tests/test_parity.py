@@ -11,8 +11,8 @@ import torch
 from torch.testing import assert_close
 
 from tests.checkpoints import LLAMA3_ROPE, make_checkpoint
-from workers.kv import ForwardBatch, SeqChunk
-from workers.loader import load_model
+from workers.kv.batch import ForwardBatch, SeqChunk
+from workers.model.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import server.inventory
+import server.commands.inventory
 from kernels_local.mapping import LAYERS
 from server.cli import main
-from workers.topology import simulated_device
+from workers.contract import simulated_device
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = "sm_75,sm_80,sm_89,sm_90,sm_100,sm_120"
@@ -59,10 +59,10 @@ def test_plan_equals_what_the_worker_kernelizes_with(capsys):
     """The same selection code: a worker bound to the simulated device reports these kernels."""
     import torch
 
-    from workers.config import ModelConfig
-    from workers.device import BoundDevice
-    from workers.kernelize import kernelize_for_device
-    from workers.model import Transformer
+    from workers.device.bind import BoundDevice
+    from workers.kernelize.apply import kernelize_for_device
+    from workers.model.config import ModelConfig
+    from workers.model.transformer import Transformer
 
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)  # fmt: skip
@@ -80,7 +80,7 @@ def test_without_simulate_uses_the_nvml_inventory(monkeypatch, capsys):
         g.__class__(**{**g.__dict__, "simulated": False, "name": g.name.replace(" (simulated)", "")})
         for g in gpus
     ]
-    monkeypatch.setattr(server.inventory, "nvml_inventory", lambda: gpus)
+    monkeypatch.setattr(server.commands.inventory, "nvml_inventory", lambda: gpus)
     plan = _plan_json(capsys)
     assert [e["device"]["name"] for e in plan["devices"]] == [
         "NVIDIA A100-SXM4-80GB",
@@ -91,7 +91,7 @@ def test_without_simulate_uses_the_nvml_inventory(monkeypatch, capsys):
 
 
 def test_without_gpus_plans_one_cpu_device(monkeypatch, capsys):
-    monkeypatch.setattr(server.inventory, "nvml_inventory", lambda: [])
+    monkeypatch.setattr(server.commands.inventory, "nvml_inventory", lambda: [])
     (entry,) = _plan_json(capsys)["devices"]
     assert entry["device"]["type"] == "cpu" and entry["device"]["capability"] is None
     assert entry["fp8"]["convention"] == "emulated"
@@ -120,7 +120,7 @@ def test_plan_loads_no_weights_and_initializes_no_cuda():
         import sys
         from server.cli import main
         assert main(["plan", "--simulate", "{SPEC}", "--json"]) == 0
-        loaded = [m for m in ("workers.loader", "workers.model", "safetensors") if m in sys.modules]
+        loaded = [m for m in ("workers.model.loader", "workers.model.transformer", "safetensors") if m in sys.modules]
         assert not loaded, loaded
         import torch
         assert not torch.cuda.is_initialized()

@@ -23,8 +23,8 @@ import triton.language as tl
 
 from kernels_local.compile_spec import CompileSpec, Workload
 from kernels_local.mapping import select
-from workers.arch_limits import ARCH_LIMITS, PREFLIGHT_ARCHS
 from workers.contract import ENV_TRITON_CACHE
+from workers.kernelize.arch_limits import ARCH_LIMITS, PREFLIGHT_ARCHS
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "triton-preflight"
@@ -126,7 +126,7 @@ def test_gfx90a_native_fp8_compiles_only_without_fp8_matrix_instructions(matrix)
     """CDNA2 has no fp8 MFMA: Triton builds the native kernel from scalar conversions."""
     proof = matrix["gfx90a"]["fp8"]["native_compile"]
     assert proof["target"] == "gfx90a" and proof["ok"] is True and proof["instruction"] is None
-    from server.plan import _render
+    from server.commands.plan import _render
 
     assert "native fp8 kernel on gfx90a (_fp8_linear_kernel): compiles, but only without fp8 matrix" in _render(
         {"devices": [matrix["gfx90a"]]})
@@ -148,7 +148,7 @@ def test_each_architecture_compiles_into_its_own_triton_cache(matrix):
 
 
 def test_the_table_reads_as_the_plan_plus_compile_records(matrix):
-    from server.plan import _render
+    from server.commands.plan import _render
 
     text = _render({"devices": [matrix["sm_80"], matrix["sm_90"]]})
     assert "native fp8 kernel on sm_80 (_fp8_linear_kernel): does not compile: type fp8e4nv not supported" in text
@@ -159,11 +159,11 @@ def test_the_table_reads_as_the_plan_plus_compile_records(matrix):
 
 def test_a_devices_own_preflight_agrees_with_the_plan_for_its_architecture(matrix, tmp_path):
     """What `scripts/gpu_check.sh` does on a real GPU, here with a device bound by its
-    description: `python -m workers.preflight` and `hetserve plan --compile` must agree record
+    description: `python -m workers.kernelize` and `hetserve plan --compile` must agree record
     for record, and `--compare` names any difference."""
-    from workers.preflight import main
+    from workers.kernelize.cli import main
 
-    own = subprocess.run([sys.executable, "-m", "workers.preflight", "--arch", "sm_90"], cwd=ROOT, capture_output=True,
+    own = subprocess.run([sys.executable, "-m", "workers.kernelize", "--arch", "sm_90"], cwd=ROOT, capture_output=True,
                          text=True, env=preflight_env(TRITON_CACHE_DIR=str(CACHE / "sm_90")), timeout=600)  # fmt: skip
     assert own.returncode == 0, own.stderr[-2000:]
     a, b = tmp_path / "own.json", tmp_path / "plan.json"
@@ -191,11 +191,11 @@ def _oversized_gemm() -> CompileSpec:
 
 @compiles_here
 def test_an_oversized_launch_is_refused_naming_kernel_figure_and_limit(monkeypatch):
-    """Guards `_exceeds` in workers/preflight.py: a launch that needs more shared memory than
+    """Guards `_exceeds` in workers/kernelize/preflight.py: a launch that needs more shared memory than
     sm_89's 99 KiB is refused, not left to fail with `out of resource` at the first request."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(CACHE / "sm_89"))
-    from workers.kernel_compile import Target, compile_spec
-    from workers.preflight import check
+    from workers.kernelize.aot import Target, compile_spec
+    from workers.kernelize.preflight import check
 
     spec, target = _oversized_gemm(), Target("cuda", "sm_89", 32)
     compiled = compile_spec(spec, target)
@@ -215,8 +215,8 @@ def test_a_worker_refuses_a_selection_that_does_not_fit(monkeypatch):
     """Guards `preflight_or_refuse`: the kernelize step raises with every refused launch."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(CACHE / "sm_89"))
     from kernels_local.fp8_linear import layers
-    from workers.device import BoundDevice
-    from workers.preflight import PreflightError, preflight_or_refuse
+    from workers.device.bind import BoundDevice
+    from workers.kernelize.preflight import PreflightError, preflight_or_refuse
 
     monkeypatch.setitem(layers.COMPILE_SPECS, "Fp8LinearTritonNativeSm89", lambda workload: (_oversized_gemm(),))
     monkeypatch.setattr("kernels_local.rmsnorm.layers.COMPILE_SPECS", {"RMSNormTritonSm70": lambda w: ()})
@@ -228,7 +228,7 @@ def test_a_worker_refuses_a_selection_that_does_not_fit(monkeypatch):
 
 
 def test_a_triton_layer_without_compile_specs_is_an_error(monkeypatch):
-    from workers.preflight import PreflightError, compile_specs_of
+    from workers.kernelize.preflight import PreflightError, compile_specs_of
 
     monkeypatch.setattr("kernels_local.rmsnorm.layers.COMPILE_SPECS", {})
     with pytest.raises(PreflightError, match="`kernels_local/rmsnorm:RMSNormTritonSm90` is a Triton layer"):
@@ -236,8 +236,8 @@ def test_a_triton_layer_without_compile_specs_is_an_error(monkeypatch):
 
 
 def test_plan_compile_exits_1_when_a_device_is_refused(monkeypatch, capsys):
-    from server import plan_compile
     from server.cli import main
+    from server.commands import plan_compile
 
     def refused(devices, jobs=None):
         return [{"arch": d.arch_name, "ok": False, "error": "boom", "layers": {}, "native_fp8": None} for d in devices]
@@ -262,8 +262,8 @@ def test_the_worker_flag_and_its_environment_default(monkeypatch, capsys):
 
 def test_when_a_worker_runs_its_preflight_and_on_what():
     from tests.test_kernelize import device
-    from workers.config import ModelConfig
-    from workers.preflight import model_workload, wants_preflight
+    from workers.kernelize.preflight import model_workload, wants_preflight
+    from workers.model.config import ModelConfig
 
     assert wants_preflight("auto", device("sm_90", simulated=False))
     assert not wants_preflight("auto", device("sm_90")) and wants_preflight("on", device("sm_90"))
@@ -325,8 +325,9 @@ def _wait_capability(proc, sock, status, httpx) -> dict:
 
 @pytest.mark.gpu
 def test_the_real_device_agrees_with_its_simulation():
-    from workers.device import bind_device
-    from workers.preflight import compare, preflight, preflight_bound
+    from workers.device.bind import bind_device
+    from workers.kernelize.preflight import preflight, preflight_bound
+    from workers.kernelize.records import compare
 
     bound = bind_device()
     real = preflight_bound(bound, Workload())

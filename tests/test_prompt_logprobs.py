@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from tests.engine_fakes import tokenizer
-from workers.config import ModelConfig
-from workers.engine import Engine, ModelRunner
-from workers.logprobs import prompt_chunks, record_prompt
-from workers.model import Transformer
-from workers.sampling import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
+from workers.engine.core import Engine
+from workers.engine.runner import ModelRunner
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.model.config import ModelConfig
+from workers.model.transformer import Transformer
+from workers.sampling.logprobs import prompt_chunks, record_prompt
+from workers.sampling.params import SamplingParams
 
 VOCAB = 512
 TOK = tokenizer(VOCAB)
@@ -84,7 +85,7 @@ def test_a_prompt_scored_in_pieces_equals_one_piece():
 
 
 def test_a_scored_prompt_whose_prefix_is_cached_is_still_scored_whole():
-    """Guards `_cacheable` in workers/scheduler.py: a prompt asking for its logprobs may not
+    """Guards `_cacheable` in workers/engine/scheduler.py: a prompt asking for its logprobs may not
     start after a cached prefix (those rows would never be computed, so its entries would
     stop at the first token); the prefix computed again gives every entry, as with no cache."""
     model = tiny_model()

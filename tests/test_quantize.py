@@ -10,18 +10,18 @@ import pytest
 import torch
 from torch import nn
 
-from workers import fp8
-from workers.device import BoundDevice
-from workers.kernelize import kernelize_for_device
-from workers.model import Transformer
-from workers.quantize import Fp8KernelMismatchError, Fp8Linear, quantize_model
+from workers.device.bind import BoundDevice
+from workers.fp8.convention import EMULATED_E4M3, NATIVE_E4M3, choose_fp8
+from workers.fp8.linear import Fp8KernelMismatchError, Fp8Linear, quantize_model
+from workers.kernelize.apply import kernelize_for_device
+from workers.model.transformer import Transformer
 
 TINY = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
 
 
 def tiny_model(dtype=torch.float32, **overrides) -> Transformer:
-    from workers.config import ModelConfig
+    from workers.model.config import ModelConfig
 
     return Transformer.random(ModelConfig(**{**TINY, **overrides}), dtype=dtype, seed=7, std=0.3)
 
@@ -36,7 +36,7 @@ def _ids(seed: int = 0, shape=(2, 11)) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "conv,storage",
-    [(fp8.NATIVE_E4M3, torch.float8_e4m3fn), (fp8.EMULATED_E4M3, torch.uint8)],
+    [(NATIVE_E4M3, torch.float8_e4m3fn), (EMULATED_E4M3, torch.uint8)],
     ids=lambda v: str(v),
 )
 def test_swaps_projections_with_buffers_in_the_convention(conv, storage):
@@ -58,10 +58,10 @@ def test_swaps_projections_with_buffers_in_the_convention(conv, storage):
 
 def test_lm_head_is_optional_and_ties_survive():
     tied = tiny_model(tie_word_embeddings=True)
-    quantize_model(tied, fp8.EMULATED_E4M3)
+    quantize_model(tied, EMULATED_E4M3)
     assert tied.output.weight is tied.tok_embeddings.weight
     model = tiny_model()
-    summary = quantize_model(model, fp8.EMULATED_E4M3, include_lm_head=True)
+    summary = quantize_model(model, EMULATED_E4M3, include_lm_head=True)
     assert isinstance(model.output, Fp8Linear) and summary["skipped"] == []
 
 
@@ -73,8 +73,8 @@ def test_native_and_emulated_give_identical_logits(dtype):
     native_model, emulated_model = copy.deepcopy(base), copy.deepcopy(base)
     kernelize_for_device(native_model, simulated("cuda", (8, 9)))
     kernelize_for_device(emulated_model, simulated("cuda", (8, 0)))
-    quantize_model(native_model, fp8.choose_fp8("cuda", (8, 9))[0])
-    quantize_model(emulated_model, fp8.choose_fp8("cuda", (8, 0))[0])
+    quantize_model(native_model, choose_fp8("cuda", (8, 9))[0])
+    quantize_model(emulated_model, choose_fp8("cuda", (8, 0))[0])
     for a, b in zip(native_model.modules(), emulated_model.modules(), strict=True):
         if isinstance(a, Fp8Linear):
             assert a.qweight.dtype == torch.float8_e4m3fn and b.qweight.dtype == torch.uint8
@@ -84,7 +84,7 @@ def test_native_and_emulated_give_identical_logits(dtype):
         assert torch.equal(native, emulated)
         # the unkernelized reference forward agrees with both
         reference = copy.deepcopy(base)
-        quantize_model(reference, fp8.NATIVE_E4M3)
+        quantize_model(reference, NATIVE_E4M3)
         torch.testing.assert_close(reference(_ids()), native, rtol=0, atol=0)
 
 
@@ -95,7 +95,7 @@ def test_the_devices_fp8_kernel_is_installed():
 
     model = tiny_model()
     kernelize_for_device(model, simulated("cuda", (9, 0)))
-    summary = quantize_model(model, fp8.NATIVE_E4M3)
+    summary = quantize_model(model, NATIVE_E4M3)
     assert summary["kernel"]["layer"] == "Fp8LinearTritonNativeSm90"
     chosen = LocalLayerRepository(
         repo_path=REPO_ROOT / "fp8_linear", layer_name="Fp8LinearTritonNativeSm90"
@@ -107,7 +107,7 @@ def test_a_kernel_of_the_other_convention_is_refused():
     model = tiny_model()
     kernelize_for_device(model, simulated("cuda", (9, 0)))  # native kernel chosen
     with pytest.raises(Fp8KernelMismatchError, match="`native_e4m3-triton`.*`emulated`"):
-        quantize_model(model, fp8.EMULATED_E4M3)
+        quantize_model(model, EMULATED_E4M3)
     assert not any(isinstance(m, Fp8Linear) for m in model.modules())  # nothing swapped
 
 
@@ -134,14 +134,14 @@ def test_greedy_agreement_with_bf16(tmp_path, record_property):
     beside it as the noise floor. A random checkpoint has flat logits: for trained models
     this is a lower bound."""
     from tests.checkpoints import make_checkpoint
-    from workers.loader import load_model
+    from workers.model.loader import load_model
 
     ckpt = make_checkpoint(tmp_path / "ckpt", hidden_size=128, intermediate_size=256, num_hidden_layers=2)
     bf16 = load_model(ckpt, "bfloat16").model
     fp32 = load_model(ckpt, "float32").model
     quant = copy.deepcopy(bf16)
     kernelize_for_device(quant, simulated("cuda", (9, 0)))
-    quantize_model(quant, fp8.NATIVE_E4M3)
+    quantize_model(quant, NATIVE_E4M3)
     seqs = _greedy(bf16)
     agree, total = _agreement(quant, seqs)
     floor, _ = _agreement(fp32, seqs)

@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 
 from tests.engine_fakes import FakeRunner, tokenizer
 from tests.test_worker_api import INFO, sse_events
-from workers.api import create_app
-from workers.engine import Engine
-from workers.sampling import ParameterError, SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
+from workers.engine.core import Engine
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.sampling.params import ParameterError, SamplingParams
+from workers.serving.app import create_app
 
 TOK = tokenizer()
 
@@ -57,7 +57,7 @@ def test_a_resumed_request_goes_on_exactly_as_the_original(params, cut):
 
 
 def test_a_character_split_at_the_migration_point_and_a_stop_string_across_it_come_out_whole():
-    """Guards the detokenizer replay in `workers/resume.py`: without it the continuation's first
+    """Guards the detokenizer replay in `workers/engine/resume.py`: without it the continuation's first
     piece loses the held-back bytes of '€' and the stop string spanning the cut is missed."""
     script = TOK.encode("ab €uro stop here and more").ids[1:]
     euro_start = next(i for i in range(1, len(script)) if "€" in TOK.decode(script[:i + 1])
@@ -125,12 +125,12 @@ def test_liveness_tells_a_stalled_engine_from_an_idle_one():
 
 
 def test_a_constrained_stream_resumes_inside_its_grammar():
-    """Guards the grammar replay in `workers/resume.py`: without it the continuation's grammar
+    """Guards the grammar replay in `workers/engine/resume.py`: without it the continuation's grammar
     starts from scratch, so its next token must open a new object mid-way through the first."""
     from tokenizers import Tokenizer
 
     from workers.contract import DEFAULT_MODEL_DIR
-    from workers.grammar import Grammars, GrammarSpec, json_text
+    from workers.sampling.grammar import Grammars, GrammarSpec, json_text
 
     tok = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
     grammars = Grammars.for_tokenizer(tok, 4096, (2,))

@@ -1,5 +1,5 @@
 """The router's failure handling as plain code: the circuit breaker's states, the health probe's
-verdicts, the balancer skipping open breakers, breaking a hung worker's connections, the flags."""
+verdicts, the filter skipping open breakers, breaking a hung worker's connections, the flags."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import time
 
 import pytest
 
-from server.balancer import PICK, WAIT, Constraints, choose
-from server.breaker import BreakerPolicy, BreakerState, CircuitBreaker
 from server.cli import build_parser
+from server.config.settings import RouterSettings
 from server.errors import UsageError
-from server.probe import Probe, judge
-from server.settings import RouterSettings
-from server.uds_http import UnixHTTPPool, WorkerConnectionLost
+from server.fleet.breaker import BreakerPolicy, BreakerState, CircuitBreaker
+from server.fleet.probe import Probe, judge
+from server.fleet.uds_http import UnixHTTPPool, WorkerConnectionLost
+from server.routing.filter import WAIT, Constraints
+from tests.routing_helpers import PICK, choose
 from tests.test_router_units import _handles
 
 
@@ -68,7 +69,7 @@ def test_outcomes_of_an_earlier_process_do_not_reach_the_new_ones_breaker():
     assert h.breaker.state == BreakerState.OPEN
 
 
-def test_balancer_skips_open_breakers_and_waits_when_all_are_open():
+def test_the_filter_skips_open_breakers_and_waits_when_all_are_open():
     hs = _handles()
     clock = Clock()
     for h in hs:

@@ -58,7 +58,7 @@ def _served_without_gpu2(client, n: int) -> None:
 
 
 def test_a_worker_answering_500_to_everything_is_isolated_by_its_breaker(router, client):
-    """Guards the breaker check in `balancer.choose` and `Dispatcher._judge`: without them every
+    """Guards the breaker check in `server/routing/filter.py` `eligible` and `Dispatcher._judge`: without them every
     third request goes to gpu2 first (and a request that meets two 5xx fails)."""
     # 1. Clients see no error while gpu2 fails requests; two failures in a row open its breaker.
     for _ in range(10):

@@ -83,7 +83,7 @@ def test_missing_model_dir_is_a_usage_error():
 
 
 def test_no_gpu_and_no_simulate_gives_one_cpu_worker():
-    from server.inventory import nvml_inventory
+    from server.commands.inventory import nvml_inventory
 
     if nvml_inventory():
         pytest.skip("this host has GPUs")

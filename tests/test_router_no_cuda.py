@@ -19,10 +19,10 @@ def test_router_modules_and_inventory_never_import_torch():
         import importlib, pkgutil, sys
         import server
         from server.cli import main
-        from server.inventory import inventory, nvml_inventory
-        # `server.plan` is a one-shot command run in its own process, never in the router.
+        from server.commands.inventory import inventory, nvml_inventory
+        # `server.commands.plan` is a one-shot command run in its own process, never in the router.
         for m in pkgutil.walk_packages(server.__path__, "server."):
-            if m.name != "server.plan":
+            if m.name != "server.commands.plan":
                 importlib.import_module(m.name)
         assert len(inventory("sm_80,sm_89,sm_90")) == 3
         nvml_inventory()  # no driver here: []; with one, NVML only

@@ -105,7 +105,7 @@ def _migrations(router, wid: str) -> float:
 
 @pytest.mark.parametrize("kind", ["tgi", "openai"])
 def test_stream_under_way_moves_to_another_worker_when_its_worker_dies(router, client, kind):
-    """Guards `ClientStream._move` (server/migration.py): without it the stream ends with an
+    """Guards `ClientStream._move` (server/dispatch/migration.py): without it the stream ends with an
     `incomplete_generation` error event after ` t0 t1`."""
     for _ in range(12):
         _wait_ready(router, "gpu0")

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from server.settings import RouterSettings
-from server.supervisor import Supervisor
+from server.config.settings import RouterSettings
+from server.fleet.supervisor import Supervisor
 from tests.router_harness import FAKE_WORKER, alive
-from workers.topology import parse_simulate
+from workers.contract import parse_simulate
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import tempfile
 
 import pytest
 
-from server.uds_http import UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
-from server.worker_client import SSEEvents, split_events
+from server.fleet.client import SSEEvents, split_events
+from server.fleet.uds_http import UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
 
 
 async def _serve(handler):

@@ -9,24 +9,22 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.balancer import (
+from server.config.settings import RouterSettings
+from server.fleet.handle import WorkerHandle
+from server.fleet.metrics import merge_worker_metrics
+from server.fleet.spec import build_worker_specs, threads_per_worker
+from server.protocol.chat import CHATML_TEMPLATE, ChatTemplateError, load_chat_template
+from server.routing.filter import (
     OVERLOADED,
-    PICK,
     UNAVAILABLE,
     UNSATISFIABLE,
     WAIT,
     ConstraintError,
     Constraints,
-    choose,
     parse_constraints,
 )
-from server.chat import CHATML_TEMPLATE, ChatTemplateError, load_chat_template
-from server.router_metrics import merge_worker_metrics
-from server.settings import RouterSettings
-from server.worker_handle import WorkerHandle
-from server.worker_spec import build_worker_specs, threads_per_worker
-from workers.contract import CapabilityPayload, WorkerState
-from workers.topology import DeviceInfo, parse_simulate
+from tests.routing_helpers import PICK, choose
+from workers.contract import CapabilityPayload, DeviceInfo, WorkerState, parse_simulate
 
 REAL_H100 = DeviceInfo(index=3, uuid="GPU-aaaa-bbbb", name="NVIDIA H100", type="cuda", capability=(9, 0),
                        memory_total_bytes=80 << 30, simulated=False, pci_bus_id="00000000:41:00.0")
@@ -62,7 +60,7 @@ def test_simulated_workers_hide_real_gpus_and_share_the_cpu_threads():
 
 
 def test_each_architecture_gets_its_own_triton_cache(monkeypatch):
-    """Guards `use_triton_cache` in server/worker_spec.py: workers of different architectures
+    """Guards `use_triton_cache` in server/fleet/spec.py: workers of different architectures
     never share a Triton cache directory; the root is HETSERVE_TRITON_CACHE, else the user's
     TRITON_CACHE_DIR, else Triton's default."""
     devices = parse_simulate("sm_80,sm_89,sm_89,gfx942") + [REAL_H100]
@@ -284,7 +282,7 @@ def test_run_dirs_of_dead_routers_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from server.run_dir import sweep_stale_run_dirs
+    from server.fleet.run_dir import sweep_stale_run_dirs
     from workers.contract import RUN_DIR_MARKER
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from server.balancer import ConstraintError, Constraints, matches, parse_capability, parse_constraints
-from server.settings import RouterSettings
-from server.worker_handle import WorkerHandle
-from server.worker_spec import build_worker_specs
-from workers.contract import CapabilityPayload, WorkerState
-from workers.topology import parse_simulate
+from server.config.settings import RouterSettings
+from server.fleet.handle import WorkerHandle
+from server.fleet.spec import build_worker_specs
+from server.routing.filter import ConstraintError, Constraints, matches, parse_capability, parse_constraints
+from workers.contract import CapabilityPayload, WorkerState, parse_simulate
 
 
 def _handles(spec: str = "sm_80,sm_89,sm_90") -> list[WorkerHandle]:

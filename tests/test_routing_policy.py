@@ -1,5 +1,5 @@
 """The routing policy's pieces, pure: prefix index, speed fit, sessions, scoring, the router's
-state over the balancer's filter, configuration, and the benchmarks' slow-down knob."""
+state over the filter, configuration, and the benchmarks' slow-down knob."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.balancer import PICK, WAIT, Constraints, choose, parse_constraints
-from server.breaker import BreakerPolicy, CircuitBreaker
 from server.cli import build_parser
+from server.config.routing import LEAST_LOADED, RoutingConfig, routing_from_args
+from server.config.settings import RouterSettings
 from server.errors import UsageError
-from server.routing.config import RoutingConfig, routing_from_args
+from server.fleet.breaker import BreakerPolicy, CircuitBreaker
+from server.fleet.handle import WorkerHandle
+from server.fleet.spec import build_worker_specs
+from server.routing.filter import WAIT, Constraints, parse_constraints
 from server.routing.policy import (
     IMBALANCE,
-    LEAST_LOADED,
     PREFIX,
     Ask,
     Candidate,
@@ -32,12 +34,9 @@ from server.routing.router import Router
 from server.routing.sessions import OVERLOADED, UNAVAILABLE, SessionAffinity
 from server.routing.speed import Speed, SpeedFit
 from server.routing.telemetry import Counters, Telemetry
-from server.settings import RouterSettings
-from server.worker_handle import WorkerHandle
-from server.worker_spec import build_worker_specs
-from workers.contract import CapabilityPayload, WorkerState
-from workers.slowdown import apply_slowdown, slowdown_factor
-from workers.topology import parse_simulate
+from tests.routing_helpers import PICK, choose
+from workers.contract import CapabilityPayload, WorkerState, parse_simulate
+from workers.device.slowdown import apply_slowdown, slowdown_factor
 
 CHUNK = 64
 
@@ -323,7 +322,7 @@ def test_least_loaded_and_round_robin():
     assert Route("gpu0", PREFIX, matched=12).header == "prefix:12"
 
 
-# --- the router over the balancer's filter -------------------------------------------------------
+# --- the router over the filter -------------------------------------------------------
 def _handles(n=3):
     specs = build_worker_specs(parse_simulate(",".join(["sm_90"] * n)), RouterSettings(worker_command=("w",)),
                                Path("/tmp/run"), parent_pid=1, base_env={})
@@ -339,7 +338,7 @@ def _handles(n=3):
 
 def _send(router: Router, hs, body: dict, c: Constraints = Constraints(), capacity: int = 10):
     req = router.request(body, c)
-    d = choose(hs, c, capacity, pick=lambda free: router.pick(free, c, req))
+    d = choose(hs, c, capacity, router=router, req=req)
     assert d.kind == PICK, d.reason
     return router.begin(d.worker, d.route, req)
 
@@ -374,7 +373,7 @@ def test_broken_workers_stay_excluded_whatever_they_hold():
     assert _send(router, hs, prompt).worker is holder
     req = router.request(prompt, Constraints())
     d = choose(hs, Constraints(), 10, exclude={holder.id: holder.generation},  # it failed this request
-               pick=lambda free: router.pick(free, Constraints(), req))
+               router=router, req=req)
     assert d.worker is not holder
 
 
@@ -440,7 +439,7 @@ def test_the_policy_never_sees_a_worker_the_filter_refused():
     hs[0].breaker = CircuitBreaker(BreakerPolicy(failures=1))
     hs[0].breaker.on_failure("answered 500")
     req = router.request({"inputs": "x"}, Constraints())
-    assert choose(hs, Constraints(), 10, pick=lambda free: router.pick(free, Constraints(), req)).kind == WAIT
+    assert choose(hs, Constraints(), 10, router=router, req=req).kind == WAIT
 
 
 # --- configuration -----------------------------------------------------------------------------

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from workers.sampling import ParameterError, SamplingParams, make_generator, sample, sample_tokens
+from workers.sampling.params import ParameterError, SamplingParams
+from workers.sampling.sampler import make_generator, sample_tokens
+
+
+def sample(logits: torch.Tensor, rows) -> tuple[list[int], list[float]]:
+    """One token and its logprob per row of `logits` [N, V] (float32): `sample_tokens` without
+    the alternatives."""
+    out = sample_tokens(logits, rows)
+    return out.token_ids, out.logprobs
 
 
 class Row:

@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from workers.sampling import SamplingParams
-from workers.scheduler import (
+from workers.engine.scheduler import CapacityError, Scheduler, SchedulerConfig
+from workers.engine.sequence import (
     FINISH_ABORT,
     FINISH_EOS,
     FINISH_LENGTH,
     FINISH_STOP,
     RUNNING,
     WAITING,
-    CapacityError,
-    Scheduler,
-    SchedulerConfig,
     Sequence,
 )
+from workers.sampling.params import SamplingParams
 
 EOS = 1
 

@@ -9,9 +9,15 @@ import pytest
 import torch
 
 from tests.test_kernelize import device, tiny_model
-from workers.kernelize import kernelize_for_device
-from workers.layers import PagedAttention, RMSNorm
-from workers.selftest import TOLERANCE, SelfTestError, compare_with_reference, reference_path, self_test
+from workers.kernelize.apply import kernelize_for_device
+from workers.kernelize.selftest import (
+    TOLERANCE,
+    SelfTestError,
+    compare_with_reference,
+    reference_path,
+    self_test,
+)
+from workers.model.layers import PagedAttention, RMSNorm
 
 
 def test_kernelized_model_agrees_with_its_reference_path():
@@ -71,17 +77,18 @@ def test_nan_from_a_kernel_is_a_failure():
 def test_self_test_on_the_real_gpu(quantize):
     """The embedded model on the real device, kernelized for it (and fp8-quantized in its
     convention): the Triton kernels agree with the torch path within the tolerance."""
+    from tests.process_state import unlock_fp8
     from workers.contract import DEFAULT_MODEL_DIR
-    from workers.device import bind_device
-    from workers.fp8 import _reset_lock_for_tests, choose_fp8
-    from workers.loader import load_model
-    from workers.quantize import quantize_model
+    from workers.device.bind import bind_device
+    from workers.fp8.convention import choose_fp8
+    from workers.fp8.linear import quantize_model
+    from workers.model.loader import load_model
 
     bound = bind_device()
     loaded = load_model(DEFAULT_MODEL_DIR, "auto", bound.torch_device, bound.capability)
     kernelize_for_device(loaded.model, bound)
     if quantize:
-        _reset_lock_for_tests()
+        unlock_fp8()
         quantize_model(loaded.model, choose_fp8(bound.type, bound.capability)[0])
     result = self_test(loaded.model, loaded.config, bound.torch_device)
     print(result)

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from server.routes.status import accepts_html
-from server.worker_stats import WorkerStats, read_values
+from server.edge.routes.status import accepts_html
+from server.fleet.history import WorkerStats, read_values
 from tests.inprocess_router import inprocess_router
 
 KEY = "page-test-key"

@@ -24,10 +24,10 @@ from tests.engine_fakes import EOS_ID, FakeRunner  # noqa: E402
 from tests.inprocess_router import inprocess_router  # noqa: E402
 from tests.router_harness import ROOT  # noqa: E402
 from tests.test_worker_api import INFO, TOK  # noqa: E402
-from workers.api import create_app  # noqa: E402
 from workers.contract.tracing import NO_TRACING, check_endpoint, http_traces_url, start_tracing  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from workers.engine.core import Engine  # noqa: E402
+from workers.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from workers.serving.app import create_app  # noqa: E402
 
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "b7ad6b7169203331"
@@ -184,9 +184,9 @@ def test_tracing_off_imports_no_opentelemetry_and_adds_no_middleware():
     FastAPI's own per-request instrumentation check off."""
     script = (
         "import sys, json\n"
-        "from server.app import create_app\n"
-        "from server.settings import RouterSettings\n"
-        "import workers.api, workers.request_trace\n"
+        "from server.edge.app import create_app\n"
+        "from server.config.settings import RouterSettings\n"
+        "import workers.serving.app, workers.serving.tracing\n"
         "app = create_app(RouterSettings(), [])\n"
         "print(json.dumps({'otel': sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk',\n"
         "                                                                       'opentelemetry.exporter'))),\n"
@@ -200,8 +200,8 @@ def test_tracing_off_imports_no_opentelemetry_and_adds_no_middleware():
 
 def test_fastapi_own_instrumentation_is_off_in_both_apps():
     """FastAPI >= 0.16x checks for a global tracer provider on every request (~15 us) unless told not to."""
-    from server.app import create_app as create_router_app
-    from server.settings import RouterSettings
+    from server.config.settings import RouterSettings
+    from server.edge.app import create_app as create_router_app
 
     engine = Engine(FakeRunner(), Scheduler(SchedulerConfig(2, 64)), TOK)
     for app in (create_router_app(RouterSettings(), []), create_app(INFO, engine, TOK)):
@@ -211,8 +211,8 @@ def test_fastapi_own_instrumentation_is_off_in_both_apps():
 
 
 def test_endpoint_is_checked_and_otlp_http_gets_its_traces_path():
+    from server.config.settings import RouterSettings
     from server.errors import UsageError
-    from server.settings import RouterSettings
 
     class Args:
         otlp_endpoint = "collector:4318"

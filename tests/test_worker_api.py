@@ -8,11 +8,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.engine_fakes import EOS_ID, FakeRunner, tokenizer
-from workers.api import create_app
 from workers.contract import CapabilityPayload
-from workers.engine import Engine
-from workers.sampling import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
+from workers.engine.core import Engine
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.sampling.params import SamplingParams
+from workers.serving.app import create_app
 
 TOK = tokenizer()
 INFO = CapabilityPayload(

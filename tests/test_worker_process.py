@@ -78,7 +78,7 @@ def worker(tmp_path_factory):
 
 @functools.lru_cache(maxsize=1)
 def _load(model_dir: Path):
-    from workers.loader import load_model
+    from workers.model.loader import load_model
 
     return load_model(model_dir, "float32")
 

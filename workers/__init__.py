@@ -1,7 +1,11 @@
-"""hetserve workers: one process per device.
+"""hetserve's worker: one process per device, its packages named after the mission's steps.
 
-The entry point (`python -m workers`) reads top-down as the mission:
-bind -> capability -> load -> kernelize -> fp8 -> serve. Importing this package stays
-cheap and torch-free, so the router can import the torch-free parts (`workers.topology`)
-without touching a device.
+`python -m workers` runs `workers/main.py`, which reads top-down as the mission: bind ->
+capability -> load -> kernelize -> fp8 -> serve. Each step has its package, and a package
+imports only those below it (import-linter keeps it so): `contract` (what router and worker
+share, torch-free) <- `device` (bind, the guard) <- `kv` (the paged cache) <- `model` (the
+architecture, its weights, the loader) <- `kernelize` (the kernel choice, the preflight, the
+self-test) <- `fp8` (the convention, e4m3, quantized layers) and `sampling` (parameters,
+sampler, grammars, logprobs) <- `engine` (the step loop and scheduler) <- `serving` (the
+Unix-socket app). Importing this package, or any package's `__init__`, loads nothing.
 """

@@ -40,7 +40,7 @@ from workers.contract import (
     engine_limits_error,
     use_triton_cache,
 )
-from workers.row_buckets import cap_native_caches
+from workers.model.row_buckets import cap_native_caches
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: a request's output does not depend on its batch mates "
-                        "(fixed GEMM row tiles and attention splits; see workers/deterministic.py)")
+                        "(fixed GEMM row tiles and attention splits; see workers/model/deterministic.py)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--status-file", help="JSON status file, rewritten atomically at each step")
     p.add_argument("--parent-pid", type=int, help="exit when this process dies")
@@ -154,7 +154,7 @@ def configure_logging(worker_id: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cap_native_caches()  # before torch loads (see workers/row_buckets.py)
+    cap_native_caches()  # before torch loads (see workers/model/row_buckets.py)
     args = parse_args(argv)
     args.worker_id = args.worker_id or _default_worker_id(args)
     configure_logging(args.worker_id)
@@ -170,7 +170,7 @@ def run_worker(args: argparse.Namespace) -> int:
     server = None
     try:
         with startup_step("bind", status):
-            from workers.device import bind_device
+            from workers.device.bind import bind_device
 
             bound = bind_device(args.simulate, args.device_index, args.device_uuid)
             logger.info("Triton cache %s", use_triton_cache(bound.arch_name))  # before Triton is imported
@@ -179,44 +179,44 @@ def run_worker(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(args.threads)
         with startup_step("capability", status):
-            from workers.device import capability
+            from workers.device.bind import capability
 
             cap = capability()
             logger.info("capability %s (%s)", bound.capability_label, bound.type)
         with startup_step("load", status):
-            from workers.loader import load_model
+            from workers.model.loader import load_model
 
             loaded = load_model(args.model or DEFAULT_MODEL_DIR, args.dtype, bound.torch_device, cap)
         with startup_step("kernelize", status):  # also checks `kernels`' own capability lookup
-            from workers.kernelize import kernelize_for_device
-            from workers.preflight import model_workload, preflight_or_refuse, wants_preflight
+            from workers.kernelize.apply import kernelize_for_device
+            from workers.kernelize.preflight import model_workload, preflight_or_refuse, wants_preflight
 
             kernels = kernelize_for_device(loaded.model, bound)
             compiled = None
             if wants_preflight(args.preflight, bound):  # every selected kernel compiled and fitting
                 compiled = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
         with startup_step("fp8", status):
-            from workers.fp8 import choose_fp8, lock_convention
+            from workers.fp8.convention import choose_fp8, lock_convention
 
             conv, fp8_reason = choose_fp8(bound.type, cap)
             lock_convention(conv)
             if args.quantize == "fp8":
-                from workers.quantize import quantize_model
+                from workers.fp8.linear import quantize_model
 
                 logger.info("fp8 weights: %s", quantize_model(loaded.model, conv))
             logger.info("fp8 convention %s: %s", conv.name, fp8_reason)
         if bound.is_real_gpu:
             with startup_step("kernelize", status):  # its last check, once fp8 swapped in its layers
-                from workers.selftest import self_test
+                from workers.kernelize.selftest import self_test
 
                 logger.info("self-test: %s", self_test(loaded.model, loaded.config, bound.torch_device))
         with startup_step("serve", status):
-            from workers.serving import WorkerServer
-            from workers.slowdown import apply_slowdown
+            from workers.device.slowdown import apply_slowdown
+            from workers.serving.server import Startup, WorkerServer
 
             apply_slowdown(loaded.model, args.worker_id)  # $HETSERVE_SLOWDOWN: benchmarks and tests only
 
-            server = WorkerServer(args, bound, loaded, kernels, conv, fp8_reason, compiled)
+            server = WorkerServer(Startup(args, bound, loaded, kernels, conv, fp8_reason, compiled))
         phase["server"] = server.server
         server.run(on_ready=lambda: status.write(WorkerStatus.READY, socket=args.socket))
         if server.fatal_error is not None:

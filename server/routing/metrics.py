@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from server.fleet.handle import WorkerHandle
 from server.routing.router import Router
 from server.routing.speed import REFERENCE_BATCH
-from server.worker_handle import WorkerHandle
 
 _LABELS = ("worker_id", "capability")
 

@@ -1,7 +1,7 @@
 """The routing policies' score and pick stages, as pure functions of what the router knows.
 
 The filter stage (ready, breaker closed, not failed before, room in its queue, the request's
-constraints) is server/balancer.py; server/routing/router.py turns each worker that passed
+constraints) is server/routing/filter.py; server/routing/router.py turns each worker that passed
 into a `Candidate` and calls one of these.
 
 `cache_aware` decides in this order, as SGLang's cache-aware router does, with the load and
@@ -51,9 +51,9 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from server.config.routing import DEFAULT_LOAD_FACTOR
 from server.routing.speed import Speed
 
-DEFAULT_LOAD_FACTOR = 1.1  # bounded loads (see `bounded_load`)
 HEADER_ROUTE = "X-Hetserve-Route"  # on every answer a worker gave: why that worker (`Route.header`)
 
 PREFIX, SESSION, LEAST_LOADED, PINNED, IMBALANCE, ROUND_ROBIN = (

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-DEFAULT_CHUNK_CHARS = 64  # characters per chunk of text (a few tokens short of a KV block of 16)
-DEFAULT_MAX_CHUNKS = 8192  # chunks remembered per worker: 512 Ki characters, about 150 Ki tokens
+from server.config.routing import DEFAULT_CHUNK_CHARS, DEFAULT_MAX_CHUNKS
+
 _IDS_PER_CHAR = 4  # token-id prompts: chunk_chars // 4 ids per chunk (about as many tokens as text)
 _TEXT_SEED, _IDS_SEED = 0x5EED, 0x1D5  # text and token-id prompts never share a key
 

@@ -1,5 +1,5 @@
 """The router's routing state: the prefix index, speeds, sessions and load in tokens, and
-the decision for each request that the balancer's filter let through.
+the decision for each request that the filter let through.
 
 `Router.pick(free, c, req)` is the score-and-pick stage: a request pinned to a worker goes
 there (`pinned`); a request with a session goes where its session lives
@@ -22,8 +22,9 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-from server.balancer import Constraints
-from server.routing.config import CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN, RoutingConfig
+from server.config.routing import CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN, RoutingConfig
+from server.fleet.handle import WorkerHandle
+from server.routing.filter import Constraints
 from server.routing.policy import (
     PINNED,
     SESSION,
@@ -38,11 +39,10 @@ from server.routing.prefix_index import PrefixIndex
 from server.routing.sessions import SessionAffinity
 from server.routing.speed import REFERENCE_BATCH, Speed
 from server.routing.telemetry import Telemetry
-from server.worker_handle import WorkerHandle
+from workers.contract import DEFAULT_MAX_NEW_TOKENS
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NEW_TOKENS = 100  # the workers' `max_new_tokens` when a request leaves it out
 UNMEASURED = Speed(step_s=1e-2, prefill_s=1e-4, sequence_s=1e-3)  # before any worker is measured
 
 
@@ -103,7 +103,7 @@ class Router:
         resumed = len(resumed) if isinstance(resumed, list) else 0
         params = body.get("parameters") if isinstance(body.get("parameters"), dict) else {}
         asked = params.get("max_new_tokens")
-        new = asked if isinstance(asked, int) and asked >= 0 else DEFAULT_NEW_TOKENS
+        new = asked if isinstance(asked, int) and asked >= 0 else DEFAULT_MAX_NEW_TOKENS  # what the worker will take
         text = isinstance(prompt, str)
         return RouteRequest(self.index.keys(prompt), self.index.chunk_units(prompt), len(prompt) if text else 0,
                             (0 if text else len(prompt)) + resumed, max(0, new - resumed), c.session)

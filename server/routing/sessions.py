@@ -28,7 +28,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from server.routing.policy import DEFAULT_LOAD_FACTOR, bounded_load
+from server.config.routing import DEFAULT_LOAD_FACTOR
+from server.routing.policy import bounded_load
 
 DEFAULT_MAX_SESSIONS = 65536
 DEFAULT_VNODES = 64

@@ -1,7 +1,7 @@
 """What the router learns from the workers' own counters: speeds, KV use, characters per token.
 
 The status page already samples every ready worker's `/metrics` every few seconds
-(server/worker_stats.py); each sample is also handed here. From the change of a worker's
+(server/fleet/history.py); each sample is also handed here. From the change of a worker's
 counters since its previous sample the router gets one interval of work: engine seconds
 and steps (`hetserve_worker_step_seconds_sum`, `_count`), prompt tokens computed and
 generated tokens, which
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.fleet.history import read_values
 from server.routing.speed import DEFAULT_DECAY, Speed, SpeedFit
-from server.worker_stats import read_values
-from workers.contract.defaults import GATEWAY_KV_USAGE
+from workers.contract import GATEWAY_KV_USAGE
 
 STEP_SECONDS = "hetserve_worker_step_seconds_sum"
 STEPS = "hetserve_worker_step_seconds_count"

@@ -1,10 +1,15 @@
-"""The torch-free contract between the router and its workers.
+"""The torch-free contract between the router and its workers: each fact they share, defined once.
 
 Both processes import this package, and the router imports nothing else from `workers`
-except `workers.topology` (import-linter enforces it): the capability type, the device
-description, the fp8 rule, the worker's lifecycle values, shared defaults and header names,
-the chat-template lookup, the per-architecture Triton cache and the `/capability` payload.
-Each fact has one definition here.
+(import-linter enforces it): the capability type (`capability`), the device description
+(`device`) and the simulated topology (`topology`), the fp8 rule (`fp8_rule`), the worker's
+lifecycle values (`lifecycle`), defaults, environment and header names (`defaults`), the
+limits of a generation request and its shape checks (`limits`), the chat-template lookup
+(`chat_template`), JSON schemas as requests carry them (`json_schema`), the
+per-architecture Triton cache (`triton_cache`) and the `/capability` and `/health` payloads
+(`payload`). Code outside the contract imports these names from here; tracing setup, which
+both processes share too, is its own module (`workers.contract.tracing`): it loads
+OpenTelemetry only when asked to.
 """
 
 from workers.contract.capability import (
@@ -14,6 +19,9 @@ from workers.contract.capability import (
     capability_label,
 )
 from workers.contract.chat_template import (
+    JINJA_FILE,
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILE,
     FoundTemplate,
     find_chat_template,
     read_special_tokens,
@@ -32,6 +40,10 @@ from workers.contract.defaults import (
     ENV_PREFLIGHT,
     ENV_SIMULATE,
     ENV_TEST_PERTURB_LOGITS,
+    GATEWAY_KV_USAGE,
+    GATEWAY_POD,
+    GATEWAY_RUNNING,
+    GATEWAY_WAITING,
     HEADER_FP8,
     HEADER_FP8_CONVENTION,
     HEADER_MIN_CAPABILITY,
@@ -41,8 +53,6 @@ from workers.contract.defaults import (
     KV_BLOCK_SIZES,
     MAX_HEADER_BYTES,
     MAX_HEADER_COUNT,
-    MAX_LOGPROBS,
-    MAX_STOP_SEQUENCES,
     MAX_URL_BYTES,
     PREFLIGHT_MODES,
     RESUME_IDS,
@@ -65,6 +75,18 @@ from workers.contract.fp8_rule import (
 )
 from workers.contract.json_schema import load_json_schema
 from workers.contract.lifecycle import STARTUP_STEPS, ExitCode, WorkerState, WorkerStatus
+from workers.contract.limits import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GRAMMAR_TYPES,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_SEED,
+    MAX_STOP_SEQUENCES,
+    grammar_value,
+    valid_unicode,
+)
 from workers.contract.payload import (
     CapabilityPayload,
     DeterministicDescription,
@@ -73,7 +95,18 @@ from workers.contract.payload import (
     Fp8Description,
     HealthPayload,
     KernelDescription,
+    Load,
     ModelDescription,
+)
+from workers.contract.topology import (
+    ACCEPTED_DEVICES,
+    ACCEPTED_TOKENS,
+    TopologySpecError,
+    cpu_device,
+    parse_simulate,
+    parse_token,
+    select_devices,
+    simulated_device,
 )
 from workers.contract.triton_cache import (
     ENV_TRITON_CACHE,
@@ -84,22 +117,23 @@ from workers.contract.triton_cache import (
 )
 
 __all__ = [
-    "ACCEPTED_CAPABILITY_SPELLINGS", "Capability", "CapabilityError", "capability_label",
-    "FoundTemplate", "find_chat_template", "read_special_tokens", "read_tokenizer_config", "token_text",
-    "DEFAULT_KV_BLOCK_SIZE", "DEFAULT_MAX_BATCH", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_QUEUE",
-    "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S", "KV_BLOCK_SIZES", "engine_limits_error",
+    "ACCEPTED_CAPABILITY_SPELLINGS", "Capability", "CapabilityError", "capability_label", "JINJA_FILE",
+    "TOKENIZER_CONFIG", "TOKENIZER_FILE", "FoundTemplate", "find_chat_template", "read_special_tokens",
+    "read_tokenizer_config", "token_text", "DEFAULT_KV_BLOCK_SIZE", "DEFAULT_MAX_BATCH",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_QUEUE", "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S",
     "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_PREFLIGHT", "ENV_SIMULATE", "ENV_TEST_PERTURB_LOGITS",
-    "PREFLIGHT_MODES",
-    "HEADER_FP8", "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_PIN_WORKER",
-    "HEADER_WORKER_CAPABILITY", "HEADER_WORKER_ID", "MAX_LOGPROBS", "MAX_STOP_SEQUENCES", "RESUME_IDS",
-    "WORKER_HEADERS", "MAX_HEADER_BYTES", "MAX_HEADER_COUNT", "MAX_URL_BYTES", "RUN_DIR_MARKER",
-    "DEVICE_FIELDS", "DeviceDescribing", "DeviceInfo",
-    "DEVICE_TYPES", "EMULATED", "FP8_CONVENTIONS", "NATIVE", "NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_CAPABILITY",
-    "ROCM_NATIVE_FP8_LAST", "ROCM_OCP_FP8_CAPABILITY",
-    "Fp8Decision", "fp8_rule",
-    "load_json_schema",
-    "STARTUP_STEPS", "ExitCode", "WorkerState", "WorkerStatus",
-    "ENV_TRITON_CACHE", "ENV_TRITON_CACHE_DIR", "triton_cache_dir", "triton_cache_root", "use_triton_cache",
-    "CapabilityPayload", "DeterministicDescription", "DeviceDescription", "EngineLiveness", "Fp8Description", "HealthPayload",
-    "KernelDescription", "ModelDescription",
+    "GATEWAY_KV_USAGE", "GATEWAY_POD", "GATEWAY_RUNNING", "GATEWAY_WAITING", "HEADER_FP8",
+    "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_PIN_WORKER", "HEADER_WORKER_CAPABILITY",
+    "HEADER_WORKER_ID", "KV_BLOCK_SIZES", "MAX_HEADER_BYTES", "MAX_HEADER_COUNT", "MAX_URL_BYTES",
+    "PREFLIGHT_MODES", "RESUME_IDS", "RUN_DIR_MARKER", "WORKER_HEADERS", "engine_limits_error",
+    "DEVICE_FIELDS", "DeviceDescribing", "DeviceInfo", "DEVICE_TYPES", "EMULATED", "FP8_CONVENTIONS",
+    "NATIVE", "NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_LAST",
+    "ROCM_OCP_FP8_CAPABILITY", "Fp8Decision", "fp8_rule", "load_json_schema", "STARTUP_STEPS", "ExitCode",
+    "WorkerState", "WorkerStatus", "DEFAULT_MAX_NEW_TOKENS", "GRAMMAR_TYPES", "MAX_LOGIT_BIAS",
+    "MAX_LOGIT_BIAS_TOKENS", "MAX_LOGPROBS", "MAX_PENALTY", "MAX_SEED", "MAX_STOP_SEQUENCES", "grammar_value",
+    "valid_unicode", "CapabilityPayload", "DeterministicDescription", "DeviceDescription", "EngineLiveness",
+    "Fp8Description", "HealthPayload", "KernelDescription", "Load", "ModelDescription", "ACCEPTED_DEVICES",
+    "ACCEPTED_TOKENS", "TopologySpecError", "cpu_device", "parse_simulate", "parse_token", "select_devices",
+    "simulated_device", "ENV_TRITON_CACHE", "ENV_TRITON_CACHE_DIR", "triton_cache_dir", "triton_cache_root",
+    "use_triton_cache",
 ]

@@ -5,7 +5,7 @@ model directory first (the newer, separate file overrides the config), then
 `tokenizer_config.json["chat_template"]`, which is either a string or a list of named
 templates (`[{"name": "default", "template": ...}, {"name": "tool_use", ...}]`) of which
 `default` is used, else the first. The worker reports what it found in `/capability`; the
-router renders chat prompts with the same template (`server.chat`). Reading files only: no
+router renders chat prompts with the same template (`server.protocol.chat`). Reading files only: no
 tokenizer, no torch.
 """
 

@@ -15,9 +15,6 @@ DEFAULT_MAX_BATCH = 32  # sequences running at once per worker
 DEFAULT_MAX_QUEUE = 256  # requests waiting per worker beyond the batch before it answers 429
 DRAIN_TIMEOUT_S = 30.0  # in-flight requests get this long after SIGTERM (router and worker)
 
-# Request limits both sides check (the router at its edge, the worker again at its own).
-MAX_STOP_SEQUENCES = 16  # `stop` strings per request (OpenAI allows 4; more are accepted here)
-MAX_LOGPROBS = 20  # top alternatives per token (`top_logprobs`, `logprobs`, `top_n_tokens`), as vLLM
 # The paged KV cache and the engine's step budget (`--kv-block-size`, `--max-num-batched-tokens`).
 DEFAULT_KV_BLOCK_SIZE = 16  # tokens per KV cache block
 KV_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the GPU kernel's tiles stay aligned
@@ -45,7 +42,7 @@ ENV_DEVICE_UUID = "HETSERVE_DEVICE_UUID"
 
 # Test-only fault injection, never set in production: `<worker id>:<scale>` makes that worker's
 # model runner add a fixed pseudo-random vector (standard normal x scale) to every logits row, a
-# stand-in for a card that computes wrong. The router's canary must catch it (server/canary.py).
+# stand-in for a card that computes wrong. The router's canary must catch it (server/canary/monitor.py).
 ENV_TEST_PERTURB_LOGITS = "HETSERVE_TEST_PERTURB_LOGITS"
 
 # Whether a worker compiles and checks its selected kernels before ready (`--preflight`):
@@ -59,7 +56,7 @@ HEADER_WORKER_CAPABILITY = "X-Worker-Capability"
 HEADER_FP8_CONVENTION = "X-Fp8-Convention"
 WORKER_HEADERS = (HEADER_WORKER_ID, HEADER_WORKER_CAPABILITY, HEADER_FP8_CONVENTION)
 # The generate request field that carries the token ids a migrated stream already delivered:
-# the worker that takes the stream over goes on after them (workers/resume.py).
+# the worker that takes the stream over goes on after them (workers/engine/resume.py).
 RESUME_IDS = "resume_ids"
 # Request headers that constrain routing (matched case-insensitively).
 HEADER_PIN_WORKER = "X-Hetserve-Worker"

@@ -59,7 +59,7 @@ class ModelDescription(_Open):
 
 class DeterministicDescription(_Open):
     """`/workers` `deterministic`: whether the worker runs batch-invariant numerics
-    (`--deterministic`, workers/deterministic.py) and with which fixed shapes."""
+    (`--deterministic`, workers/model/deterministic.py) and with which fixed shapes."""
 
     enabled: bool = False
     row_tile: int | None = None  # rows per projection GEMM
@@ -73,7 +73,7 @@ class Load(BaseModel):
 
 
 class EngineLiveness(_Open):
-    """`/health` `engine`: whether the engine makes progress (workers/liveness.py)."""
+    """`/health` `engine`: whether the engine makes progress (workers/engine/liveness.py)."""
 
     pending: bool = False  # requests accepted and not finished
     last_step_age_s: float = 0.0  # since the last completed step, or since work arrived if later

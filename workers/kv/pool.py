@@ -16,16 +16,23 @@ must hold finite values (a masked weight of 0 times NaN is still NaN).
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
-
-from workers.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
 def _dtype_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+class KVShape(Protocol):
+    """The three sizes of a model the cache needs (a `ModelConfig` has them)."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
 
 
 class KVPool:
@@ -52,13 +59,13 @@ class KVPool:
         self.data = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, 2, Hkv, NB, B, D]
 
     @classmethod
-    def for_config(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def for_config(cls, config: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                    device: torch.device | str = "cpu") -> KVPool:
         return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
                    config.head_dim, dtype, device)
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_token(config: KVShape, dtype: torch.dtype) -> int:
         """Bytes one token position occupies across all layers (K and V)."""
         return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * _dtype_size(dtype)
 

@@ -1,0 +1,89 @@
+"""`hetserve plan`: per device, the kernel each layer gets and the fp8 convention, with reasons,
+without loading weights.
+
+Design: the plan runs the workers' own decision functions (`kernels_local.mapping.select`
+and the fp8 rule `workers.contract.fp8_rule`, both pure) on the router's inventory (NVML,
+or `--simulate`), so it shows what each worker will choose, not a copy of the rules. Field
+names match `/workers`: `device{type, index, uuid, name, capability, simulated,
+memory_total_bytes}`, `fp8{convention, reason}`, `kernels{<layer>: {repo, layer, variant,
+reason}}`. The trade-off: `select` reads the mapping through the `kernels` library, which
+imports torch, so this one-shot command pays that import (the serving router never imports
+this module). With `--compile`, each device's preflight (`server.commands.plan_compile`) adds the
+compile record of every kernel under `kernels.<layer>.compiled` and, where fp8 is emulated,
+the native fp8 kernel's verdict under `fp8.native_compile`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from server.commands.plan_compile import render_layer, render_preflight
+from server.errors import UsageError
+from workers.contract import DeviceInfo, TopologySpecError, cpu_device, fp8_rule, select_devices
+
+
+def _devices(simulate: str | None, devices: str | None) -> list[DeviceInfo]:
+    from server.commands.inventory import inventory
+
+    try:
+        found = inventory(simulate)
+        return select_devices(found, devices) if found else [cpu_device()]
+    except TopologySpecError as e:
+        raise UsageError(str(e)) from e
+
+
+def plan_device(dev: DeviceInfo) -> dict:
+    """One device's plan: its description, fp8 convention and kernel per layer."""
+    from kernels_local.mapping import select
+
+    fp8 = fp8_rule(dev.type, dev.capability)
+    return {
+        "device": dev.to_dict(),
+        "fp8": {"convention": fp8.convention, "reason": fp8.reason},
+        "kernels": {layer: c.to_dict() for layer, c in select(dev.type, dev.capability).items()},
+    }
+
+
+def build_plan(simulate: str | None = None, devices: str | None = "all", compile: bool = False) -> dict:
+    """`{"devices": [plan_device(d), ...]}` for the inventory (or one CPU device); with
+    `compile`, each entry carries its preflight."""
+    found = _devices(simulate, devices)
+    plan = {"devices": [plan_device(d) for d in found]}
+    if compile:
+        from server.commands.plan_compile import attach, preflight_reports
+
+        for entry, report in zip(plan["devices"], preflight_reports(found), strict=True):
+            attach(entry, report)
+    return plan
+
+
+def _render(plan: dict) -> str:
+    lines = []
+    for entry in plan["devices"]:
+        d = entry["device"]
+        cap = f"capability {d['capability']}" if d["capability"] else "no GPU capability"
+        sim = ", simulated" if d["simulated"] else ""
+        lines.append(f"device {d['index']}: {d['name']} [{d['type']}, {cap}{sim}] {d['uuid']}")
+        rows = [("fp8", entry["fp8"]["convention"], "", entry["fp8"]["reason"])]
+        rows += [
+            (layer, k["variant"], f"{k['repo']}:{k['layer']}", k["reason"])
+            for layer, k in entry["kernels"].items()
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        for r, kernel in zip(rows, [None, *entry["kernels"].values()], strict=True):
+            lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
+            lines += [] if kernel is None else render_layer(kernel)
+        lines += render_preflight(entry)
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
+def run(args) -> int:
+    compile_ = getattr(args, "compile", False)
+    plan = build_plan(getattr(args, "simulate", None), getattr(args, "devices", "all"), compile_)
+    if getattr(args, "json", False):
+        print(json.dumps(plan, indent=2))
+    else:
+        print(_render(plan))
+    refused = [e for e in plan["devices"] if compile_ and not e["preflight"]["ok"]]
+    return 1 if refused else 0

@@ -1,0 +1,215 @@
+"""The router's settings: one frozen value built from `hetserve serve` arguments.
+
+Everything the supervisor, the routing filter and the HTTP edge need to know about the run lives
+here, so each of them is a plain function of (settings, workers) and tests can build one
+without a command line. Timeouts are bounded everywhere: a request never waits forever for
+a worker and a shutdown never waits forever for a request.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.config.api_key import resolve_api_key
+from server.config.routing import RoutingConfig, routing_from_args
+from server.errors import UsageError
+from workers.contract import (
+    DEFAULT_KV_BLOCK_SIZE,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MODEL_DIR,
+    DRAIN_TIMEOUT_S,
+    engine_limits_error,
+)
+from workers.contract.tracing import check_endpoint
+
+# Runs the worker under another command (a wrapper, a profiler, a test double):
+# `HETSERVE_WORKER_CMD="python path/to/worker.py"`. Default: `<this python> -m workers`.
+WORKER_CMD_ENV = "HETSERVE_WORKER_CMD"
+
+HEADER_TIMEOUT_S = 10.0  # a request head (request line and headers) must arrive within this
+BODY_TIMEOUT_S = 30.0  # a request body may pause this long between bytes
+
+# The canary (server/canary/monitor.py): what it does with a worker whose numerics it finds suspect.
+CANARY_ACTIONS = ("mark", "drain")
+# The least agreement with the reference a healthy worker is expected to keep when its numerics
+# may differ (another architecture, fp8 convention or dtype, or batching without
+# --deterministic); the README's "Canary" section gives the measurements behind it.
+CANARY_MIN_AGREEMENT = 0.9
+
+
+def _default_worker_command() -> tuple[str, ...]:
+    raw = os.environ.get(WORKER_CMD_ENV, "").strip()
+    if raw:
+        return tuple(shlex.split(raw))
+    return (sys.executable, "-m", "workers")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """What one `hetserve serve` run was asked for (see `from_args`)."""
+
+    model_dir: Path = DEFAULT_MODEL_DIR
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    quantize: str = "none"
+    max_batch: int = DEFAULT_MAX_BATCH  # running sequences per worker
+    max_queue: int = DEFAULT_MAX_QUEUE  # waiting requests per worker before it answers 429
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV cache block
+    prefix_cache: bool = True  # workers reuse the KV blocks of shared prompt prefixes
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # tokens per engine step
+    api_key: str | None = None
+    api_key_source: str = "none"  # --api-key, --api-key-file PATH, $HETSERVE_API_KEY or none
+    log_level: str = "info"
+    special_tokens_in_content: bool = False  # chat content may hold the model's special tokens
+    # HTTP edge
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    header_timeout_s: float = HEADER_TIMEOUT_S  # a request head must arrive within this (408)
+    body_timeout_s: float = BODY_TIMEOUT_S  # longest pause inside a request body (408)
+    retry_after_s: int = 1  # `Retry-After` on 429 and 503
+    ready_wait_s: float = 30.0  # how long a request waits for a ready worker (none ready yet)
+    drain_timeout_s: float = DRAIN_TIMEOUT_S  # in-flight requests get this long after SIGTERM
+    # supervisor
+    worker_command: tuple[str, ...] = field(default_factory=_default_worker_command)
+    worker_stop_timeout_s: float = 15.0  # SIGTERM -> SIGKILL
+    startup_timeout_s: float = 900.0  # a worker not ready by then is killed and restarted
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0  # a /health probe unanswered this long means the worker hangs
+    stall_timeout_s: float = 30.0  # pending work and no engine step this long means the worker hangs
+    hang_kill_grace_s: float = 5.0  # a hung worker gets SIGTERM, then SIGKILL after this
+    unhealthy_after_failures: int = 3  # consecutive failed health checks
+    unhealthy_kill_after_s: float = 60.0  # an unhealthy (hung) worker is killed and restarted
+    restart_backoff_initial_s: float = 0.5
+    restart_backoff_max_s: float = 30.0
+    max_startup_crashes: int = 5  # crashes in a row before ever becoming ready -> `failed`
+    kv_cache_bytes: int | None = None
+    threads: int | None = None  # CPU threads for all workers together (default: this process's CPUs)
+    otlp_endpoint: str | None = None  # OpenTelemetry collector for router and worker spans (off when None)
+    stats_interval_s: float = 2.0  # how often the status page's per-worker samples are taken
+    # failures
+    migration_limit: int = 3  # times one stream may move to another worker after losing its own
+    breaker_failures: int = 5  # consecutive failed requests that open a worker's circuit breaker
+    breaker_cooldown_s: float = 10.0  # an open breaker lets one probe request through after this
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # --routing and its parameters
+    # numerics
+    deterministic: bool = False  # workers run batch-invariant numerics (workers/model/deterministic.py)
+    canary_interval_s: float = 300.0  # seconds between canary rounds; 0 turns the canary off
+    canary_min_agreement: float = CANARY_MIN_AGREEMENT  # below it (where not exact), a worker is suspect
+    canary_action: str = "mark"  # mark | drain (out of rotation, restarted, checked again)
+
+    @property
+    def worker_capacity(self) -> int:
+        """Requests one worker accepts at once (running + queued); beyond it the router answers 429."""
+        return self.max_batch + self.max_queue
+
+    @classmethod
+    def from_args(cls, args) -> RouterSettings:
+        """Validate `hetserve serve` arguments (argparse namespace) into settings."""
+        model_dir = DEFAULT_MODEL_DIR if not getattr(args, "model", None) else Path(args.model).expanduser().resolve()
+        if getattr(args, "model", None) and not model_dir.is_dir():
+            raise UsageError(f"Model directory `{args.model}` does not exist. Pass a Hugging Face model directory or omit --model")
+        for name in ("max_batch", "max_queue"):
+            value = getattr(args, name, None)
+            if value is not None and value < 1:
+                raise UsageError(f"`--{name.replace('_', '-')} {value}` must be at least 1")
+        engine = {
+            "kv_block_size": getattr(args, "kv_block_size", DEFAULT_KV_BLOCK_SIZE),
+            "prefix_cache": not getattr(args, "no_prefix_cache", False),
+            "max_num_batched_tokens": getattr(args, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        }
+        error = engine_limits_error(engine["kv_block_size"], engine["max_num_batched_tokens"],
+                                    getattr(args, "max_batch", DEFAULT_MAX_BATCH))
+        if error:
+            raise UsageError(error)
+        port = getattr(args, "port", 8000)
+        if not 0 <= port <= 65535:
+            raise UsageError(f"`--port {port}` is out of range. Accepted: 0-65535 (0 picks a free port)")
+        for name in ("header_timeout", "body_timeout"):
+            value = getattr(args, name, None)
+            if value is not None and not value > 0:
+                raise UsageError(f"`--{name.replace('_', '-')} {value}` must be > 0 seconds")
+        api_key, api_key_source = resolve_api_key(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
+        kwargs = {
+            "model_dir": model_dir,
+            "host": getattr(args, "host", "127.0.0.1"),
+            "port": port,
+            "dtype": getattr(args, "dtype", "auto"),
+            "quantize": getattr(args, "quantize", "none"),
+            "max_batch": getattr(args, "max_batch", DEFAULT_MAX_BATCH),
+            "max_queue": getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
+            **engine,
+            "api_key": api_key,
+            "api_key_source": api_key_source,
+            "log_level": getattr(args, "log_level", "info"),
+            "special_tokens_in_content": bool(getattr(args, "special_tokens_in_content", False)),
+            "deterministic": bool(getattr(args, "deterministic", False)),
+        }
+        endpoint = getattr(args, "otlp_endpoint", None)
+        if endpoint:
+            try:
+                kwargs["otlp_endpoint"] = check_endpoint(endpoint)
+            except ValueError as e:
+                raise UsageError(f"--otlp-endpoint: {e}") from e
+        kwargs.update(_failure_knobs(args))
+        kwargs["routing"] = routing_from_args(args)
+        kwargs.update(_canary_knobs(args))
+        # Optional knobs a future CLI may add; absent means the defaults above.
+        for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "threads"):
+            value = getattr(args, name, None)
+            if value is not None:
+                kwargs[name] = value
+        for name in ("header_timeout", "body_timeout"):
+            if getattr(args, name, None) is not None:
+                kwargs[f"{name}_s"] = getattr(args, name)
+        return cls(**kwargs)
+
+
+# `hetserve serve` flag -> (settings field, smallest accepted value, whether the bound is strict)
+_FAILURE_FLAGS = {
+    "migration_limit": ("migration_limit", 0, False),
+    "stall_timeout": ("stall_timeout_s", 0, True),
+    "health_timeout": ("health_timeout_s", 0, True),
+    "breaker_failures": ("breaker_failures", 1, False),
+    "breaker_cooldown": ("breaker_cooldown_s", 0, False),
+}
+
+
+def _failure_knobs(args) -> dict:
+    """The failure-handling flags that were given, checked (`UsageError` names the bad one)."""
+    out = {}
+    for flag, (name, low, strict) in _FAILURE_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if value < low or (strict and value == low):
+            bound = f"> {low}" if strict else f">= {low}"
+            raise UsageError(f"`--{flag.replace('_', '-')} {value}` must be {bound}")
+        out[name] = value
+    return out
+
+
+def _canary_knobs(args) -> dict:
+    """The canary flags that were given, checked (`UsageError` names the bad one)."""
+    out = {}
+    interval = getattr(args, "canary_interval", None)
+    if interval is not None:
+        if not interval >= 0:
+            raise UsageError(f"`--canary-interval {interval}` must be >= 0 seconds (0 turns the canary off)")
+        out["canary_interval_s"] = float(interval)
+    agreement = getattr(args, "canary_min_agreement", None)
+    if agreement is not None:
+        if not 0.0 <= agreement <= 1.0:
+            raise UsageError(f"`--canary-min-agreement {agreement}` must be a fraction in [0, 1]")
+        out["canary_min_agreement"] = float(agreement)
+    action = getattr(args, "canary_action", None)
+    if action is not None:
+        if action not in CANARY_ACTIONS:
+            raise UsageError(f"`--canary-action {action}` is not an action. Accepted: {', '.join(CANARY_ACTIONS)}")
+        out["canary_action"] = action
+    return out

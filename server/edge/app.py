@@ -1,0 +1,112 @@
+"""The router's public FastAPI application.
+
+`create_app(settings, devices)` builds the app; its `lifespan` starts the supervisor (one
+worker per device) and, on shutdown, stops it after uvicorn has drained in-flight requests.
+Startup does not wait for workers to be ready (loading a model takes a while): `/health`
+answers 503 until one is, and requests arriving meanwhile wait a bounded time for one.
+Routes are grouped by concern in `server/edge/routes/`; all reach the run's state through
+`RouterContext` (`server/edge/context.py`) on `app.state.ctx`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from server.canary.monitor import CanaryMonitor, run_canary
+from server.config.settings import RouterSettings
+from server.dispatch.dispatcher import Dispatcher
+from server.edge.context import VERSION, RouterContext
+from server.edge.disconnect import DisconnectGuard
+from server.edge.errors import install_error_handlers
+from server.edge.middleware import EdgeMiddleware
+from server.edge.routes import docs, generate, health, openai, status, workers
+from server.edge.routes import metrics as metrics_routes
+from server.edge.tracing import TracingMiddleware
+from server.fleet.history import WorkerStats
+from server.fleet.metrics import RouterMetrics
+from server.fleet.supervisor import Supervisor
+from server.routing.metrics import RoutingCollector
+from server.routing.router import Router
+from workers.contract import DeviceInfo, WorkerState
+from workers.contract.tracing import Tracing, fastapi_telemetry_off, start_tracing
+
+logger = logging.getLogger(__name__)
+
+
+def ready_summary(supervisor: Supervisor) -> str:
+    """`gpu0 sm_80 emulated, gpu1 sm_89 native_e4m3` (ready workers) + failed ones."""
+    parts = []
+    for h in supervisor.workers.values():
+        if h.state == WorkerState.READY:
+            parts.append(f"{h.id} ({h.capability_label}, fp8 {h.fp8_convention})")
+        else:
+            parts.append(f"{h.id} {h.state}: {h.reason}")
+    return ", ".join(parts)
+
+
+def create_app(settings: RouterSettings, devices: list[DeviceInfo],
+               on_settled: Callable[[Supervisor], None] | None = None, tracing: Tracing | None = None) -> FastAPI:
+    """The public app; `on_settled(supervisor)` runs once every worker is ready or failed.
+    `tracing`: the router's spans (default: from `settings.otlp_endpoint`, off without one)."""
+    supervisor = Supervisor(devices, settings)
+
+    def handles() -> list:
+        return list(supervisor.workers.values())
+
+    metrics = RouterMetrics(handles)
+    router = Router(settings.routing)
+    metrics.registry.register(RoutingCollector(router, handles))
+    tracing = tracing or start_tracing(settings.otlp_endpoint, "hetserve-router")
+    ctx = RouterContext(settings, supervisor, Dispatcher(supervisor, settings, metrics, tracing, router), metrics,
+                        WorkerStats(handles, settings.stats_interval_s, observers=[router.observe]),
+                        CanaryMonitor(supervisor, settings))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await supervisor.start()
+        background = [asyncio.create_task(_announce_when_settled(supervisor, on_settled, ctx.canary)),
+                      asyncio.create_task(ctx.stats.run()), asyncio.create_task(run_canary(ctx.canary))]
+        try:
+            yield
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            logger.info("stopping %d workers", len(supervisor.workers))
+            await supervisor.stop()
+            tracing.shutdown()
+
+    app = FastAPI(
+        title="hetserve",
+        version=VERSION,
+        description="One worker per GPU, kernels and fp8 chosen per device. TGI-shaped `/generate`, "
+        "OpenAI-compatible `/v1/*`, per-worker state at `/workers`. Route a request with the headers "
+        "`X-Hetserve-Worker`, `X-Hetserve-Min-Capability`, `X-Hetserve-Fp8`.",
+        lifespan=lifespan,
+        **fastapi_telemetry_off(),
+        docs_url=None,  # served by server/edge/routes/docs.py with local assets
+        redoc_url=None,
+    )
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(DisconnectGuard)  # inside the edge: runs for requests the edge let through
+    app.add_middleware(EdgeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       metrics=metrics)
+    if tracing.enabled:  # outermost: the span covers the whole request, refusals included
+        app.add_middleware(TracingMiddleware, tracing=tracing)
+    for module in (generate, openai, workers, health, metrics_routes, status, docs):
+        app.include_router(module.router)
+    docs.mount_assets(app)
+    return app
+
+
+async def _announce_when_settled(supervisor: Supervisor, on_settled, canary: CanaryMonitor) -> None:
+    await supervisor.wait_settled()
+    await canary.first_round.wait()  # the workers serve once checked
+    if on_settled is not None:
+        on_settled(supervisor)

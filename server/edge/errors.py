@@ -1,0 +1,103 @@
+"""Every error the public API answers is JSON: no HTML page, no stack trace.
+
+Two shapes, each the one its clients parse: TGI routes (and everything outside `/v1`) answer
+`{"error": "<message>", "error_type": "<kind>"}`; OpenAI routes (`/v1/...`) answer
+`{"error": {"message", "type", "param", "code"}}`. Validation messages name the field in
+backticks (`parameters.temperature`). Unexpected exceptions are logged with their traceback
+and answered with a generic 500 message.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.dispatch.dispatcher import DispatchError
+from server.errors import shown
+from server.protocol.chat import ChatTemplateError
+from server.routing.filter import ConstraintError
+
+logger = logging.getLogger(__name__)
+
+_KINDS = {
+    400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+    413: "payload_too_large", 415: "unsupported_media_type", 422: "validation", 429: "overloaded",
+    500: "internal", 503: "unavailable",
+}
+_OPENAI_TYPES = {
+    401: "authentication_error", 404: "not_found_error", 422: "invalid_request_error",
+    429: "rate_limit_error", 503: "service_unavailable",
+}
+
+
+def error_kind(status: int) -> str:
+    return _KINDS.get(status, "internal" if status >= 500 else "bad_request")
+
+
+def error_body(path: str, status: int, message: str, error_type: str | None = None) -> dict:
+    """The JSON error for `path` (OpenAI shape under /v1, TGI shape elsewhere)."""
+    kind = error_type or error_kind(status)
+    if path.startswith("/v1/") or path == "/v1":
+        return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, kind), "param": None, "code": status}}
+    return {"error": message, "error_type": kind}
+
+
+def error_response(path: str, status: int, message: str, error_type: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(path, status, message, error_type), status_code=status, headers=headers)
+
+
+def _field(loc) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or "body"
+
+
+def validation_message(errors) -> str:
+    """'`parameters.temperature`: Input should be greater than 0; ...' (first five problems)."""
+    msgs = []
+    for err in list(errors)[:5]:
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        if err.get("type") == "json_invalid":
+            msgs.append(f"The body is not valid JSON: {err.get('ctx', {}).get('error', msg)}")
+        elif err.get("type") == "missing":
+            msgs.append(f"`{_field(err.get('loc', ()))}` is required")
+        else:
+            msgs.append(f"`{_field(err.get('loc', ()))}`: {msg}")
+    return "; ".join(msgs) or "Invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"No route `{request.method} {shown(request.url.path)}`"
+        elif exc.status_code == 405:
+            message = f"Method `{request.method}` is not allowed on `{shown(request.url.path)}`"
+        return error_response(request.url.path, exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return error_response(request.url.path, 422, validation_message(exc.errors()), "validation")
+
+    @app.exception_handler(DispatchError)
+    async def _dispatch(request: Request, exc: DispatchError):
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        return error_response(request.url.path, exc.status, exc.message, exc.error_type, headers)
+
+    @app.exception_handler(ConstraintError)
+    async def _constraint(request: Request, exc: ConstraintError):
+        return error_response(request.url.path, 422, str(exc), "validation")
+
+    @app.exception_handler(ChatTemplateError)
+    async def _template(request: Request, exc: ChatTemplateError):
+        return error_response(request.url.path, 422, str(exc), "validation")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(request.url.path, 500, "Internal server error (see the server log)", "internal")

@@ -1,0 +1,228 @@
+"""The public socket's HTTP/1.1 protocol: head limits, read timeouts, JSON for parser errors.
+
+uvicorn's httptools protocol with what the ASGI app cannot do itself, because it happens
+before (or instead of) a request reaching the app:
+- **Head limits.** The parser buffers a header value whole before handing it over, so the
+  size is counted per received chunk while the head is incomplete: a head (request line and
+  headers) over `max_header_bytes`, or more than `max_headers` headers, is answered 431 and
+  the connection closed, holding at most the limit plus one chunk. A request target longer
+  than `max_url_bytes` is answered 414.
+- **Read timeouts.** The head must arrive within `header_timeout_s` of its first byte (or
+  of the connection opening), else 408 and close (slow-header clients); a body must keep
+  coming: `body_timeout_s` without a byte while the app waits for one (a chunked body with
+  no end, a `Content-Length` larger than what is sent) ends the request with 408 and
+  closes the connection; the app sees the client gone.
+- **Malformed HTTP** (a bad `Content-Length`, both `Content-Length` and
+  `Transfer-Encoding`, an invalid method or header) gets a JSON 400 naming the parser's
+  reason, in the same `{"error", "error_type"}` shape as every other error, then close.
+Trade-off: this subclasses uvicorn's httptools protocol (pinned with uvicorn), which is less
+stable an interface than ASGI, but nothing at the ASGI level can refuse a head that is still
+arriving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from server.config.settings import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, RouterSettings
+from server.edge.errors import error_body
+from server.errors import shown
+from workers.contract import MAX_HEADER_BYTES, MAX_HEADER_COUNT, MAX_URL_BYTES
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """What the public socket accepts before a request reaches the app."""
+
+    max_header_bytes: int = MAX_HEADER_BYTES
+    max_headers: int = MAX_HEADER_COUNT
+    max_url_bytes: int = MAX_URL_BYTES
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> EdgeLimits:
+        return cls(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s)
+
+
+class _Reject(Exception):
+    """Raised from a parser callback: answer `status` with `message` and close."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def edge_protocol(limits: EdgeLimits) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn's `http=` with these limits."""
+    return type("EdgeHttpProtocol", (EdgeHttpProtocol,), {"limits": limits})
+
+
+class EdgeHttpProtocol(HttpToolsProtocol):
+    limits = EdgeLimits()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # the next bytes belong to a request head
+        self._head_begun = False
+        self._head_bytes = 0  # counted per chunk while the head is incomplete
+        self._exact_bytes = 0  # request line + headers as parsed
+        self._header_count = 0
+        self._closed_by_us = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+
+    # --- connection -----------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed_by_us:
+            return
+        self._unset_keepalive_if_required()
+        counted = self._in_head and self._head_begun  # the head began in an earlier chunk
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as e:
+            reject = e.__context__ if isinstance(e.__context__, _Reject) else None
+            if reject is None:
+                reject = _Reject(400, f"Invalid HTTP request: {e}")
+                logger.info("malformed HTTP from %s: %s", self.client, e)
+            self._answer(reject.status, reject.message)
+            return
+        if self._in_head and counted:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes:
+                self._answer(431, self._head_too_large())
+                return
+        if self.cycle is not None and not self._in_head and self.cycle.more_body:
+            self._arm_body_timer()
+
+    # --- parser callbacks -----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_begun, self._head_bytes, self._exact_bytes, self._header_count = True, 0, 0, 0
+        self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._exact_bytes += len(url)
+        if len(self.url) > self.limits.max_url_bytes:
+            raise _Reject(414, f"The request target exceeds {self.limits.max_url_bytes} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        self._exact_bytes += len(name) + len(value) + 4
+        if self._header_count > self.limits.max_headers:
+            raise _Reject(431, f"The request has more than {self.limits.max_headers} headers")
+        if self._exact_bytes > self.limits.max_header_bytes:
+            raise _Reject(431, self._head_too_large())
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._head_begun = False, False
+        self._cancel(self._head_timer)
+        self._head_timer = None
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head, self._head_bytes = True, 0
+        self._cancel(self._body_timer)
+        self._body_timer = None
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._in_head and not self._head_begun:
+            self._cancel(self._head_timer)  # idle between requests: the keep-alive timeout applies
+            self._head_timer = None
+
+    def _head_too_large(self) -> str:
+        return f"The request head (request line and headers) exceeds {self.limits.max_header_bytes} bytes"
+
+    # --- timeouts -------------------------------------------------------------------------
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None and self.limits.header_timeout_s > 0:
+            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _arm_body_timer(self) -> None:
+        self._cancel(self._body_timer)
+        self._body_timer = None
+        if self.limits.body_timeout_s > 0:
+            self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._in_head:
+            return
+        if not self._head_begun:
+            self.transport.close()  # connected but never sent a byte
+            return
+        self._answer(408, f"The request head did not arrive within {self.limits.header_timeout_s:g} s")
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None or not cycle.more_body:
+            return
+        if self.flow.read_paused:  # the app has not read what came: not the client's fault
+            self._arm_body_timer()
+            return
+        self._answer(408, f"No request body bytes for {self.limits.body_timeout_s:g} s: the body is incomplete")
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            self._cancel(timer)
+        self._head_timer = self._body_timer = None
+
+    @staticmethod
+    def _cancel(timer: asyncio.TimerHandle | None) -> None:
+        if timer is not None:
+            timer.cancel()
+
+    # --- answers the app never sees -------------------------------------------------------
+    def send_400_response(self, msg: str) -> None:
+        self._answer(400, msg)
+
+    def _answer(self, status: int, message: str) -> None:
+        """A JSON error written straight to the socket (unless a response already started),
+        then close; an app still waiting for the body sees the client gone."""
+        self._closed_by_us = True
+        self._cancel_timers()
+        cycle = self.cycle
+        # While a head is read, `cycle` is the previous request's (answered); otherwise an
+        # answer already under way (the app answered without reading the body) gets no second one.
+        answered = not self._in_head and cycle is not None and cycle.response_started
+        if not answered and not self.transport.is_closing():
+            path = self._path()
+            body = json.dumps(error_body(path, status, message)).encode()
+            head = [STATUS_LINE[status]]
+            head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+            head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                     b"connection: close\r\n\r\n"]
+            self.transport.write(b"".join(head) + body)
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app, if still reading, sees the client gone
+            cycle.message_event.set()
+        logger.info("answered %d to %s on %s: %s", status, self.client, shown(self._path()), message)
+        self.transport.close()
+
+    def _path(self) -> str:
+        url = getattr(self, "url", b"") or b""
+        return url.split(b"?", 1)[0][:200].decode("latin-1")

@@ -1,0 +1,66 @@
+"""Helpers the route modules share: constraints, the context-length check, stream relays."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from server.dispatch.dispatcher import DispatchError
+from server.dispatch.migration import ClientStream
+from server.edge.context import RouterContext
+from server.routing.filter import MAX_SESSION_CHARS, Constraints, parse_constraints
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def constraints(request: Request, user: str | None = None) -> Constraints:
+    """Routing constraints from the `X-Hetserve-*` headers (`ConstraintError` -> 422), and the
+    session from `X-Session-Id` or else the OpenAI `user` field."""
+    c = parse_constraints(request.headers)
+    if c.session is None and user:
+        c = replace(c, session=user.strip()[:MAX_SESSION_CHARS] or None)
+    return c
+
+
+def check_new_tokens(ctx: RouterContext, value: int | None, name: str) -> None:
+    """422 when more new tokens are asked for than the model's context holds."""
+    limit = ctx.context_length()
+    if value is not None and limit is not None and value > limit:
+        raise DispatchError(422, f"`{name}` = `{value}` exceeds the model's context length ({limit} tokens)",
+                            "validation")
+
+
+async def close_shielded(stream: ClientStream) -> None:
+    """Close the worker stream even while the client's request is being cancelled."""
+    with anyio.CancelScope(shield=True):
+        await stream.aclose()
+
+
+def merged_headers(sources) -> dict[str, str]:
+    """Worker headers of several answers (replies or streams): distinct values, comma-separated."""
+    merged: dict[str, list[str]] = {}
+    for source in sources:
+        for name, value in source.headers.items():
+            if value not in merged.setdefault(name, []):
+                merged[name].append(value)
+    return {name: ",".join(values) for name, values in merged.items()}
+
+
+class RelayResponse(StreamingResponse):
+    """A streamed relay that closes its worker streams however the response ends, even when
+    the client goes away before the body generator has started (then its `finally` never runs)."""
+
+    def __init__(self, content, streams: ClientStream | list[ClientStream], **kwargs):
+        self._streams = streams if isinstance(streams, list) else [streams]
+        super().__init__(content, media_type="text/event-stream",
+                         headers={**merged_headers(self._streams), **SSE_HEADERS}, **kwargs)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                await close_shielded(stream)

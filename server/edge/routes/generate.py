@@ -1,0 +1,105 @@
+"""TGI-shaped generation: `POST /generate`, `POST /generate_stream` (SSE), `POST /`, `GET /info`.
+
+Request and response bodies are the worker's own (same TGI shapes), so the router
+validates the request, picks a worker and relays the answer bytes untouched, adding the
+worker headers. `POST /` is TGI's compat route (what `huggingface_hub.InferenceClient`
+calls when given the server's URL): `"stream": true` streams, otherwise it generates.
+A stream the worker loses after its first event moves to another worker from the token
+it reached (server/dispatch/migration.py); one that no worker can continue ends with
+`data: {"error": ..., "error_type": "incomplete_generation"}` (what TGI clients raise as
+an incomplete generation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.dispatch.dispatcher import WorkerReply
+from server.dispatch.migration import ClientStream, StreamIncomplete, open_client_stream
+from server.edge.context import VERSION, RouterContext, get_ctx
+from server.edge.routes._common import RelayResponse, check_new_tokens, close_shielded, constraints
+from server.protocol.tgi import ErrorResponse, GenerateRequest, GenerateResponse
+from workers.contract import MAX_STOP_SEQUENCES
+
+logger = logging.getLogger(__name__)
+router = APIRouter(tags=["text-generation-inference"])
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (401, 413, 422, 429, 503)}
+_STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events, one per token"}}
+
+
+def _reply(reply: WorkerReply) -> Response:
+    return Response(reply.content, status_code=reply.status, media_type="application/json", headers=reply.headers)
+
+
+def _worker_body(req: GenerateRequest, ctx: RouterContext) -> dict:
+    params = req.parameters.to_worker()
+    check_new_tokens(ctx, params.get("max_new_tokens"), "parameters.max_new_tokens")
+    return {"inputs": req.inputs, "parameters": params}
+
+
+async def _generate(req: GenerateRequest, request: Request) -> Response:
+    ctx = get_ctx(request)
+    reply = await ctx.dispatcher.generate("/generate", _worker_body(req, ctx), constraints(request))
+    return _reply(reply)
+
+
+async def _generate_stream(req: GenerateRequest, request: Request) -> Response:
+    ctx = get_ctx(request)
+    opened = await open_client_stream(ctx.dispatcher, "/generate_stream", _worker_body(req, ctx), constraints(request))
+    if isinstance(opened, WorkerReply):
+        return _reply(opened)
+    return RelayResponse(relay_tgi(opened, ctx), opened)
+
+
+async def relay_tgi(stream: ClientStream, ctx: RouterContext):
+    """The workers' event bytes as they come; an error event if no worker can finish the stream."""
+    try:
+        async for raw in stream.batches():
+            yield raw
+        return
+    except StreamIncomplete as e:
+        logger.warning("stream ends incomplete: %s", e)
+        error = str(e)
+    finally:
+        await close_shielded(stream)
+    ctx.metrics.stream_error(stream.worker)
+    yield f"data: {json.dumps({'error': error, 'error_type': 'incomplete_generation'})}\n\n".encode()
+
+
+@router.post("/generate", response_model=None, responses={200: {"model": GenerateResponse}, **_ERRORS})
+async def generate(req: GenerateRequest, request: Request) -> Response:
+    """Generate text for `inputs` (TGI shape); the answer carries the worker headers."""
+    return await _generate(req, request)
+
+
+@router.post("/generate_stream", response_model=None, responses={**_STREAM_DOC, **_ERRORS})
+async def generate_stream(req: GenerateRequest, request: Request) -> Response:
+    """Generate text token by token as Server-Sent Events (TGI shape)."""
+    return await _generate_stream(req, request)
+
+
+@router.post("/", response_model=None, responses={200: {"model": GenerateResponse}, **_ERRORS})
+async def compat_generate(req: GenerateRequest, request: Request) -> Response:
+    """TGI's compat route: streams when `stream` is true, else like `/generate`."""
+    return await (_generate_stream(req, request) if req.stream else _generate(req, request))
+
+
+@router.get("/info")
+async def info(request: Request) -> dict:
+    """Model and router facts (TGI's `/info`, trimmed to what this server knows)."""
+    ctx = get_ctx(request)
+    return {
+        "model_id": ctx.model_id(),
+        "max_total_tokens": ctx.context_length(),
+        "max_best_of": 1,
+        "max_stop_sequences": MAX_STOP_SEQUENCES,
+        "max_concurrent_requests": ctx.settings.worker_capacity * max(1, len(ctx.supervisor.workers)),
+        "version": VERSION,
+        "router": "hetserve",
+        "workers": len(ctx.supervisor.workers),
+    }

@@ -1,0 +1,246 @@
+"""OpenAI-compatible routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`.
+
+So the `openai` client works unchanged (`base_url="http://127.0.0.1:8000/v1"`). Each
+choice is one worker `/generate` call (choices of one request may run on different
+workers, concurrently); `n` > 1 with a `seed` gives choice k the seed `seed + k`, so choices
+differ yet stay reproducible. Streams open one worker stream per choice and interleave their
+deltas, each chunk carrying its choice's `index`, then `data: [DONE]`; a choice whose worker is
+lost mid-way moves to another worker (server/dispatch/migration.py) and its finishing chunk carries
+`migrations`. Chat prompts are
+rendered with the model's chat template (with `tools` when given); `response_format` and a
+forced `tool_choice` become the worker's grammar (`server/protocol/openai/tools.py`). Completions take text
+or token-id prompts; `echo` with `logprobs` scores the prompt, and `max_tokens` = 0 scores it
+without generating (answered whole, also when streamed). Any model name is accepted: this
+server serves one model, named in `/v1/models` and in every response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.dispatch.dispatcher import DispatchError, WorkerReply
+from server.dispatch.migration import ClientStream, StreamIncomplete, open_client_stream, parse_event
+from server.edge.context import RouterContext, get_ctx
+from server.edge.errors import error_response
+from server.edge.routes._common import (
+    RelayResponse,
+    check_new_tokens,
+    close_shielded,
+    constraints,
+    merged_headers,
+)
+from server.protocol.openai import responses as fmt
+from server.protocol.openai.choices import ChoiceSpec, ChoiceStream, chat_choice, completion_choice
+from server.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
+from server.protocol.openai.tools import plan_tools, response_grammar, template_messages
+from server.routing.filter import Constraints
+from workers.contract import MAX_SEED
+
+logger = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+_ERRORS = {code: {"description": "OpenAI-shaped error"} for code in (401, 413, 422, 429, 503)}
+
+
+def _choice_params(params: dict, k: int) -> dict:
+    """Choice k's parameters: the request's seed + k (wrapping within the seeds a worker takes)."""
+    return {**params, "seed": (params["seed"] + k) % (MAX_SEED + 1)} if k and "seed" in params else params
+
+
+def _worker_body(prompt: str | list[int], params: dict) -> dict:
+    return {"inputs": prompt, "parameters": params} if isinstance(prompt, str) else \
+        {"input_ids": prompt, "parameters": params}
+
+
+async def _generate_all(ctx: RouterContext, c: Constraints, bodies: list[dict]) -> list[WorkerReply]:
+    results = await asyncio.gather(*(ctx.dispatcher.generate("/generate", b, c) for b in bodies),
+                                   return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
+
+
+def _failed(path: str, replies: list[WorkerReply]) -> Response | None:
+    """The first worker error as an OpenAI error response, if any choice failed."""
+    for r in replies:
+        if r.status != 200:
+            message, kind = fmt.worker_error(r.content)
+            headers = dict(r.headers)
+            if r.status == 429:
+                headers["retry-after"] = "1"
+            return error_response(path, r.status, message, kind, headers)
+    return None
+
+
+def _usage(bodies: list[dict], prompt_of: list[int]) -> dict:
+    """Prompt tokens once per prompt, completion tokens of every choice."""
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens = 0
+    for body, p in zip(bodies, prompt_of, strict=True):
+        details = body.get("details") or {}
+        prompt_tokens[p] = details.get("input_length") or 0
+        completion_tokens += details.get("generated_tokens") or 0
+    return fmt.usage(sum(prompt_tokens.values()), completion_tokens)
+
+
+@router.get("/models")
+async def models(request: Request) -> dict:
+    """The served model (one per server)."""
+    ctx = get_ctx(request)
+    return {"object": "list", "data": [{"id": ctx.model_id(), "object": "model", "created": int(ctx.started_at),
+                                        "owned_by": "hetserve"}]}
+
+
+@router.post("/completions", response_model=None, responses=_ERRORS)
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    """Text completion (`prompt`: text, token ids, or a list of either)."""
+    ctx, c = get_ctx(request), constraints(request, req.user)
+    check_new_tokens(ctx, req.max_tokens, "max_tokens")
+    params = req.sampling(req.max_tokens, ctx.sampling_defaults())
+    if req.logprobs is not None:
+        params["top_n_tokens"] = req.logprobs
+    if req.scoring_only or (req.echo and req.logprobs is not None):
+        params["decoder_input_details"] = True
+    prompts = req.prompts
+    jobs = [(i, k) for i in range(len(prompts)) for k in range(req.n)]
+    specs = [ChoiceSpec(index, req.logprobs, req.echo, prompts[i] if isinstance(prompts[i], str) else None)
+             for index, (i, _k) in enumerate(jobs)]
+    bodies = [_worker_body(prompts[i], _choice_params(params, k)) for i, k in jobs]
+    prompt_of = [i for i, _k in jobs]
+    if req.stream and not req.scoring_only:
+        return await _stream(ctx, c, request, bodies, specs, prompt_of, chat=False, usage=_include_usage(req))
+    replies = await _generate_all(ctx, c, bodies)
+    if (failed := _failed(request.url.path, replies)) is not None:
+        return failed
+    answers = [json.loads(r.content) for r in replies]
+    use = _usage(answers, prompt_of)
+    if req.stream:  # prompt scoring: nothing to wait for, so the whole answer as one stream
+        return _whole_stream(ctx, specs, answers, use if _include_usage(req) else None, merged_headers(replies))
+    choices = [completion_choice(spec, a) for spec, a in zip(specs, answers, strict=True)]
+    return JSONResponse(fmt.completion(fmt.new_id("cmpl"), ctx.model_id(), choices, use),
+                        headers=merged_headers(replies))
+
+
+@router.post("/chat/completions", response_model=None, responses=_ERRORS)
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    """Chat completion; the prompt is the messages rendered with the model's chat template."""
+    ctx, c = get_ctx(request), constraints(request, req.user)
+    check_new_tokens(ctx, req.max_new_tokens, "max_tokens")
+    plan = plan_tools(req)
+    template = ctx.chat_template()
+    native_tools = "tools" in template.source
+    extra = {"tools": [{"type": "function", "function": f} for f in plan.functions]} if plan.functions else {}
+    prompt = template.render(template_messages(req, native_tools), add_generation_prompt=True, **extra)
+    params = req.sampling(req.max_new_tokens, ctx.sampling_defaults())
+    try:
+        grammar = plan.grammar() or response_grammar(req)
+    except ValueError as e:
+        raise DispatchError(422, str(e), "validation") from e
+    if grammar is not None:
+        params["grammar"] = grammar
+    if req.top_n is not None:
+        params["top_n_tokens"] = req.top_n
+    specs = [ChoiceSpec(k, req.top_n, tools=plan) for k in range(req.n)]
+    bodies = [_worker_body(prompt, _choice_params(params, k)) for k in range(req.n)]
+    if req.stream:
+        return await _stream(ctx, c, request, bodies, specs, [0] * req.n, chat=True, usage=_include_usage(req))
+    replies = await _generate_all(ctx, c, bodies)
+    if (failed := _failed(request.url.path, replies)) is not None:
+        return failed
+    answers = [json.loads(r.content) for r in replies]
+    choices = [chat_choice(spec, a) for spec, a in zip(specs, answers, strict=True)]
+    return JSONResponse(fmt.chat_completion(fmt.new_id("chatcmpl"), ctx.model_id(), choices,
+                                            _usage(answers, [0] * req.n)),
+                        headers=merged_headers(replies))
+
+
+def _include_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _whole_stream(ctx: RouterContext, specs: list[ChoiceSpec], answers: list[dict], use: dict | None,
+                  headers: dict[str, str]) -> Response:
+    """Complete answers as one SSE body (completion chunks, usage, `[DONE]`)."""
+    cid, created, model = fmt.new_id("cmpl"), int(time.time()), ctx.model_id()
+    parts = [fmt.sse(fmt.completion_chunk(cid, created, model, delta))
+             for spec, a in zip(specs, answers, strict=True) for delta in ChoiceStream(spec, chat=False).whole(a)]
+    if use is not None:
+        parts.append(fmt.sse(fmt.usage_chunk(cid, created, model, "text_completion", use)))
+    parts.append("data: [DONE]\n\n")
+    return Response("".join(parts), media_type="text/event-stream", headers=headers)
+
+
+async def _stream(ctx: RouterContext, c: Constraints, request: Request, bodies: list[dict], specs: list[ChoiceSpec],
+                  prompt_of: list[int], chat: bool, usage: bool) -> Response:
+    """One worker stream per choice, opened concurrently; a refusal of any is the answer."""
+    opened = await asyncio.gather(*(open_client_stream(ctx.dispatcher, "/generate_stream", b, c) for b in bodies),
+                                  return_exceptions=True)
+    streams = [o for o in opened if isinstance(o, ClientStream)]
+    problem = next((o for o in opened if not isinstance(o, ClientStream)), None)
+    if problem is not None:
+        for s in streams:
+            await close_shielded(s)
+        if isinstance(problem, BaseException):
+            raise problem
+        return _failed(request.url.path, [problem]) or Response(problem.content, problem.status, headers=problem.headers)
+    choices = [ChoiceStream(spec, chat) for spec in specs]
+    return RelayResponse(_relay(streams, choices, prompt_of, ctx, chat, usage), streams)
+
+
+async def _pump(k: int, stream: ClientStream, queue: asyncio.Queue) -> None:
+    """Stream k's event payloads into `queue` as (k, data); (k, None) at its end, (k, error) when
+    no worker can finish it."""
+    try:
+        async for data in stream.events():
+            await queue.put((k, data))
+        await queue.put((k, None))
+    except StreamIncomplete as e:
+        await queue.put((k, e))
+
+
+async def _relay(streams: list[ClientStream], choices: list[ChoiceStream], prompt_of: list[int], ctx: RouterContext,
+                 chat: bool, usage: bool):
+    """Worker token events -> OpenAI chunks of every choice, interleaved as they come; usage and
+    `[DONE]` at the end; an error event if a choice's stream cannot be finished by any worker."""
+    cid, created, model = fmt.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), ctx.model_id()
+    obj, chunk = ("chat.completion.chunk", fmt.chat_chunk) if chat else ("text_completion", fmt.completion_chunk)
+    queue: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(k, s, queue)) for k, s in enumerate(streams)]
+    live, lost, why = len(streams), None, "the stream ended before its last event"
+    try:
+        while live and lost is None:
+            k, data = await queue.get()
+            if data is None or isinstance(data, BaseException):
+                live -= 1
+                if not choices[k].done:
+                    if isinstance(data, BaseException):
+                        logger.warning("stream ends incomplete: %s", data)
+                        why = str(data)
+                    lost = k
+                continue
+            event = parse_event(data) or {}
+            moves = (event.get("details") or {}).get("migrations")
+            for delta in choices[k].on_event(event):
+                body = chunk(cid, created, model, delta)
+                yield fmt.sse({**body, "migrations": moves} if moves and delta.get("finish_reason") else body)
+        if lost is None:
+            if usage:
+                prompts = {prompt_of[k]: ch.prompt_tokens for k, ch in enumerate(choices)}
+                use = fmt.usage(sum(prompts.values()), sum(ch.completion_tokens for ch in choices))
+                yield fmt.sse(fmt.usage_chunk(cid, created, model, obj, use))
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        for p in pumps:
+            p.cancel()
+        for s in streams:
+            await close_shielded(s)
+    ctx.metrics.stream_error(streams[lost].worker)
+    yield fmt.sse({"error": {"message": why, "type": "incomplete_generation", "param": None, "code": None}})

@@ -1,0 +1,41 @@
+"""`GET /workers` and `GET /workers/{id}`: each worker's state, device, fp8, kernels and load.
+
+Each entry ends with `routing`: the worker's measured speed (prefill and decode tokens per
+engine-second), the tokens the router has in flight there, the prompt prefix chunks it
+remembers for it and its routing decisions by reason (server/routing/).
+`{id}` is the worker id (`gpu1`); the device index (`1`) and the device UUID are accepted
+too. States: starting, ready, unhealthy, restarting, failed (`reason` says why).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Request
+
+from server.edge.context import RouterContext, get_ctx
+from server.errors import shown
+from server.fleet.handle import WorkerHandle
+
+router = APIRouter(tags=["workers"])
+
+
+def _entry(ctx: RouterContext, h: WorkerHandle) -> dict:
+    """The worker's own entry plus `routing`: its measured speed, load in tokens, prefix chunks, decisions."""
+    return {**h.snapshot(ctx.settings.max_batch), "routing": ctx.dispatcher.router.snapshot(h)}
+
+
+@router.get("/workers")
+async def list_workers(request: Request) -> dict:
+    """Every worker, in device order."""
+    ctx = get_ctx(request)
+    return {"workers": [_entry(ctx, h) for h in ctx.supervisor.workers.values()]}
+
+
+@router.get("/workers/{worker_id}")
+async def get_worker(worker_id: str, request: Request) -> dict:
+    """One worker by id, device index or device UUID."""
+    ctx = get_ctx(request)
+    for h in ctx.supervisor.workers.values():
+        if h.answers_to(worker_id):
+            return _entry(ctx, h)
+    known = ", ".join(ctx.supervisor.workers) or "none"
+    raise HTTPException(404, f"No worker `{shown(worker_id)}`. Known: {known}")

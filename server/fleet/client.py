@@ -1,0 +1,135 @@
+"""HTTP to one worker over its Unix socket (server/fleet/uds_http.py, one keep-alive pool per worker).
+
+The worker's socket API mirrors the public one (TGI shapes), so the router forwards request
+bodies and streamed bytes untouched. A worker that dies shows up here as one of `WorkerGone`
+(nothing listens, or the connection broke mid-answer); the dispatcher turns that into a
+retry or a migration. Generation reads have no timeout (a long generation is not a
+failure); a hung worker is caught by the supervisor's health checks instead, which then
+`abort()` its connections so that every read blocked on it fails at once. Control calls
+(health, capability, metrics) time out after a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from server.fleet.uds_http import Response, UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
+from workers.contract import CapabilityPayload
+
+_CONTROL_TIMEOUT_S = 5.0
+
+# Errors that mean "the worker is gone or went away mid-answer" (not a bad request).
+WorkerGone = (WorkerConnectError, WorkerConnectionLost, TimeoutError)
+WorkerDown = WorkerConnectError  # nothing listens on the socket at all
+
+
+class WorkerHTTPError(Exception):
+    """A control call answered with an error status."""
+
+
+class WorkerClient:
+    """Talks to one worker socket. Cheap to keep; `aclose()` when the worker is replaced."""
+
+    def __init__(self, socket_path: Path | str):
+        self.socket_path = str(socket_path)
+        self._pool = UnixHTTPPool(self.socket_path)
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+
+    def abort(self) -> None:
+        """Break every connection to the worker (it hangs): requests under way fail at once."""
+        self._pool.abort()
+
+    # --- control -----------------------------------------------------------------------
+    async def _get(self, path: str, timeout: float = _CONTROL_TIMEOUT_S) -> tuple[int, bytes]:
+        status, _, content = await asyncio.wait_for(self._pool.request("GET", path), timeout)
+        return status, content
+
+    async def health(self, timeout: float = _CONTROL_TIMEOUT_S) -> tuple[int, dict]:
+        """(status code, body) of GET /health; raises one of `WorkerGone` when unreachable or
+        silent for `timeout` seconds (`TimeoutError`)."""
+        status, content = await self._get("/health", timeout)
+        return status, _json_or_empty(content)
+
+    async def capability(self) -> CapabilityPayload:
+        """The worker's `/capability`, parsed (a `ValueError` when it does not fit the contract)."""
+        status, content = await self._get("/capability")
+        if status != 200:
+            raise WorkerHTTPError(f"/capability answered {status}")
+        return CapabilityPayload.model_validate_json(content)
+
+    async def metrics(self) -> str:
+        status, content = await self._get("/metrics")
+        if status != 200:
+            raise WorkerHTTPError(f"/metrics answered {status}")
+        return content.decode("utf-8", errors="replace")
+
+    # --- generation --------------------------------------------------------------------
+    async def post(self, path: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        """A non-streamed call: (status, headers, body), the whole answer read. `headers`: extra
+        request headers (the trace context)."""
+        return await self._pool.request("POST", path, json.dumps(body).encode(), headers)
+
+    @asynccontextmanager
+    async def stream(self, path: str, body: dict, headers: dict[str, str] | None = None) -> AsyncIterator[Response]:
+        """A streamed call; read `iter_chunks()` inside the block."""
+        response = await self._pool.send("POST", path, json.dumps(body).encode(), headers=headers)
+        try:
+            yield response
+        finally:
+            await response.aclose()
+
+
+def _json_or_empty(content: bytes) -> dict:
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class SSEEvents:
+    """Splits a worker's SSE byte stream into events, keeping the raw bytes for relaying.
+
+    `next_batch()` returns the raw bytes of the next complete events (several may arrive
+    in one chunk) plus the last event's `data:` payload, so relays forward bytes untouched
+    and look at a payload only where they must (first event, last event).
+    """
+
+    def __init__(self, chunks: AsyncIterator[bytes]):
+        self._chunks = chunks
+        self._buffer = b""
+
+    async def next_batch(self) -> tuple[bytes, str] | None:
+        """(raw bytes of >= 1 complete events, the last one's data) or None at the end."""
+        async for chunk in self._chunks:
+            self._buffer += chunk
+            end = self._buffer.rfind(b"\n\n")
+            if end < 0:
+                continue
+            raw, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
+            previous = raw.rfind(b"\n\n", 0, end)  # the end of the event before the last one
+            return raw, event_data(raw[previous + 2 : end] if previous >= 0 else raw[:end])
+        return None
+
+    async def events(self) -> AsyncIterator[str]:
+        """Every further event's data payload, one by one."""
+        while (batch := await self.next_batch()) is not None:
+            for data in split_events(batch[0]):
+                yield data
+
+
+def split_events(raw: bytes) -> list[str]:
+    """The data payloads of the complete events in `raw`."""
+    return [event_data(block) for block in raw.split(b"\n\n") if block.strip()]
+
+
+def event_data(block: bytes) -> str:
+    """The `data:` payload of one SSE event block (several data lines joined by newlines)."""
+    lines = [line[5:].lstrip(b" ") for line in block.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines).decode("utf-8", errors="replace")

@@ -1,0 +1,159 @@
+"""The router's live view of one worker: state, process, what it reported, its load.
+
+A `WorkerHandle` is mutable and lives on the router's event loop only (no locks): the
+supervisor moves it through its states, the dispatcher counts the requests it has sent
+there. `snapshot()` is the `/workers` entry; everything in it is either what the worker
+reported about itself (`/capability`) or, before it has, what the router knows from the
+inventory.
+
+States: `starting` (first start, not ready yet) -> `ready` <-> `unhealthy` (alive but failing
+health checks, or hung and being replaced: not routed to) ; a crash -> `restarting` (until
+ready again) ; a start that failed at a step (exit code 3) or kept crashing -> `failed` (not
+restarted, `reason` says why). Beside its state, each worker has a circuit breaker fed by the
+outcomes of the requests sent to its current process (server/fleet/breaker.py), the verdict of
+its last health probe (server/fleet/probe.py) and that of its last canary check (server/canary/monitor.py),
+which may hold a ready worker out of rotation (`canary_hold`) until it checks healthy again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.fleet.breaker import BreakerPolicy, CircuitBreaker
+from server.fleet.canary_record import FIRST_CHECK, CanaryRecord
+from server.fleet.client import WorkerClient
+from server.fleet.probe import ProbeVerdict
+from server.fleet.spec import WorkerSpec
+from workers.contract import (
+    DEVICE_FIELDS,
+    ENV_TRITON_CACHE_DIR,
+    Capability,
+    CapabilityPayload,
+    DeterministicDescription,
+    WorkerState,
+)
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    spec: WorkerSpec
+    state: WorkerState = WorkerState.STARTING
+    reason: str | None = None  # why it is not ready (current step, failure, last exit)
+    step: str | None = None  # the startup step the status file reports
+    pid: int | None = None
+    restarts: int = 0
+    generation: int = 0  # +1 per spawn: a request that failed on generation g may retry g+1
+    info: CapabilityPayload | None = None  # the worker's /capability answer, once ready
+    live_capacity: dict = field(default_factory=dict)  # what its last /health said changed (free KV blocks)
+    outstanding: int = 0  # requests the router has in flight there
+    picks: int = 0  # requests ever sent there (tie-break of least-outstanding)
+    ready_since: float | None = None
+    last_exit: str | None = None
+    client: WorkerClient | None = None
+    process: asyncio.subprocess.Process | None = None
+    check_now: asyncio.Event = field(default_factory=asyncio.Event)
+    breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(BreakerPolicy()))
+    probe: ProbeVerdict | None = None  # the last health probe's verdict
+    exit_cause: str | None = None  # why the router stopped this process itself (a hang), for `last_exit`
+    canary: CanaryRecord | None = None  # the last canary check's verdict
+    canary_hold: str | None = None  # why the canary keeps the worker out of rotation (kept across restarts)
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def capability(self) -> Capability | None:
+        return self.spec.device.capability
+
+    @property
+    def capability_label(self) -> str:
+        return self.spec.device.capability_label
+
+    @property
+    def fp8_convention(self) -> str | None:
+        """What the worker chose (None until it has reported)."""
+        return None if self.info is None else self.info.fp8.convention
+
+    @property
+    def routable(self) -> bool:
+        return self.state == WorkerState.READY and self.client is not None and self.canary_hold is None
+
+    @property
+    def canary_suspect(self) -> bool:
+        """The canary found this worker suspect, or keeps it out of rotation for that."""
+        return (self.canary is not None and self.canary.suspect) or self.canary_hold not in (None, FIRST_CHECK)
+
+    def request_outcome(self, generation: int, ok: bool | None, why: str = "") -> None:
+        """Feed the breaker: a request sent to process `generation` succeeded (True), failed
+        (False: `why`) or ended without a verdict (None). Outcomes of an earlier process are ignored."""
+        if generation != self.generation:
+            return
+        if ok is None:
+            self.breaker.on_neutral()
+        elif ok:
+            self.breaker.on_success()
+        else:
+            self.breaker.on_failure(why)
+
+    def answers_to(self, name: str) -> bool:
+        """Is `name` this worker's id, its device index or its device UUID (any case)?"""
+        device = self.spec.device
+        return name.strip().lower() in (self.id.lower(), str(device.index), device.uuid.lower())
+
+    def device_dict(self) -> dict:
+        """The inventory's description, overridden by what the worker reported."""
+        base = self.spec.device.to_dict()
+        if self.info is not None:
+            reported = self.info.device.model_dump(exclude_unset=True)
+            base.update({k: reported[k] for k in DEVICE_FIELDS if k in reported})
+        return base
+
+    def load(self, max_batch: int) -> dict:
+        """Requests in flight there, split at the worker's batch size into running and queued."""
+        running = min(self.outstanding, max_batch)
+        return {"running": running, "queued": self.outstanding - running}
+
+    def snapshot(self, max_batch: int) -> dict:
+        """This worker's `/workers` entry."""
+        info = self.info or CapabilityPayload()
+        return {
+            "id": self.id,
+            "state": self.state,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "reason": self.reason,
+            "device": self.device_dict(),
+            "fp8": info.fp8.model_dump(),
+            "kernels": {layer: k.model_dump(exclude_none=True) for layer, k in info.kernels.items()},
+            "triton_cache": info.triton_cache or self.spec.environ().get(ENV_TRITON_CACHE_DIR),
+            "load": self.load(max_batch),
+            "capacity": {**info.capacity, **self.live_capacity} if info.capacity else None,
+            "model": info.model.model_dump(exclude={"chat_template"}, exclude_none=True),
+            "last_exit": self.last_exit,
+            "breaker": self.breaker.snapshot(),
+            "health": None if self.probe is None else self.probe.snapshot(),
+            "deterministic": (info.deterministic or DeterministicDescription()).model_dump(exclude_none=True),
+            "canary": self.canary_snapshot(),
+        }
+
+    def canary_snapshot(self) -> dict | None:
+        """`/workers` `canary`: the last check's verdict, and whether it holds the worker out of rotation."""
+        if self.canary is None and self.canary_hold is None:
+            return None
+        out = {} if self.canary is None else self.canary.snapshot()
+        if self.canary_hold is not None:
+            out["held"] = self.canary_hold
+        return out
+
+
+def read_status(path: Path) -> dict:
+    """The worker's status file ({} when absent or half-written)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

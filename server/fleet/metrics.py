@@ -1,0 +1,185 @@
+"""The router's Prometheus series, and the workers' own series relabelled and merged in.
+
+Every per-worker series carries `worker_id` and `capability` labels (`capability` is `9.0`
+or `cpu`), both the router's (requests sent, retries, state, restarts, in flight) and each
+worker's `/metrics`, which the router scrapes at request time and relabels, so one scrape
+of the router sees every device. Families are merged by name across workers, as the text
+format requires each family's samples together under one TYPE line. A worker that does not
+answer its scrape within a second is skipped and counted in
+`hetserve_router_worker_scrape_errors_total`. The inference gateways' gauges (vLLM names,
+see `workers/contract/defaults.py`) also get the pod's totals, as the last sample of their
+family, labelled `worker_id="all"`. Registries are per router (not the global
+default), so several routers in one test process do not collide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.fleet.breaker import BreakerState
+from server.fleet.canary_record import CanaryCollector
+from server.fleet.handle import WorkerHandle
+from workers.contract import GATEWAY_KV_USAGE, GATEWAY_POD, GATEWAY_RUNNING, GATEWAY_WAITING, WorkerState
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LABELS = ("worker_id", "capability")
+_GATEWAY_NAMES = frozenset({GATEWAY_WAITING, GATEWAY_RUNNING, *GATEWAY_KV_USAGE})
+
+
+class _WorkerStateCollector:
+    """Gauges read from the supervisor's handles at scrape time."""
+
+    def __init__(self, workers_fn):
+        self._workers_fn = workers_fn
+
+    def collect(self):
+        state = GaugeMetricFamily("hetserve_router_worker_state", "1 for the worker's current state.",
+                                  labels=[*_LABELS, "state"])
+        up = GaugeMetricFamily("hetserve_router_worker_up", "1 when the worker is ready.", labels=_LABELS)
+        restarts = GaugeMetricFamily("hetserve_router_worker_restarts", "Restarts after crashes.", labels=_LABELS)
+        outstanding = GaugeMetricFamily("hetserve_router_worker_outstanding_requests",
+                                        "Requests in flight at the worker.", labels=_LABELS)
+        breaker = GaugeMetricFamily("hetserve_router_worker_breaker_state",
+                                    "1 for the state of the worker's circuit breaker.", labels=[*_LABELS, "state"])
+        for h in self._workers_fn():
+            labels = [h.id, h.capability_label]
+            for s in WorkerState:
+                state.add_metric([*labels, s], 1.0 if h.state == s else 0.0)
+            up.add_metric(labels, 1.0 if h.routable else 0.0)
+            restarts.add_metric(labels, float(h.restarts))
+            outstanding.add_metric(labels, float(h.outstanding))
+            current = h.breaker.state
+            for s in BreakerState:
+                breaker.add_metric([*labels, s], 1.0 if current == s else 0.0)
+        yield from (state, up, restarts, outstanding, breaker)
+
+
+class RouterMetrics:
+    def __init__(self, workers_fn=lambda: ()):
+        self._workers_fn = workers_fn
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("hetserve_router_requests", "HTTP requests by route and status.",
+                                ["route", "status"], registry=self.registry)
+        self.latency = Histogram("hetserve_router_request_duration_seconds",
+                                 "Time to the complete response (streams: to the last event).",
+                                 ["route"], registry=self.registry,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, math.inf))
+        self.worker_requests = Counter("hetserve_router_worker_requests", "Requests sent to the worker.",
+                                       _LABELS, registry=self.registry)
+        self.worker_retries = Counter("hetserve_router_worker_retries",
+                                      "Requests the worker failed before answering, retried elsewhere.",
+                                      _LABELS, registry=self.registry)
+        self.stream_errors = Counter("hetserve_router_worker_stream_errors",
+                                     "Streams that ended with an error event: lost by this worker after their "
+                                     "first event and continued by none.", _LABELS, registry=self.registry)
+        self.stream_migrations = Counter("hetserve_router_worker_stream_migrations",
+                                         "Streams this worker lost mid-way that moved to another worker.", _LABELS,
+                                         registry=self.registry)
+        self.scrape_errors = Counter("hetserve_router_worker_scrape_errors", "Worker /metrics scrapes that failed.",
+                                     _LABELS, registry=self.registry)
+        self.registry.register(_WorkerStateCollector(workers_fn))
+        self.registry.register(CanaryCollector(workers_fn))
+
+    def observe(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
+
+    def worker_request(self, h: WorkerHandle) -> None:
+        self.worker_requests.labels(h.id, h.capability_label).inc()
+
+    def worker_retry(self, h: WorkerHandle) -> None:
+        self.worker_retries.labels(h.id, h.capability_label).inc()
+
+    def stream_error(self, h: WorkerHandle) -> None:
+        self.stream_errors.labels(h.id, h.capability_label).inc()
+
+    def stream_migration(self, h: WorkerHandle) -> None:
+        self.stream_migrations.labels(h.id, h.capability_label).inc()
+
+    async def render(self) -> str:
+        """Router series, then every ready worker's series relabelled and merged by family."""
+        workers = [h for h in self._workers_fn() if h.routable]
+        texts = await asyncio.gather(*(self._scrape(h) for h in workers))
+        merged = merge_worker_metrics([(h, t) for h, t in zip(workers, texts, strict=True) if t is not None])
+        return generate_latest(self.registry).decode() + merged
+
+    async def _scrape(self, h: WorkerHandle) -> str | None:
+        try:
+            assert h.client is not None
+            return await asyncio.wait_for(h.client.metrics(), 1.0)
+        except Exception as e:  # any failure: skip this worker in this scrape
+            logger.debug("scrape of worker %s failed: %r", h.id, e)
+            self.scrape_errors.labels(h.id, h.capability_label).inc()
+            return None
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _format_value(v: float) -> str:
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v)) if not float(v).is_integer() else f"{v:.1f}"
+
+
+def _kv_weight(h: WorkerHandle) -> float:
+    """How much KV cache a worker holds, in tokens (blocks x block size, or slots x length)."""
+    capacity = h.info.capacity if h.info is not None else {}
+    if capacity.get("kv_blocks_total") and capacity.get("kv_block_size"):
+        return float(capacity["kv_blocks_total"] * capacity["kv_block_size"])
+    return float(capacity.get("max_tokens") or 1)
+
+
+def pod_totals(values: dict[str, list[tuple[WorkerHandle, float]]]) -> dict[str, float]:
+    """The pod's gateway gauges from its workers': requests add up; KV usage is the fraction of
+    all the workers' KV cache in use (each worker's fraction weighted by its cache size)."""
+    totals = {name: sum(v for _, v in values[name]) for name in (GATEWAY_WAITING, GATEWAY_RUNNING) if name in values}
+    for name in GATEWAY_KV_USAGE:
+        if name in values:
+            weights = [(_kv_weight(h), v) for h, v in values[name]]
+            totals[name] = sum(w * v for w, v in weights) / sum(w for w, _ in weights)
+    return totals
+
+
+def merge_worker_metrics(scrapes: list[tuple[WorkerHandle, str]]) -> str:
+    """Prometheus text of the workers' families, each sample labelled with its worker; the
+    gateway gauges end with the pod's total (`worker_id="all"`), which an inference
+    gateway's endpoint picker reads for this pod."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    gateway: dict[str, list[tuple[WorkerHandle, float]]] = {}
+    for h, text in scrapes:
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except Exception as e:  # a malformed exposition: skip this worker's series
+            logger.warning("worker %s /metrics is not Prometheus text: %r", h.id, e)
+            continue
+        for fam in parsed:
+            entry = families.setdefault(fam.name, (fam.type, fam.documentation, []))
+            for sample in fam.samples:
+                labels = {**sample.labels, "worker_id": h.id, "capability": h.capability_label}
+                rendered = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+                entry[2].append(f"{sample.name}{{{rendered}}} {_format_value(sample.value)}")
+                if sample.name in _GATEWAY_NAMES:
+                    gateway.setdefault(sample.name, []).append((h, sample.value))
+    pod = ",".join(f'{label}="{GATEWAY_POD}"' for label in _LABELS)
+    for name, value in pod_totals(gateway).items():
+        families[name][2].append(f"{name}{{{pod}}} {_format_value(value)}")
+    lines = []
+    for name, (kind, doc, samples) in families.items():
+        # The parser drops `_total` from counter family names; text format 0.0.4 wants it back.
+        header = f"{name}_total" if kind == "counter" else name
+        lines.append(f"# HELP {header} {doc.replace(chr(10), ' ')}")
+        lines.append(f"# TYPE {header} {'untyped' if kind == 'unknown' else kind}")
+        lines.extend(samples)
+    return "\n".join(lines) + ("\n" if lines else "")

@@ -1,0 +1,369 @@
+"""Starts one worker process per device, tracks readiness, restarts crashes, stops cleanly.
+
+Each worker has one lifecycle task on the router's event loop: spawn -> wait until ready
+(status file says so, `/health` answers 200, `/capability` read) -> health-check every
+second (server/fleet/probe.py) -> on exit, decide (server/fleet/exits.py, a pure function). A worker found hung (its probe unanswered
+within the timeout, or its engine stalled with work pending) is taken out of rotation at
+once, its connections are broken so its requests are retried or migrated elsewhere, and it
+is stopped (SIGTERM, then SIGKILL) and restarted. A worker that *failed to start* (exit code
+3, status file names the step: bind, capability, load, kernelize, fp8) is marked `failed`
+with that reason and is not restarted: the same start would fail the same way. Anything else
+(a crash, `kill -9`, a fatal error while serving, a hung worker) is restarted with
+exponential backoff while the other workers keep serving. Trade-off: a worker that keeps
+crashing before it ever becomes ready is given up on after a few tries instead of retried
+forever.
+
+No orphans: workers run in their own session (a Ctrl-C in the terminal reaches only the
+router, which then drains and stops them in order), get `--parent-pid` and, on Linux,
+`PR_SET_PDEATHSIG`, so they exit even when the router is killed with SIGKILL. Sockets and
+status files live in a private temporary directory (mode 0700) removed at stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from server.config.settings import RouterSettings
+from server.fleet.breaker import BreakerPolicy, CircuitBreaker
+from server.fleet.client import WorkerClient, WorkerGone, WorkerHTTPError
+from server.fleet.exits import ExitHistory, RestartPolicy, decide_exit, describe_failure
+from server.fleet.handle import WorkerHandle, read_status
+from server.fleet.probe import Probe, probe
+from server.fleet.run_dir import make_run_dir, sweep_stale_run_dirs
+from server.fleet.spec import build_worker_specs
+from workers.contract import CapabilityPayload, DeviceInfo, WorkerState, WorkerStatus
+
+logger = logging.getLogger(__name__)
+
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _PRCTL = _LIBC.prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+
+
+def _child_setup() -> None:
+    """Runs in the child between fork and exec: die with the router (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _alive(handle: WorkerHandle) -> bool:
+    return handle.process is not None and handle.process.returncode is None
+
+
+class Supervisor:
+    """Owns the worker processes of one router (see the module docstring)."""
+
+    def __init__(self, devices: list[DeviceInfo], settings: RouterSettings):
+        self.settings = settings
+        self._devices = list(devices)
+        self.workers: dict[str, WorkerHandle] = {}
+        self.run_dir: Path | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self._stop_event: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+
+    # --- public ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Create the private run directory and spawn every worker (does not wait for ready)."""
+        self._init_run_dir()
+        self._init_handles()
+        self._stop_event = asyncio.Event()
+        self._changed = asyncio.Event()
+        for handle in self.workers.values():
+            self._tasks.append(asyncio.create_task(self._lifecycle(handle), name=f"worker-{handle.id}"))
+
+    def ready(self) -> list[WorkerHandle]:
+        return [h for h in self.workers.values() if h.routable]
+
+    def settled(self) -> bool:
+        """Every worker is ready or has failed for good."""
+        return all(h.state in (WorkerState.READY, WorkerState.FAILED) for h in self.workers.values())
+
+    def all_failed(self) -> bool:
+        return bool(self.workers) and all(h.state == WorkerState.FAILED for h in self.workers.values())
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Return when any worker changes state, or after `timeout` seconds."""
+        event = self._changed
+        if event is None:
+            await asyncio.sleep(timeout)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    async def wait_settled(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.settled():
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await self.wait_changed(min(left, 1.0))
+        return True
+
+    def report_unreachable(self, handle: WorkerHandle, generation: int) -> None:
+        """The dispatcher could not talk to this worker: check its health now."""
+        if handle.generation == generation:
+            handle.check_now.set()
+
+    def hold(self, handle: WorkerHandle, why: str, restart: bool = False) -> None:
+        """The canary takes `handle` out of rotation (`why`); with `restart`, its process is also
+        stopped gracefully (SIGTERM: its requests in flight finish) and the lifecycle restarts it,
+        still held until the canary releases it."""
+        handle.canary_hold = why
+        self._notify()
+        if not restart or handle.process is None or handle.process.returncode is not None:
+            return
+        logger.error("worker %s (pid %s) out of rotation and restarting: %s", handle.id, handle.pid, why)
+        handle.exit_cause = why
+        with contextlib.suppress(ProcessLookupError):
+            handle.process.send_signal(signal.SIGTERM)
+
+    def release(self, handle: WorkerHandle) -> None:
+        """The canary found `handle` healthy again: back in rotation."""
+        handle.canary_hold = None
+        self._notify()
+
+    async def stop(self) -> None:
+        """SIGTERM every worker (they drain), SIGKILL what is left after the timeout, clean up."""
+        self._stopping = True
+        if self._stop_event is not None:
+            self._stop_event.set()
+        procs = [h.process for h in self.workers.values() if h.process and h.process.returncode is None]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        if procs:
+            done, pending = await asyncio.wait(
+                [asyncio.create_task(p.wait()) for p in procs], timeout=self.settings.worker_stop_timeout_s
+            )
+            for proc in procs:
+                if proc.returncode is None:
+                    logger.warning("worker pid %s did not stop within %.0fs; killing it", proc.pid,
+                                   self.settings.worker_stop_timeout_s)
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for handle in self.workers.values():
+            await self._drop_client(handle)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # --- setup -------------------------------------------------------------------------
+    def _init_run_dir(self) -> None:
+        sweep_stale_run_dirs()
+        self.run_dir = make_run_dir()
+
+    def _init_handles(self) -> None:
+        assert self.run_dir is not None
+        specs = build_worker_specs(self._devices, self.settings, self.run_dir, os.getpid())
+        policy = BreakerPolicy(self.settings.breaker_failures, self.settings.breaker_cooldown_s)
+        self.workers = {spec.id: WorkerHandle(spec, breaker=CircuitBreaker(policy)) for spec in specs}
+
+    # --- state -------------------------------------------------------------------------
+    def _set(self, handle: WorkerHandle, state: str, reason: str | None = None) -> None:
+        if handle.state != state:
+            logger.info("worker %s: %s -> %s%s", handle.id, handle.state, state, f" ({reason})" if reason else "")
+        handle.state = state
+        handle.reason = reason
+        if state != WorkerState.READY and state != WorkerState.UNHEALTHY:
+            handle.ready_since = None
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake whoever waits in `wait_changed`."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def _lifecycle(self, handle: WorkerHandle) -> None:
+        policy = RestartPolicy.from_settings(self.settings)
+        history = ExitHistory.start(policy, handle.restarts)
+        while not self._stopping:
+            try:
+                await self._spawn(handle)
+            except OSError as e:
+                self._set(handle, WorkerState.FAILED, f"could not start `{' '.join(handle.spec.argv[:3])}`: {e}")
+                return
+            watcher = asyncio.create_task(self._watch(handle))
+            assert handle.process is not None
+            returncode = await handle.process.wait()
+            # Python 3.11's wait_for can swallow a cancel that races its inner wait, so the
+            # watcher also stops by itself once the process has exited; never wait on it forever.
+            watcher.cancel()
+            await asyncio.wait([watcher], timeout=5.0)
+            served_for = time.monotonic() - handle.ready_since if handle.ready_since is not None else None
+            await self._drop_client(handle)
+            if self._stopping:
+                return
+            # Decide (server/fleet/exits.py): failed to start, or restart after a backoff.
+            decision = decide_exit(returncode, read_status(handle.spec.status_path), history, policy, served_for,
+                                   handle.exit_cause)
+            handle.last_exit, handle.exit_cause = decision.last_exit, None
+            if not decision.restart:
+                self._set(handle, WorkerState.FAILED, decision.reason)
+                logger.error("worker %s failed: %s", handle.id, handle.reason)
+                return
+            history = decision.history
+            handle.restarts = history.restarts
+            self._set(handle, WorkerState.RESTARTING, decision.reason)
+            logger.warning("worker %s (pid %s) %s; restarting in %.1fs", handle.id, handle.pid, handle.last_exit,
+                           decision.wait_s)
+            await self._sleep_unless_stopping(decision.wait_s)
+
+    async def _spawn(self, handle: WorkerHandle) -> None:
+        spec = handle.spec
+        for stale in (spec.socket_path, spec.status_path):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        handle.info = None
+        handle.step = None
+        handle.probe = None
+        handle.breaker.reset()  # a new process starts with a clean record
+        handle.process = await asyncio.create_subprocess_exec(
+            *spec.argv,
+            env=spec.environ(),
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_child_setup,
+        )
+        handle.pid = handle.process.pid
+        handle.generation += 1
+        handle.client = WorkerClient(spec.socket_path)
+        if handle.state != WorkerState.RESTARTING:
+            self._set(handle, WorkerState.STARTING, "spawned")
+        logger.info("worker %s: started pid %s (%s)", handle.id, handle.pid, spec.device.name)
+
+    async def _drop_client(self, handle: WorkerHandle) -> None:
+        client, handle.client = handle.client, None
+        if client is not None:
+            await client.aclose()
+
+    async def _sleep_unless_stopping(self, seconds: float) -> None:
+        assert self._stop_event is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop_event.wait(), seconds)
+
+    # --- readiness and health ----------------------------------------------------------
+    async def _watch(self, handle: WorkerHandle) -> None:
+        if await self._wait_ready(handle):
+            await self._health_loop(handle)
+
+    async def _wait_ready(self, handle: WorkerHandle) -> bool:
+        """Poll the status file and `/health` until ready; False if it failed or timed out."""
+        spec, client = handle.spec, handle.client
+        assert client is not None
+        started = time.monotonic()
+        delay = 0.05
+        while _alive(handle):
+            status = read_status(spec.status_path)
+            if status.get("state") == WorkerStatus.FAILED:
+                handle.reason = describe_failure(-1, status)
+                return False  # the worker exits with code 3; the lifecycle marks it failed
+            if status.get("step") and status.get("step") != handle.step:
+                handle.step = status["step"]
+                handle.reason = f"step: {handle.step}"
+            if spec.socket_path.exists() and status.get("state") in (None, WorkerStatus.READY):
+                info = await self._probe(client)
+                if info is not None:
+                    handle.info = info
+                    handle.ready_since = time.monotonic()
+                    self._set(handle, WorkerState.READY)
+                    return True
+            if time.monotonic() - started > self.settings.startup_timeout_s:
+                handle.reason = f"not ready after {self.settings.startup_timeout_s:.0f}s"
+                logger.error("worker %s %s; killing it", handle.id, handle.reason)
+                self._kill(handle)
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+        return False
+
+    @staticmethod
+    async def _probe(client: WorkerClient) -> CapabilityPayload | None:
+        """The worker's /capability once its /health says ready; None if not yet."""
+        try:
+            code, _ = await client.health()
+            if code != 200:
+                return None
+            return await client.capability()
+        except (*WorkerGone, WorkerHTTPError, ValueError):
+            return None
+
+    async def _health_loop(self, handle: WorkerHandle) -> None:
+        s, client = self.settings, handle.client
+        assert client is not None
+        failures = 0
+        unhealthy_since: float | None = None
+        while _alive(handle):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(handle.check_now.wait(), s.health_interval_s)
+            urgent = handle.check_now.is_set()
+            handle.check_now.clear()
+            verdict = handle.probe = await probe(client, s.health_timeout_s, s.stall_timeout_s)
+            why = verdict.why
+            if verdict.capacity is not None:
+                handle.live_capacity = verdict.capacity
+            if verdict.kind == Probe.HUNG:
+                await self._replace_hung(handle, why)
+                return
+            if verdict.kind == Probe.OK:
+                failures, unhealthy_since = 0, None
+                if handle.state == WorkerState.UNHEALTHY:
+                    self._set(handle, WorkerState.READY)
+                continue
+            if verdict.kind == Probe.DOWN and urgent:
+                failures = max(failures, s.unhealthy_after_failures - 1)
+            failures += 1
+            if failures >= s.unhealthy_after_failures and handle.state == WorkerState.READY:
+                unhealthy_since = time.monotonic()
+                self._set(handle, WorkerState.UNHEALTHY, why)
+            if unhealthy_since is not None and time.monotonic() - unhealthy_since > s.unhealthy_kill_after_s:
+                logger.error("worker %s unhealthy for %.0fs (%s); killing it", handle.id, s.unhealthy_kill_after_s, why)
+                self._kill(handle)
+                return
+
+    async def _replace_hung(self, handle: WorkerHandle, why: str) -> None:
+        """Out of rotation now, its requests back (broken connections: retried or migrated by
+        the dispatcher), then SIGTERM and, after a grace period, SIGKILL; the lifecycle restarts it."""
+        logger.error("worker %s (pid %s) is hung (%s): moving its requests and restarting it", handle.id,
+                     handle.pid, why)
+        handle.exit_cause = f"hung: {why}"
+        self._set(handle, WorkerState.UNHEALTHY, handle.exit_cause)
+        if handle.client is not None:
+            handle.client.abort()
+        process = handle.process
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+            process.send_signal(signal.SIGCONT)  # a stopped process can only act on SIGTERM once continued
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), self.settings.hang_kill_grace_s)
+        if process.returncode is None:
+            logger.error("worker %s did not stop within %.0fs of SIGTERM; killing it", handle.id,
+                         self.settings.hang_kill_grace_s)
+            self._kill(handle)
+
+    @staticmethod
+    def _kill(handle: WorkerHandle) -> None:
+        if handle.process is not None and handle.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                handle.process.kill()

@@ -1,0 +1,183 @@
+"""One worker answer -> one OpenAI choice, whole (`completion_choice`, `chat_choice`) or as a
+stream of deltas (`ChoiceStream`).
+
+A choice knows what its request asked for: logprobs (`top` alternatives per token, None when
+not asked), `echo` with the prompt's text, and for chat the `ToolPlan`. Streams: every choice
+has its own `index`; chat choices start with a `role` delta; a completion's echo (text and
+prompt logprobs) comes with its first event; a token's logprob entry rides on the next delta
+that goes out (a held-back half character, an EOS), so none is lost. Tool calls stream as
+OpenAI's deltas: a named function's arguments token by token from the first event; `required`
+and `auto` output is held back while it may be a call and sent whole once it is one (or
+released as content the moment it cannot be).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.protocol.openai import responses as fmt
+from server.protocol.openai.tools import (
+    AUTO,
+    NAMED,
+    NONE,
+    REQUIRED,
+    ToolPlan,
+    call_id,
+    may_be_call,
+    tool_calls_message,
+)
+
+_NO_TOOLS = ToolPlan(NONE)
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """What one choice reports: `top` alternatives (None: no logprobs), echo of the prompt."""
+
+    index: int
+    top: int | None = None
+    echo: bool = False
+    prompt_text: str | None = None  # the prompt as text (None: given as token ids)
+    tools: ToolPlan = _NO_TOOLS
+
+
+def _completion_lp(spec: ChoiceSpec, prefill: list[dict], tokens: list[dict], tops: list, prompt_len: int) -> dict:
+    parts = []
+    if spec.echo:
+        parts.append(fmt.completion_logprobs(prefill, fmt.prefill_tops(prefill), 0))
+    parts.append(fmt.completion_logprobs(tokens, tops, prompt_len if spec.echo else 0))
+    return fmt.merge_completion_logprobs(parts)
+
+
+def completion_choice(spec: ChoiceSpec, body: dict) -> dict:
+    """A `/v1/completions` choice from a worker's `/generate` body."""
+    details = body.get("details") or {}
+    text = body.get("generated_text", "")
+    prompt = spec.prompt_text if spec.prompt_text is not None else body.get("input_text", "")
+    logprobs = None
+    if spec.top is not None:
+        tokens = details.get("tokens") or []
+        tops = details.get("top_tokens") or [None] * len(tokens)
+        logprobs = _completion_lp(spec, details.get("prefill") or [], tokens, tops, len(prompt))
+    return fmt.completion_choice(spec.index, prompt + text if spec.echo else text,
+                                 fmt.finish_reason(details) or "stop", logprobs)
+
+
+def chat_choice(spec: ChoiceSpec, body: dict) -> dict:
+    """A `/v1/chat/completions` choice from a worker's `/generate` body (tool calls parsed)."""
+    details = body.get("details") or {}
+    text = body.get("generated_text", "")
+    finish = fmt.finish_reason(details) or "stop"
+    logprobs = None
+    if spec.top is not None:
+        tokens = details.get("tokens") or []
+        logprobs = fmt.chat_logprob_entries(tokens, details.get("top_tokens") or [None] * len(tokens))
+    calls = spec.tools.calls(text) if finish == "stop" and spec.tools.mode != NONE else None
+    if calls:
+        return fmt.chat_choice(spec.index, None, "tool_calls", logprobs, tool_calls_message(calls))
+    return fmt.chat_choice(spec.index, text, finish, logprobs)
+
+
+class ChoiceStream:
+    """One streamed choice: worker events in, OpenAI choice deltas out (see the module doc)."""
+
+    def __init__(self, spec: ChoiceSpec, chat: bool):
+        self.spec, self.chat = spec, chat
+        self.started = self.done = False
+        self.prompt_tokens = self.completion_tokens = 0
+        self._offset = 0  # completions: where the next token starts in the choice's text
+        self._pending: list = []  # logprob entries not sent yet (chat items, or completion parts)
+        self._held = ""  # chat text held back while it may be a tool call
+        self._holding = chat and spec.tools.mode in (REQUIRED, AUTO)
+        self._call_id = call_id() if spec.tools.mode == NAMED else None
+
+    # -- deltas -------------------------------------------------------------------------
+    def _logprobs(self):
+        if self.spec.top is None:
+            return None
+        pending, self._pending = self._pending, []
+        if self.chat:
+            return {"content": pending, "refusal": None}
+        return fmt.merge_completion_logprobs(pending) if pending else None
+
+    def _delta(self, delta: dict | str, finish: str | None = None) -> dict:
+        if self.chat:
+            return {"index": self.spec.index, "delta": delta, "finish_reason": finish, "logprobs": self._logprobs()}
+        return {"index": self.spec.index, "text": delta, "finish_reason": finish, "logprobs": self._logprobs()}
+
+    def _record(self, token: dict, top: list | None) -> None:
+        if self.spec.top is None:
+            return
+        if self.chat:
+            self._pending.extend(fmt.chat_logprob_entries([token], [top]))
+        else:
+            self._pending.append(fmt.completion_logprobs([token], [top], self._offset))
+
+    def _start(self, event: dict) -> list[dict]:
+        self.started = True
+        if self.chat:
+            if self._call_id is not None:
+                call = {"index": 0, "id": self._call_id, "type": "function",
+                        "function": {"name": self.spec.tools.name, "arguments": ""}}
+                return [self._delta({"role": "assistant", "content": None, "tool_calls": [call]})]
+            return [self._delta({"role": "assistant", "content": ""})]
+        if not self.spec.echo:
+            return []
+        prompt = self.spec.prompt_text if self.spec.prompt_text is not None else event.get("input_text", "")
+        if self.spec.top is not None:
+            prefill = event.get("prefill") or []
+            self._pending.append(fmt.completion_logprobs(prefill, fmt.prefill_tops(prefill), 0))
+        self._offset = len(prompt)
+        return [self._delta(prompt)]
+
+    def _text(self, piece: str) -> list[dict]:
+        if not self.chat:
+            self._offset += len(piece)
+            return [self._delta(piece)]
+        if self._call_id is not None:
+            return [self._delta({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})]
+        if self._holding:
+            self._held += piece
+            if self.spec.tools.mode == REQUIRED or may_be_call(self._held):
+                return []
+            self._holding, piece, self._held = False, self._held, ""
+        return [self._delta({"content": piece})]
+
+    def _finish(self, details: dict) -> list[dict]:
+        self.done = True
+        self.prompt_tokens = details.get("input_length") or 0
+        self.completion_tokens = details.get("generated_tokens") or 0
+        finish = fmt.finish_reason(details) or "stop"
+        out = []
+        if self._call_id is not None and finish == "stop":
+            finish = "tool_calls"
+        elif self._holding:
+            calls = self.spec.tools.calls(self._held) if finish == "stop" else None
+            if calls:
+                deltas = [{"index": i, **c} for i, c in enumerate(tool_calls_message(calls))]
+                out.append(self._delta({"tool_calls": deltas}))
+                finish = "tool_calls"
+            elif self._held:
+                out.append(self._delta({"content": self._held}))
+        out.append(self._delta({} if self.chat else "", finish))
+        return out
+
+    # -- the one entry point ------------------------------------------------------------
+    def on_event(self, event: dict) -> list[dict]:
+        """The choice deltas one worker event produces (possibly none)."""
+        out = [] if self.started else self._start(event)
+        token = event.get("token")
+        if token is not None:
+            self._record(token, event.get("top_tokens"))
+            if token.get("text") and not token.get("special"):
+                out += self._text(token["text"])
+        details = event.get("details")
+        if details is not None or event.get("generated_text") is not None:
+            out += self._finish(details or {})
+        return out
+
+    def whole(self, body: dict) -> list[dict]:
+        """The deltas of a complete `/generate` body (prompt scoring, which is not streamed)."""
+        details = body.get("details") or {}
+        event = {"prefill": details.get("prefill"), "input_text": body.get("input_text")}
+        return self._start(event) + self._finish(details)

@@ -1,0 +1,262 @@
+"""OpenAI request shapes for `/v1/completions` and `/v1/chat/completions` (pydantic, HTTP edge only).
+
+Accepted as OpenAI defines them, with vLLM's extensions (`top_k`, `repetition_penalty`):
+sampling (`temperature`, `top_p`, `seed`, `stop`, `presence_penalty`, `frequency_penalty`,
+`logit_bias`, `n`), logprobs (`logprobs` / `top_logprobs` up to `MAX_LOGPROBS`, `echo` and
+`max_tokens` = 0 for prompt scoring), structured output (`response_format`) and tools
+(`tools`, `tool_choice`, `parallel_tool_calls`). Fields this server cannot honour are
+refused with a 422 naming them (`best_of` > 1, `suffix`, image parts). `sampling()` turns a
+request into the worker's TGI-shaped `parameters`; tools and response formats become a
+grammar in `server/protocol/openai/tools.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from server.protocol.base import TOKENS_MAX, Edge, StopText, json_schema_value, refuse
+from workers.contract import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_SEED,
+    MAX_STOP_SEQUENCES,
+    valid_unicode,
+)
+
+MAX_CHOICES = 8  # n x prompts per OpenAI request
+
+PromptText = Annotated[str, Field(min_length=1, max_length=1_000_000)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=1_000_000)]
+
+
+class StreamOptions(Edge):
+    include_usage: bool = False
+
+
+class _OpenAISampling(Edge):
+    model: str | None = Field(None, max_length=1000)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopText | list[StopText] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    user: str | None = Field(None, max_length=1000)
+    # extensions (vLLM names)
+    top_k: int | None = Field(None, ge=-1, le=1_000_000)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+
+    @model_validator(mode="after")
+    def _sampling_fields(self):
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"`stop` has {len(stops)} sequences; at most {MAX_STOP_SEQUENCES} are accepted")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"`logit_bias` keys must be token ids (integers as strings), got `{key[:40]}`")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"`logit_bias` values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
+                                 f"`{value}` for token `{key}`")
+        return self
+
+    def sampling(self, max_tokens: int | None, defaults: dict | None = None) -> dict:
+        """Worker `parameters` for these OpenAI fields (temperature 0 means greedy). A field the
+        request leaves out takes the model's generation_config value (`defaults`), then OpenAI's."""
+        defaults = defaults or {}
+
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
+        temperature = pick("temperature", 1.0)
+        p: dict[str, Any] = {"details": True, "do_sample": temperature > 0}
+        if temperature > 0:
+            p["temperature"] = temperature
+        if max_tokens is not None:
+            p["max_new_tokens"] = max_tokens
+        top_p, top_k, repetition_penalty = pick("top_p", None), pick("top_k", None), pick("repetition_penalty", None)
+        if temperature > 0 and top_p is not None and 0 < top_p < 1.0:
+            p["top_p"] = top_p
+        if temperature > 0 and top_k is not None and top_k > 0:
+            p["top_k"] = top_k
+        if repetition_penalty is not None and repetition_penalty > 0:
+            p["repetition_penalty"] = repetition_penalty
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                p[name] = getattr(self, name)
+        if self.logit_bias:
+            p["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        if self.seed is not None:
+            p["seed"] = self.seed
+        if self.stop:  # OpenAI: the returned text does not contain the stop sequence
+            p["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+            p["include_stop_str_in_output"] = False
+        return p
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: PromptText | list[PromptText] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=0, le=TOKENS_MAX)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        count = len(self.prompts) * self.n
+        if not 1 <= count <= MAX_CHOICES:
+            raise ValueError(f"`prompt` x `n` gives {count} choices. Accepted: 1 to {MAX_CHOICES}")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("`max_tokens` = 0 scores the prompt only and needs `echo` = true")
+        refuse(self, {"best_of": (None, 1), "suffix": (None, "")})
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text, or its token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    @property
+    def scoring_only(self) -> bool:
+        return self.max_tokens == 0
+
+
+class TextPart(Edge):
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(Edge):
+    name: str = Field(max_length=64)
+    arguments: str = Field("", max_length=1_000_000)
+
+
+class ToolCallIn(Edge):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    id: str | None = Field(None, max_length=200)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(Edge):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = Field(None, max_length=200)
+
+    @model_validator(mode="after")
+    def _unicode(self):
+        """A lone surrogate (`"\\ud800"`, valid JSON) cannot be encoded, so no tokenizer takes it."""
+        valid_unicode(self.text(), "content")
+        valid_unicode(self.name or "", "name")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class JsonSchemaFormat(Edge):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True, populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.schema_ is None:
+            raise ValueError("`response_format.json_schema.schema` is required")
+        self.schema_ = json_schema_value(self.schema_, "response_format.json_schema.schema")
+        return self
+
+
+class ResponseFormat(Edge):
+    """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (that schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("`response_format.json_schema` is required when `type` is `json_schema`")
+        return self
+
+
+class FunctionDef(Edge):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Edge):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Edge):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(Edge):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
+    max_tokens: int | None = Field(None, ge=1, le=TOKENS_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=TOKENS_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("`top_logprobs` needs `logprobs` = true")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"`tools` names must be unique, got `{names}`")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            shown = choice if isinstance(choice, str) else f"function `{choice.function.name}`"
+            raise ValueError(f"`tool_choice` = `{shown}` needs `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"`tool_choice` names function `{choice.function.name}`, which is not in `tools`. "
+                             f"Accepted: {', '.join(names)}")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("`response_format` and a forced `tool_choice` both constrain the output; send one")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def top_n(self) -> int | None:
+        """Alternatives per token the worker reports (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None

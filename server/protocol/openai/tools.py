@@ -1,0 +1,207 @@
+"""Structured chat output: `response_format` and `tools` -> a grammar for the worker, and the
+model's text -> OpenAI `tool_calls`.
+
+- `response_format` `json_object` / `json_schema` -> the worker's `grammar` (`json_object`, or
+  `json` with the schema; `strict: false` lets the engine ignore keywords it does not
+  implement instead of refusing the schema).
+- `tool_choice` (vLLM's design):
+  - `"none"`: tools are shown to the model, the output is plain content;
+  - a named function: the output is that function's arguments, enforced by its `parameters`
+    schema, so it always parses and validates; it becomes one tool call;
+  - `"required"`: the output is a JSON array (one item, or several with
+    `parallel_tool_calls`) of `{"name": <one of the tools>, "arguments": <its parameters>}`,
+    enforced the same way (an `anyOf` over the tools);
+  - `"auto"` (the default with tools): unconstrained; the output becomes tool calls when it
+    is one in a common open format (`<tool_call>{...}</tool_call>` blocks as Hermes and
+    Qwen write them, or a bare `{"name", "arguments"|"parameters"}` object or array of
+    them, as Llama 3.x and Mistral do) naming a listed tool; otherwise it is content.
+- The chat template receives `tools` (transformers' `apply_chat_template` convention); a
+  template that never mentions `tools` gets them as a system message instead, and earlier
+  assistant tool calls as JSON in their content, so the model sees them either way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from server.protocol.openai.requests import ChatCompletionRequest, NamedToolChoice
+
+NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one chat request uses its tools: the mode, the tools' function objects, and for a
+    named choice the function."""
+
+    mode: str
+    functions: tuple[dict, ...] = ()
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f["name"] for f in self.functions)
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in (REQUIRED, NAMED)
+
+    def grammar(self) -> dict | None:
+        """The worker `grammar` a forced choice generates under (None otherwise)."""
+        if self.mode == NAMED:
+            f = next(f for f in self.functions if f["name"] == self.name)
+            return {"type": "json", "value": f.get("parameters") or _EMPTY_PARAMETERS, "strict": f.get("strict") is not False}
+        if self.mode == REQUIRED:
+            return {"type": "json", "value": required_schema(self.functions, self.parallel),
+                    "strict": all(f.get("strict") is not False for f in self.functions)}
+        return None
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The tool calls in the model's complete output, as `{"name", "arguments"}` (arguments
+        as JSON text); None when the output is content (or a forced call cut short)."""
+        if self.mode == NAMED:
+            try:
+                json.loads(text)
+            except ValueError:
+                return None
+            return [{"name": self.name, "arguments": text}]
+        if self.mode == REQUIRED:
+            return _calls_from(_loads(text), self.names)
+        if self.mode == AUTO:
+            return parse_auto(text, self.names)
+        return None
+
+
+def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
+    functions = tuple(t.function.model_dump(exclude_none=True) for t in req.tools or ())
+    choice = req.tool_choice if req.tool_choice is not None else (AUTO if functions else NONE)
+    parallel = req.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        return ToolPlan(NAMED, functions, choice.function.name, parallel)
+    return ToolPlan(choice, functions, None, parallel)
+
+
+def response_grammar(req: ChatCompletionRequest) -> dict | None:
+    """The worker `grammar` for `response_format` (None for text)."""
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"type": "json_object"}
+    js = rf.json_schema
+    return {"type": "json", "value": js.schema_, "strict": js.strict is not False}
+
+
+def required_schema(functions: tuple[dict, ...], parallel: bool) -> dict:
+    """A JSON array of calls of the listed functions, each with arguments matching its
+    parameters. Each function's `$defs` move to the root so its `#/$defs/...` refs resolve."""
+    defs: dict = {}
+    items = []
+    for f in functions:
+        params = dict(f.get("parameters") or _EMPTY_PARAMETERS)
+        for key in ("$defs", "definitions"):
+            for name, sub in (params.pop(key, None) or {}).items():
+                if defs.setdefault(key, {}).setdefault(name, sub) != sub:
+                    raise ValueError(f"`tools` define `{key}/{name}` twice with different schemas; rename one")
+        items.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **defs}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _calls_from(value, names: tuple[str, ...]) -> list[dict] | None:
+    """`{"name", "arguments"|"parameters"}` objects (one or a list) naming listed tools."""
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as JSON text already
+            args = _loads(args)
+        if not isinstance(args, dict):
+            return None
+        calls.append({"name": item["name"], "arguments": json.dumps(args, ensure_ascii=False)})
+    return calls or None
+
+
+def parse_auto(text: str, names: tuple[str, ...]) -> list[dict] | None:
+    """Tool calls written in a common open format (see the module docstring), else None."""
+    stripped = text.strip()
+    blocks = _TOOL_CALL_BLOCK.findall(stripped)
+    if blocks:
+        calls = [_calls_from(_loads(b), names) for b in blocks]
+        return None if any(c is None for c in calls) else [c for cs in calls for c in cs]
+    if stripped.startswith("[TOOL_CALLS]"):
+        stripped = stripped.removeprefix("[TOOL_CALLS]").strip()
+    if stripped[:1] in ("{", "["):
+        return _calls_from(_loads(stripped), names)
+    return None
+
+
+# Output that may still turn into a tool call in "auto" mode: a stream holds it back until it knows.
+_CALL_OPENINGS = ("<tool_call>", "[TOOL_CALLS]", "{", "[")
+
+
+def may_be_call(text_so_far: str) -> bool:
+    s = text_so_far.lstrip()
+    return any(s.startswith(o) or o.startswith(s) for o in _CALL_OPENINGS)
+
+
+def tool_prompt(functions: tuple[dict, ...]) -> str:
+    """The system message for a template that does not take `tools`."""
+    listed = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions)
+    return ("You can call these functions:\n" + listed + '\nTo call one, answer with JSON: {"name": <function name>, '
+            '"arguments": <an object matching its parameters>}.')
+
+
+def template_messages(req: ChatCompletionRequest, native_tools: bool) -> list[dict]:
+    """Messages as chat templates expect them: role and text content, plus `tool_calls` on
+    assistant turns (arguments as objects) and `tool_call_id` on tool results."""
+    out = []
+    for m in req.messages:
+        d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.function.name, "arguments": _loads(c.function.arguments) or {}}}
+                     for c in m.tool_calls]
+            if native_tools:
+                d["tool_calls"] = calls
+            else:
+                shown = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                             ensure_ascii=False) for c in calls)
+                d["content"] = f"{d['content']}\n{shown}".strip()
+        out.append(d)
+    plan = plan_tools(req)
+    if plan.functions and not native_tools:
+        out.insert(0, {"role": "system", "content": tool_prompt(plan.functions)})
+    return out
+
+
+def tool_calls_message(calls: list[dict]) -> list[dict]:
+    """OpenAI `message.tool_calls` for parsed calls."""
+    return [{"id": call_id(), "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls]

@@ -1,1 +1,0 @@
-"""Public HTTP routes, one module per concern: generate (TGI), openai, workers, health, metrics."""

@@ -1,0 +1,163 @@
+"""Routing's first stage: which workers may take a request, or why none can (a pure function).
+
+A request may constrain where it runs, through headers (they work the same for the TGI and
+the OpenAI routes, and every client can set headers):
+
+  X-Hetserve-Worker: gpu1            a worker id (also accepted: device index `1` or its UUID)
+  X-Hetserve-Min-Capability: 8.9     a minimum CUDA capability (`8.9` or `sm_89`)
+  X-Hetserve-Fp8: native_e4m3        an fp8 convention (`native_e4m3` or `emulated`)
+
+`eligible` filters the workers by their current state and returns a `Filtered`: the workers
+that may take the request now (ready, matching, breaker admitting, not the process that
+already failed this request, room in its queue), or a refusal with its reason (422
+`unsatisfiable`: no worker can ever satisfy the constraints; 429 `overloaded`: every matching
+worker's queue is full; `wait`: matching workers exist but none is ready right now, or every
+ready one has its circuit breaker open; 503 `unavailable`: none left to try). The dispatcher
+then asks the router (server/routing/router.py) to score and pick among the eligible ones, so
+the stages never call back into each other. Trade-off: the router counts the requests it has
+in flight per worker instead of asking workers for their queue depth, which is exact for
+requests that come through this router and costs nothing per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from server.errors import shown
+from server.fleet.handle import WorkerHandle
+from workers.contract import (
+    EMULATED,
+    FP8_CONVENTIONS,
+    HEADER_FP8,
+    HEADER_MIN_CAPABILITY,
+    HEADER_PIN_WORKER,
+    NATIVE,
+    Capability,
+    CapabilityError,
+    WorkerState,
+)
+
+HEADER_SESSION = "X-Session-Id"  # keeps a conversation on one worker (server/routing/sessions.py)
+MAX_SESSION_CHARS = 256  # longer session ids are cut: they only need to tell sessions apart
+
+_FP8_ALIASES = {"native": NATIVE, NATIVE: NATIVE, "e4m3": NATIVE, EMULATED: EMULATED}
+
+ELIGIBLE, UNSATISFIABLE, OVERLOADED, WAIT, UNAVAILABLE = "eligible", "unsatisfiable", "overloaded", "wait", "unavailable"
+
+
+class ConstraintError(ValueError):
+    """A constraint header with a value that cannot be understood (422)."""
+
+
+@dataclass(frozen=True)
+class Constraints:
+    worker: str | None = None
+    min_capability: Capability | None = None
+    fp8: str | None = None
+    session: str | None = None  # a preference, not a constraint: the conversation's worker while it can serve
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "min_capability", Capability.parse_optional(self.min_capability))
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in (self.worker, self.min_capability, self.fp8))
+
+    def describe(self) -> str:
+        parts = []
+        if self.worker is not None:
+            parts.append(f"worker `{shown(self.worker)}`")
+        if self.min_capability is not None:
+            parts.append(f"capability >= `{self.min_capability.label}`")
+        if self.fp8 is not None:
+            parts.append(f"fp8 `{self.fp8}`")
+        return ", ".join(parts) or "none"
+
+
+@dataclass(frozen=True)
+class Filtered:
+    """The filter's verdict: the workers that may take the request, or why none may."""
+
+    kind: str  # ELIGIBLE | UNSATISFIABLE | OVERLOADED | WAIT | UNAVAILABLE
+    reason: str
+    workers: tuple[WorkerHandle, ...] = ()  # ELIGIBLE: never empty, in device order
+
+
+def parse_capability(value: str) -> Capability:
+    """A header's minimum capability: `X.Y` (e.g. 8.9) or `sm_XY` (e.g. sm_89)."""
+    text = value.strip().lower()
+    try:
+        if "." in text or text.startswith("sm_"):
+            return Capability.parse(text)
+    except CapabilityError:
+        pass
+    raise ConstraintError(f"Invalid minimum capability `{shown(value)}`. Accepted: `X.Y` (e.g. 8.9) or `sm_XY` (e.g. sm_89)")
+
+
+def parse_constraints(headers: Mapping[str, str]) -> Constraints:
+    """Constraints from request headers (names are case-insensitive); empty values are ignored."""
+    worker = (headers.get(HEADER_PIN_WORKER.lower()) or "").strip() or None
+    raw_cap = (headers.get(HEADER_MIN_CAPABILITY.lower()) or "").strip()
+    raw_fp8 = (headers.get(HEADER_FP8.lower()) or "").strip()
+    fp8 = None
+    if raw_fp8:
+        fp8 = _FP8_ALIASES.get(raw_fp8.lower())
+        if fp8 is None:
+            raise ConstraintError(f"Invalid fp8 convention `{shown(raw_fp8)}`. Accepted: {', '.join(FP8_CONVENTIONS)}")
+    session = (headers.get(HEADER_SESSION.lower()) or "").strip()[:MAX_SESSION_CHARS] or None
+    return Constraints(worker=worker, min_capability=parse_capability(raw_cap) if raw_cap else None, fp8=fp8,
+                       session=session)
+
+
+def matches(handle: WorkerHandle, c: Constraints) -> tuple[bool | None, str]:
+    """(True, _) matches; (False, why) never will; (None, why) unknown until it reports (fp8)."""
+    if c.worker is not None and not handle.answers_to(c.worker):
+        return False, f"{handle.id} has another id, index and UUID"
+    if c.min_capability is not None:
+        cap = handle.capability
+        if cap is None or cap < c.min_capability:
+            return False, f"{handle.id} has capability {handle.capability_label}"
+    if c.fp8 is not None:
+        conv = handle.fp8_convention
+        if conv is None:
+            return None, f"{handle.id} has not reported its fp8 convention yet"
+        if conv != c.fp8:
+            return False, f"{handle.id} uses fp8 {conv}"
+    return True, "matches"
+
+
+def eligible(workers: Iterable[WorkerHandle], c: Constraints, capacity: int,
+             exclude: Mapping[str, int] | None = None) -> Filtered:
+    """The workers that may take one request now, or the refusal (see the module docstring).
+
+    `exclude` maps worker id -> the generation (process) that already failed this request; a
+    worker restarted since then is eligible again.
+    """
+    exclude = exclude or {}
+    candidates: list[WorkerHandle] = []
+    refused: list[str] = []
+    for h in workers:
+        ok, why = matches(h, c)
+        if ok is False:
+            refused.append(why)
+        elif h.state == WorkerState.FAILED:
+            refused.append(f"{h.id} failed ({h.reason})")
+        else:
+            candidates.append(h)
+    if not candidates:
+        return Filtered(UNSATISFIABLE, f"No worker satisfies {c.describe()}: {'; '.join(refused) or 'no workers'}")
+    ready = [h for h in candidates if h.routable and matches(h, c)[0] and exclude.get(h.id) != h.generation]
+    if ready:
+        admitted = [h for h in ready if h.breaker.admits()]
+        if not admitted:
+            opened = ", ".join(f"{h.id} (retry in {h.breaker.retry_in_s():.1f}s)" for h in ready)
+            return Filtered(WAIT, f"The circuit breaker of every matching ready worker is open: {opened}")
+        free = [h for h in admitted if h.outstanding < capacity]
+        if not free:
+            return Filtered(OVERLOADED, f"All {len(admitted)} matching workers have {capacity} requests in flight")
+        return Filtered(ELIGIBLE, f"{len(free)} could take it", tuple(free))
+    waiting = [h for h in candidates if not h.routable]
+    if waiting:
+        states = ", ".join(f"{h.id} {h.state}" for h in waiting)
+        return Filtered(WAIT, f"No matching worker is ready yet ({states})")
+    return Filtered(UNAVAILABLE, "Every matching ready worker already failed this request")

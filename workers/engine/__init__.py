@@ -1,0 +1,9 @@
+"""The engine: requests in, tokens out, one step at a time (schedule -> execute -> update).
+
+`core` is the step loop and admission; `scheduler` the policy (which tokens run next), over
+the state it moves (`sequence`) and the values a step produces (`scheduler_output`); `runner`
+turns a step into one model forward; `output` turns sampled tokens into the events of each
+request (with `detokenize`), which `events` carries across threads; `resume` continues a
+stream another worker began; `liveness` tells a hung engine from an idle one; `metrics` is the
+worker's Prometheus registry.
+"""

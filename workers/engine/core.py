@@ -1,0 +1,348 @@
+"""The engine: a loop in its own thread that turns requests into tokens on one device.
+
+Design: each step is schedule -> execute -> update.
+- schedule: the `Scheduler` (plain CPU code) picks decodes of the running batch, then
+  prompt chunks (continuing ones, then newly admitted prompts from their cached prefix)
+  within the step's token budget, preempting the newest sequences when blocks run out;
+- execute: the `ModelRunner` (`workers.engine.runner`) packs them into ONE `ForwardBatch` over the
+  paged KV cache and calls `model.step(batch, kv)` once -> logits `[N, V]` for the chunks
+  that sample; `sample_tokens()` picks one token per row, constrained rows masked by their
+  grammar (masks computed on a helper thread during the forward: they depend only on each
+  grammar's state). A prompt that asks for its own logprobs also gets its rows' logits from
+  that forward (`execute_with_prompt_logits`);
+- update: the scheduler advances every chunk, appends the tokens, finishes sequences and
+  indexes newly full blocks for prefix caching; the output processor
+  (workers/engine/output.py) detokenizes, checks stop strings and grammar ends, and makes
+  each request's events, which go out in one batch.
+Requests join (inbox) and leave (finish, abort) only between steps, so a disconnected
+client's blocks are free for the very next step. A preempted sequence sends nothing until
+it is recomputed and samples its next token, so a client never sees a token twice.
+
+Threads: the asyncio HTTP side calls `submit()` / `abort()` (they put on a thread-safe
+inbox) and reads a `RequestStream`; the engine thread hands one step's events to each event
+loop in one batch (`workers.engine.events.deliver`), so the per-step cost of crossing threads is
+one wake-up, not one per token. An idle engine runs a new request's first step on the
+submitting thread itself, under the step lock: a request arriving at a quiet worker pays no
+thread hand-off (two wake-ups and two GIL transfers, the larger part of a one-token
+request's cost on a busy host), and the engine thread takes over if more steps are needed.
+Trade-off: that first step blocks the caller's event loop for one step, which only happens
+when no other request is running. Python bookkeeping stays on the critical path of every
+step (the GIL is shared with the HTTP side), so it is kept to a few list operations per
+sequence; the tensor work releases the GIL.
+
+Backpressure: at most `max_sequences + max_queue` requests are in flight; `submit()` beyond
+that raises `EngineOverloaded` (HTTP 429 with Retry-After) instead of queueing forever.
+A request may resume a stream begun on another worker (`resume_ids`, workers/engine/resume.py), and
+`liveness()` tells a hung engine from an idle one (workers/engine/liveness.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceT
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from workers.contract import DEFAULT_MAX_QUEUE
+from workers.engine.detokenize import IncrementalDetokenizer, special_token_ids
+from workers.engine.events import ErrorEvent, RequestStream, deliver
+from workers.engine.liveness import Liveness, LivenessClock
+from workers.engine.metrics import WorkerMetrics
+from workers.engine.output import OutputProcessor
+from workers.engine.resume import check_resume_ids, replay
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence
+from workers.sampling.grammar import CompiledGrammar, Grammars
+from workers.sampling.logprobs import prompt_chunks, record_prompt
+from workers.sampling.params import SamplingParams
+from workers.sampling.sampler import grammar_bitmask, make_generator, sample_tokens
+
+logger = logging.getLogger(__name__)
+
+
+_ADD, _ABORT, _WAKE, _STOP = "add", "abort", "wake", "stop"
+
+
+class EngineOverloaded(RuntimeError):
+    """The bounded queue is full (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is draining, stopped or dead (HTTP 503)."""
+
+
+class Engine:
+    def __init__(
+        self,
+        runner,
+        scheduler: Scheduler,
+        tokenizer,
+        *,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        metrics: WorkerMetrics | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        grammars: Grammars | None = None,
+    ):
+        self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.grammars = grammars  # the grammar engine constrained requests use
+        self.metrics = metrics or WorkerMetrics()
+        self.on_fatal = on_fatal
+        self.output = OutputProcessor(scheduler, self.metrics)
+        self._init_admission(max_queue)
+        self._init_thread()
+        self.metrics.track(self.load, self.kv_usage)  # the gateway gauges, read at scrape time
+
+    def _init_admission(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self.max_in_flight = self.scheduler.config.max_sequences + max_queue
+        self._special_ids = special_token_ids(self.tokenizer)
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._accepting = True
+        self._next_id = 0
+        self._liveness = LivenessClock()
+
+    def _init_thread(self) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._step_lock = threading.RLock()  # the scheduler and the model: one step at a time
+        self._masker: ThreadPoolExecutor | None = None  # grammar masks, overlapped with the forward
+        self._num_threads = torch.get_num_threads()
+        self._stopping = False
+        self.fatal_error: BaseException | None = None
+
+    # -- called from the HTTP side (any thread) --------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop | None = None,
+        request_id: str | None = None,
+        grammar: CompiledGrammar | None = None,
+        resume_ids: SequenceT[int] = (),
+    ) -> RequestStream:
+        """Queue a request (`grammar`: its compiled `params.grammar`; `resume_ids`: tokens already
+        generated for it elsewhere); raises `CapacityError` (never fits), `ParameterError` (bad
+        `resume_ids`), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
+        if (grammar is None) != (params.grammar is None):
+            raise ValueError("`grammar` must be the compiled `params.grammar` (both given or neither)")
+        self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
+        resumed = check_resume_ids(resume_ids, params, getattr(self.runner, "vocab_size", None))
+        with self._lock:
+            if not self._accepting or self.fatal_error is not None:
+                raise EngineUnavailable("The worker is not accepting requests (draining or stopped)")
+            if self._in_flight >= self.max_in_flight:
+                self.metrics.rejected.labels("overloaded").inc()
+                raise EngineOverloaded(
+                    f"Worker queue is full: {self._in_flight} requests in flight, limit "
+                    f"{self.max_in_flight} ({self.scheduler.config.max_sequences} running + {self.max_queue} queued)"
+                )
+            if self._in_flight == 0:
+                self._liveness.work_arrived()
+            self._in_flight += 1
+            self._next_id += 1
+            rid = request_id or f"req-{self._next_id}"
+        seq = Sequence(rid, prompt_ids, params)
+        seed = params.seed
+        if params.do_sample:
+            seed = secrets.randbits(53) if seed is None else seed
+            seq.generator = make_generator(seed, skip=len(resumed))
+        seq.seed = seed
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, self._special_ids, params.stop,
+                                           params.stop_in_output)
+        seq.stream = RequestStream(rid, loop)
+        if grammar is not None:
+            seq.grammar = grammar.matcher()
+        replay(seq, resumed)
+        if not self._first_step_here(seq):
+            self._inbox.put((_ADD, seq))
+        return seq.stream
+
+    def _first_step_here(self, seq: Sequence) -> bool:
+        """When the engine thread is idle, add `seq` and run its first step on this thread (no
+        hand-off); the engine thread is woken only if more steps are needed. False (nothing
+        done) when the engine is busy, not started, or another thread holds the step lock."""
+        if self._thread is None or not self._step_lock.acquire(blocking=False):
+            return False
+        try:
+            if self.scheduler.has_unfinished() or not self._inbox.empty() or not self.accepting:
+                return False
+            self.scheduler.add_request(seq)
+            self._guarded_step()
+            if self.scheduler.has_unfinished():
+                self._inbox.put((_WAKE, None))
+            return True
+        finally:
+            self._step_lock.release()
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: free the request's KV blocks before the next step."""
+        self._inbox.put((_ABORT, request_id))
+
+    def load(self) -> tuple[int, int]:
+        """(running, queued) right now."""
+        running = self.scheduler.num_running
+        return running, max(0, self._in_flight - running)
+
+    def kv_usage(self) -> float:
+        """The fraction of this worker's KV cache blocks held by running sequences right now."""
+        return self.scheduler.kv.usage
+
+    def kv_now(self) -> dict:
+        """The KV cache's changing figures right now (`/capability` `capacity`)."""
+        return {"kv_blocks_free": self.scheduler.kv.num_free_blocks}
+
+    def liveness(self) -> Liveness:
+        """Pending work and the age of the engine's last completed step (any thread)."""
+        return self._liveness.read(self._in_flight > 0)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.fatal_error is None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to `drain_timeout` seconds, then
+        end the rest with an error and stop the thread. Idempotent."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while self._in_flight and self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._inbox.put((_STOP, None))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self._masker is not None:
+            self._masker.shutdown(wait=False)
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
+        while not self._stopping and self.fatal_error is None:
+            if not self.scheduler.has_unfinished():
+                msg = self._inbox.get()  # idle: sleep until a request (or a stop) arrives
+                with self._step_lock:
+                    self._handle(msg)
+            self._guarded_step()
+
+    def _guarded_step(self) -> None:
+        """`step()`, where an exception (the model, or a bug) is fatal: every request gets an
+        error and `on_fatal` is told."""
+        try:
+            self.step()
+        except BaseException as exc:
+            logger.exception("Engine step failed; failing %s in-flight requests", self._in_flight)
+            self.fatal_error = exc
+            self._abort_all(f"Engine error: {exc}")
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(msg)
+
+    def _handle(self, msg) -> None:
+        kind, value = msg
+        if kind == _ADD:
+            self.scheduler.add_request(value)
+        elif kind == _ABORT:
+            seq = self.scheduler.abort_request(value)
+            if seq is not None:
+                self.metrics.requests.labels(seq.finish_reason).inc()
+                self._release(seq)
+                self._publish_load()  # no step may follow: the gauges must not wait for one
+        elif kind == _STOP:
+            self._stopping = True
+            self._abort_all("The worker shut down before the request finished")
+
+    def step(self) -> int:
+        """One engine step; returns the number of sequences it ran (0 when idle)."""
+        with self._step_lock, torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> int:
+        t0 = time.perf_counter()
+        self._drain_inbox()
+        if self._stopping:
+            return 0
+        # 1. schedule
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return 0
+        # 2. execute: one batched forward, one token per sampling chunk (plus prompt rows some
+        #    asked for); the grammar masks are computed meanwhile (llguidance releases the GIL)
+        seqs = [c.seq for c in out.chunks if c.samples]
+        masks = self._start_masks(seqs)
+        scored = prompt_chunks(out.chunks)
+        if scored:
+            logits, prompt_logits = self.runner.execute_with_prompt_logits(out, scored)
+            for i, rows in zip(scored, prompt_logits, strict=True):
+                record_prompt(out.chunks[i], rows)
+        else:
+            logits = self.runner.execute(out)  # [N, V]
+        sampled = sample_tokens(logits, seqs, self.grammars, None if masks is None else masks.result())
+        # 3. update: advance, append, detokenize, stop, stream
+        updates = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs)
+        tops = {id(s): t for s, t in zip(seqs, sampled.top, strict=True) if t is not None}
+        outputs = self.output.process(updates, tops, t0)
+        for seq in outputs.finished:
+            self._release(seq)
+        deliver(outputs.events)
+        self._liveness.step_done()
+        self.metrics.on_step(time.perf_counter() - t0, len(out.chunks), out, len(updates))
+        self._publish_load()
+        return len(out.chunks)
+
+    def _start_masks(self, seqs: list[Sequence]) -> Future | None:
+        if all(s.grammar is None for s in seqs):
+            return None
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._masker.submit(grammar_bitmask, seqs, self.grammars)
+
+    def _publish_load(self) -> None:
+        self.metrics.set_load(*self.load())
+
+    def _release(self, seq: Sequence) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _abort_all(self, message: str) -> None:
+        items = []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort_request(seq.request_id)
+            self._release(seq)
+            items.append((seq.stream, ErrorEvent(message)))
+        while True:  # requests submitted but never seen by the scheduler
+            try:
+                kind, value = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == _ADD:
+                self._release(value)
+                items.append((value.stream, ErrorEvent(message)))
+        self._publish_load()
+        deliver(items)

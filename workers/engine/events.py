@@ -1,0 +1,109 @@
+"""What the engine hands the HTTP side for each request: token events, the finish, errors, and
+the per-request stream that carries them across threads.
+
+Frozen values made on the engine thread and read on the event loop; `workers/serving/schemas.py`
+turns them into TGI-shaped dicts. A token event may carry the best alternatives of its token
+(`top`, when the request asked for logprobs) and, the first one, the prompt's own logprobs
+(`prefill`, when it asked to score its prompt).
+
+Delivery: the engine produces one step's events for many requests at once and hands them to
+each event loop in one batch (`deliver`): one `call_soon_threadsafe` (one wake-up of that
+loop) per step, not one per token; events produced on the loop's own thread (an idle
+engine's first step runs there) are pushed at once, with no wake-up at all. Without an event
+loop (tests driving `Engine.step()`), events collect in `RequestStream.events`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from workers.sampling.logprobs import TopList
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """Where one request's time went, in seconds: waiting for the engine, the step that produced
+    its first token (the prefill), and the steps after it (the decode)."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class FinishInfo:
+    reason: str  # "length" | "eos_token" | "stop_sequence"
+    generated_text: str
+    generated_tokens: int
+    input_length: int
+    seed: int | None
+    timings: RequestTimings | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    index: int
+    token_id: int
+    text: str
+    logprob: float
+    special: bool
+    finish: FinishInfo | None = None
+    top: TopList | None = None  # the best alternatives, when the request asked (`logprobs`)
+    prefill: tuple | None = None  # on the first event: (id, logprob, top) per prompt token, when asked
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+    error_type: str = "internal"
+
+
+class RequestStream:
+    """The HTTP side's end of one request: `async for event in stream` until a `finish` or an
+    `ErrorEvent`."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None):
+        self.request_id = request_id
+        self.loop = loop
+        self.prefill_started: float | None = None  # monotonic start of the step that produced the first token
+        self.ended = False  # its last event (a finish or an error) has been handed over
+        self.events: list[TokenEvent | ErrorEvent] = []
+        self._queue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+
+    def push(self, event: TokenEvent | ErrorEvent) -> None:
+        """Called on the stream's loop (or directly without one)."""
+        if self._queue is None:
+            self.events.append(event)
+        else:
+            self._queue.put_nowait(event)
+
+    async def __aiter__(self):
+        while True:
+            event = await self._queue.get()
+            yield event
+            if isinstance(event, ErrorEvent) or event.finish is not None:
+                return
+
+
+def _push_all(items: list[tuple[RequestStream, TokenEvent | ErrorEvent]]) -> None:
+    for stream, event in items:
+        stream.push(event)
+
+
+def deliver(items: list[tuple[RequestStream, TokenEvent | ErrorEvent]]) -> None:
+    """Hand `(stream, event)` pairs to their streams: one callback per event loop."""
+    here = asyncio._get_running_loop()  # this thread's running loop, if any (a C-level lookup)
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, event in items:
+        if isinstance(event, ErrorEvent) or event.finish is not None:
+            stream.ended = True
+        if stream.loop is None or stream.loop is here:  # no loop, or this thread's: push now
+            stream.push(event)
+        else:
+            by_loop.setdefault(stream.loop, []).append((stream, event))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_push_all, batch)
+        except RuntimeError:  # that loop is closed: nobody is listening any more
+            pass

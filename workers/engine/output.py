@@ -1,0 +1,90 @@
+"""Output processing: one step's sampled tokens -> the events each request's stream gets.
+
+The engine's update phase in two halves: the scheduler appends each sampled token and ends a
+sequence on EOS or length (workers/engine/scheduler.py); then this processor, per token:
+1. detokenizes it incrementally (workers/engine/detokenize.py), which also finds stop strings;
+2. ends the sequence on a completed stop string, or when its grammar is complete (only EOS
+   could follow), through the scheduler, which frees its blocks at once;
+3. stamps the first token's time (time to first token, the prefill's start for the trace);
+4. on a finish, flushes the text held back, builds `FinishInfo` with the request's timings and
+   counts it in the worker's metrics;
+5. makes the `TokenEvent`: the token's streamed text, its logprob and alternatives, and on
+   the first one the prompt's own logprobs when asked.
+It returns the events and the sequences that finished; the engine releases those from its
+admission count and delivers the events in one batch per event loop. Trade-off: stop strings
+and grammar ends are found one step late for the scheduler (after it already appended the
+token), which costs nothing: a finished sequence is simply not scheduled again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from workers.engine.events import FinishInfo, RequestStream, RequestTimings, TokenEvent
+from workers.engine.metrics import WorkerMetrics
+from workers.engine.scheduler import Scheduler
+from workers.engine.scheduler_output import TokenUpdate
+from workers.engine.sequence import FINISH_EOS, FINISH_STOP, Sequence
+from workers.sampling.grammar import advance
+from workers.sampling.logprobs import TopList
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What one step gives the HTTP side: an event per sampled token, and who finished."""
+
+    events: list[tuple[RequestStream, TokenEvent]]
+    finished: list[Sequence]
+
+
+def request_timings(seq: Sequence, finished: float) -> RequestTimings:
+    """Where the request's time went (monotonic clock): queue, the first token's step, the rest."""
+    prefill_started = seq.stream.prefill_started or seq.arrival_time
+    first = seq.first_token_time or finished
+    return RequestTimings(max(0.0, prefill_started - seq.arrival_time), first - prefill_started, finished - first)
+
+
+class OutputProcessor:
+    """Turns `TokenUpdate`s into events (see the module docstring); engine thread only."""
+
+    def __init__(self, scheduler: Scheduler, metrics: WorkerMetrics):
+        self.scheduler, self.metrics = scheduler, metrics
+
+    def process(self, updates: list[TokenUpdate], tops: dict[int, TopList], step_started: float) -> StepOutputs:
+        """`tops`: the alternatives per `id(sequence)`; `step_started`: the step's `perf_counter`."""
+        now = time.monotonic()
+        # perf_counter and monotonic share a clock on Linux, but not everywhere: convert once.
+        step_started = now - (time.perf_counter() - step_started)
+        events, finished = [], []
+        for u in updates:
+            seq = u.seq
+            # 1. text, and 2. the ends the scheduler cannot see: a stop string, a complete grammar
+            text, special = seq.detok.add(u.token_id)
+            reason = u.finish_reason
+            if seq.detok.stopped:
+                reason = FINISH_STOP
+                self.scheduler.finish(seq, FINISH_STOP)
+            elif seq.grammar is not None and advance(seq.grammar, u.token_id) and reason is None:
+                reason = FINISH_EOS  # the grammar is complete: only EOS could follow
+                self.scheduler.finish(seq, FINISH_EOS)
+            # 3. the first token
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                seq.stream.prefill_started = step_started
+                self.metrics.ttft.observe(now - seq.arrival_time)
+            # 4. the finish
+            finish = None
+            if reason is not None:
+                text += seq.detok.flush()
+                finish = FinishInfo(reason, seq.detok.text, len(seq.output_ids), len(seq.prompt_ids), seq.seed,
+                                    request_timings(seq, now))
+                self.metrics.requests.labels(reason).inc()
+                self.metrics.e2e.observe(now - seq.arrival_time)
+                finished.append(seq)
+            # 5. the event
+            index = len(seq.output_ids) - 1
+            prefill = tuple(seq.prompt_logprobs) if index == 0 and seq.prompt_logprobs is not None else None
+            events.append((seq.stream, TokenEvent(index, u.token_id, text, u.logprob, special, finish,
+                                                  tops.get(id(seq)), prefill)))
+        return StepOutputs(events, finished)

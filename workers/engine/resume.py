@@ -1,0 +1,44 @@
+"""Resuming a request whose first tokens were generated elsewhere.
+
+When a worker dies mid-stream the router sends the same request to another worker with the
+token ids the client has already received (`resume_ids`). The new worker must go on exactly
+where the first stopped: the sequence starts with those tokens as its output, so its prefill
+covers prompt + resumed tokens, token indices, `generated_tokens`, `max_new_tokens` and the
+repetition penalty count them as the original did; the detokenizer replays them (a UTF-8
+character split across the migration point, or a stop string straddling it, comes out as in
+the original); a constrained request's grammar consumes them; a sampled request's generator
+skips the draws the original made (one per step), so a seeded request stays reproducible. Trade-off: the resumed tokens are computed again
+(one prefill) instead of moving the KV cache between processes, which costs a little compute
+and needs nothing but the token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceT
+
+from workers.sampling.grammar import advance
+from workers.sampling.params import ParameterError, SamplingParams
+
+
+def check_resume_ids(resume_ids: SequenceT[int], params: SamplingParams, vocab_size: int | None) -> list[int]:
+    """The resumed tokens as a list, or `ParameterError` naming what is wrong with them."""
+    resumed = list(resume_ids)
+    if len(resumed) >= params.max_new_tokens:
+        raise ParameterError(f"`resume_ids` holds {len(resumed)} tokens: `max_new_tokens` "
+                             f"({params.max_new_tokens}) must leave at least one to generate")
+    bad = [t for t in resumed if isinstance(t, bool) or not isinstance(t, int) or t < 0
+           or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        limit = vocab_size if vocab_size is not None else "the vocabulary size"
+        raise ParameterError(f"`resume_ids` holds `{bad[0]}`, not a token id. Accepted: integers in [0, {limit})")
+    return resumed
+
+
+def replay(seq, resumed: list[int]) -> None:
+    """Make `seq` (new, not yet scheduled, its detokenizer and grammar matcher set) look as if
+    it had generated `resumed` itself."""
+    for token_id in resumed:
+        seq.detok.add(token_id)  # its text reached the client already; this rebuilds the state
+        if seq.grammar is not None:
+            advance(seq.grammar, token_id)
+    seq.output_ids.extend(resumed)

@@ -1,0 +1,304 @@
+"""Continuous-batching scheduler over a paged KV cache: which tokens run in the next step.
+
+Design (vLLM v1 style): plain CPU bookkeeping behind a small interface, no tensors and no
+model, so tests drive it with hand-built outputs. A sequence is its tokens (prompt, then
+generated) and how many of them are already in the cache (`num_computed`); a step computes
+some of the rest. Each step has a token budget (`max_num_batched_tokens`), filled in order:
+1. every running sequence's decode token, oldest first;
+2. the next chunk of running sequences whose prompt is not done (a long prompt, or tokens
+   recomputed after a preemption), oldest first;
+3. newly admitted waiting sequences (FCFS), each starting after its cached prefix, while the
+   batch (`max_sequences`), the budget and the free blocks allow.
+A prompt longer than what is left of the budget is cut into chunks over several steps, so
+a long prompt never holds the others' decodes back for more than one budgeted step. A
+chunk that reaches the sequence's last token samples one new token; the others only fill
+the cache.
+
+Memory pressure: blocks are taken as sequences grow. A running sequence that needs a block
+when none is free preempts the newest running sequences (never older ones): their blocks
+are freed (their full blocks stay cached), they go back to the front of the queue with the
+tokens they already generated, and are recomputed later, usually from their cached prefix.
+If there is nothing newer to preempt, the sequence preempts itself. So the oldest sequence
+always progresses, nothing is lost and nothing already streamed is sampled again. Only a
+request that could never fit (beyond the model's context or the whole pool) is refused.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass
+
+from workers.contract import DEFAULT_KV_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS
+from workers.engine.scheduler_output import ScheduledChunk, SchedulerOutput, TokenUpdate
+from workers.engine.sequence import (
+    FINISH_ABORT,
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISHED,
+    RUNNING,
+    WAITING,
+    Sequence,
+)
+from workers.kv.manager import KVCacheManager
+
+WATERMARK = 0.01  # of the blocks, kept free when admitting, so running sequences can grow a while
+
+
+def _cacheable(seq: Sequence) -> int | None:
+    """How many leading tokens `seq` may take from the prefix cache (None: any). A prompt scored
+    for its logprobs computes every row not scored yet: a row taken from the cache has no
+    logits, so its entry would be missing."""
+    if not seq.params.prompt_logprobs:
+        return None
+    scored = 0 if seq.prompt_logprobs is None else len(seq.prompt_logprobs) - 1  # rows whose entries exist
+    return None if scored >= len(seq.prompt_ids) - 1 else scored
+
+
+class CapacityError(ValueError):
+    """A request that can never fit this worker (answered with HTTP 422)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_sequences: int  # sequences running at once (--max-batch)
+    max_seq_len: int  # longest sequence, prompt + generated (the model's context)
+    num_blocks: int | None = None  # KV cache blocks in the pool (None: max_sequences full-length sequences)
+    block_size: int = DEFAULT_KV_BLOCK_SIZE
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # tokens computed per step
+    prefix_caching: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    cache_root: bytes = b""  # what besides tokens decides a block's contents (model, dtype, ...)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is None and self.block_size >= 1:
+            object.__setattr__(self, "num_blocks", self.max_sequences * -(-self.max_seq_len // self.block_size))
+        for name in ("max_sequences", "max_seq_len", "num_blocks", "block_size", "max_num_batched_tokens"):
+            if (getattr(self, name) or 0) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got `{getattr(self, name)}`")
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the whole KV pool holds."""
+        return self.num_blocks * self.block_size
+
+
+class Scheduler:
+    """The engine's scheduler (plain CPU code): `add_request`, `abort_request`, `schedule`,
+    `update_from_output`, `finish`, `has_unfinished`."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self._init_queues()
+        self._init_kv()
+
+    def _init_queues(self) -> None:
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: oldest first
+        self._by_id: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    def _init_kv(self) -> None:
+        c = self.config
+        self.kv = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching, c.cache_root)
+        self._reserve = int(WATERMARK * c.num_blocks)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """`CapacityError` naming the numbers when a request can never fit this worker."""
+        if prompt_len < 1:
+            raise CapacityError("`inputs` must contain at least one token")
+        c = self.config
+        total = prompt_len + max_new_tokens
+        given = f"Given: {prompt_len} `inputs` tokens and {max_new_tokens} `max_new_tokens` ({total} tokens)"
+        if total > c.max_seq_len:
+            raise CapacityError(f"`inputs` tokens + `max_new_tokens` must be <= {c.max_seq_len} on this worker. {given}")
+        if total > c.max_tokens:
+            raise CapacityError(
+                f"`inputs` tokens + `max_new_tokens` must be <= {c.max_tokens}, the whole KV cache of this "
+                f"worker ({c.num_blocks} blocks of {c.block_size} tokens). {given}"
+            )
+
+    def add_request(self, seq: Sequence) -> None:
+        self.check_fits(len(seq.prompt_ids), seq.params.max_new_tokens)
+        if seq.request_id in self._by_id:
+            raise ValueError(f"Request id `{seq.request_id}` is already in the scheduler")
+        self._by_id[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> Sequence | None:
+        """Drop a waiting or running request (client gone); frees its blocks now."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        if seq.status == WAITING:
+            self.waiting.remove(seq)
+            seq.status, seq.finish_reason = FINISHED, FINISH_ABORT
+            del self._by_id[request_id]
+        else:
+            self.finish(seq, FINISH_ABORT)
+        return seq
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[int] = set()  # id() of the sequences in `chunks`
+        preempted: list[Sequence] = []
+        # 1. Decodes of running sequences, oldest first; a block shortage preempts newer ones.
+        prompting = []
+        for seq in list(self.running):
+            if seq.status != RUNNING:
+                continue
+            if seq.num_tokens - seq.num_computed != 1:
+                prompting.append(seq)
+            elif self._grow_or_preempt(seq, 1, scheduled, preempted):  # else it preempted itself
+                chunks.append(self._chunk(seq, 1))
+                scheduled.add(id(seq))
+                budget -= 1
+        # 2. The next chunk of running sequences whose prompt is not done, oldest first.
+        for seq in prompting:
+            if budget <= 0:
+                break
+            if seq.status != RUNNING:  # preempted by an older one in this step
+                continue
+            n = self._fit(seq, min(seq.num_tokens - seq.num_computed, budget), scheduled, preempted)
+            if n:
+                chunks.append(self._chunk(seq, n))
+                scheduled.add(id(seq))
+                budget -= n
+        # 3. Admit waiting sequences (FCFS) from their cached prefix while batch, budget and blocks allow.
+        cached = queried = 0
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_sequences:
+            seq = self.waiting[0]
+            admission = self.kv.admit(seq, budget, self._reserve if self.running else 0, _cacheable(seq))
+            if admission is None:
+                break
+            self.waiting.popleft()
+            seq.status = RUNNING
+            self.running.append(seq)
+            cached += admission.cached_tokens
+            queried += admission.queried_tokens
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        prefill = sum(len(c.token_ids) for c in chunks if c.is_prefill)
+        return SchedulerOutput(tuple(chunks), prefill, cached, queried, tuple(preempted))
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start, prompt = seq.num_computed, len(seq.prompt_ids)
+        end = start + n
+        if n == 1 and start >= prompt:  # the decode token: the last generated one
+            tokens = [seq.output_ids[start - prompt]]
+        else:
+            tokens = seq.token_ids()[start:end]
+        return ScheduledChunk(seq, start, tokens, seq.block_ids, end == seq.num_tokens,
+                              n > 1 or start < prompt)
+
+    def _grow_or_preempt(self, seq: Sequence, n: int, scheduled: set[int], preempted: list[Sequence]) -> bool:
+        """Blocks for `seq`'s next `n` tokens, preempting newer unscheduled sequences (newest
+        first) while the pool is short; preempts `seq` itself when nothing newer is left."""
+        while not self.kv.grow(seq, seq.num_computed + n):
+            victim = self._newest_unscheduled_after(seq, scheduled)
+            self._preempt(victim or seq, preempted)
+            if victim is None:
+                return False
+        return True
+
+    def _fit(self, seq: Sequence, n: int, scheduled: set[int], preempted: list[Sequence]) -> int:
+        """How many of `n` prompt tokens `seq` can compute now (blocks taken): all of them if
+        preempting newer unscheduled sequences makes room, else as many as the free blocks hold."""
+        while not self.kv.grow(seq, seq.num_computed + n):
+            victim = self._newest_unscheduled_after(seq, scheduled)
+            if victim is None:
+                room = (len(seq.block_ids) + self.kv.num_free_blocks) * self.config.block_size - seq.num_computed
+                n = max(0, min(n, room))
+                return n if n and self.kv.grow(seq, seq.num_computed + n) else 0
+            self._preempt(victim, preempted)
+        return n
+
+    def _newest_unscheduled_after(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
+        for other in reversed(self.running):
+            if other is seq:
+                return None
+            if id(other) not in scheduled:
+                return other
+        return None
+
+    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
+        """Free a running sequence's blocks and requeue it first; it keeps its tokens."""
+        self.kv.free(seq)
+        self.running.remove(seq)
+        seq.num_computed, seq.status = 0, WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        preempted.append(seq)
+
+    def update_from_output(
+        self, output: SchedulerOutput, token_ids: SequenceT[int], logprobs: SequenceT[float]
+    ) -> list[TokenUpdate]:
+        """Advance every chunk's sequence; append the sampled token to each sampling chunk (in
+        chunk order) and finish on EOS or length; index the blocks that became full."""
+        eos, bs = self.config.eos_token_ids, self.config.block_size
+        updates = []
+        sampled = iter(zip(token_ids, logprobs, strict=True))
+        for chunk in output.chunks:
+            seq = chunk.seq
+            tid, lp = next(sampled) if chunk.samples else (None, None)
+            if seq.status != RUNNING:  # finished while the step ran (cannot happen in one thread)
+                continue
+            seq.num_computed += len(chunk.token_ids)
+            if seq.num_computed // bs > seq.num_cached_blocks:  # a block became full: index it
+                self.kv.cache_full_blocks(seq)
+            if tid is None:
+                continue
+            seq.output_ids.append(tid)
+            seq.logprobs.append(lp)
+            reason = None
+            if tid in eos:
+                reason = FINISH_EOS
+            elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                reason = FINISH_LENGTH
+            if reason is not None:
+                self.finish(seq, reason)
+            updates.append(TokenUpdate(seq, tid, lp, reason))
+        return updates
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence and free its blocks (idempotent)."""
+        if seq.status == FINISHED:
+            return
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq)
+        elif seq in self.waiting:  # preempted, then stopped by the engine
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = FINISHED, reason
+        self._by_id.pop(seq.request_id, None)
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def capacity(self) -> dict:
+        """`/capability` `capacity`: batch, lengths and the KV pool in blocks and tokens
+        (`max_seq_len`: the longest request served, the context or the whole pool)."""
+        c = self.config
+        return {
+            "max_sequences": c.max_sequences, "max_tokens": c.max_tokens, "max_seq_len": min(c.max_seq_len, c.max_tokens),
+            "kv_block_size": c.block_size, "kv_blocks_total": c.num_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks, "prefix_cache": c.prefix_caching,
+            "max_num_batched_tokens": c.max_num_batched_tokens,
+        }

@@ -1,0 +1,190 @@
+"""Preflight: every Triton kernel a device selects, compiled ahead of time for that device's
+target and checked against its limits, before the device serves.
+
+Design: `preflight(device_type, capability, arch, workload)` is pure given the device
+description: it runs `kernels_local.mapping.select()` (the worker's own choice), asks each
+chosen layer's repository for its launches (`COMPILE_SPECS` in the repository's `layers`:
+one entry per Triton layer, declared next to the kernel), compiles each launch for the
+device's target (`workers.kernelize.aot`) and checks it against the architecture's row in
+`workers.kernelize.arch_limits` (or, on a real GPU, the device's own figures). A launch that needs
+more shared memory or registers than the device has is refused with a reason naming the
+kernel, the figure and the limit. A tensor-core dot records the instruction it compiled
+to and whether it is the one the architecture row expects.
+
+For a GPU whose fp8 rule says "emulated", the preflight also compiles the native fp8
+kernel (the layer the mapping gives the first native capability) for this device and
+records the compiler's verdict: the reason for emulation, shown by `hetserve plan`.
+
+The same function serves three callers: a worker on a real GPU (its kernelize step,
+before ready: a refusal fails the start), `hetserve plan --compile` (one child process
+per device running `python -m workers.kernelize --arch ...`, each with its own Triton
+cache) and CI (the whole matrix of architectures). Its report types live in
+`workers/kernelize/records.py`, its command line in `workers/kernelize/cli.py`. The trade-off: a cold preflight costs
+seconds of compilation per device; Triton's per-architecture cache makes later ones cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+from dataclasses import replace
+from pathlib import Path
+
+from kernels_local.compile_spec import CompileSpec, Workload
+from kernels_local.mapping import KernelChoice, select
+from workers.contract import NATIVE_FP8_CAPABILITY, PREFLIGHT_MODES, ROCM_NATIVE_FP8_CAPABILITY, fp8_rule
+from workers.kernelize.aot import Compiled, Target, compile_spec
+from workers.kernelize.arch_limits import ArchLimits, arch_limits
+from workers.kernelize.records import KernelRecord, LayerPreflight, Preflight
+
+logger = logging.getLogger(__name__)
+
+FP8_LAYER = "Fp8Linear"
+
+
+class PreflightError(RuntimeError):
+    """A selected kernel does not compile for, or does not fit, the device it would run on."""
+
+
+def preflight(device_type: str, capability, arch: str | None = None, workload: Workload | None = None, *,
+              target: Target | None = None, limits: ArchLimits | None = None) -> Preflight:  # fmt: skip
+    """Compile and check every Triton kernel `select()` picks for this device. Pure given the
+    description; `target` and `limits` override the ones derived from it (a real GPU's)."""
+    # 1. the device's target, limits and the workload in its fp8 flavour
+    decision = fp8_rule(device_type, capability)
+    workload = replace(workload or Workload(), fp8_fmt=decision.fmt)
+    target = target or Target.for_device(device_type, capability, arch)
+    name = target.arch if target is not None else "cpu"
+    if limits is None and target is not None:
+        limits = arch_limits(target.arch)
+    # 2. every chosen layer's launches, compiled and checked
+    layers = {}
+    for layer, choice in select(device_type, capability).items():
+        layers[layer] = _layer(layer, choice, workload, target, limits)
+    # 3. where fp8 is emulated on a GPU: the native kernel's verdict on this target
+    native = None
+    if target is not None and not decision.native:
+        native = _native_fp8_proof(device_type, workload, target, limits)
+    report = Preflight(name, None if target is None else target.name, limits, workload, layers, native)
+    logger.info("preflight %s (%s): %s", name, report.target, "ok" if report.ok else "; ".join(report.refusals()))
+    return report
+
+
+def compile_specs_of(choice: KernelChoice):
+    """The repository's compile-spec function for a chosen layer; None for a torch layer."""
+    module = importlib.import_module(f"kernels_local.{Path(choice.repo).name}.layers")
+    specs = getattr(module, "COMPILE_SPECS", {}).get(choice.layer)
+    if specs is None and "triton" in choice.variant:
+        raise PreflightError(
+            f"`{choice.repo}:{choice.layer}` is a Triton layer ({choice.variant}) but its repository declares no "
+            f"compile specs for it. Declared: {', '.join(sorted(getattr(module, 'COMPILE_SPECS', {}))) or 'none'}"
+        )
+    return specs
+
+
+def _layer(layer: str, choice: KernelChoice, workload: Workload, target: Target | None,
+           limits: ArchLimits | None) -> LayerPreflight:  # fmt: skip
+    specs = compile_specs_of(choice)
+    if target is None or specs is None:
+        note = "CPU: nothing to compile" if target is None else f"{choice.variant}: torch, nothing to compile"
+        return LayerPreflight(layer, choice.variant, None if target is None else target.name, note=note)
+    records = tuple(check(spec, compile_spec(spec, target), target, limits) for spec in specs(workload))
+    return LayerPreflight(layer, choice.variant, target.name, records)
+
+
+def _native_fp8_proof(device_type: str, workload: Workload, target: Target,
+                      limits: ArchLimits | None) -> KernelRecord | None:  # fmt: skip
+    """The first native fp8 dot of the layer the first native capability gets, on this target."""
+    first_native = NATIVE_FP8_CAPABILITY if device_type == "cuda" else ROCM_NATIVE_FP8_CAPABILITY
+    specs = compile_specs_of(select(device_type, first_native)[FP8_LAYER])
+    dots = [s for s in (specs(workload) if specs else ()) if s.dot == "fp8"]
+    return check(dots[0], compile_spec(dots[0], target), target, limits) if dots else None
+
+
+def check(spec: CompileSpec, compiled: Compiled, target: Target, limits: ArchLimits | None) -> KernelRecord:
+    """A compiled launch against the limits: the record, refused with its reason if it does not fit."""
+    expected = None if limits is None or spec.dot is None else limits.expected_instruction(spec.dot)
+    instruction_ok = None
+    if compiled.ok and spec.dot is not None:
+        instruction_ok = _matches(compiled.instruction, expected)
+    refusal = compiled.error if not compiled.ok else _exceeds(spec, compiled, target, limits)
+    return KernelRecord(
+        kernel=spec.name, config=spec.config, target=target.name, num_warps=spec.num_warps,
+        num_stages=spec.num_stages, ok=refusal is None, shared_bytes=compiled.shared_bytes,
+        registers=compiled.registers, spill_bytes=compiled.spill_bytes, instruction=compiled.instruction,
+        instruction_ok=instruction_ok, error=refusal,
+    )  # fmt: skip
+
+
+def _matches(instruction: str | None, expected: str | None) -> bool:
+    if expected is None:  # no tensor cores for this operand type: none may be claimed either
+        return True
+    return instruction is not None and re.search(expected, instruction) is not None
+
+
+def _exceeds(spec: CompileSpec, c: Compiled, target: Target, limits: ArchLimits | None) -> str | None:
+    """Why a compiled launch does not fit (kernel, figure and limit named), or None."""
+    if limits is None:
+        return None
+    what = f"`{spec.name}` ({spec.config}) on {target.name}"
+    if c.shared_bytes is not None and c.shared_bytes > limits.shared_bytes:
+        return f"{what} needs {c.shared_bytes} bytes of shared memory per block; the limit is {limits.shared_bytes}"
+    if c.registers is not None and c.registers > limits.registers_per_thread:
+        return f"{what} needs {c.registers} registers per thread; the limit is {limits.registers_per_thread}"
+    threads = spec.num_warps * limits.warp_size
+    if c.registers is not None and c.registers * threads > limits.registers_per_block:
+        return (f"{what} needs {c.registers} registers x {threads} threads = {c.registers * threads} per block; "
+                f"the limit is {limits.registers_per_block}")  # fmt: skip
+    return None
+
+
+# -- a worker's own device ----------------------------------------------------------------------
+
+TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def wants_preflight(mode: str, bound) -> bool:
+    """`auto`: real GPUs only (simulated devices compute on the CPU); `on`: any GPU; `off`: never."""
+    if mode not in PREFLIGHT_MODES:
+        raise ValueError(f"Unknown preflight mode `{mode}`. Accepted: {', '.join(PREFLIGHT_MODES)}")
+    return bound.type != "cpu" and (mode == "on" or (mode == "auto" and bound.is_real_gpu))
+
+
+def model_workload(config, dtype) -> Workload:
+    """The realistic workload widened by this model's own widths and head dim, in its dtype."""
+    name = TRITON_DTYPES[str(dtype).removeprefix("torch.")]
+    own = (config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim)
+    realistic = Workload()
+    return Workload(dtype=name, widths=realistic.widths + own, head_dims=realistic.head_dims + (config.head_dim,))
+
+
+def device_limits(bound) -> ArchLimits | None:
+    """A real GPU's own limits (shared memory per block, warp size) over its table row."""
+    import torch
+
+    row = arch_limits(bound.arch_name)
+    props = torch.cuda.get_device_properties(0)
+    shared = getattr(props, "shared_memory_per_block_optin", None)
+    if row is None or not shared:
+        return row
+    return replace(row, shared_bytes=int(shared), warp_size=int(getattr(props, "warp_size", row.warp_size)),
+                   source=f"device properties of {props.name}")  # fmt: skip
+
+
+def preflight_bound(bound, workload: Workload) -> Preflight:
+    """The preflight of the device this process is bound to: a real GPU compiles for the target
+    its driver reports, checked against its own limits; a simulated one as its description."""
+    if bound.is_real_gpu:
+        return preflight(bound.type, bound.capability, bound.arch, workload, target=Target.current(),
+                         limits=device_limits(bound))  # fmt: skip
+    return preflight(bound.type, bound.capability, bound.arch, workload)
+
+
+def preflight_or_refuse(bound, workload: Workload) -> Preflight:
+    """The worker's check before ready: `PreflightError` naming every refused launch."""
+    report = preflight_bound(bound, workload)
+    if not report.ok:
+        raise PreflightError(f"{len(report.refusals())} kernel launch(es) refused on {report.target}: "
+                             + "; ".join(report.refusals()))  # fmt: skip
+    return report

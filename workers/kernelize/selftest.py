@@ -1,0 +1,124 @@
+"""Start-up self-test: the kernelized (and quantized) model against the same model's torch
+reference path, on the same device, before the worker reports ready.
+
+Design: kernelize swaps a module's forward for the kernel layer's on the instance (the
+`kernels` library binds the layer's forward to the module); the class keeps its pure-torch
+forward, which is the reference. `reference_path(model)` takes the instance forwards off for
+the duration of one call, so the same weights, the same device and the same input run once
+through the kernels and once through torch. The figure is the largest absolute difference
+of the logits relative to the largest reference logit; a wrong or miscompiled kernel moves
+it by orders of magnitude, rounding moves it by a fraction of a percent. Tolerances (stated
+in `TOLERANCE`) leave room for the kernels' different fp32 summation order compounding over
+the layers of a reduced-precision model.
+
+Two passes run on each path: the full causal forward of `BATCH` x `TOKENS` fixed tokens
+(norms, activations, fp8 projections over many rows), and one engine step over a small paged
+KV cache that decodes each row's last token after its others were prefilled, through block
+tables scattered over the pool (the decode attention kernel, `PagedAttention`, which the
+full forward does not use). The trade-off: milliseconds on a GPU prove the whole kernel path
+(every swapped layer, fp8 included) end to end, but not every launch shape: the preflight
+covers those at compile level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+BATCH, TOKENS, SEED = 2, 16, 1234
+KV_BLOCK = 4  # positions per block of the self-test's KV cache: each row spans several blocks
+# Largest |kernel - reference| / max |reference| accepted on the logits, per model dtype.
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+class SelfTestError(RuntimeError):
+    """The kernelized model's forward disagrees with its torch reference path."""
+
+
+@dataclass(frozen=True)
+class SelfTestResult:
+    max_abs_error: float
+    reference_scale: float  # max |reference logit|
+    relative_error: float
+    tolerance: float
+    swapped: int  # modules whose kernel forward was compared
+    shape: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.relative_error <= self.tolerance
+
+    def __str__(self) -> str:
+        return (f"logits {list(self.shape)} of {self.swapped} kernel modules: max |kernel - reference| = "
+                f"{self.max_abs_error:.4g}, {self.relative_error:.3%} of max |logit| {self.reference_scale:.4g} "
+                f"(tolerance {self.tolerance:.1%})")  # fmt: skip
+
+
+@contextlib.contextmanager
+def reference_path(model: nn.Module) -> Iterator[int]:
+    """Run the model's own (torch) forwards inside; yields how many kernel forwards it took off."""
+    swapped = {}
+    for m in model.modules():
+        if "forward" in m.__dict__ and getattr(type(m), "kernel_layer_name", None):
+            swapped[m] = m.__dict__.pop("forward")
+    try:
+        yield len(swapped)
+    finally:
+        for m, forward in swapped.items():
+            m.forward = forward
+
+
+def fixed_input(vocab_size: int, device) -> torch.Tensor:
+    """The same [BATCH, TOKENS] token ids on every run and every device."""
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randint(0, vocab_size, (BATCH, TOKENS), generator=g).to(device)
+
+
+def decode_step(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, V] of one paged decode step: each row's first S - 1 tokens prefilled into a
+    fresh pool, then its last token decoded; row i holds blocks i, i + B, i + 2B, ... (no row
+    is a contiguous run, so attention reads them through the block table)."""
+    from workers.kv.batch import ForwardBatch, SeqChunk
+
+    batch, tokens = ids.shape
+    per_row = -(-tokens // KV_BLOCK)
+    kv = model.new_kv_pool(batch * per_row, KV_BLOCK)
+    tables = [list(range(i, batch * per_row, batch)) for i in range(batch)]
+    rows = ids.tolist()
+    prefill = [(SeqChunk(0, tokens - 1, t, num_logits=0), r[:-1]) for t, r in zip(tables, rows, strict=True)]
+    model.step(ForwardBatch.build(prefill, KV_BLOCK, ids.device), kv)
+    decode = [(SeqChunk(tokens - 1, 1, t), r[-1:]) for t, r in zip(tables, rows, strict=True)]
+    return model.step(ForwardBatch.build(decode, KV_BLOCK, ids.device), kv)  # [B, V]
+
+
+@torch.inference_mode()
+def compare_with_reference(model: nn.Module, vocab_size: int, device) -> SelfTestResult:
+    """The full forward and a paged decode step through the kernels, then through the torch
+    reference path; the figures cover both."""
+    ids = fixed_input(vocab_size, device)
+    full = model(ids).float()  # [B, S, V]
+    kernel = torch.cat((full.flatten(0, 1), decode_step(model, ids)))  # [B*S + B, V]
+    with reference_path(model) as swapped:
+        reference = torch.cat((model(ids).float().flatten(0, 1), decode_step(model, ids)))
+    scale = reference.abs().max().item()
+    err = (kernel - reference).abs().max().item()
+    tol = TOLERANCE.get(next(model.parameters()).dtype, TOLERANCE[torch.bfloat16])
+    rel = err / scale if scale > 0 else err
+    if not torch.isfinite(kernel).all():
+        rel = float("inf")
+    return SelfTestResult(err, scale, rel, tol, swapped, tuple(full.shape))
+
+
+def self_test(model: nn.Module, config, device) -> SelfTestResult:
+    """`compare_with_reference`, raising `SelfTestError` with the figures on a mismatch."""
+    result = compare_with_reference(model, config.vocab_size, device)
+    if not result.ok:
+        raise SelfTestError(f"kernelized forward disagrees with the torch reference: {result}")
+    return result

@@ -1,0 +1,223 @@
+"""Deterministic mode (`--deterministic`): a row's numbers do not depend on its batch mates.
+
+Without it, nothing guarantees that a request's tokens stay the same whatever else the worker
+runs: kernels may pick their reduction order by problem shape (cuBLAS switches algorithms,
+split-K among them, with the row count; attention kernels split the keys by length or batch),
+and the default attention pads every decode row to the longest one of the step and takes
+another path for prompt rows than for decode rows. In bfloat16 the last bits then differ,
+and now and then an argmax flips. (On the CPU, oneDNN's bfloat16 GEMMs and the CPU flash
+attention gave batch-independent rows for the embedded model's shapes in our measurements;
+tests/test_deterministic.py therefore also checks the mode over kernels whose numerics follow
+the batch's shape.) Here every op a row goes through is a fixed function of that row alone:
+
+- **Projections** (every `nn.Linear` and `Fp8Linear`, the LM head included): rows are cut
+  into tiles of exactly `ROW_TILE` rows (the last one padded), one GEMM per tile, so every
+  row meets the same GEMM shape, hence the same kernel and the same reduction over K,
+  whatever the step holds. Cost: a step of `r` rows multiplies `ceil(r / ROW_TILE)` tiles;
+  nothing at a multiple of the tile, up to `ROW_TILE - 1` padded rows otherwise (a lone
+  decode multiplies 32 rows where it needed 1), and large prefills run as many tile-sized
+  GEMMs instead of one. It also bounds oneDNN's per-shape caches to one shape per weight,
+  so `workers/model/row_buckets.py` is not needed.
+- **Attention** (prefill and decode rows alike, `attend_paged`): every query row attends to
+  its own sequence's cached positions `0..p`, read back from the paged KV cache (this step's
+  K/V are written first), in fixed splits of `KV_SPLIT` positions counted from position 0
+  (flash-decoding with a fixed split size, not a fixed number of splits): the scores of each
+  split are one `[G, D] x [D, KV_SPLIT]` problem per (row, KV head), the softmax takes the
+  split's own maximum, and the splits' partial results are merged by their log-sum-exp in
+  split order, in fp32. Positions past a row's length are masked to exact zeros, so padding
+  to a batch mate's length adds nothing. A prompt row and a decode row at the same position
+  go through the same function, so chunked prefill, a prefix-cache hit and a recomputation
+  after preemption all give a row the numbers of one whole prefill. The same torch path
+  runs on every device (the GPU paged-attention kernel serves decode rows only, and its
+  prompt rows would take SDPA). Cost: K/V are gathered from the blocks for every row
+  (no CPU decode mirror, `workers/kv/mirror.py`), a prompt of `n` tokens attends `n` rows
+  per split it reaches (about `n^2 / (2 KV_SPLIT)` row-splits, causal) where SDPA would do
+  one fused call, and a Python loop runs over the splits.
+- **Norms and activations** need no change: RMSNorm reduces each row on its own (torch, and
+  the Triton kernels, whose tile shape depends only on the row width), and SiluAndMul, RoPE,
+  the residual adds and the embedding are element-wise.
+- **Sampling** is already per row (workers/sampling/sampler.py): a log-softmax and argmax per row,
+  one generator per seeded request, so greedy and seeded sampled outputs follow.
+
+Measured cost (`python benchmarks/engine.py --skip-hf`, README "Deterministic mode and the
+canary"): at batch 32 on the embedded model in bfloat16 (CPU, 1 thread), deterministic
+throughput is 0.76x the default mode's in the same run (target >= 0.6).
+Trade-off: exactness against a little throughput; off by default. Outputs are identical for
+the same weights, kernels, dtype and device type; two workers with different kernels (another
+architecture, another fp8 path) still differ, which the router's canary measures
+(server/canary/monitor.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.kv.batch import gather_kv
+
+logger = logging.getLogger(__name__)
+
+ROW_TILE = 32  # rows per projection GEMM (CPU and GPU alike: a batch of 32 is one tile)
+KV_SPLIT = 64  # cached positions per attention split
+ATTENTION = "fixed splits over the paged cache (torch)"  # `/capability` `deterministic.attention`
+
+
+@dataclass(frozen=True)
+class DeterministicPlan:
+    """What `enable_deterministic` changed in a model, for `/capability` and the log."""
+
+    row_tile: int
+    kv_split: int
+    projections: int  # modules whose rows now go through fixed tiles
+
+    def to_dict(self) -> dict:
+        return {"enabled": True, "row_tile": self.row_tile, "kv_split": self.kv_split,
+                "attention": ATTENTION, "projections": self.projections}
+
+
+# -- projections ----------------------------------------------------------------------------
+
+
+def _is_projection(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Fp8Linear"
+
+
+def tiled_rows(forward, x: torch.Tensor, tile: int) -> torch.Tensor:
+    """`forward` over the rows of `x` [..., K] in GEMMs of exactly `tile` rows each."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, width)  # [R, K]
+    n = rows.shape[0]
+    padded = -(-n // tile) * tile
+    if padded != n:
+        rows = torch.cat((rows, rows.new_zeros(padded - n, width)))  # [R', K], R' a multiple of tile
+    out = torch.cat([forward(rows[i : i + tile]) for i in range(0, padded, tile)]) if padded > tile else forward(rows)
+    return out[:n].reshape(*lead, out.shape[-1])
+
+
+def install_row_tiles(model: nn.Module, tile: int = ROW_TILE) -> int:
+    """Make every projection of `model` (whatever forward it has now: torch, a kernel, fp8) run
+    in fixed row tiles; returns how many modules changed."""
+    changed = 0
+    for module in model.modules():
+        if not _is_projection(module):
+            continue
+        inner = module.forward  # bound: the kernel's forward when kernelized
+
+        def forward(self, x, _inner=inner):
+            return tiled_rows(_inner, x, tile)
+
+        module.forward = types.MethodType(forward, module)
+        changed += 1
+    return changed
+
+
+def enable_deterministic(model: nn.Module, row_tile: int = ROW_TILE, kv_split: int = KV_SPLIT) -> DeterministicPlan:
+    """Put `model` (loaded, kernelized, quantized: its final modules) in deterministic mode."""
+    projections = install_row_tiles(model, row_tile)
+    for module in model.modules():
+        if hasattr(module, "kv_split"):
+            module.kv_split = kv_split
+    plan = DeterministicPlan(row_tile, kv_split, projections)
+    logger.info("deterministic mode: %d projections in %d-row tiles, attention in %d-position splits",
+                projections, row_tile, kv_split)
+    return plan
+
+
+# -- attention ------------------------------------------------------------------------------
+
+
+def attend_paged(q: torch.Tensor, kv: torch.Tensor, batch, split: int = KV_SPLIT) -> torch.Tensor:
+    """Every row of a step (decode rows and prompt rows alike) attends to its own sequence's
+    cached positions `0..p`, read back from the paged cache, through `split_attention`.
+
+    `q` [T, Hq, D]; `kv` one layer's blocks [2, Hkv, NB, B, D] with this step's K/V written;
+    `batch` the step's `ForwardBatch` -> [T, Hq, D] in `q`'s dtype."""
+    hkv, d = kv.shape[1], kv.shape[-1]
+    out = torch.empty_like(q)
+    decode = batch.decode
+    if decode is not None:
+        k, v = decode.gather(kv)  # [Nd, Hkv, L, D]
+        qd = q.index_select(0, decode.rows).view(decode.num, hkv, -1, d)
+        o = split_attention(qd, k, v, decode.seq_lens.tolist(), split)
+        out.index_copy_(0, decode.rows, o.to(q.dtype).flatten(1, 2))
+    for span in batch.prefills:
+        end = span.start_pos + span.num_tokens
+        table = torch.tensor([span.table], dtype=torch.int64, device=q.device)
+        k, v = gather_kv(kv, table, end)  # [1, Hkv, end, D]
+        rows = slice(span.row_start, span.row_start + span.num_tokens)
+        o = split_attention(q[rows].view(span.num_tokens, hkv, -1, d), k, v, list(range(span.start_pos + 1, end + 1)),
+                            split)
+        out[rows] = o.to(q.dtype).flatten(1, 2)
+    return out
+
+
+def _positions(t: torch.Tensor, start: int, split: int) -> torch.Tensor:
+    """Positions `start .. start+split-1` of `t` [N, Hkv, L, D]: a view while `t` has them (a cache
+    holds finite values past a row's end, which the mask hides), else zero-padded."""
+    part = t[:, :, start : start + split]
+    if part.shape[2] < split:
+        part = torch.nn.functional.pad(part, (0, 0, 0, split - part.shape[2]))
+    return part
+
+
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+    """One split: softmax attention of `q` [R, Hkv, G, D] over `k`, `v` [R, Hkv, S, D] with `mask`
+    [R, 1, 1, S] (True = attend) -> (out [R, Hkv, G, D] fp32, logsumexp [R, Hkv, G] fp32)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.device.type == "cpu":  # the fused CPU kernel: one [G, D] x [D, S] problem per (row, KV head)
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                              scale=scale)
+        return out.float(), lse
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [R, Hkv, G, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.softmax(scores, dim=-1).nan_to_num_(0.0), v.float()), lse
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                    split: int = KV_SPLIT) -> torch.Tensor:
+    """Softmax attention of one query token per row in fixed splits of `split` positions.
+
+    `q` [R, Hkv, G, D] (the G query heads of each KV head), `k`, `v` [R or 1, Hkv, L, D]
+    (1: every row reads the same sequence, a prompt chunk, whose `lens` ascend), `lens[r]` the
+    positions row `r` attends (its position + 1; L >= max(lens)) -> [R, Hkv, G, D] in fp32.
+    Row `r`'s result depends only on `q[r]`, its first `lens[r]` keys and values, and `split`:
+    each split is attended by one [G, D] x [D, split] problem per (row, KV head), whatever the
+    other rows, and the splits are merged by their log-sum-exp in split order."""
+    rows = q.shape[0]
+    shared = k.shape[0] == 1 and rows > 1
+    lens_t = torch.tensor(lens, device=q.device)
+    offsets = torch.arange(split, device=q.device)
+    outs, lses, firsts = [], [], []
+    for start in range(0, max(lens), split):
+        # 1. the rows that reach this split (a leading run of rows that do not is skipped)
+        first = next(r for r, n in enumerate(lens) if n > start)
+        ks, vs = _positions(k, start, split), _positions(v, start, split)
+        if shared:
+            ks, vs = ks.expand(rows - first, -1, -1, -1), vs.expand(rows - first, -1, -1, -1)  # stride 0: no copy
+        else:
+            ks, vs = ks[first:], vs[first:]
+        mask = (offsets + start < lens_t[first:, None])[:, None, None, :]  # [R', 1, 1, split]
+        out, lse = _partial(q[first:], ks, vs, mask)
+        # 2. a row that does not reach a split (inside the rows kept) weighs nothing in it
+        lse = lse.masked_fill(lens_t[first:, None, None] <= start, float("-inf"))
+        outs.append(out)
+        lses.append(lse)
+        firsts.append(first)
+    # 3. merge the splits by their log-sum-exp, in split order (exact zeros for skipped rows)
+    top = lses[0]
+    for lse, first in zip(lses[1:], firsts[1:], strict=True):
+        top = torch.cat((top[:first], torch.maximum(top[first:], lse)))
+    acc = torch.zeros_like(outs[0])
+    total = torch.zeros_like(top)
+    for out, lse, first in zip(outs, lses, firsts, strict=True):
+        weight = torch.exp(lse - top[first:])  # [R', Hkv, G]
+        acc[first:] += weight.unsqueeze(-1) * out
+        total[first:] += weight
+    return acc / total.unsqueeze(-1)

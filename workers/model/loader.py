@@ -1,0 +1,209 @@
+"""Load a Hugging Face model directory into a `Transformer`, its tokenizer and templates.
+
+Design: everything a worker needs from a checkpoint comes back in one frozen
+`LoadedModel`; every failure is a `ModelLoadError` that names the file, architecture or
+tensor at fault (and what was expected), so a worker's "failed at load" status tells the
+operator what to fix. Weights are read tensor by tensor through `safetensors.safe_open`,
+checked against the shapes the config implies, converted to the chosen dtype and assigned
+into a meta-built model (no double allocation). The dtype choice returns its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.contract import DEFAULT_MODEL_DIR, find_chat_template, token_text
+from workers.model.config import ConfigError, ModelConfig
+from workers.model.transformer import Transformer
+from workers.model.weights import IGNORED_HF, hf_shapes, map_name, to_ours
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be served; the message says what is wrong and where."""
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    model: Transformer
+    config: ModelConfig
+    tokenizer: Any  # tokenizers.Tokenizer
+    generation_config: dict
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    dtype_reason: str
+    model_dir: Path
+    model_id: str
+
+
+def default_model_dir() -> Path:
+    """The embedded checkpoint served when no `--model` is given (workers/default_model/)."""
+    return DEFAULT_MODEL_DIR
+
+
+# ---- dtype ----------------------------------------------------------------------------
+def choose_dtype(
+    requested: str, checkpoint_dtype: str | None, device_type: str, capability: tuple[int, int] | None = None
+) -> tuple[torch.dtype, str]:
+    """(dtype, reason). `auto` keeps the checkpoint's dtype where the device computes it well."""
+    if requested not in DTYPE_CHOICES:
+        raise ModelLoadError(f"Unsupported dtype `{requested}`. Supported: {', '.join(DTYPE_CHOICES)}")
+    if requested != "auto":
+        return DTYPES[requested], f"requested {requested}"
+    saved = checkpoint_dtype if checkpoint_dtype in DTYPES else None
+    if device_type == "cpu":
+        if saved in ("bfloat16", "float32"):
+            return DTYPES[saved], f"auto: checkpoint is {saved}, which CPU matmuls support natively"
+        if saved == "float16":
+            return torch.float32, "auto: checkpoint is float16; CPU float16 matmuls are slow and bfloat16 would round its weights, so float32"
+        return torch.float32, "auto: checkpoint dtype unknown; float32 on CPU"
+    bf16_ok = capability is None or capability >= (8, 0)
+    if saved in ("bfloat16", "float16") and (saved == "float16" or bf16_ok):
+        return DTYPES[saved], f"auto: checkpoint is {saved}"
+    if bf16_ok:
+        return torch.bfloat16, f"auto: checkpoint is {saved or 'unspecified'}; bfloat16 on a GPU with native bf16"
+    return torch.float16, f"auto: checkpoint is {saved or 'unspecified'}; float16 (no native bf16 below sm_80)"
+
+
+# ---- files ------------------------------------------------------------------------------
+def _read_json(model_dir: Path, name: str, required: bool) -> dict:
+    path = model_dir / name
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"Missing `{name}` in model directory `{model_dir}`")
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"`{name}` in `{model_dir}` is not valid JSON: {e}") from e
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(model_dir, index.name, required=True).get("weight_map", {})
+        files = [model_dir / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"Missing `{f.name}` (listed in `{index.name}`) in model directory `{model_dir}`")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(
+        f"Missing `model.safetensors` (or `model.safetensors.index.json`) in model directory `{model_dir}`"
+    )
+
+
+def _load_tokenizer(model_dir: Path):
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"Missing `tokenizer.json` in model directory `{model_dir}`")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on bad files
+        raise ModelLoadError(f"`tokenizer.json` in `{model_dir}` could not be read: {e}") from e
+
+
+# ---- weights ------------------------------------------------------------------------------
+def _read_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    expected = hf_shapes(config)
+    found: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if IGNORED_HF.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                if name not in expected or map_name(name) is None:
+                    unexpected.append(name)
+                    continue
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise ModelLoadError(
+                        f"Tensor `{name}` in `{path.name}` has shape {shape}; the config expects {expected[name]}"
+                    )
+                found[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    missing = [n for n in expected if n not in found]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {', '.join(f'`{n}`' for n in missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        if unexpected:
+            parts.append(f"unexpected tensors {', '.join(f'`{n}`' for n in unexpected[:8])}"
+                         + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
+        raise ModelLoadError(f"Checkpoint in `{model_dir}` does not match its config: {'; '.join(parts)}")
+    return to_ours(found)
+
+
+# ---- entry point ----------------------------------------------------------------------------
+def load_model(
+    model_dir: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    capability: tuple[int, int] | None = None,
+) -> LoadedModel:
+    """Load config, weights, tokenizer, generation config and chat template from `model_dir`."""
+    model_dir = Path(model_dir).expanduser().resolve()
+    device = torch.device(device)
+    if model_dir == DEFAULT_MODEL_DIR and not (model_dir / "config.json").is_file():
+        raise ModelLoadError(
+            f"The embedded model is absent: `config.json` not found in `{model_dir}`; pass a model directory"
+        )
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"Model directory `{model_dir}` does not exist")
+    hf_config = _read_json(model_dir, "config.json", required=True)
+    try:
+        config = ModelConfig.from_hf_config(hf_config)
+    except ConfigError as e:
+        raise ModelLoadError(f"{e} (in `{model_dir / 'config.json'}`)") from e
+    except KeyError as e:
+        raise ModelLoadError(f"`config.json` in `{model_dir}` lacks the field `{e.args[0]}`") from e
+    torch_dtype, reason = choose_dtype(dtype, config.torch_dtype, device.type, capability)
+    tokenizer = _load_tokenizer(model_dir)
+    tok_cfg = _read_json(model_dir, "tokenizer_config.json", required=False)
+    generation_config = _read_json(model_dir, "generation_config.json", required=False)
+    state_dict = _read_weights(model_dir, config, torch_dtype, str(device))
+    model = Transformer.from_config(config, torch_dtype)
+    model.load_weights(state_dict)
+    model.eval()
+    bos_token = token_text(tok_cfg.get("bos_token"))
+    eos_token = token_text(tok_cfg.get("eos_token"))
+    template = find_chat_template(model_dir, tok_cfg)
+    eos_ids = _eos_ids(generation_config, config, tokenizer, eos_token)
+    model_id = hf_config.get("_name_or_path") or model_dir.name
+    logger.info("Loaded %s (%s, %s params) as %s: %s", model_id, config.architecture, config.num_parameters, torch_dtype, reason)
+    return LoadedModel(
+        model=model, config=config, tokenizer=tokenizer, generation_config=generation_config,
+        chat_template=None if template is None else template.source, bos_token=bos_token, eos_token=eos_token,
+        eos_token_ids=eos_ids, dtype=torch_dtype, dtype_reason=reason, model_dir=model_dir, model_id=str(model_id),
+    )
+
+
+def _eos_ids(generation_config: dict, config: ModelConfig, tokenizer, eos_token: str | None) -> tuple[int, ...]:
+    """Union, in order: generation_config's eos ids, config.json's, the tokenizer's eos token."""
+    ids: list[int] = []
+    gen = generation_config.get("eos_token_id")
+    ids.extend([gen] if isinstance(gen, int) else list(gen or []))
+    ids.extend(config.eos_token_id)
+    if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
+        ids.append(tokenizer.token_to_id(eos_token))
+    return tuple(dict.fromkeys(int(i) for i in ids))

@@ -1,0 +1,125 @@
+"""The batched sampler: one step's logits, one token per row.
+
+Design: the sampler turns one step's logits `[N, V]` into one token per row with a few batched
+tensor ops, in vLLM's order: logit bias -> penalties (repetition, presence, frequency) ->
+grammar mask -> temperature -> top_k -> top_p -> log_softmax -> argmax for greedy rows,
+inverse-CDF draw for sampled rows. Each processor runs only when a row asks for it
+(`workers/sampling/logits_processors.py`, `workers/sampling/grammar.py`), so constrained, penalized and plain
+rows share one batch and a plain batch pays nothing for the others.
+
+Determinism: each sampled request owns a `torch.Generator` seeded from its `seed`, and draws
+exactly one uniform number from it per step. Every other op is row-wise, so a row's token
+depends only on its own logits and its own generator, never on its batch mates.
+Trade-off: one tiny `torch.rand` call per sampled row per step (a few microseconds) instead
+of one batched draw, which would tie each row's randomness to the batch composition.
+
+The logprob returned (and the top alternatives, `logprobs`) is the token's log-probability
+under the distribution it was drawn from: after bias, mask, penalties and warpers (vLLM's
+`processed_logprobs`, TGI's choice; see `workers/sampling/logprobs.py`).
+
+Finite for every accepted value (`SamplingParams` already turned a tiny temperature into
+greedy, workers/sampling/params.py): the penalized and tempered logits are clamped to fp32's finite range, so a tiny `repetition_penalty` cannot
+overflow a row to inf (whose softmax is NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from workers.sampling.grammar import Grammars, apply_bitmask, fill_bitmasks
+from workers.sampling.logits_processors import apply_logit_bias, apply_penalties, apply_top_k_top_p
+from workers.sampling.logprobs import TopList, top_alternatives
+from workers.sampling.params import SamplingParams
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+class SampleRow(Protocol):
+    """What the sampler needs from a sequence (the scheduler's `Sequence` provides it);
+    `grammar` (an llguidance matcher, or None) is optional."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # of each chosen token
+    top: list[TopList | None]  # the `params.logprobs` best alternatives per row (None: not asked)
+
+
+def constrained_rows(rows: Sequence[SampleRow]) -> list[tuple[object, int]]:
+    """(grammar matcher, row) of the rows with a grammar."""
+    return [(m, i) for i, r in enumerate(rows) if (m := getattr(r, "grammar", None)) is not None]
+
+
+def grammar_bitmask(rows: Sequence[SampleRow], grammars: Grammars | None) -> torch.Tensor | None:
+    """The allowed-token bitmasks of this step's rows (None when no row has a grammar). Needs
+    only the grammars' state, not the logits, so the engine computes it during the forward."""
+    constrained = constrained_rows(rows)
+    if not constrained:
+        return None
+    if grammars is None:
+        raise ValueError("A constrained row needs the grammar engine (`Grammars`), got `None`")
+    return fill_bitmasks(grammars.executor, constrained, len(rows), grammars.vocab_size)
+
+
+def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Grammars | None = None,
+                  bitmask: torch.Tensor | None = None) -> SampleOutput:
+    """One token per row of `logits` [N, V], its logprob and the asked-for alternatives
+    (`bitmask`: this step's `grammar_bitmask`, when the caller computed it already)."""
+    params = [r.params for r in rows]
+    # 1. Processors that change the argmax, on the rows that ask for them (bias, penalties, grammar).
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    constrained = constrained_rows(rows)
+    if biased or penalized or constrained:
+        logits = logits.clone()
+        if biased:
+            apply_logit_bias(logits, rows, biased)
+        if penalized:
+            apply_penalties(logits, rows, penalized)
+        if constrained:
+            bitmask = grammar_bitmask(rows, grammars) if bitmask is None else bitmask
+            apply_bitmask(logits, bitmask, [i for _, i in constrained], grammars.eos_token_ids)
+    sampled = [i for i, p in enumerate(params) if p.do_sample]
+    if sampled:
+        # 2. Warpers, batched over rows; greedy rows get neutral values.
+        temps = [p.temperature if p.do_sample else 1.0 for p in params]
+        if any(t != 1.0 for t in temps):
+            logits = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+            logits = logits.clamp(max=FP32_MAX)  # a huge logit over a small temperature stays finite
+        top_k = [p.top_k if p.do_sample else 0 for p in params]
+        top_p = [p.top_p if p.do_sample else 1.0 for p in params]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+    logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+    ids = logprobs.argmax(dim=-1)  # [N]
+    if sampled:
+        # 3. Inverse-CDF draw with one uniform per sampled row from that row's own generator.
+        u = torch.cat([torch.rand(1, generator=rows[i].generator) for i in sampled]).to(logits.device)  # [Ns]
+        idx = torch.tensor(sampled, device=logits.device)
+        cdf = logprobs[idx].exp().cumsum(dim=-1)  # [Ns, V]
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
+        ids[idx] = drawn[:, 0]
+    chosen = logprobs.gather(1, ids[:, None])[:, 0]  # [N]
+    # 4. The alternatives some rows asked for (one topk over those rows).
+    top = top_alternatives(logprobs, [p.logprobs for p in params])
+    return SampleOutput(ids.tolist(), chosen.tolist(), top)
+
+
+def make_generator(seed: int, skip: int = 0) -> torch.Generator:
+    """A CPU generator for one request (CPU so a seed means the same draws on every device),
+    past the `skip` draws of the steps a resumed request already ran (one per step, as in `sample`)."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    for _ in range(skip):
+        torch.rand(1, generator=g)
+    return g

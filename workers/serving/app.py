@@ -1,0 +1,65 @@
+"""The worker's HTTP app on its Unix socket: what the router (and only the router) calls.
+
+Routes (workers/serving/routes/): POST /generate, POST /generate_stream (SSE), GET /health,
+GET /capability, GET /metrics, in TGI shapes; errors as `{"error", "error_type"}` (422
+validation, 429 overloaded with Retry-After, 503 unavailable, 500 internal). Every response
+carries X-Worker-Id, X-Worker-Capability and X-Fp8-Convention (workers/serving/headers.py).
+
+Design: `create_app()` is a factory over a ready engine (no model work at import), in
+FastAPI's "bigger applications" shape: the routes reach the worker's state through one
+`WorkerContext` (workers/serving/context.py) on `app.state.ctx`. The engine thread starts in
+the lifespan and stops there, draining in-flight requests for up to `drain_timeout` seconds;
+a request's `resume_ids` continues a stream another worker began (workers/engine/resume.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from workers.contract import DRAIN_TIMEOUT_S, CapabilityPayload
+from workers.contract.tracing import NO_TRACING, Tracing, fastapi_telemetry_off
+from workers.engine.core import Engine
+from workers.engine.detokenize import special_token_ids
+from workers.sampling.grammar import Grammars
+from workers.sampling.logprobs import TokenBytes
+from workers.serving.context import WorkerContext
+from workers.serving.errors import install_error_handlers
+from workers.serving.headers import WorkerHeaders, identity_headers
+from workers.serving.routes import generate, health
+from workers.serving.tracing import RequestTracer
+
+
+def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_timeout: float = DRAIN_TIMEOUT_S,
+               tracing: Tracing = NO_TRACING) -> FastAPI:
+    """The worker's app over a ready engine; `info` is its `/capability` answer but for `pid`
+    and `load`, which are filled in per request. `tracing`: one span per generation request.
+    The engine's grammar engine compiles constrained requests (made from `tokenizer` when the
+    engine has none)."""
+    if engine.grammars is None:
+        engine.grammars = Grammars.for_tokenizer(tokenizer, None, engine.scheduler.config.eos_token_ids)
+    grammars = engine.grammars
+    ctx = WorkerContext(info, engine, tokenizer, grammars,
+                        TokenBytes(grammars.tokenizer.decode_bytes, special_token_ids(tokenizer)),
+                        RequestTracer(tracing, info))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        ctx.status = "ready"
+        try:
+            yield
+        finally:
+            ctx.status = "draining"
+            await asyncio.to_thread(engine.shutdown, drain_timeout)
+
+    app = FastAPI(title="hetserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  **fastapi_telemetry_off())
+    app.add_middleware(WorkerHeaders, headers=identity_headers(info))
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    for module in (generate, health):
+        app.include_router(module.router)
+    return app

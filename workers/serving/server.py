@@ -1,0 +1,220 @@
+"""The serve step: paged KV cache, engine, HTTP app and uvicorn on the worker's Unix socket.
+
+`WorkerServer` is built by the worker's last startup step from one `Startup` value: what the
+earlier steps produced (the bound device, the loaded model, its kernel choices, the fp8
+convention with its reason, the preflight). Its constructor orchestrates small `_init_*`
+steps (row buckets or deterministic numerics, the KV cache sized for this device, the engine,
+the app, uvicorn); `run()` serves until SIGTERM or a fatal engine error and `close()` frees
+the socket. The socket is created 0600 (only the router, as the same user, reaches it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernels_local.mapping import KernelChoice
+from workers.contract import DRAIN_TIMEOUT_S, ENV_TRITON_CACHE_DIR, CapabilityPayload
+from workers.contract.tracing import start_tracing
+from workers.device.bind import BoundDevice
+from workers.fp8.convention import Fp8Convention
+from workers.kernelize.records import Preflight
+from workers.kv.sizing import kv_budget, plan_kv_blocks
+from workers.model.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """A listening Unix socket that is 0600 from its creation (umask), never world-reachable."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        if p.is_socket():
+            p.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(p))
+    finally:
+        os.umask(old)
+    os.chmod(p, 0o600)
+    sock.listen(2048)
+    return sock
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for name in ("hetserve", "torch", "triton", "kernels"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _loop_factory():
+    """uvloop's event loop where it is installed (less CPU per request and per streamed event
+    than asyncio's own; uvicorn's `loop="auto"` cannot choose it for a loop we start), else
+    asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+@dataclass(frozen=True, eq=False)
+class Startup:
+    """What the mission's steps produced, handed to the serve step as one value."""
+
+    args: argparse.Namespace  # the worker's command line (`python -m workers --help`)
+    bound: BoundDevice  # bind
+    loaded: LoadedModel  # load
+    kernels: dict[str, KernelChoice]  # kernelize: one choice per layer
+    fp8: Fp8Convention  # fp8
+    fp8_reason: str
+    preflight: Preflight | None = None  # kernelize, where the preflight ran
+
+
+class WorkerServer:
+    """KV cache + engine + HTTP app + uvicorn on the Unix socket: built by the serve step."""
+
+    def __init__(self, startup: Startup):
+        self.startup = startup
+        self.args, self.bound, self.loaded = startup.args, startup.bound, startup.loaded
+        self._init_row_buckets()
+        self._init_kv_cache()
+        self._init_engine()
+        self._init_app()
+        self._init_server()
+
+    def _init_row_buckets(self) -> None:
+        self.deterministic = None
+        if getattr(self.args, "deterministic", False):  # fixed row tiles bound the shapes already
+            from workers.model.deterministic import enable_deterministic
+
+            self.deterministic = enable_deterministic(self.loaded.model)
+            return
+        from workers.model.row_buckets import install_row_buckets
+
+        n = install_row_buckets(self.loaded.model, self.bound.torch_device, self.loaded.dtype)
+        if n:
+            logger.info("CPU %s projections: rows padded to buckets (%d layers)", self.loaded.dtype, n)
+
+    def _init_kv_cache(self) -> None:
+        from workers.kv.pool import KVPool
+
+        cfg, dtype, bs = self.loaded.config, self.loaded.dtype, self.args.kv_block_size
+        per_token, context = KVPool.bytes_per_token(cfg, dtype), cfg.max_position_embeddings
+        budget, why = kv_budget(self.args, self.bound, per_token, context)
+        blocks, shape = plan_kv_blocks(per_token, bs, budget, context)
+        self.kv = KVPool.for_config(cfg, blocks, bs, dtype, self.bound.torch_device)
+        logger.info("KV cache %s bytes: %s; budget %s (%s); prefix cache %s", self.kv.nbytes, shape, budget, why,
+                    "off" if self.args.no_prefix_cache else "on")
+
+    def _init_engine(self) -> None:
+        from workers.engine.core import Engine
+        from workers.engine.runner import ModelRunner
+        from workers.engine.scheduler import Scheduler, SchedulerConfig
+        from workers.kv.hashing import root_hash
+        from workers.sampling.grammar import Grammars
+
+        args, loaded = self.args, self.loaded
+        # What besides the tokens decides a block's contents: the prefix cache's hash root.
+        root = root_hash(loaded.model_id, loaded.dtype, args.quantize, args.kv_block_size)
+        config = SchedulerConfig(
+            args.max_batch, loaded.config.max_position_embeddings, self.kv.num_blocks, self.kv.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_cache,
+            eos_token_ids=loaded.eos_token_ids, cache_root=root,
+        )
+        runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
+                             mirror=self.deterministic is None)
+        # The grammar engine masks the logits' full width (the model's vocab may pad the tokenizer's).
+        grammars = Grammars.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids,
+                                          args.threads or 1)
+        self.engine = Engine(runner, Scheduler(config), loaded.tokenizer, max_queue=args.max_queue,
+                             on_fatal=self._on_fatal, grammars=grammars)
+
+    def _init_app(self) -> None:
+        from workers.serving.app import create_app
+
+        loaded, kv, startup = self.loaded, self.kv, self.startup
+        preflight = startup.preflight
+        model = {"id": loaded.model_id, "dtype": str(loaded.dtype).removeprefix("torch."),
+                 "context_length": loaded.config.max_position_embeddings}
+        for key in ("chat_template", "eos_token", "bos_token"):
+            if getattr(loaded, key) is not None:
+                model[key] = getattr(loaded, key)
+        # The model's recommended sampling (generation_config.json), which the OpenAI routes
+        # apply to fields a request leaves out, as vLLM does.
+        model["sampling_defaults"] = {
+            k: loaded.generation_config[k]
+            for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+            if isinstance(loaded.generation_config.get(k), (int, float))
+        }
+        kernel_info = {k: v.to_dict() for k, v in startup.kernels.items()}
+        fp8 = {"convention": startup.fp8.name, "reason": startup.fp8_reason}
+        if preflight is not None:  # each layer's compile record; why native fp8 is not used, if so
+            for layer, entry in kernel_info.items():
+                entry["compiled"] = preflight.layers[layer].compiled()
+            if preflight.native_fp8 is not None:
+                fp8["native_compile"] = preflight.native_fp8.to_dict()
+        info = CapabilityPayload(
+            worker_id=self.args.worker_id,
+            device=self.bound.to_dict(),
+            fp8=fp8,
+            kernels=kernel_info,
+            triton_cache=os.environ.get(ENV_TRITON_CACHE_DIR),
+            capacity={**self.engine.scheduler.capacity(), "kv_cache_bytes": kv.nbytes},
+            model=model,
+            versions=_versions(),
+            deterministic=self.deterministic.to_dict() if self.deterministic else None,
+        )
+        self.tracing = start_tracing(getattr(self.args, "otlp_endpoint", None), "hetserve-worker",
+                                     {"service.instance.id": info.worker_id or ""})
+        self.app = create_app(info, self.engine, loaded.tokenizer, tracing=self.tracing)
+
+    def _init_server(self) -> None:
+        import uvicorn
+
+        self.sock = bind_unix_socket(self.args.socket)
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on", proxy_headers=False,
+                                timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
+        self.server = uvicorn.Server(config)
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        """Engine thread: the model failed; stop serving so the router restarts this worker."""
+        self.server.should_exit = True
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        return self.engine.fatal_error
+
+    def run(self, on_ready) -> None:
+        async def serve():
+            task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
+            while not self.server.started and not task.done():
+                await asyncio.sleep(0.01)
+            if self.server.started:
+                on_ready()
+                logger.info("ready on %s", self.args.socket)
+            await task
+
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve())
+
+    def close(self) -> None:
+        self.engine.shutdown(0.0)
+        self.tracing.shutdown()  # flush the last spans
+        self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.args.socket)
