@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import shutil
 import signal
 import threading
@@ -174,14 +175,21 @@ def _chromium() -> str:
 
 
 def _future_fields(page) -> None:
-    """Serve the page /workers and /stats as a router with breakers, canaries and a paged KV
-    cache would: gpu2 gets verdicts and block counts, and no KV gauge, in the real answers."""
+    """Serve the page /workers and /stats as a router in trouble would: gpu2's breaker open and
+    its canary suspect (checked 12 s ago), block counts and no KV gauge, in the real answers."""
 
     def workers(route):
         body = route.fetch().json()
         for w in body["workers"]:
             if w["id"] == "gpu2":
-                w["health"] = {"breaker": {"state": "open", "failures": 5}, "canary": {"agreement": 0.97}}
+                w["breaker"] = {"state": "open", "consecutive_failures": 5, "times_opened": 1,
+                                "last_failure": "stream lost mid-way", "retry_in_s": 3.2}
+                w["canary"] = {"verdict": "suspect", "reason": "agreement 0.8 < 0.9 over 40 positions",
+                               "expected": ">= 0.9", "agreement": 0.8, "max_logprob_diff": 0.5, "positions": 40,
+                               "checked_at": round(time.time() - 12, 3),
+                               "reference": {"worker": "gpu0", "model": "tiny", "recorded_at": round(time.time() - 200, 3),
+                                             "deterministic": False, "dtype": "float32", "fp8": "emulated"},
+                               "peers": {"gpu0": 0.8, "gpu1": 0.8}}
                 w["capacity"] = {**(w["capacity"] or {}), "kv_blocks_total": 1024, "kv_blocks_free": 256,
                                  "kv_block_size": 16}
         route.fulfill(json=body)
@@ -244,9 +252,10 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             gpu1 = page.locator(".card[data-worker=gpu1]")
             gpu1.locator("details.kernels summary").click()
             assert gpu1.locator("details.kernels li").count() >= 2 and "8.9" in gpu1.locator(".fp8-reason").inner_text()
-            # 3. live figures: tokens/s sparklines from /stats, the health verdict in the header
+            # 3. live figures: tokens/s and KV usage sparklines, the health verdict in the header
             for i in range(3):
-                expect(cards.nth(i).locator("svg.spark polyline").first).to_be_attached(timeout=30_000)
+                expect(cards.nth(i).locator("svg.spark.tps-spark polyline").first).to_be_attached(timeout=30_000)
+                expect(cards.nth(i).locator("svg.spark.kv-spark polyline").first).to_be_attached(timeout=10_000)
             expect(page.locator("#health")).to_have_text("ok")
             page.screenshot(path=str(ARTIFACTS / "status-page.png"), full_page=True)
             # 4. kill -9 one worker: its card turns `restarting`, then `ready`, with no reload
@@ -264,15 +273,27 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             page.screenshot(path=str(ARTIFACTS / "status-page-after-restart.png"), full_page=True)
             if os.environ.get("HETSERVE_UPDATE_DOCS"):
                 page.screenshot(path=str(ROOT / "docs" / "status-page.png"), full_page=True)
-            # 5. fields other parts of the router may add: a health verdict, a block pool's KV counts
+            # 5. verdicts in words, the raw numbers behind a disclosure, a block pool's KV counts
             _future_fields(page)
             gpu2 = page.locator(".card[data-worker=gpu2]")
-            expect(gpu2.locator("dd.health")).to_contain_text("breaker: state=open", timeout=5_000)
-            expect(gpu2.locator("dd.health")).to_contain_text("canary: agreement=0.97")
+            gpu2_health = gpu2.locator("dd.health")
+            expect(gpu2_health).to_contain_text("breaker open: 5 failures in a row, retry in 3.2 s", timeout=5_000)
+            expect(gpu2_health).to_contain_text(re.compile(
+                r"canary suspect: agreement 0\.8 < 0\.9 over 40 positions, checked 1[0-9] s ago"))
+            expect(gpu2_health.locator(".v.bad")).to_have_count(2)
+            expect(gpu2).to_have_class(re.compile(r"\balert\b"))
             expect(gpu2.locator(".kv-text")).to_have_text("75.0% of 1024 blocks × 16 tokens")
-            gpu0_health = page.locator(".card[data-worker=gpu0] dd.health")  # the router's own verdicts
-            expect(gpu0_health).to_contain_text("breaker: state=closed")
-            expect(gpu0_health).to_contain_text("probe: ok")
+            gpu2.locator("details.numbers summary").click()
+            numbers = gpu2.locator("details.numbers .raw")
+            expect(numbers).to_contain_text("max logprob diff")
+            raw = numbers.inner_text()
+            assert "positions\n40" in raw and "retry in\n3.2 s" in raw and "3 min ago" in raw, raw
+            assert "{" not in raw and "[object" not in raw and "checked_at" not in raw, raw
+            gpu0 = page.locator(".card[data-worker=gpu0]")  # the router's own verdicts
+            expect(gpu0.locator("dd.health")).to_contain_text("breaker closed")
+            expect(gpu0.locator("dd.health")).to_contain_text("probe ok")
+            expect(gpu0).not_to_have_class(re.compile(r"\balert\b"))
+            page.screenshot(path=str(ARTIFACTS / "status-page-verdicts.png"), full_page=True)
             page.unroute("**/workers")
             page.unroute("**/stats")
             # 6. a phone-width screen: one column, nothing wider than the screen
