@@ -35,10 +35,17 @@ KILL_AFTER = 20  # tokens the first stream has received when its worker is kille
 HEALTH_TIMEOUT_S = 2.0
 
 
+# Each forward takes this many times as long (workers/device/slowdown.py): on fast cores eight
+# streams of 64 tokens otherwise end before the disturbing thread, competing with the eight
+# reading threads for the GIL, sees stream 0 at its kill point.
+SLOWDOWN = "3"
+
+
 @pytest.fixture(scope="module")
 def router():
     yield from running_router(["--simulate", "sm_80,sm_90", "--dtype", "float32", "--health-timeout",
-                               str(HEALTH_TIMEOUT_S)], fake=False, ready_timeout=240)
+                               str(HEALTH_TIMEOUT_S)], env={"HETSERVE_SLOWDOWN": SLOWDOWN}, fake=False,
+                              ready_timeout=240)
 
 
 def _request(i: int) -> tuple[str, dict]:
