@@ -190,3 +190,55 @@ def test_top_alternatives_are_the_best_of_the_sampled_distribution():
     assert out.top[1] is None  # not asked
     zero = sample_tokens(logits[:1], [Row(SamplingParams.create(logprobs=0))])
     assert zero.top == [()]  # asked for logprobs without alternatives
+
+
+def test_top_k_top_p_from_candidates_masks_what_the_full_sort_masks():
+    """Guards the candidate path of `apply_top_k_top_p` (one `topk`, no sort of the vocabulary):
+    for top_k rows, top_p-only rows, both, untouched rows, ties at the k-th value and nuclei wider
+    than the candidates (the sort's fallback), the masked logits equal the full sort's."""
+    from workers.sampling.logits_processors import TOP_P_CANDIDATES, _sorted_top_k_top_p, apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 4 * TOP_P_CANDIDATES
+    peaked = torch.randn(6, vocab, generator=g) * 4  # narrow nuclei: decided by the candidates
+    flat = torch.randn(2, vocab, generator=g) * 0.01  # a nucleus wider than the candidates
+    tied = torch.randn(2, vocab, generator=g)
+    tied[:, :50] = 7.0  # 50 tokens tie at the top: a tie with the k-th value reaches past k
+    cases = [
+        (peaked, [40, 0, 40, 0, 1, vocab], [0.9, 0.9, 1.0, 1.0, 0.5, 0.95]),
+        (flat, [0, 40], [0.9, 0.9]),
+        (tied, [10, 0], [1.0, 0.9]),
+        (tied[:1], [10], [0.9]),  # 50 ties with the 10th value: the sort decides
+        (torch.cat([peaked[:2], tied[:1]]), [5, 3, 60], [0.8, 1.0, 1.0]),
+    ]
+    for logits, top_k, top_p in cases:
+        got = apply_top_k_top_p(logits.clone(), top_k, top_p)
+        want = _sorted_top_k_top_p(logits.clone(), top_k, top_p)
+        untouched = [k == 0 and p == 1.0 for k, p in zip(top_k, top_p, strict=True)]
+        for i, same in enumerate(untouched):
+            if same:
+                want[i] = logits[i]
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), (top_k, top_p)
+        assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])
+
+
+def test_top_k_candidates_cost_less_than_the_full_sort():
+    """The default sampling of the embedded model (top_k 40, top_p 0.9) over 8 rows of a
+    4096-token vocabulary takes one `topk`, not a sort: guards the candidate path's speed."""
+    import time
+
+    from workers.sampling.logits_processors import _sorted_top_k_top_p, apply_top_k_top_p
+
+    logits = torch.randn(8, 4096, generator=torch.Generator().manual_seed(1))
+    top_k, top_p = [40] * 8, [0.9] * 8
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            fn(logits, top_k, top_p)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    best(apply_top_k_top_p)  # warm
+    assert best(apply_top_k_top_p) < best(_sorted_top_k_top_p)

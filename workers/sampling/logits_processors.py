@@ -3,7 +3,9 @@
 Design: each processor takes one step's logits `[N, V]` (float32) and the rows that ask for
 it, and touches only those rows, so a batch where nobody asks pays nothing (the sampler
 skips the call). Per-row work (the seen tokens of one sequence) is a small loop over the
-rows that ask; the truncation is batched over all rows in one sort.
+rows that ask; the truncation is batched over all rows in one `torch.topk` over the candidates
+(k of them; a bounded few for top_p alone), with a full sort of the vocabulary only when the
+candidates cannot decide (ties beyond them, or a nucleus wider than them).
 
 Semantics, as vLLM and OpenAI define them:
 - `logit_bias`: added to the logits of the listed token ids before anything else.
@@ -52,8 +54,50 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence, which: list[int]) -> t
     return logits
 
 
+TOP_P_CANDIDATES = 256  # top_p without top_k: the best tokens looked at before a full sort is needed
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask (to -inf) what top_k / top_p remove, per row, in one sort."""
+    """Mask (to -inf) what top_k / top_p remove, per row, from one `torch.topk` over the
+    candidates only: the k best of a top_k row, the `TOP_P_CANDIDATES` best of a top_p-only row.
+    The full sort (`_sorted_top_k_top_p`) runs only when the candidates cannot decide: a tie with
+    the k-th value beyond them, or a nucleus that holds more than them."""
+    n, vocab = logits.shape
+    ks = [min(k, vocab) if k > 0 else 0 for k in top_k]
+    wants = [k or (min(TOP_P_CANDIDATES, vocab) if p < 1.0 else 0) for k, p in zip(ks, top_p, strict=True)]
+    width = max(wants, default=0)
+    if width == 0:
+        return logits
+    if width >= vocab:
+        return _sorted_top_k_top_p(logits, top_k, top_p)
+    vals, order = logits.topk(width, dim=-1)  # [N, W], best first
+    remove = torch.zeros_like(vals, dtype=torch.bool)  # [N, W] in candidate order
+    has_k = torch.tensor([k > 0 for k in ks], device=logits.device)  # [N]
+    if any(ks):
+        # 1. top_k: the k-th value's ties stay, as in HF; a tie beyond the candidates needs the sort
+        kth = vals.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)[:, None])  # [N, 1]
+        kth = torch.where(has_k[:, None], kth, torch.full_like(kth, -math.inf))
+        if bool(((logits >= kth).sum(dim=-1) > width).any()):
+            return _sorted_top_k_top_p(logits, top_k, top_p)
+        remove |= vals < kth
+    if any(p < 1.0 for p in top_p):
+        # 2. top_p over the kept candidates (a top_k row) or over the whole row (top_p alone)
+        p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)[:, None]  # [N, 1]
+        kept = vals.masked_fill(remove, -math.inf)
+        norm = torch.where(has_k, kept.logsumexp(dim=-1), logits.logsumexp(dim=-1))[:, None]  # [N, 1]
+        probs = (kept - norm).exp()  # [N, W]
+        total = probs.sum(dim=-1)  # [N]: the candidates' mass
+        if bool(((p[:, 0] < 1.0) & ~has_k & (total < p[:, 0])).any()):
+            return _sorted_top_k_top_p(logits, top_k, top_p)
+        remove |= (probs.cumsum(dim=-1) - probs) >= p  # mass of strictly better tokens
+    remove[:, 0] = False  # the best token always stays, even when `p` underflows to 0 in fp32
+    truncated = torch.tensor([w > 0 for w in wants], device=logits.device)[:, None]  # [N, 1]
+    mask = torch.ones_like(logits, dtype=torch.bool).scatter_(1, order, remove) & truncated  # [N, V]
+    return logits.masked_fill(mask, -math.inf)
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """`apply_top_k_top_p` by one sort of the whole vocabulary (the general case)."""
     n, vocab = logits.shape
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)  # [N, V] in sorted order
