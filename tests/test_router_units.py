@@ -59,6 +59,21 @@ def test_simulated_workers_hide_real_gpus_and_share_the_cpu_threads():
     assert threads_per_worker(1, 3) == 1
 
 
+def test_cpu_workers_leave_one_core_to_the_router(monkeypatch):
+    """Guards `compute_threads`: workers computing on the CPU get every core but one (the
+    router's and the HTTP side's), real GPUs every core, an explicit `threads` wins."""
+    import server.fleet.spec as spec_module
+
+    monkeypatch.setattr(spec_module, "available_cpus", lambda: 4)
+    (cpu,) = _specs([])
+    assert cpu.threads == 3 and cpu.environ()["OMP_NUM_THREADS"] == "3"
+    assert [s.threads for s in _specs(parse_simulate("sm_80,sm_90"))] == [1, 1]
+    assert _specs([REAL_H100])[0].threads == 4
+    assert _specs([], threads=4)[0].threads == 4
+    monkeypatch.setattr(spec_module, "available_cpus", lambda: 1)
+    assert _specs([])[0].threads == 1
+
+
 def test_each_architecture_gets_its_own_triton_cache(monkeypatch):
     """Guards `use_triton_cache` in server/fleet/spec.py: workers of different architectures
     never share a Triton cache directory; the root is HETSERVE_TRITON_CACHE, else the user's
