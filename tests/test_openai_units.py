@@ -195,3 +195,16 @@ def test_streamed_completion_echo_comes_first_with_the_prompts_logprobs():
     deltas = s.on_event(first)
     assert [d["text"] for d in deltas] == ["Good", " day"] and all(d["index"] == 1 for d in deltas)
     assert deltas[0]["logprobs"]["tokens"] == ["Good"] and deltas[1]["logprobs"]["text_offset"] == [4]
+
+
+def test_chunk_frames_equal_the_chunks_serialized_whole():
+    """Guards `ChunkFrames.__call__`: a frame built from the head serialized once is byte for byte
+    what `fmt.sse(chunk(...))` gives, for completions and chat, odd text included."""
+    from server.edge.routes.openai import ChunkFrames
+    from server.protocol.openai import responses as fmt
+
+    for chunk in (fmt.completion_chunk, fmt.chat_chunk):
+        frames = ChunkFrames(chunk, "cmpl-1", 1764547200, 'model "x"/é')
+        for choice in ({"index": 0, "text": ' a\n"b"\u2028', "finish_reason": None, "logprobs": None},
+                       {"index": 1, "delta": {"content": "é"}, "finish_reason": "stop", "logprobs": None}):
+            assert frames(choice) == fmt.sse(chunk("cmpl-1", 1764547200, 'model "x"/é', choice))

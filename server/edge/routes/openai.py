@@ -35,6 +35,7 @@ from server.edge.routes._common import (
     constraints,
     merged_headers,
 )
+from server.fleet.client import split_events
 from server.protocol.openai import responses as fmt
 from server.protocol.openai.choices import ChoiceSpec, ChoiceStream, chat_choice, completion_choice
 from server.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -205,31 +206,74 @@ async def _pump(k: int, stream: ClientStream, queue: asyncio.Queue) -> None:
         await queue.put((k, e))
 
 
+async def _merged(streams: list[ClientStream], pumps: list[asyncio.Task]):
+    """Lists of (k, data | None | StreamIncomplete) as they come: every event that arrived
+    together in one list. One stream (the common case, `n` = 1) is read directly, a batch of
+    events per read; several go through one queue, drained of what is there at each wake-up."""
+    if len(streams) == 1:
+        try:
+            async for raw in streams[0].batches():
+                yield [(0, data) for data in split_events(raw)]
+            yield [(0, None)]
+        except StreamIncomplete as e:
+            yield [(0, e)]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    pumps += [asyncio.ensure_future(_pump(k, s, queue)) for k, s in enumerate(streams)]
+    while True:
+        items = [await queue.get()]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        yield items
+
+
+class ChunkFrames:
+    """`data: <chunk>` frames of one response, the constant head of every chunk (id, object,
+    created, model) serialized once: `frame(choice)` is what `fmt.sse(chunk(...))` gives."""
+
+    __slots__ = ("_head",)
+
+    def __init__(self, chunk, cid: str, created: int, model: str):
+        self._head = "data: " + json.dumps(chunk(cid, created, model, {}))[: -len("{}]}")]
+
+    def __call__(self, choice: dict) -> str:
+        return f"{self._head}{json.dumps(choice)}]}}\n\n"
+
+
 async def _relay(streams: list[ClientStream], choices: list[ChoiceStream], prompt_of: list[int], ctx: RouterContext,
                  chat: bool, usage: bool):
-    """Worker token events -> OpenAI chunks of every choice, interleaved as they come; usage and
-    `[DONE]` at the end; an error event if a choice's stream cannot be finished by any worker."""
+    """Worker token events -> OpenAI chunks of every choice, interleaved as they come (the chunks
+    of events that arrived together go out as one write); usage and `[DONE]` at the end; an error
+    event if a choice's stream cannot be finished by any worker."""
     cid, created, model = fmt.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), ctx.model_id()
     obj, chunk = ("chat.completion.chunk", fmt.chat_chunk) if chat else ("text_completion", fmt.completion_chunk)
-    queue: asyncio.Queue = asyncio.Queue()
-    pumps = [asyncio.ensure_future(_pump(k, s, queue)) for k, s in enumerate(streams)]
+    frame = ChunkFrames(chunk, cid, created, model)
+    pumps: list[asyncio.Task] = []
+    merged = _merged(streams, pumps)
     live, lost, why = len(streams), None, "the stream ended before its last event"
     try:
-        while live and lost is None:
-            k, data = await queue.get()
-            if data is None or isinstance(data, BaseException):
-                live -= 1
-                if not choices[k].done:
-                    if isinstance(data, BaseException):
-                        logger.warning("stream ends incomplete: %s", data)
-                        why = str(data)
-                    lost = k
-                continue
-            event = parse_event(data) or {}
-            moves = (event.get("details") or {}).get("migrations")
-            for delta in choices[k].on_event(event):
-                body = chunk(cid, created, model, delta)
-                yield fmt.sse({**body, "migrations": moves} if moves and delta.get("finish_reason") else body)
+        async for items in merged:
+            out = []
+            for k, data in items:
+                if data is None or isinstance(data, BaseException):
+                    live -= 1
+                    if not choices[k].done and lost is None:
+                        if isinstance(data, BaseException):
+                            logger.warning("stream ends incomplete: %s", data)
+                            why = str(data)
+                        lost = k
+                    continue
+                event = parse_event(data) or {}
+                moves = (event.get("details") or {}).get("migrations")
+                for delta in choices[k].on_event(event):
+                    if moves and delta.get("finish_reason"):
+                        out.append(fmt.sse({**chunk(cid, created, model, delta), "migrations": moves}))
+                    else:
+                        out.append(frame(delta))
+            if out:
+                yield "".join(out)
+            if not live or lost is not None:
+                break
         if lost is None:
             if usage:
                 prompts = {prompt_of[k]: ch.prompt_tokens for k, ch in enumerate(choices)}
@@ -238,6 +282,7 @@ async def _relay(streams: list[ClientStream], choices: list[ChoiceStream], promp
             yield "data: [DONE]\n\n"
             return
     finally:
+        await merged.aclose()
         for p in pumps:
             p.cancel()
         for s in streams:
