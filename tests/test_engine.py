@@ -270,3 +270,19 @@ def test_a_constrained_request_ends_when_its_grammar_is_complete():
     fin = constrained.events[-1].finish
     assert fin.reason == "eos_token" and fin.generated_text in ('{"ok":true}', '{"ok":false}')
     assert plain.events[-1].finish.generated_tokens == 5
+
+
+def test_stream_batches_hand_over_what_arrived_together_and_end_at_the_finish():
+    """Guards `RequestStream.batches`: events delivered while the reader was away come in one
+    list (one write of the streamed response), and the list stops at the finish."""
+    from workers.engine.events import FinishInfo, RequestStream, TokenEvent
+
+    async def main():
+        stream = RequestStream("r", asyncio.get_running_loop())
+        finish = FinishInfo("length", "abc", 3, 1, None)
+        for i, f in enumerate((None, None, finish)):
+            stream.push(TokenEvent(i, 10 + i, "x", -0.5, False, f))
+        stream.push(TokenEvent(9, 99, "late", -0.5, False))  # nothing after the finish is read
+        return [[e.index for e in batch] async for batch in stream.batches()]
+
+    assert asyncio.run(main()) == [[0, 1, 2]]

@@ -10,7 +10,8 @@ Delivery: the engine produces one step's events for many requests at once and ha
 each event loop in one batch (`deliver`): one `call_soon_threadsafe` (one wake-up of that
 loop) per step, not one per token; events produced on the loop's own thread (an idle
 engine's first step runs there) are pushed at once, with no wake-up at all. Without an event
-loop (tests driving `Engine.step()`), events collect in `RequestStream.events`.
+loop (tests driving `Engine.step()`), events collect in `RequestStream.events`. A streamed
+response reads them in `batches()`: whatever arrived while it was writing goes out together.
 """
 
 from __future__ import annotations
@@ -82,8 +83,26 @@ class RequestStream:
         while True:
             event = await self._queue.get()
             yield event
-            if isinstance(event, ErrorEvent) or event.finish is not None:
+            if is_last(event):
                 return
+
+    async def batches(self):
+        """The events in lists: each list what has arrived when the reader wakes up (at least
+        one event), the last one ending with the finish or an error. A reader that falls behind
+        the engine by several steps catches up in one write instead of one per token."""
+        queue = self._queue
+        while True:
+            batch = [await queue.get()]
+            while not is_last(batch[-1]) and not queue.empty():
+                batch.append(queue.get_nowait())
+            yield batch
+            if is_last(batch[-1]):
+                return
+
+
+def is_last(event: TokenEvent | ErrorEvent) -> bool:
+    """A stream ends with its finish or an error."""
+    return isinstance(event, ErrorEvent) or event.finish is not None
 
 
 def _push_all(items: list[tuple[RequestStream, TokenEvent | ErrorEvent]]) -> None:
@@ -96,7 +115,7 @@ def deliver(items: list[tuple[RequestStream, TokenEvent | ErrorEvent]]) -> None:
     here = asyncio._get_running_loop()  # this thread's running loop, if any (a C-level lookup)
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for stream, event in items:
-        if isinstance(event, ErrorEvent) or event.finish is not None:
+        if is_last(event):
             stream.ended = True
         if stream.loop is None or stream.loop is here:  # no loop, or this thread's: push now
             stream.push(event)

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from workers.engine.core import Engine
-from workers.engine.events import ErrorEvent, RequestStream
+from workers.engine.events import ErrorEvent, RequestStream, is_last
 from workers.serving.context import get_ctx
 from workers.serving.errors import APIError, error_response
 from workers.serving.schemas import GenerateRequest
@@ -74,13 +74,15 @@ async def generate_stream(req: GenerateRequest, request: Request):
     async def sse():
         finished, e = False, None
         try:
-            async for e in stream:
-                if isinstance(e, ErrorEvent):
-                    finished = True
-                    yield f"data: {json.dumps({'error': e.message, 'error_type': e.error_type})}\n\n"
-                    return
-                finished = e.finish is not None
-                yield f"data: {json.dumps(sub.render.event(e))}\n\n"
+            async for batch in stream.batches():  # the events that are there: one write
+                frames = []
+                for e in batch:
+                    if isinstance(e, ErrorEvent):
+                        frames.append(f"data: {json.dumps({'error': e.message, 'error_type': e.error_type})}\n\n")
+                    else:
+                        frames.append(f"data: {json.dumps(sub.render.event(e))}\n\n")
+                finished = is_last(batch[-1])
+                yield "".join(frames)
         finally:
             if not finished:  # cancelled: the client went away mid-stream
                 engine.abort(stream.request_id)
