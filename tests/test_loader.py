@@ -12,9 +12,10 @@ from torch.testing import assert_close
 
 from tests.checkpoints import CHAT_TEMPLATE, make_checkpoint
 from workers.model import loader
+from workers.model.families.registry import FAMILIES
 from workers.model.loader import ModelLoadError, choose_dtype, default_model_dir, load_model
 from workers.model.transformer import Transformer
-from workers.model.weights import HF_TO_OURS, save_hf_checkpoint
+from workers.model.weights import save_hf_checkpoint
 
 
 def _rewrite(ckpt, edit) -> None:
@@ -93,7 +94,7 @@ def test_unsupported_architecture_listed(tmp_path):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="`GPT2LMHeadModel`.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ModelLoadError, match="`GPT2LMHeadModel`.*Gemma3ForCausalLM.*LlamaForCausalLM, MistralForCausalLM.*Qwen3ForCausalLM"):
         load_model(ckpt)
 
 
@@ -130,10 +131,11 @@ def test_default_model_dir_and_clear_error_when_absent(tmp_path, monkeypatch):
         load_model(loader.default_model_dir())
 
 
-def test_every_mapped_name_is_used_once():
-    """The one HF->ours map: fused parts are distinct and cover 0..n-1 for each fused tensor."""
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_mapped_name_is_used_once(family):
+    """Each family's one HF->ours map: fused parts are distinct and cover 0..n-1 for each fused tensor."""
     parts: dict[str, list[int]] = {}
-    for ours, part in HF_TO_OURS.values():
+    for ours, part in FAMILIES[family].weights.values():
         parts.setdefault(ours, []).append(part)
     for ours, found in parts.items():
         assert found == [None] or sorted(found) == list(range(len(found))), ours

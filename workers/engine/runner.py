@@ -51,13 +51,17 @@ class ModelRunner:
         self.mirror = DecodeMirror(kv) if self.device.type == "cpu" and mirror else None
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
         self.perturb = injected_perturbation(worker_id, self.vocab_size, self.device)
+        # rotaries that depend on the prompt's length (dynamic, LongRoPE: workers/model/rope.py)
+        self.rope_threshold: int | None = getattr(model, "rope_threshold", None)
 
     def _forward(self, out, rows_of) -> torch.Tensor:
         """One `model.step` where chunk `i` projects its last `rows_of(i, chunk)` rows."""
         if self.mirror is not None:
             for seq in out.preempted:  # recomputed later: its mirrored row would be stale
                 self.mirror.release(seq.uid)
-        items = [(SeqChunk(c.start_pos, len(c.token_ids), c.block_table, rows_of(i, c), c.seq.uid), c.token_ids)
+        rope = self.rope_threshold is not None
+        items = [(SeqChunk(c.start_pos, len(c.token_ids), c.block_table, rows_of(i, c), c.seq.uid,
+                           c.seq.rope_len if rope else 0), c.token_ids)
                  for i, c in enumerate(out.chunks)]
         logits = self.model.step(ForwardBatch.build(items, self.kv.block_size, self.device, self.mirror), self.kv)
         return logits if self.perturb is None else logits + self.perturb

@@ -40,6 +40,7 @@ from workers.engine.sequence import (
     WAITING,
     Sequence,
 )
+from workers.kv.hashing import root_hash
 from workers.kv.manager import KVCacheManager
 
 WATERMARK = 0.01  # of the blocks, kept free when admitting, so running sequences can grow a while
@@ -69,6 +70,8 @@ class SchedulerConfig:
     prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()
     cache_root: bytes = b""  # what besides tokens decides a block's contents (model, dtype, ...)
+    # a rotary that depends on the sequence's length: (threshold, "dynamic" | "longrope"), else None
+    rope: tuple[int, str] | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks is None and self.block_size >= 1:
@@ -122,10 +125,38 @@ class Scheduler:
 
     def add_request(self, seq: Sequence) -> None:
         self.check_fits(len(seq.prompt_ids), seq.params.max_new_tokens)
+        if self.config.rope is not None:
+            self._rope_phase(seq)
         if seq.request_id in self._by_id:
             raise ValueError(f"Request id `{seq.request_id}` is already in the scheduler")
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
+
+    def _rope_phase(self, seq: Sequence) -> None:
+        """A sequence whose length changes its rotation (workers/model/rope.py): a prompt past a
+        dynamic rotary's threshold is rotated for its own length, and a sequence past LongRoPE's
+        (a long prompt, or a stream resumed past it) takes the long factors from its first token;
+        either way its blocks are shared only with sequences rotated alike."""
+        threshold, kind = self.config.rope
+        if kind == "longrope" and seq.num_tokens > threshold:
+            seq.rope_len = max(seq.rope_len, seq.num_tokens)
+        if seq.rope_len > threshold:
+            key = f"rope:{seq.rope_len}" if kind == "dynamic" else "rope:long"
+            seq.cache_root = root_hash(self.config.cache_root, key)
+
+    def _switch_to_long(self, seq: Sequence, preempted: list[Sequence]) -> None:
+        """LongRoPE: the sequence grows past the threshold, so it is computed again from its first
+        token with the long factors (as transformers' Phi-3 drops its cache then): its blocks are
+        freed, its block hashes (under the short root) forgotten, and it goes back to the front of
+        the queue with its tokens, like a preemption that memory did not force."""
+        self.kv.free(seq)
+        self.running.remove(seq)
+        seq.num_computed, seq.status = 0, WAITING
+        seq.block_hashes = []
+        seq.rope_len = seq.num_tokens
+        self._rope_phase(seq)
+        self.waiting.appendleft(seq)
+        preempted.append(seq)
 
     def abort_request(self, request_id: str) -> Sequence | None:
         """Drop a waiting or running request (client gone); frees its blocks now."""
@@ -149,8 +180,12 @@ class Scheduler:
         preempted: list[Sequence] = []
         # 1. Decodes of running sequences, oldest first; a block shortage preempts newer ones.
         prompting = []
+        switch = self.config.rope[0] if self.config.rope and self.config.rope[1] == "longrope" else None
         for seq in list(self.running):
             if seq.status != RUNNING:
+                continue
+            if switch is not None and seq.num_tokens > switch >= seq.rope_len:
+                self._switch_to_long(seq, preempted)
                 continue
             if seq.num_tokens - seq.num_computed != 1:
                 prompting.append(seq)

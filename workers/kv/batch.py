@@ -18,11 +18,11 @@ which makes the rows a strided view of the pool (`DecodeRows.view`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from workers.kv.mirror import DecodeMirror, MirrorRows, attend_rows
+from workers.kv.mirror import DecodeMirror, MirrorRows, attend_rows, row_mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,7 @@ class SeqChunk:
     block_table: Sequence[int]  # the sequence's blocks; must cover positions < start_pos + num_tokens
     num_logits: int = 1  # logits for this many of the chunk's last tokens (0: a prompt chunk mid-prompt)
     key: int | None = None  # the sequence's identity across steps (needed with a `DecodeMirror`)
+    rope_len: int = 0  # its prompt's length, for rotaries that depend on it (workers/model/rope.py); 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,18 +70,30 @@ class DecodeRows:
     mask: torch.Tensor | None  # [Nd, 1, 1, max_len] bool; None when every row has length max_len
     view: tuple[int, int] | None  # (first block, blocks per row) when row i's blocks are first + i*stride + j
     mirror: MirrorRows | None = None  # the rows' K/V kept contiguous across steps (CPU engine)
+    masks: dict = field(default_factory=dict)  # window -> its mask, made once per step
 
     @property
     def num(self) -> int:
         return int(self.rows.shape[0])
 
-    def attend(self, query: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def window_mask(self, window: int | None) -> torch.Tensor | None:
+        """The rows' mask when each attends only its last `window` positions (`mask` without one)."""
+        if window is None or window >= self.max_len:
+            return self.mask
+        if window not in self.masks:
+            self.masks[window] = row_mask(self.seq_lens, self.max_len, window)
+        return self.masks[window]
+
+    def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
+               scale: float | None = None) -> torch.Tensor:
         """The torch path: one query token per row `query` [Nd, Hq, D] over one layer's blocks `kv`
-        [2, Hkv, NB, B, D] (this step's K/V already written) -> [Nd, Hq, D]."""
+        [2, Hkv, NB, B, D] (this step's K/V already written) -> [Nd, Hq, D]; a sliding layer's
+        rows see their last `window` positions, `softcap` caps the scores, `scale` scales them
+        (default 1/sqrt(D))."""
         if self.mirror is not None:
-            return self.mirror.attend(query, kv)
+            return self.mirror.attend(query, kv, window, softcap, scale)
         k, v = self.gather(kv)  # [Nd, Hkv, L, D] each
-        return attend_rows(query, k, v, self.mask)
+        return attend_rows(query, k, v, self.window_mask(window), scale, softcap)
 
     def gather(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V `[Nd, Hkv, max_len, D]` of every row: a strided view when `view` allows, else a gather."""
@@ -124,6 +137,7 @@ class ForwardBatch:
     block_size: int
     max_pos: int  # largest position in the batch
     max_block: int  # largest block id the batch reads or writes
+    rope_lens: torch.Tensor | None = None  # [T] int64, the length each token is rotated for; None: not needed
 
     @property
     def num_tokens(self) -> int:
@@ -152,6 +166,7 @@ class ForwardBatch:
         dec_keys: list[int | None] = []
         prefills: list[PrefillSpan] = []
         max_block = 0
+        rope = [(c.rope_len, c.num_tokens) for c, _ in items] if any(c.rope_len for c, _ in items) else None
         # 1. Lay the chunks out one after the other: each token's slot, each chunk's role.
         for chunk, tokens in items:
             start, n = chunk.start_pos, chunk.num_tokens
@@ -209,8 +224,13 @@ class ForwardBatch:
             for t in dec_tables:  # block tables padded with block 0
                 flat.extend(t)
                 flat.extend([0] * (width - len(t)))
+        if rope is not None:
+            flat += [length for length, n in rope for _ in range(n)]
         data = torch.tensor(flat, dtype=torch.int64, device=device)
         cut = n_tok * 3 + n_log
+        rope_lens = None
+        if rope is not None:  # each token: max(position + 1, its prompt's length)
+            rope_lens = torch.maximum(data[n_tok : 2 * n_tok] + 1, data[-n_tok:])
         # 3. Decode rows: the mask and the copy-free view serve the torch path without a mirror.
         decode = None
         if n_dec:
@@ -220,14 +240,13 @@ class ForwardBatch:
             if mirror is None:
                 view = _strided_view(dec_tables)
                 if min(dec_lens) != max_len:
-                    cols = torch.arange(max_len, device=device)
-                    mask = (cols[None, :] < lens[:, None])[:, None, None, :]  # [Nd, 1, 1, L]
+                    mask = row_mask(lens, max_len, None)  # [Nd, 1, 1, L]
             elif None in dec_keys:
                 raise ValueError("Decode chunks need a `key` when the batch uses a DecodeMirror")
             decode = DecodeRows(
                 rows=data[cut : cut + n_dec],
                 rows_start=dec_rows[0] if dec_rows[-1] - dec_rows[0] == n_dec - 1 else None,
-                block_tables=data[cut + 2 * n_dec :].view(n_dec, width),
+                block_tables=data[cut + 2 * n_dec : cut + (2 + width) * n_dec].view(n_dec, width),
                 seq_lens=lens, max_len=max_len, mask=mask, view=view,
                 mirror=None if mirror is None else mirror.prepare(dec_keys, dec_tables, dec_lens, bs),
             )
@@ -241,4 +260,5 @@ class ForwardBatch:
             block_size=bs,
             max_pos=max(positions),
             max_block=max_block,
+            rope_lens=rope_lens,
         )

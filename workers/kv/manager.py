@@ -121,10 +121,15 @@ class KVCacheManager:
         full = seq.num_computed // self.block_size
         if not self.prefix_caching or full <= seq.num_cached_blocks:
             return
-        chain_hashes(self.root, seq.token_ids()[: full * self.block_size], self.block_size, seq.block_hashes)
+        chain_hashes(self._root(seq), seq.token_ids()[: full * self.block_size], self.block_size, seq.block_hashes)
         for i in range(seq.num_cached_blocks, full):
             self.pool.register(seq.block_ids[i], seq.block_hashes[i])
         seq.num_cached_blocks = full
+
+    def _root(self, seq: KVSequence) -> bytes:
+        """The sequence's own hash root where its blocks' contents depend on more than the model and
+        its tokens (a prompt whose length changes its rotation: workers/model/rope.py)."""
+        return getattr(seq, "cache_root", None) or self.root
 
     def _prefix_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None) -> list[int]:
         """Cached blocks holding the sequence's leading full blocks, before its last token (and
@@ -132,7 +137,7 @@ class KVCacheManager:
         limit = (len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)) // self.block_size
         if not self.prefix_caching or limit == 0:
             return []
-        chain_hashes(self.root, tokens[: limit * self.block_size], self.block_size, seq.block_hashes)
+        chain_hashes(self._root(seq), tokens[: limit * self.block_size], self.block_size, seq.block_hashes)
         hits = []
         for h in seq.block_hashes[:limit]:
             block = self.pool.lookup(h)

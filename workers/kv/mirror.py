@@ -20,19 +20,47 @@ speed over a paged pool. GPU kernels read the blocks in place and use no mirror.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 
-def attend_rows(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA of one query token per row: `query` [N, Hq, D], `k`, `v` [N, Hkv, L, D] -> [N, Hq, D]. The
-    query heads of a KV group are folded into the query axis, so GQA repeats no K/V."""
+def row_mask(lens: torch.Tensor, max_len: int, window: int | None) -> torch.Tensor:
+    """[N, 1, 1, max_len] bool: row `n` attends positions `lens[n] - window .. lens[n] - 1` (all of
+    `0 .. lens[n] - 1` without a window)."""
+    cols = torch.arange(max_len, device=lens.device)[None, :]  # [1, L]
+    mask = cols < lens[:, None]
+    if window is not None:
+        mask &= cols >= lens[:, None] - window
+    return mask[:, None, None, :]
+
+
+def attend_rows(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention of one query token per row: `query` [N, Hq, D], `k`, `v` [N, Hkv, L, D] -> [N, Hq, D].
+    The query heads of a KV group are folded into the query axis, so GQA repeats no K/V. SDPA,
+    or, with a `softcap` (scores -> cap * tanh(scores / cap)), the same in explicit ops."""
     n, n_heads, head_dim = query.shape
     q = query.view(n, k.shape[1], n_heads // k.shape[1], head_dim)  # [N, Hkv, G, D]
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        o = softcapped_attention(q, k, v, mask, scale, softcap)
     return o.reshape(n, n_heads, head_dim)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float | None, softcap: float) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap), masked) v, the softmax in fp32 (as transformers'
+    eager attention): `q` [..., G, D], `k`, `v` [..., L, D], `mask` broadcasting to [..., G, L]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., G, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,9 +74,20 @@ class MirrorRows:
     slots: torch.Tensor  # [Nd] pool slot of each row's new token (written by the layer before attention)
     mask: torch.Tensor | None  # [Nd, 1, 1, max_len] in mirror order; None when every row is max_len long
     max_len: int
+    lens: torch.Tensor | None = None  # [Nd] attended lengths in mirror order (windowed masks)
+    masks: dict = field(default_factory=dict)  # window -> its mask, made once per step
 
-    def attend(self, query: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """Copy the new tokens' K/V from the pool layer `kv` in, then attend over the rows."""
+    def window_mask(self, window: int | None) -> torch.Tensor | None:
+        if window is None or window >= self.max_len:
+            return self.mask
+        if window not in self.masks:
+            self.masks[window] = row_mask(self.lens, self.max_len, window)
+        return self.masks[window]
+
+    def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
+               scale: float | None = None) -> torch.Tensor:
+        """Copy the new tokens' K/V from the pool layer `kv` in, then attend over the rows (the last
+        `window` positions of each, when it slides)."""
         _, hkv, nb, bs, d = kv.shape
         m = self.mirror.layer(kv)  # [2, Hkv, R, Lcap, D]
         new = kv.view(2 * hkv, nb * bs, d).index_select(1, self.slots)  # [2*Hkv, Nd, D]
@@ -56,9 +95,10 @@ class MirrorRows:
         n = self.rows.shape[0]
         k = m[0, :, :n, : self.max_len].transpose(0, 1)  # [Nd, Hkv, L, D], a view
         v = m[1, :, :n, : self.max_len].transpose(0, 1)
+        mask = self.window_mask(window)
         if self.order is None:
-            return attend_rows(query, k, v, self.mask)
-        return attend_rows(query.index_select(0, self.order), k, v, self.mask).index_select(0, self.rows)
+            return attend_rows(query, k, v, mask, scale, softcap)
+        return attend_rows(query.index_select(0, self.order), k, v, mask, scale, softcap).index_select(0, self.rows)
 
 
 class DecodeMirror:
@@ -128,12 +168,10 @@ class DecodeMirror:
         dest = [r * capacity + k - 1 for r, k in zip(rows, lens, strict=True)]
         data = torch.tensor(rows + dest + slots + ordered + [lens[i] for i in ordered],
                             dtype=torch.int64, device=device)  # one copy, then views
-        mask = None
-        if min(lens) != max_len:
-            held = data[4 * n :]
-            mask = (torch.arange(max_len, device=device)[None, :] < held[:, None])[:, None, None, :]
+        held = data[4 * n :]
+        mask = row_mask(held, max_len, None) if min(lens) != max_len else None
         return MirrorRows(self, data[:n], None if identity else data[3 * n : 4 * n], data[n : 2 * n],
-                          data[2 * n : 3 * n], mask, max_len)
+                          data[2 * n : 3 * n], mask, max_len, held)
 
     def _fill(self, row: int, table: Sequence[int], n: int, block_size: int) -> None:
         """Copy positions `0 .. n-1` of a sequence from its blocks, every layer at once."""

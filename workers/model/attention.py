@@ -1,18 +1,22 @@
-"""Grouped-query self-attention over packed tokens and the paged KV cache.
+"""Grouped-query self-attention over packed tokens and the paged KV cache, with each layer's options.
 
 Design: q, k and v come from one fused projection `wqkv` (one matmul over every token of
-the batch), and q and k are rotated together as one `[T, H + Hkv, D]` view. A step writes
-every token's K/V into its cache slot (one indexed store per layer), then attends in two
-groups:
+the batch). A layer's family options are applied in transformers' order: q/k norms (per head,
+or over the whole projection before the heads are split), then the rotary of the layer's
+kind (its `RopeSpec`: all or part of each head; none for a NoPE layer), then attention
+scaled by the layer's scale, soft-capped where the family caps scores, over the last
+`sliding_window` positions on a sliding layer. A step writes every token's K/V into its cache
+slot (one indexed store per layer), then attends in two groups:
 - decode rows (one token per sequence, any position) all at once through `PagedAttention`,
-  the kernel-swappable layer: on the CPU the rows' blocks are gathered and one masked SDPA
-  covers them (GQA folded into the query axis); on GPUs a Triton kernel reads the blocks in
-  place through the block table;
+  the kernel-swappable layer, which carries the layer's window, cap and scale: on the CPU the
+  rows' blocks are gathered and one masked SDPA covers them (GQA folded into the query axis);
+  on GPUs a Triton kernel reads the blocks in place through the block table;
 - prefill chunks one by one with a causal SDPA over the chunk's own K/V, or, when the chunk
   continues a sequence (a chunked prompt, a cached prefix, a recomputed preemption), over
-  its gathered cached positions plus the chunk.
+  its gathered cached positions plus the chunk; a window or a cap adds its mask or its ops.
 Trade-off: padding decode rows to the longest one wastes work when lengths differ a lot;
-on CPU that is cheaper than a loop of SDPA calls per sequence.
+on CPU that is cheaper than a loop of SDPA calls per sequence. A soft-capped layer cannot use
+SDPA's fused kernel and pays for explicit score matrices.
 """
 
 from __future__ import annotations
@@ -24,11 +28,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.kv.batch import ForwardBatch, gather_kv
+from workers.kv.mirror import softcapped_attention
 from workers.kv.pool import KVPool
-from workers.model.config import ModelConfig
+from workers.model.config import LayerSpec, ModelConfig
 from workers.model.deterministic import attend_paged
-from workers.model.layers import PagedAttention
-from workers.model.rope import apply_rotary
+from workers.model.layers import FloatRMSNorm, PagedAttention, RMSNorm
+from workers.model.rope import RopeSpec, apply_rotary
+
+
+def make_norm(config: ModelConfig, width: int) -> nn.Module:
+    """The family's RMSNorm over `width` (Llama's is kernel-swappable; OLMo's and Gemma's are not)."""
+    if config.norm_style == "llama":
+        return RMSNorm(width, config.rms_norm_eps)
+    return FloatRMSNorm(width, config.rms_norm_eps, offset=1.0 if config.norm_style == "gemma" else 0.0)
+
+
+def causal_mask(rows: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """[n, length] bool: query at position `rows[i]` sees keys `<= rows[i]` (and `> rows[i] - window`)."""
+    cols = torch.arange(length, device=rows.device)[None, :]
+    mask = cols <= rows[:, None]
+    if window is not None:
+        mask &= cols > rows[:, None] - window
+    return mask
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,62 +58,102 @@ class StepContext:
 
     batch: ForwardBatch
     kv: KVPool
-    cos: torch.Tensor  # [T, 1, D/2]
-    sin: torch.Tensor  # [T, 1, D/2]
-    prefill_masks: tuple[torch.Tensor | None, ...]  # per prefill: [n, start+n] bool, None if start == 0
+    rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]]  # spec -> cos, sin [T, 1, R/2]
+    prefill_masks: dict[int | None, tuple[torch.Tensor | None, ...]]  # window -> per prefill: mask or None
 
 
-def build_step_context(batch: ForwardBatch, kv: KVPool, cos, sin) -> StepContext:
-    masks = []
-    for span in batch.prefills:
-        if span.start_pos == 0:
-            masks.append(None)
-            continue
-        rows = torch.arange(span.num_tokens, device=cos.device)[:, None] + span.start_pos  # [n, 1]
-        cols = torch.arange(span.start_pos + span.num_tokens, device=cos.device)[None, :]  # [1, start+n]
-        masks.append(cols <= rows)  # [n, start+n]
-    return StepContext(batch, kv, cos, sin, tuple(masks))
+def build_step_context(batch: ForwardBatch, kv: KVPool, rope, windows) -> StepContext:
+    """`rope`: each spec's cos/sin; `windows`: the windows the model's layers use (None: full)."""
+    masks: dict[int | None, tuple] = {}
+    for window in windows:
+        per_span = []
+        for span in batch.prefills:
+            end = span.start_pos + span.num_tokens
+            if span.start_pos == 0 and (window is None or span.num_tokens <= window):
+                per_span.append(None)  # plain causal: SDPA's own
+                continue
+            rows = torch.arange(span.start_pos, end, device=batch.positions.device)
+            per_span.append(causal_mask(rows, end, window))  # [n, start+n]
+        masks[window] = tuple(per_span)
+    return StepContext(batch, kv, rope, masks)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer: LayerSpec) -> None:
         super().__init__()
-        self.layer_index = layer_index
+        self.layer_index = layer.index
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.rope = layer.rope
+        self.window = layer.sliding_window
+        self.scale = config.attention_scale if config.attention_scale is not None else config.head_dim**-0.5
+        self.softcap = config.attn_softcap
+        self.qk_norm = config.qk_norm
         self.wqkv = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
-        self.wo = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.wo = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        if self.qk_norm is not None:
+            head = self.qk_norm == "head"
+            self.q_norm = make_norm(config, config.head_dim if head else config.q_size)
+            self.k_norm = make_norm(config, config.head_dim if head else config.kv_size)
         self.paged = PagedAttention()
+        # the decode layer's options (its default scale left to SDPA, whose fused path it keeps)
+        self.paged.sliding_window, self.paged.softcap = self.window, self.softcap
+        self.paged.scale = None if config.attention_scale is None else self.scale
         self.kv_split: int | None = None  # deterministic mode: every row attends in fixed splits
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [..., T, H] -> q [..., T, Hq, D], k, v [..., T, Hkv, D] with rope applied to q and k."""
-        qkv = self.wqkv(x).unflatten(-1, (self.n_heads + 2 * self.n_kv_heads, self.head_dim))
-        qk = apply_rotary(qkv[..., : self.n_heads + self.n_kv_heads, :], cos, sin)  # [..., T, Hq+Hkv, D]
-        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=-2)
-        v = qkv[..., self.n_heads + self.n_kv_heads :, :]  # [..., T, Hkv, D]
+    def _qkv(self, x: torch.Tensor, rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]]):
+        """x [..., T, H] -> q [..., T, Hq, D], k, v [..., T, Hkv, D], normed and rotated as the layer asks."""
+        qkv = self.wqkv(x)
+        hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.qk_norm == "projection":  # over the whole projection, before the heads are split
+            q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+            q, k = self.q_norm(q).unflatten(-1, (hq, d)), self.k_norm(k).unflatten(-1, (hkv, d))
+            v = v.unflatten(-1, (hkv, d))
+        else:
+            heads = qkv.unflatten(-1, (hq + 2 * hkv, d))  # [..., T, Hq+2Hkv, D]
+            if self.qk_norm is None and self.rope is not None:  # q and k rotated together, as one view
+                cos, sin = rope[self.rope]
+                qk = apply_rotary(heads[..., : hq + hkv, :], cos, sin)  # [..., T, Hq+Hkv, D]
+                q, k = qk.split((hq, hkv), dim=-2)
+                return q, k, heads[..., hq + hkv :, :]
+            q, k, v = heads.split((hq, hkv, hkv), dim=-2)
+            if self.qk_norm == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            cos, sin = rope[self.rope]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Full causal attention without a cache: x [B, S, H] -> [B, S, H]."""
-        q, k, v = self._qkv(x, cos, sin)  # [B, S, Hq|Hkv, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, Hq|Hkv, S, D]
-            is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
-        )  # [B, Hq, S, D]
+    def _attend(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        """Softmax attention of q [B, Hq, S, D] over k, v [B, Hkv, L, D] (`mask` [S, L] or None)."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                                  scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads)
+        g = self.n_heads // self.n_kv_heads
+        if mask is None and causal:
+            mask = causal_mask(torch.arange(q.shape[-2], device=q.device), k.shape[-2], None)
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        return softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Full causal attention without a cache: x [B, S, H] -> [B, S, H]; `mask` [S, S] for a
+        sliding layer (None: causal)."""
+        q, k, v = self._qkv(x, rope)  # [B, S, Hq|Hkv, D]
+        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, True)  # [B, Hq, S, D]
         return self.wo(out.transpose(1, 2).flatten(-2))  # [B, S, H]
 
     def step(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Packed attention for one step: x [T, H] -> [T, H]; writes this layer's K/V."""
         batch, decode = ctx.batch, ctx.batch.decode
-        q, k, v = self._qkv(x, ctx.cos, ctx.sin)  # [T, Hq|Hkv, D]
+        q, k, v = self._qkv(x, ctx.rope)  # [T, Hq|Hkv, D]
         kv = ctx.kv.layer(self.layer_index)  # [2, Hkv, NB, B, D]
         # 1. Write every token's K/V at its slot (block * B + offset) in one indexed store.
         slots = kv.view(2, self.n_kv_heads, -1, self.head_dim)  # [2, Hkv, NB*B, D]
         slots[:, :, batch.slot_mapping] = torch.stack((k, v)).transpose(1, 2).to(kv.dtype)  # [2, Hkv, T, D]
         if self.kv_split is not None:  # deterministic mode: one fixed-split path for every row
-            return self.wo(attend_paged(q, kv, batch, self.kv_split).flatten(-2))
+            o = attend_paged(q, kv, batch, self.kv_split, self.window, self.scale, self.softcap)
+            return self.wo(o.flatten(-2))
         if not batch.prefills:
             return self.wo(self.paged(q, kv, decode).flatten(-2))  # [T, H]
         out = torch.empty_like(q)  # [T, Hq, D]
@@ -102,7 +163,7 @@ class Attention(nn.Module):
             out[rows] = self.paged(q[rows], kv, decode)
         elif decode is not None:
             out[decode.rows] = self.paged(q[decode.rows], kv, decode)
-        for span, mask in zip(batch.prefills, ctx.prefill_masks, strict=True):
+        for span, mask in zip(batch.prefills, ctx.prefill_masks[self.window], strict=True):
             rows = slice(span.row_start, span.row_start + span.num_tokens)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if span.blocks is None:
@@ -110,9 +171,6 @@ class Attention(nn.Module):
                 vp = v[rows].transpose(0, 1).unsqueeze(0)
             else:
                 kp, vp = gather_kv(kv, span.blocks, span.start_pos + span.num_tokens)  # [1, Hkv, start+n, D]
-            o = F.scaled_dot_product_attention(
-                qp, kp.to(q.dtype), vp.to(q.dtype), attn_mask=mask, is_causal=mask is None,
-                enable_gqa=self.n_kv_heads != self.n_heads,
-            )  # [1, Hq, n, D]
+            o = self._attend(qp, kp.to(q.dtype), vp.to(q.dtype), mask, True)  # [1, Hq, n, D]
             out[rows] = o[0].transpose(0, 1)
         return self.wo(out.flatten(-2))  # [T, H]

@@ -131,9 +131,11 @@ def enable_deterministic(model: nn.Module, row_tile: int = ROW_TILE, kv_split: i
 # -- attention ------------------------------------------------------------------------------
 
 
-def attend_paged(q: torch.Tensor, kv: torch.Tensor, batch, split: int = KV_SPLIT) -> torch.Tensor:
+def attend_paged(q: torch.Tensor, kv: torch.Tensor, batch, split: int = KV_SPLIT, window: int | None = None,
+                 scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Every row of a step (decode rows and prompt rows alike) attends to its own sequence's
-    cached positions `0..p`, read back from the paged cache, through `split_attention`.
+    cached positions `0..p` (the last `window` of them on a sliding layer), read back from the
+    paged cache, through `split_attention`.
 
     `q` [T, Hq, D]; `kv` one layer's blocks [2, Hkv, NB, B, D] with this step's K/V written;
     `batch` the step's `ForwardBatch` -> [T, Hq, D] in `q`'s dtype."""
@@ -143,7 +145,7 @@ def attend_paged(q: torch.Tensor, kv: torch.Tensor, batch, split: int = KV_SPLIT
     if decode is not None:
         k, v = decode.gather(kv)  # [Nd, Hkv, L, D]
         qd = q.index_select(0, decode.rows).view(decode.num, hkv, -1, d)
-        o = split_attention(qd, k, v, decode.seq_lens.tolist(), split)
+        o = split_attention(qd, k, v, decode.seq_lens.tolist(), split, window, scale, softcap)
         out.index_copy_(0, decode.rows, o.to(q.dtype).flatten(1, 2))
     for span in batch.prefills:
         end = span.start_pos + span.num_tokens
@@ -151,7 +153,7 @@ def attend_paged(q: torch.Tensor, kv: torch.Tensor, batch, split: int = KV_SPLIT
         k, v = gather_kv(kv, table, end)  # [1, Hkv, end, D]
         rows = slice(span.row_start, span.row_start + span.num_tokens)
         o = split_attention(q[rows].view(span.num_tokens, hkv, -1, d), k, v, list(range(span.start_pos + 1, end + 1)),
-                            split)
+                            split, window, scale, softcap)
         out[rows] = o.to(q.dtype).flatten(1, 2)
     return out
 
@@ -165,37 +167,44 @@ def _positions(t: torch.Tensor, start: int, split: int) -> torch.Tensor:
     return part
 
 
-def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
+             softcap: float | None):
     """One split: softmax attention of `q` [R, Hkv, G, D] over `k`, `v` [R, Hkv, S, D] with `mask`
     [R, 1, 1, S] (True = attend) -> (out [R, Hkv, G, D] fp32, logsumexp [R, Hkv, G] fp32)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    if q.device.type == "cpu":  # the fused CPU kernel: one [G, D] x [D, S] problem per (row, KV head)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if q.device.type == "cpu" and softcap is None:  # the fused CPU kernel: one [G, D] x [D, S] problem per (row, KV head)
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
                                                                               scale=scale)
         return out.float(), lse
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [R, Hkv, G, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.softmax(scores, dim=-1).nan_to_num_(0.0), v.float()), lse
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
-                    split: int = KV_SPLIT) -> torch.Tensor:
+                    split: int = KV_SPLIT, window: int | None = None, scale: float | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Softmax attention of one query token per row in fixed splits of `split` positions.
 
     `q` [R, Hkv, G, D] (the G query heads of each KV head), `k`, `v` [R or 1, Hkv, L, D]
     (1: every row reads the same sequence, a prompt chunk, whose `lens` ascend), `lens[r]` the
-    positions row `r` attends (its position + 1; L >= max(lens)) -> [R, Hkv, G, D] in fp32.
-    Row `r`'s result depends only on `q[r]`, its first `lens[r]` keys and values, and `split`:
-    each split is attended by one [G, D] x [D, split] problem per (row, KV head), whatever the
-    other rows, and the splits are merged by their log-sum-exp in split order."""
+    positions row `r` attends (its position + 1; L >= max(lens)), the last `window` of them when
+    it slides -> [R, Hkv, G, D] in fp32. Row `r`'s result depends only on `q[r]`, its keys and
+    values, and `split`: each split is attended by one [G, D] x [D, split] problem per (row, KV
+    head), whatever the other rows, and the splits are merged by their log-sum-exp in split
+    order (a split a row does not see weighs exactly nothing)."""
     rows = q.shape[0]
     shared = k.shape[0] == 1 and rows > 1
     lens_t = torch.tensor(lens, device=q.device)
+    lows = [0 if window is None else max(0, n - window) for n in lens]
+    lows_t = torch.tensor(lows, device=q.device)
     offsets = torch.arange(split, device=q.device)
     outs, lses, firsts = [], [], []
-    for start in range(0, max(lens), split):
+    for start in range(min(lows) // split * split, max(lens), split):
         # 1. the rows that reach this split (a leading run of rows that do not is skipped)
         first = next(r for r, n in enumerate(lens) if n > start)
         ks, vs = _positions(k, start, split), _positions(v, start, split)
@@ -203,10 +212,13 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: lis
             ks, vs = ks.expand(rows - first, -1, -1, -1), vs.expand(rows - first, -1, -1, -1)  # stride 0: no copy
         else:
             ks, vs = ks[first:], vs[first:]
-        mask = (offsets + start < lens_t[first:, None])[:, None, None, :]  # [R', 1, 1, split]
-        out, lse = _partial(q[first:], ks, vs, mask)
-        # 2. a row that does not reach a split (inside the rows kept) weighs nothing in it
-        lse = lse.masked_fill(lens_t[first:, None, None] <= start, float("-inf"))
+        pos = offsets + start
+        mask = ((pos < lens_t[first:, None]) & (pos >= lows_t[first:, None]))[:, None, None, :]  # [R', 1, 1, split]
+        out, lse = _partial(q[first:], ks, vs, mask, scale, softcap)
+        # 2. a row that sees nothing of this split (inside the rows kept) weighs nothing in it
+        blind = ~mask.any(dim=-1)  # [R', 1, 1]
+        lse = lse.masked_fill(blind, float("-inf"))
+        out = out.masked_fill(blind.unsqueeze(-1), 0.0)
         outs.append(out)
         lses.append(lse)
         firsts.append(first)
@@ -218,6 +230,6 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: lis
     total = torch.zeros_like(top)
     for out, lse, first in zip(outs, lses, firsts, strict=True):
         weight = torch.exp(lse - top[first:])  # [R', Hkv, G]
-        acc[first:] += weight.unsqueeze(-1) * out
+        acc[first:] += weight.unsqueeze(-1) * out.nan_to_num(0.0)
         total[first:] += weight
     return acc / total.unsqueeze(-1)

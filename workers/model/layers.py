@@ -1,12 +1,18 @@
-"""Reference layers that `kernels.kernelize` may swap: RMSNorm, SiluAndMul, PagedAttention.
+"""The model's norm, activation and decode-attention layers; three of them `kernels.kernelize` may swap.
 
-Design: each class is the pure-torch reference forward, decorated with
-`kernels.use_kernel_forward_from_hub(<name>)`. Kernel layers replacing them are
+Design: RMSNorm, SiluAndMul and PagedAttention are pure-torch reference forwards decorated
+with `kernels.use_kernel_forward_from_hub(<name>)`. Kernel layers replacing them are
 stateless and take the same forward signature; they read the module's attributes, so
-RMSNorm keeps transformers' names `weight` and `variance_epsilon` (LlamaRMSNorm), and
-SiluAndMul and PagedAttention have no state at all. Numerics follow transformers: RMSNorm
-normalises in fp32 and casts back before the weight multiply; PagedAttention is SDPA's
-softmax(q k^T / sqrt(D)) v over each row's cached positions.
+RMSNorm keeps transformers' names `weight` and `variance_epsilon` (LlamaRMSNorm),
+SiluAndMul has no state and PagedAttention only its layer's attention options
+(`sliding_window`, `softcap`, `scale`). Numerics follow transformers: RMSNorm normalises in
+fp32 and casts back before the weight multiply; PagedAttention is softmax(q k^T * scale) v
+over each row's cached positions (its window's, when it slides), soft-capped where asked.
+
+`FloatRMSNorm` (OLMo: `w * x` in fp32, cast last; Gemma: `x * (1 + w)` in fp32, cast last)
+and `GeluTanhAndMul` (Gemma's GELU) have no kernels yet: they run their torch forward on every
+device, which is what they must compute. Trade-off: the families that use them pay for the
+unfused ops on a GPU until a kernel joins the mapping.
 """
 
 from __future__ import annotations
@@ -36,6 +42,35 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
 
 
+class FloatRMSNorm(nn.Module):
+    """RMSNorm that scales in fp32 and casts last: `(x_n * (offset + w)).to(dtype)` (OLMo: offset
+    0; Gemma: offset 1, its weights stored as `w` around zero)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size) if offset == 0.0 else torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., H]
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        scale = self.weight.float() if self.offset == 0.0 else self.offset + self.weight.float()
+        return (h * scale).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}"
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up for x = cat(gate, up) along the last dim: [..., 2I] -> [..., I]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
 @use_kernel_forward_from_hub("SiluAndMul")
 class SiluAndMul(nn.Module):
     """silu(gate) * up for x = cat(gate, up) along the last dim: [..., 2I] -> [..., I]."""
@@ -50,10 +85,17 @@ class PagedAttention(nn.Module):
     """Decode attention over the paged KV cache: one query token per sequence, any position.
 
     `query` [Nd, Hq, D]; `kv` one layer's blocks [2, Hkv, NB, B, D], this step's K/V already
-    written; `decode` the step's `workers.kv.DecodeRows` (block tables [Nd, MB], lengths [Nd],
-    `max_len`) -> [Nd, Hq, D]. The torch path is the rows' own `attend`: SDPA over the rows'
-    K/V (mirrored, viewed or gathered from their blocks), GQA folded into the query axis.
+    written; `decode` the step's `workers.kv.batch.DecodeRows` (block tables [Nd, MB], lengths
+    [Nd], `max_len`) -> [Nd, Hq, D]. The layer's options are attributes its attention sets:
+    `sliding_window` (a row sees its last that many positions; None: all), `softcap` (scores ->
+    cap * tanh(scores / cap); None: off) and `scale` (None: 1/sqrt(D)). The torch path is the
+    rows' own `attend`: SDPA over the rows' K/V (mirrored, viewed or gathered from their
+    blocks), GQA folded into the query axis.
     """
 
+    sliding_window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+
     def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
-        return decode.attend(query, kv)
+        return decode.attend(query, kv, self.sliding_window, self.softcap, self.scale)

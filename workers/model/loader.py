@@ -121,10 +121,11 @@ def _load_tokenizer(model_dir: Path):
 
 
 # ---- weights ------------------------------------------------------------------------------
-def _read_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    expected = hf_shapes(config)
+    config = model.config
+    expected = hf_shapes(config, {k: v.shape for k, v in model.state_dict().items()})
     found: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for path in _weight_files(model_dir):
@@ -132,7 +133,7 @@ def _read_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devi
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if IGNORED_HF.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
-                if name not in expected or map_name(name) is None:
+                if name not in expected or map_name(name, config) is None:
                     unexpected.append(name)
                     continue
                 shape = tuple(f.get_slice(name).get_shape())
@@ -151,7 +152,7 @@ def _read_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devi
             parts.append(f"unexpected tensors {', '.join(f'`{n}`' for n in unexpected[:8])}"
                          + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
         raise ModelLoadError(f"Checkpoint in `{model_dir}` does not match its config: {'; '.join(parts)}")
-    return to_ours(found)
+    return to_ours(found, config)
 
 
 # ---- entry point ----------------------------------------------------------------------------
@@ -181,8 +182,8 @@ def load_model(
     tokenizer = _load_tokenizer(model_dir)
     tok_cfg = _read_json(model_dir, "tokenizer_config.json", required=False)
     generation_config = _read_json(model_dir, "generation_config.json", required=False)
-    state_dict = _read_weights(model_dir, config, torch_dtype, str(device))
     model = Transformer.from_config(config, torch_dtype)
+    state_dict = _read_weights(model_dir, model, torch_dtype, str(device))
     model.load_weights(state_dict)
     model.eval()
     bos_token = token_text(tok_cfg.get("bos_token"))

@@ -1,10 +1,14 @@
-"""Llama-family decoder (Llama 2/3/3.x, Mistral, Qwen2) in plain torch.
+"""The decoder of every family in the registry, in plain torch.
 
 Design (gpt-fast style): `Transformer.from_config` builds the module on the meta device,
 and the loader assigns real tensors with `load_state_dict(..., assign=True)`, so weights
 are never allocated twice. Projections are fused (`wqkv`, `w_gate_up`) so each layer runs
 four matmuls over all packed tokens of a step; they stay `nn.Linear` so fp8 quantisation
-can swap them. RMSNorm and SiluAndMul are kernel-swappable layers (workers.model.layers).
+can swap them. RMSNorm and SiluAndMul are kernel-swappable layers (workers/model/layers.py).
+A family's options are plain switches here: the norms' placement (before each sub-layer,
+after it, or both) and style, the activation, the embedding scale, the residual multiplier,
+the final soft-cap and logits divisor; each layer's attention takes its own window and
+rotary (`ModelConfig.layer`).
 
 Two entry points share the weights:
 - `model(input_ids [B, S]) -> logits [B, S, V]`: full causal forward, no cache (parity
@@ -22,38 +26,56 @@ from torch import nn
 
 from workers.kv.batch import ForwardBatch
 from workers.kv.pool import KVPool
-from workers.model.attention import Attention, build_step_context
+from workers.model.attention import Attention, build_step_context, causal_mask, make_norm
 from workers.model.config import ModelConfig
-from workers.model.layers import RMSNorm, SiluAndMul
+from workers.model.layers import FloatRMSNorm, GeluTanhAndMul, SiluAndMul
 from workers.model.rope import RotaryTables
 
 
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.act = SiluAndMul()
-        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.act = SiluAndMul() if config.activation == "silu" else GeluTanhAndMul()
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(self.act(self.w_gate_up(x)))  # [..., H] -> [..., 2I] -> [..., I] -> [..., H]
 
 
 class TransformerBlock(nn.Module):
+    """One layer: attention then feed-forward, each normed where the family puts its norms:
+    `pre` (Llama), `post` (OLMo 2: the output normed before the residual add) or `sandwich`
+    (Gemma: both)."""
+
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = Attention(config, layer_index)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        h, placement = config.hidden_size, config.norm_placement
+        pre, post = placement in ("pre", "sandwich"), placement in ("post", "sandwich")
+        self.attention_norm = make_norm(config, h) if pre else None
+        self.attention = Attention(config, config.layer(layer_index))
+        self.post_attention_norm = make_norm(config, h) if post else None
+        self.ffn_norm = make_norm(config, h) if pre else None
         self.feed_forward = FeedForward(config)
+        self.post_ffn_norm = make_norm(config, h) if post else None
+        self.residual_scale = config.residual_scale
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)  # [B, S, H]
-        return h + self.feed_forward(self.ffn_norm(h))
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, post: nn.Module | None) -> torch.Tensor:
+        if post is not None:
+            out = post(out)
+        return x + (out if self.residual_scale == 1.0 else out * self.residual_scale)
+
+    def forward(self, x: torch.Tensor, rope, masks) -> torch.Tensor:
+        a = self.attention(self.attention_norm(x) if self.attention_norm else x, rope, masks[self.attention.window])
+        h = self._residual(x, a, self.post_attention_norm)  # [B, S, H]
+        f = self.feed_forward(self.ffn_norm(h) if self.ffn_norm else h)
+        return self._residual(h, f, self.post_ffn_norm)
 
     def step(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        h = x + self.attention.step(self.attention_norm(x), ctx)  # [T, H]
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention.step(self.attention_norm(x) if self.attention_norm else x, ctx)  # [T, H]
+        h = self._residual(x, a, self.post_attention_norm)
+        f = self.feed_forward(self.ffn_norm(h) if self.ffn_norm else h)
+        return self._residual(h, f, self.post_ffn_norm)
 
 
 class Transformer(nn.Module):
@@ -62,9 +84,14 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope = RotaryTables(config)
+        self.rope = RotaryTables()
+        specs = [config.layer(i) for i in range(config.num_hidden_layers)]
+        self.rope_specs = tuple(dict.fromkeys(s.rope for s in specs if s.rope is not None))  # distinct, in order
+        self.windows = tuple(dict.fromkeys(s.sliding_window for s in specs))
+        # the shortest length past which a token's rotation changes (dynamic, LongRoPE), if any
+        self.rope_threshold = min((t for s in self.rope_specs if (t := s.threshold) is not None), default=None)
         self.tie_weights()
 
     # ---- construction ------------------------------------------------------------------
@@ -99,11 +126,12 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
-        """Normal(0, std) for matrices, zeros for biases, ones for norms (GPT-2 style)."""
+        """Normal(0, std) for matrices, zeros for biases, a unit scale for norms (GPT-2 style)."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
+        offsets = {f"{n}.weight": m.offset for n, m in self.named_modules() if isinstance(m, FloatRMSNorm)}
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(1.0 - offsets.get(name, 0.0))  # Gemma's (1 + w) norms: w = 0
             elif name.endswith("bias"):
                 p.zero_()
             else:
@@ -125,18 +153,49 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
+    @property
+    def rope_policy(self) -> tuple[int, str] | None:
+        """(threshold, rope type) of a rotary whose result depends on the sequence's length
+        (dynamic, longrope), for the scheduler; None when none does."""
+        for spec in self.rope_specs:
+            if spec.threshold is not None:
+                return spec.threshold, spec.rope_type
+        return None
+
     def new_kv_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVPool:
         return KVPool.for_config(self.config, num_blocks, block_size, dtype or self.dtype, self.device)
+
+    # ---- the pieces both passes share -------------------------------------------------
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(ids)
+        scale = self.config.embedding_scale
+        if scale == 1.0:
+            return x
+        if self.config.embedding_scale_rounded:  # the scale as a value of the weights' dtype (Gemma)
+            return x * torch.tensor(scale, dtype=x.dtype, device=x.device)
+        return x * scale
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.output(self.norm(x))
+        c = self.config
+        if c.logits_divisor != 1.0:
+            logits = logits / c.logits_divisor
+        if c.final_softcap is not None:
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits
 
     # ---- forward passes --------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full causal forward: input_ids [B, S] -> logits [B, S, V] (model dtype)."""
         seq_len = input_ids.shape[1]
-        cos, sin = self.rope.lookup_range(seq_len, input_ids.device, self.dtype)  # [S, 1, D/2]
-        x = self.tok_embeddings(input_ids)  # [B, S, H]
+        positions = torch.arange(seq_len, device=input_ids.device)
+        lengths = torch.full_like(positions, seq_len)  # one forward over the whole sequence
+        rope = {spec: self.rope.lookup(spec, positions, seq_len - 1, self.dtype, lengths) for spec in self.rope_specs}
+        masks = {w: None if w is None or w >= seq_len else causal_mask(positions, seq_len, w) for w in self.windows}
+        x = self._embed(input_ids)  # [B, S, H]
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.output(self.norm(x))  # [B, S, V]
+            x = layer(x, rope, masks)
+        return self._logits(x)  # [B, S, V]
 
     @torch.inference_mode()
     def step(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
@@ -146,11 +205,12 @@ class Transformer(nn.Module):
                 f"Batch reads block `{batch.max_block}` of size {batch.block_size}; the KV pool has "
                 f"{kv.num_blocks} blocks of size {kv.block_size}"
             )
-        cos, sin = self.rope.lookup(batch.positions, batch.max_pos, self.dtype)  # [T, 1, D/2]
-        ctx = build_step_context(batch, kv, cos, sin)
-        x = self.tok_embeddings(batch.input_ids)  # [T, H]
+        rope = {spec: self.rope.lookup(spec, batch.positions, batch.max_pos, self.dtype, batch.rope_lens)
+                for spec in self.rope_specs}  # [T, 1, R/2] each
+        ctx = build_step_context(batch, kv, rope, self.windows)
+        x = self._embed(batch.input_ids)  # [T, H]
         for layer in self.layers:
             x = layer.step(x, ctx)
         if x.shape[0] != batch.logits_index.shape[0]:  # equal only when every row is projected, in order
             x = x.index_select(0, batch.logits_index)  # [N, H]
-        return self.output(self.norm(x)).float()  # [N, V]
+        return self._logits(x).float()  # [N, V]

@@ -1,11 +1,13 @@
-"""Hugging Face tensor names <-> ours, in ONE explicit map, plus shape checks and export.
+"""Hugging Face tensor names <-> ours, through one explicit map per family, plus shape checks and export.
 
 Design: our layers fuse q/k/v into `wqkv` and gate/up into `w_gate_up` (fewer matmuls per
 step), so a Hugging Face tensor maps to (our name, part index); parts are concatenated
-along the output dimension in part order. The same table drives loading
-(`to_ours`), shape validation (`hf_shapes`) and export (`to_hf`), so the three cannot
-drift apart. Trade-off: a fused tensor is only complete once all its parts are read, so
-loading holds the parts of one layer briefly in memory.
+along the output dimension in part order (a checkpoint that stores them fused, as Phi-3
+does, maps whole). Each family declares its map (workers/model/families/), and the same
+map drives loading (`to_ours`), shape validation (`hf_shapes`, checked against the model
+built for the config) and export (`to_hf`), so the three cannot drift apart. Trade-off: a
+fused tensor is only complete once all its parts are read, so loading holds the parts of one
+layer briefly in memory.
 """
 
 from __future__ import annotations
@@ -16,71 +18,66 @@ from collections.abc import Mapping
 import torch
 
 from workers.model.config import ModelConfig
+from workers.model.families.registry import family
 
-# HF name (with {i} for the layer) -> (our name, part index within the fused tensor, or None)
-HF_TO_OURS: dict[str, tuple[str, int | None]] = {
-    "model.embed_tokens.weight": ("tok_embeddings.weight", None),
-    "model.norm.weight": ("norm.weight", None),
-    "lm_head.weight": ("output.weight", None),
-    "model.layers.{i}.input_layernorm.weight": ("layers.{i}.attention_norm.weight", None),
-    "model.layers.{i}.self_attn.q_proj.weight": ("layers.{i}.attention.wqkv.weight", 0),
-    "model.layers.{i}.self_attn.k_proj.weight": ("layers.{i}.attention.wqkv.weight", 1),
-    "model.layers.{i}.self_attn.v_proj.weight": ("layers.{i}.attention.wqkv.weight", 2),
-    "model.layers.{i}.self_attn.q_proj.bias": ("layers.{i}.attention.wqkv.bias", 0),
-    "model.layers.{i}.self_attn.k_proj.bias": ("layers.{i}.attention.wqkv.bias", 1),
-    "model.layers.{i}.self_attn.v_proj.bias": ("layers.{i}.attention.wqkv.bias", 2),
-    "model.layers.{i}.self_attn.o_proj.weight": ("layers.{i}.attention.wo.weight", None),
-    "model.layers.{i}.post_attention_layernorm.weight": ("layers.{i}.ffn_norm.weight", None),
-    "model.layers.{i}.mlp.gate_proj.weight": ("layers.{i}.feed_forward.w_gate_up.weight", 0),
-    "model.layers.{i}.mlp.up_proj.weight": ("layers.{i}.feed_forward.w_gate_up.weight", 1),
-    "model.layers.{i}.mlp.down_proj.weight": ("layers.{i}.feed_forward.w_down.weight", None),
-}
 # Tensors some checkpoints carry that we recompute or do not need.
 IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
-_PATTERNS = [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(\d+)") + "$"), v) for k, v in HF_TO_OURS.items()]
+_Compiled = list[tuple[re.Pattern, tuple[str, int | None]]]
+_COMPILED: dict[str, _Compiled] = {}
 
 
-def map_name(hf_name: str) -> tuple[str, int | None] | None:
-    """Our (name, part) for an HF tensor name, or None when the name is not in the map."""
-    for pattern, (ours, part) in _PATTERNS:
+def _patterns(config: ModelConfig) -> _Compiled:
+    compiled = _COMPILED.get(config.architecture)
+    if compiled is None:
+        weights = family(config.architecture).weights
+        compiled = [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(\d+)") + "$"), v) for k, v in weights.items()]
+        _COMPILED[config.architecture] = compiled
+    return compiled
+
+
+def map_name(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | None:
+    """Our (name, part) for an HF tensor name of this config's family, or None when not in its map."""
+    for pattern, (ours, part) in _patterns(config):
         m = pattern.match(hf_name)
         if m:
             return (ours.replace("{i}", m.group(1)) if m.groups() else ours), part
     return None
 
 
-def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor the config expects, with its shape."""
-    h, i = config.hidden_size, config.intermediate_size
-    q, kv = config.q_size, config.kv_size
-    per_layer = {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
-    }
-    if config.attention_bias:
-        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for layer in range(config.num_hidden_layers):
-        shapes.update({f"model.layers.{layer}.{k}": v for k, v in per_layer.items()})
+def _part_sizes(config: ModelConfig, ours: str) -> tuple[int, ...]:
+    """How a fused tensor of ours splits along dim 0 into its Hugging Face parts."""
+    if ".wqkv." in ours:
+        return config.q_size, config.kv_size, config.kv_size
+    if ".w_gate_up." in ours:
+        return config.intermediate_size, config.intermediate_size
+    raise KeyError(ours)
+
+
+def hf_shapes(config: ModelConfig, ours: Mapping[str, torch.Size]) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor the config expects, with its shape, given the shapes of the model built
+    for it (`ours`: our name -> shape, e.g. from a meta-device model's state dict)."""
+    names = [k.replace("{i}", str(i)) if "{i}" in k else k
+             for k in family(config.architecture).weights
+             for i in (range(config.num_hidden_layers) if "{i}" in k else (None,))]
+    shapes = {}
+    for hf_name in names:
+        target, part = map_name(hf_name, config)
+        if target not in ours or (hf_name == "lm_head.weight" and config.tie_word_embeddings):
+            continue  # a tensor this config does not have (a bias left off, a tied head)
+        shape = tuple(ours[target])
+        if part is not None:
+            shape = (_part_sizes(config, target)[part], *shape[1:])
+        shapes[hf_name] = shape
     return shapes
 
 
-def to_ours(hf_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_ours(hf_tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Fuse already-validated HF tensors into our state dict (parts concatenated on dim 0)."""
     parts: dict[str, dict[int, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for hf_name, tensor in hf_tensors.items():
-        mapped = map_name(hf_name)
+        mapped = map_name(hf_name, config)
         assert mapped is not None, hf_name  # callers filter unknown names first
         ours, part = mapped
         if part is None:
@@ -95,18 +92,13 @@ def to_ours(hf_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def to_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Our model's weights under HF names (fused tensors split back), contiguous, detached."""
     config: ModelConfig = model.config
-    split = {
-        "wqkv": (config.q_size, config.kv_size, config.kv_size),
-        "w_gate_up": (config.intermediate_size, config.intermediate_size),
-    }
     ours = model.state_dict()
     out: dict[str, torch.Tensor] = {}
-    for hf_name in hf_shapes(config):
-        name, part = map_name(hf_name)  # type: ignore[misc]
+    for hf_name in hf_shapes(config, {k: v.shape for k, v in ours.items()}):
+        name, part = map_name(hf_name, config)  # type: ignore[misc]
         tensor = ours[name].detach()
         if part is not None:
-            kind = "wqkv" if ".wqkv." in name else "w_gate_up"
-            tensor = tensor.split(split[kind], dim=0)[part]
+            tensor = tensor.split(_part_sizes(config, name), dim=0)[part]
         out[hf_name] = tensor.contiguous().clone()
     return out
 

@@ -114,7 +114,7 @@ class WorkerServer:
         from workers.kv.pool import KVPool
 
         cfg, dtype, bs = self.loaded.config, self.loaded.dtype, self.args.kv_block_size
-        per_token, context = KVPool.bytes_per_token(cfg, dtype), cfg.max_position_embeddings
+        per_token, context = KVPool.bytes_per_token(cfg, dtype), cfg.context_length
         budget, why = kv_budget(self.args, self.bound, per_token, context)
         blocks, shape = plan_kv_blocks(per_token, bs, budget, context)
         self.kv = KVPool.for_config(cfg, blocks, bs, dtype, self.bound.torch_device)
@@ -132,9 +132,9 @@ class WorkerServer:
         # What besides the tokens decides a block's contents: the prefix cache's hash root.
         root = root_hash(loaded.model_id, loaded.dtype, args.quantize, args.kv_block_size)
         config = SchedulerConfig(
-            args.max_batch, loaded.config.max_position_embeddings, self.kv.num_blocks, self.kv.block_size,
+            args.max_batch, loaded.config.context_length, self.kv.num_blocks, self.kv.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_cache,
-            eos_token_ids=loaded.eos_token_ids, cache_root=root,
+            eos_token_ids=loaded.eos_token_ids, cache_root=root, rope=loaded.model.rope_policy,
         )
         runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
                              mirror=self.deterministic is None)
@@ -150,7 +150,7 @@ class WorkerServer:
         loaded, kv, startup = self.loaded, self.kv, self.startup
         preflight = startup.preflight
         model = {"id": loaded.model_id, "dtype": str(loaded.dtype).removeprefix("torch."),
-                 "context_length": loaded.config.max_position_embeddings}
+                 "context_length": loaded.config.context_length}
         for key in ("chat_template", "eos_token", "bos_token"):
             if getattr(loaded, key) is not None:
                 model[key] = getattr(loaded, key)

@@ -1,0 +1,73 @@
+"""Tiny random checkpoints of every family in the registry, written by transformers itself.
+
+Each case is `AutoConfig.for_model(model_type, ...)` with the family's distinguishing options
+switched on (a sliding window shorter than the test prompts, soft-caps, q/k norms, partial
+rotary, LongRoPE crossing its original length, NoPE layers, multipliers, post-norms), then
+`AutoModelForCausalLM.from_config` in fp32 and `save_pretrained`, with the embedded model's
+tokenizer beside it (vocabulary 4096). Weights are random with a small spread, so greedy
+tokens vary from step to step; the checkpoint is what transformers writes, so our loader
+reads the real tensor names and config spellings of transformers 5.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from workers.contract import DEFAULT_MODEL_DIR
+
+VOCAB = 4096
+WINDOW = 16  # shorter than every test prompt
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, tie_word_embeddings=False, initializer_range=0.05)
+_ROT = 16 // 2  # rotary dim / 2 of a head of 16
+_PARTIAL = 8 // 2  # phi3's partial rotary (0.5 of 16) / 2
+_LAYERS4 = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+# case -> (model_type, options). A case's name starts with its family.
+CASES: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "llama-yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 128})),
+    "llama-dynamic": ("llama", dict(max_position_embeddings=48,
+                                    rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})),
+    "llama-linear": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
+    "qwen3": ("qwen3", dict(attention_bias=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
+    "gemma2": ("gemma2", dict(sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=20.0,
+                              final_logit_softcapping=15.0, initializer_range=0.02)),
+    "gemma3": ("gemma3_text", dict(sliding_window=WINDOW, query_pre_attn_scalar=24, layer_types=_LAYERS4,
+                                   initializer_range=0.02,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                       "factor": 8.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10000.0}})),
+    "phi3": ("phi3", dict(max_position_embeddings=512, original_max_position_embeddings=32,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                           "short_factor": [1.0 + 0.1 * i for i in range(_PARTIAL)],
+                                           "long_factor": [2.0 + 0.5 * i for i in range(_PARTIAL)]})),
+    "smollm3": ("smollm3", dict(no_rope_layers=[1, 1, 1, 0], use_sliding_window=True, sliding_window=WINDOW,
+                                attention_bias=True, tie_word_embeddings=True)),
+    "olmo2": ("olmo2", dict()),
+    "olmo3": ("olmo3", dict(sliding_window=WINDOW)),
+    "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                logits_scaling=4.0)),
+}
+
+
+def make_family_checkpoint(case: str, out: Path, seed: int = 0) -> Path:
+    """Write case `case`'s checkpoint (config.json, model.safetensors, generation config, tokenizer) to `out`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, options = CASES[case]
+    cfg = AutoConfig.for_model(model_type, **{**BASE, **options})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, out / name)
+    return out

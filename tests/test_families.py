@@ -1,0 +1,97 @@
+"""Every family of the registry against transformers, on a tiny checkpoint transformers wrote.
+
+For each case of tests/family_checkpoints.py (each family with its distinguishing options on:
+sliding windows shorter than the prompts, soft-caps, q/k norms, partial rotary, LongRoPE past
+its original length, dynamic and yarn rotaries, NoPE layers, multipliers, post-norms):
+- fp32 logits of the full forward within 1e-4 of transformers' (eager attention);
+- greedy tokens, 32 new ones per prompt, identical to transformers' `generate` for each prompt
+  alone, through the engine three ways: all prompts batched together; chunked prefill with
+  the prefix cache, one request at a time so each finds the last one's blocks; and a KV pool
+  too small for all of them, so sequences are preempted and recomputed.
+The HTTP path is covered once per family in tests/test_e2e_families.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.family_checkpoints import CASES, make_family_checkpoint
+from workers.engine.core import Engine
+from workers.engine.runner import ModelRunner
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.kv.hashing import root_hash
+from workers.kv.pool import KVPool
+from workers.model.loader import load_model
+from workers.sampling.params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 32
+TEXT = ("Once upon a time there was a little fox who lived near the river, and every morning it went "
+        "down to the water to look at the fish and the birds and the boats that came and went.")
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    torch.set_num_threads(1)
+    path = make_family_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    ours = load_model(path, "float32")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    ref.eval()
+    return request.param, ours, ref
+
+
+def _prompts(ours) -> list[list[int]]:
+    """Prompts longer than the sliding window (16), two sharing their first 24 tokens, one short."""
+    ids = ours.tokenizer.encode(TEXT).ids
+    assert len(ids) >= 44
+    return [ids[:41], ids[:24] + ids[30:44], ids[:11], ids[3:36]]
+
+
+def _reference(ref, prompt: list[int], eos: tuple[int, ...]) -> list[int]:
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=list(eos),
+                       pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _engine_outputs(ours, prompts, *, num_blocks=256, block_size=4, budget=2048, max_sequences=8, prefix=True):
+    cfg = ours.config
+    pool = KVPool.for_config(cfg, num_blocks, block_size, ours.dtype)
+    config = SchedulerConfig(max_sequences, cfg.context_length, num_blocks, block_size, budget, prefix,
+                             eos_token_ids=ours.eos_token_ids, cache_root=root_hash(cfg.architecture),
+                             rope=ours.model.rope_policy)
+    engine = Engine(ModelRunner(ours.model, pool, "cpu"), Scheduler(config), ours.tokenizer, max_queue=64)
+    streams = [engine.submit(p, SamplingParams.create(max_new_tokens=NEW_TOKENS)) for p in prompts]
+    while engine.step():
+        pass
+    assert engine.scheduler.kv.usage == 0
+    return [[e.token_id for e in s.events] for s in streams], engine
+
+
+def test_logits_match_transformers(case):
+    name, ours, ref = case
+    prompts = _prompts(ours)
+    ids = torch.tensor([prompts[0][:40], prompts[3][:33] + prompts[0][:7]])  # [2, 40]
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ours.model(ids).float()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_greedy_tokens_match_transformers_batched_chunked_cached_and_preempted(case):
+    name, ours, ref = case
+    prompts = _prompts(ours)
+    with torch.no_grad():
+        want = [_reference(ref, p, ours.eos_token_ids) for p in prompts]
+    batched, _ = _engine_outputs(ours, prompts)
+    assert batched == want, name
+    chunked, engine = _engine_outputs(ours, prompts, budget=8, max_sequences=1)  # one at a time: prefix hits
+    assert chunked == want, name
+    hits = engine.metrics.prefix_hits._value.get()
+    assert hits >= 20, f"{name}: the shared prefix was not reused ({hits} tokens)"
+    longest = max(len(p) for p in prompts) + NEW_TOKENS
+    tight, engine = _engine_outputs(ours, prompts, num_blocks=-(-longest // 4) + 3, budget=16)
+    assert tight == want, name
+    assert engine.scheduler.num_preemptions > 0, f"{name}: the pool was large enough that nothing was preempted"
