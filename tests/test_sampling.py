@@ -242,3 +242,19 @@ def test_top_k_candidates_cost_less_than_the_full_sort():
 
     best(apply_top_k_top_p)  # warm
     assert best(apply_top_k_top_p) < best(_sorted_top_k_top_p)
+
+
+def test_logit_bias_of_many_rows_in_one_op_adds_each_rows_own_bias():
+    """Guards the batched `apply_logit_bias` (one `index_put_` for all biased rows): each row gets
+    exactly its own (token, bias) pairs, unbiased rows nothing."""
+    from workers.sampling.logits_processors import apply_logit_bias
+
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    biases = [{1: 5.0, 7: -2.5}, {}, {1: -1.0}, {15: 100.0, 0: 0.5}]
+    rows = [Row(SamplingParams.create(logit_bias=b)) for b in biases]
+    want = logits.clone()
+    for i, b in enumerate(biases):
+        for token, value in b.items():
+            want[i, token] += value
+    got = apply_logit_bias(logits.clone(), rows, [i for i, b in enumerate(biases) if b])
+    assert torch.equal(got, want)

@@ -27,11 +27,17 @@ import torch
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence, which: list[int]) -> torch.Tensor:
-    """Add each row's `params.logit_bias` ((token id, bias) pairs) to its logits, in place."""
+    """Add each row's `params.logit_bias` ((token id, bias) pairs) to its logits, in place: one
+    `index_put_` for every biased row of the step (ids are distinct within a row)."""
+    row_ids, token_ids, biases = [], [], []
     for i in which:
-        ids, bias = zip(*rows[i].params.logit_bias, strict=True)
-        index = torch.tensor(ids, dtype=torch.int64, device=logits.device)
-        logits[i].index_add_(0, index, torch.tensor(bias, dtype=logits.dtype, device=logits.device))
+        for token, bias in rows[i].params.logit_bias:
+            row_ids.append(i)
+            token_ids.append(token)
+            biases.append(bias)
+    index = torch.tensor([row_ids, token_ids], dtype=torch.int64, device=logits.device)  # [2, B]
+    logits.index_put_((index[0], index[1]), torch.tensor(biases, dtype=logits.dtype, device=logits.device),
+                      accumulate=True)
     return logits
 
 
