@@ -151,6 +151,34 @@ PAGED_SHAPES = [  # (query heads, kv heads, head dim, block size, pool blocks, l
 ]
 
 
+PAGED_OPTIONS = [  # (window, softcap, scale): a full layer, Gemma 2's cap, windows of 1, 16 and beyond the rows
+    (None, None, None),
+    (0, 0.0, None),  # the "off" spellings
+    (None, 50.0, None),
+    (1, None, None),
+    (16, 30.0, 144**-0.5),
+    (4096, None, 0.0625),
+]
+
+
+def _paged_launch(monkeypatch, tuning, shape, window=None, softcap=None, scale=None):
+    """(the recorded launch, the type Triton's JIT gives each runtime argument, the arguments by name)."""
+    mod = importlib.import_module("kernels_local.paged_attention.paged_attention")
+    kernel = mod._paged_decode_kernel
+    hq, hkv, d, bs, nb, lens = shape
+    monkeypatch.setattr(mod, "runs_triton", lambda x: True)
+    rec = _Recorder("_paged_decode_kernel")
+    monkeypatch.setattr(mod, "_paged_decode_kernel", rec)
+    kv = torch.zeros(2, hkv, nb, bs, d, dtype=torch.bfloat16)
+    tables = torch.zeros(len(lens), -(-max(lens) // bs), dtype=torch.int64)
+    q = torch.zeros(len(lens), hq, d, dtype=torch.bfloat16)
+    mod.paged_decode(q, kv, tables, torch.tensor(lens), max(lens), tuning, window=window, softcap=softcap, scale=scale)
+    monkeypatch.setattr(mod, "_paged_decode_kernel", kernel)
+    (args, _), = rec.launches
+    types_ = [_jit_type(kernel, name, value) for name, value in zip(kernel.arg_names, args, strict=False)]
+    return rec, types_, dict(zip(kernel.arg_names, args, strict=False))
+
+
 @pytest.mark.parametrize("hq,hkv,d,bs,nb,lens", PAGED_SHAPES)
 def test_paged_attention_specs_are_what_the_wrapper_launches(monkeypatch, hq, hkv, d, bs, nb, lens):
     """Guards `compile_specs` in paged_attention.py (and its `do_not_specialize` list): the
@@ -159,32 +187,59 @@ def test_paged_attention_specs_are_what_the_wrapper_launches(monkeypatch, hq, hk
     width. An integer left to specialization (a block table one block wide is `constexpr=1`,
     a width of 16 is `i32:16`) would run a variant the preflight never compiled."""
     mod = importlib.import_module("kernels_local.paged_attention.paged_attention")
-    kernel = mod._paged_decode_kernel
-    monkeypatch.setattr(mod, "runs_triton", lambda x: True)
-    width = -(-max(lens) // bs)
-    kv = torch.zeros(2, hkv, nb, bs, d, dtype=torch.bfloat16)
-    tables = torch.zeros(len(lens), width, dtype=torch.int64)
-    q = torch.zeros(len(lens), hq, d, dtype=torch.bfloat16)
     for tuning in mod.TUNINGS.values():
-        rec = _Recorder("_paged_decode_kernel")
-        monkeypatch.setattr(mod, "_paged_decode_kernel", rec)
-        mod.paged_decode(q, kv, tables, torch.tensor(lens), max(lens), tuning)
-        (args, _), = rec.launches
-        launched = [_jit_type(kernel, name, value) for name, value in zip(kernel.arg_names, args, strict=False)]
+        rec, launched, _ = _paged_launch(monkeypatch, tuning, (hq, hkv, d, bs, nb, lens))
         specs = mod.compile_specs(tuning, Workload(head_dims=(d,)))
         assert _launched(rec) == _declared(specs, "_paged_decode_kernel"), tuning.name
         assert launched == [t for _, t in specs[0].args], tuning.name
 
 
-def test_each_paged_attention_layer_passes_the_tuning_its_specs_declare(monkeypatch):
+@pytest.mark.parametrize("window,softcap,scale", PAGED_OPTIONS)
+def test_paged_attention_specs_cover_every_layer_option(monkeypatch, window, softcap, scale):
+    """Guards the runtime `window`, `softcap` and `scale` arguments of `_paged_decode_kernel`
+    (and `window` in `_UNSPECIALIZED`): for head dim 256 (Gemma), with the cap on or off and
+    the window on or off, every launch the wrapper makes is one its specs declare for
+    `head_dims=(256,)`, argument type for argument type. A window left to specialization (1 is
+    `constexpr=1`, 16 is `i32:16`) or a cap turned constexpr without its spec would run a
+    variant the preflight never compiled. The options reach the kernel as the layer set them."""
+    mod = importlib.import_module("kernels_local.paged_attention.paged_attention")
+    for tuning in mod.TUNINGS.values():
+        rec, launched, args = _paged_launch(monkeypatch, tuning, (8, 4, 256, 16, 64, [1, 33, 100]), window, softcap,
+                                            scale)  # fmt: skip
+        specs = mod.compile_specs(tuning, Workload(head_dims=(256,)))
+        (declared,) = [s for s in specs if s.name == "_paged_decode_kernel"]
+        assert _launched(rec) == [(declared.constexprs, declared.num_warps, declared.num_stages)], tuning.name
+        assert dict(declared.constexprs) == {"TILE": tuning.launch_shape(256)[0], "HEAD_DIM": 256}
+        assert launched == [t for _, t in declared.args], (tuning.name, window, softcap)
+        assert args["window"] == (window or mod.FULL_WINDOW) and args["softcap"] == (softcap or 0.0)
+        assert args["scale"] == (256**-0.5 if scale is None else scale)
+
+
+def test_each_paged_attention_layer_passes_the_tuning_and_options_its_module_has(monkeypatch):
+    """Guards `_triton_or_torch` and `_options` in paged_attention/layers.py: each Triton layer
+    passes its `COMPILE_SPECS` tuning and the model module's `sliding_window`, `softcap` and
+    `scale` (None when the module has none of them) to the kernel, and the same options to
+    `decode.attend` on the torch path, so a Gemma layer is never run as a full, uncapped one."""
     layers = _layers_module("paged_attention")
-    seen = []
-    monkeypatch.setattr(layers, "runs_triton", lambda x: True)
-    monkeypatch.setattr(layers, "paged_decode", lambda *a: seen.append(a[-1]))
-    decode = types.SimpleNamespace(block_tables=None, seq_lens=None, max_len=1)
-    for name, spec in layers.COMPILE_SPECS.items():
-        getattr(layers, name).forward(torch.nn.Module(), torch.ones(1, 2, 4), torch.ones(2, 1, 1, 1, 4), decode)
-        assert seen.pop() is spec.args[0], name
+    kernel, torch_path = [], []
+    monkeypatch.setattr(layers, "paged_decode", lambda *a, **kw: kernel.append(kw))
+    decode = types.SimpleNamespace(block_tables=None, seq_lens=None, max_len=1,
+                                   attend=lambda q, kv, *options: torch_path.append(options))  # fmt: skip
+    gemma = torch.nn.Module()
+    gemma.sliding_window, gemma.softcap, gemma.scale = 4096, 50.0, 144**-0.5
+    q, kv = torch.ones(1, 2, 4), torch.ones(2, 1, 1, 1, 4)
+    for module, options in ((torch.nn.Module(), (None, None, None)), (gemma, (4096, 50.0, 144**-0.5))):
+        for name, spec in layers.COMPILE_SPECS.items():
+            monkeypatch.setattr(layers, "runs_triton", lambda x: True)
+            getattr(layers, name).forward(module, q, kv, decode)
+            kw = kernel.pop()
+            assert kw["tuning"] is spec.args[0], name
+            assert (kw["window"], kw["softcap"], kw["scale"]) == options, name
+            monkeypatch.setattr(layers, "runs_triton", lambda x: False)
+            getattr(layers, name).forward(module, q, kv, decode)
+            assert torch_path.pop() == options, name
+        layers.PagedAttention.forward(module, q, kv, decode)
+        assert torch_path.pop() == options
 
 
 def test_default_workload_covers_every_realistic_launch():

@@ -2,11 +2,13 @@
 
 Each layer is stateless: no `__init__`, only `forward(self, query, kv, decode)`, where
 `decode` is the step's decode rows: `block_tables` [N, MB], `seq_lens` [N] and `max_len` for
-the kernel, and `attend(query, kv)`, the torch path (SDPA over the rows' K/V, which the
-worker may keep contiguous across steps instead of gathering them). The Triton layers differ
-only in their launch tuning; on CPU tensors they take the torch path. `COMPILE_SPECS` names,
-per Triton layer, the launches its forward can make (the preflight compiles them ahead of
-time); each entry's tuning is the one its forward passes.
+the kernel, and `attend(query, kv, window, softcap, scale)`, the torch path (SDPA over the
+rows' K/V, which the worker may keep contiguous across steps instead of gathering them).
+`self` is the model's `PagedAttention`, whose attention options (`sliding_window`,
+`softcap`, `scale`; None where the layer does not set them) both paths honour. The Triton
+layers differ only in their launch tuning; on CPU tensors they take the torch path.
+`COMPILE_SPECS` names, per Triton layer, the launches its forward can make (the preflight
+compiles them ahead of time); each entry's tuning is the one its forward passes.
 """
 
 from __future__ import annotations
@@ -27,17 +29,25 @@ from .paged_attention import (
 )
 
 
-def _triton_or_torch(query: torch.Tensor, kv: torch.Tensor, decode, tuning: PagedAttentionTuning) -> torch.Tensor:
+def _options(module: nn.Module) -> tuple[int | None, float | None, float | None]:
+    """The layer's (sliding window, softcap, scale) as its attention set them; None where unset."""
+    return getattr(module, "sliding_window", None), getattr(module, "softcap", None), getattr(module, "scale", None)
+
+
+def _triton_or_torch(module: nn.Module, query: torch.Tensor, kv: torch.Tensor, decode,
+                     tuning: PagedAttentionTuning) -> torch.Tensor:  # fmt: skip
+    window, softcap, scale = _options(module)
     if not runs_triton(query):
-        return decode.attend(query, kv)
-    return paged_decode(query, kv, decode.block_tables, decode.seq_lens, decode.max_len, tuning)
+        return decode.attend(query, kv, window, softcap, scale)
+    return paged_decode(query, kv, decode.block_tables, decode.seq_lens, decode.max_len, tuning=tuning,
+                        window=window, softcap=softcap, scale=scale)  # fmt: skip
 
 
 class PagedAttention(nn.Module):
     """Torch (CPU): SDPA over the rows' K/V."""
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
-        return decode.attend(query, kv)
+        return decode.attend(query, kv, *_options(self))
 
 
 class PagedAttentionTritonSm70(nn.Module):
@@ -46,7 +56,7 @@ class PagedAttentionTritonSm70(nn.Module):
     has_backward = False
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
-        return _triton_or_torch(query, kv, decode, PRE_HOPPER)
+        return _triton_or_torch(self, query, kv, decode, PRE_HOPPER)
 
 
 class PagedAttentionTritonSm90(nn.Module):
@@ -55,7 +65,7 @@ class PagedAttentionTritonSm90(nn.Module):
     has_backward = False
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
-        return _triton_or_torch(query, kv, decode, HOPPER)
+        return _triton_or_torch(self, query, kv, decode, HOPPER)
 
 
 class PagedAttentionTritonRocm(nn.Module):
@@ -64,7 +74,7 @@ class PagedAttentionTritonRocm(nn.Module):
     has_backward = False
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
-        return _triton_or_torch(query, kv, decode, ROCM)
+        return _triton_or_torch(self, query, kv, decode, ROCM)
 
 
 # Ahead-of-time compile specs of each Triton layer: `spec(workload) -> (CompileSpec, ...)`.

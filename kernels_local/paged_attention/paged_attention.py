@@ -2,24 +2,31 @@
 
 Layout (the worker's KV pool): one layer's cache is `kv [2 (K, V), Hkv, NB, B, D]`; sequence
 `n` keeps position `p` in block `block_tables[n, p // B]` at offset `p % B`. Each decode row
-has one query token, at position `seq_lens[n] - 1`, whose K/V are already written.
+has one query token, at position `seq_lens[n] - 1`, whose K/V are already written. A layer's
+options (Gemma 2/3, Qwen3, OLMo 3): a sliding `window` (the row attends only positions
+`p >= seq_lens[n] - window`), a `softcap` (scores -> cap * tanh(scores / cap), after the
+scale, before the softmax) and the score `scale` (default 1/sqrt(D)).
 
 Design: one program per (sequence, query head). It walks the sequence's positions `TILE` at
-a time, looks up each position's block through the block table (so any block size works,
-and a tile may span several blocks), loads K `[TILE, D]`, computes the scores in fp32, keeps
-a running max and sum (online softmax, as flash-decoding does), and accumulates `p @ V`; the
-query heads of one KV group read the same K/V (grouped-query attention without repeating
-them). Loads past the sequence's length or the head dim are masked. The trade-off: the G
-query heads of a group load their K/V tiles separately (G x the reads of a fused group
-kernel, mostly served from L2), which keeps the kernel free of `tl.dot` and its
-per-architecture precision and shape constraints (fp32 inputs would otherwise be rounded
-to tf32 on Ampere and later).
+a time from the window's first one (`max(0, seq_len - window)`: positions before it are
+never read, so the cache may free their blocks and point their table entries anywhere),
+looks up each position's block through the block table (so any block size works, and a
+tile may span several blocks), loads K `[TILE, D]`, computes the scores in fp32 (scaled,
+then soft-capped), keeps a running max and sum (online softmax, as flash-decoding does),
+and accumulates `p @ V`; the query heads of one KV group read the same K/V (grouped-query
+attention without repeating them). Loads past the sequence's length or the head dim are
+masked. The trade-off: the G query heads of a group load their K/V tiles separately (G x
+the reads of a fused group kernel, mostly served from L2), which keeps the kernel free of
+`tl.dot` and its per-architecture precision and shape constraints (fp32 inputs would
+otherwise be rounded to tf32 on Ampere and later).
 
 Launch configurations (grid `(num_rows, num_query_heads)`, constexprs `TILE` and
 `HEAD_DIM`): `TILE = clamp(tile_elements // HEAD_DIM, 16, max_tile)`:
 - pre-Hopper (sm_70..sm_89): tile_elements 4096, max_tile 64, 4 warps;
 - Hopper and later (sm_90+): tile_elements 8192, max_tile 128, 8 warps (more bytes in flight);
 - ROCm (64-lane wavefronts): tile_elements 4096, max_tile 64, 4 wavefronts.
+At head dim 256 (Gemma) that is 16 positions (4 warps) or 32 (8 warps): 32 fp32 values of K
+and of V per thread, 64-74 registers on sm_80/sm_90 and no spills.
 The block size, the GQA group, the pool's block count, the block table's width and the row
 stride are runtime integers the JIT does not specialize on (`do_not_specialize`), and K/V
 rows are addressed as `(head * num_blocks + block) * block_size + offset` rows of
@@ -27,6 +34,16 @@ rows are addressed as `(head * num_blocks + block) * block_size + offset` rows o
 pool size (no stride beyond int32 however large the pool) and step, and `compile_specs`
 declares exactly the launches the wrapper makes. The trade-off: a division and a modulo by
 a runtime block size per position instead of shifts (negligible next to the K/V loads).
+
+The layer options are runtime arguments too, so the one launch per padded head dim also
+serves every window, cap and scale: `window` is an unspecialized integer (a full layer passes
+`FULL_WINDOW`, which no sequence reaches; a window of 1 stays a runtime value), `softcap` and
+`scale` are fp32 scalars (Triton never specializes floats), and the cap is one uniform branch
+per tile (`softcap > 0`; 0 is off). The trade-off: a scalar compare per tile and both branches
+in the binary, instead of a second compiled variant per head dim (twice the preflight's
+compiles and two binaries to keep in step). tanh is written with `tl.exp` (`_tanh`):
+`triton.language` has none of its own, and libdevice's is per backend and has moved between
+Triton versions.
 """
 
 from __future__ import annotations
@@ -42,7 +59,17 @@ import triton.language as tl
 from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
 
 # Runtime integers compiled once for every value (no divisibility or ==1 specialization).
-_UNSPECIALIZED = ("stride_n", "num_blocks", "stride_bt", "group", "block_size")
+_UNSPECIALIZED = ("stride_n", "num_blocks", "stride_bt", "group", "block_size", "window")
+# The window of a layer that does not slide: larger than any sequence (int32, as launched).
+FULL_WINDOW = 2**31 - 1
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]: no overflow for any x
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit(do_not_specialize=_UNSPECIALIZED)
@@ -58,7 +85,9 @@ def _paged_decode_kernel(
     stride_bt,
     group,
     block_size,
+    window,
     head_dim,
+    softcap,
     scale,
     TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -76,8 +105,10 @@ def _paged_decode_kernel(
     m_i = tl.zeros([1], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for start in range(0, seq_len, TILE):
-        # 3. this tile's positions -> their blocks (through the table) -> K/V addresses
+    # 3. the window's first position: the loop never reads a position (nor a block) before it
+    lo = tl.maximum(seq_len - window, 0)
+    for start in range(lo, seq_len, TILE):
+        # 4. this tile's positions -> their blocks (through the table) -> K/V addresses
         pos = start + tl.arange(0, TILE)
         p_mask = pos < seq_len
         block = tl.load(BLOCK_TABLES + n * stride_bt + pos // block_size, mask=p_mask, other=0)
@@ -85,10 +116,12 @@ def _paged_decode_kernel(
         base = row * head_dim
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(K + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, HEAD_DIM]
-        # 4. scores of this tile; masked positions get -inf
+        # 5. scores of this tile (fp32), soft-capped where the layer asks; masked positions get -inf
         s = tl.sum(k * q[None, :], axis=1)  # [TILE]
+        if softcap > 0:
+            s = softcap * _tanh(s / softcap)
         s = tl.where(p_mask, s, float("-inf"))
-        # 5. online softmax: rescale what was accumulated to the new running max
+        # 6. online softmax: rescale what was accumulated to the new running max
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)  # [TILE]
@@ -96,24 +129,44 @@ def _paged_decode_kernel(
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
-    # 6. normalize and store in the query's dtype
+    # 7. normalize and store in the query's dtype
     out = acc / l_i
     tl.store(Out + n * stride_n + h * head_dim + d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
 def paged_decode_reference(
-    query: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """The torch path: gather the rows' blocks, one masked SDPA with the GQA group folded into
-    the query axis. `query` [N, Hq, D], `kv` [2, Hkv, NB, B, D] -> [N, Hq, D]."""
+    """The torch path: gather the rows' blocks, one masked attention with the GQA group folded
+    into the query axis (SDPA; with a `softcap`, the same in explicit ops, the softmax in fp32
+    as transformers' eager attention). `query` [N, Hq, D], `kv` [2, Hkv, NB, B, D] -> [N, Hq, D];
+    the options as `paged_decode` takes them."""
     _, hkv, nb, bs, d = kv.shape
     n, hq, _ = query.shape
     g = kv.reshape(2 * hkv, nb, bs * d).index_select(1, block_tables.flatten())  # [2*Hkv, N*MB, B*D]
     g = g.view(2, hkv, n, -1, d)[..., :max_len, :]  # [2, Hkv, N, L, D]
     k, v = g[0].transpose(0, 1), g[1].transpose(0, 1)  # [N, Hkv, L, D]
-    mask = (torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+    cols = torch.arange(max_len, device=query.device)[None, :]  # [1, L]
+    mask = cols < seq_lens[:, None]  # [N, L]
+    if window:
+        mask &= cols >= seq_lens[:, None] - window
+    mask = mask[:, None, None, :]  # [N, 1, 1, L]
     q = query.view(n, hkv, hq // hkv, d)  # [N, Hkv, G, D]
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if not softcap:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (d**-0.5 if scale is None else scale)  # [N, Hkv, G, L]
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
     return o.reshape(n, hq, d)
 
 
@@ -147,6 +200,15 @@ def runs_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or _INTERPRETED
 
 
+def _kernel_options(window: int | None, softcap: float | None) -> tuple[int, float]:
+    """The kernel's `window` and `softcap` arguments for a layer's options (None or 0: off)."""
+    if window is not None and window < 0:
+        raise ValueError(f"Sliding window `{window}` is negative. Allowed: None or 0 (full), or a positive length")
+    if softcap is not None and softcap < 0:
+        raise ValueError(f"Softcap `{softcap}` is negative. Allowed: None or 0 (off), or a positive cap")
+    return min(window, FULL_WINDOW) if window else FULL_WINDOW, float(softcap or 0.0)
+
+
 def paged_decode(
     query: torch.Tensor,
     kv: torch.Tensor,
@@ -154,15 +216,23 @@ def paged_decode(
     seq_lens: torch.Tensor,
     max_len: int,
     tuning: PagedAttentionTuning = PRE_HOPPER,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Decode attention `query` [N, Hq, D] over `kv` [2, Hkv, NB, B, D] through `block_tables`
-    [N, MB] for rows of `seq_lens` [N] positions -> [N, Hq, D]; the torch path on CPU."""
+    [N, MB] for rows of `seq_lens` [N] positions -> [N, Hq, D]; the torch path on CPU. Each row
+    attends its last `window` positions (None or 0: all), its scores scaled by `scale` (None:
+    1/sqrt(D)) and then soft-capped to `softcap` (None or 0: off)."""
     n, hq, d = query.shape
     _, hkv, _, bs, _ = kv.shape
     if hq % hkv:
         raise ValueError(f"Query heads `{hq}` must be a multiple of the KV heads `{hkv}`")
+    kernel_window, kernel_softcap = _kernel_options(window, softcap)
     if not runs_triton(query) or n == 0:
-        return paged_decode_reference(query, kv, block_tables, seq_lens, max_len)
+        return paged_decode_reference(query, kv, block_tables, seq_lens, max_len, window=window, softcap=softcap,
+                                      scale=scale)  # fmt: skip
     if not kv.is_contiguous():
         raise ValueError(f"The KV cache layer must be contiguous [2, Hkv, NB, B, D], got strides `{kv.stride()}`")
     query = query.contiguous()  # [N, Hq, D]: rows of Hq x D, heads of D
@@ -171,7 +241,8 @@ def paged_decode(
     tile, padded, warps = tuning.launch_shape(d)
     _paged_decode_kernel[(n, hq)](
         query, kv[0], kv[1], out, tables, seq_lens.to(torch.int64),
-        query.stride(0), kv.shape[2], tables.stride(0), hq // hkv, bs, d, 1.0 / math.sqrt(d),
+        query.stride(0), kv.shape[2], tables.stride(0), hq // hkv, bs, kernel_window, d, kernel_softcap,
+        1.0 / math.sqrt(d) if scale is None else float(scale),
         TILE=tile, HEAD_DIM=padded, num_warps=warps,
     )  # fmt: skip
     return out
@@ -179,12 +250,14 @@ def paged_decode(
 
 def compile_specs(tuning: PagedAttentionTuning, workload: Workload) -> tuple[CompileSpec, ...]:
     """Every launch `paged_decode` makes with `tuning` for the workload's head dims: one per
-    padded head dim (the other integers are not specialized, see the module docstring)."""
+    padded head dim, whatever the window, cap and scale (runtime arguments, see the module
+    docstring)."""
     specs = []
     for d in workload.head_dims:
         tile, padded, warps = tuning.launch_shape(d)
         t, index = pointer(workload.dtype), pointer("i64")
         args = (("Q", t), ("K", t), ("V", t), ("Out", t), ("BLOCK_TABLES", index), ("SEQ_LENS", index),
-                *((name, "i32") for name in _UNSPECIALIZED), ("head_dim", int_arg(d)), ("scale", "fp32"))
+                *((name, "i32") for name in _UNSPECIALIZED), ("head_dim", int_arg(d)), ("softcap", "fp32"),
+                ("scale", "fp32"))
         specs.append(CompileSpec(_paged_decode_kernel, args, (("TILE", tile), ("HEAD_DIM", padded)), warps))
     return unique(specs)
