@@ -6,7 +6,10 @@ interleaved rounds (CUDA events, median), so machine noise hits all alike. Ratio
 torch time / kernel time: above 1 means the kernel is faster. Baselines: the eager torch
 reference for RMSNorm and SiluAndMul; `F.linear` in bf16 and the dequantize-then-matmul
 reference for the fp8 linear (native e4m3 only from sm_89); for paged decode attention, the
-torch path (gather the rows' blocks, one SDPA) over the same scattered block tables.
+torch path (gather the rows' blocks, one SDPA) over the same scattered block tables, in
+Llama-shaped rows and in Gemma-shaped ones (head dim 256, soft-capped scores, sliding
+windows: the kernel reads only the window's positions, the torch path gathers every one and
+masks). Paged attention's GB/s counts the K/V bytes the rows attend.
 
     python benchmarks/triton_kernels.py [--rounds 50] [--only rmsnorm silu fp8 paged]
 
@@ -28,6 +31,12 @@ RMS_SHAPES = [(1, 4096), (32, 4096), (256, 2048), (4096, 4096), (16, 8192)]  # (
 SILU_SHAPES = [(1, 14336), (32, 14336), (2048, 11008)]  # (tokens, intermediate)
 GEMM_SHAPES = [(1, 4096, 4096), (32, 4096, 4096), (256, 14336, 4096), (1024, 4096, 14336)]  # (M, N, K)
 PAGED_SHAPES = [(1, 512), (32, 512), (32, 4096), (128, 1024)]  # (decode rows, tokens each); 32/8 heads, D 128
+GEMMA_HEADS = (16, 8, 256)  # Gemma 2 9B: query heads, KV heads, head dim (query_pre_attn_scalar 256)
+GEMMA_CASES = [  # (layer, decode rows, tokens each, window, softcap)
+    ("Gemma 2 global", 32, 4096, None, 50.0),
+    ("Gemma 2 local", 32, 8192, 4096, 50.0),
+    ("Gemma 3 local", 32, 4096, 1024, None),
+]
 
 
 def _time(fns: dict, rounds: int) -> dict[str, float]:
@@ -115,23 +124,28 @@ def bench_fp8(m: int, n: int, k: int, chosen: str, native_ok: bool, rounds: int)
     _report(f"Fp8Linear M={m} N={n} K={k}", _time(fns, rounds), "bf16 F.linear")
 
 
-def bench_paged(rows: int, length: int, chosen: str, rounds: int) -> None:
+def bench_paged(rows: int, length: int, chosen: str, rounds: int, heads: tuple[int, int, int] = (32, 8, 128),
+                layer: str = "", window: int | None = None, softcap: float | None = None) -> None:
     from kernels_local.paged_attention import TUNINGS, paged_decode, paged_decode_reference
 
-    bs, hq, hkv, d = 16, 32, 8, 128
+    bs, (hq, hkv, d) = 16, heads
     per_row = -(-length // bs)
     blocks = torch.randperm(rows * per_row + 7, device="cuda")  # scattered over a slightly bigger pool
     tables = blocks[: rows * per_row].view(rows, per_row)
     kv = torch.randn(2, hkv, rows * per_row + 7, bs, d, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((rows,), length, device="cuda")
-    ref = paged_decode_reference(q, kv, tables, lens, length)
-    fns = {"torch": lambda: paged_decode_reference(q, kv, tables, lens, length)}
+    options = {"window": window, "softcap": softcap, "scale": d**-0.5}
+    ref = paged_decode_reference(q, kv, tables, lens, length, **options)
+    fns = {"torch": lambda: paged_decode_reference(q, kv, tables, lens, length, **options)}
     for name, t in TUNINGS.items():
-        torch.testing.assert_close(paged_decode(q, kv, tables, lens, length, t), ref, rtol=2e-2, atol=2e-2)
-        fns[name + ("*" if name == chosen else "")] = lambda t=t: paged_decode(q, kv, tables, lens, length, t)
-    _report(f"PagedAttention {rows} rows x {length} tokens bf16", _time(fns, rounds), "torch",
-            2 * rows * length * hkv * d * 2)
+        out = paged_decode(q, kv, tables, lens, length, t, **options)
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+        fns[name + ("*" if name == chosen else "")] = lambda t=t: paged_decode(q, kv, tables, lens, length, t,
+                                                                               **options)  # fmt: skip
+    shown = f" window {window}" * (window is not None) + f" softcap {softcap}" * (softcap is not None)
+    title = f"PagedAttention{' ' + layer if layer else ''} {rows} rows x {length} tokens, {hq}/{hkv} heads D {d}{shown} bf16"
+    _report(title, _time(fns, rounds), "torch", 2 * rows * min(length, window or length) * hkv * d * 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         for m, n, k in GEMM_SHAPES:
             bench_fp8(m, n, k, fp8_tuning, cap >= (8, 9), args.rounds)
     if "paged" in args.only:
+        chosen = tuning.get(choices["PagedAttention"].variant, "")
         for rows, length in PAGED_SHAPES:
-            bench_paged(rows, length, tuning.get(choices["PagedAttention"].variant, ""), args.rounds)
+            bench_paged(rows, length, chosen, args.rounds)
+        for layer, rows, length, window, softcap in GEMMA_CASES:
+            bench_paged(rows, length, chosen, args.rounds, GEMMA_HEADS, layer, window, softcap)
     return 0
 
 

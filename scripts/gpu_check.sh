@@ -6,7 +6,8 @@
 # $OUT (default /tmp/gpu-check). Uses the machine's python3 (with its CUDA torch and Triton);
 # packages it lacks (kernels, fastapi, uvicorn, pydantic, ...) can be placed as wheels in
 # .whl/ (for example `pip download --no-deps --only-binary=:all: -d .whl kernels==0.17.2 ...`)
-# and are installed into a private target first.
+# and are installed into a private target first. The paged decode kernel is checked and timed
+# with each layer option the model families set (head dim 256, soft-capped scores, sliding windows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-check}"
