@@ -20,6 +20,7 @@ from tests.family_checkpoints import CASES, make_family_checkpoint
 from workers.engine.core import Engine
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.kv.groups import window_blocks
 from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
 from workers.model.loader import load_model
@@ -60,7 +61,7 @@ def _engine_outputs(ours, prompts, *, num_blocks=256, block_size=4, budget=2048,
     pool = KVPool.for_config(cfg, num_blocks, block_size, ours.dtype)
     config = SchedulerConfig(max_sequences, cfg.context_length, num_blocks, block_size, budget, prefix,
                              eos_token_ids=ours.eos_token_ids, cache_root=root_hash(cfg.architecture),
-                             rope=ours.model.rope_policy)
+                             rope=ours.model.rope_policy, kv_groups=pool.group_shapes)
     engine = Engine(ModelRunner(ours.model, pool, "cpu"), Scheduler(config), ours.tokenizer, max_queue=64)
     streams = [engine.submit(p, SamplingParams.create(max_new_tokens=NEW_TOKENS)) for p in prompts]
     while engine.step():
@@ -92,6 +93,35 @@ def test_greedy_tokens_match_transformers_batched_chunked_cached_and_preempted(c
     hits = engine.metrics.prefix_hits._value.get()
     assert hits >= 20, f"{name}: the shared prefix was not reused ({hits} tokens)"
     longest = max(len(p) for p in prompts) + NEW_TOKENS
-    tight, engine = _engine_outputs(ours, prompts, num_blocks=-(-longest // 4) + 3, budget=16)
+    windows = ours.config.layer_windows
+    # a sequence holds all of its blocks where some layer attends fully, else about one window
+    tight_blocks = -(-longest // 4) + 3 if None in windows else window_blocks(min(windows), 4) + 5
+    tight, engine = _engine_outputs(ours, prompts, num_blocks=tight_blocks, budget=16)
     assert tight == want, name
     assert engine.scheduler.num_preemptions > 0, f"{name}: the pool was large enough that nothing was preempted"
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_sliding_layers_hold_a_window_of_blocks_as_a_sequence_grows(name, tmp_path):
+    """One sequence generating far past the window (16): the full group's blocks grow with it,
+    the sliding group's stay within one window of blocks at every step (guards the scheduler's
+    `self.kv.slide(seq)` after each step: without it they grow like the full group's). Gemma 3
+    has both groups; Mistral slides in every layer, so its only group stays bounded."""
+    ours = load_model(make_family_checkpoint(name, tmp_path), "float32")
+    windows, bs, new = ours.config.layer_windows, 4, 120
+    pool = KVPool.for_config(ours.config, 64, bs, ours.dtype)
+    config = SchedulerConfig(1, ours.config.context_length, 64, bs, 8, True, eos_token_ids=(),
+                             cache_root=root_hash(name), kv_groups=pool.group_shapes)
+    engine = Engine(ModelRunner(ours.model, pool, "cpu"), Scheduler(config), ours.tokenizer, max_queue=4)
+    stream = engine.submit(ours.tokenizer.encode(TEXT).ids[:20], SamplingParams.create(max_new_tokens=new))
+    held = []
+    while engine.step():
+        held.append(engine.scheduler.kv.blocks_in_use())
+    assert len(stream.events) == new
+    bound = window_blocks(min(w for w in windows if w is not None), bs) + -(-8 // bs)  # a window + a chunk
+    for g, (window, _) in enumerate(pool.group_shapes):
+        most = max(h[g] for h in held)
+        if window is None:
+            assert most == -(-(20 + new - 1) // bs), "the full group holds every position"
+        else:
+            assert most <= bound, f"sliding group {g} held {most} blocks (bound {bound})"

@@ -48,7 +48,9 @@ class ModelRunner:
     def __init__(self, model, kv, device: str | torch.device, worker_id: str | None = None, mirror: bool = True):
         """`mirror=False` leaves the CPU decode mirror out (deterministic mode reads the pool)."""
         self.model, self.kv, self.device = model, kv, torch.device(device)
-        self.mirror = DecodeMirror(kv) if self.device.type == "cpu" and mirror else None
+        # the mirror copies the first KV group's rows whole: not for a group that slides (bounded memory)
+        self.windows = getattr(kv, "windows", (None,))
+        self.mirror = DecodeMirror(kv) if self.device.type == "cpu" and mirror and self.windows[0] is None else None
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
         self.perturb = injected_perturbation(worker_id, self.vocab_size, self.device)
         # rotaries that depend on the prompt's length (dynamic, LongRoPE: workers/model/rope.py)
@@ -61,9 +63,10 @@ class ModelRunner:
                 self.mirror.release(seq.uid)
         rope = self.rope_threshold is not None
         items = [(SeqChunk(c.start_pos, len(c.token_ids), c.block_table, rows_of(i, c), c.seq.uid,
-                           c.seq.rope_len if rope else 0), c.token_ids)
+                           c.seq.rope_len if rope else 0, c.seq.group_tables), c.token_ids)
                  for i, c in enumerate(out.chunks)]
-        logits = self.model.step(ForwardBatch.build(items, self.kv.block_size, self.device, self.mirror), self.kv)
+        batch = ForwardBatch.build(items, self.kv.block_size, self.device, self.mirror, self.windows)
+        logits = self.model.step(batch, self.kv)
         return logits if self.perturb is None else logits + self.perturb
 
     def execute(self, out) -> torch.Tensor:

@@ -72,6 +72,8 @@ class SchedulerConfig:
     cache_root: bytes = b""  # what besides tokens decides a block's contents (model, dtype, ...)
     # a rotary that depends on the sequence's length: (threshold, "dynamic" | "longrope"), else None
     rope: tuple[int, str] | None = None
+    # (window, blocks) of each KV group (`KVPool.group_shapes`); None: one full group of `num_blocks`
+    kv_groups: tuple[tuple[int | None, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks is None and self.block_size >= 1:
@@ -79,11 +81,18 @@ class SchedulerConfig:
         for name in ("max_sequences", "max_seq_len", "num_blocks", "block_size", "max_num_batched_tokens"):
             if (getattr(self, name) or 0) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got `{getattr(self, name)}`")
+        if self.kv_groups is not None and self.kv_groups[0][1] != self.num_blocks:
+            raise ValueError(f"`kv_groups` `{self.kv_groups}` must start with the `num_blocks` `{self.num_blocks}` group")
 
     @property
     def max_tokens(self) -> int:
         """Tokens the whole KV pool holds."""
         return self.num_blocks * self.block_size
+
+    @property
+    def slides_only(self) -> bool:
+        """Every KV group slides: a sequence holds about a window of blocks, however long it is."""
+        return bool(self.kv_groups) and all(w is not None for w, _ in self.kv_groups)
 
 
 class Scheduler:
@@ -103,7 +112,7 @@ class Scheduler:
 
     def _init_kv(self) -> None:
         c = self.config
-        self.kv = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching, c.cache_root)
+        self.kv = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching, c.cache_root, c.kv_groups)
         self._reserve = int(WATERMARK * c.num_blocks)
 
     # -- admission ---------------------------------------------------------------------------
@@ -117,7 +126,7 @@ class Scheduler:
         given = f"Given: {prompt_len} `inputs` tokens and {max_new_tokens} `max_new_tokens` ({total} tokens)"
         if total > c.max_seq_len:
             raise CapacityError(f"`inputs` tokens + `max_new_tokens` must be <= {c.max_seq_len} on this worker. {given}")
-        if total > c.max_tokens:
+        if total > c.max_tokens and not c.slides_only:
             raise CapacityError(
                 f"`inputs` tokens + `max_new_tokens` must be <= {c.max_tokens}, the whole KV cache of this "
                 f"worker ({c.num_blocks} blocks of {c.block_size} tokens). {given}"
@@ -248,7 +257,7 @@ class Scheduler:
         while not self.kv.grow(seq, seq.num_computed + n):
             victim = self._newest_unscheduled_after(seq, scheduled)
             if victim is None:
-                room = (len(seq.block_ids) + self.kv.num_free_blocks) * self.config.block_size - seq.num_computed
+                room = self.kv.room(seq) - seq.num_computed
                 n = max(0, min(n, room))
                 return n if n and self.kv.grow(seq, seq.num_computed + n) else 0
             self._preempt(victim, preempted)
@@ -277,7 +286,7 @@ class Scheduler:
     ) -> list[TokenUpdate]:
         """Advance every chunk's sequence; append the sampled token to each sampling chunk (in
         chunk order) and finish on EOS or length; index the blocks that became full."""
-        eos, bs = self.config.eos_token_ids, self.config.block_size
+        eos, bs, sliding = self.config.eos_token_ids, self.config.block_size, self.kv.sliding
         updates = []
         sampled = iter(zip(token_ids, logprobs, strict=True))
         for chunk in output.chunks:
@@ -288,6 +297,8 @@ class Scheduler:
             seq.num_computed += len(chunk.token_ids)
             if seq.num_computed // bs > seq.num_cached_blocks:  # a block became full: index it
                 self.kv.cache_full_blocks(seq)
+            if sliding:  # a sliding group frees what its window left behind
+                self.kv.slide(seq)
             if tid is None:
                 continue
             seq.output_ids.append(tid)
@@ -332,7 +343,7 @@ class Scheduler:
         (`max_seq_len`: the longest request served, the context or the whole pool)."""
         c = self.config
         return {
-            "max_sequences": c.max_sequences, "max_tokens": c.max_tokens, "max_seq_len": min(c.max_seq_len, c.max_tokens),
+            "max_sequences": c.max_sequences, "max_tokens": c.max_tokens, "max_seq_len": c.max_seq_len if c.slides_only else min(c.max_seq_len, c.max_tokens),
             "kv_block_size": c.block_size, "kv_blocks_total": c.num_blocks,
             "kv_blocks_free": self.kv.num_free_blocks, "prefix_cache": c.prefix_caching,
             "max_num_batched_tokens": c.max_num_batched_tokens,

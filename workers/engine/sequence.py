@@ -28,7 +28,7 @@ class Sequence:
     __slots__ = (
         "uid", "request_id", "prompt_ids", "params", "output_ids", "logprobs", "num_computed", "status",
         "finish_reason", "generator", "seed", "arrival_time", "first_token_time", "detok", "stream",
-        "block_ids", "block_hashes", "num_cached_blocks", "num_preemptions", "grammar", "prompt_logprobs",
+        "block_ids", "group_tables", "held_from", "block_hashes", "num_cached_blocks", "num_preemptions", "grammar", "prompt_logprobs",
         "cache_root", "rope_len",
     )
 
@@ -49,6 +49,8 @@ class Sequence:
         self.detok = None  # the engine's IncrementalDetokenizer
         self.stream = None  # the engine's delivery target
         self.block_ids: list[int] = []  # KV blocks holding positions 0.. in order (the block table)
+        self.group_tables: list[list[int]] = []  # the other KV groups' tables (sliding layers: kv/groups.py)
+        self.held_from: list[int] = []  # per KV group, its first held block (a sliding group frees its past)
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks, computed once
         self.num_cached_blocks = 0
         self.num_preemptions = 0

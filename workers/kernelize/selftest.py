@@ -93,9 +93,9 @@ def decode_step(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     tables = [list(range(i, batch * per_row, batch)) for i in range(batch)]
     rows = ids.tolist()
     prefill = [(SeqChunk(0, tokens - 1, t, num_logits=0), r[:-1]) for t, r in zip(tables, rows, strict=True)]
-    model.step(ForwardBatch.build(prefill, KV_BLOCK, ids.device), kv)
+    model.step(ForwardBatch.build(prefill, KV_BLOCK, ids.device, windows=kv.windows), kv)
     decode = [(SeqChunk(tokens - 1, 1, t), r[-1:]) for t, r in zip(tables, rows, strict=True)]
-    return model.step(ForwardBatch.build(decode, KV_BLOCK, ids.device), kv)  # [B, V]
+    return model.step(ForwardBatch.build(decode, KV_BLOCK, ids.device, windows=kv.windows), kv)  # [B, V]
 
 
 @torch.inference_mode()

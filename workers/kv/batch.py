@@ -18,10 +18,11 @@ which makes the rows a strided view of the pool (`DecodeRows.view`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from workers.kv.groups import first_needed
 from workers.kv.mirror import DecodeMirror, MirrorRows, attend_rows, row_mask
 
 
@@ -35,6 +36,8 @@ class SeqChunk:
     num_logits: int = 1  # logits for this many of the chunk's last tokens (0: a prompt chunk mid-prompt)
     key: int | None = None  # the sequence's identity across steps (needed with a `DecodeMirror`)
     rope_len: int = 0  # its prompt's length, for rotaries that depend on it (workers/model/rope.py); 0: none
+    # the other KV groups' tables (workers/kv/groups.py); (): `block_table` in every group
+    group_tables: Sequence[Sequence[int]] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +47,9 @@ class PrefillSpan:
     row_start: int  # first row of the chunk in the packed [T] tokens
     num_tokens: int
     start_pos: int
-    blocks: torch.Tensor | None  # [1, nb] blocks holding positions < start_pos + num_tokens; None when start_pos == 0
-    table: Sequence[int] = ()  # those blocks as host ints, whatever start_pos (deterministic mode reads them all)
+    blocks: torch.Tensor | None  # [1, nb] blocks holding positions base .. start_pos + num_tokens - 1; None when start_pos == 0
+    table: Sequence[int] = ()  # every block of the chunk's table as host ints (deterministic mode reads them all)
+    base: int = 0  # position of `blocks`' first slot (a sliding group skips what its window cannot see)
 
 
 def gather_kv(kv: torch.Tensor, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +75,10 @@ class DecodeRows:
     view: tuple[int, int] | None  # (first block, blocks per row) when row i's blocks are first + i*stride + j
     mirror: MirrorRows | None = None  # the rows' K/V kept contiguous across steps (CPU engine)
     masks: dict = field(default_factory=dict)  # window -> its mask, made once per step
+    # a sliding group's torch path: each row's blocks from the first its window reads [Nd, WB],
+    # and its length counted from there [Nd]; None when the rows are short (or the group is full)
+    window_tables: torch.Tensor | None = None
+    window_lens: torch.Tensor | None = None
 
     @property
     def num(self) -> int:
@@ -92,6 +100,10 @@ class DecodeRows:
         (default 1/sqrt(D))."""
         if self.mirror is not None:
             return self.mirror.attend(query, kv, window, softcap, scale)
+        if window is not None and self.window_tables is not None:  # only the blocks the window reads
+            length = self.window_tables.shape[1] * kv.shape[3]
+            k, v = gather_kv(kv, self.window_tables, length)  # [Nd, Hkv, WB*B, D] each
+            return attend_rows(query, k, v, row_mask(self.window_lens, length, window), scale, softcap)
         k, v = self.gather(kv)  # [Nd, Hkv, L, D] each
         return attend_rows(query, k, v, self.window_mask(window), scale, softcap)
 
@@ -138,10 +150,15 @@ class ForwardBatch:
     max_pos: int  # largest position in the batch
     max_block: int  # largest block id the batch reads or writes
     rope_lens: torch.Tensor | None = None  # [T] int64, the length each token is rotated for; None: not needed
+    groups: tuple[GroupBatch, ...] = ()  # the other KV groups' slots and reads (sliding layers)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def group(self, index: int) -> ForwardBatch | GroupBatch:
+        """KV group `index`'s side of the batch: its `slot_mapping`, `decode` and `prefills`."""
+        return self if index == 0 else self.groups[index - 1]
 
     @classmethod
     def build(
@@ -150,12 +167,15 @@ class ForwardBatch:
         block_size: int,
         device: torch.device | str = "cpu",
         mirror: DecodeMirror | None = None,
+        windows: Sequence[int | None] = (None,),
     ) -> ForwardBatch:
         """Pack `(chunk, token ids)` pairs; `len(ids)` must equal `chunk.num_tokens`. With a
-        `mirror`, decode rows (whose chunks must carry a `key`) are attended from it."""
+        `mirror`, decode rows (whose chunks must carry a `key`) are attended from it. `windows`:
+        each KV group's window (the chunks carry the other groups' tables), so a sliding group
+        reads only what its window sees."""
         if not items:
             raise ValueError("A ForwardBatch needs at least one chunk, got `0`")
-        bs = block_size
+        bs, window = block_size, windows[0]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -213,8 +233,9 @@ class ForwardBatch:
                 dec_lens.append(end)
                 dec_keys.append(chunk.key)
             else:
-                blocks = _int64([table], device) if start > 0 else None
-                prefills.append(PrefillSpan(row, n, start, blocks, table))
+                first = first_needed(window, start, bs) if start > 0 else 0
+                blocks = _int64([table[first:]], device) if start > 0 else None
+                prefills.append(PrefillSpan(row, n, start, blocks, table, first * bs))
         # 2. Every index list in one host -> device copy, then views of it.
         n_tok, n_log, n_dec = len(ids), len(logits_index), len(dec_rows)
         flat = ids + positions + slots + logits_index
@@ -243,13 +264,16 @@ class ForwardBatch:
                     mask = row_mask(lens, max_len, None)  # [Nd, 1, 1, L]
             elif None in dec_keys:
                 raise ValueError("Decode chunks need a `key` when the batch uses a DecodeMirror")
+            wt, wl = _window_rows(dec_tables, dec_lens, window if mirror is None else None, bs, device)
             decode = DecodeRows(
                 rows=data[cut : cut + n_dec],
                 rows_start=dec_rows[0] if dec_rows[-1] - dec_rows[0] == n_dec - 1 else None,
                 block_tables=data[cut + 2 * n_dec : cut + (2 + width) * n_dec].view(n_dec, width),
                 seq_lens=lens, max_len=max_len, mask=mask, view=view,
                 mirror=None if mirror is None else mirror.prepare(dec_keys, dec_tables, dec_lens, bs),
+                window_tables=wt, window_lens=wl,
             )
+        groups = tuple(_group_batch(items, g, w, bs, device, decode) for g, w in enumerate(windows[1:], 1))
         return cls(
             input_ids=data[:n_tok],
             positions=data[n_tok : 2 * n_tok],
@@ -261,4 +285,77 @@ class ForwardBatch:
             max_pos=max(positions),
             max_block=max_block,
             rope_lens=rope_lens,
+            groups=groups,
         )
+
+
+@dataclass(frozen=True, eq=False)
+class GroupBatch:
+    """Another KV group's side of a `ForwardBatch`: the same tokens, through that group's tables."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    decode: DecodeRows | None  # the same rows, lengths and masks, the group's own tables
+    prefills: tuple[PrefillSpan, ...]
+    max_block: int
+
+
+def _window_rows(tables: list[Sequence[int]], lens: list[int], window: int | None, bs: int,
+                 device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A sliding group's decode rows cut to what the window reads: each row's blocks from its
+    first visible one [Nd, WB] and its length counted from there [Nd]; (None, None) when no row
+    is longer than the window and a block (the full tables are as short)."""
+    if window is None or max(lens) <= window + bs:
+        return None, None
+    firsts = [first_needed(window, n - 1, bs) for n in lens]
+    width = max(-(-n // bs) - f for n, f in zip(lens, firsts, strict=True))
+    flat: list[int] = []
+    for t, n, f in zip(tables, lens, firsts, strict=True):
+        row = t[f : -(-n // bs)]
+        flat.extend(row)
+        flat.extend([0] * (width - len(row)))
+    flat.extend(n - f * bs for n, f in zip(lens, firsts, strict=True))
+    data = _int64(flat, device)
+    return data[: -len(lens)].view(len(lens), width), data[-len(lens) :]
+
+
+def _group_batch(items: Sequence[tuple[SeqChunk, Sequence[int]]], g: int, window: int | None, bs: int, device,
+                 decode: DecodeRows | None) -> GroupBatch:
+    """Group `g`'s slots, decode tables and prefill spans for the chunks of a batch."""
+    slots: list[int] = []
+    tables: list[Sequence[int]] = []
+    lens: list[int] = []
+    prefills: list[PrefillSpan] = []
+    row = max_block = 0
+    for chunk, _ in items:
+        if chunk.group_tables and len(chunk.group_tables) < g:
+            raise ValueError(f"Chunk `{chunk}` carries no block table of KV group `{g}`")
+        # no tables of the other groups: the same block ids in each (a pool whose groups are alike)
+        table = chunk.group_tables[g - 1] if chunk.group_tables else chunk.block_table
+        start, n = chunk.start_pos, chunk.num_tokens
+        end = start + n
+        used = -(-end // bs)
+        if len(table) < used:
+            raise ValueError(f"Chunk ending at position {end} needs {used} blocks of KV group {g}, its table has "
+                             f"`{len(table)}`")
+        first = first_needed(window, start, bs)
+        max_block = max(max_block, *table[first:used])
+        for b in range(start // bs, used):
+            base = table[b] * bs - b * bs
+            slots.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))
+        if n == 1:
+            tables.append(table[:used])
+            lens.append(end)
+        else:
+            blocks = _int64([table[first:used]], device) if start > 0 else None
+            prefills.append(PrefillSpan(row, n, start, blocks, table[:used], first * bs if start > 0 else 0))
+        row += n
+    rows = None
+    if decode is not None:
+        width = decode.block_tables.shape[1]
+        flat = [b for t in tables for b in (*t, *([0] * (width - len(t))))]
+        wt, wl = _window_rows(tables, lens, window, bs, device)
+        mask = decode.mask if decode.mirror is None else (
+            row_mask(decode.seq_lens, decode.max_len, None) if min(lens) != decode.max_len else None)
+        rows = replace(decode, block_tables=_int64(flat, device).view(len(tables), width), mask=mask,
+                       view=_strided_view(tables), mirror=None, masks={}, window_tables=wt, window_lens=wl)
+    return GroupBatch(_int64(slots, device), rows, tuple(prefills), max_block)

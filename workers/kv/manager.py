@@ -18,6 +18,13 @@ The state lives on the sequence (`block_ids`, `block_hashes`, `num_cached_blocks
 preempted sequence keeps its hashes and finds its own blocks again if they were not evicted.
 Trade-off: a prefix is reused only in whole blocks (a 16-token block size wastes up to 15
 tokens of a shared prefix), which keeps matching to one dictionary lookup per block.
+
+Groups (`workers.kv.groups`): a model with sliding layers has one block table per group, all
+of the same length. `seq.block_ids` is the first group's (the full group when there is one),
+`seq.group_tables` the others'; `seq.held_from[g]` is where group `g`'s held blocks start
+(entries before it are freed placeholders). `slide(seq)` frees what a sliding group's window
+has left behind; admission, growth and freeing cover every group at once, and a prefix hit is
+the longest one every group can serve.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from workers.kv.blocks import BlockPool
+from workers.kv.groups import first_needed
 from workers.kv.hashing import chain_hashes
 
 
@@ -33,6 +41,8 @@ class KVSequence(Protocol):
     """What the manager keeps on a sequence (the scheduler's `Sequence` has these slots)."""
 
     block_ids: list[int]
+    group_tables: list[list[int]]  # the other groups' block tables (empty with one group)
+    held_from: list[int]  # per group, its first held entry (0 unless the group slides)
     block_hashes: list[bytes]
     num_cached_blocks: int  # leading blocks that are full, computed and indexed (or were hits)
     num_computed: int  # leading tokens whose K/V are in the cache
@@ -49,10 +59,15 @@ class Admission:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, root: bytes = b"") -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, root: bytes = b"",
+                 groups: tuple[tuple[int | None, int], ...] | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"`block_size` must be >= 1, got `{block_size}`")
-        self.pool = BlockPool(num_blocks)
+        groups = groups or ((None, num_blocks),)
+        self.windows = tuple(w for w, _ in groups)
+        self.pools = tuple(BlockPool(n) for _, n in groups)
+        self.pool = self.pools[0]
+        self.sliding = any(w is not None for w in self.windows)  # some group frees blocks as it slides
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.root = root  # the hash chain's start: model, dtype, quantization, block size
@@ -74,74 +89,114 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by running sequences (cached free blocks count as free)."""
-        return self.pool.num_used / self.pool.num_blocks
+        """Fraction of blocks held by running sequences (cached free blocks count as free): the
+        fullest group's."""
+        return max(p.num_used / p.num_blocks for p in self.pools)
+
+    def blocks_in_use(self) -> tuple[int, ...]:
+        """Blocks held by running sequences, per group."""
+        return tuple(p.num_used for p in self.pools)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def room(self, seq: KVSequence) -> int:
+        """The position `seq` can grow to with the blocks free now, in the tightest group."""
+        return (len(seq.block_ids) + min(p.num_free for p in self.pools)) * self.block_size
 
     # -- sequences ------------------------------------------------------------------------------
 
     def admit(self, seq: KVSequence, num_new: int, reserve: int = 0, max_cached: int | None = None) -> Admission | None:
         """Give a waiting sequence its cached prefix (at most `max_cached` tokens of it) and blocks
-        for up to `num_new` more tokens, keeping `reserve` blocks free; None (and nothing taken)
-        when they do not fit."""
+        for up to `num_new` more tokens, keeping `reserve` blocks free (that share of each group);
+        None (and nothing taken) when they do not fit."""
         tokens = seq.token_ids()
         hits = self._prefix_hits(seq, tokens, max_cached)
-        cached = len(hits) * self.block_size
+        cached = len(hits[0]) * self.block_size
         num_new = min(num_new, len(tokens) - cached)
-        fresh = self.blocks_for(cached + num_new) - len(hits)
-        reclaimed = sum(1 for b in hits if self.pool.ref_count[b] == 0)  # hits now in the free queue
-        if fresh + reclaimed + reserve > self.pool.num_free:
-            return None
-        self.pool.share(hits)
-        seq.block_ids = hits + self.pool.allocate(fresh)
-        seq.num_cached_blocks = len(hits)
+        fresh = self.blocks_for(cached + num_new) - len(hits[0])
+        for g, pool in enumerate(self.pools):
+            reclaimed = sum(1 for b in hits[g] if b is not None and pool.ref_count[b] == 0)  # hits now free
+            keep = reserve if g == 0 else reserve * pool.num_blocks // self.pool.num_blocks
+            if fresh + reclaimed + keep > pool.num_free:
+                return None
+        tables = []
+        for g, pool in enumerate(self.pools):
+            held = [b for b in hits[g] if b is not None]
+            pool.share(held)
+            tables.append([0] * (len(hits[g]) - len(held)) + held + pool.allocate(fresh))
+        seq.block_ids, seq.group_tables = tables[0], tables[1:]
+        seq.held_from = [len(h) - sum(b is not None for b in h) for h in hits]
+        seq.num_cached_blocks = len(hits[0])
         seq.num_computed = cached
         return Admission(cached, len(tokens) if self.prefix_caching and max_cached != 0 else 0)
 
     def grow(self, seq: KVSequence, end: int) -> bool:
-        """Blocks for positions `< end`; False when the pool has too few free blocks."""
+        """Blocks for positions `< end` in every group; False when a group has too few free."""
         need = self.blocks_for(end) - len(seq.block_ids)
         if need <= 0:
             return True
-        if need > self.pool.num_free:
+        if any(need > p.num_free for p in self.pools):
             return False
-        seq.block_ids.extend(self.pool.allocate(need))
+        for g, pool in enumerate(self.pools):
+            self._table(seq, g).extend(pool.allocate(need))
         return True
+
+    def slide(self, seq: KVSequence) -> None:
+        """Free the blocks that a sliding group's window has left behind: those no query from
+        position `num_computed` on reads (after `cache_full_blocks`, so they stay cached)."""
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table, start = self._table(seq, g), seq.held_from[g]
+            end = min(first_needed(window, seq.num_computed, self.block_size), len(table))
+            if end > start:
+                self.pools[g].release(table[start:end])
+                seq.held_from[g] = end
 
     def free(self, seq: KVSequence) -> None:
         """Drop the sequence's blocks, last first: its cached prefix outlives its tail."""
-        self.pool.release(reversed(seq.block_ids))
-        seq.block_ids = []
+        for g, pool in enumerate(self.pools):
+            table = self._table(seq, g)
+            start = seq.held_from[g] if g < len(seq.held_from) else 0
+            pool.release(reversed(table[start:]))
+        seq.block_ids, seq.group_tables, seq.held_from = [], [], []
         seq.num_cached_blocks = 0
 
     def cache_full_blocks(self, seq: KVSequence) -> None:
-        """Index the sequence's blocks that are now full and computed (after a step)."""
+        """Index the sequence's blocks that are now full and computed (after a step), in every group."""
         full = seq.num_computed // self.block_size
         if not self.prefix_caching or full <= seq.num_cached_blocks:
             return
         chain_hashes(self._root(seq), seq.token_ids()[: full * self.block_size], self.block_size, seq.block_hashes)
-        for i in range(seq.num_cached_blocks, full):
-            self.pool.register(seq.block_ids[i], seq.block_hashes[i])
+        for g, pool in enumerate(self.pools):
+            table = self._table(seq, g)
+            for i in range(max(seq.num_cached_blocks, seq.held_from[g] if g else 0), full):
+                pool.register(table[i], seq.block_hashes[i])
         seq.num_cached_blocks = full
+
+    def _table(self, seq: KVSequence, group: int) -> list[int]:
+        return seq.block_ids if group == 0 else seq.group_tables[group - 1]
 
     def _root(self, seq: KVSequence) -> bytes:
         """The sequence's own hash root where its blocks' contents depend on more than the model and
         its tokens (a prompt whose length changes its rotation: workers/model/rope.py)."""
         return getattr(seq, "cache_root", None) or self.root
 
-    def _prefix_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None) -> list[int]:
-        """Cached blocks holding the sequence's leading full blocks, before its last token (and
-        within its first `max_cached` tokens)."""
+    def _prefix_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None) -> list[list[int | None]]:
+        """Per group, the cached blocks holding the sequence's leading full blocks, before its last
+        token (and within its first `max_cached` tokens): the longest prefix every group holds,
+        a sliding group only the blocks its window reads from there (None before them)."""
         limit = (len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)) // self.block_size
         if not self.prefix_caching or limit == 0:
-            return []
+            return [[] for _ in self.pools]
         chain_hashes(self._root(seq), tokens[: limit * self.block_size], self.block_size, seq.block_hashes)
-        hits = []
-        for h in seq.block_hashes[:limit]:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        hashes = seq.block_hashes[:limit]
+        found = [[p.lookup(h) for h in hashes] for p in self.pools]  # per group: block or None
+        n = next((i for i, b in enumerate(found[0]) if b is None), len(hashes)) if self.windows[0] is None else limit
+        while n > 0:  # the longest prefix whose needed blocks every group holds
+            need = [first_needed(w, n * self.block_size, self.block_size) for w in self.windows]
+            if all(b is not None for g, f in enumerate(found) for b in f[need[g] : n]):
+                return [[None] * need[g] + f[need[g] : n] for g, f in enumerate(found)]
+            n -= 1
+        return [[] for _ in self.pools]

@@ -59,23 +59,24 @@ class StepContext:
     batch: ForwardBatch
     kv: KVPool
     rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]]  # spec -> cos, sin [T, 1, R/2]
-    prefill_masks: dict[int | None, tuple[torch.Tensor | None, ...]]  # window -> per prefill: mask or None
+    prefill_masks: tuple[tuple[torch.Tensor | None, ...], ...]  # per KV group, per prefill: mask or None
 
 
-def build_step_context(batch: ForwardBatch, kv: KVPool, rope, windows) -> StepContext:
-    """`rope`: each spec's cos/sin; `windows`: the windows the model's layers use (None: full)."""
-    masks: dict[int | None, tuple] = {}
-    for window in windows:
-        per_span = []
-        for span in batch.prefills:
+def build_step_context(batch: ForwardBatch, kv: KVPool, rope) -> StepContext:
+    """`rope`: each spec's cos/sin. Each KV group's prefill masks: its window over the positions
+    its spans read (from `span.base`)."""
+    masks = []
+    for g, group in enumerate(kv.groups):
+        window, per_span = group.window, []
+        for span in batch.group(g).prefills:
             end = span.start_pos + span.num_tokens
             if span.start_pos == 0 and (window is None or span.num_tokens <= window):
                 per_span.append(None)  # plain causal: SDPA's own
                 continue
-            rows = torch.arange(span.start_pos, end, device=batch.positions.device)
-            per_span.append(causal_mask(rows, end, window))  # [n, start+n]
-        masks[window] = tuple(per_span)
-    return StepContext(batch, kv, rope, masks)
+            rows = torch.arange(span.start_pos - span.base, end - span.base, device=batch.positions.device)
+            per_span.append(causal_mask(rows, end - span.base, window))  # [n, end - base]
+        masks.append(tuple(per_span))
+    return StepContext(batch, kv, rope, tuple(masks))
 
 
 class Attention(nn.Module):
@@ -145,7 +146,9 @@ class Attention(nn.Module):
 
     def step(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Packed attention for one step: x [T, H] -> [T, H]; writes this layer's K/V."""
-        batch, decode = ctx.batch, ctx.batch.decode
+        group = ctx.kv.group_of[self.layer_index]
+        batch = ctx.batch.group(group)  # this layer's KV group: its slots and tables
+        decode = batch.decode
         q, k, v = self._qkv(x, ctx.rope)  # [T, Hq|Hkv, D]
         kv = ctx.kv.layer(self.layer_index)  # [2, Hkv, NB, B, D]
         # 1. Write every token's K/V at its slot (block * B + offset) in one indexed store.
@@ -163,14 +166,14 @@ class Attention(nn.Module):
             out[rows] = self.paged(q[rows], kv, decode)
         elif decode is not None:
             out[decode.rows] = self.paged(q[decode.rows], kv, decode)
-        for span, mask in zip(batch.prefills, ctx.prefill_masks[self.window], strict=True):
+        for span, mask in zip(batch.prefills, ctx.prefill_masks[group], strict=True):
             rows = slice(span.row_start, span.row_start + span.num_tokens)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if span.blocks is None:
                 kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
                 vp = v[rows].transpose(0, 1).unsqueeze(0)
-            else:
-                kp, vp = gather_kv(kv, span.blocks, span.start_pos + span.num_tokens)  # [1, Hkv, start+n, D]
+            else:  # the cached positions from `base` (a window's first visible block) and the chunk
+                kp, vp = gather_kv(kv, span.blocks, span.start_pos + span.num_tokens - span.base)  # [1, Hkv, L, D]
             o = self._attend(qp, kp.to(q.dtype), vp.to(q.dtype), mask, True)  # [1, Hq, n, D]
             out[rows] = o[0].transpose(0, 1)
         return self.wo(out.flatten(-2))  # [T, H]

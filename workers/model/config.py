@@ -183,6 +183,11 @@ class ModelConfig:
         return LayerSpec(index, self.sliding_window if sliding else None, rope)
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention): the KV cache's groups."""
+        return tuple(self.layer(i).sliding_window for i in range(self.num_hidden_layers))
+
+    @property
     def features(self) -> dict[str, Any]:
         """What this architecture switches on beyond the Llama baseline (`/capability`, `plan`)."""
         full, _ = self._rope_specs

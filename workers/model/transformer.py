@@ -205,9 +205,14 @@ class Transformer(nn.Module):
                 f"Batch reads block `{batch.max_block}` of size {batch.block_size}; the KV pool has "
                 f"{kv.num_blocks} blocks of size {kv.block_size}"
             )
+        if len(batch.groups) + 1 != len(kv.groups) or any(
+                g.max_block >= pool.num_blocks for g, pool in zip(batch.groups, kv.groups[1:], strict=True)):
+            raise ValueError(f"Batch has tables of `{len(batch.groups) + 1}` KV groups (blocks up to "
+                             f"`{[g.max_block for g in batch.groups]}`); the pool has {kv.group_shapes} "
+                             f"(build the batch with `windows=kv.windows`)")
         rope = {spec: self.rope.lookup(spec, batch.positions, batch.max_pos, self.dtype, batch.rope_lens)
                 for spec in self.rope_specs}  # [T, 1, R/2] each
-        ctx = build_step_context(batch, kv, rope, self.windows)
+        ctx = build_step_context(batch, kv, rope)
         x = self._embed(batch.input_ids)  # [T, H]
         for layer in self.layers:
             x = layer.step(x, ctx)
