@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--compile", action="store_true",
                       help="also compile every selected Triton kernel for each device's target (no GPU needed) and "
                            "check it against the device's limits; exits 1 if any is refused")  # fmt: skip
+    plan.add_argument("--model", metavar="DIR", default=None,
+                      help="a model directory: also show its architecture and, per device, the attention each "
+                           "layer type gets (full, sliding) and why")  # fmt: skip
 
     compose = sub.add_parser("compose", help="write a docker compose file for this host's GPUs")
     _add_simulate(compose)

@@ -248,6 +248,9 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             assert [cards.nth(i).locator(".fp8").get_attribute("data-convention") for i in range(3)] == [
                 "emulated", "native_e4m3", "native_e4m3"]
             assert "sm_89" in cards.nth(1).locator(".cap").inner_text()
+            # the architecture each worker reports, with what it switches on (archLabel)
+            assert [cards.nth(i).locator(".arch").get_attribute("data-architecture") for i in range(3)] == ["llama"] * 3
+            assert cards.nth(0).locator(".arch").inner_text() == "llama · rope default"
             assert all(cards.nth(i).locator(".sim").is_visible() for i in range(3))
             gpu1 = page.locator(".card[data-worker=gpu1]")
             gpu1.locator("details.kernels summary").click()

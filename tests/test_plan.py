@@ -128,3 +128,40 @@ def test_plan_loads_no_weights_and_initializes_no_cuda():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_plan_with_a_model_shows_each_layer_types_attention_per_device(capsys, tmp_path):
+    """`plan --model DIR` on a Gemma 2 checkpoint (alternating sliding and full layers, soft-capped
+    scores, its own norm and activation): per device, the decode kernel of each layer type
+    told its window and cap, the prefill path, what the KV cache keeps, and the kernel layers
+    the model does not use, from the workers' own reading of config.json."""
+    from tests.family_checkpoints import make_family_checkpoint
+
+    path = make_family_checkpoint("gemma2", tmp_path / "g2")
+    plan = _plan_json(capsys, "--simulate", "cpu,sm_90", "--model", str(path))
+    assert plan["model"]["architecture"] == "gemma2" and plan["model"]["features"]["attn_softcap"] == 20.0
+    cpu, h100 = plan["devices"]
+    for entry, variant in ((cpu, "torch"), (h100, "triton-sm90")):
+        full, sliding = entry["attention"]
+        assert (full["type"], full["window"], full["layers"]) == ("full", None, [1, 3])
+        assert (sliding["type"], sliding["window"], sliding["layers"]) == ("sliding", 16, [0, 2])
+        assert full["decode"]["variant"] == sliding["decode"]["variant"] == variant
+        assert "last 16 positions" in sliding["decode"]["reason"] and "last" not in full["decode"]["reason"]
+        assert "soft-capped at 20" in full["decode"]["reason"] and "soft-capped" in full["prefill"]
+        assert "freed" in sliding["kv_cache"] and "every block" in full["kv_cache"]
+        assert "(1 + w)" in entry["kernels"]["RMSNorm"]["unused"] and "gelu_tanh" in entry["kernels"]["SiluAndMul"]["unused"]
+        assert "unused" not in entry["kernels"]["PagedAttention"]
+    assert "Triton kernel" in h100["attention"][1]["decode"]["reason"]
+    assert main(["plan", "--simulate", "sm_90", "--model", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "model " + str(path) + ": gemma2 (" in out and "  attention sliding (16): layers [0, 2]" in out
+    assert "not used: its RMSNorm scales by (1 + w)" in out
+
+
+def test_plan_with_a_directory_that_is_no_model_says_why(capsys, tmp_path):
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "`--model " + str(tmp_path) + "`" in err and "config.json" in err
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    assert "GPT2LMHeadModel" in capsys.readouterr().err

@@ -10,7 +10,9 @@ reason}}`. The trade-off: `select` reads the mapping through the `kernels` libra
 imports torch, so this one-shot command pays that import (the serving router never imports
 this module). With `--compile`, each device's preflight (`server.commands.plan_compile`) adds the
 compile record of every kernel under `kernels.<layer>.compiled` and, where fp8 is emulated,
-the native fp8 kernel's verdict under `fp8.native_compile`.
+the native fp8 kernel's verdict under `fp8.native_compile`. With `--model DIR`, the model's
+architecture and, per device, which attention each of its layer types gets and why
+(`server.commands.plan_model`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 
 from server.commands.plan_compile import render_layer, render_preflight
+from server.commands.plan_model import render_attention
 from server.errors import UsageError
 from workers.contract import DeviceInfo, TopologySpecError, cpu_device, fp8_rule, select_devices
 
@@ -44,11 +47,20 @@ def plan_device(dev: DeviceInfo) -> dict:
     }
 
 
-def build_plan(simulate: str | None = None, devices: str | None = "all", compile: bool = False) -> dict:
+def build_plan(simulate: str | None = None, devices: str | None = "all", compile: bool = False,
+               model: str | None = None) -> dict:
     """`{"devices": [plan_device(d), ...]}` for the inventory (or one CPU device); with
-    `compile`, each entry carries its preflight."""
+    `compile`, each entry carries its preflight; with `model` (a directory), the model's
+    architecture and each device's attention per layer type (`server.commands.plan_model`)."""
     found = _devices(simulate, devices)
     plan = {"devices": [plan_device(d) for d in found]}
+    if model is not None:
+        from server.commands import plan_model
+
+        described = plan_model.describe_model(model)
+        plan["model"] = {"path": model, "architecture": described["architecture"], "features": described["features"]}
+        for entry in plan["devices"]:
+            plan_model.attach(entry, described)
     if compile:
         from server.commands.plan_compile import attach, preflight_reports
 
@@ -59,6 +71,10 @@ def build_plan(simulate: str | None = None, devices: str | None = "all", compile
 
 def _render(plan: dict) -> str:
     lines = []
+    if "model" in plan:
+        m = plan["model"]
+        feats = ", ".join(f"{k} {v}" for k, v in m["features"].items())
+        lines += [f"model {m['path']}: {m['architecture']} ({feats})", ""]
     for entry in plan["devices"]:
         d = entry["device"]
         cap = f"capability {d['capability']}" if d["capability"] else "no GPU capability"
@@ -66,13 +82,15 @@ def _render(plan: dict) -> str:
         lines.append(f"device {d['index']}: {d['name']} [{d['type']}, {cap}{sim}] {d['uuid']}")
         rows = [("fp8", entry["fp8"]["convention"], "", entry["fp8"]["reason"])]
         rows += [
-            (layer, k["variant"], f"{k['repo']}:{k['layer']}", k["reason"])
+            (layer, k["variant"], f"{k['repo']}:{k['layer']}",
+             k["reason"] if "unused" not in k else f"not used: {k['unused']}")
             for layer, k in entry["kernels"].items()
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         for r, kernel in zip(rows, [None, *entry["kernels"].values()], strict=True):
             lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
             lines += [] if kernel is None else render_layer(kernel)
+        lines += render_attention(entry)
         lines += render_preflight(entry)
         lines.append("")
     return "\n".join(lines).rstrip("\n")
@@ -80,7 +98,8 @@ def _render(plan: dict) -> str:
 
 def run(args) -> int:
     compile_ = getattr(args, "compile", False)
-    plan = build_plan(getattr(args, "simulate", None), getattr(args, "devices", "all"), compile_)
+    plan = build_plan(getattr(args, "simulate", None), getattr(args, "devices", "all"), compile_,
+                      getattr(args, "model", None))
     if getattr(args, "json", False):
         print(json.dumps(plan, indent=2))
     else:

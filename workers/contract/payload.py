@@ -55,6 +55,11 @@ class ModelDescription(_Open):
     eos_token: str | None = None
     # generation_config.json sampling values (temperature, top_p, top_k, repetition_penalty)
     sampling_defaults: dict[str, float] = Field(default_factory=dict)
+    architecture: str | None = None  # the family (workers/model/families/registry.py)
+    # what it switches on beyond Llama: rope type, sliding_window, attn_softcap, qk_norm, ...
+    features: dict = Field(default_factory=dict)
+    # head_dim, scale, softcap, layer_types [{type: full | sliding, layers, window}] (workers/model/describe.py)
+    attention: dict | None = None
 
 
 class DeterministicDescription(_Open):
@@ -98,7 +103,8 @@ class CapabilityPayload(_Open):
     fp8: Fp8Description = Field(default_factory=Fp8Description)
     kernels: dict[str, KernelDescription] = Field(default_factory=dict)
     # max_sequences, max_tokens, max_seq_len, kv_cache_bytes, kv_block_size, kv_blocks_total,
-    # kv_blocks_free (at the time of the answer), prefix_cache ("on" / "off")
+    # kv_blocks_free (at the time of the answer), prefix_cache ("on" / "off"), kv_groups
+    # [{window (None: full attention), layers, blocks}]
     capacity: dict = Field(default_factory=dict)
     model: ModelDescription = Field(default_factory=ModelDescription)
     versions: dict[str, str | None] = Field(default_factory=dict)

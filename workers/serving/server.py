@@ -111,13 +111,20 @@ class WorkerServer:
             logger.info("CPU %s projections: rows padded to buckets (%d layers)", self.loaded.dtype, n)
 
     def _init_kv_cache(self) -> None:
+        from workers.kv.groups import plan_groups
         from workers.kv.pool import KVPool
 
         cfg, dtype, bs = self.loaded.config, self.loaded.dtype, self.args.kv_block_size
         per_token, context = KVPool.bytes_per_token(cfg, dtype), cfg.context_length
         budget, why = kv_budget(self.args, self.bound, per_token, context)
-        blocks, shape = plan_kv_blocks(per_token, bs, budget, context)
-        self.kv = KVPool.for_config(cfg, blocks, bs, dtype, self.bound.torch_device)
+        _, shape = plan_kv_blocks(per_token, bs, budget, context)  # raises below one block
+        # sliding layers get a window per sequence, the full layers the rest (workers/kv/groups.py)
+        groups = plan_groups(cfg.layer_windows, KVPool.block_bytes_per_layer(cfg, dtype, bs), budget, bs,
+                             self.args.max_batch, self.args.max_num_batched_tokens)
+        self.kv = KVPool.for_config(cfg, groups[0].num_blocks, bs, dtype, self.bound.torch_device, groups)
+        if len(groups) > 1 or groups[0].window is not None:
+            shape = "; ".join(f"{'full' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers x "
+                              f"{g.num_blocks} blocks x {bs} tokens" for g in groups)
         logger.info("KV cache %s bytes: %s; budget %s (%s); prefix cache %s", self.kv.nbytes, shape, budget, why,
                     "off" if self.args.no_prefix_cache else "on")
 
@@ -135,6 +142,7 @@ class WorkerServer:
             args.max_batch, loaded.config.context_length, self.kv.num_blocks, self.kv.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_cache,
             eos_token_ids=loaded.eos_token_ids, cache_root=root, rope=loaded.model.rope_policy,
+            kv_groups=self.kv.group_shapes,
         )
         runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
                              mirror=self.deterministic is None)
@@ -145,12 +153,15 @@ class WorkerServer:
                              on_fatal=self._on_fatal, grammars=grammars)
 
     def _init_app(self) -> None:
+        from workers.model.describe import describe
         from workers.serving.app import create_app
 
         loaded, kv, startup = self.loaded, self.kv, self.startup
         preflight = startup.preflight
+        described = describe(loaded.config)  # architecture, features, attention per layer type
         model = {"id": loaded.model_id, "dtype": str(loaded.dtype).removeprefix("torch."),
-                 "context_length": loaded.config.context_length}
+                 "context_length": loaded.config.context_length, "architecture": described["architecture"],
+                 "features": described["features"], "attention": described["attention"]}
         for key in ("chat_template", "eos_token", "bos_token"):
             if getattr(loaded, key) is not None:
                 model[key] = getattr(loaded, key)
@@ -174,7 +185,9 @@ class WorkerServer:
             fp8=fp8,
             kernels=kernel_info,
             triton_cache=os.environ.get(ENV_TRITON_CACHE_DIR),
-            capacity={**self.engine.scheduler.capacity(), "kv_cache_bytes": kv.nbytes},
+            capacity={**self.engine.scheduler.capacity(), "kv_cache_bytes": kv.nbytes,
+                      "kv_groups": [{"window": g.window, "layers": len(g.layers), "blocks": g.num_blocks}
+                                    for g in kv.groups]},
             model=model,
             versions=_versions(),
             deterministic=self.deterministic.to_dict() if self.deterministic else None,

@@ -1,0 +1,93 @@
+"""`hetserve plan --model DIR`: per device, which attention each layer type of the model gets, and why.
+
+Design: the model's side comes from the workers' own reading of its config.json
+(`python -m workers.model.describe DIR`, one child: the router holds no torch), the device's
+side from its plan (the `PagedAttention` kernel it selects); this module only joins them.
+Per layer type (full attention; sliding over `W` positions):
+- decode: the device's paged-decode kernel, told the layer's window, soft-cap and scale
+  (a GPU reads only the window's blocks; the CPU's torch path gathers only them);
+- prefill: torch SDPA, causal, with the window's mask on a sliding layer; explicit score
+  matrices where the family soft-caps scores (SDPA has no soft-cap);
+- KV cache: a full layer keeps every block of a sequence, a sliding layer frees the blocks
+  behind its window (workers/kv/groups.py).
+Kernel layers the model does not contain are marked `unused`, with why (Gemma's `(1 + w)`
+norm is its own, not the kernel-swappable RMSNorm). Trade-off: a child process per plan.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from server.errors import UsageError
+
+DESCRIBE_TIMEOUT_S = 300
+
+
+def describe_model(model_dir: str) -> dict:
+    """The workers' description of a model directory (`workers.model.describe`); `UsageError`
+    naming the problem when the directory cannot be served."""
+    cmd = [sys.executable, "-m", "workers.model.describe", model_dir]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DESCRIBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise UsageError(f"reading `--model {model_dir}` took over {DESCRIBE_TIMEOUT_S} s") from e
+    if proc.returncode != 0:
+        why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        raise UsageError(f"`--model {model_dir}`: {why}")
+    return json.loads(proc.stdout)
+
+
+def _decode_reason(kernel: dict, device_type: str, window: int | None, attn: dict) -> str:
+    gpu = device_type != "cpu" and kernel["variant"] != "torch"
+    parts = [("Triton kernel reads the blocks in place" if gpu else "torch SDPA over the gathered blocks")]
+    if window is not None:
+        parts.append(f"only the last {window} positions' blocks")
+    if attn.get("softcap"):
+        parts.append(f"scores soft-capped at {attn['softcap']:g} " + ("in fp32" if gpu else "(explicit scores)"))
+    if attn.get("scale") is not None:
+        parts.append(f"scale {attn['scale']:.4g}")
+    parts.append(f"head_dim {attn['head_dim']}")
+    return "; ".join(parts)
+
+
+def attention_plan(entry: dict, described: dict) -> list[dict]:
+    """One device's attention per layer type of the described model."""
+    kernel, attn = entry["kernels"]["PagedAttention"], described["attention"]
+    rows = []
+    for lt in attn["layer_types"]:
+        window = lt.get("window")
+        prefill = "torch SDPA, causal" if not attn.get("softcap") else "torch, explicit soft-capped scores, causal"
+        if window is not None:
+            prefill += f", {window}-position window"
+        rows.append({
+            "type": lt["type"], "window": window, "layers": lt["layers"], "nope_layers": lt.get("nope_layers", []),
+            "decode": {"variant": kernel["variant"], "kernel": f"{kernel['repo']}:{kernel['layer']}",
+                       "reason": _decode_reason(kernel, entry["device"]["type"], window, attn)},
+            "prefill": prefill,
+            "kv_cache": "every block of a sequence" if window is None
+            else f"about {window} positions of blocks per sequence; older blocks freed",
+        })
+    return rows
+
+
+def attach(entry: dict, described: dict) -> None:
+    """Add the model's attention plan to a device's entry, and mark kernel layers it lacks."""
+    entry["attention"] = attention_plan(entry, described)
+    for layer, why in described["kernel_layers_unused"].items():
+        if layer in entry["kernels"]:
+            entry["kernels"][layer]["unused"] = why
+
+
+def render_attention(entry: dict) -> list[str]:
+    """Text lines of one device's attention plan (none without `--model`)."""
+    lines = []
+    for row in entry.get("attention", []):
+        kind = "full" if row["window"] is None else f"sliding ({row['window']})"
+        nope = f", NoPE {row['nope_layers']}" if row["nope_layers"] else ""
+        lines.append(f"  attention {kind}: layers {row['layers']}{nope}")
+        lines.append(f"    decode   {row['decode']['variant']}  {row['decode']['kernel']}  {row['decode']['reason']}")
+        lines.append(f"    prefill  {row['prefill']}")
+        lines.append(f"    KV cache {row['kv_cache']}")
+    return lines

@@ -1,0 +1,84 @@
+"""End to end, once per family: `hetserve serve --model DIR` over HTTP gives transformers' greedy tokens.
+
+For each family of the registry, its tiny checkpoint (tests/family_checkpoints.py, written by
+transformers) is served by a real router with one real CPU worker; all routers start side
+by side. A greedy `/generate` with `decoder_input_details` returns the prompt's token ids
+and the generated ones, which must equal transformers' `generate` on the same ids; and
+`/workers` reports the architecture and what it switches on (sliding window, soft-cap,
+rotary), with the KV cache's groups (a sliding group beside the full one).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.family_checkpoints import make_family_checkpoint
+from tests.router_harness import RouterProcess
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "olmo3", "granite"]
+PROMPT = "Once upon a time there was a little fox who lived near the river, and every morning it went down"
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    paths = {name: make_family_checkpoint(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
+
+    def start(name: str) -> RouterProcess:
+        return RouterProcess(["--model", str(paths[name]), "--max-batch", "4"], fake=False, ready_timeout=300)
+
+    with ThreadPoolExecutor(len(FAMILIES)) as pool:
+        futures = {name: pool.submit(start, name) for name in FAMILIES}
+        routers = {}
+        try:
+            routers = {name: f.result() for name, f in futures.items()}
+        finally:
+            if len(routers) != len(FAMILIES):  # one failed: stop the others before raising
+                for f in futures.values():
+                    if f.exception() is None:
+                        f.result().stop()
+    yield paths, routers
+    for r in routers.values():
+        r.stop()
+    orphans = {name: r.orphans for name, r in routers.items() if r.orphans}
+    assert not orphans, f"workers left running: {orphans}"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_over_http_generates_transformers_greedy_tokens(served, name):
+    paths, routers = served
+    with routers[name].client(timeout=120) as c:
+        r = c.post("/generate", json={"inputs": PROMPT, "parameters": {
+            "max_new_tokens": NEW_TOKENS, "details": True, "decoder_input_details": True}})
+        assert r.status_code == 200, r.text
+        details = r.json()["details"]
+        prompt = [t["id"] for t in details["prefill"]]
+        got = [t["id"] for t in details["tokens"]]
+        worker = c.get("/workers").json()["workers"][0]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(paths[name], dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    eos = ref.generation_config.eos_token_id
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                           eos_token_id=eos)
+    want = out[0, len(prompt):].tolist()
+    assert len(prompt) > 16 and got == want, name  # the prompt is longer than the sliding window (16)
+    # what the worker says it runs
+    model, capacity = worker["model"], worker["capacity"]
+    assert model["architecture"] == ref.config.model_type.removesuffix("_text") and model["features"]["rope"]
+    layer_types = {lt["type"] for lt in model["attention"]["layer_types"]}
+    windows = [g["window"] for g in capacity["kv_groups"]]
+    if "sliding_window" in model["features"]:
+        assert "sliding" in layer_types and model["features"]["sliding_window"] in windows
+    else:
+        assert layer_types == {"full"} and windows == [None]
+    if name == "gemma2":
+        assert model["features"]["attn_softcap"] == ref.config.attn_logit_softcapping
+    if name == "phi3":
+        assert model["features"]["rope"] == "longrope" and "partial_rotary" in model["features"]

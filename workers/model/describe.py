@@ -1,0 +1,89 @@
+"""What a checkpoint's architecture asks of a device, as plain JSON: for `/capability` and `plan`.
+
+Design: one function reads the `ModelConfig` (no weights) and says what the architecture
+switches on (`features`) and how its layers attend, per layer type: which layers attend
+fully and which slide (and over how many positions), with the options every attention of
+the model shares (head dim, scale, soft-cap) and which of the kernel-swappable layers the
+model contains. The router cannot import the model package (it holds no torch), so
+`hetserve plan --model DIR` runs `python -m workers.model.describe DIR` once and joins the
+answer with each device's kernel choices; a ready worker reports the same under `model`.
+Trade-off: a child process per plan for the one source of the rules.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from workers.kv.groups import layer_groups
+from workers.model.config import ConfigError, ModelConfig
+
+
+def attention_layers(config: ModelConfig) -> list[dict[str, Any]]:
+    """Per layer type (full first, then each window): its layers and what they attend."""
+    out = []
+    for window, layers in layer_groups(config.layer_windows):
+        entry: dict[str, Any] = {"type": "full" if window is None else "sliding", "layers": list(layers)}
+        if window is not None:
+            entry["window"] = window
+        nope = sorted(set(layers) & set(config.nope_layers))
+        if nope:
+            entry["nope_layers"] = nope
+        out.append(entry)
+    return out
+
+
+_NORMS = {"fp32": "its RMSNorm weighs in fp32 (the family's own, torch)",
+          "gemma": "its RMSNorm scales by (1 + w) in fp32 (the family's own, torch)"}
+
+
+def describe(config: ModelConfig) -> dict[str, Any]:
+    """`architecture`, `features`, `attention` {head_dim, scale, softcap, layer_types} and the
+    kernel-swappable layers the model lacks, each with why (`kernel_layers_unused`)."""
+    unused = {}
+    if config.norm_style != "llama":
+        unused["RMSNorm"] = _NORMS[config.norm_style]
+    if config.activation != "silu":
+        unused["SiluAndMul"] = f"its activation is {config.activation} (torch)"
+    return {
+        "architecture": config.architecture,
+        "features": config.features,
+        "attention": {
+            "head_dim": config.head_dim,
+            "scale": config.attention_scale,  # None: 1/sqrt(head_dim)
+            "softcap": config.attn_softcap,
+            "layer_types": attention_layers(config),
+        },
+        "kernel_layers_unused": unused,
+    }
+
+
+def describe_dir(model_dir: str | Path) -> dict[str, Any]:
+    """`describe` of a model directory's config.json; `ConfigError` naming what is wrong."""
+    path = Path(model_dir) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"`{path}` cannot be read: {e.strerror}; `--model` takes a directory with a config.json") from e
+    except ValueError as e:
+        raise ConfigError(f"`{path}` is not valid JSON: {e}") from e
+    return describe(ModelConfig.from_hf_config(hf))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m workers.model.describe MODEL_DIR", file=sys.stderr)
+        return 2
+    try:
+        print(json.dumps(describe_dir(args[0])))
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
