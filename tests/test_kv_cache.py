@@ -20,6 +20,8 @@ class FakeSeq:
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
         self.block_ids: list[int] = []
+        self.group_tables: list[list[int]] = []  # the other KV groups' tables (tests/test_kv_groups.py)
+        self.held_from: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.num_computed = 0

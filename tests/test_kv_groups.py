@@ -12,25 +12,12 @@ from __future__ import annotations
 
 import random
 
+from tests.test_kv_cache import FakeSeq
 from workers.kv.groups import first_needed, layer_groups, plan_groups, window_blocks
 from workers.kv.hashing import chain_hashes, root_hash
 from workers.kv.manager import KVCacheManager
 
 BS, W = 4, 6
-
-
-class FakeSeq:
-    def __init__(self, tokens: list[int]):
-        self.tokens = tokens
-        self.block_ids: list[int] = []
-        self.group_tables: list[list[int]] = []
-        self.held_from: list[int] = []
-        self.block_hashes: list[bytes] = []
-        self.num_cached_blocks = 0
-        self.num_computed = 0
-
-    def token_ids(self) -> list[int]:
-        return self.tokens
 
 
 class Harness:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from workers.kv.groups import first_needed
-from workers.kv.mirror import DecodeMirror, MirrorRows, attend_rows, row_mask
+from workers.kv.mirror import DecodeMirror, MirrorRows, attend_rows, row_mask, step_mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +86,7 @@ class DecodeRows:
 
     def window_mask(self, window: int | None) -> torch.Tensor | None:
         """The rows' mask when each attends only its last `window` positions (`mask` without one)."""
-        if window is None or window >= self.max_len:
-            return self.mask
-        if window not in self.masks:
-            self.masks[window] = row_mask(self.seq_lens, self.max_len, window)
-        return self.masks[window]
+        return step_mask(self, self.seq_lens, window)
 
     def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
                scale: float | None = None) -> torch.Tensor:

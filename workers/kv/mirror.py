@@ -36,6 +36,16 @@ def row_mask(lens: torch.Tensor, max_len: int, window: int | None) -> torch.Tens
     return mask[:, None, None, :]
 
 
+def step_mask(rows, lens: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """The mask of a step's decode `rows` (their `mask`, `masks`, `max_len`) when each attends
+    only its last `window` positions: made once per step and window, `rows.mask` without one."""
+    if window is None or window >= rows.max_len:
+        return rows.mask
+    if window not in rows.masks:
+        rows.masks[window] = row_mask(lens, rows.max_len, window)
+    return rows.masks[window]
+
+
 def attend_rows(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per row: `query` [N, Hq, D], `k`, `v` [N, Hkv, L, D] -> [N, Hq, D].
@@ -78,11 +88,7 @@ class MirrorRows:
     masks: dict = field(default_factory=dict)  # window -> its mask, made once per step
 
     def window_mask(self, window: int | None) -> torch.Tensor | None:
-        if window is None or window >= self.max_len:
-            return self.mask
-        if window not in self.masks:
-            self.masks[window] = row_mask(self.lens, self.max_len, window)
-        return self.masks[window]
+        return step_mask(self, self.lens, window)
 
     def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
                scale: float | None = None) -> torch.Tensor:
