@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.config.api_key import resolve_api_key
+from server.config.reasoning import AUTO as AUTO_REASONING
+from server.config.reasoning import reasoning_parser_from_args
 from server.config.routing import RoutingConfig, routing_from_args
 from server.errors import UsageError
 from workers.contract import (
@@ -68,6 +70,7 @@ class RouterSettings:
     api_key_source: str = "none"  # --api-key, --api-key-file PATH, $HETSERVE_API_KEY or none
     log_level: str = "info"
     special_tokens_in_content: bool = False  # chat content may hold the model's special tokens
+    reasoning_parser: str = AUTO_REASONING  # auto | qwen3 | none (server/config/reasoning.py)
     # HTTP edge
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     header_timeout_s: float = HEADER_TIMEOUT_S  # a request head must arrive within this (408)
@@ -149,6 +152,7 @@ class RouterSettings:
             "log_level": getattr(args, "log_level", "info"),
             "special_tokens_in_content": bool(getattr(args, "special_tokens_in_content", False)),
             "deterministic": bool(getattr(args, "deterministic", False)),
+            "reasoning_parser": reasoning_parser_from_args(args),
         }
         endpoint = getattr(args, "otlp_endpoint", None)
         if endpoint:

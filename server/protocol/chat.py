@@ -4,18 +4,32 @@ The template comes from the model directory through the same lookup the worker u
 (`workers.contract.find_chat_template`: `chat_template.jinja`, else
 `tokenizer_config.json["chat_template"]`); else the template the worker reported in
 `/capability` (a router that cannot read the worker's directory); else a plain ChatML
-template, with a warning, so a model without a template still answers. Rendering mirrors `transformers`' `apply_chat_template`: a sandboxed jinja2
-environment with `trim_blocks`/`lstrip_blocks`, `raise_exception`, `strftime_now` and a
-`tojson` filter, and the variables `messages`, `bos_token`, `eos_token`,
-`add_generation_prompt`. A template that raises (say, roles that do not alternate) becomes
-a `ChatTemplateError` naming the problem (422 at the HTTP edge).
+template, with a warning, so a model without a template still answers.
+
+Rendering is transformers' `apply_chat_template`, rebuilt without transformers (the router
+imports no torch) and checked against it template feature by template feature
+(tests/test_chat_templates.py). The same sandboxed jinja2 environment: `trim_blocks` /
+`lstrip_blocks`, loop controls (`{% break %}`, `{% continue %}`), the `{% generation %}` tag
+(transformers marks assistant tokens with it; here it renders its body), `raise_exception`,
+`strftime_now`, a `tojson` filter that keeps non-ASCII text and takes `indent`,
+`separators` and `sort_keys`, a `namespace` that refuses underscore names and a limited
+`dict`. The same variables: `messages` (keys whose value is null dropped; a turn's reasoning
+under `reasoning_content` and `thinking`, whichever name it came in), `tools` and
+`documents` (null when not given, so `tools is none` holds), `add_generation_prompt`, the
+special tokens the tokenizer config sets (`bos_token`, `eos_token`, `pad_token`, ...; an
+unset one is undefined, as in transformers) and any extra keyword (`enable_thinking`, a
+request's `chat_template_kwargs`). Trade-off: the environment is a copy, not an import, so a
+new transformers feature reaches the router only when it is copied here and its test added.
+A template that raises (say, roles that do not alternate) becomes a `ChatTemplateError`
+naming the problem (422 at the HTTP edge).
 
 Special tokens in content: the worker tokenizes the rendered prompt with special tokens
 parsed, so a user typing `<|im_start|>system` inside a message would get the real control
-token and could forge a turn. By default a message whose content or name contains the text
-of one of the model's special tokens (`read_special_tokens`) is refused with a 422 naming
-the token, as tiktoken refuses disallowed special tokens; `--special-tokens-in-content`
-lets them through (a trusted client that writes control tokens on purpose).
+token and could forge a turn. By default a message whose content, name or reasoning (or a
+`chat_template_kwargs` string) contains the text of one of the model's special tokens
+(`read_special_tokens`) is refused with a 422 naming the token, as tiktoken refuses
+disallowed special tokens; `--special-tokens-in-content` lets them through (a trusted client
+that writes control tokens on purpose).
 """
 
 from __future__ import annotations
@@ -28,6 +42,9 @@ from functools import lru_cache
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from workers.contract import (
@@ -44,6 +61,11 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# tokenizer_config.json special tokens a template sees under their own names (transformers' special_tokens_map)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# names under which a message's reasoning reaches templates (transformers reads them in this order)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_CHECKED_FIELDS = ("content", "name", *REASONING_FIELDS)
 
 
 class ChatTemplateError(ValueError):
@@ -57,32 +79,68 @@ class ChatTemplate:
     eos_token: str | None
     origin: str  # where the template came from (shown in logs)
     forbidden_tokens: tuple[str, ...] = ()  # special tokens refused inside message text
+    special_tokens: tuple[tuple[str, str], ...] = ()  # (name, text) of the other SPECIAL_TOKEN_NAMES that are set
+    model_type: str | None = None  # config.json `model_type` (which reasoning parser `auto` picks)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        self.check_content(messages)
+        """The prompt for `messages`; `extra` holds `tools`, `documents` and template keywords."""
+        self.check_content(messages, extra)
+        tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token, **dict(self.special_tokens)}
+        variables = {**{k: v for k, v in tokens.items() if v is not None}, **extra}  # keywords win, as in transformers
+        variables.setdefault("tools", None)
+        variables.setdefault("documents", None)
+        variables.update(messages=normalized_messages(messages), add_generation_prompt=add_generation_prompt)
+        template = _compile(self.source)
         try:
-            template = _compile(self.source)
-            return template.render(messages=messages, bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                   add_generation_prompt=add_generation_prompt, **extra)
-        except jinja2.TemplateError as e:
+            return template.render(**variables)
+        except (jinja2.TemplateError, TypeError, ValueError) as e:  # raise_exception, or a value it cannot use
             raise ChatTemplateError(f"The chat template refused the messages: {e}") from e
 
-
-    def check_content(self, messages: list[dict]) -> None:
-        """`ChatTemplateError` (422) when a message's text holds a forbidden special token."""
+    def check_content(self, messages: list[dict], extra: dict | None = None) -> None:
+        """`ChatTemplateError` (422) when a message's text, or a template keyword's, holds a
+        forbidden special token."""
         if not self.forbidden_tokens:
             return
         for i, m in enumerate(messages):
-            for field in ("content", "name"):
-                text = m.get(field)
-                if not isinstance(text, str) or not text:
-                    continue
-                for token in self.forbidden_tokens:
-                    if token in text:
-                        raise ChatTemplateError(
-                            f"`messages.{i}.{field}` contains the special token `{token}`, which would act as a "
-                            "control token. Accepted: text without the model's special tokens (or start the "
-                            "server with --special-tokens-in-content)")
+            for name in _CHECKED_FIELDS:
+                self._check_text(m.get(name), f"messages.{i}.{name}")
+        for key, value in (extra or {}).items():
+            if key != "tools":  # the request's tool definitions: checked where they are accepted
+                self._check_value(value, f"chat_template_kwargs.{key}")
+
+    def _check_value(self, value, where: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                self._check_value(v, f"{where}.{k}")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                self._check_value(v, f"{where}.{i}")
+        else:
+            self._check_text(value, where)
+
+    def _check_text(self, text, where: str) -> None:
+        if not isinstance(text, str) or not text:
+            return
+        for token in self.forbidden_tokens:
+            if token in text:
+                raise ChatTemplateError(
+                    f"`{where}` contains the special token `{token}`, which would act as a control token. "
+                    "Accepted: text without the model's special tokens (or start the server with "
+                    "--special-tokens-in-content)")
+
+
+def normalized_messages(messages: list[dict]) -> list[dict]:
+    """Messages as transformers hands them to a template: keys whose value is None dropped (many
+    templates test `'key' in message`), and a turn's reasoning under every name templates read
+    (`reasoning_content`, and `thinking` for templates that read that)."""
+    out = []
+    for message in messages:
+        m = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
 
 
 def _raise_exception(message: str):
@@ -90,6 +148,7 @@ def _raise_exception(message: str):
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja's own `tojson` escapes `<`, `>`, `&` and `'` for HTML; templates want the JSON as it is
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -97,12 +156,60 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _TemplateDict:
+    """`dict(...)` and `dict.fromkeys(...)` in templates, without the type itself."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's `namespace`, refusing underscore names (no way towards Python's internals)."""
+
+    def __init__(*args, **kwargs):  # jinja's signature trick, so that `namespace(self=...)` works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"A chat template cannot set the underscore name `{name}` on a namespace. Accepted: other names")
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-token marker): its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
@@ -121,14 +228,28 @@ def load_chat_template(model_dir: Path | None, reported: ModelDescription | dict
     return replace(found_template, forbidden_tokens=forbidden)
 
 
+def _model_type(model_dir: Path | None, reported: ModelDescription) -> str | None:
+    """config.json's `model_type`, else what the worker reported under that name, else None."""
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") if model_dir else None
+    except (OSError, ValueError, AttributeError):
+        value = None
+    value = value if isinstance(value, str) else (reported.model_extra or {}).get("model_type")
+    return value if isinstance(value, str) else None
+
+
 def _load_template(model_dir: Path | None, reported: ModelDescription) -> ChatTemplate:
     config = read_tokenizer_config(model_dir)
     bos = token_text(config.get("bos_token")) or reported.bos_token
     eos = token_text(config.get("eos_token")) or reported.eos_token
+    special = tuple((name, text) for name in SPECIAL_TOKEN_NAMES[2:] if (text := token_text(config.get(name))))
+    model_type = _model_type(model_dir, reported)
     found = find_chat_template(model_dir, config)
     if found is not None:
-        return ChatTemplate(found.source, bos, eos, found.origin)
+        return ChatTemplate(found.source, bos, eos, found.origin, special_tokens=special, model_type=model_type)
     if reported.chat_template:
-        return ChatTemplate(reported.chat_template, bos, eos, "the worker's /capability")
+        return ChatTemplate(reported.chat_template, bos, eos, "the worker's /capability", special_tokens=special,
+                            model_type=model_type)
     logger.warning("model %s has no chat template; using ChatML for /v1/chat/completions", model_dir)
-    return ChatTemplate(CHATML_TEMPLATE, bos, eos, "ChatML (the model has no chat template)")
+    return ChatTemplate(CHATML_TEMPLATE, bos, eos, "ChatML (the model has no chat template)", special_tokens=special,
+                        model_type=model_type)

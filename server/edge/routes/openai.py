@@ -7,7 +7,9 @@ differ yet stay reproducible. Streams open one worker stream per choice and inte
 deltas, each chunk carrying its choice's `index`, then `data: [DONE]`; a choice whose worker is
 lost mid-way moves to another worker (server/dispatch/migration.py) and its finishing chunk carries
 `migrations`. Chat prompts are
-rendered with the model's chat template (with `tools` when given); `response_format` and a
+rendered with the model's chat template (with `tools` when given, and the request's
+`chat_template_kwargs`); a reasoning model's thinking comes back as `reasoning_content`
+(`server/protocol/reasoning.py`, `--reasoning-parser`); `response_format` and a
 forced `tool_choice` become the worker's grammar (`server/protocol/openai/tools.py`). Completions take text
 or token-id prompts; `echo` with `logprobs` scores the prompt, and `max_tokens` = 0 scores it
 without generating (answered whole, also when streamed). Any model name is accepted: this
@@ -40,6 +42,7 @@ from server.protocol.openai import responses as fmt
 from server.protocol.openai.choices import ChoiceSpec, ChoiceStream, chat_choice, completion_choice
 from server.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
 from server.protocol.openai.tools import plan_tools, response_grammar, template_messages
+from server.protocol.reasoning import add_reasoning, choose_parser, plan_reasoning
 from server.routing.filter import Constraints
 from workers.contract import MAX_SEED
 
@@ -138,7 +141,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     template = ctx.chat_template()
     native_tools = "tools" in template.source
     extra = {"tools": [{"type": "function", "function": f} for f in plan.functions]} if plan.functions else {}
-    prompt = template.render(template_messages(req, native_tools), add_generation_prompt=True, **extra)
+    kwargs = req.chat_template_kwargs or {}
+    messages = add_reasoning(template_messages(req, native_tools), [m.reasoning_text() for m in req.messages])
+    prompt = template.render(messages, add_generation_prompt=True, **kwargs, **extra)
     params = req.sampling(req.max_new_tokens, ctx.sampling_defaults())
     try:
         grammar = plan.grammar() or response_grammar(req)
@@ -148,7 +153,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         params["grammar"] = grammar
     if req.top_n is not None:
         params["top_n_tokens"] = req.top_n
-    specs = [ChoiceSpec(k, req.top_n, tools=plan) for k in range(req.n)]
+    parser = choose_parser(ctx.settings.reasoning_parser, template.source, template.model_type)
+    reasoning = plan_reasoning(parser, prompt, kwargs, constrained=grammar is not None)
+    specs = [ChoiceSpec(k, req.top_n, tools=plan, reasoning=reasoning) for k in range(req.n)]
     bodies = [_worker_body(prompt, _choice_params(params, k)) for k in range(req.n)]
     if req.stream:
         return await _stream(ctx, c, request, bodies, specs, [0] * req.n, chat=True, usage=_include_usage(req))

@@ -8,7 +8,10 @@ prompt logprobs) comes with its first event; a token's logprob entry rides on th
 that goes out (a held-back half character, an EOS), so none is lost. Tool calls stream as
 OpenAI's deltas: a named function's arguments token by token from the first event; `required`
 and `auto` output is held back while it may be a call and sent whole once it is one (or
-released as content the moment it cannot be).
+released as content the moment it cannot be). A chat choice with a `ReasoningPlan` sends
+the model's thinking as `reasoning_content` (message field, stream deltas) and only the
+answer as `content`, which is also what tool calls are parsed from
+(`server/protocol/reasoning.py`); usage and logprobs still count every generated token.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from server.protocol.openai.tools import (
     may_be_call,
     tool_calls_message,
 )
+from server.protocol.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
 
 _NO_TOOLS = ToolPlan(NONE)
 
@@ -39,6 +43,7 @@ class ChoiceSpec:
     echo: bool = False
     prompt_text: str | None = None  # the prompt as text (None: given as token ids)
     tools: ToolPlan = _NO_TOOLS
+    reasoning: ReasoningPlan | None = None  # chat: split the thinking out (None: all content)
 
 
 def _completion_lp(spec: ChoiceSpec, prefill: list[dict], tokens: list[dict], tops: list, prompt_len: int) -> dict:
@@ -72,10 +77,15 @@ def chat_choice(spec: ChoiceSpec, body: dict) -> dict:
     if spec.top is not None:
         tokens = details.get("tokens") or []
         logprobs = fmt.chat_logprob_entries(tokens, details.get("top_tokens") or [None] * len(tokens))
-    calls = spec.tools.calls(text) if finish == "stop" and spec.tools.mode != NONE else None
+    reasoning, content = split_reasoning(spec.reasoning, text)
+    calls = spec.tools.calls(content or "") if finish == "stop" and spec.tools.mode != NONE else None
     if calls:
-        return fmt.chat_choice(spec.index, None, "tool_calls", logprobs, tool_calls_message(calls))
-    return fmt.chat_choice(spec.index, text, finish, logprobs)
+        choice = fmt.chat_choice(spec.index, None, "tool_calls", logprobs, tool_calls_message(calls))
+    else:
+        choice = fmt.chat_choice(spec.index, content, finish, logprobs)
+    if spec.reasoning is not None:
+        choice["message"]["reasoning_content"] = reasoning
+    return choice
 
 
 class ChoiceStream:
@@ -90,6 +100,7 @@ class ChoiceStream:
         self._held = ""  # chat text held back while it may be a tool call
         self._holding = chat and spec.tools.mode in (REQUIRED, AUTO)
         self._call_id = call_id() if spec.tools.mode == NAMED else None
+        self._thinking = ReasoningSplitter(spec.reasoning) if chat and spec.reasoning is not None else None
 
     # -- deltas -------------------------------------------------------------------------
     def _logprobs(self):
@@ -136,6 +147,16 @@ class ChoiceStream:
             return [self._delta(piece)]
         if self._call_id is not None:
             return [self._delta({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})]
+        if self._thinking is None:
+            return self._content(piece)
+        return self._thought(*self._thinking.feed(piece))
+
+    def _thought(self, reasoning: str, content: str) -> list[dict]:
+        """A reasoning delta, then the answer's text (either may be empty)."""
+        out = [self._delta({"reasoning_content": reasoning})] if reasoning else []
+        return out + (self._content(content) if content else [])
+
+    def _content(self, piece: str) -> list[dict]:
         if self._holding:
             self._held += piece
             if self.spec.tools.mode == REQUIRED or may_be_call(self._held):
@@ -148,7 +169,7 @@ class ChoiceStream:
         self.prompt_tokens = details.get("input_length") or 0
         self.completion_tokens = details.get("generated_tokens") or 0
         finish = fmt.finish_reason(details) or "stop"
-        out = []
+        out = self._thought(*self._thinking.finish()) if self._thinking is not None else []
         if self._call_id is not None and finish == "stop":
             finish = "tool_calls"
         elif self._holding:

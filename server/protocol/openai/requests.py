@@ -4,7 +4,9 @@ Accepted as OpenAI defines them, with vLLM's extensions (`top_k`, `repetition_pe
 sampling (`temperature`, `top_p`, `seed`, `stop`, `presence_penalty`, `frequency_penalty`,
 `logit_bias`, `n`), logprobs (`logprobs` / `top_logprobs` up to `MAX_LOGPROBS`, `echo` and
 `max_tokens` = 0 for prompt scoring), structured output (`response_format`) and tools
-(`tools`, `tool_choice`, `parallel_tool_calls`). Fields this server cannot honour are
+(`tools`, `tool_choice`, `parallel_tool_calls`), and for chat vLLM's `chat_template_kwargs`
+(extra template variables, `{"enable_thinking": false}`) and earlier turns' reasoning
+(`reasoning_content`, or `reasoning`). Fields this server cannot honour are
 refused with a 422 naming them (`best_of` > 1, `suffix`, image parts). `sampling()` turns a
 request into the worker's TGI-shaped `parameters`; tools and response formats become a
 grammar in `server/protocol/openai/tools.py`.
@@ -12,9 +14,10 @@ grammar in `server/protocol/openai/tools.py`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from server.protocol.base import TOKENS_MAX, Edge, StopText, json_schema_value, refuse
 from workers.contract import (
@@ -28,6 +31,9 @@ from workers.contract import (
 )
 
 MAX_CHOICES = 8  # n x prompts per OpenAI request
+MAX_TEMPLATE_KWARGS = 64
+# template variables a request sets through its own fields, never through `chat_template_kwargs`
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
 
 PromptText = Annotated[str, Field(min_length=1, max_length=1_000_000)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -158,13 +164,19 @@ class ChatMessage(Edge):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = Field(None, max_length=200)
+    reasoning_content: str | None = None  # an earlier assistant turn's reasoning (vLLM's name)
+    reasoning: str | None = None  # the same, under vLLM's newer name
 
     @model_validator(mode="after")
     def _unicode(self):
         """A lone surrogate (`"\\ud800"`, valid JSON) cannot be encoded, so no tokenizer takes it."""
         valid_unicode(self.text(), "content")
         valid_unicode(self.name or "", "name")
+        valid_unicode(self.reasoning_text() or "", "reasoning_content")
         return self
+
+    def reasoning_text(self) -> str | None:
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -232,6 +244,26 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, value):
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            shown = json.dumps(value)[:60] if isinstance(value, (str, int, float, bool, list)) else type(value).__name__
+            raise ValueError(f"must be an object of template variables, got `{shown}`. Accepted: an object such "
+                             'as {"enable_thinking": false}, or null')
+        if len(value) > MAX_TEMPLATE_KWARGS:
+            raise ValueError(f"has {len(value)} variables; at most {MAX_TEMPLATE_KWARGS} are accepted")
+        for name in value:
+            if name in RESERVED_TEMPLATE_VARIABLES:
+                raise ValueError(f"`{name}` is set by the request itself, not here. Accepted: any other template "
+                                 f"variable (not {', '.join(RESERVED_TEMPLATE_VARIABLES)})")
+            valid_unicode(name, "chat_template_kwargs")
+        valid_unicode(json.dumps(value, ensure_ascii=False), "chat_template_kwargs")
+        return value
 
     @model_validator(mode="after")
     def _supported(self):
