@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from server.config.reasoning import add_reasoning_flags
 from server.config.routing import add_routing_flags
 from server.config.settings import CANARY_ACTIONS, RouterSettings
 from server.errors import UsageError
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(e.g. http://collector:4318; off by default)")
     _add_failure_flags(serve)
     add_routing_flags(serve)
+    add_reasoning_flags(serve)
     _add_numerics_flags(serve)
 
     plan = sub.add_parser("plan", help="show per device the kernels and fp8 convention chosen, without loading weights")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from server.config.reasoning import add_reasoning_flags
 from server.errors import UsageError
 
 CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN = "cache-aware", "least-loaded", "round-robin"
@@ -73,9 +72,6 @@ def add_routing_flags(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-tree-size", type=int, default=None, metavar="CHUNKS",
                    help=f"prompt prefix chunks of {d.chunk_chars} characters remembered per worker, least recently "
                         f"used forgotten first (default {d.tree_size})")
-    # The one serve flag of the chat group, registered with the routing flags because `hetserve
-    # serve` builds its parser from these groups (server/cli.py).
-    add_reasoning_flags(serve)
 
 
 _FLAGS = {"routing": "policy", "routing_balance_abs": "balance_abs", "routing_balance_rel": "balance_rel",

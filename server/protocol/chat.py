@@ -229,13 +229,14 @@ def load_chat_template(model_dir: Path | None, reported: ModelDescription | dict
 
 
 def _model_type(model_dir: Path | None, reported: ModelDescription) -> str | None:
-    """config.json's `model_type`, else what the worker reported under that name, else None."""
+    """config.json's `model_type`, else what the worker reported under that name, else its family
+    (`architecture`: qwen3, smollm3, ...), else None."""
     try:
         value = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") if model_dir else None
     except (OSError, ValueError, AttributeError):
         value = None
     value = value if isinstance(value, str) else (reported.model_extra or {}).get("model_type")
-    return value if isinstance(value, str) else None
+    return value if isinstance(value, str) else reported.architecture  # the family a worker reports
 
 
 def _load_template(model_dir: Path | None, reported: ModelDescription) -> ChatTemplate:
