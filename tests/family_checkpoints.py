@@ -54,6 +54,15 @@ CASES: dict[str, tuple[str, dict]] = {
     "olmo3": ("olmo3", dict(sliding_window=WINDOW)),
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=4.0)),
+    # mixtures of experts: 4 to 8 experts, the family's top-k, a dense layer between sparse ones
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    decoder_sparse_step=1, mlp_only_layers=[2], norm_topk_prob=True)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                initializer_range=0.1,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                                 "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False})),
 }
 
 

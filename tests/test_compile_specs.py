@@ -217,9 +217,10 @@ def test_paged_attention_specs_cover_every_layer_option(monkeypatch, window, sof
 
 def test_each_paged_attention_layer_passes_the_tuning_and_options_its_module_has(monkeypatch):
     """Guards `_triton_or_torch` and `_options` in paged_attention/layers.py: each Triton layer
-    passes its `COMPILE_SPECS` tuning and the model module's `sliding_window`, `softcap` and
-    `scale` (None when the module has none of them) to the kernel, and the same options to
-    `decode.attend` on the torch path, so a Gemma layer is never run as a full, uncapped one."""
+    passes its `COMPILE_SPECS` tuning and the model module's `sliding_window`, `softcap`, `scale`
+    and `sinks` (None when the module has none of them) to the kernel, and the same options to
+    `decode.attend` on the torch path, so a Gemma layer is never run as a full, uncapped one nor
+    a gpt-oss layer without its sinks."""
     layers = _layers_module("paged_attention")
     kernel, torch_path = [], []
     monkeypatch.setattr(layers, "paged_decode", lambda *a, **kw: kernel.append(kw))
@@ -227,14 +228,18 @@ def test_each_paged_attention_layer_passes_the_tuning_and_options_its_module_has
                                    attend=lambda q, kv, *options: torch_path.append(options))  # fmt: skip
     gemma = torch.nn.Module()
     gemma.sliding_window, gemma.softcap, gemma.scale = 4096, 50.0, 144**-0.5
+    gpt_oss = torch.nn.Module()
+    gpt_oss.sliding_window, gpt_oss.sinks = 128, torch.nn.Parameter(torch.ones(2))
     q, kv = torch.ones(1, 2, 4), torch.ones(2, 1, 1, 1, 4)
-    for module, options in ((torch.nn.Module(), (None, None, None)), (gemma, (4096, 50.0, 144**-0.5))):
+    cases = ((torch.nn.Module(), (None, None, None, None)), (gemma, (4096, 50.0, 144**-0.5, None)),
+             (gpt_oss, (128, None, None, gpt_oss.sinks)))
+    for module, options in cases:
         for name, spec in layers.COMPILE_SPECS.items():
             monkeypatch.setattr(layers, "runs_triton", lambda x: True)
             getattr(layers, name).forward(module, q, kv, decode)
             kw = kernel.pop()
             assert kw["tuning"] is spec.args[0], name
-            assert (kw["window"], kw["softcap"], kw["scale"]) == options, name
+            assert (kw["window"], kw["softcap"], kw["scale"], kw["sinks"]) == options, name
             monkeypatch.setattr(layers, "runs_triton", lambda x: False)
             getattr(layers, name).forward(module, q, kv, decode)
             assert torch_path.pop() == options, name

@@ -44,7 +44,7 @@ def serve(lm, prompts, *, max_sequences: int, budget: int = 2048, prefix: bool =
     """Each prompt's tokens, served `max_sequences` at a time, and the engine (for its metrics)."""
     pool = KVPool.for_config(lm.config, blocks, 16, lm.dtype)
     config = SchedulerConfig(max_sequences, lm.config.max_position_embeddings, blocks, 16, budget, prefix,
-                             eos_token_ids=(), cache_root=root_hash("embedded", lm.dtype))
+                             eos_token_ids=(), cache_root=root_hash("embedded", lm.dtype), kv_groups=pool.group_shapes)
     engine = Engine(ModelRunner(lm.model, pool, "cpu", mirror=False), Scheduler(config), lm.tokenizer, max_queue=64)
     params = params or SamplingParams.create(max_new_tokens=NEW_TOKENS)
     streams = [engine.submit(lm.tokenizer.encode(p).ids, params) for p in prompts]
@@ -163,3 +163,47 @@ def test_fixed_shapes_whatever_the_batch():
     assert torch.equal(alone[0], with_mate[0])
     exact = F.scaled_dot_product_attention(q[:1].float(), k[:1, :, :100].float(), v[:1, :, :100].float())
     assert torch.allclose(alone, exact, atol=5e-3)  # the CPU kernel rounds the weights to bfloat16
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_an_experts_rows_ignore_their_batch_mates_only_in_deterministic_mode(monkeypatch, deterministic):
+    """Regression: guards `module.row_tile = row_tile` in `enable_deterministic` and `_tiles` in
+    `grouped_experts` (workers/model/moe.py). Over a GEMM whose numerics follow its row count, a
+    token's expert output moves with how many other tokens chose the same expert in the default
+    mode, and stays bit-identical in deterministic mode."""
+    import workers.model.moe as moe
+
+    real = moe.F.linear
+    monkeypatch.setattr(moe.F, "linear", lambda x, w, b=None: real(x, w, b) * (1 + 1e-3 * x.shape[0]))
+    layer = moe.FusedMoE(4, 16, 8)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.w_gate_up.copy_(torch.randn(layer.w_gate_up.shape, generator=gen))
+        layer.w_down.copy_(torch.randn(layer.w_down.shape, generator=gen))
+    model = torch.nn.Sequential(layer)
+    if deterministic:
+        enable_deterministic(model)
+    x = torch.randn(9, 16, generator=gen)
+    ids = torch.tensor([[1, 2]] * 9)  # every token picks experts 1 and 2
+    weights = torch.full((9, 2), 0.5)
+    with torch.no_grad():
+        alone, together = layer(x[:1], ids[:1], weights[:1]), layer(x, ids, weights)[:1]
+    assert torch.equal(alone, together) == deterministic
+
+
+def test_a_mixture_of_experts_with_sinks_is_deterministic_alone_together_chunked_and_preempted(tmp_path):
+    """gpt-oss in bfloat16 (experts, attention sinks, sliding layers): deterministic mode gives a
+    request the same tokens alone, in a batch, in chunks and after preemption."""
+    from tests.family_checkpoints import make_family_checkpoint
+
+    torch.set_num_threads(1)
+    lm = load_model(make_family_checkpoint("gpt_oss", tmp_path / "g"), "bfloat16")
+    enable_deterministic(lm.model)
+    prompts = [PREFIX + q for q in QUESTIONS[:8]]
+    alone, _ = serve(lm, prompts, max_sequences=1, prefix=False)
+    together, _ = serve(lm, prompts, max_sequences=8, prefix=False)
+    chunked, _ = serve(lm, prompts, max_sequences=8, budget=16, prefix=False)
+    preempted, engine = serve(lm, prompts, max_sequences=8, prefix=False, blocks=24)
+    assert metric(engine, "hetserve_worker_preemptions_total") > 0
+    assert all(len(t) == NEW_TOKENS for t in alone)
+    assert together == alone and chunked == alone and preempted == alone

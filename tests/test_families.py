@@ -81,6 +81,24 @@ def test_logits_match_transformers(case):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+def test_the_weight_map_gives_back_the_checkpoints_tensors(case):
+    """Every family's one map, inverted (`to_hf`): our state dict split, unstacked and turned back
+    into the checkpoint's layouts (gpt-oss's interleaved, transposed experts) equals every tensor
+    transformers wrote, bit for bit."""
+    from safetensors.torch import load_file
+
+    from workers.model.weights import to_hf
+
+    name, ours, _ = case
+    written = load_file(str(ours.model_dir / "model.safetensors"))
+    back = to_hf(ours.model)
+    if ours.config.tie_word_embeddings:
+        written.pop("lm_head.weight", None)
+    assert set(back) == set(written), name
+    for key, tensor in written.items():
+        assert torch.equal(back[key], tensor), f"{name}: {key}"
+
+
 def test_greedy_tokens_match_transformers_batched_chunked_cached_and_preempted(case):
     name, ours, ref = case
     prompts = _prompts(ours)

@@ -2,10 +2,10 @@
 
 Each layer is stateless: no `__init__`, only `forward(self, query, kv, decode)`, where
 `decode` is the step's decode rows: `block_tables` [N, MB], `seq_lens` [N] and `max_len` for
-the kernel, and `attend(query, kv, window, softcap, scale)`, the torch path (SDPA over the
+the kernel, and `attend(query, kv, window, softcap, scale, sinks)`, the torch path (SDPA over the
 rows' K/V, which the worker may keep contiguous across steps instead of gathering them).
 `self` is the model's `PagedAttention`, whose attention options (`sliding_window`,
-`softcap`, `scale`; None where the layer does not set them) both paths honour. The Triton
+`softcap`, `scale`, and gpt-oss's `sinks`; None where the layer does not set them) both paths honour. The Triton
 layers differ only in their launch tuning; on CPU tensors they take the torch path.
 `COMPILE_SPECS` names, per Triton layer, the launches its forward can make (the preflight
 compiles them ahead of time); each entry's tuning is the one its forward passes.
@@ -29,18 +29,19 @@ from .paged_attention import (
 )
 
 
-def _options(module: nn.Module) -> tuple[int | None, float | None, float | None]:
-    """The layer's (sliding window, softcap, scale) as its attention set them; None where unset."""
-    return getattr(module, "sliding_window", None), getattr(module, "softcap", None), getattr(module, "scale", None)
+def _options(module: nn.Module) -> tuple:
+    """The layer's (sliding window, softcap, scale, sinks) as its attention set them; None where unset."""
+    return (getattr(module, "sliding_window", None), getattr(module, "softcap", None), getattr(module, "scale", None),
+            getattr(module, "sinks", None))
 
 
 def _triton_or_torch(module: nn.Module, query: torch.Tensor, kv: torch.Tensor, decode,
                      tuning: PagedAttentionTuning) -> torch.Tensor:  # fmt: skip
-    window, softcap, scale = _options(module)
+    window, softcap, scale, sinks = _options(module)
     if not runs_triton(query):
-        return decode.attend(query, kv, window, softcap, scale)
+        return decode.attend(query, kv, window, softcap, scale, sinks)
     return paged_decode(query, kv, decode.block_tables, decode.seq_lens, decode.max_len, tuning=tuning,
-                        window=window, softcap=softcap, scale=scale)  # fmt: skip
+                        window=window, softcap=softcap, scale=scale, sinks=sinks)  # fmt: skip
 
 
 class PagedAttention(nn.Module):

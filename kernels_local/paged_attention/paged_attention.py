@@ -59,7 +59,7 @@ import triton.language as tl
 from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
 
 # Runtime integers compiled once for every value (no divisibility or ==1 specialization).
-_UNSPECIALIZED = ("stride_n", "num_blocks", "stride_bt", "group", "block_size", "window")
+_UNSPECIALIZED = ("stride_n", "num_blocks", "stride_bt", "group", "block_size", "window", "use_sinks")
 # The window of a layer that does not slide: larger than any sequence (int32, as launched).
 FULL_WINDOW = 2**31 - 1
 
@@ -80,12 +80,14 @@ def _paged_decode_kernel(
     Out,
     BLOCK_TABLES,
     SEQ_LENS,
+    SINKS,
     stride_n,
     num_blocks,
     stride_bt,
     group,
     block_size,
     window,
+    use_sinks,
     head_dim,
     softcap,
     scale,
@@ -101,9 +103,11 @@ def _paged_decode_kernel(
     d_mask = d < head_dim
     q = tl.load(Q + n * stride_n + h * head_dim + d, mask=d_mask, other=0.0).to(tl.float32)
     q = q * scale
-    # 2. running max, running sum and the weighted sum of V, in fp32
-    m_i = tl.zeros([1], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([1], dtype=tl.float32)
+    # 2. running max, running sum and the weighted sum of V, in fp32; a head's sink (gpt-oss)
+    #    starts them as one more position, of logit `sink` and value 0 (SINKS[0] when unused)
+    sink = tl.load(SINKS + h * use_sinks).to(tl.float32)
+    m_i = tl.zeros([1], dtype=tl.float32) + tl.where(use_sinks != 0, sink, float("-inf"))
+    l_i = tl.zeros([1], dtype=tl.float32) + tl.where(use_sinks != 0, 1.0, 0.0)
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     # 3. the window's first position: the loop never reads a position (nor a block) before it
     lo = tl.maximum(seq_len - window, 0)
@@ -144,6 +148,7 @@ def paged_decode_reference(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch path: gather the rows' blocks, one masked attention with the GQA group folded
     into the query axis (SDPA; with a `softcap`, the same in explicit ops, the softmax in fp32
@@ -161,12 +166,18 @@ def paged_decode_reference(
     mask = mask[:, None, None, :]  # [N, 1, 1, L]
     q = query.view(n, hkv, hq // hkv, d)  # [N, Hkv, G, D]
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if not softcap:
+    if not softcap and sinks is None:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
         scores = torch.matmul(q, k.transpose(-1, -2)) * (d**-0.5 if scale is None else scale)  # [N, Hkv, G, L]
-        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:  # one more logit per head, its weight dropped after the softmax
+            sink = sinks.to(scores.dtype).view(1, hkv, hq // hkv, 1).expand(n, -1, -1, 1)
+            scores = torch.cat((scores, sink), dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        o = torch.matmul((probs if sinks is None else probs[..., :-1]).to(q.dtype), v)
     return o.reshape(n, hq, d)
 
 
@@ -200,6 +211,16 @@ def runs_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or _INTERPRETED
 
 
+_NO_SINKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_sinks(device: torch.device) -> torch.Tensor:
+    """The SINKS argument of a layer without sinks: one fp32 zero the kernel reads and ignores."""
+    if device not in _NO_SINKS:
+        _NO_SINKS[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _NO_SINKS[device]
+
+
 def _kernel_options(window: int | None, softcap: float | None) -> tuple[int, float]:
     """The kernel's `window` and `softcap` arguments for a layer's options (None or 0: off)."""
     if window is not None and window < 0:
@@ -220,11 +241,13 @@ def paged_decode(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention `query` [N, Hq, D] over `kv` [2, Hkv, NB, B, D] through `block_tables`
     [N, MB] for rows of `seq_lens` [N] positions -> [N, Hq, D]; the torch path on CPU. Each row
     attends its last `window` positions (None or 0: all), its scores scaled by `scale` (None:
-    1/sqrt(D)) and then soft-capped to `softcap` (None or 0: off)."""
+    1/sqrt(D)) and then soft-capped to `softcap` (None or 0: off); `sinks` [Hq] (gpt-oss) add one
+    logit per head to each softmax."""
     n, hq, d = query.shape
     _, hkv, _, bs, _ = kv.shape
     if hq % hkv:
@@ -232,16 +255,18 @@ def paged_decode(
     kernel_window, kernel_softcap = _kernel_options(window, softcap)
     if not runs_triton(query) or n == 0:
         return paged_decode_reference(query, kv, block_tables, seq_lens, max_len, window=window, softcap=softcap,
-                                      scale=scale)  # fmt: skip
+                                      scale=scale, sinks=sinks)  # fmt: skip
     if not kv.is_contiguous():
         raise ValueError(f"The KV cache layer must be contiguous [2, Hkv, NB, B, D], got strides `{kv.stride()}`")
     query = query.contiguous()  # [N, Hq, D]: rows of Hq x D, heads of D
     tables = block_tables.to(torch.int64).contiguous()  # [N, MB]
     out = torch.empty_like(query)  # [N, Hq, D]
     tile, padded, warps = tuning.launch_shape(d)
+    sink_values = _no_sinks(query.device) if sinks is None else sinks.float().contiguous()  # [Hq] fp32
     _paged_decode_kernel[(n, hq)](
-        query, kv[0], kv[1], out, tables, seq_lens.to(torch.int64),
-        query.stride(0), kv.shape[2], tables.stride(0), hq // hkv, bs, kernel_window, d, kernel_softcap,
+        query, kv[0], kv[1], out, tables, seq_lens.to(torch.int64), sink_values,
+        query.stride(0), kv.shape[2], tables.stride(0), hq // hkv, bs, kernel_window, int(sinks is not None), d,
+        kernel_softcap,
         1.0 / math.sqrt(d) if scale is None else float(scale),
         TILE=tile, HEAD_DIM=padded, num_warps=warps,
     )  # fmt: skip
@@ -257,7 +282,7 @@ def compile_specs(tuning: PagedAttentionTuning, workload: Workload) -> tuple[Com
         tile, padded, warps = tuning.launch_shape(d)
         t, index = pointer(workload.dtype), pointer("i64")
         args = (("Q", t), ("K", t), ("V", t), ("Out", t), ("BLOCK_TABLES", index), ("SEQ_LENS", index),
-                *((name, "i32") for name in _UNSPECIALIZED), ("head_dim", int_arg(d)), ("softcap", "fp32"),
+                ("SINKS", pointer("fp32")), *((name, "i32") for name in _UNSPECIALIZED), ("head_dim", int_arg(d)), ("softcap", "fp32"),
                 ("scale", "fp32"))
         specs.append(CompileSpec(_paged_decode_kernel, args, (("TILE", tile), ("HEAD_DIM", padded)), warps))
     return unique(specs)

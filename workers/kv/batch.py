@@ -89,19 +89,19 @@ class DecodeRows:
         return step_mask(self, self.seq_lens, window)
 
     def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The torch path: one query token per row `query` [Nd, Hq, D] over one layer's blocks `kv`
         [2, Hkv, NB, B, D] (this step's K/V already written) -> [Nd, Hq, D]; a sliding layer's
         rows see their last `window` positions, `softcap` caps the scores, `scale` scales them
-        (default 1/sqrt(D))."""
+        (default 1/sqrt(D)), `sinks` [Hq] join each row's softmax (gpt-oss)."""
         if self.mirror is not None:
-            return self.mirror.attend(query, kv, window, softcap, scale)
+            return self.mirror.attend(query, kv, window, softcap, scale, sinks)
         if window is not None and self.window_tables is not None:  # only the blocks the window reads
             length = self.window_tables.shape[1] * kv.shape[3]
             k, v = gather_kv(kv, self.window_tables, length)  # [Nd, Hkv, WB*B, D] each
-            return attend_rows(query, k, v, row_mask(self.window_lens, length, window), scale, softcap)
+            return attend_rows(query, k, v, row_mask(self.window_lens, length, window), scale, softcap, sinks)
         k, v = self.gather(kv)  # [Nd, Hkv, L, D] each
-        return attend_rows(query, k, v, self.window_mask(window), scale, softcap)
+        return attend_rows(query, k, v, self.window_mask(window), scale, softcap, sinks)
 
     def gather(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V `[Nd, Hkv, max_len, D]` of every row: a strided view when `view` allows, else a gather."""

@@ -47,30 +47,42 @@ def step_mask(rows, lens: torch.Tensor, window: int | None) -> torch.Tensor | No
 
 
 def attend_rows(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                scale: float | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per row: `query` [N, Hq, D], `k`, `v` [N, Hkv, L, D] -> [N, Hq, D].
     The query heads of a KV group are folded into the query axis, so GQA repeats no K/V. SDPA,
-    or, with a `softcap` (scores -> cap * tanh(scores / cap)), the same in explicit ops."""
+    or, with a `softcap` (scores -> cap * tanh(scores / cap)) or per-head `sinks` [Hq], the same
+    in explicit ops."""
     n, n_heads, head_dim = query.shape
     q = query.view(n, k.shape[1], n_heads // k.shape[1], head_dim)  # [N, Hkv, G, D]
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if softcap is None:
+    if softcap is None and sinks is None:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
-        o = softcapped_attention(q, k, v, mask, scale, softcap)
+        sink = None if sinks is None else sinks.view(1, q.shape[1], q.shape[2], 1)  # [1, Hkv, G, 1]
+        o = explicit_attention(q, k, v, mask, scale, softcap, sink)
     return o.reshape(n, n_heads, head_dim)
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float | None, softcap: float) -> torch.Tensor:
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float | None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(cap * tanh(q k^T * scale / cap), masked) v, the softmax in fp32 (as transformers'
-    eager attention): `q` [..., G, D], `k`, `v` [..., L, D], `mask` broadcasting to [..., G, L]."""
+    eager attention): `q` [..., G, D], `k`, `v` [..., L, D], `mask` broadcasting to [..., G, L].
+    `sinks` (gpt-oss), broadcasting to [..., G, 1]: one more logit per head in each softmax,
+    whose weight is dropped (it takes probability from the positions, adds no value)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., G, L]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    scores = torch.cat((scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)), dim=-1)  # [..., G, L+1]
+    scores = scores - scores.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +103,7 @@ class MirrorRows:
         return step_mask(self, self.lens, window)
 
     def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Copy the new tokens' K/V from the pool layer `kv` in, then attend over the rows (the last
         `window` positions of each, when it slides)."""
         _, hkv, nb, bs, d = kv.shape
@@ -103,8 +115,8 @@ class MirrorRows:
         v = m[1, :, :n, : self.max_len].transpose(0, 1)
         mask = self.window_mask(window)
         if self.order is None:
-            return attend_rows(query, k, v, mask, scale, softcap)
-        return attend_rows(query.index_select(0, self.order), k, v, mask, scale, softcap).index_select(0, self.rows)
+            return attend_rows(query, k, v, mask, scale, softcap, sinks)
+        return attend_rows(query.index_select(0, self.order), k, v, mask, scale, softcap, sinks).index_select(0, self.rows)
 
 
 class DecodeMirror:

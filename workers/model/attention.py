@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.kv.batch import ForwardBatch, gather_kv
-from workers.kv.mirror import softcapped_attention
+from workers.kv.mirror import explicit_attention
 from workers.kv.pool import KVPool
 from workers.model.config import LayerSpec, ModelConfig
 from workers.model.deterministic import attend_paged
@@ -98,6 +98,8 @@ class Attention(nn.Module):
             self.q_norm = make_norm(config, config.head_dim if head else config.q_size)
             self.k_norm = make_norm(config, config.head_dim if head else config.kv_size)
         self.paged = PagedAttention()
+        if config.attention_sinks:  # one learned logit per query head, in every softmax (gpt-oss)
+            self.paged.sinks = nn.Parameter(torch.empty(config.num_attention_heads))
         # the decode layer's options (its default scale left to SDPA, whose fused path it keeps)
         self.paged.sliding_window, self.paged.softcap = self.window, self.softcap
         self.paged.scale = None if config.attention_scale is None else self.scale
@@ -128,14 +130,16 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, mask, causal: bool) -> torch.Tensor:
         """Softmax attention of q [B, Hq, S, D] over k, v [B, Hkv, L, D] (`mask` [S, L] or None)."""
-        if self.softcap is None:
+        sinks = getattr(self.paged, "sinks", None)
+        if self.softcap is None and sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                                   scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads)
         g = self.n_heads // self.n_kv_heads
         if mask is None and causal:
             mask = causal_mask(torch.arange(q.shape[-2], device=q.device), k.shape[-2], None)
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        return softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+        return explicit_attention(q, k, v, mask, self.scale, self.softcap,
+                                  None if sinks is None else sinks.view(1, -1, 1, 1))  # [1, Hq, 1, 1]
 
     def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Full causal attention without a cache: x [B, S, H] -> [B, S, H]; `mask` [S, S] for a
@@ -155,7 +159,8 @@ class Attention(nn.Module):
         slots = kv.view(2, self.n_kv_heads, -1, self.head_dim)  # [2, Hkv, NB*B, D]
         slots[:, :, batch.slot_mapping] = torch.stack((k, v)).transpose(1, 2).to(kv.dtype)  # [2, Hkv, T, D]
         if self.kv_split is not None:  # deterministic mode: one fixed-split path for every row
-            o = attend_paged(q, kv, batch, self.kv_split, self.window, self.scale, self.softcap)
+            o = attend_paged(q, kv, batch, self.kv_split, self.window, self.scale, self.softcap,
+                             getattr(self.paged, "sinks", None))
             return self.wo(o.flatten(-2))
         if not batch.prefills:
             return self.wo(self.paged(q, kv, decode).flatten(-2))  # [T, H]

@@ -26,6 +26,8 @@ NORM_PLACEMENTS = ("pre", "post", "sandwich")  # before each sub-layer; after it
 NORM_STYLES = ("llama", "fp32", "gemma")  # w * x.to(dtype); (w * x).to(dtype); (x * (1 + w)).to(dtype)
 QK_NORMS = (None, "head", "projection")
 ACTIVATIONS = ("silu", "gelu_tanh")
+ROUTERS = ("softmax_topk", "topk_softmax")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 
 
 class ConfigError(ValueError):
@@ -94,6 +96,19 @@ class ModelConfig:
     embedding_scale_rounded: bool = False  # the scale is first rounded to the weights' dtype (Gemma)
     residual_scale: float = 1.0  # each sub-layer's output x this before the residual add (Granite)
     logits_divisor: float = 1.0  # logits / this (Granite's `logits_scaling`)
+    attention_sinks: bool = False  # a learned logit per head joins each softmax (gpt-oss)
+    # mixture of experts (workers/model/moe.py); num_experts 0: every layer dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()  # the layers with experts; the others dense (intermediate_size)
+    router: str = "softmax_topk"  # softmax then top-k (Qwen3-MoE, Mixtral) | top-k then softmax (gpt-oss)
+    norm_topk_prob: bool = False  # the top-k probabilities renormalized to sum to 1
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "silu"  # silu | swiglu_oai (gpt-oss's clamped SwiGLU)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # tokens and provenance
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -104,7 +119,7 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if isinstance(self.eos_token_id, int):
             object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
-        for name in ("layer_types", "nope_layers"):
+        for name in ("layer_types", "nope_layers", "sparse_layers"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         _choice("architecture", self.architecture, tuple(sorted(FAMILIES)))
         _choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
@@ -122,6 +137,15 @@ class ModelConfig:
                                  or any(t not in LAYER_TYPES for t in self.layer_types)):
             raise ConfigError(f"`layer_types` must list {self.num_hidden_layers} of {', '.join(LAYER_TYPES)}, "
                               f"got `{list(self.layer_types)}`")
+        if self.num_experts:
+            _choice("router", self.router, ROUTERS)
+            _choice("expert_activation", self.expert_activation, EXPERT_ACTIVATIONS)
+            if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+                raise ConfigError(f"`num_experts_per_tok` must be 1..{self.num_experts} and `moe_intermediate_size` "
+                                  f">= 1, got `{self.num_experts_per_tok}` and `{self.moe_intermediate_size}`")
+            if any(not 0 <= i < self.num_hidden_layers for i in self.sparse_layers):
+                raise ConfigError(f"`sparse_layers` `{list(self.sparse_layers)}` must be layers of "
+                                  f"0..{self.num_hidden_layers - 1}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ConfigError("Sliding layers need a `sliding_window` (a positive integer), got `None`")
         try:
@@ -145,8 +169,26 @@ class ModelConfig:
         qkv = h * (self.q_size + 2 * self.kv_size) + (self.q_size + 2 * self.kv_size) * self.attention_bias
         norms = {"pre": 2, "post": 2, "sandwich": 4}[self.norm_placement] * h
         qk = {None: 0, "head": 2 * self.head_dim, "projection": self.q_size + self.kv_size}[self.qk_norm]
-        layer = (qkv + self.q_size * h + h * self.o_bias + 3 * h * i + (2 * i + h) * self.mlp_bias + norms + qk)
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+        layer = (qkv + self.q_size * h + h * self.o_bias + norms + qk + self.num_attention_heads * self.attention_sinks)
+        dense = 3 * h * i + (2 * i + h) * self.mlp_bias
+        sparse = len(self.sparse_layers)
+        return (v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+                + (self.num_hidden_layers - sparse) * dense + sparse * self._moe_layer(self.num_experts))
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token computes with: its `num_experts_per_tok` experts, not all of them."""
+        if not self.num_experts:
+            return self.num_parameters
+        sparse = len(self.sparse_layers)
+        return self.num_parameters - sparse * (self._moe_layer(self.num_experts)
+                                               - self._moe_layer(self.num_experts_per_tok))
+
+    def _moe_layer(self, experts: int) -> int:
+        """One sparse layer's parameters with `experts` experts (and its router)."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        router = self.num_experts * (h + self.router_bias)
+        return router + experts * (3 * h * i + (2 * i + h) * self.expert_bias)
 
     @property
     def context_length(self) -> int:
@@ -206,6 +248,13 @@ class ModelConfig:
             out["norm_placement"] = self.norm_placement
         if self.activation != "silu":
             out["activation"] = self.activation
+        if self.attention_sinks:
+            out["attention_sinks"] = True
+        if self.num_experts:
+            out["experts"] = f"{self.num_experts_per_tok} of {self.num_experts}"
+            out["sparse_layers"] = len(self.sparse_layers)
+            out["parameters"] = self.num_parameters
+            out["active_parameters"] = self.active_parameters
         return out
 
     # ---- Hugging Face round trip ------------------------------------------------------

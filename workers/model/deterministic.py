@@ -122,6 +122,9 @@ def enable_deterministic(model: nn.Module, row_tile: int = ROW_TILE, kv_split: i
     for module in model.modules():
         if hasattr(module, "kv_split"):
             module.kv_split = kv_split
+        if hasattr(module, "row_tile"):  # experts (workers/model/moe.py): each expert's rows in fixed tiles
+            module.row_tile = row_tile
+            projections += 1
     plan = DeterministicPlan(row_tile, kv_split, projections)
     logger.info("deterministic mode: %d projections in %d-row tiles, attention in %d-position splits",
                 projections, row_tile, kv_split)
@@ -132,7 +135,8 @@ def enable_deterministic(model: nn.Module, row_tile: int = ROW_TILE, kv_split: i
 
 
 def attend_paged(q: torch.Tensor, kv: torch.Tensor, batch, split: int = KV_SPLIT, window: int | None = None,
-                 scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                 scale: float | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Every row of a step (decode rows and prompt rows alike) attends to its own sequence's
     cached positions `0..p` (the last `window` of them on a sliding layer), read back from the
     paged cache, through `split_attention`.
@@ -145,7 +149,7 @@ def attend_paged(q: torch.Tensor, kv: torch.Tensor, batch, split: int = KV_SPLIT
     if decode is not None:
         k, v = decode.gather(kv)  # [Nd, Hkv, L, D]
         qd = q.index_select(0, decode.rows).view(decode.num, hkv, -1, d)
-        o = split_attention(qd, k, v, decode.seq_lens.tolist(), split, window, scale, softcap)
+        o = split_attention(qd, k, v, decode.seq_lens.tolist(), split, window, scale, softcap, sinks)
         out.index_copy_(0, decode.rows, o.to(q.dtype).flatten(1, 2))
     for span in batch.prefills:
         end = span.start_pos + span.num_tokens
@@ -153,7 +157,7 @@ def attend_paged(q: torch.Tensor, kv: torch.Tensor, batch, split: int = KV_SPLIT
         k, v = gather_kv(kv, table, end)  # [1, Hkv, end, D]
         rows = slice(span.row_start, span.row_start + span.num_tokens)
         o = split_attention(q[rows].view(span.num_tokens, hkv, -1, d), k, v, list(range(span.start_pos + 1, end + 1)),
-                            split, window, scale, softcap)
+                            split, window, scale, softcap, sinks)
         out[rows] = o.to(q.dtype).flatten(1, 2)
     return out
 
@@ -187,7 +191,7 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
                     split: int = KV_SPLIT, window: int | None = None, scale: float | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of one query token per row in fixed splits of `split` positions.
 
     `q` [R, Hkv, G, D] (the G query heads of each KV head), `k`, `v` [R or 1, Hkv, L, D]
@@ -196,7 +200,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: lis
     it slides -> [R, Hkv, G, D] in fp32. Row `r`'s result depends only on `q[r]`, its keys and
     values, and `split`: each split is attended by one [G, D] x [D, split] problem per (row, KV
     head), whatever the other rows, and the splits are merged by their log-sum-exp in split
-    order (a split a row does not see weighs exactly nothing)."""
+    order (a split a row does not see weighs exactly nothing); `sinks` [Hq] (gpt-oss) join the
+    merge as one more logit per head that adds weight and no value."""
     rows = q.shape[0]
     shared = k.shape[0] == 1 and rows > 1
     lens_t = torch.tensor(lens, device=q.device)
@@ -228,6 +233,10 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: lis
         top = torch.cat((top[:first], torch.maximum(top[first:], lse)))
     acc = torch.zeros_like(outs[0])
     total = torch.zeros_like(top)
+    if sinks is not None:
+        sink = sinks.float().view(1, *top.shape[1:])  # [1, Hkv, G]
+        top = torch.maximum(top, sink)
+        total = total + torch.exp(sink - top)
     for out, lse, first in zip(outs, lses, firsts, strict=True):
         weight = torch.exp(lse - top[first:])  # [R', Hkv, G]
         acc[first:] += weight.unsqueeze(-1) * out.nan_to_num(0.0)

@@ -88,7 +88,8 @@ class PagedAttention(nn.Module):
     written; `decode` the step's `workers.kv.batch.DecodeRows` (block tables [Nd, MB], lengths
     [Nd], `max_len`) -> [Nd, Hq, D]. The layer's options are attributes its attention sets:
     `sliding_window` (a row sees its last that many positions; None: all), `softcap` (scores ->
-    cap * tanh(scores / cap); None: off) and `scale` (None: 1/sqrt(D)). The torch path is the
+    cap * tanh(scores / cap); None: off) and `scale` (None: 1/sqrt(D)); a gpt-oss layer also owns
+    `sinks` [Hq], a learned logit per head in each softmax (a parameter: no class default). The torch path is the
     rows' own `attend`: SDPA over the rows' K/V (mirrored, viewed or gathered from their
     blocks), GQA folded into the query axis.
     """
@@ -98,4 +99,4 @@ class PagedAttention(nn.Module):
     scale: float | None = None
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, decode) -> torch.Tensor:
-        return decode.attend(query, kv, self.sliding_window, self.softcap, self.scale)
+        return decode.attend(query, kv, self.sliding_window, self.softcap, self.scale, getattr(self, "sinks", None))

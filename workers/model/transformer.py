@@ -29,6 +29,7 @@ from workers.kv.pool import KVPool
 from workers.model.attention import Attention, build_step_context, causal_mask, make_norm
 from workers.model.config import ModelConfig
 from workers.model.layers import FloatRMSNorm, GeluTanhAndMul, SiluAndMul
+from workers.model.moe import MoEFeedForward
 from workers.model.rope import RotaryTables
 
 
@@ -56,7 +57,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config, config.layer(layer_index))
         self.post_attention_norm = make_norm(config, h) if post else None
         self.ffn_norm = make_norm(config, h) if pre else None
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MoEFeedForward(config) if layer_index in config.sparse_layers else FeedForward(config)
         self.post_ffn_norm = make_norm(config, h) if post else None
         self.residual_scale = config.residual_scale
 
@@ -132,7 +133,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0 - offsets.get(name, 0.0))  # Gemma's (1 + w) norms: w = 0
-            elif name.endswith("bias"):
+            elif name.endswith("bias") or name.rsplit(".", 1)[-1].startswith("b_"):  # b_: experts' biases
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)

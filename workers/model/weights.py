@@ -18,12 +18,13 @@ from collections.abc import Mapping
 import torch
 
 from workers.model.config import ModelConfig
+from workers.model.families.moe import EXPERT  # a part `(EXPERT, piece)`: expert `{e}`'s tensor, stacked
 from workers.model.families.registry import family
 
 # Tensors some checkpoints carry that we recompute or do not need.
 IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
-_Compiled = list[tuple[re.Pattern, tuple[str, int | None]]]
+_Compiled = list[tuple[re.Pattern, tuple[str, object]]]
 _COMPILED: dict[str, _Compiled] = {}
 
 
@@ -31,50 +32,94 @@ def _patterns(config: ModelConfig) -> _Compiled:
     compiled = _COMPILED.get(config.architecture)
     if compiled is None:
         weights = family(config.architecture).weights
-        compiled = [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(\d+)") + "$"), v) for k, v in weights.items()]
+        compiled = [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+                                + "$"), v) for k, v in weights.items()]
         _COMPILED[config.architecture] = compiled
     return compiled
 
 
-def map_name(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | None:
-    """Our (name, part) for an HF tensor name of this config's family, or None when not in its map."""
+def map_name(hf_name: str, config: ModelConfig) -> tuple[str, object] | None:
+    """Our (name, part) for an HF tensor name of this config's family, or None when not in its map.
+    `part`: None (whole), an int (a piece of a tensor fused on dim 0), `(EXPERT, e, piece)` (expert
+    `e` of stacked experts, `piece` of it or None), or a layout name of `TRANSFORMS`."""
     for pattern, (ours, part) in _patterns(config):
         m = pattern.match(hf_name)
         if m:
-            return (ours.replace("{i}", m.group(1)) if m.groups() else ours), part
+            groups = m.groupdict()
+            if groups.get("i") is not None:
+                ours = ours.replace("{i}", groups["i"])
+            if isinstance(part, tuple) and part[0] == EXPERT:
+                part = (EXPERT, int(groups["e"]), part[1])
+            return ours, part
     return None
 
 
+def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Interleaved gate/up columns (gate at even, up at odd: gpt-oss) -> gate then up."""
+    pairs = t.unflatten(dim, (-1, 2))
+    return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim=dim)
+
+
+def _interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    gate, up = t.chunk(2, dim=dim)
+    return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
+
+
+# layout name -> (HF -> ours, ours -> HF, our shape -> HF shape)
+TRANSFORMS = {
+    # gpt-oss experts: gate_up [E, H, 2I] interleaved -> [E, 2I, H] gate rows then up rows
+    "gate_up_interleaved_t": (lambda t: _deinterleave(t, 2).transpose(1, 2), lambda t: _interleave(t.transpose(1, 2), 2),
+                              lambda s: (s[0], s[2], s[1])),
+    "gate_up_bias_interleaved": (lambda t: _deinterleave(t, 1), lambda t: _interleave(t, 1), lambda s: tuple(s)),
+    # [E, I, H] -> [E, H, I]
+    "experts_t": (lambda t: t.transpose(1, 2), lambda t: t.transpose(1, 2), lambda s: (s[0], s[2], s[1])),
+}
+
+
 def _part_sizes(config: ModelConfig, ours: str) -> tuple[int, ...]:
-    """How a fused tensor of ours splits along dim 0 into its Hugging Face parts."""
+    """How a fused tensor of ours splits along dim 0 (of each expert) into its Hugging Face parts."""
     if ".wqkv." in ours:
         return config.q_size, config.kv_size, config.kv_size
+    if ours.endswith("experts.w_gate_up"):
+        return config.moe_intermediate_size, config.moe_intermediate_size
     if ".w_gate_up." in ours:
         return config.intermediate_size, config.intermediate_size
     raise KeyError(ours)
 
 
+def _expand(config: ModelConfig, key: str) -> list[str]:
+    """The HF names a map key stands for: each layer for `{i}`, each expert for `{e}`."""
+    names = [key]
+    for slot, count in (("{i}", config.num_hidden_layers), ("{e}", config.num_experts)):
+        names = [n.replace(slot, str(j)) for n in names for j in range(count)] if slot in key else names
+    return names
+
+
 def hf_shapes(config: ModelConfig, ours: Mapping[str, torch.Size]) -> dict[str, tuple[int, ...]]:
     """Every HF tensor the config expects, with its shape, given the shapes of the model built
     for it (`ours`: our name -> shape, e.g. from a meta-device model's state dict)."""
-    names = [k.replace("{i}", str(i)) if "{i}" in k else k
-             for k in family(config.architecture).weights
-             for i in (range(config.num_hidden_layers) if "{i}" in k else (None,))]
     shapes = {}
-    for hf_name in names:
-        target, part = map_name(hf_name, config)
-        if target not in ours or (hf_name == "lm_head.weight" and config.tie_word_embeddings):
-            continue  # a tensor this config does not have (a bias left off, a tied head)
-        shape = tuple(ours[target])
-        if part is not None:
-            shape = (_part_sizes(config, target)[part], *shape[1:])
-        shapes[hf_name] = shape
+    for key in family(config.architecture).weights:
+        for hf_name in _expand(config, key):
+            target, part = map_name(hf_name, config)
+            if target not in ours or (hf_name == "lm_head.weight" and config.tie_word_embeddings):
+                continue  # a tensor this config does not have (a bias left off, a tied head, a dense layer's experts)
+            shape = tuple(ours[target])
+            if isinstance(part, tuple):  # one expert's tensor, or a piece of it
+                shape = shape[1:] if part[2] is None else (_part_sizes(config, target)[part[2]], *shape[2:])
+            elif isinstance(part, str):
+                shape = TRANSFORMS[part][2](shape)
+            elif part is not None:
+                shape = (_part_sizes(config, target)[part], *shape[1:])
+            shapes[hf_name] = shape
     return shapes
 
 
 def to_ours(hf_tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Fuse already-validated HF tensors into our state dict (parts concatenated on dim 0)."""
+    """Fuse already-validated HF tensors into our state dict (parts concatenated on dim 0,
+    experts stacked, gpt-oss layouts turned into ours)."""
     parts: dict[str, dict[int, torch.Tensor]] = {}
+    experts: dict[str, dict[int, dict]] = {}
     out: dict[str, torch.Tensor] = {}
     for hf_name, tensor in hf_tensors.items():
         mapped = map_name(hf_name, config)
@@ -82,10 +127,17 @@ def to_ours(hf_tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> dict
         ours, part = mapped
         if part is None:
             out[ours] = tensor
+        elif isinstance(part, tuple):
+            experts.setdefault(ours, {}).setdefault(part[1], {})[part[2]] = tensor
+        elif isinstance(part, str):
+            out[ours] = TRANSFORMS[part][0](tensor).contiguous()
         else:
             parts.setdefault(ours, {})[part] = tensor
     for ours, pieces in parts.items():
         out[ours] = torch.cat([pieces[k] for k in sorted(pieces)], dim=0)
+    for ours, by_expert in experts.items():
+        out[ours] = torch.stack([torch.cat([p[k] for k in sorted(p, key=lambda x: x or 0)], dim=0)
+                                 for _, p in sorted(by_expert.items())])
     return out
 
 
@@ -97,7 +149,13 @@ def to_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for hf_name in hf_shapes(config, {k: v.shape for k, v in ours.items()}):
         name, part = map_name(hf_name, config)  # type: ignore[misc]
         tensor = ours[name].detach()
-        if part is not None:
+        if isinstance(part, tuple):
+            tensor = tensor[part[1]]
+            if part[2] is not None:
+                tensor = tensor.split(_part_sizes(config, name), dim=0)[part[2]]
+        elif isinstance(part, str):
+            tensor = TRANSFORMS[part][1](tensor)
+        elif part is not None:
             tensor = tensor.split(_part_sizes(config, name), dim=0)[part]
         out[hf_name] = tensor.contiguous().clone()
     return out

@@ -1,0 +1,129 @@
+"""Mixture-of-experts feed-forward: a router picks each token's experts, `FusedMoE` runs them.
+
+Design: the router (a family's own: softmax then top-k, renormalized or not; top-k of biased
+logits then softmax over them) gives each token `K` expert ids and weights; `FusedMoE` is the
+kernel-swappable layer (like RMSNorm) that runs the experts on them. Its weights are stacked
+per expert in one layout for every family: `w_gate_up` [E, 2I, H] (gate rows, then up rows),
+`w_down` [E, H, I], optional biases `b_gate_up` [E, 2I] and `b_down` [E, H]; the loader turns
+gpt-oss's interleaved, transposed tensors into it. Activations: `silu` (SwiGLU) and
+`swiglu_oai` (gpt-oss: gate clamped above at `limit`, up clamped to +-`limit`,
+`(up + 1) * gate * sigmoid(alpha * gate)`).
+
+The torch path (CPU, simulated devices, and the reference of the GPU kernels) groups the
+token-expert pairs by expert with one stable sort and runs one matmul per active expert over
+its rows: a loop over experts, never over tokens. Under `--deterministic`, each expert's rows
+go through in fixed tiles of `row_tile` rows (the last one zero-padded), so a row's result
+does not depend on how many other rows chose the same expert. Trade-off: experts that got few
+rows pay a whole matmul call each; the GPU kernel groups them into one launch instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from kernels import use_kernel_forward_from_hub
+from torch import nn
+
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """[n, 2I] gate rows then up rows -> [n, I]."""
+    gate, up = h.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _tiles(x: torch.Tensor, tile: int | None):
+    """`x` [n, H] as slices of `tile` rows (the last zero-padded); all of it without a tile."""
+    if tile is None:
+        yield x, x.shape[0]
+        return
+    for start in range(0, x.shape[0], tile):
+        part = x[start : start + tile]
+        n = part.shape[0]
+        yield (part if n == tile else F.pad(part, (0, 0, 0, tile - n))), n
+
+
+def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None,
+                    b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                    limit: float = 7.0, row_tile: int | None = None) -> torch.Tensor:
+    """sum_k w[t, k] * expert_{ids[t, k]}(x[t]): `x` [T, H], `topk_ids` [T, K], `topk_weights`
+    [T, K] -> [T, H] in `x`'s dtype, experts added in ascending order (as transformers does)."""
+    t, k = topk_ids.shape
+    flat = topk_ids.flatten()  # [T*K]
+    order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within each
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    tokens = order // k  # [T*K] the token of each sorted pair
+    xs = x.index_select(0, tokens)  # [T*K, H]
+    ys = torch.empty_like(xs)  # [T*K, H]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        done = 0
+        for part, rows in _tiles(xs[start : start + n], row_tile):
+            h = F.linear(part, w_gate_up[e], None if b_gate_up is None else b_gate_up[e])  # [rows, 2I]
+            y = F.linear(expert_activation(h, activation, alpha, limit), w_down[e],
+                         None if b_down is None else b_down[e])  # [rows, H]
+            ys[start + done : start + done + rows] = y[:rows]
+            done += rows
+        start += n
+    ys = ys * topk_weights.flatten().index_select(0, order)[:, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
+
+
+@use_kernel_forward_from_hub("FusedMoE")
+class FusedMoE(nn.Module):
+    """The experts of one layer. `forward(x [T, H], topk_ids [T, K] int64, topk_weights [T, K])
+    -> [T, H]`; the kernel layers replacing it read the same attributes."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool = False,
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__()
+        if activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"Unknown expert activation `{activation}`. Supported: {', '.join(MOE_ACTIVATIONS)}")
+        self.num_experts, self.activation, self.alpha, self.limit = num_experts, activation, alpha, limit
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
+        self.b_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        self.b_down = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.row_tile: int | None = None  # deterministic mode: each expert's rows in fixed tiles
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(x, self.w_gate_up, self.w_down, topk_ids, topk_weights, self.b_gate_up, self.b_down,
+                               self.activation, self.alpha, self.limit, self.row_tile)
+
+
+class MoEFeedForward(nn.Module):
+    """A sparse layer's feed-forward: the family's router, then its experts (`FusedMoE`)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.top_k, self.router_kind, self.norm_topk = config.num_experts_per_tok, config.router, config.norm_topk_prob
+        self.router = nn.Linear(h, config.num_experts, bias=config.router_bias)
+        self.experts = FusedMoE(config.num_experts, h, config.moe_intermediate_size, config.expert_bias,
+                                config.expert_activation, config.swiglu_alpha, config.swiglu_limit)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (expert ids [T, K], weights [T, K] in x's dtype), as the family computes them."""
+        logits = self.router(x)  # [T, E]
+        if self.router_kind == "topk_softmax":  # gpt-oss: the top-k logits, then softmax over them
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return ids, top.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [T, H]
+        ids, weights = self.route(flat)
+        return self.experts(flat, ids, weights).reshape(shape)
