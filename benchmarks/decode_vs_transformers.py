@@ -1,11 +1,32 @@
 """Decode-step time: our `Transformer.step` with its paged KV cache vs transformers with its own
-KV cache (DynamicCache), on the same checkpoint and dtype, measured side by side.
+KV cache (DynamicCache), on the same checkpoint and dtype, measured side by side, per family.
 
-Each round times one decode step of ours and one of theirs, alternately, at every batch
-size, so machine noise hits both alike; the median over rounds is reported with the ratio
-(transformers / ours: above 1 means ours is faster).
+Design: each round times one decode step of ours, then one of each of transformers' attention
+implementations, at every batch size, so machine noise hits all alike; the median over rounds
+is reported, with the ratio against the faster of theirs (transformers / ours: above 1 means
+ours is faster). Theirs is timed under both SDPA and eager attention by default because
+neither wins everywhere on a CPU (eager is the faster in bfloat16 at batch 32, SDPA in
+float32); both compute the model as its reference does, and an architecture SDPA cannot
+compute (Gemma 2's soft-capped scores) runs eager only. The output names each implementation.
+Ours runs as the CPU engine runs it: a paged pool whose blocks the sequences took as they grew
+together (every read goes through the block tables), read through the decode mirror, each
+chunk carrying its prompt's length where the rotary depends on it. Theirs runs
+`model(next, cache=...)` with the `DynamicCache` its `generate` would build (sliding layers
+keep only their window). Before timing, the first decode step's fp32 logits of both are
+compared (within 1e-3), so both sides are known to compute the same model. Trade-off: one step
+is a few milliseconds, so the figures carry the Python overhead of both sides, which is what a
+decode step costs on a CPU at this size; a larger model would weigh the matmuls more, on both
+sides alike.
 
-    python benchmarks/decode_vs_transformers.py [--dtype float32 bfloat16] [--batch 1 32] [--threads N]
+`--arch llama` (the default) times the Llama checkpoint of `tests/checkpoints.py` (`MODEL`),
+as this benchmark always has; every other family in the registry (`--arch all`: each one)
+times `tests/family_checkpoints.py`'s case for it at the same size (`bench_config`: hidden
+256, 4 layers, vocab 4096) with the family's options on (sliding layers whose window, 48, is
+shorter than the 64-token prompt, Gemma 2's soft-caps, Phi-3's partial rotary and LongRoPE
+past its original length, ...).
+
+    python benchmarks/decode_vs_transformers.py --threads 1 [--arch llama qwen3 gemma3 phi3 | all]
+        [--dtype float32 bfloat16] [--batch 1 32] [--hf-attn fastest|auto|sdpa|eager]
 """
 
 from __future__ import annotations
@@ -15,19 +36,59 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.checkpoints import make_checkpoint  # noqa: E402
-from workers.kv.batch import ForwardBatch, SeqChunk  # noqa: E402
-from workers.kv.mirror import DecodeMirror  # noqa: E402
-from workers.model.loader import load_model  # noqa: E402
+from workers.model.families.registry import FAMILIES  # noqa: E402
 
 MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+ARCHES = tuple(FAMILIES)  # every family in the registry
+HF_ATTN = ("fastest", "auto", "sdpa", "eager")  # fastest: both timed, the faster compared; auto: transformers' pick
+
+
+def benchmarkable() -> list[str]:
+    """The registry's families that have a checkpoint to time: llama's, and each one with a case in
+    tests/family_checkpoints.py (a family joins when its parity case does)."""
+    from tests.family_checkpoints import CASES
+
+    return [a for a in ARCHES if a == "llama" or a in CASES]
+
+
+def arch_names(values: Sequence[str]) -> list[str]:
+    """The families `--arch` names (`all`: every benchmarkable one), in registry order; a
+    `ValueError` naming an unknown one, or one without a checkpoint case, and listing the supported."""
+    ok = benchmarkable()
+    bad = [v for v in values if v != "all" and v not in ok]
+    if bad:
+        why = "has no checkpoint case in tests/family_checkpoints.py" if bad[0] in FAMILIES else "is not in the registry"
+        raise ValueError(f"Architecture `{bad[0]}` {why}. Supported: {', '.join(ok)}, all")
+    wanted = set(ok) if "all" in values else set(values)
+    return [a for a in ok if a in wanted]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", nargs="+", default=["llama"], metavar="ARCH",
+                        help="families of the registry to time, or all (default: llama)")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=60, help="timed decode steps per implementation")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--hf-attn", default="fastest", choices=HF_ATTN,
+                        help="transformers' attention implementation (fastest: SDPA and eager both timed, "
+                             "ours compared with the faster; auto: transformers' own pick)")
+    args = parser.parse_args(argv)
+    try:
+        args.arch = arch_names(args.arch)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
 
 
 class Ours:
@@ -36,19 +97,32 @@ class Ours:
     decode mirror."""
 
     def __init__(self, lm, batch: int, prompt_len: int, max_len: int, block_size: int = 16) -> None:
+        from workers.kv.batch import ForwardBatch, SeqChunk
+        from workers.kv.mirror import DecodeMirror
+
         self.model, self.batch, self.pos, self.bs = lm.model, batch, prompt_len, block_size
+        self.chunk, self.build = SeqChunk, ForwardBatch.build
+        # a rotary that depends on the prompt's length gets it, as the engine's runner passes it
+        self.rope_len = prompt_len if self.model.rope_threshold is not None else 0
         per_seq = -(-max_len // block_size)
         self.kv = self.model.new_kv_pool(batch * per_seq, block_size)
         self.tables = [[s + batch * j for j in range(per_seq)] for s in range(batch)]
-        self.mirror = DecodeMirror(self.kv)
+        # as the engine's runner: a pool of several KV groups (sliding layers) gets their windows,
+        # and the mirror copies the first group's rows only when that group attends in full
+        windows = getattr(self.kv, "windows", None)
+        self.extra = {} if windows is None else {"windows": windows}
+        self.mirror = DecodeMirror(self.kv) if not windows or windows[0] is None else None
         prompt = list(range(3, 3 + prompt_len))
         for s in range(batch):
-            self.model.step(ForwardBatch.build([(SeqChunk(0, prompt_len, self.tables[s]), prompt)], block_size), self.kv)
+            chunk = SeqChunk(0, prompt_len, self.tables[s], rope_len=self.rope_len)
+            self.model.step(ForwardBatch.build([(chunk, prompt)], block_size, **self.extra), self.kv)
 
-    def step(self) -> None:
-        items = [(SeqChunk(self.pos, 1, self.tables[s], key=s), [7]) for s in range(self.batch)]
-        self.model.step(ForwardBatch.build(items, self.bs, mirror=self.mirror), self.kv)
+    def step(self) -> torch.Tensor:
+        items = [(self.chunk(self.pos, 1, self.tables[s], key=s, rope_len=self.rope_len), [7])
+                 for s in range(self.batch)]
+        logits = self.model.step(self.build(items, self.bs, mirror=self.mirror, **self.extra), self.kv)
         self.pos += 1
+        return logits
 
 
 class Theirs:
@@ -59,16 +133,15 @@ class Theirs:
         self.cache = DynamicCache(config=model.config)
         ids = torch.arange(3, 3 + prompt_len).expand(batch, -1)
         with torch.inference_mode():
-            model(ids, past_key_values=self.cache, use_cache=True)
+            model(ids, cache=self.cache, use_cache=True)
         self.next = torch.full((batch, 1), 7)
         self.pos = prompt_len
 
-    def step(self) -> None:
+    def step(self) -> torch.Tensor:
         with torch.inference_mode():
-            out = self.model(self.next, past_key_values=self.cache, use_cache=True,
-                             cache_position=torch.tensor([self.pos]))
-        out.logits[:, -1].float()
+            out = self.model(self.next, cache=self.cache, use_cache=True, cache_position=torch.tensor([self.pos]))
         self.pos += 1
+        return out.logits[:, -1].float()
 
 
 def timed(fn) -> float:
@@ -77,41 +150,109 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--batch", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=60, help="timed decode steps per implementation")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def checkpoint(arch: str, out: Path) -> tuple[Path, str]:
+    """(directory, what it is) of `arch`'s benchmark checkpoint."""
+    if arch == "llama":
+        from tests.checkpoints import make_checkpoint
+
+        return make_checkpoint(out, **MODEL), f"tests/checkpoints.py {MODEL}"
+    from tests.family_checkpoints import bench_config, make_bench_checkpoint
+
+    model_type, options = bench_config(arch)
+    def brief(v):
+        if isinstance(v, dict):
+            return {k: brief(x) for k, x in v.items()}
+        return f"[{len(v)} values]" if isinstance(v, list) and len(v) > 4 else v
+
+    shown = {k: brief(v) for k, v in options.items() if k not in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    return make_bench_checkpoint(arch, out), f"tests/family_checkpoints.py bench_config({arch!r}): {model_type} {shown}"
+
+
+def hf_models(ckpt: Path, dtype: str, choice: str) -> dict:
+    """transformers' models of the checkpoint, one per attention implementation `choice` asks for
+    (`fastest`: SDPA and eager, those the architecture supports; `auto`: its own pick)."""
     from transformers import AutoModelForCausalLM
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    wanted = ("sdpa", "eager") if choice == "fastest" else (None,) if choice == "auto" else (choice,)
+    models = {}
+    for impl in wanted:
+        extra = {} if impl is None else {"attn_implementation": impl}
+        try:
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype), **extra).eval()
+        except ValueError:  # SDPA cannot compute this architecture (soft-capped scores)
+            if choice != "fastest":
+                raise
+            continue
+        models[model.config._attn_implementation] = model
+    return models
+
+
+def run_arch(arch: str, args: argparse.Namespace, tmp: Path) -> list[tuple]:
+    """Rows (arch, dtype, batch, ours ms, {attention implementation: theirs ms}) of one family,
+    its header printed first."""
+    from workers.model.loader import load_model
+
+    ckpt, what = checkpoint(arch, tmp / arch)
+    rows = []
+    for dtype in args.dtype:
+        lm = load_model(ckpt, dtype=dtype)
+        hfs = hf_models(ckpt, dtype, args.hf_attn)
+        if dtype == args.dtype[0]:
+            print(f"\n[{arch}] {lm.config.num_parameters / 1e6:.2f}M params, transformers attention "
+                  f"{' and '.join(f'`{a}`' for a in hfs)}; {what}", flush=True)
+        for batch in args.batch:
+            ours = Ours(lm, batch, args.prompt_len, args.prompt_len + args.steps + 8)
+            theirs = {impl: Theirs(hf, batch, args.prompt_len) for impl, hf in hfs.items()}
+            first = ours.step()
+            for impl, t in theirs.items():
+                diff = float((first - t.step()).abs().max())
+                if dtype == "float32" and diff > 1e-3:  # both compute the same model (tests/test_families.py: 1e-4)
+                    raise SystemExit(f"[{arch}] batch {batch}: decode logits differ from transformers' ({impl}) "
+                                     f"by `{diff:.2e}` (allowed: 1e-3)")
+            for _ in range(4):  # warm-up
+                ours.step()
+                for t in theirs.values():
+                    t.step()
+            t_ours, t_theirs = [], {impl: [] for impl in theirs}
+            for _ in range(args.steps):  # one round: ours, then each of theirs
+                t_ours.append(timed(ours.step))
+                for impl, t in theirs.items():
+                    t_theirs[impl].append(timed(t.step))
+            rows.append((arch, dtype, batch, statistics.median(t_ours) * 1e3,
+                         {impl: statistics.median(ts) * 1e3 for impl, ts in t_theirs.items()}))
+        del lm, hfs
+    return rows
+
+
+def print_table(rows: list[tuple]) -> None:
+    """One line per (arch, dtype, batch): ours, each of transformers' implementations, and the
+    ratio against the faster of them (named)."""
+    impls = [i for i in ("sdpa", "eager") if any(i in r[4] for r in rows)]
+    impls += sorted({i for r in rows for i in r[4]} - set(impls))
+    head = "".join(f"{i + ' ms':>10}" for i in impls)
+    print(f"\n{'arch':<11}{'dtype':<10}{'batch':>6}{'ours ms':>10}{head}{'transformers':>14}{'ratio':>8}")
+    for arch, dtype, batch, ours_ms, theirs in rows:
+        best = min(theirs, key=theirs.get)
+        cells = "".join(f"{theirs[i]:>10.2f}" if i in theirs else f"{'-':>10}" for i in impls)
+        print(f"{arch:<11}{dtype:<10}{batch:>6}{ours_ms:>10.2f}{cells}{theirs[best]:>9.2f} {best:<4}"
+              f"{theirs[best] / ours_ms:>7.2f}x")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # its progress bars and config notes: not figures
+    transformers.logging.disable_progress_bar()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+          f"prompt {args.prompt_len}, {args.steps} rounds")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = make_checkpoint(Path(tmp) / "bench", **MODEL)
-        rows = []
-        for dtype in args.dtype:
-            lm = load_model(ckpt, dtype=dtype)
-            hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
-            if dtype == args.dtype[0]:
-                print(f"model: {lm.config.num_parameters / 1e6:.2f}M params, {MODEL}")
-            for batch in args.batch:
-                ours = Ours(lm, batch, args.prompt_len, args.prompt_len + args.steps + 8)
-                theirs = Theirs(hf, batch, args.prompt_len)
-                for _ in range(5):  # warm-up
-                    ours.step()
-                    theirs.step()
-                t_ours, t_theirs = [], []
-                for _ in range(args.steps):
-                    t_ours.append(timed(ours.step))
-                    t_theirs.append(timed(theirs.step))
-                rows.append((dtype, batch, statistics.median(t_ours) * 1e3, statistics.median(t_theirs) * 1e3))
-    print(f"{'dtype':<10}{'batch':>6}{'ours ms':>10}{'transformers ms':>17}{'ratio':>8}")
-    for dtype, batch, ours_ms, theirs_ms in rows:
-        print(f"{dtype:<10}{batch:>6}{ours_ms:>10.2f}{theirs_ms:>17.2f}{theirs_ms / ours_ms:>7.2f}x")
+        for arch in args.arch:
+            rows += run_arch(arch, args, Path(tmp))
+    print_table(rows)
     return 0
 
 

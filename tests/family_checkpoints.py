@@ -80,3 +80,49 @@ def make_family_checkpoint(case: str, out: Path, seed: int = 0) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(DEFAULT_MODEL_DIR / name, out / name)
     return out
+
+
+# Benchmark-sized checkpoints: each family's case at the size of benchmarks/decode_vs_transformers.py's
+# Llama (hidden 256, 4 layers, 4 heads / 2 KV heads of 64, vocab 4096, tied embeddings), the same
+# distinguishing options on, sized to the benchmark's sequences: a window shorter than its prompt,
+# LongRoPE's original length shorter than its prompt (so the long factors apply throughout).
+BENCH_WINDOW = 48
+BENCH_ORIGINAL = 32
+BENCH_EXPERT = 176  # Qwen3-MoE's expert width; the other families' experts take `intermediate_size`
+BENCH = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def bench_config(case: str) -> tuple[str, dict]:
+    """(model_type, config options) of case `case` at benchmark size (`BENCH`)."""
+    if case not in CASES:
+        raise KeyError(f"Unknown case `{case}`. Known: {', '.join(CASES)}")
+    model_type, options = CASES[case]
+    out = {**BASE, **options, **BENCH}
+    if out.get("sliding_window") is not None:
+        out["sliding_window"] = BENCH_WINDOW
+    if out.get("moe_intermediate_size") is not None:  # experts about a quarter the dense width (16-byte rows)
+        out["moe_intermediate_size"] = BENCH_EXPERT
+    rope = out.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":
+        half = int(BENCH["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
+        out["original_max_position_embeddings"] = BENCH_ORIGINAL
+        out["rope_parameters"] = {**rope, "short_factor": [1.0 + 0.1 * i / half for i in range(half)],
+                                  "long_factor": [2.0 + 8.0 * i / half for i in range(half)]}
+    return model_type, out
+
+
+def make_bench_checkpoint(case: str, out: Path, seed: int = 0) -> Path:
+    """Write case `case`'s benchmark-sized checkpoint (`bench_config`) to `out`, as `make_family_checkpoint` does."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, options = bench_config(case)
+    cfg = AutoConfig.for_model(model_type, **options)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, out / name)
+    return out
