@@ -46,6 +46,8 @@ def _decode_reason(kernel: dict, device_type: str, window: int | None, attn: dic
         parts.append(f"only the last {window} positions' blocks")
     if attn.get("softcap"):
         parts.append(f"scores soft-capped at {attn['softcap']:g} " + ("in fp32" if gpu else "(explicit scores)"))
+    if attn.get("sinks"):
+        parts.append("a learned sink logit per head in each softmax")
     if attn.get("scale") is not None:
         parts.append(f"scale {attn['scale']:.4g}")
     parts.append(f"head_dim {attn['head_dim']}")

@@ -45,8 +45,11 @@ def describe(config: ModelConfig) -> dict[str, Any]:
     unused = {}
     if config.norm_style != "llama":
         unused["RMSNorm"] = _NORMS[config.norm_style]
-    if config.activation != "silu":
-        unused["SiluAndMul"] = f"its activation is {config.activation} (torch)"
+    if config.activation != "silu" or (config.num_experts and len(config.sparse_layers) == config.num_hidden_layers):
+        unused["SiluAndMul"] = (f"its activation is {config.activation} (torch)" if config.activation != "silu"
+                                else "every feed-forward is a mixture of experts (FusedMoE)")
+    if not config.num_experts:
+        unused["FusedMoE"] = "a dense model: no experts"
     return {
         "architecture": config.architecture,
         "features": config.features,
@@ -54,6 +57,7 @@ def describe(config: ModelConfig) -> dict[str, Any]:
             "head_dim": config.head_dim,
             "scale": config.attention_scale,  # None: 1/sqrt(head_dim)
             "softcap": config.attn_softcap,
+            "sinks": config.attention_sinks,
             "layer_types": attention_layers(config),
         },
         "kernel_layers_unused": unused,
