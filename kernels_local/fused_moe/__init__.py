@@ -1,0 +1,24 @@
+"""hetserve-fused-moe: the experts of a mixture-of-experts layer as a grouped GEMM in Triton
+(CUDA/ROCm, tuned per architecture) and torch (CPU)."""
+
+from . import layers
+from .fused_moe import (
+    TUNINGS,
+    FusedMoETuning,
+    MoEConfig,
+    align_pairs,
+    fused_moe,
+    fused_moe_reference,
+    runs_triton,
+)
+
+__all__ = [
+    "TUNINGS",
+    "FusedMoETuning",
+    "MoEConfig",
+    "align_pairs",
+    "fused_moe",
+    "fused_moe_reference",
+    "layers",
+    "runs_triton",
+]

@@ -1,0 +1,382 @@
+"""Fused mixture-of-experts (the experts of one layer) as a grouped Triton GEMM, its torch
+reference, and per-architecture launch tuning.
+
+Design (the spirit of vLLM's and SGLang's fused MoE): the `T x K` token-expert pairs are
+sorted by expert and each expert's run is padded to a multiple of `BLOCK_M` (`align_pairs`,
+a few torch ops on the device: no host sync, the padded length is bounded on the host by
+`P + min(E, P) * (BLOCK_M - 1)` and blocks past the true end exit at once). One grouped GEMM
+kernel then serves both matmuls of the experts: each program takes one `BLOCK_M` block of
+pairs (all of one expert, read from `BLOCK_EXPERTS`) and `BLOCK_N` output columns, and reads
+that expert's weight tiles: every active expert in one launch, none for an expert without
+pairs, however many experts a step touches.
+- gate_up (`ACTIVATION` silu | swiglu_oai): A rows are the pairs' tokens (`pair // top_k`),
+  the program keeps two accumulators (gate rows `n`, up rows `I + n` of `w_gate_up`), adds
+  the bias and writes the activated `[P, I]` rows: the `[P, 2I]` pre-activation never exists.
+- down (`ACTIVATION` none, `ROUTED`): A rows are the pairs' activated rows; the bias is added
+  and the router weight applied in the epilogue, and the `[T, K, H]` result is summed over
+  top-k in torch (one reduction, no atomics, so no order-dependent float adds).
+Accumulation is fp32; fp32 operands use `input_precision="ieee"` (never tf32), fp16/bf16 use
+the tensor cores. Each matmul's output is rounded to the activation dtype before what
+follows it (as `F.linear` does in the reference), so low-precision results stay close.
+The trade-off: padding wastes up to `BLOCK_M - 1` rows of work per active expert (most at
+decode, where the weights' bytes dominate anyway), and the pairs' intermediate rows make one
+round trip through memory between the two launches.
+
+Launch configurations (`FusedMoETuning.launch_shape(tokens, dtype)`, both GEMMs): a decode
+shape up to `decode_tokens` tokens per launch and a prefill shape above it.
+- pre-Hopper (the mapping runs it on sm_80..sm_89; below sm_80 Triton's dots are FMAs and
+  the layer takes torch): 16 x 64 x 64 tiles (decode), 64 x 64 x 32 grouped by 8 (prefill),
+  4 warps, 3 stages: at most 36 KiB of shared memory and 139 registers, mma.sync.
+- Hopper and later (sm_90+): tiles of at least 64 rows so the dots run on wgmma (below that
+  Triton falls back to mma.sync): 64 x 64 x 64 over 4 stages (decode) and 128 x 64 x 64 over
+  8 warps and 4 stages (prefill): at most 128 KiB on sm_90, and under sm_120's 99 KiB,
+  which shares the layer.
+- ROCm (64-lane wavefronts, 64 KiB of LDS): 16 x 64 x 64 and 64 x 64 x 64, 2 stages.
+fp32 operands take tiles of at most 64 x 32 x 32: on CUDA their dots are FMAs holding both
+operands and two accumulators in registers (64 x 64 spilled on sm_80); on CDNA they are
+fp32 MFMAs (exact, not xf32).
+
+Runtime integers that change from step to step (`max_padded`, `num_pairs`, `top_k`, which is
+1 for the down GEMM) are not specialized (`do_not_specialize`), so `compile_specs` declares
+exactly the launches the wrapper makes: per token bucket, activation and bias flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
+
+ACTIVATIONS = ("silu", "swiglu_oai")
+# Runtime integers compiled once for every value (no divisibility or ==1 specialization).
+_UNSPECIALIZED = ("max_padded", "num_pairs", "top_k")
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Triton's interpreter (TRITON_INTERPRET=1) multiplies bf16 dot operands as their raw uint16
+# bits; under it, bf16 dots upcast to fp32 first (exact, as a tensor core's products are).
+_INTERPRETER_BF16_FIX = tl.constexpr(type(tl.sum).__name__ == "InterpretedFunction")
+
+
+@triton.jit
+def _dot(a, b, acc):
+    # fp32 operands: exact products and fp32 sums (no tf32 rounding); fp16/bf16: tensor cores
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    if _INTERPRETER_BF16_FIX:
+        if a.dtype == tl.bfloat16:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _activate(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+    # silu(gate) * up, or gpt-oss: gate clamped above, up clamped both ways, (up + 1) * glu
+    if ACTIVATION == "silu":
+        return gate * tl.sigmoid(gate) * up
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+
+
+@triton.jit(do_not_specialize=_UNSPECIALIZED)
+def _moe_gemm_kernel(
+    A,
+    W,
+    Bias,
+    RouterW,
+    Out,
+    SORTED_PAIRS,
+    BLOCK_EXPERTS,
+    NUM_PADDED,
+    max_padded,
+    num_pairs,
+    top_k,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_om,
+    alpha,
+    limit,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # 1. program -> (pair block, column block), GROUP_M pair blocks side by side so that
+    #    consecutive programs reuse one expert's weight tile from L2
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(max_padded, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
+    # 2. blocks past the experts' padded runs have nothing to do
+    if pid_m * BLOCK_M >= tl.load(NUM_PADDED):
+        return
+    # 3. this block's pairs (padding slots hold `num_pairs`), their A rows, and their expert
+    pairs = tl.load(SORTED_PAIRS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_mask = pairs < num_pairs
+    rows = (pairs // top_k).to(tl.int64)
+    expert = tl.load(BLOCK_EXPERTS + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] of W[e].T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # 4. march over K; gated: the up rows sit N rows below the gate rows of the same expert
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _dot(a, w, acc)
+        if ACTIVATION != "none":
+            u = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc_up = _dot(a, u, acc_up)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # 5. epilogue: bias, rounded to the activation dtype as the reference's linear output is
+    if HAS_BIAS:
+        b_ptrs = Bias + expert * stride_be + offs_n
+        acc += tl.load(b_ptrs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION != "none":
+            acc_up += tl.load(b_ptrs + N, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(Out.dtype.element_ty).to(tl.float32)
+    # 6. gate_up: the activation; down: the router weight of each pair
+    if ACTIVATION != "none":
+        y = _activate(y, acc_up.to(Out.dtype.element_ty).to(tl.float32), alpha, limit, ACTIVATION)
+    if ROUTED:
+        y *= tl.load(RouterW + pairs, mask=pair_mask, other=0.0).to(tl.float32)[:, None]
+    # 7. store each pair's row at its pair index
+    out_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, y.to(Out.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+# -- the torch reference (the model's grouped_experts, same math) ------------------------------
+
+
+def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """[n, 2I] gate columns then up columns -> [n, I]."""
+    gate, up = h.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None,
+                        b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                        limit: float = 7.0, row_tile: int | None = None) -> torch.Tensor:  # fmt: skip
+    """sum_k w[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H] in x's dtype: pairs grouped by expert
+    (one stable sort), one matmul pair per active expert (in fixed zero-padded tiles of
+    `row_tile` rows when set, so a row's result does not depend on its batch mates), router
+    weights applied in x's dtype, experts added in ascending order."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.flatten()  # [P]
+    order = flat.argsort(stable=True)  # pairs by expert, tokens ascending within each
+    tokens = order // k  # [P]
+    xs = x.index_select(0, tokens)  # [P, H]
+    ys = torch.empty_like(xs)  # [P, H]
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()):
+        tile = row_tile or n
+        for lo in range(start, start + n, max(tile, 1)):  # nothing for an expert without pairs
+            rows = min(tile, start + n - lo)
+            part = xs[lo : lo + rows] if rows == tile else F.pad(xs[lo : lo + rows], (0, 0, 0, tile - rows))
+            h = F.linear(part, w_gate_up[e], None if b_gate_up is None else b_gate_up[e])  # [tile, 2I]
+            y = F.linear(expert_activation(h, activation, alpha, limit), w_down[e],
+                         None if b_down is None else b_down[e])  # fmt: skip
+            ys[lo : lo + rows] = y[:rows]
+        start += n
+    ys = ys * topk_weights.flatten().index_select(0, order)[:, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
+
+
+# -- tuning ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One launch shape of the grouped GEMM."""
+
+    block_m: int  # pairs per block: each expert's run is padded to a multiple of it
+    block_n: int
+    block_k: int
+    group_m: int  # pair blocks side by side in the launch order (L2 reuse of weight tiles)
+    num_warps: int
+    num_stages: int
+
+    def for_fp32(self) -> MoEConfig:
+        """fp32 operands: FMA dots (operands and two accumulators in registers) on 4-byte
+        elements, so tiles of at most 64 x 32 x 32."""
+        return replace(self, block_m=min(self.block_m, 64), block_n=min(self.block_n, 32),
+                       block_k=min(self.block_k, 32))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FusedMoETuning:
+    """Launch shapes for one architecture family, by tokens per launch."""
+
+    name: str
+    decode: MoEConfig
+    prefill: MoEConfig
+    decode_tokens: int = 32  # launches of at most this many tokens take the decode shape
+
+    def launch_shape(self, tokens: int, dtype: str) -> MoEConfig:
+        """The shape of both GEMMs of a launch over `tokens` tokens of Triton dtype `dtype`."""
+        config = self.decode if tokens <= self.decode_tokens else self.prefill
+        return config.for_fp32() if dtype == "fp32" else config
+
+
+PRE_HOPPER = FusedMoETuning("sm70", MoEConfig(16, 64, 64, 1, 4, 3), MoEConfig(64, 64, 32, 8, 4, 3))
+HOPPER = FusedMoETuning("sm90", MoEConfig(64, 64, 64, 1, 4, 4), MoEConfig(128, 64, 64, 8, 8, 4))
+ROCM = FusedMoETuning("rocm", MoEConfig(16, 64, 64, 1, 4, 2), MoEConfig(64, 64, 64, 8, 4, 2))
+TUNINGS = {t.name: t for t in (PRE_HOPPER, HOPPER, ROCM)}
+
+# Kernels made while TRITON_INTERPRET=1 run on CPU tensors (tests); others need a GPU.
+_INTERPRETED = type(_moe_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def runs_triton(x: torch.Tensor) -> bool:
+    """Whether a launch on `x` runs the kernel (GPU tensor, or the interpreter on CPU)."""
+    return x.is_cuda or _INTERPRETED
+
+
+# -- the wrapper -------------------------------------------------------------------------------
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Host bound of the aligned length: every active expert pads at most `block_m - 1` slots."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the pairs by expert and pad each expert's run to a multiple of `block_m`, on the
+    device: (`sorted_pairs` [max_padded] int32, padding slots hold P; `block_experts`
+    [max_padded / block_m] int32; `num_padded` [1] int32, the true padded length)."""
+    flat = topk_ids.flatten().to(torch.int64)  # [P]
+    p, device = flat.numel(), flat.device
+    max_padded = max_padded_pairs(p, num_experts, block_m)
+    # 1. pairs per expert (a scatter-add: bincount would read its maximum on the host)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    ends = padded.cumsum(0)  # [E] end of each expert's padded run
+    # 2. each sorted pair's slot: its expert's padded start plus its rank inside the expert
+    order = flat.argsort(stable=True)  # [P]
+    expert = flat.index_select(0, order)  # [P]
+    rank = torch.arange(p, device=device) - (counts.cumsum(0) - counts).index_select(0, expert)
+    slot = (ends - padded).index_select(0, expert) + rank
+    sorted_pairs = torch.full((max_padded,), p, dtype=torch.int32, device=device)
+    sorted_pairs[slot] = order.to(torch.int32)
+    # 3. each block's expert: how many padded runs end at or before the block's start
+    blocks = torch.arange(max_padded // block_m, device=device)
+    block_experts = torch.searchsorted(ends // block_m, blocks, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, block_experts.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+def gemm_ints(hidden: int, intermediate: int, gate_up: bool) -> tuple[tuple[str, int], ...]:
+    """(name, value) of the integer arguments N .. stride_om of one GEMM over contiguous
+    weights: what the wrapper passes and what `compile_specs` types."""
+    h, i = hidden, intermediate
+    if gate_up:  # x [T, H] @ w_gate_up[e].T [H, 2I] -> act [P, I]
+        return ("N", i), ("K", h), ("stride_am", h), ("stride_we", 2 * i * h), ("stride_wn", h), \
+            ("stride_be", 2 * i), ("stride_om", i)  # fmt: skip
+    # act [P, I] @ w_down[e].T [I, H] -> [P, H]
+    return ("N", h), ("K", i), ("stride_am", i), ("stride_we", h * i), ("stride_wn", i), ("stride_be", h), \
+        ("stride_om", h)  # fmt: skip
+
+
+def _check(x, w_gate_up, w_down, topk_ids, topk_weights, activation) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"Unknown expert activation `{activation}`. Supported: {', '.join(ACTIVATIONS)}")
+    if x.dtype not in _TRITON_DTYPES or {w_gate_up.dtype, w_down.dtype} != {x.dtype}:
+        raise TypeError(f"Fused MoE needs x and both weights in one dtype of "
+                        f"{', '.join(map(str, _TRITON_DTYPES))}; got `{x.dtype}`, `{w_gate_up.dtype}`, "
+                        f"`{w_down.dtype}`")  # fmt: skip
+    t, h = x.shape
+    e, two_i, _ = w_gate_up.shape
+    if w_gate_up.shape[2] != h or two_i % 2 or w_down.shape != (e, h, two_i // 2):
+        raise ValueError(f"Expert weights must be w_gate_up [E, 2I, {h}] and w_down [E, {h}, I]; got "
+                         f"`{tuple(w_gate_up.shape)}` and `{tuple(w_down.shape)}`")  # fmt: skip
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids and topk_weights must both be [{t}, K]; got `{tuple(topk_ids.shape)}` and "
+                         f"`{tuple(topk_weights.shape)}`")  # fmt: skip
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
+              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+              tuning: FusedMoETuning = PRE_HOPPER) -> torch.Tensor:  # fmt: skip
+    """The experts of `x` [T, H] for `topk_ids` / `topk_weights` [T, K] -> [T, H] in x's dtype:
+    two grouped GEMM launches; the torch reference on CPU tensors."""
+    _check(x, w_gate_up, w_down, topk_ids, topk_weights, activation)
+    if not runs_triton(x) or x.shape[0] == 0:
+        return fused_moe_reference(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation,
+                                   alpha, limit)  # fmt: skip
+    (t, h), (e, two_i, _), k = x.shape, w_gate_up.shape, topk_ids.shape[1]
+    p, i = t * k, two_i // 2
+    cfg = tuning.launch_shape(t, _TRITON_DTYPES[x.dtype])
+    # 1. pairs sorted by expert, each expert's run padded to whole blocks
+    sorted_pairs, block_experts, num_padded = align_pairs(topk_ids, e, cfg.block_m)
+    max_padded = sorted_pairs.numel()
+    x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
+    router = topk_weights.to(x.dtype).flatten().contiguous()  # [P] rounded to x's dtype, as the reference
+    act = torch.empty((p, i), dtype=x.dtype, device=x.device)  # [P, I]
+    out = torch.empty((p, h), dtype=x.dtype, device=x.device)  # [P, H]
+    # 2. gate_up with the activation fused, then down with bias and router weights
+    for a, w, bias, y, gate_up in ((x, w_gate_up, b_gate_up, act, True), (act, w_down, b_down, out, False)):
+        ints = dict(gemm_ints(h, i, gate_up))
+        grid = (max_padded // cfg.block_m * triton.cdiv(ints["N"], cfg.block_n),)
+        _moe_gemm_kernel[grid](
+            a, w, w if bias is None else bias.contiguous(), router, y, sorted_pairs, block_experts, num_padded,
+            max_padded, p, k if gate_up else 1, *ints.values(), float(alpha), float(limit),
+            ACTIVATION=activation if gate_up else "none", HAS_BIAS=bias is not None, ROUTED=not gate_up,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    # 3. the sum over each token's K experts
+    return out.view(t, k, h).sum(dim=1) if k > 1 else out
+
+
+def compile_specs(tuning: FusedMoETuning, workload: Workload) -> tuple[CompileSpec, ...]:
+    """Every launch `fused_moe` makes with `tuning`: per token bucket, gate_up for each
+    activation and down, with and without biases. MoE sizes come from the workload's widths:
+    hidden H and intermediate I each range over them (every pair, typed by divisibility as
+    the JIT does); the expert count and top-k are runtime values no launch specializes on,
+    so `Workload` needs no field of its own."""
+    t = pointer(workload.dtype)
+    index = pointer("i32")
+    dims = dict.fromkeys((*(int_arg(v) for _, v in gemm_ints(h, i, gate_up)), gate_up)
+                         for h in workload.widths for i in workload.widths for gate_up in (True, False))  # fmt: skip
+    specs = []
+    for m in workload.token_counts():
+        cfg = tuning.launch_shape(m, workload.dtype)
+        blocks = (("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n), ("BLOCK_K", cfg.block_k),
+                  ("GROUP_M", cfg.group_m))  # fmt: skip
+        for *types, gate_up in dims:
+            names = [n for n, _ in gemm_ints(1, 1, gate_up)]
+            args = (("A", t), ("W", t), ("Bias", t), ("RouterW", t), ("Out", t), ("SORTED_PAIRS", index),
+                    ("BLOCK_EXPERTS", index), ("NUM_PADDED", index), *((n, "i32") for n in _UNSPECIALIZED),
+                    *zip(names, types, strict=True), ("alpha", "fp32"), ("limit", "fp32"))  # fmt: skip
+            for has_bias in (False, True):
+                for activation in ACTIVATIONS if gate_up else ("none",):
+                    constexprs = (("ACTIVATION", activation), ("HAS_BIAS", has_bias), ("ROUTED", not gate_up),
+                                  *blocks)  # fmt: skip
+                    specs.append(CompileSpec(_moe_gemm_kernel, args, constexprs, cfg.num_warps, cfg.num_stages,
+                                             dot=None if workload.dtype == "fp32" else "f16"))  # fmt: skip
+    return unique(specs)

@@ -1,0 +1,81 @@
+"""Kernel layers replacing the model's `FusedMoE` forward (`kernels` layer rules).
+
+Each layer is stateless: no `__init__`, only `forward(self, x, topk_ids, topk_weights)`,
+where `self` is the model's `FusedMoE` with its stacked expert weights `w_gate_up` [E, 2I, H]
+and `w_down` [E, H, I], optional biases `b_gate_up` [E, 2I] and `b_down` [E, H] (None when
+absent), `activation` ("silu" | "swiglu_oai"), `alpha`, `limit` and `row_tile`. The Triton
+layers differ only in their launch tuning; on CPU tensors they take the torch path.
+
+Deterministic mode (`row_tile` set): a Triton layer takes the torch path in fixed tiles of
+`row_tile` rows per expert, as the CPU layer does. The kernel's tile shape follows the
+step's token count (decode or prefill shape) and a row's block mates are whatever other
+pairs chose its expert, so it gives no such guarantee; the torch path's fixed GEMM shape does.
+The trade-off: deterministic serving of an MoE model runs its experts one matmul per tile.
+`COMPILE_SPECS` names, per Triton layer, the launches its forward can make (the preflight
+compiles them ahead of time); each entry's tuning is the one its forward passes.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from .fused_moe import HOPPER, PRE_HOPPER, ROCM, FusedMoETuning, compile_specs, fused_moe, fused_moe_reference
+
+
+def _torch_path(module: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    return fused_moe_reference(x, module.w_gate_up, module.w_down, topk_ids, topk_weights, module.b_gate_up,
+                               module.b_down, module.activation, module.alpha, module.limit,
+                               getattr(module, "row_tile", None))  # fmt: skip
+
+
+def _triton_or_torch(module: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     tuning: FusedMoETuning) -> torch.Tensor:  # fmt: skip
+    if getattr(module, "row_tile", None) is not None:  # deterministic: fixed tiles, see the docstring
+        return _torch_path(module, x, topk_ids, topk_weights)
+    return fused_moe(x, module.w_gate_up, module.w_down, topk_ids, topk_weights, module.b_gate_up, module.b_down,
+                     module.activation, module.alpha, module.limit, tuning=tuning)  # fmt: skip
+
+
+class FusedMoE(nn.Module):
+    """Torch (CPU): pairs grouped by expert, one matmul pair per active expert."""
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _torch_path(self, x, topk_ids, topk_weights)
+
+
+class FusedMoETritonSm70(nn.Module):
+    """Triton, pre-Hopper tuning (sm_70..sm_89): 16-row decode blocks, 64-row prefill blocks, 4 warps."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _triton_or_torch(self, x, topk_ids, topk_weights, PRE_HOPPER)
+
+
+class FusedMoETritonSm90(nn.Module):
+    """Triton, Hopper-and-later tuning (sm_90+): 64-row blocks or more (wgmma), 128 x 128 prefill tiles."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _triton_or_torch(self, x, topk_ids, topk_weights, HOPPER)
+
+
+class FusedMoETritonRocm(nn.Module):
+    """Triton, ROCm tuning (64-lane wavefronts, 64 KiB of LDS, 2 stages)."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _triton_or_torch(self, x, topk_ids, topk_weights, ROCM)
+
+
+# Ahead-of-time compile specs of each Triton layer: `spec(workload) -> (CompileSpec, ...)`.
+COMPILE_SPECS = {
+    "FusedMoETritonSm70": partial(compile_specs, PRE_HOPPER),
+    "FusedMoETritonSm90": partial(compile_specs, HOPPER),
+    "FusedMoETritonRocm": partial(compile_specs, ROCM),
+}
