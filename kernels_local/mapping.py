@@ -11,9 +11,9 @@ capability interval that contains the device wins; an entry without properties s
 capabilities) but as a pure function of its arguments: no current device, no cache. The
 worker kernelizes with exactly the choices `select` returns, so simulation and real GPUs
 run the same selection code. Every capability resolves: the CUDA entries without
-properties catch what no range covers (below sm_70), and the last ranges are open-ended so
-architectures newer than the tuned ones (sm_100, sm_120) get a defined, forward-compatible
-choice whose reason says so.
+properties catch what no range covers (below sm_70; below sm_80 for the fused MoE's grouped
+GEMM), and the last ranges are open-ended so architectures newer than the tuned ones
+(sm_100, sm_120) get a defined, forward-compatible choice whose reason says so.
 
 The fp8 linear entries take their capability ranges from the fp8 rule itself
 (`workers.contract.fp8_rule`: native e4m3 from sm_89; on ROCm e4m3fnuz on CDNA3 and OCP
@@ -46,7 +46,7 @@ from workers.contract import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent
-LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention")
+LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE")
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
@@ -106,13 +106,14 @@ _CDNA_TUNING = "Triton tuned for CDNA's 64-lane wavefronts"
 
 
 def _triton_family(layer: str, repo: str, cls: str, cpu: str, below: str, sm70: str, sm90: str,
-                   rocm: str) -> tuple[_Entry, ...]:
+                   rocm: str, first: int = 70) -> tuple[_Entry, ...]:
     """The seven entries of a layer with the usual Triton family: the torch reference on CPU and
-    below sm_70, `<cls>TritonSm70` up to Ada, `<cls>TritonSm90` from Hopper on, `<cls>TritonRocm`."""
+    below sm_`first` (sm_70 unless the layer's kernel needs more), `<cls>TritonSm70` up to Ada,
+    `<cls>TritonSm90` from Hopper on, `<cls>TritonRocm`."""
     return (
         _Entry(layer, Device(type="cpu"), repo, cls, "torch", cpu),
         _Entry(layer, Device(type="cuda"), repo, cls, "torch", below),
-        _Entry(layer, _cuda(70, 89), repo, f"{cls}TritonSm70", "triton-sm70", sm70),
+        _Entry(layer, _cuda(first, 89), repo, f"{cls}TritonSm70", "triton-sm70", sm70),
         _Entry(layer, _cuda(90, 99), repo, f"{cls}TritonSm90", "triton-sm90", sm90),
         _Entry(layer, _cuda(100, _ANY), repo, f"{cls}TritonSm90", "triton-sm90", _NEWER),
         _Entry(layer, Device(type="rocm"), repo, f"{cls}TritonRocm", "triton-rocm", rocm),
@@ -159,6 +160,18 @@ _ENTRIES: tuple[_Entry, ...] = (
         "pre-Hopper (sm_70..sm_89): Triton reads blocks in place through the block table, 64-position tiles, 4 warps",
         "Hopper (sm_90): Triton reads blocks in place, up to 128-position tiles, 8 warps",
         "Triton reading blocks in place, tuned for CDNA's 64-lane wavefronts"),
+    # -- FusedMoE: Triton from sm_80 (a grouped GEMM: below sm_80 Triton's dots are FMAs) -------
+    *_triton_family(
+        "FusedMoE", "fused_moe", "FusedMoE",
+        "CPU: pairs grouped by expert, one torch matmul pair per active expert (Triton needs a GPU)",
+        "below sm_80 Triton lowers dots to FMAs (no mma; the grouped GEMM spills), while cuBLAS has tensor "
+        "cores: one torch matmul pair per active expert",
+        "Ampere/Ada (sm_80..sm_89): Triton grouped GEMM over expert-aligned blocks, 16-row decode / 64-row "
+        "prefill blocks, 4 warps, mma.sync",
+        "Hopper (sm_90): Triton grouped GEMM over expert-aligned blocks of 64 rows or more (wgmma), "
+        "128 x 64 prefill tiles over 8 warps",
+        "Triton grouped GEMM over expert-aligned blocks, tuned for CDNA's 64 KiB of LDS (2 stages)",
+        first=80),
 )
 # fmt: on
 

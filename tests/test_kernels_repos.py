@@ -33,6 +33,7 @@ REPO_LAYERS = {
     ],
     "paged_attention": ["PagedAttention", "PagedAttentionTritonSm70", "PagedAttentionTritonSm90",
                         "PagedAttentionTritonRocm"],
+    "fused_moe": ["FusedMoE", "FusedMoETritonSm70", "FusedMoETritonSm90", "FusedMoETritonRocm"],
 }
 
 
@@ -49,9 +50,10 @@ def test_layers_load_and_are_stateless(repo):
     """`kernels` refuses layers with a constructor or extra members; check every layer the
     way it does, against the model layer it replaces."""
     from workers.fp8.linear import Fp8Linear as ModelFp8Linear
+    from workers.model.moe import FusedMoE as ModelFusedMoE
 
     replaced = {"rmsnorm": ModelRMSNorm, "activation": ModelSiluAndMul, "fp8_linear": ModelFp8Linear,
-                "paged_attention": ModelPagedAttention}[repo]
+                "paged_attention": ModelPagedAttention, "fused_moe": ModelFusedMoE}[repo]
     for name in REPO_LAYERS[repo]:
         lrepo = LocalLayerRepository(repo_path=REPOS / repo, layer_name=name)
         cls = lrepo.load()
