@@ -9,9 +9,12 @@ reference for the fp8 linear (native e4m3 only from sm_89); for paged decode att
 torch path (gather the rows' blocks, one SDPA) over the same scattered block tables, in
 Llama-shaped rows and in Gemma-shaped ones (head dim 256, soft-capped scores, sliding
 windows: the kernel reads only the window's positions, the torch path gathers every one and
-masks). Paged attention's GB/s counts the K/V bytes the rows attend.
+masks). Paged attention's GB/s counts the K/V bytes the rows attend. For the fused MoE, the
+torch path (one matmul pair per active expert) on Qwen3-30B-A3B and gpt-oss-20b shaped
+experts (bf16, random routing), at decode and prefill token counts; its GB/s counts the
+weight bytes of the experts the step touches.
 
-    python benchmarks/triton_kernels.py [--rounds 50] [--only rmsnorm silu fp8 paged]
+    python benchmarks/triton_kernels.py [--rounds 50] [--only rmsnorm silu fp8 paged moe]
 
 Without CUDA it prints one skip line and exits 0.
 """
@@ -37,6 +40,11 @@ GEMMA_CASES = [  # (layer, decode rows, tokens each, window, softcap)
     ("Gemma 2 local", 32, 8192, 4096, 50.0),
     ("Gemma 3 local", 32, 4096, 1024, None),
 ]
+MOE_CASES = [  # (model, experts, top-k, hidden, intermediate, bias, activation)
+    ("Qwen3-30B-A3B", 128, 8, 2048, 768, False, "silu"),
+    ("gpt-oss-20b", 32, 4, 2880, 2880, True, "swiglu_oai"),
+]
+MOE_TOKENS = (1, 32, 512)
 
 
 def _time(fns: dict, rounds: int) -> dict[str, float]:
@@ -148,11 +156,33 @@ def bench_paged(rows: int, length: int, chosen: str, rounds: int, heads: tuple[i
     _report(title, _time(fns, rounds), "torch", 2 * rows * min(length, window or length) * hkv * d * 2)
 
 
+def bench_moe(case: tuple, tokens: int, chosen: str, rounds: int) -> None:
+    from kernels_local.fused_moe import TUNINGS, fused_moe, fused_moe_reference
+
+    model, e, k, h, i, bias, activation = case
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    w_gate_up, w_down = torch.randn(e, 2 * i, h, **bf16) / h**0.5, torch.randn(e, h, i, **bf16) / i**0.5
+    b_gate_up, b_down = (torch.randn(e, 2 * i, **bf16), torch.randn(e, h, **bf16)) if bias else (None, None)
+    x = torch.randn(tokens, h, **bf16)
+    logits = torch.randn(tokens, e, device="cuda")
+    topk_weights, topk_ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    args = (x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation)
+    ref = fused_moe_reference(*args)
+    fns = {"torch": lambda: fused_moe_reference(*args)}
+    for name, t in TUNINGS.items():
+        torch.testing.assert_close(fused_moe(*args, tuning=t), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+        fns[name + ("*" if name == chosen else "")] = lambda t=t: fused_moe(*args, tuning=t)
+    touched = topk_ids.unique().numel()
+    _report(f"FusedMoE {model} {tokens} tokens, E {e} top-{k}, H {h} I {i} ({touched} experts touched) bf16",
+            _time(fns, rounds), "torch", touched * 3 * h * i * 2)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument(
-        "--only", nargs="*", default=["rmsnorm", "silu", "fp8", "paged"], choices=["rmsnorm", "silu", "fp8", "paged"]
+        "--only", nargs="*", default=["rmsnorm", "silu", "fp8", "paged", "moe"],
+        choices=["rmsnorm", "silu", "fp8", "paged", "moe"],
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -185,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
             bench_paged(rows, length, chosen, args.rounds)
         for layer, rows, length, window, softcap in GEMMA_CASES:
             bench_paged(rows, length, chosen, args.rounds, GEMMA_HEADS, layer, window, softcap)
+    if "moe" in args.only:
+        chosen = tuning.get(choices["FusedMoE"].variant, "")
+        for case in MOE_CASES:
+            for tokens in MOE_TOKENS:
+                bench_moe(case, tokens, chosen, args.rounds)
     return 0
 
 

@@ -8,6 +8,8 @@
 # .whl/ (for example `pip download --no-deps --only-binary=:all: -d .whl kernels==0.17.2 ...`)
 # and are installed into a private target first. The paged decode kernel is checked and timed
 # with each layer option the model families set (head dim 256, soft-capped scores, sliding windows).
+# The fused MoE kernel is checked (tests/test_kernels_moe.py, bf16 and exact fp32) and timed
+# against its torch path on Qwen3-30B-A3B and gpt-oss-20b expert shapes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-check}"
