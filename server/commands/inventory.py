@@ -4,7 +4,8 @@ Design: the router must hold no CUDA context and no capability of its own (a cap
 in the parent would be device 0's answer), so it lists devices through NVML (nvidia-ml-py),
 which reports index, UUID, name, capability, memory and PCI bus id without creating a
 context. Devices are returned in PCI bus order, the order `CUDA_DEVICE_ORDER=PCI_BUS_ID`
-gives the workers. No NVML (no driver, CPU host) means an empty inventory.
+gives the workers. AMD GPUs come from the amdgpu driver's KFD topology in sysfs, also without
+a context, after the NVIDIA ones. No driver of either kind (a CPU host) means an empty inventory.
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ def nvml_inventory() -> list[DeviceInfo]:
     return devices
 
 
-def inventory(simulate: str | None = None) -> list[DeviceInfo]:
-    """The simulated topology when `simulate` is given, else the host's GPUs through NVML."""
+def inventory(simulate: str | None = None, kfd_nodes=None) -> list[DeviceInfo]:
+    """The simulated topology when `simulate` is given, else the host's GPUs: NVIDIA's through
+    NVML, then AMD's through the driver's KFD topology (`server.commands.inventory_amd`)."""
     if simulate:
         return parse_simulate(simulate)
-    return nvml_inventory()
+    from server.commands.inventory_amd import KFD_NODES, kfd_inventory
+
+    devices = nvml_inventory()
+    return devices + kfd_inventory(kfd_nodes or KFD_NODES, first_index=len(devices))

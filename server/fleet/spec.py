@@ -101,7 +101,12 @@ def worker_environment(device: DeviceInfo, threads: int, base: dict[str, str]) -
             env[ENV_SIMULATE] = token
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif device.type == "rocm":
-        env["HIP_VISIBLE_DEVICES"] = str(device.index)
+        # ROCr pins by the KFD unique id (server/commands/inventory_amd.py): no index to agree on
+        # across vendors; HIP also reads CUDA_VISIBLE_DEVICES, which stays unset
+        if device.uuid.lower().startswith("gpu-") and "kfd" not in device.uuid:
+            env["ROCR_VISIBLE_DEVICES"] = device.uuid
+        else:
+            env["HIP_VISIBLE_DEVICES"] = str(device.index)
     else:
         env["CUDA_VISIBLE_DEVICES"] = device.uuid
     use_triton_cache(device.arch_name, env)  # <root>/<arch>: no two architectures share binaries

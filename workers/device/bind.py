@@ -31,6 +31,7 @@ from workers.contract import (
     parse_token,
     simulated_device,
 )
+from workers.device.build import check_torch_build
 from workers.device.guard import CudaPlatform, bind_current_device
 
 logger = logging.getLogger(__name__)
@@ -129,9 +130,19 @@ def _bind_gpu(index: int, expected_uuid: str | None) -> BoundDevice:
     props = torch.cuda.get_device_properties(0)
     # 3. it is the device the router meant
     uuid = f"GPU-{props.uuid}" if getattr(props, "uuid", None) is not None else (expected_uuid or "")
-    if expected_uuid and expected_uuid.lower().startswith("gpu-") and uuid.lower() != expected_uuid.lower():
+    if torch.version.hip is not None:
+        # ROCr pinned the device by its KFD unique id (ROCR_VISIBLE_DEVICES); HIP reports its UUID
+        # in another form, so the router's id names the device
+        uuid = expected_uuid or uuid
+    elif expected_uuid and expected_uuid.lower().startswith("gpu-") and uuid.lower() != expected_uuid.lower():
         raise DeviceBindError(f"Bound device UUID `{uuid}` differs from the requested `{expected_uuid}`")
-    # 4. capability by explicit index
+    dev = _describe_gpu(index, uuid, props, torch)  # 4. capability by explicit index
+    # 5. the installed torch has code this device runs (else: the reason and the build to install)
+    check_torch_build(dev, torch)
+    return dev
+
+
+def _describe_gpu(index: int, uuid: str, props, torch) -> BoundDevice:
     if torch.version.hip is not None:
         arch = getattr(props, "gcnArchName", "") or ""
         return BoundDevice(
