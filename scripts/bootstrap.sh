@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs hetserve with its dev extras whenever pyproject.toml
-# changed since the last install. torch is pinned first so that pip keeps the CPU build
-# on hosts without a GPU instead of pulling a multi-GB CUDA build.
+# Creates .venv (once) and installs hetserve whenever pyproject.toml changed since the last
+# install: `bootstrap.sh` the runtime dependencies only (what `./scripts/serve` needs),
+# `bootstrap.sh dev` the development extras too (tests, linters, real clients, transformers).
+# torch is pinned first so that pip keeps the CPU build on hosts without a GPU instead of
+# pulling a multi-GB CUDA build.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+mode="${1:-runtime}"
+case "$mode" in
+  runtime) target="." ;;
+  dev) target=".[dev]" ;;
+  *) echo "[bootstrap] unknown mode \`$mode\`; accepted: runtime, dev" >&2; exit 2 ;;
+esac
 PY="${PYTHON:-python3}"
 TORCH_SPEC="${HETSERVE_TORCH_SPEC:-torch==2.13.0}"
 if [ ! -x .venv/bin/python ]; then
@@ -13,10 +21,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=".venv/.hetserve-installed"
 want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "[bootstrap] installing dependencies (first run takes a few minutes)" >&2
+have="$(cat "$stamp" 2>/dev/null || true)"
+# the dev install covers the runtime one; a runtime install does not cover dev
+if [ "$have" != "$want dev" ] && { [ "$mode" = dev ] || [ "$have" != "$want runtime" ]; }; then
+  echo "[bootstrap] installing $mode dependencies (first run takes a few minutes)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "$TORCH_SPEC"
-  .venv/bin/python -m pip install -q -e ".[dev]"
-  echo "$want" >"$stamp"
+  .venv/bin/python -m pip install -q -e "$target"
+  echo "$want $mode" >"$stamp"
 fi

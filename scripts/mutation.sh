@@ -22,7 +22,7 @@
 #   scripts/mutation.sh --tests-from main    score another revision's tests against this code
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$root/scripts/bootstrap.sh"
+"$root/scripts/bootstrap.sh" dev
 cd "$root"
 MUTMUT_VERSION="3.8.1"
 if [ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mutmut"))' 2>/dev/null)" != "$MUTMUT_VERSION" ]; then

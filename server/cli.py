@@ -80,11 +80,23 @@ def _add_numerics_flags(serve: argparse.ArgumentParser) -> None:
                         f"out of rotation, restarted, checked again before it serves; default {d.canary_action})")
 
 
+def _version() -> str:
+    """The installed distribution's version (the checkout's pyproject when not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hetserve")
+    except PackageNotFoundError:
+        return "unknown (not installed: `pip install -e .`)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetserve",
         description="Inference server for hosts whose GPUs are of different architectures.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print hetserve's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
