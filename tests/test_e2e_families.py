@@ -21,7 +21,8 @@ from tests.router_harness import RouterProcess
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "olmo3", "granite"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "olmo3", "granite",
+            "qwen3_moe", "mixtral", "gpt_oss"]
 PROMPT = "Once upon a time there was a little fox who lived near the river, and every morning it went down"
 NEW_TOKENS = 24
 
@@ -82,3 +83,8 @@ def test_each_family_over_http_generates_transformers_greedy_tokens(served, name
         assert model["features"]["attn_softcap"] == ref.config.attn_logit_softcapping
     if name == "phi3":
         assert model["features"]["rope"] == "longrope" and "partial_rotary" in model["features"]
+    if name in ("qwen3_moe", "mixtral", "gpt_oss"):  # experts: total and active parameters per token
+        feats = model["features"]
+        assert feats["experts"] == f"{ref.config.num_experts_per_tok} of {ref.config.num_local_experts}"
+        assert feats["parameters"] == sum(p.numel() for p in ref.parameters()) > feats["active_parameters"]
+        assert "FusedMoE" in worker["kernels"], worker["kernels"]

@@ -165,3 +165,18 @@ def test_plan_with_a_directory_that_is_no_model_says_why(capsys, tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     assert main(["plan", "--model", str(tmp_path)]) == 2
     assert "GPT2LMHeadModel" in capsys.readouterr().err
+
+
+def test_plan_with_a_mixture_of_experts_shows_the_expert_kernel_per_device(capsys, tmp_path):
+    """gpt-oss: every feed-forward has experts, so the plan marks SiluAndMul unused and FusedMoE
+    used, per device its own expert kernel; its decode reason names the sinks."""
+    from tests.family_checkpoints import make_family_checkpoint
+
+    path = make_family_checkpoint("gpt_oss", tmp_path / "oss")
+    plan = _plan_json(capsys, "--simulate", "cpu,sm_75,sm_90", "--model", str(path))
+    assert plan["model"]["features"]["experts"] == "2 of 4" and plan["model"]["features"]["attention_sinks"]
+    variants = [e["kernels"]["FusedMoE"]["variant"] for e in plan["devices"]]
+    assert variants[0] == "torch" and variants[2].startswith("triton") and len(set(variants)) >= 2
+    for entry in plan["devices"]:
+        assert "unused" not in entry["kernels"]["FusedMoE"] and "experts" in entry["kernels"]["SiluAndMul"]["unused"]
+        assert all("sink" in row["decode"]["reason"] for row in entry["attention"])
