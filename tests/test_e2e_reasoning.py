@@ -3,11 +3,9 @@ checkpoint, spoken to with the `openai` client.
 
 The checkpoint is transformers' own tiny Qwen3 (tests/family_checkpoints.py) with a chat
 template that ends the generation prompt with `<think>\\n`, as Qwen3-2507 Thinking and Qwen3.5
-templates do, and weights edited into a bigram table so that greedy decoding writes
-`abc</think>answer` and stops: the attention and MLP outputs are zeroed (each position's
-hidden state is its own token's embedding), each token of the chain gets its own embedding
-axis and the head scores the next token of the chain on it. A constraint could not force this
-text: the chat API takes no regular expression, and a grammar turns reasoning parsing off
+templates do, and weights edited into a bigram table (tests/forced_output.py) so that greedy
+decoding writes `abc</think>answer` and stops. A constraint could not force this text: the
+chat API takes no regular expression, and a grammar turns reasoning parsing off
 (server/protocol/reasoning.py). `</think>` arrives in five tokens (`<`, `/`, `th`, `ink`, `>`),
 so the streamed case splits the tag across token boundaries.
 """
@@ -19,6 +17,7 @@ import pytest
 
 from server.protocol.chat import load_chat_template
 from tests.family_checkpoints import make_family_checkpoint
+from tests.forced_output import force_outputs
 from tests.router_harness import RouterProcess
 
 pytestmark = pytest.mark.slow
@@ -43,29 +42,15 @@ EOS = 2  # the embedded tokenizer's `<|eos|>`, the checkpoint's eos_token_id
 
 def _bigram_checkpoint(out):
     """The tiny Qwen3 checkpoint whose greedy output after any prompt ending in a newline is OUTPUT."""
-    import torch
-    from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer
 
     make_family_checkpoint("qwen3", out)
     (out / "chat_template.jinja").write_text(TEMPLATE)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    prompt = load_chat_template(out).render(ASK)
-    last = tokenizer.encode(prompt, add_special_tokens=False).ids[-1]
-    chain = [last, *tokenizer.encode(OUTPUT, add_special_tokens=False).ids, EOS]
-    assert len(set(chain)) == len(chain), "a bigram chain needs distinct tokens"
-    weights = load_file(out / "model.safetensors")
-    for name, w in weights.items():
-        if name.endswith(("o_proj.weight", "o_proj.bias", "down_proj.weight")):
-            weights[name] = torch.zeros_like(w)
-    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
-    for axis, (token, following) in enumerate(zip(chain[:-1], chain[1:], strict=True)):
-        embed[token] = 0.0
-        embed[token, axis] = 1.0
-        head[following] = 0.0
-        head[following, axis] = 20.0
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out, len(chain) - 1
+    prompt = tokenizer.encode(load_chat_template(out).render(ASK), add_special_tokens=False).ids
+    output = [*tokenizer.encode(OUTPUT, add_special_tokens=False).ids, EOS]
+    force_outputs(out, [(prompt, output)])  # a bigram table: every token of the output is distinct
+    return out, len(output)
 
 
 def _prompt_tokens(ckpt, **kwargs) -> int:

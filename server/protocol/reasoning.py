@@ -30,6 +30,10 @@ the reasoning deltas a stream has already sent.
 Whitespace: the newlines just inside the tags and just after `</think>` are dropped, as the
 Qwen3 and SmolLM3 templates drop them when they render `reasoning_content` back into a
 prompt; a turn round-trips and `content` does not start with blank lines.
+
+gpt-oss writes harmony instead (channels, not tags): `choose_parser` picks it for that family
+or a template that writes `<|channel|>`, and `plan_reasoning` hands such a prompt to
+server/protocol/harmony.py, whose plan the chat choices read with its own splitter.
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ import logging
 from dataclasses import dataclass
 from functools import lru_cache
 
-from server.config.reasoning import AUTO, NONE, QWEN3, REASONING_PARSERS
+from server.config.reasoning import AUTO, HARMONY, NONE, QWEN3, REASONING_PARSERS
+from server.protocol.harmony import CHANNEL, END, HarmonyPlan, plan_harmony
 
 logger = logging.getLogger(__name__)
 
 # config.json `model_type`s (prefixes) of the families that think in `<think>` tags
 THINKING_FAMILIES = ("qwen3", "smollm3")
+HARMONY_FAMILIES = ("gpt_oss",)  # ... and of those that write harmony
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,8 @@ class ReasoningSyntax:
     end: str
 
 
-_SYNTAX = {QWEN3: ReasoningSyntax(QWEN3, "<think>", "</think>")}
+# harmony's start and end are those of a message's channel header and of the message
+_SYNTAX = {QWEN3: ReasoningSyntax(QWEN3, "<think>", "</think>"), HARMONY: ReasoningSyntax(HARMONY, CHANNEL, END)}
 assert set(_SYNTAX) | {AUTO, NONE} == set(REASONING_PARSERS)
 
 
@@ -73,11 +80,15 @@ def choose_parser(flag: str, template: str, model_type: str | None) -> ParserCho
     `model_type` (logged once per model)."""
     if flag not in REASONING_PARSERS:
         raise ValueError(f"Unknown reasoning parser `{flag}`. Accepted: {', '.join(REASONING_PARSERS)}")
-    syntax = _SYNTAX[QWEN3]
+    syntax, harmony = _SYNTAX[QWEN3], _SYNTAX[HARMONY]
     if flag == NONE:
         choice = ParserChoice(None, "--reasoning-parser none")
-    elif flag == QWEN3:
-        choice = ParserChoice(syntax, "--reasoning-parser qwen3")
+    elif flag in (QWEN3, HARMONY):
+        choice = ParserChoice(_SYNTAX[flag], f"--reasoning-parser {flag}")
+    elif model_type and model_type.startswith(HARMONY_FAMILIES):
+        choice = ParserChoice(harmony, f"the model family `{model_type}` writes harmony")
+    elif harmony.start in template:
+        choice = ParserChoice(harmony, f"the chat template writes harmony's `{harmony.start}`")
     elif syntax.start in template:
         choice = ParserChoice(syntax, f"the chat template writes `{syntax.start}`")
     elif model_type and model_type.startswith(THINKING_FAMILIES):
@@ -97,9 +108,12 @@ class ReasoningPlan:
 
 
 def plan_reasoning(choice: ParserChoice, prompt: str, template_kwargs: dict | None = None,
-                   constrained: bool = False) -> ReasoningPlan | None:
-    """The split for one rendered prompt (None: the output is all content); see the module doc."""
+                   constrained: bool = False) -> ReasoningPlan | HarmonyPlan | None:
+    """The split for one rendered prompt (None: the output is all content); see the module doc.
+    Harmony ignores `enable_thinking`: gpt-oss always writes its analysis channel."""
     syntax = choice.syntax
+    if syntax is not None and syntax.name == HARMONY:
+        return plan_harmony(prompt, constrained)
     if syntax is None or constrained or (template_kwargs or {}).get("enable_thinking") is False:
         return None
     tail = prompt.rstrip()

@@ -7,9 +7,10 @@ differ yet stay reproducible. Streams open one worker stream per choice and inte
 deltas, each chunk carrying its choice's `index`, then `data: [DONE]`; a choice whose worker is
 lost mid-way moves to another worker (server/dispatch/migration.py) and its finishing chunk carries
 `migrations`. Chat prompts are
-rendered with the model's chat template (with `tools` when given, and the request's
-`chat_template_kwargs`); a reasoning model's thinking comes back as `reasoning_content`
-(`server/protocol/reasoning.py`, `--reasoning-parser`); `response_format` and a
+rendered with the model's chat template (with `tools` when given, the request's
+`chat_template_kwargs` and `reasoning_effort`); a reasoning model's thinking comes back as
+`reasoning_content` (`server/protocol/reasoning.py`, gpt-oss's harmony in
+`server/protocol/harmony.py`, `--reasoning-parser`); `response_format` and a
 forced `tool_choice` become the worker's grammar (`server/protocol/openai/tools.py`). Completions take text
 or token-id prompts; `echo` with `logprobs` scores the prompt, and `max_tokens` = 0 scores it
 without generating (answered whole, also when streamed). Any model name is accepted: this
@@ -141,7 +142,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     template = ctx.chat_template()
     native_tools = "tools" in template.source
     extra = {"tools": [{"type": "function", "function": f} for f in plan.functions]} if plan.functions else {}
-    kwargs = req.chat_template_kwargs or {}
+    kwargs = req.template_kwargs()
     messages = add_reasoning(template_messages(req, native_tools), [m.reasoning_text() for m in req.messages])
     prompt = template.render(messages, add_generation_prompt=True, **kwargs, **extra)
     params = req.sampling(req.max_new_tokens, ctx.sampling_defaults())

@@ -12,12 +12,30 @@ released as content the moment it cannot be). A chat choice with a `ReasoningPla
 the model's thinking as `reasoning_content` (message field, stream deltas) and only the
 answer as `content`, which is also what tool calls are parsed from
 (`server/protocol/reasoning.py`); usage and logprobs still count every generated token.
+A chat choice with a `HarmonyPlan` (gpt-oss) reads the output's messages instead
+(`server/protocol/harmony.py`), harmony's special tokens included (a special token's text
+comes in its token event, never in `generated_text`): analysis -> `reasoning_content`, final
+-> `content`, and with `auto` tools a message to `functions.NAME` -> a tool call, streamed as
+its name first, then its arguments as they come; `finish_reason` is `tool_calls` when the
+output made one and was not cut by the length limit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from server.protocol.harmony import (
+    ARGUMENTS,
+    CONTENT,
+    REASONING,
+    TAGS,
+    TOOL_CALL,
+    HarmonyPlan,
+    HarmonySplitter,
+    Part,
+    output_text,
+    split_harmony,
+)
 from server.protocol.openai import responses as fmt
 from server.protocol.openai.tools import (
     AUTO,
@@ -43,7 +61,7 @@ class ChoiceSpec:
     echo: bool = False
     prompt_text: str | None = None  # the prompt as text (None: given as token ids)
     tools: ToolPlan = _NO_TOOLS
-    reasoning: ReasoningPlan | None = None  # chat: split the thinking out (None: all content)
+    reasoning: ReasoningPlan | HarmonyPlan | None = None  # chat: split the thinking out (None: all content)
 
 
 def _completion_lp(spec: ChoiceSpec, prefill: list[dict], tokens: list[dict], tops: list, prompt_len: int) -> dict:
@@ -77,6 +95,8 @@ def chat_choice(spec: ChoiceSpec, body: dict) -> dict:
     if spec.top is not None:
         tokens = details.get("tokens") or []
         logprobs = fmt.chat_logprob_entries(tokens, details.get("top_tokens") or [None] * len(tokens))
+    if isinstance(spec.reasoning, HarmonyPlan):
+        return _harmony_choice(spec, output_text(details.get("tokens"), text), finish, logprobs)
     reasoning, content = split_reasoning(spec.reasoning, text)
     calls = spec.tools.calls(content or "") if finish == "stop" and spec.tools.mode != NONE else None
     if calls:
@@ -85,6 +105,15 @@ def chat_choice(spec: ChoiceSpec, body: dict) -> dict:
         choice = fmt.chat_choice(spec.index, content, finish, logprobs)
     if spec.reasoning is not None:
         choice["message"]["reasoning_content"] = reasoning
+    return choice
+
+
+def _harmony_choice(spec: ChoiceSpec, text: str, finish: str, logprobs: list[dict] | None) -> dict:
+    answer = split_harmony(spec.reasoning, text)
+    calls = [{"name": n, "arguments": a} for n, a in answer.calls] if spec.tools.mode == AUTO else []
+    finish = "tool_calls" if calls and finish != "length" else finish
+    choice = fmt.chat_choice(spec.index, answer.content, finish, logprobs, tool_calls_message(calls))
+    choice["message"]["reasoning_content"] = answer.reasoning
     return choice
 
 
@@ -98,9 +127,13 @@ class ChoiceStream:
         self._offset = 0  # completions: where the next token starts in the choice's text
         self._pending: list = []  # logprob entries not sent yet (chat items, or completion parts)
         self._held = ""  # chat text held back while it may be a tool call
-        self._holding = chat and spec.tools.mode in (REQUIRED, AUTO)
+        harmony = chat and isinstance(spec.reasoning, HarmonyPlan)
+        self._harmony = HarmonySplitter(spec.reasoning) if harmony else None
+        self._holding = chat and not harmony and spec.tools.mode in (REQUIRED, AUTO)
         self._call_id = call_id() if spec.tools.mode == NAMED else None
-        self._thinking = ReasoningSplitter(spec.reasoning) if chat and spec.reasoning is not None else None
+        thinking = chat and not harmony and spec.reasoning is not None
+        self._thinking = ReasoningSplitter(spec.reasoning) if thinking else None
+        self._called = False  # harmony: a tool call went out
 
     # -- deltas -------------------------------------------------------------------------
     def _logprobs(self):
@@ -147,9 +180,30 @@ class ChoiceStream:
             return [self._delta(piece)]
         if self._call_id is not None:
             return [self._delta({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})]
+        if self._harmony is not None:
+            return self._parts(self._harmony.feed(piece))
         if self._thinking is None:
             return self._content(piece)
         return self._thought(*self._thinking.feed(piece))
+
+    def _parts(self, parts: list[Part]) -> list[dict]:
+        """Harmony parts as deltas; tool calls only where the request's tools are `auto`."""
+        out = []
+        for p in parts:
+            if p.kind == REASONING:
+                out.append(self._delta({"reasoning_content": p.text}))
+            elif p.kind == CONTENT:
+                out.append(self._delta({"content": p.text}))
+            elif self.spec.tools.mode != AUTO:
+                continue
+            elif p.kind == TOOL_CALL:
+                self._called = True
+                call = {"index": p.call, "id": call_id(), "type": "function",
+                        "function": {"name": p.text, "arguments": ""}}
+                out.append(self._delta({"tool_calls": [call]}))
+            elif p.kind == ARGUMENTS:
+                out.append(self._delta({"tool_calls": [{"index": p.call, "function": {"arguments": p.text}}]}))
+        return out
 
     def _thought(self, reasoning: str, content: str) -> list[dict]:
         """A reasoning delta, then the answer's text (either may be empty)."""
@@ -170,6 +224,9 @@ class ChoiceStream:
         self.completion_tokens = details.get("generated_tokens") or 0
         finish = fmt.finish_reason(details) or "stop"
         out = self._thought(*self._thinking.finish()) if self._thinking is not None else []
+        if self._harmony is not None:
+            out = self._parts(self._harmony.finish())
+            finish = "tool_calls" if self._called and finish != "length" else finish
         if self._call_id is not None and finish == "stop":
             finish = "tool_calls"
         elif self._holding:
@@ -190,8 +247,9 @@ class ChoiceStream:
         token = event.get("token")
         if token is not None:
             self._record(token, event.get("top_tokens"))
-            if token.get("text") and not token.get("special"):
-                out += self._text(token["text"])
+            text = token.get("text")
+            if text and (not token.get("special") or (self._harmony is not None and text in TAGS)):
+                out += self._text(text)
         details = event.get("details")
         if details is not None or event.get("generated_text") is not None:
             out += self._finish(details or {})

@@ -6,7 +6,9 @@ sampling (`temperature`, `top_p`, `seed`, `stop`, `presence_penalty`, `frequency
 `max_tokens` = 0 for prompt scoring), structured output (`response_format`) and tools
 (`tools`, `tool_choice`, `parallel_tool_calls`), and for chat vLLM's `chat_template_kwargs`
 (extra template variables, `{"enable_thinking": false}`) and earlier turns' reasoning
-(`reasoning_content`, or `reasoning`). Fields this server cannot honour are
+(`reasoning_content`, or `reasoning`); OpenAI's `reasoning_effort` (`low`, `medium`, `high`)
+reaches the chat template as the variable `reasoning_effort` (gpt-oss's template writes it
+into its system message). Fields this server cannot honour are
 refused with a 422 naming them (`best_of` > 1, `suffix`, image parts). `sampling()` turns a
 request into the worker's TGI-shaped `parameters`; tools and response formats become a
 grammar in `server/protocol/openai/tools.py`.
@@ -34,6 +36,7 @@ MAX_CHOICES = 8  # n x prompts per OpenAI request
 MAX_TEMPLATE_KWARGS = 64
 # template variables a request sets through its own fields, never through `chat_template_kwargs`
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
+REASONING_EFFORTS = ("low", "medium", "high")
 
 PromptText = Annotated[str, Field(min_length=1, max_length=1_000_000)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -245,6 +248,15 @@ class ChatCompletionRequest(_OpenAISampling):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    @field_validator("reasoning_effort", mode="before")
+    @classmethod
+    def _effort(cls, value):
+        if value is None or value in REASONING_EFFORTS:
+            return value
+        shown = value[:60] if isinstance(value, str) else json.dumps(value, default=str)[:60]
+        raise ValueError(f"`{shown}` is not a reasoning effort. Accepted: {', '.join(REASONING_EFFORTS)}, or null")
 
     @field_validator("chat_template_kwargs", mode="before")
     @classmethod
@@ -282,7 +294,19 @@ class ChatCompletionRequest(_OpenAISampling):
         forced = choice == "required" or isinstance(choice, NamedToolChoice)
         if forced and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("`response_format` and a forced `tool_choice` both constrain the output; send one")
+        kwarg = (self.chat_template_kwargs or {}).get("reasoning_effort", self.reasoning_effort)
+        if self.reasoning_effort is not None and kwarg != self.reasoning_effort:
+            raise ValueError(f"`reasoning_effort` = `{self.reasoning_effort}` and "
+                             f"`chat_template_kwargs.reasoning_effort` = `{kwarg}` disagree. "
+                             "Accepted: one of them, or the same value in both")
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables: `chat_template_kwargs`, and `reasoning_effort` when set."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
     @property
     def max_new_tokens(self) -> int | None:
