@@ -158,3 +158,21 @@ def test_export_then_load_round_trip(tmp_path):
     model32.load_weights({k: v.float() for k, v in again.model.state_dict().items()})
     with torch.no_grad():
         assert_close(model32(ids), lm.model(ids), rtol=0.05, atol=0.3)
+
+
+def test_gpt_oss_stops_on_its_formats_end_tokens_whatever_generation_config_lists(tmp_path):
+    """Guards `FORMAT_STOP_TOKENS` in `_eos_ids` (workers/model/loader.py): a gpt-oss checkpoint
+    whose generation_config.json lists no eos still ends an answer at harmony's `<|return|>`
+    and a tool call at `<|call|>`; a Llama whose tokenizer happens to have them does not."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from tests.family_checkpoints import make_family_checkpoint
+
+    for case, expected in (("gpt_oss", True), ("llama", False)):
+        ckpt = make_family_checkpoint(case, tmp_path / case)
+        tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+        tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<|return|>", "<|call|>")])
+        tokenizer.save(str(ckpt / "tokenizer.json"))
+        (ckpt / "generation_config.json").write_text("{}")
+        ids = {tokenizer.token_to_id("<|return|>"), tokenizer.token_to_id("<|call|>")}
+        assert (ids <= set(load_model(ckpt).eos_token_ids)) == expected, case

@@ -199,12 +199,19 @@ def load_model(
     )
 
 
+# Tokens that end an answer in a family's own chat format, whatever generation_config.json lists:
+# gpt-oss's harmony format ends a final answer with <|return|> and a tool call with <|call|>.
+FORMAT_STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>")}
+
+
 def _eos_ids(generation_config: dict, config: ModelConfig, tokenizer, eos_token: str | None) -> tuple[int, ...]:
-    """Union, in order: generation_config's eos ids, config.json's, the tokenizer's eos token."""
+    """Union, in order: generation_config's eos ids, config.json's, the tokenizer's eos token, and
+    the family's format stop tokens the tokenizer has (`FORMAT_STOP_TOKENS`)."""
     ids: list[int] = []
     gen = generation_config.get("eos_token_id")
     ids.extend([gen] if isinstance(gen, int) else list(gen or []))
     ids.extend(config.eos_token_id)
-    if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
-        ids.append(tokenizer.token_to_id(eos_token))
+    for token in (eos_token, *FORMAT_STOP_TOKENS.get(config.architecture, ())):
+        if token is not None and tokenizer.token_to_id(token) is not None:
+            ids.append(tokenizer.token_to_id(token))
     return tuple(dict.fromkeys(int(i) for i in ids))
