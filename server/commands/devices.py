@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from server.commands.inventory import inventory
-from workers.contract import select_devices
+from workers.contract import human, select_devices
 
 
 def run(args) -> int:
@@ -19,6 +19,6 @@ def run(args) -> int:
         return 0
     print(f"{'IDX':<4} {'CAP':<5} {'MEMORY':>9}  {'UUID':<42} NAME")
     for d in devices:
-        mem = f"{d.memory_total_bytes / 1024**3:.0f} GiB"
+        mem = human(d.memory_total_bytes)
         print(f"{d.index:<4} {d.capability_str or '-':<5} {mem:>9}  {d.uuid:<42} {d.name}")
     return 0

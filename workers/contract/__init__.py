@@ -2,7 +2,7 @@
 
 Both processes import this package, and the router imports nothing else from `workers`
 (import-linter enforces it): the capability type (`capability`), the device description
-(`device`) and the simulated topology (`topology`), the fp8 rule (`fp8_rule`), the worker's
+(`device`) and the simulated topology (`topology`), byte sizes (`sizes`), the fp8 rule (`fp8_rule`), the worker's
 lifecycle values (`lifecycle`), defaults, environment and header names (`defaults`), the
 limits of a generation request and its shape checks (`limits`), the chat-template lookup
 (`chat_template`), JSON schemas as requests carry them (`json_schema`), the
@@ -98,6 +98,7 @@ from workers.contract.payload import (
     Load,
     ModelDescription,
 )
+from workers.contract.sizes import ACCEPTED_SIZES, SizeError, format_size, human, parse_size
 from workers.contract.topology import (
     ACCEPTED_DEVICES,
     ACCEPTED_TOKENS,
@@ -134,6 +135,6 @@ __all__ = [
     "valid_unicode", "CapabilityPayload", "DeterministicDescription", "DeviceDescription", "EngineLiveness",
     "Fp8Description", "HealthPayload", "KernelDescription", "Load", "ModelDescription", "ACCEPTED_DEVICES",
     "ACCEPTED_TOKENS", "TopologySpecError", "cpu_device", "parse_simulate", "parse_token", "select_devices",
-    "simulated_device", "ENV_TRITON_CACHE", "ENV_TRITON_CACHE_DIR", "triton_cache_dir", "triton_cache_root",
+    "simulated_device", "ACCEPTED_SIZES", "SizeError", "format_size", "human", "parse_size", "ENV_TRITON_CACHE", "ENV_TRITON_CACHE_DIR", "triton_cache_dir", "triton_cache_root",
     "use_triton_cache",
 ]

@@ -69,10 +69,14 @@ class DeviceInfo(DeviceDescribing):
 
     @property
     def simulate_token(self) -> str | None:
-        """The `--simulate` token that recreates this device (`sm_89`, `gfx942`, `cpu`); None
-        for a real device."""
+        """The `--simulate` token that recreates this device (`sm_89`, `gfx942`, `cpu`, with
+        `:SIZE` when its memory is not the catalog's: `sm_86:24GiB`); None for a real device."""
         if not self.simulated:
             return None
-        if self.arch:
-            return self.arch
-        return "cpu" if self.capability is None else self.capability.sm
+        arch = self.arch or ("cpu" if self.capability is None else self.capability.sm)
+        from workers.contract.sizes import format_size
+        from workers.contract.topology import catalog_memory
+
+        if catalog_memory(arch)[1] == self.memory_total_bytes:
+            return arch
+        return f"{arch}:{format_size(self.memory_total_bytes)}"

@@ -5,7 +5,12 @@ imports nothing heavy. A simulated device carries only what a real one would rep
 (capability, name, memory, UUID); every decision made from it runs the real code.
 
 Spec tokens: `sm_XY` / `sm_XXY` (CUDA capability X.Y, e.g. `sm_89`, `sm_100`), `gfxNNN`
-(ROCm arch, e.g. `gfx90a`, `gfx942`) and `cpu`.
+(ROCm arch, e.g. `gfx90a`, `gfx942`) and `cpu`, each optionally followed by `:SIZE`, the
+device's memory (`sm_86:24GiB`; workers/contract/sizes.py): without it, the catalog's
+product's. Placement (server/fleet/placement.py) reads that memory, so a test can give
+simulated devices budgets that small models fill. A device's `simulate_token` carries the
+size only when it differs from the catalog's, so the token a worker receives is the one the
+user wrote, or as short.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import re
 
 from workers.contract.capability import Capability
 from workers.contract.device import DeviceInfo
+from workers.contract.sizes import SizeError, parse_size
 
-ACCEPTED_TOKENS = "sm_XY (e.g. sm_75, sm_80, sm_89, sm_90, sm_100, sm_120), gfxNNN (e.g. gfx90a, gfx942) or cpu"
+ACCEPTED_TOKENS = ("sm_XY (e.g. sm_75, sm_80, sm_89, sm_90, sm_100, sm_120), gfxNNN (e.g. gfx90a, gfx942) or cpu, "
+                   "each optionally with its memory (e.g. sm_86:24GiB)")
 ACCEPTED_DEVICES = "all, comma-separated indices (e.g. 0,2) or GPU UUIDs (e.g. GPU-...)"
 
 _SM_RE = re.compile(r"^sm_(\d{1,2})(\d)$")
@@ -65,29 +72,47 @@ def parse_token(token: str) -> tuple[str, Capability | None]:
     raise TopologySpecError(f"Unknown simulated device `{token}`. Accepted: {ACCEPTED_TOKENS}")
 
 
-def simulated_device(token: str, index: int) -> DeviceInfo:
-    """The simulated device for one spec token at position `index`."""
-    dtype, cap = parse_token(token)
-    t = token.strip().lower()
+def split_memory(token: str) -> tuple[str, int | None]:
+    """`sm_86:24GiB` -> ("sm_86", 25769803776); `sm_86` -> ("sm_86", None). `TopologySpecError`
+    naming the token when the size cannot be read."""
+    arch, sep, size = token.strip().partition(":")
+    if not sep:
+        return arch, None
+    try:
+        return arch, parse_size(size)
+    except SizeError as e:
+        raise TopologySpecError(f"Simulated device `{token.strip()}` (ARCH:SIZE): {e}") from e
+
+
+def catalog_memory(arch: str) -> tuple[str, int]:
+    """(product name, memory in bytes) of a simulated device's architecture token."""
+    dtype, cap = parse_token(arch)
+    t = arch.strip().lower()
     if dtype == "cpu":
-        name, mem_gib = "CPU (simulated)", 16
-    elif dtype == "cuda":
+        return "CPU (simulated)", 16 * _GIB
+    if dtype == "cuda":
         assert cap is not None
         base, mem_gib = _CUDA_CATALOG.get(cap, (f"NVIDIA GPU {cap.sm}", 24))
-        name = f"{base} (simulated)"
     else:
         base, mem_gib = _ROCM_CATALOG.get(t, (f"AMD GPU {t}", 64))
-        name = f"{base} (simulated)"
+    return f"{base} (simulated)", mem_gib * _GIB
+
+
+def simulated_device(token: str, index: int) -> DeviceInfo:
+    """The simulated device for one spec token (`sm_89`, `sm_86:24GiB`) at position `index`."""
+    arch, memory = split_memory(token)
+    dtype, cap = parse_token(arch)
+    name, default_memory = catalog_memory(arch)
     return DeviceInfo(
         index=index,
         uuid=f"GPU-5e000000-0000-4000-8000-{index:012d}",
         name=name,
         type=dtype,
         capability=cap,
-        memory_total_bytes=mem_gib * _GIB,
+        memory_total_bytes=default_memory if memory is None else memory,
         simulated=True,
         pci_bus_id=f"00000000:{0x10 + index:02X}:00.0",
-        arch=t,
+        arch=arch.strip().lower(),
     )
 
 
