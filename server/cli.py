@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from server.config.models import add_model_flags
 from server.config.reasoning import add_reasoning_flags
 from server.config.routing import add_routing_flags
 from server.config.settings import CANARY_ACTIONS, RouterSettings
@@ -101,7 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     serve = sub.add_parser("serve", help="start the router and one worker per GPU")
-    serve.add_argument("--model", metavar="DIR", default=None, help="Hugging Face model directory (default: the embedded model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     serve.add_argument("--devices", default="all", metavar="all|0,2|UUID,...", help="GPUs to use: all, indices or UUIDs")
@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
                        help="export OpenTelemetry spans of the router and every worker to this OTLP collector "
                             "(e.g. http://collector:4318; off by default)")
+    add_model_flags(serve)
     _add_failure_flags(serve)
     add_routing_flags(serve)
     add_reasoning_flags(serve)
@@ -150,9 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--compile", action="store_true",
                       help="also compile every selected Triton kernel for each device's target (no GPU needed) and "
                            "check it against the device's limits; exits 1 if any is refused")  # fmt: skip
-    plan.add_argument("--model", metavar="DIR", default=None,
+    plan.add_argument("--model", metavar="[NAME=]DIR", action="append", default=None,
                       help="a model directory: also show its architecture and, per device, the attention each "
-                           "layer type gets (full, sliding) and why")  # fmt: skip
+                           "layer type gets (full, sliding) and why; repeated: which device serves which model, "
+                           "with the bytes and the reason")  # fmt: skip
+    plan.add_argument("--place", metavar="NAME=DEV[,DEV...]", action="append", default=None,
+                      help="pin a model's replicas to these devices, as `serve --place` does")
+    plan.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                      help="the dtype the placement sizes weights in, as `serve --dtype`")
+    plan.add_argument("--quantize", default="none", choices=["none", "fp8"],
+                      help="as `serve --quantize`: fp8 projections take one byte per weight")
 
     compose = sub.add_parser("compose", help="write a docker compose file for this host's GPUs")
     _add_simulate(compose)

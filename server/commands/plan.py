@@ -12,7 +12,10 @@ this module). With `--compile`, each device's preflight (`server.commands.plan_c
 compile record of every kernel under `kernels.<layer>.compiled` and, where fp8 is emulated,
 the native fp8 kernel's verdict under `fp8.native_compile`. With `--model DIR`, the model's
 architecture and, per device, which attention each of its layer types gets and why
-(`server.commands.plan_model`).
+(`server.commands.plan_model`). Every `--model` (`NAME=DIR`, repeatable) is also placed, as
+`serve` places it (server/fleet/placement.py, with `--place`, `--dtype`, `--quantize`):
+`placement` names per device the model it serves, the bytes it takes there and why; with
+several models each device's attention plan is that of its own model.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 
 from server.commands.plan_compile import render_layer, render_preflight
-from server.commands.plan_model import render_attention
+from server.commands.plan_model import render_attention, render_placement
 from server.errors import UsageError
 from workers.contract import DeviceInfo, TopologySpecError, cpu_device, fp8_rule, select_devices
 
@@ -48,19 +51,19 @@ def plan_device(dev: DeviceInfo) -> dict:
 
 
 def build_plan(simulate: str | None = None, devices: str | None = "all", compile: bool = False,
-               model: str | None = None) -> dict:
+               model: str | list[str] | None = None, place: list[str] | None = None, dtype: str = "auto",
+               quantize: str = "none") -> dict:
     """`{"devices": [plan_device(d), ...]}` for the inventory (or one CPU device); with
-    `compile`, each entry carries its preflight; with `model` (a directory), the model's
-    architecture and each device's attention per layer type (`server.commands.plan_model`)."""
+    `compile`, each entry carries its preflight; with `model` (a directory, or several
+    `[NAME=]DIR`), each model's architecture, its placement (`placement`, pinned by `place`)
+    and each device's attention per layer type for its model (`server.commands.plan_model`)."""
     found = _devices(simulate, devices)
     plan = {"devices": [plan_device(d) for d in found]}
-    if model is not None:
+    models = [model] if isinstance(model, str) else list(model or [])
+    if models:
         from server.commands import plan_model
 
-        described = plan_model.describe_model(model)
-        plan["model"] = {"path": model, "architecture": described["architecture"], "features": described["features"]}
-        for entry in plan["devices"]:
-            plan_model.attach(entry, described)
+        plan_model.attach_models(plan, found, models, place or [], dtype, quantize)
     if compile:
         from server.commands.plan_compile import attach, preflight_reports
 
@@ -71,15 +74,17 @@ def build_plan(simulate: str | None = None, devices: str | None = "all", compile
 
 def _render(plan: dict) -> str:
     lines = []
-    if "model" in plan:
-        m = plan["model"]
+    for m in [plan["model"]] if "model" in plan else plan.get("models", []):
         feats = ", ".join(f"{k} {v}" for k, v in m["features"].items())
-        lines += [f"model {m['path']}: {m['architecture']} ({feats})", ""]
+        named = f"{m['name']} = " if "models" in plan else ""
+        lines += [f"model {named}{m['path']}: {m['architecture']} ({feats})"]
+    lines += [""] if lines else []
     for entry in plan["devices"]:
         d = entry["device"]
         cap = f"capability {d['capability']}" if d["capability"] else "no GPU capability"
         sim = ", simulated" if d["simulated"] else ""
-        lines.append(f"device {d['index']}: {d['name']} [{d['type']}, {cap}{sim}] {d['uuid']}")
+        lines.append(f"device {d['index']}: {d['name']} [{d['type']}, {cap}{sim}] {d['uuid']}"
+                     + (f" serves {entry['model']}" if entry.get("model") else ""))
         rows = [("fp8", entry["fp8"]["convention"], "", entry["fp8"]["reason"])]
         rows += [
             (layer, k["variant"], f"{k['repo']}:{k['layer']}",
@@ -93,16 +98,18 @@ def _render(plan: dict) -> str:
         lines += render_attention(entry)
         lines += render_preflight(entry)
         lines.append("")
+    lines += render_placement(plan.get("placement"))
     return "\n".join(lines).rstrip("\n")
 
 
 def run(args) -> int:
     compile_ = getattr(args, "compile", False)
     plan = build_plan(getattr(args, "simulate", None), getattr(args, "devices", "all"), compile_,
-                      getattr(args, "model", None))
+                      getattr(args, "model", None), getattr(args, "place", None), getattr(args, "dtype", "auto"),
+                      getattr(args, "quantize", "none"))
     if getattr(args, "json", False):
         print(json.dumps(plan, indent=2))
     else:
         print(_render(plan))
     refused = [e for e in plan["devices"] if compile_ and not e["preflight"]["ok"]]
-    return 1 if refused else 0
+    return 1 if refused or "error" in plan.get("placement", {}) else 0

@@ -11,7 +11,9 @@ Per layer type (full attention; sliding over `W` positions):
 - KV cache: a full layer keeps every block of a sequence, a sliding layer frees the blocks
   behind its window (workers/kv/groups.py).
 Kernel layers the model does not contain are marked `unused`, with why (Gemma's `(1 + w)`
-norm is its own, not the kernel-swappable RMSNorm). Trade-off: a child process per plan.
+norm is its own, not the kernel-swappable RMSNorm). With several models (`attach_models`), they
+are placed as `serve` places them and each device's plan is that of the model it serves.
+Trade-off: a child process per model described.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 
 from server.errors import UsageError
+from workers.contract import human
 
 DESCRIBE_TIMEOUT_S = 300
 
@@ -92,4 +95,61 @@ def render_attention(entry: dict) -> list[str]:
         lines.append(f"    decode   {row['decode']['variant']}  {row['decode']['kernel']}  {row['decode']['reason']}")
         lines.append(f"    prefill  {row['prefill']}")
         lines.append(f"    KV cache {row['kv_cache']}")
+    return lines
+
+
+def attach_models(plan: dict, devices: list, raw_models: list[str], raw_place: list[str], dtype: str,
+                  quantize: str) -> None:
+    """Describe each `[NAME=]DIR` (the workers' reading), place them on `devices` as `serve` would
+    (`plan["placement"]`, or its error) and give each device the attention plan of its model
+    (every device, for one model)."""
+    from types import SimpleNamespace
+
+    from server.config.models import models_from_args
+    from server.fleet.placement import ModelAsk, PlacementError, place
+    from workers.contract.model_size import ModelSizeError, read_profile
+
+    config = models_from_args(SimpleNamespace(model=raw_models, place=raw_place))
+    described, asks = {}, []
+    for entry, raw in zip(config.entries, raw_models, strict=True):
+        described[entry.name] = describe_model(raw if "=" not in raw else str(entry.path))
+        try:
+            profile = read_profile(entry.path)
+        except ModelSizeError as e:
+            raise UsageError(f"`--model {raw}`: {e}") from e
+        asks.append(ModelAsk(entry.name, profile, config.pins_of(entry.name)))
+    try:
+        placement = place(asks, devices, dtype, quantize)
+        plan["placement"] = placement.to_dict()
+        served = [s.model for s in placement.slots]
+    except PlacementError as e:
+        plan["placement"] = {"error": str(e)}
+        served = [None] * len(devices)
+    rows = [{"name": e.name, "path": raw, "architecture": described[e.name]["architecture"],
+             "features": described[e.name]["features"]} for e, raw in zip(config.entries, raw_models, strict=True)]
+    if len(rows) == 1:
+        plan["model"] = {k: v for k, v in rows[0].items() if k != "name"}
+        for entry in plan["devices"]:
+            attach(entry, described[rows[0]["name"]])
+        return
+    plan["models"] = rows
+    for entry, name in zip(plan["devices"], served, strict=True):
+        entry["model"] = name
+        if name is not None:
+            attach(entry, described[name])
+
+
+def render_placement(placement: dict | None) -> list[str]:
+    """Text lines of the placement: per device the model it serves, why and the bytes."""
+    if placement is None:
+        return []
+    if "error" in placement:
+        return [f"placement: {placement['error']}"]
+    summary = "; ".join(f"{m} on {', '.join(ids)}" for m, ids in placement["models"].items())
+    lines = [f"placement: {summary}"]
+    for slot in placement["devices"]:
+        d = slot["device"]
+        cap = d["capability"] or "cpu"
+        lines.append(f"  {slot['worker_id']} ({cap}, {human(d['memory_total_bytes'])}): "
+                     f"{slot['model'] or 'free'} [{slot['role']}] {slot['reason']}")
     return lines

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.config.api_key import resolve_api_key
+from server.config.models import ModelsConfig, models_from_args
 from server.config.reasoning import AUTO as AUTO_REASONING
 from server.config.reasoning import reasoning_parser_from_args
 from server.config.routing import RoutingConfig, routing_from_args
@@ -56,7 +57,8 @@ def _default_worker_command() -> tuple[str, ...]:
 class RouterSettings:
     """What one `hetserve serve` run was asked for (see `from_args`)."""
 
-    model_dir: Path = DEFAULT_MODEL_DIR
+    model_dir: Path = DEFAULT_MODEL_DIR  # the default model's (the first of `models`)
+    models: ModelsConfig = field(default_factory=ModelsConfig)  # every model offered, pins, on demand
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
@@ -114,9 +116,8 @@ class RouterSettings:
     @classmethod
     def from_args(cls, args) -> RouterSettings:
         """Validate `hetserve serve` arguments (argparse namespace) into settings."""
-        model_dir = DEFAULT_MODEL_DIR if not getattr(args, "model", None) else Path(args.model).expanduser().resolve()
-        if getattr(args, "model", None) and not model_dir.is_dir():
-            raise UsageError(f"Model directory `{args.model}` does not exist. Pass a Hugging Face model directory or omit --model")
+        models = models_from_args(args)  # --model NAME=DIR, --models-dir, --place, ... (server/config/models.py)
+        model_dir = models.catalog()[0].path  # the default model
         for name in ("max_batch", "max_queue"):
             value = getattr(args, name, None)
             if value is not None and value < 1:
@@ -140,6 +141,7 @@ class RouterSettings:
         api_key, api_key_source = resolve_api_key(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
         kwargs = {
             "model_dir": model_dir,
+            "models": models,
             "host": getattr(args, "host", "127.0.0.1"),
             "port": port,
             "dtype": getattr(args, "dtype", "auto"),

@@ -1,0 +1,161 @@
+"""Which models one `hetserve serve` offers, where they are pinned, and which are loaded on demand.
+
+`--model NAME=DIR` (repeatable) names a model; a bare `--model DIR` takes the directory's name;
+`--models-dir DIR` offers every model directory below it (a subdirectory with a config.json,
+named by its directory, after the `--model` ones). Without any, the embedded model is served.
+The first model is the default: TGI routes without `X-Hetserve-Model` and OpenAI requests
+without `model` reach it. `--place NAME=gpu0,gpu2` pins a model's replicas to devices (a
+worker id, an index or a UUID; the placement checks them against the devices,
+server/fleet/placement.py); `--max-loaded-models N` (and `--models-dir`) load models on demand
+and unload the least recently used; `--pin-model NAME` keeps one always loaded.
+
+Design: validated once into a frozen `ModelsConfig`, every error naming the bad value and what
+is accepted, so the fleet and the edge read plain values. A name is what clients send as the
+OpenAI `model` and what URLs carry (`/models/{name}/load`): letters, digits and `._:-`.
+Trade-off: `NAME=DIR` is told from a bare `DIR` by an `=` with no `/` before it, unless the
+whole value is an existing path: a directory whose name holds `=` is found as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.errors import UsageError, shown
+from workers.contract import DEFAULT_MODEL_DIR
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+ACCEPTED_NAMES = "1-128 letters, digits and `._:-`, starting with a letter or digit"
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model offered: the name clients ask for and its Hugging Face directory."""
+
+    name: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """The models of one run (see the module docstring); empty `entries`: the embedded model."""
+
+    entries: tuple[ModelEntry, ...] = ()
+    place: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (model, device tokens) from --place
+    pinned: tuple[str, ...] = ()  # --pin-model: always loaded
+    max_loaded: int | None = None  # --max-loaded-models
+    models_dir: Path | None = None
+
+    @property
+    def on_demand(self) -> bool:
+        """Models load when first asked for, and the least recently used unload for room."""
+        return self.models_dir is not None or self.max_loaded is not None
+
+    def catalog(self, default_dir: Path = DEFAULT_MODEL_DIR) -> tuple[ModelEntry, ...]:
+        """Every model offered, the default first (the embedded model when none was named)."""
+        return self.entries or (ModelEntry(default_dir.name, default_dir),)
+
+    def pins_of(self, name: str) -> tuple[str, ...]:
+        return dict(self.place).get(name, ())
+
+
+def add_model_flags(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("models", "several models, their placement on the devices, loading on demand")
+    g.add_argument("--model", metavar="[NAME=]DIR", action="append", default=None,
+                   help="a Hugging Face model directory, optionally named (repeatable; a bare DIR takes the "
+                        "directory's name; the first is the default; none: the embedded model)")
+    g.add_argument("--models-dir", metavar="DIR", default=None,
+                   help="offer every model directory below DIR (each named by its directory) and load them on "
+                        "demand")
+    g.add_argument("--place", metavar="NAME=DEV[,DEV...]", action="append", default=None,
+                   help="pin a model's replicas to these devices (worker id gpu0, index or UUID); repeatable")
+    g.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                   help="load at most N models at once: a request for another loads it, unloading the least "
+                        "recently used")
+    g.add_argument("--pin-model", metavar="NAME", action="append", default=None,
+                   help="keep this model always loaded (repeatable)")
+
+
+def parse_model_arg(value: str) -> ModelEntry:
+    """`chat=/data/llama` -> (chat, /data/llama); `/data/llama` -> (llama, /data/llama)."""
+    name, sep, rest = value.partition("=")
+    if sep and "/" not in name and not Path(value).expanduser().exists():
+        if not NAME_RE.match(name):
+            raise UsageError(f"`--model {shown(value)}`: `{shown(name)}` is no model name ({ACCEPTED_NAMES})")
+        path = Path(rest).expanduser()
+    else:
+        path, name = Path(value).expanduser(), Path(value).expanduser().resolve().name
+        if not NAME_RE.match(name):
+            raise UsageError(f"`--model {shown(value)}`: the directory's name `{shown(name)}` is no model name "
+                             f"({ACCEPTED_NAMES}); name it: `--model NAME={shown(value)}`")
+    if not path.is_dir():
+        raise UsageError(f"Model directory `{shown(str(path))}` does not exist. Pass a Hugging Face model directory "
+                         "or omit --model")
+    return ModelEntry(name, path.resolve())
+
+
+def scan_models_dir(root: str) -> tuple[ModelEntry, ...]:
+    """Every subdirectory of `root` with a config.json, by name."""
+    base = Path(root).expanduser()
+    if not base.is_dir():
+        raise UsageError(f"`--models-dir {shown(root)}` is not a directory")
+    found = []
+    for sub in sorted(p for p in base.iterdir() if p.is_dir() and (p / CONFIG_FILE).is_file()):
+        if not NAME_RE.match(sub.name):
+            raise UsageError(f"`--models-dir {shown(root)}`: `{shown(sub.name)}` is no model name ({ACCEPTED_NAMES}); "
+                             "rename the directory")
+        found.append(ModelEntry(sub.name, sub.resolve()))
+    return tuple(found)
+
+
+def _parse_place(values: list[str], names: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    out: dict[str, tuple[str, ...]] = {}
+    for value in values:
+        name, sep, devices = value.partition("=")
+        tokens = tuple(t.strip() for t in devices.split(","))
+        if not sep or not devices.strip() or any(not t for t in tokens):
+            raise UsageError(f"`--place {shown(value)}`: write NAME=DEV[,DEV...], a device by worker id (gpu0), "
+                             "index or UUID, e.g. `--place chat=gpu0,gpu2`")
+        if any("+" in t for t in tokens):
+            raise UsageError(f"`--place {shown(value)}`: `+` (one replica over several devices, a pipeline) is not "
+                             "served; list devices with `,`, one replica each")
+        if name not in names:
+            raise UsageError(f"`--place {shown(value)}`: no model `{shown(name)}`. Models: {', '.join(names)}")
+        if name in out:
+            raise UsageError(f"`--place {name}=...` is given twice; list all of its devices in one")
+        out[name] = tokens
+    return tuple(out.items())
+
+
+def models_from_args(args) -> ModelsConfig:
+    """`--model`, `--models-dir`, `--place`, `--max-loaded-models`, `--pin-model`, checked."""
+    raw = getattr(args, "model", None) or []
+    if isinstance(raw, str):  # a namespace built by hand with one model
+        raw = [raw]
+    entries = [parse_model_arg(v) for v in raw]
+    models_dir = getattr(args, "models_dir", None)
+    if models_dir is not None:
+        scanned = scan_models_dir(models_dir)
+        if not scanned and not entries:
+            raise UsageError(f"`--models-dir {shown(models_dir)}` holds no model directory (a subdirectory with a "
+                             f"{CONFIG_FILE})")
+        entries += [e for e in scanned if e.name not in {x.name for x in entries}]
+    names = tuple(e.name for e in entries) or (DEFAULT_MODEL_DIR.name,)
+    seen: set[str] = set()
+    for e in entries:
+        if e.name in seen:
+            raise UsageError(f"Model name `{e.name}` is given twice; name each model once (`--model NAME=DIR`)")
+        seen.add(e.name)
+    pinned = tuple(dict.fromkeys(getattr(args, "pin_model", None) or ()))
+    for name in pinned:
+        if name not in names:
+            raise UsageError(f"`--pin-model {shown(name)}`: no model `{shown(name)}`. Models: {', '.join(names)}")
+    max_loaded = getattr(args, "max_loaded_models", None)
+    if max_loaded is not None and max_loaded < max(1, len(pinned)):
+        raise UsageError(f"`--max-loaded-models {max_loaded}` must be at least 1 and at least the "
+                         f"{len(pinned)} pinned models (--pin-model)")
+    return ModelsConfig(tuple(entries), _parse_place(getattr(args, "place", None) or [], names), pinned, max_loaded,
+                        None if models_dir is None else Path(models_dir).expanduser().resolve())
