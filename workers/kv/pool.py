@@ -74,11 +74,21 @@ class KVPool:
         )  # per group: [L_g, 2, Hkv, NB_g, B, D]
         self.data = self.tensors[0]
         self.num_layers, self.num_blocks = len(groups[0].layers), groups[0].num_blocks
-        self._layers: list[torch.Tensor] = [torch.empty(0)] * sum(len(g.layers) for g in groups)
-        self.group_of: list[int] = [0] * len(self._layers)
-        for gi, (g, t) in enumerate(zip(groups, self.tensors, strict=True)):
+        # Each group as one flat `[L_g * 2 * Hkv * NB_g * B, D]` view: layers are sliced from it and
+        # K/V written into it by one linear index, so a compiled step mutates one graph input per
+        # group in place (layer views made outside the graph would be aliased inputs, which
+        # torch.compile handles by copying the whole pool: workers/engine/compiled.py).
+        self.flats = tuple(t.view(-1, head_dim) for t in self.tensors)
+        n_layers = sum(len(g.layers) for g in groups)
+        self.group_of: list[int] = [0] * n_layers
+        self._local: list[int] = [0] * n_layers
+        self._offsets: list[torch.Tensor] = [torch.empty(0)] * n_layers  # [2 * Hkv, 1] first row of K, V heads
+        for gi, g in enumerate(groups):
+            rows = g.num_blocks * block_size  # rows of one (layer, K or V, head) in the flat view
             for local, index in enumerate(g.layers):
-                self._layers[index], self.group_of[index] = t[local], gi
+                self.group_of[index], self._local[index] = gi, local
+                first = torch.arange(local * 2 * num_kv_heads, (local + 1) * 2 * num_kv_heads, device=self.device)
+                self._offsets[index] = (first * rows)[:, None]
 
     @classmethod
     def for_config(cls, config: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -101,7 +111,17 @@ class KVPool:
 
     def layer(self, index: int) -> torch.Tensor:
         """One layer's K and V: a view `[2, Hkv, NB_g, B, D]` of its group's blocks."""
-        return self._layers[index]
+        g, local = self.group_of[index], self._local[index]
+        shape = self.tensors[g].shape[1:]  # [2, Hkv, NB_g, B, D]
+        size = shape.numel() // self.head_dim
+        return self.flats[g][local * size : (local + 1) * size].view(shape)
+
+    def write(self, index: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store layer `index`'s K and V `[T, Hkv, D]` of `T` tokens at their cache `slots` [T]
+        (block * B + offset), in one indexed store into the group's flat view."""
+        rows = (self._offsets[index] + slots).flatten()  # [2 * Hkv * T]
+        values = torch.stack((k, v)).transpose(1, 2).reshape(-1, self.head_dim)  # [2 * Hkv * T, D]
+        self.flats[self.group_of[index]].index_put_((rows,), values.to(self.dtype))
 
     @property
     def group_shapes(self) -> tuple[tuple[int | None, int], ...]:

@@ -156,8 +156,7 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, ctx.rope)  # [T, Hq|Hkv, D]
         kv = ctx.kv.layer(self.layer_index)  # [2, Hkv, NB, B, D]
         # 1. Write every token's K/V at its slot (block * B + offset) in one indexed store.
-        slots = kv.view(2, self.n_kv_heads, -1, self.head_dim)  # [2, Hkv, NB*B, D]
-        slots[:, :, batch.slot_mapping] = torch.stack((k, v)).transpose(1, 2).to(kv.dtype)  # [2, Hkv, T, D]
+        ctx.kv.write(self.layer_index, batch.slot_mapping, k, v)
         if self.kv_split is not None:  # deterministic mode: one fixed-split path for every row
             o = attend_paged(q, kv, batch, self.kv_split, self.window, self.scale, self.softcap,
                              getattr(self.paged, "sinks", None))
