@@ -1,0 +1,70 @@
+"""The fp8 step for a pre-quantized checkpoint: every fp8 layer turned into this device's execution.
+
+Design: `prepare_fp8_checkpoint(model, convention, device_type, capability)` asks the contract's
+`fp8_execution` (the same rule that gives the device its fp8 convention and the kernel mapping its
+`Fp8CheckpointLinear` ranges) how this device runs fp8 checkpoints, checks that the worker's locked
+convention and the kernel chosen for the layer are of that same execution (`Fp8ExecutionMismatchError`
+otherwise: a buffer made for one execution never reaches a kernel built for another), prepares each
+layer (`Fp8CheckpointLinear.prepare`) and returns the summary `/workers` shows under
+`fp8.checkpoint`: the execution and its reason, the bytes the weights take, and, where the device
+widens them, how many bytes that costs (also logged as a warning). The trade-off: a dequantizing
+device holds the widened weights only (the fp8 bytes are released), so its memory is what an
+unquantized checkpoint would take.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from workers.contract import FP8_DEQUANTIZED, FP8_NATIVE, fp8_execution
+from workers.quant.linear import Fp8CheckpointLinear
+
+logger = logging.getLogger(__name__)
+
+LAYER = "Fp8CheckpointLinear"
+
+
+class Fp8ExecutionMismatchError(RuntimeError):
+    """The fp8 convention or the kernel chosen for this device is of another execution than its rule says."""
+
+
+def _check(execution, convention, plan) -> None:
+    native = execution.kind == FP8_NATIVE
+    if convention is not None and (convention.native != native or convention.fmt != execution.fmt):
+        raise Fp8ExecutionMismatchError(
+            f"The worker's fp8 convention `{convention.name}` ({convention.fmt}) does not fit the checkpoint "
+            f"execution `{execution.kind}` ({execution.fmt}); both must come from the same device decision")
+    choice = None if plan is None else plan.choices.get(LAYER)
+    if choice is not None and choice.fp8 != execution.kind:
+        raise Fp8ExecutionMismatchError(
+            f"The `{LAYER}` kernel chosen for this device (`{choice.variant}`) runs the execution `{choice.fp8}`, "
+            f"not `{execution.kind}`; both must come from the same device decision")
+
+
+def prepare_fp8_checkpoint(model: nn.Module, convention, device_type: str, capability) -> dict:
+    """Prepare every `Fp8CheckpointLinear` of `model` for this device; the summary for `/workers`."""
+    execution = fp8_execution(device_type, capability)
+    # 1. the locked convention and the chosen kernel agree with the execution
+    plan = getattr(model, "kernel_plan", None)
+    _check(execution, convention, plan)
+    # 2. each layer in the device's execution, bytes before and after
+    layers = [m for m in model.modules() if isinstance(m, Fp8CheckpointLinear)]
+    stored = sum(m.nbytes() for m in layers)
+    for m in layers:
+        m.prepare(execution.kind, execution.fmt)
+    now = sum(m.nbytes() for m in layers)
+    choice = None if plan is None else plan.choices.get(LAYER)
+    summary = {"execution": execution.kind, "fmt": execution.fmt, "reason": execution.reason, "layers": len(layers),
+               "stored_bytes": stored, "weight_bytes": now, "widened_bytes": max(0, now - stored),
+               "kernel": None if choice is None else choice.to_dict(),
+               "kept": [n for n, m in model.named_modules() if type(m) is nn.Linear]}
+    # 3. said once: a device that widens the weights says how much it costs
+    if execution.kind == FP8_DEQUANTIZED and layers:
+        logger.warning("fp8 checkpoint widened to %s on this device: %d layers, %d -> %d bytes (%s)",
+                       layers[0].compute_dtype, len(layers), stored, now, execution.reason)
+    else:
+        logger.info("fp8 checkpoint runs %s (%s bytes): %d layers, %d bytes: %s", execution.kind, execution.fmt,
+                    len(layers), now, execution.reason)
+    return summary

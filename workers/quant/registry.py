@@ -1,0 +1,34 @@
+"""The quantization-method registry: which module reads a checkpoint's `quantization_config`.
+
+Design: one module per method (`compressed_tensors`, `fp8_blockwise`), each with its `NAME` (the
+config's `quant_method`) and `read(qc) -> QuantConfig`; `read_quantization(hf_config)` looks the
+method up here, so adding a method is adding a module and a line. A checkpoint without
+`quantization_config` is served unquantized (None); an unknown method is an
+`UnsupportedQuantizationError` naming it and listing the registered ones, raised at load (and by
+`hetserve plan --model`, which reads the same config). The trade-off: the registry knows only the
+methods whose layers exist; a method name alone never makes a checkpoint load.
+"""
+
+from __future__ import annotations
+
+from workers.quant import compressed_tensors, fp8_blockwise
+from workers.quant.scheme import QuantConfig, unsupported
+
+METHODS = {m.NAME: m.read for m in (compressed_tensors, fp8_blockwise)}
+
+
+def read_quantization(hf_config: dict) -> QuantConfig | None:
+    """The checkpoint's `QuantConfig`, or None when `config.json` has no `quantization_config`."""
+    qc = hf_config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method not in METHODS:
+        raise unsupported("quantization method", method, sorted(METHODS))
+    return METHODS[method](qc)
+
+
+def describe_quantization(hf_config: dict) -> dict | None:
+    """What `hetserve plan --model` and `/workers` show of the checkpoint's quantization (no weights read)."""
+    quant = read_quantization(hf_config)
+    return None if quant is None else quant.describe()
