@@ -5,8 +5,9 @@
 # Model: a Hugging Face directory mounted at $HETSERVE_MODEL_DIR (default /models, the
 # image's volume) is served when it holds a config.json; otherwise the embedded default
 # model shipped in the package; a mounted file the container user cannot read stops it with a
-# message naming the file. A `--model` among the arguments wins (argparse keeps the
-# last one). Arguments starting with "-" are appended to `hetserve serve`; anything else
+# message naming the file. A `--model` or `--models-dir` among the arguments wins: the
+# mounted directory is then not added (`--model` repeats to serve several models, so adding
+# it as well would name the same model twice). Arguments starting with "-" are appended to `hetserve serve`; anything else
 # runs as given (`docker run IMAGE hetserve devices`, `docker run -it IMAGE bash`).
 set -eu
 
@@ -15,7 +16,15 @@ if [ "$#" -gt 0 ] && [ "${1#-}" = "$1" ]; then
 fi
 
 model_dir="${HETSERVE_MODEL_DIR:-/models}"
-if [ -f "$model_dir/config.json" ]; then
+given=""
+for a in "$@"; do
+    case "$a" in
+        --model|--model=*|--models-dir|--models-dir=*) given=1 ;;
+    esac
+done
+if [ -n "$given" ]; then
+    echo "entrypoint: serving the models given on the command line" >&2
+elif [ -f "$model_dir/config.json" ]; then
     # Files the container user cannot read (safetensors writes 0600 files) would fail every
     # worker at load with a misleading "No such file or directory"; say so once, plainly.
     for f in "$model_dir"/*; do
