@@ -67,7 +67,7 @@ def test_openai_client_works_unchanged(router):
     openai = pytest.importorskip("openai")
     c = openai.OpenAI(base_url=f"{router.url}/v1", api_key=KEY, max_retries=0)
     model = c.models.list().data[0].id
-    assert model == "fake-model"
+    assert model == "default_model"  # the model's name: its directory's (the embedded model's)
     done = c.completions.create(model=model, prompt="a b", max_tokens=3)
     assert done.choices[0].text == " t0 t1 t2" and done.choices[0].finish_reason == "length"
     assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (2, 3, 5)

@@ -165,7 +165,7 @@ def test_prompt_scoring_with_token_ids_and_no_new_tokens(setup):
         ({"input_ids": [1, 99999]}, "`input_ids` must be a non-empty list of token ids in [0, 511], got `99999`"),
         ({"inputs": "x", "input_ids": [1]}, "not both"),
         ({"inputs": "x", "parameters": {"logit_bias": {"600": 1.0}}}, "`logit_bias` token id `600` is outside"),
-        ({"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {"type": "wat"}}}},
+        ({"inputs": "x", "parameters": {"max_new_tokens": 4, "grammar": {"type": "json", "value": {"type": "wat"}}}},
          "The json schema cannot be enforced: Invalid type: wat"),
         ({"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": ""}}}, "`grammar.value`"),
     ],

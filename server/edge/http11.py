@@ -12,6 +12,12 @@ before (or instead of) a request reaching the app:
   coming: `body_timeout_s` without a byte while the app waits for one (a chunked body with
   no end, a `Content-Length` larger than what is sent) ends the request with 408 and
   closes the connection; the app sees the client gone.
+- **Write timeout.** A client that stops reading its answer fills the socket, and then the
+  transport's buffer past its high-water mark (uvicorn pauses the response); if it stays
+  paused for `write_timeout_s` (the client read nothing for that long), the connection is
+  aborted (its buffered bytes dropped, nothing is held for it), `on_write_timeout` counts it,
+  and the app sees the client gone: a stream is cancelled and its worker request aborted,
+  freeing the admission slot and the router's buffers for that response.
 - **Malformed HTTP** (a bad `Content-Length`, both `Content-Length` and
   `Transfer-Encoding`, an invalid method or header) gets a JSON 400 naming the parser's
   reason, in the same `{"error", "error_type"}` shape as every other error, then close.
@@ -25,11 +31,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from server.config.budgets import WRITE_TIMEOUT_S
 from server.config.settings import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, RouterSettings
 from server.edge.errors import error_body
 from server.errors import shown
@@ -47,10 +55,14 @@ class EdgeLimits:
     max_url_bytes: int = MAX_URL_BYTES
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    write_timeout_s: float = WRITE_TIMEOUT_S
+    on_write_timeout: Callable[[], None] | None = field(default=None, compare=False)  # counts each one
 
     @classmethod
-    def from_settings(cls, settings: RouterSettings) -> EdgeLimits:
-        return cls(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s)
+    def from_settings(cls, settings: RouterSettings, on_write_timeout: Callable[[], None] | None = None) -> EdgeLimits:
+        return cls(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+                   write_timeout_s=settings.budgets.write_timeout_s,
+                   on_write_timeout=on_write_timeout)
 
 
 class _Reject(Exception):
@@ -79,6 +91,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._closed_by_us = False
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
 
     # --- connection -----------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -186,10 +199,30 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             return
         self._answer(408, f"No request body bytes for {self.limits.body_timeout_s:g} s: the body is incomplete")
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None and self.limits.write_timeout_s > 0:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel(self._write_timer)
+        self._write_timer = None
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        if self.transport.is_closing():
+            return
+        logger.warning("client %s read nothing of its answer for %g s: connection aborted, its request cancelled",
+                       self.client, self.limits.write_timeout_s)
+        if self.limits.on_write_timeout is not None:
+            self.limits.on_write_timeout()
+        self.transport.abort()  # drops what is buffered for it; connection_lost tells the app
+
     def _cancel_timers(self) -> None:
-        for timer in (self._head_timer, self._body_timer):
+        for timer in (self._head_timer, self._body_timer, self._write_timer):
             self._cancel(timer)
-        self._head_timer = self._body_timer = None
+        self._head_timer = self._body_timer = self._write_timer = None
 
     @staticmethod
     def _cancel(timer: asyncio.TimerHandle | None) -> None:

@@ -9,7 +9,7 @@ edge and a worker can never disagree on what is accepted. No torch, no pydantic.
 
 from __future__ import annotations
 
-from workers.contract.json_schema import load_json_schema
+from workers.contract.json_schema import check_json_value, load_json_schema
 
 DEFAULT_MAX_NEW_TOKENS = 100  # tokens generated when a request does not say (TGI's default)
 MAX_SEED = 2**64 - 1  # a seed is any unsigned 64-bit integer (TGI's `u64`, torch.Generator's range)
@@ -19,9 +19,18 @@ MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI
 MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one `logit_bias` may list
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI
 
-# `parameters.grammar.type`: TGI's three, and `json_object` (any object; what OpenAI's
-# `response_format` asks for).
-GRAMMAR_TYPES = ("json", "regex", "json_schema", "json_object")
+# `parameters.grammar.type`: TGI's three, `json_object` (any object; what OpenAI's
+# `response_format` asks for) and `choice` (exactly one of a list of strings: vLLM's
+# `guided_choice`).
+GRAMMAR_TYPES = ("json", "regex", "json_schema", "json_object", "choice")
+MAX_CHOICES = 1024  # strings one `choice` grammar may list
+
+# The budget of one grammar compile on a worker (workers/sampling/grammar.py): wall-clock
+# seconds, memory of the sandboxed compile, compiles at once, and the compiled grammars kept.
+GRAMMAR_COMPILE_TIMEOUT_S = 5.0
+GRAMMAR_COMPILE_MEMORY_MIB = 512
+GRAMMAR_COMPILE_WORKERS = 2
+GRAMMAR_CACHE_MIB = 256
 
 
 def grammar_value(kind: str, value):
@@ -32,7 +41,13 @@ def grammar_value(kind: str, value):
     if kind == "regex":
         if not isinstance(value, str) or not value:
             raise ValueError("`grammar.value` must be a non-empty regular expression for type `regex`")
-        return value
+        return valid_unicode(value, "grammar.value")
+    if kind == "choice":
+        if (not isinstance(value, list) or not 1 <= len(value) <= MAX_CHOICES
+                or not all(isinstance(v, str) and v for v in value)):
+            raise ValueError(f"`grammar.value` must be a list of 1 to {MAX_CHOICES} non-empty strings for type "
+                             "`choice`")
+        return check_json_value(value, "`grammar.value`")
     if kind == "json":
         return load_json_schema(value, "`grammar.value`")
     if kind == "json_schema":

@@ -138,7 +138,7 @@ class Engine:
         `resume_ids`), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
         if (grammar is None) != (params.grammar is None):
             raise ValueError("`grammar` must be the compiled `params.grammar` (both given or neither)")
-        self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
+        self.scheduler.check_fits(len(prompt_ids), params.context_tokens)
         resumed = check_resume_ids(resume_ids, params, getattr(self.runner, "vocab_size", None))
         with self._lock:
             if not self._accepting or self.fatal_error is not None:
@@ -161,7 +161,7 @@ class Engine:
             seq.generator = make_generator(seed, skip=len(resumed))
         seq.seed = seed
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, self._special_ids, params.stop,
-                                           params.stop_in_output)
+                                           params.stop_in_output, params.skip_special_tokens, params.min_tokens)
         seq.stream = RequestStream(rid, loop)
         if grammar is not None:
             seq.grammar = grammar.matcher()
@@ -303,7 +303,8 @@ class Engine:
                 record_prompt(out.chunks[i], rows)
         else:
             logits = self.runner.execute(out)  # [N, V]
-        sampled = sample_tokens(logits, seqs, self.grammars, None if masks is None else masks.result())
+        sampled = sample_tokens(logits, seqs, self.grammars, None if masks is None else masks.result(),
+                                self.scheduler.config.eos_token_ids)
         # 3. update: advance, append, detokenize, stop, stream
         updates = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs)
         tops = {id(s): t for s, t in zip(seqs, sampled.top, strict=True) if t is not None}

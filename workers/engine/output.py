@@ -2,9 +2,13 @@
 
 The engine's update phase in two halves: the scheduler appends each sampled token and ends a
 sequence on EOS or length (workers/engine/scheduler.py); then this processor, per token:
-1. detokenizes it incrementally (workers/engine/detokenize.py), which also finds stop strings;
+1. detokenizes it incrementally (workers/engine/detokenize.py), which also finds stop strings
+   (the EOS or stop token id that ends a request keeping no stop text stays out of it);
 2. ends the sequence on a completed stop string, or when its grammar is complete (only EOS
-   could follow), through the scheduler, which frees its blocks at once;
+   could follow), through the scheduler, which frees its blocks at once; a grammar that
+   reached a dead end (EOS drawn while the grammar is not complete: nothing else was allowed,
+   as for `{"const": "<|eos|>"}`, whose text no ordinary token spells) ends the request with a
+   `validation` error instead of an answer that violates it;
 3. stamps the first token's time (time to first token, the prefill's start for the trace);
 4. on a finish, flushes the text held back, builds `FinishInfo` with the request's timings and
    counts it in the worker's metrics;
@@ -21,7 +25,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from workers.engine.events import FinishInfo, RequestStream, RequestTimings, TokenEvent
+from workers.contract.errors import ERROR_VALIDATION
+from workers.engine.events import ErrorEvent, FinishInfo, RequestStream, RequestTimings, TokenEvent
 from workers.engine.metrics import WorkerMetrics
 from workers.engine.scheduler import Scheduler
 from workers.engine.scheduler_output import TokenUpdate
@@ -29,12 +34,31 @@ from workers.engine.sequence import FINISH_EOS, FINISH_STOP, Sequence
 from workers.sampling.grammar import advance
 from workers.sampling.logprobs import TopList
 
+_DEAD_END = ("The grammar cannot be completed: no token can continue the output it allows (for example text "
+             "that only a special token spells). Accepted: a grammar whose output ordinary tokens can write")
+
+
+def _ending_dropped(seq: Sequence, token_id: int) -> bool:
+    """Whether the EOS or stop token id that ends `seq` stays out of its text: when the request
+    keeps no stop text (vLLM's `include_stop_str_in_output` false) and the token's text would
+    be in it (an ordinary token, or any with `skip_special_tokens` false). A special token's
+    text is otherwise streamed flagged `special` (the router reads harmony's tags from it)."""
+    p = seq.params
+    return not p.stop_in_output and (not p.skip_special_tokens or not seq.detok.is_special(token_id))
+
+
+def _stop_reason(seq: Sequence, u: TokenUpdate, reason: str) -> str | int | None:
+    """What stopped it (vLLM's `stop_reason`): the stop string matched, or the stop token id."""
+    if reason != FINISH_STOP:
+        return None
+    return seq.detok.stop_hit if seq.detok.stopped else u.token_id
+
 
 @dataclass(frozen=True)
 class StepOutputs:
     """What one step gives the HTTP side: an event per sampled token, and who finished."""
 
-    events: list[tuple[RequestStream, TokenEvent]]
+    events: list[tuple[RequestStream, TokenEvent | ErrorEvent]]
     finished: list[Sequence]
 
 
@@ -60,8 +84,16 @@ class OutputProcessor:
         for u in updates:
             seq = u.seq
             # 1. text, and 2. the ends the scheduler cannot see: a stop string, a complete grammar
-            text, special = seq.detok.add(u.token_id)
             reason = u.finish_reason
+            if seq.grammar is not None and reason == FINISH_EOS and not seq.grammar.is_accepting():
+                self.metrics.requests.labels("grammar_dead_end").inc()
+                finished.append(seq)
+                events.append((seq.stream, ErrorEvent(_DEAD_END, ERROR_VALIDATION)))
+                continue
+            if reason in (FINISH_EOS, FINISH_STOP) and _ending_dropped(seq, u.token_id):
+                text, special = "", False  # the EOS or stop token id that ends it, left out of the text
+            else:
+                text, special = seq.detok.add(u.token_id)
             if seq.detok.stopped:
                 reason = FINISH_STOP
                 self.scheduler.finish(seq, FINISH_STOP)
@@ -78,7 +110,7 @@ class OutputProcessor:
             if reason is not None:
                 text += seq.detok.flush()
                 finish = FinishInfo(reason, seq.detok.text, len(seq.output_ids), len(seq.prompt_ids), seq.seed,
-                                    request_timings(seq, now))
+                                    request_timings(seq, now), _stop_reason(seq, u, reason))
                 self.metrics.requests.labels(reason).inc()
                 self.metrics.e2e.observe(now - seq.arrival_time)
                 finished.append(seq)

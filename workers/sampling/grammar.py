@@ -14,38 +14,56 @@ embedded 4k vocabulary, where xgrammar's precomputed masks cost about 3 us; both
 against a decode step (about 2 ms for 8 rows on these CPUs).
 
 Design: `GrammarSpec` (frozen: kind and text) is what a request asks for. `Grammars` turns a
-spec into a `CompiledGrammar`, an initialized matcher kept as a template and cached per
-spec (LRU), so a schema is compiled once per worker; a request gets its own copy
-(`CompiledGrammar.matcher()`), which only the engine thread advances. The sampler fills one
-bitmask row per constrained sequence (`fill_bitmasks`) and sets the logits of disallowed
-tokens to -inf before temperature and truncation, so constrained and unconstrained rows
-share one batch. JSON is generated compact (no free whitespace: a small model would
-otherwise spend its tokens on spaces).
+spec into a `CompiledGrammar`, an initialized matcher kept as a template, so a schema is
+compiled once per worker; a request gets its own copy (`CompiledGrammar.matcher()`), which
+only the engine thread advances. Every compile runs under a `CompileBudget`
+(workers/sampling/grammar_sandbox.py: wall clock and memory, proven in a child process that
+can be killed, before the worker builds the grammar itself), in a pool of its own
+(`compile_async`: `budget.workers` threads, never the event loop's default pool), shared by
+concurrent requests for the same spec and cancelled when they have all left. The cache is an
+LRU bounded by bytes (what each matcher holds, as the sandbox measured it), and keeps
+refusals too, so a grammar over budget is not compiled again for the next request that sends
+it. The sampler fills one bitmask row per constrained sequence (`fill_bitmasks`) and sets the
+logits of disallowed tokens to -inf before temperature and truncation, so constrained and
+unconstrained rows share one batch. JSON is generated compact (no free whitespace: a small
+model would otherwise spend its tokens on spaces).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import llguidance
 import torch
 
 from workers.contract import load_json_schema
+from workers.sampling.grammar_sandbox import BudgetExceeded, CompileBudget, CompileCancelled, CompileSandbox
+from workers.sampling.grammar_source import (
+    KINDS,
+    LIMITS,
+    GrammarError,
+    describe,
+    engine_reason,
+    grammar_source,
+)
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("json_schema", "json_object", "regex")
-_CACHE_SIZE = 256
-_JSON_OPTIONS = {"whitespace_flexible": False}
+__all__ = ["KINDS", "BudgetExceeded", "CompileBudget", "CompileCancelled", "CompiledGrammar", "GrammarBusy",
+           "GrammarError", "GrammarSpec", "Grammars", "advance", "apply_bitmask", "fill_bitmasks", "json_text"]
+
+_REFUSAL_BYTES = 256  # what a cached refusal counts beyond its spec's text
 _SHIFTS = torch.arange(32, dtype=torch.int32)  # bit k of each 32-bit word of a bitmask row
 
 
-class GrammarError(ValueError):
-    """A grammar the engine cannot compile (answered with HTTP 422, naming why)."""
+class GrammarBusy(RuntimeError):
+    """Every compile slot is taken and enough compiles wait already (HTTP 429)."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +71,9 @@ class GrammarSpec:
     """What a request constrains its output to.
 
     `json_schema`: `text` is the schema as JSON text; `json_object`: any JSON object (`text`
-    unused); `regex`: `text` is the pattern the whole output must match. A non-`strict`
-    schema ignores keywords the engine does not implement instead of refusing them."""
+    unused); `regex`: `text` is the pattern the whole output must match; `choice`: `text` is a
+    JSON list of strings, the output exactly one of them. A non-`strict` schema ignores
+    keywords the engine does not implement instead of refusing them."""
 
     kind: str
     text: str = ""
@@ -65,65 +84,165 @@ class GrammarSpec:
             raise GrammarError(f"Grammar type `{self.kind}` is not supported. Supported: {', '.join(KINDS)}")
 
     def source(self) -> str:
-        """The llguidance grammar for this spec (raises `GrammarError` for a malformed schema)."""
-        if self.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(self.text)
-        schema = '{"type": "object"}' if self.kind == "json_object" else self.text
-        try:
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={**_JSON_OPTIONS, "lenient": not self.strict})
-        except ValueError as e:
-            raise GrammarError(f"The JSON schema is not a JSON object: {e}") from e
+        """The llguidance grammar for this spec (raises `GrammarError` for a malformed one)."""
+        return grammar_source(self.kind, self.text, self.strict)
 
 
 class CompiledGrammar:
-    """A compiled grammar: the initial matcher, copied for each request."""
+    """A compiled grammar: the initial matcher, copied for each request; `nbytes` is what it holds."""
 
-    __slots__ = ("spec", "_template")
+    __slots__ = ("spec", "_template", "nbytes")
 
-    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher):
-        self.spec, self._template = spec, template
+    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, nbytes: int = 0):
+        self.spec, self._template, self.nbytes = spec, template, nbytes
 
     def matcher(self) -> llguidance.LLMatcher:
         return self._template.deep_copy()
 
 
-class Grammars:
-    """Compiles grammars for one tokenizer and caches them per spec (thread-safe)."""
+class _ByteLRU:
+    """Compiled grammars and refusals by spec, least recently used out first, at most
+    `capacity` bytes (an entry larger than that is not kept). Thread-safe."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...], threads: int = 1):
+    def __init__(self, capacity: int):
+        self.capacity, self.nbytes = capacity, 0
+        self._entries: OrderedDict[GrammarSpec, tuple[CompiledGrammar | GrammarError, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, spec: GrammarSpec) -> CompiledGrammar | GrammarError | None:
+        with self._lock:
+            hit = self._entries.get(spec)
+            if hit is None:
+                return None
+            self._entries.move_to_end(spec)
+            return hit[0]
+
+    def put(self, spec: GrammarSpec, value: CompiledGrammar | GrammarError, nbytes: int) -> None:
+        with self._lock:
+            old = self._entries.pop(spec, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            if nbytes > self.capacity:
+                return
+            self._entries[spec] = (value, nbytes)
+            self.nbytes += nbytes
+            while self.nbytes > self.capacity:
+                _, (_, freed) = self._entries.popitem(last=False)
+                self.nbytes -= freed
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One compile under way and the requests waiting for it."""
+
+    future: asyncio.Future
+    cancel: threading.Event = field(default_factory=threading.Event)
+    waiters: int = 0
+
+
+class Grammars:
+    """Compiles grammars for one tokenizer under a budget and caches them by bytes (see the
+    module docstring). `compile` is thread-safe; `compile_async` belongs to one event loop."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...], threads: int = 1,
+                 budget: CompileBudget | None = None):
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
+        self.budget = budget or CompileBudget()
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) or None)
         self.executor = llguidance.LLExecutor(num_threads=max(1, threads))
-        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()
+        self.sandbox = CompileSandbox(tokenizer_json, vocab_size, self.eos_token_ids, self.budget)
+        self._cache = _ByteLRU(self.budget.cache_bytes)
+        self._pool: ThreadPoolExecutor | None = None
+        self._flights: dict[GrammarSpec, _Flight] = {}
         self.compiled = 0  # grammars compiled (cache misses), for tests and metrics
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, vocab_size: int | None, eos_token_ids: tuple[int, ...], threads: int = 1) -> Grammars:
+    def for_tokenizer(cls, tokenizer, vocab_size: int | None, eos_token_ids: tuple[int, ...], threads: int = 1,
+                      budget: CompileBudget | None = None) -> Grammars:
         """From a `tokenizers.Tokenizer` (its JSON is what llguidance reads)."""
         size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
-        return cls(tokenizer.to_str(), size, eos_token_ids, threads)
+        return cls(tokenizer.to_str(), size, eos_token_ids, threads, budget)
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The cached compiled grammar for `spec`; `GrammarError` names why it cannot be."""
-        with self._lock:
-            hit = self._cache.get(spec)
-            if hit is not None:
-                self._cache.move_to_end(spec)
-                return hit
-        template = llguidance.LLMatcher(self.tokenizer, spec.source(), log_level=0)
-        if template.is_error():
-            raise GrammarError(f"The {spec.kind.replace('_', ' ')} cannot be enforced: {template.get_error()}")
-        compiled = CompiledGrammar(spec, template)
-        with self._lock:
-            self.compiled += 1
-            self._cache[spec] = compiled
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
-        logger.debug("compiled %s grammar (%d cached)", spec.kind, len(self._cache))
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the cached grammars hold now."""
+        return self._cache.nbytes
+
+    def cached(self, spec: GrammarSpec) -> CompiledGrammar | None:
+        """The cached grammar for `spec` (None when not compiled yet); a cached refusal raises."""
+        hit = self._cache.get(spec)
+        if isinstance(hit, BudgetExceeded):
+            raise BudgetExceeded(hit.budget, str(hit))  # a fresh one: a re-raised instance keeps its old traceback
+        if isinstance(hit, GrammarError):
+            raise GrammarError(str(hit))
+        return hit
+
+    def compile(self, spec: GrammarSpec, cancel: threading.Event | None = None) -> CompiledGrammar:
+        """The compiled grammar for `spec`, from the cache or compiled under the budget in this
+        thread; `GrammarError` (or `BudgetExceeded`) names why it cannot be, `CompileCancelled`
+        when `cancel` was set meanwhile."""
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
+        try:
+            probe = self.sandbox.check(spec.kind, spec.text, spec.strict, cancel)
+            if probe.dead:
+                raise GrammarError(f"The {describe(spec.kind)} allows no output: no token can start or continue it")
+            template = llguidance.LLMatcher(self.tokenizer, spec.source(), log_level=0, limits=LIMITS)
+            if template.is_error():
+                raise GrammarError(f"The {describe(spec.kind)} cannot be enforced: {engine_reason(template.get_error())}")
+        except GrammarError as e:
+            self._cache.put(spec, e, len(spec.text) + _REFUSAL_BYTES)
+            raise
+        compiled = CompiledGrammar(spec, template, probe.nbytes)
+        self.compiled += 1
+        self._cache.put(spec, compiled, probe.nbytes + len(spec.text))
+        logger.debug("compiled %s grammar: %d bytes (%d cached, %d bytes)", spec.kind, probe.nbytes, len(self._cache),
+                     self._cache.nbytes)
         return compiled
+
+    async def compile_async(self, spec: GrammarSpec) -> CompiledGrammar:
+        """`compile` in the grammar pool, off the event loop: one compile per spec however many
+        requests wait for it, cancelled once every one of them was cancelled (its client left).
+        `GrammarBusy` when the pool is full and `budget.max_waiting` compiles already wait."""
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
+        flight = self._flights.get(spec)
+        if flight is None:
+            if len(self._flights) >= self.budget.workers + self.budget.max_waiting:
+                raise GrammarBusy(f"Worker busy compiling {len(self._flights)} grammars "
+                                  f"({self.budget.workers} at once); retry later")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.budget.workers, thread_name_prefix="grammar-compile")
+            cancel = threading.Event()
+            future = asyncio.get_running_loop().run_in_executor(self._pool, self.compile, spec, cancel)
+            flight = self._flights[spec] = _Flight(future, cancel)
+            future.add_done_callback(lambda f, flight=flight: self._landed(spec, flight, f))
+        flight.waiters += 1
+        try:
+            return await asyncio.shield(flight.future)
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.future.done():
+                flight.cancel.set()  # nobody waits any more: kill the child, free the slot
+                self._flights.pop(spec, None)
+
+    def _landed(self, spec: GrammarSpec, flight: _Flight, future: asyncio.Future) -> None:
+        if self._flights.get(spec) is flight:
+            self._flights.pop(spec)
+        if not future.cancelled():
+            future.exception()  # retrieved: a cancelled compile's `CompileCancelled` is nobody's to log
+
+    def close(self) -> None:
+        """Stop the compile children and the pool (the worker is shutting down)."""
+        self.sandbox.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def json_text(value) -> str:

@@ -1,9 +1,9 @@
 """The batched sampler: one step's logits, one token per row.
 
 Design: the sampler turns one step's logits `[N, V]` into one token per row with a few batched
-tensor ops, in vLLM's order: logit bias -> penalties (repetition, presence, frequency) ->
-grammar mask -> temperature -> top_k -> top_p -> log_softmax -> argmax for greedy rows,
-inverse-CDF draw for sampled rows. Each processor runs only when a row asks for it
+tensor ops, in vLLM's order: logit bias -> penalties (repetition, presence, frequency) -> EOS
+and stop token ids banned below `min_tokens` -> grammar mask -> temperature -> min_p -> top_k
+-> top_p -> log_softmax -> argmax for greedy rows, inverse-CDF draw for sampled rows. Each processor runs only when a row asks for it
 (`workers/sampling/logits_processors.py`, `workers/sampling/grammar.py`), so constrained, penalized and plain
 rows share one batch and a plain batch pays nothing for the others.
 
@@ -31,7 +31,13 @@ from typing import Protocol
 import torch
 
 from workers.sampling.grammar import Grammars, apply_bitmask, fill_bitmasks
-from workers.sampling.logits_processors import apply_logit_bias, apply_penalties, apply_top_k_top_p
+from workers.sampling.logits_processors import (
+    apply_logit_bias,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    ban_stops,
+)
 from workers.sampling.logprobs import TopList, top_alternatives
 from workers.sampling.params import SamplingParams
 
@@ -72,20 +78,24 @@ def grammar_bitmask(rows: Sequence[SampleRow], grammars: Grammars | None) -> tor
 
 
 def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Grammars | None = None,
-                  bitmask: torch.Tensor | None = None) -> SampleOutput:
+                  bitmask: torch.Tensor | None = None, eos_ids: Sequence[int] = ()) -> SampleOutput:
     """One token per row of `logits` [N, V], its logprob and the asked-for alternatives
-    (`bitmask`: this step's `grammar_bitmask`, when the caller computed it already)."""
+    (`bitmask`: this step's `grammar_bitmask`, when the caller computed it already; `eos_ids`:
+    the model's EOS tokens, banned with `stop_token_ids` from rows short of their `min_tokens`)."""
     params = [r.params for r in rows]
     # 1. Processors that change the argmax, on the rows that ask for them (bias, penalties, grammar).
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalized = [i for i, p in enumerate(params) if p.penalized]
+    short = [i for i, p in enumerate(params) if len(rows[i].output_ids) < p.min_tokens]
     constrained = constrained_rows(rows)
-    if biased or penalized or constrained:
+    if biased or penalized or short or constrained:
         logits = logits.clone()
         if biased:
             apply_logit_bias(logits, rows, biased)
         if penalized:
             apply_penalties(logits, rows, penalized)
+        if short:
+            ban_stops(logits, rows, short, eos_ids)
         if constrained:
             bitmask = grammar_bitmask(rows, grammars) if bitmask is None else bitmask
             apply_bitmask(logits, bitmask, [i for _, i in constrained], grammars.eos_token_ids)
@@ -96,6 +106,9 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Gra
         if any(t != 1.0 for t in temps):
             logits = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
             logits = logits.clamp(max=FP32_MAX)  # a huge logit over a small temperature stays finite
+        min_p = [p.min_p if p.do_sample else 0.0 for p in params]
+        if any(min_p):
+            logits = apply_min_p(logits, min_p)
         top_k = [p.top_k if p.do_sample else 0 for p in params]
         top_p = [p.top_p if p.do_sample else 1.0 for p in params]
         if any(top_k) or any(p < 1.0 for p in top_p):

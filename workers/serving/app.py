@@ -1,7 +1,7 @@
 """The worker's HTTP app on its Unix socket: what the router (and only the router) calls.
 
 Routes (workers/serving/routes/): POST /generate, POST /generate_stream (SSE), GET /health,
-GET /capability, GET /metrics, in TGI shapes; errors as `{"error", "error_type"}` (422
+GET /capability, GET /metrics, in TGI shapes; POST /tokenize, POST /detokenize; errors as `{"error", "error_type"}` (422
 validation, 429 overloaded with Retry-After, 503 unavailable, 500 internal). Every response
 carries X-Worker-Id, X-Worker-Capability and X-Fp8-Convention (workers/serving/headers.py).
 
@@ -28,7 +28,7 @@ from workers.sampling.logprobs import TokenBytes
 from workers.serving.context import WorkerContext
 from workers.serving.errors import install_error_handlers
 from workers.serving.headers import WorkerHeaders, identity_headers
-from workers.serving.routes import generate, health
+from workers.serving.routes import generate, health, tokens
 from workers.serving.tracing import RequestTracer
 
 
@@ -54,12 +54,13 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
         finally:
             ctx.status = "draining"
             await asyncio.to_thread(engine.shutdown, drain_timeout)
+            grammars.close()  # the grammar compile children
 
     app = FastAPI(title="hetserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   **fastapi_telemetry_off())
     app.add_middleware(WorkerHeaders, headers=identity_headers(info))
     app.state.ctx = ctx
     install_error_handlers(app)
-    for module in (generate, health):
+    for module in (generate, health, tokens):
         app.include_router(module.router)
     return app

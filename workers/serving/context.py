@@ -4,9 +4,13 @@
 the tokenizer with its grammar engine and token bytes, the request tracer and the HTTP side's
 own state (`starting` until the lifespan has started the engine, `ready`, `draining`).
 `create_app` puts one on `app.state.ctx`; routes take it through `get_ctx`, as the router's
-routes do. `submit` is the worker's admission: tokenize, validate (every refusal an
-`APIError` naming the field), compile the grammar off the event loop (cached) and queue, so a
-bad request is answered before it takes a queue place.
+routes do. `submit` is the worker's admission, cheapest check first, so a bad request is
+answered before it costs anything and before it takes a queue place (every refusal an
+`APIError` naming the field): the parameters; the prompt (a text that cannot fit the context
+whatever its tokens is refused before it is tokenized, and a long one is tokenized off the
+event loop); the vocabulary and the context length; only then the grammar, compiled under its
+budget in the grammar pool (workers/sampling/grammar.py) and abandoned when the client
+leaves meanwhile; then the queue.
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ from workers.contract import CapabilityPayload
 from workers.engine.core import Engine, EngineOverloaded, EngineUnavailable
 from workers.engine.events import RequestStream
 from workers.engine.scheduler import CapacityError
-from workers.sampling.grammar import GrammarError, Grammars
+from workers.sampling.grammar import CompiledGrammar, GrammarBusy, GrammarError, Grammars, GrammarSpec
 from workers.sampling.logprobs import TokenBytes
 from workers.sampling.params import ParameterError, SamplingParams
 from workers.serving.errors import APIError
 from workers.serving.schemas import GenerateRequest, Render
 from workers.serving.tracing import RequestTracer
 
+CLIENT_GONE = "client_disconnected"  # the error type that ends a request whose client left
+_INLINE_CHARS = 4096  # longer prompt texts are tokenized off the event loop
 
 @dataclass(frozen=True)
 class Submitted:
@@ -48,22 +54,26 @@ class WorkerContext:
     token_bytes: TokenBytes
     tracer: RequestTracer
     status: str = field(default="starting")  # starting | ready | draining
+    _max_token_chars: int | None = None  # the most characters one token stands for (found when first needed)
 
     @property
     def ready(self) -> bool:
         return self.status == "ready" and self.engine.accepting
 
-    async def submit(self, req: GenerateRequest) -> Submitted:
-        """Tokenize, validate, compile the grammar and queue; every refusal is an `APIError`."""
+    async def submit(self, req: GenerateRequest, request: Request | None = None) -> Submitted:
+        """Validate, tokenize, compile the grammar and queue (see the module docstring); every
+        refusal is an `APIError`. `request`: the HTTP request, watched for the client leaving
+        while its grammar compiles."""
         if not self.ready:
             raise APIError(503, f"Worker `{self.info.worker_id}` is {self.status}: not accepting requests",
                            "unavailable")
         engine, vocab = self.engine, self.grammars.vocab_size
         try:
             params = req.parameters.sampling()
-            prompt_ids, input_text = _prompt_ids(req, self.tokenizer, vocab)
+            prompt_ids, input_text = await self._prompt_ids(req, params.context_tokens)
             _check_vocab(params, vocab)
-            grammar = None if params.grammar is None else await asyncio.to_thread(self.grammars.compile, params.grammar)
+            engine.scheduler.check_fits(len(prompt_ids), params.context_tokens)  # before any compile
+            grammar = None if params.grammar is None else await self._compiled(params.grammar, request)
             stream = engine.submit(prompt_ids, params, asyncio.get_running_loop(), grammar=grammar,
                                    resume_ids=req.resume_ids)
             prefix = (req.inputs or input_text or "") if req.parameters.return_full_text else ""
@@ -71,16 +81,51 @@ class WorkerContext:
         except (ParameterError, CapacityError, GrammarError) as e:
             engine.metrics.rejected.labels("validation").inc()
             raise APIError(422, str(e), "validation") from e
-        except EngineOverloaded as e:
-            raise APIError(429, str(e), "overloaded", {"Retry-After": str(e.retry_after)}) from e
+        except (EngineOverloaded, GrammarBusy) as e:
+            retry = str(getattr(e, "retry_after", 1))
+            raise APIError(429, str(e), "overloaded", {"Retry-After": retry}) from e
         except EngineUnavailable as e:
             raise APIError(503, str(e), "unavailable") from e
+
+    async def _compiled(self, spec: GrammarSpec, request: Request | None) -> CompiledGrammar:
+        """The compiled grammar, or `APIError` 499 when the client left while it compiled (the
+        compile is then cancelled unless another request waits for it)."""
+        hit = self.grammars.cached(spec)
+        if hit is not None or request is None:
+            return hit or await self.grammars.compile_async(spec)
+        compiling = asyncio.ensure_future(self.grammars.compile_async(spec))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((compiling, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not compiling.done():
+                compiling.cancel()
+        if not compiling.done() or compiling.cancelled():
+            raise APIError(499, "The client disconnected while its grammar compiled", CLIENT_GONE)
+        return compiling.result()
+
+    async def _prompt_ids(self, req: GenerateRequest, new_tokens: int) -> tuple[list[int], str | None]:
+        """The prompt's token ids; a text that cannot fit the context whatever its tokens is
+        refused untokenized (`CapacityError`), a long one tokenized off the event loop."""
+        text = req.inputs
+        if req.input_ids is None and text and len(text) > _INLINE_CHARS:
+            if self._max_token_chars is None:
+                self._max_token_chars = await asyncio.to_thread(_max_token_chars, self.grammars.tokenizer.decode_bytes,
+                                                                self.grammars.vocab_size)
+            least = len(text) // (2 * self._max_token_chars)  # halved: a normalizer may merge characters
+            limit = self.engine.scheduler.config.max_seq_len
+            if least + new_tokens > limit:
+                raise CapacityError(f"`inputs` holds {len(text)} characters, at least {least} tokens: `inputs` tokens + "
+                                    f"`max_new_tokens` must be <= {limit} on this worker")
+            return await asyncio.to_thread(_prompt_ids, req, self.tokenizer, self.grammars.vocab_size)
+        return _prompt_ids(req, self.tokenizer, self.grammars.vocab_size)
 
     async def submit_traced(self, req: GenerateRequest, request: Request) -> Submitted:
         """`submit` inside the request's span (a child of the router's); a refusal ends the span."""
         span = self.tracer.start(request.url.path, request.headers)
         try:
-            submitted = await self.submit(req)
+            submitted = await self.submit(req, request)
         except APIError as e:
             self.tracer.end(span, None, refused=e.message)
             raise
@@ -107,7 +152,21 @@ def _prompt_ids(req: GenerateRequest, tokenizer, vocab_size: int) -> tuple[list[
     return list(req.input_ids), tokenizer.decode(req.input_ids, skip_special_tokens=True)
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body has already been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _max_token_chars(decode_bytes, vocab_size: int) -> int:
+    """The most bytes (so at most that many characters) any one token of the vocabulary decodes to."""
+    return max(1, max((len(decode_bytes([i])) for i in range(vocab_size)), default=1))
+
+
 def _check_vocab(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t, _ in params.logit_bias if t >= vocab_size]
     if bad:
         raise ParameterError(f"`logit_bias` token id `{bad[0]}` is outside the vocabulary (0 to {vocab_size - 1})")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ParameterError(f"`stop_token_ids` token id `{bad[0]}` is outside the vocabulary (0 to {vocab_size - 1})")

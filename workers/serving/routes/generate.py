@@ -15,13 +15,12 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from workers.contract.errors import ERROR_VALIDATION
 from workers.engine.core import Engine
 from workers.engine.events import ErrorEvent, RequestStream, is_last
-from workers.serving.context import get_ctx
+from workers.serving.context import CLIENT_GONE, get_ctx
 from workers.serving.errors import APIError, error_response
 from workers.serving.schemas import GenerateRequest
-
-CLIENT_GONE = "client_disconnected"  # the error type that ends a stream whose client left
 
 router = APIRouter()
 
@@ -58,7 +57,8 @@ async def generate(req: GenerateRequest, request: Request):
     if isinstance(events[-1], ErrorEvent):
         if events[-1].error_type == CLIENT_GONE:
             return Response(status_code=499)
-        return error_response(500, events[-1].message, events[-1].error_type)
+        status = 422 if events[-1].error_type == ERROR_VALIDATION else 500  # the request's fault, or the engine's
+        return error_response(status, events[-1].message, events[-1].error_type)
     return JSONResponse(sub.render.response(events, req.parameters.details or req.parameters.decoder_input_details))
 
 

@@ -1,0 +1,230 @@
+"""Grammar compiles under a budget: each new grammar is first built in a child process that can
+be killed.
+
+Why: llguidance builds a grammar in Rust with the GIL released, and nothing in this process
+can interrupt it; its own limits do not bound every path (an `allOf` of N `.*X.*` string
+patterns makes the emptiness check of their intersection exponential: N=19 took 8.6 s and
++730 MiB, N=21 asked for 7.7 GB at once, and a worker under a memory limit was killed).
+
+Design: `CompileSandbox.check(spec)` sends the spec to a long-lived child
+(`python -m workers.sampling.grammar_child`, which holds the tokenizer) and waits at most
+`CompileBudget.timeout_s`; the child builds it with its data segment capped at what it holds
+plus `memory_bytes`. Over time the child is killed; over memory it aborts (or answers so);
+either is a `BudgetExceeded` naming the budget, a 422 for the client, and the child is
+started again for the next compile. A grammar that passes comes back with the bytes its
+matcher holds (what the grammar cache counts) and whether it allows any output at all; only
+then does the worker build it for the engine, within the same bounds since it is the same
+build. A compile whose clients have all left is cancelled the same way (`cancel` set: the
+child is killed within `_POLL_S`). Each thread that compiles owns one child (a thread-local),
+so the compile pool's size (`CompileBudget.workers`) bounds the children. Trade-off: a new
+grammar is built twice (child, then here) plus a pipe round trip, about a millisecond more for
+an ordinary schema; a cached grammar costs nothing more, and the child, started on the first
+compile, costs about 0.1 s once and some 40 MB while it lives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers.contract.limits import (
+    GRAMMAR_CACHE_MIB,
+    GRAMMAR_COMPILE_MEMORY_MIB,
+    GRAMMAR_COMPILE_TIMEOUT_S,
+    GRAMMAR_COMPILE_WORKERS,
+)
+from workers.sampling.grammar_child import read_frame, write_frame
+from workers.sampling.grammar_source import GrammarError
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05  # how often a waiting compile looks at its cancel flag
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # where `workers` is importable from
+_CHILD = (sys.executable, "-m", "workers.sampling.grammar_child")
+
+
+@dataclass(frozen=True)
+class CompileBudget:
+    """What one grammar compile may take, and what the worker keeps of compiled grammars."""
+
+    timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # wall clock of one compile (--grammar-compile-timeout)
+    memory_bytes: int = GRAMMAR_COMPILE_MEMORY_MIB << 20  # memory of one compile (--grammar-compile-memory-mib)
+    workers: int = GRAMMAR_COMPILE_WORKERS  # compiles at once (--grammar-compile-workers)
+    cache_bytes: int = GRAMMAR_CACHE_MIB << 20  # compiled grammars kept (--grammar-cache-mib)
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"`--grammar-compile-timeout {self.timeout_s}` must be > 0 seconds")
+        for flag, value in (("grammar-compile-memory-mib", self.memory_bytes >> 20),
+                            ("grammar-compile-workers", self.workers)):
+            if value < 1:
+                raise ValueError(f"`--{flag} {value}` must be at least 1")
+        if self.cache_bytes < 0:
+            raise ValueError(f"`--grammar-cache-mib {self.cache_bytes >> 20}` must be >= 0 (0 keeps none)")
+
+    @classmethod
+    def from_args(cls, args) -> CompileBudget:
+        """From the worker's command line (`add_budget_args`); `ValueError` names a bad value."""
+        def arg(name: str, default):
+            value = getattr(args, name, None)
+            return default if value is None else value
+
+        return cls(timeout_s=arg("grammar_compile_timeout", GRAMMAR_COMPILE_TIMEOUT_S),
+                   memory_bytes=arg("grammar_compile_memory_mib", GRAMMAR_COMPILE_MEMORY_MIB) << 20,
+                   workers=arg("grammar_compile_workers", GRAMMAR_COMPILE_WORKERS),
+                   cache_bytes=arg("grammar_cache_mib", GRAMMAR_CACHE_MIB) << 20)
+
+    @property
+    def max_waiting(self) -> int:
+        """Compiles that may wait for a free child; beyond it a new one is refused (429)."""
+        return 4 * self.workers
+
+
+def add_budget_args(p) -> None:
+    """The worker's grammar budget flags (the router passes those that differ from these defaults)."""
+    p.add_argument("--grammar-compile-timeout", type=float, default=GRAMMAR_COMPILE_TIMEOUT_S, metavar="S",
+                   help="wall-clock seconds one grammar may take to compile (then 422)")
+    p.add_argument("--grammar-compile-memory-mib", type=int, default=GRAMMAR_COMPILE_MEMORY_MIB, metavar="N",
+                   help="MiB one grammar compile may use in its sandbox process (then 422)")
+    p.add_argument("--grammar-compile-workers", type=int, default=GRAMMAR_COMPILE_WORKERS, metavar="N",
+                   help="grammar compiles at once")
+    p.add_argument("--grammar-cache-mib", type=int, default=GRAMMAR_CACHE_MIB, metavar="N",
+                   help="MiB of compiled grammars kept")
+
+
+class BudgetExceeded(GrammarError):
+    """A compile that went over its time or memory budget (HTTP 422 naming the budget)."""
+
+    def __init__(self, budget: str, message: str):
+        super().__init__(message)
+        self.budget = budget
+
+
+class CompileCancelled(Exception):
+    """Every request waiting for this compile has left; the child was killed."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the sandboxed build found: the bytes the matcher holds, and whether it allows no output."""
+
+    nbytes: int
+    dead: bool
+
+
+class _Child:
+    """One compile child and its pipes; `kill()` when it is stuck or no longer wanted."""
+
+    def __init__(self, header: dict, timeout_s: float):
+        env = {**os.environ, "RUST_BACKTRACE": "0", "PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)}
+        self.proc = subprocess.Popen(_CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        write_frame(self.proc.stdin, header)
+        if self._wait(time.monotonic() + max(30.0, timeout_s), None) is None:
+            self.kill()
+            raise RuntimeError(f"the grammar compile child did not start (exit {self.proc.poll()})")
+
+    def ask(self, request: dict, deadline: float, cancel: threading.Event | None) -> dict | None:
+        """The child's answer, or None when it died, the deadline passed or `cancel` was set."""
+        try:
+            write_frame(self.proc.stdin, request)
+        except OSError:
+            return None
+        return self._wait(deadline, cancel)
+
+    def _wait(self, deadline: float, cancel: threading.Event | None) -> dict | None:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or (cancel is not None and cancel.is_set()):
+                return None
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, _POLL_S))
+            if ready:
+                try:
+                    return read_frame(self.proc.stdout)
+                except (OSError, ValueError):
+                    return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+class CompileSandbox:
+    """Sandboxed compiles for one tokenizer (see the module docstring); thread-safe."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...], budget: CompileBudget):
+        self.budget = budget
+        self._header = {"tokenizer": tokenizer_json, "vocab_size": vocab_size, "eos": list(eos_token_ids)}
+        self._local = threading.local()
+        self._children: set[_Child] = set()
+        self._lock = threading.Lock()
+        self.killed = 0  # children killed over budget or cancelled (tests, logs)
+
+    def check(self, kind: str, text: str, strict: bool, cancel: threading.Event | None = None) -> Probe:
+        """Build the grammar in this thread's child under the budget; `BudgetExceeded`,
+        `GrammarError` (the engine's reason) or `CompileCancelled`."""
+        child = self._child()
+        b = self.budget
+        started = time.monotonic()
+        answer = child.ask({"kind": kind, "text": text, "strict": strict, "memory_bytes": b.memory_bytes},
+                           started + b.timeout_s, cancel)
+        if answer is None:
+            died = child.proc.poll() is not None
+            self._drop(child)
+            if cancel is not None and cancel.is_set():
+                raise CompileCancelled("every request waiting for this grammar has left")
+            if died:  # an allocation past the cap aborts the child
+                raise self._over_memory()
+            logger.warning("grammar compile over its %.3g s budget after %.2f s; child killed", b.timeout_s,
+                           time.monotonic() - started)
+            raise BudgetExceeded("time", f"The grammar did not compile within its time budget of {b.timeout_s:g} s "
+                                         "(--grammar-compile-timeout). Accepted: a grammar that compiles within it "
+                                         "(a simpler schema or pattern)")
+        if answer.get("budget") == "memory":
+            self._drop(child)
+            raise self._over_memory()
+        if not answer.get("ok"):
+            raise GrammarError(answer.get("error") or "The grammar cannot be enforced")
+        return Probe(int(answer.get("bytes") or 0), bool(answer.get("dead")))
+
+    def _over_memory(self) -> BudgetExceeded:
+        mib = self.budget.memory_bytes >> 20
+        logger.warning("grammar compile over its %d MiB memory budget; child gone", mib)
+        return BudgetExceeded("memory", f"The grammar needs more than its memory budget of {mib} MiB to compile "
+                                        "(--grammar-compile-memory-mib). Accepted: a grammar that compiles within "
+                                        "it (a simpler schema or pattern)")
+
+    def _child(self) -> _Child:
+        child = getattr(self._local, "child", None)
+        if child is None or child.proc.poll() is not None:
+            child = _Child(self._header, self.budget.timeout_s)
+            self._local.child = child
+            with self._lock:
+                self._children.add(child)
+        return child
+
+    def _drop(self, child: _Child) -> None:
+        child.kill()
+        self.killed += 1
+        self._local.child = None
+        with self._lock:
+            self._children.discard(child)
+
+    def close(self) -> None:
+        """Stop every child (the worker is shutting down)."""
+        with self._lock:
+            children, self._children = list(self._children), set()
+        for child in children:
+            child.kill()
