@@ -4,7 +4,8 @@ Speaks the worker contract (`python -m workers` arguments, status file, exit cod
 socket with /health, /capability, /generate, /generate_stream, /metrics, the X-Worker-*
 headers, 422/429/503 JSON errors) and produces deterministic text: token i is ` t{i}` (id
 100 + i); a request with `resume_ids` goes on from token len(resume_ids), as a real worker
-continues a migrated stream. `/health` reports engine liveness (`engine.pending`,
+continues a migrated stream; `/tokenize` gives a token per word, `/detokenize` ` t{id - 100}`
+per id. `/health` reports engine liveness (`engine.pending`,
 `engine.last_step_age_s`). Behaviour for tests comes from the environment:
 
   FAKE_FAIL_STEP=kernelize     write a `failed` status at that step and exit 3
@@ -71,10 +72,17 @@ def write_status(path, **status):
 
 
 def capability_of(token):
-    if not token or token == "cpu":
+    arch = (token or "").split(":")[0]  # `sm_86:24GiB`: the device's memory follows its arch
+    if not arch or arch == "cpu":
         return None
-    digits = token.removeprefix("sm_")
+    digits = arch.removeprefix("sm_")
     return (int(digits[:-1]), int(digits[-1]))
+
+
+def memory_of(token):
+    from workers.contract import simulated_device
+
+    return simulated_device(token, 0).memory_total_bytes if token else 1 << 30
 
 
 def build_app(args) -> FastAPI:
@@ -137,7 +145,7 @@ def build_app(args) -> FastAPI:
             "worker_id": args.worker_id, "pid": os.getpid(),
             "device": {"type": "cpu" if cap is None else "cuda", "index": args.device_index, "uuid": args.device_uuid,
                        "name": f"fake {args.simulate}", "capability": None if cap is None else cap_str,
-                       "simulated": True, "memory_total_bytes": 1 << 30},
+                       "simulated": True, "memory_total_bytes": memory_of(args.simulate)},
             "fp8": fp8,
             "kernels": {"RMSNorm": {"repo": "fake", "layer": "RMSNorm", "variant": "torch", "reason": "fake"}},
             "capacity": {"max_sequences": args.max_batch, "max_tokens": 4096, "max_seq_len": 512, "kv_cache_bytes": 0},
@@ -219,6 +227,19 @@ def build_app(args) -> FastAPI:
                 state["served"] += 1
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await request.json()
+        words = body["inputs"].split()  # a token per word, id 100 + its length
+        return JSONResponse({"count": len(words), "tokens": [100 + len(w) for w in words],
+                             "token_strs": words if body.get("return_token_strs") else None,
+                             "max_model_len": 512}, headers=headers)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        tokens = (await request.json())["tokens"]
+        return JSONResponse({"prompt": "".join(f" t{t - 100}" for t in tokens)}, headers=headers)
 
     return app
 

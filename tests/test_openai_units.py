@@ -15,7 +15,6 @@ from server.protocol.openai.tools import (
     AUTO,
     NAMED,
     ToolPlan,
-    parse_auto,
     plan_tools,
     required_schema,
     template_messages,
@@ -123,7 +122,7 @@ def test_required_schema_hoists_defs_so_refs_resolve():
     ],
 )
 def test_auto_tool_calls_in_common_formats(text, calls):
-    got = parse_auto(text, ("get_weather",))
+    got = ToolPlan(AUTO, (WEATHER["function"],)).calls(text)  # the generic reader (no format named)
     assert (None if got is None else [(c["name"], json.loads(c["arguments"])) for c in got]) == calls
 
 
@@ -175,15 +174,18 @@ def test_streamed_chat_logprob_entries_are_never_lost():
     assert deltas[-1]["finish_reason"] == "stop" and (s.prompt_tokens, s.completion_tokens) == (3, 4)
 
 
-def test_streamed_auto_tool_call_is_held_then_sent_whole_and_plain_text_is_not_held():
+def test_streamed_auto_tool_call_goes_out_by_name_then_arguments_and_plain_text_is_not_held():
     plan = ToolPlan(AUTO, (WEATHER["function"],))
     s = ChoiceStream(ChoiceSpec(0, tools=plan), chat=True)
-    pieces = ['{"name": "get_', 'weather", "arguments": ', '{"city": "Paris"}}']
-    deltas = [d for p in pieces for d in s.on_event({"token": tok(p)})]
-    assert len(deltas) == 1  # only the role: the rest may be a call
-    deltas = s.on_event({"token": tok("", special=True), "details": {"finish_reason": "eos_token"}})
-    call = deltas[0]["delta"]["tool_calls"][0]
-    assert call["index"] == 0 and call["function"]["name"] == "get_weather" and deltas[-1]["finish_reason"] == "tool_calls"
+    pieces = ['{"name": "get_', 'weather", "arguments": ', '{"city": ', '"Paris"}}']
+    deltas = [[d["delta"] for d in s.on_event({"token": tok(p)})] for p in pieces]
+    assert deltas[0] == [{"role": "assistant", "content": ""}]  # the name is not known yet
+    (start,) = deltas[1][0]["tool_calls"]
+    assert start["index"] == 0 and start["id"].startswith("call_") and start["function"] == {
+        "name": "get_weather", "arguments": ""}
+    assert [d["tool_calls"][0]["function"]["arguments"] for d in deltas[2] + deltas[3]] == ['{"city": ', '"Paris"}']
+    end = s.on_event({"token": tok("", special=True), "details": {"finish_reason": "eos_token"}})
+    assert [d["finish_reason"] for d in end] == ["tool_calls"]
     talk = ChoiceStream(ChoiceSpec(0, tools=plan), chat=True)
     assert [d["delta"] for d in talk.on_event({"token": tok("Sunny")})][-1] == {"content": "Sunny"}
 

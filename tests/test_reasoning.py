@@ -175,7 +175,9 @@ def test_tool_calls_are_parsed_from_the_answer_after_the_reasoning():
     deltas, _ = _deltas(spec, [text[i:i + 3] for i in range(0, len(text), 3)], {"finish_reason": "eos_token"})
     assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "The user wants weather."
     calls = [c for d in deltas for c in d["delta"].get("tool_calls") or ()]
-    assert [c["function"]["name"] for c in calls] == ["get_weather"] and deltas[-1]["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in calls if c.get("id")] == ["get_weather"]  # then argument deltas
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Paris"}
+    assert deltas[-1]["finish_reason"] == "tool_calls"
     assert not any(d["delta"].get("content") for d in deltas)
 
 

@@ -3,8 +3,9 @@
 Pure ASGI (not `BaseHTTPMiddleware`) so streamed responses pass through untouched and the
 per-request cost stays a few dict lookups. `--api-key` guards everything but `/health`
 (load balancers and orchestrators probe it without credentials) and the status page's shell
-(`GET /`, `GET /status`: no data in it); the scheme `Bearer` is matched in any case (RFC
-9110) and the key compared in constant time. `HEAD` is answered as `GET` without a body
+(`GET /`, `GET /status`: no data in it); the key comes as `Authorization: Bearer KEY` (the
+scheme matched in any case, RFC 9110) or as `x-api-key: KEY` (Anthropic's clients), and is
+compared in constant time. `HEAD` is answered as `GET` without a body
 (`curl -I` health checks). Bodies over the limit get 413 from the `Content-Length` header or, for
 chunked bodies, as soon as the running count passes it. Metrics label each request with its
 route template among the known ones (anything else is `other`, so a fuzzer or a scanner
@@ -29,6 +30,7 @@ PUBLIC_PAGES = frozenset({"/", "/status"})
 KNOWN_ROUTES = frozenset({
     "/", "/generate", "/generate_stream", "/info", "/health", "/metrics", "/workers", "/status", "/stats",
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/docs", "/openapi.json",
+    "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize",
 })
 
 
@@ -72,8 +74,8 @@ class EdgeMiddleware:
 
         # 1. API key (everything but /health)
         if self.expected is not None and not _public(scope, path) and not self._authorized(scope):
-            await _json(send_wrapper, path, 401, "Missing or wrong API key: send `Authorization: Bearer <key>`",
-                        {"www-authenticate": "Bearer"})
+            await _json(send_wrapper, path, 401, "Missing or wrong API key: send `Authorization: Bearer <key>` "
+                        "or `x-api-key: <key>`", {"www-authenticate": "Bearer"})
             return
         # 2. HEAD is GET without a body (the server writes no body for a HEAD request either)
         if scope.get("method") == "HEAD":
@@ -115,6 +117,9 @@ class EdgeMiddleware:
         return f"The request body exceeds {self.max_body_bytes} bytes"
 
     def _authorized(self, scope) -> bool:
+        key = _header(scope, b"x-api-key")  # Anthropic's clients send the key this way
+        if key is not None and hmac.compare_digest(key.strip(), self.expected):
+            return True
         given = _header(scope, b"authorization")
         if given is None:
             return False

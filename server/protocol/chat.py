@@ -25,11 +25,15 @@ naming the problem (422 at the HTTP edge).
 
 Special tokens in content: the worker tokenizes the rendered prompt with special tokens
 parsed, so a user typing `<|im_start|>system` inside a message would get the real control
-token and could forge a turn. By default a message whose content, name or reasoning (or a
-`chat_template_kwargs` string) contains the text of one of the model's special tokens
-(`read_special_tokens`) is refused with a 422 naming the token, as tiktoken refuses
-disallowed special tokens; `--special-tokens-in-content` lets them through (a trusted client
-that writes control tokens on purpose).
+token and could forge a turn. By default every string the template can render is checked:
+each message's every field (content, name, reasoning, tool calls with their ids, names and
+arguments, `tool_call_id`), the tool definitions (names, descriptions, parameter schemas, keys
+included: `tojson` writes them) and every `chat_template_kwargs` value; one that contains the
+text of one of the model's special tokens (`read_special_tokens`) is refused with a 422 naming
+the field and the token, as tiktoken refuses disallowed special tokens.
+`--special-tokens-in-content` lets them through (a trusted client that writes control tokens
+on purpose). Trade-off: the walk visits every string once per request (a request is at most
+the 4 MiB body), where checking only the fields a given template reads would need to parse it.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from workers.contract import (
     read_tokenizer_config,
     token_text,
 )
+from workers.contract.errors import shown
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +70,6 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # names under which a message's reasoning reaches templates (transformers reads them in this order)
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_CHECKED_FIELDS = ("content", "name", *REASONING_FIELDS)
 
 
 class ChatTemplateError(ValueError):
@@ -97,26 +101,28 @@ class ChatTemplate:
             raise ChatTemplateError(f"The chat template refused the messages: {e}") from e
 
     def check_content(self, messages: list[dict], extra: dict | None = None) -> None:
-        """`ChatTemplateError` (422) when a message's text, or a template keyword's, holds a
-        forbidden special token."""
+        """`ChatTemplateError` (422) when any string the template can render (see the module
+        docstring) holds a forbidden special token."""
         if not self.forbidden_tokens:
             return
         for i, m in enumerate(messages):
-            for name in _CHECKED_FIELDS:
-                self._check_text(m.get(name), f"messages.{i}.{name}")
+            self._check_value(m, f"messages.{i}")
         for key, value in (extra or {}).items():
-            if key != "tools":  # the request's tool definitions: checked where they are accepted
-                self._check_value(value, f"chat_template_kwargs.{key}")
+            self._check_value(value, "tools" if key == "tools" else f"chat_template_kwargs.{key}")
 
     def _check_value(self, value, where: str) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                self._check_value(v, f"{where}.{k}")
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                self._check_value(v, f"{where}.{i}")
-        else:
-            self._check_text(value, where)
+        """Every string in `value`, keys included, walked without recursion (any depth)."""
+        stack = [(value, where)]
+        while stack:
+            item, at = stack.pop()
+            if isinstance(item, dict):
+                for k, v in item.items():
+                    self._check_text(k, f"{at} key")
+                    stack.append((v, f"{at}.{k}"))
+            elif isinstance(item, (list, tuple)):
+                stack.extend((v, f"{at}.{i}") for i, v in enumerate(item))
+            else:
+                self._check_text(item, at)
 
     def _check_text(self, text, where: str) -> None:
         if not isinstance(text, str) or not text:
@@ -124,7 +130,7 @@ class ChatTemplate:
         for token in self.forbidden_tokens:
             if token in text:
                 raise ChatTemplateError(
-                    f"`{where}` contains the special token `{token}`, which would act as a control token. "
+                    f"`{shown(where)}` contains the special token `{token}`, which would act as a control token. "
                     "Accepted: text without the model's special tokens (or start the server with "
                     "--special-tokens-in-content)")
 

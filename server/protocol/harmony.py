@@ -92,12 +92,13 @@ def plan_harmony(prompt: str, constrained: bool = False) -> HarmonyPlan | None:
     return HarmonyPlan(prompt[at + len(START):] if at >= 0 else "")
 
 
-def output_text(tokens: list[dict] | None, fallback: str) -> str:
-    """A whole answer's text with harmony's tags in it, from the worker's token entries (a
-    special token's text is not in `generated_text`); `fallback` when there are none."""
-    if not tokens:
+def output_text(tokens: list[dict] | None, fallback: str, keep: tuple[str, ...] = TAGS) -> str:
+    """A whole answer's text with the special tokens in `keep` in it (harmony's tags, a tool-call
+    format's markers), from the worker's token entries (a special token's text is not in
+    `generated_text`); `fallback` when no such token is there."""
+    if not tokens or not any(t.get("special") and t.get("text") in keep for t in tokens):
         return fallback
-    return "".join(t.get("text") or "" for t in tokens if not t.get("special") or t.get("text") in TAGS)
+    return "".join(t.get("text") or "" for t in tokens if not t.get("special") or t.get("text") in keep)
 
 
 def _partial_tail(text: str) -> int:

@@ -10,13 +10,16 @@ would in context. Trade-off: two small decodes per token instead of one full dec
 keeps the cost per step flat however long the sequence grows.
 
 Special tokens (EOS, ...) are not fed to the window: their streamed text is their own
-content (`</s>`) flagged `special`, and they never enter the generated text, as in TGI.
+content (`</s>`) flagged `special`, and they never enter the generated text, as in TGI; with
+vLLM's `skip_special_tokens` false their text is part of the generated text (not flagged, so
+the router keeps it), still outside the decode window.
 
 Stop strings are matched on the emitted text; the text is cut right after the stop string
 (TGI), or right before it when the stop must not be part of the output (OpenAI, vLLM's
 `include_stop_str_in_output=False`). Then a streamed piece never shows the start of a stop
 string that may still complete: text that could begin one is held back until it either
-completes the stop (and is dropped) or cannot any more (and goes out).
+completes the stop (and is dropped) or cannot any more (and goes out). Stop strings match only
+from the `stop_after`-th token on (vLLM's `min_tokens`); `stop_hit` is the one that matched.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ class IncrementalDetokenizer:
     """Text of one sequence's generated tokens, piece by piece."""
 
     __slots__ = ("_tok", "_ids", "_prefix", "_read", "_special", "_stops", "_max_stop", "_keep_stop", "_held",
-                 "text", "stopped")
+                 "_skip_special", "_stop_after", "_count", "text", "stopped", "stop_hit")
 
     def __init__(self, tokenizer, prompt_ids: list[int], special_ids: frozenset[int], stop: Iterable[str] = (),
-                 stop_in_text: bool = True):
+                 stop_in_text: bool = True, skip_special: bool = True, stop_after: int = 0):
         self._tok = tokenizer
         self._special = special_ids
         context = [t for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:] if t not in special_ids]
@@ -54,8 +57,14 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._keep_stop = stop_in_text
         self._held = ""  # text held back because it may start a stop string (stop not kept)
+        self._skip_special = skip_special  # False: a special token's text is part of the text
+        self._stop_after, self._count = stop_after, 0  # stop strings match from token `stop_after` on
         self.text = ""  # generated text emitted so far (after any stop-string cut)
         self.stopped = False  # a stop string was found
+        self.stop_hit: str | None = None  # ... which one
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True) if ids else ""
@@ -64,8 +73,11 @@ class IncrementalDetokenizer:
         """Feed one generated token; returns (its streamed text, is_special)."""
         if self.stopped:
             return "", token_id in self._special
+        self._count += 1
         if token_id in self._special:
-            return self._tok.id_to_token(token_id) or "", True
+            if self._skip_special:
+                return self._tok.id_to_token(token_id) or "", True
+            return self._append(self._tok.id_to_token(token_id) or ""), False
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
@@ -93,6 +105,9 @@ class IncrementalDetokenizer:
 
     def _append(self, piece: str) -> str:
         """Add `piece` to the text; cut it after (or before) the first stop string it completes."""
+        if self._count < self._stop_after:  # `min_tokens` not reached: no stop string yet
+            self.text += piece
+            return piece
         if not self._keep_stop:
             return self._append_without_stop(piece)
         if not self._stops or not piece:
@@ -107,6 +122,7 @@ class IncrementalDetokenizer:
             return piece
         cut = min(hits)
         self.stopped = True
+        self.stop_hit = next(st for pos, st in zip(ends, self._stops, strict=True) if pos >= 0 and pos + len(st) == cut)
         kept = text[len(self.text) : cut]
         self.text = text[:cut]
         return kept
@@ -118,6 +134,7 @@ class IncrementalDetokenizer:
         if hits:
             cut = min(pos for pos, _ in hits)
             self.stopped, self._held = True, ""
+            self.stop_hit = next(st for pos, st in hits if pos == cut)
             self.text += buf[:cut]
             return buf[:cut]
         # Hold back the longest tail of `buf` that begins some stop string.

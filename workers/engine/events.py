@@ -40,6 +40,7 @@ class FinishInfo:
     input_length: int
     seed: int | None
     timings: RequestTimings | None = None
+    stop_reason: str | int | None = None  # the stop string matched, or the stop token id (vLLM's name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,8 @@ candidates cannot decide (ties beyond them, or a nucleus wider than them).
 
 Semantics, as vLLM and OpenAI define them:
 - `logit_bias`: added to the logits of the listed token ids before anything else.
+- `min_tokens` (vLLM): EOS and the request's `stop_token_ids` are masked until it has
+  generated that many tokens; `min_p`: tokens below min_p x the best token's probability go.
 - `repetition_penalty` (CTRL, TGI and transformers): every token seen so far, prompt and
   output, has its logit divided by the penalty when positive, multiplied when negative.
 - `presence_penalty` / `frequency_penalty` (OpenAI): subtracted once per distinct output
@@ -58,6 +60,26 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence, which: list[int]) -> t
             counts = out[out < vocab].bincount(minlength=vocab).to(logits.dtype)  # [V]
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def ban_stops(logits: torch.Tensor, rows: Sequence, which: list[int], eos_ids: Sequence[int]) -> torch.Tensor:
+    """`min_tokens` (vLLM): rows that have not generated that many tokens yet cannot draw EOS or
+    one of their `stop_token_ids`, in place."""
+    vocab = logits.shape[-1]
+    for i in which:
+        banned = [t for t in (*eos_ids, *rows[i].params.stop_token_ids) if t < vocab]
+        if banned:
+            logits[i, torch.tensor(banned, dtype=torch.int64, device=logits.device)] = -math.inf
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """`min_p` (vLLM): drop tokens whose probability is below min_p x the row's best one's
+    (rows with 0 keep everything); the best token always stays."""
+    p = torch.tensor(min_p, dtype=logits.dtype, device=logits.device)[:, None]  # [N, 1]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    floor = logprobs.max(dim=-1, keepdim=True).values + torch.log(p)  # [N, 1]; -inf where min_p is 0
+    return logits.masked_fill(logprobs < floor, -math.inf)
 
 
 TOP_P_CANDIDATES = 256  # top_p without top_k: the best tokens looked at before a full sort is needed

@@ -75,7 +75,8 @@ def record_prompt(chunk, logits: torch.Tensor) -> None:
     logprobs = torch.log_softmax(rows, dim=-1)
     targets = seq.prompt_ids[first:end]
     chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])[:, 0].tolist()
-    tops = top_alternatives(logprobs, [seq.params.logprobs] * len(targets))
+    top = seq.params.prompt_top if seq.params.prompt_top is not None else seq.params.logprobs
+    tops = top_alternatives(logprobs, [top] * len(targets))
     seq.prompt_logprobs.extend(zip(targets, chosen, tops, strict=True))
 
 

@@ -54,6 +54,20 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per token (0..MAX_LOGPROBS); None: not asked
     prompt_logprobs: bool = False  # score every prompt token (echo, decoder_input_details)
     grammar: GrammarSpec | None = None
+    prompt_only: bool = False  # score the prompt, generate nothing (its one drawn token is never computed)
+    # vLLM's stop controls, warper and prompt alternatives (`_vllm_extras`)
+    ignore_eos: bool = False  # EOS does not end the answer: it is drawn and counted like any token
+    min_tokens: int = 0  # before this many tokens, EOS and `stop_token_ids` cannot be drawn, stop strings do not match
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the answer (`stop_sequence`), besides EOS
+    skip_special_tokens: bool = True  # False: special tokens' text is part of the answer's text
+    min_p: float = 0.0  # a sampled row drops tokens below min_p x its best token's probability (0 = off)
+    prompt_top: int | None = None  # alternatives per prompt token (None: as many as `logprobs`)
+
+    @property
+    def context_tokens(self) -> int:
+        """New tokens this request needs room for in the context: none when it only scores its
+        prompt, whose one drawn token ends the prefill and is never fed back."""
+        return 0 if self.prompt_only else self.max_new_tokens
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +96,13 @@ class SamplingParams:
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
         grammar: GrammarSpec | None = None,
+        prompt_only: bool = False,
+        ignore_eos: bool = False,
+        min_tokens: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        skip_special_tokens: bool = True,
+        min_p: float | None = None,
+        prompt_top: int | None = None,
     ) -> SamplingParams:
         """Validate raw request values (None = default) and normalize them; `ParameterError`
         names the bad value and what is allowed."""
@@ -118,7 +139,33 @@ class SamplingParams:
         sample = not tiny and (bool(do_sample) or temp != 1.0 or k > 0 or p < 1.0)
         rp = 1.0 if repetition_penalty is None else float(repetition_penalty)
         return cls(n, sample, temp, k, p, rp, seed, stops, bool(stop_in_output), float(presence_penalty or 0.0),
-                   float(frequency_penalty or 0.0), _logit_bias(logit_bias), logprobs, bool(prompt_logprobs), grammar)
+                   float(frequency_penalty or 0.0), _logit_bias(logit_bias), logprobs, bool(prompt_logprobs), grammar,
+                   bool(prompt_only), **_vllm_extras(n, grammar, ignore_eos, min_tokens, stop_token_ids,
+                                                     skip_special_tokens, min_p, prompt_top))
+
+
+def _vllm_extras(max_new_tokens: int, grammar, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens, min_p,
+                 prompt_top) -> dict:
+    """vLLM's extra fields, checked (`ParameterError` names the bad one)."""
+    if not isinstance(ignore_eos, bool) or not isinstance(skip_special_tokens, bool):
+        raise ParameterError("`ignore_eos` and `skip_special_tokens` must be booleans")
+    if ignore_eos and grammar is not None:
+        raise ParameterError("`ignore_eos` cannot go with a grammar, which ends the output where it is complete. "
+                             "Accepted: one of them")
+    low = 0 if min_tokens is None else min_tokens
+    if isinstance(low, bool) or not isinstance(low, int) or not 0 <= low <= max_new_tokens:
+        raise ParameterError(f"`min_tokens` must be an integer in [0, {max_new_tokens}] (at most `max_new_tokens`), "
+                             f"got `{low}`")
+    ids = tuple(stop_token_ids or ())
+    if len(ids) > MAX_STOP_SEQUENCES or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise ParameterError(f"`stop_token_ids` must be at most {MAX_STOP_SEQUENCES} token ids (integers >= 0), "
+                             f"got `{list(ids)[:MAX_STOP_SEQUENCES + 1]}`")
+    if min_p is not None and not (math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
+        raise ParameterError(f"`min_p` must be in [0, 1] (0 disables it), got `{min_p}`")
+    if prompt_top is not None and (isinstance(prompt_top, bool) or not 0 <= prompt_top <= MAX_LOGPROBS):
+        raise ParameterError(f"`prompt_top_n_tokens` must be an integer in [0, {MAX_LOGPROBS}], got `{prompt_top}`")
+    return {"ignore_eos": ignore_eos, "min_tokens": low, "stop_token_ids": tuple(dict.fromkeys(ids)),
+            "skip_special_tokens": skip_special_tokens, "min_p": float(min_p or 0.0), "prompt_top": prompt_top}
 
 
 def _logit_bias(bias: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:

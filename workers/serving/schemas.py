@@ -8,14 +8,18 @@ which is cheaper per streamed token than a pydantic model.
 Beyond TGI's fields the router may send: `input_ids` (a prompt given as token ids; the
 answer then carries `input_text`, what they decode to), `presence_penalty`,
 `frequency_penalty`, `logit_bias`, `include_stop_str_in_output` (False: a matched stop
-string is not part of the text, as OpenAI) and `max_new_tokens` = 0 with
-`decoder_input_details` (score the prompt, generate nothing). With `top_n_tokens` set (0 included), each token and
+string is not part of the text, as OpenAI), `max_new_tokens` = 0 with
+`decoder_input_details` (score the prompt, generate nothing), and vLLM's `ignore_eos`,
+`min_tokens`, `stop_token_ids`, `skip_special_tokens`, `min_p` and `prompt_top_n_tokens`
+(alternatives per prompt token); `details.stop_reason` says which stop string or stop token
+id ended an answer. With `top_n_tokens` set (0 included), each token and
 each alternative carries its own `bytes` (a token's `text` in a stream is its streamed
 piece, which may hold back half a character), so the router can build OpenAI logprobs.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -30,11 +34,12 @@ from workers.sampling.params import ParameterError, SamplingParams
 
 class Grammar(BaseModel):
     """TGI's `parameters.grammar`: `json` (a schema, as an object or JSON text), `regex`,
-    `json_schema` (`{"name", "schema"}`, as TGI 3) and `json_object` (any object)."""
+    `json_schema` (`{"name", "schema"}`, as TGI 3), `json_object` (any object) and `choice` (a
+    list of strings, the output exactly one: what the router sends for vLLM's `guided_choice`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["json", "regex", "json_schema", "json_object"]
+    type: Literal["json", "regex", "json_schema", "json_object", "choice"]
     value: Any = None
     strict: bool = True
 
@@ -49,6 +54,8 @@ class Grammar(BaseModel):
             return GrammarSpec("regex", value)
         if self.type == "json_object":
             return GrammarSpec("json_object")
+        if self.type == "choice":
+            return GrammarSpec("choice", json.dumps(value))
         schema = value["schema"] if self.type == "json_schema" else value
         return GrammarSpec("json_schema", json_text(schema), self.strict)
 
@@ -75,6 +82,13 @@ class Parameters(BaseModel):
     top_n_tokens: int | None = None
     grammar: Grammar | None = None
     return_full_text: bool = False
+    # vLLM's extras, as the router sends them (workers/sampling/params.py)
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    min_p: float | None = None
+    prompt_top_n_tokens: int | None = None  # alternatives per prompt token (vLLM's `prompt_logprobs`)
 
     @property
     def scoring_only(self) -> bool:
@@ -92,7 +106,9 @@ class Parameters(BaseModel):
             stop_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias, logprobs=self.top_n_tokens, prompt_logprobs=self.decoder_input_details,
-            grammar=None if self.grammar is None else self.grammar.spec(),
+            grammar=None if self.grammar is None else self.grammar.spec(), prompt_only=self.scoring_only,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+            skip_special_tokens=self.skip_special_tokens, min_p=self.min_p, prompt_top=self.prompt_top_n_tokens,
         )
 
 
@@ -120,7 +136,8 @@ class Render:
 
     def __init__(self, tokens: TokenBytes, params: Parameters, prefix: str, input_text: str | None):
         self.tokens = tokens
-        self.logprobs = params.top_n_tokens is not None  # tokens carry their bytes and alternatives
+        # tokens carry their bytes and alternatives (asked for the output's tokens or the prompt's)
+        self.logprobs = params.top_n_tokens is not None or params.prompt_top_n_tokens is not None
         self.prefix, self.input_text, self.scoring_only = prefix, input_text, params.scoring_only
 
     def _alt(self, token_id: int, logprob: float | None) -> dict:
@@ -150,8 +167,11 @@ class Render:
 
     @staticmethod
     def details(f: FinishInfo) -> dict:
-        return {"finish_reason": f.reason, "generated_tokens": f.generated_tokens,
-                "input_length": f.input_length, "seed": f.seed}
+        d = {"finish_reason": f.reason, "generated_tokens": f.generated_tokens,
+             "input_length": f.input_length, "seed": f.seed}
+        if f.stop_reason is not None:  # the stop string matched, or the stop token id (vLLM's `stop_reason`)
+            d["stop_reason"] = f.stop_reason
+        return d
 
     def response(self, events: list[TokenEvent], details: bool) -> dict:
         """`/generate` body from one request's events (the last carries `finish`)."""

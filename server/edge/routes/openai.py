@@ -13,8 +13,11 @@ rendered with the model's chat template (with `tools` when given, the request's
 `server/protocol/harmony.py`, `--reasoning-parser`); `response_format` and a
 forced `tool_choice` become the worker's grammar (`server/protocol/openai/tools.py`). Completions take text
 or token-id prompts; `echo` with `logprobs` scores the prompt, and `max_tokens` = 0 scores it
-without generating (answered whole, also when streamed). Any model name is accepted: this
-server serves one model, named in `/v1/models` and in every response.
+without generating (answered whole, also when streamed). The `model` field picks the model
+(server/fleet/models.py; absent: the default; an unknown one is a 404 `model_not_found` listing
+those served, except that a router of one model answers whatever it is called), and only its
+workers take the request; `/v1/models` lists every model with its context length, architecture,
+quantization and placement (server/edge/routes/models.py).
 """
 
 from __future__ import annotations
@@ -27,10 +30,18 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.dispatch.dispatcher import DispatchError, WorkerReply
-from server.dispatch.migration import ClientStream, StreamIncomplete, open_client_stream, parse_event
+from server.dispatch.buffers import STREAM_BUFFER_BYTES, ByteQueue
+from server.dispatch.dispatcher import WorkerReply
+from server.dispatch.migration import (
+    ClientStream,
+    StreamIncomplete,
+    StreamRefused,
+    open_client_stream,
+    parse_event,
+)
 from server.edge.context import RouterContext, get_ctx
 from server.edge.errors import error_response
+from server.edge.routes._chat import choice_params, prepare_chat, worker_body
 from server.edge.routes._common import (
     RelayResponse,
     check_new_tokens,
@@ -38,29 +49,19 @@ from server.edge.routes._common import (
     constraints,
     merged_headers,
 )
+from server.edge.routes._params import check_fields, with_headers
+from server.edge.routes.models import model_list
 from server.fleet.client import split_events
 from server.protocol.openai import responses as fmt
 from server.protocol.openai.choices import ChoiceSpec, ChoiceStream, chat_choice, completion_choice
+from server.protocol.openai.extras import prompt_logprobs
 from server.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
-from server.protocol.openai.tools import plan_tools, response_grammar, template_messages
-from server.protocol.reasoning import add_reasoning, choose_parser, plan_reasoning
 from server.routing.filter import Constraints
-from workers.contract import MAX_SEED
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 _ERRORS = {code: {"description": "OpenAI-shaped error"} for code in (401, 413, 422, 429, 503)}
-
-
-def _choice_params(params: dict, k: int) -> dict:
-    """Choice k's parameters: the request's seed + k (wrapping within the seeds a worker takes)."""
-    return {**params, "seed": (params["seed"] + k) % (MAX_SEED + 1)} if k and "seed" in params else params
-
-
-def _worker_body(prompt: str | list[int], params: dict) -> dict:
-    return {"inputs": prompt, "parameters": params} if isinstance(prompt, str) else \
-        {"input_ids": prompt, "parameters": params}
 
 
 async def _generate_all(ctx: RouterContext, c: Constraints, bodies: list[dict]) -> list[WorkerReply]:
@@ -97,16 +98,20 @@ def _usage(bodies: list[dict], prompt_of: list[int]) -> dict:
 
 @router.get("/models")
 async def models(request: Request) -> dict:
-    """The served model (one per server)."""
-    ctx = get_ctx(request)
-    return {"object": "list", "data": [{"id": ctx.model_id(), "object": "model", "created": int(ctx.started_at),
-                                        "owned_by": "hetserve"}]}
+    """Every model this router offers, loaded or not, with where it is placed."""
+    return model_list(get_ctx(request))
 
 
 @router.post("/completions", response_model=None, responses=_ERRORS)
 async def completions(req: CompletionRequest, request: Request) -> Response:
     """Text completion (`prompt`: text, token ids, or a list of either)."""
-    ctx, c = get_ctx(request), constraints(request, req.user)
+    warn = check_fields(get_ctx(request).settings, req, "/v1/completions")  # unknown fields: 400 or a warning
+    return with_headers(await _completions(req, request), warn)
+
+
+async def _completions(req: CompletionRequest, request: Request) -> Response:
+    ctx = get_ctx(request).model(req.model)
+    c = constraints(request, req.user, ctx.name)
     check_new_tokens(ctx, req.max_tokens, "max_tokens")
     params = req.sampling(req.max_tokens, ctx.sampling_defaults())
     if req.logprobs is not None:
@@ -117,7 +122,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     jobs = [(i, k) for i in range(len(prompts)) for k in range(req.n)]
     specs = [ChoiceSpec(index, req.logprobs, req.echo, prompts[i] if isinstance(prompts[i], str) else None)
              for index, (i, _k) in enumerate(jobs)]
-    bodies = [_worker_body(prompts[i], _choice_params(params, k)) for i, k in jobs]
+    bodies = [worker_body(prompts[i], choice_params(params, k)) for i, k in jobs]
     prompt_of = [i for i, _k in jobs]
     if req.stream and not req.scoring_only:
         return await _stream(ctx, c, request, bodies, specs, prompt_of, chat=False, usage=_include_usage(req))
@@ -129,6 +134,9 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     if req.stream:  # prompt scoring: nothing to wait for, so the whole answer as one stream
         return _whole_stream(ctx, specs, answers, use if _include_usage(req) else None, merged_headers(replies))
     choices = [completion_choice(spec, a) for spec, a in zip(specs, answers, strict=True)]
+    if req.prompt_logprobs is not None:  # vLLM's, per choice
+        for choice, answer in zip(choices, answers, strict=True):
+            choice["prompt_logprobs"] = prompt_logprobs(answer)
     return JSONResponse(fmt.completion(fmt.new_id("cmpl"), ctx.model_id(), choices, use),
                         headers=merged_headers(replies))
 
@@ -136,28 +144,16 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 @router.post("/chat/completions", response_model=None, responses=_ERRORS)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     """Chat completion; the prompt is the messages rendered with the model's chat template."""
-    ctx, c = get_ctx(request), constraints(request, req.user)
+    warn = check_fields(get_ctx(request).settings, req, "/v1/chat/completions")  # unknown fields: 400 or a warning
+    return with_headers(await _chat_completions(req, request), warn)
+
+
+async def _chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    ctx = get_ctx(request).model(req.model)
+    c = constraints(request, req.user, ctx.name)
     check_new_tokens(ctx, req.max_new_tokens, "max_tokens")
-    plan = plan_tools(req)
-    template = ctx.chat_template()
-    native_tools = "tools" in template.source
-    extra = {"tools": [{"type": "function", "function": f} for f in plan.functions]} if plan.functions else {}
-    kwargs = req.template_kwargs()
-    messages = add_reasoning(template_messages(req, native_tools), [m.reasoning_text() for m in req.messages])
-    prompt = template.render(messages, add_generation_prompt=True, **kwargs, **extra)
-    params = req.sampling(req.max_new_tokens, ctx.sampling_defaults())
-    try:
-        grammar = plan.grammar() or response_grammar(req)
-    except ValueError as e:
-        raise DispatchError(422, str(e), "validation") from e
-    if grammar is not None:
-        params["grammar"] = grammar
-    if req.top_n is not None:
-        params["top_n_tokens"] = req.top_n
-    parser = choose_parser(ctx.settings.reasoning_parser, template.source, template.model_type)
-    reasoning = plan_reasoning(parser, prompt, kwargs, constrained=grammar is not None)
-    specs = [ChoiceSpec(k, req.top_n, tools=plan, reasoning=reasoning) for k in range(req.n)]
-    bodies = [_worker_body(prompt, _choice_params(params, k)) for k in range(req.n)]
+    job = prepare_chat(ctx, req)  # template, tools, grammar, reasoning (server/edge/routes/_chat.py)
+    specs, bodies = list(job.specs), list(job.bodies)
     if req.stream:
         return await _stream(ctx, c, request, bodies, specs, [0] * req.n, chat=True, usage=_include_usage(req))
     replies = await _generate_all(ctx, c, bodies)
@@ -165,9 +161,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         return failed
     answers = [json.loads(r.content) for r in replies]
     choices = [chat_choice(spec, a) for spec, a in zip(specs, answers, strict=True)]
-    return JSONResponse(fmt.chat_completion(fmt.new_id("chatcmpl"), ctx.model_id(), choices,
-                                            _usage(answers, [0] * req.n)),
-                        headers=merged_headers(replies))
+    body = fmt.chat_completion(fmt.new_id("chatcmpl"), ctx.model_id(), choices, _usage(answers, [0] * req.n))
+    if req.prompt_logprobs is not None:  # vLLM's, once per response (the choices share the prompt)
+        body["prompt_logprobs"] = prompt_logprobs(answers[0])
+    return JSONResponse(body, headers=merged_headers(replies))
 
 
 def _include_usage(req) -> bool:
@@ -203,15 +200,15 @@ async def _stream(ctx: RouterContext, c: Constraints, request: Request, bodies: 
     return RelayResponse(_relay(streams, choices, prompt_of, ctx, chat, usage), streams)
 
 
-async def _pump(k: int, stream: ClientStream, queue: asyncio.Queue) -> None:
+async def _pump(k: int, stream: ClientStream, queue: ByteQueue) -> None:
     """Stream k's event payloads into `queue` as (k, data); (k, None) at its end, (k, error) when
     no worker can finish it."""
     try:
         async for data in stream.events():
-            await queue.put((k, data))
-        await queue.put((k, None))
+            await queue.put((k, data), len(data))
+        await queue.put((k, None), 0)
     except StreamIncomplete as e:
-        await queue.put((k, e))
+        await queue.put((k, e), 0)
 
 
 async def _merged(streams: list[ClientStream], pumps: list[asyncio.Task]):
@@ -226,13 +223,10 @@ async def _merged(streams: list[ClientStream], pumps: list[asyncio.Task]):
         except StreamIncomplete as e:
             yield [(0, e)]
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue = ByteQueue(STREAM_BUFFER_BYTES)  # bounded: the pumps wait while the client does not read
     pumps += [asyncio.ensure_future(_pump(k, s, queue)) for k, s in enumerate(streams)]
     while True:
-        items = [await queue.get()]
-        while not queue.empty():
-            items.append(queue.get_nowait())
-        yield items
+        yield await queue.get_all()
 
 
 class ChunkFrames:
@@ -258,7 +252,7 @@ async def _relay(streams: list[ClientStream], choices: list[ChoiceStream], promp
     frame = ChunkFrames(chunk, cid, created, model)
     pumps: list[asyncio.Task] = []
     merged = _merged(streams, pumps)
-    live, lost, why = len(streams), None, "the stream ended before its last event"
+    live, lost, why, refused = len(streams), None, "the stream ended before its last event", None
     try:
         async for items in merged:
             out = []
@@ -268,7 +262,7 @@ async def _relay(streams: list[ClientStream], choices: list[ChoiceStream], promp
                     if not choices[k].done and lost is None:
                         if isinstance(data, BaseException):
                             logger.warning("stream ends incomplete: %s", data)
-                            why = str(data)
+                            why, refused = str(data), data if isinstance(data, StreamRefused) else None
                         lost = k
                     continue
                 event = parse_event(data) or {}
@@ -295,5 +289,7 @@ async def _relay(streams: list[ClientStream], choices: list[ChoiceStream], promp
             p.cancel()
         for s in streams:
             await close_shielded(s)
-    ctx.metrics.stream_error(streams[lost].worker)
-    yield fmt.sse({"error": {"message": why, "type": "incomplete_generation", "param": None, "code": None}})
+    if refused is None:  # a refusal of the request (its grammar cannot end) is no stream error of the worker's
+        ctx.metrics.stream_error(streams[lost].worker)
+    kind = "incomplete_generation" if refused is None else refused.error_type
+    yield fmt.sse({"error": {"message": why, "type": kind, "param": None, "code": None}})

@@ -7,8 +7,9 @@ has its own `index`; chat choices start with a `role` delta; a completion's echo
 prompt logprobs) comes with its first event; a token's logprob entry rides on the next delta
 that goes out (a held-back half character, an EOS), so none is lost. Tool calls stream as
 OpenAI's deltas: a named function's arguments token by token from the first event; `required`
-and `auto` output is held back while it may be a call and sent whole once it is one (or
-released as content the moment it cannot be). A chat choice with a `ReasoningPlan` sends
+and `auto` output is read in the model's own format (server/protocol/tool_parsers/): a call
+goes out as its id and name once the name is read, then its arguments as they are written,
+and text that cannot be a call is released as content the moment it cannot be. A chat choice with a `ReasoningPlan` sends
 the model's thinking as `reasoning_content` (message field, stream deltas) and only the
 answer as `content`, which is also what tool calls are parsed from
 (`server/protocol/reasoning.py`); usage and logprobs still count every generated token.
@@ -44,10 +45,10 @@ from server.protocol.openai.tools import (
     REQUIRED,
     ToolPlan,
     call_id,
-    may_be_call,
     tool_calls_message,
 )
 from server.protocol.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
+from server.protocol.tool_parsers.splitter import ToolCallSplitter, split_tool_calls
 
 _NO_TOOLS = ToolPlan(NONE)
 
@@ -82,8 +83,15 @@ def completion_choice(spec: ChoiceSpec, body: dict) -> dict:
         tokens = details.get("tokens") or []
         tops = details.get("top_tokens") or [None] * len(tokens)
         logprobs = _completion_lp(spec, details.get("prefill") or [], tokens, tops, len(prompt))
-    return fmt.completion_choice(spec.index, prompt + text if spec.echo else text,
-                                 fmt.finish_reason(details) or "stop", logprobs)
+    return _with_stop_reason(fmt.completion_choice(spec.index, prompt + text if spec.echo else text,
+                                                   fmt.finish_reason(details) or "stop", logprobs), details)
+
+
+def _with_stop_reason(choice: dict, details: dict) -> dict:
+    """vLLM's `stop_reason` (the stop string matched, or the stop token id), when one ended it."""
+    if details.get("stop_reason") is not None:
+        choice["stop_reason"] = details["stop_reason"]
+    return choice
 
 
 def chat_choice(spec: ChoiceSpec, body: dict) -> dict:
@@ -97,15 +105,26 @@ def chat_choice(spec: ChoiceSpec, body: dict) -> dict:
         logprobs = fmt.chat_logprob_entries(tokens, details.get("top_tokens") or [None] * len(tokens))
     if isinstance(spec.reasoning, HarmonyPlan):
         return _harmony_choice(spec, output_text(details.get("tokens"), text), finish, logprobs)
+    reader = spec.tools.reader
+    if reader is not None:
+        text = output_text(details.get("tokens"), text, reader.markers)
     reasoning, content = split_reasoning(spec.reasoning, text)
-    calls = spec.tools.calls(content or "") if finish == "stop" and spec.tools.mode != NONE else None
+    calls = None
+    if reader is not None:  # `auto` / `required`: the model's own format (server/protocol/tool_parsers/)
+        answer = split_tool_calls(reader, spec.tools.names, content or "")
+        content = answer.content if answer.calls else content
+        calls = [{"name": n, "arguments": a} for n, a in answer.calls]
+    elif spec.tools.mode == NAMED and finish == "stop":
+        calls = spec.tools.calls(content or "")
+        content = None if calls else content
     if calls:
-        choice = fmt.chat_choice(spec.index, None, "tool_calls", logprobs, tool_calls_message(calls))
+        choice = fmt.chat_choice(spec.index, content, "tool_calls" if finish != "length" else finish, logprobs,
+                                 tool_calls_message(calls))
     else:
         choice = fmt.chat_choice(spec.index, content, finish, logprobs)
     if spec.reasoning is not None:
         choice["message"]["reasoning_content"] = reasoning
-    return choice
+    return _with_stop_reason(choice, details)
 
 
 def _harmony_choice(spec: ChoiceSpec, text: str, finish: str, logprobs: list[dict] | None) -> dict:
@@ -126,14 +145,15 @@ class ChoiceStream:
         self.prompt_tokens = self.completion_tokens = 0
         self._offset = 0  # completions: where the next token starts in the choice's text
         self._pending: list = []  # logprob entries not sent yet (chat items, or completion parts)
-        self._held = ""  # chat text held back while it may be a tool call
         harmony = chat and isinstance(spec.reasoning, HarmonyPlan)
         self._harmony = HarmonySplitter(spec.reasoning) if harmony else None
-        self._holding = chat and not harmony and spec.tools.mode in (REQUIRED, AUTO)
+        reader = spec.tools.reader if chat and not harmony else None
+        self._tools = ToolCallSplitter(reader, spec.tools.names) if reader is not None else None
+        self._keep = TAGS if harmony else (reader.markers if reader is not None else ())  # special tokens read
         self._call_id = call_id() if spec.tools.mode == NAMED else None
         thinking = chat and not harmony and spec.reasoning is not None
         self._thinking = ReasoningSplitter(spec.reasoning) if thinking else None
-        self._called = False  # harmony: a tool call went out
+        self._called = False  # a tool call went out (harmony, or the model's own format)
 
     # -- deltas -------------------------------------------------------------------------
     def _logprobs(self):
@@ -187,14 +207,15 @@ class ChoiceStream:
         return self._thought(*self._thinking.feed(piece))
 
     def _parts(self, parts: list[Part]) -> list[dict]:
-        """Harmony parts as deltas; tool calls only where the request's tools are `auto`."""
+        """Harmony or tool-call parts as deltas; tool calls only where the request's tools are
+        `auto` or `required`."""
         out = []
         for p in parts:
             if p.kind == REASONING:
                 out.append(self._delta({"reasoning_content": p.text}))
             elif p.kind == CONTENT:
                 out.append(self._delta({"content": p.text}))
-            elif self.spec.tools.mode != AUTO:
+            elif self.spec.tools.mode not in (AUTO, REQUIRED):
                 continue
             elif p.kind == TOOL_CALL:
                 self._called = True
@@ -211,11 +232,8 @@ class ChoiceStream:
         return out + (self._content(content) if content else [])
 
     def _content(self, piece: str) -> list[dict]:
-        if self._holding:
-            self._held += piece
-            if self.spec.tools.mode == REQUIRED or may_be_call(self._held):
-                return []
-            self._holding, piece, self._held = False, self._held, ""
+        if self._tools is not None:
+            return self._parts(self._tools.feed(piece))
         return [self._delta({"content": piece})]
 
     def _finish(self, details: dict) -> list[dict]:
@@ -226,18 +244,13 @@ class ChoiceStream:
         out = self._thought(*self._thinking.finish()) if self._thinking is not None else []
         if self._harmony is not None:
             out = self._parts(self._harmony.finish())
-            finish = "tool_calls" if self._called and finish != "length" else finish
+        if self._tools is not None:
+            out += self._parts(self._tools.finish())
+        if self._called and finish != "length":
+            finish = "tool_calls"
         if self._call_id is not None and finish == "stop":
             finish = "tool_calls"
-        elif self._holding:
-            calls = self.spec.tools.calls(self._held) if finish == "stop" else None
-            if calls:
-                deltas = [{"index": i, **c} for i, c in enumerate(tool_calls_message(calls))]
-                out.append(self._delta({"tool_calls": deltas}))
-                finish = "tool_calls"
-            elif self._held:
-                out.append(self._delta({"content": self._held}))
-        out.append(self._delta({} if self.chat else "", finish))
+        out.append(_with_stop_reason(self._delta({} if self.chat else "", finish), details))
         return out
 
     # -- the one entry point ------------------------------------------------------------
@@ -248,7 +261,7 @@ class ChoiceStream:
         if token is not None:
             self._record(token, event.get("top_tokens"))
             text = token.get("text")
-            if text and (not token.get("special") or (self._harmony is not None and text in TAGS)):
+            if text and (not token.get("special") or text in self._keep):
                 out += self._text(text)
         details = event.get("details")
         if details is not None or event.get("generated_text") is not None:

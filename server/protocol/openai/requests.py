@@ -1,6 +1,8 @@
 """OpenAI request shapes for `/v1/completions` and `/v1/chat/completions` (pydantic, HTTP edge only).
 
-Accepted as OpenAI defines them, with vLLM's extensions (`top_k`, `repetition_penalty`):
+Accepted as OpenAI defines them, with vLLM's extensions (`top_k`, `repetition_penalty`, and
+the stop controls, `min_p` and `prompt_logprobs` of server/protocol/openai/extras.py); a field
+neither declares is kept and refused by name at the edge (server/protocol/base.py):
 sampling (`temperature`, `top_p`, `seed`, `stop`, `presence_penalty`, `frequency_penalty`,
 `logit_bias`, `n`), logprobs (`logprobs` / `top_logprobs` up to `MAX_LOGPROBS`, `echo` and
 `max_tokens` = 0 for prompt scoring), structured output (`response_format`) and tools
@@ -17,11 +19,14 @@ grammar in `server/protocol/openai/tools.py`.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from server.protocol.base import TOKENS_MAX, Edge, StopText, json_schema_value, refuse
+from server.protocol.openai.extras import VLLMExtras
+from server.protocol.openai.guided import GuidedDecoding
 from workers.contract import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -31,8 +36,12 @@ from workers.contract import (
     MAX_STOP_SEQUENCES,
     valid_unicode,
 )
+from workers.contract.errors import shown
+from workers.contract.json_schema import MAX_JSON_DEPTH, check_json_value
 
 MAX_CHOICES = 8  # n x prompts per OpenAI request
+_TOKEN_ID_DIGITS = 10  # a `logit_bias` key: at most this many ASCII digits (a 4,300-digit key made `int()` raise)
+_TOKEN_ID_KEY = re.compile(rf"[0-9]{{1,{_TOKEN_ID_DIGITS}}}")
 MAX_TEMPLATE_KWARGS = 64
 # template variables a request sets through its own fields, never through `chat_template_kwargs`
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
@@ -47,7 +56,7 @@ class StreamOptions(Edge):
     include_usage: bool = False
 
 
-class _OpenAISampling(Edge):
+class _OpenAISampling(VLLMExtras):
     model: str | None = Field(None, max_length=1000)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -70,8 +79,9 @@ class _OpenAISampling(Edge):
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"`stop` has {len(stops)} sequences; at most {MAX_STOP_SEQUENCES} are accepted")
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"`logit_bias` keys must be token ids (integers as strings), got `{key[:40]}`")
+            if not _TOKEN_ID_KEY.fullmatch(key):  # ASCII only: `"²".isdigit()` and `"١٢".isdigit()` hold too
+                raise ValueError(f"`logit_bias` keys must be token ids (integers as strings: ASCII digits, at most "
+                                 f"{_TOKEN_ID_DIGITS}), got `{shown(key)}`")
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise ValueError(f"`logit_bias` values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
                                  f"`{value}` for token `{key}`")
@@ -108,11 +118,13 @@ class _OpenAISampling(Edge):
             p["seed"] = self.seed
         if self.stop:  # OpenAI: the returned text does not contain the stop sequence
             p["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-            p["include_stop_str_in_output"] = False
+        p.update(self.extra_parameters(sampled=temperature > 0))  # vLLM's extras (server/protocol/openai/extras.py)
+        if self.stop or self.stop_token_ids or not self.skip_special_tokens or self.include_stop_str_in_output:
+            p["include_stop_str_in_output"] = self.include_stop_str_in_output
         return p
 
 
-class CompletionRequest(_OpenAISampling):
+class CompletionRequest(GuidedDecoding, _OpenAISampling):
     prompt: PromptText | list[PromptText] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(16, ge=0, le=TOKENS_MAX)
     echo: bool = False
@@ -151,6 +163,20 @@ class TextPart(Edge):
 class ToolCallFunction(Edge):
     name: str = Field(max_length=64)
     arguments: str = Field("", max_length=1_000_000)
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments(cls, value: str) -> str:
+        """Arguments that parse as JSON reach the template as that value: bounded in depth and valid Unicode."""
+        valid_unicode(value, "tool_calls.function.arguments")
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value  # not JSON: rendered as an empty object, as before
+        except RecursionError:
+            raise ValueError(f"`tool_calls.function.arguments` nests deeper than {MAX_JSON_DEPTH} levels") from None
+        check_json_value(parsed, "`tool_calls.function.arguments`")
+        return value
 
 
 class ToolCallIn(Edge):
@@ -222,6 +248,13 @@ class FunctionDef(Edge):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @model_validator(mode="after")
+    def _renderable(self):
+        """What the template renders and the grammar compiles: bounded in depth, valid Unicode."""
+        valid_unicode(self.description or "", "tools.function.description")
+        check_json_value(self.parameters, "`tools.function.parameters`")
+        return self
+
 
 class Tool(Edge):
     type: Literal["function"]
@@ -237,7 +270,7 @@ class NamedToolChoice(Edge):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_OpenAISampling):
+class ChatCompletionRequest(GuidedDecoding, _OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
     max_tokens: int | None = Field(None, ge=1, le=TOKENS_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=TOKENS_MAX)
@@ -274,7 +307,7 @@ class ChatCompletionRequest(_OpenAISampling):
                 raise ValueError(f"`{name}` is set by the request itself, not here. Accepted: any other template "
                                  f"variable (not {', '.join(RESERVED_TEMPLATE_VARIABLES)})")
             valid_unicode(name, "chat_template_kwargs")
-        valid_unicode(json.dumps(value, ensure_ascii=False), "chat_template_kwargs")
+        check_json_value(value, "`chat_template_kwargs`")  # bounded depth (json.dumps of 960 levels raised), valid Unicode
         return value
 
     @model_validator(mode="after")

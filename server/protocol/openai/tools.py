@@ -10,11 +10,11 @@ model's text -> OpenAI `tool_calls`.
     schema, so it always parses and validates; it becomes one tool call;
   - `"required"`: the output is a JSON array (one item, or several with
     `parallel_tool_calls`) of `{"name": <one of the tools>, "arguments": <its parameters>}`,
-    enforced the same way (an `anyOf` over the tools);
-  - `"auto"` (the default with tools): unconstrained; the output becomes tool calls when it
-    is one in a common open format (`<tool_call>{...}</tool_call>` blocks as Hermes and
-    Qwen write them, or a bare `{"name", "arguments"|"parameters"}` object or array of
-    them, as Llama 3.x and Mistral do) naming a listed tool; otherwise it is content.
+    enforced the same way (an `anyOf` over the tools), and read as calls as it is written;
+  - `"auto"` (the default with tools): unconstrained; the output is read in the model's own
+    format (`ToolPlan.syntax`, chosen by server/protocol/tool_parsers/choose.py: hermes
+    `<tool_call>` blocks, Llama 3 JSON, Mistral `[TOOL_CALLS]`, pythonic, or the generic
+    reader), and calls of listed tools become `tool_calls`; text that is not one stays content.
 - The chat template receives `tools` (transformers' `apply_chat_template` convention); a
   template that never mentions `tools` gets them as a system message instead, and earlier
   assistant tool calls as JSON in their content, so the model sees them either way.
@@ -23,15 +23,16 @@ model's text -> OpenAI `tool_calls`.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
 from server.protocol.openai.requests import ChatCompletionRequest, NamedToolChoice
+from server.protocol.tool_parsers.splitter import split_tool_calls
+from server.protocol.tool_parsers.syntax import GENERIC, ToolSyntax
+from server.protocol.tool_parsers.syntax import REQUIRED as REQUIRED_SYNTAX
 
 NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def call_id() -> str:
@@ -47,6 +48,7 @@ class ToolPlan:
     functions: tuple[dict, ...] = ()
     name: str | None = None
     parallel: bool = True
+    syntax: ToolSyntax | None = GENERIC  # how `auto` output is read (None: `--tool-call-parser none`)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -55,6 +57,13 @@ class ToolPlan:
     @property
     def forced(self) -> bool:
         return self.mode in (REQUIRED, NAMED)
+
+    @property
+    def reader(self) -> ToolSyntax | None:
+        """The format output is read as calls in (None: a named call, or no calls to read)."""
+        if self.mode == REQUIRED:
+            return REQUIRED_SYNTAX
+        return self.syntax if self.mode == AUTO else None
 
     def grammar(self) -> dict | None:
         """The worker `grammar` a forced choice generates under (None otherwise)."""
@@ -75,11 +84,10 @@ class ToolPlan:
             except ValueError:
                 return None
             return [{"name": self.name, "arguments": text}]
-        if self.mode == REQUIRED:
-            return _calls_from(_loads(text), self.names)
-        if self.mode == AUTO:
-            return parse_auto(text, self.names)
-        return None
+        if self.reader is None:
+            return None
+        answer = split_tool_calls(self.reader, self.names, text)
+        return [{"name": n, "arguments": a} for n, a in answer.calls] or None
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
@@ -110,7 +118,11 @@ def required_schema(functions: tuple[dict, ...], parallel: bool) -> dict:
     for f in functions:
         params = dict(f.get("parameters") or _EMPTY_PARAMETERS)
         for key in ("$defs", "definitions"):
-            for name, sub in (params.pop(key, None) or {}).items():
+            found = params.pop(key, None) or {}
+            if not isinstance(found, dict):  # a list or a string here made `.items()` raise: a 500
+                raise ValueError(f"`tools.function.parameters.{key}` of `{f['name']}` must be an object of named "
+                                 f"schemas, got `{type(found).__name__}`")
+            for name, sub in found.items():
                 if defs.setdefault(key, {}).setdefault(name, sub) != sub:
                     raise ValueError(f"`tools` define `{key}/{name}` twice with different schemas; rename one")
         items.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
@@ -124,47 +136,8 @@ def required_schema(functions: tuple[dict, ...], parallel: bool) -> dict:
 def _loads(text: str):
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-
-
-def _calls_from(value, names: tuple[str, ...]) -> list[dict] | None:
-    """`{"name", "arguments"|"parameters"}` objects (one or a list) naming listed tools."""
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or item.get("name") not in names:
-            return None
-        args = item.get("arguments", item.get("parameters", {}))
-        if isinstance(args, str):  # some models write the arguments as JSON text already
-            args = _loads(args)
-        if not isinstance(args, dict):
-            return None
-        calls.append({"name": item["name"], "arguments": json.dumps(args, ensure_ascii=False)})
-    return calls or None
-
-
-def parse_auto(text: str, names: tuple[str, ...]) -> list[dict] | None:
-    """Tool calls written in a common open format (see the module docstring), else None."""
-    stripped = text.strip()
-    blocks = _TOOL_CALL_BLOCK.findall(stripped)
-    if blocks:
-        calls = [_calls_from(_loads(b), names) for b in blocks]
-        return None if any(c is None for c in calls) else [c for cs in calls for c in cs]
-    if stripped.startswith("[TOOL_CALLS]"):
-        stripped = stripped.removeprefix("[TOOL_CALLS]").strip()
-    if stripped[:1] in ("{", "["):
-        return _calls_from(_loads(stripped), names)
-    return None
-
-
-# Output that may still turn into a tool call in "auto" mode: a stream holds it back until it knows.
-_CALL_OPENINGS = ("<tool_call>", "[TOOL_CALLS]", "{", "[")
-
-
-def may_be_call(text_so_far: str) -> bool:
-    s = text_so_far.lstrip()
-    return any(s.startswith(o) or o.startswith(s) for o in _CALL_OPENINGS)
 
 
 def tool_prompt(functions: tuple[dict, ...]) -> str:

@@ -1,0 +1,59 @@
+"""The public protocols' knobs: `--tool-call-parser`, `--task`, `--lenient-params`.
+
+- `--tool-call-parser auto|hermes|llama3_json|mistral|pythonic|openai|none` (vLLM's names): how a
+  model's own tool-call text becomes tool calls (server/protocol/tool_parsers/). `auto` (default)
+  reads the chat template: `<tool_call>` -> hermes, `[TOOL_CALLS]` -> mistral, `<|python_tag|>`
+  or Llama 3's `"parameters"` -> llama3_json, a `[func_name(` example -> pythonic, harmony's
+  `<|channel|>` or the gpt_oss family -> openai; anything else gets the generic reader (hermes
+  blocks, `[TOOL_CALLS]`, or a bare JSON call). `none` returns the model's text as content.
+- `--task auto|generate|embed`: what the workers serve. `auto` (default) reads the checkpoint
+  (a sentence-transformers pooling config makes it an embedding model); `embed` serves
+  `/v1/embeddings` and refuses generation, `generate` the reverse.
+- `--lenient-params`: a request field hetserve does not implement is answered with a
+  `Warning` header naming it instead of a 400, for clients that cannot be told to stop sending
+  it. Off by default: a silently ignored field misleads the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from server.errors import UsageError
+
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic", "openai", "none")
+TASKS = ("auto", "generate", "embed")
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """How requests are read and answers parsed (see the module docstring)."""
+
+    tool_call_parser: str = "auto"
+    task: str = "auto"
+    lenient_params: bool = False
+
+
+def add_protocol_flags(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("protocols", "tool calls, the served task, request fields")
+    g.add_argument("--tool-call-parser", default=None, metavar="|".join(TOOL_CALL_PARSERS),
+                   help="how the model writes tool calls: hermes (<tool_call> JSON, Qwen), llama3_json, mistral "
+                        "([TOOL_CALLS]), pythonic ([f(a=1)]), openai (gpt-oss harmony), none (content); auto "
+                        "(default) reads the chat template")
+    g.add_argument("--task", default=None, metavar="|".join(TASKS),
+                   help="generate (chat, completions, Responses, Messages) or embed (/v1/embeddings); auto (default) "
+                        "reads the checkpoint (a sentence-transformers pooling config means embed)")
+    g.add_argument("--lenient-params", action="store_true",
+                   help="answer a request field hetserve does not implement with a `Warning` header naming it "
+                        "instead of a 400")
+
+
+def protocol_from_args(args) -> ProtocolConfig:
+    """The protocol flags that were given, checked (`UsageError` names a bad one)."""
+    parser = getattr(args, "tool_call_parser", None) or "auto"
+    if parser not in TOOL_CALL_PARSERS:
+        raise UsageError(f"`--tool-call-parser {parser}` is not a parser. Accepted: {', '.join(TOOL_CALL_PARSERS)}")
+    task = getattr(args, "task", None) or "auto"
+    if task not in TASKS:
+        raise UsageError(f"`--task {task}` is not a task. Accepted: {', '.join(TASKS)}")
+    return ProtocolConfig(parser, task, bool(getattr(args, "lenient_params", False)))

@@ -1,0 +1,86 @@
+"""vLLM's extra sampling fields on the OpenAI routes, honoured end to end (vLLM's names).
+
+vLLM's own tools send them (`vllm bench serve --ignore-eos`, its evaluation harnesses), so an
+OpenAI-compatible server that drops them measures or answers something else. Each becomes a
+worker parameter the engine implements (workers/sampling/params.py):
+- `ignore_eos`: EOS does not end the answer, so `max_tokens` tokens come back exactly;
+- `min_tokens`: EOS and `stop_token_ids` cannot be drawn, and stop strings do not match, before
+  that many tokens;
+- `stop_token_ids`: tokens that end the answer (`finish_reason` `stop`, `stop_reason` the id);
+- `skip_special_tokens` false: special tokens' text is part of the answer;
+- `include_stop_str_in_output`: the matched stop string (or stop token's text) stays in it;
+- `min_p`: sampled tokens keep at least min_p x the best token's probability;
+- `prompt_logprobs`: every prompt token's logprob and that many alternatives, vLLM's shape (not
+  with `stream`, as vLLM refuses it too);
+and `top_k` and `repetition_penalty` (requests.py). Trade-off: a prompt token's `rank` is its
+place among the alternatives asked for (null when it is not one of them), not its rank in the
+whole vocabulary, which the worker does not compute.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from server.protocol.base import TOKENS_MAX, EdgeRequest
+from workers.contract import MAX_LOGPROBS, MAX_STOP_SEQUENCES
+
+StopTokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class VLLMExtras(EdgeRequest):
+    """The extra fields (see the module docstring); `extra_parameters` turns them into worker ones."""
+
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=TOKENS_MAX)
+    stop_token_ids: list[StopTokenId] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _extras(self):
+        if self.prompt_logprobs is not None and getattr(self, "stream", False):
+            raise ValueError("`prompt_logprobs` is answered whole, not streamed. Accepted: `stream` false, or no "
+                             "`prompt_logprobs`")
+        return self
+
+    def extra_parameters(self, sampled: bool) -> dict:
+        """The worker parameters these fields ask for (`sampled`: the request samples, so `min_p` applies)."""
+        p: dict = {}
+        if self.ignore_eos:
+            p["ignore_eos"] = True
+        if self.min_tokens:
+            p["min_tokens"] = self.min_tokens
+        if self.stop_token_ids:
+            p["stop_token_ids"] = list(self.stop_token_ids)
+        if not self.skip_special_tokens:
+            p["skip_special_tokens"] = False
+        if sampled and self.min_p:
+            p["min_p"] = self.min_p
+        if self.prompt_logprobs is not None:
+            p["decoder_input_details"] = True
+            p["prompt_top_n_tokens"] = self.prompt_logprobs
+        return p
+
+
+def prompt_logprobs(body: dict) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` from a worker answer's `details.prefill`: per prompt token
+    `{"<id>": {"logprob", "rank", "decoded_token"}}` for the token and its alternatives
+    (the first token has none: null)."""
+    out: list[dict | None] = []
+    for entry in (body.get("details") or {}).get("prefill") or ():
+        if entry.get("logprob") is None:
+            out.append(None)
+            continue
+        tops = entry.get("top_tokens") or []
+        ranks = {t.get("id"): k + 1 for k, t in enumerate(tops)}
+        item = {str(entry["id"]): {"logprob": entry["logprob"], "rank": ranks.get(entry["id"]),
+                                   "decoded_token": entry.get("text", "")}}
+        for t in tops:
+            item.setdefault(str(t["id"]), {"logprob": t.get("logprob"), "rank": ranks[t["id"]],
+                                           "decoded_token": t.get("text", "")})
+        out.append(item)
+    return out

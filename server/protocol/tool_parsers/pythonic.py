@@ -1,0 +1,82 @@
+"""The pythonic tool-call format: `[get_weather(city="Paris"), get_time()]` -> calls.
+
+Llama 3.2's and Llama 4's pythonic templates (and ToolACE-style models) ask the model to answer
+a call as a Python list of calls with keyword arguments. The list is found by a bracket scan
+that knows Python's quoted strings, then parsed with `ast` (never evaluated): every element must
+be a call of a listed tool by name, every argument a keyword whose value is a literal
+(`ast.literal_eval`: strings, numbers, booleans, None, lists, dicts), so arbitrary code is text,
+not a call. The arguments become JSON. Trade-off: the calls go out once the list closes, not
+argument by argument as the JSON formats stream, since the JSON text only exists once a
+value is complete.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+
+from server.protocol.tool_parsers.jsonscan import INCOMPLETE, MALFORMED
+from server.protocol.tool_parsers.syntax import ScanCall
+
+
+def list_end(text: str, at: int) -> int | None:
+    """Just past the Python list that opens at `text[at]`; `INCOMPLETE` or `MALFORMED`."""
+    closing = {"[": "]", "(": ")", "{": "}"}
+    stack: list[str] = []
+    i, n = at, len(text)
+    while i < n:
+        c = text[i]
+        if c in "'\"":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            if j >= n:
+                return INCOMPLETE
+            i = j + 1
+            continue
+        if c in closing:
+            stack.append(closing[c])
+        elif c in ")]}":
+            if not stack or c != stack.pop():
+                return MALFORMED
+            if not stack:
+                return i + 1
+        i += 1
+    return INCOMPLETE
+
+
+def _call(node: ast.expr, names: tuple[str, ...]) -> tuple[str, str] | None:
+    if not isinstance(node, ast.Call) or node.args:
+        return None
+    name = ast.unparse(node.func)  # `get_weather`, or a dotted `weather.get`
+    if name not in names:
+        return None
+    try:
+        arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if len(arguments) != len(node.keywords):  # `**kwargs`
+        return None
+    return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def parse_pythonic(text: str, at: int, names: tuple[str, ...], final: bool):
+    """(calls as `ScanCall`s, the list's end) once the list at `text[at]` is complete; ((), None)
+    while it may still be one; (None, None) when it is not a list of listed calls."""
+    if text[at] != "[":
+        return None, None
+    end = list_end(text, at)
+    if end == MALFORMED or (end is INCOMPLETE and final):
+        return None, None
+    if end is INCOMPLETE:
+        return (), None
+    try:
+        tree = ast.parse(text[at:end], mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None, None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None, None
+    calls = [_call(node, names) for node in tree.body.elts]
+    if any(c is None for c in calls):
+        return None, None
+    return tuple(ScanCall(name, arguments, True) for name, arguments in calls), end

@@ -1,0 +1,69 @@
+"""The tool-call formats, as data: where a call region opens, what it holds, how it closes.
+
+One frozen `ToolSyntax` per format, read by one machine (`splitter.py`), rather than one
+parser class per family as vLLM has: the formats differ only in these few facts, so a new
+family is a new value, and every family streams the same way. Each region holds JSON call
+objects `{"name": ..., "arguments" | "parameters": {...}}` (alone, in a `[...]` list or
+separated by `;`), except Mistral's newer `NAME[ARGS]{...}` and the pythonic `[f(a=1), g()]`.
+
+| name | as the model writes it | families |
+| --- | --- | --- |
+| `hermes` | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call | Qwen2.5, Qwen3, Hermes |
+| `llama3_json` | `{"name": ..., "parameters": {...}}` as the whole answer (`;` between calls), maybe after `<|python_tag|>` | Llama 3.1-3.3 |
+| `mistral` | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or `[TOOL_CALLS]NAME[ARGS]{...}` per call | Mistral, Mixtral |
+| `pythonic` | `[get_weather(city="Paris"), ...]` as the whole answer (maybe inside `<|python_start|>...<|python_end|>`) | Llama 3.2/4 pythonic templates |
+| `generic` | any of hermes blocks, `[TOOL_CALLS]`, or a bare JSON call (or list of calls) as the answer | models with no known format |
+| `required` | a JSON list of calls, what `tool_choice: required`'s grammar makes the model write | any model |
+
+gpt-oss (`openai`) writes harmony, read by `server/protocol/harmony.py`, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    """One format (see the module table)."""
+
+    name: str
+    # (marker that opens a call region anywhere in the text, what must close it or None)
+    openings: tuple[tuple[str, str | None], ...] = ()
+    bare: bool = False  # a `{` or `[` that starts the answer opens a region too (closed by the calls' end)
+    separators: str = ","  # between call objects that are not in a list (`;` for Llama 3)
+    named_args: bool = False  # also `NAME[ARGS]{...}` after an opening (Mistral's newer tokenizers)
+    pythonic: bool = False  # the region is a Python list of calls, not JSON
+    trailers: tuple[str, ...] = ()  # text dropped right after a region (`<|python_end|>`, `<|eom_id|>`)
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Every tag of the format: a tokenizer may mark them special, and they must still be read."""
+        tags = [t for pair in self.openings for t in pair if t] + list(self.trailers)
+        if self.named_args:
+            tags += ["[ARGS]", "[CALL_ID]"]
+        return tuple(dict.fromkeys(tags))
+
+
+HERMES = ToolSyntax("hermes", openings=(("<tool_call>", "</tool_call>"),))
+LLAMA3_JSON = ToolSyntax("llama3_json", openings=(("<|python_tag|>", None),), bare=True, separators=";,",
+                         trailers=("<|eom_id|>",))
+MISTRAL = ToolSyntax("mistral", openings=(("[TOOL_CALLS]", None),), bare=True, named_args=True)
+PYTHONIC = ToolSyntax("pythonic", openings=(("<|python_start|>", None),), bare=True, pythonic=True,
+                      trailers=("<|python_end|>",))
+GENERIC = ToolSyntax("generic", openings=(("<tool_call>", "</tool_call>"), ("[TOOL_CALLS]", None)), bare=True,
+                     separators=";,")
+REQUIRED = ToolSyntax("required", bare=True)
+
+@dataclass(frozen=True)
+class ScanCall:
+    """A call read so far: its name, its arguments' text, whether that text is complete."""
+
+    name: str
+    arguments: str
+    complete: bool
+
+
+SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, GENERIC)}
