@@ -11,7 +11,10 @@ import argparse
 import importlib
 import sys
 
+from server.config.budgets import add_budget_flags
+from server.config.compile import add_compile_flags
 from server.config.models import add_model_flags
+from server.config.protocol import add_protocol_flags
 from server.config.reasoning import add_reasoning_flags
 from server.config.routing import add_routing_flags
 from server.config.settings import CANARY_ACTIONS, RouterSettings
@@ -140,9 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "(e.g. http://collector:4318; off by default)")
     add_model_flags(serve)
     _add_failure_flags(serve)
+    add_budget_flags(serve)
     add_routing_flags(serve)
     add_reasoning_flags(serve)
+    add_protocol_flags(serve)
     _add_numerics_flags(serve)
+    add_compile_flags(serve)
 
     plan = sub.add_parser("plan", help="show per device the kernels and fp8 convention chosen, without loading weights")
     _add_simulate(plan)

@@ -132,8 +132,8 @@ def test_drain_restarts_a_suspect_twice_then_holds_it_until_it_passes():
     sup = _Supervisor()
     monitor = CanaryMonitor(sup, RouterSettings(canary_action="drain"))
     info = CapabilityPayload(model={"dtype": "bfloat16"}, device={"type": "cuda"}, fp8={"convention": "emulated"})
-    monitor.reference = Reference("m", ((1, 5, 9),), tuple(REF), "gpu0", Numerics.of(info), 0.0)
-    h = SimpleNamespace(id="gpu1", generation=1, info=info, canary=None, canary_hold=None)
+    monitor.references["m"] = Reference("m", ((1, 5, 9),), tuple(REF), "gpu0", Numerics.of(info), 0.0)
+    h = SimpleNamespace(id="gpu1", generation=1, info=info, canary=None, canary_hold=None, model="m")
     wrong = [scored((7, -0.1, ((7, -0.1),)), (3, -0.5, ((3, -0.5),)))]
     for _ in range(MAX_CANARY_RESTARTS + 2):
         monitor._conclude(h, tuple(wrong))
@@ -145,7 +145,7 @@ def test_drain_restarts_a_suspect_twice_then_holds_it_until_it_passes():
     monitor._conclude(h, tuple(wrong))  # healthy in between: the restarts count again
     assert sup.calls[-1][0] == "restart"
     marking = CanaryMonitor(_Supervisor(), RouterSettings(canary_action="mark"))
-    marking.reference = monitor.reference
-    marking._conclude(h2 := SimpleNamespace(id="gpu2", generation=1, info=info, canary=None, canary_hold=None),
-                      tuple(wrong))
+    marking.references = monitor.references
+    marking._conclude(h2 := SimpleNamespace(id="gpu2", generation=1, info=info, canary=None, canary_hold=None,
+                                            model="m"), tuple(wrong))
     assert h2.canary.suspect and h2.canary_hold is None and marking.supervisor.calls == []

@@ -203,6 +203,24 @@ def _future_fields(page) -> None:
     page.route("**/stats", stats)
 
 
+def _two_models(page) -> None:
+    """Serve the page /workers as a router of three models would: gpu2 serving `coder` (loaded
+    on demand), `big` unloaded."""
+
+    def workers(route):
+        body = route.fetch().json()
+        for w in body["workers"]:
+            if w["id"] == "gpu2":
+                w["model"]["name"] = "coder"
+        base = body["models"][0]
+        body["models"] = [{**base, "workers": ["gpu0", "gpu1"]},
+                          {**base, "name": "coder", "workers": ["gpu2"], "loads": 2, "unloads": 1, "last_load_s": 3.2},
+                          {**base, "name": "big", "state": "unloaded", "workers": [], "reason": "least recently used"}]
+        route.fulfill(json=body)
+
+    page.route("**/workers", workers)
+
+
 def _load(router, stop: threading.Event) -> None:
     """Streamed requests in the background, so the sparklines and load bars have something to show."""
     with httpx.Client(base_url=router.url, headers=AUTH, timeout=60) as c:
@@ -244,6 +262,10 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             # 2. three cards in device order, each with its own capability, fp8 path and kernels
             cards = page.locator(".card")
             assert [cards.nth(i).get_attribute("data-worker") for i in range(3)] == ["gpu0", "gpu1", "gpu2"]
+            # ... in the section of the model they serve, with its state
+            tiny = page.locator(".model-group[data-model=tiny]")
+            expect(tiny.locator(".card")).to_have_count(3)
+            expect(tiny.locator(".model-state")).to_have_text("loaded")
             assert [cards.nth(i).locator(".cap").get_attribute("data-capability") for i in range(3)] == ["8.0", "8.9", "9.0"]
             assert [cards.nth(i).locator(".fp8").get_attribute("data-convention") for i in range(3)] == [
                 "emulated", "native_e4m3", "native_e4m3"]
@@ -299,12 +321,26 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             page.screenshot(path=str(ARTIFACTS / "status-page-verdicts.png"), full_page=True)
             page.unroute("**/workers")
             page.unroute("**/stats")
-            # 6. a phone-width screen: one column, nothing wider than the screen
+            # 6. several models: a section each, in /workers' order, a worker's card under its own model
+            _two_models(page)
+            coder = page.locator(".model-group[data-model=coder]")
+            expect(coder.locator(".card[data-worker=gpu2]")).to_have_count(1, timeout=5_000)
+            expect(page.locator(".model-group[data-model=tiny] .card")).to_have_count(2)
+            assert page.locator(".model-group").evaluate_all("gs => gs.map(g => g.dataset.model)") == [
+                "tiny", "coder", "big"]
+            big = page.locator(".model-group[data-model=big]")
+            expect(big.locator(".model-state")).to_have_text("unloaded")
+            expect(big.locator(".none")).to_have_text("not loaded: the next request for it loads it")
+            expect(coder.locator(".model-info")).to_contain_text("1 worker · 2 loads, 1 unload · last load 3.2 s")
+            expect(page.locator("#summary")).to_contain_text("3 models (2 loaded)")
+            page.screenshot(path=str(ARTIFACTS / "status-page-models.png"), full_page=True)
+            page.unroute("**/workers")
+            # 7. a phone-width screen: one column, nothing wider than the screen
             page.set_viewport_size({"width": 390, "height": 844})
             page.wait_for_timeout(300)
             assert page.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
             page.screenshot(path=str(ARTIFACTS / "status-page-phone.png"), full_page=True)
-            # 7. air-gapped: nothing but this server was asked for anything
+            # 8. air-gapped: nothing but this server was asked for anything
             assert requested and all(u.startswith(router.url + "/") for u in requested), sorted(set(requested))
             assert not errors, errors
         finally:

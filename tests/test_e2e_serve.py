@@ -96,12 +96,13 @@ def test_metrics_carry_every_worker_series_with_id_and_capability(client):
     client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
     families = list(text_string_to_metric_families(client.get("/metrics").text))
     fleet_wide = ("hetserve_router_requests", "hetserve_router_request_duration", "hetserve_router_chars_per_token",
-                  "hetserve_router_sessions")
+                  "hetserve_router_sessions", "hetserve_router_model_")  # per model, not per worker
     worker_samples = [s for f in families if not f.name.startswith(fleet_wide) for s in f.samples]
     assert worker_samples
-    labels = {(s.labels.get("worker_id"), s.labels.get("capability")) for s in worker_samples}
+    labels = {(s.labels.get("worker_id"), s.labels.get("capability"), s.labels.get("model")) for s in worker_samples}
     # the inference gateways' gauges also carry the pod's total, labelled `all`
-    assert labels == {("gpu0", "8.0"), ("gpu1", "8.9"), ("gpu2", "9.0"), ("all", "all")}, labels
+    assert labels == {("gpu0", "8.0", "tiny"), ("gpu1", "8.9", "tiny"), ("gpu2", "9.0", "tiny"),
+                      ("all", "all", "all")}, labels
     pod = {f.name for f in families for s in f.samples if s.labels.get("worker_id") == "all"}
     assert pod == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                    "vllm:gpu_cache_usage_perc"}, pod

@@ -71,7 +71,7 @@ def test_stats_report_health_and_each_workers_recent_tokens_per_second(client):
             break
         time.sleep(0.1)
     assert _generated(stats) == before + 120
-    assert stats["health"]["status"] == "ok" and stats["model"] == "fake-model"
+    assert stats["health"]["status"] == "ok" and stats["model"] == "default_model"
     assert stats["interval_s"] == 0.2 and stats["window_s"] > 0
     assert list(stats["workers"]) == ["gpu0", "gpu1", "gpu2"]
     rates = [v for w in stats["workers"].values() for v in w["tokens_per_s"] if v]

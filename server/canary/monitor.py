@@ -4,8 +4,11 @@ On a mixed host each worker runs other kernels and another fp8 path, and a card 
 silently. The canary checks them continuously: once every worker has started (and when a
 worker process becomes ready later, after a restart), then every `--canary-interval`
 seconds, it has every ready worker score the same few short sequences, teacher-forced, with
-their top logprobs, and compares each worker with the reference recorded for the model and
-with the other workers (what is compared, and when it must be exact: server/canary/compare.py).
+their top logprobs, and compares each worker with the reference recorded for its model and
+with the other workers of that model (what is compared, and when it must be exact:
+server/canary/compare.py). Workers of different models are never compared: each model has its
+own reference, recorded by the first round its workers take part in (at startup, or once a
+model loaded on demand has a ready worker).
 
 Between user requests, without displacing them: a worker gets one canary request at a time
 (a prefill of about 24 tokens, no decode), and only while the router has fewer than
@@ -74,6 +77,11 @@ SLOT_POLL_S = 0.02
 MAX_CANARY_RESTARTS = 2  # drains in a row that did not bring a worker back to health
 
 
+def _model(h: WorkerHandle) -> str:
+    """The model a worker serves ("" for a stand-in without one)."""
+    return getattr(h, "model", "") or ""
+
+
 class CanaryBusy(Exception):
     """The worker had no free batch slot, or did not answer: no verdict this time."""
 
@@ -83,8 +91,8 @@ class CanaryMonitor:
 
     def __init__(self, supervisor: Supervisor, settings: RouterSettings):
         self.supervisor, self.settings = supervisor, settings
-        self.reference: Reference | None = None
-        self._last: dict[str, tuple[Scored, ...]] = {}  # worker id -> its last scores
+        self.references: dict[str, Reference] = {}  # model name -> its reference
+        self._last: dict[str, tuple[str, tuple[Scored, ...]]] = {}  # worker id -> (its model, its last scores)
         self._tried: dict[str, int] = {}  # worker id -> the process generation last checked (or tried)
         self._drains: dict[str, int] = {}  # worker id -> drains in a row without a healthy check since
         self.first_round = asyncio.Event()  # set once the start-up round is over (at once when off)
@@ -125,16 +133,24 @@ class CanaryMonitor:
             return
         for h in handles:
             self._tried[h.id] = h.generation
+        by_model: dict[str, list[WorkerHandle]] = {}
+        for h in handles:
+            by_model.setdefault(_model(h), []).append(h)
         try:
-            if self.reference is None:
-                await self._record_reference(handles)
-                return
-            results = await asyncio.gather(*(self._score_all(h, self.reference.sequences) for h in handles),
-                                           return_exceptions=True)
-            for h, result in zip(handles, results, strict=True):
-                self._conclude(h, result)
+            await asyncio.gather(*(self._check_model(model, group) for model, group in by_model.items()))
         finally:  # checked (or no verdict could be had): a first check never keeps a worker out
             self.release_first_checks(handles)
+
+    async def _check_model(self, model: str, handles: list[WorkerHandle]) -> None:
+        """Check workers of one model against its reference (recorded first if it has none)."""
+        reference = self.references.get(model)
+        if reference is None:
+            await self._record_reference(model, handles)
+            return
+        results = await asyncio.gather(*(self._score_all(h, reference.sequences) for h in handles),
+                                       return_exceptions=True)
+        for h, result in zip(handles, results, strict=True):
+            self._conclude(h, result)
 
     def release_first_checks(self, handles) -> None:
         """Back in rotation: each of `handles` held only for its first check."""
@@ -143,7 +159,7 @@ class CanaryMonitor:
                 self.supervisor.release(h)
 
     # --- the reference -----------------------------------------------------------------
-    async def _record_reference(self, handles: list[WorkerHandle]) -> None:
+    async def _record_reference(self, model: str, handles: list[WorkerHandle]) -> None:
         """The first round: every worker generates the continuations, the consensus becomes the
         canary sequences, every worker scores them, and the worker that agreed with the
         consensus on the most prompts (the first such in device order) gives the reference."""
@@ -165,10 +181,10 @@ class CanaryMonitor:
             return
         h0 = answered[origin][0]
         assert h0.info is not None
-        self.reference = Reference(h0.info.model.id or str(self.settings.model_dir), sequences, results[origin],
-                                   h0.id, Numerics.of(h0.info), time.time())
-        logger.info("canary: reference recorded from worker %s (%d sequences, %d positions)", h0.id, len(sequences),
-                    sum(len(s.positions) for s in results[origin]))
+        self.references[model] = Reference(model or h0.info.model.id or str(self.settings.model_dir), sequences,
+                                           results[origin], h0.id, Numerics.of(h0.info), time.time())
+        logger.info("canary: reference of %s recorded from worker %s (%d sequences, %d positions)", model or "the model",
+                    h0.id, len(sequences), sum(len(s.positions) for s in results[origin]))
         for (h, _), result in zip(answered, results, strict=True):
             self._conclude(h, result)
 
@@ -218,14 +234,15 @@ class CanaryMonitor:
         if isinstance(result, BaseException):
             logger.warning("canary: no verdict on worker %s this time: %s", h.id, result)
             return
-        ref = self.reference
+        model = _model(h)
+        ref = self.references.get(model)
         assert ref is not None and h.info is not None
-        self._last[h.id] = result
+        self._last[h.id] = (model, result)
         c = compare(result, ref.scores)
         exp = expectation(Numerics.of(h.info), ref.numerics, self.settings.canary_min_agreement)
         verdict, reason = exp.judge(c)
-        peers = tuple((other, compare(result, scores).agreement) for other, scores in self._last.items()
-                      if other != h.id)
+        peers = tuple((other, compare(result, scores).agreement) for other, (of, scores) in self._last.items()
+                      if other != h.id and of == model)
         h.canary = CanaryRecord(h.generation, time.time(), verdict, reason, exp.describe(), c.agreement,
                                 c.max_logprob_diff, c.positions, ref.describe(), peers)
         if verdict == SUSPECT:

@@ -111,7 +111,7 @@ def run(args) -> int:
         timeout_keep_alive=30,
         server_header=False,
         lifespan="on",
-        http=edge_protocol(EdgeLimits.from_settings(settings)),
+        http=edge_protocol(EdgeLimits.from_settings(settings, app.state.ctx.metrics.client_write_timeout)),
     )
     server = uvicorn.Server(config)
     logger.info("hetserve starting %d worker(s) for %s; listening on %s", max(1, len(devices)),

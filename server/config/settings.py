@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.config.api_key import resolve_api_key
+from server.config.budgets import RequestBudgets, budgets_from_args
+from server.config.compile import AUTO as AUTO_COMPILE
+from server.config.compile import compile_from_args
 from server.config.models import ModelsConfig, models_from_args
+from server.config.protocol import ProtocolConfig, protocol_from_args
 from server.config.reasoning import AUTO as AUTO_REASONING
 from server.config.reasoning import reasoning_parser_from_args
 from server.config.routing import RoutingConfig, routing_from_args
@@ -73,10 +77,12 @@ class RouterSettings:
     log_level: str = "info"
     special_tokens_in_content: bool = False  # chat content may hold the model's special tokens
     reasoning_parser: str = AUTO_REASONING  # auto | qwen3 | none (server/config/reasoning.py)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)  # tool calls, task, lenient params
     # HTTP edge
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     header_timeout_s: float = HEADER_TIMEOUT_S  # a request head must arrive within this (408)
     body_timeout_s: float = BODY_TIMEOUT_S  # longest pause inside a request body (408)
+    budgets: RequestBudgets = field(default_factory=RequestBudgets)  # write timeout, grammar compiles (server/config/budgets.py)
     retry_after_s: int = 1  # `Retry-After` on 429 and 503
     ready_wait_s: float = 30.0  # how long a request waits for a ready worker (none ready yet)
     drain_timeout_s: float = DRAIN_TIMEOUT_S  # in-flight requests get this long after SIGTERM
@@ -104,6 +110,7 @@ class RouterSettings:
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # --routing and its parameters
     # numerics
     deterministic: bool = False  # workers run batch-invariant numerics (workers/model/deterministic.py)
+    compile: str = AUTO_COMPILE  # auto | on | off: workers' decode step compiled (server/config/compile.py)
     canary_interval_s: float = 300.0  # seconds between canary rounds; 0 turns the canary off
     canary_min_agreement: float = CANARY_MIN_AGREEMENT  # below it (where not exact), a worker is suspect
     canary_action: str = "mark"  # mark | drain (out of rotation, restarted, checked again)
@@ -154,7 +161,9 @@ class RouterSettings:
             "log_level": getattr(args, "log_level", "info"),
             "special_tokens_in_content": bool(getattr(args, "special_tokens_in_content", False)),
             "deterministic": bool(getattr(args, "deterministic", False)),
+            "compile": compile_from_args(args),
             "reasoning_parser": reasoning_parser_from_args(args),
+            "protocol": protocol_from_args(args),
         }
         endpoint = getattr(args, "otlp_endpoint", None)
         if endpoint:
@@ -163,6 +172,7 @@ class RouterSettings:
             except ValueError as e:
                 raise UsageError(f"--otlp-endpoint: {e}") from e
         kwargs.update(_failure_knobs(args))
+        kwargs["budgets"] = budgets_from_args(args)
         kwargs["routing"] = routing_from_args(args)
         kwargs.update(_canary_knobs(args))
         # Optional knobs a future CLI may add; absent means the defaults above.

@@ -4,13 +4,17 @@ Nothing is lost: a request is retried on another ready worker when its worker fa
 before the client has received anything: the worker is unreachable or dies before
 answering (non-streamed), dies before the first event (streamed), or answers 503 (not ready,
 draining) or 429 (its queue is full); another 5xx is retried once (a worker about to exit
-fatally may answer 500 first), then answered as is. A stream whose first event has gone out is
+fatally may answer 500 first), then answered as is. An answer that blames the request (a 422,
+a 500 `request_failed`) is the answer, with no verdict on the worker, and a request in flight
+at a second worker's death is refused rather than sent to a third (server/dispatch/faults.py). A stream whose first event has gone out is
 not retried from the start (the client already has tokens): server/dispatch/migration.py moves it to
 another worker from the token it reached. When every matching worker is busy the answer is 429
 with `Retry-After`; when none is ready, the request waits a bounded time for one (a single
 worker restarting after a crash) and then gets 503. Every outcome feeds the worker's circuit
 breaker (server/fleet/breaker.py): a connection error or a 5xx is a failure, an answer a success,
-a 429 neither. Trade-off: a stream's headers are sent only with its first event, so the retry
+a 429 neither. A request is for one model, and only its workers are tried; when none serves it,
+the model manager (server/fleet/models.py) starts loading it (on demand) and the request waits
+for its worker as for one restarting, within the same bound, then gets 503 with `Retry-After`. Trade-off: a stream's headers are sent only with its first event, so the retry
 is invisible to the client at the price of holding the response until the first token exists.
 """
 
@@ -23,15 +27,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from server.config.settings import RouterSettings
+from server.dispatch.faults import REFUSED_TYPE, Deaths, Quarantine, fingerprint, request_fault
 from server.dispatch.spans import note_answer, note_retry, note_route
-from server.fleet.client import SSEEvents, WorkerGone, split_events
+from server.fleet.client import SSEEvents, WorkerDown, WorkerGone, split_events
 from server.fleet.handle import WorkerHandle
 from server.fleet.metrics import RouterMetrics
+from server.fleet.models import ModelManager, ModelUnavailable
 from server.fleet.supervisor import Supervisor
-from server.routing.filter import ELIGIBLE, OVERLOADED, UNSATISFIABLE, WAIT, Constraints, eligible
+from server.routing.filter import ELIGIBLE, OVERLOADED, UNLOADED, UNSATISFIABLE, WAIT, Constraints, eligible
 from server.routing.policy import HEADER_ROUTE
 from server.routing.router import Router, RouteRequest, Ticket
-from workers.contract import HEADER_FP8_CONVENTION, HEADER_WORKER_CAPABILITY, HEADER_WORKER_ID, WORKER_HEADERS
+from workers.contract import (
+    HEADER_FP8_CONVENTION,
+    HEADER_MODEL,
+    HEADER_WORKER_CAPABILITY,
+    HEADER_WORKER_ID,
+    WORKER_HEADERS,
+)
 from workers.contract.tracing import NO_TRACING, Tracing
 
 logger = logging.getLogger(__name__)
@@ -39,9 +51,12 @@ logger = logging.getLogger(__name__)
 _RETRY_STATUSES = (429, 503)  # the worker did not take the request: try another
 
 
-def _retry(status: int, error_retried: bool) -> tuple[bool, bool]:
+def _retry(status: int, error_retried: bool, fault: bool = False) -> tuple[bool, bool]:
     """(retry elsewhere?, error retry used?). 429/503: always; another 5xx: once (the worker may
-    be failing, as before a fatal exit); anything else is the answer."""
+    be failing, as before a fatal exit) unless it blames the request (`fault`); anything else is
+    the answer."""
+    if fault:
+        return False, error_retried
     if status in _RETRY_STATUSES:
         return True, error_retried
     if status >= 500 and not error_retried:
@@ -52,22 +67,25 @@ def _retry(status: int, error_retried: bool) -> tuple[bool, bool]:
 
 
 class _Lost(Exception):
-    """The worker went away before the client received anything: try another."""
+    """The worker went away before the client received anything: try another. `died`: it went
+    away with the request in flight (not: nothing listened)."""
 
-    def __init__(self, why: str):
+    def __init__(self, why: str, died: bool = True):
         super().__init__(why)
-        self.why = why
+        self.why, self.died = why, died
 
 
 class DispatchError(Exception):
     """The router answers this itself (no worker produced a response)."""
 
-    def __init__(self, status: int, message: str, error_type: str, retry_after: int | None = None):
+    def __init__(self, status: int, message: str, error_type: str, retry_after: int | None = None,
+                 model: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type
         self.retry_after = retry_after
+        self.model = model  # the model the request was for (`X-Hetserve-Model` on the answer)
 
 
 @dataclass
@@ -99,11 +117,16 @@ class WorkerStream:
     generation: int = 0  # the worker process that serves it
     ticket: Ticket | None = None  # its dispatch, ended with the stream
 
+    def finish(self) -> None:
+        """The worker sent its last event: its admission slot is free, whether or not the client
+        has read everything yet."""
+        if self.ticket is not None:
+            self.ticket.end()
+
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            if self.ticket is not None:
-                self.ticket.end()
+            self.finish()
             await self._stack.aclose()
 
     async def events(self) -> AsyncIterator[str]:
@@ -121,19 +144,23 @@ def worker_headers(worker: WorkerHandle, response_headers) -> dict[str, str]:
         HEADER_WORKER_CAPABILITY: worker.capability_label,
         HEADER_FP8_CONVENTION: worker.fp8_convention or "unknown",
     }
-    return {name.lower(): response_headers.get(name.lower()) or fallback[name] for name in WORKER_HEADERS}
+    headers = {name.lower(): response_headers.get(name.lower()) or fallback[name] for name in WORKER_HEADERS}
+    headers[HEADER_MODEL.lower()] = worker.model
+    return headers
 
 
 class Dispatcher:
     """Picks workers (filter, then the router), forwards requests (worker client), retries (see module doc)."""
 
     def __init__(self, supervisor: Supervisor, settings: RouterSettings, metrics: RouterMetrics,
-                 tracing: Tracing = NO_TRACING, router: Router | None = None):
+                 tracing: Tracing = NO_TRACING, router: Router | None = None, models: ModelManager | None = None):
         self.supervisor = supervisor
         self.settings = settings
         self.metrics = metrics
         self.tracing = tracing  # notes route decisions and retries on the request's span
         self.router = router or Router(settings.routing)  # scores and picks among the workers that pass
+        self.quarantine = Quarantine()  # requests refused for killing workers (server/dispatch/faults.py)
+        self.models = models  # loads a model no worker serves (on demand)
 
     # --- choosing ----------------------------------------------------------------------
     async def _acquire(self, c: Constraints, req: RouteRequest, exclude: dict[str, int], deadline: float,
@@ -148,16 +175,29 @@ class Dispatcher:
                 ticket = self.router.begin(worker, route, req)
                 worker.breaker.on_dispatch()
                 return worker, ticket, f"{route.header}: {route.detail} ({f.reason})"
+            left = deadline - time.monotonic()
+            if f.kind == UNLOADED:
+                assert c.model is not None
+                try:
+                    under_way = self.models.request_load(c.model) if self.models is not None else f.reason
+                except ModelUnavailable as e:
+                    raise DispatchError(503, e.message, "unavailable", s.retry_after_s, c.model) from e
+                if left <= 0:
+                    raise DispatchError(503, f"{f.reason}: {under_way}; retry later", "unavailable", s.retry_after_s,
+                                        c.model)
+                await self.supervisor.wait_changed(min(left, 0.5))
+                continue
             if f.kind == UNSATISFIABLE:
-                raise DispatchError(422, f.reason, "validation")
+                raise DispatchError(422, f.reason, "validation", model=c.model)
             if f.kind == OVERLOADED or saw_429:
                 raise DispatchError(429, f"Overloaded: {f.reason if f.kind == OVERLOADED else 'every worker queue is full'}; retry later",
-                                    "overloaded", s.retry_after_s)
-            left = deadline - time.monotonic()
+                                    "overloaded", s.retry_after_s, c.model)
             if f.kind == WAIT and left > 0:
                 await self.supervisor.wait_changed(min(left, 0.5))
                 continue
-            raise DispatchError(503, f"No worker available: {f.reason}", "unavailable", s.retry_after_s)
+            loading = self.models is not None and c.model is not None and self.models.loading(c.model)
+            why = f"Model `{c.model}` is loading ({f.reason}); retry later" if loading else f"No worker available: {f.reason}"
+            raise DispatchError(503, why, "unavailable", s.retry_after_s, c.model)
 
     def _attempts(self) -> int:
         return 2 * len(self.supervisor.workers) + 2
@@ -171,9 +211,10 @@ class Dispatcher:
 
     @staticmethod
     def _judge(worker: WorkerHandle, generation: int, result: WorkerReply | WorkerStream) -> None:
-        """The breaker's view of an answer: 5xx failure, 429 no verdict, anything else success."""
+        """The breaker's view of an answer: 5xx failure, 429 or the request's own fault no
+        verdict, anything else success."""
         status = result.status if isinstance(result, WorkerReply) else 200
-        if status == 429:
+        if status == 429 or (status >= 500 and request_fault(status, result.content)):
             worker.request_outcome(generation, None)
         else:
             worker.request_outcome(generation, status < 500, f"answered {status}")
@@ -181,15 +222,20 @@ class Dispatcher:
     # --- one loop of attempts for both kinds ---------------------------------------------
     async def _with_retries(self, c: Constraints, req: RouteRequest,
                             attempt: Callable[[WorkerHandle, Ticket], Awaitable[WorkerReply | WorkerStream]],
-                            exclude: dict[str, int] | None = None):
+                            exclude: dict[str, int] | None = None, deaths: Deaths | None = None,
+                            key: Callable[[], str] | None = None):
         """Runs `attempt` on chosen workers until one gives an answer that is not retried.
 
         `attempt` returns the worker's reply (retried on 429/503, once on another 5xx) or an open
         stream, and raises `_Lost` when the worker went away before the client got anything; it
         ends the ticket when the reply is in, a refusal read or the attempt failed (a stream: on close).
-        `exclude` (worker id -> generation that failed this request) may come from earlier tries."""
+        `exclude` (worker id -> generation that failed this request) and `deaths` (workers that
+        died under it) may come from earlier tries; `key()` is its quarantine fingerprint."""
         exclude = {} if exclude is None else exclude
+        deaths = Deaths() if deaths is None else deaths
         deadline = time.monotonic() + self.settings.ready_wait_s
+        if self.models is not None and c.model is not None:
+            self.models.touch(c.model)
         saw_429 = error_retried = False
         last: WorkerReply | None = None
         for n in range(self._attempts()):
@@ -208,6 +254,8 @@ class Dispatcher:
             except _Lost as e:
                 worker.request_outcome(generation, False, e.why)
                 self._failed(worker, generation, exclude, e.why)
+                if e.died and deaths.witnessed(worker.id):
+                    self.refuse(key, deaths)
                 continue
             except BaseException:  # cancelled (the client left): no verdict on the worker
                 worker.request_outcome(generation, None)
@@ -216,7 +264,7 @@ class Dispatcher:
             result.headers[HEADER_ROUTE.lower()] = ticket.route.header
             if isinstance(result, WorkerReply):
                 last = result
-                again, error_retried = _retry(result.status, error_retried)
+                again, error_retried = _retry(result.status, error_retried, request_fault(result.status, result.content))
                 if again:
                     saw_429 = saw_429 or result.status == 429
                     self._failed(worker, generation, exclude, f"answered {result.status}")
@@ -224,28 +272,45 @@ class Dispatcher:
             note_answer(self.tracing, worker)
             return result
         raise DispatchError(503, "No worker could take the request after several tries", "unavailable",
-                            self.settings.retry_after_s)
+                            self.settings.retry_after_s, c.model)
+
+    def refuse(self, key: Callable[[], str] | None, deaths: Deaths) -> None:
+        """Refuse a request that was in flight at `deaths` (a 422), and quarantine it."""
+        reason = deaths.reason()
+        if key is not None:
+            self.quarantine.add(key(), reason)
+        logger.warning("refusing a request: %s", reason)
+        raise DispatchError(422, reason, REFUSED_TYPE)
+
+    def check_quarantine(self, path: str, body: dict) -> None:
+        """A 422 for a request refused earlier for killing workers (nothing to do while none was)."""
+        if self.quarantine and (reason := self.quarantine.reason(fingerprint(path, body))) is not None:
+            raise DispatchError(422, reason, REFUSED_TYPE)
 
     # --- non-streamed ------------------------------------------------------------------
     async def generate(self, path: str, body: dict, c: Constraints) -> WorkerReply:
         """The worker's whole answer (any status but 429/503, which are retried elsewhere)."""
+        self.check_quarantine(path, body)
 
         async def attempt(worker: WorkerHandle, ticket: Ticket) -> WorkerReply:
             try:
                 status, headers, content = await worker.client.post(path, body, self.tracing.inject())
             except WorkerGone as e:
-                raise _Lost(repr(e)) from e
+                raise _Lost(repr(e), died=not isinstance(e, WorkerDown)) from e
             finally:
                 ticket.end()
             return WorkerReply(status, content, worker_headers(worker, headers), worker)
 
-        return await self._with_retries(c, self.router.request(body, c), attempt)
+        return await self._with_retries(c, self.router.request(body, c), attempt,
+                                        key=lambda: fingerprint(path, body))
 
     # --- streamed ----------------------------------------------------------------------
     async def open_stream(self, path: str, body: dict, c: Constraints,
-                          exclude: dict[str, int] | None = None) -> WorkerStream | WorkerReply:
+                          exclude: dict[str, int] | None = None, deaths: Deaths | None = None) -> WorkerStream | WorkerReply:
         """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply.
-        `exclude`: workers (id -> generation) that already failed this request."""
+        `exclude`: workers (id -> generation) that already failed this request; `deaths`: those
+        that died under it."""
+        self.check_quarantine(path, body)
 
         async def attempt(worker: WorkerHandle, ticket: Ticket) -> WorkerStream | WorkerReply:
             generation = worker.generation
@@ -265,11 +330,12 @@ class Dispatcher:
             except (*WorkerGone, StopAsyncIteration) as e:
                 await stack.aclose()
                 ticket.end()
-                raise _Lost(f"no first event: {e!r}") from e
+                raise _Lost(f"no first event: {e!r}", died=not isinstance(e, WorkerDown)) from e
             except BaseException:
                 await stack.aclose()
                 ticket.end()
                 raise
             return WorkerStream(worker, headers, first[0], first[1], sse, stack, generation=generation, ticket=ticket)
 
-        return await self._with_retries(c, self.router.request(body, c), attempt, exclude)
+        return await self._with_retries(c, self.router.request(body, c), attempt, exclude, deaths,
+                                        key=lambda: fingerprint(path, body))

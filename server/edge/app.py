@@ -24,11 +24,13 @@ from server.edge.context import VERSION, RouterContext
 from server.edge.disconnect import DisconnectGuard
 from server.edge.errors import install_error_handlers
 from server.edge.middleware import EdgeMiddleware
-from server.edge.routes import docs, generate, health, openai, status, workers
+from server.edge.routes import anthropic, docs, generate, health, openai, responses, status, tokenize, workers
 from server.edge.routes import metrics as metrics_routes
+from server.edge.routes import models as model_routes
 from server.edge.tracing import TracingMiddleware
 from server.fleet.history import WorkerStats
 from server.fleet.metrics import RouterMetrics
+from server.fleet.models import ModelCollector, ModelManager
 from server.fleet.supervisor import Supervisor
 from server.routing.metrics import RoutingCollector
 from server.routing.router import Router
@@ -50,10 +52,15 @@ def ready_summary(supervisor: Supervisor) -> str:
 
 
 def create_app(settings: RouterSettings, devices: list[DeviceInfo],
-               on_settled: Callable[[Supervisor], None] | None = None, tracing: Tracing | None = None) -> FastAPI:
+               on_settled: Callable[[Supervisor], None] | None = None, tracing: Tracing | None = None,
+               models: ModelManager | None = None) -> FastAPI:
     """The public app; `on_settled(supervisor)` runs once every worker is ready or failed.
-    `tracing`: the router's spans (default: from `settings.otlp_endpoint`, off without one)."""
-    supervisor = Supervisor(devices, settings)
+    `tracing`: the router's spans (default: from `settings.otlp_endpoint`, off without one).
+    `models`: the models and their placement (default: from the settings; `PlacementError`, a
+    usage error, when they do not fit the devices)."""
+    models = models or ModelManager(settings, devices)
+    supervisor = Supervisor(devices, settings, models.assignment())
+    models.attach(supervisor)
 
     def handles() -> list:
         return list(supervisor.workers.values())
@@ -61,10 +68,11 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
     metrics = RouterMetrics(handles)
     router = Router(settings.routing)
     metrics.registry.register(RoutingCollector(router, handles))
+    metrics.registry.register(ModelCollector(models))
     tracing = tracing or start_tracing(settings.otlp_endpoint, "hetserve-router")
-    ctx = RouterContext(settings, supervisor, Dispatcher(supervisor, settings, metrics, tracing, router), metrics,
-                        WorkerStats(handles, settings.stats_interval_s, observers=[router.observe]),
-                        CanaryMonitor(supervisor, settings))
+    ctx = RouterContext(settings, supervisor, Dispatcher(supervisor, settings, metrics, tracing, router, models),
+                        metrics, WorkerStats(handles, settings.stats_interval_s, observers=[router.observe]),
+                        CanaryMonitor(supervisor, settings), models)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,6 +85,7 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            await models.stop()
             logger.info("stopping %d workers", len(supervisor.workers))
             await supervisor.stop()
             tracing.shutdown()
@@ -99,7 +108,8 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
                        metrics=metrics)
     if tracing.enabled:  # outermost: the span covers the whole request, refusals included
         app.add_middleware(TracingMiddleware, tracing=tracing)
-    for module in (generate, openai, workers, health, metrics_routes, status, docs):
+    for module in (generate, openai, responses, anthropic, tokenize, model_routes, workers, health, metrics_routes,
+                   status, docs):
         app.include_router(module.router)
     docs.mount_assets(app)
     return app

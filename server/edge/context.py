@@ -1,9 +1,12 @@
 """What every route needs, and the dependency that hands it over.
 
-`RouterContext` holds the run's settings, supervisor, dispatcher, metrics and stats, plus the
-model facts that the workers reported (`/capability`). The app puts one on
-`app.state.ctx`; routes take it through `get_ctx` and import nothing from the app module,
-so the app can import every router at the top (FastAPI's "bigger applications" shape).
+`RouterContext` holds the run's settings, supervisor, dispatcher, metrics and stats, the
+models (server/fleet/models.py), plus the model facts that the workers reported
+(`/capability`). The app puts one on `app.state.ctx`; routes take it through `get_ctx` and
+import nothing from the app module, so the app can import every router at the top (FastAPI's
+"bigger applications" shape). A request for one model sees it through `ModelContext`
+(`ctx.model(name)`): the same methods, answered for that model (its name, context, sampling
+defaults and chat template), so a route reads the same for one model or several.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from server.config.settings import RouterSettings
 from server.dispatch.dispatcher import Dispatcher
 from server.fleet.history import WorkerStats
 from server.fleet.metrics import RouterMetrics
+from server.fleet.models import ModelManager
 from server.fleet.supervisor import Supervisor
 from server.protocol.chat import ChatTemplate, load_chat_template
 from workers.contract import ModelDescription
@@ -38,34 +42,86 @@ class RouterContext:
     metrics: RouterMetrics
     stats: WorkerStats | None = None  # the status page's per-worker history
     canary: CanaryMonitor | None = None  # the cross-worker numerics check
+    models: ModelManager | None = None  # the models offered, where each is loaded
     started_at: float = field(default_factory=time.time)
-    _chat: ChatTemplate | None = None
+    _chats: dict[str, ChatTemplate] = field(default_factory=dict)
 
-    def _model_info(self) -> ModelDescription:
-        """The `model` object of the first worker that has reported one."""
-        for h in self.supervisor.workers.values():
-            if h.info is not None and h.info.model.id:
+    def model(self, name: str | None = None) -> ModelContext:
+        """The context of a request for model `name` (the default when None); `ModelUnavailable`
+        (404) for a model this router does not offer."""
+        return ModelContext(self, self.models.resolve(name) if self.models is not None else self.settings.model_dir.name)
+
+    def model_names(self) -> list[str]:
+        return list(self.models.models) if self.models is not None else [self.settings.model_dir.name]
+
+    # The default model's facts, for the routes that name no model (/health, /info, /stats).
+    def model_id(self) -> str:
+        return self.model().model_id()
+
+    def context_length(self) -> int | None:
+        return self.model().context_length()
+
+
+@dataclass
+class ModelContext:
+    """What a request for one model needs: the run's context, answered for that model."""
+
+    ctx: RouterContext
+    name: str
+
+    @property
+    def settings(self) -> RouterSettings:
+        return self.ctx.settings
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return self.ctx.dispatcher
+
+    @property
+    def metrics(self) -> RouterMetrics:
+        return self.ctx.metrics
+
+    @property
+    def supervisor(self) -> Supervisor:
+        return self.ctx.supervisor
+
+    @property
+    def started_at(self) -> float:
+        return self.ctx.started_at
+
+    def reported(self) -> ModelDescription:
+        """The `model` object of the first worker of this model that has reported one."""
+        for h in self.ctx.supervisor.workers.values():
+            if h.model in (self.name, "") and h.info is not None and h.info.model.id:
                 return h.info.model
         return ModelDescription()
 
+    def _dir(self):
+        models = self.ctx.models
+        return models.models[self.name].entry.path if models is not None else self.ctx.settings.model_dir
+
     def model_id(self) -> str:
-        return self._model_info().id or self.settings.model_dir.name
+        """The name clients ask for and every answer carries."""
+        return self.name
 
     def context_length(self) -> int | None:
-        value = self._model_info().context_length
+        value = self.reported().context_length
+        if (value is None or value <= 0) and self.ctx.models is not None:
+            value = self.ctx.models.models[self.name].ask.profile.context_length
         return value if value is not None and value > 0 else None
 
     def sampling_defaults(self) -> dict:
-        """The model's generation_config sampling values, as the workers reported them."""
-        return dict(self._model_info().sampling_defaults)
+        """The model's generation_config sampling values, as its workers reported them."""
+        return dict(self.reported().sampling_defaults)
 
     def chat_template(self) -> ChatTemplate:
-        """Loaded once, from the model directory (or what the worker reported)."""
-        if self._chat is None:
-            self._chat = load_chat_template(self.settings.model_dir, self._model_info(),
-                                            self.settings.special_tokens_in_content)
-            logger.info("chat template from %s", self._chat.origin)
-        return self._chat
+        """Loaded once per model, from its directory (or what its worker reported)."""
+        chat = self.ctx._chats.get(self.name)
+        if chat is None:
+            chat = load_chat_template(self._dir(), self.reported(), self.ctx.settings.special_tokens_in_content)
+            self.ctx._chats[self.name] = chat
+            logger.info("chat template of %s from %s", self.name, chat.origin)
+        return chat
 
 
 def get_ctx(request: Request) -> RouterContext:

@@ -1,10 +1,12 @@
 """Every error the public API answers is JSON: no HTML page, no stack trace.
 
-Two shapes, each the one its clients parse: TGI routes (and everything outside `/v1`) answer
+Three shapes, each the one its clients parse: TGI routes (and everything outside `/v1`) answer
 `{"error": "<message>", "error_type": "<kind>"}`; OpenAI routes (`/v1/...`) answer
-`{"error": {"message", "type", "param", "code"}}`. Validation messages name the field in
-backticks (`parameters.temperature`). Unexpected exceptions are logged with their traceback
-and answered with a generic 500 message.
+`{"error": {"message", "type", "param", "code"}}`; Anthropic's (`/v1/messages...`) answer
+`{"type": "error", "error": {"type", "message"}}`. Validation messages name the field in
+backticks (`parameters.temperature`). An unknown model is OpenAI's 404 `model_not_found`
+(`error_type` on TGI routes); a router-made answer for a model names it in `X-Hetserve-Model`.
+Unexpected exceptions are logged with their traceback and answered with a generic 500 message.
 """
 
 from __future__ import annotations
@@ -18,19 +20,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.dispatch.dispatcher import DispatchError
 from server.errors import shown
+from server.fleet.models import ModelUnavailable
 from server.protocol.chat import ChatTemplateError
 from server.routing.filter import ConstraintError
+from workers.contract import HEADER_MODEL
+from workers.contract.errors import safe_message
+from workers.contract.json_schema import MAX_JSON_DEPTH
 
 logger = logging.getLogger(__name__)
 
 _KINDS = {
     400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-    413: "payload_too_large", 415: "unsupported_media_type", 422: "validation", 429: "overloaded",
+    409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "validation", 429: "overloaded",
     500: "internal", 503: "unavailable",
 }
 _OPENAI_TYPES = {
-    401: "authentication_error", 404: "not_found_error", 422: "invalid_request_error",
+    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 422: "invalid_request_error",
     429: "rate_limit_error", 503: "service_unavailable",
+}
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+    429: "rate_limit_error", 503: "overloaded_error",
 }
 
 
@@ -39,8 +52,14 @@ def error_kind(status: int) -> str:
 
 
 def error_body(path: str, status: int, message: str, error_type: str | None = None) -> dict:
-    """The JSON error for `path` (OpenAI shape under /v1, TGI shape elsewhere)."""
+    """The JSON error for `path` (OpenAI shape under /v1, TGI shape elsewhere); the message as
+    `safe_message` makes it (a client's value quoted at most 64 characters, always encodable)."""
     kind = error_type or error_kind(status)
+    message = safe_message(message)
+    if path.startswith(ANTHROPIC_PREFIX):  # Anthropic's shape, which its clients parse
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500
+                                                                          else "invalid_request_error"),
+                                           "message": message}}
     if path.startswith("/v1/") or path == "/v1":
         return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, kind), "param": None, "code": status}}
     return {"error": message, "error_type": kind}
@@ -86,8 +105,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(DispatchError)
     async def _dispatch(request: Request, exc: DispatchError):
-        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
-        return error_response(request.url.path, exc.status, exc.message, exc.error_type, headers)
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else {}
+        if exc.model is not None:
+            headers[HEADER_MODEL] = exc.model
+        return error_response(request.url.path, exc.status, exc.message, exc.error_type, headers or None)
+
+    @app.exception_handler(ModelUnavailable)
+    async def _model(request: Request, exc: ModelUnavailable):
+        if exc.status == 404:  # OpenAI's shape for an unknown model, which its clients raise as NotFoundError
+            if request.url.path.startswith("/v1/"):
+                return JSONResponse({"error": {"message": exc.message, "type": "invalid_request_error",
+                                               "param": "model", "code": "model_not_found"}}, status_code=404)
+            return error_response(request.url.path, 404, exc.message, "model_not_found")
+        retry_after = request.app.state.ctx.settings.retry_after_s
+        headers = {"Retry-After": str(retry_after)} if exc.status == 503 else None
+        return error_response(request.url.path, exc.status, exc.message, _KINDS.get(exc.status), headers)
 
     @app.exception_handler(ConstraintError)
     async def _constraint(request: Request, exc: ConstraintError):
@@ -99,5 +131,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
+        if isinstance(exc, RecursionError):  # a value nested past what any check bounded: the request's fault
+            logger.warning("request on %s nests too deeply: %s", request.url.path, exc)
+            return error_response(request.url.path, 422, f"The request nests too deeply. Accepted: at most "
+                                                         f"{MAX_JSON_DEPTH} levels of objects and arrays", "validation")
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(request.url.path, 500, "Internal server error (see the server log)", "internal")

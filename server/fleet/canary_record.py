@@ -52,7 +52,7 @@ def _rounded(value: float) -> float | str:
 class CanaryCollector:
     """`hetserve_canary_*` gauges, read from the workers' canary records at scrape time."""
 
-    _LABELS = ("worker_id", "capability", "fp8")
+    _LABELS = ("worker_id", "capability", "model", "fp8")
 
     def __init__(self, workers_fn):
         self._workers_fn = workers_fn
@@ -72,7 +72,7 @@ class CanaryCollector:
             record = h.canary
             if record is None:
                 continue
-            labels = [h.id, h.capability_label, h.fp8_convention or "unknown"]
+            labels = [h.id, h.capability_label, h.model, h.fp8_convention or "unknown"]
             agreement.add_metric(labels, record.agreement)
             diff.add_metric(labels, record.max_logprob_diff)
             suspect.add_metric(labels, 1.0 if record.suspect else 0.0)

@@ -9,7 +9,8 @@ inventory.
 States: `starting` (first start, not ready yet) -> `ready` <-> `unhealthy` (alive but failing
 health checks, or hung and being replaced: not routed to) ; a crash -> `restarting` (until
 ready again) ; a start that failed at a step (exit code 3) or kept crashing -> `failed` (not
-restarted, `reason` says why). Beside its state, each worker has a circuit breaker fed by the
+restarted, `reason` says why) ; its model unloading -> `stopping` (until its process has exited,
+then the handle is gone). Each worker serves one model (`model`, its name). Beside its state, each worker has a circuit breaker fed by the
 outcomes of the requests sent to its current process (server/fleet/breaker.py), the verdict of
 its last health probe (server/fleet/probe.py) and that of its last canary check (server/canary/monitor.py),
 which may hold a ready worker out of rotation (`canary_hold`) until it checks healthy again.
@@ -60,10 +61,16 @@ class WorkerHandle:
     exit_cause: str | None = None  # why the router stopped this process itself (a hang), for `last_exit`
     canary: CanaryRecord | None = None  # the last canary check's verdict
     canary_hold: str | None = None  # why the canary keeps the worker out of rotation (kept across restarts)
+    retiring: str | None = None  # why it is stopping for good (its model unloads): not restarted
 
     @property
     def id(self) -> str:
         return self.spec.id
+
+    @property
+    def model(self) -> str:
+        """The name of the model this worker serves (server/config/models.py)."""
+        return self.spec.model
 
     @property
     def capability(self) -> Capability | None:
@@ -132,7 +139,7 @@ class WorkerHandle:
             "triton_cache": info.triton_cache or self.spec.environ().get(ENV_TRITON_CACHE_DIR),
             "load": self.load(max_batch),
             "capacity": {**info.capacity, **self.live_capacity} if info.capacity else None,
-            "model": info.model.model_dump(exclude={"chat_template"}, exclude_none=True),
+            "model": {"name": self.model, **info.model.model_dump(exclude={"chat_template"}, exclude_none=True)},
             "last_exit": self.last_exit,
             "breaker": self.breaker.snapshot(),
             "health": None if self.probe is None else self.probe.snapshot(),

@@ -1,7 +1,7 @@
 """The router's Prometheus series, and the workers' own series relabelled and merged in.
 
-Every per-worker series carries `worker_id` and `capability` labels (`capability` is `9.0`
-or `cpu`), both the router's (requests sent, retries, state, restarts, in flight) and each
+Every per-worker series carries `worker_id`, `capability` and `model` labels (`capability`
+is `9.0` or `cpu`; `model` the name of the model the worker serves), both the router's (requests sent, retries, state, restarts, in flight) and each
 worker's `/metrics`, which the router scrapes at request time and relabels, so one scrape
 of the router sees every device. Families are merged by name across workers, as the text
 format requires each family's samples together under one TYPE line. A worker that does not
@@ -30,8 +30,13 @@ from workers.contract import GATEWAY_KV_USAGE, GATEWAY_POD, GATEWAY_RUNNING, GAT
 logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LABELS = ("worker_id", "capability")
+_LABELS = ("worker_id", "capability", "model")
 _GATEWAY_NAMES = frozenset({GATEWAY_WAITING, GATEWAY_RUNNING, *GATEWAY_KV_USAGE})
+
+
+def worker_labels(h: WorkerHandle) -> list[str]:
+    """The values of `_LABELS` for one worker."""
+    return [h.id, h.capability_label, h.model]
 
 
 class _WorkerStateCollector:
@@ -50,7 +55,7 @@ class _WorkerStateCollector:
         breaker = GaugeMetricFamily("hetserve_router_worker_breaker_state",
                                     "1 for the state of the worker's circuit breaker.", labels=[*_LABELS, "state"])
         for h in self._workers_fn():
-            labels = [h.id, h.capability_label]
+            labels = worker_labels(h)
             for s in WorkerState:
                 state.add_metric([*labels, s], 1.0 if h.state == s else 0.0)
             up.add_metric(labels, 1.0 if h.routable else 0.0)
@@ -85,24 +90,31 @@ class RouterMetrics:
                                          registry=self.registry)
         self.scrape_errors = Counter("hetserve_router_worker_scrape_errors", "Worker /metrics scrapes that failed.",
                                      _LABELS, registry=self.registry)
+        self.client_write_timeouts = Counter("hetserve_router_client_write_timeouts",
+                                             "Answers cut off because the client read nothing of them for "
+                                             "--write-timeout seconds (the request was cancelled).",
+                                             registry=self.registry)
         self.registry.register(_WorkerStateCollector(workers_fn))
         self.registry.register(CanaryCollector(workers_fn))
+
+    def client_write_timeout(self) -> None:
+        self.client_write_timeouts.inc()
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
         self.latency.labels(route).observe(seconds)
 
     def worker_request(self, h: WorkerHandle) -> None:
-        self.worker_requests.labels(h.id, h.capability_label).inc()
+        self.worker_requests.labels(*worker_labels(h)).inc()
 
     def worker_retry(self, h: WorkerHandle) -> None:
-        self.worker_retries.labels(h.id, h.capability_label).inc()
+        self.worker_retries.labels(*worker_labels(h)).inc()
 
     def stream_error(self, h: WorkerHandle) -> None:
-        self.stream_errors.labels(h.id, h.capability_label).inc()
+        self.stream_errors.labels(*worker_labels(h)).inc()
 
     def stream_migration(self, h: WorkerHandle) -> None:
-        self.stream_migrations.labels(h.id, h.capability_label).inc()
+        self.stream_migrations.labels(*worker_labels(h)).inc()
 
     async def render(self) -> str:
         """Router series, then every ready worker's series relabelled and merged by family."""
@@ -117,7 +129,7 @@ class RouterMetrics:
             return await asyncio.wait_for(h.client.metrics(), 1.0)
         except Exception as e:  # any failure: skip this worker in this scrape
             logger.debug("scrape of worker %s failed: %r", h.id, e)
-            self.scrape_errors.labels(h.id, h.capability_label).inc()
+            self.scrape_errors.labels(*worker_labels(h)).inc()
             return None
 
 
@@ -167,7 +179,7 @@ def merge_worker_metrics(scrapes: list[tuple[WorkerHandle, str]]) -> str:
         for fam in parsed:
             entry = families.setdefault(fam.name, (fam.type, fam.documentation, []))
             for sample in fam.samples:
-                labels = {**sample.labels, "worker_id": h.id, "capability": h.capability_label}
+                labels = {**sample.labels, **dict(zip(_LABELS, worker_labels(h), strict=True))}
                 rendered = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
                 entry[2].append(f"{sample.name}{{{rendered}}} {_format_value(sample.value)}")
                 if sample.name in _GATEWAY_NAMES:

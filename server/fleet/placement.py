@@ -108,18 +108,9 @@ def _room(d: DeviceInfo) -> str:
     return f"{worker_id(d)} ({d.capability_label}): {human(usable_bytes(d))} usable of {human(d.memory_total_bytes)}"
 
 
-def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str = "auto", quantize: str = "none",
-          *, replicas: bool = True) -> Placement:
-    """See the module docstring."""
-    needs = {(m.name, d.index): need_on(m.profile, d, dtype, quantize) for m in models for d in devices}
-    usable = {d.index: usable_bytes(d) for d in devices}
-    order = {d.index: i for i, d in enumerate(devices)}
-    owner: dict[int, tuple[str, str, str]] = {}  # device index -> (model, role, reason)
-
-    def fits(m: ModelAsk, d: DeviceInfo) -> bool:
-        return needs[m.name, d.index].total <= usable[d.index]
-
-    # 1. pins
+def _pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], fits, needs) -> dict[int, tuple[str, str, str]]:
+    """Device index -> (model, PINNED, reason) for every pin; `PinError` for a bad one."""
+    owner: dict[int, tuple[str, str, str]] = {}
     for m in models:
         pinned: set[int] = set()
         for token in m.pins:
@@ -137,6 +128,30 @@ def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str 
                                f"{needs[m.name, d.index].describe()} on {_room(d)}")
             pinned.add(d.index)
             owner[d.index] = (m.name, PINNED, f"pinned by --place {m.name}={','.join(m.pins)}")
+    return owner
+
+
+def check_pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str = "auto",
+               quantize: str = "none") -> None:
+    """`PinError` if any model's pins name no device, repeat, conflict or cannot hold it (the
+    check `place` makes, for models not placed yet: loaded on demand later)."""
+    needs = {(m.name, d.index): need_on(m.profile, d, dtype, quantize) for m in models for d in devices}
+    _pins(models, devices, lambda m, d: needs[m.name, d.index].total <= usable_bytes(d), needs)
+
+
+def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str = "auto", quantize: str = "none",
+          *, replicas: bool = True) -> Placement:
+    """See the module docstring."""
+    needs = {(m.name, d.index): need_on(m.profile, d, dtype, quantize) for m in models for d in devices}
+    usable = {d.index: usable_bytes(d) for d in devices}
+    order = {d.index: i for i, d in enumerate(devices)}
+    owner: dict[int, tuple[str, str, str]] = {}  # device index -> (model, role, reason)
+
+    def fits(m: ModelAsk, d: DeviceInfo) -> bool:
+        return needs[m.name, d.index].total <= usable[d.index]
+
+    # 1. pins
+    owner.update(_pins(models, devices, fits, needs))
     pinned_models = {m.name for m in models if m.pins}
     # 2. each model still without a device: the largest need first, the smallest device that holds it
     placed = {o[0] for o in owner.values()}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.config.api_key import ENV_API_KEY
+from server.config.budgets import worker_args as budget_worker_args
 from server.config.settings import RouterSettings
 from workers.contract import (
     ENV_DEVICE_INDEX,
@@ -53,6 +54,8 @@ class WorkerSpec:
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]  # sorted (name, value) pairs: hashable and comparable
     threads: int
+    model: str = ""  # the name of the model it serves (server/config/models.py)
+    model_dir: Path | None = None
 
     def environ(self) -> dict[str, str]:
         return dict(self.env)
@@ -120,13 +123,14 @@ def worker_environment(device: DeviceInfo, threads: int, base: dict[str, str]) -
 
 
 def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, socket_path: Path,
-                status_path: Path, threads: int, parent_pid: int) -> tuple[str, ...]:
-    """The command line of `python -m workers` (its arguments are the worker's `parse_args`)."""
+                status_path: Path, threads: int, parent_pid: int, model_dir: Path | None = None) -> tuple[str, ...]:
+    """The command line of `python -m workers` (its arguments are the worker's `parse_args`);
+    `model_dir`: the model it serves (default: the settings' default model)."""
     argv = [
         *settings.worker_command,
         "--socket", str(socket_path),
         "--worker-id", spec_id,
-        "--model", str(settings.model_dir),
+        "--model", str(model_dir or settings.model_dir),
         "--device-index", str(device.index),
         "--device-uuid", device.uuid,
         "--dtype", settings.dtype,
@@ -149,24 +153,37 @@ def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, sock
         argv += ["--otlp-endpoint", settings.otlp_endpoint]
     if settings.deterministic:
         argv.append("--deterministic")
+    argv += budget_worker_args(settings.budgets)  # the grammar compile budget, where not the default
+    if settings.compile != "auto":  # the worker's default is auto (server/config/compile.py)
+        argv += ["--compile", settings.compile]
     return tuple(argv)
 
 
+def build_worker_spec(device: DeviceInfo, model: str, model_dir: Path, settings: RouterSettings, run_dir: Path,
+                      parent_pid: int, threads: int, base: dict[str, str]) -> WorkerSpec:
+    """The spec of the worker that serves `model` (from `model_dir`) on `device`."""
+    wid = worker_id(device)
+    socket_path = run_dir / f"{wid}.sock"
+    status_path = run_dir / f"{wid}.status.json"
+    env = worker_environment(device, threads, base)
+    # torch's compile cache, else an empty /tmp/torchinductor_<user> outlives every run
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_dir / f"{wid}.inductor"))
+    env.pop(ENV_API_KEY, None)  # workers have no use for the router's key
+    argv = worker_argv(wid, device, settings, socket_path, status_path, threads, parent_pid, model_dir)
+    return WorkerSpec(wid, device, socket_path, status_path, argv, tuple(sorted(env.items())), threads, model,
+                      model_dir)
+
+
 def build_worker_specs(devices: list[DeviceInfo], settings: RouterSettings, run_dir: Path,
-                       parent_pid: int, base_env: dict[str, str] | None = None) -> list[WorkerSpec]:
-    """One spec per device; no device at all gives the single CPU worker."""
+                       parent_pid: int, base_env: dict[str, str] | None = None,
+                       models: dict[int, tuple[str, Path]] | None = None) -> list[WorkerSpec]:
+    """One spec per device; no device at all gives the single CPU worker. `models`: device index
+    -> (model name, directory) for the devices that serve one (default: every device serves the
+    settings' default model); the threads are shared as if every device had its worker."""
     devices = list(devices) or [cpu_device()]
     base = dict(os.environ if base_env is None else base_env)
     threads = threads_per_worker(compute_threads(settings, devices), len(devices))
-    specs = []
-    for device in devices:
-        wid = worker_id(device)
-        socket_path = run_dir / f"{wid}.sock"
-        status_path = run_dir / f"{wid}.status.json"
-        env = worker_environment(device, threads, base)
-        # torch's compile cache, else an empty /tmp/torchinductor_<user> outlives every run
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_dir / f"{wid}.inductor"))
-        env.pop(ENV_API_KEY, None)  # workers have no use for the router's key
-        argv = worker_argv(wid, device, settings, socket_path, status_path, threads, parent_pid)
-        specs.append(WorkerSpec(wid, device, socket_path, status_path, argv, tuple(sorted(env.items())), threads))
-    return specs
+    if models is None:
+        models = {d.index: (settings.model_dir.name, settings.model_dir) for d in devices}
+    return [build_worker_spec(d, *models[d.index], settings, run_dir, parent_pid, threads, base)
+            for d in devices if d.index in models]

@@ -13,6 +13,13 @@ exponential backoff while the other workers keep serving. Trade-off: a worker th
 crashing before it ever becomes ready is given up on after a few tries instead of retried
 forever.
 
+Which model each worker serves comes from the placement (server/fleet/placement.py): the
+supervisor starts the workers it is given, and `launch`es and `retire`s workers when a model
+loads or unloads (server/fleet/models.py). A retired worker is `stopping`: out of rotation, sent
+SIGTERM (it finishes its requests in flight), SIGKILLed after `worker_stop_timeout_s`, not
+restarted, and its handle is dropped once its process has exited; a later worker on that device
+continues its process generations, so nothing remembered of the old process is taken for the new.
+
 No orphans: workers run in their own session (a Ctrl-C in the terminal reaches only the
 router, which then drains and stops them in order), get `--parent-pid` and, on Linux,
 `PR_SET_PDEATHSIG`, so they exit even when the router is killed with SIGKILL. Sockets and
@@ -38,8 +45,14 @@ from server.fleet.exits import ExitHistory, RestartPolicy, decide_exit, describe
 from server.fleet.handle import WorkerHandle, read_status
 from server.fleet.probe import Probe, probe
 from server.fleet.run_dir import make_run_dir, sweep_stale_run_dirs
-from server.fleet.spec import build_worker_specs
-from workers.contract import CapabilityPayload, DeviceInfo, WorkerState, WorkerStatus
+from server.fleet.spec import (
+    build_worker_spec,
+    build_worker_specs,
+    compute_threads,
+    threads_per_worker,
+    worker_id,
+)
+from workers.contract import CapabilityPayload, DeviceInfo, WorkerState, WorkerStatus, cpu_device
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +78,15 @@ def _alive(handle: WorkerHandle) -> bool:
 class Supervisor:
     """Owns the worker processes of one router (see the module docstring)."""
 
-    def __init__(self, devices: list[DeviceInfo], settings: RouterSettings):
+    def __init__(self, devices: list[DeviceInfo], settings: RouterSettings,
+                 models: dict[int, tuple[str, Path]] | None = None):
+        """`models`: device index -> (model name, directory) of the workers to start (default:
+        every device serves the settings' default model)."""
         self.settings = settings
-        self._devices = list(devices)
+        self._devices = list(devices) or [cpu_device()]
+        self._models = models
+        self._threads = threads_per_worker(compute_threads(settings, self._devices), len(self._devices))
+        self._generations: dict[str, int] = {}  # worker id -> the last generation of a retired worker there
         self.workers: dict[str, WorkerHandle] = {}
         self.run_dir: Path | None = None
         self._tasks: list[asyncio.Task] = []
@@ -89,8 +108,9 @@ class Supervisor:
         return [h for h in self.workers.values() if h.routable]
 
     def settled(self) -> bool:
-        """Every worker is ready or has failed for good."""
-        return all(h.state in (WorkerState.READY, WorkerState.FAILED) for h in self.workers.values())
+        """Every worker is ready, has failed for good or is stopping."""
+        return all(h.state in (WorkerState.READY, WorkerState.FAILED, WorkerState.STOPPING)
+                   for h in self.workers.values())
 
     def all_failed(self) -> bool:
         return bool(self.workers) and all(h.state == WorkerState.FAILED for h in self.workers.values())
@@ -136,6 +156,50 @@ class Supervisor:
         handle.canary_hold = None
         self._notify()
 
+    async def launch(self, device: DeviceInfo, model: str, model_dir: Path) -> WorkerHandle:
+        """Start a worker serving `model` on `device` (no other worker may be on it); it is
+        `starting` until ready, as at startup."""
+        assert self.run_dir is not None
+        spec = build_worker_spec(device, model, model_dir, self.settings, self.run_dir, os.getpid(), self._threads,
+                                 dict(os.environ))
+        if spec.id in self.workers:
+            raise RuntimeError(f"worker {spec.id} already serves `{self.workers[spec.id].model}`")
+        handle = self._handle(spec)
+        order = {worker_id(d): i for i, d in enumerate(self._devices)}
+        self.workers = dict(sorted({**self.workers, spec.id: handle}.items(), key=lambda kv: order.get(kv[0], 0)))
+        self._tasks.append(asyncio.create_task(self._lifecycle(handle), name=f"worker-{spec.id}"))
+        self._notify()
+        return handle
+
+    async def retire(self, wid: str, why: str) -> None:
+        """Stop worker `wid` for good (`stopping`: SIGTERM, then SIGKILL after the stop timeout)
+        and drop its handle once its process has exited."""
+        handle = self.workers.get(wid)
+        if handle is None:
+            return
+        handle.retiring = why
+        self._set(handle, WorkerState.STOPPING, why)
+        process = handle.process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), self.settings.worker_stop_timeout_s)
+            if process.returncode is None:
+                logger.warning("worker %s did not stop within %.0fs; killing it", wid,
+                               self.settings.worker_stop_timeout_s)
+                self._kill(handle)
+                await process.wait()
+        for _ in range(100):  # its lifecycle task drops the client and returns
+            if handle.client is None:
+                break
+            await asyncio.sleep(0.05)
+        self._generations[wid] = handle.generation
+        if self.workers.get(wid) is handle:
+            del self.workers[wid]
+        logger.info("worker %s stopped (%s)", wid, why)
+        self._notify()
+
     async def stop(self) -> None:
         """SIGTERM every worker (they drain), SIGKILL what is left after the timeout, clean up."""
         self._stopping = True
@@ -172,9 +236,12 @@ class Supervisor:
 
     def _init_handles(self) -> None:
         assert self.run_dir is not None
-        specs = build_worker_specs(self._devices, self.settings, self.run_dir, os.getpid())
+        specs = build_worker_specs(self._devices, self.settings, self.run_dir, os.getpid(), models=self._models)
+        self.workers = {spec.id: self._handle(spec) for spec in specs}
+
+    def _handle(self, spec) -> WorkerHandle:
         policy = BreakerPolicy(self.settings.breaker_failures, self.settings.breaker_cooldown_s)
-        self.workers = {spec.id: WorkerHandle(spec, breaker=CircuitBreaker(policy)) for spec in specs}
+        return WorkerHandle(spec, breaker=CircuitBreaker(policy), generation=self._generations.get(spec.id, 0))
 
     # --- state -------------------------------------------------------------------------
     def _set(self, handle: WorkerHandle, state: str, reason: str | None = None) -> None:
@@ -196,7 +263,7 @@ class Supervisor:
     async def _lifecycle(self, handle: WorkerHandle) -> None:
         policy = RestartPolicy.from_settings(self.settings)
         history = ExitHistory.start(policy, handle.restarts)
-        while not self._stopping:
+        while not self._stopping and handle.retiring is None:
             try:
                 await self._spawn(handle)
             except OSError as e:
@@ -211,7 +278,7 @@ class Supervisor:
             await asyncio.wait([watcher], timeout=5.0)
             served_for = time.monotonic() - handle.ready_since if handle.ready_since is not None else None
             await self._drop_client(handle)
-            if self._stopping:
+            if self._stopping or handle.retiring is not None:
                 return
             # Decide (server/fleet/exits.py): failed to start, or restart after a backoff.
             decision = decide_exit(returncode, read_status(handle.spec.status_path), history, policy, served_for,

@@ -7,6 +7,12 @@ the OpenAI routes, and every client can set headers):
   X-Hetserve-Min-Capability: 8.9     a minimum CUDA capability (`8.9` or `sm_89`)
   X-Hetserve-Fp8: native_e4m3        an fp8 convention (`native_e4m3` or `emulated`)
 
+A request is for one model (`Constraints.model`: the OpenAI `model` field, TGI's
+`X-Hetserve-Model` header, else the default model; server/fleet/models.py resolves the name):
+only that model's workers may take it, so every later stage (the pick, retries, stream
+migration) stays among them; no worker of it at all (none, or only stopping ones) is
+`unloaded`, which the dispatcher answers by loading the model, or with a 503.
+
 `eligible` filters the workers by their current state and returns a `Filtered`: the workers
 that may take the request now (ready, matching, breaker admitting, not the process that
 already failed this request, room in its queue), or a refusal with its reason (422
@@ -44,6 +50,7 @@ MAX_SESSION_CHARS = 256  # longer session ids are cut: they only need to tell se
 _FP8_ALIASES = {"native": NATIVE, NATIVE: NATIVE, "e4m3": NATIVE, EMULATED: EMULATED}
 
 ELIGIBLE, UNSATISFIABLE, OVERLOADED, WAIT, UNAVAILABLE = "eligible", "unsatisfiable", "overloaded", "wait", "unavailable"
+UNLOADED = "unloaded"  # no worker serves the request's model
 
 
 class ConstraintError(ValueError):
@@ -56,6 +63,7 @@ class Constraints:
     min_capability: Capability | None = None
     fp8: str | None = None
     session: str | None = None  # a preference, not a constraint: the conversation's worker while it can serve
+    model: str | None = None  # the model's name; None: any worker (a router of one model, tests)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "min_capability", Capability.parse_optional(self.min_capability))
@@ -64,7 +72,7 @@ class Constraints:
         return any(v is not None for v in (self.worker, self.min_capability, self.fp8))
 
     def describe(self) -> str:
-        parts = []
+        parts = [] if self.model is None else [f"model `{shown(self.model)}`"]
         if self.worker is not None:
             parts.append(f"worker `{shown(self.worker)}`")
         if self.min_capability is not None:
@@ -78,7 +86,7 @@ class Constraints:
 class Filtered:
     """The filter's verdict: the workers that may take the request, or why none may."""
 
-    kind: str  # ELIGIBLE | UNSATISFIABLE | OVERLOADED | WAIT | UNAVAILABLE
+    kind: str  # ELIGIBLE | UNSATISFIABLE | OVERLOADED | WAIT | UNAVAILABLE | UNLOADED
     reason: str
     workers: tuple[WorkerHandle, ...] = ()  # ELIGIBLE: never empty, in device order
 
@@ -111,6 +119,8 @@ def parse_constraints(headers: Mapping[str, str]) -> Constraints:
 
 def matches(handle: WorkerHandle, c: Constraints) -> tuple[bool | None, str]:
     """(True, _) matches; (False, why) never will; (None, why) unknown until it reports (fp8)."""
+    if c.model is not None and handle.model != c.model:
+        return False, f"{handle.id} serves {handle.model}"
     if c.worker is not None and not handle.answers_to(c.worker):
         return False, f"{handle.id} has another id, index and UUID"
     if c.min_capability is not None:
@@ -136,14 +146,20 @@ def eligible(workers: Iterable[WorkerHandle], c: Constraints, capacity: int,
     exclude = exclude or {}
     candidates: list[WorkerHandle] = []
     refused: list[str] = []
+    served = c.model is None
     for h in workers:
+        served = served or (h.model == c.model and h.state != WorkerState.STOPPING)
         ok, why = matches(h, c)
         if ok is False:
             refused.append(why)
         elif h.state == WorkerState.FAILED:
             refused.append(f"{h.id} failed ({h.reason})")
+        elif h.state == WorkerState.STOPPING:
+            refused.append(f"{h.id} is stopping ({h.retiring})")
         else:
             candidates.append(h)
+    if not served:
+        return Filtered(UNLOADED, f"No worker serves model `{shown(c.model)}`")
     if not candidates:
         return Filtered(UNSATISFIABLE, f"No worker satisfies {c.describe()}: {'; '.join(refused) or 'no workers'}")
     ready = [h for h in candidates if h.routable and matches(h, c)[0] and exclude.get(h.id) != h.generation]

@@ -1,8 +1,9 @@
 """The routing series in the router's `/metrics`, read from the `Router` at scrape time.
 
-- `hetserve_router_route_decisions_total{worker_id, capability, reason}`: requests sent, by why
+Each series of a worker carries `worker_id`, `capability` and `model`:
+- `hetserve_router_route_decisions_total{..., reason}`: requests sent, by why
   (`prefix`, `session`, `least-loaded`, `pinned`, `imbalance`, `round-robin`; a retry is a decision too);
-- `hetserve_router_session_moves_total{worker_id, capability, why}`: sessions that left this
+- `hetserve_router_session_moves_total{..., why}`: sessions that left this
   worker (`unavailable`, `overloaded`);
 - `hetserve_router_worker_prefill_tokens_per_second`, `..._decode_tokens_per_second{batch}`:
   the measured speeds, decode for one sequence and for a batch of 8 (absent until measured);
@@ -24,7 +25,7 @@ from server.fleet.handle import WorkerHandle
 from server.routing.router import Router
 from server.routing.speed import REFERENCE_BATCH
 
-_LABELS = ("worker_id", "capability")
+_LABELS = ("worker_id", "capability", "model")
 
 
 class RoutingCollector:
@@ -49,7 +50,7 @@ class RoutingCollector:
         chunks = GaugeMetricFamily("hetserve_router_prefix_index_chunks", "Prompt prefix chunks the router "
                                    "remembers for the worker.", labels=_LABELS)
         for h in self._workers_fn():
-            labels = [h.id, h.capability_label]
+            labels = [h.id, h.capability_label, h.model]
             for (wid, reason), n in r.decisions.items():
                 if wid == h.id:
                     decisions.add_metric([*labels, reason], n)

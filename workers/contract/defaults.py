@@ -50,6 +50,11 @@ ENV_TEST_PERTURB_LOGITS = "HETSERVE_TEST_PERTURB_LOGITS"
 ENV_PREFLIGHT = "HETSERVE_PREFLIGHT"
 PREFLIGHT_MODES = ("auto", "on", "off")
 
+# Whether a worker compiles its decode step per batch bucket (`--compile`), when the flag is
+# not given: auto (workers/engine/compiled.py `decide`), on, off. The test suite sets it to off
+# (tests/conftest.py): dozens of CPU workers each compiling at start would cost minutes.
+ENV_COMPILE = "HETSERVE_COMPILE"
+
 # Response headers: which worker answered, its capability and its fp8 convention.
 HEADER_WORKER_ID = "X-Worker-Id"
 HEADER_WORKER_CAPABILITY = "X-Worker-Capability"
@@ -62,6 +67,9 @@ RESUME_IDS = "resume_ids"
 HEADER_PIN_WORKER = "X-Hetserve-Worker"
 HEADER_MIN_CAPABILITY = "X-Hetserve-Min-Capability"
 HEADER_FP8 = "X-Hetserve-Fp8"
+# The model a TGI-shaped request is for (OpenAI requests name it in `model`); every answer of a
+# model's route carries the model that served it under the same name.
+HEADER_MODEL = "X-Hetserve-Model"
 
 # The gauges Kubernetes inference gateways scrape (Gateway API Inference Extension, model server
 # protocol: TotalQueuedRequests, TotalRunningRequests, KVCacheUtilization as a 0..1 fraction),

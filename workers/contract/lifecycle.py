@@ -40,3 +40,4 @@ class WorkerState(StrEnum):
     UNHEALTHY = "unhealthy"  # alive but failing health checks: not routed to
     RESTARTING = "restarting"  # crashed; restarting with backoff
     FAILED = "failed"  # failed to start at a step, or kept crashing: not restarted
+    STOPPING = "stopping"  # its model is unloading: it finishes what it has, then exits (not routed to)

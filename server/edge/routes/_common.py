@@ -1,4 +1,4 @@
-"""Helpers the route modules share: constraints, the context-length check, stream relays."""
+"""Helpers the route modules share: constraints and the model, the context-length check, stream relays."""
 
 from __future__ import annotations
 
@@ -10,22 +10,28 @@ from fastapi.responses import StreamingResponse
 
 from server.dispatch.dispatcher import DispatchError
 from server.dispatch.migration import ClientStream
-from server.edge.context import RouterContext
+from server.edge.context import ModelContext, RouterContext, get_ctx
 from server.routing.filter import MAX_SESSION_CHARS, Constraints, parse_constraints
+from workers.contract import HEADER_MODEL
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-def constraints(request: Request, user: str | None = None) -> Constraints:
-    """Routing constraints from the `X-Hetserve-*` headers (`ConstraintError` -> 422), and the
-    session from `X-Session-Id` or else the OpenAI `user` field."""
+def constraints(request: Request, user: str | None = None, model: str | None = None) -> Constraints:
+    """Routing constraints from the `X-Hetserve-*` headers (`ConstraintError` -> 422), the
+    session from `X-Session-Id` or else the OpenAI `user` field, and the request's model."""
     c = parse_constraints(request.headers)
     if c.session is None and user:
         c = replace(c, session=user.strip()[:MAX_SESSION_CHARS] or None)
-    return c
+    return replace(c, model=model) if model is not None else c
 
 
-def check_new_tokens(ctx: RouterContext, value: int | None, name: str) -> None:
+def tgi_model(request: Request) -> ModelContext:
+    """The model a TGI-shaped request is for: `X-Hetserve-Model`, else the default."""
+    return get_ctx(request).model((request.headers.get(HEADER_MODEL.lower()) or "").strip() or None)
+
+
+def check_new_tokens(ctx: RouterContext | ModelContext, value: int | None, name: str) -> None:
     """422 when more new tokens are asked for than the model's context holds."""
     limit = ctx.context_length()
     if value is not None and limit is not None and value > limit:

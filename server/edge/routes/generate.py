@@ -3,7 +3,8 @@
 Request and response bodies are the worker's own (same TGI shapes), so the router
 validates the request, picks a worker and relays the answer bytes untouched, adding the
 worker headers. `POST /` is TGI's compat route (what `huggingface_hub.InferenceClient`
-calls when given the server's URL): `"stream": true` streams, otherwise it generates.
+calls when given the server's URL): `"stream": true` streams, otherwise it generates. The
+`X-Hetserve-Model` header picks the model (absent: the default model).
 A stream the worker loses after its first event moves to another worker from the token
 it reached (server/dispatch/migration.py); one that no worker can continue ends with
 `data: {"error": ..., "error_type": "incomplete_generation"}` (what TGI clients raise as
@@ -19,9 +20,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.dispatch.dispatcher import WorkerReply
-from server.dispatch.migration import ClientStream, StreamIncomplete, open_client_stream
-from server.edge.context import VERSION, RouterContext, get_ctx
-from server.edge.routes._common import RelayResponse, check_new_tokens, close_shielded, constraints
+from server.dispatch.migration import ClientStream, StreamIncomplete, StreamRefused, open_client_stream
+from server.edge.context import VERSION, ModelContext, get_ctx
+from server.edge.routes._common import RelayResponse, check_new_tokens, close_shielded, constraints, tgi_model
 from server.protocol.tgi import ErrorResponse, GenerateRequest, GenerateResponse
 from workers.contract import MAX_STOP_SEQUENCES
 
@@ -36,27 +37,28 @@ def _reply(reply: WorkerReply) -> Response:
     return Response(reply.content, status_code=reply.status, media_type="application/json", headers=reply.headers)
 
 
-def _worker_body(req: GenerateRequest, ctx: RouterContext) -> dict:
+def _worker_body(req: GenerateRequest, ctx: ModelContext) -> dict:
     params = req.parameters.to_worker()
     check_new_tokens(ctx, params.get("max_new_tokens"), "parameters.max_new_tokens")
     return {"inputs": req.inputs, "parameters": params}
 
 
 async def _generate(req: GenerateRequest, request: Request) -> Response:
-    ctx = get_ctx(request)
-    reply = await ctx.dispatcher.generate("/generate", _worker_body(req, ctx), constraints(request))
+    ctx = tgi_model(request)
+    reply = await ctx.dispatcher.generate("/generate", _worker_body(req, ctx), constraints(request, model=ctx.name))
     return _reply(reply)
 
 
 async def _generate_stream(req: GenerateRequest, request: Request) -> Response:
-    ctx = get_ctx(request)
-    opened = await open_client_stream(ctx.dispatcher, "/generate_stream", _worker_body(req, ctx), constraints(request))
+    ctx = tgi_model(request)
+    opened = await open_client_stream(ctx.dispatcher, "/generate_stream", _worker_body(req, ctx),
+                                      constraints(request, model=ctx.name))
     if isinstance(opened, WorkerReply):
         return _reply(opened)
     return RelayResponse(relay_tgi(opened, ctx), opened)
 
 
-async def relay_tgi(stream: ClientStream, ctx: RouterContext):
+async def relay_tgi(stream: ClientStream, ctx: ModelContext):
     """The workers' event bytes as they come; an error event if no worker can finish the stream."""
     try:
         async for raw in stream.batches():
@@ -64,11 +66,12 @@ async def relay_tgi(stream: ClientStream, ctx: RouterContext):
         return
     except StreamIncomplete as e:
         logger.warning("stream ends incomplete: %s", e)
-        error = str(e)
+        error, kind, refused = str(e), e.error_type, isinstance(e, StreamRefused)
     finally:
         await close_shielded(stream)
-    ctx.metrics.stream_error(stream.worker)
-    yield f"data: {json.dumps({'error': error, 'error_type': 'incomplete_generation'})}\n\n".encode()
+    if not refused:  # a refusal of the request (its grammar cannot end) is no stream error of the worker's
+        ctx.metrics.stream_error(stream.worker)
+    yield f"data: {json.dumps({'error': error, 'error_type': kind})}\n\n".encode()
 
 
 @router.post("/generate", response_model=None, responses={200: {"model": GenerateResponse}, **_ERRORS})

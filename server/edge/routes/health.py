@@ -1,7 +1,7 @@
 """`GET /health`: 200 `ok` when every worker is ready, 200 `degraded` when some are, while any
 worker's circuit breaker is not closed (`open_breakers` names them) or while the canary finds
 any worker suspect (`canary_suspects`; a drained one is out of rotation, so not ready either),
-503 when none is ready.
+503 when none is ready. `model` is the default model, `models` each model's state.
 
 Open without the API key, so load balancers and orchestrators can probe it.
 """
@@ -13,13 +13,15 @@ from fastapi.responses import JSONResponse
 
 from server.edge.context import RouterContext, get_ctx
 from server.fleet.breaker import BreakerState
+from workers.contract import WorkerState
 
 router = APIRouter(tags=["health"])
 
 
 def health_verdict(ctx: RouterContext) -> tuple[dict, int]:
     """`/health`'s body and status code (the status page shows the same verdict)."""
-    handles = list(ctx.supervisor.workers.values())
+    # A worker stopping because its model unloads is no failure: it is not counted.
+    handles = [h for h in ctx.supervisor.workers.values() if h.state != WorkerState.STOPPING]
     ready = [h.id for h in handles if h.routable]
     open_breakers = [h.id for h in handles if h.breaker.state != BreakerState.CLOSED]
     suspects = [h.id for h in handles if h.canary_suspect]
@@ -37,6 +39,7 @@ def health_verdict(ctx: RouterContext) -> tuple[dict, int]:
         "open_breakers": open_breakers,
         "canary_suspects": suspects,
         "model": ctx.model_id(),
+        "models": {name: ctx.models.state_of(name) for name in ctx.model_names()} if ctx.models else {},
     }
     return body, code
 

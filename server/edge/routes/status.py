@@ -9,7 +9,8 @@ inline style and script (by hash) and requests to this origin.
 
 `GET /` answers the page to a client that accepts HTML (browsers, `curl`'s `*/*`) and 406
 otherwise; TGI's `POST /` is unchanged. `/stats` is the page's JSON: `/health`'s verdict,
-the model, and per worker the recent tokens/s, KV cache usage and load (`WorkerStats`).
+the default model and every model's state (the page groups the workers by model), and per
+worker the recent tokens/s, KV cache usage and load (`WorkerStats`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fastapi.responses import HTMLResponse, Response
 from server.edge.context import VERSION, get_ctx
 from server.edge.errors import error_response
 from server.edge.routes.health import health_verdict
+from server.edge.routes.workers import model_entries
 
 router = APIRouter(tags=["status"])
 
@@ -92,6 +94,7 @@ async def stats(request: Request) -> dict:
     return {
         "version": VERSION,
         "model": ctx.model_id(),
+        "models": model_entries(ctx),
         "health": health,
         "uptime_s": round(time.time() - ctx.started_at, 1),
         "interval_s": sampler.interval_s if sampler else None,

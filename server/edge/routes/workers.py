@@ -4,7 +4,10 @@ Each entry ends with `routing`: the worker's measured speed (prefill and decode 
 engine-second), the tokens the router has in flight there, the prompt prefix chunks it
 remembers for it and its routing decisions by reason (server/routing/).
 `{id}` is the worker id (`gpu1`); the device index (`1`) and the device UUID are accepted
-too. States: starting, ready, unhealthy, restarting, failed (`reason` says why).
+too. States: starting, ready, unhealthy, restarting, failed, stopping (its model unloads;
+`reason` says why). Each worker's `model.name` is the model it serves; `/workers` also lists
+`models`: each one's state (loaded, loading, unloading, unloaded, failed), workers, loads and
+unloads, so loading on demand shows there as it happens.
 """
 
 from __future__ import annotations
@@ -23,11 +26,16 @@ def _entry(ctx: RouterContext, h: WorkerHandle) -> dict:
     return {**h.snapshot(ctx.settings.max_batch), "routing": ctx.dispatcher.router.snapshot(h)}
 
 
+def model_entries(ctx: RouterContext) -> list[dict]:
+    """`models`: each model's state, its workers, its loads and unloads, its size (server/fleet/models.py)."""
+    return [] if ctx.models is None else [ctx.models.describe(name) for name in ctx.model_names()]
+
+
 @router.get("/workers")
 async def list_workers(request: Request) -> dict:
-    """Every worker, in device order."""
+    """Every worker, in device order, and every model with where it is loaded."""
     ctx = get_ctx(request)
-    return {"workers": [_entry(ctx, h) for h in ctx.supervisor.workers.values()]}
+    return {"workers": [_entry(ctx, h) for h in ctx.supervisor.workers.values()], "models": model_entries(ctx)}
 
 
 @router.get("/workers/{worker_id}")

@@ -1,0 +1,69 @@
+"""The models: `GET /v1/models` (OpenAI's list, with where each model is placed) and, with the
+API key, `POST /models/{name}/load` and `POST /models/{name}/unload`.
+
+A model's entry: `id` (its name), `context_length` and `architecture` (what its worker reports
+once loaded, else what its config.json says), `quantization` (`--quantize fp8`, or the
+checkpoint's own method), `state` (loaded, loading, unloading, unloaded, failed) and
+`placement`: per worker serving it, the device and the worker's state. `load` answers 200 once a
+worker of the model is ready, 202 while it still starts after `ready_wait_s`; `unload` 200 once
+its workers have stopped (each finishes its requests in flight), 409 for a `--pin-model` one; a
+model this router does not offer is a 404 naming those it does (server/fleet/models.py).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from server.edge.context import RouterContext, get_ctx
+from server.fleet.models import ModelManager, ModelState
+from workers.contract import HEADER_MODEL
+
+router = APIRouter(tags=["models"])
+
+
+def model_entry(ctx: RouterContext, name: str) -> dict:
+    """One model as `/v1/models` lists it."""
+    view = ctx.model(name)
+    info = view.reported()
+    placed = [h for h in ctx.supervisor.workers.values() if h.model == name]
+    described = ctx.models.describe(name) if ctx.models is not None else {"state": "loaded", "size": {}}
+    size = described["size"]
+    quantization = "fp8" if ctx.settings.quantize == "fp8" else size.get("quantization")
+    return {
+        "id": name, "object": "model", "created": int(ctx.started_at), "owned_by": "hetserve",
+        "context_length": view.context_length(), "architecture": info.architecture or size.get("architecture"),
+        "quantization": quantization, "state": described["state"],
+        "placement": [{"worker_id": h.id, "state": h.state, "capability": h.spec.device.capability_str,
+                       "device": h.spec.device.name} for h in placed],
+    }
+
+
+def _manager(request: Request, name: str) -> ModelManager:
+    """The model manager, once `name` is known to be one of its models (else 404)."""
+    models = get_ctx(request).models
+    assert models is not None
+    models.require(name)
+    return models
+
+
+def model_list(ctx: RouterContext) -> dict:
+    """`GET /v1/models`: every model offered, the default first."""
+    return {"object": "list", "data": [model_entry(ctx, name) for name in ctx.model_names()]}
+
+
+@router.post("/models/{name}/load")
+async def load(name: str, request: Request) -> JSONResponse:
+    """Load `name` where placement puts it (making room as a request for it would)."""
+    models = _manager(request, name)
+    model = await models.load(name, get_ctx(request).settings.ready_wait_s)
+    code = 200 if model.state == ModelState.LOADED else 202
+    return JSONResponse(models.describe(name), status_code=code, headers={HEADER_MODEL: name})
+
+
+@router.post("/models/{name}/unload")
+async def unload(name: str, request: Request) -> JSONResponse:
+    """Stop every worker of `name`; its requests in flight finish first."""
+    models = _manager(request, name)
+    await models.unload(name)
+    return JSONResponse(models.describe(name), headers={HEADER_MODEL: name})
