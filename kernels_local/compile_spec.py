@@ -33,8 +33,9 @@ from typing import Any
 # Row widths of realistic models (hidden, intermediate and attention sizes from 256 to 16384):
 # every launch shape the tunings choose depends only on the next power of two of a width.
 REALISTIC_WIDTHS = tuple(2**k for k in range(8, 15))
-# Head dims of realistic models (64: Llama 3.2 1B; 128: most; 256: Gemma); 80 and 96 pad to 128.
-REALISTIC_HEAD_DIMS = (64, 128, 256)
+# Head dims of realistic models (64: Llama 3.2 1B; 128: most; 256: Gemma; 512: Gemma 4's global
+# layers); 80 and 96 pad to 128.
+REALISTIC_HEAD_DIMS = (64, 128, 256, 512)
 # Tokens one launch can carry (a long prefill); every smaller count is a power of two below it.
 MAX_TOKENS = 8192
 DTYPES = ("bf16", "fp16", "fp32")

@@ -24,6 +24,15 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
 _ROT = 16 // 2  # rotary dim / 2 of a head of 16
 _PARTIAL = 8 // 2  # phi3's partial rotary (0.5 of 16) / 2
 _LAYERS4 = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_conv_kernel_dim=4)
+_SHARED_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+_S, _F = "sliding_attention", "full_attention"
+# Gemma 4: global layers of twice the head dim with one KV head (values = keys), a proportional
+# rotary on them; the dense case shares the KV of layers 0 (sliding) and 1 (global) with layers 2
+# and 3 (double-wide MLPs there) and feeds per-layer inputs; the MoE case has experts beside each MLP
+_GEMMA4 = dict(sliding_window=WINDOW, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+               final_logit_softcapping=30.0, initializer_range=0.02)
 
 # case -> (model_type, options). A case's name starts with its family.
 CASES: dict[str, tuple[str, dict]] = {
@@ -58,12 +67,37 @@ CASES: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                     decoder_sparse_step=1, mlp_only_layers=[2], norm_topk_prob=True)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    "gemma4": ("gemma4_text", dict(_GEMMA4, layer_types=[_S, _F, _S, _F], num_kv_shared_layers=2,
+                                   use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                                   vocab_size_per_layer_input=VOCAB)),
+    "gemma4_moe": ("gemma4_text", dict(_GEMMA4, layer_types=[_S, _S, _S, _F], enable_moe_block=True, num_experts=4,
+                                       top_k_experts=2, moe_intermediate_size=32, hidden_size_per_layer_input=0)),
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                 initializer_range=0.1,
                                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
                                                  "original_max_position_embeddings": 64, "beta_fast": 32.0,
                                                  "beta_slow": 1.0, "truncate": False})),
+    # hybrids: three Gated DeltaNet layers, then one gated full-attention layer (partial rotary 0.25);
+    # two key heads for four value heads; the MoE ones with a gated shared expert
+    "qwen3_5": ("qwen3_5_text", dict(_LINEAR)),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(_LINEAR, **_SHARED_MOE)),
+    "qwen3_next": ("qwen3_next", dict(_LINEAR, **_SHARED_MOE, decoder_sparse_step=1, mlp_only_layers=[2])),
 }
+
+
+# Cases whose scales transformers initializes to exactly 1 (Gemma 4's norms, `layer_scalar`, router
+# and per-expert scales): they get random values near 1 before saving, so each one is seen used.
+UNIT_SCALES_PERTURBED = ("gemma4", "gemma4_moe")
+
+
+def _perturb_unit_scales(model, seed: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point() and t.numel() and bool((t == 1).all()):
+                t.mul_(1 + 0.25 * torch.randn(t.shape, generator=gen))
 
 
 def make_family_checkpoint(case: str, out: Path, seed: int = 0) -> Path:
@@ -76,6 +110,8 @@ def make_family_checkpoint(case: str, out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.eval()
+    if case in UNIT_SCALES_PERTURBED:
+        _perturb_unit_scales(model, seed)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(DEFAULT_MODEL_DIR / name, out / name)
@@ -103,6 +139,10 @@ def bench_config(case: str) -> tuple[str, dict]:
         out["sliding_window"] = BENCH_WINDOW
     if out.get("moe_intermediate_size") is not None:  # experts about a quarter the dense width (16-byte rows)
         out["moe_intermediate_size"] = BENCH_EXPERT
+    if out.get("global_head_dim") is not None:  # Gemma 4: global heads twice the sliding ones (512 to 256)
+        out["global_head_dim"] = 2 * BENCH["head_dim"]
+    if out.get("hidden_size_per_layer_input"):  # its per-layer inputs an eighth of the hidden width
+        out["hidden_size_per_layer_input"] = BENCH["hidden_size"] // 8
     rope = out.get("rope_parameters") or {}
     if rope.get("rope_type") == "longrope":
         half = int(BENCH["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2

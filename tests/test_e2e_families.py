@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "olmo3", "granite",
-            "qwen3_moe", "mixtral", "gpt_oss"]
+            "qwen3_moe", "mixtral", "gpt_oss", "gemma4", "gemma4_moe"]
 PROMPT = "Once upon a time there was a little fox who lived near the river, and every morning it went down"
 NEW_TOKENS = 24
 
@@ -88,3 +88,8 @@ def test_each_family_over_http_generates_transformers_greedy_tokens(served, name
         assert feats["experts"] == f"{ref.config.num_experts_per_tok} of {ref.config.num_local_experts}"
         assert feats["parameters"] == sum(p.numel() for p in ref.parameters()) > feats["active_parameters"]
         assert "FusedMoE" in worker["kernels"], worker["kernels"]
+    if name == "gemma4":  # each layer type's head dim and KV heads, the layers reading another's KV, their groups
+        full, sliding = model["attention"]["layer_types"]
+        assert (full["head_dim"], full["kv_heads"], full["kv_shared_layers"]) == (32, 1, {"3": 1})
+        assert (sliding["head_dim"], sliding["kv_heads"], sliding["kv_shared_layers"]) == (16, 2, {"2": 0})
+        assert [(g["layers"], g["kv_heads"], g["head_dim"]) for g in capacity["kv_groups"]] == [(1, 1, 32), (1, 2, 16)]

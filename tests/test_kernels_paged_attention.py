@@ -4,7 +4,8 @@ when `scripts/gpu_check.sh` runs where one is lent.
 
 Block tables are scattered over the pool; the options of the 2026 families are covered one
 by one and together: head dim 256, Gemma's soft-cap and scale, sliding windows (never reading
-a position before the window), gpt-oss's per-head sinks.
+a position before the window), gpt-oss's per-head sinks, and Gemma 4's global layers (head dim
+512, one KV head for eight query heads, unscaled scores).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ PAGED_CASES = [  # (query heads, kv heads, head dim, block size, lengths, window
     (4, 1, 40, 4, [7, 21], 64, 30.0, None, 8.0),  # a window longer than every row, MQA, head dim 40
     (8, 2, 16, 1, [5, 12], 3, 1.0, 4.0, 1.0),  # scores far past the cap (exp(2x) would overflow)
     (2, 2, 256, 16, [33], 18, 50.0, 0.1, 8.0),  # everything at once, the window's start mid-block
+    (8, 1, 512, 8, [1, 40], 16, None, 1.0, 0.05),  # Gemma 4's global layer: head dim 512 (more warps pre-Hopper),
+    # eight query heads to its one KV head, unscaled scores; a window to cover it too
 ]
 
 
@@ -216,6 +219,7 @@ COMPILED_SHAPES = [  # (query heads, kv heads, head dim, block size, lengths)
     (16, 8, 256, 16, [1, 15, 16, 17, 200, 333, 1030]),  # Gemma 2 9B
     (32, 16, 128, 16, [1, 15, 16, 17, 200, 333, 1030]),  # Gemma 2 27B
     (8, 4, 256, 32, [3, 64, 65, 700]),  # Gemma 3 4B, 32-position blocks
+    (32, 4, 512, 16, [1, 15, 16, 17, 200, 333, 1030]),  # Gemma 4 31B's global layers
 ]
 
 
@@ -237,10 +241,12 @@ def test_compiled_paged_decode_with_layer_options_matches_the_reference_on_cuda(
 @needs_interpreter
 def test_the_compiled_check_runs_small_under_the_interpreter(interp, dtype):
     """The GPU test's own check, on small rows under the interpreter, so it is known to pass
-    where the kernel is right before a GPU ever runs it."""
+    where the kernel is right before a GPU ever runs it (head dim 512 once, with its options)."""
     for window, softcap, scale in COMPILED_OPTIONS:
         _against_reference(interp["paged_attention"], "cpu", dtype, (2, 1, 256, 16, [1, 17, 130]),
                            {"window": window, "softcap": softcap, "scale": scale})  # fmt: skip
+    _against_reference(interp["paged_attention"], "cpu", dtype, (2, 1, 512, 16, [1, 40]),
+                       {"window": 16, "softcap": None, "scale": 512**-0.5})
 
 
 # -- gpt-oss's sinks ----------------------------------------------------------------------------

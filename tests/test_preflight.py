@@ -11,6 +11,7 @@ CI cost (README, "Preflight").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -276,7 +277,10 @@ def test_when_a_worker_runs_its_preflight_and_on_what():
 
     w = model_workload(cfg, torch.float16)
     assert w.dtype == "fp16" and {48, 136, 256, 16384} <= set(w.widths)  # its own widths and the realistic ones
-    assert w.head_dims == (24, 64, 128, 256)  # its own head dim (48 / 2 heads) and the realistic ones
+    assert w.head_dims == (24, 64, 128, 256, 512)  # its own head dim (48 / 2 heads) and the realistic ones
+    gemma4 = dataclasses.replace(cfg, architecture="gemma4", num_hidden_layers=2, sliding_window=8,
+                                 layer_types=("sliding_attention", "full_attention"), global_head_dim=40)
+    assert {24, 40} <= set(model_workload(gemma4, torch.float16).head_dims)  # each layer type's head dim
 
 
 # -- a worker's own preflight, end to end ------------------------------------------------------

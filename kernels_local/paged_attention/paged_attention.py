@@ -26,7 +26,12 @@ Launch configurations (grid `(num_rows, num_query_heads)`, constexprs `TILE` and
 - Hopper and later (sm_90+): tile_elements 8192, max_tile 128, 8 warps (more bytes in flight);
 - ROCm (64-lane wavefronts): tile_elements 4096, max_tile 64, 4 wavefronts.
 At head dim 256 (Gemma) that is 16 positions (4 warps) or 32 (8 warps): 32 fp32 values of K
-and of V per thread, 64-74 registers on sm_80/sm_90 and no spills.
+and of V per thread, 64-74 registers on sm_80/sm_90 and no spills. Warps grow with the tile so
+that no thread holds more than `MAX_PER_THREAD` (32) values of a K tile: at head dim 512
+(Gemma 4's global layers; FlashAttention-style kernels stop at 256) a 16-position tile takes 8
+warps pre-Hopper (64 registers in bf16, 108 in fp32 on sm_80, no spills; with 4 warps it held
+64 values per thread: 96-158 registers), and stays at 8 warps on Hopper and 4 wavefronts of 64
+lanes on ROCm (72-116 and 80-82 registers).
 The block size, the GQA group, the pool's block count, the block table's width and the row
 stride are runtime integers the JIT does not specialize on (`do_not_specialize`), and K/V
 rows are addressed as `(head * num_blocks + block) * block_size + offset` rows of
@@ -62,6 +67,8 @@ from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, 
 _UNSPECIALIZED = ("stride_n", "num_blocks", "stride_bt", "group", "block_size", "window", "use_sinks")
 # The window of a layer that does not slide: larger than any sequence (int32, as launched).
 FULL_WINDOW = 2**31 - 1
+# Values of a K tile (and of V) one thread holds at most: the warps grow with the tile past it.
+MAX_PER_THREAD = 32
 
 
 @triton.jit
@@ -188,18 +195,19 @@ class PagedAttentionTuning:
     name: str
     tile_elements: int  # TILE x HEAD_DIM elements of K (and of V) one iteration holds
     max_tile: int
-    num_warps: int
+    num_warps: int  # at least; more where a tile would give a thread over MAX_PER_THREAD values
+    lanes: int = 32  # threads per warp (64 per ROCm wavefront)
 
     def launch_shape(self, head_dim: int) -> tuple[int, int, int]:
         """(TILE, HEAD_DIM, num_warps) for a head dim."""
         padded = triton.next_power_of_2(head_dim)
         tile = max(16, min(self.max_tile, self.tile_elements // padded))
-        return tile, padded, self.num_warps
+        return tile, padded, max(self.num_warps, tile * padded // (self.lanes * MAX_PER_THREAD))
 
 
 PRE_HOPPER = PagedAttentionTuning("sm70", tile_elements=4096, max_tile=64, num_warps=4)
 HOPPER = PagedAttentionTuning("sm90", tile_elements=8192, max_tile=128, num_warps=8)
-ROCM = PagedAttentionTuning("rocm", tile_elements=4096, max_tile=64, num_warps=4)
+ROCM = PagedAttentionTuning("rocm", tile_elements=4096, max_tile=64, num_warps=4, lanes=64)
 TUNINGS = {t.name: t for t in (PRE_HOPPER, HOPPER, ROCM)}
 
 # Kernels made while TRITON_INTERPRET=1 run on CPU tensors (tests); others need a GPU.

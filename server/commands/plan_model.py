@@ -9,7 +9,9 @@ Per layer type (full attention; sliding over `W` positions):
 - prefill: torch SDPA, causal, with the window's mask on a sliding layer; explicit score
   matrices where the family soft-caps scores (SDPA has no soft-cap);
 - KV cache: a full layer keeps every block of a sequence, a sliding layer frees the blocks
-  behind its window (workers/kv/groups.py).
+  behind its window (workers/kv/groups.py); a layer reading an earlier layer's KV (Gemma 4)
+  keeps none of its own.
+Each layer type shows its head dim and KV heads (Gemma 4's global layers have their own).
 Kernel layers the model does not contain are marked `unused`, with why (Gemma's `(1 + w)`
 norm is its own, not the kernel-swappable RMSNorm). With several models (`attach_models`), they
 are placed as `serve` places them and each device's plan is that of the model it serves.
@@ -42,7 +44,7 @@ def describe_model(model_dir: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def _decode_reason(kernel: dict, device_type: str, window: int | None, attn: dict) -> str:
+def _decode_reason(kernel: dict, device_type: str, window: int | None, attn: dict, lt: dict) -> str:
     gpu = device_type != "cpu" and kernel["variant"] != "torch"
     parts = [("Triton kernel reads the blocks in place" if gpu else "torch SDPA over the gathered blocks")]
     if window is not None:
@@ -53,7 +55,7 @@ def _decode_reason(kernel: dict, device_type: str, window: int | None, attn: dic
         parts.append("a learned sink logit per head in each softmax")
     if attn.get("scale") is not None:
         parts.append(f"scale {attn['scale']:.4g}")
-    parts.append(f"head_dim {attn['head_dim']}")
+    parts.append(f"head_dim {lt.get('head_dim', attn['head_dim'])}")
     return "; ".join(parts)
 
 
@@ -68,11 +70,14 @@ def attention_plan(entry: dict, described: dict) -> list[dict]:
             prefill += f", {window}-position window"
         rows.append({
             "type": lt["type"], "window": window, "layers": lt["layers"], "nope_layers": lt.get("nope_layers", []),
+            "head_dim": lt.get("head_dim", attn["head_dim"]), "kv_heads": lt.get("kv_heads"),
+            "kv_shared_layers": lt.get("kv_shared_layers", {}), "k_eq_v": lt.get("k_eq_v", False),
             "decode": {"variant": kernel["variant"], "kernel": f"{kernel['repo']}:{kernel['layer']}",
-                       "reason": _decode_reason(kernel, entry["device"]["type"], window, attn)},
+                       "reason": _decode_reason(kernel, entry["device"]["type"], window, attn, lt)},
             "prefill": prefill,
-            "kv_cache": "every block of a sequence" if window is None
-            else f"about {window} positions of blocks per sequence; older blocks freed",
+            "kv_cache": ("every block of a sequence" if window is None
+                         else f"about {window} positions of blocks per sequence; older blocks freed")
+            + ("; the layers reading an earlier layer's KV hold none" if lt.get("kv_shared_layers") else ""),
         })
     return rows
 
@@ -91,7 +96,10 @@ def render_attention(entry: dict) -> list[str]:
     for row in entry.get("attention", []):
         kind = "full" if row["window"] is None else f"sliding ({row['window']})"
         nope = f", NoPE {row['nope_layers']}" if row["nope_layers"] else ""
-        lines.append(f"  attention {kind}: layers {row['layers']}{nope}")
+        shape = (f", head_dim {row['head_dim']}" + (f", {row['kv_heads']} KV heads" if row.get("kv_heads") else "")
+                 + (" (values = keys)" if row.get("k_eq_v") else ""))
+        shared = "".join(f", layer {r} reads layer {p}'s KV" for r, p in row.get("kv_shared_layers", {}).items())
+        lines.append(f"  attention {kind}: layers {row['layers']}{nope}{shape}{shared}")
         lines.append(f"    decode   {row['decode']['variant']}  {row['decode']['kernel']}  {row['decode']['reason']}")
         lines.append(f"    prefill  {row['prefill']}")
         lines.append(f"    KV cache {row['kv_cache']}")

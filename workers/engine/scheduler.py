@@ -35,6 +35,7 @@ from workers.engine.sequence import (
     FINISH_ABORT,
     FINISH_EOS,
     FINISH_LENGTH,
+    FINISH_STOP,
     FINISHED,
     RUNNING,
     WAITING,
@@ -74,8 +75,13 @@ class SchedulerConfig:
     rope: tuple[int, str] | None = None
     # (window, blocks) of each KV group (`KVPool.group_shapes`); None: one full group of `num_blocks`
     kv_groups: tuple[tuple[int | None, int], ...] | None = None
+    # slots of the linear layers' state pool (`StatePool.num_slots`); 0: no linear layers. A model
+    # with them reuses no prefix (workers/kv/state.py says why): `prefix_caching` is turned off
+    state_slots: int = 0
 
     def __post_init__(self) -> None:
+        if self.state_slots and self.prefix_caching:
+            object.__setattr__(self, "prefix_caching", False)
         if self.num_blocks is None and self.block_size >= 1:
             object.__setattr__(self, "num_blocks", self.max_sequences * -(-self.max_seq_len // self.block_size))
         for name in ("max_sequences", "max_seq_len", "num_blocks", "block_size", "max_num_batched_tokens"):
@@ -112,7 +118,8 @@ class Scheduler:
 
     def _init_kv(self) -> None:
         c = self.config
-        self.kv = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching, c.cache_root, c.kv_groups)
+        self.kv = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching, c.cache_root, c.kv_groups,
+                                 c.state_slots)
         self._reserve = int(WATERMARK * c.num_blocks)
 
     # -- admission ---------------------------------------------------------------------------
@@ -133,7 +140,7 @@ class Scheduler:
             )
 
     def add_request(self, seq: Sequence) -> None:
-        self.check_fits(len(seq.prompt_ids), seq.params.max_new_tokens)
+        self.check_fits(len(seq.prompt_ids), seq.params.context_tokens)
         if self.config.rope is not None:
             self._rope_phase(seq)
         if seq.request_id in self._by_id:
@@ -285,7 +292,8 @@ class Scheduler:
         self, output: SchedulerOutput, token_ids: SequenceT[int], logprobs: SequenceT[float]
     ) -> list[TokenUpdate]:
         """Advance every chunk's sequence; append the sampled token to each sampling chunk (in
-        chunk order) and finish on EOS or length; index the blocks that became full."""
+        chunk order) and finish on EOS (unless `ignore_eos`), a stop token id (both only from
+        `min_tokens` on) or length; index the blocks that became full."""
         eos, bs, sliding = self.config.eos_token_ids, self.config.block_size, self.kv.sliding
         updates = []
         sampled = iter(zip(token_ids, logprobs, strict=True))
@@ -303,10 +311,13 @@ class Scheduler:
                 continue
             seq.output_ids.append(tid)
             seq.logprobs.append(lp)
-            reason = None
-            if tid in eos:
+            reason, p = None, seq.params
+            ended = len(seq.output_ids) >= p.min_tokens  # before `min_tokens`, neither EOS nor a stop id ends it
+            if tid in eos and ended and not p.ignore_eos:
                 reason = FINISH_EOS
-            elif len(seq.output_ids) >= seq.params.max_new_tokens:
+            elif tid in p.stop_token_ids and ended:
+                reason = FINISH_STOP
+            elif len(seq.output_ids) >= p.max_new_tokens:
                 reason = FINISH_LENGTH
             if reason is not None:
                 self.finish(seq, reason)
@@ -347,4 +358,7 @@ class Scheduler:
             "kv_block_size": c.block_size, "kv_blocks_total": c.num_blocks,
             "kv_blocks_free": self.kv.num_free_blocks, "prefix_cache": c.prefix_caching,
             "max_num_batched_tokens": c.max_num_batched_tokens,
+            **({"state_slots": c.state_slots, "state_slots_free": self.kv.states.num_free,
+                "prefix_cache_off": "linear layers' state has no per-block snapshots (workers/kv/state.py)"}
+               if c.state_slots else {}),
         }

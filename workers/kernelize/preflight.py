@@ -152,11 +152,13 @@ def wants_preflight(mode: str, bound) -> bool:
 
 
 def model_workload(config, dtype) -> Workload:
-    """The realistic workload widened by this model's own widths and head dim, in its dtype."""
+    """The realistic workload widened by this model's own widths and head dims (each layer's: Gemma 4's
+    global layers have their own), in its dtype."""
     name = TRITON_DTYPES[str(dtype).removeprefix("torch.")]
-    own = (config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim)
+    dims = {config.head_dim, *(getattr(config, "global_head_dim", 0) or config.head_dim,)}
+    own = (config.hidden_size, config.intermediate_size, *(config.num_attention_heads * d for d in dims))
     realistic = Workload()
-    return Workload(dtype=name, widths=realistic.widths + own, head_dims=realistic.head_dims + (config.head_dim,))
+    return Workload(dtype=name, widths=realistic.widths + own, head_dims=realistic.head_dims + tuple(dims))
 
 
 def device_limits(bound) -> ArchLimits | None:

@@ -24,6 +24,7 @@ import torch
 
 from workers.kv.groups import first_needed
 from workers.kv.mirror import DecodeMirror, MirrorRows, attend_rows, row_mask, step_mask
+from workers.kv.state import StateBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class SeqChunk:
     rope_len: int = 0  # its prompt's length, for rotaries that depend on it (workers/model/rope.py); 0: none
     # the other KV groups' tables (workers/kv/groups.py); (): `block_table` in every group
     group_tables: Sequence[Sequence[int]] = ()
+    state_slot: int = -1  # its slot of the linear layers' state pool (workers/kv/state.py); -1: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +149,7 @@ class ForwardBatch:
     max_block: int  # largest block id the batch reads or writes
     rope_lens: torch.Tensor | None = None  # [T] int64, the length each token is rotated for; None: not needed
     groups: tuple[GroupBatch, ...] = ()  # the other KV groups' slots and reads (sliding layers)
+    states: StateBatch | None = None  # the linear layers' state slots of the chunks (None: no such layers)
 
     @property
     def num_tokens(self) -> int:
@@ -282,6 +285,7 @@ class ForwardBatch:
             max_block=max_block,
             rope_lens=rope_lens,
             groups=groups,
+            states=StateBatch.build([c for c, _ in items], device),
         )
 
 

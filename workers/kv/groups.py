@@ -18,6 +18,12 @@ trade-off: the memory is split once at start (`plan_groups`): a sliding group ge
 and a sliding group short of blocks preempts like any other shortage. A prefix hit must hold
 every full block and, in a sliding group, the blocks of the last `W` positions before the
 first computed token (`Groups.hit_length`).
+
+Layers attend alike when they also share a cache shape: a group has its own KV heads and head
+dim (Gemma 4's sliding layers keep 256-dim heads, its global layers 512-dim ones, maybe fewer of
+them), so `shapes` splits the layers further and the budget is spent in each group's own bytes
+per block. A layer that reads another layer's cache (Gemma 4's KV sharing: its shape None)
+belongs to no group: the cache holds its producer once, and only producers count.
 """
 
 from __future__ import annotations
@@ -25,20 +31,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+Shape = tuple[int, int]  # a layer's cache: (KV heads, head dim)
+
 
 @dataclass(frozen=True)
 class KVGroup:
-    """Layers attending alike: their window (None: all positions) and their blocks."""
+    """Layers attending alike: their window (None: all positions), their blocks and their cache
+    shape (KV heads, head dim; 0: the pool's)."""
 
     window: int | None
     layers: tuple[int, ...]
     num_blocks: int
+    kv_heads: int = 0
+    head_dim: int = 0
 
 
-def layer_groups(windows: Sequence[int | None]) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
-    """(window, layers) per group for the layers' windows: the full group first, then each window."""
-    order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
-    return tuple((w, tuple(i for i, x in enumerate(windows) if x == w)) for w in order)
+def layer_groups(windows: Sequence[int | None],
+                 shapes: Sequence[Shape | None] | None = None) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
+    """(window, layers) per group for the layers' windows (and cache `shapes`, None for a layer
+    reading another's cache, which joins no group): the full groups first, then each window."""
+    shapes = shapes or [(0, 0)] * len(windows)
+    keys = {(w, s) for w, s in zip(windows, shapes, strict=True) if s is not None}
+    order = sorted(keys, key=lambda k: (k[0] is not None, k[0] or 0, k[1]))
+    return tuple((w, tuple(i for i, key in enumerate(zip(windows, shapes, strict=True)) if key == (w, s)))
+                 for w, s in order)
 
 
 def window_blocks(window: int, block_size: int) -> int:
@@ -53,31 +69,39 @@ def first_needed(window: int | None, position: int, block_size: int) -> int:
     return max(0, position - window + 1) // block_size
 
 
-def plan_groups(windows: Sequence[int | None], block_bytes_per_layer: int, budget: int, block_size: int,
-                max_sequences: int, max_batched_tokens: int) -> tuple[KVGroup, ...]:
-    """Split a budget between the groups of the layers' `windows`: a sliding group gets what
-    `max_sequences` windows and one step's `max_batched_tokens` new tokens need (never more
-    blocks than the full group), the full group the rest. `block_bytes_per_layer`: one block of
-    one layer (K and V). One group only: all of the budget."""
-    groups = layer_groups(windows)
+def _group(window: int | None, layers: tuple[int, ...], blocks: int, shapes) -> KVGroup:
+    return KVGroup(window, layers, blocks, *(shapes[layers[0]] if shapes else (0, 0)))
+
+
+def plan_groups(windows: Sequence[int | None], block_bytes_per_layer: int | Sequence[int], budget: int,
+                block_size: int, max_sequences: int, max_batched_tokens: int,
+                shapes: Sequence[Shape | None] | None = None) -> tuple[KVGroup, ...]:
+    """Split a budget between the groups of the layers' `windows` (and cache `shapes`): a sliding
+    group gets what `max_sequences` windows and one step's `max_batched_tokens` new tokens need
+    (never more blocks than an even split), the full groups the rest, the same blocks each.
+    `block_bytes_per_layer`: one block of one layer (K and V), or each layer's own (its shape's).
+    One group only: all of the budget."""
+    groups = layer_groups(windows, shapes)
+    per_layer = (lambda i: block_bytes_per_layer) if isinstance(block_bytes_per_layer, int) else (
+        lambda i: block_bytes_per_layer[i])
+    cost = [per_layer(layers[0]) * len(layers) for _, layers in groups]  # one block in every layer of a group
     if len(groups) == 1:
         w, layers = groups[0]
-        return (KVGroup(w, layers, budget // (block_bytes_per_layer * len(layers))),)
-    total_layers = sum(len(layers) for _, layers in groups)
-    even = budget // (block_bytes_per_layer * total_layers)  # every group the same blocks
-    caps = {w: max_sequences * (window_blocks(w, block_size) + 1) + -(-max_batched_tokens // block_size)
-            for w, _ in groups if w is not None}
-    sliding = {w: min(even, cap) for w, cap in caps.items()}
-    spent = sum(sliding[w] * len(layers) for w, layers in groups if w is not None) * block_bytes_per_layer
-    full_layers = sum(len(layers) for w, layers in groups if w is None)
-    if full_layers:
-        full = (budget - spent) // (block_bytes_per_layer * full_layers)
-        return tuple(KVGroup(w, layers, full if w is None else sliding[w]) for w, layers in groups)
+        return (_group(w, layers, budget // cost[0], shapes),)
+    even = budget // sum(cost)  # every group the same blocks
+    blocks = {g: min(even, max_sequences * (window_blocks(w, block_size) + 1) + -(-max_batched_tokens // block_size))
+              for g, (w, _) in enumerate(groups) if w is not None}
+    spent = sum(blocks[g] * cost[g] for g in blocks)
+    full_cost = sum(c for g, c in enumerate(cost) if g not in blocks)
+    if full_cost:
+        full = (budget - spent) // full_cost
+        return tuple(_group(w, layers, blocks.get(g, full), shapes) for g, (w, layers) in enumerate(groups))
     # only sliding groups (several windows): what they need, the rest evenly
-    left = (budget - spent) // (block_bytes_per_layer * total_layers)
-    return tuple(KVGroup(w, layers, sliding[w] + left) for w, layers in groups)
+    left = (budget - spent) // sum(cost)
+    return tuple(_group(w, layers, blocks[g] + left, shapes) for g, (w, layers) in enumerate(groups))
 
 
-def same_blocks(windows: Sequence[int | None], num_blocks: int) -> tuple[KVGroup, ...]:
+def same_blocks(windows: Sequence[int | None], num_blocks: int,
+                shapes: Sequence[Shape | None] | None = None) -> tuple[KVGroup, ...]:
     """Every group with `num_blocks` blocks (tests, benchmarks: a pool sized in blocks)."""
-    return tuple(KVGroup(w, layers, num_blocks) for w, layers in layer_groups(windows))
+    return tuple(_group(w, layers, num_blocks, shapes) for w, layers in layer_groups(windows, shapes))

@@ -25,6 +25,10 @@ of the same length. `seq.block_ids` is the first group's (the full group when th
 (entries before it are freed placeholders). `slide(seq)` frees what a sliding group's window
 has left behind; admission, growth and freeing cover every group at once, and a prefix hit is
 the longest one every group can serve.
+
+Linear-attention layers (workers/kv/state.py): with `state_slots`, admission also takes one
+slot of their state pool for the sequence (`seq.state_slot`) and `free` gives it back, so the
+state lives exactly as long as the sequence's blocks, on every path that frees them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Protocol
 from workers.kv.blocks import BlockPool
 from workers.kv.groups import first_needed
 from workers.kv.hashing import chain_hashes
+from workers.kv.state import StateSlots
 
 
 class KVSequence(Protocol):
@@ -60,7 +65,7 @@ class Admission:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, root: bytes = b"",
-                 groups: tuple[tuple[int | None, int], ...] | None = None) -> None:
+                 groups: tuple[tuple[int | None, int], ...] | None = None, state_slots: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"`block_size` must be >= 1, got `{block_size}`")
         groups = groups or ((None, num_blocks),)
@@ -71,6 +76,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.root = root  # the hash chain's start: model, dtype, quantization, block size
+        self.states = StateSlots(state_slots) if state_slots else None  # linear layers' state slots
+        if self.states is not None and prefix_caching:
+            raise ValueError("A prefix cache cannot serve linear layers' state (workers/kv/state.py): "
+                             "`prefix_caching` must be False with `state_slots`")
 
     # -- capacity -----------------------------------------------------------------------------
 
@@ -109,7 +118,9 @@ class KVCacheManager:
     def admit(self, seq: KVSequence, num_new: int, reserve: int = 0, max_cached: int | None = None) -> Admission | None:
         """Give a waiting sequence its cached prefix (at most `max_cached` tokens of it) and blocks
         for up to `num_new` more tokens, keeping `reserve` blocks free (that share of each group);
-        None (and nothing taken) when they do not fit."""
+        None (and nothing taken) when they do not fit (or no state slot is free)."""
+        if self.states is not None and self.states.num_free == 0:
+            return None
         tokens = seq.token_ids()
         hits = self._prefix_hits(seq, tokens, max_cached)
         cached = len(hits[0]) * self.block_size
@@ -129,6 +140,8 @@ class KVCacheManager:
         seq.held_from = [len(h) - sum(b is not None for b in h) for h in hits]
         seq.num_cached_blocks = len(hits[0])
         seq.num_computed = cached
+        if self.states is not None:
+            seq.state_slot = self.states.take()
         return Admission(cached, len(tokens) if self.prefix_caching and max_cached != 0 else 0)
 
     def grow(self, seq: KVSequence, end: int) -> bool:
@@ -162,6 +175,9 @@ class KVCacheManager:
             pool.release(reversed(table[start:]))
         seq.block_ids, seq.group_tables, seq.held_from = [], [], []
         seq.num_cached_blocks = 0
+        if self.states is not None and seq.state_slot >= 0:
+            self.states.give(seq.state_slot)
+            seq.state_slot = -1
 
     def cache_full_blocks(self, seq: KVSequence) -> None:
         """Index the sequence's blocks that are now full and computed (after a step), in every group."""

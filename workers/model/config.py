@@ -18,16 +18,18 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from workers.model.families.base import FULL, LAYER_TYPES, SLIDING, FamilyConfigError
+from workers.model.families.base import FULL, LAYER_TYPES, LINEAR, SLIDING, FamilyConfigError, text_part
 from workers.model.families.registry import FAMILIES, family, family_of
+from workers.model.layer_shapes import LayerShapes
 from workers.model.rope import RopeConfigError, RopeSpec
 
 NORM_PLACEMENTS = ("pre", "post", "sandwich")  # before each sub-layer; after it (OLMo 2); both (Gemma)
-NORM_STYLES = ("llama", "fp32", "gemma")  # w * x.to(dtype); (w * x).to(dtype); (x * (1 + w)).to(dtype)
+NORM_STYLES = ("llama", "fp32", "gemma", "gemma4")  # w * x.to(dtype); (w * x).to(dtype); (x * (1 + w)).to(dtype);
+# gemma4: (w * x * pow(mean + eps, -0.5)).to(dtype) (workers/model/layers.py `PowRMSNorm`)
 QK_NORMS = (None, "head", "projection")
 ACTIVATIONS = ("silu", "gelu_tanh")
-ROUTERS = ("softmax_topk", "topk_softmax")
-EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
+ROUTERS = ("softmax_topk", "topk_softmax", "gemma4")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
 
 
 class ConfigError(ValueError):
@@ -41,6 +43,10 @@ class LayerSpec:
     index: int
     sliding_window: int | None  # attends to the last `sliding_window` positions; None: all of them
     rope: RopeSpec | None  # None: a NoPE layer (no rotary)
+    head_dim: int = 0  # its own head dim and KV heads (workers/model/layer_shapes.py); 0: the model's
+    kv_heads: int = 0
+    kv_source: int | None = None  # the earlier layer whose KV cache it reads (KV sharing); None: its own
+    k_eq_v: bool = False  # its values are its key projection (no value projection)
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -57,7 +63,7 @@ def _choice(name: str, value, allowed: tuple) -> None:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(LayerShapes):
     """Hyper-parameters of a decoder of the registry. `head_dim` defaults to hidden/heads."""
 
     architecture: str = "llama"  # the family (workers/model/families/registry.py)
@@ -109,6 +115,26 @@ class ModelConfig:
     expert_activation: str = "silu"  # silu | swiglu_oai (gpt-oss's clamped SwiGLU)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones, sigmoid-gated (Qwen3-Next)
+    # hybrids (Qwen3.5, Qwen3-Next): layers typed "linear_attention" are Gated DeltaNet layers
+    # (workers/model/linear_attention.py) with a per-sequence state instead of KV (workers/kv/state.py)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4  # the short causal convolution's width
+    attn_output_gate: bool = False  # q_proj also gives each head a sigmoid gate on its output
+    # per-layer shapes, shared KV and per-layer inputs (Gemma 4; workers/model/layer_shapes.py)
+    global_head_dim: int = 0  # full-attention layers' head dim; 0: head_dim
+    global_kv_heads: int = 0  # full-attention layers' KV heads; 0: num_key_value_heads
+    attention_k_eq_v: bool = False  # full-attention layers' values are their key projection
+    v_norm: bool = False  # a scale-less RMSNorm over each value head
+    kv_shared_layers: int = 0  # the last this many layers read the KV of the last earlier layer of their type
+    double_wide_mlp: bool = False  # those layers' MLP is twice `intermediate_size` wide
+    per_layer_input_size: int = 0  # per-layer input embeddings this wide (workers/model/per_layer_inputs.py)
+    per_layer_vocab_size: int = 0
+    layer_scalar: bool = False  # each layer's output times its learned scalar
+    moe_block: bool = False  # experts beside the dense MLP, summed (workers/model/moe_block.py)
     # tokens and provenance
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -134,9 +160,11 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"`head_dim` must be even for rotary embeddings, got `{self.head_dim}`")
         if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
-                                 or any(t not in LAYER_TYPES for t in self.layer_types)):
-            raise ConfigError(f"`layer_types` must list {self.num_hidden_layers} of {', '.join(LAYER_TYPES)}, "
-                              f"got `{list(self.layer_types)}`")
+                                 or any(t not in (*LAYER_TYPES, LINEAR) for t in self.layer_types)):
+            raise ConfigError(f"`layer_types` must list {self.num_hidden_layers} of {', '.join(LAYER_TYPES)} "
+                              f"(or {LINEAR}), got `{list(self.layer_types)}`")
+        if self.state_layers:
+            self._check_linear()
         if self.num_experts:
             _choice("router", self.router, ROUTERS)
             _choice("expert_activation", self.expert_activation, EXPERT_ACTIVATIONS)
@@ -146,12 +174,26 @@ class ModelConfig:
             if any(not 0 <= i < self.num_hidden_layers for i in self.sparse_layers):
                 raise ConfigError(f"`sparse_layers` `{list(self.sparse_layers)}` must be layers of "
                                   f"0..{self.num_hidden_layers - 1}")
+        if self.intermediate_size < 1 and len(self.sparse_layers) < self.num_hidden_layers:
+            raise ConfigError(f"`intermediate_size` must be >= 1 for the dense layers' feed-forward, got "
+                              f"`{self.intermediate_size}`")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ConfigError("Sliding layers need a `sliding_window` (a positive integer), got `None`")
+        if self.has_layer_shapes:
+            self._check_shapes()
         try:
             self._specs()
         except RopeConfigError as e:
             raise ConfigError(str(e)) from e
+
+    def _check_linear(self) -> None:
+        sizes = {k: getattr(self, k) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                               "linear_value_head_dim", "linear_conv_kernel")}
+        if min(sizes.values()) < 1 or self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"Linear attention needs positive sizes and value heads a multiple of key heads, got "
+                              f"`{sizes}`")
+        if len(self.state_layers) == self.num_hidden_layers:
+            raise ConfigError(f"`layer_types` has no attention layer (all {LINEAR}); at least one is needed")
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -163,17 +205,46 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The linear-attention layers: a recurrent state per sequence, no KV (workers/kv/state.py)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def linear_key_size(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_size(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the DeltaNet's convolution: q, k and v."""
+        return 2 * self.linear_key_size + self.linear_value_size
+
+    @property
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""
+        if self.has_layer_shapes:
+            return self._shaped_parameters()
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        qkv = h * (self.q_size + 2 * self.kv_size) + (self.q_size + 2 * self.kv_size) * self.attention_bias
+        q = self.q_size * (2 if self.attn_output_gate else 1)  # with each head's output gate
+        qkv = h * (q + 2 * self.kv_size) + (q + 2 * self.kv_size) * self.attention_bias
         norms = {"pre": 2, "post": 2, "sandwich": 4}[self.norm_placement] * h
         qk = {None: 0, "head": 2 * self.head_dim, "projection": self.q_size + self.kv_size}[self.qk_norm]
-        layer = (qkv + self.q_size * h + h * self.o_bias + norms + qk + self.num_attention_heads * self.attention_sinks)
+        layer = (qkv + self.q_size * h + h * self.o_bias + qk + self.num_attention_heads * self.attention_sinks)
+        linear = len(self.state_layers)
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
         sparse = len(self.sparse_layers)
-        return (v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+        return (v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * norms + h
+                + (self.num_hidden_layers - linear) * layer + linear * self._linear_layer()
                 + (self.num_hidden_layers - sparse) * dense + sparse * self._moe_layer(self.num_experts))
+
+    def _linear_layer(self) -> int:
+        """One Gated DeltaNet layer's parameters: projections, convolution, decay, norm, output."""
+        h, hv, vs = self.hidden_size, self.linear_num_value_heads, self.linear_value_size
+        return (h * (self.linear_conv_dim + vs + 2 * hv) + self.linear_conv_dim * self.linear_conv_kernel + 2 * hv
+                + self.linear_value_head_dim + vs * h)
 
     @property
     def active_parameters(self) -> int:
@@ -188,7 +259,8 @@ class ModelConfig:
         """One sparse layer's parameters with `experts` experts (and its router)."""
         h, i = self.hidden_size, self.moe_intermediate_size
         router = self.num_experts * (h + self.router_bias)
-        return router + experts * (3 * h * i + (2 * i + h) * self.expert_bias)
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        return router + shared + experts * (3 * h * i + (2 * i + h) * self.expert_bias)
 
     @property
     def context_length(self) -> int:
@@ -205,13 +277,13 @@ class ModelConfig:
         return self._specs()
 
     def _specs(self) -> tuple[RopeSpec, RopeSpec]:
-        def spec(theta, scaling):
-            return RopeSpec.create({**(scaling or {}), "rope_theta": theta,
-                                    "partial_rotary_factor": self.partial_rotary_factor},
-                                   self.head_dim, self.max_position_embeddings)
+        def spec(theta, scaling, head_dim):  # a factor inside `scaling` is its type's own (proportional)
+            return RopeSpec.create({"partial_rotary_factor": self.partial_rotary_factor, **(scaling or {}),
+                                    "rope_theta": theta}, head_dim, self.max_position_embeddings)
 
-        full = spec(self.rope_theta, self.rope_scaling)
-        local = full if self.local_rope_theta is None else spec(self.local_rope_theta, self.local_rope_scaling)
+        full = spec(self.rope_theta, self.rope_scaling, self.global_head_dim or self.head_dim)
+        local = (full if self.local_rope_theta is None and not self.global_head_dim
+                 else spec(self.local_rope_theta or self.rope_theta, self.local_rope_scaling, self.head_dim))
         return full, local
 
     def layer_type(self, index: int) -> str:
@@ -222,7 +294,8 @@ class ModelConfig:
         full, local = self._rope_specs
         sliding = self.layer_type(index) == SLIDING
         rope = None if index in self.nope_layers else (local if sliding else full)
-        return LayerSpec(index, self.sliding_window if sliding else None, rope)
+        return LayerSpec(index, self.sliding_window if sliding else None, rope, self.layer_head_dim(index),
+                         self.layer_kv_heads(index), self.kv_source(index), self.layer_k_eq_v(index))
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -234,8 +307,8 @@ class ModelConfig:
         """What this architecture switches on beyond the Llama baseline (`/capability`, `plan`)."""
         full, _ = self._rope_specs
         out: dict[str, Any] = {"rope": full.rope_type}
-        if full.rotary_dim != self.head_dim:
-            out["partial_rotary"] = f"{full.rotary_dim}/{self.head_dim}"
+        if full.rotated_dims != full.rotary_dim or full.rotary_dim != (self.global_head_dim or self.head_dim):
+            out["partial_rotary"] = f"{full.rotated_dims}/{self.global_head_dim or self.head_dim}"
         if self.sliding_window and SLIDING in self.layer_types:
             out["sliding_window"] = self.sliding_window
             out["sliding_layers"] = sum(t == SLIDING for t in self.layer_types)
@@ -250,8 +323,16 @@ class ModelConfig:
             out["activation"] = self.activation
         if self.attention_sinks:
             out["attention_sinks"] = True
+        if self.state_layers:
+            out["linear_layers"] = len(self.state_layers)
+            out["linear_attention"] = "gated_deltanet"
+        if self.attn_output_gate:
+            out["attn_output_gate"] = True
+        out.update(self.shape_features())
         if self.num_experts:
             out["experts"] = f"{self.num_experts_per_tok} of {self.num_experts}"
+            if self.shared_expert_intermediate_size:
+                out["shared_expert"] = self.shared_expert_intermediate_size
             out["sparse_layers"] = len(self.sparse_layers)
             out["parameters"] = self.num_parameters
             out["active_parameters"] = self.active_parameters
@@ -263,12 +344,13 @@ class ModelConfig:
         """Read a Hugging Face config.json dict (transformers 4 or 5 spellings)."""
         try:
             fam = family_of(hf)
+            hf = text_part(hf)  # a multimodal checkpoint: its text model's config
             heads = int(hf["num_attention_heads"])
             shared = dict(
                 architecture=fam.name,
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=int(hf["hidden_size"]),
-                intermediate_size=int(hf["intermediate_size"]),
+                intermediate_size=int(hf.get("intermediate_size") or 0),  # none where every layer has experts
                 num_hidden_layers=int(hf["num_hidden_layers"]),
                 num_attention_heads=heads,
                 num_key_value_heads=int(hf.get("num_key_value_heads") or heads),

@@ -22,12 +22,21 @@ from workers.model.config import ConfigError, ModelConfig
 
 
 def attention_layers(config: ModelConfig) -> list[dict[str, Any]]:
-    """Per layer type (full first, then each window): its layers and what they attend."""
+    """Per layer type (full first, then each window; each cache shape): its layers, what they
+    attend, their head dim and KV heads, and the layers among them that read an earlier layer's
+    KV instead of computing their own (`kv_shared_layers`: the cache holds it once)."""
     out = []
-    for window, layers in layer_groups(config.layer_windows):
-        entry: dict[str, Any] = {"type": "full" if window is None else "sliding", "layers": list(layers)}
+    for window, layers in layer_groups(config.layer_windows, config.layer_kv_shapes):
+        readers = [i for i in range(config.num_hidden_layers) if config.kv_source(i) in layers]
+        first = layers[0]
+        entry: dict[str, Any] = {"type": "full" if window is None else "sliding", "layers": sorted((*layers, *readers)),
+                                 "head_dim": config.layer_head_dim(first), "kv_heads": config.layer_kv_heads(first)}
         if window is not None:
             entry["window"] = window
+        if readers:
+            entry["kv_shared_layers"] = {str(i): config.kv_source(i) for i in readers}  # reader -> the layer it reads
+        if config.layer_k_eq_v(first):
+            entry["k_eq_v"] = True
         nope = sorted(set(layers) & set(config.nope_layers))
         if nope:
             entry["nope_layers"] = nope
@@ -36,7 +45,8 @@ def attention_layers(config: ModelConfig) -> list[dict[str, Any]]:
 
 
 _NORMS = {"fp32": "its RMSNorm weighs in fp32 (the family's own, torch)",
-          "gemma": "its RMSNorm scales by (1 + w) in fp32 (the family's own, torch)"}
+          "gemma": "its RMSNorm scales by (1 + w) in fp32 (the family's own, torch)",
+          "gemma4": "its RMSNorm is Gemma 4's, pow(mean + eps, -0.5) and w in fp32 (the family's own, torch)"}
 
 
 def describe(config: ModelConfig) -> dict[str, Any]:

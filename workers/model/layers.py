@@ -9,8 +9,9 @@ SiluAndMul has no state and PagedAttention only its layer's attention options
 fp32 and casts back before the weight multiply; PagedAttention is softmax(q k^T * scale) v
 over each row's cached positions (its window's, when it slides), soft-capped where asked.
 
-`FloatRMSNorm` (OLMo: `w * x` in fp32, cast last; Gemma: `x * (1 + w)` in fp32, cast last)
-and `GeluTanhAndMul` (Gemma's GELU) have no kernels yet: they run their torch forward on every
+`FloatRMSNorm` (OLMo: `w * x` in fp32, cast last; Gemma: `x * (1 + w)` in fp32, cast last),
+`PowRMSNorm` (Gemma 4's: `pow(mean + eps, -0.5)`, with or without a scale) and
+`GeluTanhAndMul` (Gemma's GELU) have no kernels yet: they run their torch forward on every
 device, which is what they must compute. Trade-off: the families that use them pay for the
 unfused ops on a GPU until a kernel joins the mapping.
 """
@@ -61,6 +62,23 @@ class FloatRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}"
+
+
+class PowRMSNorm(nn.Module):
+    """Gemma 4's RMSNorm: `x * pow(mean(x^2) + eps, -0.5)` in fp32 (`pow`, not `rsqrt`, as
+    transformers' Gemma4RMSNorm), times `w` in fp32 where it has a scale, cast last. Without a
+    scale (its value norm, its router's norm) it has no parameters."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, with_scale: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if with_scale else None
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., H]
+        h = x.to(torch.float32)
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon, -0.5)
+        return (h if self.weight is None else h * self.weight.float()).to(x.dtype)
 
 
 class GeluTanhAndMul(nn.Module):

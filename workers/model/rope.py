@@ -1,14 +1,19 @@
 """Rotary position embeddings: every rope type transformers names, over all or part of a head.
 
 Design: one frozen `RopeSpec` per kind of layer (`default`, `linear`, `dynamic`, `yarn`,
-`longrope`, `llama3`; `rotary_dim` < head_dim for partial rotary; no spec at all for a NoPE
-layer), and `RotaryTables` that turn a batch's positions into cos/sin. The model keeps no rope
+`longrope`, `llama3`, `proportional`; `rotary_dim` < head_dim for partial rotary; no spec at
+all for a NoPE layer), and `RotaryTables` that turn a batch's positions into cos/sin. The model keeps no rope
 buffers: tables are computed on first use per device and grown by doubling, so a model built
 on the meta device needs no initialisation step and a 128k-context config does not allocate
 its whole table up front. Frequencies follow transformers' `rotate_half` (non-interleaved)
 layout in fp32 (each formula as `transformers.modeling_rope_utils` computes it), and yarn's
 and LongRoPE's attention factor scales cos and sin in fp32, so Hugging Face q/k weights load
-unpermuted and the rotation matches theirs bit for bit.
+unpermuted and the rotation matches theirs bit for bit. Gemma 4's `proportional` rotary is
+partial the other way: it rotates the first `partial_rotary_factor` of each half of the head
+(pairs `j, j + D/2`) with frequencies spread over the whole head dim, and leaves the rest
+unrotated; its spec covers the whole head, the frequencies past its angles being 0 (cos 1,
+sin 0: those dimensions pass through exactly), as transformers computes it. Trade-off: those
+dimensions are multiplied by 1 and 0 rather than skipped.
 
 Two types depend on the sequence length the rotation is computed for, which transformers
 takes per forward as the largest position + 1: `dynamic` (NTK scaling past
@@ -31,7 +36,7 @@ from typing import Any
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
@@ -59,6 +64,11 @@ class RopeSpec:
         return dict(self.params).get(name, default)
 
     @property
+    def rotated_dims(self) -> int:
+        """Dimensions of a head that rotate: `rotary_dim`, or twice a proportional rotary's angles."""
+        return 2 * int(self.get("rope_angles")) if self.rope_type == "proportional" else self.rotary_dim
+
+    @property
     def threshold(self) -> int | None:
         """The length past which a token's rotation changes (dynamic, longrope), else None."""
         if self.rope_type == "dynamic":
@@ -83,6 +93,9 @@ class RopeSpec:
         missing = [k for k in needs.get(rope_type, ()) if params.get(k) is None]
         if missing:
             raise RopeConfigError(f"Rope type `{rope_type}` needs {', '.join(f'`{k}`' for k in missing)}")
+        if rope_type == "proportional":  # the whole head, its angles past `partial` of a half left at 0
+            params["rope_angles"] = int(partial * head_dim // 2)
+            partial = 1.0
         frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
         return cls(rope_type, theta, int(head_dim * partial), int(max_position), frozen)
 
@@ -152,6 +165,13 @@ def _longrope(spec: RopeSpec, long: bool) -> tuple[torch.Tensor, float]:
     return 1.0 / (ext * spec.theta**shape), float(attention_factor)
 
 
+def _proportional(spec: RopeSpec) -> torch.Tensor:
+    """Gemma 4: `rope_angles` frequencies `theta ** (-2j / D)` over the whole head dim D, then zeros."""
+    dim, angles = spec.rotary_dim, int(spec.get("rope_angles"))
+    rotated = 1.0 / (spec.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim))
+    return torch.cat((rotated, torch.zeros(dim // 2 - angles))) / float(spec.get("factor") or 1.0)
+
+
 def _dynamic(spec: RopeSpec, seq_len: int) -> torch.Tensor:
     """NTK scaling for a sequence of `seq_len` tokens (the base table up to `max_position`)."""
     if seq_len <= spec.max_position:
@@ -172,6 +192,8 @@ def inv_frequencies(spec: RopeSpec, variant: int = 0) -> tuple[torch.Tensor, flo
         return _yarn(spec)
     if spec.rope_type == "longrope":
         return _longrope(spec, long=variant == 1)
+    if spec.rope_type == "proportional":
+        return _proportional(spec), 1.0
     return _default(spec), 1.0
 
 

@@ -29,16 +29,20 @@ from workers.kv.pool import KVPool
 from workers.model.attention import Attention, build_step_context, causal_mask, make_norm
 from workers.model.config import ModelConfig
 from workers.model.layers import FloatRMSNorm, GeluTanhAndMul, SiluAndMul
+from workers.model.linear_attention import GatedDeltaNet
 from workers.model.moe import MoEFeedForward
+from workers.model.moe_block import MoEBlock
+from workers.model.per_layer_inputs import PerLayerGate, PerLayerInputs
 from workers.model.rope import RotaryTables
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate: int | None = None) -> None:
         super().__init__()
-        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        i = intermediate or config.intermediate_size
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * i, bias=config.mlp_bias)
         self.act = SiluAndMul() if config.activation == "silu" else GeluTanhAndMul()
-        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.w_down = nn.Linear(i, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(self.act(self.w_gate_up(x)))  # [..., H] -> [..., 2I] -> [..., I] -> [..., H]
@@ -47,36 +51,53 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """One layer: attention then feed-forward, each normed where the family puts its norms:
     `pre` (Llama), `post` (OLMo 2: the output normed before the residual add) or `sandwich`
-    (Gemma: both)."""
+    (Gemma: both). Gemma 4 adds experts beside the dense MLP (`moe_block`), its per-layer input
+    after the feed-forward (`per_layer`) and a learned scale of the layer's output (`layer_scalar`)."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         h, placement = config.hidden_size, config.norm_placement
         pre, post = placement in ("pre", "sandwich"), placement in ("post", "sandwich")
         self.attention_norm = make_norm(config, h) if pre else None
-        self.attention = Attention(config, config.layer(layer_index))
+        # a linear layer (Qwen3.5, Qwen3-Next) mixes tokens with Gated DeltaNet instead, through the same entry points
+        linear = layer_index in config.state_layers
+        self.attention = GatedDeltaNet(config, layer_index) if linear else Attention(config, config.layer(layer_index))
         self.post_attention_norm = make_norm(config, h) if post else None
         self.ffn_norm = make_norm(config, h) if pre else None
-        self.feed_forward = MoEFeedForward(config) if layer_index in config.sparse_layers else FeedForward(config)
+        sparse = layer_index in config.sparse_layers
+        self.feed_forward = (MoEFeedForward(config) if sparse and not config.moe_block
+                             else FeedForward(config, config.layer_intermediate_size(layer_index)))
+        self.moe_block = MoEBlock(config) if sparse and config.moe_block else None
         self.post_ffn_norm = make_norm(config, h) if post else None
         self.residual_scale = config.residual_scale
+        self.per_layer = PerLayerGate(config) if config.per_layer_input_size else None
+        # each layer's learned output scale (Gemma 4): a buffer, as transformers keeps it
+        self.register_buffer("layer_scalar", torch.ones(1) if config.layer_scalar else None)
 
     def _residual(self, x: torch.Tensor, out: torch.Tensor, post: nn.Module | None) -> torch.Tensor:
         if post is not None:
             out = post(out)
         return x + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
-    def forward(self, x: torch.Tensor, rope, masks) -> torch.Tensor:
-        a = self.attention(self.attention_norm(x) if self.attention_norm else x, rope, masks[self.attention.window])
-        h = self._residual(x, a, self.post_attention_norm)  # [B, S, H]
+    def _feed_forward(self, h: torch.Tensor, per_layer_input: torch.Tensor | None) -> torch.Tensor:
         f = self.feed_forward(self.ffn_norm(h) if self.ffn_norm else h)
-        return self._residual(h, f, self.post_ffn_norm)
+        if self.moe_block is not None:  # the experts read the residual itself
+            f = self.moe_block(f, h)
+        out = self._residual(h, f, self.post_ffn_norm)
+        if self.per_layer is not None:
+            out = self.per_layer(out, per_layer_input)
+        return out if self.layer_scalar is None else out * self.layer_scalar
 
-    def step(self, x: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, masks, per_layer_input=None, shared=None) -> torch.Tensor:
+        a = self.attention(self.attention_norm(x) if self.attention_norm else x, rope, masks[self.attention.window],
+                           shared)
+        h = self._residual(x, a, self.post_attention_norm)  # [B, S, H]
+        return self._feed_forward(h, per_layer_input)
+
+    def step(self, x: torch.Tensor, ctx, per_layer_input=None) -> torch.Tensor:
         a = self.attention.step(self.attention_norm(x) if self.attention_norm else x, ctx)  # [T, H]
         h = self._residual(x, a, self.post_attention_norm)
-        f = self.feed_forward(self.ffn_norm(h) if self.ffn_norm else h)
-        return self._residual(h, f, self.post_ffn_norm)
+        return self._feed_forward(h, per_layer_input)
 
 
 class Transformer(nn.Module):
@@ -85,6 +106,7 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_hidden_layers))
+        self.per_layer_inputs = PerLayerInputs(config) if config.per_layer_input_size else None
         self.norm = make_norm(config, config.hidden_size)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryTables()
@@ -130,8 +152,11 @@ class Transformer(nn.Module):
         """Normal(0, std) for matrices, zeros for biases, a unit scale for norms (GPT-2 style)."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         offsets = {f"{n}.weight": m.offset for n, m in self.named_modules() if isinstance(m, FloatRMSNorm)}
+        for name, b in self.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(1.0)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "router_scale", "per_expert_scale")):
                 p.fill_(1.0 - offsets.get(name, 0.0))  # Gemma's (1 + w) norms: w = 0
             elif name.endswith("bias") or name.rsplit(".", 1)[-1].startswith("b_"):  # b_: experts' biases
                 p.zero_()
@@ -163,8 +188,11 @@ class Transformer(nn.Module):
                 return spec.threshold, spec.rope_type
         return None
 
-    def new_kv_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVPool:
-        return KVPool.for_config(self.config, num_blocks, block_size, dtype or self.dtype, self.device)
+    def new_kv_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                    state_slots: int = 0) -> KVPool:
+        """`state_slots`: sequences at once, for a model with linear layers (workers/kv/state.py)."""
+        return KVPool.for_config(self.config, num_blocks, block_size, dtype or self.dtype, self.device,
+                                 state_slots=state_slots)
 
     # ---- the pieces both passes share -------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -194,8 +222,10 @@ class Transformer(nn.Module):
         rope = {spec: self.rope.lookup(spec, positions, seq_len - 1, self.dtype, lengths) for spec in self.rope_specs}
         masks = {w: None if w is None or w >= seq_len else causal_mask(positions, seq_len, w) for w in self.windows}
         x = self._embed(input_ids)  # [B, S, H]
-        for layer in self.layers:
-            x = layer(x, rope, masks)
+        per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(input_ids, x)  # [B, S, L, P]
+        shared = {} if self.config.kv_shared_layers else None  # producers' K, V for the layers sharing them
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, masks, None if per_layer is None else per_layer[..., i, :], shared)
         return self._logits(x)  # [B, S, V]
 
     @torch.inference_mode()
@@ -213,10 +243,11 @@ class Transformer(nn.Module):
                              f"(build the batch with `windows=kv.windows`)")
         rope = {spec: self.rope.lookup(spec, batch.positions, batch.max_pos, self.dtype, batch.rope_lens)
                 for spec in self.rope_specs}  # [T, 1, R/2] each
-        ctx = build_step_context(batch, kv, rope)
+        ctx = build_step_context(batch, kv, rope, bool(self.config.kv_shared_layers))
         x = self._embed(batch.input_ids)  # [T, H]
-        for layer in self.layers:
-            x = layer.step(x, ctx)
+        per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(batch.input_ids, x)  # [T, L, P]
+        for i, layer in enumerate(self.layers):
+            x = layer.step(x, ctx, None if per_layer is None else per_layer[:, i])
         if x.shape[0] != batch.logits_index.shape[0]:  # equal only when every row is projected, in order
             x = x.index_select(0, batch.logits_index)  # [N, H]
         return self._logits(x).float()  # [N, V]

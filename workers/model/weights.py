@@ -23,6 +23,17 @@ from workers.model.families.registry import family
 
 # Tensors some checkpoints carry that we recompute or do not need.
 IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+TEXT_PREFIX = "model.language_model."  # where a multimodal checkpoint keeps its text model (transformers 5)
+
+
+def text_name(hf_name: str) -> str:
+    """A tensor's name in the text model: a multimodal checkpoint's `model.language_model.X` is `model.X`."""
+    return "model." + hf_name[len(TEXT_PREFIX) :] if hf_name.startswith(TEXT_PREFIX) else hf_name
+
+
+def skipped(hf_name: str, config: ModelConfig) -> str | None:
+    """The pattern of the family's `skipped` tensors (a vision tower, ...) that `hf_name` matches, if any."""
+    return next((p for p in family(config.architecture).skipped if re.fullmatch(p, hf_name)), None)
 
 _Compiled = list[tuple[re.Pattern, tuple[str, object]]]
 _COMPILED: dict[str, _Compiled] = {}
@@ -76,10 +87,28 @@ TRANSFORMS = {
 }
 
 
+def _layouts(config: ModelConfig) -> dict:
+    """`TRANSFORMS` and the family's own layouts, which depend on the config (Qwen3-Next's)."""
+    own = family(config.architecture).layouts
+    return {**TRANSFORMS, **own(config)} if own else TRANSFORMS
+
+
 def _part_sizes(config: ModelConfig, ours: str) -> tuple[int, ...]:
-    """How a fused tensor of ours splits along dim 0 (of each expert) into its Hugging Face parts."""
-    if ".wqkv." in ours:
-        return config.q_size, config.kv_size, config.kv_size
+    """How a fused tensor of ours splits along dim 0 (of each expert) into its Hugging Face parts
+    (a part of 0 rows: one the layer does not have, as Gemma 4's KV-sharing layers' k and v)."""
+    layer = int(ours.split(".")[1]) if ours.startswith("layers.") and config.has_layer_shapes else None
+    if layer is not None and ".wqkv." in ours:
+        return config.layer_qkv_sizes(layer)
+    if layer is not None and ".feed_forward.w_gate_up." in ours:
+        return (config.layer_intermediate_size(layer),) * 2
+    if ".wqkv." in ours:  # a gated attention's q part is each head's query and gate
+        return config.q_size * (2 if config.attn_output_gate else 1), config.kv_size, config.kv_size
+    if ".in_proj_qkvz." in ours:  # a DeltaNet's [q | k | v] and z
+        return config.linear_conv_dim, config.linear_value_size
+    if ".in_proj_ba." in ours:
+        return config.linear_num_value_heads, config.linear_num_value_heads
+    if ".shared_expert.w_gate_up." in ours:
+        return config.shared_expert_intermediate_size, config.shared_expert_intermediate_size
     if ours.endswith("experts.w_gate_up"):
         return config.moe_intermediate_size, config.moe_intermediate_size
     if ".w_gate_up." in ours:
@@ -98,7 +127,7 @@ def _expand(config: ModelConfig, key: str) -> list[str]:
 def hf_shapes(config: ModelConfig, ours: Mapping[str, torch.Size]) -> dict[str, tuple[int, ...]]:
     """Every HF tensor the config expects, with its shape, given the shapes of the model built
     for it (`ours`: our name -> shape, e.g. from a meta-device model's state dict)."""
-    shapes = {}
+    shapes, layouts = {}, _layouts(config)
     for key in family(config.architecture).weights:
         for hf_name in _expand(config, key):
             target, part = map_name(hf_name, config)
@@ -108,9 +137,11 @@ def hf_shapes(config: ModelConfig, ours: Mapping[str, torch.Size]) -> dict[str, 
             if isinstance(part, tuple):  # one expert's tensor, or a piece of it
                 shape = shape[1:] if part[2] is None else (_part_sizes(config, target)[part[2]], *shape[2:])
             elif isinstance(part, str):
-                shape = TRANSFORMS[part][2](shape)
+                shape = layouts[part][2](shape)
             elif part is not None:
                 shape = (_part_sizes(config, target)[part], *shape[1:])
+                if shape[0] == 0:
+                    continue  # a projection this layer does not have
             shapes[hf_name] = shape
     return shapes
 
@@ -121,6 +152,7 @@ def to_ours(hf_tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> dict
     parts: dict[str, dict[int, torch.Tensor]] = {}
     experts: dict[str, dict[int, dict]] = {}
     out: dict[str, torch.Tensor] = {}
+    layouts = _layouts(config)
     for hf_name, tensor in hf_tensors.items():
         mapped = map_name(hf_name, config)
         assert mapped is not None, hf_name  # callers filter unknown names first
@@ -130,7 +162,7 @@ def to_ours(hf_tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> dict
         elif isinstance(part, tuple):
             experts.setdefault(ours, {}).setdefault(part[1], {})[part[2]] = tensor
         elif isinstance(part, str):
-            out[ours] = TRANSFORMS[part][0](tensor).contiguous()
+            out[ours] = layouts[part][0](tensor).contiguous()
         else:
             parts.setdefault(ours, {})[part] = tensor
     for ours, pieces in parts.items():
@@ -146,6 +178,7 @@ def to_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     config: ModelConfig = model.config
     ours = model.state_dict()
     out: dict[str, torch.Tensor] = {}
+    layouts = _layouts(config)
     for hf_name in hf_shapes(config, {k: v.shape for k, v in ours.items()}):
         name, part = map_name(hf_name, config)  # type: ignore[misc]
         tensor = ours[name].detach()
@@ -154,7 +187,7 @@ def to_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if part[2] is not None:
                 tensor = tensor.split(_part_sizes(config, name), dim=0)[part[2]]
         elif isinstance(part, str):
-            tensor = TRANSFORMS[part][1](tensor)
+            tensor = layouts[part][1](tensor)
         elif part is not None:
             tensor = tensor.split(_part_sizes(config, name), dim=0)[part]
         out[hf_name] = tensor.contiguous().clone()

@@ -18,6 +18,7 @@ from typing import Any
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
+LINEAR = "linear_attention"  # a Gated DeltaNet layer: a recurrent state, no KV (workers/model/linear_attention.py)
 
 WeightMap = Mapping[str, tuple[str, int | None]]
 
@@ -34,6 +35,12 @@ class Family:
     weights: WeightMap
     read: Callable[[dict[str, Any]], dict[str, Any]] = field(compare=False)
     hf_class: str = ""  # for export (`ModelConfig.to_hf_config`); families we only load leave it empty
+    # tensor layouts that depend on the config: `layouts(config) -> {name: (HF -> ours, ours -> HF,
+    # our shape -> HF shape)}`, used as `part` names in `weights` (workers/model/weights.py `TRANSFORMS`)
+    layouts: Callable[[Any], dict[str, tuple]] | None = field(default=None, compare=False)
+    # tensors a checkpoint carries that this server does not compute (a vision tower, a multi-token
+    # prediction head): regexes over HF names, skipped at load with one log line each
+    skipped: tuple[str, ...] = ()
 
 
 # The Llama baseline: pre-norm decoder, fused q/k/v and gate/up projections.
@@ -63,6 +70,18 @@ QK_NORM_WEIGHTS: dict[str, tuple[str, int | None]] = {
     "model.layers.{i}.self_attn.q_norm.weight": ("layers.{i}.attention.q_norm.weight", None),
     "model.layers.{i}.self_attn.k_norm.weight": ("layers.{i}.attention.k_norm.weight", None),
 }
+
+
+def text_part(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's text model: its `text_config`, with the top level's `architectures`
+    and embedding tying (which transformers takes from there); a text checkpoint as it is. Its
+    weights sit under `model.language_model.` (workers/model/weights.py `text_name`)."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        return hf
+    top = {k: hf[k] for k in ("architectures", "tie_word_embeddings") if k in hf}
+    fallback = {k: hf[k] for k in ("torch_dtype", "dtype", "bos_token_id", "eos_token_id") if k in hf}
+    return {**fallback, **text, **top}
 
 
 def with_weights(base: Mapping[str, tuple[str, int | None]], add: Mapping | None = None,

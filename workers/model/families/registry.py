@@ -9,16 +9,20 @@ from __future__ import annotations
 from workers.model.families.base import Family, FamilyConfigError
 from workers.model.families.gemma2 import GEMMA2
 from workers.model.families.gemma3 import GEMMA3
+from workers.model.families.gemma4 import GEMMA4
 from workers.model.families.granite import GRANITE
 from workers.model.families.llama import LLAMA, MISTRAL, QWEN2
 from workers.model.families.moe import GPT_OSS, MIXTRAL, QWEN3_MOE
 from workers.model.families.olmo2 import OLMO2, OLMO3
 from workers.model.families.phi3 import PHI3
 from workers.model.families.qwen3 import QWEN3
+from workers.model.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT
 from workers.model.families.smollm3 import SMOLLM3
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2, OLMO3, GRANITE, QWEN3_MOE, MIXTRAL, GPT_OSS)}
+    LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2, OLMO3, GRANITE, QWEN3_MOE, MIXTRAL, GPT_OSS,
+    QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT,
+    GEMMA4)}
 _BY_NAME = {n: f for f in FAMILIES.values() for n in (*f.architectures, *f.model_types)}
 
 
