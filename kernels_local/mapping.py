@@ -36,17 +36,21 @@ from workers.contract import (
     ACCEPTED_CAPABILITY_SPELLINGS,
     DEVICE_TYPES,
     EMULATED,
+    FP8_DEQUANTIZED,
+    FP8_NATIVE,
+    FP8_WEIGHT_ONLY,
     NATIVE,
     NATIVE_FP8_CAPABILITY,
     ROCM_NATIVE_FP8_CAPABILITY,
     ROCM_NATIVE_FP8_LAST,
     ROCM_OCP_FP8_CAPABILITY,
+    WEIGHT_ONLY_FP8_CAPABILITY,
     Capability,
     CapabilityError,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent
-LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE")
+LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE", "Fp8CheckpointLinear", "GatedDeltaRule")
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
@@ -54,6 +58,7 @@ _ANY = sys.maxsize
 _FP8_NATIVE_CUDA = NATIVE_FP8_CAPABILITY.int  # 89
 _FP8_FNUZ_ROCM = (ROCM_NATIVE_FP8_CAPABILITY.int, ROCM_OCP_FP8_CAPABILITY.int - 1)  # CDNA3 (gfx94x)
 _FP8_OCP_ROCM = (ROCM_OCP_FP8_CAPABILITY.int, ROCM_NATIVE_FP8_LAST.int)  # CDNA4+ (gfx950)
+_FP8_WEIGHT_ONLY_CUDA = WEIGHT_ONLY_FP8_CAPABILITY.int  # 80
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,9 @@ class KernelChoice:
     layer: str  # layer class inside the repository's `layers`
     variant: str  # tuning / convention variant ("triton-sm90", "native_e4m3-triton", "torch")
     reason: str
-    fp8: str | None = None  # the fp8 convention an fp8 kernel is built for; None for other layers
+    # the fp8 convention an `Fp8Linear` kernel is built for, or the execution of an `Fp8CheckpointLinear`
+    # one (native | weight_only | dequantized); None for other layers
+    fp8: str | None = None
 
     def to_dict(self) -> dict:
         """`/workers` `kernels` entry: repo, layer, variant, reason."""
@@ -172,6 +179,45 @@ _ENTRIES: tuple[_Entry, ...] = (
         "128 x 64 prefill tiles over 8 warps",
         "Triton grouped GEMM over expert-aligned blocks, tuned for CDNA's 64 KiB of LDS (2 stages)",
         first=80),
+    # -- GatedDeltaRule (Qwen3.5 / Qwen3-Next linear layers): the state stays in registers -----
+    *_triton_family(
+        "GatedDeltaRule", "gated_delta", "GatedDeltaRule",
+        "CPU: torch, decode rows one recurrent step each, prefill spans chunked (64 tokens, a triangular solve)",
+        "below sm_70, which Triton does not target: the torch recurrent and chunked forms",
+        "pre-Hopper (sm_70..sm_89): Triton, the state's [Dk, 32] columns in registers, 16-token chunks "
+        "(fp32 ieee dots), one-step decode kernel, 4 warps",
+        "Hopper (sm_90): Triton, the state's [Dk, 64] columns in registers, 32-token chunks (fp32 ieee "
+        "dots), one-step decode kernel, 8 warps",
+        "Triton with the state's [Dk, 64] columns per program, 16-token chunks, tuned for CDNA's 64-lane "
+        "wavefronts"),
+    # -- Fp8CheckpointLinear: pre-quantized checkpoints, the execution from the fp8 rule --------
+    _Entry("Fp8CheckpointLinear", Device(type="cpu"), "fp8_linear", "Fp8CheckpointLinear", "dequantized-torch",
+           "CPU: the checkpoint's fp8 weights dequantized once at load into the model dtype, torch matmul",
+           FP8_DEQUANTIZED),
+    _Entry("Fp8CheckpointLinear", Device(type="cuda"), "fp8_linear", "Fp8CheckpointLinear", "dequantized-torch",
+           "below sm_80 (no Triton mma): the fp8 weights dequantized at load into the model dtype, cuBLAS matmul",
+           FP8_DEQUANTIZED),
+    _Entry("Fp8CheckpointLinear", _cuda(_FP8_WEIGHT_ONLY_CUDA, _FP8_NATIVE_CUDA - 1), "fp8_linear",
+           "Fp8CheckpointLinearTritonW8A16Sm80", "weight_only-triton",
+           "sm_80..sm_88 lack fp8 tensor cores: Triton W8A16, e4m3 bytes kept and decoded in registers, "
+           "16-bit mma, activations not quantized", FP8_WEIGHT_ONLY),
+    _Entry("Fp8CheckpointLinear", _cuda(_FP8_NATIVE_CUDA, 89), "fp8_linear", "Fp8CheckpointLinearTritonNativeSm89",
+           "native_e4m3-triton", "Ada (sm_89) fp8 tensor cores: Triton per-channel or 128x128 block-scaled fp8 "
+           "GEMM, activations quantized per token or token group", FP8_NATIVE),
+    _Entry("Fp8CheckpointLinear", _cuda(90, 99), "fp8_linear", "Fp8CheckpointLinearTritonNativeSm90",
+           "native_e4m3-triton", "Hopper (sm_90) fp8 tensor cores: Triton per-channel or block-scaled fp8 GEMM, "
+           "128-wide tiles (wgmma)", FP8_NATIVE),
+    _Entry("Fp8CheckpointLinear", _cuda(100, _ANY), "fp8_linear", "Fp8CheckpointLinearTritonNativeSm90",
+           "native_e4m3-triton", f"fp8 tensor cores, native fp8 GEMM; {_NEWER}", FP8_NATIVE),
+    _Entry("Fp8CheckpointLinear", Device(type="rocm"), "fp8_linear", "Fp8CheckpointLinearTritonW8A16Rocm",
+           "weight_only-triton", "ROCm arch without fp8 matrix cores: Triton W8A16 on e4m3fnuz bytes, 16-bit MFMA",
+           FP8_WEIGHT_ONLY),
+    _Entry("Fp8CheckpointLinear", _rocm(*_FP8_FNUZ_ROCM), "fp8_linear", "Fp8CheckpointLinearTritonNativeRocm",
+           "native_e4m3-triton", "CDNA3 (gfx94x) fp8 matrix cores: the checkpoint's e4m3fn bytes read as "
+           "e4m3fnuz, scales doubled, -0 to 0; native fp8 GEMM", FP8_NATIVE),
+    _Entry("Fp8CheckpointLinear", _rocm(*_FP8_OCP_ROCM), "fp8_linear", "Fp8CheckpointLinearTritonNativeRocm",
+           "native_e4m3-triton", "CDNA4 (gfx950) fp8 matrix cores on OCP e4m3fn: the checkpoint's bytes as stored, "
+           "native fp8 GEMM", FP8_NATIVE),
 )
 # fmt: on
 

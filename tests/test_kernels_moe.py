@@ -149,6 +149,20 @@ def test_every_tuning_matches_the_reference(tokens, dtype):
         assert_moe_close(moe.fused_moe(**case, tuning=tuning), ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@needs_interpreter
+def test_gelu_tanh_experts_match_the_reference(dtype):
+    """Gemma 4's experts, GELU-tanh of the gate times up (guards `_gelu_tanh` and its branch in
+    `_activate`): every tuning and the tiny one against the reference, which is the model's
+    `grouped_experts`; the activation is not SiLU's."""
+    case = make_case(17, 2, 4, activation="gelu_tanh", dtype=dtype, seed=5, gain=3.0)
+    ref = moe.fused_moe_reference(**case)
+    assert torch.equal(ref, grouped_experts(**case))
+    assert (ref.float() - moe.fused_moe_reference(**{**case, "activation": "silu"}).float()).abs().max() > 0.05
+    for tuning in (TINY, *moe.TUNINGS.values()):
+        assert_moe_close(moe.fused_moe(**case, tuning=tuning), ref)
+
+
 @needs_interpreter
 def test_swiglu_oai_clamps_past_the_limit():
     """Pre-activations well past +-7 on both halves: a kernel without the clamps (or with
@@ -287,7 +301,8 @@ def test_declared_specs_cover_every_launch_the_wrapper_makes(monkeypatch, tokens
         specs = moe.compile_specs(tuning, moe.Workload(dtype=name, widths=(h, i), max_tokens=max(tokens, 2)))
         declared = {(s.constexprs, s.num_warps, s.num_stages, tuple(t for _, t in s.args)) for s in specs}
         case = _spec_case(tokens, k, e, h, i, dtype)
-        for bias, activation in ((False, "silu"), (True, "swiglu_oai"), (True, "silu"), (False, "swiglu_oai")):
+        for bias, activation in ((False, "silu"), (True, "swiglu_oai"), (True, "silu"), (False, "swiglu_oai"),
+                                 (False, "gelu_tanh")):
             biases = dict(b_gate_up=torch.zeros(case["w_gate_up"].shape[:2], dtype=dtype),
                           b_down=torch.zeros(case["w_down"].shape[:2], dtype=dtype)) if bias else {}  # fmt: skip
             rec, types = _launch(monkeypatch, tuning, {**case, **biases, "activation": activation})
@@ -302,7 +317,7 @@ def test_declared_specs_cover_every_launch_the_wrapper_makes(monkeypatch, tokens
 def test_declared_specs_are_the_launches_of_both_buckets_and_nothing_else(monkeypatch, dtype):
     for tuning in moe.TUNINGS.values():
         specs = moe.compile_specs(tuning, moe.Workload(dtype=dtype, widths=(2048, 768), max_tokens=64))
-        assert len(specs) == 12  # 2 buckets x (2 activations + down) x 2 bias flags
+        assert len(specs) == 16  # 2 buckets x (3 activations + down) x 2 bias flags
         configs = {tuning.launch_shape(1, dtype), tuning.launch_shape(64, dtype)}
         assert {(dict(s.constexprs)["BLOCK_M"], s.num_warps) for s in specs} == {(c.block_m, c.num_warps)
                                                                                  for c in configs}
@@ -337,6 +352,7 @@ def test_tunings_really_differ():
 GPU_SHAPES = [  # (name, experts, top-k, hidden, intermediate, bias, activation)
     ("Qwen3-30B-A3B", 128, 8, 2048, 768, False, "silu"),
     ("gpt-oss-20b", 32, 4, 2880, 2880, True, "swiglu_oai"),
+    ("Gemma-4-26B-A4B", 128, 8, 2816, 704, False, "gelu_tanh"),
 ]
 
 

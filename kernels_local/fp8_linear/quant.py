@@ -180,3 +180,133 @@ def quantize_specs(workload: Workload, out_type: str) -> tuple[CompileSpec, ...]
         constexprs = (("MAX_VALUE", f.max_value), ("BIAS", f.bias), ("FNUZ", f.name == "e4m3fnuz"), ("BLOCK", block))
         specs.append(CompileSpec(_quantize_rows_kernel, args, constexprs, warps))
     return unique(specs)
+
+
+# -- pre-quantized checkpoints: activations per token group, or with a static scale ---------------
+
+
+def quantize_groups(x: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and `group` columns: on-grid fp32 values [M, K] and fp32 scales [M, ceil(K / group)]
+    (the last group may be narrower)."""
+    m, k = x.shape
+    g = triton.cdiv(k, group)
+    x32 = torch.nn.functional.pad(x.to(torch.float32), (0, g * group - k)).reshape(m, g, group)  # [M, G, group]
+    amax = x32.abs().amax(dim=-1)  # [M, G]
+    scale = (amax / get_format(fmt).max_value).clamp(min=torch.finfo(torch.float32).tiny)
+    return round_to_grid(x32 / scale[..., None], fmt).reshape(m, g * group)[:, :k], scale
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """With a checkpoint's static per-tensor `scale` (0-d): on-grid fp32 values [M, K] (saturated)
+    and the scale repeated per row [M, 1]."""
+    s = scale.to(torch.float32).reshape(1, 1)
+    return round_to_grid(x.to(torch.float32) / s, fmt), s.expand(x.shape[0], 1).contiguous()
+
+
+@triton.jit(do_not_specialize=("stride_s",))
+def _quantize_groups_kernel(
+    X,
+    Q,
+    S,
+    n_cols,
+    stride_x,
+    stride_q,
+    stride_s,
+    MAX_VALUE: tl.constexpr,
+    BIAS: tl.constexpr,
+    FNUZ: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    # 1. this program's token (row) and column group
+    row = tl.program_id(0)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    mask = offs < n_cols
+    # 2. the group's amax and scale (IEEE division, as the torch reference)
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), MAX_VALUE), 1.1754943508222875e-38)
+    tl.store(S + row * stride_s + group, scale)
+    # 3. x / scale rounded onto the grid, stored exactly in Q's dtype
+    r = _round_to_e4m3(tl.div_rn(x, scale), MAX_VALUE, BIAS, FNUZ)
+    tl.store(Q + row * stride_q + offs, r.to(Q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_static_kernel(
+    X,
+    Q,
+    S,
+    SCALE,
+    n_cols,
+    stride_x,
+    stride_q,
+    MAX_VALUE: tl.constexpr,
+    BIAS: tl.constexpr,
+    FNUZ: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # 1. this program's token (row); the checkpoint's scale, written per row for the GEMM's epilogue
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    scale = tl.load(SCALE)
+    tl.store(S + row, scale)
+    # 2. x / scale saturated and rounded onto the grid, block by block
+    for k0 in range(0, n_cols, BLOCK):
+        mask = k0 + offs < n_cols
+        x = tl.load(X + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        r = _round_to_e4m3(tl.div_rn(x, scale), MAX_VALUE, BIAS, FNUZ)
+        tl.store(Q + row * stride_q + k0 + offs, r.to(Q.dtype.element_ty), mask=mask)
+
+
+def quantize_groups_triton(x: torch.Tensor, fmt: str, group: int, out_dtype: torch.dtype):
+    """`quantize_groups` as one kernel: (values [M, K] in `out_dtype`, scales [M, ceil(K / group)] fp32)."""
+    f = get_format(fmt)
+    m, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    g = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+    scale = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    _quantize_groups_kernel[(m, g)](
+        x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
+        MAX_VALUE=f.max_value, BIAS=f.bias, FNUZ=fmt == "e4m3fnuz", GROUP=group, num_warps=_GROUP_WARPS,
+    )  # fmt: skip
+    return q, scale
+
+
+def quantize_static_triton(x: torch.Tensor, scale: torch.Tensor, fmt: str, out_dtype: torch.dtype):
+    """`quantize_static` as one kernel: (values [M, K] in `out_dtype`, the scale per row [M, 1] fp32)."""
+    f = get_format(fmt)
+    m, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+    rows = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    block, warps = _quantize_launch(k)
+    _quantize_static_kernel[(m,)](
+        x, q, rows, scale.to(torch.float32).reshape(1).contiguous(), k, x.stride(0), q.stride(0),
+        MAX_VALUE=f.max_value, BIAS=f.bias, FNUZ=fmt == "e4m3fnuz", BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+    return q, rows
+
+
+_GROUP_WARPS = 1  # a 128-column group is one warp's 4 elements per thread
+
+
+def checkpoint_quantize_specs(workload: Workload, out_type: str, group: int | None) -> tuple[CompileSpec, ...]:
+    """The activation quantizer a checkpoint layer launches: per token group of `group` columns
+    (block weights), or per token and with a static scale (the others), on the workload's widths."""
+    f = get_format(workload.fp8_fmt)
+    consts = (("MAX_VALUE", f.max_value), ("BIAS", f.bias), ("FNUZ", f.name == "e4m3fnuz"))
+    specs = []
+    for k in workload.widths:
+        if group is not None:
+            args = (("X", pointer(workload.dtype)), ("Q", pointer(out_type)), ("S", pointer("fp32")),
+                    ("n_cols", int_arg(k)), ("stride_x", int_arg(k)), ("stride_q", int_arg(k)),
+                    ("stride_s", "i32"))  # fmt: skip
+            specs.append(CompileSpec(_quantize_groups_kernel, args, (*consts, ("GROUP", group)), _GROUP_WARPS))
+            continue
+        block, warps = _quantize_launch(k)
+        args = (("X", pointer(workload.dtype)), ("Q", pointer(out_type)), ("S", pointer("fp32")),
+                ("SCALE", pointer("fp32")), ("n_cols", int_arg(k)), ("stride_x", int_arg(k)),
+                ("stride_q", int_arg(k)))  # fmt: skip
+        specs.append(CompileSpec(_quantize_static_kernel, args, (*consts, ("BLOCK", block)), warps))
+    return unique(specs)

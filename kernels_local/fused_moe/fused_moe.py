@@ -9,7 +9,7 @@ kernel then serves both matmuls of the experts: each program takes one `BLOCK_M`
 pairs (all of one expert, read from `BLOCK_EXPERTS`) and `BLOCK_N` output columns, and reads
 that expert's weight tiles: every active expert in one launch, none for an expert without
 pairs, however many experts a step touches.
-- gate_up (`ACTIVATION` silu | swiglu_oai): A rows are the pairs' tokens (`pair // top_k`),
+- gate_up (`ACTIVATION` silu | swiglu_oai | gelu_tanh): A rows are the pairs' tokens (`pair // top_k`),
   the program keeps two accumulators (gate rows `n`, up rows `I + n` of `w_gate_up`), adds
   the bias and writes the activated `[P, I]` rows: the `[P, 2I]` pre-activation never exists.
 - down (`ACTIVATION` none, `ROUTED`): A rows are the pairs' activated rows; the bias is added
@@ -52,7 +52,7 @@ import triton.language as tl
 
 from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
 
-ACTIVATIONS = ("silu", "swiglu_oai")
+ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
 # Runtime integers compiled once for every value (no divisibility or ==1 specialization).
 _UNSPECIALIZED = ("max_padded", "num_pairs", "top_k")
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -73,10 +73,22 @@ def _dot(a, b, acc):
 
 
 @triton.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh from exp(-2|u|) in (0, 1]: no overflow
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return 0.5 * x * (1.0 + tl.where(u < 0, -t, t))
+
+
+@triton.jit
 def _activate(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
-    # silu(gate) * up, or gpt-oss: gate clamped above, up clamped both ways, (up + 1) * glu
+    # silu(gate) * up; Gemma 4: gelu_tanh(gate) * up; gpt-oss: gate clamped above, up clamped
+    # both ways, (up + 1) * glu
     if ACTIVATION == "silu":
         return gate * tl.sigmoid(gate) * up
+    if ACTIVATION == "gelu_tanh":
+        return _gelu_tanh(gate) * up
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
@@ -173,6 +185,8 @@ def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: flo
     gate, up = h.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 

@@ -3,7 +3,7 @@
 Each layer is stateless: no `__init__`, only `forward(self, x, topk_ids, topk_weights)`,
 where `self` is the model's `FusedMoE` with its stacked expert weights `w_gate_up` [E, 2I, H]
 and `w_down` [E, H, I], optional biases `b_gate_up` [E, 2I] and `b_down` [E, H] (None when
-absent), `activation` ("silu" | "swiglu_oai"), `alpha`, `limit` and `row_tile`. The Triton
+absent), `activation` ("silu" | "swiglu_oai" | "gelu_tanh"), `alpha`, `limit` and `row_tile`. The Triton
 layers differ only in their launch tuning; on CPU tensors they take the torch path.
 
 Deterministic mode (`row_tile` set): a Triton layer takes the torch path in fixed tiles of

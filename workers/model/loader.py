@@ -20,8 +20,9 @@ import torch
 
 from workers.contract import DEFAULT_MODEL_DIR, find_chat_template, token_text
 from workers.model.config import ConfigError, ModelConfig
+from workers.model.quantized import QuantizedCheckpoint, quantized_checkpoint
 from workers.model.transformer import Transformer
-from workers.model.weights import IGNORED_HF, hf_shapes, map_name, to_ours
+from workers.model.weights import IGNORED_HF, hf_shapes, map_name, skipped, text_name, to_ours
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class LoadedModel:
     dtype_reason: str
     model_dir: Path
     model_id: str
+    quantization: dict | None = None  # a pre-quantized checkpoint's method and schemes (workers/model/quantized.py)
 
 
 def default_model_dir() -> Path:
@@ -121,28 +123,42 @@ def _load_tokenizer(model_dir: Path):
 
 
 # ---- weights ------------------------------------------------------------------------------
-def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, device: str,
+                  quant: QuantizedCheckpoint | None = None) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     config = model.config
     expected = hf_shapes(config, {k: v.shape for k, v in model.state_dict().items()})
+    if quant is not None:
+        quant.bind(model, expected)
     found: dict[str, torch.Tensor] = {}
+    as_stored: dict[str, torch.Tensor] = {}  # a quantized layer's bytes and scales, never converted
     unexpected: list[str] = []
+    skips: dict[str, int] = {}  # pattern of the family's `skipped` tensors -> how many
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = text_name(stored)  # a multimodal checkpoint's text model, as a text checkpoint names it
                 if IGNORED_HF.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                if (pattern := skipped(name, config)) is not None:
+                    skips[pattern] = skips.get(pattern, 0) + 1
+                    continue
+                if quant is not None and quant.claims(name):
+                    as_stored[name] = f.get_tensor(stored).to(device=device)
                     continue
                 if name not in expected or map_name(name, config) is None:
                     unexpected.append(name)
                     continue
-                shape = tuple(f.get_slice(name).get_shape())
+                shape = tuple(f.get_slice(stored).get_shape())
                 if shape != expected[name]:
                     raise ModelLoadError(
-                        f"Tensor `{name}` in `{path.name}` has shape {shape}; the config expects {expected[name]}"
+                        f"Tensor `{stored}` in `{path.name}` has shape {shape}; the config expects {expected[name]}"
                     )
-                found[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    missing = [n for n in expected if n not in found]
+                found[name] = f.get_tensor(stored).to(device=device, dtype=dtype)
+    for pattern, count in skips.items():  # a vision tower, a multi-token prediction head: not the text model
+        logger.info("Skipped %d tensors matching `%s`: not part of the text model served", count, pattern)
+    missing = [n for n in expected if n not in found and n not in as_stored]
     if missing or unexpected:
         parts = []
         if missing:
@@ -152,7 +168,7 @@ def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, devic
             parts.append(f"unexpected tensors {', '.join(f'`{n}`' for n in unexpected[:8])}"
                          + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
         raise ModelLoadError(f"Checkpoint in `{model_dir}` does not match its config: {'; '.join(parts)}")
-    return to_ours(found, config)
+    return to_ours(found, config) | ({} if quant is None else quant.to_ours(as_stored))
 
 
 # ---- entry point ----------------------------------------------------------------------------
@@ -179,11 +195,14 @@ def load_model(
     except KeyError as e:
         raise ModelLoadError(f"`config.json` in `{model_dir}` lacks the field `{e.args[0]}`") from e
     torch_dtype, reason = choose_dtype(dtype, config.torch_dtype, device.type, capability)
+    quant = quantized_checkpoint(hf_config, config)  # None unless config.json has a quantization_config
     tokenizer = _load_tokenizer(model_dir)
     tok_cfg = _read_json(model_dir, "tokenizer_config.json", required=False)
     generation_config = _read_json(model_dir, "generation_config.json", required=False)
     model = Transformer.from_config(config, torch_dtype)
-    state_dict = _read_weights(model_dir, model, torch_dtype, str(device))
+    state_dict = _read_weights(model_dir, model, torch_dtype, str(device), quant)
+    if quant is not None:
+        quant.install(model)  # fp8 layers as stored; the fp8 step prepares them for the device
     model.load_weights(state_dict)
     model.eval()
     bos_token = token_text(tok_cfg.get("bos_token"))
@@ -196,6 +215,7 @@ def load_model(
         model=model, config=config, tokenizer=tokenizer, generation_config=generation_config,
         chat_template=None if template is None else template.source, bos_token=bos_token, eos_token=eos_token,
         eos_token_ids=eos_ids, dtype=torch_dtype, dtype_reason=reason, model_dir=model_dir, model_id=str(model_id),
+        quantization=None if quant is None else quant.describe(),
     )
 
 

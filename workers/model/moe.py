@@ -5,7 +5,8 @@ logits then softmax over them) gives each token `K` expert ids and weights; `Fus
 kernel-swappable layer (like RMSNorm) that runs the experts on them. Its weights are stacked
 per expert in one layout for every family: `w_gate_up` [E, 2I, H] (gate rows, then up rows),
 `w_down` [E, H, I], optional biases `b_gate_up` [E, 2I] and `b_down` [E, H]; the loader turns
-gpt-oss's interleaved, transposed tensors into it. Activations: `silu` (SwiGLU) and
+gpt-oss's interleaved, transposed tensors into it. Activations: `silu` (SwiGLU), `gelu_tanh`
+(Gemma 4: GELU-tanh of the gate times up) and
 `swiglu_oai` (gpt-oss: gate clamped above at `limit`, up clamped to +-`limit`,
 `(up + 1) * gate * sigmoid(alpha * gate)`).
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from kernels import use_kernel_forward_from_hub
 from torch import nn
 
-MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+MOE_ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
 
 
 def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
@@ -32,6 +33,8 @@ def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: flo
     gate, up = h.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "gelu_tanh":  # Gemma 4's experts
+        return F.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
@@ -99,8 +102,21 @@ class FusedMoE(nn.Module):
                                self.activation, self.alpha, self.limit, self.row_tile)
 
 
+class SharedExpert(nn.Module):
+    """The expert every token goes through (Qwen3-Next, Qwen3.5-MoE): a SwiGLU MLP."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)  # [gate | up]
+        self.w_down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(expert_activation(self.w_gate_up(x), "silu", 0.0, 0.0))  # [T, H] -> [T, 2I] -> [T, H]
+
+
 class MoEFeedForward(nn.Module):
-    """A sparse layer's feed-forward: the family's router, then its experts (`FusedMoE`)."""
+    """A sparse layer's feed-forward: the family's router, then its experts (`FusedMoE`); where the
+    family has one, plus a shared expert weighed by `sigmoid(x w)` per token."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -109,6 +125,9 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(h, config.num_experts, bias=config.router_bias)
         self.experts = FusedMoE(config.num_experts, h, config.moe_intermediate_size, config.expert_bias,
                                 config.expert_activation, config.swiglu_alpha, config.swiglu_limit)
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(h, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, K], weights [T, K] in x's dtype), as the family computes them."""
@@ -126,4 +145,7 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, H]
         ids, weights = self.route(flat)
-        return self.experts(flat, ids, weights).reshape(shape)
+        out = self.experts(flat, ids, weights)  # [T, H]
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(shape)

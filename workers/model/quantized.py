@@ -1,0 +1,193 @@
+"""Reading a pre-quantized checkpoint: its fp8 tensors onto our layers, as stored, through the family's map.
+
+Design: `quantized_checkpoint(hf_config, config)` reads the checkpoint's `quantization_config`
+through the registry (workers/quant/registry.py; None when there is none). `bind(model, expected)`
+then walks the family's weight map: every Hugging Face linear weight that lands on one of our
+`nn.Linear` modules (a whole tensor, or a part of a fused one: q/k/v -> `wqkv`, gate/up ->
+`w_gate_up`) and that the config quantizes becomes a target, with its scheme. The loader hands it
+the targets' tensors untouched (`claims`): fp8 bytes and fp32 scales are never converted.
+`to_ours` checks each target's dtype and shapes, puts every scale in the grouped layout of
+`workers/quant/fp8_math.py` (per-tensor and per-channel scales as one value per row; block scales
+as blocks, or per row where fused parts do not start on a block), and concatenates the parts of a
+fused module in order; `install` swaps those modules for `Fp8CheckpointLinear` of the same
+shapes. Parts of one fused module must share a scheme; where their static input scales differ,
+the largest is taken (as vLLM does: no part's activations saturate) and the note says so.
+Quantized tensors this map cannot place (experts stacked per layer) are refused by name. The
+trade-off: the fused layout turns a per-tensor scale into one copy per row (4 bytes a row).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.model.config import ModelConfig
+from workers.model.weights import map_name
+from workers.quant.linear import Fp8CheckpointLinear
+from workers.quant.registry import read_quantization
+from workers.quant.scheme import Fp8Scheme, QuantConfig, UnsupportedQuantizationError
+
+logger = logging.getLogger(__name__)
+
+SCALE_LEAVES = ("weight_scale", "weight_scale_inv", "input_scale", "weight_zero_point", "input_zero_point")
+
+
+class QuantizedTensorError(ValueError):
+    """A quantized layer's tensors are not what its scheme stores (dtype, shape, a scale missing)."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    hf: str  # the checkpoint's module, `model.layers.0.self_attn.q_proj`
+    ours: str  # our module, `layers.0.attention.wqkv`
+    part: int | None  # its place in our fused module (None: the whole module)
+    scheme: Fp8Scheme
+    shape: tuple[int, int]  # [out, in] of its weight
+
+
+@dataclass(frozen=True)
+class _Module:
+    """One of our modules as `install` builds it."""
+
+    scheme: Fp8Scheme
+    out_features: int
+    in_features: int
+    group_n: int
+    group_k: int
+    scale_shape: tuple[int, int]
+
+
+def quantized_checkpoint(hf_config: dict, config: ModelConfig) -> QuantizedCheckpoint | None:
+    """The reader of a quantized checkpoint; None for an unquantized one."""
+    quant = read_quantization(hf_config)
+    return None if quant is None else QuantizedCheckpoint(quant, config)
+
+
+class QuantizedCheckpoint:
+    def __init__(self, quant: QuantConfig, config: ModelConfig) -> None:
+        self.quant, self.config = quant, config
+        self.targets: dict[str, _Target] = {}
+        self.modules: dict[str, _Module] = {}
+        self.notes: list[str] = list(quant.notes)
+
+    def bind(self, model: nn.Module, expected: dict[str, tuple[int, ...]]) -> None:
+        """Find the quantized targets among the HF tensors `expected` (name -> shape) of `model`."""
+        for hf_name, shape in expected.items():
+            mapped = map_name(hf_name, self.config) if hf_name.endswith(".weight") and len(shape) == 2 else None
+            if mapped is None or not (mapped[1] is None or isinstance(mapped[1], int)):
+                continue  # not a linear weight of ours (experts, layouts)
+            ours = mapped[0].removesuffix(".weight")
+            if not mapped[0].endswith(".weight") or type(model.get_submodule(ours)) is not nn.Linear:
+                continue
+            hf = hf_name.removesuffix(".weight")
+            scheme = self.quant.scheme_for(hf)
+            if scheme is not None:
+                self.targets[hf] = _Target(hf, ours, mapped[1], scheme, tuple(shape))
+
+    def claims(self, name: str) -> bool:
+        """Whether the loader hands tensor `name` to `to_ours` as stored (a target's weight and scales)."""
+        hf, _, leaf = name.rpartition(".")
+        if hf in self.targets:
+            return leaf == "weight" or leaf in SCALE_LEAVES
+        if leaf in SCALE_LEAVES:  # quantized, but not onto a linear layer of ours
+            raise UnsupportedQuantizationError(
+                f"Unsupported quantized tensor `{name}`: `{hf}` is not a linear layer hetserve runs in fp8 "
+                f"(supported: the linear layers the family maps onto `nn.Linear`; experts stay in the model dtype)")
+        return False
+
+    def covers(self, hf_name: str) -> bool:
+        """Whether an expected HF tensor is read by `to_ours` (a target's weight)."""
+        return hf_name.endswith(".weight") and hf_name.removesuffix(".weight") in self.targets
+
+    # -- stored tensors -> ours ------------------------------------------------------------------
+
+    def _rows(self, t: _Target, stored: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(bytes [N, K], scales in the grouped layout, group_n, group_k) of one target, checked."""
+        n, k = t.shape
+        w = stored[t.hf + ".weight"]
+        if tuple(w.shape) != t.shape:
+            raise QuantizedTensorError(f"`{t.hf}.weight` has shape {tuple(w.shape)}; the config expects {t.shape}")
+        if w.dtype != torch.float8_e4m3fn:
+            raise QuantizedTensorError(f"`{t.hf}.weight` is `{w.dtype}`; its scheme ({t.scheme.describe()}) stores "
+                                       "`torch.float8_e4m3fn`")
+        name = f"{t.hf}.{t.scheme.scale_name}"
+        if name not in stored:
+            raise QuantizedTensorError(f"`{t.hf}` is quantized ({t.scheme.describe()}) but the checkpoint has no `{name}`")
+        for zp in ("weight_zero_point", "input_zero_point"):
+            if f"{t.hf}.{zp}" in stored and bool(stored[f"{t.hf}.{zp}"].to(torch.float32).ne(0).any()):
+                raise QuantizedTensorError(f"`{t.hf}.{zp}` is not zero: asymmetric fp8 is not supported")
+        s = stored[name].to(torch.float32)  # exact: fp32, or a bf16/fp16 scale widened
+        if t.scheme.weights == "block":
+            bn, bk = t.scheme.block
+            want = (-(-n // bn), -(-k // bk))
+            gn, gk = bn, bk
+        else:
+            want, gn, gk = (n, 1), 1, k
+            s = s.reshape(1, 1).expand(n, 1).clone() if t.scheme.weights == "tensor" and s.numel() == 1 else s
+        if s.numel() != want[0] * want[1]:
+            raise QuantizedTensorError(f"`{name}` has shape {tuple(s.shape)}; a [{n}, {k}] weight with "
+                                       f"{t.scheme.weights} scales stores {list(want)}")
+        return w, s.reshape(want), gn, gk
+
+    def to_ours(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our state-dict entries (`<module>.qweight`, `.weight_scale`, `.input_scale`) from the stored tensors."""
+        by_module: dict[str, list[_Target]] = {}
+        for t in self.targets.values():
+            by_module.setdefault(t.ours, []).append(t)
+        out: dict[str, torch.Tensor] = {}
+        for ours, parts in by_module.items():
+            parts.sort(key=lambda t: t.part or 0)
+            schemes = {(t.scheme.weights == "block", t.scheme.activations) for t in parts}
+            if len(schemes) > 1:
+                raise UnsupportedQuantizationError(
+                    f"Unsupported fused layer `{ours}`: its parts {', '.join(f'`{t.hf}`' for t in parts)} have "
+                    f"different fp8 schemes. Supported: one scheme for all parts of q/k/v and of gate/up")
+            rows = [self._rows(t, stored) for t in parts]
+            gn, gk = rows[0][2], rows[0][3]
+            if gn > 1 and any(t.shape[0] % gn for t in parts[:-1]):  # a part does not start on a block
+                rows = [(w, s.repeat_interleave(gn, dim=0)[: w.shape[0]], 1, gk) for w, s, _, _ in rows]
+                gn = 1
+            out[f"{ours}.qweight"] = torch.cat([w for w, *_ in rows])
+            out[f"{ours}.weight_scale"] = torch.cat([s for _, s, *_ in rows])
+            if parts[0].scheme.activations == "static_tensor":
+                out[f"{ours}.input_scale"] = self._input_scale(ours, parts, stored)
+            scale = out[f"{ours}.weight_scale"]
+            self.modules[ours] = _Module(parts[0].scheme, out[f"{ours}.qweight"].shape[0], parts[0].shape[1], gn, gk,
+                                         tuple(scale.shape))
+        return out
+
+    def _input_scale(self, ours: str, parts: list[_Target], stored: dict[str, torch.Tensor]) -> torch.Tensor:
+        values = []
+        for t in parts:
+            name = f"{t.hf}.input_scale"
+            if name not in stored or stored[name].numel() != 1:
+                raise QuantizedTensorError(f"`{t.hf}` has static activations but `{name}` is "
+                                           f"{'missing' if name not in stored else list(stored[name].shape)}; "
+                                           "one value per tensor is stored")
+            values.append(stored[name].to(torch.float32).reshape(()))
+        top = torch.stack(values).max()
+        if any(v != top for v in values):
+            self.notes.append(f"`{ours}`: its parts' static input scales differ ({', '.join(f'{float(v):.6g}' for v in values)}); "
+                              f"the largest ({float(top):.6g}) quantizes the shared input")
+        return top.clone()
+
+    def install(self, model: nn.Module) -> int:
+        """Swap each quantized module of `model` (built on meta) for an `Fp8CheckpointLinear`; how many."""
+        for ours, spec in self.modules.items():
+            parent_name, _, attr = ours.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            old = getattr(parent, attr)
+            layer = Fp8CheckpointLinear(spec.in_features, spec.out_features, spec.scheme, spec.scale_shape,
+                                        spec.group_n, spec.group_k, old.bias is not None, dtype=old.weight.dtype,
+                                        device="meta")  # fmt: skip
+            setattr(parent, attr, layer)
+        for note in self.notes:
+            logger.info("fp8 checkpoint: %s", note)
+        return len(self.modules)
+
+    def describe(self) -> dict:
+        """The checkpoint's quantization and what reading it decided, for `/workers`."""
+        return {**self.quant.describe(), "notes": list(self.notes), "quantized_modules": len(self.modules)}
