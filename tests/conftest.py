@@ -6,6 +6,11 @@ import os
 
 import pytest
 
+# Workers started by tests run their decode step eager unless a test passes `--compile on`:
+# each CPU worker compiling its buckets at start would cost the suite minutes
+# (workers/contract/defaults.py ENV_COMPILE; tests of the compiled step ask for it).
+os.environ.setdefault("HETSERVE_COMPILE", "off")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -1,13 +1,14 @@
 """The worker process: one device, one model, one engine, one Unix socket.
 
 `run_worker(args)` reads top-down as the mission: bind -> capability -> load -> kernelize ->
-fp8 -> serve. Right after binding, Triton is pointed at this architecture's own cache
-directory (before anything imports it). On a real GPU, kernelize also compiles every selected
-kernel for the device ahead of time and checks it against the device's limits (the
-preflight), and once fp8 has swapped in its layers one forward is compared with the torch
-reference path (the self-test); either failing fails the start at `kernelize`. Everything is
-built inside this process (vLLM `run_engine_core` style): the router passes only arguments
-and environment. Each startup step is logged once with its
+fp8 -> serve (the KV cache, engine and app, then `compile`: the decode step per batch bucket,
+workers/engine/compiled.py, before the socket listens). Right after binding, Triton is
+pointed at this architecture's own cache directory (before anything imports it). On a real
+GPU, kernelize also compiles every selected kernel for the device ahead of time and checks
+it against the device's limits (the preflight), and once fp8 has swapped in its layers one
+forward is compared with the torch reference path (the self-test); either failing fails the
+start at `kernelize`. Everything is built inside this process (vLLM `run_engine_core` style):
+the router passes only arguments and environment. Each startup step is logged once with its
 duration and written to the status file, so a worker that cannot start says which step
 failed and why (exit 3), distinct from a fatal error while serving (exit 4). A clean
 shutdown (SIGTERM, or the parent dying) drains in-flight requests within a bound and
@@ -32,6 +33,7 @@ from workers.contract import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MODEL_DIR,
+    ENV_COMPILE,
     ENV_DEVICE_INDEX,
     ENV_PREFLIGHT,
     PREFLIGHT_MODES,
@@ -41,6 +43,7 @@ from workers.contract import (
     use_triton_cache,
 )
 from workers.model.row_buckets import cap_native_caches
+from workers.sampling.grammar_sandbox import CompileBudget, add_budget_args
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +75,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: a request's output does not depend on its batch mates "
                         "(fixed GEMM row tiles and attention splits; see workers/model/deterministic.py)")
+    p.add_argument("--compile", default=os.environ.get(ENV_COMPILE, "auto"),
+                   help="the decode step compiled per batch bucket (Inductor on CPU, CUDA/HIP graphs on GPUs): auto "
+                        "(real GPUs and CPU workers, not simulated GPUs), on, off (default: "
+                        f"${ENV_COMPILE} or auto); see workers/engine/compiled.py")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--status-file", help="JSON status file, rewritten atomically at each step")
     p.add_argument("--parent-pid", type=int, help="exit when this process dies")
     p.add_argument("--otlp-endpoint", metavar="URL", help="export OpenTelemetry spans (OTLP) to this collector")
+    add_budget_args(p)
     p.add_argument("--preflight", choices=PREFLIGHT_MODES, default=os.environ.get(ENV_PREFLIGHT, "auto"),
                    help="compile and check the selected kernels before ready: auto (real GPUs), on (simulated "
                         f"GPUs too), off (default: ${ENV_PREFLIGHT} or auto)")  # fmt: skip
@@ -91,6 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     error = engine_limits_error(args.kv_block_size, args.max_num_batched_tokens, args.max_batch)
     if error:
         p.error(error)
+    if args.compile not in ("auto", "on", "off"):
+        p.error(f"`--compile {args.compile}` is not a mode (or `${ENV_COMPILE}`). Accepted: auto, on, off")
+    try:
+        CompileBudget.from_args(args)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -200,6 +214,11 @@ def run_worker(args: argparse.Namespace) -> int:
 
             conv, fp8_reason = choose_fp8(bound.type, cap)
             lock_convention(conv)
+            checkpoint = None
+            if loaded.quantization is not None:  # pre-quantized: the stored bytes in this device's execution
+                from workers.quant.prepare import prepare_fp8_checkpoint
+
+                checkpoint = prepare_fp8_checkpoint(loaded.model, conv, bound.type, cap)
             if args.quantize == "fp8":
                 from workers.fp8.linear import quantize_model
 
@@ -216,7 +235,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
             apply_slowdown(loaded.model, args.worker_id)  # $HETSERVE_SLOWDOWN: benchmarks and tests only
 
-            server = WorkerServer(Startup(args, bound, loaded, kernels, conv, fp8_reason, compiled))
+            server = WorkerServer(Startup(args, bound, loaded, kernels, conv, fp8_reason, compiled, checkpoint))
+        with startup_step("compile", status):  # the decode step per batch bucket, before the first request
+            logger.info("decode step: %s", server.compile())
         phase["server"] = server.server
         server.run(on_ready=lambda: status.write(WorkerStatus.READY, socket=args.socket))
         if server.fatal_error is not None:

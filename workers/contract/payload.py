@@ -72,6 +72,18 @@ class DeterministicDescription(_Open):
     attention: str | None = None  # how every row attends (fixed splits over the paged cache)
 
 
+class CompileDescription(_Open):
+    """`/capability` `compile`: whether the worker runs its decode step compiled (`--compile`,
+    workers/engine/compiled.py), how, for which batch sizes, and why."""
+
+    mode: str | None = None  # what was asked: auto | on | off
+    enabled: bool = False
+    backend: str | None = None  # "inductor" (CPU) | "cuda-graphs" (CUDA and ROCm)
+    reason: str | None = None
+    buckets: list[int] = Field(default_factory=list)  # batch sizes a decode step is padded to
+    seconds: float | None = None  # compile (or capture) time at start
+
+
 class Load(BaseModel):
     running: int = 0
     queued: int = 0
@@ -111,3 +123,4 @@ class CapabilityPayload(_Open):
     load: Load = Field(default_factory=Load)
     triton_cache: str | None = None  # this architecture's Triton cache directory
     deterministic: DeterministicDescription | None = None  # set (and shown) only with --deterministic
+    compile: CompileDescription | None = None  # the decode step's compilation (None: a worker that does not say)

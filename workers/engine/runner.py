@@ -5,8 +5,14 @@ Design: the scheduler's chunks become `SeqChunk`s over the paged KV cache, packe
 the last row of each chunk that samples, and every row of a prompt chunk whose request asked
 for its prompt's logprobs (`execute_with_prompt_logits`), all from the same forward. On the
 CPU the runner keeps a `DecodeMirror` of the decoding sequences' K/V (`workers.kv.mirror`),
-releasing the row of a sequence the scheduler preempts. The trade-off: one chunk list is
-walked twice per step (to pack it, then to split the logits), a few microseconds.
+releasing the row of a sequence the scheduler preempts. With a compiled decode step
+(`workers.engine.compiled`), a step's one-token chunks run there, padded to a bucket, and
+the mirror is not kept (those rows attend in place); a step that also computes prompt chunks
+runs them eager in a second forward, and the logits are put back in chunk order, so decode
+rows get the compiled speed whatever joins them (the two forwards touch different
+sequences' blocks: a decoding sequence writes only its own last block). The trade-off: one
+chunk list is walked twice per step (to pack it, then to split the logits), a few
+microseconds; a mixed step reads the weights twice.
 
 Test-only fault injection: `$HETSERVE_TEST_PERTURB_LOGITS=<worker id>:<scale>` makes the runner
 of that worker add a fixed pseudo-random vector (standard normal x scale, seed 0) to every
@@ -23,6 +29,7 @@ import os
 import torch
 
 from workers.contract import ENV_TEST_PERTURB_LOGITS
+from workers.engine.compiled import CompiledDecode
 from workers.kv.batch import ForwardBatch, SeqChunk
 from workers.kv.mirror import DecodeMirror
 
@@ -45,39 +52,76 @@ def injected_perturbation(worker_id: str | None, vocab_size: int | None, device)
 
 
 class ModelRunner:
-    def __init__(self, model, kv, device: str | torch.device, worker_id: str | None = None, mirror: bool = True):
-        """`mirror=False` leaves the CPU decode mirror out (deterministic mode reads the pool)."""
+    def __init__(self, model, kv, device: str | torch.device, worker_id: str | None = None, mirror: bool = True,
+                 compiled: CompiledDecode | None = None):
+        """`mirror=False` leaves the CPU decode mirror out (deterministic mode reads the pool);
+        `compiled`: the decode step per bucket that one-token chunks run on (None: all eager)."""
         self.model, self.kv, self.device = model, kv, torch.device(device)
+        self.compiled = compiled
         # the mirror copies the first KV group's rows whole: not for a group that slides (bounded memory)
         self.windows = getattr(kv, "windows", (None,))
-        self.mirror = DecodeMirror(kv) if self.device.type == "cpu" and mirror and self.windows[0] is None else None
+        on_cpu = self.device.type == "cpu" and compiled is None
+        self.mirror = DecodeMirror(kv) if on_cpu and mirror and self.windows[0] is None else None
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
         self.perturb = injected_perturbation(worker_id, self.vocab_size, self.device)
         # rotaries that depend on the prompt's length (dynamic, LongRoPE: workers/model/rope.py)
         self.rope_threshold: int | None = getattr(model, "rope_threshold", None)
 
-    def _forward(self, out, rows_of) -> torch.Tensor:
-        """One `model.step` where chunk `i` projects its last `rows_of(i, chunk)` rows."""
+    def _forward(self, chunks, rows_of, preempted=()) -> torch.Tensor:
+        """One eager `model.step` where chunk `i` projects its last `rows_of(i, chunk)` rows."""
         if self.mirror is not None:
-            for seq in out.preempted:  # recomputed later: its mirrored row would be stale
+            for seq in preempted:  # recomputed later: its mirrored row would be stale
                 self.mirror.release(seq.uid)
         rope = self.rope_threshold is not None
         items = [(SeqChunk(c.start_pos, len(c.token_ids), c.block_table, rows_of(i, c), c.seq.uid,
-                           c.seq.rope_len if rope else 0, c.seq.group_tables), c.token_ids)
-                 for i, c in enumerate(out.chunks)]
+                           c.seq.rope_len if rope else 0, c.seq.group_tables, c.seq.state_slot), c.token_ids)
+                 for i, c in enumerate(chunks)]
         batch = ForwardBatch.build(items, self.kv.block_size, self.device, self.mirror, self.windows)
-        logits = self.model.step(batch, self.kv)
+        return self.model.step(batch, self.kv)
+
+    def _perturbed(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.perturb is None else logits + self.perturb
 
     def execute(self, out) -> torch.Tensor:
         """Logits [N, V] float32, one row per sampling chunk, in chunk order."""
-        return self._forward(out, lambda i, c: int(c.samples))
+        if self.compiled is not None:
+            logits = self._execute_compiled(out.chunks)
+            if logits is not None:
+                return self._perturbed(logits)
+        return self._perturbed(self._forward(out.chunks, lambda i, c: int(c.samples), out.preempted))
+
+    def _execute_compiled(self, chunks) -> torch.Tensor | None:
+        """The step's one-token chunks through the compiled decode, any prompt chunks eager in
+        a second forward; None when the compiled decode cannot take them."""
+        one = [c.samples and len(c.token_ids) == 1 for c in chunks]
+        decodes = [c for c, d in zip(chunks, one, strict=True) if d]
+        if not decodes or not self.compiled.fits(decodes):
+            return None
+        logits = self.compiled.run(decodes)  # [Nd, V]
+        if len(decodes) == len(chunks):
+            return logits
+        rest = [c for c, d in zip(chunks, one, strict=True) if not d]
+        eager = self._forward(rest, lambda i, c: int(c.samples))  # [Np, V]
+        merged = torch.cat((logits, eager))
+        # rows in chunk order: the k-th sampling decode is row k, the k-th sampling prompt chunk Nd + k
+        order, d, p = [], 0, len(decodes)
+        for c, is_decode in zip(chunks, one, strict=True):
+            if is_decode:
+                order.append(d)
+                d += 1
+            elif c.samples:
+                order.append(p)
+                p += 1
+        if order == list(range(len(order))):  # decodes first (the scheduler's order)
+            return merged
+        return merged[torch.tensor(order, device=merged.device)]
 
     def execute_with_prompt_logits(self, out, scored: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`execute`, plus the logits at every row of the chunks `scored` (indices into
         `out.chunks`), from the same forward: ([N, V], [[len(chunk), V] per scored chunk])."""
         wanted = set(scored)
-        logits = self._forward(out, lambda i, c: len(c.token_ids) if i in wanted else int(c.samples))
+        logits = self._perturbed(self._forward(out.chunks, lambda i, c: len(c.token_ids) if i in wanted
+                                               else int(c.samples), out.preempted))
         last, spans, row = [], [], 0
         for i, c in enumerate(out.chunks):
             n = len(c.token_ids) if i in wanted else int(c.samples)

@@ -3,9 +3,10 @@
 `WorkerServer` is built by the worker's last startup step from one `Startup` value: what the
 earlier steps produced (the bound device, the loaded model, its kernel choices, the fp8
 convention with its reason, the preflight). Its constructor orchestrates small `_init_*`
-steps (row buckets or deterministic numerics, the KV cache sized for this device, the engine,
-the app, uvicorn); `run()` serves until SIGTERM or a fatal engine error and `close()` frees
-the socket. The socket is created 0600 (only the router, as the same user, reaches it).
+steps (row buckets or deterministic numerics, the `--compile` decision, the KV cache sized
+for this device, the engine, the app, uvicorn); `compile()` (the `compile` startup step)
+compiles or captures the decode step per batch bucket (workers/engine/compiled.py); `run()`
+serves until SIGTERM or a fatal engine error and `close()` frees the socket. The socket is created 0600 (only the router, as the same user, reaches it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from kernels_local.mapping import KernelChoice
 from workers.contract import DRAIN_TIMEOUT_S, ENV_TRITON_CACHE_DIR, CapabilityPayload
+from workers.contract.payload import CompileDescription
 from workers.contract.tracing import start_tracing
 from workers.device.bind import BoundDevice
 from workers.fp8.convention import Fp8Convention
@@ -83,6 +85,7 @@ class Startup:
     fp8: Fp8Convention  # fp8
     fp8_reason: str
     preflight: Preflight | None = None  # kernelize, where the preflight ran
+    fp8_checkpoint: dict | None = None  # fp8, a pre-quantized checkpoint: its execution here (workers/quant/prepare.py)
 
 
 class WorkerServer:
@@ -92,6 +95,7 @@ class WorkerServer:
         self.startup = startup
         self.args, self.bound, self.loaded = startup.args, startup.bound, startup.loaded
         self._init_row_buckets()
+        self._init_compile()
         self._init_kv_cache()
         self._init_engine()
         self._init_app()
@@ -110,21 +114,35 @@ class WorkerServer:
         if n:
             logger.info("CPU %s projections: rows padded to buckets (%d layers)", self.loaded.dtype, n)
 
+    def _init_compile(self) -> None:
+        from workers.engine.compiled import decide
+
+        device = self.bound.torch_device
+        self.compile_decision = decide(getattr(self.args, "compile", "off"), device.split(":")[0],
+                                       self.bound.simulated, self.deterministic is not None, self.loaded.model)
+        logger.info("decode step: %s", self.compile_decision.reason)
+
     def _init_kv_cache(self) -> None:
         from workers.kv.groups import plan_groups
-        from workers.kv.pool import KVPool
+        from workers.kv.pool import KVPool, layer_shapes
 
         cfg, dtype, bs = self.loaded.config, self.loaded.dtype, self.args.kv_block_size
         per_token, context = KVPool.bytes_per_token(cfg, dtype), cfg.context_length
         budget, why = kv_budget(self.args, self.bound, per_token, context)
         _, shape = plan_kv_blocks(per_token, bs, budget, context)  # raises below one block
-        # sliding layers get a window per sequence, the full layers the rest (workers/kv/groups.py)
+        # sliding layers get a window per sequence, the full layers the rest, each group in its own
+        # shape's bytes; layers reading another's KV hold none (workers/kv/groups.py)
         groups = plan_groups(cfg.layer_windows, KVPool.block_bytes_per_layer(cfg, dtype, bs), budget, bs,
-                             self.args.max_batch, self.args.max_num_batched_tokens)
+                             self.args.max_batch, self.args.max_num_batched_tokens, layer_shapes(cfg))
+        if self.compile_decision.enabled:  # one scratch block per group for the pad rows of a bucket
+            from workers.engine.compiled import scratch_groups
+
+            groups = scratch_groups(groups)
         self.kv = KVPool.for_config(cfg, groups[0].num_blocks, bs, dtype, self.bound.torch_device, groups)
         if len(groups) > 1 or groups[0].window is not None:
             shape = "; ".join(f"{'full' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers x "
-                              f"{g.num_blocks} blocks x {bs} tokens" for g in groups)
+                              f"{g.num_blocks} blocks x {bs} tokens ({g.kv_heads or cfg.num_key_value_heads} KV "
+                              f"heads of {g.head_dim or cfg.head_dim})" for g in groups)
         logger.info("KV cache %s bytes: %s; budget %s (%s); prefix cache %s", self.kv.nbytes, shape, budget, why,
                     "off" if self.args.no_prefix_cache else "on")
 
@@ -133,22 +151,29 @@ class WorkerServer:
         from workers.engine.runner import ModelRunner
         from workers.engine.scheduler import Scheduler, SchedulerConfig
         from workers.kv.hashing import root_hash
-        from workers.sampling.grammar import Grammars
+        from workers.sampling.grammar import CompileBudget, Grammars
 
         args, loaded = self.args, self.loaded
         # What besides the tokens decides a block's contents: the prefix cache's hash root.
         root = root_hash(loaded.model_id, loaded.dtype, args.quantize, args.kv_block_size)
+        self.compiled, shapes = None, self.kv.group_shapes
+        if self.compile_decision.enabled:  # the scheduler never hands out the scratch blocks
+            from workers.engine.compiled import CompiledDecode, decode_buckets, scheduler_shapes
+
+            shapes = scheduler_shapes(self.kv)
+            self.compiled = CompiledDecode(loaded.model, self.kv, self.bound.torch_device,
+                                           decode_buckets(args.max_batch), self.compile_decision.backend)
         config = SchedulerConfig(
-            args.max_batch, loaded.config.context_length, self.kv.num_blocks, self.kv.block_size,
+            args.max_batch, loaded.config.context_length, shapes[0][1], self.kv.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_cache,
             eos_token_ids=loaded.eos_token_ids, cache_root=root, rope=loaded.model.rope_policy,
-            kv_groups=self.kv.group_shapes,
+            kv_groups=shapes,
         )
         runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
-                             mirror=self.deterministic is None)
+                             mirror=self.deterministic is None, compiled=self.compiled)
         # The grammar engine masks the logits' full width (the model's vocab may pad the tokenizer's).
         grammars = Grammars.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids,
-                                          args.threads or 1)
+                                          args.threads or 1, CompileBudget.from_args(args))
         self.engine = Engine(runner, Scheduler(config), loaded.tokenizer, max_queue=args.max_queue,
                              on_fatal=self._on_fatal, grammars=grammars)
 
@@ -174,6 +199,8 @@ class WorkerServer:
         }
         kernel_info = {k: v.to_dict() for k, v in startup.kernels.items()}
         fp8 = {"convention": startup.fp8.name, "reason": startup.fp8_reason}
+        if startup.fp8_checkpoint is not None:  # how this device runs the checkpoint's fp8 layers, and why
+            fp8["checkpoint"] = {**startup.fp8_checkpoint, "quantization": loaded.quantization}
         if preflight is not None:  # each layer's compile record; why native fp8 is not used, if so
             for layer, entry in kernel_info.items():
                 entry["compiled"] = preflight.layers[layer].compiled()
@@ -186,15 +213,35 @@ class WorkerServer:
             kernels=kernel_info,
             triton_cache=os.environ.get(ENV_TRITON_CACHE_DIR),
             capacity={**self.engine.scheduler.capacity(), "kv_cache_bytes": kv.nbytes,
-                      "kv_groups": [{"window": g.window, "layers": len(g.layers), "blocks": g.num_blocks}
-                                    for g in kv.groups]},
+                      "kv_groups": [{"window": g.window, "layers": len(g.layers), "blocks": g.num_blocks,
+                                     "kv_heads": g.kv_heads, "head_dim": g.head_dim} for g in kv.groups]},
             model=model,
             versions=_versions(),
             deterministic=self.deterministic.to_dict() if self.deterministic else None,
+            compile=self._compile_description(),
         )
+        self.info = info
         self.tracing = start_tracing(getattr(self.args, "otlp_endpoint", None), "hetserve-worker",
                                      {"service.instance.id": info.worker_id or ""})
         self.app = create_app(info, self.engine, loaded.tokenizer, tracing=self.tracing)
+
+    def _compile_description(self) -> CompileDescription:
+        d = self.compile_decision
+        return CompileDescription(mode=d.mode, enabled=d.enabled, backend=d.backend, reason=d.reason,
+                                  **(self.compiled.describe() if self.compiled is not None else {}))
+
+    def compile(self) -> str:
+        """Compile (CPU) or capture (GPU) the decode step of every bucket (the `compile` startup
+        step); what `/capability` then says of it, in one line."""
+        if self.compiled is None:
+            return self.compile_decision.reason
+        from workers.engine.compiled import use_inductor_cache
+
+        if self.compiled.backend == "inductor":  # beside this architecture's Triton cache
+            logger.info("Inductor cache %s", use_inductor_cache())
+        self.compiled.warm()
+        self.info.compile = self._compile_description()
+        return f"{self.compiled.backend}, buckets {list(self.compiled.buckets)} in {self.compiled.seconds:.1f}s"
 
     def _init_server(self) -> None:
         import uvicorn

@@ -1,0 +1,380 @@
+"""A compiled decode step per batch-size bucket: Inductor on the CPU, CUDA/HIP graphs on GPUs.
+
+Design: the common engine step decodes one token for every running sequence, and on a small
+model its time is the dispatch of a few hundred small ops, not their arithmetic. Such a step
+(every chunk one token that samples) is padded to the smallest bucket that holds it (1, 2,
+4, ... below --max-batch, then --max-batch) and run by that bucket's compiled callable; every
+other step (prompt chunks, a prompt scored for its logprobs, a rotary that depends on the
+prompt's length, an MoE layer's data-dependent expert groups) runs eager, and a step mixing
+decodes with prompt chunks runs its decodes here and its prompt chunks eager in a second
+forward (workers/engine/runner.py). One mechanism for both kinds of device:
+- each bucket owns static inputs on the device (token ids, positions, each KV group's slots
+  and block tables `[B, W]` with `W` the blocks of the longest sequence, the lengths) and one
+  `ForwardBatch` built once over them, whose Python values are constants (`max_pos` is the
+  context's last position, so the rotary tables grow once, before compiling). A step copies
+  its rows in and runs the bucket: `Transformer.step` itself, the same code as eager;
+- pad rows read and write only the scratch block (the last block of each KV group, which the
+  scheduler never hands out: `scratch_groups`); their logits are dropped;
+- CPU: `torch.compile` (Inductor, full graph) of the step per bucket. Decode rows attend in
+  place through the block table (`PagedRows`: explicit ops that Inductor fuses with the
+  block gather, so the attended K/V are never copied), over the table width the step needs,
+  which is a dynamic dimension: one graph per bucket serves every length;
+- CUDA/ROCm: a graph per bucket, captured once the worker has bound its device; the
+  paged-decode kernel reads block tables and lengths from the static buffers, so a graph
+  replays for any lengths up to the width it was captured with (the context).
+What kept `torch.compile(model.step)` from working, and the fix: the step's
+`@torch.inference_mode()` decorator (Dynamo cannot trace into it: the body is compiled and
+called under the engine's inference mode); each layer's K/V view of the pool, which made
+the graph's inputs aliases of one tensor that Inductor copies whole on every write (layers
+are sliced, and written, from one flat view per group inside the graph: workers/kv/pool.py);
+the CPU decode mirror (a Python-side row map, storage offsets: graph breaks; not used with a
+compiled step, whose in-place attention needs no contiguous copy); the step's per-step
+Python values (lengths, masks, max positions: constants or tensors here).
+Compiled code lives per process; Inductor's on-disk cache per architecture, beside the
+architecture's Triton cache (`use_inductor_cache`), never shared across devices.
+Trade-off: a bucket computes up to twice the rows it needs (31 rows run as 32; 17 as 32), and
+on the CPU every row attends the longest row's table width (masked), for one call instead of
+hundreds; compile time at start (Inductor: seconds per bucket; graphs: well under one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import types
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from workers.contract import ENV_TRITON_CACHE_DIR
+from workers.kv.batch import DecodeRows, ForwardBatch, GroupBatch
+
+logger = logging.getLogger(__name__)
+
+COMPILE_MODES = ("auto", "on", "off")
+ENV_INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
+MIN_WIDTH = 2  # the CPU graph's table width is dynamic from 2 blocks (Dynamo specializes a width of 1)
+
+
+def decode_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below `max_batch`, then `max_batch` itself."""
+    if max_batch < 1:
+        raise ValueError(f"`max_batch` must be >= 1, got `{max_batch}`")
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return (*out, max_batch)
+
+
+def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding `rows` rows, or None when none does."""
+    return next((b for b in buckets if b >= rows), None)
+
+
+def use_inductor_cache(env: dict | None = None) -> Path | None:
+    """Point Inductor's on-disk cache beside this architecture's Triton cache
+    (`<root>/<arch>` -> `<root>/<arch>-inductor`); None (and nothing set) without one."""
+    env = os.environ if env is None else env
+    triton = env.get(ENV_TRITON_CACHE_DIR)
+    if not triton:
+        return None
+    path = Path(triton).with_name(Path(triton).name + "-inductor")
+    env[ENV_INDUCTOR_CACHE_DIR] = str(path)
+    return path
+
+
+@dataclass(frozen=True)
+class CompileDecision:
+    """Whether the worker compiles its decode step, how, and why (`/capability` `compile`)."""
+
+    mode: str  # what was asked: auto | on | off
+    enabled: bool
+    backend: str | None  # "inductor" (CPU) | "cuda-graphs" (CUDA and ROCm) | None
+    reason: str
+
+
+def decide(mode: str, device_type: str, simulated: bool, deterministic: bool, model) -> CompileDecision:
+    """The `--compile` decision for a bound device and a loaded model, with its reason.
+
+    `auto` compiles where it was measured to help: CUDA/HIP graphs on a real GPU (the step's
+    launches replay as one; capture takes well under a second per bucket), and Inductor on a
+    CPU worker that is not simulating a GPU (benchmarks/vs_vllm.py: about half the step time
+    of the embedded model at batch 1 and 32). A simulated GPU stays eager under `auto`: it is
+    how tests and demos run many workers on few cores, where tens of seconds of compiling per
+    start cost more than they save. `off` never compiles; deterministic mode never does (its
+    fixed row tiles and attention splits are what it guarantees, and a compiled graph fuses
+    and reorders them: `--deterministic` takes precedence over `--compile on`)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"Unknown compile mode `{mode}`. Allowed: {', '.join(COMPILE_MODES)}")
+    backend = "inductor" if device_type == "cpu" else "cuda-graphs"
+    if mode == "off":
+        return CompileDecision(mode, False, None, "--compile off: every step eager")
+    if deterministic:
+        return CompileDecision(mode, False, None, "deterministic mode: its fixed GEMM tiles and attention splits "
+                                                  "run eager (a compiled graph would fuse and reorder them)")
+    unfit = unfit_reason(model)
+    if unfit is not None:
+        if mode == "on":
+            raise ValueError(f"`--compile on`: {unfit}. Allowed: --compile auto or off for this model")
+        return CompileDecision(mode, False, None, f"eager: {unfit}")
+    if mode == "on":
+        return CompileDecision(mode, True, backend, f"--compile on: {_BACKEND_WHY[backend]}")
+    if device_type != "cpu" and not simulated:
+        return CompileDecision(mode, True, backend, f"auto, a real GPU: {_BACKEND_WHY[backend]}")
+    if device_type == "cpu" and not simulated:
+        return CompileDecision(mode, True, backend, f"auto, a CPU worker: {_BACKEND_WHY[backend]}")
+    return CompileDecision(mode, False, None, "auto, a simulated GPU: eager (compiling would take tens of seconds "
+                                              "per start of workers that share few cores; --compile on forces it)")
+
+
+_BACKEND_WHY = {
+    "inductor": "torch.compile (Inductor) of the decode step per batch bucket",
+    "cuda-graphs": "one CUDA/HIP graph of the decode step per batch bucket",
+}
+
+
+def unfit_reason(model) -> str | None:
+    """Why `model`'s decode step cannot be compiled as one static graph, or None."""
+    if getattr(model, "rope_threshold", None) is not None:
+        return "its rotary depends on the prompt's length (dynamic / LongRoPE: a per-step host decision)"
+    if getattr(getattr(model, "config", None), "sparse_layers", ()):
+        return "its MoE layers group tokens by expert (data-dependent shapes)"
+    if not hasattr(model, "step") or not hasattr(model, "config"):
+        return "it has no `Transformer.step`"
+    return None
+
+
+def scratch_groups(groups):
+    """KV groups with one more block each, the last: the scratch block pad rows use. Give the
+    scheduler `num_blocks - 1` per group (`scheduler_shapes`), so it never hands it out."""
+    return tuple(replace(g, num_blocks=g.num_blocks + 1) for g in groups)
+
+
+def scheduler_shapes(kv) -> tuple[tuple[int | None, int], ...]:
+    """(window, blocks) of each group of a pool made with `scratch_groups`, without its scratch block."""
+    return tuple((w, n - 1) for w, n in kv.group_shapes)
+
+
+@dataclass(frozen=True, eq=False)
+class PagedRows(DecodeRows):
+    """Decode rows that attend in place through their block tables (the compiled CPU step):
+    softmax(q k^T * scale) v over each row's positions `< seq_lens` (its last `window` ones when
+    it slides), soft-capped where asked, with gpt-oss's sinks; scores and softmax in fp32."""
+
+    def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        _, hkv, nb, bs, d = kv.shape
+        n, hq, _ = query.shape
+        g = hq // hkv
+        length = self.block_tables.shape[1] * bs
+        pos = torch.arange(length, device=query.device)  # [L]
+        slots = self.block_tables.repeat_interleave(bs, dim=1) * bs + pos % bs  # [N, L]
+        flat = kv.view(2, hkv, nb * bs, d)
+        k, v = flat[0][:, slots], flat[1][:, slots]  # [Hkv, N, L, D], read through the table (fused)
+        q = query.view(n, hkv, g, d).transpose(0, 1)  # [Hkv, N, G, D]
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (d**-0.5 if scale is None else scale)  # [Hkv, N, G, L]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        seen = pos[None, :] < self.seq_lens[:, None]  # [N, L]
+        if window is not None:
+            seen &= pos[None, :] >= self.seq_lens[:, None] - window
+        s = s.masked_fill(~seen[None, :, None, :], float("-inf"))
+        if sinks is None:
+            p = torch.softmax(s, dim=-1)
+        else:  # one more logit per head, whose weight is dropped
+            sink = sinks.float().view(hkv, 1, g, 1).expand(hkv, n, g, 1)
+            p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :length]
+        o = torch.matmul(p, v.float())  # [Hkv, N, G, D]
+        return o.transpose(0, 1).reshape(n, hq, d).to(query.dtype)
+
+
+class _Bucket:
+    """One bucket's static inputs on the device and the `ForwardBatch` built over them.
+
+    `data` [B * (3 + G)] int64 holds token ids, positions, lengths and each group's slots;
+    `tables[g]` [B, W_max] each group's block tables (only the first `width` columns of a step
+    are written; the kernels read no further than a row's length)."""
+
+    def __init__(self, size: int, groups: int, max_width: int, block_size: int, max_pos: int,
+                 device: torch.device) -> None:
+        self.size, self.block_size, self.max_pos = size, block_size, max_pos
+        self.data = torch.zeros(size * (3 + groups), dtype=torch.int64, device=device)
+        self.tables = tuple(torch.zeros((size, max_width), dtype=torch.int64, device=device) for _ in range(groups))
+        self.rows = torch.arange(size, device=device)
+        self.lens = self.data[2 * size : 3 * size]
+        self._batches: dict[int, ForwardBatch] = {}  # per table width
+        self.full = self.batch(max_width)  # the batch a graph is captured over
+
+    def slots(self, g: int) -> torch.Tensor:
+        return self.data[(3 + g) * self.size : (4 + g) * self.size]
+
+    def batch(self, width: int) -> ForwardBatch:
+        """The step over the first `width` columns of the block tables (made once per width)."""
+        if width not in self._batches:
+            self._batches[width] = self._make_batch(width)
+        return self._batches[width]
+
+    def _make_batch(self, width: int) -> ForwardBatch:
+        b, n = self.size, width * self.block_size
+        rows = [PagedRows(rows=self.rows, rows_start=0, block_tables=t[:, :width], seq_lens=self.lens, max_len=n,
+                          mask=None, view=None) for t in self.tables]
+        groups = tuple(GroupBatch(self.slots(g), rows[g], (), 0) for g in range(1, len(self.tables)))
+        return ForwardBatch(input_ids=self.data[:b], positions=self.data[b : 2 * b], slot_mapping=self.slots(0),
+                            logits_index=self.rows, decode=rows[0], prefills=(), block_size=self.block_size,
+                            max_pos=self.max_pos, max_block=0, groups=groups)
+
+    def fill(self, chunks, scratch: tuple[int, ...], min_width: int) -> int:
+        """Copy `chunks` (one-token sampling chunks, at most `size`) in, the rest as pads over each
+        group's scratch block; returns the table width written."""
+        bs, pad = self.block_size, self.size - len(chunks)
+        used = [c.start_pos // bs + 1 for c in chunks]
+        width = max(min_width, *used) if used else min_width
+        flat = [c.token_ids[0] for c in chunks] + [0] * pad
+        flat += [c.start_pos for c in chunks] + [0] * pad
+        flat += [c.start_pos + 1 for c in chunks] + [1] * pad
+        tables = []
+        for g, block in enumerate(scratch):
+            own = [c.block_table if g == 0 or not c.seq.group_tables else c.seq.group_tables[g - 1] for c in chunks]
+            flat += [t[c.start_pos // bs] * bs + c.start_pos % bs for t, c in zip(own, chunks, strict=True)]
+            flat += [block * bs] * pad
+            for t, u in zip(own, used, strict=True):
+                tables.extend(t[:u])
+                tables.extend([block] * (width - u))
+            tables.extend([block] * (width * pad))
+        host = torch.tensor(flat + tables, dtype=torch.int64)
+        self.data.copy_(host[: self.data.numel()], non_blocking=True)
+        cut = self.data.numel()
+        for t in self.tables:
+            t[:, :width].copy_(host[cut : cut + self.size * width].view(self.size, width), non_blocking=True)
+            cut += self.size * width
+        return width
+
+
+class CompiledDecode:
+    """The decode step per bucket over one KV pool: `warm()` compiles (or captures) every bucket,
+    `fits(chunks)` says whether a step's chunks can run here, `run(chunks)` returns their logits."""
+
+    def __init__(self, model, kv, device: torch.device | str, buckets: tuple[int, ...], backend: str,
+                 graphs=None) -> None:
+        """`kv` must be made with `scratch_groups` (its last block in each group is the pads'
+        scratch block); `backend` "inductor" or "cuda-graphs"; `graphs`: the device's graph
+        API (default `CudaGraphs()`; tests pass a stand-in)."""
+        if backend not in _BACKEND_WHY:
+            raise ValueError(f"Unknown compile backend `{backend}`. Allowed: {', '.join(_BACKEND_WHY)}")
+        self.model, self.kv, self.device, self.backend = model, kv, torch.device(device), backend
+        self.buckets = tuple(sorted(buckets))
+        self.scratch = tuple(g.num_blocks - 1 for g in kv.groups)
+        bs = kv.block_size
+        context = min(model.config.context_length, min(g.num_blocks - 1 for g in kv.groups) * bs)
+        self.max_width = -(-context // bs)
+        self.min_width = MIN_WIDTH if backend == "inductor" else 1
+        self.max_pos = model.config.context_length - 1
+        self._buckets = {b: _Bucket(b, len(kv.groups), self.max_width, bs, self.max_pos, self.device)
+                         for b in self.buckets}
+        self._runs: dict[int, object] = {}
+        self._graphs = graphs
+        self.seconds = 0.0
+        # the step's body, without its `@torch.inference_mode()` (Dynamo cannot trace into it):
+        # called under the engine's inference mode
+        body = getattr(type(model).step, "__wrapped__", None)
+        self._step = types.MethodType(body, model) if body is not None else model.step
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def warm(self) -> float:
+        """Compile (Inductor) or capture (graphs) every bucket, largest first; returns seconds."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self._grow_rotary()
+            if self.backend == "inductor":
+                self._compile_all()
+            else:
+                self._capture_all()
+        self.seconds = time.perf_counter() - t0
+        logger.info("decode step %s for buckets %s in %.1fs", self.backend, list(self.buckets), self.seconds)
+        return self.seconds
+
+    def _grow_rotary(self) -> None:
+        """The rotary tables at their full length, so no compiled step ever grows them."""
+        rope = getattr(self.model, "rope", None)
+        positions = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for spec in getattr(self.model, "rope_specs", ()):
+            rope.lookup(spec, positions, self.max_pos, self.model.dtype)
+
+    def _compile_all(self) -> None:
+        import torch._dynamo
+
+        # one graph per bucket, all of one code object: room for each, and no dynamic batch
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 2)
+        compiled = torch.compile(self._step, dynamic=False, fullgraph=True)
+        for b in reversed(self.buckets):
+            bucket = self._buckets[b]
+            width = bucket.fill((), self.scratch, self.min_width)
+            batch = bucket.batch(width)
+            for t in (r.block_tables for r in (batch.decode, *(g.decode for g in batch.groups))):
+                torch._dynamo.mark_dynamic(t, 1, min=self.min_width, max=max(self.max_width, self.min_width + 1))
+            compiled(batch, self.kv)
+            self._runs[b] = compiled
+
+    def _capture_all(self) -> None:
+        graphs = self._graphs if self._graphs is not None else CudaGraphs(self.device)
+        for b in reversed(self.buckets):
+            bucket = self._buckets[b]
+            bucket.fill((), self.scratch, self.max_width)
+            self._runs[b] = graphs.capture(lambda bucket=bucket: self._step(bucket.full, self.kv))
+
+    # -- serving -----------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return len(self._runs) == len(self.buckets)
+
+    def fits(self, chunks) -> bool:
+        """Whether these chunks are one step this decode runs: one-token sampling chunks, at
+        most the largest bucket."""
+        return self.ready and 0 < len(chunks) <= self.buckets[-1] and all(
+            c.samples and len(c.token_ids) == 1 for c in chunks)
+
+    def run(self, chunks) -> torch.Tensor:
+        """Logits [n, V] fp32 of `n` one-token chunks (`fits`), in order."""
+        b = bucket_for(len(chunks), self.buckets)
+        bucket = self._buckets[b]
+        if self.backend == "inductor":
+            width = bucket.fill(chunks, self.scratch, self.min_width)
+            with torch.inference_mode():
+                return self._runs[b](bucket.batch(width), self.kv)[: len(chunks)]
+        bucket.fill(chunks, self.scratch, 1)
+        return self._runs[b]()[: len(chunks)].clone()  # the graph's output is overwritten by its next replay
+
+    def describe(self) -> dict:
+        return {"buckets": list(self.buckets), "seconds": round(self.seconds, 3)}
+
+
+class CudaGraphs:
+    """CUDA (or HIP) graphs on the bound device, sharing one memory pool."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = None
+
+    def capture(self, fn):
+        """Warm `fn` on a side stream, capture it, and return a replay that gives its output."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # Triton's JIT, cuBLAS's handles and workspaces before capture
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        self.pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
