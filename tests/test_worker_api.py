@@ -118,7 +118,7 @@ def test_health_capability_metrics(setup):
     assert h.status_code == 200 and h.json()["status"] == "ready"
     cap = client.get("/capability").json()
     assert set(cap) == {"worker_id", "pid", "device", "fp8", "kernels", "capacity", "model", "versions", "load",
-                        "triton_cache"}  # fmt: skip
+                        "triton_cache", "compile"}  # fmt: skip
     assert cap["capacity"]["max_seq_len"] == 64 and cap["load"] == {"running": 0, "queued": 0}
     client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
     text = client.get("/metrics").text
