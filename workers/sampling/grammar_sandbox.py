@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -41,11 +42,13 @@ from workers.contract.limits import (
     GRAMMAR_COMPILE_WORKERS,
 )
 from workers.sampling.grammar_child import read_frame, write_frame
-from workers.sampling.grammar_source import GrammarError
+from workers.sampling.grammar_source import GrammarError, describe
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how often a waiting compile looks at its cancel flag
+_EXIT_WAIT_S = 1.0  # how long a child that closed its pipe may take to exit
+_DIED = {"died": True}  # what `_Child.ask` answers when the child ended without answering
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # where `workers` is importable from
 _CHILD = (sys.executable, "-m", "workers.sampling.grammar_child")
 
@@ -131,11 +134,12 @@ class _Child:
             raise RuntimeError(f"the grammar compile child did not start (exit {self.proc.poll()})")
 
     def ask(self, request: dict, deadline: float, cancel: threading.Event | None) -> dict | None:
-        """The child's answer, or None when it died, the deadline passed or `cancel` was set."""
+        """The child's answer; `_DIED` when it ended without one (its pipe closed), None when
+        the deadline passed or `cancel` was set."""
         try:
             write_frame(self.proc.stdin, request)
         except OSError:
-            return None
+            return _DIED
         return self._wait(deadline, cancel)
 
     def _wait(self, deadline: float, cancel: threading.Event | None) -> dict | None:
@@ -146,9 +150,17 @@ class _Child:
             ready, _, _ = select.select([self.proc.stdout], [], [], min(left, _POLL_S))
             if ready:
                 try:
-                    return read_frame(self.proc.stdout)
+                    answer = read_frame(self.proc.stdout)
                 except (OSError, ValueError):
-                    return None
+                    answer = None
+                return _DIED if answer is None else answer
+
+    def exit_code(self) -> int | None:
+        """How the child ended, once it has (it closed its pipe: the exit follows at once)."""
+        try:
+            return self.proc.wait(timeout=_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -180,13 +192,18 @@ class CompileSandbox:
         started = time.monotonic()
         answer = child.ask({"kind": kind, "text": text, "strict": strict, "memory_bytes": b.memory_bytes},
                            started + b.timeout_s, cancel)
+        if answer is _DIED:  # the build ended the child: an allocation past the cap aborts it (SIGABRT)
+            code = child.exit_code()
+            self._drop(child)
+            if code == -signal.SIGABRT:
+                raise self._over_memory()
+            logger.warning("grammar compile child ended without an answer (exit %s)", code)
+            raise GrammarError(f"The {describe(kind)} made the grammar compiler fail (exit {code}). Accepted: a "
+                               "grammar that compiles (a simpler schema or pattern)")
         if answer is None:
-            died = child.proc.poll() is not None
             self._drop(child)
             if cancel is not None and cancel.is_set():
                 raise CompileCancelled("every request waiting for this grammar has left")
-            if died:  # an allocation past the cap aborts the child
-                raise self._over_memory()
             logger.warning("grammar compile over its %.3g s budget after %.2f s; child killed", b.timeout_s,
                            time.monotonic() - started)
             raise BudgetExceeded("time", f"The grammar did not compile within its time budget of {b.timeout_s:g} s "
