@@ -76,6 +76,16 @@ def test_each_model_is_placed_where_its_bytes_fit(routers):
     workers = {w["id"]: w for w in routers["both"].workers()}
     assert {i: w["model"]["name"] for i, w in workers.items()} == {"gpu0": "small", "gpu1": "big", "gpu2": "big"}
     assert all(w["state"] == "ready" for w in workers.values())
+    # each worker says why its device serves its model, with the bytes it needs there
+    placed = {i: w["placement"] for i, w in workers.items()}
+    assert {i: p["role"] for i, p in placed.items()} == {"gpu0": "first", "gpu1": "first", "gpu2": "replica"}
+    assert "smallest free device that holds small" in placed["gpu0"]["reason"]
+    assert placed["gpu2"]["reason"].startswith("replica 2 of big")
+    assert 0 < placed["gpu1"]["need_bytes"] <= placed["gpu1"]["usable_bytes"] < 2 * 2**20
+    assert placed["gpu0"]["need_bytes"] < placed["gpu1"]["need_bytes"]
+    status = httpx.get(routers["both"].url + "/workers").json()
+    assert [(p["worker_id"], p["model"]) for p in status["placement"]] == [("gpu0", "small"), ("gpu1", "big"),
+                                                                          ("gpu2", "big")]
     models = {m["id"]: m for m in httpx.get(routers["both"].url + "/v1/models").json()["data"]}
     assert list(models) == ["big", "small"]
     assert [p["worker_id"] for p in models["big"]["placement"]] == ["gpu1", "gpu2"]
@@ -195,9 +205,16 @@ def test_load_and_unload_by_hand_need_the_key_and_keep_a_pinned_model(on_demand)
     assert httpx.post(url + "/models/b/load").status_code == 401
     loaded = httpx.post(url + "/models/b/load", headers=auth, timeout=60)
     assert loaded.status_code == 200 and loaded.json()["state"] == "loaded" and loaded.json()["workers"]
+    (where,) = loaded.json()["workers"]
+    placed = next(w for w in _workers(on_demand) if w["id"] == where)["placement"]
+    assert placed["model"] == "b" and "the smallest device that holds b" in placed["reason"]
     gone = httpx.post(url + "/models/b/unload", headers=auth, timeout=60)
     assert gone.status_code == 200 and gone.json()["state"] == "unloaded" and gone.json()["workers"] == []
     assert all(w["model"]["name"] != "b" for w in _workers(on_demand))
+    # its device is free now, and says why
+    freed = next(p for p in httpx.get(url + "/workers", headers=auth).json()["placement"] if p["worker_id"] == where)
+    assert freed["model"] is None and freed["role"] == "free"
+    assert freed["reason"] == "free: b unloaded (unloaded by request)"
     pinned = httpx.post(url + "/models/a/unload", headers=auth)
     assert pinned.status_code == 409 and "pinned" in pinned.json()["error"]
     unknown = httpx.post(url + "/models/zz/load", headers=auth)
@@ -223,3 +240,31 @@ def test_a_request_held_longer_than_the_bound_gets_503_with_retry_after(tmp_path
             time.sleep(0.1)
         assert client.post("/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 1}).status_code == 200
         assert client.get("/health").json()["models"] == {"a": "unloaded", "b": "loaded"}
+
+
+def test_a_stream_whose_worker_dies_moves_only_to_a_worker_of_its_own_model(tmp_path):
+    """Guards `Constraints.model` in server/routing/filter.py `_fits` (`handle.model != c.model`):
+    the migration's pick goes through the same filter, so `a`'s stream never lands on `b`'s worker."""
+    from tests.router_harness import sse_events
+
+    root = _model_dirs(tmp_path, ("a", "b"))
+    r = RouterProcess(["--simulate", "sm_80,sm_89,sm_90", "--model", f"a={root / 'a'}", "--model", f"b={root / 'b'}",
+                       "--place", "a=gpu0,gpu2", "--place", "b=gpu1", "--routing", "round-robin"],
+                      env={"FAKE_CRASH_IDS": "gpu0", "FAKE_TOKEN_S": "0.01"})
+    try:
+        body = {"inputs": "__crash_mid_stream__", "parameters": {"max_new_tokens": 6, "details": True}}
+        moved = []
+        for _ in range(2):  # round-robin: one of the two starts on gpu0, which dies after two tokens
+            got = httpx.post(r.url + "/generate_stream", json=body, headers={"X-Hetserve-Model": "a"}, timeout=60)
+            assert got.status_code == 200 and got.headers["x-hetserve-model"] == "a"
+            events = sse_events(got.text)
+            assert [e["index"] for e in events] == list(range(6)), events  # no gap, no repeat
+            if got.headers["x-worker-id"] == "gpu0":
+                moved.append(events[-1]["details"].get("migrations"))
+        assert moved == [1]
+        text = httpx.get(r.url + "/metrics").text
+        assert not metric_value(text, "hetserve_router_worker_requests_total", worker_id="gpu1", model="b")
+        assert metric_value(text, "hetserve_router_worker_requests_total", worker_id="gpu2", model="a") >= 2
+    finally:
+        r.stop()
+    assert not r.orphans

@@ -205,7 +205,7 @@ def _future_fields(page) -> None:
 
 def _two_models(page) -> None:
     """Serve the page /workers as a router of three models would: gpu2 serving `coder` (loaded
-    on demand), `big` unloaded."""
+    on demand), `big` unloaded, a fourth device free."""
 
     def workers(route):
         body = route.fetch().json()
@@ -216,6 +216,9 @@ def _two_models(page) -> None:
         body["models"] = [{**base, "workers": ["gpu0", "gpu1"]},
                           {**base, "name": "coder", "workers": ["gpu2"], "loads": 2, "unloads": 1, "last_load_s": 3.2},
                           {**base, "name": "big", "state": "unloaded", "workers": [], "reason": "least recently used"}]
+        body["placement"] = [*body["placement"], {"worker_id": "gpu3", "model": None, "role": "free",
+                                                  "reason": "left free for models loaded on demand",
+                                                  "need_bytes": None, "usable_bytes": 2 ** 30, "need": None}]
         route.fulfill(json=body)
 
     page.route("**/workers", workers)
@@ -274,6 +277,11 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             assert [cards.nth(i).locator(".arch").get_attribute("data-architecture") for i in range(3)] == ["llama"] * 3
             assert cards.nth(0).locator(".arch").inner_text() == "llama · rope default"
             assert all(cards.nth(i).locator(".sim").is_visible() for i in range(3))
+            # why each device serves its model: the 48 GiB sm_89 is the smallest that holds it, replicas on the rest
+            assert [cards.nth(i).locator(".placed").get_attribute("data-role") for i in range(3)] == [
+                "replica", "first", "replica"]
+            placed = cards.nth(1).locator(".placed").inner_text()
+            assert "first · needs " in placed and "MiB of 43.2 GiB" in placed and "smallest free device" in placed
             gpu1 = page.locator(".card[data-worker=gpu1]")
             gpu1.locator("details.kernels summary").click()
             assert gpu1.locator("details.kernels li").count() >= 2 and "8.9" in gpu1.locator(".fp8-reason").inner_text()
@@ -319,8 +327,7 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             expect(gpu0.locator("dd.health")).to_contain_text("probe ok")
             expect(gpu0).not_to_have_class(re.compile(r"\balert\b"))
             page.screenshot(path=str(ARTIFACTS / "status-page-verdicts.png"), full_page=True)
-            page.unroute("**/workers")
-            page.unroute("**/stats")
+            page.unroute_all(behavior="wait")  # a handler still fetching must not fulfil a route let through
             # 6. several models: a section each, in /workers' order, a worker's card under its own model
             _two_models(page)
             coder = page.locator(".model-group[data-model=coder]")
@@ -333,8 +340,11 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             expect(big.locator(".none")).to_have_text("not loaded: the next request for it loads it")
             expect(coder.locator(".model-info")).to_contain_text("1 worker · 2 loads, 1 unload · last load 3.2 s")
             expect(page.locator("#summary")).to_contain_text("3 models (2 loaded)")
+            free = page.locator("#free li[data-worker=gpu3]")
+            expect(free).to_have_text("gpu3: left free for models loaded on demand")
+            expect(page.locator("#free h2")).to_have_text("1 free device")
             page.screenshot(path=str(ARTIFACTS / "status-page-models.png"), full_page=True)
-            page.unroute("**/workers")
+            page.unroute_all(behavior="wait")
             # 7. a phone-width screen: one column, nothing wider than the screen
             page.set_viewport_size({"width": 390, "height": 844})
             page.wait_for_timeout(300)

@@ -31,7 +31,16 @@ from server.config.models import ModelEntry
 from server.config.settings import RouterSettings
 from server.errors import shown
 from server.fleet.on_demand import plan_load
-from server.fleet.placement import ModelAsk, Placement, PlacementError, check_pins, place, resolve_device
+from server.fleet.placement import (
+    FREE,
+    ModelAsk,
+    Placement,
+    PlacementError,
+    Slot,
+    check_pins,
+    place,
+    resolve_device,
+)
 from server.fleet.spec import worker_id
 from server.fleet.supervisor import Supervisor
 from workers.contract import DeviceInfo, WorkerState, cpu_device
@@ -98,6 +107,7 @@ class ModelManager:
         # every pin, also of a model loaded only later, names a device of this host that holds it
         check_pins([m.ask for m in self.models.values()], self.devices, settings.dtype, settings.quantize)
         self.placement = self._initial_placement()
+        self.slots = {s.device.index: s for s in self.placement.slots}  # each device's verdict now, with its reason
         for slot in self.placement.slots:
             if slot.model is not None:
                 self.models[slot.model].state, self.models[slot.model].reason = ModelState.LOADING, "starting"
@@ -198,7 +208,10 @@ class ModelManager:
             await asyncio.gather(*(sup.retire(worker_id(d), f"making room for {name}") for d in self._by_index(plan.stop)))
             for gone in plan.unload:
                 self._unloaded(gone, f"unloaded to make room for {name}")
+            for index in plan.stop:
+                self._free(index, f"freed for {name}: {plan.reason}")
             for slot in plan.start:
+                self.slots[slot.device.index] = slot
                 await sup.launch(slot.device, name, m.entry.path)
             m.reason = f"starting on {', '.join(s.worker_id for s in plan.start)}"
             await self._wait_ready(m, started, wait_s if wait_s is not None else self.settings.startup_timeout_s)
@@ -237,6 +250,7 @@ class ModelManager:
                 why = "; ".join(f"{h.id}: {h.reason}" for h in handles)
                 for h in handles:
                     await self.supervisor.retire(h.id, f"{m.entry.name} failed to load")
+                    self._free(h.spec.device.index, f"free: {m.entry.name} failed to load here")
                 m.state, m.reason, m.failed_at = ModelState.FAILED, why, time.monotonic()
                 logger.error("model %s failed to load: %s", m.entry.name, why)
                 raise ModelUnavailable(503, f"The model `{m.entry.name}` failed to load: {why}")
@@ -255,8 +269,16 @@ class ModelManager:
                 m.state, m.reason = ModelState.UNLOADING, why
                 assert self.supervisor is not None
                 await asyncio.gather(*(self.supervisor.retire(h.id, why) for h in handles))
+                for h in handles:
+                    self._free(h.spec.device.index, f"free: {name} unloaded ({why})")
             self._unloaded(name, why if handles else m.reason or "not loaded")
         return m
+
+    def _free(self, index: int, why: str) -> None:
+        """Device `index` serves no model now, for the reason given."""
+        slot = self.slots.get(index)
+        if slot is not None:
+            self.slots[index] = Slot(slot.device, None, FREE, why, None, slot.usable)
 
     def _unloaded(self, name: str, why: str) -> None:
         m = self.models[name]
@@ -283,6 +305,20 @@ class ModelManager:
             elif handles and all(h.state == WorkerState.FAILED for h in handles):
                 m.state, m.reason = ModelState.FAILED, "; ".join(f"{h.id}: {h.reason}" for h in handles)
         return m.state
+
+    def placed(self, index: int) -> dict | None:
+        """`/workers` `placement` of device `index`: the model placement gave it (None: free),
+        its role (pinned, first, replica, free), why, and the bytes it needs there of those usable."""
+        slot = self.slots.get(index)
+        if slot is None:
+            return None
+        return {"worker_id": slot.worker_id, "model": slot.model, "role": slot.role, "reason": slot.reason,
+                "need_bytes": None if slot.need is None else slot.need.total, "usable_bytes": slot.usable,
+                "need": None if slot.need is None else slot.need.to_dict()}
+
+    def placements(self) -> list[dict]:
+        """Every device's `placed`, in device order (free devices too)."""
+        return [p for p in (self.placed(d.index) for d in self.devices) if p is not None]
 
     def describe(self, name: str) -> dict:
         """`/workers` `models[]` and `/v1/models` `placement`: where it is and how it got there."""

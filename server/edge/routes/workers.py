@@ -7,7 +7,10 @@ remembers for it and its routing decisions by reason (server/routing/).
 too. States: starting, ready, unhealthy, restarting, failed, stopping (its model unloads;
 `reason` says why). Each worker's `model.name` is the model it serves; `/workers` also lists
 `models`: each one's state (loaded, loading, unloading, unloaded, failed), workers, loads and
-unloads, so loading on demand shows there as it happens.
+unloads, so loading on demand shows there as it happens. Each worker's `placement` says why its
+device serves its model (`role`: pinned, first, replica; `reason` with the bytes it needs there
+of those usable); the top-level `placement` lists every device, the free ones with why they are
+free (no model fits, left for loading on demand, freed by an unload).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ router = APIRouter(tags=["workers"])
 
 
 def _entry(ctx: RouterContext, h: WorkerHandle) -> dict:
-    """The worker's own entry plus `routing`: its measured speed, load in tokens, prefix chunks, decisions."""
-    return {**h.snapshot(ctx.settings.max_batch), "routing": ctx.dispatcher.router.snapshot(h)}
+    """The worker's own entry plus `placement` (why its device serves its model, the bytes) and
+    `routing`: its measured speed, load in tokens, prefix chunks, decisions."""
+    placed = None if ctx.models is None else ctx.models.placed(h.spec.device.index)
+    return {**h.snapshot(ctx.settings.max_batch), "placement": placed, "routing": ctx.dispatcher.router.snapshot(h)}
 
 
 def model_entries(ctx: RouterContext) -> list[dict]:
@@ -33,9 +38,11 @@ def model_entries(ctx: RouterContext) -> list[dict]:
 
 @router.get("/workers")
 async def list_workers(request: Request) -> dict:
-    """Every worker, in device order, and every model with where it is loaded."""
+    """Every worker, in device order, every model with where it is loaded, and every device's
+    placement (free ones too, each with its reason)."""
     ctx = get_ctx(request)
-    return {"workers": [_entry(ctx, h) for h in ctx.supervisor.workers.values()], "models": model_entries(ctx)}
+    return {"workers": [_entry(ctx, h) for h in ctx.supervisor.workers.values()], "models": model_entries(ctx),
+            "placement": [] if ctx.models is None else ctx.models.placements()}
 
 
 @router.get("/workers/{worker_id}")
