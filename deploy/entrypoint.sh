@@ -7,9 +7,23 @@
 # model shipped in the package; a mounted file the container user cannot read stops it with a
 # message naming the file. A `--model` or `--models-dir` among the arguments wins: the
 # mounted directory is then not added (`--model` repeats to serve several models, so adding
-# it as well would name the same model twice). Arguments starting with "-" are appended to `hetserve serve`; anything else
+# it as well would name the same model twice). The mounted model is served as
+# $HETSERVE_MODEL_NAME, else as the last part of its config.json's `_name_or_path` (what the
+# checkpoint calls itself: `meta-llama/Llama-3.2-1B` -> `Llama-3.2-1B`), else by its directory's
+# name: the `id` in /v1/models and the `model` of every answer, not the mount point's `models`.
+# Arguments starting with "-" are appended to `hetserve serve`; anything else
 # runs as given (`docker run IMAGE hetserve devices`, `docker run -it IMAGE bash`).
 set -eu
+
+# The name a checkpoint gives itself, if it is one `--model NAME=DIR` accepts; else nothing.
+model_name() {
+    python3 -P -c 'import json, re, sys
+try:
+    n = str(json.load(open(sys.argv[1])).get("_name_or_path") or "").rstrip("/").rsplit("/", 1)[-1]
+except (OSError, ValueError, AttributeError):
+    n = ""
+print(n if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}", n) else "")' "$1" 2>/dev/null || true
+}
 
 if [ "$#" -gt 0 ] && [ "${1#-}" = "$1" ]; then
     exec "$@"
@@ -33,8 +47,9 @@ elif [ -f "$model_dir/config.json" ]; then
             exit 2
         fi
     done
-    echo "entrypoint: serving the model mounted at $model_dir" >&2
-    set -- --model "$model_dir" "$@"
+    name="${HETSERVE_MODEL_NAME:-$(model_name "$model_dir/config.json")}"
+    echo "entrypoint: serving the model mounted at $model_dir${name:+ as $name}" >&2
+    set -- --model "${name:+$name=}$model_dir" "$@"
 else
     echo "entrypoint: no config.json in $model_dir, serving the embedded default model" >&2
 fi

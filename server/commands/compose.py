@@ -161,8 +161,9 @@ def _gpus(args) -> list[DeviceInfo]:
 
 def _service(image: str, port: int, model: Path | None, command: list[str]) -> dict:
     svc: dict = {"image": image}
-    if model is not None:
-        command = [*command, "--model", CONTAINER_MODEL_DIR]
+    # The model is mounted, not named in the command: the image's entry point serves what is
+    # mounted at /models under the name its config.json gives it (deploy/entrypoint.sh), as the
+    # shipped compose files do; a `--model /models` here would name it `models`, after the mount.
     if command:  # the image's entry point runs `hetserve serve --host 0.0.0.0 --port 8000` plus these
         svc["command"] = command
     svc["ports"] = [f"{port}:{CONTAINER_PORT}"]
