@@ -8,6 +8,9 @@
    requests for all three at once load and unload models on demand and none is lost (each is
    answered by its model, or is a 503 with `Retry-After`); the loads show in /workers, /stats
    and /metrics; `POST /models/{name}/load|unload` need the API key; a pinned model stays.
+   Each worker's placement (role, reason, bytes) is in /workers, and a freed device says why.
+3. Stand-in workers, two models pinned apart: a stream whose worker dies mid-way moves to the
+   other worker of its model, never to the other model's.
 """
 
 from __future__ import annotations
