@@ -6,12 +6,15 @@ Anthropic's shape (server/edge/errors.py). A request is translated into a chat r
 (server/protocol/anthropic/requests.py) and served by the chat pipeline
 (server/edge/routes/_chat.py: the same template, tools in the model's own format, grammar,
 reasoning), then shaped as a message with content blocks, whole or as Anthropic's stream
-events (server/protocol/anthropic/messages.py). `count_tokens` renders the same prompt and
-asks a worker to count its tokens, as the worker would encode it to generate.
+events (server/protocol/anthropic/messages.py); a stream's prompt is counted by a worker while
+the stream opens, so `message_start` carries `input_tokens` as Anthropic's does.
+`count_tokens` renders the same prompt and asks a worker to count its tokens, as the worker
+would encode it to generate.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import APIRouter, Request
@@ -19,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from server.dispatch.dispatcher import WorkerReply
+from server.dispatch.dispatcher import DispatchError, WorkerReply
 from server.dispatch.migration import open_client_stream
 from server.edge.context import ModelContext, get_ctx
 from server.edge.routes._chat import ChatJob, prepare_chat, relay_choice, worker_failure
@@ -58,13 +61,14 @@ async def _message(req: MessagesRequest, request: Request) -> Response:
     c = constraints(request, req.metadata.user_id if req.metadata else None, ctx.name)
     spec, body, mid = job.specs[0], job.bodies[0], message_id()
     if req.stream:
-        opened = await open_client_stream(ctx.dispatcher, "/generate_stream", body, c)
+        opened, counted = await asyncio.gather(open_client_stream(ctx.dispatcher, "/generate_stream", body, c),
+                                               _count(ctx, job.prompt, c))
         if isinstance(opened, WorkerReply):
             return worker_failure(request.url.path, opened)
         writer, choice = MessageEvents(mid, ctx.model_id(), req.stop_sequences), ChoiceStream(spec, chat=True)
 
         async def events():
-            yield writer.start()
+            yield writer.start(counted.get("count", 0))
             async for frames in relay_choice(opened, choice, writer, ctx):
                 yield frames
 
@@ -77,6 +81,16 @@ async def _message(req: MessagesRequest, request: Request) -> Response:
     use = usage(details.get("input_length") or 0, details.get("generated_tokens") or 0)
     return JSONResponse(message_object(mid, ctx.model_id(), chat_choice(spec, answer), use, req.stop_sequences),
                         headers=reply.headers)
+
+
+async def _count(ctx: ModelContext, prompt: str, c) -> dict:
+    """A worker's `/tokenize` answer for `prompt` (`{}` when none gives one: the count is a hint,
+    `message_delta` carries the generating worker's own)."""
+    try:
+        reply = await ctx.dispatcher.generate("/tokenize", {"inputs": prompt}, c)
+    except DispatchError:
+        return {}
+    return json.loads(reply.content) if reply.status == 200 else {}
 
 
 @router.post("/messages/count_tokens", response_model=None, responses=_ERRORS)

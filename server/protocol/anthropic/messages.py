@@ -7,10 +7,11 @@ per tool call (`input` the arguments as an object). `stop_reason`: `tool_use` wh
 tool, `max_tokens` when the length limit cut it, `stop_sequence` (with `stop_sequence` the
 string) when one of `stop_sequences` ended it, else `end_turn`.
 
-Streams (`MessageEvents`): `message_start` (usage so far), `ping`, then per block
+Streams (`MessageEvents`): `message_start` (usage so far: the prompt's tokens, counted by a
+worker while the stream opens), `ping`, then per block
 `content_block_start`, its deltas (`thinking_delta`, `text_delta`, `input_json_delta` with the
 arguments as the model writes them) and `content_block_stop`; at the end `message_delta`
-(stop reason and usage, `input_tokens` included, which the worker only reports at the end)
+(stop reason and usage, `input_tokens` included, as the generating worker reports them at the end)
 and `message_stop`; an `error` event when no worker can finish the stream. Each SSE frame
 carries its event name (`event: content_block_delta`), as Anthropic's clients read it.
 """
@@ -92,9 +93,11 @@ class MessageEvents:
         self._calls: dict[int, int] = {}  # a chat tool call's index -> its block index
         self._called = False
 
-    def start(self) -> str:
+    def start(self, input_tokens: int = 0) -> str:
+        """`message_start` (with the prompt's tokens, as Anthropic's clients read the context's size
+        from it) and a `ping`."""
         message = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": usage(0, 0)}
+                   "stop_reason": None, "stop_sequence": None, "usage": usage(input_tokens, 0)}
         return _frame("message_start", {"message": message}) + _frame("ping", {})
 
     def _begin(self, kind: str, block: dict) -> str:

@@ -8,10 +8,13 @@ blocks), `messages` whose content is text or blocks — `text`, `tool_use` (an e
 prompt) —, `stop_sequences`, `temperature` (0 to 1), `top_p`, `top_k`, `tools` (`name`,
 `description`, `input_schema`), `tool_choice` (`auto`, `any` -> required, `tool` -> that tool,
 `none`; `disable_parallel_tool_use`), `thinking` (`enabled` / `disabled` -> the template's
-`enable_thinking`; `budget_tokens` is checked as Anthropic checks it, >= 1024 and below
-`max_tokens`, and the thinking is bounded by `max_tokens` as a whole), `metadata.user_id`,
-`stream`. Refused by name: image and document blocks, server tools (a `type` such as
-`web_search_20250305`), `service_tier` other than `auto`, and any undeclared field (400).
+`enable_thinking`, `adaptive` as enabled: the model decides how long it thinks;
+`budget_tokens` is checked as Anthropic checks it, >= 1024 and below `max_tokens`, and the
+thinking is bounded by `max_tokens` as a whole), `metadata.user_id`, `stream`,
+`output_config` (`format`: a JSON schema the text follows; `effort` -> the template's
+`reasoning_effort`), `cache_control` (a hint the prefix cache already honours). Refused by
+name: image and document blocks, server tools (a `type` such as `web_search_20250305`),
+`service_tier` other than `auto`, effort `xhigh` and `max`, and any undeclared field (400).
 
 `chat_request` builds the `ChatCompletionRequest` fields, so the chat route's checks and
 decisions apply unchanged: a user turn's `tool_result` blocks become `tool` messages (in
@@ -113,8 +116,27 @@ class ToolChoice(Edge):
 
 
 class Thinking(Edge):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: int | None = Field(None, ge=1, le=TOKENS_MAX)
+
+
+class OutputFormat(Edge):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Edge):
+    """`output_config`: `format` is a JSON schema the text is constrained to (the chat route's
+    `response_format`); `effort` reaches the template as `reasoning_effort` (low, medium, high:
+    the levels a chat template knows; `xhigh` and `max` are refused by name)."""
+
+    effort: Literal["low", "medium", "high"] | None = None
+    format: OutputFormat | None = None
+
+
+class CacheControl(Edge):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
 
 
 class Metadata(Edge):
@@ -130,6 +152,8 @@ class MessagesBase(EdgeRequest):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    # a caching hint: the worker's prefix cache keeps every prompt's blocks anyway, so it is honoured
+    cache_control: CacheControl | None = None
 
     @model_validator(mode="after")
     def _choice(self):
@@ -153,6 +177,7 @@ class MessagesRequest(MessagesBase):
     metadata: Metadata | None = None
     stream: bool = False
     service_tier: Literal["auto"] | None = None
+    output_config: OutputConfig | None = None
 
     @model_validator(mode="after")
     def _thinking(self):
@@ -207,5 +232,11 @@ def chat_request(req: MessagesBase) -> dict:
             {"type": "function", "function": {"name": choice.name}}
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     if req.thinking is not None:
-        fields["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+        fields["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+    output = getattr(req, "output_config", None)
+    if output is not None and output.format is not None:
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                                                            "schema": output.format.schema_}}
+    if output is not None and output.effort is not None:
+        fields["reasoning_effort"] = output.effort
     return {k: v for k, v in fields.items() if v is not None}
