@@ -19,6 +19,10 @@ per id. `/health` reports engine liveness (`engine.pending`,
                                stop producing tokens after 2 while /health reports the engine
                                stalled (work pending, the last step ever older)
   FAKE_ERROR_IDS=gpu2          workers that answer 500 to every generation request
+  FAKE_PAD_BYTES=4096          characters added to every token's text (streams of many bytes)
+  (any worker)                 the prompt `__request_failed__` is answered 500 `request_failed`
+                               (a stream: an error event of that type after 2 tokens), as a
+                               real worker answers a request that raised while it serves on
   FAKE_TRACE_LOG=/path         append `<worker id> <traceparent header or ->` per generation
                                request (what the router propagated)
 """
@@ -95,7 +99,7 @@ def build_app(args) -> FastAPI:
     crashes = args.worker_id in os.environ.get("FAKE_CRASH_IDS", "").split(",")
     broken = args.worker_id in os.environ.get("FAKE_ERROR_IDS", "").split(",")
     capacity = args.max_batch + args.max_queue
-    state = {"inflight": 0, "served": 0, "tokens": 0, "stalled_since": None}
+    state = {"inflight": 0, "served": 0, "tokens": 0, "stalled_since": None, "request_failed": 0}
     trace_log = os.environ.get("FAKE_TRACE_LOG")
 
     def log_trace(request):
@@ -125,8 +129,10 @@ def build_app(args) -> FastAPI:
             return None, error(429, "queue full", "overloaded")
         return (body["inputs"], n, params, len(resumed)), None
 
+    pad = "x" * int(os.environ.get("FAKE_PAD_BYTES", "0"))
+
     def token(i):
-        return {"id": 100 + i, "text": f" t{i}", "logprob": -0.5, "special": False}
+        return {"id": 100 + i, "text": f" t{i}{pad}", "logprob": -0.5, "special": False}
 
     def details(prompt, n, params):
         return {"finish_reason": "length", "generated_tokens": n, "input_length": len(prompt.split()),
@@ -183,6 +189,9 @@ def build_app(args) -> FastAPI:
             os._exit(1)
         if crashes and prompt == "__error_500__":
             return error(500, "fake internal error", "internal")
+        if prompt == "__request_failed__":
+            state["request_failed"] += 1
+            return error(500, "Processing the request failed on the worker (ValueError); see its log", "request_failed")
         state["inflight"] += 1
         try:
             await asyncio.sleep(token_s * n)
@@ -214,6 +223,10 @@ def build_app(args) -> FastAPI:
                     state["tokens"] += 1
                     if crashes and prompt == "__crash_mid_stream__" and i == 2:
                         os._exit(1)
+                    if prompt == "__request_failed__" and i == 2:
+                        state["request_failed"] += 1
+                        yield f"data: {json.dumps({'error': 'Processing failed (ValueError)', 'error_type': 'request_failed'})}\n\n"
+                        return
                     if crashes and prompt == "__stall_mid_stream__" and i == 2:
                         state["stalled_since"] = state["stalled_since"] or time.monotonic()
                         await asyncio.Event().wait()  # hangs until the router gives up on it

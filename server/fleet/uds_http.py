@@ -12,7 +12,10 @@ worker socket needs.
 Failures are two exceptions: `WorkerConnectError` (nothing listens: the worker is down)
 and `WorkerConnectionLost` (the connection broke mid-exchange: the worker died or closed
 it). A reused idle connection that turns out closed before any byte of the answer is
-retried once on a fresh connection, as the server may close idle connections at any time.
+retried once on a fresh connection, as the server may close idle connections at any time;
+when nothing listens any more for that retry, the first failure is what is raised (the
+connection broke under the request: the worker may have died of it, which the dispatcher
+must count as a death under it, not as a worker that was already down).
 `abort()` closes every connection of the pool, those in use included: a read blocked on a
 hung worker then fails at once with `WorkerConnectionLost` (the supervisor's way of taking
 such a worker's requests back).
@@ -161,8 +164,12 @@ class UnixHTTPPool:
         if conn is not None:
             try:
                 return await self._exchange(conn, method, payload)
-            except WorkerConnectionLost:
-                pass  # a stale idle connection: once more on a fresh one
+            except WorkerConnectionLost as lost:  # a stale idle connection: once more on a fresh one
+                try:
+                    fresh = await self._connect()
+                except WorkerConnectError:  # the worker is gone since: it may have died of this request
+                    raise lost from None
+                return await self._exchange(fresh, method, payload)
         return await self._exchange(await self._connect(), method, payload)
 
     async def _exchange(self, conn: _Conn, method: str, payload: bytes) -> Response:
