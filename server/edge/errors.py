@@ -1,12 +1,13 @@
 """Every error the public API answers is JSON: no HTML page, no stack trace.
 
 Three shapes, each the one its clients parse: TGI routes (and everything outside `/v1`) answer
-`{"error": "<message>", "error_type": "<kind>"}`; OpenAI routes (`/v1/...`) answer
-`{"error": {"message", "type", "param", "code"}}`; Anthropic's (`/v1/messages...`) answer
-`{"type": "error", "error": {"type", "message"}}`. Validation messages name the field in
-backticks (`parameters.temperature`). An unknown model is OpenAI's 404 `model_not_found`
-(`error_type` on TGI routes); a router-made answer for a model names it in `X-Hetserve-Model`.
-Unexpected exceptions are logged with their traceback and answered with a generic 500 message.
+`{"error": "<message>", "error_type": "<kind>"}`; OpenAI routes (`/v1/...`, and vLLM's
+`/tokenize` and `/detokenize`) answer `{"error": {"message", "type", "param", "code"}}`;
+Anthropic's (`/v1/messages...`) answer `{"type": "error", "error": {"type", "message"}}`.
+Validation messages name the field in backticks (`parameters.temperature`). An unknown model
+is OpenAI's 404 `model_not_found` (`error_type` on TGI routes); a router-made answer for a
+model names it in `X-Hetserve-Model`. Unexpected exceptions are logged with their traceback
+and answered with a generic 500 message.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def error_body(path: str, status: int, message: str, error_type: str | None = No
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500
                                                                           else "invalid_request_error"),
                                            "message": message}}
-    if path.startswith("/v1/") or path == "/v1":
+    if path.startswith("/v1/") or path in ("/v1", "/tokenize", "/detokenize"):  # vLLM's routes: OpenAI's shape
         return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, kind), "param": None, "code": status}}
     return {"error": message, "error_type": kind}
 
