@@ -5,7 +5,9 @@ transformers) is served by a real router with one real CPU worker; all routers s
 by side. A greedy `/generate` with `decoder_input_details` returns the prompt's token ids
 and the generated ones, which must equal transformers' `generate` on the same ids; and
 `/workers` reports the architecture and what it switches on (sliding window, soft-cap,
-rotary), with the KV cache's groups (a sliding group beside the full one).
+rotary), with the KV cache's groups (a sliding group beside the full one); the hybrids
+(Qwen3.5, Qwen3-Next) their linear layers, the state slots and bytes beside the KV cache, and
+no prefix cache.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "olmo2", "olmo3", "granite",
-            "qwen3_moe", "mixtral", "gpt_oss", "gemma4", "gemma4_moe"]
+            "qwen3_moe", "mixtral", "gpt_oss", "gemma4", "gemma4_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 PROMPT = "Once upon a time there was a little fox who lived near the river, and every morning it went down"
 NEW_TOKENS = 24
 
@@ -93,3 +95,13 @@ def test_each_family_over_http_generates_transformers_greedy_tokens(served, name
         assert (full["head_dim"], full["kv_heads"], full["kv_shared_layers"]) == (32, 1, {"3": 1})
         assert (sliding["head_dim"], sliding["kv_heads"], sliding["kv_shared_layers"]) == (16, 2, {"2": 0})
         assert [(g["layers"], g["kv_heads"], g["head_dim"]) for g in capacity["kv_groups"]] == [(1, 1, 32), (1, 2, 16)]
+    if name.startswith("qwen3_5") or name == "qwen3_next":  # Gated DeltaNet layers: a state per sequence, no KV
+        linear = model["attention"]["linear"]
+        assert linear["layers"] == [0, 1, 2] and linear["kind"] == "gated_deltanet"
+        assert [lt["layers"] for lt in model["attention"]["layer_types"]] == [[3]]
+        # 4 slots (--max-batch 4) x 3 layers x (conv [128, 3] + recurrent [4, 16, 16] fp32), in fp32
+        assert capacity["state_slots"] == 4 and capacity["state_bytes"] == 4 * 3 * (128 * 3 + 4 * 16 * 16) * 4
+        assert capacity["prefix_cache"] is False and "snapshots" in capacity["prefix_cache_off"]
+        assert "GatedDeltaRule" in worker["kernels"], worker["kernels"]
+        if name != "qwen3_5":
+            assert "FusedMoE" in worker["kernels"] and model["features"]["shared_expert"] == 48

@@ -108,3 +108,62 @@ def test_a_migrated_stream_rebuilds_the_state_from_prompt_and_resumed_tokens(tmp
     original = run()
     for cut in (1, 9):
         assert run(original[:cut]) == original[cut:], cut
+
+
+HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+
+
+@pytest.mark.parametrize("case", HYBRIDS)
+def test_prompts_of_several_rule_chunks_batched_and_split_over_steps_match_transformers(case, tmp_path):
+    """Prompts of 150 and 97 tokens (over two of the rule's 64-token chunks, the last one padded)
+    beside a short one: the full forward's fp32 logits within 1e-4 of transformers', and 32 greedy
+    tokens identical to transformers' `generate` for each prompt alone, through the engine with
+    all three batched and the prefills split into 40-token steps (chunk ends that fall inside
+    a rule chunk, carried by the state slots), with a pool so small that sequences are preempted
+    and recomputed from a fresh state. Guards `chunked_delta_rule`'s loop across chunks and
+    `GatedDeltaNet._convolve`'s window across steps."""
+    import transformers
+
+    torch.set_num_threads(1)
+    path = make_family_checkpoint(case, tmp_path / case)
+    ours = load_model(path, "float32")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 4096, (n,), generator=gen).tolist() for n in (150, 97, 9)]
+    with torch.no_grad():
+        ids = torch.tensor([prompts[0], prompts[1] + prompts[0][:53]])  # [2, 150]
+        torch.testing.assert_close(ours.model(ids).float(), ref(ids).logits, atol=1e-4, rtol=0)
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]  # fmt: skip
+    for blocks, expect_preemption in ((128, False), (48, True)):
+        pool = ours.model.new_kv_pool(blocks, 4, state_slots=3)
+        config = SchedulerConfig(3, 512, blocks, 4, 40, True, eos_token_ids=(), state_slots=pool.states.num_slots)
+        engine = Engine(ModelRunner(ours.model, pool, "cpu"), Scheduler(config), ours.tokenizer, max_queue=4)
+        streams = [engine.submit(p, SamplingParams.create(max_new_tokens=32)) for p in prompts]
+        while engine.step():
+            pass
+        assert [[e.token_id for e in s.events] for s in streams] == want, (case, blocks)
+        assert (engine.scheduler.num_preemptions > 0) == expect_preemption, engine.scheduler.num_preemptions
+        assert engine.scheduler.kv.states.num_free == 3 and not engine.scheduler.config.prefix_caching
+
+
+def test_plan_shows_the_linear_layers_their_kernel_and_state(tmp_path, capsys):
+    """`hetserve plan --model DIR` on Qwen3-Next: the DeltaNet layers apart from the KV-holding
+    full layer, with the device's GatedDeltaRule kernel and the state each sequence keeps.
+    Guards `linear_layers` in workers/model/describe.py and its row in server/commands/plan_model.py."""
+    import json
+
+    from server.cli import main
+    from server.commands.plan_model import render_attention
+
+    path = make_family_checkpoint("qwen3_next", tmp_path / "next")
+    assert main(["plan", "--simulate", "sm_80,sm_90", "--model", str(path), "--json"]) == 0
+    ampere, hopper = json.loads(capsys.readouterr().out)["devices"]
+    for entry, kernel in ((ampere, "GatedDeltaRuleTritonSm70"), (hopper, "GatedDeltaRuleTritonSm90")):
+        linear = entry["linear_attention"]
+        assert linear["layers"] == [0, 1, 2] and linear["kernel"]["kernel"] == f"kernels_local/gated_delta:{kernel}"
+        assert [row["layers"] for row in entry["attention"]] == [[3]]  # only the full layer keeps KV
+        assert "unused" not in entry["kernels"]["GatedDeltaRule"]
+    lines = render_attention(hopper)
+    assert "  linear attention (gated_deltanet): layers [0, 1, 2], 2 key heads of 16, 4 value heads of 16" in lines
+    assert any("recurrent [4, 16, 16] fp32" in line for line in lines), lines

@@ -85,6 +85,12 @@ def attention_plan(entry: dict, described: dict) -> list[dict]:
 def attach(entry: dict, described: dict) -> None:
     """Add the model's attention plan to a device's entry, and mark kernel layers it lacks."""
     entry["attention"] = attention_plan(entry, described)
+    linear = described["attention"].get("linear")
+    if linear is not None:  # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): a state per sequence, no KV
+        kernel = entry["kernels"]["GatedDeltaRule"]
+        entry["linear_attention"] = {**linear, "kernel": {"variant": kernel["variant"],
+                                                          "kernel": f"{kernel['repo']}:{kernel['layer']}",
+                                                          "reason": kernel["reason"]}}
     for layer, why in described["kernel_layers_unused"].items():
         if layer in entry["kernels"]:
             entry["kernels"][layer]["unused"] = why
@@ -93,6 +99,13 @@ def attach(entry: dict, described: dict) -> None:
 def render_attention(entry: dict) -> list[str]:
     """Text lines of one device's attention plan (none without `--model`)."""
     lines = []
+    linear = entry.get("linear_attention")
+    if linear is not None:
+        lines.append(f"  linear attention ({linear['kind']}): layers {linear['layers']}, {linear['key_heads']} key "
+                     f"heads of {linear['key_head_dim']}, {linear['value_heads']} value heads of "
+                     f"{linear['value_head_dim']}")
+        lines.append(f"    rule     {linear['kernel']['variant']}  {linear['kernel']['kernel']}")
+        lines.append(f"    state    {linear['state']}")
     for row in entry.get("attention", []):
         kind = "full" if row["window"] is None else f"sliding ({row['window']})"
         nope = f", NoPE {row['nope_layers']}" if row["nope_layers"] else ""

@@ -7,7 +7,9 @@ needs keep more prefixes cached. A CPU worker without `--kv-cache-bytes` takes w
 `--max-batch` sequences of the full context need (the footprint of a contiguous cache), at
 most `CPU_KV_MAX_DEFAULT_BYTES`, so simulated workers sharing one host stay small. The pool
 is then `budget // (block_size x bytes per token)` blocks; a sequence may be as long as the
-model's context or the whole pool, whichever is shorter.
+model's context or the whole pool, whichever is shorter. A model with linear-attention layers
+(workers/kv/state.py) takes its `--max-batch` sequences' state out of the budget first; the
+CPU default adds it to the footprint, so the KV still holds the full context.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ GPU_FREE_FRACTION = 0.85  # of the bound device's free memory after loading; the
 CPU_KV_MAX_DEFAULT_BYTES = 512 << 20
 
 
-def kv_budget(args: argparse.Namespace, bound, bytes_per_token: int, context: int) -> tuple[int, str]:
-    """This worker's KV cache budget in bytes, from its own device only, with the reason."""
+def kv_budget(args: argparse.Namespace, bound, bytes_per_token: int, context: int,
+              state_per_sequence: int = 0) -> tuple[int, str]:
+    """This worker's KV cache budget in bytes (the linear layers' state included, `state_per_sequence`
+    bytes per sequence), from its own device only, with the reason."""
     if bound.is_real_gpu:
         import torch
 
@@ -30,9 +34,10 @@ def kv_budget(args: argparse.Namespace, bound, bytes_per_token: int, context: in
         return usable, f"{GPU_FREE_FRACTION:.0%} of the bound device's {free} free bytes after loading"
     if args.kv_cache_bytes:
         return args.kv_cache_bytes, f"--kv-cache-bytes {args.kv_cache_bytes}"
-    full = args.max_batch * context * bytes_per_token
+    full = args.max_batch * (context * bytes_per_token + state_per_sequence)
     if full <= CPU_KV_MAX_DEFAULT_BYTES:
-        return full, f"CPU default: {args.max_batch} sequences x {context} tokens of context"
+        state = " and their linear layers' state" if state_per_sequence else ""
+        return full, f"CPU default: {args.max_batch} sequences x {context} tokens of context{state}"
     return CPU_KV_MAX_DEFAULT_BYTES, f"CPU default: at most {CPU_KV_MAX_DEFAULT_BYTES} bytes"
 
 

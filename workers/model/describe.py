@@ -4,7 +4,9 @@ Design: one function reads the `ModelConfig` (no weights) and says what the arch
 switches on (`features`) and how its layers attend, per layer type: which layers attend
 fully and which slide (and over how many positions), with the options every attention of
 the model shares (head dim, scale, soft-cap) and which of the kernel-swappable layers the
-model contains. The router cannot import the model package (it holds no torch), so
+model contains. Linear-attention layers (Qwen3.5, Qwen3-Next: Gated DeltaNet) hold no KV;
+they are described apart (`attention.linear`: their layers, heads and the per-sequence state
+they keep instead), so `layer_types` stays the list of KV-holding layer types. The router cannot import the model package (it holds no torch), so
 `hetserve plan --model DIR` runs `python -m workers.model.describe DIR` once and joins the
 answer with each device's kernel choices; a ready worker reports the same under `model`.
 Trade-off: a child process per plan for the one source of the rules.
@@ -44,6 +46,20 @@ def attention_layers(config: ModelConfig) -> list[dict[str, Any]]:
     return out
 
 
+def linear_layers(config: ModelConfig) -> dict[str, Any] | None:
+    """The Gated DeltaNet layers: which, their heads, and the state each sequence keeps in each
+    (workers/kv/state.py); None for a model without them."""
+    if not config.state_layers:
+        return None
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    return {"type": "linear", "kind": "gated_deltanet", "layers": list(config.state_layers),
+            "key_heads": config.linear_num_key_heads, "value_heads": hv, "key_head_dim": dk, "value_head_dim": dv,
+            "conv_kernel": config.linear_conv_kernel,
+            "state": f"per sequence and layer: conv [{config.linear_conv_dim}, {config.linear_conv_kernel - 1}] in "
+                     f"the model dtype, recurrent [{hv}, {dk}, {dv}] fp32; no prefix reuse (no per-block snapshots)",
+            "recurrent_state_bytes": len(config.state_layers) * hv * dk * dv * 4}
+
+
 _NORMS = {"fp32": "its RMSNorm weighs in fp32 (the family's own, torch)",
           "gemma": "its RMSNorm scales by (1 + w) in fp32 (the family's own, torch)",
           "gemma4": "its RMSNorm is Gemma 4's, pow(mean + eps, -0.5) and w in fp32 (the family's own, torch)"}
@@ -60,16 +76,22 @@ def describe(config: ModelConfig) -> dict[str, Any]:
                                 else "every feed-forward is a mixture of experts (FusedMoE)")
     if not config.num_experts:
         unused["FusedMoE"] = "a dense model: no experts"
+    if not config.state_layers:
+        unused["GatedDeltaRule"] = "no linear-attention layers"
+    attention = {
+        "head_dim": config.head_dim,
+        "scale": config.attention_scale,  # None: 1/sqrt(head_dim)
+        "softcap": config.attn_softcap,
+        "sinks": config.attention_sinks,
+        "layer_types": attention_layers(config),
+    }
+    linear = linear_layers(config)
+    if linear is not None:
+        attention["linear"] = linear
     return {
         "architecture": config.architecture,
         "features": config.features,
-        "attention": {
-            "head_dim": config.head_dim,
-            "scale": config.attention_scale,  # None: 1/sqrt(head_dim)
-            "softcap": config.attn_softcap,
-            "sinks": config.attention_sinks,
-            "layer_types": attention_layers(config),
-        },
+        "attention": attention,
         "kernel_layers_unused": unused,
     }
 

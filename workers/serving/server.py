@@ -125,10 +125,15 @@ class WorkerServer:
     def _init_kv_cache(self) -> None:
         from workers.kv.groups import plan_groups
         from workers.kv.pool import KVPool, layer_shapes
+        from workers.kv.state import StatePool, plan_state
 
         cfg, dtype, bs = self.loaded.config, self.loaded.dtype, self.args.kv_block_size
         per_token, context = KVPool.bytes_per_token(cfg, dtype), cfg.context_length
-        budget, why = kv_budget(self.args, self.bound, per_token, context)
+        per_state = StatePool.bytes_per_sequence(cfg, dtype) if cfg.state_layers else 0
+        budget, why = kv_budget(self.args, self.bound, per_token, context, per_state)
+        # the linear layers' state of --max-batch sequences comes out of the budget first (workers/kv/state.py)
+        state_bytes, state_why = plan_state(cfg, dtype, self.args.max_batch, budget)
+        budget -= state_bytes
         _, shape = plan_kv_blocks(per_token, bs, budget, context)  # raises below one block
         # sliding layers get a window per sequence, the full layers the rest, each group in its own
         # shape's bytes; layers reading another's KV hold none (workers/kv/groups.py)
@@ -138,13 +143,16 @@ class WorkerServer:
             from workers.engine.compiled import scratch_groups
 
             groups = scratch_groups(groups)
-        self.kv = KVPool.for_config(cfg, groups[0].num_blocks, bs, dtype, self.bound.torch_device, groups)
+        self.kv = KVPool.for_config(cfg, groups[0].num_blocks, bs, dtype, self.bound.torch_device, groups,
+                                    state_slots=self.args.max_batch)
         if len(groups) > 1 or groups[0].window is not None:
             shape = "; ".join(f"{'full' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers x "
                               f"{g.num_blocks} blocks x {bs} tokens ({g.kv_heads or cfg.num_key_value_heads} KV "
                               f"heads of {g.head_dim or cfg.head_dim})" for g in groups)
+        if state_bytes:
+            shape += f"; linear layers' state {state_bytes} bytes: {state_why}"
         logger.info("KV cache %s bytes: %s; budget %s (%s); prefix cache %s", self.kv.nbytes, shape, budget, why,
-                    "off" if self.args.no_prefix_cache else "on")
+                    "off" if self.args.no_prefix_cache or state_bytes else "on")
 
     def _init_engine(self) -> None:
         from workers.engine.core import Engine
@@ -167,7 +175,7 @@ class WorkerServer:
             args.max_batch, loaded.config.context_length, shapes[0][1], self.kv.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_cache,
             eos_token_ids=loaded.eos_token_ids, cache_root=root, rope=loaded.model.rope_policy,
-            kv_groups=shapes,
+            kv_groups=shapes, state_slots=self.kv.states.num_slots if self.kv.states is not None else 0,
         )
         runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
                              mirror=self.deterministic is None, compiled=self.compiled)
@@ -214,7 +222,8 @@ class WorkerServer:
             triton_cache=os.environ.get(ENV_TRITON_CACHE_DIR),
             capacity={**self.engine.scheduler.capacity(), "kv_cache_bytes": kv.nbytes,
                       "kv_groups": [{"window": g.window, "layers": len(g.layers), "blocks": g.num_blocks,
-                                     "kv_heads": g.kv_heads, "head_dim": g.head_dim} for g in kv.groups]},
+                                     "kv_heads": g.kv_heads, "head_dim": g.head_dim} for g in kv.groups],
+                      **({"state_bytes": kv.states.nbytes} if kv.states is not None else {})},
             model=model,
             versions=_versions(),
             deterministic=self.deterministic.to_dict() if self.deterministic else None,
