@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from enum import IntEnum, StrEnum
 
-# The mission, in order: the worker's entry point runs them top-down.
-STARTUP_STEPS = ("bind", "capability", "load", "kernelize", "fp8", "serve")
+# The mission, in order: the worker's entry point runs them top-down (`compile`: the decode step
+# per batch bucket, once the server is built and before its socket listens).
+STARTUP_STEPS = ("bind", "capability", "load", "kernelize", "fp8", "serve", "compile")
 
 
 class ExitCode(IntEnum):

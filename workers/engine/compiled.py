@@ -142,6 +142,8 @@ def unfit_reason(model) -> str | None:
         return "its rotary depends on the prompt's length (dynamic / LongRoPE: a per-step host decision)"
     if getattr(getattr(model, "config", None), "sparse_layers", ()):
         return "its MoE layers group tokens by expert (data-dependent shapes)"
+    if getattr(getattr(model, "config", None), "state_layers", ()):
+        return "its linear-attention layers keep a recurrent state per sequence (slots chosen per step, no pad slot)"
     if not hasattr(model, "step") or not hasattr(model, "config"):
         return "it has no `Transformer.step`"
     return None
@@ -258,10 +260,12 @@ class CompiledDecode:
     `fits(chunks)` says whether a step's chunks can run here, `run(chunks)` returns their logits."""
 
     def __init__(self, model, kv, device: torch.device | str, buckets: tuple[int, ...], backend: str,
-                 graphs=None) -> None:
+                 graphs=None, dynamo_backend: str = "inductor") -> None:
         """`kv` must be made with `scratch_groups` (its last block in each group is the pads'
         scratch block); `backend` "inductor" or "cuda-graphs"; `graphs`: the device's graph
-        API (default `CudaGraphs()`; tests pass a stand-in)."""
+        API (default `CudaGraphs()`; tests pass a stand-in); `dynamo_backend`: what
+        `torch.compile` lowers the CPU graph with (tests trace with "aot_eager": the same
+        full graph and buckets, without Inductor's C++ code generation, minutes on 2 cores)."""
         if backend not in _BACKEND_WHY:
             raise ValueError(f"Unknown compile backend `{backend}`. Allowed: {', '.join(_BACKEND_WHY)}")
         self.model, self.kv, self.device, self.backend = model, kv, torch.device(device), backend
@@ -275,7 +279,7 @@ class CompiledDecode:
         self._buckets = {b: _Bucket(b, len(kv.groups), self.max_width, bs, self.max_pos, self.device)
                          for b in self.buckets}
         self._runs: dict[int, object] = {}
-        self._graphs = graphs
+        self._graphs, self._dynamo_backend = graphs, dynamo_backend
         self.seconds = 0.0
         # the step's body, without its `@torch.inference_mode()` (Dynamo cannot trace into it):
         # called under the engine's inference mode
@@ -307,9 +311,10 @@ class CompiledDecode:
     def _compile_all(self) -> None:
         import torch._dynamo
 
-        # one graph per bucket, all of one code object: room for each, and no dynamic batch
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 2)
-        compiled = torch.compile(self._step, dynamic=False, fullgraph=True)
+        # one graph per bucket, all entries of one code object's cache (`Transformer.step`, shared by
+        # every compiled decode in the process): room for this decode's own, and no dynamic batch
+        torch._dynamo.config.recompile_limit += 2 * len(self.buckets) + 2
+        compiled = torch.compile(self._step, backend=self._dynamo_backend, dynamic=False, fullgraph=True)
         for b in reversed(self.buckets):
             bucket = self._buckets[b]
             width = bucket.fill((), self.scratch, self.min_width)
