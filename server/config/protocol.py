@@ -6,9 +6,11 @@
   or Llama 3's `"parameters"` -> llama3_json, a `[func_name(` example -> pythonic, harmony's
   `<|channel|>` or the gpt_oss family -> openai; anything else gets the generic reader (hermes
   blocks, `[TOOL_CALLS]`, or a bare JSON call). `none` returns the model's text as content.
-- `--task auto|generate|embed`: what the workers serve. `auto` (default) reads the checkpoint
-  (a sentence-transformers pooling config makes it an embedding model); `embed` serves
-  `/v1/embeddings` and refuses generation, `generate` the reverse.
+- `--task auto|generate|embed`: whether `/v1/embeddings` is served. `auto` (default) and
+  `embed` serve it beside generation, pooled as the checkpoint's sentence-transformers config
+  says (else the last token, normalised: server/protocol/openai/embeddings.py); `generate`
+  refuses it by name. (Generation is not refused under `embed`: an embedding checkpoint's
+  head, where it has one, still samples.)
 - `--lenient-params`: a request field hetserve does not implement is answered with a
   `Warning` header naming it instead of a 400, for clients that cannot be told to stop sending
   it. Off by default: a silently ignored field misleads the client.
@@ -41,8 +43,8 @@ def add_protocol_flags(serve: argparse.ArgumentParser) -> None:
                         "([TOOL_CALLS]), pythonic ([f(a=1)]), openai (gpt-oss harmony), none (content); auto "
                         "(default) reads the chat template")
     g.add_argument("--task", default=None, metavar="|".join(TASKS),
-                   help="generate (chat, completions, Responses, Messages) or embed (/v1/embeddings); auto (default) "
-                        "reads the checkpoint (a sentence-transformers pooling config means embed)")
+                   help="embed or auto (default): /v1/embeddings is served beside generation, pooled as the "
+                        "checkpoint's sentence-transformers config says (else its last token); generate refuses it")
     g.add_argument("--lenient-params", action="store_true",
                    help="answer a request field hetserve does not implement with a `Warning` header naming it "
                         "instead of a 400")

@@ -1,0 +1,70 @@
+"""Embeddings of whole texts: the decoder's last hidden states (after its final norm, as
+transformers' `last_hidden_state`), pooled per text.
+
+Poolings, as sentence-transformers names them: `last` (the last token's state, for decoder
+embedding models such as Qwen3-Embedding, whose tokenizer ends each text with EOS), `mean`
+(over every token), `cls` (the first token). Then an optional matryoshka cut to `dimensions`
+(the first values) and L2 normalisation, in that order, as vLLM does and OpenAI's shortened
+vectors are (sentence-transformers' `truncate_dim` cuts after normalising: its cut vectors are
+shorter than unit length).
+
+Design and trade-off: each text runs the model's full causal forward on its own, with no KV
+cache (nothing is kept, nothing is shared with generation), under the engine's step lock so
+that the device holds one forward at a time; texts run one by one, so no padding enters a
+state. That costs a forward per text instead of a batch through the
+scheduler: simple and exact (what the reference computes), slower than a batched prefill for
+many short texts. The trunk mirrors `Transformer.forward` without its head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.model.attention import causal_mask
+
+POOLINGS = ("last", "mean", "cls")
+
+
+@torch.inference_mode()
+def last_hidden(model, ids: list[int]) -> torch.Tensor:
+    """The final norm's output for one sequence: [S, H] fp32 (`Transformer.forward` without the head)."""
+    input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, S]
+    seq_len = input_ids.shape[1]
+    positions = torch.arange(seq_len, device=input_ids.device)
+    lengths = torch.full_like(positions, seq_len)
+    rope = {spec: model.rope.lookup(spec, positions, seq_len - 1, model.dtype, lengths) for spec in model.rope_specs}
+    masks = {w: None if w is None or w >= seq_len else causal_mask(positions, seq_len, w) for w in model.windows}
+    x = model._embed(input_ids)  # [1, S, H]
+    per_layer = None if model.per_layer_inputs is None else model.per_layer_inputs(input_ids, x)
+    shared = {} if model.config.kv_shared_layers else None
+    for i, layer in enumerate(model.layers):
+        x = layer(x, rope, masks, None if per_layer is None else per_layer[..., i, :], shared)
+    return model.norm(x)[0].float()  # [S, H]
+
+
+def pool(states: torch.Tensor, pooling: str, dimensions: int | None, normalize: bool) -> list[float]:
+    """One text's vector from its states [S, H]."""
+    if pooling == "last":
+        vector = states[-1]
+    elif pooling == "mean":
+        vector = states.mean(dim=0)
+    elif pooling == "cls":
+        vector = states[0]
+    else:
+        raise ValueError(f"Unknown pooling `{pooling}`. Accepted: {', '.join(POOLINGS)}")
+    if dimensions is not None:
+        vector = vector[:dimensions]
+    if normalize:
+        vector = torch.nn.functional.normalize(vector, dim=0)
+    return vector.tolist()
+
+
+def embed(engine, texts: list[list[int]], pooling: str, dimensions: int | None, normalize: bool) -> list[list[float]]:
+    """Each token sequence's vector, in the order given (run on a thread: it holds the step lock)."""
+    model = engine.runner.model
+    out: list[list[float] | None] = [None] * len(texts)
+    for k, ids in enumerate(texts):
+        with engine._step_lock:  # one forward on the device at a time, between engine steps
+            states = last_hidden(model, ids)
+        out[k] = pool(states, pooling, dimensions, normalize)
+    return out

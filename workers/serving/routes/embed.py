@@ -1,0 +1,58 @@
+"""`POST /embed`: vectors of whole texts, pooled from the model's last hidden states.
+
+The router's `/v1/embeddings` (server/edge/routes/embeddings.py) sends texts or token ids with
+the pooling its checkpoint's sentence-transformers config names; this route encodes the texts
+as generation would (`add_special_tokens` true), checks the lengths against the context and
+the ids against the vocabulary (422 naming the first bad one), and runs
+`workers/engine/pooling.py` `embed` on a thread, between engine steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from workers.engine.pooling import embed
+from workers.serving.context import get_ctx
+from workers.serving.errors import APIError
+
+router = APIRouter()
+
+MAX_INPUTS = 2048  # texts in one request (OpenAI's limit)
+
+
+class EmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[StrictStr | list[StrictInt]] = Field(min_length=1, max_length=MAX_INPUTS)
+    pooling: Literal["last", "mean", "cls"] = "last"
+    normalize: StrictBool = True
+    dimensions: StrictInt | None = Field(None, ge=1)
+
+
+@router.post("/embed")
+async def embed_texts(req: EmbedRequest, request: Request) -> dict:
+    ctx = get_ctx(request)
+    vocab, limit = ctx.grammars.vocab_size, ctx.engine.scheduler.config.max_seq_len
+    hidden = ctx.engine.runner.model.config.hidden_size
+    if req.dimensions is not None and req.dimensions > hidden:
+        raise APIError(422, f"`dimensions` = `{req.dimensions}` exceeds the model's {hidden}", "validation")
+    texts: list[list[int]] = []
+    for k, item in enumerate(req.inputs):
+        ids = ctx.tokenizer.encode(item, add_special_tokens=True).ids if isinstance(item, str) else item
+        if not ids:
+            raise APIError(422, f"`input[{k}]` is empty. Accepted: a text or token ids, at least one token",
+                           "validation")
+        if len(ids) > limit:
+            raise APIError(422, f"`input[{k}]` has {len(ids)} tokens, over the model's context of {limit}",
+                           "validation")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(422, f"`input[{k}]` holds `{bad}`, outside the vocabulary (0 to {vocab - 1})",
+                           "validation")
+        texts.append(list(ids))
+    vectors = await asyncio.to_thread(embed, ctx.engine, texts, req.pooling, req.dimensions, req.normalize)
+    return {"embeddings": vectors, "tokens": [len(t) for t in texts]}
