@@ -9,7 +9,9 @@
 # and are installed into a private target first. The paged decode kernel is checked and timed
 # with each layer option the model families set (head dim 256, soft-capped scores, sliding windows).
 # The fused MoE kernel is checked (tests/test_kernels_moe.py, bf16 and exact fp32) and timed
-# against its torch path on Qwen3-30B-A3B and gpt-oss-20b expert shapes.
+# against its torch path on Qwen3-30B-A3B and gpt-oss-20b expert shapes. The decode step runs
+# eager (--compile off) and as CUDA graphs captured per batch bucket (--compile on), and the
+# tokens/s of both are printed at batch 1 and 32 with whether their greedy tokens agree.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-check}"
@@ -47,3 +49,62 @@ arch="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["arch"])'
 "$PY" -m server.cli plan --compile --simulate "$arch" --json >"$OUT/preflight-simulated.json"
 "$PY" -m workers.kernelize --compare "$OUT/preflight-real.json" "$OUT/preflight-simulated.json" \
   | tee "$OUT/preflight-compare.txt"
+# 5. the decode step eager and as CUDA graphs per batch bucket: tokens/s at batch 1 and 32
+# a worker as in 2.: start_worker NAME [FLAGS...] (socket $OUT/NAME.sock, status
+# $OUT/NAME.json, log $OUT/NAME.log; sets $wpid once ready or failed)
+start_worker() {
+  local name="$1"; shift
+  rm -f "$OUT/$name.json"
+  "$PY" -m workers --socket "$OUT/$name.sock" --status-file "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1 &
+  wpid=$!
+  for _ in $(seq 240); do grep -qE '"(ready|failed)"' "$OUT/$name.json" 2>/dev/null && break; sleep 1; done
+  cat "$OUT/$name.json"; echo
+}
+for mode in off on; do
+  start_worker "compile-$mode" --compile "$mode" --max-batch 32
+  curl -s --unix-socket "$OUT/compile-$mode.sock" http://w/capability \
+    | "$PY" -c 'import json, sys; print(json.dumps(json.load(sys.stdin).get("compile")))' \
+    | tee "$OUT/compile-$mode-capability.json"
+  "$PY" - "$OUT/compile-$mode.sock" "$mode" <<'PY' 2>&1 | tee "$OUT/compile-$mode.txt"
+import http.client, json, socket, sys, threading, time
+
+sock, mode = sys.argv[1], sys.argv[2]
+
+class Unix(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(sock)
+
+def generate(i, out):
+    body = {"inputs": f"Request {i}: the meaning of life is", "parameters": {
+        "max_new_tokens": 128, "ignore_eos": True, "details": True}}
+    c = Unix("w", timeout=600)
+    c.request("POST", "/generate", json.dumps(body), {"content-type": "application/json"})
+    out[i] = [t["id"] for t in json.loads(c.getresponse().read())["details"]["tokens"]]
+
+tokens = {}
+for batch in (1, 32):
+    generate(0, {})  # warm-up
+    best = 0.0
+    for _ in range(3):
+        out = {}
+        threads = [threading.Thread(target=generate, args=(i, out)) for i in range(batch)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        best = max(best, sum(map(len, out.values())) / (time.perf_counter() - t0))
+    tokens[batch] = out
+    print(f"compile {mode}: batch {batch}: {best:.0f} tokens/s")
+json.dump({str(k): v for k, v in tokens.items()}, open(sock + ".tokens.json", "w"))
+PY
+  kill "$wpid"; wait "$wpid"
+done
+"$PY" - "$OUT/compile-off.sock.tokens.json" "$OUT/compile-on.sock.tokens.json" <<'PY' | tee "$OUT/compile-compare.txt"
+import json, sys
+off, on = (json.load(open(p)) for p in sys.argv[1:])
+for batch in off:
+    same = sum(off[batch][i] == on[batch].get(i) for i in off[batch])
+    print(f"batch {batch}: greedy tokens equal, eager vs graphs, in {same}/{len(off[batch])} requests")
+PY
