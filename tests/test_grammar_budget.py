@@ -145,6 +145,29 @@ def test_a_full_compile_pool_refuses_more_with_busy(tokenizer):
         g.close()
 
 
+def test_an_ordinary_grammar_does_not_wait_behind_bombs(tokenizer):
+    """Guards the fast lane in `Grammars._in_lanes` (8 concurrent bombs made an ordinary
+    schema wait 13 s; in one pool it waited for every bomb's whole budget before it)."""
+    g = grammars_for(tokenizer, timeout_s=1.5, workers=1)
+
+    async def behind_bombs():
+        bombs = [asyncio.ensure_future(g.compile_async(GrammarSpec("json_schema", bomb(16) + " " * i)))
+                 for i in range(3)]
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        ordinary = await g.compile_async(GrammarSpec("json_schema", '{"type": "integer"}'))
+        waited = time.monotonic() - t0
+        return ordinary, waited, await asyncio.gather(*bombs, return_exceptions=True)
+
+    try:
+        ordinary, waited, bombs = asyncio.run(behind_bombs())
+        assert ordinary.nbytes > 0 and waited < 3.0, waited  # one pool: 3 x 1.5 s at least
+        assert all(isinstance(b, BudgetExceeded) and b.budget == "time" for b in bombs), bombs
+        assert g.sandbox.sliced == 3 and g.sandbox.killed == 3
+    finally:
+        g.close()
+
+
 def test_the_grammar_cache_is_bounded_by_bytes(tokenizer):
     """Guards `_ByteLRU` (the cache was bounded by count: 100 distinct 50k-value enums took a
     worker from 632 to 2,159 MiB for good)."""

@@ -20,7 +20,13 @@ only the engine thread advances. Every compile runs under a `CompileBudget`
 (workers/sampling/grammar_sandbox.py: wall clock and memory, proven in a child process that
 can be killed, before the worker builds the grammar itself), in a pool of its own
 (`compile_async`: `budget.workers` threads, never the event loop's default pool), shared by
-concurrent requests for the same spec and cancelled when they have all left. The cache is an
+concurrent requests for the same spec and cancelled when they have all left. Two lanes, `budget.workers`
+threads each, so that an ordinary grammar never waits behind bombs: every new grammar first
+gets `FAST_LANE_S` in the fast lane (an ordinary schema compiles in milliseconds); one still
+compiling then is killed there and compiled again, under the whole budget, in the budgeted
+pool (8 concurrent bombs made an ordinary schema wait 13 s; behind them in one pool it would
+wait for their budgets). Trade-off: a grammar that takes longer than the slice is built twice
+from the start, and its fast-lane child restarts (its tokenizer loaded again). The cache is an
 LRU bounded by bytes (what each matcher holds, as the sandbox measured it), and keeps
 refusals too, so a grammar over budget is not compiled again for the next request that sends
 it. The sampler fills one bitmask row per constrained sequence (`fill_bitmasks`) and sets the
@@ -43,7 +49,13 @@ import llguidance
 import torch
 
 from workers.contract import load_json_schema
-from workers.sampling.grammar_sandbox import BudgetExceeded, CompileBudget, CompileCancelled, CompileSandbox
+from workers.sampling.grammar_sandbox import (
+    BudgetExceeded,
+    CompileBudget,
+    CompileCancelled,
+    CompileSandbox,
+    SliceOver,
+)
 from workers.sampling.grammar_source import (
     KINDS,
     LIMITS,
@@ -59,6 +71,7 @@ __all__ = ["KINDS", "BudgetExceeded", "CompileBudget", "CompileCancelled", "Comp
            "GrammarError", "GrammarSpec", "Grammars", "advance", "apply_bitmask", "fill_bitmasks", "json_text"]
 
 _REFUSAL_BYTES = 256  # what a cached refusal counts beyond its spec's text
+FAST_LANE_S = 0.1  # a new grammar's first try; one that takes longer goes on in the budgeted pool
 _SHIFTS = torch.arange(32, dtype=torch.int32)  # bit k of each 32-bit word of a bitmask row
 
 
@@ -156,7 +169,7 @@ class Grammars:
         self.executor = llguidance.LLExecutor(num_threads=max(1, threads))
         self.sandbox = CompileSandbox(tokenizer_json, vocab_size, self.eos_token_ids, self.budget)
         self._cache = _ByteLRU(self.budget.cache_bytes)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None  # (fast lane, budgeted pool)
         self._flights: dict[GrammarSpec, _Flight] = {}
         self.compiled = 0  # grammars compiled (cache misses), for tests and metrics
 
@@ -181,15 +194,16 @@ class Grammars:
             raise GrammarError(str(hit))
         return hit
 
-    def compile(self, spec: GrammarSpec, cancel: threading.Event | None = None) -> CompiledGrammar:
+    def compile(self, spec: GrammarSpec, cancel: threading.Event | None = None,
+                slice_s: float | None = None) -> CompiledGrammar:
         """The compiled grammar for `spec`, from the cache or compiled under the budget in this
         thread; `GrammarError` (or `BudgetExceeded`) names why it cannot be, `CompileCancelled`
-        when `cancel` was set meanwhile."""
+        when `cancel` was set meanwhile, `SliceOver` when `slice_s` passed first."""
         hit = self.cached(spec)
         if hit is not None:
             return hit
         try:
-            probe = self.sandbox.check(spec.kind, spec.text, spec.strict, cancel)
+            probe = self.sandbox.check(spec.kind, spec.text, spec.strict, cancel, slice_s)
             if probe.dead:
                 raise GrammarError(f"The {describe(spec.kind)} allows no output: no token can start or continue it")
             template = llguidance.LLMatcher(self.tokenizer, spec.source(), log_level=0, limits=LIMITS)
@@ -217,10 +231,8 @@ class Grammars:
             if len(self._flights) >= self.budget.workers + self.budget.max_waiting:
                 raise GrammarBusy(f"Worker busy compiling {len(self._flights)} grammars "
                                   f"({self.budget.workers} at once); retry later")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.budget.workers, thread_name_prefix="grammar-compile")
             cancel = threading.Event()
-            future = asyncio.get_running_loop().run_in_executor(self._pool, self.compile, spec, cancel)
+            future = asyncio.ensure_future(self._in_lanes(spec, cancel))
             flight = self._flights[spec] = _Flight(future, cancel)
             future.add_done_callback(lambda f, flight=flight: self._landed(spec, flight, f))
         flight.waiters += 1
@@ -232,6 +244,21 @@ class Grammars:
                 flight.cancel.set()  # nobody waits any more: kill the child, free the slot
                 self._flights.pop(spec, None)
 
+    async def _in_lanes(self, spec: GrammarSpec, cancel: threading.Event) -> CompiledGrammar:
+        """The fast lane first (`FAST_LANE_S`), then, for a compile that takes longer, the
+        budgeted pool (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        if self._pools is None:
+            self._pools = (ThreadPoolExecutor(self.budget.workers, thread_name_prefix="grammar-fast"),
+                           ThreadPoolExecutor(self.budget.workers, thread_name_prefix="grammar-compile"))
+        fast, slow = self._pools
+        if FAST_LANE_S < self.budget.timeout_s:
+            try:
+                return await loop.run_in_executor(fast, self.compile, spec, cancel, FAST_LANE_S)
+            except SliceOver:
+                logger.debug("%s grammar not compiled within %g s: on to the budgeted pool", spec.kind, FAST_LANE_S)
+        return await loop.run_in_executor(slow, self.compile, spec, cancel)
+
     def _landed(self, spec: GrammarSpec, flight: _Flight, future: asyncio.Future) -> None:
         if self._flights.get(spec) is flight:
             self._flights.pop(spec)
@@ -241,8 +268,8 @@ class Grammars:
     def close(self) -> None:
         """Stop the compile children and the pool (the worker is shutting down)."""
         self.sandbox.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools or ():
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def json_text(value) -> str:

@@ -15,7 +15,8 @@ started again for the next compile. A grammar that passes comes back with the by
 matcher holds (what the grammar cache counts) and whether it allows any output at all; only
 then does the worker build it for the engine, within the same bounds since it is the same
 build. A compile whose clients have all left is cancelled the same way (`cancel` set: the
-child is killed within `_POLL_S`). Each thread that compiles owns one child (a thread-local),
+child is killed within `_POLL_S`); a fast-lane try (`slice_s`) that runs out is a `SliceOver`,
+not a refusal (workers/sampling/grammar.py then compiles it again under the whole budget). Each thread that compiles owns one child (a thread-local),
 so the compile pool's size (`CompileBudget.workers`) bounds the children. Trade-off: a new
 grammar is built twice (child, then here) plus a pipe round trip, about a millisecond more for
 an ordinary schema; a cached grammar costs nothing more, and the child, started on the first
@@ -114,6 +115,11 @@ class CompileCancelled(Exception):
     """Every request waiting for this compile has left; the child was killed."""
 
 
+class SliceOver(Exception):
+    """A compile that did not finish within its fast-lane slice; the child was killed, and the
+    compile goes on in the budgeted pool."""
+
+
 @dataclass(frozen=True)
 class Probe:
     """What the sandboxed build found: the bytes the matcher holds, and whether it allows no output."""
@@ -183,15 +189,18 @@ class CompileSandbox:
         self._children: set[_Child] = set()
         self._lock = threading.Lock()
         self.killed = 0  # children killed over budget or cancelled (tests, logs)
+        self.sliced = 0  # children killed at the end of a fast-lane slice
 
-    def check(self, kind: str, text: str, strict: bool, cancel: threading.Event | None = None) -> Probe:
+    def check(self, kind: str, text: str, strict: bool, cancel: threading.Event | None = None,
+              slice_s: float | None = None) -> Probe:
         """Build the grammar in this thread's child under the budget; `BudgetExceeded`,
-        `GrammarError` (the engine's reason) or `CompileCancelled`."""
+        `GrammarError` (the engine's reason) or `CompileCancelled`. `slice_s`: give up after
+        that long instead (`SliceOver`, not a refusal: the fast lane of workers/sampling/grammar.py)."""
         child = self._child()
         b = self.budget
         started = time.monotonic()
         answer = child.ask({"kind": kind, "text": text, "strict": strict, "memory_bytes": b.memory_bytes},
-                           started + b.timeout_s, cancel)
+                           started + (b.timeout_s if slice_s is None else min(slice_s, b.timeout_s)), cancel)
         if answer is _DIED:  # the build ended the child: an allocation past the cap aborts it (SIGABRT)
             code = child.exit_code()
             self._drop(child)
@@ -201,9 +210,13 @@ class CompileSandbox:
             raise GrammarError(f"The {describe(kind)} made the grammar compiler fail (exit {code}). Accepted: a "
                                "grammar that compiles (a simpler schema or pattern)")
         if answer is None:
-            self._drop(child)
             if cancel is not None and cancel.is_set():
+                self._drop(child)
                 raise CompileCancelled("every request waiting for this grammar has left")
+            if slice_s is not None and slice_s < b.timeout_s:
+                self._drop(child, sliced=True)
+                raise SliceOver(f"not compiled within the fast lane's {slice_s:g} s")
+            self._drop(child)
             logger.warning("grammar compile over its %.3g s budget after %.2f s; child killed", b.timeout_s,
                            time.monotonic() - started)
             raise BudgetExceeded("time", f"The grammar did not compile within its time budget of {b.timeout_s:g} s "
@@ -232,9 +245,12 @@ class CompileSandbox:
                 self._children.add(child)
         return child
 
-    def _drop(self, child: _Child) -> None:
+    def _drop(self, child: _Child, sliced: bool = False) -> None:
         child.kill()
-        self.killed += 1
+        if sliced:
+            self.sliced += 1
+        else:
+            self.killed += 1
         self._local.child = None
         with self._lock:
             self._children.discard(child)
