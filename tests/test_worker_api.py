@@ -199,3 +199,44 @@ def test_worker_engine_flags_are_checked(argv, needle, capsys):
     assert e.value.code == 2 and needle in capsys.readouterr().err
     args = parse_args(["--socket", "/tmp/x.sock", "--no-prefix-cache", "--kv-block-size", "32"])
     assert args.no_prefix_cache and args.kv_block_size == 32 and args.max_num_batched_tokens == 2048
+
+
+def test_a_raise_while_streaming_one_request_ends_its_stream_with_request_failed(setup, monkeypatch):
+    """Guards the `except Exception` in `generate_stream`'s `sse()` (a raise while rendering
+    one request's events broke its connection mid-stream, which the router reads as the
+    worker's death: a migration, a breaker failure, and the request counted as a killer)."""
+    from workers.serving.schemas import Render
+
+    client, engine = setup
+    original = Render.event
+
+    def event(self, e):
+        if e.index == 2:
+            raise ValueError("a bug that only this request hits")
+        return original(self, e)
+
+    monkeypatch.setattr(Render, "event", event)
+    r = client.post("/generate_stream", json={"inputs": "Hello", "parameters": {"max_new_tokens": 6}})
+    events = sse_events(r.text)
+    assert [e["index"] for e in events[:-1]] == [0, 1], events
+    assert events[-1]["error_type"] == "request_failed" and "ValueError" in events[-1]["error"], events
+    monkeypatch.setattr(Render, "event", original)
+    assert client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).status_code == 200
+    assert engine.metrics is not None and engine.accepting
+
+
+def test_a_raise_in_one_request_is_a_500_request_failed_and_the_worker_serves_on(setup, monkeypatch):
+    """Guards `ERROR_REQUEST_FAILED` in `install_error_handlers` (any 5xx blamed the worker:
+    the router retried it elsewhere and counted it against the breaker)."""
+    from workers.serving.schemas import Render
+
+    client, _ = setup
+    original = Render.response
+    monkeypatch.setattr(Render, "response", lambda self, events, details: 1 / 0)
+    # the real server answers with the handler's response; TestClient re-raises unless told not to
+    r = TestClient(client.app, raise_server_exceptions=False).post(
+        "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 500 and r.json()["error_type"] == "request_failed", r.text
+    assert "ZeroDivisionError" in r.json()["error"]
+    monkeypatch.setattr(Render, "response", original)
+    assert client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).status_code == 200

@@ -4,18 +4,22 @@ A request is admitted by the context (tokenized, validated, queued), then the ro
 awaits its `RequestStream`. A client that goes away is noticed by a task waiting for
 `http.disconnect` (non-streamed), which also ends the request's stream, or by Starlette
 cancelling the stream (streamed); both abort the request, which frees its KV blocks before
-the next engine step. Each request has one span, ended with what happened to it.
+the next engine step. Each request has one span, ended with what happened to it. A raise
+while rendering a stream's events is this request's fault alone: its stream ends with a
+`request_failed` error event (never a broken connection, which the router would read as the
+worker's death) and the worker serves on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from workers.contract.errors import ERROR_VALIDATION
+from workers.contract.errors import ERROR_REQUEST_FAILED, ERROR_VALIDATION, safe_message
 from workers.engine.core import Engine
 from workers.engine.events import ErrorEvent, RequestStream, is_last
 from workers.serving.context import CLIENT_GONE, get_ctx
@@ -23,6 +27,11 @@ from workers.serving.errors import APIError, error_response
 from workers.serving.schemas import GenerateRequest
 
 router = APIRouter()
+logger = logging.getLogger(__name__)
+
+
+def _error_frame(message: str, error_type: str) -> str:
+    return f"data: {json.dumps({'error': safe_message(message), 'error_type': error_type})}\n\n"
 
 
 async def _abort_on_disconnect(request: Request, engine: Engine, stream: RequestStream) -> None:
@@ -76,11 +85,18 @@ async def generate_stream(req: GenerateRequest, request: Request):
         try:
             async for batch in stream.batches():  # the events that are there: one write
                 frames = []
-                for e in batch:
-                    if isinstance(e, ErrorEvent):
-                        frames.append(f"data: {json.dumps({'error': e.message, 'error_type': e.error_type})}\n\n")
-                    else:
-                        frames.append(f"data: {json.dumps(sub.render.event(e))}\n\n")
+                try:
+                    for e in batch:
+                        if isinstance(e, ErrorEvent):
+                            frames.append(_error_frame(e.message, e.error_type))
+                        else:
+                            frames.append(f"data: {json.dumps(sub.render.event(e))}\n\n")
+                except Exception as exc:  # this request only: its last event says so, the worker serves on
+                    logger.exception("Rendering a stream event failed on %s (this request only)", request.url.path)
+                    frames.append(_error_frame(f"Processing the request failed on the worker ({type(exc).__name__}); "
+                                               "see its log", ERROR_REQUEST_FAILED))
+                    yield "".join(frames)
+                    return  # not finished: the finally aborts the engine's request
                 finished = is_last(batch[-1])
                 yield "".join(frames)
         finally:
