@@ -97,7 +97,9 @@ def build(tokenizer: llguidance.LLTokenizer, eos: tuple[int, ...], request: dict
             return {"ok": False, "error": _refused(request["kind"], matcher.get_error())}
         mask = matcher.compute_bitmask()
         if matcher.is_error():  # the first mask itself fails (a `$ref` cycle: no token can start)
-            return {"ok": False, "error": _refused(request["kind"], matcher.get_error())}
+            return {"ok": False, "error": f"The {describe(request['kind'])} allows no output: no token can start it "
+                                          f"(the engine says `{engine_reason(matcher.get_error())}`). Accepted: a "
+                                          "grammar whose output ordinary tokens can write"}
         dead = not matcher.is_accepting() and not allows_output(mask, eos)
         del matcher
         return {"ok": True, "bytes": held, "dead": dead}
