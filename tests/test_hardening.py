@@ -110,6 +110,42 @@ def test_a_request_in_flight_at_two_deaths_is_refused_then_quarantined(tmp_path)
         r.stop()
 
 
+_DEEP_FIELDS = {  # where free-form JSON rides in a request -> (path, body with %s for the value)
+    "chat_template_kwargs": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                             '"max_tokens": 2, "chat_template_kwargs": {"x": %s}}'),
+    "tools.function.parameters": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                                  '"max_tokens": 2, "tools": [{"type": "function", "function": {"name": "f", '
+                                  '"parameters": %s}}]}'),
+    "grammar.value": ("/generate", '{"inputs": "x", "parameters": {"grammar": {"type": "json", "value": %s}}}'),
+    "guided_json": ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "guided_json": %s}'),
+}
+
+
+@pytest.mark.parametrize("field", list(_DEEP_FIELDS))
+def test_deeply_nested_values_are_refused_at_the_edge_naming_the_field(faults, field):
+    """Guards `check_json_value` (a body nested about 960 deep reached Python's recursion
+    limit on its way to the worker: a `RecursionError`, a 500)."""
+    path, template = _DEEP_FIELDS[field]
+    for depth in (900, 1200):  # within Python's JSON parser, and past it
+        body = template % ('{"a":' * depth + "1" + "}" * depth)
+        r = httpx.post(f"{faults.url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code in (400, 422), (depth, r.text[:300])
+        if depth == 900:
+            assert r.status_code == 422 and f"`{field}` nests deeper than 64 levels" in r.text, r.text[:300]
+
+
+@pytest.mark.parametrize("key", ["²", "١٢", "1" * 4300, "\\ud800", "-1"])
+def test_logit_bias_keys_are_ascii_token_ids_or_a_named_422(faults, key):
+    """Guards the key check of `logit_bias` at the edge (`"²"`, a 4,300-digit key and a lone
+    surrogate were 500s, the last because the 422 echoed it and failed to encode; `"١٢"` was
+    taken as token 12)."""
+    body = '{"prompt": "x", "max_tokens": 2, "logit_bias": {"' + key + '": 1}}'  # a surrogate stays an escape
+    r = httpx.post(f"{faults.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert "`logit_bias` keys must be token ids" in message and len(message) < 400, message
+
+
 # --- clients that do not read ------------------------------------------------------------
 PAD = 16384  # bytes of text per token event: a stream of 512 tokens is 8 MiB
 
