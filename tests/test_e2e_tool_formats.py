@@ -2,7 +2,7 @@
 completions, Responses, Messages) with the real `openai` and `anthropic` clients against a
 real router and worker.
 
-Two tiny Qwen3 checkpoints (tests/family_checkpoints.py) whose weights are edited into lookup
+Three tiny Qwen3 checkpoints (tests/family_checkpoints.py) whose weights are edited into lookup
 tables (tests/forced_output.py), so greedy decoding writes a fixed text and the server must
 read it back as the model's template defines it, with no grammar (`tool_choice` auto):
 - a Hermes-style template (Qwen2.5/Qwen3's: tools listed in `<tools>`, calls in
@@ -10,6 +10,8 @@ read it back as the model's template defines it, with no grammar (`tool_choice` 
   `</tool_call>` as added tokens as Qwen's does, answering the weather question with a call
   (arguments first: the one key order a 4-token window tells apart; the parser takes either).
   The parser is chosen from the template (`--tool-call-parser auto`);
+- a Llama 3.1-style template (the tools and its JSON instruction, `"parameters": dictionary of
+  argument name`, in the user turn), answering with a bare JSON call (llama3_json);
 - the thinking template of tests/test_e2e_reasoning.py, answering with `abc</think>answer`:
   a `reasoning` item in Responses, a `thinking` block in Messages.
 """
@@ -45,6 +47,17 @@ HERMES_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# Llama 3.1's way: the tools and the JSON instruction in the user turn, a call written as bare JSON
+LLAMA3_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}"
+    "{%- if tools and loop.last and message.role == 'user' %}"
+    "{{- 'Given the following functions, respond with a JSON for a function call. Respond in the format "
+    "{\"name\": function name, \"parameters\": dictionary of argument name and its value}.\\n\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson + '\\n\\n' }}{%- endfor %}{%- endif %}"
+    "{{- message.content + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+LLAMA3_CALL = '{"parameters": {"city": "Paris"}, "name": "get_weather"}'
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The forecast.", "parameters": CITY}}
 ASK_TOOL = [{"role": "user", "content": "Weather in Paris?"}]
@@ -53,21 +66,22 @@ VOCAB = 4104  # the embedded tokenizer's 4096 and the two tags, rounded up to a 
 EOS = 2
 
 
-def _hermes_checkpoint(out):
-    """The tiny Qwen3 checkpoint whose greedy answer to ASK_TOOL with WEATHER is CALL."""
+def _tool_checkpoint(out, template: str, call: str, added: tuple[str, ...] = ()):
+    """The tiny Qwen3 checkpoint whose greedy answer to ASK_TOOL with WEATHER, in `template`, is `call`."""
     from tokenizers import AddedToken, Tokenizer
 
     make_family_checkpoint("qwen3", out)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
-    tokenizer.save(str(out / "tokenizer.json"))
-    grow_vocab(out, VOCAB)
+    if added:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+        tokenizer.save(str(out / "tokenizer.json"))
+        grow_vocab(out, VOCAB)
     config = json.loads((out / "config.json").read_text())
     config["layer_types"][0] = "sliding_attention"  # the forced table's window layer (the others are zeroed)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    (out / "chat_template.jinja").write_text(template)
     prompt = load_chat_template(out).render(ASK_TOOL, tools=[WEATHER])
-    output = [*tokenizer.encode(CALL, add_special_tokens=False).ids, EOS]
+    output = [*tokenizer.encode(call, add_special_tokens=False).ids, EOS]
     force_outputs(out, [(tokenizer.encode(prompt, add_special_tokens=False).ids, output)], window=4)
     return out, len(output)
 
@@ -78,7 +92,17 @@ def _serve(ckpt):
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
-    ckpt, generated = _hermes_checkpoint(tmp_path_factory.mktemp("qwen3-hermes"))
+    ckpt, generated = _tool_checkpoint(tmp_path_factory.mktemp("qwen3-hermes"), HERMES_TEMPLATE, CALL,
+                                       ("<tool_call>", "</tool_call>"))
+    router = _serve(ckpt)
+    yield router, generated
+    router.stop()
+    assert not router.orphans
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    ckpt, generated = _tool_checkpoint(tmp_path_factory.mktemp("llama3-json"), LLAMA3_TEMPLATE, LLAMA3_CALL)
     router = _serve(ckpt)
     yield router, generated
     router.stop()
@@ -162,6 +186,28 @@ def test_hermes_calls_come_back_as_tool_use_blocks_streamed_and_not(hermes):
     partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
     assert json.loads(partial) == {"city": "Paris"} and final.content[0].input == {"city": "Paris"}
     assert [b.type for b in final.content] == ["tool_use"] and final.stop_reason == "tool_use"
+
+
+def test_llama3_json_calls_come_back_as_tool_calls_in_all_three_shapes(llama3):
+    router, generated = llama3
+    client = _openai(router)
+    kw = dict(model="m", messages=ASK_TOOL, tools=[WEATHER], max_tokens=64, **GREEDY)
+    r = client.chat.completions.create(**kw)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert (r.choices[0].finish_reason, r.choices[0].message.content, r.usage.completion_tokens) == (
+        "tool_calls", None, generated)
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    calls = [t for d in deltas for t in d.tool_calls or ()]
+    assert [t.function.name for t in calls if t.id] == ["get_weather"] and not "".join(d.content or "" for d in deltas)
+    assert json.loads("".join(t.function.arguments or "" for t in calls)) == {"city": "Paris"}
+    item = client.responses.create(model="m", input="Weather in Paris?", tools=[{"type": "function",
+                                                                               **WEATHER["function"]}],
+                                   max_output_tokens=64, **GREEDY).output[0]
+    assert (item.type, item.name, json.loads(item.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    m = _anthropic(router).messages.create(model="m", max_tokens=64, messages=ASK_TOOL, extra_body=GREEDY,
+                                           tools=[{"name": "get_weather", "input_schema": CITY}])
+    assert [(b.type, b.input) for b in m.content] == [("tool_use", {"city": "Paris"})]
 
 
 def test_thinking_is_a_reasoning_item_and_a_thinking_block(thinking):
