@@ -150,10 +150,11 @@ def test_logit_bias_keys_are_ascii_token_ids_or_a_named_422(faults, key):
 PAD = 16384  # bytes of text per token event: a stream of 512 tokens is 8 MiB
 
 
-def slow_reader_router(write_timeout: float) -> RouterProcess:
-    """A stand-in worker whose token events carry `PAD` bytes each, two admission slots."""
-    return RouterProcess(["--simulate", "sm_90", "--write-timeout", str(write_timeout), "--max-batch", "1",
-                          "--max-queue", "1"], env={"FAKE_TOKEN_S": "0.0005", "FAKE_PAD_BYTES": str(PAD)})
+def slow_reader_router(write_timeout: float, slots: int = 2) -> RouterProcess:
+    """A stand-in worker whose token events carry `PAD` bytes each, `slots` admission slots."""
+    return RouterProcess(["--simulate", "sm_90", "--write-timeout", str(write_timeout), "--max-batch",
+                          str(slots // 2), "--max-queue", str(slots - slots // 2)],
+                         env={"FAKE_TOKEN_S": "0.0005", "FAKE_PAD_BYTES": str(PAD)})
 
 
 def _non_reader(port: int, path: str, body: dict) -> socket.socket:
@@ -192,17 +193,19 @@ def test_clients_that_stop_reading_are_cut_off_and_free_their_slots():
     `ClientStream` (2 clients that did not read kept their admission slots for as long as they
     hung, everyone else got 429 with the engines idle, and 20 of them took the router from 99
     to 283 MiB, never released)."""
-    r = slow_reader_router(1)
+    r = slow_reader_router(1, slots=4)
     try:
         before_rss, before_cuts = rss_bytes(r.proc.pid), counter(r, "hetserve_router_client_write_timeouts_total")
         socks = [_non_reader(r.port, "/generate_stream", _stream(512)) for _ in range(2)]
-        r.wait_for(lambda: counter(r, "hetserve_router_client_write_timeouts_total") - before_cuts == 2,
+        socks.append(_non_reader(r.port, "/v1/completions", {"prompt": "hello", "max_tokens": 512, "n": 2,
+                                                              "stream": True}))  # the OpenAI merge of 2 choices
+        r.wait_for(lambda: counter(r, "hetserve_router_client_write_timeouts_total") - before_cuts == 3,
                    timeout=15, interval=0.2)
-        assert rss_bytes(r.proc.pid) - before_rss < 12 << 20  # 2 x 8 MiB were asked for; ~1 MiB each held
-        assert _generated(r) < 2 * 512  # the worker was held back, then its requests cancelled
+        assert rss_bytes(r.proc.pid) - before_rss < 16 << 20  # 4 x 8 MiB were asked for; ~1 MiB per buffer held
+        assert _generated(r) < 4 * 512  # the worker was held back, then its requests cancelled
         r.wait_for(lambda: r.workers()[0]["load"]["running"] == 0, timeout=5, interval=0.1)
-        with r.client() as c:  # both slots are free again
-            assert [c.post("/generate", json=_stream(2)).status_code for _ in range(2)] == [200, 200]
+        with r.client() as c:  # every slot is free again
+            assert [c.post("/generate", json=_stream(2)).status_code for _ in range(4)] == [200] * 4
         for s in socks:
             s.close()
     finally:
