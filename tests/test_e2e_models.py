@@ -134,6 +134,14 @@ def test_tgi_routes_take_the_model_header_and_every_series_names_its_model(route
                                                                             "X-Hetserve-Worker": "gpu1"})
     assert pinned.status_code == 422 and "gpu1 serves big" in pinned.json()["error"]
     assert pinned.headers["x-hetserve-model"] == "small"
+    # a request the edge refuses before any worker sees it still names its model
+    bad = httpx.post(url + "/generate", json={"inputs": "Hi", "parameters": {"temperature": -1}},
+                     headers={"X-Hetserve-Model": "small"})
+    assert bad.status_code == 422 and bad.headers["x-hetserve-model"] == "small"
+    bad = httpx.post(url + "/v1/completions", json={"model": "small", "prompt": "Hi", "max_tokens": -2})
+    assert bad.status_code == 422 and bad.headers["x-hetserve-model"] == "small"
+    bad = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": -2})
+    assert bad.status_code == 422 and bad.headers["x-hetserve-model"] == "big"  # the default
     text = httpx.get(url + "/metrics").text
     assert metric_value(text, "hetserve_router_worker_requests_total", worker_id="gpu0", model="small") >= 1
     assert metric_value(text, "hetserve_worker_requests_total", worker_id="gpu1", model="big") is not None

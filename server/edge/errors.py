@@ -6,8 +6,9 @@ Three shapes, each the one its clients parse: TGI routes (and everything outside
 Anthropic's (`/v1/messages...`) answer `{"type": "error", "error": {"type", "message"}}`.
 Validation messages name the field in backticks (`parameters.temperature`). An unknown model
 is OpenAI's 404 `model_not_found` (`error_type` on TGI routes); a router-made answer for a
-model names it in `X-Hetserve-Model`. Unexpected exceptions are logged with their traceback
-and answered with a generic 500 message.
+model names it in `X-Hetserve-Model`, also a 422 the edge gives before any worker sees the
+request (the model it names, else the default: `model_header`). Unexpected exceptions are
+logged with their traceback and answered with a generic 500 message.
 """
 
 from __future__ import annotations
@@ -71,6 +72,33 @@ def error_response(path: str, status: int, message: str, error_type: str | None 
     return JSONResponse(error_body(path, status, message, error_type), status_code=status, headers=headers)
 
 
+_BODY_ROUTES = ("/v1/", "/tokenize", "/detokenize")  # the model is the body's `model` field
+_HEADER_ROUTES = ("/generate", "/generate_stream")  # and TGI's `POST /`: the model is the header's
+_UNREAD = object()
+
+
+def model_header(request: Request, body: object = _UNREAD) -> dict[str, str] | None:
+    """`X-Hetserve-Model` for an error on a route that serves a model, when the request's model
+    is known here: on OpenAI's routes the body's `model` field (else the default; unknown when
+    the body was not read), on TGI's the header (else the default); None elsewhere, or for a
+    model this router does not offer (its 404 names none)."""
+    path = request.url.path
+    if path.startswith(_BODY_ROUTES) and path != "/v1/models":
+        if body is _UNREAD:
+            return None
+        name = body.get("model") if isinstance(body, dict) else None
+        name = name.strip() or None if isinstance(name, str) else None
+    elif path in _HEADER_ROUTES or (path == "/" and request.method == "POST"):
+        name = (request.headers.get(HEADER_MODEL.lower()) or "").strip() or None
+    else:
+        return None
+    ctx = getattr(request.app.state, "ctx", None)
+    try:
+        return None if ctx is None else {HEADER_MODEL: ctx.model(name).name}
+    except ModelUnavailable:
+        return None
+
+
 def _field(loc) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
     return ".".join(parts) or "body"
@@ -102,7 +130,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return error_response(request.url.path, 422, validation_message(exc.errors()), "validation")
+        return error_response(request.url.path, 422, validation_message(exc.errors()), "validation",
+                              model_header(request, exc.body))
 
     @app.exception_handler(DispatchError)
     async def _dispatch(request: Request, exc: DispatchError):
@@ -124,11 +153,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ConstraintError)
     async def _constraint(request: Request, exc: ConstraintError):
-        return error_response(request.url.path, 422, str(exc), "validation")
+        return error_response(request.url.path, 422, str(exc), "validation", model_header(request))
 
     @app.exception_handler(ChatTemplateError)
     async def _template(request: Request, exc: ChatTemplateError):
-        return error_response(request.url.path, 422, str(exc), "validation")
+        return error_response(request.url.path, 422, str(exc), "validation", model_header(request))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
