@@ -13,7 +13,8 @@ read it back as the model's template defines it, with no grammar (`tool_choice` 
 - a Llama 3.1-style template (the tools and its JSON instruction, `"parameters": dictionary of
   argument name`, in the user turn), answering with a bare JSON call (llama3_json);
 - the thinking template of tests/test_e2e_reasoning.py, answering with `abc</think>answer`:
-  a `reasoning` item in Responses, a `thinking` block in Messages.
+  a `reasoning` item in Responses, a `thinking` block in Messages;
+and gpt-oss's harmony checkpoint of tests/test_e2e_harmony.py through Responses and Messages.
 """
 
 from __future__ import annotations
@@ -237,3 +238,42 @@ def test_thinking_is_a_reasoning_item_and_a_thinking_block(thinking):
     off = claude.messages.create(model="m", max_tokens=32, messages=THINK_ASK, thinking={"type": "disabled"},
                                  extra_body=GREEDY)  # the template closes the block: nothing is reasoning
     assert [b.type for b in off.content] == ["text"]
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    from tests.test_e2e_harmony import _harmony_checkpoint
+
+    ckpt, _ = _harmony_checkpoint(tmp_path_factory.mktemp("gpt-oss-harmony"))
+    router = _serve(ckpt)
+    yield router
+    router.stop()
+    assert not router.orphans
+
+
+def test_harmony_reads_into_responses_items_and_messages_blocks(harmony):
+    """gpt-oss (tests/test_e2e_harmony.py's checkpoint): analysis then final, and a call to
+    functions.get_weather, through Responses and Messages, streamed and not."""
+    from tests.test_e2e_harmony import ASK as HARMONY_ASK
+    from tests.test_e2e_harmony import ASK_TOOL as HARMONY_TOOL_ASK
+    from tests.test_harmony import WEATHER_TOOL
+
+    client, claude = _openai(harmony), _anthropic(harmony)
+    r = client.responses.create(model="m", input=HARMONY_ASK, max_output_tokens=32, **GREEDY)
+    assert [(o.type, getattr(o, "content", None) and o.content[0].text) for o in r.output] == [
+        ("reasoning", "abc"), ("message", "answer")]
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    with client.responses.stream(model="m", input=HARMONY_TOOL_ASK, tools=[tool], max_output_tokens=48,
+                                 **GREEDY) as stream:
+        final = stream.get_final_response()
+    (call,) = [o for o in final.output if o.type == "function_call"]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    m = claude.messages.create(model="m", max_tokens=32, messages=HARMONY_ASK, extra_body=GREEDY)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+        ("thinking", "abc"), ("text", "answer")]
+    with claude.messages.stream(model="m", max_tokens=48, messages=HARMONY_TOOL_ASK, extra_body=GREEDY,
+                                tools=[{"name": "get_weather", "description": "Weather of a city",
+                                        "input_schema": WEATHER_TOOL["function"]["parameters"]}]) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "input", None)) for b in final.content] == [("tool_use", {"city": "Paris"})]
+    assert final.stop_reason == "tool_use"
