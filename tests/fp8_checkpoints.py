@@ -67,7 +67,11 @@ def _input_amax(model) -> dict[str, float]:
 def compressed_tensors_checkpoint(out: Path, preset: str = "FP8_DYNAMIC", ignore: tuple[str, ...] = ("lm_head",)) -> Path:
     """The embedded model quantized by compressed-tensors with `preset`, saved to `out`."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
 
     model = embedded_fp32()
@@ -152,3 +156,117 @@ def dequantized_reference(ckpt: Path):
 
     return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
                                                 quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+
+
+# -- any checkpoint's projections and experts, quantized tensor by tensor ---------------------------
+
+_QUANTIZED = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")  # attention, MLPs, experts (Mixtral w1/w2/w3)
+CT_MOE_IGNORE = ("lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$")
+
+
+def _ct_scheme(preset: str):
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    return preset_name_to_scheme(preset, ["Linear"])
+
+
+def _ct_quantize(w: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
+    """One weight through compressed-tensors: its observer's min/max scales, then its compressor."""
+    from compressed_tensors.compressors import FloatQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = scheme.weights
+    if args.strategy == "channel":
+        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    else:
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    scale, _ = calculate_qparams(lo, hi, args)
+    return FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+
+
+@torch.no_grad()
+def quantize_checkpoint(src: Path, out: Path, fmt: str = "block", preset: str = "FP8_DYNAMIC") -> Path:
+    """`src` (a transformers checkpoint) with every projection and expert in fp8, written to `out`:
+    `fmt="block"` by the block-wise format's definition, `fmt="compressed-tensors"` through the
+    library's own compressor for `preset` (per tensor: transformers 5 holds experts stacked, so the
+    library's model-level pass never sees them; its compressor runs on each stored tensor as it
+    would on each `Linear`). Routers and `lm_head` stay in the model dtype."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    scheme = _ct_scheme(preset) if fmt == "compressed-tensors" else None
+    tensors = {}
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            t = f.get_tensor(name)
+            module = name.removesuffix(".weight")
+            if not name.endswith(_QUANTIZED) or t.dim() != 2:
+                tensors[name] = t
+            elif scheme is None:
+                tensors[name], tensors[module + ".weight_scale_inv"] = block_quantize(t)
+            else:
+                tensors |= {f"{module}.{k}": v for k, v in _ct_quantize(t.to(torch.float32), scheme).items()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    if scheme is None:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128],
+                                         "modules_to_not_convert": ["lm_head", "mlp.gate", "block_sparse_moe.gate"]}
+    else:
+        from compressed_tensors.quantization import QuantizationConfig
+
+        qc = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(CT_MOE_IGNORE),
+                                quantization_status="compressed", format="float-quantized").model_dump(mode="json")
+        qc["config_groups"]["group_0"]["format"] = "float-quantized"
+        config["quantization_config"] = {**qc, "quant_method": "compressed-tensors"}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+@torch.no_grad()
+def reference_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Module name -> its weight in fp32 as the format's reference dequantizes it: compressed-tensors'
+    own decompressor for its format, `q * weight_scale_inv` per block for the block-wise one."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(ckpt) / "model.safetensors"), framework="pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    qc = json.loads((Path(ckpt) / "config.json").read_text())["quantization_config"]
+    out = {}
+    if qc["quant_method"] == "fp8":
+        for name, t in stored.items():
+            if name.endswith(".weight_scale_inv"):
+                module = name.removesuffix(".weight_scale_inv")
+                out[module] = block_dequantize(stored[module + ".weight"], t)
+        return out
+    from compressed_tensors.compressors import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    scheme = QuantizationScheme.model_validate(qc["config_groups"]["group_0"])
+    for name in stored:
+        if name.endswith(".weight_scale"):
+            module = name.removesuffix(".weight_scale")
+            local = {k.removeprefix(module + "."): v for k, v in stored.items() if k.startswith(module + ".")}
+            out[module] = FloatQuantizationCompressor.decompress(local, scheme)["weight"].to(torch.float32)
+    return out
+
+
+def dequantized_checkpoint(ckpt: Path, out: Path) -> Path:
+    """`ckpt` with every quantized weight replaced by its reference dequantization (fp32), no
+    `quantization_config`: what transformers runs as the dequantized model."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    ckpt, out = Path(ckpt), Path(out)
+    shutil.copytree(ckpt, out)
+    ref = reference_weights(ckpt)
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if not k.endswith(("_scale", "_scale_inv"))}  # noqa: SIM118
+    tensors |= {f"{m}.weight": w for m, w in ref.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

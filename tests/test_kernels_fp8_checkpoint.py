@@ -11,6 +11,7 @@ the dequantize-then-matmul references, tightly in fp32 (only the summation order
 from __future__ import annotations
 
 import importlib
+from functools import partial
 
 import pytest
 import torch
@@ -201,16 +202,16 @@ def test_declared_specs_are_what_the_wrappers_launch(monkeypatch, tokens):
         for tuning in (fp8.SM89, fp8.SM90, fp8.ROCM):
             specs = ck.w8a8_specs(tuning, Workload(dtype="bf16", widths=(k, n), max_tokens=tokens, fp8_fmt=fmt))
             for act, (q, s), gn, gk in cases:
-                assert _check_launches(monkeypatch, lambda t=tuning, a=act, q=q, s=s, gn=gn, gk=gk: ck.w8a8_linear(
-                    x, q.view(FP8[fmt]), s, gn, gk, torch.tensor(0.1), a, torch.ones(n, dtype=x.dtype), fmt=fmt, tuning=t),
-                    specs) == 2  # fmt: skip
+                call = partial(ck.w8a8_linear, x, q.view(FP8[fmt]), s, gn, gk, torch.tensor(0.1), act,
+                               torch.ones(n, dtype=x.dtype), fmt=fmt, tuning=tuning)  # fmt: skip
+                assert _check_launches(monkeypatch, call, specs) == 2
         for tuning in (fp8.SM80, fp8.ROCM):
             for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
                 specs = ck.w8a16_specs(tuning, Workload(dtype=name, widths=(k, n), max_tokens=tokens, fp8_fmt=fmt))
                 for _, (q, s), gn, gk in cases[:2]:
-                    assert _check_launches(monkeypatch, lambda t=tuning, d=dtype, q=q, s=s, gn=gn, gk=gk:
-                                           ck.w8a16_linear(x.to(d), q, s, gn, gk, torch.ones(n, dtype=d), fmt=fmt,
-                                                           tuning=t), specs) == 1  # fmt: skip
+                    call = partial(ck.w8a16_linear, x.to(dtype), q, s, gn, gk, torch.ones(n, dtype=dtype), fmt=fmt,
+                                   tuning=tuning)  # fmt: skip
+                    assert _check_launches(monkeypatch, call, specs) == 1
 
 
 def test_each_checkpoint_layer_runs_its_execution_with_the_tuning_its_specs_declare(monkeypatch):
