@@ -9,10 +9,12 @@ router's half over stand-in workers is in tests/test_hardening.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import string
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -214,3 +216,45 @@ def test_after_the_random_payloads_the_workers_are_unharmed(real):
     pid = real.pids["gpu0"]
     assert rss_bytes(pid) < 2 << 30
     unharmed(real)
+
+
+# --- a client that leaves while its grammar compiles -------------------------------------------
+def _compile_children(worker_pid: int) -> list[int]:
+    """The worker's grammar compile children (started by its compile threads: each thread's
+    children are listed under its own task)."""
+    kids, pids = [], set()
+    for task in Path(f"/proc/{worker_pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids.update(int(p) for p in (task / "children").read_text().split())
+    for pid in pids:
+        try:
+            if b"grammar_child" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                kids.append(pid)
+        except OSError:
+            pass
+    return kids
+
+
+def test_a_client_that_leaves_cancels_its_compile():
+    """Guards the disconnect watch in `WorkerContext._compiled` and `flight.cancel.set()` in
+    `Grammars.compile_async` (a client that left after 1 s still cost the full compile)."""
+    r = RouterProcess(["--simulate", "sm_90", "--grammar-compile-timeout", "30", "--grammar-compile-memory-mib", "2048"],
+                      fake=False, ready_timeout=240)
+    try:
+        worker = r.workers()[0]["pid"]
+        assert not _compile_children(worker)
+        seen: list[list[int]] = []  # the compile children while the grammar compiles
+        threading.Timer(0.6, lambda: seen.append(_compile_children(worker))).start()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{r.url}/generate", timeout=1.0, json={"inputs": "x", "parameters": {
+                "max_new_tokens": 2, "grammar": {"type": "json", "value": bomb(17)}}})
+        left = time.monotonic()
+        assert seen and seen[0], "no compile child was seen while the grammar compiled"
+        while _compile_children(worker) and time.monotonic() - left < 5:
+            time.sleep(0.05)
+        assert not _compile_children(worker), "the compile went on after its client left"
+        assert time.monotonic() - left < 2  # the bomb alone takes 5 s and more here
+        ok = generate(r, {"type": "json", "value": {"type": "integer"}})
+        assert ok.status_code == 200 and r.workers()[0]["pid"] == worker
+    finally:
+        r.stop()
