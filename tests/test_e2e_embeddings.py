@@ -92,7 +92,12 @@ def test_token_ids_embed_as_their_text_does(client, router):
     np.testing.assert_allclose(by_ids, text, atol=1e-6)
 
 
-def test_bad_input_is_refused_in_openais_shape_naming_it(client):
+def test_bad_input_is_refused_in_openais_shape_naming_it(client, router):
+    """Guards `EmbedRequest._unicode` in workers/serving/routes/embed.py: a lone surrogate is a 422
+    naming the input (the tokenizer raised, a 500, before)."""
+    reply = httpx.post(f"{router.url}/v1/embeddings", content=b'{"model": "m", "input": ["ok", "\\ud800"]}',
+                       headers={"content-type": "application/json"}, timeout=30)
+    assert reply.status_code == 422 and "`input[1]`" in reply.json()["error"]["message"], reply.text
     for kw, error, needle in ((dict(input=[]), openai.UnprocessableEntityError, "`input`"),
                               (dict(input="x", dimensions=10_000), openai.UnprocessableEntityError, "`dimensions`"),
                               (dict(input=[[10**8]]), openai.UnprocessableEntityError, "`100000000`"),

@@ -3,7 +3,7 @@
 The router's `/v1/embeddings` (server/edge/routes/embeddings.py) sends texts or token ids with
 the pooling its checkpoint's sentence-transformers config names; this route encodes the texts
 as generation would (`add_special_tokens` true), checks the lengths against the context and
-the ids against the vocabulary (422 naming the first bad one), and runs
+the ids against the vocabulary (422 naming the first bad one), all on a thread, and runs
 `workers/engine/pooling.py` `embed` on a thread, between engine steps.
 """
 
@@ -13,8 +13,9 @@ import asyncio
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
+from workers.contract import valid_unicode
 from workers.engine.pooling import embed
 from workers.serving.context import get_ctx
 from workers.serving.errors import APIError
@@ -32,6 +33,15 @@ class EmbedRequest(BaseModel):
     normalize: StrictBool = True
     dimensions: StrictInt | None = Field(None, ge=1)
 
+    @field_validator("inputs")
+    @classmethod
+    def _unicode(cls, value: list) -> list:
+        """A lone surrogate cannot be encoded: a 422 naming the input, never a 500."""
+        for k, item in enumerate(value):
+            if isinstance(item, str):
+                valid_unicode(item, f"input[{k}]")
+        return value
+
 
 @router.post("/embed")
 async def embed_texts(req: EmbedRequest, request: Request) -> dict:
@@ -40,19 +50,24 @@ async def embed_texts(req: EmbedRequest, request: Request) -> dict:
     hidden = ctx.engine.runner.model.config.hidden_size
     if req.dimensions is not None and req.dimensions > hidden:
         raise APIError(422, f"`dimensions` = `{req.dimensions}` exceeds the model's {hidden}", "validation")
-    texts: list[list[int]] = []
-    for k, item in enumerate(req.inputs):
-        ids = ctx.tokenizer.encode(item, add_special_tokens=True).ids if isinstance(item, str) else item
-        if not ids:
-            raise APIError(422, f"`input[{k}]` is empty. Accepted: a text or token ids, at least one token",
-                           "validation")
-        if len(ids) > limit:
-            raise APIError(422, f"`input[{k}]` has {len(ids)} tokens, over the model's context of {limit}",
-                           "validation")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(422, f"`input[{k}]` holds `{bad}`, outside the vocabulary (0 to {vocab - 1})",
-                           "validation")
-        texts.append(list(ids))
+
+    def encode() -> list[list[int]]:
+        texts = []
+        for k, item in enumerate(req.inputs):
+            ids = ctx.tokenizer.encode(item, add_special_tokens=True).ids if isinstance(item, str) else item
+            if not ids:
+                raise APIError(422, f"`input[{k}]` is empty. Accepted: a text or token ids, at least one token",
+                               "validation")
+            if len(ids) > limit:
+                raise APIError(422, f"`input[{k}]` has {len(ids)} tokens, over the model's context of {limit}",
+                               "validation")
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(422, f"`input[{k}]` holds `{bad}`, outside the vocabulary (0 to {vocab - 1})",
+                               "validation")
+            texts.append(list(ids))
+        return texts
+
+    texts = await asyncio.to_thread(encode)  # long texts are encoded off the event loop
     vectors = await asyncio.to_thread(embed, ctx.engine, texts, req.pooling, req.dimensions, req.normalize)
     return {"embeddings": vectors, "tokens": [len(t) for t in texts]}
