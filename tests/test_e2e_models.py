@@ -92,6 +92,7 @@ def test_each_model_is_placed_where_its_bytes_fit(routers):
     models = {m["id"]: m for m in httpx.get(routers["both"].url + "/v1/models").json()["data"]}
     assert list(models) == ["big", "small"]
     assert [p["worker_id"] for p in models["big"]["placement"]] == ["gpu1", "gpu2"]
+    assert "smallest free device that holds small" in models["small"]["placement"][0]["reason"]
     assert models["small"]["context_length"] == 256 and models["small"]["architecture"] == "llama"
     assert models["big"]["state"] == "loaded" and models["big"]["quantization"] is None
 

@@ -4,7 +4,8 @@ API key, `POST /models/{name}/load` and `POST /models/{name}/unload`.
 A model's entry: `id` (its name), `context_length` and `architecture` (what its worker reports
 once loaded, else what its config.json says), `quantization` (`--quantize fp8`, or the
 checkpoint's own method), `state` (loaded, loading, unloading, unloaded, failed) and
-`placement`: per worker serving it, the device and the worker's state. `load` answers 200 once a
+`placement`: per worker serving it, the device, the worker's state and why placement gave it
+that device (with the bytes it needs there). `load` answers 200 once a
 worker of the model is ready, 202 while it still starts after `ready_wait_s`; `unload` 200 once
 its workers have stopped (each finishes its requests in flight), 409 for a `--pin-model` one; a
 model this router does not offer is a 404 naming those it does (server/fleet/models.py).
@@ -35,8 +36,14 @@ def model_entry(ctx: RouterContext, name: str) -> dict:
         "context_length": view.context_length(), "architecture": info.architecture or size.get("architecture"),
         "quantization": quantization, "state": described["state"],
         "placement": [{"worker_id": h.id, "state": h.state, "capability": h.spec.device.capability_str,
-                       "device": h.spec.device.name} for h in placed],
+                       "device": h.spec.device.name, "reason": _reason(ctx, h.spec.device.index)} for h in placed],
     }
+
+
+def _reason(ctx: RouterContext, index: int) -> str | None:
+    """Why placement gave that device to this model, with the bytes (server/fleet/placement.py)."""
+    placed = None if ctx.models is None else ctx.models.placed(index)
+    return None if placed is None else placed["reason"]
 
 
 def _manager(request: Request, name: str) -> ModelManager:
