@@ -106,6 +106,18 @@ def test_a_request_in_flight_at_two_deaths_is_refused_then_quarantined(tmp_path)
             assert again.status_code == 422 and "may be what kills them" in again.text
             assert sum(w["restarts"] for w in r.workers()) == restarts
             assert c.post("/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 2}}).status_code == 200
+            # a stream: moved once at the first death, refused at the second (ClientStream._move)
+            r.wait_for(lambda: all(w["state"] == "ready" for w in r.workers()), timeout=60)
+            stream = {"inputs": "__crash_mid_stream__", "parameters": {"max_new_tokens": 6}}
+            events = sse_events(c.post("/generate_stream", json=stream).text)
+            assert [e["token"]["id"] for e in events[:-1]] == [100, 101], events  # nothing repeated, then the end
+            assert "may be what kills them" in events[-1]["error"], events[-1]
+            r.wait_for(lambda: all(w["state"] == "ready" for w in r.workers()), timeout=60)
+            killed = sum(w["restarts"] for w in r.workers())
+            assert killed - restarts <= 2
+            again = c.post("/generate_stream", json=stream)
+            assert again.status_code == 422 and "may be what kills them" in again.text, again.text
+            assert sum(w["restarts"] for w in r.workers()) == killed
     finally:
         r.stop()
 
