@@ -184,12 +184,12 @@ _ENTRIES: tuple[_Entry, ...] = (
         "GatedDeltaRule", "gated_delta", "GatedDeltaRule",
         "CPU: torch, decode rows one recurrent step each, prefill spans chunked (64 tokens, a triangular solve)",
         "below sm_70, which Triton does not target: the torch recurrent and chunked forms",
-        "pre-Hopper (sm_70..sm_89): Triton, the state's [Dk, 32] columns in registers, 16-token chunks "
-        "(fp32 ieee dots), one-step decode kernel, 4 warps",
-        "Hopper (sm_90): Triton, the state's [Dk, 64] columns in registers, 32-token chunks (fp32 ieee "
-        "dots), one-step decode kernel, 8 warps",
-        "Triton with the state's [Dk, 64] columns per program, 16-token chunks, tuned for CDNA's 64-lane "
-        "wavefronts"),
+        "pre-Hopper (sm_70..sm_89): Triton, 16-token chunks over 32 of the state's columns per program, the "
+        "key dim in 16-wide blocks (fp32 ieee dots), one-step decode kernel, 4 warps",
+        "Hopper (sm_90): Triton, 16-token chunks over 64 of the state's columns per program, the key dim in "
+        "16-wide blocks (fp32 ieee dots), one-step decode kernel, 8 warps",
+        "Triton, 16-token chunks over 64 of the state's columns per program, the key dim in 32-wide blocks "
+        "(fp32 MFMA), tuned for CDNA's 64-lane wavefronts"),
     # -- Fp8CheckpointLinear: pre-quantized checkpoints, the execution from the fp8 rule --------
     _Entry("Fp8CheckpointLinear", Device(type="cpu"), "fp8_linear", "Fp8CheckpointLinear", "dequantized-torch",
            "CPU: the checkpoint's fp8 weights dequantized once at load into the model dtype, torch matmul",

@@ -250,6 +250,63 @@ def test_each_paged_attention_layer_passes_the_tuning_and_options_its_module_has
         assert torch_path.pop() == options
 
 
+GATED_DELTA_SHAPES = [  # (key heads, value heads, head dim of keys and values, tokens)
+    (16, 32, 128, 9),  # Qwen3.5 / Qwen3.6 and Qwen3-Next's DeltaNets
+    (2, 4, 16, 1),  # the tiny test checkpoints, one row
+    (1, 2, 80, 40),  # a head dim that is not a multiple of 16
+    (4, 8, 256, 3),
+    (2, 4, 512, 2),  # the decode kernel's state slice narrowed to fit its registers
+]
+
+
+@pytest.mark.parametrize("hk,hv,d,tokens", GATED_DELTA_SHAPES)
+def test_gated_delta_specs_are_what_the_wrappers_launch(monkeypatch, hk, hv, d, tokens):
+    """Guards `compile_specs` in gated_delta.py (and its `do_not_specialize` list): both kernels'
+    launches have the declared constexprs and warps, and every runtime argument the type
+    Triton's JIT compiles it as, for q, k, v sliced from one packed projection (any row
+    stride), any number of rows, spans and slots."""
+    mod = importlib.import_module("kernels_local.gated_delta.gated_delta")
+    monkeypatch.setattr(mod, "runs_triton", lambda x: True)
+    packed = torch.zeros(tokens, 2 * hk * d + hv * d + 3, dtype=torch.bfloat16)  # q | k | v | 3 more columns
+    q, k = (packed[:, i * hk * d : (i + 1) * hk * d].unflatten(-1, (hk, d)) for i in range(2))
+    v = packed[:, 2 * hk * d : 2 * hk * d + hv * d].unflatten(-1, (hv, d))
+    g, beta, state = torch.zeros(tokens, hv), torch.zeros(tokens, hv, dtype=torch.bfloat16), torch.zeros(3, hv, d, d)
+    rows, out = torch.arange(tokens), torch.empty_like(v)
+    for tuning in mod.TUNINGS.values():
+        specs = {s.name: s for s in mod.compile_specs(tuning, Workload(dtype="bf16", head_dims=(d,)))}
+        for name, launch, where in (
+            ("_gated_delta_step_kernel", mod.gated_delta_step, (rows, rows % 3)),
+            ("_gated_delta_chunk_kernel", mod.gated_delta_chunks, (torch.tensor([[0, tokens, 2]]),)),
+        ):
+            kernel, rec = getattr(mod, name), _Recorder(name)
+            monkeypatch.setattr(mod, name, rec)
+            launch(q, k, v, g, beta, state, *where, out, tuning)
+            monkeypatch.setattr(mod, name, kernel)
+            (args, _), = rec.launches
+            assert _launched(rec) == _declared(specs.values(), name), (tuning.name, name)
+            launched = [_jit_type(kernel, n, a) for n, a in zip(kernel.arg_names, args, strict=False)]
+            assert launched == [t for _, t in specs[name].args], (tuning.name, name)
+
+
+def test_each_gated_delta_layer_passes_the_tuning_its_specs_declare(monkeypatch):
+    """Guards the `COMPILE_SPECS` table of gated_delta/layers.py: a layer whose forward passed
+    another tuning than its entry would be preflighted with the wrong chunk and tile shapes."""
+    layers = _layers_module("gated_delta")
+    seen = []
+    monkeypatch.setattr(layers, "runs_triton", lambda x: True)
+    for launcher in ("gated_delta_step", "gated_delta_chunks"):
+        monkeypatch.setattr(layers, launcher, lambda *a, name=launcher: seen.append((name, a[-1])))
+    batch = types.SimpleNamespace(decode=types.SimpleNamespace(rows=torch.arange(1)),
+                                  states=types.SimpleNamespace(decode_slots=torch.zeros(1, dtype=torch.int64),
+                                                               prefills=torch.zeros(1, 3, dtype=torch.int64)))
+    module = types.SimpleNamespace(token_by_token=False)
+    for name, spec in layers.COMPILE_SPECS.items():
+        seen.clear()
+        getattr(layers, name).forward(module, *(torch.zeros(1, 1, 1),) * 5, torch.zeros(1, 1, 1, 1), batch)
+        assert [n for n, _ in seen] == ["gated_delta_step", "gated_delta_chunks"], name
+        assert all(tuning is spec.args[0] for _, tuning in seen), name
+
+
 def test_default_workload_covers_every_realistic_launch():
     assert REALISTIC_WIDTHS == (256, 512, 1024, 2048, 4096, 8192, 16384)
     assert Workload().head_dims == (64, 128, 256, 512)
@@ -306,7 +363,7 @@ def test_an_architecture_without_a_row_reads_its_family_or_none(arch, row):
 
 def test_repositories_import_only_the_spec_module_from_the_project():
     """The spec module is the one thing repositories import from outside themselves."""
-    for repo in ("rmsnorm", "activation", "fp8_linear", "paged_attention", "fused_moe"):
+    for repo in ("rmsnorm", "activation", "fp8_linear", "paged_attention", "fused_moe", "gated_delta"):
         text = "\n".join(p.read_text() for p in (ROOT / "kernels_local" / repo).glob("*.py"))
         outside = {line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))
                    and line.split()[1].startswith("kernels_local")}  # fmt: skip

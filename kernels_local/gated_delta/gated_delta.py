@@ -9,31 +9,39 @@ Hv, Dk, Dv]` fp32, one slot per sequence, read at a chunk's start and written ba
 in place; q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, g (log decay, fp32) and beta `[T, Hv]` are the
 step's packed tokens, any row stride (they are views of one projection).
 
-Design: one program per (sequence, value head, `BV` columns of the state), holding its
-`[Dk, BV]` slice of the state in registers from the first token to the last, so the state
-makes one round trip through memory per step, whatever the number of tokens.
-- `_gated_delta_step_kernel` (decode: one token per row): one step of the recurrence with
-  element-wise products and row sums, no `tl.dot`.
-- `_gated_delta_chunk_kernel` (prefill spans): the chunked (WY) form, `CHUNK` tokens at a time:
-  the cumulative log decay `c` of the chunk, `A = tril(beta k k^T * exp(c_i - c_j), -1)`, its
-  unit-lower-triangular inverse `T = (I + A)^-1` by forward substitution (row by row in
-  registers: the same eliminations as `torch.linalg.solve_triangular`, stable however alike
-  the keys are, where a Neumann product would sum binomially growing terms), then
-  `u = T (beta v)`, `w = T (beta k exp(c))`, the chunk's writes `u - w S`, its output
-  `(q exp(c)) S + (tril(q k^T exp(c_i - c_j))) (u - w S)`, and the state stepped once:
-  `S exp(c_last) + (k exp(c_last - c))^T (u - w S)`. Tokens past the span's end load as zeros
-  (beta 0, g 0), which write and decay nothing.
+Design: one program per (sequence, value head, `BV` columns of the state).
+- `_gated_delta_step_kernel` (decode: one token per row): one step of the recurrence on the
+  program's `[Dk, BV]` slice of the state, held in registers (element-wise products and row
+  sums, no `tl.dot`); a wide key dim narrows `BV` so that the slice stays within
+  `STEP_STATE_REGISTERS` values per thread.
+- `_gated_delta_chunk_kernel` (prefill spans): the chunked (WY) form, `CHUNK` tokens at a time,
+  with the state's slice kept in its slot (global memory, in place) and every product over
+  the key dim taken in `BK`-wide blocks: the cumulative log decay `c` of the chunk; over the
+  key blocks, `k k^T`, `q k^T` and the state read at decayed keys and queries (`k exp(c) S`,
+  `q exp(c) S`); `A = tril(beta k k^T * exp(c_i - c_j), -1)` and its unit-lower-triangular
+  inverse `T = (I + A)^-1` by forward substitution (row by row in registers: the same
+  eliminations as `torch.linalg.solve_triangular`, stable however alike the keys are, where
+  a Neumann product would sum binomially growing terms); the chunk's writes
+  `fresh = T (beta v - beta k exp(c) S)`, its output `q exp(c) S + tril(q k^T exp(c_i - c_j)) fresh`,
+  then, block by block again, the state stepped once: `S exp(c_last) + (k exp(c_last - c))^T fresh`.
+  Tokens past the span's end load as zeros (beta 0, g 0), which write and decay nothing.
+  Why blocks and not the whole key dim in registers: fp32 dots whose reduction is the key dim
+  (128) keep that whole dim of both operands per thread (FMA dots) and spilled on every CUDA
+  target; with `BK`-wide blocks every dot reduces over at most 32, and the state makes a
+  round trip through L2 per chunk (`Dk x BV` fp32 per program) instead.
 Every dot is fp32 with `input_precision="ieee"` (no tf32: the state accumulates every token's
 update); the trade-off is that Hopper's wgmma and Ampere's tf32 mma go unused, which a
 bf16-operand variant could buy back at the cost of the state's precision.
 
 Launch configurations (`GatedDeltaTuning`): `CHUNK` tokens, `BV` state columns per program,
-warps; `DK` is the key head dim's next power of two (the whole key dim per program: the
-L2 norm and `k k^T` need it), `DV_PAD` the value head dim's.
-- pre-Hopper (sm_70..sm_89): 16-token chunks, 32 columns, 4 warps;
-- Hopper and later (sm_90+): 32-token chunks, 64 columns, 8 warps (more of the state and of
-  the chunk in flight per SM);
-- ROCm (64-lane wavefronts): 16-token chunks, 64 columns, 4 wavefronts.
+`BK` key columns per block, warps; `DK` is the key head dim's next power of two. Each one
+compiles without spills on its targets (`hetserve plan --compile`: 234, 175 and 215
+registers per thread at head dim 128 on sm_80, sm_90 and gfx942):
+- pre-Hopper (sm_70..sm_89): 16-token chunks, 16 key columns, 32 state columns, 4 warps;
+- Hopper and later (sm_90+): 16-token chunks, 16 key columns, 64 state columns, 8 warps
+  (32-token chunks spilled);
+- ROCm (64-lane wavefronts, fp32 MFMA): 16-token chunks, 32 key columns, 64 state columns,
+  4 wavefronts.
 Row strides, slots and counts are runtime integers that Triton does not specialize, so one
 compiled launch per (tuning, head dims, dtype) serves every step; `compile_specs` declares
 exactly those launches.
@@ -100,12 +108,27 @@ def _gated_delta_step_kernel(
     tl.store(s_ptr, s, mask=s_mask)
 
 
+@triton.jit
+def _key_block(X, rows, stride, head, key_dim, t_mask, d0, BK: tl.constexpr):
+    # columns d0 .. d0 + BK of a head's query or key rows, fp32 (zeros past the span and the key dim)
+    d = d0 + tl.arange(0, BK)
+    mask = t_mask[:, None] & (d < key_dim)[None, :]
+    return tl.load(X + rows[:, None] * stride + head * key_dim + d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _state_block(s_base, d0, cols, key_dim, value_dim, BK: tl.constexpr):
+    # pointers and mask of the state rows d0 .. d0 + BK at this program's columns
+    d = d0 + tl.arange(0, BK)
+    return s_base + d[:, None] * value_dim + cols[None, :], (d < key_dim)[:, None] & (cols < value_dim)[None, :]
+
+
 @triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _gated_delta_chunk_kernel(
     Q, K, V, G, BETA, STATE, OUT, SPANS,
     stride_q, stride_k, stride_v, stride_g, stride_b, stride_o, group, num_heads,
     key_dim, value_dim, scale,
-    CHUNK: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    CHUNK: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     # 1. this program's span (first row, tokens, slot), value head, key head and state columns
     p = tl.program_id(0)
@@ -115,57 +138,70 @@ def _gated_delta_chunk_kernel(
     length = tl.load(SPANS + p * 3 + 1).to(tl.int32)
     slot = tl.load(SPANS + p * 3 + 2).to(tl.int64)
     kh = h // group
-    d = tl.arange(0, DK)
-    d_mask = d < key_dim
     c_mask = cols < value_dim
     i = tl.arange(0, CHUNK)
     lower = i[:, None] > i[None, :]  # strictly below the diagonal
     causal = i[:, None] >= i[None, :]
     eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-    # 2. the slot's state columns [DK, BV], kept in registers over the whole span
-    s_ptr = STATE + ((slot * num_heads + h) * key_dim + d[:, None]) * value_dim + cols[None, :]
-    s_mask = d_mask[:, None] & c_mask[None, :]
-    s = tl.load(s_ptr, mask=s_mask, other=0.0)
+    s_base = STATE + (slot * num_heads + h) * key_dim * value_dim  # the slot's state [Dk, Dv], updated in place
     for c0 in range(0, length, CHUNK):
-        # 3. the chunk's tokens (zeros past the span's end): q, k normalized, v, g, beta
+        # 2. the chunk's v, g, beta (zeros past the span's end), and q's and k's inverse L2 norms
         t_mask = (c0 + i) < length
         rows = start + c0 + i
-        qk_mask = t_mask[:, None] & d_mask[None, :]
-        q = tl.load(Q + rows[:, None] * stride_q + kh * key_dim + d[None, :], mask=qk_mask, other=0.0).to(tl.float32)
-        k = tl.load(K + rows[:, None] * stride_k + kh * key_dim + d[None, :], mask=qk_mask, other=0.0).to(tl.float32)
-        q = _l2norm_rows(q) * scale
-        k = _l2norm_rows(k)
         v_mask = t_mask[:, None] & c_mask[None, :]
         v = tl.load(V + rows[:, None] * stride_v + h * value_dim + cols[None, :], mask=v_mask, other=0.0)
         v = v.to(tl.float32)
         g = tl.load(G + rows * stride_g + h, mask=t_mask, other=0.0).to(tl.float32)
         beta = tl.load(BETA + rows * stride_b + h, mask=t_mask, other=0.0).to(tl.float32)
-        # 4. cumulative log decay in the chunk, and the decay between positions (i >= j)
+        q_sq = tl.zeros((CHUNK,), dtype=tl.float32)
+        k_sq = tl.zeros((CHUNK,), dtype=tl.float32)
+        for d0 in range(0, DK, BK):
+            qb = _key_block(Q, rows, stride_q, kh, key_dim, t_mask, d0, BK)
+            kb = _key_block(K, rows, stride_k, kh, key_dim, t_mask, d0, BK)
+            q_sq += tl.sum(qb * qb, axis=1)
+            k_sq += tl.sum(kb * kb, axis=1)
+        q_in = scale / tl.sqrt(q_sq + 1e-6)  # [CHUNK] q's normalization and scale
+        k_in = 1.0 / tl.sqrt(k_sq + 1e-6)
+        # 3. cumulative log decay in the chunk, and the decay between positions (i >= j)
         c = tl.cumsum(g, axis=0)
         decay = tl.exp(tl.where(causal, c[:, None] - c[None, :], float("-inf")))
+        # 4. over the key dim in blocks: k k^T, q k^T, and the state read at decayed k and q
+        kk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        qk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        ks = tl.zeros((CHUNK, BV), dtype=tl.float32)
+        qs = tl.zeros((CHUNK, BV), dtype=tl.float32)
+        for d0 in range(0, DK, BK):
+            qb = _key_block(Q, rows, stride_q, kh, key_dim, t_mask, d0, BK) * q_in[:, None]
+            kb = _key_block(K, rows, stride_k, kh, key_dim, t_mask, d0, BK) * k_in[:, None]
+            s_ptr, s_mask = _state_block(s_base, d0, cols, key_dim, value_dim, BK)
+            sb = tl.load(s_ptr, mask=s_mask, other=0.0)  # [BK, BV]
+            kk += tl.dot(kb, tl.trans(kb), input_precision="ieee")
+            qk += tl.dot(qb, tl.trans(kb), input_precision="ieee")
+            ks += tl.dot(kb * tl.exp(c)[:, None], sb, input_precision="ieee")
+            qs += tl.dot(qb * tl.exp(c)[:, None], sb, input_precision="ieee")
         # 5. A = tril(beta k k^T decay, -1) and T = (I + A)^-1, row by row (forward substitution)
-        kb = k * beta[:, None]
-        a = tl.where(lower, tl.dot(kb, tl.trans(k), input_precision="ieee") * decay, 0.0)
+        a = tl.where(lower, kk * beta[:, None] * decay, 0.0)
         inv = eye
         for r in range(1, CHUNK):
             a_r = tl.sum(tl.where(i[:, None] == r, a, 0.0), axis=0)  # row r of A [CHUNK]
             t_r = tl.sum(a_r[:, None] * inv, axis=0)  # sum_j A[r, j] T[j, :]
             inv = tl.where(i[:, None] == r, eye - t_r[None, :], inv)
-        # 6. the chunk's writes: T (beta v) less what the state already predicts, T (beta k exp(c)) S
-        u = tl.dot(inv, v * beta[:, None], input_precision="ieee")  # [CHUNK, BV]
-        w = tl.dot(inv, kb * tl.exp(c)[:, None], input_precision="ieee")  # [CHUNK, DK]
-        fresh = u - tl.dot(w, s, input_precision="ieee")
+        # 6. the chunk's writes: T (beta v) less what the state already predicts, T (beta exp(c) k S)
+        fresh = tl.dot(inv, v * beta[:, None] - ks * beta[:, None], input_precision="ieee")  # [CHUNK, BV]
         # 7. outputs: the state before the chunk, read at decayed q, plus the chunk's own writes
-        inner = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
-        o = tl.dot(q * tl.exp(c)[:, None], s, input_precision="ieee") + tl.dot(inner, fresh, input_precision="ieee")
+        o = qs + tl.dot(tl.where(causal, qk * decay, 0.0), fresh, input_precision="ieee")
         tl.store(OUT + rows[:, None] * stride_o + h * value_dim + cols[None, :], o.to(OUT.dtype.element_ty),
                  mask=v_mask)  # fmt: skip
-        # 8. step the state over the chunk: decayed to its end, plus every write decayed from its token on
+        # 8. step the state over the chunk, block by block: decayed to its end, plus every write
+        # decayed from its token on (every thread's reads of this chunk are done first)
         last = tl.sum(g, axis=0)
-        k_out = k * tl.exp(last - c)[:, None]
-        s = s * tl.exp(last) + tl.dot(tl.trans(k_out), fresh, input_precision="ieee")
-    # 9. the state back into its slot
-    tl.store(s_ptr, s, mask=s_mask)
+        tl.debug_barrier()
+        for d0 in range(0, DK, BK):
+            kb = _key_block(K, rows, stride_k, kh, key_dim, t_mask, d0, BK) * (k_in * tl.exp(last - c))[:, None]
+            s_ptr, s_mask = _state_block(s_base, d0, cols, key_dim, value_dim, BK)
+            sb = tl.load(s_ptr, mask=s_mask, other=0.0) * tl.exp(last)
+            tl.store(s_ptr, sb + tl.dot(tl.trans(kb), fresh, input_precision="ieee"), mask=s_mask)
+        tl.debug_barrier()  # the next chunk reads the state other threads wrote
 
 
 # -- torch references ------------------------------------------------------------------------
@@ -249,6 +285,9 @@ def gated_delta_reference(q, k, v, g, beta, state: torch.Tensor, decode_rows, de
 # -- launches ---------------------------------------------------------------------------------
 
 
+STEP_STATE_REGISTERS = 64  # fp32 state values per thread in the decode kernel (of 255 registers)
+
+
 @dataclass(frozen=True)
 class GatedDeltaTuning:
     """Launch shape for one architecture family."""
@@ -257,16 +296,22 @@ class GatedDeltaTuning:
     chunk: int  # tokens per chunk of the chunked kernel (>= 16: tl.dot's smallest side)
     block_v: int  # state columns per program
     num_warps: int
+    block_k: int = 32  # key-dim columns per block of the chunked kernel's products with the state
 
-    def launch_shape(self, key_dim: int, value_dim: int) -> tuple[int, int, int]:
-        """(DK, BV, warps): the key dim padded to a power of two, the columns per program."""
+    def launch_shape(self, key_dim: int, value_dim: int, step: bool = False) -> tuple[int, int, int]:
+        """(DK, BV, warps): the key dim padded to a power of two, the columns per program. The decode
+        kernel (`step`) holds its `[DK, BV]` slice of the state in registers: at most
+        `STEP_STATE_REGISTERS` per thread, so wide key dims get fewer columns (no spills)."""
         dk = max(16, triton.next_power_of_2(key_dim))
-        return dk, max(16, min(self.block_v, triton.next_power_of_2(value_dim))), self.num_warps
+        bv = min(self.block_v, triton.next_power_of_2(value_dim))
+        if step:
+            bv = min(bv, STEP_STATE_REGISTERS * 32 * self.num_warps // dk)
+        return dk, max(16, bv), self.num_warps
 
 
-PRE_HOPPER = GatedDeltaTuning("sm70", chunk=16, block_v=32, num_warps=4)
-HOPPER = GatedDeltaTuning("sm90", chunk=32, block_v=64, num_warps=8)
-ROCM = GatedDeltaTuning("rocm", chunk=16, block_v=64, num_warps=4)
+PRE_HOPPER = GatedDeltaTuning("sm70", chunk=16, block_v=32, num_warps=4, block_k=16)
+HOPPER = GatedDeltaTuning("sm90", chunk=16, block_v=64, num_warps=8, block_k=16)
+ROCM = GatedDeltaTuning("rocm", chunk=16, block_v=64, num_warps=4, block_k=32)
 TUNINGS = {t.name: t for t in (PRE_HOPPER, HOPPER, ROCM)}
 
 # Kernels made while TRITON_INTERPRET=1 run on CPU tensors (tests); others need a GPU.
@@ -307,7 +352,7 @@ def gated_delta_step(q, k, v, g, beta, state, rows: torch.Tensor, slots: torch.T
         out[rows] = o
         state.index_copy_(0, slots, s)
         return
-    pad_k, bv, warps = tuning.launch_shape(dk, dv)
+    pad_k, bv, warps = tuning.launch_shape(dk, dv, step=True)
     grid = (rows.shape[0], hv, triton.cdiv(dv, bv))
     _gated_delta_step_kernel[grid](q, k, v, g, beta, state, out, rows, slots, *_args(q, k, v, g, beta, out), dk, dv,
                                    1.0 / math.sqrt(dk), DK=pad_k, BV=bv, num_warps=warps)  # fmt: skip
@@ -326,8 +371,8 @@ def gated_delta_chunks(q, k, v, g, beta, state, spans: torch.Tensor, out: torch.
     pad_k, bv, warps = tuning.launch_shape(dk, dv)
     grid = (spans.shape[0], hv, triton.cdiv(dv, bv))
     _gated_delta_chunk_kernel[grid](q, k, v, g, beta, state, out, spans, *_args(q, k, v, g, beta, out), dk, dv,
-                                    1.0 / math.sqrt(dk), CHUNK=tuning.chunk, DK=pad_k, BV=bv,
-                                    num_warps=warps)  # fmt: skip
+                                    1.0 / math.sqrt(dk), CHUNK=tuning.chunk, DK=pad_k, BK=min(pad_k, tuning.block_k),
+                                    BV=bv, num_warps=warps)  # fmt: skip
 
 
 def compile_specs(tuning: GatedDeltaTuning, workload: Workload) -> tuple[CompileSpec, ...]:
@@ -337,12 +382,14 @@ def compile_specs(tuning: GatedDeltaTuning, workload: Workload) -> tuple[Compile
     specs = []
     for d in workload.head_dims:
         pad_k, bv, warps = tuning.launch_shape(d, d)
+        step_bv = tuning.launch_shape(d, d, step=True)[1]
         t, f32, index = pointer(workload.dtype), pointer("fp32"), pointer("i64")
         tensors = (("Q", t), ("K", t), ("V", t), ("G", f32), ("BETA", t), ("STATE", f32), ("OUT", t))
         sizes = (*((name, "i32") for name in _UNSPECIALIZED), ("key_dim", int_arg(d)), ("value_dim", int_arg(d)),
                  ("scale", "fp32"))  # fmt: skip
         specs.append(CompileSpec(_gated_delta_step_kernel, (*tensors, ("ROWS", index), ("SLOTS", index), *sizes),
-                                 (("DK", pad_k), ("BV", bv)), warps))  # fmt: skip
+                                 (("DK", pad_k), ("BV", step_bv)), warps))  # fmt: skip
         specs.append(CompileSpec(_gated_delta_chunk_kernel, (*tensors, ("SPANS", index), *sizes),
-                                 (("CHUNK", tuning.chunk), ("DK", pad_k), ("BV", bv)), warps))  # fmt: skip
+                                 (("CHUNK", tuning.chunk), ("DK", pad_k), ("BK", min(pad_k, tuning.block_k)),
+                                  ("BV", bv)), warps))  # fmt: skip
     return unique(specs)

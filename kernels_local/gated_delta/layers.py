@@ -62,7 +62,7 @@ class GatedDeltaRule(nn.Module):
 
 
 class GatedDeltaRuleTritonSm70(nn.Module):
-    """Triton, pre-Hopper tuning (sm_70..sm_89): 16-token chunks, 32 state columns, 4 warps."""
+    """Triton, pre-Hopper tuning (sm_70..sm_89): 16-token chunks, 32 state columns, 16-wide key blocks, 4 warps."""
 
     has_backward = False
 
@@ -71,7 +71,7 @@ class GatedDeltaRuleTritonSm70(nn.Module):
 
 
 class GatedDeltaRuleTritonSm90(nn.Module):
-    """Triton, Hopper-and-later tuning (sm_90+): 32-token chunks, 64 state columns, 8 warps."""
+    """Triton, Hopper-and-later tuning (sm_90+): 16-token chunks, 64 state columns, 16-wide key blocks, 8 warps."""
 
     has_backward = False
 
@@ -80,7 +80,7 @@ class GatedDeltaRuleTritonSm90(nn.Module):
 
 
 class GatedDeltaRuleTritonRocm(nn.Module):
-    """Triton, ROCm tuning (64-lane wavefronts): 16-token chunks, 64 state columns."""
+    """Triton, ROCm tuning (64-lane wavefronts): 16-token chunks, 64 state columns, 32-wide key blocks."""
 
     has_backward = False
 
