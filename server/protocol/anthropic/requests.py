@@ -69,19 +69,31 @@ class RedactedThinkingBlock(Edge):
 
 
 _BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+_UNSUPPORTED = "unsupported"
+
+
+class UnsupportedBlock(Edge):
+    """A block of a kind this server cannot read: its validation is the named refusal (raised in
+    a validator, so the client gets a 422 naming the kind; the discriminator itself must not raise)."""
+
+    type: Any  # required: a block without a `type` is refused as missing it
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _refuse(cls, kind):
+        shown = kind if isinstance(kind, str) else json.dumps(kind, default=str)[:40]
+        raise ValueError(f"`{shown}` blocks are not supported. Accepted: {', '.join(_BLOCKS)}")
 
 
 def _block_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    if kind in ("image", "document", "search_result", "server_tool_use", "web_search_tool_result"):
-        raise ValueError(f"`{kind}` blocks are not supported. Accepted: {', '.join(_BLOCKS)}")
-    return kind if isinstance(kind, str) else "?"
+    return kind if kind in _BLOCKS else _UNSUPPORTED
 
 
 Block = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
-    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")],
+    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")] | Annotated[UnsupportedBlock, Tag(_UNSUPPORTED)],
     Discriminator(_block_kind),
 ]
 
