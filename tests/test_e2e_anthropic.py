@@ -159,7 +159,10 @@ def test_the_key_is_checked_and_errors_come_in_anthropics_shape(client, router):
         for body, needle in (({"model": "m", "messages": ASK}, "`max_tokens` is required"),
                              ({"model": "m", "max_tokens": 0, "messages": ASK}, "`max_tokens`"),
                              ({"model": "m", "max_tokens": 2, "messages": [{"role": "robot", "content": "x"}]},
-                              "`messages.0.role`")):
+                              "`messages.0.role`"),
+                             ({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                                 {"type": "image", "source": {"type": "base64", "data": ""}}]}]},
+                              "`image` blocks are not supported")):
             reply = http.post("/v1/messages", json=body)
             assert 400 <= reply.status_code < 500, body
             error = reply.json()
