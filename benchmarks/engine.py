@@ -15,7 +15,12 @@ and the ratios b/a (target >= 0.8), b/c (>= 5), b/d (>= 5). Then, in bfloat16 (t
 default), the engine serving all requests concurrently
   (e) in the default mode (projections' rows padded to buckets, as a CPU worker runs them);
   (f) with `--deterministic` (workers/model/deterministic.py: fixed row tiles, fixed attention splits);
-run alternately, and f/e (target >= 0.6). Decoding is greedy and ignores
+run alternately, and f/e (target >= 0.6). With `--compile`, in float32 again, the engine with its
+decode step compiled (workers/engine/compiled.py: Inductor, as `--compile on` runs a CPU worker;
+buckets 1 and `--requests`, the only batch sizes this load decodes at)
+  (g) serving all requests concurrently, g/b against an eager engine run alternately with it;
+  (h) one request at a time, h/c likewise;
+with the compile time and whether its tokens equal the eager engine's. Decoding is greedy and ignores
 EOS so every request makes exactly `--new-tokens` tokens. The machines are shared and
 noisy: each figure is the best of `--repeats` runs, and (a) and (b) are run alternately.
 """
@@ -35,11 +40,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workers.contract import DEFAULT_KV_BLOCK_SIZE  # noqa: E402
+from workers.engine.compiled import CompiledDecode, scratch_groups  # noqa: E402
 from workers.engine.core import Engine  # noqa: E402
 from workers.engine.runner import ModelRunner  # noqa: E402
 from workers.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from workers.kv.batch import ForwardBatch, SeqChunk  # noqa: E402
-from workers.kv.pool import KVPool  # noqa: E402
+from workers.kv.groups import same_blocks  # noqa: E402
+from workers.kv.pool import KVPool, layer_shapes  # noqa: E402
 from workers.model.deterministic import enable_deterministic  # noqa: E402
 from workers.model.loader import default_model_dir, load_model  # noqa: E402
 from workers.model.row_buckets import install_row_buckets  # noqa: E402
@@ -69,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads for every mode (1: see the README)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true", help="skip (d), transformers generate")
+    p.add_argument("--compile", action="store_true",
+                   help="also (g), (h): the engine with its decode step compiled (Inductor; a minute or more to compile)")
     return p.parse_args(argv)
 
 
@@ -117,13 +126,20 @@ def bare_loop(model, cfg, dtype, batch: list[list[int]], new_tokens: int,
 
 
 def make_engine(loaded, n_seqs: int, max_seq_len: int, block_size: int = DEFAULT_KV_BLOCK_SIZE,
-                num_blocks: int | None = None, prefix_cache: bool = True, mirror: bool = True, **config) -> Engine:
-    """An engine over a pool of `num_blocks` (default: `n_seqs` sequences of `max_seq_len`)."""
+                num_blocks: int | None = None, prefix_cache: bool = True, mirror: bool = True,
+                buckets: tuple[int, ...] = (), **config) -> Engine:
+    """An engine over a pool of `num_blocks` (default: `n_seqs` sequences of `max_seq_len`);
+    `buckets`: the decode step compiled for these batch sizes (Inductor), as a worker with
+    `--compile on` runs it (a scratch block per group for the pad rows); (): eager."""
     num_blocks = num_blocks or n_seqs * -(-max_seq_len // block_size)
-    kv = KVPool.for_config(loaded.config, num_blocks, block_size, loaded.dtype, "cpu")
+    groups = scratch_groups(same_blocks(loaded.config.layer_windows, num_blocks, layer_shapes(loaded.config))) \
+        if buckets else None
+    kv = KVPool.for_config(loaded.config, num_blocks, block_size, loaded.dtype, "cpu", groups)
+    compiled = CompiledDecode(loaded.model, kv, "cpu", buckets, "inductor") if buckets else None
     sched = Scheduler(SchedulerConfig(n_seqs, loaded.config.max_position_embeddings, num_blocks, block_size,
                                       prefix_caching=prefix_cache, eos_token_ids=(), **config))  # ignore EOS
-    return Engine(ModelRunner(loaded.model, kv, "cpu", mirror=mirror), sched, loaded.tokenizer, max_queue=1024)
+    return Engine(ModelRunner(loaded.model, kv, "cpu", mirror=mirror, compiled=compiled), sched, loaded.tokenizer,
+                  max_queue=1024)
 
 
 async def _consume(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -201,6 +217,35 @@ def deterministic_cost(path: Path, batch: list[list[int]], new_tokens: int, repe
     return min(times[0]), min(times[1]), same
 
 
+# -- (g), (h) the compiled decode step --------------------------------------------------------
+
+
+def compiled_cost(loaded, batch: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    """Seconds of an eager engine and of one whose decode step is compiled for batch sizes 1
+    and `len(batch)` (float32), run alternately: `b` and `g` concurrent, `c` and `h` one at a
+    time; with the compile seconds and the requests whose tokens agree."""
+    max_len = max(map(len, batch)) + new_tokens
+    engines = {"eager": make_engine(loaded, len(batch), max_len),
+               "compiled": make_engine(loaded, len(batch), max_len, buckets=(1, len(batch)))}
+    seconds = engines["compiled"].runner.compiled.warm()
+    for e in engines.values():
+        e.start()
+    try:
+        outs = [engine_run(e, batch, new_tokens, True)[1] for e in engines.values()]  # warm-up, and the tokens
+        t = {k: [] for k in "bgch"}
+        for _ in range(repeats):  # alternated, so a burst of load hits both
+            t["b"].append(engine_run(engines["eager"], batch, new_tokens, True)[0])
+            t["g"].append(engine_run(engines["compiled"], batch, new_tokens, True)[0])
+        for _ in range(repeats):
+            t["c"].append(engine_run(engines["eager"], batch, new_tokens, False)[0])
+            t["h"].append(engine_run(engines["compiled"], batch, new_tokens, False)[0])
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    return {**{k: min(v) for k, v in t.items()}, "compile_s": seconds,
+            "same": sum(x == y for x, y in zip(*outs, strict=True))}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -233,12 +278,16 @@ def main(argv=None) -> int:
             engine.shutdown()
         t_d = None if args.skip_hf else hf_run(path, batch, args.new_tokens, args.repeats)
         t_e, t_f, same_ef = deterministic_cost(path, batch, args.new_tokens, args.repeats)
+        comp = compiled_cost(loaded, batch, args.new_tokens, args.repeats) if args.compile else {}
+        t_g, t_h = comp.get("g"), comp.get("h")
 
 
-    rate = {k: n_tok / t for k, t in (("a", t_a), ("b", t_b), ("c", t_c), ("d", t_d), ("e", t_e), ("f", t_f)) if t}
+    times = (("a", t_a), ("b", t_b), ("c", t_c), ("d", t_d), ("e", t_e), ("f", t_f), ("g", t_g), ("h", t_h))
+    rate = {k: n_tok / t for k, t in times if t}
     rows = [("a", "bare batched loop (ceiling)"), ("b", "engine, concurrent"), ("c", "engine, one at a time"),
             ("d", "transformers generate, one at a time"), ("e", "engine, concurrent, bfloat16"),
-            ("f", "engine, concurrent, bfloat16, deterministic")]
+            ("f", "engine, concurrent, bfloat16, deterministic"), ("g", "engine, concurrent, compiled step"),
+            ("h", "engine, one at a time, compiled step")]
     print(f"\n{'':3}{'mode':46}{'tokens/s':>10}{'seconds':>10}")
     for key, name in rows:
         if key in rate:
@@ -251,6 +300,11 @@ def main(argv=None) -> int:
         print(f"b/d = {rate['b'] / rate['d']:.1f}  (target >= 5)")
     print(f"f/e = {rate['f'] / rate['e']:.2f}  (target >= 0.6; deterministic vs default at batch {args.requests}, "
           f"bfloat16; tokens equal in {same_ef}/{len(batch)} requests)")
+    if comp:
+        print(f"g/b = {comp['b'] / comp['g']:.2f}, h/c = {comp['c'] / comp['h']:.2f}  (compiled vs eager step, "
+              f"concurrent and one at a time, run alternately: eager {n_tok / comp['b']:.0f} and "
+              f"{n_tok / comp['c']:.0f} tok/s; compiled in {comp['compile_s']:.0f} s; tokens equal in "
+              f"{comp['same']}/{len(batch)} requests)")
     return 0
 
 

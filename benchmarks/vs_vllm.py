@@ -3,6 +3,7 @@
     python benchmarks/vs_vllm.py                          # concurrency 1, 16 and 32, the embedded model
     python benchmarks/vs_vllm.py --concurrency 32 --rounds 2 --json
     python benchmarks/vs_vllm.py --venv /data/vllm-venv   # or $HETSERVE_VLLM_VENV
+    python benchmarks/vs_vllm.py --compile off,on --no-vllm   # hetserve's decode step eager vs compiled
 
 What it does, in order:
 1. makes sure a venv with vLLM's CPU build exists outside the project (default
@@ -19,6 +20,10 @@ What it does, in order:
    concurrency;
 3. prints, per concurrency, the median time per output token, the median time to first
    token and the output tokens/s of both, and the ratios.
+`--compile off,on` serves hetserve once per listed `--compile` mode in each round (default:
+the flag not passed, so `auto`: a CPU worker compiles its decode step at start, which takes
+a minute or more the first time, less from Inductor's cache); `--no-vllm` leaves vLLM out and
+compares the first mode with the others (the client still comes from vLLM's venv).
 
 Equal stopping: both servers must generate the same number of tokens, or the figures compare
 different work. If hetserve's `/v1/completions` honours `ignore_eos` (probed: a request whose
@@ -131,11 +136,16 @@ def vllm_server(vllm: Path, model: Path, port: int, log_dir: Path) -> Server:
     return Server("vllm", cmd, port, env, log_dir, "/health")
 
 
-def hetserve_server(model: Path, port: int, log_dir: Path) -> Server:
+def hetserve_server(model: Path, port: int, log_dir: Path, compile_mode: str | None = None) -> Server:
+    """`compile_mode`: hetserve's `--compile` (None: not passed, the default auto)."""
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--dtype", "bfloat16",
-           "--host", "127.0.0.1", "--port", str(port)]
-    env = {k: v for k, v in os.environ.items() if k != "HETSERVE_WORKER_CMD"}
-    return Server("hetserve", cmd, port, env, log_dir, "/health")
+           "--host", "127.0.0.1", "--port", str(port), *(["--compile", compile_mode] if compile_mode else [])]
+    env = {k: v for k, v in os.environ.items() if k not in ("HETSERVE_WORKER_CMD", "HETSERVE_COMPILE")}
+    return Server(hetserve_name(compile_mode), cmd, port, env, log_dir, "/health")
+
+
+def hetserve_name(compile_mode: str | None) -> str:
+    return "hetserve" if compile_mode is None else f"hetserve-compile-{compile_mode}"
 
 
 # -- equal stopping --------------------------------------------------------------------------
@@ -194,25 +204,33 @@ def summary(r: dict) -> dict:
 
 
 def run_server(kind: str, vllm: Path, model: Path, port: int, args, stopping: list[str], tmp: Path) -> dict:
-    server = vllm_server(vllm, model, port, tmp) if kind == "vllm" else hetserve_server(model, port, tmp)
+    """`kind`: "vllm", or hetserve's `--compile` mode ("" for the default)."""
+    server = vllm_server(vllm, model, port, tmp) if kind == "vllm" else hetserve_server(model, port, tmp, kind or None)
     try:
         return {c: summary(bench(vllm, server, model, c, args, stopping, tmp)) for c in args.concurrency}
     finally:
         server.stop()
 
 
-def print_table(rounds: list[dict], stopping_how: str) -> None:
+def print_table(rounds: list[dict], stopping_how: str, base: str) -> None:
+    """One row per concurrency, round and hetserve mode, beside `base` ("vllm", or the first mode)."""
+    name = "vLLM" if base == "vllm" else f"--compile {base}"
     print(f"vllm bench serve, random {ARGS.input_len} in / {ARGS.output_len} out, greedy; stopping: {stopping_how}")
-    print(f"{'conc':>4} {'round':>5} | {'TPOT ms hetserve':>16} {'vLLM':>6} | {'TTFT ms hetserve':>16} {'vLLM':>6} | "
-          f"{'tok/s hetserve':>14} {'vLLM':>6} {'ratio':>6} | tokens")
+    print(f"{'conc':>4} {'round':>5} {'hetserve':>20} | {'TPOT ms':>8} {name:>12} | {'TTFT ms':>8} {name:>12} | "
+          f"{'tok/s':>6} {name:>12} {'ratio':>6} | tokens")
     for c in ARGS.concurrency:
         for i, r in enumerate(rounds):
-            h, v = r["hetserve"][c], r["vllm"][c]
-            tokens = "equal" if h["output_tokens"] == v["output_tokens"] == h["expected_tokens"] else \
-                f"hetserve {h['output_tokens']}, vLLM {v['output_tokens']} of {h['expected_tokens']}"
-            print(f"{c:>4} {i + 1:>5} | {h['tpot_ms']:>16.2f} {v['tpot_ms']:>6.2f} | {h['ttft_ms']:>16.1f} "
-                  f"{v['ttft_ms']:>6.1f} | {h['output_tok_s']:>14.0f} {v['output_tok_s']:>6.0f} "
-                  f"{h['output_tok_s'] / v['output_tok_s']:>5.2f}x | {tokens}")
+            v = r[base][c]
+            for kind, runs in r.items():
+                if kind in (base, "vllm"):
+                    continue
+                h = runs[c]
+                tokens = "equal" if h["output_tokens"] == v["output_tokens"] == h["expected_tokens"] else \
+                    f"{h['output_tokens']} vs {v['output_tokens']} of {h['expected_tokens']}"
+                label = f"--compile {kind}" if kind else "default"
+                print(f"{c:>4} {i + 1:>5} {label:>20} | {h['tpot_ms']:>8.2f} {v['tpot_ms']:>12.2f} | "
+                      f"{h['ttft_ms']:>8.1f} {v['ttft_ms']:>12.1f} | {h['output_tok_s']:>6.0f} "
+                      f"{v['output_tok_s']:>12.0f} {h['output_tok_s'] / v['output_tok_s']:>5.2f}x | {tokens}")
 
 
 def parse_args(argv=None):
@@ -228,7 +246,19 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--compile", type=compile_modes, default=[""], metavar="MODE[,MODE]",
+                   help="hetserve's --compile modes, each served once per round (default: not passed, auto)")
+    p.add_argument("--no-vllm", action="store_true",
+                   help="leave vLLM's server out: compare hetserve's first --compile mode with the others")
     return p.parse_args(argv)
+
+
+def compile_modes(value: str) -> list[str]:
+    modes = value.split(",")
+    bad = [m for m in modes if m not in ("auto", "on", "off")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"`{bad[0]}` is not a --compile mode. Accepted: auto, on, off")
+    return modes
 
 
 ARGS: argparse.Namespace
@@ -241,7 +271,7 @@ def main(argv=None) -> int:
     model = args.model.resolve()
     tmp = Path(tempfile.mkdtemp(prefix="hetserve-vs-vllm-"))
     # Equal stopping (see the module docstring), decided against hetserve itself.
-    probe = hetserve_server(model, args.port, tmp)
+    probe = hetserve_server(model, args.port, tmp, "off")  # no compiling for one request
     try:
         ignore = honours_ignore_eos(probe.url, model)
     finally:
@@ -251,14 +281,17 @@ def main(argv=None) -> int:
     else:
         bias = json.dumps({"logit_bias": {str(eos_id(model)): -100}})
         stopping, how = ["--extra-body", bias], f"EOS banned on both ({bias}; hetserve lacks ignore_eos)"
+    if args.no_vllm and len(args.compile) < 2:
+        raise SystemExit("--no-vllm compares hetserve's --compile modes: give two or more, e.g. --compile off,on")
+    kinds = [*([] if args.no_vllm else ["vllm"]), *args.compile]
     rounds = []
     for i in range(args.rounds):
-        order = ("vllm", "hetserve") if i % 2 == 0 else ("hetserve", "vllm")
+        order = kinds if i % 2 == 0 else kinds[::-1]
         rounds.append({kind: run_server(kind, vllm, model, args.port + 1 + i, args, stopping, tmp) for kind in order})
     if args.json:
         print(json.dumps({"stopping": how, "rounds": rounds}, indent=2))
     else:
-        print_table(rounds, how)
+        print_table(rounds, how, args.compile[0] if args.no_vllm else "vllm")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
