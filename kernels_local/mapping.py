@@ -50,7 +50,8 @@ from workers.contract import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent
-LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE", "Fp8CheckpointLinear", "GatedDeltaRule")
+LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE", "Fp8CheckpointLinear", "GatedDeltaRule",
+          "Fp8FusedMoE")
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
@@ -218,6 +219,31 @@ _ENTRIES: tuple[_Entry, ...] = (
     _Entry("Fp8CheckpointLinear", _rocm(*_FP8_OCP_ROCM), "fp8_linear", "Fp8CheckpointLinearTritonNativeRocm",
            "native_e4m3-triton", "CDNA4 (gfx950) fp8 matrix cores on OCP e4m3fn: the checkpoint's bytes as stored, "
            "native fp8 GEMM", FP8_NATIVE),
+    # -- Fp8FusedMoE: a checkpoint's fp8 experts, the same execution as its linear layers --------
+    _Entry("Fp8FusedMoE", Device(type="cpu"), "fused_moe", "Fp8FusedMoE", "dequantized-torch",
+           "CPU: the fp8 experts dequantized once at load into the model dtype, one torch matmul pair per active "
+           "expert", FP8_DEQUANTIZED),
+    _Entry("Fp8FusedMoE", Device(type="cuda"), "fused_moe", "Fp8FusedMoE", "dequantized-torch",
+           "below sm_80 (no Triton mma): the fp8 experts dequantized at load, one cuBLAS matmul pair per active "
+           "expert", FP8_DEQUANTIZED),
+    _Entry("Fp8FusedMoE", _cuda(_FP8_WEIGHT_ONLY_CUDA, _FP8_NATIVE_CUDA - 1), "fused_moe",
+           "Fp8FusedMoETritonW8A16Sm80", "weight_only-triton", "sm_80..sm_88 lack fp8 tensor cores: Triton grouped "
+           "GEMM on the experts' e4m3 bytes decoded in registers, 16-bit mma, activations not quantized",
+           FP8_WEIGHT_ONLY),
+    _Entry("Fp8FusedMoE", _cuda(_FP8_NATIVE_CUDA, 89), "fused_moe", "Fp8FusedMoETritonNativeSm89",
+           "native_e4m3-triton", "Ada (sm_89) fp8 tensor cores: Triton grouped fp8 GEMM, activations quantized "
+           "per token or token group, pre-Hopper tiles", FP8_NATIVE),
+    _Entry("Fp8FusedMoE", _cuda(90, 99), "fused_moe", "Fp8FusedMoETritonNativeSm90", "native_e4m3-triton",
+           "Hopper (sm_90) fp8 tensor cores: Triton grouped fp8 GEMM, 64-row blocks or more", FP8_NATIVE),
+    _Entry("Fp8FusedMoE", _cuda(100, _ANY), "fused_moe", "Fp8FusedMoETritonNativeSm90", "native_e4m3-triton",
+           f"fp8 tensor cores, grouped fp8 GEMM; {_NEWER}", FP8_NATIVE),
+    _Entry("Fp8FusedMoE", Device(type="rocm"), "fused_moe", "Fp8FusedMoETritonW8A16Rocm", "weight_only-triton",
+           "ROCm arch without fp8 matrix cores: Triton grouped GEMM on e4m3fnuz bytes, 16-bit MFMA", FP8_WEIGHT_ONLY),
+    _Entry("Fp8FusedMoE", _rocm(*_FP8_FNUZ_ROCM), "fused_moe", "Fp8FusedMoETritonNativeRocm", "native_e4m3-triton",
+           "CDNA3 (gfx94x) fp8 matrix cores: the experts' bytes read as e4m3fnuz, scales doubled; grouped fp8 GEMM",
+           FP8_NATIVE),
+    _Entry("Fp8FusedMoE", _rocm(*_FP8_OCP_ROCM), "fused_moe", "Fp8FusedMoETritonNativeRocm", "native_e4m3-triton",
+           "CDNA4 (gfx950) fp8 matrix cores on OCP e4m3fn: grouped fp8 GEMM on the bytes as stored", FP8_NATIVE),
 )
 # fmt: on
 

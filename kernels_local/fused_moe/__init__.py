@@ -1,5 +1,6 @@
 """hetserve-fused-moe: the experts of a mixture-of-experts layer as a grouped GEMM in Triton
-(CUDA/ROCm, tuned per architecture) and torch (CPU)."""
+(CUDA/ROCm, tuned per architecture) and torch (CPU); a pre-quantized checkpoint's fp8 experts
+through the same grouped GEMM on e4m3 weights, weight-only or native (`fp8.py`)."""
 
 from . import layers
 from .fused_moe import (

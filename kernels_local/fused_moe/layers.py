@@ -13,6 +13,11 @@ pairs chose its expert, so it gives no such guarantee; the torch path's fixed GE
 The trade-off: deterministic serving of an MoE model runs its experts one matmul per tile.
 `COMPILE_SPECS` names, per Triton layer, the launches its forward can make (the preflight
 compiles them ahead of time); each entry's tuning is the one its forward passes.
+
+The `Fp8FusedMoE` layers run a pre-quantized checkpoint's fp8 experts (fp8.py), one execution
+each (`native`, `weight_only`, or `dequantized` for the torch layer, whose weights were widened
+at load), and refuse a module prepared for another: a buffer made for one execution never
+reaches another's kernel. Deterministic mode takes the torch path of the module's execution.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from .fp8 import fp8_compile_specs, fused_moe_fp8, fused_moe_fp8_reference
 from .fused_moe import HOPPER, PRE_HOPPER, ROCM, FusedMoETuning, compile_specs, fused_moe, fused_moe_reference
 
 
@@ -73,9 +79,83 @@ class FusedMoETritonRocm(nn.Module):
         return _triton_or_torch(self, x, topk_ids, topk_weights, ROCM)
 
 
+# -- pre-quantized checkpoints' fp8 experts (`Fp8FusedMoE`) -----------------------------------------
+
+
+def _expect(module: nn.Module, execution: str) -> None:
+    if module.execution != execution:
+        raise TypeError(f"fp8 experts layer for the `{execution}` execution got a module prepared for "
+                        f"`{module.execution}`")  # fmt: skip
+
+
+def _fp8(module: nn.Module, x, topk_ids, topk_weights, execution: str, tuning: FusedMoETuning) -> torch.Tensor:
+    _expect(module, execution)
+    if getattr(module, "row_tile", None) is not None:  # deterministic: fixed tiles, see the docstring
+        return fused_moe_fp8_reference(x, module, topk_ids, topk_weights, module.row_tile)
+    return fused_moe_fp8(x, module, topk_ids, topk_weights, native=execution == "native", tuning=tuning)
+
+
+class Fp8FusedMoE(nn.Module):
+    """Torch (CPU, and CUDA below sm_80): the experts were dequantized at load; the torch grouping."""
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        _expect(self, "dequantized")
+        return _torch_path(self, x, topk_ids, topk_weights)
+
+
+class Fp8FusedMoETritonW8A16Sm80(nn.Module):
+    """Triton weight-only (sm_80..sm_88): e4m3 bytes decoded in registers, 16-bit mma, pre-Hopper tiles."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _fp8(self, x, topk_ids, topk_weights, "weight_only", PRE_HOPPER)
+
+
+class Fp8FusedMoETritonW8A16Rocm(nn.Module):
+    """Triton weight-only on ROCm archs without fp8 matrix cores (e4m3fnuz bytes, 16-bit MFMA)."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _fp8(self, x, topk_ids, topk_weights, "weight_only", ROCM)
+
+
+class Fp8FusedMoETritonNativeSm89(nn.Module):
+    """Triton native (Ada, sm_89): fp8 operands on fp8 mma, pre-Hopper tiles."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _fp8(self, x, topk_ids, topk_weights, "native", PRE_HOPPER)
+
+
+class Fp8FusedMoETritonNativeSm90(nn.Module):
+    """Triton native, Hopper-and-later tiles (sm_90+: 64-row blocks or more, wgmma)."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _fp8(self, x, topk_ids, topk_weights, "native", HOPPER)
+
+
+class Fp8FusedMoETritonNativeRocm(nn.Module):
+    """Triton native on CDNA3 (e4m3fnuz, scales doubled) and CDNA4 (OCP e4m3fn) fp8 matrix cores."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _fp8(self, x, topk_ids, topk_weights, "native", ROCM)
+
+
 # Ahead-of-time compile specs of each Triton layer: `spec(workload) -> (CompileSpec, ...)`.
 COMPILE_SPECS = {
     "FusedMoETritonSm70": partial(compile_specs, PRE_HOPPER),
     "FusedMoETritonSm90": partial(compile_specs, HOPPER),
     "FusedMoETritonRocm": partial(compile_specs, ROCM),
+    "Fp8FusedMoETritonW8A16Sm80": partial(fp8_compile_specs, PRE_HOPPER, native=False),
+    "Fp8FusedMoETritonW8A16Rocm": partial(fp8_compile_specs, ROCM, native=False),
+    "Fp8FusedMoETritonNativeSm89": partial(fp8_compile_specs, PRE_HOPPER, native=True),
+    "Fp8FusedMoETritonNativeSm90": partial(fp8_compile_specs, HOPPER, native=True),
+    "Fp8FusedMoETritonNativeRocm": partial(fp8_compile_specs, ROCM, native=True),
 }

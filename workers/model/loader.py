@@ -202,7 +202,7 @@ def load_model(
     model = Transformer.from_config(config, torch_dtype)
     state_dict = _read_weights(model_dir, model, torch_dtype, str(device), quant)
     if quant is not None:
-        quant.install(model)  # fp8 layers as stored; the fp8 step prepares them for the device
+        quant.install(model, state_dict)  # fp8 layers as stored; the fp8 step prepares them for the device
     model.load_weights(state_dict)
     model.eval()
     bos_token = token_text(tok_cfg.get("bos_token"))

@@ -5,7 +5,8 @@ Design: `prepare_fp8_checkpoint(model, convention, device_type, capability)` ask
 `Fp8CheckpointLinear` ranges) how this device runs fp8 checkpoints, checks that the worker's locked
 convention and the kernel chosen for the layer are of that same execution (`Fp8ExecutionMismatchError`
 otherwise: a buffer made for one execution never reaches a kernel built for another), prepares each
-layer (`Fp8CheckpointLinear.prepare`) and returns the summary `/workers` shows under
+layer (`Fp8CheckpointLinear.prepare`, and the fp8 experts' `Fp8FusedMoE.prepare`, whose kernel
+`Fp8FusedMoE` is checked the same way) and returns the summary `/workers` shows under
 `fp8.checkpoint`: the execution and its reason, the bytes the weights take, and, where the device
 widens them, how many bytes that costs (also logged as a warning). The trade-off: a dequantizing
 device holds the widened weights only (the fp8 bytes are released), so its memory is what an
@@ -19,11 +20,13 @@ import logging
 from torch import nn
 
 from workers.contract import FP8_DEQUANTIZED, FP8_NATIVE, fp8_execution
+from workers.quant.experts import Fp8FusedMoE
 from workers.quant.linear import Fp8CheckpointLinear
 
 logger = logging.getLogger(__name__)
 
 LAYER = "Fp8CheckpointLinear"
+EXPERTS = "Fp8FusedMoE"
 
 
 class Fp8ExecutionMismatchError(RuntimeError):
@@ -36,11 +39,12 @@ def _check(execution, convention, plan) -> None:
         raise Fp8ExecutionMismatchError(
             f"The worker's fp8 convention `{convention.name}` ({convention.fmt}) does not fit the checkpoint "
             f"execution `{execution.kind}` ({execution.fmt}); both must come from the same device decision")
-    choice = None if plan is None else plan.choices.get(LAYER)
-    if choice is not None and choice.fp8 != execution.kind:
-        raise Fp8ExecutionMismatchError(
-            f"The `{LAYER}` kernel chosen for this device (`{choice.variant}`) runs the execution `{choice.fp8}`, "
-            f"not `{execution.kind}`; both must come from the same device decision")
+    for layer in (LAYER, EXPERTS):
+        choice = None if plan is None else plan.choices.get(layer)
+        if choice is not None and choice.fp8 != execution.kind:
+            raise Fp8ExecutionMismatchError(
+                f"The `{layer}` kernel chosen for this device (`{choice.variant}`) runs the execution `{choice.fp8}`, "
+                f"not `{execution.kind}`; both must come from the same device decision")
 
 
 def prepare_fp8_checkpoint(model: nn.Module, convention, device_type: str, capability) -> dict:
@@ -50,15 +54,19 @@ def prepare_fp8_checkpoint(model: nn.Module, convention, device_type: str, capab
     plan = getattr(model, "kernel_plan", None)
     _check(execution, convention, plan)
     # 2. each layer in the device's execution, bytes before and after
-    layers = [m for m in model.modules() if isinstance(m, Fp8CheckpointLinear)]
+    layers = [m for m in model.modules() if isinstance(m, (Fp8CheckpointLinear, Fp8FusedMoE))]
     stored = sum(m.nbytes() for m in layers)
     for m in layers:
         m.prepare(execution.kind, execution.fmt)
     now = sum(m.nbytes() for m in layers)
     choice = None if plan is None else plan.choices.get(LAYER)
-    summary = {"execution": execution.kind, "fmt": execution.fmt, "reason": execution.reason, "layers": len(layers),
+    experts = sum(isinstance(m, Fp8FusedMoE) for m in layers)
+    expert_choice = None if plan is None or not experts else plan.choices.get(EXPERTS)
+    summary = {"execution": execution.kind, "fmt": execution.fmt, "reason": execution.reason,
+               "layers": len(layers) - experts, "expert_layers": experts,
                "stored_bytes": stored, "weight_bytes": now, "widened_bytes": max(0, now - stored),
                "kernel": None if choice is None else choice.to_dict(),
+               "expert_kernel": None if expert_choice is None else expert_choice.to_dict(),
                "kept": [n for n, m in model.named_modules() if type(m) is nn.Linear]}
     # 3. said once: a device that widens the weights says how much it costs
     if execution.kind == FP8_DEQUANTIZED and layers:
