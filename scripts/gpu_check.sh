@@ -9,7 +9,8 @@
 # and are installed into a private target first. The paged decode kernel is checked and timed
 # with each layer option the model families set (head dim 256, soft-capped scores, sliding windows).
 # The fused MoE kernel is checked (tests/test_kernels_moe.py, bf16 and exact fp32) and timed
-# against its torch path on Qwen3-30B-A3B and gpt-oss-20b expert shapes. The decode step runs
+# against its torch path on Qwen3-30B-A3B and gpt-oss-20b expert shapes; the fp8 checkpoint kernels
+# (dense and experts) against their references (benchmarks/fp8_checkpoint.py --kernels). The decode step runs
 # eager (--compile off) and as CUDA graphs captured per batch bucket (--compile on), and the
 # tokens/s of both are printed at batch 1 and 32 with whether their greedy tokens agree.
 set -uo pipefail
@@ -43,6 +44,9 @@ curl -s --unix-socket "$sock" http://w/generate -H 'content-type: application/js
 kill "$wpid"; wait "$wpid"
 # 3. our Triton kernels against torch, side by side
 "$PY" benchmarks/triton_kernels.py --rounds 30 2>&1 | tee "$OUT/kernels.txt"
+# 3b. pre-quantized fp8 checkpoints' kernels (W8A16, block-scaled W8A8, the fp8 experts' grouped GEMM
+#     weight-only and native) against their torch references on this device, timed against bf16
+"$PY" benchmarks/fp8_checkpoint.py --kernels 2>&1 | tee "$OUT/fp8-checkpoint-kernels.txt"
 # 4. the preflight on the real device against `hetserve plan --compile` simulating its architecture
 "$PY" -m workers.kernelize >"$OUT/preflight-real.json" 2>"$OUT/preflight-real.log"
 arch="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["arch"])' "$OUT/preflight-real.json")"
