@@ -30,6 +30,7 @@ from workers.engine.compiled import (
     scratch_groups,
     unfit_reason,
     use_inductor_cache,
+    warm_or_eager,
 )
 from workers.engine.core import Engine
 from workers.engine.runner import ModelRunner
@@ -315,6 +316,24 @@ def test_graph_replays_keep_earlier_outputs_and_match_eager(lm, eager_tokens):
         decode.run(b)
     torch.testing.assert_close(first, kept)
     assert serve(engine, lm, 3) == eager_tokens[3]
+
+
+class FailingGraphs:
+    def capture(self, fn):
+        raise RuntimeError("capture failed: out of graph memory")
+
+
+def test_a_failed_compile_serves_eager_under_auto_and_fails_the_start_under_on(lm):
+    """Guards `warm_or_eager`: `auto` logs and goes eager, `on` raises (the start fails at `compile`)."""
+    groups = scratch_groups(same_blocks(lm.config.layer_windows, 4, layer_shapes(lm.config)))
+    pool = KVPool.for_config(lm.config, 4, BLOCK, lm.dtype, "cpu", groups)
+    decode = CompiledDecode(lm.model, pool, "cpu", (1,), "cuda-graphs", graphs=FailingGraphs())
+    auto = decide("auto", "cuda", False, False, lm.model)
+    after = warm_or_eager(auto, decode)
+    assert not after.enabled and after.backend is None and after.mode == "auto"
+    assert after.reason.startswith("auto, compiling failed (RuntimeError: capture failed: out of graph memory)")
+    with pytest.raises(RuntimeError, match="capture failed"):
+        warm_or_eager(decide("on", "cuda", False, False, lm.model), decode)
 
 
 def test_a_wrong_backend_is_named():

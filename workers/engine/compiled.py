@@ -130,6 +130,20 @@ def decide(mode: str, device_type: str, simulated: bool, deterministic: bool, mo
                                               "per start of workers that share few cores; --compile on forces it)")
 
 
+def warm_or_eager(decision: CompileDecision, compiled: CompiledDecode) -> CompileDecision:
+    """Warm `compiled` (the `compile` startup step). Under `--compile on` a failure fails the
+    start; under `auto` it is logged and the worker serves eager: the decision returned says so."""
+    try:
+        compiled.warm()
+        return decision
+    except Exception as e:
+        if decision.mode == "on":
+            raise
+        logger.exception("decode step: compiling failed; serving eager")
+        return replace(decision, enabled=False, backend=None,
+                       reason=f"auto, compiling failed ({type(e).__name__}: {str(e)[:200]}): eager")
+
+
 _BACKEND_WHY = {
     "inductor": "torch.compile (Inductor) of the decode step per batch bucket",
     "cuda-graphs": "one CUDA/HIP graph of the decode step per batch bucket",

@@ -244,11 +244,15 @@ class WorkerServer:
         step); what `/capability` then says of it, in one line."""
         if self.compiled is None:
             return self.compile_decision.reason
-        from workers.engine.compiled import use_inductor_cache
+        from workers.engine.compiled import use_inductor_cache, warm_or_eager
 
         if self.compiled.backend == "inductor":  # beside this architecture's Triton cache
             logger.info("Inductor cache %s", use_inductor_cache())
-        self.compiled.warm()
+        self.compile_decision = warm_or_eager(self.compile_decision, self.compiled)
+        if not self.compile_decision.enabled:  # `auto` and compiling failed: every step eager
+            self.engine.runner.compiled = self.compiled = None
+            self.info.compile = self._compile_description()
+            return self.compile_decision.reason
         self.info.compile = self._compile_description()
         return f"{self.compiled.backend}, buckets {list(self.compiled.buckets)} in {self.compiled.seconds:.1f}s"
 
