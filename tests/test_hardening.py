@@ -213,7 +213,9 @@ def test_clients_that_stop_reading_are_cut_off_and_free_their_slots():
                                                               "stream": True}))  # the OpenAI merge of 2 choices
         r.wait_for(lambda: counter(r, "hetserve_router_client_write_timeouts_total") - before_cuts == 3,
                    timeout=15, interval=0.2)
-        assert rss_bytes(r.proc.pid) - before_rss < 16 << 20  # 4 x 8 MiB were asked for; ~1 MiB per buffer held
+        # 4 x 8 MiB were asked for: about 13 MiB held here (a buffer per stream and merge, the transports),
+        # 43 MiB and growing with unbounded buffers
+        assert rss_bytes(r.proc.pid) - before_rss < 26 << 20
         assert _generated(r) < 4 * 512  # the worker was held back, then its requests cancelled
         r.wait_for(lambda: r.workers()[0]["load"]["running"] == 0, timeout=5, interval=0.1)
         with r.client() as c:  # every slot is free again
