@@ -2,7 +2,7 @@
 completions, Responses, Messages) with the real `openai` and `anthropic` clients against a
 real router and worker.
 
-Three tiny Qwen3 checkpoints (tests/family_checkpoints.py) whose weights are edited into lookup
+Tiny Qwen3 checkpoints (tests/family_checkpoints.py) whose weights are edited into lookup
 tables (tests/forced_output.py), so greedy decoding writes a fixed text and the server must
 read it back as the model's template defines it, with no grammar (`tool_choice` auto):
 - a Hermes-style template (Qwen2.5/Qwen3's: tools listed in `<tools>`, calls in
@@ -11,7 +11,9 @@ read it back as the model's template defines it, with no grammar (`tool_choice` 
   (arguments first: the one key order a 4-token window tells apart; the parser takes either).
   The parser is chosen from the template (`--tool-call-parser auto`);
 - a Llama 3.1-style template (the tools and its JSON instruction, `"parameters": dictionary of
-  argument name`, in the user turn), answering with a bare JSON call (llama3_json);
+  argument name`, in the user turn), answering with a bare JSON call (llama3_json); a Mistral
+  template with `[TOOL_CALLS]NAME[ARGS]{...}` whose two tags are special tokens (mistral); a
+  template showing pythonic calls, answering `[get_weather(city="Paris")]` (pythonic);
 - the thinking template of tests/test_e2e_reasoning.py, answering with `abc</think>answer`:
   a `reasoning` item in Responses, a `thinking` block in Messages;
 and gpt-oss's harmony checkpoint of tests/test_e2e_harmony.py through Responses and Messages.
@@ -59,6 +61,28 @@ LLAMA3_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 LLAMA3_CALL = '{"parameters": {"city": "Paris"}, "name": "get_weather"}'
+# Mistral's (v11 tokenizers: `[TOOL_CALLS]NAME[ARGS]{...}`, both tags special tokens, as in tekken)
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{{- '[INST]' + message.content + '[/INST]' }}"
+    "{%- elif message.tool_calls %}{%- for call in message.tool_calls %}{{- '[TOOL_CALLS]' + call.function.name"
+    " + '[ARGS]' + (call.function.arguments | tojson) }}{%- endfor %}{{- '</s>' }}"
+    "{%- else %}{{- message.content + '</s>' }}{%- endif %}{%- endfor %}"
+)
+MISTRAL_CALL = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+# pythonic (Llama 3.2 / 4 style): the template shows a Python list of calls
+PYTHONIC_TEMPLATE = (
+    "{%- for message in messages %}{{- message.role + ': ' }}"
+    "{%- if tools and loop.last and message.role == 'user' %}{{- 'Call functions as [func_name1(params_name1="
+    "params_value1), func_name2(...)] from: ' + (tools | tojson) + '\\n' }}{%- endif %}"
+    "{{- message.content + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}"
+)
+PYTHONIC_CALL = '[get_weather(city="Paris")]'
+FORMATS = {  # parser -> (template, the call, special tokens)
+    "llama3_json": (LLAMA3_TEMPLATE, LLAMA3_CALL, ()),
+    "mistral": (MISTRAL_TEMPLATE, MISTRAL_CALL, ("[TOOL_CALLS]", "[ARGS]")),
+    "pythonic": (PYTHONIC_TEMPLATE, PYTHONIC_CALL, ()),
+}
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The forecast.", "parameters": CITY}}
 ASK_TOOL = [{"role": "user", "content": "Weather in Paris?"}]
@@ -67,14 +91,17 @@ VOCAB = 4104  # the embedded tokenizer's 4096 and the two tags, rounded up to a 
 EOS = 2
 
 
-def _tool_checkpoint(out, template: str, call: str, added: tuple[str, ...] = ()):
-    """The tiny Qwen3 checkpoint whose greedy answer to ASK_TOOL with WEATHER, in `template`, is `call`."""
+def _tool_checkpoint(out, template: str, call: str, added: tuple[str, ...] = (), special: tuple[str, ...] = ()):
+    """The tiny Qwen3 checkpoint whose greedy answer to ASK_TOOL with WEATHER, in `template`, is
+    `call`; `added` and `special` tokens join its tokenizer (special ones are left out of the
+    answer's text unless the format reads them)."""
     from tokenizers import AddedToken, Tokenizer
 
     make_family_checkpoint("qwen3", out)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    if added:
+    if added or special:
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
         tokenizer.save(str(out / "tokenizer.json"))
         grow_vocab(out, VOCAB)
     config = json.loads((out / "config.json").read_text())
@@ -101,11 +128,12 @@ def hermes(tmp_path_factory):
     assert not router.orphans
 
 
-@pytest.fixture(scope="module")
-def llama3(tmp_path_factory):
-    ckpt, generated = _tool_checkpoint(tmp_path_factory.mktemp("llama3-json"), LLAMA3_TEMPLATE, LLAMA3_CALL)
+@pytest.fixture(scope="module", params=list(FORMATS))
+def family(request, tmp_path_factory):
+    template, call, special = FORMATS[request.param]
+    ckpt, generated = _tool_checkpoint(tmp_path_factory.mktemp(request.param), template, call, special=special)
     router = _serve(ckpt)
-    yield router, generated
+    yield router, generated, request.param
     router.stop()
     assert not router.orphans
 
@@ -189,8 +217,10 @@ def test_hermes_calls_come_back_as_tool_use_blocks_streamed_and_not(hermes):
     assert [b.type for b in final.content] == ["tool_use"] and final.stop_reason == "tool_use"
 
 
-def test_llama3_json_calls_come_back_as_tool_calls_in_all_three_shapes(llama3):
-    router, generated = llama3
+def test_each_family_format_comes_back_as_tool_calls_in_all_three_shapes(family):
+    """Llama 3 JSON, Mistral (its tags special tokens) and pythonic calls, the parser chosen
+    from each template (`--tool-call-parser auto`), streamed and not."""
+    router, generated, parser = family
     client = _openai(router)
     kw = dict(model="m", messages=ASK_TOOL, tools=[WEATHER], max_tokens=64, **GREEDY)
     r = client.chat.completions.create(**kw)
@@ -209,6 +239,7 @@ def test_llama3_json_calls_come_back_as_tool_calls_in_all_three_shapes(llama3):
     m = _anthropic(router).messages.create(model="m", max_tokens=64, messages=ASK_TOOL, extra_body=GREEDY,
                                            tools=[{"name": "get_weather", "input_schema": CITY}])
     assert [(b.type, b.input) for b in m.content] == [("tool_use", {"city": "Paris"})]
+    assert f"tool-call parser: {parser} (the chat template writes" in router.output()  # chosen, not defaulted
 
 
 def test_thinking_is_a_reasoning_item_and_a_thinking_block(thinking):
