@@ -188,7 +188,7 @@ _ENTRIES: tuple[_Entry, ...] = (
         "pre-Hopper (sm_70..sm_89): Triton, 16-token chunks over 32 of the state's columns per program, the "
         "key dim in 16-wide blocks (fp32 ieee dots), one-step decode kernel, 4 warps",
         "Hopper (sm_90): Triton, 16-token chunks over 64 of the state's columns per program, the key dim in "
-        "16-wide blocks (fp32 ieee dots), one-step decode kernel, 8 warps",
+        "16-wide blocks (fp32 ieee dots), one-step decode kernel, 16 warps",
         "Triton, 16-token chunks over 64 of the state's columns per program, the key dim in 32-wide blocks "
         "(fp32 MFMA), tuned for CDNA's 64-lane wavefronts"),
     # -- Fp8CheckpointLinear: pre-quantized checkpoints, the execution from the fp8 rule --------

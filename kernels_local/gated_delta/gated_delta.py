@@ -35,11 +35,12 @@ bf16-operand variant could buy back at the cost of the state's precision.
 
 Launch configurations (`GatedDeltaTuning`): `CHUNK` tokens, `BV` state columns per program,
 `BK` key columns per block, warps; `DK` is the key head dim's next power of two. Each one
-compiles without spills on its targets (`hetserve plan --compile`: 234, 175 and 215
-registers per thread at head dim 128 on sm_80, sm_90 and gfx942):
+compiles without spills on its targets for head dims 64 to 512 (`hetserve plan --compile`;
+at head dim 128 the chunked kernel takes 234, 102 and 215 registers per thread on sm_80,
+sm_90 and gfx942):
 - pre-Hopper (sm_70..sm_89): 16-token chunks, 16 key columns, 32 state columns, 4 warps;
-- Hopper and later (sm_90+): 16-token chunks, 16 key columns, 64 state columns, 8 warps
-  (32-token chunks spilled);
+- Hopper and later (sm_90+): 16-token chunks, 16 key columns, 64 state columns, 16 warps
+  (32-token chunks, and 8 warps on sm_100, spilled);
 - ROCm (64-lane wavefronts, fp32 MFMA): 16-token chunks, 32 key columns, 64 state columns,
   4 wavefronts.
 Row strides, slots and counts are runtime integers that Triton does not specialize, so one
@@ -285,7 +286,7 @@ def gated_delta_reference(q, k, v, g, beta, state: torch.Tensor, decode_rows, de
 # -- launches ---------------------------------------------------------------------------------
 
 
-STEP_STATE_REGISTERS = 64  # fp32 state values per thread in the decode kernel (of 255 registers)
+STEP_STATE_REGISTERS = 32  # fp32 state values per thread in the decode kernel (64 spilled at 16 warps)
 
 
 @dataclass(frozen=True)
@@ -310,7 +311,7 @@ class GatedDeltaTuning:
 
 
 PRE_HOPPER = GatedDeltaTuning("sm70", chunk=16, block_v=32, num_warps=4, block_k=16)
-HOPPER = GatedDeltaTuning("sm90", chunk=16, block_v=64, num_warps=8, block_k=16)
+HOPPER = GatedDeltaTuning("sm90", chunk=16, block_v=64, num_warps=16, block_k=16)
 ROCM = GatedDeltaTuning("rocm", chunk=16, block_v=64, num_warps=4, block_k=32)
 TUNINGS = {t.name: t for t in (PRE_HOPPER, HOPPER, ROCM)}
 
