@@ -34,7 +34,8 @@ Compiled code lives per process; Inductor's on-disk cache per architecture, besi
 architecture's Triton cache (`use_inductor_cache`), never shared across devices.
 Trade-off: a bucket computes up to twice the rows it needs (31 rows run as 32; 17 as 32), and
 on the CPU every row attends the longest row's table width (masked), for one call instead of
-hundreds; compile time at start (Inductor: seconds per bucket; graphs: well under one).
+hundreds; compile time at start (Inductor: 22-43 s for the embedded model's six buckets on 2
+loaded cores, the lower from its on-disk cache; graph capture: not measured on a GPU yet).
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def decide(mode: str, device_type: str, simulated: bool, deterministic: bool, mo
 
     `auto` compiles where it was measured to help: CUDA/HIP graphs on a real GPU (the step's
     launches replay as one; capture takes well under a second per bucket), and Inductor on a
-    CPU worker that is not simulating a GPU (benchmarks/vs_vllm.py: about half the step time
-    of the embedded model at batch 1 and 32). A simulated GPU stays eager under `auto`: it is
+    CPU worker that is not simulating a GPU (`benchmarks/vs_vllm.py --no-vllm --compile off,on`,
+    the embedded model in bfloat16: 1.3-2.2x the output tokens/s at concurrency 1, 0.95-1.6x
+    at 16 and 32; not measured on a real GPU yet: scripts/gpu_check.sh). A simulated GPU stays eager under `auto`: it is
     how tests and demos run many workers on few cores, where tens of seconds of compiling per
     start cost more than they save. `off` never compiles; deterministic mode never does (its
     fixed row tiles and attention splits are what it guarantees, and a compiled graph fuses
