@@ -119,9 +119,14 @@ def _serve(ckpt):
 
 
 @pytest.fixture(scope="module")
-def hermes(tmp_path_factory):
-    ckpt, generated = _tool_checkpoint(tmp_path_factory.mktemp("qwen3-hermes"), HERMES_TEMPLATE, CALL,
-                                       ("<tool_call>", "</tool_call>"))
+def hermes_ckpt(tmp_path_factory):
+    return _tool_checkpoint(tmp_path_factory.mktemp("qwen3-hermes"), HERMES_TEMPLATE, CALL,
+                            ("<tool_call>", "</tool_call>"))
+
+
+@pytest.fixture(scope="module")
+def hermes(hermes_ckpt):
+    ckpt, generated = hermes_ckpt
     router = _serve(ckpt)
     yield router, generated
     router.stop()
@@ -308,3 +313,17 @@ def test_harmony_reads_into_responses_items_and_messages_blocks(harmony):
         final = stream.get_final_message()
     assert [(b.type, getattr(b, "input", None)) for b in final.content] == [("tool_use", {"city": "Paris"})]
     assert final.stop_reason == "tool_use"
+
+
+def test_tool_call_parser_none_returns_the_models_text_as_content(hermes_ckpt):
+    """`--tool-call-parser none` overrides the template's choice: the same output, no call read."""
+    router = RouterProcess(["--model", str(hermes_ckpt[0]), "--dtype", "float32", "--tool-call-parser", "none"],
+                           fake=False, ready_timeout=120)
+    try:
+        r = _openai(router).chat.completions.create(model="m", messages=ASK_TOOL, tools=[WEATHER], max_tokens=64,
+                                                    **GREEDY)
+        assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.content == CALL
+        assert "tool-call parser: none (--tool-call-parser none)" in router.output()
+    finally:
+        router.stop()
