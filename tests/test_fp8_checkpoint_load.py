@@ -174,8 +174,8 @@ def _edited(src, dst, edit):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda q: q.update(quant_method="awq"), r"Unsupported quantization method `awq`\. Supported: "
-                                             r"compressed-tensors; fp8"),
+    (lambda q: q.update(quant_method="hqq"), r"Unsupported quantization method `hqq`\. Supported: "
+                                             r"awq; compressed-tensors; fp8; gptq"),
     (lambda q: q["config_groups"]["group_0"].update(format="pack-quantized"),
      r"`pack-quantized`\. Supported: float-quantized; naive-quantized"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=64),

@@ -5,26 +5,31 @@ config's `quant_method`) and `read(qc) -> QuantConfig`; `read_quantization(hf_co
 method up here, so adding a method is adding a module and a line. A checkpoint without
 `quantization_config` is served unquantized (None); an unknown method is an
 `UnsupportedQuantizationError` naming it and listing the registered ones, raised at load (and by
-`hetserve plan --model`, which reads the same config). The trade-off: the registry knows only the
+`hetserve plan --model`, which reads the same config). The 4-bit formats (GPTQ, AWQ, compressed-
+tensors `pack-quantized`) are asked first through one hook (`int4_methods.handles`), since
+compressed-tensors names both its fp8 and its 4-bit formats with one method. The trade-off: the registry knows only the
 methods whose layers exist; a method name alone never makes a checkpoint load.
 """
 
 from __future__ import annotations
 
-from workers.quant import compressed_tensors, fp8_blockwise
+from workers.quant import compressed_tensors, fp8_blockwise, int4_methods
+from workers.quant.int4_scheme import Int4Config
 from workers.quant.scheme import QuantConfig, unsupported
 
 METHODS = {m.NAME: m.read for m in (compressed_tensors, fp8_blockwise)}
 
 
-def read_quantization(hf_config: dict) -> QuantConfig | None:
-    """The checkpoint's `QuantConfig`, or None when `config.json` has no `quantization_config`."""
+def read_quantization(hf_config: dict) -> QuantConfig | Int4Config | None:
+    """The checkpoint's `QuantConfig` (fp8) or `Int4Config` (4-bit), or None without `quantization_config`."""
     qc = hf_config.get("quantization_config")
     if not qc:
         return None
+    if int4_methods.handles(qc):  # GPTQ, AWQ, compressed-tensors pack-quantized (workers/quant/int4_methods.py)
+        return int4_methods.read(qc)
     method = qc.get("quant_method")
     if method not in METHODS:
-        raise unsupported("quantization method", method, sorted(METHODS))
+        raise unsupported("quantization method", method, sorted({*METHODS, *int4_methods.METHODS}))
     return METHODS[method](qc)
 
 
