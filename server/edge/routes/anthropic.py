@@ -6,33 +6,35 @@ Anthropic's shape (server/edge/errors.py). A request is translated into a chat r
 (server/protocol/anthropic/requests.py) and served by the chat pipeline
 (server/edge/routes/_chat.py: the same template, tools in the model's own format, grammar,
 reasoning), then shaped as a message with content blocks, whole or as Anthropic's stream
-events (server/protocol/anthropic/messages.py); a stream's prompt is counted by a worker while
-the stream opens, so `message_start` carries `input_tokens` as Anthropic's does.
+events (server/protocol/anthropic/messages.py); a stream's prompt is counted by the worker that
+took it, once it has, so `message_start` carries `input_tokens` as Anthropic's does.
 `count_tokens` renders the same prompt and asks a worker to count its tokens, as the worker
 would encode it to generate.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
+import logging
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from server.dispatch.dispatcher import DispatchError, WorkerReply
+from server.dispatch.dispatcher import WorkerReply
 from server.dispatch.migration import open_client_stream
 from server.edge.context import ModelContext, get_ctx
 from server.edge.routes._chat import ChatJob, prepare_chat, relay_choice, worker_failure
 from server.edge.routes._common import RelayResponse, check_new_tokens, constraints
 from server.edge.routes._params import check_fields, with_headers
+from server.fleet.client import WorkerGone
 from server.protocol.anthropic.messages import MessageEvents, message_id, message_object, usage
 from server.protocol.anthropic.requests import MessagesBase, MessagesRequest, chat_request
 from server.protocol.openai.choices import ChoiceStream, chat_choice
 from server.protocol.openai.requests import ChatCompletionRequest
 
+logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 
 _ERRORS = {code: {"description": "Anthropic-shaped error"} for code in (400, 401, 404, 413, 422, 429, 503)}
@@ -61,14 +63,13 @@ async def _message(req: MessagesRequest, request: Request) -> Response:
     c = constraints(request, req.metadata.user_id if req.metadata else None, ctx.name)
     spec, body, mid = job.specs[0], job.bodies[0], message_id()
     if req.stream:
-        opened, counted = await asyncio.gather(open_client_stream(ctx.dispatcher, "/generate_stream", body, c),
-                                               _count(ctx, job.prompt, c))
+        opened = await open_client_stream(ctx.dispatcher, "/generate_stream", body, c)
         if isinstance(opened, WorkerReply):
             return worker_failure(request.url.path, opened)
         writer, choice = MessageEvents(mid, ctx.model_id(), req.stop_sequences), ChoiceStream(spec, chat=True)
 
         async def events():
-            yield writer.start(counted.get("count", 0))
+            yield writer.start(await _count(opened.worker, job.prompt))
             async for frames in relay_choice(opened, choice, writer, ctx):
                 yield frames
 
@@ -83,14 +84,16 @@ async def _message(req: MessagesRequest, request: Request) -> Response:
                         headers=reply.headers)
 
 
-async def _count(ctx: ModelContext, prompt: str, c) -> dict:
-    """A worker's `/tokenize` answer for `prompt` (`{}` when none gives one: the count is a hint,
-    `message_delta` carries the generating worker's own)."""
+async def _count(worker, prompt: str) -> int:
+    """The prompt's tokens, counted by the worker generating from it (asked directly: no routing,
+    no admission slot); 0 when it cannot say (the count is a hint: `message_delta` carries the
+    worker's own at the end)."""
     try:
-        reply = await ctx.dispatcher.generate("/tokenize", {"inputs": prompt}, c)
-    except DispatchError:
-        return {}
-    return json.loads(reply.content) if reply.status == 200 else {}
+        status, _, content = await worker.client.post("/tokenize", {"inputs": prompt})
+        return int(json.loads(content)["count"]) if status == 200 else 0
+    except (*WorkerGone, ValueError, KeyError) as e:  # gone meanwhile (the stream says so), or no count
+        logger.info("no prompt count from %s: %r", worker.id, e)
+        return 0
 
 
 @router.post("/messages/count_tokens", response_model=None, responses=_ERRORS)

@@ -7,8 +7,8 @@ per tool call (`input` the arguments as an object). `stop_reason`: `tool_use` wh
 tool, `max_tokens` when the length limit cut it, `stop_sequence` (with `stop_sequence` the
 string) when one of `stop_sequences` ended it, else `end_turn`.
 
-Streams (`MessageEvents`): `message_start` (usage so far: the prompt's tokens, counted by a
-worker while the stream opens), `ping`, then per block
+Streams (`MessageEvents`): `message_start` (usage so far: the prompt's tokens, counted by the
+worker that took the stream), `ping`, then per block
 `content_block_start`, its deltas (`thinking_delta`, `text_delta`, `input_json_delta` with the
 arguments as the model writes them) and `content_block_stop`; at the end `message_delta`
 (stop reason and usage, `input_tokens` included, as the generating worker reports them at the end)
