@@ -167,3 +167,20 @@ def test_experts_quantized_in_part_are_refused_naming_them(checkpoints, tmp_path
     with pytest.raises(UnsupportedQuantizationError, match=r"Unsupported quantized tensor "
                                                            r"`model\.layers\.0\.mlp\.experts\.3\.down_proj"):
         load_model(ckpt, "float32")
+
+
+@pytest.mark.parametrize("device", ["cpu", "sm_80", "sm_90"])
+def test_deterministic_mode_tiles_the_fp8_layers_so_a_row_ignores_its_batch_mates(checkpoints, device):
+    """Guards `_is_projection` in workers/model/deterministic.py naming `Fp8CheckpointLinear` (and the
+    experts' `row_tile`): under `--deterministic` a pre-quantized checkpoint's projections and experts
+    run in fixed row tiles, so a sequence's logits are the same alone and beside others."""
+    from workers.model.deterministic import enable_deterministic
+
+    lm, _ = _load(checkpoints["qwen3_moe", "block"], device, "bfloat16")
+    plan = enable_deterministic(lm.model)
+    fp8 = sum(type(m).__name__ in ("Fp8CheckpointLinear", "Fp8FusedMoE") for m in lm.model.modules())
+    assert plan.projections >= fp8 > 0
+    batch = torch.cat([PROMPTS, torch.randint(3, 4000, (5, PROMPTS.shape[1]), generator=torch.Generator().manual_seed(1))])
+    with torch.no_grad():
+        together, alone = lm.model(batch), lm.model(PROMPTS[:1])
+    assert torch.equal(together[0], alone[0])

@@ -84,7 +84,7 @@ class DeterministicPlan:
 
 
 def _is_projection(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Fp8Linear"
+    return isinstance(module, nn.Linear) or type(module).__name__ in ("Fp8Linear", "Fp8CheckpointLinear")
 
 
 def tiled_rows(forward, x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -125,6 +125,8 @@ def enable_deterministic(model: nn.Module, row_tile: int = ROW_TILE, kv_split: i
         if hasattr(module, "row_tile"):  # experts (workers/model/moe.py): each expert's rows in fixed tiles
             module.row_tile = row_tile
             projections += 1
+        if hasattr(module, "token_by_token"):  # Gated DeltaNet rules: every token one recurrent step, however chunked
+            module.token_by_token = True
     plan = DeterministicPlan(row_tile, kv_split, projections)
     logger.info("deterministic mode: %d projections in %d-row tiles, attention in %d-position splits",
                 projections, row_tile, kv_split)
