@@ -5,7 +5,7 @@ socket with /health, /capability, /generate, /generate_stream, /metrics, the X-W
 headers, 422/429/503 JSON errors) and produces deterministic text: token i is ` t{i}` (id
 100 + i); a request with `resume_ids` goes on from token len(resume_ids), as a real worker
 continues a migrated stream; `/tokenize` gives a token per word, `/detokenize` ` t{id - 100}`
-per id. `/health` reports engine liveness (`engine.pending`,
+per id, `/embed` `[length, 1]` per input. `/health` reports engine liveness (`engine.pending`,
 `engine.last_step_age_s`). Behaviour for tests comes from the environment:
 
   FAKE_FAIL_STEP=kernelize     write a `failed` status at that step and exit 3
@@ -244,7 +244,7 @@ def build_app(args) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await request.json()
-        words = body["inputs"].split()  # a token per word, id 100 + its length
+        words = body["prompt"].split()  # a token per word, id 100 + its length
         return JSONResponse({"count": len(words), "tokens": [100 + len(w) for w in words],
                              "token_strs": words if body.get("return_token_strs") else None,
                              "max_model_len": 512}, headers=headers)
@@ -253,6 +253,13 @@ def build_app(args) -> FastAPI:
     async def detokenize(request: Request):
         tokens = (await request.json())["tokens"]
         return JSONResponse({"prompt": "".join(f" t{t - 100}" for t in tokens)}, headers=headers)
+
+    @app.post("/embed")
+    async def embed(request: Request):
+        inputs = (await request.json())["inputs"]  # a vector per input: [its length, 1]
+        return JSONResponse({"embeddings": [[float(len(item)), 1.0] for item in inputs],
+                             "tokens": [len(item) if isinstance(item, list) else len(item.split()) for item in inputs]},
+                            headers=headers)
 
     return app
 

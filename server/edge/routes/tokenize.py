@@ -72,7 +72,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> Response:
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
         text = render_prompt(ctx, chat, req.add_generation_prompt)
-    body = {"inputs": text, "add_special_tokens": req.add_special_tokens, "return_token_strs": req.return_token_strs}
+    body = {"prompt": text, "add_special_tokens": req.add_special_tokens, "return_token_strs": req.return_token_strs}
     reply = await ctx.dispatcher.generate("/tokenize", body, constraints(request, None, ctx.name))
     if reply.status != 200:
         return worker_failure(request.url.path, reply)

@@ -3,8 +3,10 @@
 The router's `/tokenize`, `/detokenize` (vLLM's shapes) and Anthropic's `count_tokens` ask a
 worker, so a count is the count of the tokens a generation request with the same text would
 be given (the same tokenizer, the same special-token handling: `add_special_tokens` true is
-what `/generate` does with `inputs`). Long texts are encoded off the event loop. Token ids
-outside the vocabulary are a 422 naming the first one.
+what `/generate` does with `inputs`). The text comes as `prompt` (vLLM's name), not `inputs`:
+the router's routing reads a body's `inputs` as a prompt to be cached on the worker it picks,
+and a count caches nothing. Long texts are encoded off the event loop. Token ids outside the
+vocabulary are a 422 naming the first one.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ _INLINE_CHARS = 4096  # longer texts are encoded on a thread
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    inputs: str = Field(max_length=4_000_000)
+    prompt: str = Field(max_length=4_000_000)
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool = False
 
-    @field_validator("inputs")
+    @field_validator("prompt")
     @classmethod
     def _unicode(cls, value: str) -> str:
-        return valid_unicode(value, "inputs")
+        return valid_unicode(value, "prompt")
 
 
 class DetokenizeRequest(BaseModel):
@@ -47,9 +49,9 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict:
     ctx = get_ctx(request)
 
     def encode():
-        return ctx.tokenizer.encode(req.inputs, add_special_tokens=req.add_special_tokens)
+        return ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
-    encoding = await asyncio.to_thread(encode) if len(req.inputs) > _INLINE_CHARS else encode()
+    encoding = await asyncio.to_thread(encode) if len(req.prompt) > _INLINE_CHARS else encode()
     return {"count": len(encoding.ids), "tokens": list(encoding.ids),
             "token_strs": list(encoding.tokens) if req.return_token_strs else None,
             "max_model_len": ctx.info.model.context_length}
