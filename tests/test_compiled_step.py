@@ -318,6 +318,38 @@ def test_graph_replays_keep_earlier_outputs_and_match_eager(lm, eager_tokens):
     assert serve(engine, lm, 3) == eager_tokens[3]
 
 
+def test_a_sliding_group_with_fewer_blocks_than_the_context(tmp_path):
+    """Guards `max_width` from the context: a sliding group's table outgrows the group's blocks."""
+    from dataclasses import replace
+
+    from tests.family_checkpoints import make_family_checkpoint
+
+    gemma = load_model(make_family_checkpoint("gemma3", tmp_path / "gemma3"), "float32")
+
+    def run(compiled: bool) -> list[list[int]]:
+        groups = same_blocks(gemma.config.layer_windows, BLOCKS, layer_shapes(gemma.config))
+        groups = tuple(replace(g, num_blocks=3) if g.window is not None else g for g in groups)  # 48 positions
+        assert len(groups) == 2
+        groups = scratch_groups(groups) if compiled else groups
+        pool = KVPool.for_config(gemma.config, BLOCKS, BLOCK, gemma.dtype, "cpu", groups)
+        shapes = scheduler_shapes(pool) if compiled else pool.group_shapes
+        decode = None
+        if compiled:
+            decode = CompiledDecode(gemma.model, pool, "cpu", (1, 2), "inductor", dynamo_backend="aot_eager")
+            decode.warm()
+        config = SchedulerConfig(2, gemma.config.context_length, shapes[0][1], BLOCK, 2048, False,
+                                 eos_token_ids=(), kv_groups=shapes)
+        engine = Engine(ModelRunner(gemma.model, pool, "cpu", compiled=decode), Scheduler(config), gemma.tokenizer,
+                        max_queue=8)
+        streams = [engine.submit(gemma.tokenizer.encode(p).ids, SamplingParams.create(max_new_tokens=n))
+                   for p, n in (("Hello there", 70), ("Once upon", 60))]
+        while engine.step():
+            pass
+        return [[e.token_id for e in s.events] for s in streams]
+
+    assert run(True) == run(False)
+
+
 class FailingGraphs:
     def capture(self, fn):
         raise RuntimeError("capture failed: out of graph memory")

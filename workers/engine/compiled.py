@@ -288,8 +288,9 @@ class CompiledDecode:
         self.buckets = tuple(sorted(buckets))
         self.scratch = tuple(g.num_blocks - 1 for g in kv.groups)
         bs = kv.block_size
-        context = min(model.config.context_length, min(g.num_blocks - 1 for g in kv.groups) * bs)
-        self.max_width = -(-context // bs)
+        # a table has an entry per block of the sequence in every group, a sliding group's freed
+        # ones included (placeholders), so the context, not the group's blocks, bounds its width
+        self.max_width = -(-model.config.context_length // bs)
         self.min_width = MIN_WIDTH if backend == "inductor" else 1
         self.max_pos = model.config.context_length - 1
         self._buckets = {b: _Bucket(b, len(kv.groups), self.max_width, bs, self.max_pos, self.device)
