@@ -167,3 +167,29 @@ def test_plan_shows_the_linear_layers_their_kernel_and_state(tmp_path, capsys):
     lines = render_attention(hopper)
     assert "  linear attention (gated_deltanet): layers [0, 1, 2], 2 key heads of 16, 4 value heads of 16" in lines
     assert any("recurrent [4, 16, 16] fp32" in line for line in lines), lines
+
+
+def test_deterministic_mode_gives_the_same_numbers_however_the_prompt_is_chunked(tmp_path):
+    """`--deterministic` (workers/model/deterministic.py `enable_deterministic`) turns every
+    DeltaNet's `token_by_token` on, so a prompt prefilled in 7-token steps and in one step give
+    bit-identical logprobs: the chunked form's sums would depend on where the steps cut it.
+    Guards the `token_by_token` line of `enable_deterministic`."""
+    from workers.model.deterministic import enable_deterministic
+
+    ours = load_model(make_family_checkpoint("qwen3_5", tmp_path), "float32")
+    enable_deterministic(ours.model)
+    rules = [m for m in ours.model.modules() if hasattr(m, "token_by_token")]
+    assert len(rules) == 3 and all(m.token_by_token for m in rules)
+    prompt = torch.randint(3, 4096, (90,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def run(budget: int) -> list[float]:
+        pool = ours.model.new_kv_pool(64, 4, state_slots=1)
+        config = SchedulerConfig(1, 512, 64, 4, budget, False, eos_token_ids=(), state_slots=1)
+        engine = Engine(ModelRunner(ours.model, pool, "cpu", mirror=False), Scheduler(config), ours.tokenizer,
+                        max_queue=2)  # fmt: skip
+        stream = engine.submit(prompt, SamplingParams.create(max_new_tokens=6))
+        while engine.step():
+            pass
+        return [(e.token_id, e.logprob) for e in stream.events]
+
+    assert run(7) == run(128)
