@@ -93,6 +93,8 @@ def test_a_streamed_response_sends_openais_events_in_order_and_ends_with_the_who
                                                                       whole.usage.output_tokens)
     cut = list(client.responses.create(model="m", input=ASK, max_output_tokens=3, temperature=0, stream=True))
     assert cut[-1].type == "response.incomplete" and cut[-1].response.usage.output_tokens == 3
+    stored = client.responses.retrieve(final.id)  # a streamed response is stored as it ended
+    assert (stored.output_text, stored.output[0].id) == (final.output_text, final.output[0].id)
 
 
 def test_previous_response_id_continues_a_stored_response_and_store_false_keeps_nothing(client):
