@@ -103,9 +103,14 @@ def _perturb_unit_scales(model, seed: int) -> None:
 def make_family_checkpoint(case: str, out: Path, seed: int = 0) -> Path:
     """Write case `case`'s checkpoint (config.json, model.safetensors, generation config, tokenizer) to `out`."""
     import torch
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type, options = CASES[case]
+    if model_type not in CONFIG_MAPPING:  # an older transformers: say so rather than fail somewhere inside it
+        raise RuntimeError(f"transformers {transformers.__version__} ships no config class for `{model_type}` "
+                           f"(case `{case}`); its reference is what this case is proven against: upgrade transformers")
     cfg = AutoConfig.for_model(model_type, **{**BASE, **options})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
