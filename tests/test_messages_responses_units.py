@@ -113,3 +113,27 @@ def test_the_response_store_keeps_the_latest_within_its_bounds():
     small.put("a", [{"text": "x" * 150}], {})
     small.put("b", [{"text": "y" * 150}], {})  # over the characters: the older goes
     assert small.get("a") is None and small.get("b") is not None
+
+
+def test_a_streamed_response_gives_each_parallel_call_its_own_item():
+    from types import SimpleNamespace
+
+    from server.protocol.responses.events import ResponseEvents
+    from server.protocol.responses.requests import ResponsesRequest
+
+    writer = ResponseEvents("resp_1", "m", ResponsesRequest.model_validate({"input": "x"}))
+    writer.start()
+    choice = SimpleNamespace(prompt_tokens=5, completion_tokens=9)
+    deltas = [{"delta": {"reasoning_content": "think"}},
+              {"delta": {"tool_calls": [{"index": 0, "id": "call_a", "function": {"name": "f", "arguments": ""}}]}},
+              {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": 1}'}}]}},
+              {"delta": {"tool_calls": [{"index": 1, "id": "call_b", "function": {"name": "g", "arguments": "{}"}}]}},
+              {"delta": {}, "finish_reason": "tool_calls"}]
+    frames = writer.deltas(deltas, choice)
+    events = [json.loads(line[6:]) for line in frames.splitlines() if line.startswith("data: ")]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i.get("name"), i.get("arguments")) for i in done] == [
+        ("reasoning", None, None), ("function_call", "f", '{"x": 1}'), ("function_call", "g", "{}")]
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2]
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["output"] == done
+    assert events[-1]["response"]["usage"]["output_tokens"] == 9
