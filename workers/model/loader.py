@@ -158,7 +158,8 @@ def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, devic
                 found[name] = f.get_tensor(stored).to(device=device, dtype=dtype)
     for pattern, count in skips.items():  # a vision tower, a multi-token prediction head: not the text model
         logger.info("Skipped %d tensors matching `%s`: not part of the text model served", count, pattern)
-    missing = [n for n in expected if n not in found and n not in as_stored]
+    missing = [n for n in expected if n not in found and n not in as_stored
+               and not (quant is not None and quant.covers(n))]  # a 4-bit layer's weight, made from its tensors
     if missing or unexpected:
         parts = []
         if missing:
