@@ -131,3 +131,26 @@ def test_the_step_lists_each_chunks_slot_in_the_batchs_order():
     assert ForwardBatch.build([(SeqChunk(0, 2, [0]), [1, 2])], 4).states is None
     with pytest.raises(ValueError, match="state_slot"):
         StateBatch.build([SeqChunk(0, 1, [0], state_slot=1), SeqChunk(0, 1, [1])])
+
+
+def test_the_cpu_default_budget_adds_the_state_so_the_kv_still_holds_the_full_context():
+    """Guards `kv_budget`'s `state_per_sequence` (workers/kv/sizing.py) and its use by the worker
+    (workers/serving/server.py `_init_kv_cache`): the state comes out of the budget first, so the
+    CPU default adds it; an explicit `--kv-cache-bytes` is the whole budget, state included."""
+    import types
+
+    from workers.kv.pool import KVPool
+    from workers.kv.sizing import kv_budget
+
+    cpu = types.SimpleNamespace(is_real_gpu=False)
+    per_token, per_state = KVPool.bytes_per_token(HYBRID, torch.float32), StatePool.bytes_per_sequence(HYBRID,
+                                                                                                    torch.float32)
+    assert per_token == 2 * 2 * 16 * 4  # the one full layer's K and V
+    args = types.SimpleNamespace(kv_cache_bytes=0, max_batch=3)
+    budget, why = kv_budget(args, cpu, per_token, 512, per_state)
+    state, _ = plan_state(HYBRID, torch.float32, 3, budget)
+    assert budget - state == 3 * 512 * per_token and "linear layers' state" in why
+    assert kv_budget(args, cpu, per_token, 512) == (3 * 512 * per_token, "CPU default: 3 sequences x 512 tokens of "
+                                                                          "context")  # fmt: skip
+    fixed = types.SimpleNamespace(kv_cache_bytes=10**6, max_batch=3)
+    assert kv_budget(fixed, cpu, per_token, 512, per_state)[0] == 10**6
