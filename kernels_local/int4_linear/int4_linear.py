@@ -4,7 +4,7 @@ Design: one run-time layout for every 4-bit checkpoint format (GPTQ's, the other
 load, exactly): `qweight` int32 [ceil(K/8), N] (input 8i+j in bits 4j..4j+3 of row i), `scales`
 [G, N] in the checkpoint's dtype, `zeros` [G, N] integers (int8/uint8, the zero point each group
 subtracts) and, for act-order checkpoints, `g_idx` [K] int32 (each input's group; otherwise the
-group is k // GROUP, or 0 per channel when GROUP is 0). The kernel loads a [BLOCK_K, BLOCK_N] tile
+group is k // GROUP, a run-time integer: K per channel, so one variant serves every group size). The kernel loads a [BLOCK_K, BLOCK_N] tile
 of words (each word read for its eight inputs: the cache serves the repeats), shifts and masks the
 nibbles in registers, looks up each input's scale and zero point, forms (q - z) * s in fp32,
 rounds it to the scales' dtype (the reference weight, bit for bit) and then to the activations'
@@ -18,6 +18,7 @@ spans few groups and those loads stay in cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 
 import torch
 import triton
@@ -61,7 +62,7 @@ def _int4_linear_kernel(
     stride_qk,
     stride_sg,
     stride_ym,
-    GROUP: tl.constexpr,
+    GROUP,
     ACT_ORDER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -81,11 +82,9 @@ def _int4_linear_kernel(
         # 2. the words holding this tile's inputs, their nibbles unpacked in registers: [BLOCK_K, BLOCK_N]
         words = tl.load(QW + (k // 8)[:, None] * stride_qk + offs_n[None, :], mask=w_mask, other=0)
         q = (words >> ((k % 8) * 4)[:, None]) & 0xF
-        # 3. each input's group: act-order's g_idx, its position, or the one group per channel
+        # 3. each input's group: act-order's g_idx, or its position (GROUP = K per channel: group 0)
         if ACT_ORDER:
             g = tl.load(GIDX + k, mask=k < K, other=0)
-        elif GROUP == 0:
-            g = k * 0
         else:
             g = k // GROUP
         s = tl.load(S + g[:, None] * stride_sg + offs_n[None, :], mask=w_mask, other=0.0)
@@ -181,7 +180,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     _int4_linear_kernel[grid](
         a, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), g_idx if g_idx is not None else qweight,
         bias if bias is not None else out, out, m, n, k, a.stride(0), qweight.stride(0), scales.stride(0),
-        out.stride(0), GROUP=group_size, ACT_ORDER=g_idx is not None, HAS_BIAS=bias is not None,
+        out.stride(0), group_size or k, ACT_ORDER=g_idx is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
@@ -189,20 +188,21 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 def compile_specs(tuning: Int4LinearTuning, workload: Workload) -> tuple[CompileSpec, ...]:
     """Every launch `int4_linear` makes with `tuning`: each tile height the token counts select, with
-    and without bias, each group size (and act-order), each scale dtype a checkpoint stores."""
+    and without bias and act-order, each scale dtype a checkpoint stores (the group size is a
+    run-time integer: 32, 64 and 128 are multiples of 16, K per channel is the width's kind)."""
     specs = []
     for dim in dict.fromkeys(int_arg(n) for n in workload.widths):  # N, K: multiples of 16 or not
         for m in workload.token_counts():
             block_m, block_n, block_k, warps, stages = tuning.launch_shape(m)
             for scale in SCALE_TYPES:
-                for group, act_order in [*((g, False) for g in GROUPS), (128, True)]:
-                    for has_bias in (False, True):
-                        args = (("A", pointer(workload.dtype)), ("QW", pointer("i32")), ("S", pointer(scale)),
-                                ("Z", pointer("i8")), ("GIDX", pointer("i32")), ("B", pointer(workload.dtype)),
-                                ("Y", pointer(workload.dtype)), ("M", "i32"), ("N", dim), ("K", dim),
-                                ("stride_am", dim), ("stride_qk", dim), ("stride_sg", dim), ("stride_ym", dim))
-                        constexprs = (("GROUP", group), ("ACT_ORDER", act_order), ("HAS_BIAS", has_bias),
-                                      ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_K", block_k))
-                        dot = None if workload.dtype == "fp32" else "f16"
-                        specs.append(CompileSpec(_int4_linear_kernel, args, constexprs, warps, stages, dot=dot))
+                for group, act_order, has_bias in product(dict.fromkeys(("i32:16", dim)), (False, True), (False, True)):
+                    args = (("A", pointer(workload.dtype)), ("QW", pointer("i32")), ("S", pointer(scale)),
+                            ("Z", pointer("i8")), ("GIDX", pointer("i32")), ("B", pointer(workload.dtype)),
+                            ("Y", pointer(workload.dtype)), ("M", "i32"), ("N", dim), ("K", dim),
+                            ("stride_am", dim), ("stride_qk", dim), ("stride_sg", dim), ("stride_ym", dim),
+                            ("GROUP", group))
+                    constexprs = (("ACT_ORDER", act_order), ("HAS_BIAS", has_bias),
+                                  ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_K", block_k))
+                    dot = None if workload.dtype == "fp32" else "f16"
+                    specs.append(CompileSpec(_int4_linear_kernel, args, constexprs, warps, stages, dot=dot))
     return unique(specs)
