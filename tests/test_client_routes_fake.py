@@ -55,3 +55,16 @@ def test_embeddings_are_shaped_as_openai_shapes_them(router):
     vector = struct.unpack("<2f", base64.b64decode(packed.json()["data"][0]["embedding"]))
     assert vector == (3.0, 1.0)
     assert cut.status_code == 400 and "`dimensions`" in cut.json()["error"]["message"]  # not matryoshka
+
+
+def test_prompt_cache_key_keeps_a_conversation_on_one_worker(router):
+    """Guards `prompt_cache_key` in server/protocol/responses/requests.py and its use as the
+    session in server/edge/routes/responses.py (Codex sends it: it was a 400 before)."""
+    with router.client() as c:
+        replies = [c.post("/v1/responses", json={"model": "m", "input": f"turn {k} " * (k + 1), "store": False,
+                                                 "max_output_tokens": 2, "prompt_cache_key": "conv-7"})
+                   for k in range(4)]
+    assert [r.status_code for r in replies] == [200] * 4
+    assert len({r.headers["x-worker-id"] for r in replies}) == 1
+    assert all("session" in r.headers["x-hetserve-route"] for r in replies[1:]), [
+        r.headers["x-hetserve-route"] for r in replies]

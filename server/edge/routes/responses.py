@@ -77,7 +77,7 @@ async def _respond(req: ResponsesRequest, request: Request) -> Response:
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from e
     check_new_tokens(ctx, chat.max_new_tokens, "max_output_tokens")
-    c = constraints(request, req.user, ctx.name)
+    c = constraints(request, req.prompt_cache_key or req.user, ctx.name)  # X-Session-Id first
     job = prepare_chat(ctx, chat)
     spec, body = job.specs[0], job.bodies[0]
     rid = item_id("resp")

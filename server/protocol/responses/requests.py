@@ -6,7 +6,9 @@ answer fed back by `call_id`), `reasoning` (an earlier turn's thinking, put back
 template as that turn's reasoning) —, `instructions` (a system message, not carried over by
 `previous_response_id`, as OpenAI does), `tools` of type `function`, `tool_choice`,
 `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`), `reasoning.effort`,
-`max_output_tokens`, `temperature`, `top_p`, `store`, `metadata`, `user`, `stream`. Anything
+`max_output_tokens`, `temperature`, `top_p`, `store`, `metadata`, `user`, `stream`,
+`prompt_cache_key` (the routing session: requests sharing it go to the worker whose prefix
+cache holds their conversation, before `user`). Anything
 this server cannot do is refused by name: a tool of another type (`web_search`,
 `file_search`, ...), image or file parts, `background`, `truncation: auto`, `prompt`
 templates, `include` entries other than `reasoning.encrypted_content` (which returns nothing
@@ -152,6 +154,8 @@ class ResponsesRequest(EdgeRequest):
     stream: bool = False
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = Field(None, max_length=1000)
+    # requests sharing a key share a cache (Codex sends its conversation's): the routing session
+    prompt_cache_key: str | None = Field(None, max_length=1000)
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
     background: bool | None = None
