@@ -68,3 +68,18 @@ def test_prompt_cache_key_keeps_a_conversation_on_one_worker(router):
     assert len({r.headers["x-worker-id"] for r in replies}) == 1
     assert all("session" in r.headers["x-hetserve-route"] for r in replies[1:]), [
         r.headers["x-hetserve-route"] for r in replies]
+
+
+def test_openais_newer_chat_fields_are_honoured_or_refused_by_name(router):
+    """Guards `prompt_cache_key`, `safety_identifier` and `store` in
+    server/protocol/openai/requests.py (400s naming them before)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with router.client() as c:
+        kept = [c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "x " * k}],
+                                                       "prompt_cache_key": "chat-3", "store": False})
+                for k in range(1, 4)]
+        named = c.post("/v1/chat/completions", json={**body, "safety_identifier": "user-9"})
+        stored = c.post("/v1/chat/completions", json={**body, "store": True})
+    assert [r.status_code for r in kept] == [200] * 3 and len({r.headers["x-worker-id"] for r in kept}) == 1
+    assert "session" in kept[-1].headers["x-hetserve-route"] and named.status_code == 200
+    assert stored.status_code == 422 and "`store` = `True` is not supported" in stored.json()["error"]["message"]

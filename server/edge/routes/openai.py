@@ -111,7 +111,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 
 async def _completions(req: CompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request).model(req.model)
-    c = constraints(request, req.user, ctx.name)
+    c = constraints(request, req.session_key(), ctx.name)
     check_new_tokens(ctx, req.max_tokens, "max_tokens")
     params = req.sampling(req.max_tokens, ctx.sampling_defaults())
     if req.logprobs is not None:
@@ -150,7 +150,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 
 async def _chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request).model(req.model)
-    c = constraints(request, req.user, ctx.name)
+    c = constraints(request, req.session_key(), ctx.name)
     check_new_tokens(ctx, req.max_new_tokens, "max_tokens")
     job = prepare_chat(ctx, req)  # template, tools, grammar, reasoning (server/edge/routes/_chat.py)
     specs, bodies = list(job.specs), list(job.bodies)

@@ -6,7 +6,9 @@ neither declares is kept and refused by name at the edge (server/protocol/base.p
 sampling (`temperature`, `top_p`, `seed`, `stop`, `presence_penalty`, `frequency_penalty`,
 `logit_bias`, `n`), logprobs (`logprobs` / `top_logprobs` up to `MAX_LOGPROBS`, `echo` and
 `max_tokens` = 0 for prompt scoring), structured output (`response_format`) and tools
-(`tools`, `tool_choice`, `parallel_tool_calls`), and for chat vLLM's `chat_template_kwargs`
+(`tools`, `tool_choice`, `parallel_tool_calls`), `prompt_cache_key` (the routing session:
+requests sharing it go to the worker whose prefix cache holds them) and `safety_identifier`
+(as `user`), `store` false (`true` refused: nothing is stored), and for chat vLLM's `chat_template_kwargs`
 (extra template variables, `{"enable_thinking": false}`) and earlier turns' reasoning
 (`reasoning_content`, or `reasoning`); OpenAI's `reasoning_effort` (`low`, `medium`, `high`)
 reaches the chat template as the variable `reasoning_effort` (gpt-oss's template writes it
@@ -69,12 +71,19 @@ class _OpenAISampling(VLLMExtras):
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
     user: str | None = Field(None, max_length=1000)
+    # OpenAI's newer names: requests sharing `prompt_cache_key` share a cache (the routing session,
+    # before `user`); `safety_identifier` is `user`'s successor; `store` false asks for what this
+    # server does anyway (it keeps no completion), `store` true is refused
+    prompt_cache_key: str | None = Field(None, max_length=1000)
+    safety_identifier: str | None = Field(None, max_length=1000)
+    store: bool | None = None
     # extensions (vLLM names)
     top_k: int | None = Field(None, ge=-1, le=1_000_000)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
 
     @model_validator(mode="after")
     def _sampling_fields(self):
+        refuse(self, {"store": (None, False)})  # nothing is stored: `true` would mislead
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"`stop` has {len(stops)} sequences; at most {MAX_STOP_SEQUENCES} are accepted")
@@ -86,6 +95,10 @@ class _OpenAISampling(VLLMExtras):
                 raise ValueError(f"`logit_bias` values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
                                  f"`{value}` for token `{key}`")
         return self
+
+    def session_key(self) -> str | None:
+        """The routing session these fields name (after `X-Session-Id`): the cache key, else the user."""
+        return self.prompt_cache_key or self.user or self.safety_identifier
 
     def sampling(self, max_tokens: int | None, defaults: dict | None = None) -> dict:
         """Worker `parameters` for these OpenAI fields (temperature 0 means greedy). A field the
