@@ -63,12 +63,13 @@ def test_the_reference_weight_is_the_loaders_gptq_dequantization(group, act_orde
 
 
 @needs_interpreter
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("group", "act_order", "bias"), [(32, False, True), (64, False, False), (128, False, True),
                                                           (0, False, False), (32, True, False), (128, True, True)])
-def test_the_kernel_equals_the_reference_on_odd_shapes(group, act_order, bias, dtype):
+def test_the_kernel_equals_the_reference_on_odd_shapes(group, act_order, bias, dtype, scale_dtype):
     m, k, n = 5, 100, 40  # no tile filled; a partial last word; groups of 32 ending inside a K tile
-    words, scales, zeros, g_idx = _layer(k, n, group, act_order)
+    words, scales, zeros, g_idx = _layer(k, n, group, act_order, scale_dtype)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(m, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None

@@ -7,8 +7,8 @@ subtracts) and, for act-order checkpoints, `g_idx` [K] int32 (each input's group
 group is k // GROUP, a run-time integer: K per channel, so one variant serves every group size). The kernel loads a [BLOCK_K, BLOCK_N] tile
 of words (each word read for its eight inputs: the cache serves the repeats), shifts and masks the
 nibbles in registers, looks up each input's scale and zero point, forms (q - z) * s in fp32,
-rounds it to the scales' dtype (the reference weight, bit for bit) and then to the activations'
-dtype, and runs `tl.dot` on those (fp16 or bf16 tensor cores, fp32 in IEEE precision), with fp32
+rounds it to the scales' dtype (the reference weight, bit for bit; to bf16 by round-to-nearest-even
+on the fp32 bits, which the interpreter's own cast does not do) and then to the activations' dtype, and runs `tl.dot` on those (fp16 or bf16 tensor cores, fp32 in IEEE precision), with fp32
 accumulation and the bias in the epilogue. So the kernel equals the reference up to fp32 summation
 order. The trade-off: a gather per input for scales and zero points (simple, act-order for free)
 instead of one load per group; the tunings keep BLOCK_K at or below the smallest group, so a tile
@@ -91,7 +91,13 @@ def _int4_linear_kernel(
         z = tl.load(Z + g[:, None] * stride_sg + offs_n[None, :], mask=w_mask, other=0).to(tl.int32)
         # 4. (q - z) * s exact in fp32, rounded once to the scales' dtype (the reference weight), then
         #    to the operand dtype of the dot
-        w = ((q - z).to(tl.float32) * s.to(tl.float32)).to(S.dtype.element_ty).to(A.dtype.element_ty)
+        w = (q - z).to(tl.float32) * s.to(tl.float32)
+        if S.dtype.element_ty == tl.bfloat16:  # round to nearest even on the bits (the interpreter's cast is not)
+            bits = w.to(tl.uint32, bitcast=True)
+            w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            w = w.to(S.dtype.element_ty)
+        w = w.to(A.dtype.element_ty)
         acc = _dot(a, w, acc)
     # 5. epilogue: the bias, then the store in the activation dtype
     if HAS_BIAS:
