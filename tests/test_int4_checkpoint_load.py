@@ -1,11 +1,12 @@
 """4-bit checkpoints (GPTQ, AWQ, compressed-tensors pack-quantized) through the loader, end to end.
 
-The checkpoints are tiny Llama and Qwen3 models written by transformers (`from_config`,
+The checkpoints are tiny Llama, Qwen3 and Qwen3-MoE models written by transformers (`from_config`,
 tests/family_checkpoints.py), their projections packed into each format by the test packers
 (tests/int4_checkpoints.py), beside each its dequantized twin: the same checkpoint with the
 reference weights in fp32 and no `quantization_config`. What must hold:
 - every weight our loader builds from the 4-bit tensors equals the twin's bit for bit (so q/k/v and
-  gate/up fuse as for an unquantized checkpoint), and the not-converted modules stay as stored;
+  gate/up fuse and experts stack as for an unquantized checkpoint), and the not-converted modules
+  (and the MoE router, stored unquantized) stay as stored;
 - greedy tokens of our model equal transformers' on the twin in fp32;
 - the summary names the execution, its reason and the bytes (stored, widened);
 - a 4-bit tensor on a module the config leaves alone, a fused layer half quantized, a missing
@@ -37,13 +38,14 @@ CASES = {
     "qwen3-awq": ("qwen3", "awq", 32, False, False, ("o_proj",), False),
     "llama-ct-sym": ("llama", "pack-quantized", 32, True, False, (), False),
     "qwen3-ct-asym": ("qwen3", "pack-quantized", 64, False, False, ("o_proj",), False),
+    "qwen3_moe-gptq-v2-actorder": ("qwen3_moe", "gptq_v2", 32, False, True, (), False),  # every expert in 4 bits
 }
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("int4-src")
-    return {case: make_family_checkpoint(case, root / case) for case in ("llama", "qwen3")}
+    return {case: make_family_checkpoint(case, root / case) for case in ("llama", "qwen3", "qwen3_moe")}
 
 
 @pytest.fixture(scope="module")
