@@ -279,9 +279,10 @@ def w8a16_linear(x, qweight, weight_scale, group_n, group_k, bias, *, fmt: str,
 
 def w8a16_launch(tuning: Fp8LinearTuning, m: int, dtype) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the tuning's, K tiles of at most 64 (they divide a
-    128-column block) and, for fp32 activations (FMA dots on 4-byte operands), tiles of at most 32 x 64."""
+    128-column block; 32 under 64-row tiles, whose decoded weights otherwise spill registers on sm_80)
+    and, for fp32 activations (FMA dots on 4-byte operands), tiles of at most 32 x 64."""
     bm, bn, bk, warps, stages = tuning.launch_shape(m)
-    bk = min(bk, 64)
+    bk = min(bk, 32 if bm >= 64 else 64)  # a 64 x 64 tile decoded in fp32 on top of its 64-wide K spilled on sm_80
     if dtype in (torch.float32, "fp32"):
         bm, bn = min(bm, 32), min(bn, 64)
     return bm, bn, bk, warps, stages

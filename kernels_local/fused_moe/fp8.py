@@ -285,9 +285,13 @@ def _check(experts, native: bool) -> None:
 
 
 def launch_shape(tuning: FusedMoETuning, tokens: int, dtype: str):
-    """The tuning's shape for `tokens`, with K tiles of at most 64 (they divide a 128-column group)."""
+    """The tuning's shape for `tokens`, with K tiles of at most 64 (they divide a 128-column group)
+    and, for tiles of 64 rows or more, at most 32 columns: each K tile's dot is scaled before it is
+    added, so gate and up each hold a dot result beside their accumulator, which at 64 x 64 spilled
+    registers (sm_80 weight-only; sm_90 and sm_120 native)."""
     cfg = tuning.launch_shape(tokens, dtype)
-    return cfg if cfg.block_k <= 64 else replace(cfg, block_k=64)
+    cfg = cfg if cfg.block_k <= 64 else replace(cfg, block_k=64)
+    return cfg if cfg.block_m < 64 else replace(cfg, block_n=min(cfg.block_n, 32))
 
 
 def fused_moe_fp8(x: torch.Tensor, experts, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, native: bool,
