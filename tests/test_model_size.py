@@ -156,3 +156,36 @@ def test_an_unreadable_model_directory_is_named(tmp_path, files, needle):
     with pytest.raises(ModelSizeError) as e:
         read_profile(tmp_path)
     assert needle in str(e.value) and str(tmp_path) in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "pack-quantized"])
+def test_a_4bit_checkpoint_is_sized_as_its_widened_weights(tmp_path, fmt):
+    """Guards the `packed4_params` widening in `need_on`: 4-bit layers dequantize at load, so
+    placement sized a 4-bit checkpoint at its packed bytes, about a quarter of what the worker
+    then holds. The need is at least the loaded model's bytes (scales and zero points on top)."""
+    from tests.family_checkpoints import make_family_checkpoint
+    from tests.int4_checkpoints import quantize_checkpoint
+    from workers.model.loader import load_model
+
+    src = make_family_checkpoint("llama", tmp_path / "src")
+    ckpt, _ = quantize_checkpoint(src, tmp_path / fmt, fmt, 32, fmt != "awq", False, (), False)
+    profile = read_profile(ckpt)
+    assert profile.packed4_params > 0
+    loaded = load_model(ckpt, "bfloat16")
+    unique = {t.data_ptr(): t for t in loaded.model.state_dict().values()}
+    held = sum(t.numel() * t.element_size() for t in unique.values())
+    (device,) = parse_simulate("sm_90")
+    need = need_on(profile, device, "bfloat16").weight_bytes
+    assert held <= need <= 1.25 * held, (need, held)
+
+
+def test_fp8_weights_are_widened_only_where_the_device_dequantizes_them(tmp_path):
+    """Guards the fp8 widening in `need_on`: below sm_80 (and on CPU) an fp8 checkpoint's weights
+    are dequantized at load into the model dtype, so they take two bytes there, one on sm_89."""
+    from tests.fp8_checkpoints import block_fp8_checkpoint
+
+    profile = read_profile(block_fp8_checkpoint(tmp_path / "fp8"))
+    assert profile.fp8_params > 0
+    t4, ada = parse_simulate("sm_75,sm_89")
+    widened, native = need_on(profile, t4, "float16"), need_on(profile, ada, "float16")
+    assert widened.weight_bytes - native.weight_bytes == profile.fp8_params

@@ -9,7 +9,10 @@ within a fraction of a percent of the workers' own `ModelConfig.num_parameters`)
 `need_on(profile, device, dtype, quantize)` is the need on one device: the weights as that
 device loads them (floating tensors in the dtype `dtype_rule` picks there; with `--quantize
 fp8` the projections the worker's fp8 layers replace take one byte per weight and a 4-byte
-scale per row; tensors stored pre-quantized keep their stored bytes) plus the KV cache of one
+scale per row; tensors stored pre-quantized keep their stored bytes where the device runs
+them as stored, and take the compute dtype where it widens them at load: fp8 weights on a
+device whose fp8 execution is `dequantized` (contract `fp8_execution`), 4-bit packed weights
+everywhere while 4-bit layers dequantize at load) plus the KV cache of one
 sequence of `KV_TOKENS` tokens (or the model's context, if shorter). A device offers
 `USABLE_FRACTION` of its memory: the rest is the runtime's and the activations'.
 
@@ -29,6 +32,7 @@ from pathlib import Path
 
 from workers.contract.device import DeviceInfo
 from workers.contract.dtypes import DTYPE_BYTES, SAFETENSORS_BYTES, SAFETENSORS_FLOATS, dtype_rule
+from workers.contract.fp8_rule import FP8_DEQUANTIZED, fp8_execution
 from workers.contract.sizes import human
 
 CONFIG_FILE = "config.json"
@@ -37,6 +41,7 @@ KV_TOKENS = 4096  # the context of the one sequence a placed model must hold in 
 USABLE_FRACTION = 0.9  # of a device's memory, for weights and KV cache
 FP8_SCALE_BYTES = 4  # one fp32 scale per output row of an fp8 projection
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header beyond this is no header
+_PACKED4 = re.compile(r"(qweight|weight_packed)$")  # GPTQ/AWQ and compressed-tensors 4-bit weights
 _PROJECTION = re.compile(r"_proj\.weight$")  # q/k/v/o and gate/up/down: the nn.Linear layers fp8 replaces
 
 
@@ -60,6 +65,8 @@ class ModelProfile:
     stored_bytes: int
     kv_elements_per_token: int  # 2 (K and V) x layers x KV heads x head dim
     source: str  # where the figures come from
+    fp8_params: int = 0  # of the stored tensors, fp8 weights (one byte each as stored)
+    packed4_params: int = 0  # 4-bit values packed eight per int32 (`qweight`, `weight_packed`)
 
     @property
     def num_parameters(self) -> int:
@@ -104,6 +111,10 @@ def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quan
     size = DTYPE_BYTES[name]
     floats = profile.float_params
     weights = profile.stored_bytes
+    if profile.fp8_params and fp8_execution(device.type, cap).kind == FP8_DEQUANTIZED:
+        weights += profile.fp8_params * (size - 1)  # widened once at load on this device
+    if profile.packed4_params:  # 4-bit layers dequantize at load (workers/model/quantized_int4.py)
+        weights += profile.packed4_params * size - profile.packed4_params // 2
     if quantize == "fp8":
         weights += profile.projection_params + profile.projection_rows * FP8_SCALE_BYTES
         floats -= profile.projection_params
@@ -209,7 +220,7 @@ def read_profile(model_dir: str | Path) -> ModelProfile:
     if not files:
         return ModelProfile(**common, **_count_from_config(hf, shape),
                             source="config.json (no weights in the directory: counted from its shapes)")
-    floats = projections = rows = stored = stored_bytes = tensors = 0
+    floats = projections = rows = stored = stored_bytes = tensors = fp8 = packed4 = 0
     for path in files:
         for name, t in read_header(path).items():
             kind, dims = t.get("dtype"), t.get("shape", [])
@@ -226,8 +237,12 @@ def read_profile(model_dir: str | Path) -> ModelProfile:
                     projections, rows = projections + n, rows + dims[0]
             else:
                 stored, stored_bytes = stored + n, stored_bytes + int(n * SAFETENSORS_BYTES[kind])
+                if kind.startswith("F8"):
+                    fp8 += n
+                elif kind == "I32" and _PACKED4.search(name):
+                    packed4 += 8 * n
     return ModelProfile(**common, float_params=floats, projection_params=projections, projection_rows=rows,
-                        stored_params=stored, stored_bytes=stored_bytes,
+                        stored_params=stored, stored_bytes=stored_bytes, fp8_params=fp8, packed4_params=packed4,
                         source=f"safetensors headers ({tensors} tensors in {len(files)} file(s))")
 
 
