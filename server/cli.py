@@ -13,6 +13,7 @@ import sys
 
 from server.config.budgets import add_budget_flags
 from server.config.compile import add_compile_flags
+from server.config.memory import add_memory_flags
 from server.config.models import add_model_flags
 from server.config.protocol import add_protocol_flags
 from server.config.reasoning import add_reasoning_flags
@@ -27,6 +28,7 @@ from workers.contract import (
     KV_BLOCK_SIZES,
     TopologySpecError,
 )
+from workers.contract.defaults import CPU_KV_MAX_DEFAULT_BYTES, GPU_FREE_FRACTION
 
 # subcommand -> "module:function(args) -> int"
 _COMMANDS = {
@@ -37,13 +39,56 @@ _COMMANDS = {
 }
 
 
-def _add_simulate(p: argparse.ArgumentParser) -> None:
+def _add_simulate(p) -> None:
     p.add_argument(
         "--simulate",
         metavar="SPEC",
         default=None,
         help="simulate a GPU topology on a CPU host, e.g. `sm_80,sm_89,sm_90` (tokens: sm_XY, gfxNNN, cpu)",
     )
+
+
+def _add_network_flags(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("network and auth", "where the router listens, who may call it, the edge's timeouts")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file or "
+                        "$HETSERVE_API_KEY)")
+    g.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file's first line")
+    g.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                   help="seconds a request's headers may take to arrive (default 10); then 408")
+    g.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                   help="seconds a request body may pause (default 30); then 408")
+
+
+def _add_device_flags(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("devices", "which GPUs get a worker, or a simulated topology")
+    g.add_argument("--devices", default="all", metavar="all|0,2|UUID,...",
+                   help="GPUs to use: all, indices or UUIDs (default all)")
+    _add_simulate(g)
+
+
+def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("engine and memory", "each worker's batch, queue, KV cache and context")
+    g.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
+                   help=f"running sequences per worker (default {DEFAULT_MAX_BATCH})")
+    g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help=f"waiting requests per worker before 429 (default {DEFAULT_MAX_QUEUE})")
+    g.add_argument("--kv-block-size", type=int, default=DEFAULT_KV_BLOCK_SIZE, metavar="N",
+                   help=f"tokens per KV cache block, one of {', '.join(map(str, KV_BLOCK_SIZES))} "
+                        f"(default {DEFAULT_KV_BLOCK_SIZE})")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="workers do not reuse the KV blocks of shared prompt prefixes")
+    g.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="N",
+                   help="tokens one engine step computes: running decodes first, then prompt chunks "
+                        f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    g.add_argument("--kv-cache-bytes", type=int, default=None, metavar="N",
+                   help=f"KV cache budget of each worker in bytes (default: {round(GPU_FREE_FRACTION * 100)}%% of a GPU's "
+                        "free memory after loading; on a CPU or simulated device what --max-batch sequences of "
+                        f"the full context need, at most {CPU_KV_MAX_DEFAULT_BYTES >> 20} MiB; with "
+                        "--gpu-memory-utilization, a cap on its budget)")
+    add_memory_flags(g)
 
 
 def _add_failure_flags(serve: argparse.ArgumentParser) -> None:
@@ -105,50 +150,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     serve = sub.add_parser("serve", help="start the router and one worker per GPU")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
-    serve.add_argument("--devices", default="all", metavar="all|0,2|UUID,...", help="GPUs to use: all, indices or UUIDs")
-    _add_simulate(serve)
-    serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    serve.add_argument("--quantize", default="none", choices=["none", "fp8"])
-    serve.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
-                       help=f"running sequences per worker (default {DEFAULT_MAX_BATCH})")
-    serve.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
-                       help=f"waiting requests per worker before 429 (default {DEFAULT_MAX_QUEUE})")
-    serve.add_argument("--kv-block-size", type=int, default=DEFAULT_KV_BLOCK_SIZE, metavar="N",
-                       help=f"tokens per KV cache block, one of {', '.join(map(str, KV_BLOCK_SIZES))} "
-                            f"(default {DEFAULT_KV_BLOCK_SIZE})")
-    serve.add_argument("--no-prefix-cache", action="store_true",
-                       help="workers do not reuse the KV blocks of shared prompt prefixes")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="N",
-                       help="tokens one engine step computes: running decodes first, then prompt chunks "
-                            f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    serve.add_argument("--api-key", default=None, metavar="KEY",
-                       help="require `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file or "
-                            "$HETSERVE_API_KEY)")
-    serve.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file's first line")
-    serve.add_argument("--header-timeout", type=float, default=None, metavar="S",
-                       help="seconds a request's headers may take to arrive (default 10); then 408")
-    serve.add_argument("--body-timeout", type=float, default=None, metavar="S",
-                       help="seconds a request body may pause (default 30); then 408")
-    serve.add_argument("--special-tokens-in-content", action="store_true",
-                       help="let chat message text contain the model's special tokens (default: 422), which then "
-                            "act as control tokens")
-    serve.add_argument("--kv-cache-bytes", type=int, default=None, metavar="N",
-                       help="KV cache budget of each worker in bytes (default: the device's free memory, or 512 MiB "
-                            "on a CPU)")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
-                       help="export OpenTelemetry spans of the router and every worker to this OTLP collector "
-                            "(e.g. http://collector:4318; off by default)")
     add_model_flags(serve)
+    _add_network_flags(serve)
+    _add_device_flags(serve)
+    _add_engine_flags(serve)
+    add_routing_flags(serve)
     _add_failure_flags(serve)
     add_budget_flags(serve)
-    add_routing_flags(serve)
     add_reasoning_flags(serve)
     add_protocol_flags(serve)
     _add_numerics_flags(serve)
     add_compile_flags(serve)
+    obs = serve.add_argument_group("observability", "logs and traces")
+    obs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                     help="the router's and workers' log level (default info)")
+    obs.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                     help="export OpenTelemetry spans of the router and every worker to this OTLP collector "
+                          "(e.g. http://collector:4318; off by default)")
 
     plan = sub.add_parser("plan", help="show per device the kernels and fp8 convention chosen, without loading weights")
     _add_simulate(plan)

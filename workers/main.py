@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int,
                    help="KV cache budget (default: 85%% of free GPU memory; on CPU --max-batch full-context "
                         "sequences, at most 512 MiB)")
+    p.add_argument("--max-model-len", type=int,
+                   help="longest sequence served: the context is capped at it (default: the checkpoint's)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="fraction of the device's own memory for weights and KV cache (0 < F <= 1; on a simulated "
+                        "device, of its simulated memory); see workers/kv/sizing.py")
     p.add_argument("--kv-block-size", type=int, default=DEFAULT_KV_BLOCK_SIZE,
                    help=f"tokens per KV cache block (default {DEFAULT_KV_BLOCK_SIZE})")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV blocks of shared prompt prefixes")
@@ -88,10 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile and check the selected kernels before ready: auto (real GPUs), on (simulated "
                         f"GPUs too), off (default: ${ENV_PREFLIGHT} or auto)")  # fmt: skip
     args = p.parse_args(argv)
-    for name in ("max_batch", "threads", "kv_cache_bytes"):
+    for name in ("max_batch", "threads", "kv_cache_bytes", "max_model_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"`--{name.replace('_', '-')}` must be >= 1, got `{value}`")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        p.error(f"`--gpu-memory-utilization {args.gpu_memory_utilization}` is no fraction. Accepted: 0 < F <= 1")
     if args.max_queue < 0:
         p.error(f"`--max-queue` must be >= 0, got `{args.max_queue}`")
     if args.preflight not in PREFLIGHT_MODES:  # a default from the environment skips argparse's check

@@ -8,6 +8,10 @@ without `model` reach it. `--place NAME=gpu0,gpu2` pins a model's replicas to de
 worker id, an index or a UUID; the placement checks them against the devices,
 server/fleet/placement.py); `--max-loaded-models N` (and `--models-dir`) load models on demand
 and unload the least recently used; `--pin-model NAME` keeps one always loaded.
+`--served-model-name NAME` names the one model given as a bare `--model DIR` (or the embedded
+model without `--model`): the id in `/v1/models`, in responses' `model` and in metrics labels,
+as vLLM's flag of that name; several bare `--model` values, only named ones, or `--models-dir`
+alone leave no single model it could name and are refused.
 
 Design: validated once into a frozen `ModelsConfig`, every error naming the bad value and what
 is accepted, so the fleet and the edge read plain values. A name is what clients send as the
@@ -63,7 +67,8 @@ class ModelsConfig:
 
 
 def add_model_flags(serve: argparse.ArgumentParser) -> None:
-    g = serve.add_argument_group("models", "several models, their placement on the devices, loading on demand")
+    g = serve.add_argument_group("model", "what is served: the checkpoints, their names and dtype, their placement "
+                                          "on the devices, loading on demand")
     g.add_argument("--model", metavar="[NAME=]DIR", action="append", default=None,
                    help="a Hugging Face model directory, optionally named (repeatable; a bare DIR takes the "
                         "directory's name; the first is the default; none: the embedded model)")
@@ -77,12 +82,27 @@ def add_model_flags(serve: argparse.ArgumentParser) -> None:
                         "recently used")
     g.add_argument("--pin-model", metavar="NAME", action="append", default=None,
                    help="keep this model always loaded (repeatable)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="the dtype weights and activations compute in (default auto: the checkpoint's where the "
+                        "device computes it well; float16 for bfloat16 below sm_80, float32 for float16 on a CPU)")
+    g.add_argument("--quantize", default="none", choices=["none", "fp8"],
+                   help="fp8: quantize the projections to fp8 e4m3 at load, in each device's own fp8 convention "
+                        "(default none: a pre-quantized checkpoint runs as stored)")
+    g.add_argument("--served-model-name", metavar="NAME", default=None,
+                   help="the name clients see (/v1/models, responses' `model`, metrics labels) for the model of a "
+                        "bare --model DIR or the embedded model (default: the directory's name)")
+
+
+def _is_named(value: str) -> bool:
+    """`NAME=DIR` rather than a bare `DIR` (the module docstring's trade-off)."""
+    name, sep, _ = value.partition("=")
+    return bool(sep) and "/" not in name and not Path(value).expanduser().exists()
 
 
 def parse_model_arg(value: str) -> ModelEntry:
     """`chat=/data/llama` -> (chat, /data/llama); `/data/llama` -> (llama, /data/llama)."""
-    name, sep, rest = value.partition("=")
-    if sep and "/" not in name and not Path(value).expanduser().exists():
+    name, _, rest = value.partition("=")
+    if _is_named(value):
         if not NAME_RE.match(name):
             raise UsageError(f"`--model {shown(value)}`: `{shown(name)}` is no model name ({ACCEPTED_NAMES})")
         path = Path(rest).expanduser()
@@ -135,8 +155,9 @@ def models_from_args(args) -> ModelsConfig:
     raw = getattr(args, "model", None) or []
     if isinstance(raw, str):  # a namespace built by hand with one model
         raw = [raw]
-    entries = [parse_model_arg(v) for v in raw]
     models_dir = getattr(args, "models_dir", None)
+    entries = _served_name([parse_model_arg(v) for v in raw], raw, getattr(args, "served_model_name", None),
+                           models_dir)
     if models_dir is not None:
         scanned = scan_models_dir(models_dir)
         if not scanned and not entries:
@@ -159,3 +180,25 @@ def models_from_args(args) -> ModelsConfig:
                          f"{len(pinned)} pinned models (--pin-model)")
     return ModelsConfig(tuple(entries), _parse_place(getattr(args, "place", None) or [], names), pinned, max_loaded,
                         None if models_dir is None else Path(models_dir).expanduser().resolve())
+
+
+def _served_name(entries: list[ModelEntry], raw: list[str], served: str | None,
+                 models_dir: str | None) -> list[ModelEntry]:
+    """`--served-model-name NAME` applied to the one bare `--model DIR` (or the embedded model)."""
+    if served is None:
+        return entries
+    if not NAME_RE.match(served):
+        raise UsageError(f"`--served-model-name {shown(served)}` is no model name ({ACCEPTED_NAMES})")
+    if not raw and models_dir is not None:
+        raise UsageError(f"`--served-model-name {shown(served)}` names the model of a bare `--model DIR`; "
+                         f"`--models-dir {shown(models_dir)}` names each model by its directory")
+    if not raw:  # the embedded model, under the name asked for
+        return [ModelEntry(served, DEFAULT_MODEL_DIR)]
+    bare = [i for i, value in enumerate(raw) if not _is_named(value)]
+    if len(bare) != 1:
+        given = ", ".join(f"`--model {shown(v)}`" for v in raw)
+        raise UsageError(f"`--served-model-name {shown(served)}` names the one model given as a bare `--model DIR`; "
+                         f"{given} holds {len(bare)}. Name each model with `--model NAME=DIR` instead")
+    out = list(entries)
+    out[bare[0]] = ModelEntry(served, entries[bare[0]].path)
+    return out

@@ -45,6 +45,9 @@ def add_protocol_flags(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--task", default=None, metavar="|".join(TASKS),
                    help="embed or auto (default): /v1/embeddings is served beside generation, pooled as the "
                         "checkpoint's sentence-transformers config says (else its last token); generate refuses it")
+    g.add_argument("--special-tokens-in-content", action="store_true",
+                   help="let chat message text contain the model's special tokens (default: 422), which then "
+                        "act as control tokens")
     g.add_argument("--lenient-params", action="store_true",
                    help="answer a request field hetserve does not implement with a `Warning` header naming it "
                         "instead of a 400")

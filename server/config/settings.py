@@ -18,6 +18,7 @@ from server.config.api_key import resolve_api_key
 from server.config.budgets import RequestBudgets, budgets_from_args
 from server.config.compile import AUTO as AUTO_COMPILE
 from server.config.compile import compile_from_args
+from server.config.memory import gpu_memory_utilization_from_args, max_model_len_from_args
 from server.config.models import ModelsConfig, models_from_args
 from server.config.protocol import ProtocolConfig, protocol_from_args
 from server.config.reasoning import AUTO as AUTO_REASONING
@@ -100,6 +101,8 @@ class RouterSettings:
     restart_backoff_max_s: float = 30.0
     max_startup_crashes: int = 5  # crashes in a row before ever becoming ready -> `failed`
     kv_cache_bytes: int | None = None
+    max_model_len: int | None = None  # --max-model-len: workers cap their context at it (server/config/memory.py)
+    gpu_memory_utilization: float | None = None  # --gpu-memory-utilization: of each device's own memory
     threads: int | None = None  # CPU threads for all workers together (default: this process's CPUs)
     otlp_endpoint: str | None = None  # OpenTelemetry collector for router and worker spans (off when None)
     stats_interval_s: float = 2.0  # how often the status page's per-worker samples are taken
@@ -114,6 +117,11 @@ class RouterSettings:
     canary_interval_s: float = 300.0  # seconds between canary rounds; 0 turns the canary off
     canary_min_agreement: float = CANARY_MIN_AGREEMENT  # below it (where not exact), a worker is suspect
     canary_action: str = "mark"  # mark | drain (out of rotation, restarted, checked again)
+
+    @property
+    def model_name(self) -> str:
+        """The default model's name as clients see it (`--served-model-name`, else its directory's)."""
+        return self.models.entries[0].name if self.models.entries else self.model_dir.name
 
     @property
     def worker_capacity(self) -> int:
@@ -164,6 +172,8 @@ class RouterSettings:
             "compile": compile_from_args(args),
             "reasoning_parser": reasoning_parser_from_args(args),
             "protocol": protocol_from_args(args),
+            "max_model_len": max_model_len_from_args(args, models),
+            "gpu_memory_utilization": gpu_memory_utilization_from_args(args),
         }
         endpoint = getattr(args, "otlp_endpoint", None)
         if endpoint:

@@ -149,6 +149,10 @@ def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, sock
         argv.append("--no-prefix-cache")
     if settings.kv_cache_bytes is not None:
         argv += ["--kv-cache-bytes", str(settings.kv_cache_bytes)]
+    if settings.max_model_len is not None:
+        argv += ["--max-model-len", str(settings.max_model_len)]
+    if settings.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", f"{settings.gpu_memory_utilization:g}"]
     if settings.otlp_endpoint is not None:
         argv += ["--otlp-endpoint", settings.otlp_endpoint]
     if settings.deterministic:
@@ -184,6 +188,6 @@ def build_worker_specs(devices: list[DeviceInfo], settings: RouterSettings, run_
     base = dict(os.environ if base_env is None else base_env)
     threads = threads_per_worker(compute_threads(settings, devices), len(devices))
     if models is None:
-        models = {d.index: (settings.model_dir.name, settings.model_dir) for d in devices}
+        models = {d.index: (settings.model_name, settings.model_dir) for d in devices}
     return [build_worker_spec(d, *models[d.index], settings, run_dir, parent_pid, threads, base)
             for d in devices if d.index in models]

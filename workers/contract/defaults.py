@@ -89,3 +89,8 @@ MAX_URL_BYTES = 8 * 1024  # request target (path and query); longer is a 414
 # The file the router writes first into each run directory (worker sockets and status
 # files): a start-up sweep removes only directories that hold it.
 RUN_DIR_MARKER = ".hetserve-run"
+
+# KV cache sizing defaults (workers/kv/sizing.py), here so `hetserve serve --help` can say them:
+# a GPU worker takes this fraction of its free memory after loading; a CPU worker at most this.
+GPU_FREE_FRACTION = 0.85
+CPU_KV_MAX_DEFAULT_BYTES = 512 << 20

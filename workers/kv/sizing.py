@@ -10,20 +10,33 @@ is then `budget // (block_size x bytes per token)` blocks; a sequence may be as 
 model's context or the whole pool, whichever is shorter. A model with linear-attention layers
 (workers/kv/state.py) takes its `--max-batch` sequences' state out of the budget first; the
 CPU default adds it to the footprint, so the KV still holds the full context.
+
+`--gpu-memory-utilization F` replaces those defaults with a fraction of the device's own memory
+for weights and KV together, as vLLM's flag: on a real GPU, F x its total memory less what is
+already in use after loading (weights, the CUDA context, other processes); on a simulated
+device, F x its simulated memory less the weights' bytes, so devices of different sizes get
+budgets of their own size. `--kv-cache-bytes` then caps the result. A host CPU worker (no
+device memory of its own to share out) keeps the CPU default.
 """
 
 from __future__ import annotations
 
 import argparse
 
-GPU_FREE_FRACTION = 0.85  # of the bound device's free memory after loading; the rest for activations
-CPU_KV_MAX_DEFAULT_BYTES = 512 << 20
+# of the bound device's free memory after loading (the rest for activations); a CPU worker's cap
+from workers.contract.defaults import CPU_KV_MAX_DEFAULT_BYTES, GPU_FREE_FRACTION
+
+__all__ = ["CPU_KV_MAX_DEFAULT_BYTES", "GPU_FREE_FRACTION", "kv_budget", "plan_kv_blocks"]
 
 
 def kv_budget(args: argparse.Namespace, bound, bytes_per_token: int, context: int,
-              state_per_sequence: int = 0) -> tuple[int, str]:
+              state_per_sequence: int = 0, weights_bytes: int = 0) -> tuple[int, str]:
     """This worker's KV cache budget in bytes (the linear layers' state included, `state_per_sequence`
-    bytes per sequence), from its own device only, with the reason."""
+    bytes per sequence), from its own device only, with the reason; `weights_bytes`: what the loaded
+    model holds (counted against `--gpu-memory-utilization` on a simulated device)."""
+    fraction = getattr(args, "gpu_memory_utilization", None)
+    if fraction is not None and (bound.is_real_gpu or bound.simulated):
+        return _fraction_budget(args, bound, fraction, weights_bytes)
     if bound.is_real_gpu:
         import torch
 
@@ -52,3 +65,24 @@ def plan_kv_blocks(bytes_per_token: int, block_size: int, budget: int, context: 
         )
     longest = min(context, blocks * block_size)
     return blocks, f"{blocks} blocks x {block_size} tokens ({blocks * block_size} tokens; longest request {longest})"
+
+
+def _fraction_budget(args: argparse.Namespace, bound, fraction: float, weights_bytes: int) -> tuple[int, str]:
+    """`--gpu-memory-utilization`: the device's share less what is already taken, capped by
+    `--kv-cache-bytes`; a share smaller than what is taken is a named error."""
+    if bound.is_real_gpu:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(bound.torch_device)
+        used, what = total - free, "in use after loading"
+    else:
+        total, used, what = bound.memory_total_bytes, weights_bytes, "of weights (simulated device)"
+    share = int(total * fraction)
+    budget = share - used
+    if budget <= 0:
+        raise ValueError(f"`--gpu-memory-utilization {fraction:g}` gives {share} bytes of the device's {total}, "
+                         f"below the {used} bytes {what}; raise it (accepted: 0 < F <= 1)")
+    why = f"--gpu-memory-utilization {fraction:g} of the device's {total} bytes, less {used} bytes {what}"
+    if args.kv_cache_bytes and args.kv_cache_bytes < budget:
+        return args.kv_cache_bytes, f"--kv-cache-bytes {args.kv_cache_bytes} (below {budget}: {why})"
+    return budget, why

@@ -122,15 +122,23 @@ class WorkerServer:
                                        self.bound.simulated, self.deterministic is not None, self.loaded.model)
         logger.info("decode step: %s", self.compile_decision.reason)
 
+    @property
+    def context_length(self) -> int:
+        """The longest sequence served: the checkpoint's context, capped by `--max-model-len`."""
+        cap = getattr(self.args, "max_model_len", None)
+        return min(self.loaded.config.context_length, cap) if cap else self.loaded.config.context_length
+
     def _init_kv_cache(self) -> None:
         from workers.kv.groups import plan_groups
         from workers.kv.pool import KVPool, layer_shapes
         from workers.kv.state import StatePool, plan_state
 
         cfg, dtype, bs = self.loaded.config, self.loaded.dtype, self.args.kv_block_size
-        per_token, context = KVPool.bytes_per_token(cfg, dtype), cfg.context_length
+        per_token, context = KVPool.bytes_per_token(cfg, dtype), self.context_length
         per_state = StatePool.bytes_per_sequence(cfg, dtype) if cfg.state_layers else 0
-        budget, why = kv_budget(self.args, self.bound, per_token, context, per_state)
+        weights = sum(t.numel() * t.element_size() for t in (*self.loaded.model.parameters(),
+                                                             *self.loaded.model.buffers()))
+        budget, why = kv_budget(self.args, self.bound, per_token, context, per_state, weights)
         # the linear layers' state of --max-batch sequences comes out of the budget first (workers/kv/state.py)
         state_bytes, state_why = plan_state(cfg, dtype, self.args.max_batch, budget)
         budget -= state_bytes
@@ -172,7 +180,7 @@ class WorkerServer:
             self.compiled = CompiledDecode(loaded.model, self.kv, self.bound.torch_device,
                                            decode_buckets(args.max_batch), self.compile_decision.backend)
         config = SchedulerConfig(
-            args.max_batch, loaded.config.context_length, shapes[0][1], self.kv.block_size,
+            args.max_batch, self.context_length, shapes[0][1], self.kv.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_cache,
             eos_token_ids=loaded.eos_token_ids, cache_root=root, rope=loaded.model.rope_policy,
             kv_groups=shapes, state_slots=self.kv.states.num_slots if self.kv.states is not None else 0,
@@ -193,7 +201,7 @@ class WorkerServer:
         preflight = startup.preflight
         described = describe(loaded.config)  # architecture, features, attention per layer type
         model = {"id": loaded.model_id, "dtype": str(loaded.dtype).removeprefix("torch."),
-                 "context_length": loaded.config.context_length, "architecture": described["architecture"],
+                 "context_length": self.context_length, "architecture": described["architecture"],
                  "features": described["features"], "attention": described["attention"]}
         for key in ("chat_template", "eos_token", "bos_token"):
             if getattr(loaded, key) is not None:
