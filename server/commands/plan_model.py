@@ -127,10 +127,12 @@ def attach_models(plan: dict, devices: list, raw_models: list[str], raw_place: l
     from types import SimpleNamespace
 
     from server.config.models import models_from_args
+    from server.config.settings import check_models
     from server.fleet.placement import ModelAsk, PlacementError, place
     from workers.contract.model_size import ModelSizeError, read_profile
 
     config = models_from_args(SimpleNamespace(model=raw_models, place=raw_place))
+    check_models(config)  # one line naming what is unsupported, before any child reads the model
     described, asks = {}, []
     for entry, raw in zip(config.entries, raw_models, strict=True):
         described[entry.name] = describe_model(raw if "=" not in raw else str(entry.path))

@@ -34,6 +34,7 @@ from workers.contract import (
     DRAIN_TIMEOUT_S,
     engine_limits_error,
 )
+from workers.contract.checkpoint_check import CheckpointError, check_checkpoint
 from workers.contract.tracing import check_endpoint
 
 # Runs the worker under another command (a wrapper, a profiler, a test double):
@@ -56,6 +57,16 @@ def _default_worker_command() -> tuple[str, ...]:
     if raw:
         return tuple(shlex.split(raw))
     return (sys.executable, "-m", "workers")
+
+
+def check_models(models: ModelsConfig) -> None:
+    """`UsageError` of one line for the first model whose config.json the workers' registries refuse
+    (workers/contract/checkpoint_check.py): the router finds it before binding the port."""
+    for entry in models.entries:
+        try:
+            check_checkpoint(entry.path)
+        except CheckpointError as e:
+            raise UsageError(f"`--model {entry.path}`: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,7 @@ class RouterSettings:
     def from_args(cls, args) -> RouterSettings:
         """Validate `hetserve serve` arguments (argparse namespace) into settings."""
         models = models_from_args(args)  # --model NAME=DIR, --models-dir, --place, ... (server/config/models.py)
+        check_models(models)  # an unsupported checkpoint: one line, before any worker starts
         model_dir = models.catalog()[0].path  # the default model
         for name in ("max_batch", "max_queue"):
             value = getattr(args, name, None)

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+from workers.contract.checkpoint_check import ROPE_TYPES  # the router checks a checkpoint against it too
+
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 

@@ -8,11 +8,14 @@ method up here, so adding a method is adding a module and a line. A checkpoint w
 `hetserve plan --model`, which reads the same config). The 4-bit formats (GPTQ, AWQ, compressed-
 tensors `pack-quantized`) are asked first through one hook (`int4_methods.handles`), since
 compressed-tensors names both its fp8 and its 4-bit formats with one method. The trade-off: the registry knows only the
-methods whose layers exist; a method name alone never makes a checkpoint load.
+methods whose layers exist; a method name alone never makes a checkpoint load. The method names
+are also the contract's `QUANT_METHODS` (workers/contract/checkpoint_check.py), which the router
+checks before any worker starts; tests/test_checkpoint_check.py holds the two equal.
 """
 
 from __future__ import annotations
 
+from workers.contract.checkpoint_check import QUANT_METHODS
 from workers.quant import compressed_tensors, fp8_blockwise, int4_methods
 from workers.quant.int4_scheme import Int4Config
 from workers.quant.scheme import QuantConfig, unsupported
@@ -29,7 +32,7 @@ def read_quantization(hf_config: dict) -> QuantConfig | Int4Config | None:
         return int4_methods.read(qc)
     method = qc.get("quant_method")
     if method not in METHODS:
-        raise unsupported("quantization method", method, sorted({*METHODS, *int4_methods.METHODS}))
+        raise unsupported("quantization method", method, QUANT_METHODS)
     return METHODS[method](qc)
 
 

@@ -16,9 +16,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-LAYER_TYPES = (FULL, SLIDING)
-LINEAR = "linear_attention"  # a Gated DeltaNet layer: a recurrent state, no KV (workers/model/linear_attention.py)
+# the layer types (LINEAR: a Gated DeltaNet layer, workers/model/linear_attention.py) and activations
+# are the contract's tables, which the router checks a checkpoint against too
+from workers.contract.checkpoint_check import (
+    FULL,
+    HF_ACTIVATIONS,
+    LAYER_TYPES,
+    LINEAR,  # noqa: F401  (the families and config.py read it here)
+    SLIDING,
+)
 
 WeightMap = Mapping[str, tuple[str, int | None]]
 
@@ -102,7 +108,7 @@ def refuse(hf: dict[str, Any], name: str, allowed: tuple, what: str | None = Non
 
 def activation(hf: dict[str, Any], *keys: str, default: str = "silu") -> str:
     """Our activation name for the first of `keys` present (`hidden_act`, `hidden_activation`)."""
-    names = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+    names = HF_ACTIVATIONS
     raw = next((hf[k] for k in keys if hf.get(k) is not None), default)
     if raw not in names:
         raise FamilyConfigError(f"Unsupported `{keys[0]}` `{raw}`. Supported: {', '.join(sorted(names))}")

@@ -1,11 +1,15 @@
 """Which family a checkpoint is: its config.json `architectures[0]`, else its `model_type`.
 
 An architecture not listed here is refused at load with the list of those that are; within a
-family, what its `read` cannot compute is refused too (workers/model/families/base.py).
+family, what its `read` cannot compute is refused too (workers/model/families/base.py). The
+families' Hugging Face names are also the contract's table (workers/contract/checkpoint_check.py
+`ARCHITECTURES`), which the router checks a checkpoint against before any worker starts;
+tests/test_checkpoint_check.py holds the two equal.
 """
 
 from __future__ import annotations
 
+from workers.contract.checkpoint_check import supported_architectures
 from workers.model.families.base import Family, FamilyConfigError
 from workers.model.families.gemma2 import GEMMA2
 from workers.model.families.gemma3 import GEMMA3
@@ -24,10 +28,6 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT,
     GEMMA4)}
 _BY_NAME = {n: f for f in FAMILIES.values() for n in (*f.architectures, *f.model_types)}
-
-
-def supported_architectures() -> list[str]:
-    return sorted(n for f in FAMILIES.values() for n in f.architectures)
 
 
 def family_of(hf: dict) -> Family:
