@@ -10,7 +10,10 @@ forward is compared with the torch reference path (the self-test); either failin
 start at `kernelize`. Everything is built inside this process (vLLM `run_engine_core` style):
 the router passes only arguments and environment. Each startup step is logged once with its
 duration and written to the status file, so a worker that cannot start says which step
-failed and why (exit 3), distinct from a fatal error while serving (exit 4). A clean
+failed and why (exit 3), distinct from a fatal error while serving (exit 4). A start failure
+is one console line (step and reason), its traceback only in the debug log
+(HETSERVE_LOG_LEVEL=debug) and the status file's `traceback`: the router repeats the reason
+once per worker, and a bad checkpoint no longer floods the console with chained tracebacks. A clean
 shutdown (SIGTERM, or the parent dying) drains in-flight requests within a bound and
 exits 0. Cleanup happens in `finally`, whatever the path.
 """
@@ -25,6 +28,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 
 from workers.contract import (
@@ -162,6 +166,11 @@ def startup_step(name: str, status: StatusFile) -> Iterator[None]:
     logger.info("step %s done in %.3fs", name, time.perf_counter() - t0)
 
 
+def startup_traceback(e: StartupError) -> str:
+    """The traceback of the exception that failed the step (the status file keeps it for debugging)."""
+    return "".join(traceback.format_exception(e.__cause__ or e))
+
+
 def _default_worker_id(args: argparse.Namespace) -> str:
     index = args.device_index if args.device_index is not None else os.environ.get(ENV_DEVICE_INDEX, "0")
     return f"worker-{index}"
@@ -253,8 +262,10 @@ def run_worker(args: argparse.Namespace) -> int:
         status.write(WorkerStatus.STOPPED)
         return ExitCode.OK
     except StartupError as e:
-        logger.exception("failed to start at step %s: %s", e.step, e.reason)
-        status.write(WorkerStatus.FAILED, step=e.step, reason=e.reason)
+        # one line on the console; the chained traceback only in the debug log and the status file
+        logger.error("failed to start at step %s: %s", e.step, e.reason)
+        logger.debug("failed to start at step %s", e.step, exc_info=True)
+        status.write(WorkerStatus.FAILED, step=e.step, reason=e.reason, traceback=startup_traceback(e))
         return ExitCode.FAILED_TO_START
     except _ShutdownRequested:
         logger.info("shutdown requested before serving; exiting")

@@ -93,7 +93,8 @@ def run(args) -> int:
 
     def on_settled(supervisor) -> None:
         if supervisor.all_failed():
-            logger.error("no worker could start (%s); stopping", ready_summary(supervisor))
+            # each worker's reason was logged once as it failed (server/fleet/supervisor.py)
+            logger.error("no worker could start (%d failed, each reason above); stopping", len(supervisor.workers))
             outcome["code"] = 1
             server.should_exit = True
             return

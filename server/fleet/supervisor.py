@@ -244,8 +244,9 @@ class Supervisor:
         return WorkerHandle(spec, breaker=CircuitBreaker(policy), generation=self._generations.get(spec.id, 0))
 
     # --- state -------------------------------------------------------------------------
-    def _set(self, handle: WorkerHandle, state: str, reason: str | None = None) -> None:
-        if handle.state != state:
+    def _set(self, handle: WorkerHandle, state: str, reason: str | None = None, logged: bool = False) -> None:
+        """Move `handle` to `state`; one log line unless the caller logs the change itself (`logged`)."""
+        if handle.state != state and not logged:
             logger.info("worker %s: %s -> %s%s", handle.id, handle.state, state, f" ({reason})" if reason else "")
         handle.state = state
         handle.reason = reason
@@ -267,7 +268,9 @@ class Supervisor:
             try:
                 await self._spawn(handle)
             except OSError as e:
-                self._set(handle, WorkerState.FAILED, f"could not start `{' '.join(handle.spec.argv[:3])}`: {e}")
+                self._set(handle, WorkerState.FAILED, f"could not start `{' '.join(handle.spec.argv[:3])}`: {e}",
+                          logged=True)
+                logger.error("worker %s failed: %s", handle.id, handle.reason)
                 return
             watcher = asyncio.create_task(self._watch(handle))
             assert handle.process is not None
@@ -285,7 +288,7 @@ class Supervisor:
                                    handle.exit_cause)
             handle.last_exit, handle.exit_cause = decision.last_exit, None
             if not decision.restart:
-                self._set(handle, WorkerState.FAILED, decision.reason)
+                self._set(handle, WorkerState.FAILED, decision.reason, logged=True)  # the reason once, here
                 logger.error("worker %s failed: %s", handle.id, handle.reason)
                 return
             history = decision.history
