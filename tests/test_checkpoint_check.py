@@ -141,3 +141,16 @@ def test_plan_refuses_an_unknown_architecture_in_one_line(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "Unsupported architecture `FooForCausalLM`" in lines[0] and "Qwen3ForCausalLM" in lines[0]
     assert proc.stdout == ""
+
+
+def test_a_models_dir_with_an_unsupported_model_names_that_model(tmp_path, capsys):
+    """Guards the `--models-dir` wording in server/config/settings.py `check_models`."""
+    from server.cli import main
+
+    root = tmp_path / "models"
+    root.mkdir()
+    _unknown_architecture(root)
+    assert main(["serve", "--models-dir", str(root), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hetserve serve: error: `--models-dir {root.resolve()}` holds `foo-model`:"), err
+    assert "Unsupported architecture `FooForCausalLM`" in err and "\n" not in err

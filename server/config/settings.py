@@ -66,7 +66,9 @@ def check_models(models: ModelsConfig) -> None:
         try:
             check_checkpoint(entry.path)
         except CheckpointError as e:
-            raise UsageError(f"`--model {entry.path}`: {e}") from e
+            scanned = models.models_dir is not None and entry.path.parent == Path(models.models_dir).resolve()
+            flag = f"--models-dir {models.models_dir}` holds `{entry.name}" if scanned else f"--model {entry.path}"
+            raise UsageError(f"`{flag}`: {e}") from e
 
 
 @dataclass(frozen=True)
