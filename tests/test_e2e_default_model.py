@@ -27,6 +27,9 @@ def test_embedded_model_serves_on_both_fp8_conventions(router):
     with router.client(timeout=120) as c:
         workers = {w["id"]: w for w in c.get("/workers").json()["workers"]}
         assert {w: workers[w]["fp8"]["convention"] for w in workers} == {"gpu0": "emulated", "gpu1": "native_e4m3"}
+        # --quantize fp8: the projections compute in each device's convention, and the labels say it
+        assert {w: (workers[w]["fp8"]["used"], workers[w]["fp8"]["label"]) for w in workers} == {
+            "gpu0": (True, "emulated"), "gpu1": (True, "native_e4m3")}
         assert c.get("/v1/models").json()["data"][0]["id"]
         for wid, convention in (("gpu0", "emulated"), ("gpu1", "native_e4m3")):
             r = c.post("/v1/chat/completions", headers={"X-Hetserve-Worker": wid},

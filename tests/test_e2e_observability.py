@@ -270,9 +270,15 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             expect(tiny.locator(".card")).to_have_count(3)
             expect(tiny.locator(".model-state")).to_have_text("loaded")
             assert [cards.nth(i).locator(".cap").get_attribute("data-capability") for i in range(3)] == ["8.0", "8.9", "9.0"]
-            assert [cards.nth(i).locator(".fp8").get_attribute("data-convention") for i in range(3)] == [
+            # without --quantize fp8 no layer computes in fp8: the fp8 row says so, and what each device
+            # could run is on its capability row
+            assert [cards.nth(i).locator(".fp8").get_attribute("data-used") for i in range(3)] == ["false"] * 3
+            assert [cards.nth(i).locator(".fp8-conv").inner_text() for i in range(3)] == ["not used (float32)"] * 3
+            assert [cards.nth(i).locator(".fp8").get_attribute("data-convention") for i in range(3)] == [""] * 3
+            assert [cards.nth(i).locator(".cap").get_attribute("data-fp8") for i in range(3)] == [
                 "emulated", "native_e4m3", "native_e4m3"]
             assert "sm_89" in cards.nth(1).locator(".cap").inner_text()
+            assert "fp8 native e4m3" in cards.nth(1).locator(".cap").inner_text()
             # the architecture each worker reports, with what it switches on (archLabel)
             assert [cards.nth(i).locator(".arch").get_attribute("data-architecture") for i in range(3)] == ["llama"] * 3
             assert cards.nth(0).locator(".arch").inner_text() == "llama · rope default"
@@ -284,7 +290,8 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             assert "first · needs " in placed and "MiB of 43.2 GiB" in placed and "smallest free device" in placed
             gpu1 = page.locator(".card[data-worker=gpu1]")
             gpu1.locator("details.kernels summary").click()
-            assert gpu1.locator("details.kernels li").count() >= 2 and "8.9" in gpu1.locator(".fp8-reason").inner_text()
+            assert gpu1.locator("details.kernels li").count() >= 2 and "8.9" in gpu1.locator(".cap").get_attribute("title")
+            assert "no `--quantize fp8`" in gpu1.locator(".fp8-reason").inner_text()
             # 3. live figures: tokens/s and KV usage sparklines, the health verdict in the header
             for i in range(3):
                 expect(cards.nth(i).locator("svg.spark.tps-spark polyline").first).to_be_attached(timeout=30_000)

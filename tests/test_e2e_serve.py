@@ -48,6 +48,11 @@ def test_workers_are_ready_with_their_own_fp8_convention_and_kernels(client):
     assert [(w["id"], w["state"]) for w in workers] == [("gpu0", "ready"), ("gpu1", "ready"), ("gpu2", "ready")]
     assert [w["device"]["capability"] for w in workers] == ["8.0", "8.9", "9.0"]
     assert [w["fp8"]["convention"] for w in workers] == ["emulated", "native_e4m3", "native_e4m3"]
+    # without --quantize fp8 no layer computes in fp8 (server/fleet/handle.py `fp8_entry`): each says
+    # so, and the convention stays the device's capability
+    assert [(w["fp8"]["used"], w["fp8"]["label"]) for w in workers] == [(False, "not used (float32)")] * 3
+    assert [w["device"]["fp8"]["convention"] for w in workers] == ["emulated", "native_e4m3", "native_e4m3"]
+    assert all("no `--quantize fp8`" in w["fp8"]["used_reason"] for w in workers)
     for w in workers:
         assert w["device"]["simulated"] is True and w["restarts"] == 0 and w["pid"] > 0
         assert w["fp8"]["reason"] and w["kernels"], w
@@ -76,7 +81,16 @@ def test_requests_spread_over_the_three_workers(client):
     with ThreadPoolExecutor(6) as pool:
         seen = set(pool.map(one, range(18)))
     assert {w for w, _ in seen} == {"gpu0", "gpu1", "gpu2"}
-    assert dict(seen) == {"gpu0": "emulated", "gpu1": "native_e4m3", "gpu2": "native_e4m3"}
+    assert dict(seen) == {"gpu0": "not used (float32)", "gpu1": "not used (float32)", "gpu2": "not used (float32)"}
+
+
+def test_the_fp8_filter_still_picks_by_the_devices_convention(client):
+    """Guards server/routing/filter.py's `X-Hetserve-Fp8` match on `WorkerHandle.fp8_convention` (the
+    device's convention) now that the headers show `not used (float32)`: sm_80 is the only emulated one."""
+    for _ in range(3):
+        r = client.post("/generate", headers={"X-Hetserve-Fp8": "emulated"},
+                        json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and r.headers["x-worker-id"] == "gpu0", r.text
 
 
 def test_greedy_text_is_the_same_on_every_worker(client):

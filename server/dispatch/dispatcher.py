@@ -142,7 +142,7 @@ def worker_headers(worker: WorkerHandle, response_headers) -> dict[str, str]:
     fallback = {
         HEADER_WORKER_ID: worker.id,
         HEADER_WORKER_CAPABILITY: worker.capability_label,
-        HEADER_FP8_CONVENTION: worker.fp8_convention or "unknown",
+        HEADER_FP8_CONVENTION: worker.fp8_label or "unknown",
     }
     headers = {name.lower(): response_headers.get(name.lower()) or fallback[name] for name in WORKER_HEADERS}
     headers[HEADER_MODEL.lower()] = worker.model

@@ -22,7 +22,7 @@ def worker_attributes(worker: WorkerHandle) -> dict[str, str]:
     return {
         "hetserve.worker.id": worker.id,
         "hetserve.worker.capability": worker.capability_label,
-        "hetserve.fp8.convention": worker.fp8_convention or "unknown",
+        "hetserve.fp8.convention": worker.fp8_label or "unknown",  # as X-Fp8-Convention: "not used (...)" unless used
     }
 
 

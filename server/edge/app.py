@@ -42,11 +42,12 @@ logger = logging.getLogger(__name__)
 
 
 def ready_summary(supervisor: Supervisor) -> str:
-    """`gpu0 sm_80 emulated, gpu1 sm_89 native_e4m3` (ready workers) + failed ones."""
+    """`gpu0 (8.0, fp8: not used (bfloat16)), gpu1 (8.9, fp8: native_e4m3)` (ready workers: fp8 as
+    it runs, server/fleet/handle.py `fp8_label`) + failed ones."""
     parts = []
     for h in supervisor.workers.values():
         if h.state == WorkerState.READY:
-            parts.append(f"{h.id} ({h.capability_label}, fp8 {h.fp8_convention})")
+            parts.append(f"{h.id} ({h.capability_label}, fp8: {h.fp8_label})")
         else:
             parts.append(f"{h.id} {h.state}: {h.reason}")
     return ", ".join(parts)

@@ -82,8 +82,30 @@ class WorkerHandle:
 
     @property
     def fp8_convention(self) -> str | None:
-        """What the worker chose (None until it has reported)."""
+        """The device's fp8 convention, whether or not a layer uses it (None until it has reported):
+        what the routing filter's `X-Hetserve-Fp8` matches, a capability of the device."""
         return None if self.info is None else self.info.fp8.convention
+
+    @property
+    def fp8_label(self) -> str | None:
+        """What fp8 is in this worker's run: its convention where a layer computes in fp8, else
+        `not used (bfloat16)` (the dtype it runs in); a worker that does not say keeps its convention."""
+        if self.info is None:
+            return None
+        return self.info.fp8.label or self.info.fp8.convention
+
+    def fp8_entry(self) -> dict:
+        """`/workers` `fp8`: the device's `convention` and its `reason` (what its fp8 layers run in,
+        and what `X-Hetserve-Fp8` filters on), `used` (any layer computes in fp8: `--quantize fp8`, an
+        fp8 checkpoint), `label` (the convention when used, else `not used (bfloat16)`: what the ready
+        line, `X-Fp8-Convention` and the status page show) and `used_reason`."""
+        fp8 = (self.info or CapabilityPayload()).fp8.model_dump()
+        if fp8.get("used") is False:
+            dtype = (self.info.model.dtype if self.info is not None else None) or "the model dtype"
+            fp8["used_reason"] = f"no `--quantize fp8` and no fp8 checkpoint: every layer computes in {dtype}"
+        elif fp8.get("used"):
+            fp8["used_reason"] = f"fp8 layers run {fp8.get('label')}"
+        return fp8
 
     @property
     def routable(self) -> bool:
@@ -117,6 +139,8 @@ class WorkerHandle:
         if self.info is not None:
             reported = self.info.device.model_dump(exclude_unset=True)
             base.update({k: reported[k] for k in DEVICE_FIELDS if k in reported})
+            # the fp8 the device supports (a capability), used or not: `fp8` says what runs
+            base["fp8"] = {"convention": self.info.fp8.convention, "reason": self.info.fp8.reason}
         return base
 
     def load(self, max_batch: int) -> dict:
@@ -134,7 +158,7 @@ class WorkerHandle:
             "restarts": self.restarts,
             "reason": self.reason,
             "device": self.device_dict(),
-            "fp8": info.fp8.model_dump(),
+            "fp8": self.fp8_entry(),
             "kernels": {layer: k.model_dump(exclude_none=True) for layer, k in info.kernels.items()},
             "triton_cache": info.triton_cache or self.spec.environ().get(ENV_TRITON_CACHE_DIR),
             "load": self.load(max_batch),

@@ -31,8 +31,10 @@ class DeviceDescription(_Open):
 
 
 class Fp8Description(_Open):
-    convention: str | None = None  # "native_e4m3" | "emulated"
+    convention: str | None = None  # "native_e4m3" | "emulated": the device's convention, used or not
     reason: str | None = None
+    used: bool | None = None  # any layer computes from fp8 bytes (--quantize fp8, an fp8 checkpoint)
+    label: str | None = None  # the convention when used, else "not used (bfloat16)": what headers show
 
 
 class KernelDescription(_Open):

@@ -15,11 +15,12 @@ from workers.contract import (
 
 
 def identity_headers(info: CapabilityPayload) -> dict[str, str]:
-    """X-Worker-Id, X-Worker-Capability ("9.0" or "cpu") and X-Fp8-Convention of this worker."""
+    """X-Worker-Id, X-Worker-Capability ("9.0" or "cpu") and X-Fp8-Convention of this worker: the
+    convention its fp8 layers run in, or `not used (bfloat16)` where none computes in fp8."""
     return {
         HEADER_WORKER_ID: info.worker_id or "",
         HEADER_WORKER_CAPABILITY: info.device.capability or "cpu",
-        HEADER_FP8_CONVENTION: info.fp8.convention or "",
+        HEADER_FP8_CONVENTION: info.fp8.label or info.fp8.convention or "",  # "not used (bfloat16)" unless used
     }
 
 

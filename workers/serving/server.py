@@ -214,7 +214,7 @@ class WorkerServer:
             if isinstance(loaded.generation_config.get(k), (int, float))
         }
         kernel_info = {k: v.to_dict() for k, v in startup.kernels.items()}
-        fp8 = {"convention": startup.fp8.name, "reason": startup.fp8_reason}
+        fp8 = {"convention": startup.fp8.name, "reason": startup.fp8_reason, **self._fp8_use()}
         if startup.fp8_checkpoint is not None:  # how this device runs the checkpoint's fp8 layers, and why
             fp8["checkpoint"] = {**startup.fp8_checkpoint, "quantization": loaded.quantization}
         if preflight is not None:  # each layer's compile record; why native fp8 is not used, if so
@@ -241,6 +241,18 @@ class WorkerServer:
         self.tracing = start_tracing(getattr(self.args, "otlp_endpoint", None), "hetserve-worker",
                                      {"service.instance.id": info.worker_id or ""})
         self.app = create_app(info, self.engine, loaded.tokenizer, tracing=self.tracing)
+
+    def _fp8_use(self) -> dict:
+        """`used`: whether any layer computes from fp8 bytes (`--quantize fp8`, an fp8 checkpoint);
+        `label`: what the ready line, `X-Fp8-Convention` and the status page show: the convention
+        when used, else `not used (<dtype>)`, so a device's fp8 capability never reads as fp8 on."""
+        ckpt = self.startup.fp8_checkpoint
+        from_checkpoint = ckpt is not None and (ckpt.get("layers", 0) + ckpt.get("expert_layers", 0)) > 0
+        used = self.args.quantize == "fp8" or from_checkpoint
+        if not used:
+            return {"used": False, "label": f"not used ({str(self.loaded.dtype).removeprefix('torch.')})"}
+        name = self.startup.fp8.name
+        return {"used": True, "label": f"{name} (checkpoint, {ckpt['execution']})" if from_checkpoint else name}
 
     def _compile_description(self) -> CompileDescription:
         d = self.compile_decision

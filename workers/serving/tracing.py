@@ -23,7 +23,7 @@ def worker_span_attributes(info: CapabilityPayload) -> dict:
     attributes = {
         "hetserve.worker.id": info.worker_id or "",
         "hetserve.worker.capability": info.device.capability or "cpu",
-        "hetserve.fp8.convention": info.fp8.convention or "unknown",
+        "hetserve.fp8.convention": info.fp8.label or info.fp8.convention or "unknown",  # as X-Fp8-Convention
         "hetserve.device.name": info.device.name or "",
         "hetserve.device.simulated": bool(info.device.simulated),
     }
