@@ -6,7 +6,8 @@ Each series of a worker carries `worker_id`, `capability` and `model`:
 - `hetserve_router_session_moves_total{..., why}`: sessions that left this
   worker (`unavailable`, `overloaded`);
 - `hetserve_router_worker_prefill_tokens_per_second`, `..._decode_tokens_per_second{batch}`:
-  the measured speeds, decode for one sequence and for a batch of 8 (absent until measured);
+  the measured speeds, decode for one sequence and for a batch of 8 (absent until measured: a cost
+  the speed fit still holds at its floor was never measured apart, `speed_view`);
 - `hetserve_router_worker_inflight_tokens{kind="to_prefill"|"new"|"total"}`: the load the router counts there;
 - `hetserve_router_prefix_index_chunks`: prompt chunks the index remembers for that worker;
 - `hetserve_router_chars_per_token`, `hetserve_router_sessions`: fleet-wide.
@@ -22,10 +23,39 @@ from collections.abc import Callable, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from server.fleet.handle import WorkerHandle
-from server.routing.router import Router
-from server.routing.speed import REFERENCE_BATCH
+from server.routing.router import Router, speed_entry
+from server.routing.speed import REFERENCE_BATCH, Speed
 
 _LABELS = ("worker_id", "capability", "model")
+# The speed fit keeps every cost at or above its floor (1e-9 s, server/routing/speed.py): a cost
+# still that small was never measured apart, and its inverse (1e9 tokens/s) is no measured speed.
+UNMEASURED_S = 1e-8
+
+
+def prefill_tps(speed: Speed) -> float | None:
+    """Prompt tokens per engine-second, None while the per-token cost is unmeasured."""
+    return None if speed.prefill_s <= UNMEASURED_S else speed.prefill_tps
+
+
+def decode_tps(speed: Speed, batch: float) -> float | None:
+    """Generated tokens per engine-second in a batch of `batch`, None while the step is unmeasured."""
+    return None if speed.step_time(batch) <= UNMEASURED_S * (1 + batch) else speed.decode_tps(batch)
+
+
+def speed_view(speed: Speed | None) -> dict | None:
+    """`/workers` `routing.speed` with every figure the fit has not measured as None (not 1e9)."""
+    if speed is None:
+        return None
+    entry = speed_entry(speed)
+    if prefill_tps(speed) is None:
+        entry["prefill_tokens_per_s"] = None
+    for key, batch in (("decode_tokens_per_s", 1), (f"decode_tokens_per_s_batch_{REFERENCE_BATCH}", REFERENCE_BATCH)):
+        if decode_tps(speed, batch) is None:
+            entry[key] = None
+    for key, value_s in (("step_ms", speed.step_s), ("per_sequence_ms", speed.sequence_s)):
+        if value_s <= UNMEASURED_S:
+            entry[key] = None
+    return entry
 
 
 class RoutingCollector:
@@ -58,10 +88,12 @@ class RoutingCollector:
                 if wid == h.id:
                     moves.add_metric([*labels, why], n)
             speed = r.telemetry.speed(h.id)
-            if speed is not None:
-                prefill.add_metric(labels, speed.prefill_tps)
+            if speed is not None:  # only what was measured: no sample rather than 1e9 tokens/s
+                if prefill_tps(speed) is not None:
+                    prefill.add_metric(labels, prefill_tps(speed))
                 for batch in (1, REFERENCE_BATCH):
-                    decode.add_metric([*labels, str(batch)], speed.decode_tps(batch))
+                    if decode_tps(speed, batch) is not None:
+                        decode.add_metric([*labels, str(batch)], decode_tps(speed, batch))
             for kind, value in zip(("to_prefill", "new", "total"), r.inflight(h.id), strict=True):
                 inflight.add_metric([*labels, kind], value)
             chunks.add_metric(labels, r.index.size(h.id))

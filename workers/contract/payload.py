@@ -56,7 +56,7 @@ class ModelDescription(_Open):
     bos_token: str | None = None
     eos_token: str | None = None
     # generation_config.json sampling values (temperature, top_p, top_k, repetition_penalty)
-    sampling_defaults: dict[str, float] = Field(default_factory=dict)
+    sampling_defaults: dict[str, int | float] = Field(default_factory=dict)  # top_k 40 stays 40, not 40.0
     architecture: str | None = None  # the family (workers/model/families/registry.py)
     # what it switches on beyond Llama: rope type, sliding_window, attn_softcap, qk_norm, ...
     features: dict = Field(default_factory=dict)

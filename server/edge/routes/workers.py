@@ -1,7 +1,7 @@
 """`GET /workers` and `GET /workers/{id}`: each worker's state, device, fp8, kernels and load.
 
 Each entry ends with `routing`: the worker's measured speed (prefill and decode tokens per
-engine-second), the tokens the router has in flight there, the prompt prefix chunks it
+engine-second; null where not measured yet), the tokens the router has in flight there, the prompt prefix chunks it
 remembers for it and its routing decisions by reason (server/routing/).
 `{id}` is the worker id (`gpu1`); the device index (`1`) and the device UUID are accepted
 too. States: starting, ready, unhealthy, restarting, failed, stopping (its model unloads;
@@ -20,6 +20,7 @@ from fastapi import APIRouter, HTTPException, Request
 from server.edge.context import RouterContext, get_ctx
 from server.errors import shown
 from server.fleet.handle import WorkerHandle
+from server.routing.metrics import speed_view
 
 router = APIRouter(tags=["workers"])
 
@@ -28,7 +29,9 @@ def _entry(ctx: RouterContext, h: WorkerHandle) -> dict:
     """The worker's own entry plus `placement` (why its device serves its model, the bytes) and
     `routing`: its measured speed, load in tokens, prefix chunks, decisions."""
     placed = None if ctx.models is None else ctx.models.placed(h.spec.device.index)
-    return {**h.snapshot(ctx.settings.max_batch), "placement": placed, "routing": ctx.dispatcher.router.snapshot(h)}
+    router = ctx.dispatcher.router
+    routing = {**router.snapshot(h), "speed": speed_view(router.telemetry.speed(h.id))}  # unmeasured: None
+    return {**h.snapshot(ctx.settings.max_batch), "placement": placed, "routing": routing}
 
 
 def model_entries(ctx: RouterContext) -> list[dict]:
