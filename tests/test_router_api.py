@@ -138,6 +138,17 @@ def test_unsatisfiable_or_invalid_constraints_are_422(client, headers, needle):
         assert needle in json.dumps(r.json())
 
 
+def test_an_unknown_pinned_worker_lists_the_ids_only(client):
+    """Guards `_check_pinned` in server/edge/routes/_common.py: one sentence with the known ids, not
+    every worker's id, index and UUID."""
+    r = client.post("/generate", json={"inputs": "x"}, headers={"X-Hetserve-Worker": "gpu7"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == "No worker `gpu7` (X-Hetserve-Worker). Known: gpu0, gpu1, gpu2 (or a device index or UUID)"
+    r = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}},
+                    headers={"X-Hetserve-Worker": "1"})  # a device index still pins
+    assert r.status_code == 200 and r.headers["x-worker-id"] == "gpu1", r.text
+
+
 def test_errors_are_json_everywhere(client):
     cases = [
         (client.get("/nope"), 404),

@@ -48,6 +48,13 @@ _ROCM_CATALOG: dict[str, tuple[str, int]] = {
     "gfx1100": ("AMD Radeon RX 7900 XTX", 24),
 }
 _GIB = 1024**3
+# Architectures a simulated device may have: the CUDA capabilities and ROCm targets that exist, so
+# that a typo (`sm_99`) is refused rather than shown as some product; real devices are read as they
+# report, whatever their architecture.
+KNOWN_CUDA = ((3, 5), (3, 7), (5, 0), (5, 2), (5, 3), (6, 0), (6, 1), (6, 2), (7, 0), (7, 2), (7, 5), (8, 0),
+              (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (11, 0), (12, 0), (12, 1))
+KNOWN_ROCM = ("gfx900", "gfx906", "gfx908", "gfx90a", "gfx940", "gfx941", "gfx942", "gfx950", "gfx1030", "gfx1100",
+              "gfx1101", "gfx1102", "gfx1150", "gfx1151", "gfx1200", "gfx1201")
 
 
 class TopologySpecError(ValueError):
@@ -98,10 +105,19 @@ def catalog_memory(arch: str) -> tuple[str, int]:
     return f"{base} (simulated)", mem_gib * _GIB
 
 
+def known_architectures() -> str:
+    """`sm_35, ..., sm_121, gfx900, ..., gfx1201, cpu`: what `--simulate` accepts."""
+    return ", ".join([*(f"sm_{a}{b}" for a, b in KNOWN_CUDA), *KNOWN_ROCM, "cpu"])
+
+
 def simulated_device(token: str, index: int) -> DeviceInfo:
-    """The simulated device for one spec token (`sm_89`, `sm_86:24GiB`) at position `index`."""
+    """The simulated device for one spec token (`sm_89`, `sm_86:24GiB`) at position `index`;
+    an architecture that does not exist (`sm_99`) is a `TopologySpecError` listing the known ones."""
     arch, memory = split_memory(token)
     dtype, cap = parse_token(arch)
+    if (dtype == "cuda" and tuple(cap) not in KNOWN_CUDA) or (dtype == "rocm" and arch.strip().lower() not in KNOWN_ROCM):
+        where = f" in `{token.strip()}`" if token.strip() != arch.strip() else ""
+        raise TopologySpecError(f"Unknown simulated architecture `{arch.strip()}`{where}. Known: {known_architectures()}")
     name, default_memory = catalog_memory(arch)
     return DeviceInfo(
         index=index,

@@ -11,8 +11,9 @@ from fastapi.responses import StreamingResponse
 from server.dispatch.dispatcher import DispatchError
 from server.dispatch.migration import ClientStream
 from server.edge.context import ModelContext, RouterContext, get_ctx
+from server.errors import shown
 from server.routing.filter import MAX_SESSION_CHARS, Constraints, parse_constraints
-from workers.contract import HEADER_MODEL
+from workers.contract import HEADER_MODEL, HEADER_PIN_WORKER
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -21,9 +22,20 @@ def constraints(request: Request, user: str | None = None, model: str | None = N
     """Routing constraints from the `X-Hetserve-*` headers (`ConstraintError` -> 422), the
     session from `X-Session-Id` or else the OpenAI `user` field, and the request's model."""
     c = parse_constraints(request.headers)
+    if c.worker is not None:
+        _check_pinned(get_ctx(request), c.worker)
     if c.session is None and user:
         c = replace(c, session=user.strip()[:MAX_SESSION_CHARS] or None)
     return replace(c, model=model) if model is not None else c
+
+
+def _check_pinned(ctx: RouterContext, worker: str) -> None:
+    """422 naming the ids when `X-Hetserve-Worker` names no worker (by id, device index or UUID),
+    rather than the filter's sentence about every worker's id, index and UUID."""
+    if not any(h.answers_to(worker) for h in ctx.supervisor.workers.values()):
+        known = ", ".join(ctx.supervisor.workers) or "none"
+        raise DispatchError(422, f"No worker `{shown(worker)}` ({HEADER_PIN_WORKER}). Known: {known} (or a device "
+                                 "index or UUID)", "validation")
 
 
 def tgi_model(request: Request) -> ModelContext:
