@@ -137,3 +137,15 @@ def test_a_fused_layer_half_in_4_bits_is_refused(sources, tmp_path):
     ckpt, _ = quantize_checkpoint(sources["llama"], tmp_path / "half", "awq", 32, not_convert=("k_proj",))
     with pytest.raises(UnsupportedQuantizationError, match=r"fused layer `layers\.0\.attention\.wqkv`.*k_proj"):
         load_model(ckpt, "float32")
+
+
+def test_a_4bit_checkpoint_claims_no_fp8_execution(made):
+    """Guards the early return for no fp8 layers in `prepare_fp8_checkpoint`: the fp8 step named
+    the device's fp8 execution (`native` on sm_90) for a checkpoint that holds no fp8 layer."""
+    ckpt, _, _ = made["llama-gptq-v1-sym"]
+    loaded = load_model(ckpt, "float32")
+    from workers.fp8.convention import choose_fp8
+
+    conv, _ = choose_fp8("cuda", (9, 0))
+    summary = prepare_fp8_checkpoint(loaded.model, conv, "cuda", (9, 0))
+    assert summary["execution"] is None and summary["layers"] == 0 and "no fp8 layers" in summary["reason"]

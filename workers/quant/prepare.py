@@ -55,6 +55,10 @@ def prepare_fp8_checkpoint(model: nn.Module, convention, device_type: str, capab
     _check(execution, convention, plan)
     # 2. each layer in the device's execution, bytes before and after
     layers = [m for m in model.modules() if isinstance(m, (Fp8CheckpointLinear, Fp8FusedMoE))]
+    if not layers:  # a 4-bit checkpoint: no fp8 execution to claim (its own facts: `quantization`)
+        return {"execution": None, "fmt": None, "reason": "no fp8 layers in this checkpoint", "layers": 0,
+                "expert_layers": 0, "stored_bytes": 0, "weight_bytes": 0, "widened_bytes": 0, "kernel": None,
+                "expert_kernel": None, "kept": []}
     stored = sum(m.nbytes() for m in layers)
     for m in layers:
         m.prepare(execution.kind, execution.fmt)
