@@ -76,6 +76,9 @@ def test_every_worker_runs_the_checkpoint_its_own_way_and_says_why(routers, name
         assert w["state"] == "ready" and w["device"]["capability"] == cap, wid
         assert ckpt["execution"] == execution and execution in ckpt["kernel"]["variant"], wid
         assert ckpt["reason"] and ckpt["kernel"]["reason"], wid
+        # the fp8 layers run, so the labels name them (workers/serving/server.py `_fp8_use`)
+        assert w["fp8"]["used"] is True, wid
+        assert w["fp8"]["label"] == f"{w['fp8']['convention']} (checkpoint, {execution})", wid
         assert ckpt["fmt"] == ("e4m3fnuz" if cap == "9.4" else "e4m3fn"), wid
         if execution == "dequantized":  # the device widens the weights, and says by how much
             assert ckpt["widened_bytes"] > 0 and ckpt["weight_bytes"] > ckpt["stored_bytes"], wid
@@ -90,9 +93,10 @@ def test_every_worker_runs_the_checkpoint_its_own_way_and_says_why(routers, name
 @pytest.mark.parametrize("name,expected", [("dense", DENSE), ("moe", MOE)])
 def test_every_worker_answers_and_dequantized_compute_agrees(routers, name, expected):
     texts = {}
-    for wid, (cap, _) in expected.items():
+    for wid, (cap, execution) in expected.items():
         text, headers = _generate(routers[name], wid)
         assert headers["x-worker-id"] == wid and headers["x-worker-capability"] == cap
+        assert headers["x-fp8-convention"].endswith(f"(checkpoint, {execution})"), headers["x-fp8-convention"]
         assert text.strip(), wid
         texts[wid] = text
     if name == "dense":
