@@ -55,3 +55,13 @@ def test_serve_with_an_unknown_architecture_exits_2_with_one_line():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("hetserve serve: error: Unknown simulated architecture `sm_99`. Known: sm_35")
+
+
+@pytest.mark.parametrize(("host", "url"), [("0.0.0.0", "http://127.0.0.1:8000"), ("::", "http://[::1]:8000"),
+                                           ("10.1.2.3", "http://10.1.2.3:8000"), ("::1", "http://[::1]:8000")])
+def test_the_ready_url_opens_from_this_host(host, url):
+    """Guards `_ANY_ADDRESS` in server/commands/serve.py `_url`: with `--host 0.0.0.0` the ready
+    line printed `http://0.0.0.0:8000`, which opens nothing in most browsers."""
+    from server.commands.serve import _url
+
+    assert _url(host, 8000) == url

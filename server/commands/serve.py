@@ -61,7 +61,13 @@ def _log_api_key(settings: RouterSettings) -> None:
                        "Set --api-key-file PATH or $HETSERVE_API_KEY", settings.host)
 
 
+_ANY_ADDRESS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # bound to all: a URL one can open here
+
+
 def _url(host: str, port: int) -> str:
+    """The URL the ready line prints: one a browser on this host opens (a wildcard bind shows
+    the loopback address: `http://0.0.0.0:8000` opens nothing in most browsers)."""
+    host = _ANY_ADDRESS.get(host, host)
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}"
 
