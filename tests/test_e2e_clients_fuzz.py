@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.router_harness import RouterProcess
+from tests.router_harness import running_router
 from workers.contract import DEFAULT_MODEL_DIR
 
 pytestmark = [
@@ -21,10 +21,7 @@ PATHS = ("/v1/responses", "/v1/responses/{response_id}", "/v1/messages", "/v1/me
 
 @pytest.fixture(scope="module")
 def router():
-    r = RouterProcess(["--dtype", "float32", "--max-batch", "8"], fake=False, ready_timeout=240)
-    yield r
-    r.stop()
-    assert not r.orphans
+    yield from running_router(["--dtype", "float32", "--max-batch", "8"], fake=False, ready_timeout=240)
 
 
 def _shaped(path: str, body) -> bool:

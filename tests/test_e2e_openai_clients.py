@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import InferenceClient
 from pydantic import BaseModel, Field
 
-from tests.router_harness import RouterProcess
+from tests.router_harness import running_router
 from workers.contract import DEFAULT_MODEL_DIR
 
 pytestmark = [
@@ -42,10 +42,7 @@ ASK = [{"role": "user", "content": "What will the weather be in Paris?"}]
 
 @pytest.fixture(scope="module")
 def router():
-    r = RouterProcess(["--dtype", "float32", "--max-batch", "8"], fake=False, ready_timeout=240)
-    yield r
-    r.stop()
-    assert not r.orphans
+    yield from running_router(["--dtype", "float32", "--max-batch", "8"], fake=False, ready_timeout=240)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.router_harness import RouterProcess
+from tests.router_harness import running_router
 from workers.contract import DEFAULT_MODEL_DIR
 
 pytestmark = [
@@ -34,10 +34,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The foreca
 
 @pytest.fixture(scope="module")
 def router():
-    r = RouterProcess(["--dtype", "float32", "--max-batch", "8"], fake=False, ready_timeout=240)
-    yield r
-    r.stop()
-    assert not r.orphans
+    yield from running_router(["--dtype", "float32", "--max-batch", "8"], fake=False, ready_timeout=240)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import openai
 import pytest
 from huggingface_hub import InferenceClient
 
-from tests.router_harness import RouterProcess
+from tests.router_harness import RouterProcess, running_router
 from workers.contract import DEFAULT_MODEL_DIR
 
 pytestmark = [
@@ -33,10 +33,7 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def router():
-    r = RouterProcess(["--dtype", "float32", "--max-batch", "8"], fake=False, ready_timeout=240)
-    yield r
-    r.stop()
-    assert not r.orphans
+    yield from running_router(["--dtype", "float32", "--max-batch", "8"], fake=False, ready_timeout=240)
 
 
 @pytest.fixture(scope="module")
