@@ -16,6 +16,7 @@ from server.fleet.placement import (
     ModelDoesNotFit,
     NoDeviceLeft,
     PinError,
+    check_pins,
     place,
 )
 from workers.contract import parse_simulate
@@ -175,3 +176,20 @@ def test_a_pinned_model_loads_on_its_pins_and_a_device_pinned_to_another_is_neve
     plan = plan_load(ask("x", 1), devices, {0: "coder", 1: "coder", 2: "coder"}, ["coder"],
                      pinned_devices={0: "coder", 1: "coder"})
     assert plan.stop == (2,) and plan.start[0].worker_id == "gpu2"
+
+
+def test_gpu_memory_utilization_is_the_share_placement_offers():
+    """Guards `fraction` in `place`, `check_pins` and `plan_load`: placement sized every device
+    at 0.9 of its memory whatever `--gpu-memory-utilization` said, so a model the workers had no
+    room for was placed, and one they had room for refused."""
+    devices = parse_simulate("sm_90:20GiB")
+    assert place([ask("m", 17)], devices).slots[0].model == "m"  # 17 GiB <= 18 GiB (0.9)
+    with pytest.raises(ModelDoesNotFit) as e:
+        place([ask("m", 17)], devices, fraction=0.8)
+    assert "16 GiB usable of 20 GiB" in str(e.value)
+    assert place([ask("m", 19)], devices, fraction=0.98).slots[0].model == "m"
+    with pytest.raises(PinError):
+        check_pins([ask("m", 17, "gpu0")], devices, fraction=0.8)
+    with pytest.raises(ModelDoesNotFit, match="gpu0 16 GiB usable"):
+        plan_load(ask("m", 17), devices, {}, [], fraction=0.8)
+    assert [s.worker_id for s in plan_load(ask("m", 17), devices, {}, []).start] == ["gpu0"]

@@ -10,7 +10,8 @@ that fails at load. Workers then cap their context at it and size their KV cache
 memory for weights and KV cache together: each worker's KV budget is F x its device's memory
 less what is already taken (workers/kv/sizing.py `kv_budget`), so an 80 GB card and a 16 GB
 card of one host each get their share, which one absolute `--kv-cache-bytes` cannot give. A
-simulated device uses its simulated memory size (`--simulate sm_80:16GiB`).
+simulated device uses its simulated memory size (`--simulate sm_80:16GiB`). Placement offers
+each model the same share of each device (server/fleet/placement.py; 0.9 without the flag).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def add_memory_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="fraction of each device's own memory (0 < F <= 1) its worker may use for weights and KV "
                         "cache; the KV budget is what is left of it after loading (default: 85%% of the free "
-                        "memory after loading on a GPU; the CPU default on CPU and simulated devices)")
+                        "memory after loading on a GPU; the CPU default on CPU and simulated devices); placement "
+                        "offers each model this share of each device (default 0.9)")
 
 
 def max_model_len_from_args(args, models: ModelsConfig) -> int | None:

@@ -105,7 +105,8 @@ class ModelManager:
                        for e in config.catalog(settings.model_dir)}
         self.default = next(iter(self.models))
         # every pin, also of a model loaded only later, names a device of this host that holds it
-        check_pins([m.ask for m in self.models.values()], self.devices, settings.dtype, settings.quantize)
+        check_pins([m.ask for m in self.models.values()], self.devices, settings.dtype, settings.quantize,
+                   fraction=settings.gpu_memory_utilization)
         self.placement = self._initial_placement()
         self.slots = {s.device.index: s for s in self.placement.slots}  # each device's verdict now, with its reason
         for slot in self.placement.slots:
@@ -122,7 +123,8 @@ class ModelManager:
             pinned = [n for n in names if self.models[n].pinned]
             room = self.settings.models.max_loaded or len(names)
             names = pinned + ([self.default] if self.default not in pinned and len(pinned) < room else [])
-        return place([self.models[n].ask for n in names], self.devices, self.settings.dtype, self.settings.quantize)
+        return place([self.models[n].ask for n in names], self.devices, self.settings.dtype, self.settings.quantize,
+                     fraction=self.settings.gpu_memory_utilization)
 
     def assignment(self) -> dict[int, tuple[str, object]]:
         """Device index -> (model, directory) of the workers to start with."""
@@ -230,7 +232,8 @@ class ModelManager:
                           for t in pins}
         protected = {n for n, x in self.models.items() if x.pinned or x.state == ModelState.LOADING and n != name}
         return plan_load(m.ask, self.devices, serving, sorted(loaded, key=idle_first), protected,
-                         self.settings.models.max_loaded, pinned_devices, self.settings.dtype, self.settings.quantize)
+                         self.settings.models.max_loaded, pinned_devices, self.settings.dtype, self.settings.quantize,
+                         self.settings.gpu_memory_utilization)
 
     def _by_index(self, indices) -> list[DeviceInfo]:
         return [d for d in self.devices if d.index in set(indices)]

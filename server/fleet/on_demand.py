@@ -54,7 +54,7 @@ class LoadPlan:
 
 def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int, str], lru: Sequence[str],
               protected: Collection[str] = (), max_loaded: int | None = None, pinned_devices: Mapping[int, str] | None
-              = None, dtype: str = "auto", quantize: str = "none") -> LoadPlan:
+              = None, dtype: str = "auto", quantize: str = "none", fraction: float | None = None) -> LoadPlan:
     """See the module docstring. `serving`: device index -> the model its worker serves (or
     loads); `lru`: the loaded models, least recently used first; `pinned_devices`: device index
     -> the model `--place` pins there."""
@@ -102,17 +102,17 @@ def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int
                 else:
                     evict(holder, f"it held {worker_id(d)}, pinned to {ask.name}")
         start = tuple(Slot(d, ask.name, PINNED, f"pinned by --place {ask.name}={','.join(ask.pins)}",
-                           needs[d.index], usable_bytes(d)) for d in targets if d is not None)
+                           needs[d.index], usable_bytes(d, fraction)) for d in targets if d is not None)
         return LoadPlan(ask.name, start, tuple(stop), tuple(unload), "; ".join(why) or "its pinned devices are free")
-    fitting = [d for d in devices if needs[d.index].total <= usable_bytes(d)]
+    fitting = [d for d in devices if needs[d.index].total <= usable_bytes(d, fraction)]
     if not fitting:
-        rooms = "; ".join(f"{worker_id(d)} {human(usable_bytes(d))} usable" for d in devices)
+        rooms = "; ".join(f"{worker_id(d)} {human(usable_bytes(d, fraction))} usable" for d in devices)
         raise ModelDoesNotFit(f"Model `{ask.name}` fits no device: it needs "
                               f"{max(needs.values(), key=lambda n: n.total).describe()}. Devices: {rooms}")
     order = {d.index: i for i, d in enumerate(devices)}
 
     def smallest(ds):
-        return min(ds, key=lambda d: (usable_bytes(d), order[d.index]))
+        return min(ds, key=lambda d: (usable_bytes(d, fraction), order[d.index]))
 
     chosen = None
     while chosen is None:
@@ -137,5 +137,5 @@ def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int
                          f"holds it serves a model that may not be unloaded now ({held})")
         evict(candidates[0], f"least recently used of those on a device that holds {ask.name}")
     slot = Slot(chosen, ask.name, FIRST, f"the smallest device that holds {ask.name}, free "
-                + ("after " + "; ".join(why) if why else "already"), needs[chosen.index], usable_bytes(chosen))
+                + ("after " + "; ".join(why) if why else "already"), needs[chosen.index], usable_bytes(chosen, fraction))
     return LoadPlan(ask.name, (slot,), tuple(stop), tuple(unload), "; ".join(why) or f"{worker_id(chosen)} was free")

@@ -104,11 +104,12 @@ def resolve_device(token: str, devices: Sequence[DeviceInfo]) -> DeviceInfo | No
     return None
 
 
-def _room(d: DeviceInfo) -> str:
-    return f"{worker_id(d)} ({d.capability_label}): {human(usable_bytes(d))} usable of {human(d.memory_total_bytes)}"
+def _room(d: DeviceInfo, fraction: float | None = None) -> str:
+    return f"{worker_id(d)} ({d.capability_label}): {human(usable_bytes(d, fraction))} usable of {human(d.memory_total_bytes)}"
 
 
-def _pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], fits, needs) -> dict[int, tuple[str, str, str]]:
+def _pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], fits, needs,
+          fraction: float | None = None) -> dict[int, tuple[str, str, str]]:
     """Device index -> (model, PINNED, reason) for every pin; `PinError` for a bad one."""
     owner: dict[int, tuple[str, str, str]] = {}
     for m in models:
@@ -125,25 +126,25 @@ def _pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], fits, needs
                                "worker per GPU serves one model. Pin each device to one model")
             if not fits(m, d):
                 raise PinError(f"`--place {m.name}={','.join(m.pins)}`: `{m.name}` needs "
-                               f"{needs[m.name, d.index].describe()} on {_room(d)}")
+                               f"{needs[m.name, d.index].describe()} on {_room(d, fraction)}")
             pinned.add(d.index)
             owner[d.index] = (m.name, PINNED, f"pinned by --place {m.name}={','.join(m.pins)}")
     return owner
 
 
 def check_pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str = "auto",
-               quantize: str = "none") -> None:
+               quantize: str = "none", fraction: float | None = None) -> None:
     """`PinError` if any model's pins name no device, repeat, conflict or cannot hold it (the
     check `place` makes, for models not placed yet: loaded on demand later)."""
     needs = {(m.name, d.index): need_on(m.profile, d, dtype, quantize) for m in models for d in devices}
-    _pins(models, devices, lambda m, d: needs[m.name, d.index].total <= usable_bytes(d), needs)
+    _pins(models, devices, lambda m, d: needs[m.name, d.index].total <= usable_bytes(d, fraction), needs, fraction)
 
 
 def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str = "auto", quantize: str = "none",
-          *, replicas: bool = True) -> Placement:
+          *, replicas: bool = True, fraction: float | None = None) -> Placement:
     """See the module docstring."""
     needs = {(m.name, d.index): need_on(m.profile, d, dtype, quantize) for m in models for d in devices}
-    usable = {d.index: usable_bytes(d) for d in devices}
+    usable = {d.index: usable_bytes(d, fraction) for d in devices}  # fraction: --gpu-memory-utilization
     order = {d.index: i for i, d in enumerate(devices)}
     owner: dict[int, tuple[str, str, str]] = {}  # device index -> (model, role, reason)
 
@@ -151,7 +152,7 @@ def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str 
         return needs[m.name, d.index].total <= usable[d.index]
 
     # 1. pins
-    owner.update(_pins(models, devices, fits, needs))
+    owner.update(_pins(models, devices, fits, needs, fraction))
     pinned_models = {m.name for m in models if m.pins}
     # 2. each model still without a device: the largest need first, the smallest device that holds it
     placed = {o[0] for o in owner.values()}
@@ -160,7 +161,7 @@ def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str 
     for m in todo:
         fitting = [d for d in devices if fits(m, d)]
         if not fitting:
-            rooms = "; ".join(f"{_room(d)}, needs {human(needs[m.name, d.index].total)}" for d in devices) or "no devices"
+            rooms = "; ".join(f"{_room(d, fraction)}, needs {human(needs[m.name, d.index].total)}" for d in devices) or "no devices"
             biggest = max(devices, key=lambda d: usable[d.index], default=None)
             need = needs[m.name, biggest.index].describe() if biggest is not None else "?"
             raise ModelDoesNotFit(f"Model `{m.name}` fits no device: it needs {need}. Devices: {rooms}. Choose a "

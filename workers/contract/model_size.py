@@ -98,9 +98,10 @@ class Need:
         return {**asdict(self), "total_bytes": self.total}
 
 
-def usable_bytes(device: DeviceInfo) -> int:
-    """What a device offers a model: `USABLE_FRACTION` of its memory."""
-    return int(device.memory_total_bytes * USABLE_FRACTION)
+def usable_bytes(device: DeviceInfo, fraction: float | None = None) -> int:
+    """What a device offers a model: `fraction` of its memory (`--gpu-memory-utilization`),
+    else `USABLE_FRACTION`."""
+    return int(device.memory_total_bytes * (USABLE_FRACTION if fraction is None else fraction))
 
 
 def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quantize: str = "none") -> Need:
