@@ -31,6 +31,10 @@ EOS = (2,)
 
 
 def bomb(n: int) -> str:
+    """An `allOf` of `.*X.*` patterns. On the 2-core machine, unloaded, llguidance gives up on
+    its own after 0.18 s (N=14), 0.72 s (16) and 1.87 s (17) ("Unable to determine if regex is
+    empty"), and N=18 asks for more than 512 MiB: a time budget is only exercised when it is
+    well under the engine's own give-up time, so the time tests use N=17 against 0.4-0.5 s."""
     return json.dumps({"allOf": [{"type": "string", "pattern": f".*{chr(65 + i)}.*"} for i in range(n)]})
 
 
@@ -54,14 +58,14 @@ def test_a_compile_over_its_time_budget_is_refused_naming_it(tokenizer):
     try:
         t0 = time.monotonic()
         with pytest.raises(BudgetExceeded, match="time budget of 0.4 s") as e:
-            g.compile(GrammarSpec("json_schema", bomb(16)))
+            g.compile(GrammarSpec("json_schema", bomb(17)))
         assert e.value.budget == "time" and time.monotonic() - t0 < 2.5
         assert g.sandbox.killed == 1
         ok = g.compile(GrammarSpec("json_schema", '{"type": "integer"}'))  # a fresh child serves the next
         assert ok.nbytes > 0
         t0 = time.monotonic()
         with pytest.raises(BudgetExceeded):  # the refusal is cached: not compiled again
-            g.compile(GrammarSpec("json_schema", bomb(16)))
+            g.compile(GrammarSpec("json_schema", bomb(17)))
         assert time.monotonic() - t0 < 0.1 and g.sandbox.killed == 1
     finally:
         g.close()
@@ -148,10 +152,10 @@ def test_a_full_compile_pool_refuses_more_with_busy(tokenizer):
 def test_an_ordinary_grammar_does_not_wait_behind_bombs(tokenizer):
     """Guards the fast lane in `Grammars._in_lanes` (8 concurrent bombs made an ordinary
     schema wait 13 s; in one pool it waited for every bomb's whole budget before it)."""
-    g = grammars_for(tokenizer, timeout_s=1.5, workers=1)
+    g = grammars_for(tokenizer, timeout_s=0.5, workers=1)
 
     async def behind_bombs():
-        bombs = [asyncio.ensure_future(g.compile_async(GrammarSpec("json_schema", bomb(16) + " " * i)))
+        bombs = [asyncio.ensure_future(g.compile_async(GrammarSpec("json_schema", bomb(17) + " " * i)))
                  for i in range(3)]
         await asyncio.sleep(0.05)
         t0 = time.monotonic()
@@ -161,7 +165,7 @@ def test_an_ordinary_grammar_does_not_wait_behind_bombs(tokenizer):
 
     try:
         ordinary, waited, bombs = asyncio.run(behind_bombs())
-        assert ordinary.nbytes > 0 and waited < 3.0, waited  # one pool: 3 x 1.5 s at least
+        assert ordinary.nbytes > 0 and waited < 1.2, waited  # one pool: 3 x 0.5 s at least
         assert all(isinstance(b, BudgetExceeded) and b.budget == "time" for b in bombs), bombs
         assert g.sandbox.sliced == 3 and g.sandbox.killed == 3
     finally:

@@ -31,7 +31,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def real():
-    r = RouterProcess(["--simulate", "sm_90,sm_80", "--max-batch", "4", "--grammar-compile-timeout", "1",
+    r = RouterProcess(["--simulate", "sm_90,sm_80", "--max-batch", "4", "--grammar-compile-timeout", "0.25",
                        "--grammar-compile-memory-mib", "128", "--grammar-cache-mib", "4"],
                       fake=False, ready_timeout=240)
     r.pids = {w["id"]: w["pid"] for w in r.workers()}
@@ -70,8 +70,10 @@ def test_a_grammar_bomb_is_422_in_bounded_time_while_others_are_served(real):
     side.start()
     try:
         t0 = time.monotonic()
+        # the engine gives up on its own after ~0.7 s unloaded (tests/test_grammar_budget.py `bomb`): the
+        # budget must be well under that; N=17 would ask for more than this server's 128 MiB
         r = generate(real, {"type": "json", "value": bomb(16)})
-        assert r.status_code == 422 and "time budget of 1 s" in r.json()["error"], r.text
+        assert r.status_code == 422 and "time budget of 0.25 s" in r.json()["error"], r.text
         chat = post_json(f"{real.url}/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "n": 4,
                                                              "response_format": {"type": "json_schema", "json_schema": {
                                                                  "name": "b", "schema": bomb(17)}}})

@@ -46,7 +46,9 @@ def test_workers_lists_three_ready_workers_with_their_devices(client):
     assert [w["fp8"]["convention"] for w in workers] == ["emulated", "native_e4m3", "native_e4m3"]
     for w in workers:
         assert set(w) >= {"id", "state", "pid", "restarts", "device", "fp8", "kernels", "load"}
-        assert set(w["device"]) == {"type", "index", "uuid", "name", "capability", "simulated", "memory_total_bytes"}
+        assert set(w["device"]) == {"type", "index", "uuid", "name", "capability", "simulated", "memory_total_bytes",
+                                    "fp8"}
+        assert w["device"]["fp8"]["convention"] == w["fp8"]["convention"]  # the device's fp8 capability, not the mode in use
         assert w["device"]["simulated"] is True and w["restarts"] == 0 and isinstance(w["pid"], int)
         assert w["load"] == {"running": 0, "queued": 0}
 
