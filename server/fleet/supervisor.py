@@ -23,14 +23,14 @@ continues its process generations, so nothing remembered of the old process is t
 No orphans: workers run in their own session (a Ctrl-C in the terminal reaches only the
 router, which then drains and stops them in order), get `--parent-pid` and, on Linux,
 `PR_SET_PDEATHSIG`, so they exit even when the router is killed with SIGKILL. Sockets and
-status files live in a private temporary directory (mode 0700) removed at stop.
+status files live in a private temporary directory (mode 0700) removed at stop. Starting and
+killing the process itself: server/fleet/process.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -44,6 +44,7 @@ from server.fleet.client import WorkerClient, WorkerGone, WorkerHTTPError
 from server.fleet.exits import ExitHistory, RestartPolicy, decide_exit, describe_failure
 from server.fleet.handle import WorkerHandle, read_status
 from server.fleet.probe import Probe, probe
+from server.fleet.process import alive, kill, spawn
 from server.fleet.run_dir import make_run_dir, sweep_stale_run_dirs
 from server.fleet.spec import (
     build_worker_spec,
@@ -55,24 +56,6 @@ from server.fleet.spec import (
 from workers.contract import CapabilityPayload, DeviceInfo, WorkerState, WorkerStatus, cpu_device
 
 logger = logging.getLogger(__name__)
-
-
-_PR_SET_PDEATHSIG = 1
-try:
-    _LIBC = ctypes.CDLL(None, use_errno=True)
-    _PRCTL = _LIBC.prctl
-except (OSError, AttributeError):  # not Linux
-    _PRCTL = None
-
-
-def _child_setup() -> None:
-    """Runs in the child between fork and exec: die with the router (Linux)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _alive(handle: WorkerHandle) -> bool:
-    return handle.process is not None and handle.process.returncode is None
 
 
 class Supervisor:
@@ -188,7 +171,7 @@ class Supervisor:
             if process.returncode is None:
                 logger.warning("worker %s did not stop within %.0fs; killing it", wid,
                                self.settings.worker_stop_timeout_s)
-                self._kill(handle)
+                kill(handle)
                 await process.wait()
         for _ in range(100):  # its lifecycle task drops the client and returns
             if handle.client is None:
@@ -307,13 +290,7 @@ class Supervisor:
         handle.step = None
         handle.probe = None
         handle.breaker.reset()  # a new process starts with a clean record
-        handle.process = await asyncio.create_subprocess_exec(
-            *spec.argv,
-            env=spec.environ(),
-            stdin=asyncio.subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_child_setup,
-        )
+        handle.process = await spawn(spec.argv, spec.environ())
         handle.pid = handle.process.pid
         handle.generation += 1
         handle.client = WorkerClient(spec.socket_path)
@@ -342,7 +319,7 @@ class Supervisor:
         assert client is not None
         started = time.monotonic()
         delay = 0.05
-        while _alive(handle):
+        while alive(handle):
             status = read_status(spec.status_path)
             if status.get("state") == WorkerStatus.FAILED:
                 handle.reason = describe_failure(-1, status)
@@ -360,7 +337,7 @@ class Supervisor:
             if time.monotonic() - started > self.settings.startup_timeout_s:
                 handle.reason = f"not ready after {self.settings.startup_timeout_s:.0f}s"
                 logger.error("worker %s %s; killing it", handle.id, handle.reason)
-                self._kill(handle)
+                kill(handle)
                 return False
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.5)
@@ -382,7 +359,7 @@ class Supervisor:
         assert client is not None
         failures = 0
         unhealthy_since: float | None = None
-        while _alive(handle):
+        while alive(handle):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(handle.check_now.wait(), s.health_interval_s)
             urgent = handle.check_now.is_set()
@@ -407,7 +384,7 @@ class Supervisor:
                 self._set(handle, WorkerState.UNHEALTHY, why)
             if unhealthy_since is not None and time.monotonic() - unhealthy_since > s.unhealthy_kill_after_s:
                 logger.error("worker %s unhealthy for %.0fs (%s); killing it", handle.id, s.unhealthy_kill_after_s, why)
-                self._kill(handle)
+                kill(handle)
                 return
 
     async def _replace_hung(self, handle: WorkerHandle, why: str) -> None:
@@ -430,10 +407,4 @@ class Supervisor:
         if process.returncode is None:
             logger.error("worker %s did not stop within %.0fs of SIGTERM; killing it", handle.id,
                          self.settings.hang_kill_grace_s)
-            self._kill(handle)
-
-    @staticmethod
-    def _kill(handle: WorkerHandle) -> None:
-        if handle.process is not None and handle.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                handle.process.kill()
+            kill(handle)
