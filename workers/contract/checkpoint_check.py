@@ -46,8 +46,8 @@ LINEAR = "linear_attention"  # a Gated DeltaNet layer: a recurrent state, no KV
 LAYER_TYPES = (FULL, SLIDING)
 # config.json `hidden_act` / `hidden_activation` -> ours
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-# `quantization_config.quant_method`: fp8 (compressed-tensors float-quantized, block-wise fp8) and 4-bit
-QUANT_METHODS = ("awq", "compressed-tensors", "fp8", "gptq")
+# `quantization_config.quant_method`: fp8 (compressed-tensors float-quantized, block-wise fp8), 4-bit and MXFP4
+QUANT_METHODS = ("awq", "compressed-tensors", "fp8", "gptq", "mxfp4")
 CONFIG_FILE = "config.json"
 
 

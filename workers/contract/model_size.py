@@ -12,7 +12,8 @@ fp8` the projections the worker's fp8 layers replace take one byte per weight an
 scale per row; tensors stored pre-quantized keep their stored bytes where the device runs
 them as stored, and take the compute dtype where it widens them at load: fp8 weights on a
 device whose fp8 execution is `dequantized` (contract `fp8_execution`), 4-bit packed weights
-everywhere while 4-bit layers dequantize at load) plus the KV cache of one
+everywhere while 4-bit layers dequantize at load, MXFP4 experts likewise: their blocks and scales
+become the experts' weights in the compute dtype) plus the KV cache of one
 sequence of `KV_TOKENS` tokens (or the model's context, if shorter). A device offers
 `USABLE_FRACTION` of its memory: the rest is the runtime's and the activations'.
 
@@ -42,6 +43,7 @@ USABLE_FRACTION = 0.9  # of a device's memory, for weights and KV cache
 FP8_SCALE_BYTES = 4  # one fp32 scale per output row of an fp8 projection
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header beyond this is no header
 _PACKED4 = re.compile(r"(qweight|weight_packed)$")  # GPTQ/AWQ and compressed-tensors 4-bit weights
+_MXFP4 = re.compile(r"experts\.\w+_proj_(blocks|scales)$")  # gpt-oss's MXFP4 experts: e2m1 blocks, e8m0 scales
 _PROJECTION = re.compile(r"_proj\.weight$")  # q/k/v/o and gate/up/down: the nn.Linear layers fp8 replaces
 
 
@@ -67,6 +69,8 @@ class ModelProfile:
     source: str  # where the figures come from
     fp8_params: int = 0  # of the stored tensors, fp8 weights (one byte each as stored)
     packed4_params: int = 0  # 4-bit values packed eight per int32 (`qweight`, `weight_packed`)
+    mxfp4_params: int = 0  # MXFP4 experts' e2m1 values, two per byte of `*_blocks`
+    mxfp4_bytes: int = 0  # their blocks and e8m0 `*_scales` as stored
 
     @property
     def num_parameters(self) -> int:
@@ -116,6 +120,8 @@ def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quan
         weights += profile.fp8_params * (size - 1)  # widened once at load on this device
     if profile.packed4_params:  # 4-bit layers dequantize at load (workers/model/quantized_int4.py)
         weights += profile.packed4_params * size - profile.packed4_params // 2
+    if profile.mxfp4_params:  # MXFP4 experts dequantize at load on every device (workers/model/quantized_mxfp4.py)
+        weights += profile.mxfp4_params * size - profile.mxfp4_bytes
     if quantize == "fp8":
         weights += profile.projection_params + profile.projection_rows * FP8_SCALE_BYTES
         floats -= profile.projection_params
@@ -221,7 +227,7 @@ def read_profile(model_dir: str | Path) -> ModelProfile:
     if not files:
         return ModelProfile(**common, **_count_from_config(hf, shape),
                             source="config.json (no weights in the directory: counted from its shapes)")
-    floats = projections = rows = stored = stored_bytes = tensors = fp8 = packed4 = 0
+    floats = projections = rows = stored = stored_bytes = tensors = fp8 = packed4 = mxfp4 = mxfp4_bytes = 0
     for path in files:
         for name, t in read_header(path).items():
             kind, dims = t.get("dtype"), t.get("shape", [])
@@ -242,8 +248,11 @@ def read_profile(model_dir: str | Path) -> ModelProfile:
                     fp8 += n
                 elif kind == "I32" and _PACKED4.search(name):
                     packed4 += 8 * n
+                elif kind == "U8" and quantization == "mxfp4" and _MXFP4.search(name):
+                    mxfp4, mxfp4_bytes = mxfp4 + (2 * n if name.endswith("_blocks") else 0), mxfp4_bytes + n
     return ModelProfile(**common, float_params=floats, projection_params=projections, projection_rows=rows,
                         stored_params=stored, stored_bytes=stored_bytes, fp8_params=fp8, packed4_params=packed4,
+                        mxfp4_params=mxfp4, mxfp4_bytes=mxfp4_bytes,
                         source=f"safetensors headers ({tensors} tensors in {len(files)} file(s))")
 
 

@@ -31,10 +31,12 @@ from torch import nn
 from workers.model.config import ModelConfig
 from workers.model.moe import FusedMoE
 from workers.model.quantized_int4 import Int4Checkpoint
+from workers.model.quantized_mxfp4 import Mxfp4Checkpoint
 from workers.model.weights import map_name
 from workers.quant.experts import Fp8FusedMoE
 from workers.quant.int4_scheme import Int4Config
 from workers.quant.linear import Fp8CheckpointLinear
+from workers.quant.mxfp4 import Mxfp4Config
 from workers.quant.registry import read_quantization
 from workers.quant.scheme import Fp8Scheme, QuantConfig, UnsupportedQuantizationError
 
@@ -69,11 +71,14 @@ class _Module:
     scale_shape: tuple[int, int]
 
 
-def quantized_checkpoint(hf_config: dict, config: ModelConfig) -> QuantizedCheckpoint | Int4Checkpoint | None:
+def quantized_checkpoint(hf_config: dict,
+                         config: ModelConfig) -> QuantizedCheckpoint | Int4Checkpoint | Mxfp4Checkpoint | None:
     """The reader of a quantized checkpoint; None for an unquantized one."""
     quant = read_quantization(hf_config)
     if isinstance(quant, Int4Config):  # 4-bit: dequantized at load (workers/model/quantized_int4.py)
         return Int4Checkpoint(quant, config)
+    if isinstance(quant, Mxfp4Config):  # gpt-oss's MXFP4 experts: dequantized at load (quantized_mxfp4.py)
+        return Mxfp4Checkpoint(quant, config)
     return None if quant is None else QuantizedCheckpoint(quant, config)
 
 

@@ -1,6 +1,6 @@
 """The quantization-method registry: which module reads a checkpoint's `quantization_config`.
 
-Design: one module per method (`compressed_tensors`, `fp8_blockwise`), each with its `NAME` (the
+Design: one module per method (`compressed_tensors`, `fp8_blockwise`, `mxfp4`), each with its `NAME` (the
 config's `quant_method`) and `read(qc) -> QuantConfig`; `read_quantization(hf_config)` looks the
 method up here, so adding a method is adding a module and a line. A checkpoint without
 `quantization_config` is served unquantized (None); an unknown method is an
@@ -16,15 +16,17 @@ checks before any worker starts; tests/test_checkpoint_check.py holds the two eq
 from __future__ import annotations
 
 from workers.contract.checkpoint_check import QUANT_METHODS
-from workers.quant import compressed_tensors, fp8_blockwise, int4_methods
+from workers.quant import compressed_tensors, fp8_blockwise, int4_methods, mxfp4
 from workers.quant.int4_scheme import Int4Config
+from workers.quant.mxfp4 import Mxfp4Config
 from workers.quant.scheme import QuantConfig, unsupported
 
-METHODS = {m.NAME: m.read for m in (compressed_tensors, fp8_blockwise)}
+METHODS = {m.NAME: m.read for m in (compressed_tensors, fp8_blockwise, mxfp4)}
 
 
-def read_quantization(hf_config: dict) -> QuantConfig | Int4Config | None:
-    """The checkpoint's `QuantConfig` (fp8) or `Int4Config` (4-bit), or None without `quantization_config`."""
+def read_quantization(hf_config: dict) -> QuantConfig | Int4Config | Mxfp4Config | None:
+    """The checkpoint's `QuantConfig` (fp8), `Int4Config` (4-bit) or `Mxfp4Config` (gpt-oss's MXFP4 experts),
+    or None without `quantization_config`."""
     qc = hf_config.get("quantization_config")
     if not qc:
         return None
