@@ -51,7 +51,7 @@ from workers.contract import (
 
 REPO_ROOT = Path(__file__).resolve().parent
 LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE", "Fp8CheckpointLinear", "GatedDeltaRule",
-          "Fp8FusedMoE")
+          "Fp8FusedMoE", "Int4CheckpointLinear")
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
@@ -244,6 +244,26 @@ _ENTRIES: tuple[_Entry, ...] = (
            FP8_NATIVE),
     _Entry("Fp8FusedMoE", _rocm(*_FP8_OCP_ROCM), "fused_moe", "Fp8FusedMoETritonNativeRocm", "native_e4m3-triton",
            "CDNA4 (gfx950) fp8 matrix cores on OCP e4m3fn: grouped fp8 GEMM on the bytes as stored", FP8_NATIVE),
+    # -- Int4CheckpointLinear: GPTQ / AWQ / pack-quantized layers, the ranges of the 4-bit rule -------
+    #    (workers/quant/int4_methods.py `int4_execution`; the variant's first word is its execution)
+    _Entry("Int4CheckpointLinear", Device(type="cpu"), "int4_linear", "Int4CheckpointLinear", "packed-torch",
+           "CPU: 4-bit weights kept packed, each layer dequantized per call (exact, in its scales' dtype) for an "
+           "fp32 torch matmul"),
+    _Entry("Int4CheckpointLinear", Device(type="cuda"), "int4_linear", "Int4CheckpointLinearDequantized",
+           "dequantized-torch", "below sm_75 Triton has no 16-bit mma for the W4A16 GEMM: 4-bit weights "
+           "dequantized at load into the model dtype, cuBLAS matmul"),
+    _Entry("Int4CheckpointLinear", _cuda(75, 79), "int4_linear", "Int4LinearTritonSm75", "w4a16-triton-sm75",
+           "Turing (sm_75): Triton W4A16, nibbles unpacked in registers, fp16 mma, 2 stages in 64 KB"),
+    _Entry("Int4CheckpointLinear", _cuda(80, 89), "int4_linear", "Int4LinearTritonSm80", "w4a16-triton-sm80",
+           "Ampere/Ada (sm_80..sm_89): Triton W4A16, nibbles unpacked in registers, 16-bit mma, 3 stages"),
+    _Entry("Int4CheckpointLinear", _cuda(90, 99), "int4_linear", "Int4LinearTritonSm90", "w4a16-triton-sm90",
+           "Hopper (sm_90): Triton W4A16, nibbles unpacked in registers, 128-wide tiles over 8 warps"),
+    _Entry("Int4CheckpointLinear", _cuda(100, _ANY), "int4_linear", "Int4LinearTritonSm90", "w4a16-triton-sm90",
+           f"Triton W4A16; {_NEWER}"),
+    _Entry("Int4CheckpointLinear", Device(type="rocm"), "int4_linear", "Int4LinearTritonRocm", "w4a16-triton-rocm",
+           "Triton W4A16, nibbles unpacked in registers, 16-bit MFMA, tuned for CDNA's 64-lane wavefronts"),
+    _Entry("Int4CheckpointLinear", _rocm(100, _ANY), "int4_linear", "Int4LinearTritonRocm", "w4a16-triton-rocm",
+           f"Triton W4A16; {_RDNA}"),
 )
 # fmt: on
 

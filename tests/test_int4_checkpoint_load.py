@@ -3,12 +3,16 @@
 The checkpoints are tiny Llama, Qwen3 and Qwen3-MoE models written by transformers (`from_config`,
 tests/family_checkpoints.py), their projections packed into each format by the test packers
 (tests/int4_checkpoints.py), beside each its dequantized twin: the same checkpoint with the
-reference weights in fp32 and no `quantization_config`. What must hold:
-- every weight our loader builds from the 4-bit tensors equals the twin's bit for bit (so q/k/v and
-  gate/up fuse and experts stack as for an unquantized checkpoint), and the not-converted modules
-  (and the MoE router, stored unquantized) stay as stored;
+reference weights in fp32 and no `quantization_config`. Each device's execution comes from the bound
+device (the capability source, `load_device`, patched here). What must hold:
+- on a device that dequantizes (sm_70), every weight our loader builds from the 4-bit tensors equals
+  the twin's bit for bit (so q/k/v and gate/up fuse and experts stack as for an unquantized
+  checkpoint), and the not-converted modules (and the MoE router, stored unquantized) stay as stored;
+- on devices that keep 4 bits (CPU `packed`, sm_86 `w4a16` through its kernel layer), each packed
+  module's weight, as its layer forms it, equals the twin's bit for bit, the logits equal the twin's
+  within fp32 rounding and the 4-bit layers hold at most 0.3x their bf16 bytes;
 - greedy tokens of our model equal transformers' on the twin in fp32;
-- the summary names the execution, its reason and the bytes (stored, widened);
+- the summary names the execution, its reason and the bytes (stored, held, widened);
 - a 4-bit tensor on a module the config leaves alone, a fused layer half quantized, a missing
   scale and a non-zero stray bias are named errors.
 """
@@ -23,7 +27,11 @@ import torch
 
 from tests.family_checkpoints import make_family_checkpoint
 from tests.int4_checkpoints import dequantized_twin, quantize_checkpoint
+from workers.device.bind import BoundDevice
+from workers.kernelize.apply import kernelize_for_device
+from workers.model import quantized_int4
 from workers.model.loader import load_model
+from workers.quant.int4_linear import Int4CheckpointLinear, runtime_weight
 from workers.quant.int4_pack import Int4TensorError
 from workers.quant.prepare import prepare_fp8_checkpoint
 from workers.quant.scheme import UnsupportedQuantizationError
@@ -74,9 +82,18 @@ class _HF(torch.nn.Module):
         return self.model(ids).logits
 
 
+SM70, SM86 = ("cuda", (7, 0)), ("cuda", (8, 6))
+
+
+def _on(monkeypatch, device):
+    """Load as a worker bound to `device` would: only the capability source is patched."""
+    monkeypatch.setattr(quantized_int4, "load_device", lambda: device)
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_the_weights_we_load_equal_the_reference_dequantization_bit_for_bit(made, name):
+def test_the_weights_we_load_equal_the_reference_dequantization_bit_for_bit(made, name, monkeypatch):
     ckpt, twin, refs = made[name]
+    _on(monkeypatch, SM70)
     lm = load_model(ckpt, "float32")
     want = load_model(twin, "float32").model.state_dict()
     got = lm.model.state_dict()
@@ -86,11 +103,45 @@ def test_the_weights_we_load_equal_the_reference_dequantization_bit_for_bit(made
     q = lm.quantization
     assert q["method"] == json.loads((ckpt / "config.json").read_text())["quantization_config"]["quant_method"]
     assert q["quantized_modules"] == len(refs) and q["execution"] == "dequantized" and "at load" in q["reason"]
+    assert q["packed_modules"] == 0 and q["widened_modules"] > 0 and "below sm_75" in q["reason"]
+    assert all(m.execution == "dequantized" for m in lm.model.modules() if isinstance(m, Int4CheckpointLinear))
     assert 0 < q["stored_bytes"] < q["weight_bytes"] and q["widened_bytes"] == q["weight_bytes"] - q["stored_bytes"]
     assert q["stored_bytes"] < 0.3 * q["weight_bytes"]  # 4 bits and the scales against fp32
     # the worker's fp8 step finds no fp8 layer to prepare and leaves the dequantized weights alone
     assert prepare_fp8_checkpoint(lm.model, None, "cuda", (9, 0))["layers"] == 0
     assert all(torch.equal(lm.model.state_dict()[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("device", [("cpu", None), SM86], ids=["cpu-packed", "sm86-w4a16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_devices_that_keep_4_bits_compute_the_reference_within_fp32_rounding(made, name, device, monkeypatch):
+    ckpt, twin, refs = made[name]
+    _on(monkeypatch, device)
+    lm = load_model(ckpt, "float32")
+    kernelize_for_device(lm.model, BoundDevice(device[0], 0, "GPU-sim", "sim", device[1], 0, device[0] != "cpu"))
+    ref = load_model(twin, "float32").model
+    want = ref.state_dict()
+    q = lm.quantization
+    assert q["execution"] == ("packed" if device[0] == "cpu" else "w4a16") and q["packed_modules"] > 0
+    # 1. each packed module's weight, as its layer forms it, is the twin's bit for bit; its kernel layer runs
+    layers = {n: m for n, m in lm.model.named_modules() if isinstance(m, Int4CheckpointLinear)}
+    kernel = "Int4CheckpointLinear" if device[0] == "cpu" else "Int4LinearTritonSm80"
+    packed = bytes4 = bytes16 = 0
+    for n, m in layers.items():
+        assert m.forward.__func__.__qualname__ == f"{kernel}.forward", n
+        if m.execution == "dequantized":  # the named fallback: fused parts whose act-order orders differ
+            assert any(f"`{n}`" in note and "g_idx differ" in note for note in q["notes"]), n
+            continue
+        w = runtime_weight(m.qweight, m.scales, m.zeros, m.g_idx, m.group_size, m.in_features)
+        assert torch.equal(w.to(torch.float32), want[f"{n}.weight"]), n
+        order = 0 if m.g_idx is None else m.g_idx.nbytes  # act-order's 4 bytes per input: 1/N per weight
+        packed, bytes4, bytes16 = packed + 1, bytes4 + m.nbytes() - order, bytes16 + 2 * m.in_features * m.out_features
+    assert packed == q["packed_modules"] and bytes4 <= 0.3 * bytes16
+    # 2. the logits: the twin's within fp32 rounding
+    ids = torch.tensor([[1, 17, 400, 1023, 9], [1, 3000, 5, 77, 2048]])
+    with torch.no_grad():
+        got, exp = lm.model(ids), ref(ids)
+    torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5 * float(exp.abs().max()))
 
 
 @pytest.mark.parametrize("name", list(CASES))

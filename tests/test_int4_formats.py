@@ -208,10 +208,12 @@ def test_w4a8_and_mixed_format_configs_are_refused():
         read_quantization({"quantization_config": mixed})
 
 
-@pytest.mark.parametrize(("device", "words"), [
-    (("cpu", None), "CPU"), (("cuda", (6, 1)), "below sm_75"), (("cuda", (7, 0)), "below sm_75"),
-    (("cuda", (7, 5)), "sm_75"), (("cuda", (9, 0)), "sm_90"), (("cuda", (12, 0)), "sm_120"), (("rocm", (9, 4)), "ROCm"),
+@pytest.mark.parametrize(("device", "kind", "words"), [
+    (("cpu", None), "packed", "CPU"), (("cuda", (6, 1)), "dequantized", "below sm_75"),
+    (("cuda", (7, 0)), "dequantized", "below sm_75"), (("cuda", (7, 5)), "w4a16", "sm_75"),
+    (("cuda", (9, 0)), "w4a16", "sm_90"), (("cuda", (12, 0)), "w4a16", "sm_120"), (("rocm", (9, 4)), "w4a16", "ROCm"),
 ])
-def test_every_device_dequantizes_at_load_and_says_why(device, words):
+def test_every_device_names_its_execution_and_says_why(device, kind, words):
     execution = int4_execution(*device)
-    assert execution.kind == "dequantized" and words in execution.reason and "dequantized at load" in execution.reason
+    assert execution.kind == kind and words in execution.reason
+    assert ("dequantized at load" in execution.reason) == (kind == "dequantized")

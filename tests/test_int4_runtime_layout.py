@@ -72,7 +72,7 @@ def test_every_format_moves_into_the_runtime_layout_exactly(name):
 def test_the_layers_forward_is_the_reference_weights_linear(name, dtype):
     scheme, stored, ref = _case(name)
     bias = torch.randn(OUT).to(dtype)
-    layer = Int4CheckpointLinear(to_runtime(scheme, stored), bias)
+    layer = Int4CheckpointLinear.from_runtime(to_runtime(scheme, stored), bias)
     x = torch.randn(3, 5, IN).to(dtype)
     want = F.linear(x.float(), ref.to(dtype).float(), bias.float()).to(dtype)
     torch.testing.assert_close(layer(x), want, rtol=1e-6, atol=1e-6)
@@ -83,15 +83,18 @@ def test_the_layers_forward_is_the_reference_weights_linear(name, dtype):
 @pytest.mark.parametrize("name", ["gptq-v2-actorder", "awq", "ct-asym-per-channel"])
 def test_each_triton_layer_on_the_module_equals_its_forward(name, layer_name):
     scheme, stored, _ = _case(name)
-    module = Int4CheckpointLinear(to_runtime(scheme, stored), torch.randn(OUT))
+    module = Int4CheckpointLinear.from_runtime(to_runtime(scheme, stored), torch.randn(OUT), execution="w4a16")
     x = torch.randn(7, IN)
     got = getattr(layers, layer_name).forward(module, x)
     torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-5)
+    module.execution = "packed"  # a module loaded for the CPU's execution is refused by a Triton layer
+    with pytest.raises(TypeError, match="`w4a16` execution got a module loaded for `packed`"):
+        getattr(layers, layer_name).forward(module, x)
 
 
 @pytest.mark.parametrize("group", [32, 128])
 def test_the_layer_holds_at_most_0_3x_the_bf16_bytes(group):
     w = torch.randn(256, 256, generator=torch.Generator().manual_seed(3)) * 0.1
     t, _ = gptq_tensors(w, group, False, "gptq_v2")
-    layer = Int4CheckpointLinear(to_runtime(Int4Scheme("gptq", group, False), t))
+    layer = Int4CheckpointLinear.from_runtime(to_runtime(Int4Scheme("gptq", group, False), t))
     assert layer.nbytes() <= 0.3 * w.numel() * 2

@@ -1,9 +1,13 @@
 """Kernel layers for a 4-bit checkpoint's linear layer: the W4A16 GEMM with each architecture's tuning.
 
 Stateless (`kernels` layer rules): only `forward(self, x)`, reading from the module it replaces:
+`execution` ("w4a16" | "packed" | "dequantized", set at load from the device's 4-bit rule),
 `qweight` int32 [ceil(K/8), N] (the run-time layout of int4_linear.py), `scales` [G, N] in the
 checkpoint's dtype, `zeros` [G, N] int8, `g_idx` [K] int32 or None (act-order), `group_size` (0 per
-channel) and `bias` [N] or None. On CPU tensors each layer takes the torch reference. `COMPILE_SPECS`
+channel) and `bias` [N] or None; `weight` [N, K] when dequantized. Each layer runs its execution
+and refuses a module loaded for another, except a module dequantized at load (the named fallback
+of a layer the packed layout cannot hold, on any device), which every layer runs as a plain matmul. On CPU tensors (simulated GPUs) the Triton layers take the
+torch reference, as the CPU layer does. `COMPILE_SPECS`
 names, per Triton layer, the launches its forward can make (the preflight compiles them ahead of
 time) with the tuning its forward passes. The trade-off: one kernel and four tunings; a layer per
 tuning keeps the choice a kernel mapping entry, as for the fp8 layers.
@@ -16,12 +20,49 @@ from functools import partial
 import torch
 from torch import nn
 
-from .int4_linear import ROCM, SM75, SM80, SM90, Int4LinearTuning, compile_specs, int4_linear
+from .int4_linear import (
+    ROCM,
+    SM75,
+    SM80,
+    SM90,
+    Int4LinearTuning,
+    compile_specs,
+    int4_linear,
+    int4_linear_reference,
+)
+
+
+def _expect(module: nn.Module, execution: str) -> None:
+    have = getattr(module, "execution", None)
+    if have != execution:
+        raise TypeError(f"int4 layer for the `{execution}` execution got a module loaded for `{have}`")
 
 
 def _run(module: nn.Module, x: torch.Tensor, tuning: Int4LinearTuning) -> torch.Tensor:
+    if module.execution == "dequantized":
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    _expect(module, "w4a16")
     return int4_linear(x, module.qweight, module.scales, module.zeros, module.g_idx, module.bias, module.group_size,
                        tuning=tuning)
+
+
+class Int4CheckpointLinear(nn.Module):
+    """Torch (CPU): the packed weights stay resident; each call dequantizes the layer (exact, in the
+    scales' dtype) and runs an fp32 matmul: the reference, within fp32 summation order."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.execution == "dequantized":
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        _expect(self, "packed")
+        return int4_linear_reference(x, self.qweight, self.scales, self.zeros, self.g_idx, self.bias, self.group_size)
+
+
+class Int4CheckpointLinearDequantized(nn.Module):
+    """Torch (CUDA below sm_75): the weights were dequantized at load into the model dtype; a plain matmul."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _expect(self, "dequantized")
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 class Int4LinearTritonSm75(nn.Module):

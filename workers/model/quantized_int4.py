@@ -1,20 +1,26 @@
-"""Reading a 4-bit checkpoint (GPTQ, AWQ, compressed-tensors pack-quantized): dequantized at load.
+"""Reading a 4-bit checkpoint (GPTQ, AWQ, compressed-tensors pack-quantized) for this device's execution.
 
 Design: the loader drives this reader through the same five calls as the fp8 one
-(workers/model/quantized.py): `bind` notes the HF tensors the model expects, `claims` takes every
+(workers/model/quantized.py): `bind` notes the HF tensors the model expects and which of them land on
+one of our `nn.Linear` modules (whole, or a part of fused q/k/v and gate/up), `claims` takes every
 4-bit leaf of a layer the config quantizes (`qweight`, `qzeros`, `scales`, `g_idx`; `weight_packed`,
 `weight_scale`, `weight_shape`, `weight_zero_point`), and the zero `bias` AutoGPTQ stores for layers
-that have none, `covers` tells the loader which expected `.weight` those stand for, `to_ours`
-dequantizes each layer exactly as its format's reference does (workers/quant/int4_pack.py, in the
-scales' dtype, then the model dtype) and hands the weights to the family's own map, so fused q/k/v
-and gate/up and stacked experts come out as for an unquantized checkpoint; `install` then has
-nothing to swap. A 4-bit leaf on a layer the config leaves alone (`modules_to_not_convert`,
-`ignore`), a fused layer with some parts 4-bit and others not, or a layer with its packed tensor
-but a missing scale, are named errors. `describe` gives `/workers` the method, the schemes, the
-device rule's execution and reason (workers/quant/int4_methods.py) and the bytes: as stored, and as
-widened. The trade-off: the widened weights are what the device holds (a 4-bit checkpoint takes its
-dequantized twin's memory) until 4-bit kernel layers exist; in exchange every device computes with
-the reference weights exactly.
+that have none, `covers` tells the loader which expected `.weight` those stand for. The execution
+comes from the device rule (workers/quant/int4_methods.py) for the bound device (`load_device`; the
+CPU when none is bound): `to_ours` checks each layer against its format's reference
+(workers/quant/int4_pack.py) and, where the device keeps the 4 bits (`w4a16`, `packed`), moves it
+into the one run-time layout (`to_runtime`, exact) and concatenates the parts of a fused module
+along the outputs; where it does not (`dequantized`), the reference weights go through the family's
+own map as an unquantized checkpoint's would. `install` swaps each of those modules for an
+`Int4CheckpointLinear` of that execution, which kernelize then gives the device's kernel layer.
+Experts stored per expert (Qwen3-MoE) have no 4-bit layer: they are dequantized at load on every
+device, and so is a fused module whose parts' act-order `g_idx` differ (one input order per module);
+the notes say so. A 4-bit leaf on a layer the config leaves alone (`modules_to_not_convert`,
+`ignore`), a fused layer with some parts 4-bit and others not, or a layer with its packed tensor but
+a missing scale, are named errors. `describe` gives `/workers` the method, the schemes, the
+execution and its reason and the bytes: as stored, as held, and as widened. The trade-off: the
+reference weight of every layer is formed once at load to check it, which costs a layer's widened
+bytes transiently.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from torch import nn
 
 from workers.model.config import ModelConfig
 from workers.model.weights import map_name, to_ours
-from workers.quant.int4_methods import int4_execution
+from workers.quant.int4_linear import Int4CheckpointLinear, fusable, fuse_runtime, to_runtime
+from workers.quant.int4_methods import INT4_DEQUANTIZED, int4_execution
 from workers.quant.int4_pack import (
     Int4TensorError,
     dequantize_awq,
@@ -42,21 +49,46 @@ ALL_LEAVES = frozenset(leaf for leaves in LEAVES.values() for leaf in leaves)
 
 
 def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def load_device() -> tuple[str, tuple[int, int] | None]:
+    """The (type, capability) of the device this process serves, which the 4-bit layers are loaded for;
+    the CPU when no device is bound (tools and tests that load a checkpoint outside a worker)."""
+    from workers.device.bind import DeviceNotBoundError, bound_device
+
+    try:
+        bound = bound_device()
+    except DeviceNotBoundError:
+        return "cpu", None
+    return bound.type, None if bound.capability is None else tuple(bound.capability)
 
 
 class Int4Checkpoint:
-    def __init__(self, quant: Int4Config, config: ModelConfig) -> None:
+    def __init__(self, quant: Int4Config, config: ModelConfig, device: tuple[str, tuple[int, int] | None] | None = None,
+                 ) -> None:  # fmt: skip
         self.quant, self.config = quant, config
+        self.device_type, self.capability = device or load_device()
+        self.execution = int4_execution(self.device_type, self.capability)
         self.expected: dict[str, tuple[int, ...]] = {}
         self.dtype = torch.float32
         self.layers: dict[str, Int4Scheme] = {}  # HF module -> scheme, for each module whose packed tensor was read
+        self.linear: dict[str, tuple[str, int | None]] = {}  # HF module -> (our nn.Linear, its part), from `bind`
+        self.modules: dict[str, dict] = {}  # our module -> how `install` builds its Int4CheckpointLinear
         self.stored_bytes = self.weight_bytes = 0
         self.notes: list[str] = list(quant.notes)
 
     def bind(self, model: nn.Module, expected: dict[str, tuple[int, ...]]) -> None:
-        """Note the HF tensors `expected` (name -> shape) of `model` and the model dtype."""
+        """Note the HF tensors `expected` (name -> shape) of `model`, the model dtype and which HF
+        modules land on one of our `nn.Linear` modules."""
         self.expected, self.dtype = dict(expected), model.dtype
+        for hf_name, shape in expected.items():
+            mapped = map_name(hf_name, self.config) if hf_name.endswith(".weight") and len(shape) == 2 else None
+            if mapped is None or not mapped[0].endswith(".weight") or not (mapped[1] is None or isinstance(mapped[1], int)):
+                continue  # not a linear weight of ours (experts, layouts)
+            ours = mapped[0].removesuffix(".weight")
+            if type(model.get_submodule(ours)) is nn.Linear:
+                self.linear[hf_name.removesuffix(".weight")] = (ours, mapped[1])
 
     def _scheme(self, module: str) -> Int4Scheme | None:
         return self.quant.scheme_for(module)
@@ -125,12 +157,25 @@ class Int4Checkpoint:
                     f"{', '.join(f'`{n}`' for n in rest)} not. Supported: all parts of q/k/v and of gate/up in 4 bits "
                     "or none")
 
+    def _leaves(self, module: str, scheme: Int4Scheme, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {leaf: stored[f"{module}.{leaf}"] for leaf in scheme.leaves if f"{module}.{leaf}" in stored}
+
+    def _packed_modules(self, stored: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, str]]]:
+        """Our nn.Linear modules held in 4 bits on this device: module -> [(part, HF module)], in order."""
+        by_ours: dict[str, list[tuple[int, str]]] = {}
+        if not self.execution.packed:
+            return by_ours
+        for module in self.layers:
+            if module in self.linear:
+                ours, part = self.linear[module]
+                by_ours.setdefault(ours, []).append((part or 0, module))
+        return {ours: sorted(parts) for ours, parts in by_ours.items()}
+
     def to_ours(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our state-dict entries of the 4-bit layers: their weights dequantized, fused by the family's map."""
+        """Our state-dict entries of the 4-bit layers: each module's run-time layout (`<module>.qweight`,
+        `.scales`, `.zeros`, `.g_idx`) where the device keeps 4 bits, else the dequantized weights, fused
+        by the family's map."""
         self._check_fused()
-        hf: dict[str, torch.Tensor] = {}
-        for module, scheme in self.layers.items():
-            hf[module + ".weight"] = self._dequantize(module, scheme, stored).to(self.dtype)
         for name, t in stored.items():  # AutoGPTQ's bias on a layer without one: must be zero
             if name.endswith(".bias") and bool(t.ne(0).any()):
                 raise Int4TensorError(f"`{name}` is not zero but the model's `{name.rpartition('.')[0]}` has no bias. "
@@ -138,21 +183,65 @@ class Int4Checkpoint:
         unused = sorted(n for n in stored if n.rpartition(".")[0] not in self.layers and not n.endswith(".bias"))
         if unused:
             raise Int4TensorError(f"4-bit tensors without their packed weight: {', '.join(f'`{n}`' for n in unused[:8])}")
+        # 1. every layer checked against its reference (shapes, zero points, g_idx), dequantized where widened
+        widened = {module: self._dequantize(module, scheme, stored) for module, scheme in self.layers.items()}
+        # 2. our modules that keep 4 bits: parts in the run-time layout, fused along the outputs
+        out: dict[str, torch.Tensor] = {}
+        for ours, parts in self._packed_modules(stored).items():
+            runtimes = [to_runtime(self.layers[m], self._leaves(m, self.layers[m], stored)) for _, m in parts]
+            why = fusable(runtimes)
+            if why is not None:
+                self.notes.append(f"`{ours}`: its parts' 4-bit layouts cannot share one layer ({why}); "
+                                  "dequantized at load")
+                self.modules[ours] = {"execution": INT4_DEQUANTIZED}
+                continue
+            rt = fuse_runtime(runtimes)
+            for _, m in parts:
+                widened.pop(m)
+            out |= {f"{ours}.{k}": rt[k] for k in ("qweight", "scales", "zeros", "g_idx") if rt[k] is not None}
+            self.modules[ours] = {"execution": self.execution.kind, "in_features": rt["in_features"],
+                                  "groups": rt["scales"].shape[0], "group_size": rt["group_size"],
+                                  "scale_dtype": rt["scales"].dtype, "act_order": rt["g_idx"] is not None}
+        # 3. the rest as the reference weights in the model dtype, through the family's map
+        hf = {module + ".weight": w.to(self.dtype) for module, w in widened.items()}
+        for module in widened:  # a widened nn.Linear is an Int4CheckpointLinear too, holding `weight`
+            if module in self.linear:
+                self.modules.setdefault(self.linear[module][0], {"execution": INT4_DEQUANTIZED})
+        if any(m not in self.linear for m in widened):
+            self.notes.append("experts stored in 4 bits have no 4-bit layer: dequantized at load on every device")
         self.stored_bytes = _nbytes(t for n, t in stored.items() if not n.endswith(".bias"))
-        self.weight_bytes = _nbytes(hf.values())
-        return to_ours(hf, self.config)
+        self.weight_bytes = _nbytes(out.values()) + _nbytes(hf.values())
+        return out | to_ours(hf, self.config)
 
     def install(self, model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> int:
-        """Nothing to swap: the 4-bit layers are plain linear layers holding their dequantized weights."""
-        logger.warning("%s checkpoint dequantized at load: %d layers, %d bytes stored -> %d bytes in %s",
-                       self.quant.method, len(self.layers), self.stored_bytes, self.weight_bytes, self.dtype)
-        return 0
+        """Swap each of our modules the 4-bit layers land on for an `Int4CheckpointLinear` of its
+        execution (built on meta; the loader assigns the tensors `to_ours` made); how many."""
+        for ours, spec in self.modules.items():
+            parent_name, _, attr = ours.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            old = getattr(parent, attr)
+            if spec["execution"] == INT4_DEQUANTIZED:
+                layer = Int4CheckpointLinear(old.in_features, old.out_features, 0, 0, INT4_DEQUANTIZED,
+                                             bias=old.bias is not None, dtype=old.weight.dtype, device="meta")
+            else:
+                layer = Int4CheckpointLinear(spec["in_features"], old.out_features, spec["groups"], spec["group_size"],
+                                             spec["execution"], scale_dtype=spec["scale_dtype"],
+                                             act_order=spec["act_order"], bias=old.bias is not None,
+                                             dtype=old.weight.dtype, device="meta")  # fmt: skip
+            setattr(parent, attr, layer)
+        log = logger.warning if self.execution.kind == INT4_DEQUANTIZED else logger.info
+        log("%s checkpoint runs %s: %d layers, %d bytes stored -> %d bytes held (%s): %s", self.quant.method,
+            self.execution.kind, len(self.layers), self.stored_bytes, self.weight_bytes, self.dtype,
+            self.execution.reason)
+        for note in self.notes:
+            logger.info("4-bit checkpoint: %s", note)
+        return len(self.modules)
 
-    def describe(self, device_type: str | None = None, capability: tuple[int, int] | None = None) -> dict:
-        """The checkpoint's quantization, its execution (for `device_type`, default every device) and bytes."""
-        execution = int4_execution(device_type or "cuda", capability)
-        reason = execution.reason if device_type else "every device: 4-bit weights dequantized at load (no 4-bit " \
-                                                      "kernel layer yet; widened bytes below)"
+    def describe(self) -> dict:
+        """The checkpoint's quantization, this device's execution with its reason, and the bytes."""
+        packed = sum(spec["execution"] != INT4_DEQUANTIZED for spec in self.modules.values())
         return {**self.quant.describe(), "notes": list(self.notes), "quantized_modules": len(self.layers),
-                "execution": execution.kind, "reason": reason, "stored_bytes": self.stored_bytes,
-                "weight_bytes": self.weight_bytes, "widened_bytes": max(0, self.weight_bytes - self.stored_bytes)}
+                "device": self.device_type, "execution": self.execution.kind, "reason": self.execution.reason,
+                "packed_modules": packed, "widened_modules": len(self.modules) - packed,
+                "stored_bytes": self.stored_bytes, "weight_bytes": self.weight_bytes,
+                "widened_bytes": max(0, self.weight_bytes - self.stored_bytes)}

@@ -9,9 +9,12 @@ reads them) into one layout, exactly (only bits move, no value is rounded):
   stored; pack-quantized's offset-by-8 value, 8 when symmetric: the weights keep their offset too);
 - `scales` [G, N] in the checkpoint's dtype; `g_idx` [K] int32 only for act-order (a GPTQ `g_idx`
   equal to k // group is dropped); `group_size` the format's, 0 per channel.
-The weight is `(q - z) * s` rounded once to the scales' dtype, the reference's bits. `forward` is the
-pure-torch reference (dequantize, fp32 matmul, bias, cast): what CPU runs, and what the kernel
-layers (kernels_local/int4_linear/layers.py, same attributes) are tested against. The trade-off: the
+The weight is `(q - z) * s` rounded once to the scales' dtype, the reference's bits. The layer holds
+that layout for the packed executions of the device rule (workers/quant/int4_methods.py: `w4a16`,
+`packed`), or the weight widened at load (`dequantized`: `weight` [N, K] in the model dtype, no
+packed tensors); its `execution` says which, and the kernel layers (kernels_local/int4_linear/
+layers.py, same attributes) refuse a module of another. `forward` is the pure-torch reference
+(dequantize, fp32 matmul, bias, cast): what the kernel layers are tested against. The trade-off: the
 zero points take a byte each per group and output (at group 128, under 1% of the weight's bytes) so
 the kernel loads them without a second unpack.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from kernels import use_kernel_forward_from_hub
 from torch import nn
 
 from workers.quant.int4_pack import pack_int32, unpack_int32
@@ -66,27 +70,82 @@ def runtime_weight(qweight, scales, zeros, g_idx, group_size: int, in_features: 
     return w.to(scales.dtype).t()
 
 
+def fuse_runtime(parts: list[dict]) -> dict:
+    """One run-time layout for layers sharing their input (q/k/v, gate/up), outputs concatenated in
+    order; the parts must share `in_features`, `group_size`, the scales' dtype and `g_idx`."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    return {"qweight": torch.cat([p["qweight"] for p in parts], dim=1),
+            "scales": torch.cat([p["scales"] for p in parts], dim=1),
+            "zeros": torch.cat([p["zeros"] for p in parts], dim=1),
+            "g_idx": first["g_idx"], "group_size": first["group_size"], "in_features": first["in_features"]}
+
+
+def fusable(parts: list[dict]) -> str | None:
+    """Why `parts` cannot share one run-time layout (None when they can)."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p["in_features"], p["group_size"]) != (first["in_features"], first["group_size"]):
+            return "their inputs or group sizes differ"
+        if p["scales"].dtype != first["scales"].dtype:
+            return "their scales' dtypes differ"
+        if (p["g_idx"] is None) != (first["g_idx"] is None) or (
+                p["g_idx"] is not None and not torch.equal(p["g_idx"], first["g_idx"])):
+            return "their act-order g_idx differ"
+    return None
+
+
+@use_kernel_forward_from_hub("Int4CheckpointLinear")
 class Int4CheckpointLinear(nn.Module):
     """y = x @ W.T + b with W[n, k] = (q[k, n] - zeros[g, n]) * scales[g, n], g = g_idx[k] or k // group_size.
 
-    Kernel layers read `qweight` int32 [ceil(K/8), N], `scales` [G, N], `zeros` int8 [G, N], `g_idx`
-    [K] int32 or None, `group_size` (0: per channel) and `bias`."""
+    Kernel layers read `execution`, `qweight` int32 [ceil(K/8), N], `scales` [G, N], `zeros` int8 [G, N],
+    `g_idx` [K] int32 or None, `group_size` (0: per channel) and `bias`; `weight` [N, K] when dequantized."""
 
-    def __init__(self, runtime: dict, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, groups: int, group_size: int, execution: str, *,
+                 scale_dtype: torch.dtype = torch.float16, act_order: bool = False, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "meta") -> None:  # fmt: skip
         super().__init__()
-        self.in_features, self.out_features = runtime["in_features"], runtime["qweight"].shape[1]
-        self.group_size = runtime["group_size"]
-        for name in ("qweight", "scales", "zeros", "g_idx"):
-            self.register_buffer(name, runtime[name])
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.execution = execution
+        n, k = out_features, in_features
+        packed = execution != "dequantized"
+        self.register_buffer("qweight", torch.empty(-(-k // 8), n, dtype=torch.int32, device=device) if packed else None)
+        self.register_buffer("scales", torch.empty(groups, n, dtype=scale_dtype, device=device) if packed else None)
+        self.register_buffer("zeros", torch.empty(groups, n, dtype=torch.int8, device=device) if packed else None)
+        self.register_buffer("g_idx", torch.empty(k, dtype=torch.int32, device=device) if packed and act_order else None)
+        self.register_buffer("weight", None if packed else torch.empty(n, k, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(n, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_runtime(cls, runtime: dict, bias: torch.Tensor | None = None, execution: str = "packed",
+                     dtype: torch.dtype | None = None) -> Int4CheckpointLinear:  # fmt: skip
+        """A layer holding `runtime` (from `to_runtime`): packed, or its weight widened to `dtype` if dequantized."""
+        scales = runtime["scales"]
+        dtype = dtype or (bias.dtype if bias is not None else scales.dtype)
+        layer = cls(runtime["in_features"], runtime["qweight"].shape[1], scales.shape[0], runtime["group_size"],
+                    execution, scale_dtype=scales.dtype, act_order=runtime["g_idx"] is not None,
+                    bias=bias is not None, dtype=dtype, device="meta")  # fmt: skip
+        tensors = {"bias": bias} if bias is not None else {}
+        if execution == "dequantized":
+            tensors["weight"] = runtime_weight(runtime["qweight"], scales, runtime["zeros"], runtime["g_idx"],
+                                               runtime["group_size"], runtime["in_features"]).to(dtype)  # fmt: skip
+        else:
+            tensors |= {k: runtime[k] for k in ("qweight", "scales", "zeros", "g_idx") if runtime[k] is not None}
+        layer.load_state_dict(tensors, strict=True, assign=True)
+        return layer
 
     def nbytes(self) -> int:
-        """Bytes the layer's weight takes: words, scales, zero points and the act-order index."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros, self.g_idx)
+        """Bytes the layer's weight takes: words, scales, zero points and the act-order index, or the widened weight."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros, self.g_idx, self.weight)
                    if t is not None)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., K] -> [..., N]; the weight rounded to the scales' dtype, then to x's, an fp32 matmul
+        # x: [..., K] -> [..., N]
+        if self.execution == "dequantized":
+            return F.linear(x, self.weight, self.bias)
+        # the weight rounded to the scales' dtype, then to x's, an fp32 matmul
         w = runtime_weight(self.qweight, self.scales, self.zeros, self.g_idx, self.group_size, self.in_features)
         y = F.linear(x.to(torch.float32), w.to(x.dtype).to(torch.float32),
                      None if self.bias is None else self.bias.to(torch.float32))  # fmt: skip
@@ -94,4 +153,4 @@ class Int4CheckpointLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group_size={self.group_size}, act_order={self.g_idx is not None}")
+                f"group_size={self.group_size}, act_order={self.g_idx is not None}, execution={self.execution}")

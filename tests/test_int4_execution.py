@@ -1,0 +1,55 @@
+"""Each device's 4-bit execution: the rule (workers/quant/int4_methods.py) and the kernel mapping agree.
+
+For every capability from sm_50 to sm_121, the ROCm architectures and the CPU, the kernel chosen for
+`Int4CheckpointLinear` runs the execution the rule names (the variant's first word), with a reason:
+below sm_75 the weights are dequantized at load, from sm_75 (and on ROCm) the Triton W4A16 layer
+with the architecture's tuning, on the CPU the packed torch layer. A capability newer than any tuned
+one gets a defined choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels_local.mapping import select
+from workers.quant.int4_methods import INT4_EXECUTIONS, int4_execution
+
+CUDA = [(major, minor) for major in range(5, 13) for minor in range(0, 10) if (major, minor) <= (12, 1)]
+ROCM = [(9, 0), (9, 4), (9, 5), (11, 0)]
+
+
+def _devices():
+    yield "cpu", None
+    yield from (("cuda", c) for c in CUDA)
+    yield from (("rocm", c) for c in ROCM)
+
+
+@pytest.mark.parametrize(("device_type", "capability"), list(_devices()))
+def test_the_kernel_chosen_runs_the_execution_the_rule_names(device_type, capability):
+    execution = int4_execution(device_type, capability)
+    choice = select(device_type, capability)["Int4CheckpointLinear"]
+    assert execution.kind in INT4_EXECUTIONS and execution.reason
+    assert choice.variant.split("-")[0] == execution.kind, (choice.variant, execution)
+    assert execution.packed == (execution.kind != "dequantized")
+
+
+@pytest.mark.parametrize(("device_type", "capability", "kind", "layer"), [
+    ("cpu", None, "packed", "Int4CheckpointLinear"),
+    ("cuda", (6, 1), "dequantized", "Int4CheckpointLinearDequantized"),
+    ("cuda", (7, 0), "dequantized", "Int4CheckpointLinearDequantized"),
+    ("cuda", (7, 5), "w4a16", "Int4LinearTritonSm75"),
+    ("cuda", (8, 6), "w4a16", "Int4LinearTritonSm80"),
+    ("cuda", (9, 0), "w4a16", "Int4LinearTritonSm90"),
+    ("cuda", (12, 0), "w4a16", "Int4LinearTritonSm90"),
+    ("rocm", (9, 4), "w4a16", "Int4LinearTritonRocm"),
+])  # fmt: skip
+def test_each_device_class_gets_its_execution_and_says_why(device_type, capability, kind, layer):
+    execution = int4_execution(device_type, capability)
+    choice = select(device_type, capability)["Int4CheckpointLinear"]
+    assert (execution.kind, choice.layer) == (kind, layer)
+    if kind == "dequantized":
+        assert "below sm_75" in execution.reason and "widened" in execution.reason
+    elif kind == "packed":
+        assert "packed" in execution.reason and "_weight_int4pack_mm" not in execution.reason
+    else:
+        assert "W4A16" in execution.reason and "packed" in execution.reason
