@@ -8,7 +8,9 @@ model contains. Linear-attention layers (Qwen3.5, Qwen3-Next: Gated DeltaNet) ho
 they are described apart (`attention.linear`: their layers, heads and the per-sequence state
 they keep instead), so `layer_types` stays the list of KV-holding layer types. The router cannot import the model package (it holds no torch), so
 `hetserve plan --model DIR` runs `python -m workers.model.describe DIR` once and joins the
-answer with each device's kernel choices; a ready worker reports the same under `model`.
+answer with each device's kernel choices; a ready worker reports the same under `model`. A
+pre-quantized checkpoint adds `quantization` (the registry's reading of its config) and a
+`features` entry naming its method (and, for MXFP4, the execution every device runs).
 Trade-off: a child process per plan for the one source of the rules.
 """
 
@@ -21,6 +23,8 @@ from typing import Any
 
 from workers.kv.groups import layer_groups
 from workers.model.config import ConfigError, ModelConfig
+from workers.quant.registry import describe_quantization
+from workers.quant.scheme import UnsupportedQuantizationError
 
 
 def attention_layers(config: ModelConfig) -> list[dict[str, Any]]:
@@ -105,7 +109,13 @@ def describe_dir(model_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"`{path}` cannot be read: {e.strerror}; `--model` takes a directory with a config.json") from e
     except ValueError as e:
         raise ConfigError(f"`{path}` is not valid JSON: {e}") from e
-    return describe(ModelConfig.from_hf_config(hf))
+    out = describe(ModelConfig.from_hf_config(hf))
+    quantization = describe_quantization(hf)  # a pre-quantized checkpoint: what it stores (the registry's reading)
+    if quantization is not None:  # `plan --model` prints the features: the method, and its execution where one
+        out["quantization"] = quantization  # rule holds for every device (MXFP4: dequantized at load)
+        how = f" {quantization['execution']} ({quantization['reason']})" if quantization.get("execution") else ""
+        out["features"]["quantization"] = f"{quantization['method']} {quantization['format']}{how}"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         print(json.dumps(describe_dir(args[0])))
-    except ConfigError as e:
+    except (ConfigError, UnsupportedQuantizationError) as e:
         print(str(e), file=sys.stderr)
         return 1
     return 0

@@ -32,7 +32,7 @@ import torch
 from workers.quant.scheme import unsupported
 
 NAME = "mxfp4"
-FORMAT = "e2m1, e8m0 scales per 32"
+FORMAT = "e2m1 with e8m0 scales per 32"
 BLOCK = 32  # values per scale
 SCALE_BIAS = 127  # e8m0: scale = 2^(stored - 127)
 SCALE_NAN = 255  # e8m0's one NaN encoding
@@ -137,6 +137,7 @@ class Mxfp4Config:
             ],
             "ignore": list(self.ignore),
             "notes": list(self.notes),
+            **mxfp4_execution(None).to_dict(),  # one rule for every device (a worker names its own)
         }
 
 
@@ -158,6 +159,9 @@ class Mxfp4Execution:
     kind: str  # "dequantized" (the only one so far)
     reason: str
 
+    def to_dict(self) -> dict:
+        return {"execution": self.kind, "reason": self.reason}
+
 
 def mxfp4_execution(device_type: str | None, capability: tuple[int, int] | None = None) -> Mxfp4Execution:
     """How this device runs MXFP4 experts, and why (None: what every device does)."""
@@ -172,5 +176,5 @@ def mxfp4_execution(device_type: str | None, capability: tuple[int, int] | None 
     return Mxfp4Execution(
         MXFP4_DEQUANTIZED,
         f"{where}: MXFP4 experts dequantized to the model dtype at load "
-        "(no MXFP4 kernel in the fused MoE layer yet; widened bytes shown)",
+        "(no MXFP4 kernel in the fused MoE layer yet: they take the widened bytes)",
     )
