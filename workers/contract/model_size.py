@@ -12,7 +12,8 @@ fp8` the projections the worker's fp8 layers replace take one byte per weight an
 scale per row; tensors stored pre-quantized keep their stored bytes where the device runs
 them as stored, and take the compute dtype where it widens them at load: fp8 weights on a
 device whose fp8 execution is `dequantized` (contract `fp8_execution`), 4-bit packed weights
-everywhere while 4-bit layers dequantize at load, MXFP4 experts likewise: their blocks and scales
+on a device whose 4-bit kind is `dequantized` (contract `int4_kind`: below sm_75) and 4-bit experts
+everywhere (they have no 4-bit layer), MXFP4 experts likewise: their blocks and scales
 become the experts' weights in the compute dtype) plus the KV cache of one
 sequence of `KV_TOKENS` tokens (or the model's context, if shorter). A device offers
 `USABLE_FRACTION` of its memory: the rest is the runtime's and the activations'.
@@ -34,6 +35,7 @@ from pathlib import Path
 from workers.contract.device import DeviceInfo
 from workers.contract.dtypes import DTYPE_BYTES, SAFETENSORS_BYTES, SAFETENSORS_FLOATS, dtype_rule
 from workers.contract.fp8_rule import FP8_DEQUANTIZED, fp8_execution
+from workers.contract.int4_rule import INT4_DEQUANTIZED, int4_kind
 from workers.contract.sizes import human
 
 CONFIG_FILE = "config.json"
@@ -69,6 +71,7 @@ class ModelProfile:
     source: str  # where the figures come from
     fp8_params: int = 0  # of the stored tensors, fp8 weights (one byte each as stored)
     packed4_params: int = 0  # 4-bit values packed eight per int32 (`qweight`, `weight_packed`)
+    packed4_expert_params: int = 0  # of those, the experts' (widened at load on every device)
     mxfp4_params: int = 0  # MXFP4 experts' e2m1 values, two per byte of `*_blocks`
     mxfp4_bytes: int = 0  # their blocks and e8m0 `*_scales` as stored
 
@@ -118,8 +121,10 @@ def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quan
     weights = profile.stored_bytes
     if profile.fp8_params and fp8_execution(device.type, cap).kind == FP8_DEQUANTIZED:
         weights += profile.fp8_params * (size - 1)  # widened once at load on this device
-    if profile.packed4_params:  # 4-bit layers dequantize at load (workers/model/quantized_int4.py)
-        weights += profile.packed4_params * size - profile.packed4_params // 2
+    # 4-bit layers widen at load where the device has no 4-bit execution, experts everywhere
+    # (workers/model/quantized_int4.py); elsewhere they stay packed, as stored
+    widened4 = profile.packed4_params if int4_kind(device.type, cap) == INT4_DEQUANTIZED else profile.packed4_expert_params
+    weights += widened4 * size - widened4 // 2
     if profile.mxfp4_params:  # MXFP4 experts dequantize at load on every device (workers/model/quantized_mxfp4.py)
         weights += profile.mxfp4_params * size - profile.mxfp4_bytes
     if quantize == "fp8":
@@ -228,6 +233,7 @@ def read_profile(model_dir: str | Path) -> ModelProfile:
         return ModelProfile(**common, **_count_from_config(hf, shape),
                             source="config.json (no weights in the directory: counted from its shapes)")
     floats = projections = rows = stored = stored_bytes = tensors = fp8 = packed4 = mxfp4 = mxfp4_bytes = 0
+    packed4_experts = 0
     for path in files:
         for name, t in read_header(path).items():
             kind, dims = t.get("dtype"), t.get("shape", [])
@@ -248,10 +254,12 @@ def read_profile(model_dir: str | Path) -> ModelProfile:
                     fp8 += n
                 elif kind == "I32" and _PACKED4.search(name):
                     packed4 += 8 * n
+                    packed4_experts += 8 * n if "experts" in name else 0
                 elif kind == "U8" and quantization == "mxfp4" and _MXFP4.search(name):
                     mxfp4, mxfp4_bytes = mxfp4 + (2 * n if name.endswith("_blocks") else 0), mxfp4_bytes + n
     return ModelProfile(**common, float_params=floats, projection_params=projections, projection_rows=rows,
                         stored_params=stored, stored_bytes=stored_bytes, fp8_params=fp8, packed4_params=packed4,
+                        packed4_expert_params=packed4_experts,
                         mxfp4_params=mxfp4, mxfp4_bytes=mxfp4_bytes,
                         source=f"safetensors headers ({tensors} tensors in {len(files)} file(s))")
 

@@ -4,7 +4,8 @@ Design: `handles(qc)` says whether a config is one of the 4-bit formats (`quant_
 or compressed-tensors whose groups are `pack-quantized` integers: compressed-tensors' fp8 formats
 keep their own reader), `read(qc)` returns its `Int4Config`. The registry (registry.py) asks here
 first, so adding the 4-bit methods touched it by one hook. `int4_execution(device_type, capability)`
-is the one rule for how a device runs 4-bit weights, with its reason, and the kernel mapping's
+is the one rule for how a device runs 4-bit weights (its kind from the torch-free contract,
+workers/contract/int4_rule.py, which placement reads too), with its reason, and the kernel mapping's
 `Int4CheckpointLinear` entries (kernels_local/mapping.py) follow the same capability ranges (a test
 walks them together):
 - `w4a16` (CUDA sm_75+ and ROCm): the packed words, scales and zero points stay resident; the Triton
@@ -26,15 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.contract.int4_rule import INT4_DEQUANTIZED, INT4_EXECUTIONS, INT4_PACKED, INT4_W4A16, int4_kind
 from workers.quant import awq, gptq, pack_quantized
 from workers.quant.int4_scheme import Int4Config
 
 METHODS = {gptq.NAME: gptq.read, awq.NAME: awq.read}
-INT4_W4A16 = "w4a16"  # packed weights resident, unpacked inside the Triton GEMM
-INT4_PACKED = "packed"  # packed weights resident, dequantized per call in torch (CPU)
-INT4_DEQUANTIZED = "dequantized"  # widened at load into the model dtype
-INT4_EXECUTIONS = (INT4_W4A16, INT4_PACKED, INT4_DEQUANTIZED)
-W4A16_CAPABILITY = (7, 5)  # Turing: the first CUDA architecture with 16-bit mma in Triton
+__all__ = ["INT4_DEQUANTIZED", "INT4_EXECUTIONS", "INT4_PACKED", "INT4_W4A16", "Int4Execution", "handles",
+           "int4_execution", "read"]
 
 
 @dataclass(frozen=True)
@@ -70,15 +69,16 @@ def _tuning(device_type: str, capability: tuple[int, int]) -> str:
 
 
 def int4_execution(device_type: str, capability: tuple[int, int] | None) -> Int4Execution:
-    """How this device runs 4-bit weights, and why."""
-    if device_type == "cpu":
+    """How this device runs 4-bit weights (the contract's `int4_kind`), and why."""
+    kind = int4_kind(device_type, capability)
+    if kind == INT4_PACKED:
         return Int4Execution(INT4_PACKED, "CPU: 4-bit weights kept packed (a quarter of bf16's bytes), each layer "
                                           "dequantized per call for an fp32 torch matmul (torch's int4pack CPU "
                                           "matmul is affine in fp32, not the reference's weight rounded to its "
                                           "fp16/bf16 scales)")
     cap = None if capability is None else (int(capability[0]), int(capability[1]))
     name = "ROCm" if device_type == "rocm" else ("unknown capability" if cap is None else f"sm_{cap[0]}{cap[1]}")
-    if device_type == "rocm" or (cap is not None and cap >= W4A16_CAPABILITY):
+    if kind == INT4_W4A16:
         return Int4Execution(INT4_W4A16, f"{name}: Triton W4A16 GEMM, 4-bit weights kept packed and unpacked in "
                                          f"registers, {_tuning(device_type, cap or (9, 0))}; act-order by its "
                                          "g_idx gather")
