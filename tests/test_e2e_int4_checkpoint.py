@@ -1,10 +1,13 @@
 """End to end: one 4-bit checkpoint served on a simulated mixed host, over HTTP.
 
-A real router with real workers on `sm_70,sm_75,sm_86,sm_90` serves a tiny Llama (written by
+A real router with real workers on `sm_70,sm_75,sm_86,sm_90,cpu` serves a tiny Llama (written by
 transformers) packed in AWQ's GEMM format by the test packer (tests/int4_checkpoints.py). Every
-worker becomes ready, says in `/workers` what the checkpoint is (method, format, schemes), how it
-runs (dequantized at load, with the reason) and the bytes as stored and as widened; each answers `/generate` when pinned to it, and in fp32 all give the same greedy text (the
-same reference weights everywhere).
+worker becomes ready and says in `/workers` what the checkpoint is (method, format, schemes), how
+its device runs it and why (sm_70: dequantized at load, the widened bytes shown; sm_75, sm_86 and
+sm_90: the Triton W4A16 layer of its tuning, the packed bytes kept, at most 0.3x of bf16's; a CPU
+worker: the packed torch layer, the same bytes), and the
+kernel entry the status page lists says the same; each answers `/generate` when pinned to it, and in
+fp32 all give the same greedy text (the same reference weights everywhere, within fp32 rounding).
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ from tests.router_harness import RouterProcess
 
 pytestmark = pytest.mark.slow
 
-DEVICES = {"gpu0": "7.0", "gpu1": "7.5", "gpu2": "8.6", "gpu3": "9.0"}
+DEVICES = {"gpu0": "7.0", "gpu1": "7.5", "gpu2": "8.6", "gpu3": "9.0", "cpu4": None}
+# each device's execution and the kernel layer the mapping gives it
+EXPECTED = {"gpu0": ("dequantized", "Int4CheckpointLinearDequantized"), "gpu1": ("w4a16", "Int4LinearTritonSm75"),
+            "gpu2": ("w4a16", "Int4LinearTritonSm80"), "gpu3": ("w4a16", "Int4LinearTritonSm90"),
+            "cpu4": ("packed", "Int4CheckpointLinear")}
 PROMPT = "Once upon a time, in a small village by the sea,"
 
 
@@ -26,7 +33,7 @@ def router(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("e2e-int4")
     ckpt, _ = quantize_checkpoint(make_family_checkpoint("llama", root / "src"), root / "awq", "awq", 32)
-    r = RouterProcess(["--model", str(ckpt), "--simulate", "sm_70,sm_75,sm_86,sm_90", "--dtype", "float32",
+    r = RouterProcess(["--model", str(ckpt), "--simulate", "sm_70,sm_75,sm_86,sm_90,cpu", "--dtype", "float32",
                        "--max-batch", "4", "--canary-interval", "0"], fake=False, ready_timeout=400)  # fmt: skip
     yield r
     r.stop()
@@ -42,9 +49,19 @@ def test_every_worker_serves_the_4bit_checkpoint_and_says_how(router):
         assert w["state"] == "ready" and w["device"]["capability"] == cap, wid
         q = w["fp8"]["checkpoint"]["quantization"]
         assert (q["method"], q["format"], q["bits"]) == ("awq", "gemm", 4), wid
-        assert q["execution"] == "dequantized" and "dequantized at load" in q["reason"], wid
-        assert q["quantized_modules"] == 28 and 0 < q["stored_bytes"] < q["weight_bytes"], wid
-        assert q["widened_bytes"] == q["weight_bytes"] - q["stored_bytes"], wid
+        execution, layer = EXPECTED[wid]
+        kernel = w["kernels"]["Int4CheckpointLinear"]
+        assert q["execution"] == execution and kernel["layer"] == layer, (wid, q, kernel)
+        where = "CPU" if cap is None else f"sm_{cap.replace('.', '')}"
+        assert kernel["variant"].split("-")[0] == execution and q["reason"].startswith(where), wid
+        assert q["quantized_modules"] == 28, wid
+        if execution == "dequantized":  # the widened bytes shown: fp32 weights, twice bf16's
+            assert "below sm_75" in q["reason"] and "dequantized at load" in q["reason"], wid
+            assert q["widened_bytes"] == q["weight_bytes"] - q["stored_bytes"] > 0 and q["bf16_ratio"] == 2.0, wid
+            assert q["packed_modules"] == 0 and q["widened_modules"] == 16, wid
+        else:  # the packed bytes kept: a 4-bit kernel runs (the CPU: its packed torch layer)
+            assert ("W4A16" if cap else "packed") in q["reason"] and q["packed_modules"] == 16 and q["widened_modules"] == 0, wid
+            assert q["bf16_ratio"] <= 0.3 and q["weight_bytes"] < 1.1 * q["stored_bytes"], wid
         with router.client(timeout=120) as c:
             r = c.post("/generate", headers={"X-Hetserve-Worker": wid},
                        json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12}})  # fmt: skip

@@ -18,7 +18,8 @@ device, and so is a fused module whose parts' act-order `g_idx` differ (one inpu
 the notes say so. A 4-bit leaf on a layer the config leaves alone (`modules_to_not_convert`,
 `ignore`), a fused layer with some parts 4-bit and others not, or a layer with its packed tensor but
 a missing scale, are named errors. `describe` gives `/workers` the method, the schemes, the
-execution and its reason and the bytes: as stored, as held, and as widened. The trade-off: the
+execution and its reason and the bytes: as stored, as held, as widened, and the same layers' bf16
+bytes with the ratio. The trade-off: the
 reference weight of every layer is formed once at load to check it, which costs a layer's widened
 bytes transiently.
 """
@@ -75,7 +76,7 @@ class Int4Checkpoint:
         self.layers: dict[str, Int4Scheme] = {}  # HF module -> scheme, for each module whose packed tensor was read
         self.linear: dict[str, tuple[str, int | None]] = {}  # HF module -> (our nn.Linear, its part), from `bind`
         self.modules: dict[str, dict] = {}  # our module -> how `install` builds its Int4CheckpointLinear
-        self.stored_bytes = self.weight_bytes = 0
+        self.stored_bytes = self.weight_bytes = self.bf16_bytes = 0
         self.notes: list[str] = list(quant.notes)
 
     def bind(self, model: nn.Module, expected: dict[str, tuple[int, ...]]) -> None:
@@ -185,6 +186,7 @@ class Int4Checkpoint:
             raise Int4TensorError(f"4-bit tensors without their packed weight: {', '.join(f'`{n}`' for n in unused[:8])}")
         # 1. every layer checked against its reference (shapes, zero points, g_idx), dequantized where widened
         widened = {module: self._dequantize(module, scheme, stored) for module, scheme in self.layers.items()}
+        self.bf16_bytes = 2 * sum(w.numel() for w in widened.values())  # the same layers unquantized, in bf16
         # 2. our modules that keep 4 bits: parts in the run-time layout, fused along the outputs
         out: dict[str, torch.Tensor] = {}
         for ours, parts in self._packed_modules(stored).items():
@@ -244,4 +246,5 @@ class Int4Checkpoint:
                 "device": self.device_type, "execution": self.execution.kind, "reason": self.execution.reason,
                 "packed_modules": packed, "widened_modules": len(self.modules) - packed,
                 "stored_bytes": self.stored_bytes, "weight_bytes": self.weight_bytes,
-                "widened_bytes": max(0, self.weight_bytes - self.stored_bytes)}
+                "widened_bytes": max(0, self.weight_bytes - self.stored_bytes), "bf16_bytes": self.bf16_bytes,
+                "bf16_ratio": round(self.weight_bytes / self.bf16_bytes, 4) if self.bf16_bytes else None}
