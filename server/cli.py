@@ -180,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "layer type gets (full, sliding) and why; repeated: which device serves which model, "
                            "with the bytes and the reason")  # fmt: skip
     plan.add_argument("--place", metavar="NAME=DEV[,DEV...]", action="append", default=None,
-                      help="pin a model's replicas to these devices, as `serve --place` does")
+                      help="pin a model's replicas to these devices, as `serve --place` does (`gpu0+gpu2`: one "
+                           "pipeline replica)")
+    plan.add_argument("--pipeline", metavar="auto|N", default="auto", help="as `serve --pipeline`")
+    plan.add_argument("--pipeline-partition", metavar="N,N[,N...]", default=None,
+                      help="as `serve --pipeline-partition`")
     plan.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                       help="the dtype the placement sizes weights in, as `serve --dtype`")
     plan.add_argument("--quantize", default="none", choices=["none", "fp8"],

@@ -61,7 +61,7 @@ def test_place_pin_model_and_max_loaded(tmp_path):
     (["--model", "/nonexistent/model"], "Model directory `/nonexistent/model` does not exist"),
     (["--model", "a={a}", "--model", "a={b}"], "Model name `a` is given twice"),
     (["--model", "bad name={a}"], "is no model name"),
-    (["--model", "{a}", "--place", "a=gpu0+gpu1"], "`+` (one replica over several devices"),
+    (["--model", "{a}", "--place", "a=gpu0+"], "`+` joins devices into one pipeline replica"),
     (["--model", "{a}", "--place", "x=gpu0"], "no model `x`. Models: a"),
     (["--model", "{a}", "--place", "a="], "write NAME=DEV[,DEV...]"),
     (["--model", "{a}", "--place", "a=gpu0", "--place", "a=gpu1"], "is given twice"),

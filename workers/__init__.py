@@ -7,6 +7,6 @@ share, torch-free) <- `device` (bind, the guard) <- `kv` (the paged cache) and `
 checkpoints: the method registry, their fp8 layers) <- `model` (the
 architecture, its weights, the loader) <- `kernelize` (the kernel choice, the preflight, the
 self-test) <- `fp8` (the convention, e4m3, quantized layers) and `sampling` (parameters,
-sampler, grammars, logprobs) <- `engine` (the step loop and scheduler) <- `serving` (the
-Unix-socket app). Importing this package, or any package's `__init__`, loads nothing.
+sampler, grammars, logprobs) <- `engine` (the step loop and scheduler) <- `pipeline` (a
+model's layers over several workers: stages, their wire) <- `serving` (the Unix-socket app). Importing this package, or any package's `__init__`, loads nothing.
 """

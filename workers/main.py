@@ -93,6 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, help="exit when this process dies")
     p.add_argument("--otlp-endpoint", metavar="URL", help="export OpenTelemetry spans (OTLP) to this collector")
     add_budget_args(p)
+    p.add_argument("--pipeline-plan", metavar="FILE",
+                   help="serve as a stage of this pipeline plan (written by the router; workers/pipeline/)")
+    p.add_argument("--pipeline-rank", type=int, default=0,
+                   help="this worker's stage in --pipeline-plan (0: the first, which starts the others)")
     p.add_argument("--preflight", choices=PREFLIGHT_MODES, default=os.environ.get(ENV_PREFLIGHT, "auto"),
                    help="compile and check the selected kernels before ready: auto (real GPUs), on (simulated "
                         f"GPUs too), off (default: ${ENV_PREFLIGHT} or auto)")  # fmt: skip
@@ -197,8 +201,21 @@ def run_worker(args: argparse.Namespace) -> int:
     phase: dict = {"server": None}  # the uvicorn server once serving
     _install_sigterm(phase)
     _watch_parent(args.parent_pid)
-    server = None
+    server = stages = plan = link = None
     try:
+        if args.pipeline_plan:  # one stage of a pipeline: the first starts the others now, so all load at once
+            with startup_step("pipeline", status):
+                from workers.contract.pipeline import PipelinePlan
+
+                plan = PipelinePlan.read(args.pipeline_plan)
+                if not 0 <= args.pipeline_rank < plan.world_size:
+                    raise ValueError(f"`--pipeline-rank {args.pipeline_rank}` is not a stage of the plan's "
+                                     f"{plan.world_size}")
+                if args.pipeline_rank == 0:
+                    from workers.pipeline.launch import Stages
+
+                    stages = Stages(plan, args.pipeline_plan)
+        layers = None if plan is None else (plan.stages[args.pipeline_rank].start, plan.stages[args.pipeline_rank].end)
         with startup_step("bind", status):
             from workers.device.bind import bind_device
 
@@ -216,7 +233,7 @@ def run_worker(args: argparse.Namespace) -> int:
         with startup_step("load", status):
             from workers.model.loader import load_model
 
-            loaded = load_model(args.model or DEFAULT_MODEL_DIR, args.dtype, bound.torch_device, cap)
+            loaded = load_model(args.model or DEFAULT_MODEL_DIR, args.dtype, bound.torch_device, cap, layers)
         with startup_step("kernelize", status):  # also checks `kernels`' own capability lookup
             from workers.kernelize.apply import kernelize_for_device
             from workers.kernelize.preflight import model_workload, preflight_or_refuse, wants_preflight
@@ -245,13 +262,19 @@ def run_worker(args: argparse.Namespace) -> int:
                 from workers.kernelize.selftest import self_test
 
                 logger.info("self-test: %s", self_test(loaded.model, loaded.config, bound.torch_device))
+        if plan is not None:  # every stage joins the replica's process group
+            with startup_step("pipeline", status):
+                link = _join_pipeline(plan, args.pipeline_rank, bound, loaded, stages)
+        if link is not None and not link.first:
+            return _serve_stage(args, status, bound, loaded, kernels, conv, fp8_reason, link)
         with startup_step("serve", status):
             from workers.device.slowdown import apply_slowdown
             from workers.serving.server import Startup, WorkerServer
 
             apply_slowdown(loaded.model, args.worker_id)  # $HETSERVE_SLOWDOWN: benchmarks and tests only
 
-            server = WorkerServer(Startup(args, bound, loaded, kernels, conv, fp8_reason, compiled, checkpoint))
+            server = WorkerServer(Startup(args, bound, loaded, kernels, conv, fp8_reason, compiled, checkpoint,
+                                          None if link is None else (link, stages)))
         with startup_step("compile", status):  # the decode step per batch bucket, before the first request
             logger.info("decode step: %s", server.compile())
         phase["server"] = server.server
@@ -278,6 +301,31 @@ def run_worker(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.close()
+        elif stages is not None:  # the first stage failed before serving: its stages go with it
+            stages.stop(timeout=0.0)
+
+
+def _join_pipeline(plan, rank: int, bound, loaded, stages):
+    """This stage's link in the replica's process group (the first stage fails as soon as a stage exits)."""
+    import torch
+
+    from workers.pipeline.transport import StageLink
+
+    def join():
+        return StageLink.join(plan, rank, torch.device(bound.torch_device), loaded.dtype)
+
+    return join() if stages is None else stages.wait_for(join)
+
+
+def _serve_stage(args, status: StatusFile, bound, loaded, kernels, conv, fp8_reason, link) -> int:
+    """A stage after the first: its loop until the pipeline stops (workers/pipeline/follower.py)."""
+    from workers.pipeline.follower import serve_stage
+
+    status.write(WorkerStatus.READY, stage=link.rank)
+    context = min(loaded.config.context_length, args.max_model_len or loaded.config.context_length)
+    serve_stage(args, bound, loaded, kernels, {"convention": conv.name, "reason": fp8_reason}, link, context)
+    status.write(WorkerStatus.STOPPED)
+    return ExitCode.OK
 
 
 def _install_sigterm(phase: dict) -> None:

@@ -52,7 +52,7 @@ def plan_device(dev: DeviceInfo) -> dict:
 
 def build_plan(simulate: str | None = None, devices: str | None = "all", compile: bool = False,
                model: str | list[str] | None = None, place: list[str] | None = None, dtype: str = "auto",
-               quantize: str = "none") -> dict:
+               quantize: str = "none", pipeline: str = "auto", partition: str | None = None) -> dict:
     """`{"devices": [plan_device(d), ...]}` for the inventory (or one CPU device); with
     `compile`, each entry carries its preflight; with `model` (a directory, or several
     `[NAME=]DIR`), each model's architecture, its placement (`placement`, pinned by `place`)
@@ -63,7 +63,7 @@ def build_plan(simulate: str | None = None, devices: str | None = "all", compile
     if models:
         from server.commands import plan_model
 
-        plan_model.attach_models(plan, found, models, place or [], dtype, quantize)
+        plan_model.attach_models(plan, found, models, place or [], dtype, quantize, pipeline, partition)
     if compile:
         from server.commands.plan_compile import attach, preflight_reports
 
@@ -106,7 +106,8 @@ def run(args) -> int:
     compile_ = getattr(args, "compile", False)
     plan = build_plan(getattr(args, "simulate", None), getattr(args, "devices", "all"), compile_,
                       getattr(args, "model", None), getattr(args, "place", None), getattr(args, "dtype", "auto"),
-                      getattr(args, "quantize", "none"))
+                      getattr(args, "quantize", "none"), getattr(args, "pipeline", "auto"),
+                      getattr(args, "pipeline_partition", None))
     if getattr(args, "json", False):
         print(json.dumps(plan, indent=2))
     else:

@@ -120,7 +120,7 @@ def render_attention(entry: dict) -> list[str]:
 
 
 def attach_models(plan: dict, devices: list, raw_models: list[str], raw_place: list[str], dtype: str,
-                  quantize: str) -> None:
+                  quantize: str, pipeline: str = "auto", partition: str | None = None) -> None:
     """Describe each `[NAME=]DIR` (the workers' reading), place them on `devices` as `serve` would
     (`plan["placement"]`, or its error) and give each device the attention plan of its model
     (every device, for one model)."""
@@ -128,10 +128,11 @@ def attach_models(plan: dict, devices: list, raw_models: list[str], raw_place: l
 
     from server.config.models import models_from_args
     from server.config.settings import check_models
-    from server.fleet.placement import ModelAsk, PlacementError, place
+    from server.fleet.placement import ModelAsk, PlacementError, place, split_of
     from workers.contract.model_size import ModelSizeError, read_profile
 
-    config = models_from_args(SimpleNamespace(model=raw_models, place=raw_place))
+    config = models_from_args(SimpleNamespace(model=raw_models, place=raw_place, pipeline=pipeline,
+                                              pipeline_partition=partition))
     check_models(config)  # one line naming what is unsupported, before any child reads the model
     described, asks = {}, []
     for entry, raw in zip(config.entries, raw_models, strict=True):
@@ -142,7 +143,7 @@ def attach_models(plan: dict, devices: list, raw_models: list[str], raw_place: l
             raise UsageError(f"`--model {raw}`: {e}") from e
         asks.append(ModelAsk(entry.name, profile, config.pins_of(entry.name)))
     try:
-        placement = place(asks, devices, dtype, quantize)
+        placement = place(asks, devices, dtype, quantize, split=split_of(SimpleNamespace(models=config)))
         plan["placement"] = placement.to_dict()
         served = [s.model for s in placement.slots]
     except PlacementError as e:
@@ -175,4 +176,9 @@ def render_placement(placement: dict | None) -> list[str]:
         cap = d["capability"] or "cpu"
         lines.append(f"  {slot['worker_id']} ({cap}, {human(d['memory_total_bytes'])}): "
                      f"{slot['model'] or 'free'} [{slot['role']}] {slot['reason']}")
+    for group in placement.get("pipelines", []):  # one replica over several devices: each stage's share
+        lines.append(f"pipeline {group['model']}: {group['reason']}")
+        lines += [f"  stage {i} {st['worker_id']} ({st['capability'] or 'cpu'}): layers {st['layers'][0]}:"
+                  f"{st['layers'][1]}, {human(st['weight_bytes'])} of weights and KV ({human(st['capacity_bytes'])} "
+                  f"usable, speed {st['speed']:g})" for i, st in enumerate(group["stages"])]
     return lines

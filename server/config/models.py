@@ -52,6 +52,8 @@ class ModelsConfig:
     pinned: tuple[str, ...] = ()  # --pin-model: always loaded
     max_loaded: int | None = None  # --max-loaded-models
     models_dir: Path | None = None
+    pipeline: int | None = None  # --pipeline N: stages per replica; None: auto (only a model no device holds)
+    partition: tuple[int, ...] | None = None  # --pipeline-partition: layers per stage
 
     @property
     def on_demand(self) -> bool:
@@ -76,7 +78,13 @@ def add_model_flags(serve: argparse.ArgumentParser) -> None:
                    help="offer every model directory below DIR (each named by its directory) and load them on "
                         "demand")
     g.add_argument("--place", metavar="NAME=DEV[,DEV...]", action="append", default=None,
-                   help="pin a model's replicas to these devices (worker id gpu0, index or UUID); repeatable")
+                   help="pin a model's replicas to these devices (worker id gpu0, index or UUID; `gpu0+gpu2` joins "
+                        "devices into one pipeline replica, `,` separates replicas); repeatable")
+    g.add_argument("--pipeline", metavar="auto|N", default="auto",
+                   help="split a model's layers over N devices per replica (default auto: only a model that fits no "
+                        "single device, over the fewest that hold it), by each device's memory and speed")
+    g.add_argument("--pipeline-partition", metavar="N,N[,N...]", default=None,
+                   help="the layers of each pipeline stage, in order (default: by memory and speed)")
     g.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
                    help="load at most N models at once: a request for another loads it, unloading the least "
                         "recently used")
@@ -139,9 +147,9 @@ def _parse_place(values: list[str], names: tuple[str, ...]) -> tuple[tuple[str, 
         if not sep or not devices.strip() or any(not t for t in tokens):
             raise UsageError(f"`--place {shown(value)}`: write NAME=DEV[,DEV...], a device by worker id (gpu0), "
                              "index or UUID, e.g. `--place chat=gpu0,gpu2`")
-        if any("+" in t for t in tokens):
-            raise UsageError(f"`--place {shown(value)}`: `+` (one replica over several devices, a pipeline) is not "
-                             "served; list devices with `,`, one replica each")
+        if any(not part.strip() for t in tokens for part in t.split("+")):
+            raise UsageError(f"`--place {shown(value)}`: `+` joins devices into one pipeline replica, e.g. "
+                             "`--place big=gpu0+gpu2`")
         if name not in names:
             raise UsageError(f"`--place {shown(value)}`: no model `{shown(name)}`. Models: {', '.join(names)}")
         if name in out:
@@ -178,8 +186,34 @@ def models_from_args(args) -> ModelsConfig:
     if max_loaded is not None and max_loaded < max(1, len(pinned)):
         raise UsageError(f"`--max-loaded-models {max_loaded}` must be at least 1 and at least the "
                          f"{len(pinned)} pinned models (--pin-model)")
+    stages, partition = _pipeline_flags(getattr(args, "pipeline", "auto"), getattr(args, "pipeline_partition", None))
     return ModelsConfig(tuple(entries), _parse_place(getattr(args, "place", None) or [], names), pinned, max_loaded,
-                        None if models_dir is None else Path(models_dir).expanduser().resolve())
+                        None if models_dir is None else Path(models_dir).expanduser().resolve(), stages, partition)
+
+
+def _pipeline_flags(pipeline: str | None, partition: str | None) -> tuple[int | None, tuple[int, ...] | None]:
+    """`--pipeline auto|N` and `--pipeline-partition N,N`, checked against each other."""
+    from workers.contract.pipeline import PipelineSplitError, parse_partition
+
+    stages = None
+    if pipeline not in (None, "auto"):
+        try:
+            stages = int(pipeline)
+        except ValueError:
+            stages = 0
+        if stages < 1:
+            raise UsageError(f"`--pipeline {shown(str(pipeline))}` is not a stage count. Accepted: auto, or an "
+                             f"integer >= 1 (1: no pipeline)")
+    counts = None
+    if partition is not None:
+        try:
+            counts = parse_partition(partition)
+        except PipelineSplitError as e:
+            raise UsageError(str(e)) from e
+        if stages is not None and stages != len(counts):
+            raise UsageError(f"`--pipeline-partition {partition}` gives {len(counts)} stages; `--pipeline {stages}` "
+                             f"asks for {stages}")
+    return stages, counts
 
 
 def _served_name(entries: list[ModelEntry], raw: list[str], served: str | None,

@@ -47,6 +47,11 @@ def ready_summary(supervisor: Supervisor) -> str:
     parts = []
     for h in supervisor.workers.values():
         if h.state == WorkerState.READY:
+            stages = (h.info.pipeline or {}).get("stages") if h.info is not None else None
+            if stages:  # a pipeline replica: each stage's device and layers
+                parts.append(f"{h.id} pipeline of {len(stages)} stages: " + " + ".join(
+                    f"{s['device'].get('capability', '?')} layers {s['layers'][0]}:{s['layers'][1]}" for s in stages))
+                continue
             parts.append(f"{h.id} ({h.capability_label}, fp8: {h.fp8_label})")
         else:
             parts.append(f"{h.id} {h.state}: {h.reason}")
@@ -61,7 +66,7 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
     `models`: the models and their placement (default: from the settings; `PlacementError`, a
     usage error, when they do not fit the devices)."""
     models = models or ModelManager(settings, devices)
-    supervisor = Supervisor(devices, settings, models.assignment())
+    supervisor = Supervisor(devices, settings, models.assignment(), models.placement.pipelines)
     models.attach(supervisor)
 
     def handles() -> list:

@@ -169,6 +169,7 @@ class WorkerHandle:
             "health": None if self.probe is None else self.probe.snapshot(),
             "deterministic": (info.deterministic or DeterministicDescription()).model_dump(exclude_none=True),
             "canary": self.canary_snapshot(),
+            "pipeline": info.pipeline,  # a pipeline replica's stages: layers, device, kernels, fp8, bytes
         }
 
     def canary_snapshot(self) -> dict | None:

@@ -33,6 +33,7 @@ from server.errors import shown
 from server.fleet.on_demand import plan_load
 from server.fleet.placement import (
     FREE,
+    STAGE,
     ModelAsk,
     Placement,
     PlacementError,
@@ -40,6 +41,7 @@ from server.fleet.placement import (
     check_pins,
     place,
     resolve_device,
+    split_of,
 )
 from server.fleet.spec import worker_id
 from server.fleet.supervisor import Supervisor
@@ -124,12 +126,13 @@ class ModelManager:
             room = self.settings.models.max_loaded or len(names)
             names = pinned + ([self.default] if self.default not in pinned and len(pinned) < room else [])
         return place([self.models[n].ask for n in names], self.devices, self.settings.dtype, self.settings.quantize,
-                     fraction=self.settings.gpu_memory_utilization)
+                     fraction=self.settings.gpu_memory_utilization, split=split_of(self.settings))
 
     def assignment(self) -> dict[int, tuple[str, object]]:
-        """Device index -> (model, directory) of the workers to start with."""
+        """Device index -> (model, directory) of the workers to start with (a pipeline's first
+        stage only: it starts the other stages itself, workers/pipeline/launch.py)."""
         return {s.device.index: (s.model, self.models[s.model].entry.path) for s in self.placement.slots
-                if s.model is not None}
+                if s.model is not None and s.role != STAGE}
 
     def attach(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor

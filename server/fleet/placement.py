@@ -25,11 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from server.errors import UsageError, shown
+from server.fleet.pipelines import PipelineError, PipelineGroup, auto_devices, plan_pipeline
 from server.fleet.spec import worker_id
 from workers.contract import DeviceInfo, human
-from workers.contract.model_size import ModelProfile, Need, need_on, usable_bytes
+from workers.contract.model_size import ModelProfile, ModelSizeError, Need, need_on, usable_bytes
 
-PINNED, FIRST, REPLICA, FREE = "pinned", "first", "replica", "free"
+PINNED, FIRST, REPLICA, FREE, STAGE = "pinned", "first", "replica", "free", "stage"
 
 
 class PlacementError(UsageError):
@@ -86,13 +87,36 @@ class Slot:
 class Placement:
     slots: tuple[Slot, ...]  # in device order
     models: tuple[str, ...] = field(default=())  # every model placed, in the order given
+    pipelines: tuple[PipelineGroup, ...] = ()  # replicas over several devices (server/fleet/pipelines.py)
 
     def devices_of(self, model: str) -> tuple[Slot, ...]:
         return tuple(s for s in self.slots if s.model == model)
 
     def to_dict(self) -> dict:
-        return {"devices": [s.to_dict() for s in self.slots],
-                "models": {m: [s.worker_id for s in self.devices_of(m)] for m in self.models}}
+        out = {"devices": [s.to_dict() for s in self.slots],
+               "models": {m: [s.worker_id for s in self.devices_of(m)] for m in self.models}}
+        if self.pipelines:
+            out["pipelines"] = [g.to_dict() for g in self.pipelines]
+        return out
+
+
+@dataclass(frozen=True)
+class Split:
+    """How pipelines are formed: `--pipeline N` (`stages`; None: auto), `--pipeline-partition`, and
+    `$HETSERVE_SLOWDOWN` (server/fleet/pipelines.py weighs each device's speed by it)."""
+
+    stages: int | None = None
+    partition: tuple[int, ...] | None = None
+    slowdown: str = ""
+
+
+def split_of(settings) -> Split:
+    """The pipeline flags of a run (`--pipeline`, `--pipeline-partition`) and its `$HETSERVE_SLOWDOWN`."""
+    import os
+
+    from server.fleet.pipelines import ENV_SLOWDOWN
+
+    return Split(settings.models.pipeline, settings.models.partition, os.environ.get(ENV_SLOWDOWN, ""))
 
 
 def resolve_device(token: str, devices: Sequence[DeviceInfo]) -> DeviceInfo | None:
@@ -108,28 +132,47 @@ def _room(d: DeviceInfo, fraction: float | None = None) -> str:
     return f"{worker_id(d)} ({d.capability_label}): {human(usable_bytes(d, fraction))} usable of {human(d.memory_total_bytes)}"
 
 
-def _pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], fits, needs,
-          fraction: float | None = None) -> dict[int, tuple[str, str, str]]:
-    """Device index -> (model, PINNED, reason) for every pin; `PinError` for a bad one."""
-    owner: dict[int, tuple[str, str, str]] = {}
-    for m in models:
-        pinned: set[int] = set()
-        for token in m.pins:
-            d = resolve_device(token, devices)
-            if d is None:
-                known = ", ".join(f"{worker_id(x)} (index {x.index}, {x.uuid})" for x in devices) or "none"
-                raise PinError(f"`--place {m.name}={','.join(m.pins)}`: no device `{shown(token)}`. Known: {known}")
-            if d.index in pinned:
-                raise PinError(f"`--place {m.name}={','.join(m.pins)}` names {worker_id(d)} twice")
-            if d.index in owner:
-                raise PinError(f"Device {worker_id(d)} is pinned to both `{owner[d.index][0]}` and `{m.name}`: one "
+def _pin_devices(m: ModelAsk, token: str, devices: Sequence[DeviceInfo], taken: dict) -> list[DeviceInfo]:
+    """The devices one pin names (`gpu0`, or `gpu0+gpu2` for one pipeline replica), checked."""
+    out = []
+    for part in token.split("+"):
+        d = resolve_device(part, devices)
+        if d is None:
+            known = ", ".join(f"{worker_id(x)} (index {x.index}, {x.uuid})" for x in devices) or "none"
+            raise PinError(f"`--place {m.name}={','.join(m.pins)}`: no device `{shown(part)}`. Known: {known}")
+        if d.index in taken or d in out:
+            if d.index in taken and taken[d.index][0] != m.name:
+                raise PinError(f"Device {worker_id(d)} is pinned to both `{taken[d.index][0]}` and `{m.name}`: one "
                                "worker per GPU serves one model. Pin each device to one model")
+            raise PinError(f"`--place {m.name}={','.join(m.pins)}` names {worker_id(d)} twice")
+        out.append(d)
+    return out
+
+
+def _pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], fits, needs, fraction: float | None = None,
+          dtype: str = "auto", quantize: str = "none", split: Split = Split()):
+    """(device index -> (model, PINNED | STAGE, reason) for every pin, the pinned pipelines);
+    `PinError` for a bad pin."""
+    owner: dict[int, tuple[str, str, str]] = {}
+    groups: list[PipelineGroup] = []
+    for m in models:
+        for token in m.pins:
+            devs = _pin_devices(m, token, devices, owner)
+            why = f"pinned by --place {m.name}={','.join(m.pins)}"
+            if len(devs) > 1:  # one replica over several devices
+                group = plan_pipeline(m.name, m.profile, devs, dtype, quantize, fraction, split.partition,
+                                      split.slowdown, why)
+                groups.append(group)
+                for i, d in enumerate(devs):
+                    owner[d.index] = (m.name, PINNED if i == 0 else STAGE, f"{why}: pipeline stage {i}, "
+                                                                            f"{group.splits[i].reason}")
+                continue
+            d = devs[0]
             if not fits(m, d):
                 raise PinError(f"`--place {m.name}={','.join(m.pins)}`: `{m.name}` needs "
                                f"{needs[m.name, d.index].describe()} on {_room(d, fraction)}")
-            pinned.add(d.index)
-            owner[d.index] = (m.name, PINNED, f"pinned by --place {m.name}={','.join(m.pins)}")
-    return owner
+            owner[d.index] = (m.name, PINNED, why)
+    return owner, groups
 
 
 def check_pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str = "auto",
@@ -137,11 +180,12 @@ def check_pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype:
     """`PinError` if any model's pins name no device, repeat, conflict or cannot hold it (the
     check `place` makes, for models not placed yet: loaded on demand later)."""
     needs = {(m.name, d.index): need_on(m.profile, d, dtype, quantize) for m in models for d in devices}
-    _pins(models, devices, lambda m, d: needs[m.name, d.index].total <= usable_bytes(d, fraction), needs, fraction)
+    _pins(models, devices, lambda m, d: needs[m.name, d.index].total <= usable_bytes(d, fraction), needs, fraction,
+          dtype, quantize)
 
 
 def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str = "auto", quantize: str = "none",
-          *, replicas: bool = True, fraction: float | None = None) -> Placement:
+          *, replicas: bool = True, fraction: float | None = None, split: Split = Split()) -> Placement:
     """See the module docstring."""
     needs = {(m.name, d.index): need_on(m.profile, d, dtype, quantize) for m in models for d in devices}
     usable = {d.index: usable_bytes(d, fraction) for d in devices}  # fraction: --gpu-memory-utilization
@@ -152,20 +196,48 @@ def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str 
         return needs[m.name, d.index].total <= usable[d.index]
 
     # 1. pins
-    owner.update(_pins(models, devices, fits, needs, fraction))
+    pinned, groups = _pins(models, devices, fits, needs, fraction, dtype, quantize, split)
+    owner.update(pinned)
     pinned_models = {m.name for m in models if m.pins}
+
+    def pipeline(m: ModelAsk, devs: list[DeviceInfo], why: str) -> None:
+        group = plan_pipeline(m.name, m.profile, devs, dtype, quantize, fraction, split.partition, split.slowdown,
+                              why)
+        groups.append(group)
+        pinned_models.add(m.name)  # its replica is the pipeline: no single-device replicas beside it
+        for i, d in enumerate(devs):
+            owner[d.index] = (m.name, FIRST if i == 0 else STAGE, f"pipeline stage {i}: {group.splits[i].reason}")
+
     # 2. each model still without a device: the largest need first, the smallest device that holds it
     placed = {o[0] for o in owner.values()}
     todo = sorted((m for m in models if m.name not in placed),
                   key=lambda m: -max((needs[m.name, d.index].total for d in devices), default=0))
     for m in todo:
+        free_now = [d for d in devices if d.index not in owner]
+        if split.stages is not None and split.stages > 1:  # --pipeline N
+            devs = auto_devices(m.profile, free_now, dtype, quantize, fraction, split.stages)
+            if devs is None:
+                raise NoDeviceLeft(f"`--pipeline {split.stages}`: `{m.name}` needs {split.stages} free devices; "
+                                   f"{len(free_now)} are free", m.name, ())
+            pipeline(m, devs, f"--pipeline {split.stages}")
+            continue
         fitting = [d for d in devices if fits(m, d)]
+        split_why = ""
+        if not fitting and split.stages is None:  # --pipeline auto: split what no single device holds
+            devs = auto_devices(m.profile, free_now, dtype, quantize, fraction)
+            try:
+                if devs is not None:
+                    pipeline(m, devs, f"fits no single device (needs {human(needs[m.name, devices[0].index].total)})")
+                    continue
+            except (PipelineError, ModelSizeError) as e:
+                split_why = f" ({e})"
         if not fitting:
             rooms = "; ".join(f"{_room(d, fraction)}, needs {human(needs[m.name, d.index].total)}" for d in devices) or "no devices"
             biggest = max(devices, key=lambda d: usable[d.index], default=None)
             need = needs[m.name, biggest.index].describe() if biggest is not None else "?"
-            raise ModelDoesNotFit(f"Model `{m.name}` fits no device: it needs {need}. Devices: {rooms}. Choose a "
-                                  "smaller --dtype, --quantize fp8, or a device with more memory")
+            raise ModelDoesNotFit(f"Model `{m.name}` fits no device, nor a pipeline over the free ones{split_why}: it "
+                                  f"needs {need}. Devices: {rooms}. Choose a smaller --dtype, --quantize fp8, or more "
+                                  "memory")
         free = [d for d in fitting if d.index not in owner]
         if not free:
             holders = tuple(f"{worker_id(d)} serves `{owner[d.index][0]}`" for d in fitting)
@@ -195,4 +267,5 @@ def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str 
         need = None if name is None else needs[name, d.index]
         figures = "" if need is None else f" ({need.describe()}; {human(usable[d.index])} usable)"
         slots.append(Slot(d, name, role, reason + figures, need, usable[d.index]))
-    return Placement(tuple(slots), tuple(m.name for m in models if any(s.model == m.name for s in slots)))
+    return Placement(tuple(slots), tuple(m.name for m in models if any(s.model == m.name for s in slots)),
+                     tuple(groups))

@@ -62,10 +62,12 @@ class Supervisor:
     """Owns the worker processes of one router (see the module docstring)."""
 
     def __init__(self, devices: list[DeviceInfo], settings: RouterSettings,
-                 models: dict[int, tuple[str, Path]] | None = None):
+                 models: dict[int, tuple[str, Path]] | None = None, pipelines: tuple = ()):
         """`models`: device index -> (model name, directory) of the workers to start (default:
-        every device serves the settings' default model)."""
+        every device serves the settings' default model); `pipelines`: the replicas over several
+        devices (server/fleet/pipelines.py), each started as its first stage."""
         self.settings = settings
+        self._pipelines = tuple(pipelines)
         self._devices = list(devices) or [cpu_device()]
         self._models = models
         self._threads = threads_per_worker(compute_threads(settings, self._devices), len(self._devices))
@@ -220,6 +222,12 @@ class Supervisor:
     def _init_handles(self) -> None:
         assert self.run_dir is not None
         specs = build_worker_specs(self._devices, self.settings, self.run_dir, os.getpid(), models=self._models)
+        for group in self._pipelines:  # the first stage's worker, with the plan that starts the others
+            from server.fleet.pipelines import pipeline_spec
+
+            i = next(i for i, s in enumerate(specs) if s.device.index == group.first.index)
+            specs[i] = pipeline_spec(group, specs[i].model_dir, self.settings, self.run_dir, os.getpid(),
+                                     self._threads, dict(os.environ))
         self.workers = {spec.id: self._handle(spec) for spec in specs}
 
     def _handle(self, spec) -> WorkerHandle:

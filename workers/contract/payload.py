@@ -126,3 +126,4 @@ class CapabilityPayload(_Open):
     triton_cache: str | None = None  # this architecture's Triton cache directory
     deterministic: DeterministicDescription | None = None  # set (and shown) only with --deterministic
     compile: CompileDescription | None = None  # the decode step's compilation (None: a worker that does not say)
+    pipeline: dict | None = None  # a pipeline's first stage: {stages: [each stage's layers, device, kernels, fp8]}

@@ -154,6 +154,8 @@ _BACKEND_WHY = {
 
 def unfit_reason(model) -> str | None:
     """Why `model`'s decode step cannot be compiled as one static graph, or None."""
+    if getattr(model, "stage", None) is not None:
+        return "a pipeline stage (its step hands its hidden states to the next stage's process)"
     if getattr(model, "rope_threshold", None) is not None:
         return "its rotary depends on the prompt's length (dynamic / LongRoPE: a per-step host decision)"
     if getattr(getattr(model, "config", None), "sparse_layers", ()):

@@ -72,12 +72,16 @@ class ModelRunner:
         if self.mirror is not None:
             for seq in preempted:  # recomputed later: its mirrored row would be stale
                 self.mirror.release(seq.uid)
-        rope = self.rope_threshold is not None
-        items = [(SeqChunk(c.start_pos, len(c.token_ids), c.block_table, rows_of(i, c), c.seq.uid,
-                           c.seq.rope_len if rope else 0, c.seq.group_tables, c.seq.state_slot), c.token_ids)
-                 for i, c in enumerate(chunks)]
-        batch = ForwardBatch.build(items, self.kv.block_size, self.device, self.mirror, self.windows)
+        batch = ForwardBatch.build(self._items(chunks, rows_of), self.kv.block_size, self.device, self.mirror,
+                                   self.windows)
         return self.model.step(batch, self.kv)
+
+    def _items(self, chunks, rows_of) -> list[tuple[SeqChunk, list[int]]]:
+        """The `(SeqChunk, token ids)` pairs a `ForwardBatch` packs, chunk `i` projecting `rows_of(i, chunk)` rows."""
+        rope = self.rope_threshold is not None
+        return [(SeqChunk(c.start_pos, len(c.token_ids), c.block_table, rows_of(i, c), c.seq.uid,
+                          c.seq.rope_len if rope else 0, c.seq.group_tables, c.seq.state_slot), c.token_ids)
+                for i, c in enumerate(chunks)]
 
     def _perturbed(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.perturb is None else logits + self.perturb

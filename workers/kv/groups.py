@@ -73,32 +73,44 @@ def _group(window: int | None, layers: tuple[int, ...], blocks: int, shapes) -> 
     return KVGroup(window, layers, blocks, *(shapes[layers[0]] if shapes else (0, 0)))
 
 
+UNBOUNDED_BLOCKS = 2**40  # a group that costs nothing here (a pipeline stage holds none of its layers)
+
+
 def plan_groups(windows: Sequence[int | None], block_bytes_per_layer: int | Sequence[int], budget: int,
                 block_size: int, max_sequences: int, max_batched_tokens: int,
                 shapes: Sequence[Shape | None] | None = None) -> tuple[KVGroup, ...]:
     """Split a budget between the groups of the layers' `windows` (and cache `shapes`): a sliding
     group gets what `max_sequences` windows and one step's `max_batched_tokens` new tokens need
     (never more blocks than an even split), the full groups the rest, the same blocks each.
-    `block_bytes_per_layer`: one block of one layer (K and V), or each layer's own (its shape's).
-    One group only: all of the budget."""
+    `block_bytes_per_layer`: one block of one layer (K and V), or each layer's own (its shape's;
+    0 for a layer held elsewhere, by another pipeline stage: a group of only such layers gets
+    `UNBOUNDED_BLOCKS`, and the others share the budget as if it were not there). One group only:
+    all of the budget."""
     groups = layer_groups(windows, shapes)
     per_layer = (lambda i: block_bytes_per_layer) if isinstance(block_bytes_per_layer, int) else (
         lambda i: block_bytes_per_layer[i])
-    cost = [per_layer(layers[0]) * len(layers) for _, layers in groups]  # one block in every layer of a group
-    if len(groups) == 1:
-        w, layers = groups[0]
-        return (_group(w, layers, budget // cost[0], shapes),)
-    even = budget // sum(cost)  # every group the same blocks
-    blocks = {g: min(even, max_sequences * (window_blocks(w, block_size) + 1) + -(-max_batched_tokens // block_size))
-              for g, (w, _) in enumerate(groups) if w is not None}
+    cost = [sum(per_layer(i) for i in layers) for _, layers in groups]  # one block in every layer of a group
+    held = [g for g, c in enumerate(cost) if c > 0]
+    blocks = _split(groups, cost, held, budget, block_size, max_sequences, max_batched_tokens)
+    return tuple(_group(w, layers, blocks.get(g, UNBOUNDED_BLOCKS), shapes) for g, (w, layers) in enumerate(groups))
+
+
+def _split(groups, cost, held, budget, block_size, max_sequences, max_batched_tokens) -> dict[int, int]:
+    """Each held group's blocks (see `plan_groups`)."""
+    if len(held) == 1:
+        return {held[0]: budget // cost[held[0]]}
+    even = budget // sum(cost[g] for g in held)  # every group the same blocks
+    blocks = {g: min(even, max_sequences * (window_blocks(groups[g][0], block_size) + 1) + -(-max_batched_tokens //
+                                                                                           block_size))
+              for g in held if groups[g][0] is not None}
     spent = sum(blocks[g] * cost[g] for g in blocks)
-    full_cost = sum(c for g, c in enumerate(cost) if g not in blocks)
+    full_cost = sum(cost[g] for g in held if g not in blocks)
     if full_cost:
         full = (budget - spent) // full_cost
-        return tuple(_group(w, layers, blocks.get(g, full), shapes) for g, (w, layers) in enumerate(groups))
+        return {g: blocks.get(g, full) for g in held}
     # only sliding groups (several windows): what they need, the rest evenly
-    left = (budget - spent) // sum(cost)
-    return tuple(_group(w, layers, blocks[g] + left, shapes) for g, (w, layers) in enumerate(groups))
+    left = (budget - spent) // sum(cost[g] for g in held)
+    return {g: blocks[g] + left for g in held}
 
 
 def same_blocks(windows: Sequence[int | None], num_blocks: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,16 @@ def _load_tokenizer(model_dir: Path):
 
 
 # ---- weights ------------------------------------------------------------------------------
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _other_stage(name: str, stage: tuple[int, int], expected: dict) -> bool:
+    """Whether checkpoint tensor `name` belongs to another pipeline stage than `stage` [start, end):
+    a layer outside it, or the embedding, final norm or head that this stage does not hold."""
+    m = _LAYER.search(name)
+    return not stage[0] <= int(m.group(1)) < stage[1] if m else name not in expected
+
+
 def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, device: str,
                   quant: QuantizedCheckpoint | None = None) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
@@ -141,6 +152,8 @@ def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, devic
                 name = text_name(stored)  # a multimodal checkpoint's text model, as a text checkpoint names it
                 if IGNORED_HF.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
+                if model.stage is not None and _other_stage(name, model.stage, expected):
+                    continue  # another stage's layer (workers/pipeline/)
                 if (pattern := skipped(name, config)) is not None:
                     skips[pattern] = skips.get(pattern, 0) + 1
                     continue
@@ -178,8 +191,10 @@ def load_model(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     capability: tuple[int, int] | None = None,
+    stage: tuple[int, int] | None = None,
 ) -> LoadedModel:
-    """Load config, weights, tokenizer, generation config and chat template from `model_dir`."""
+    """Load config, weights, tokenizer, generation config and chat template from `model_dir`;
+    with `stage` (layers [start, end) of a pipeline), only that stage's weights."""
     model_dir = Path(model_dir).expanduser().resolve()
     device = torch.device(device)
     if model_dir == DEFAULT_MODEL_DIR and not (model_dir / "config.json").is_file():
@@ -201,6 +216,11 @@ def load_model(
     tok_cfg = _read_json(model_dir, "tokenizer_config.json", required=False)
     generation_config = _read_json(model_dir, "generation_config.json", required=False)
     model = Transformer.from_config(config, torch_dtype)
+    if stage is not None:  # a pipeline stage (workers/pipeline/): its layers only
+        try:
+            model.keep_stage(*stage)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
     state_dict = _read_weights(model_dir, model, torch_dtype, str(device), quant)
     if quant is not None:
         quant.install(model, state_dict)  # fp8 layers as stored; the fp8 step prepares them for the device

@@ -110,6 +110,7 @@ class Transformer(nn.Module):
         self.norm = make_norm(config, config.hidden_size)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryTables()
+        self.stage: tuple[int, int] | None = None  # a pipeline stage's layers [start, end) (`keep_stage`)
         specs = [config.layer(i) for i in range(config.num_hidden_layers)]
         self.rope_specs = tuple(dict.fromkeys(s.rope for s in specs if s.rope is not None))  # distinct, in order
         self.windows = tuple(dict.fromkeys(s.sliding_window for s in specs))
@@ -144,7 +145,7 @@ class Transformer(nn.Module):
         return model
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and hasattr(self, "output"):  # a stage before the last has no head
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
@@ -166,18 +167,18 @@ class Transformer(nn.Module):
     def load_weights(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Assign `state_dict` (our names, already in the right dtype/device) and re-tie."""
         sd = dict(state_dict)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and hasattr(self, "output"):
             sd.setdefault("output.weight", sd.get("tok_embeddings.weight"))
         self.load_state_dict(sd, strict=strict, assign=True)
         self.tie_weights()
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.weight.dtype
+        return next(self.parameters()).dtype  # a pipeline stage may hold no embedding
 
     @property
     def device(self) -> torch.device:
-        return self.tok_embeddings.weight.device
+        return next(self.parameters()).device
 
     @property
     def rope_policy(self) -> tuple[int, str] | None:
@@ -229,8 +230,9 @@ class Transformer(nn.Module):
         return self._logits(x)  # [B, S, V]
 
     @torch.inference_mode()
-    def step(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        """One engine step: logits [N, V] fp32 at the rows of `batch.logits_index`."""
+    def step(self, batch: ForwardBatch, kv: KVPool, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One engine step: logits [N, V] fp32 at the rows of `batch.logits_index` (a pipeline
+        stage's step: see `_stage_step`)."""
         if batch.max_block >= kv.num_blocks or batch.block_size != kv.block_size:
             raise ValueError(
                 f"Batch reads block `{batch.max_block}` of size {batch.block_size}; the KV pool has "
@@ -244,10 +246,48 @@ class Transformer(nn.Module):
         rope = {spec: self.rope.lookup(spec, batch.positions, batch.max_pos, self.dtype, batch.rope_lens)
                 for spec in self.rope_specs}  # [T, 1, R/2] each
         ctx = build_step_context(batch, kv, rope, bool(self.config.kv_shared_layers))
+        if self.stage is not None:  # a pipeline stage: its layers only (workers/pipeline/)
+            return self._stage_step(batch, ctx, hidden)
         x = self._embed(batch.input_ids)  # [T, H]
         per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(batch.input_ids, x)  # [T, L, P]
         for i, layer in enumerate(self.layers):
             x = layer.step(x, ctx, None if per_layer is None else per_layer[:, i])
+        return self._step_logits(x, batch)
+
+    def _step_logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if x.shape[0] != batch.logits_index.shape[0]:  # equal only when every row is projected, in order
             x = x.index_select(0, batch.logits_index)  # [N, H]
         return self._logits(x).float()  # [N, V]
+
+    # ---- a pipeline stage ---------------------------------------------------------------
+    def keep_stage(self, start: int, end: int) -> None:
+        """Keep layers `start <= i < end` only (on the meta device, before loading): the first stage
+        keeps the embedding, the last the final norm and head (and the embedding it is tied to).
+        The other layers become empty modules, so the kept ones keep their checkpoint names."""
+        n, c = self.config.num_hidden_layers, self.config
+        unsplit = [why for on, why in ((c.per_layer_input_size, "per-layer inputs"),
+                                       (c.kv_shared_layers, "layers that read another layer's KV"),
+                                       (c.state_layers, "linear-attention layers")) if on]
+        if unsplit:
+            raise ValueError(f"A model with {' and '.join(unsplit)} cannot be split into pipeline stages yet "
+                             f"({c.architecture}). Accepted: models whose layers each keep their own KV cache")
+        if not 0 <= start < end <= n:
+            raise ValueError(f"Stage layers `{start}:{end}` are not a non-empty range of the model's {n} layers")
+        self.stage = (start, end)
+        for i in range(n):
+            if not start <= i < end:
+                self.layers[i] = nn.Module()  # no parameters, no name in the state dict
+        first, last = start == 0, end == n
+        if not first and not (last and self.config.tie_word_embeddings):
+            del self.tok_embeddings
+        if not last:
+            del self.norm, self.output
+
+    def _stage_step(self, batch: ForwardBatch, ctx, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The stage's layers over `hidden` [T, H] (the first stage embeds `batch.input_ids`):
+        hidden [T, H] for the next stage, or the last stage's logits [N, V] fp32."""
+        start, end = self.stage
+        x = self._embed(batch.input_ids) if start == 0 else hidden  # [T, H]
+        for i in range(start, end):
+            x = self.layers[i].step(x, ctx)
+        return self._step_logits(x, batch) if end == self.config.num_hidden_layers else x

@@ -27,7 +27,6 @@ from workers.contract.tracing import start_tracing
 from workers.device.bind import BoundDevice
 from workers.fp8.convention import Fp8Convention
 from workers.kernelize.records import Preflight
-from workers.kv.sizing import kv_budget, plan_kv_blocks
 from workers.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -86,6 +85,7 @@ class Startup:
     fp8_reason: str
     preflight: Preflight | None = None  # kernelize, where the preflight ran
     fp8_checkpoint: dict | None = None  # fp8, a pre-quantized checkpoint: its execution here (workers/quant/prepare.py)
+    pipeline: tuple | None = None  # the first stage of a pipeline: (its `StageLink`, the other `Stages`)
 
 
 class WorkerServer:
@@ -94,12 +94,16 @@ class WorkerServer:
     def __init__(self, startup: Startup):
         self.startup = startup
         self.args, self.bound, self.loaded = startup.args, startup.bound, startup.loaded
+        self.link, self.stages = startup.pipeline or (None, None)
+        self._pipeline_error: BaseException | None = None
         self._init_row_buckets()
         self._init_compile()
         self._init_kv_cache()
         self._init_engine()
         self._init_app()
         self._init_server()
+        if self.stages is not None:  # from here on, a stage that exits stops this replica
+            self.stages.watch(self._stage_exited)
 
     def _init_row_buckets(self) -> None:
         self.deterministic = None
@@ -129,38 +133,15 @@ class WorkerServer:
         return min(self.loaded.config.context_length, cap) if cap else self.loaded.config.context_length
 
     def _init_kv_cache(self) -> None:
-        from workers.kv.groups import plan_groups
-        from workers.kv.pool import KVPool, layer_shapes
-        from workers.kv.state import StatePool, plan_state
+        from workers.engine.kv_cache import build_kv_cache
 
-        cfg, dtype, bs = self.loaded.config, self.loaded.dtype, self.args.kv_block_size
-        per_token, context = KVPool.bytes_per_token(cfg, dtype), self.context_length
-        per_state = StatePool.bytes_per_sequence(cfg, dtype) if cfg.state_layers else 0
-        weights = sum(t.numel() * t.element_size() for t in (*self.loaded.model.parameters(),
-                                                             *self.loaded.model.buffers()))
-        budget, why = kv_budget(self.args, self.bound, per_token, context, per_state, weights)
-        # the linear layers' state of --max-batch sequences comes out of the budget first (workers/kv/state.py)
-        state_bytes, state_why = plan_state(cfg, dtype, self.args.max_batch, budget)
-        budget -= state_bytes
-        _, shape = plan_kv_blocks(per_token, bs, budget, context)  # raises below one block
-        # sliding layers get a window per sequence, the full layers the rest, each group in its own
-        # shape's bytes; layers reading another's KV hold none (workers/kv/groups.py)
-        groups = plan_groups(cfg.layer_windows, KVPool.block_bytes_per_layer(cfg, dtype, bs), budget, bs,
-                             self.args.max_batch, self.args.max_num_batched_tokens, layer_shapes(cfg))
-        if self.compile_decision.enabled:  # one scratch block per group for the pad rows of a bucket
-            from workers.engine.compiled import scratch_groups
-
-            groups = scratch_groups(groups)
-        self.kv = KVPool.for_config(cfg, groups[0].num_blocks, bs, dtype, self.bound.torch_device, groups,
-                                    state_slots=self.args.max_batch)
-        if len(groups) > 1 or groups[0].window is not None:
-            shape = "; ".join(f"{'full' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers x "
-                              f"{g.num_blocks} blocks x {bs} tokens ({g.kv_heads or cfg.num_key_value_heads} KV "
-                              f"heads of {g.head_dim or cfg.head_dim})" for g in groups)
-        if state_bytes:
-            shape += f"; linear layers' state {state_bytes} bytes: {state_why}"
+        stage = None if self.link is None else self.loaded.model.stage
+        agree = None if self.link is None else self.link.agree_blocks
+        self.kv, shape, budget, why = build_kv_cache(self.args, self.bound, self.loaded, self.context_length,
+                                                     self.compile_decision.enabled, stage, agree)
+        state = self.kv.states is not None
         logger.info("KV cache %s bytes: %s; budget %s (%s); prefix cache %s", self.kv.nbytes, shape, budget, why,
-                    "off" if self.args.no_prefix_cache or state_bytes else "on")
+                    "off" if self.args.no_prefix_cache or state else "on")
 
     def _init_engine(self) -> None:
         from workers.engine.core import Engine
@@ -185,8 +166,13 @@ class WorkerServer:
             eos_token_ids=loaded.eos_token_ids, cache_root=root, rope=loaded.model.rope_policy,
             kv_groups=shapes, state_slots=self.kv.states.num_slots if self.kv.states is not None else 0,
         )
-        runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
-                             mirror=self.deterministic is None, compiled=self.compiled)
+        if self.link is not None:  # the first stage of a pipeline (workers/pipeline/runner.py)
+            from workers.pipeline.runner import PipelineRunner
+
+            runner = PipelineRunner(loaded.model, self.kv, self.bound.torch_device, self.link, args.worker_id)
+        else:
+            runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
+                                 mirror=self.deterministic is None, compiled=self.compiled)
         # The grammar engine masks the logits' full width (the model's vocab may pad the tokenizer's).
         grammars = Grammars.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids,
                                           args.threads or 1, CompileBudget.from_args(args))
@@ -236,11 +222,28 @@ class WorkerServer:
             versions=_versions(),
             deterministic=self.deterministic.to_dict() if self.deterministic else None,
             compile=self._compile_description(),
+            pipeline=self._pipeline_description(kernel_info, fp8),
         )
         self.info = info
         self.tracing = start_tracing(getattr(self.args, "otlp_endpoint", None), "hetserve-worker",
                                      {"service.instance.id": info.worker_id or ""})
         self.app = create_app(info, self.engine, loaded.tokenizer, tracing=self.tracing)
+
+    def _pipeline_description(self, kernels: dict, fp8: dict) -> dict | None:
+        """A pipeline's stages as `/workers` shows them: this one, then what each other stage reported."""
+        if self.link is None:
+            return None
+        from workers.pipeline.follower import describe_stage
+
+        mine = describe_stage(0, self.bound, self.loaded, self.startup.kernels, fp8, self.kv)
+        stages = self.link.gather(mine)
+        return {"stages": stages, "backend": self.stages.plan.backend}
+
+    def _stage_exited(self, reason: str) -> None:
+        """A pipeline stage is gone: this replica stops serving, as on a fatal engine error."""
+        logger.error("%s; the pipeline stops", reason)
+        self._pipeline_error = RuntimeError(reason)
+        self.server.should_exit = True
 
     def _fp8_use(self) -> dict:
         """`used`: whether any layer computes from fp8 bytes (`--quantize fp8`, an fp8 checkpoint);
@@ -290,7 +293,7 @@ class WorkerServer:
 
     @property
     def fatal_error(self) -> BaseException | None:
-        return self.engine.fatal_error
+        return self.engine.fatal_error or self._pipeline_error
 
     def run(self, on_ready) -> None:
         async def serve():
@@ -307,6 +310,10 @@ class WorkerServer:
 
     def close(self) -> None:
         self.engine.shutdown(0.0)
+        if self.link is not None:  # the other stages stop after this one's last step
+            with contextlib.suppress(Exception):  # a stage already gone: nothing to tell
+                self.engine.runner.stop()
+            self.stages.stop()
         self.tracing.shutdown()  # flush the last spans
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):

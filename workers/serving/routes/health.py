@@ -43,7 +43,8 @@ async def capability(request: Request):
     running, queued = engine.load()
     now = info.model_copy(update={"pid": os.getpid(), "load": Load(running=running, queued=queued),
                                   "capacity": {**info.capacity, **engine.kv_now()}})
-    return now.model_dump(mode="json", exclude={"deterministic"} if info.deterministic is None else None)
+    absent = {name for name in ("deterministic", "pipeline") if getattr(info, name) is None}  # shown only when set
+    return now.model_dump(mode="json", exclude=absent or None)
 
 
 @router.get("/metrics")

@@ -1,0 +1,164 @@
+"""Pipeline replicas: one model over several devices, split by what each holds and how fast it runs.
+
+A pipeline is one more kind of placement (server/fleet/placement.py): `--place big=gpu0+gpu2`
+joins devices into one replica, `--pipeline N` makes each unpinned model an N-stage replica,
+and `--pipeline auto` (the default) splits only a model that fits no single device, over the
+fewest devices (the roomiest first) that together hold it. The layers follow the contract's
+rule (`workers.contract.pipeline.split_layers`): each stage holds at most its usable memory
+(each layer costing its weights and its share of the KV floor), and gets layers in proportion to its speed, so the slow card gets
+fewer. A device's speed before anything ran: a simulated device computes on this host's CPU
+like every other, so they are equal; a real GPU's is its memory bandwidth (decoding reads
+every weight once per step); either divided by its `$HETSERVE_SLOWDOWN` factor, the knob that
+makes a worker that much slower on purpose. Trade-off: no measured figure exists before the
+first start, so the split uses these estimates, and says so in its reason.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.errors import UsageError
+from server.fleet.spec import WorkerSpec, build_worker_spec, worker_id
+from workers.contract import DeviceInfo, human
+from workers.contract.model_size import ModelProfile, need_on, read_config, usable_bytes
+from workers.contract.pipeline import PipelinePlan, PipelineSplitError, StagePlan, StageSplit, split_layers
+
+ENV_SLOWDOWN = "HETSERVE_SLOWDOWN"  # workers/device/slowdown.py reads the same variable
+# Memory bandwidth (GB/s) by compute capability or gfx name: decode speed follows it. Unlisted: 1000.
+BANDWIDTH_GBS = {"7.0": 900, "7.5": 616, "8.0": 2039, "8.6": 936, "8.9": 864, "9.0": 3350, "10.0": 8000,
+                 "12.0": 1792, "gfx90a": 1638, "gfx942": 5300, "gfx1100": 960}
+
+
+class PipelineError(UsageError):
+    """A pipeline that cannot be formed: the message says which device or layer count is at fault."""
+
+
+@dataclass(frozen=True)
+class PipelineGroup:
+    """One replica of `model` over `devices` (in stage order), their layers and why."""
+
+    model: str
+    devices: tuple[DeviceInfo, ...]
+    splits: tuple[StageSplit, ...]
+    reason: str
+
+    @property
+    def first(self) -> DeviceInfo:
+        return self.devices[0]
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "reason": self.reason,
+                "stages": [{"worker_id": worker_id(d), "device": d.name, "capability": d.capability_label,
+                            "layers": [s.start, s.end], "weight_bytes": s.bytes, "capacity_bytes": s.capacity,
+                            "speed": s.speed, "reason": s.reason} for d, s in zip(self.devices, self.splits, strict=True)]}
+
+    def describe(self) -> str:
+        return "; ".join(f"{worker_id(d)} layers {s.start}:{s.end} ({human(s.bytes)})"
+                         for d, s in zip(self.devices, self.splits, strict=True))
+
+
+def slowdown_of(spec: str, wid: str) -> float:
+    """`wid`'s factor in a `$HETSERVE_SLOWDOWN` value (`gpu0=3,gpu2=1.5`, or one bare number)."""
+    factors: dict[str | None, str] = {}
+    for part in (spec or "").split(","):
+        name, sep, value = part.strip().rpartition("=")
+        if value.strip():
+            factors[name.strip() if sep else None] = value.strip()
+    try:
+        return max(1e-3, float(factors.get(wid, factors.get(None, "1"))))
+    except ValueError:
+        return 1.0
+
+
+def device_speed(device: DeviceInfo, slowdown: str = "") -> tuple[float, str]:
+    """(relative speed, why) of a device before anything ran on it (see the module docstring)."""
+    factor = slowdown_of(slowdown, worker_id(device))
+    if device.simulated or device.type == "cpu":
+        base, why = 1.0, "this host's CPU"
+    else:
+        key = device.capability_label if device.type == "cuda" else (device.arch_name or "")
+        base = BANDWIDTH_GBS.get(key, 1000) / 1000
+        why = f"{BANDWIDTH_GBS.get(key, 1000)} GB/s"
+    return base / factor, why + (f", slowed {factor:g}x" if factor != 1.0 else "")
+
+
+def layer_bytes(profile: ModelProfile, device: DeviceInfo, dtype: str, quantize: str) -> tuple[list[int], int, int]:
+    """(bytes of each layer, of the embedding, of the final norm and head) as `device` loads them."""
+    hf = read_config(Path(profile.path))
+    hf = hf.get("text_config", hf) if "num_hidden_layers" not in hf else hf
+    n = int(hf.get("num_hidden_layers") or 1)
+    weights = need_on(profile, device, dtype, quantize).weight_bytes
+    vocab, hidden = int(hf.get("vocab_size") or 0), int(hf.get("hidden_size") or 0)
+    per = weights // max(1, profile.num_parameters) if profile.num_parameters else 2
+    embed = vocab * hidden * per
+    head = 0 if hf.get("tie_word_embeddings", False) else embed
+    body = max(0, weights - embed - head)
+    return [body // n] * n, embed, head + hidden * per
+
+
+def plan_pipeline(model: str, profile: ModelProfile, devices: Sequence[DeviceInfo], dtype: str = "auto",
+                  quantize: str = "none", fraction: float | None = None, partition: Sequence[int] | None = None,
+                  slowdown: str = "", why: str = "") -> PipelineGroup:
+    """`model` split over `devices` in this order; `PipelineError` when it cannot be."""
+    per_layer, first, last = layer_bytes(profile, devices[0], dtype, quantize)
+    kv = need_on(profile, devices[0], dtype, quantize).kv_bytes // max(1, len(per_layer))
+    per_layer = [b + kv for b in per_layer]  # a layer's weights and its share of the KV floor
+    capacities = [usable_bytes(d, fraction) for d in devices]
+    speeds = [device_speed(d, slowdown) for d in devices]
+    try:
+        splits = split_layers(per_layer, capacities, [s for s, _ in speeds], first, last, partition)
+    except PipelineSplitError as e:
+        names = "+".join(worker_id(d) for d in devices)
+        raise PipelineError(f"`{model}` as a pipeline over {names}: {e}") from e
+    speed_why = ", ".join(f"{worker_id(d)} {w}" for d, (_, w) in zip(devices, speeds, strict=True))
+    return PipelineGroup(model, tuple(devices), splits, f"{why}; speeds: {speed_why}".lstrip("; "))
+
+
+def auto_devices(profile: ModelProfile, free: Sequence[DeviceInfo], dtype: str, quantize: str,
+                 fraction: float | None, stages: int | None = None) -> list[DeviceInfo] | None:
+    """The devices of a replica: `stages` of them, or the fewest that together hold the model
+    (the roomiest first), in device order; None when even all of them do not."""
+    ordered = sorted(free, key=lambda d: -usable_bytes(d, fraction))
+    if stages is not None:
+        return sorted(ordered[:stages], key=lambda d: d.index) if len(ordered) >= stages else None
+    total = 0
+    for k, d in enumerate(ordered, start=1):
+        total += usable_bytes(d, fraction)
+        if k >= 2 and total >= need_on(profile, d, dtype, quantize).total:
+            return sorted(ordered[:k], key=lambda x: x.index)
+    return None
+
+
+def free_address() -> str:
+    """`127.0.0.1:<a free port>` where a replica's stages meet (its first stage listens there)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def backend_for(devices: Sequence[DeviceInfo]) -> str:
+    """NCCL (RCCL on ROCm) between real GPUs of one vendor, gloo otherwise (workers/pipeline/transport.py)."""
+    kinds = {d.type for d in devices}
+    return "nccl" if not any(d.simulated for d in devices) and len(kinds) == 1 and kinds <= {"cuda", "rocm"} \
+        else "gloo"
+
+
+def pipeline_spec(group: PipelineGroup, model_dir: Path, settings, run_dir: Path, parent_pid: int, threads: int,
+                  base: dict[str, str]) -> WorkerSpec:
+    """The first stage's spec, told to start the others from a plan file in `run_dir`: each stage's
+    command line and environment built as for any worker on its device."""
+    specs = [build_worker_spec(d, group.model, model_dir, settings, run_dir, parent_pid, threads, base)
+             for d in group.devices]
+    stages = tuple(StagePlan(s.start, s.end, spec.argv[len(settings.worker_command):] if i else (), spec.env if i
+                             else (), f"{spec.id} ({spec.device.capability_label})")
+                   for i, (s, spec) in enumerate(zip(group.splits, specs, strict=True)))
+    path = run_dir / f"{specs[0].id}.pipeline.json"
+    PipelinePlan(free_address(), stages, backend=backend_for(group.devices),
+                 notes={"reason": group.reason}).write(path)
+    first = specs[0]
+    return WorkerSpec(first.id, first.device, first.socket_path, first.status_path,
+                      (*first.argv, "--pipeline-plan", str(path)), first.env, first.threads, first.model,
+                      first.model_dir)

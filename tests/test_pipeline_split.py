@@ -1,0 +1,151 @@
+"""The pipeline split rule and its placement: layers by memory and speed, flags checked (no processes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from server.config.models import models_from_args
+from server.errors import UsageError
+from server.fleet.pipelines import PipelineError, device_speed, plan_pipeline, slowdown_of
+from server.fleet.placement import FIRST, STAGE, ModelAsk, Split, place
+from tests.checkpoints import make_checkpoint
+from workers.contract.model_size import read_profile
+from workers.contract.pipeline import (
+    PipelinePlan,
+    PipelineSplitError,
+    StagePlan,
+    parse_partition,
+    split_layers,
+)
+from workers.contract.topology import parse_simulate as parse_topology
+
+BIG = 10**12
+
+
+def _layers(splits) -> list[tuple[int, int]]:
+    return [(s.start, s.end) for s in splits]
+
+
+def test_equal_devices_split_evenly():
+    assert _layers(split_layers([100] * 24, [BIG] * 3)) == [(0, 8), (8, 16), (16, 24)]
+
+
+def test_layers_follow_speed():
+    """A device three times as fast gets three times the layers."""
+    assert _layers(split_layers([100] * 24, [BIG, BIG], [1, 3])) == [(0, 6), (6, 24)]
+
+
+def test_a_full_device_keeps_what_fits_and_the_rest_flows_by_speed():
+    """Stage 0 holds 2 layers only; the other 22 go to the others in their speed's proportion (1:1)."""
+    splits = split_layers([100] * 24, [250, BIG, BIG], [1, 1, 1])
+    assert _layers(splits) == [(0, 2), (2, 13), (13, 24)]
+    assert "stage 0 full" in splits[1].reason
+
+
+def test_embedding_and_head_count_on_the_end_stages():
+    """The first stage also holds the embedding: with room for 6 layers plus it, it gets fewer layers."""
+    splits = split_layers([100] * 12, [900, BIG], [1, 1], first_bytes=400)
+    assert splits[0].layers == 5 and splits[0].bytes == 900
+    assert sum(s.layers for s in splits) == 12
+
+
+def test_no_split_fits_names_the_sizes():
+    with pytest.raises(PipelineSplitError, match="do not fit these 2 devices"):
+        split_layers([100] * 10, [300, 300])
+
+
+def test_partition_overrides_and_is_checked():
+    assert _layers(split_layers([100] * 24, [BIG, BIG], partition=[10, 14])) == [(0, 10), (10, 24)]
+    with pytest.raises(PipelineSplitError, match="24 layers in all"):
+        split_layers([100] * 24, [BIG, BIG], partition=[10, 10])
+    with pytest.raises(PipelineSplitError, match="Stage 1 .layers 10:24. needs"):
+        split_layers([100] * 24, [BIG, 1000], partition=[10, 14])
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(PipelineSplitError, match="2 layers cannot be split into 3 stages"):
+        split_layers([100, 100], [BIG] * 3)
+
+
+@pytest.mark.parametrize("text", ["10", "10,x", "10,0", ""])
+def test_bad_partitions_are_named(text):
+    with pytest.raises(PipelineSplitError, match="is not a list of layer counts"):
+        parse_partition(text)
+
+
+def test_plan_file_round_trips_and_checks_contiguity(tmp_path):
+    plan = PipelinePlan("127.0.0.1:1234", (StagePlan(0, 3), StagePlan(3, 6, ("--x",), (("A", "1"),), "gpu1")))
+    plan.write(tmp_path / "p.json")
+    assert PipelinePlan.read(tmp_path / "p.json") == plan
+    PipelinePlan("h:1", (StagePlan(0, 3), StagePlan(4, 6))).write(tmp_path / "bad.json")
+    with pytest.raises(PipelineSplitError, match="contiguous"):
+        PipelinePlan.read(tmp_path / "bad.json")
+
+
+def test_slowdown_divides_speed():
+    assert slowdown_of("gpu0=3,gpu2=1.5", "gpu2") == 1.5 and slowdown_of("2", "gpu9") == 2.0
+    dev = parse_topology("sm_86")[0]
+    assert device_speed(dev, "gpu0=4")[0] == pytest.approx(0.25)
+
+
+@pytest.fixture(scope="module")
+def six(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("six") / "six", num_hidden_layers=6)
+    return path, read_profile(path)
+
+
+def test_placement_pipelines_a_model_no_device_holds(six):
+    """`--pipeline auto`: a model larger than each device, not than two together, becomes one replica
+    over both: the first stage started by the router, the other a stage."""
+    _, profile = six
+    devices = parse_topology("sm_80:600KiB,sm_86:600KiB")
+    placement = place([ModelAsk("six", profile)], devices)
+    assert [s.role for s in placement.slots] == [FIRST, STAGE]
+    (group,) = placement.pipelines
+    assert [(s.start, s.end) for s in group.splits] == [(0, 3), (3, 6)]
+    assert "fits no single device" in group.reason
+
+
+def test_placement_leaves_a_model_that_fits_alone(six):
+    _, profile = six
+    placement = place([ModelAsk("six", profile)], parse_topology("sm_80:64MiB,sm_86:64MiB"))
+    assert placement.pipelines == () and {s.role for s in placement.slots} == {FIRST, "replica"}
+
+
+def test_unequal_memories_and_slowed_stages_follow_the_rule(six):
+    """sm_75, sm_86, sm_90 with unequal memories and sm_86 slowed 3x: the slow stage gets the fewest
+    layers, a stage never holds more than its room, and all six layers are placed in order."""
+    _, profile = six
+    devices = parse_topology("sm_75:450KiB,sm_86:2MiB,sm_90:2MiB")
+    placement = place([ModelAsk("six", profile)], devices, split=Split(3, None, "gpu1=3"))
+    (group,) = placement.pipelines
+    layers = [s.layers for s in group.splits]
+    assert sum(layers) == 6 and group.splits[0].start == 0 and group.splits[-1].end == 6
+    assert layers[1] == min(layers) and layers[2] > layers[1]
+    assert all(s.bytes <= s.capacity for s in group.splits)
+    assert "slowed 3x" in group.reason
+
+
+def test_pinned_pipeline_and_its_errors(six):
+    path, profile = six
+    devices = parse_topology("sm_80,sm_86,sm_90")
+    placement = place([ModelAsk("six", profile, ("gpu0+gpu2",))], devices, split=Split(partition=(2, 4)))
+    (group,) = placement.pipelines
+    assert [d.index for d in group.devices] == [0, 2] and _layers(group.splits) == [(0, 2), (2, 6)]
+    assert placement.slots[1].model is None  # a pinned model gets exactly its pins: gpu1 stays free
+    with pytest.raises(PipelineError, match="cannot be split into 3 stages|at least one layer"):
+        plan_pipeline("six", profile, devices, partition=(2, 4))
+
+
+def test_flags_parse_and_refuse_clearly(six):
+    path, _ = six
+    config = models_from_args(SimpleNamespace(model=[f"six={path}"], place=["six=gpu0+gpu2,gpu1"],
+                                              pipeline="2", pipeline_partition="2,4"))
+    assert config.place == (("six", ("gpu0+gpu2", "gpu1")),) and config.pipeline == 2 and config.partition == (2, 4)
+    for kwargs, message in [({"place": ["six=gpu0+"]}, "joins devices into one pipeline"),
+                            ({"pipeline": "zero"}, "is not a stage count"),
+                            ({"pipeline": "3", "pipeline_partition": "2,4"}, "gives 2 stages")]:
+        with pytest.raises(UsageError, match=message):
+            models_from_args(SimpleNamespace(model=[f"six={path}"], **kwargs))

@@ -1,0 +1,190 @@
+"""A pipeline replica: one model's layers split over several devices, each stage its own worker.
+
+Design: the router decides the split (`split_layers`) and writes a `PipelinePlan` file; the
+first stage's worker starts the others from it (each with its own device environment, as the
+router would start any worker) and joins them in one `torch.distributed` process group. Both
+sides read the plan through this module, so the file's shape is defined once.
+
+The split rule: each stage holds what it can (`capacity`: its memory for weights, after its
+share of the KV cache) and is given layers in proportion to its measured `speed`, so a slow
+card gets fewer layers and no card more than it holds. Layers are filled like water: every
+stage gets its speed's share, a stage that cannot hold its share keeps what fits and the rest
+flows to the others by speed; the first stage also holds the embedding, the last the final
+norm and head (`first_bytes`, `last_bytes`). An explicit partition (`--pipeline-partition
+10,14`) is checked against the same capacities. The trade-off: speed is one number per device
+(its decode tokens/s), not a per-layer cost model; layers of one model cost about the same, so
+the rule needs no more.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from workers.contract.sizes import human
+
+
+class PipelineSplitError(ValueError):
+    """A split that cannot be made: the message says which stage and by how much."""
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """One stage's layers [start, end), its weight bytes and why it got them."""
+
+    start: int
+    end: int
+    bytes: int
+    capacity: int
+    speed: float
+    reason: str
+
+    @property
+    def layers(self) -> int:
+        return self.end - self.start
+
+
+def _mib(n: float) -> str:
+    return human(int(n))
+
+
+def _stage_bytes(layer_bytes: Sequence[int], start: int, end: int, first: int, last: int) -> int:
+    return sum(layer_bytes[start:end]) + (first if start == 0 else 0) + (last if end == len(layer_bytes) else 0)
+
+
+def _water_fill(n: int, speeds: Sequence[float], caps: Sequence[int]) -> list[int]:
+    """Integer layer counts summing to `n`, each >= 1 and <= its cap, proportional to speed where caps allow."""
+    k = len(speeds)
+    share = [0.0] * k
+    free, left = set(range(k)), float(n)
+    while free and left > 1e-9:  # give each free stage its speed's share; cap it; repeat with the rest
+        total = sum(speeds[i] for i in free)
+        capped = {i for i in free if share[i] + left * speeds[i] / total >= caps[i]}
+        if not capped:
+            for i in free:
+                share[i] += left * speeds[i] / total
+            break
+        for i in capped:
+            left -= caps[i] - share[i]
+            share[i] = float(caps[i])
+        free -= capped
+    counts = [max(1, min(caps[i], int(share[i]))) for i in range(k)]
+    # largest remainders first, within each cap, until the counts add up
+    order = sorted(range(k), key=lambda i: share[i] - counts[i], reverse=True)
+    while sum(counts) < n:
+        grown = False
+        for i in order:
+            if sum(counts) < n and counts[i] < caps[i]:
+                counts[i] += 1
+                grown = True
+        if not grown:
+            break
+    while sum(counts) > n:  # the floors of 1 overshot: take back from the stage furthest above its share
+        i = max((j for j in range(k) if counts[j] > 1), key=lambda j: counts[j] - share[j])
+        counts[i] -= 1
+    return counts
+
+
+def split_layers(layer_bytes: Sequence[int], capacities: Sequence[int], speeds: Sequence[float] | None = None,
+                 first_bytes: int = 0, last_bytes: int = 0,
+                 partition: Sequence[int] | None = None) -> tuple[StageSplit, ...]:
+    """The stages' layer ranges for a model of `len(layer_bytes)` layers over devices holding
+    `capacities` bytes of weights each, weighted by `speeds` (None: equal), or as `partition`
+    (layers per stage) says. Raises `PipelineSplitError` when no split fits."""
+    n, k = len(layer_bytes), len(capacities)
+    speeds = list(speeds) if speeds is not None else [1.0] * k
+    if k < 2:
+        raise PipelineSplitError(f"A pipeline needs at least 2 stages, got `{k}`")
+    if len(speeds) != k or min(speeds) <= 0:
+        raise PipelineSplitError(f"Stage speeds `{list(speeds)}` must be {k} positive numbers")
+    if n < k:
+        raise PipelineSplitError(f"A model of {n} layers cannot be split into {k} stages (one layer each at least)")
+    avg = max(1, sum(layer_bytes) // n)
+    if partition is not None:
+        counts, why = list(partition), "as --pipeline-partition says"
+        if len(counts) != k or min(counts) < 1 or sum(counts) != n:
+            raise PipelineSplitError(f"`--pipeline-partition {','.join(map(str, counts))}` must give each of the {k} "
+                                     f"stages at least one layer and {n} layers in all")
+    else:
+        extra = [first_bytes if i == 0 else 0 for i in range(k)]
+        extra[-1] += last_bytes
+        caps = [max(0, (c - e) // avg) for c, e in zip(capacities, extra, strict=True)]
+        if sum(caps) < n or min(caps) < 1:
+            total = sum(layer_bytes) + first_bytes + last_bytes
+            raise PipelineSplitError(f"The model's {_mib(total)} of weights do not fit these {k} devices (they hold "
+                                     f"{', '.join(_mib(c) for c in capacities)}); add a device or quantize")
+        counts = _water_fill(n, speeds, caps)
+        capped = [i for i in range(k) if counts[i] == caps[i] and counts[i] < n * speeds[i] / sum(speeds) - 0.5]
+        why = ("layers by speed" if not capped else
+               f"layers by speed; stage {', '.join(map(str, capped))} full, the rest to the others")
+    splits, start = [], 0
+    for i, c in enumerate(counts):
+        end = start + c
+        b = _stage_bytes(layer_bytes, start, end, first_bytes, last_bytes)
+        if b > capacities[i]:
+            raise PipelineSplitError(f"Stage {i} (layers {start}:{end}) needs {_mib(b)} of weights; its device holds "
+                                     f"{_mib(capacities[i])}")
+        share = f"{speeds[i] / sum(speeds):.0%} of the speed"
+        splits.append(StageSplit(start, end, b, int(capacities[i]), float(speeds[i]),
+                                 f"{c} layers: {why} ({share}, holds {_mib(capacities[i])})"))
+        start = end
+    return tuple(splits)
+
+
+def parse_partition(text: str) -> tuple[int, ...]:
+    """`--pipeline-partition 10,14` -> (10, 14); a clear error for anything else."""
+    try:
+        counts = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        counts = ()
+    if len(counts) < 2 or min(counts) < 1:
+        raise PipelineSplitError(f"`--pipeline-partition {text}` is not a list of layer counts. Accepted: two or more "
+                                 f"positive integers separated by commas, one per stage, e.g. `10,14`")
+    return counts
+
+
+# ---- the plan file ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: its layers [start, end), the worker's command-line arguments and environment."""
+
+    start: int
+    end: int
+    argv: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    device: str = ""  # its device, as `/workers` shows it (e.g. `gpu2 (sm_86)`)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The stages of one replica, in order, and where the process group meets (`host:port`)."""
+
+    address: str
+    stages: tuple[StagePlan, ...]
+    timeout_s: float = 300.0  # a stage silent for longer than this is gone (the process group's timeout)
+    backend: str = "gloo"
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.stages)
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def read(cls, path: str | Path) -> PipelinePlan:
+        try:
+            raw = json.loads(Path(path).read_text())
+            stages = tuple(StagePlan(s["start"], s["end"], tuple(s.get("argv", ())),
+                                     tuple(tuple(p) for p in s.get("env", ())), s.get("device", ""))
+                           for s in raw["stages"])
+            plan = cls(raw["address"], stages, float(raw.get("timeout_s", 300.0)), raw.get("backend", "gloo"),
+                       raw.get("notes", {}))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise PipelineSplitError(f"Pipeline plan `{path}` cannot be read: {e}") from e
+        if len(stages) < 2 or stages[0].start != 0 or any(a.end != b.start for a, b in zip(stages, stages[1:], strict=False)):
+            raise PipelineSplitError(f"Pipeline plan `{path}` does not give contiguous layers from 0 to its stages")
+        return plan

@@ -1,0 +1,61 @@
+"""A stage after the first: its layers over what the previous stage sends, until told to stop.
+
+Design: the worker's mission runs as for any worker (bind, capability, load only this stage's
+layers, kernelize, fp8 for this device); the serve step is then this loop instead of an HTTP
+socket: size the KV cache for its own layers and agree with the other stages on the blocks
+(the fewest any of them holds), tell the first stage what it runs (`describe_stage`), then per
+step receive the chunks and hidden states, build the same `ForwardBatch` for this device, run
+the layers and hand the result on (hidden states to the next stage, logits from the last back
+to the first). A stop message is passed on before leaving. Any error ends the process: the
+first stage sees the broken link and the whole replica restarts (server/fleet/supervisor.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from workers.engine.kv_cache import build_kv_cache
+from workers.kv.batch import ForwardBatch
+from workers.pipeline.transport import StageLink
+
+logger = logging.getLogger(__name__)
+
+
+def describe_stage(rank: int, bound, loaded, kernels: dict, fp8: dict, kv) -> dict:
+    """What `/workers` shows of one stage: its device, layers, kernels, fp8 and bytes."""
+    model = loaded.model
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    start, end = model.stage
+    return {"rank": rank, "pid": os.getpid(), "layers": [start, end], "device": bound.to_dict(), "dtype": str(loaded.dtype).removeprefix(
+        "torch."), "kernels": {k: v.to_dict() for k, v in kernels.items()}, "fp8": fp8, "weights_bytes": weights,
+        "kv_cache_bytes": kv.nbytes}
+
+
+def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, context: int) -> int:
+    """Serve as stage `link.rank` until the first stage stops the pipeline; the steps served."""
+    from workers.model.row_buckets import install_row_buckets
+
+    install_row_buckets(loaded.model, bound.torch_device, loaded.dtype)
+    kv, shape, budget, why = build_kv_cache(args, bound, loaded, context, False, loaded.model.stage,
+                                            link.agree_blocks)
+    logger.info("KV cache %s bytes: %s; budget %s (%s)", kv.nbytes, shape, budget, why)
+    link.gather(describe_stage(link.rank, bound, loaded, kernels, fp8, kv))
+    hidden_size, steps = loaded.config.hidden_size, 0
+    with torch.inference_mode():
+        while (message := link.recv_step(hidden_size)) is not None:
+            items, hidden = message
+            batch = ForwardBatch.build(items, kv.block_size, bound.torch_device, None, kv.windows)
+            out = loaded.model.step(batch, kv, hidden)  # [T, H], or the last stage's logits [N, V]
+            if link.last:
+                link.send_logits(out)
+            else:
+                link.send_step(items, out)
+            steps += 1
+    if not link.last:
+        link.send_stop()
+    link.close()
+    logger.info("pipeline stopped after %d steps", steps)
+    return steps

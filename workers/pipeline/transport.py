@@ -1,0 +1,121 @@
+"""The pipeline's wire: one `torch.distributed` process group per replica, stage to stage.
+
+Design: stage `r` sends stage `r + 1` each step as three point-to-point messages: a header
+(`[kind, meta bytes, rows]` int64), the step's chunks (pickled `(SeqChunk, token ids)` pairs, the
+same items the first stage packed its `ForwardBatch` from, so every stage builds the same batch
+for its own device) and the hidden states `[T, H]` in the sender's compute dtype; the last stage
+sends the logits `[N, V]` fp32 back to the first. Nothing else crosses: no fp8, no sampling
+state. The backend is NCCL (RCCL on ROCm) when every stage is a real GPU of one vendor, gloo
+otherwise (CPU and simulated devices, a pipeline that crosses vendors), where tensors travel
+through host memory. The trade-off: a step's chunks are pickled on every hop (a few hundred
+bytes per sequence) rather than kept as state on each stage, so a stage holds no scheduler state
+and a restarted pipeline has nothing to reconcile.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from workers.contract.pipeline import PipelinePlan
+
+logger = logging.getLogger(__name__)
+
+STEP, STOP = 0, 1
+
+
+def choose_backend(device_types: list[str], simulated: list[bool]) -> tuple[str, str]:
+    """(backend, reason) for a pipeline over devices of these types."""
+    kinds = set(device_types)
+    if not any(simulated) and len(kinds) == 1 and kinds <= {"cuda", "rocm"}:
+        return "nccl", f"nccl: every stage a real {'ROCm' if kinds == {'rocm'} else 'CUDA'} GPU"
+    return "gloo", "gloo: CPU or simulated stages, or GPUs of different vendors (tensors through host memory)"
+
+
+@dataclass
+class StageLink:
+    """This stage's place in the process group and its neighbours."""
+
+    rank: int
+    world: int
+    device: torch.device
+    wire: torch.device  # where tensors must be to be sent: the device (NCCL) or the host (gloo)
+    dtypes: list[torch.dtype]  # each stage's compute dtype
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.world - 1
+
+    # ---- setup ----------------------------------------------------------------------------
+    @classmethod
+    def join(cls, plan: PipelinePlan, rank: int, device: torch.device, dtype: torch.dtype) -> StageLink:
+        """Join the replica's process group (blocks until every stage has joined)."""
+        backend = plan.backend
+        dist.init_process_group(backend, init_method=f"tcp://{plan.address}", rank=rank, world_size=plan.world_size,
+                                timeout=datetime.timedelta(seconds=plan.timeout_s))
+        wire = device if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(device)
+        names: list = [None] * plan.world_size
+        dist.all_gather_object(names, str(dtype).removeprefix("torch."))
+        logger.info("pipeline stage %d of %d joined (%s)", rank, plan.world_size, backend)
+        return cls(rank, plan.world_size, device, wire, [getattr(torch, n) for n in names])
+
+    def agree_blocks(self, blocks: list[int]) -> list[int]:
+        """Each KV group's blocks: the fewest any stage can hold."""
+        t = torch.tensor(blocks, dtype=torch.int64, device=self.wire)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return [int(x) for x in t.tolist()]
+
+    def gather(self, obj) -> list | None:
+        """Every stage's `obj` at the first stage (None elsewhere)."""
+        out = [None] * self.world if self.first else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- one step -------------------------------------------------------------------------
+    def send_step(self, items, hidden: torch.Tensor) -> None:
+        """To the next stage: the step's chunks and the hidden states [T, H]."""
+        meta = torch.frombuffer(bytearray(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        dist.send(torch.tensor([STEP, meta.numel(), hidden.shape[0]], dtype=torch.int64, device=self.wire),
+                  self.rank + 1)
+        dist.send(meta.to(self.wire), self.rank + 1)
+        dist.send(hidden.to(self.wire).contiguous(), self.rank + 1)
+
+    def send_stop(self) -> None:
+        dist.send(torch.tensor([STOP, 0, 0], dtype=torch.int64, device=self.wire), self.rank + 1)
+
+    def recv_step(self, hidden_size: int):
+        """From the previous stage: (items, hidden [T, H] in this stage's dtype), or None to stop."""
+        header = torch.empty(3, dtype=torch.int64, device=self.wire)
+        dist.recv(header, self.rank - 1)
+        kind, n_meta, rows = (int(x) for x in header.tolist())
+        if kind == STOP:
+            return None
+        meta = torch.empty(n_meta, dtype=torch.uint8, device=self.wire)
+        dist.recv(meta, self.rank - 1)
+        hidden = torch.empty(rows, hidden_size, dtype=self.dtypes[self.rank - 1], device=self.wire)
+        dist.recv(hidden, self.rank - 1)
+        items = pickle.loads(meta.cpu().numpy().tobytes())  # noqa: S301 (our own stages, in one process group)
+        return items, hidden.to(self.device, self.dtypes[self.rank])
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        dist.send(logits.to(self.wire).contiguous(), 0)
+
+    def recv_logits(self, rows: int, vocab: int) -> torch.Tensor:
+        out = torch.empty(rows, vocab, dtype=torch.float32, device=self.wire)
+        dist.recv(out, self.world - 1)
+        return out.to(self.device)
