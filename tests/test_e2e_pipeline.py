@@ -1,0 +1,102 @@
+"""End to end: a model larger than every simulated device, served by `hetserve serve` as a pipeline.
+
+transformers' tiny Gemma 3 (sliding and full layers, an embedding larger than its layers) in
+fp32 takes about 3 MiB; on `--simulate sm_75:1.5MiB,sm_86:1.5MiB,sm_90:1.5MiB` no device holds
+it and no two do, so `--pipeline auto` splits it over all three: the router starts the first
+stage, which starts the others. Its greedy tokens over HTTP equal transformers' `generate`;
+`/workers` shows one replica whose three stages each hold only their layers on their own
+device; `kill -9` of the middle stage mid-stream ends that stream with a clear error (no other
+replica to move to) and the whole pipeline comes back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.family_checkpoints import make_family_checkpoint
+from tests.router_harness import RouterProcess, alive
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+
+SIMULATE = "sm_75:1.5MiB,sm_86:1.5MiB,sm_90:1.5MiB"
+PROMPT = "Once upon a time there was a little fox who lived near the river, and every morning it went down"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = make_family_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3"))
+    router = RouterProcess(["--simulate", SIMULATE, "--model", str(path), "--dtype", "float32", "--max-batch", "4"],
+                           env={"HETSERVE_COMPILE": "off"}, fake=False, ready_timeout=300)
+    stages: list[int] = []
+    try:
+        yield path, router, stages
+    finally:
+        router.stop()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(alive(p) for p in stages):
+            time.sleep(0.1)
+        assert not router.orphans and not [p for p in stages if alive(p)], "workers left running"
+
+
+def _pipeline(router) -> dict:
+    (worker,) = router.workers()
+    return worker
+
+
+def test_the_model_fits_no_device_and_serves_as_three_stages(served):
+    path, router, stages = served
+    worker = _pipeline(router)
+    assert worker["state"] == "ready" and worker["id"] == "gpu0"
+    pipe = worker["pipeline"]["stages"]
+    stages.extend(s["pid"] for s in pipe)
+    assert [s["device"]["capability"] for s in pipe] == ["7.5", "8.6", "9.0"]
+    assert pipe[0]["layers"][0] == 0 and pipe[-1]["layers"][1] == 4
+    assert all(a["layers"][1] == b["layers"][0] for a, b in zip(pipe, pipe[1:], strict=False))
+    usable = 1.5 * 2**20 * 0.9
+    total = sum(s["weights_bytes"] for s in pipe)
+    assert total > usable and all(s["weights_bytes"] <= usable for s in pipe)  # each holds its share only
+    assert pipe[1]["kernels"]["RMSNorm"]["reason"].startswith("sm_86")
+
+
+def test_greedy_tokens_over_http_equal_transformers(served):
+    path, router, _ = served
+    with router.client(timeout=120) as c:
+        r = c.post("/generate", json={"inputs": PROMPT, "parameters": {
+            "max_new_tokens": 24, "details": True, "decoder_input_details": True}})
+    assert r.status_code == 200, r.text
+    details = r.json()["details"]
+    prompt, got = [t["id"] for t in details["prefill"]], [t["id"] for t in details["tokens"]]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                           eos_token_id=ref.generation_config.eos_token_id)
+    assert len(prompt) > 16 and got == out[0, len(prompt):].tolist()  # longer than the sliding window
+
+
+def test_killing_the_middle_stage_ends_the_stream_clearly_and_the_pipeline_comes_back(served):
+    path, router, stages = served
+    before = _pipeline(router)
+    middle = before["pipeline"]["stages"][1]["pid"]
+    with router.client(timeout=120) as c, ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(lambda: c.post("/generate_stream", json={
+            "inputs": PROMPT, "parameters": {"max_new_tokens": 400}}).text)
+        time.sleep(1.5)
+        os.kill(middle, signal.SIGKILL)
+        text = stream.result(60)
+    assert "error" in text.splitlines()[-1] or "error" in text, text[-500:]
+    back = router.wait_for(lambda: (w := _pipeline(router))["state"] == "ready" and w["restarts"] >= 1 and w, 180)
+    assert back["pid"] != before["pid"] and back["pipeline"]["stages"][1]["pid"] != middle
+    stages.extend(s["pid"] for s in back["pipeline"]["stages"])
+    with router.client(timeout=120) as c:
+        assert c.post("/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 4}}).status_code == 200
+    assert not alive(middle)
+    assert Path(path).is_dir()
