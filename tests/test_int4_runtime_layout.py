@@ -98,3 +98,18 @@ def test_the_layer_holds_at_most_0_3x_the_bf16_bytes(group):
     t, _ = gptq_tensors(w, group, False, "gptq_v2")
     layer = Int4CheckpointLinear.from_runtime(to_runtime(Int4Scheme("gptq", group, False), t))
     assert layer.nbytes() <= 0.3 * w.numel() * 2
+
+
+@pytest.mark.parametrize("group", [32, 64, 0])
+def test_the_broadcast_unpack_of_whole_groups_equals_the_per_input_gather(group):
+    """`runtime_weight` and `unpack_weight` broadcast each group's zero point and scale when the groups
+    tile the inputs (no act-order); an explicit `g_idx` of k // group takes the gather path: same bits."""
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(5)) * 0.1
+    t, ref = gptq_tensors(w, group or -1, False, "gptq_v2", dtype=torch.bfloat16)
+    rt = to_runtime(Int4Scheme("gptq", group or -1, False), t)
+    assert rt["g_idx"] is None
+    explicit = (torch.arange(128) // (group or 128)).to(torch.int32)
+    for unpack in (runtime_weight, unpack_weight):
+        fast = unpack(rt["qweight"], rt["scales"], rt["zeros"], None, rt["group_size"], 128)
+        gathered = unpack(rt["qweight"], rt["scales"], rt["zeros"], explicit, rt["group_size"], 128)
+        assert torch.equal(fast, gathered) and torch.equal(fast, ref)

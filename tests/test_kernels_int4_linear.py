@@ -85,7 +85,7 @@ def test_each_layer_runs_its_tuning_and_equals_the_reference(name):
     words, scales, zeros, g_idx = _layer(72, 136, 32, False)
     module = torch.nn.Module()
     module.qweight, module.scales, module.zeros, module.g_idx = words, scales, zeros, g_idx
-    module.group_size, module.bias = 32, None
+    module.group_size, module.bias, module.execution = 32, None, "w4a16"
     x = torch.randn(3, 2, 72)
     got = getattr(layers, name).forward(module, x)
     assert got.shape == (3, 2, 136)

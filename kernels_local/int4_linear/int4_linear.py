@@ -111,6 +111,12 @@ def unpack_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     """The weight [N, K] in the scales' dtype, as the kernel forms it: (q - z) * s rounded once."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
     q = ((qweight.unsqueeze(1) >> shifts[None, :, None]) & 0xF).flatten(0, 1)[:in_features]  # [K, N]
+    groups, n = scales.shape
+    size = group_size if group_size > 0 else in_features
+    if g_idx is None and groups * size == in_features:  # whole groups: broadcast, no per-input gather
+        diff = q.view(groups, size, n) - zeros.to(torch.int32)[:, None, :]  # [G, size, N]
+        w = (diff.to(torch.float32) * scales.to(torch.float32)[:, None, :]).view(in_features, n)  # exact
+        return w.to(scales.dtype).t()
     k = torch.arange(in_features, device=qweight.device)
     g = g_idx.long() if g_idx is not None else (k // group_size if group_size > 0 else k * 0)
     w = (q - zeros.to(torch.int32)[g]).to(torch.float32) * scales.to(torch.float32)[g]  # [K, N], exact

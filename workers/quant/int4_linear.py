@@ -64,6 +64,12 @@ def to_runtime(scheme: Int4Scheme, stored: dict[str, torch.Tensor]) -> dict:
 def runtime_weight(qweight, scales, zeros, g_idx, group_size: int, in_features: int) -> torch.Tensor:
     """The weight [N, K] in the scales' dtype: (q - z) * s, the product exact in fp32, rounded once."""
     q = unpack_int32(qweight, in_features, dim=0)  # [K, N]
+    groups, n = scales.shape
+    size = group_size if group_size else in_features
+    if g_idx is None and groups * size == in_features:  # whole groups: broadcast, no per-input gather
+        diff = q.view(groups, size, n) - zeros.to(torch.int32)[:, None, :]  # [G, size, N]
+        w = (diff.to(torch.float32) * scales.to(torch.float32)[:, None, :]).view(in_features, n)
+        return w.to(scales.dtype).t()
     k = torch.arange(in_features, device=qweight.device)
     g = g_idx.long() if g_idx is not None else (k // group_size if group_size else k * 0)
     w = (q - zeros.to(torch.int32)[g]).to(torch.float32) * scales.to(torch.float32)[g]
