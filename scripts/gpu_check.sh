@@ -13,6 +13,10 @@
 # (dense and experts) against their references (benchmarks/fp8_checkpoint.py --kernels). The decode step runs
 # eager (--compile off) and as CUDA graphs captured per batch bucket (--compile on), and the
 # tokens/s of both are printed at batch 1 and 32 with whether their greedy tokens agree.
+# The 4-bit checkpoints' W4A16 kernel is checked against its torch reference (the gpu tests of
+# tests/test_kernels_int4_linear.py in 1., every tuning this GPU runs in benchmarks/int4_checkpoint.py
+# --kernels), and an AWQ checkpoint of the embedded model is served by a worker on the GPU (its
+# start runs the preflight and the self-test through the W4A16 layer; /capability says the execution).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-check}"
@@ -47,6 +51,9 @@ kill "$wpid"; wait "$wpid"
 # 3b. pre-quantized fp8 checkpoints' kernels (W8A16, block-scaled W8A8, the fp8 experts' grouped GEMM
 #     weight-only and native) against their torch references on this device, timed against bf16
 "$PY" benchmarks/fp8_checkpoint.py --kernels 2>&1 | tee "$OUT/fp8-checkpoint-kernels.txt"
+# 3c. 4-bit checkpoints' W4A16 kernel (each tuning this GPU can run: odd shapes, act-order, every group
+#     kind, fp16/bf16/fp32 scales) against its torch reference, timed against the 16-bit matmul
+"$PY" benchmarks/int4_checkpoint.py --kernels 2>&1 | tee "$OUT/int4-checkpoint-kernels.txt"
 # 4. the preflight on the real device against `hetserve plan --compile` simulating its architecture
 "$PY" -m workers.kernelize >"$OUT/preflight-real.json" 2>"$OUT/preflight-real.log"
 arch="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["arch"])' "$OUT/preflight-real.json")"
@@ -112,3 +119,27 @@ for batch in off:
     same = sum(off[batch][i] == on[batch].get(i) for i in off[batch])
     print(f"batch {batch}: greedy tokens equal, eager vs graphs, in {same}/{len(off[batch])} requests")
 PY
+# 6. a 4-bit (AWQ, groups of 128) checkpoint of the embedded model served by a worker on this GPU: its
+#    start runs the preflight and the self-test through the W4A16 layer; /capability names the execution
+"$PY" - "$OUT/int4-awq" <<'PY' 2>&1 | tee "$OUT/int4-checkpoint.txt"
+import shutil, sys
+from pathlib import Path
+
+from tests.int4_checkpoints import quantize_checkpoint
+from workers.contract import DEFAULT_MODEL_DIR
+
+out = Path(sys.argv[1])
+shutil.rmtree(out, ignore_errors=True)
+print("checkpoint", quantize_checkpoint(DEFAULT_MODEL_DIR, out, "awq", 128, False)[0])
+PY
+start_worker int4 --model "$OUT/int4-awq"
+curl -s --unix-socket "$OUT/int4.sock" http://w/capability | "$PY" -c '
+import json, sys
+cap = json.load(sys.stdin)
+q = cap["fp8"]["checkpoint"]["quantization"]
+print("int4:", q["execution"], "-", q["reason"])
+print("bytes held", q["weight_bytes"], "stored", q["stored_bytes"], "bf16", q["bf16_bytes"], "ratio", q["bf16_ratio"])
+print("kernel:", json.dumps(cap["kernels"]["Int4CheckpointLinear"]))' | tee -a "$OUT/int4-checkpoint.txt"
+curl -s --unix-socket "$OUT/int4.sock" http://w/generate -H 'content-type: application/json' \
+  -d '{"inputs": "The meaning of life is", "parameters": {"max_new_tokens": 24}}' | tee -a "$OUT/int4-checkpoint.txt"; echo
+kill "$wpid"; wait "$wpid"

@@ -144,3 +144,32 @@ def test_the_declared_launches_compile_and_fit_on_every_architecture_they_are_fo
             record = check(spec, compile_spec(spec, target), target, arch_limits(arch))
             assert record.ok, (arch, spec.config, record.error)
             assert record.instruction_ok is True, (arch, record.instruction)
+
+
+# -- the compiled kernel on a real GPU (scripts/gpu_check.sh runs these where one is lent) -----------
+GPU_SHAPES = [(1, 4096, 4096, 128, False), (32, 4096, 4096, 128, True), (300, 14336, 4096, 128, False),
+              (7, 1000, 328, 32, True), (16, 2048, 2048, 0, False), (5, 200, 96, 64, False)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k", "group", "act_order"), GPU_SHAPES)
+def test_compiled_kernel_matches_the_reference_on_real_shapes(m, n, k, group, act_order, scale_dtype):
+    """The tuning `select()` picks for this GPU, compiled, against the torch reference in bf16 and fp16
+    (fp32 accumulation either way: the same weights, another summation order) and in fp32 tightly."""
+    from kernels_local.mapping import select
+
+    kind = "rocm" if torch.version.hip else "cuda"
+    layer = select(kind, torch.cuda.get_device_capability(0))["Int4CheckpointLinear"].layer
+    if not layer.startswith("Int4LinearTriton"):
+        pytest.skip(f"this GPU runs `{layer}` (no 4-bit kernel)")
+    tuning = TUNINGS[layer.removeprefix("Int4LinearTriton").lower()]
+    words, scales, zeros, g_idx = (None if t is None else t.cuda() for t in _layer(k, n, group, act_order, scale_dtype))
+    bias = torch.randn(n, device="cuda")
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3), (torch.float32, 1e-5)):
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        got = int4_linear(x, words, scales, zeros, g_idx, bias.to(dtype), group, tuning=tuning)
+        want = int4_linear_reference(x, words, scales, zeros, g_idx, bias.to(dtype), group)
+        assert got.dtype == dtype and got.shape == (m, n)
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
