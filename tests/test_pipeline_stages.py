@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,80 +22,12 @@ import httpx
 import pytest
 
 from tests.checkpoints import make_checkpoint
-from tests.router_harness import free_port
-from workers.contract.pipeline import PipelinePlan, StagePlan
+from tests.pipeline_harness import Served
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-COMMON = ("--threads", "1", "--max-batch", "4", "--kv-block-size", "8", "--max-num-batched-tokens", "16",
-          "--dtype", "float32", "--compile", "off")
 PROMPTS = ["Once upon a time there was a", "hello world", "the quick brown fox jumps over the lazy dog " * 3,
            "a b c d e f g h i j k l m n o p q r s t u v w x y z", "hello world"]
-
-
-def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith("HETSERVE_")}
-
-
-class Served:
-    """One worker, or the first stage of a pipeline, started as `python -m workers`."""
-
-    def __init__(self, tmp: Path, name: str, model: Path, simulate: list[str], extra=()):
-        self.tmp, self.name = tmp, name
-        self.sock, self.status = tmp / f"{name}.sock", tmp / f"{name}.json"
-        argv = ["--model", str(model), *COMMON, *extra]
-        plan_args: list[str] = []
-        if len(simulate) > 1:
-            n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-            bounds = [round(i * n / len(simulate)) for i in range(len(simulate) + 1)]
-            stages = [StagePlan(bounds[0], bounds[1], (), (), f"{name}-0")]
-            for r in range(1, len(simulate)):
-                stages.append(StagePlan(bounds[r], bounds[r + 1], (
-                    "--socket", str(tmp / f"{name}-{r}.sock"), "--worker-id", f"{name}-{r}", "--simulate",
-                    simulate[r], "--status-file", str(tmp / f"{name}-{r}.json"), *argv), (), f"{name}-{r}"))
-            PipelinePlan(f"127.0.0.1:{free_port()}", tuple(stages), 60.0).write(tmp / f"{name}.plan.json")
-            plan_args = ["--pipeline-plan", str(tmp / f"{name}.plan.json")]
-        self.log = open(tmp / f"{name}.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers", "--socket", str(self.sock), "--status-file", str(self.status),
-             "--worker-id", f"{name}-0", "--simulate", simulate[0], *argv, *plan_args],
-            cwd=ROOT, env=_env(), stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                state = json.loads(self.status.read_text()).get("state")
-            except (OSError, ValueError):
-                state = None
-            if state == "ready":
-                return
-            if state in ("failed", "fatal") or self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{self.name} not ready: {self.status.read_text() if self.status.exists() else ''}\n"
-                             f"{(self.tmp / f'{self.name}.log').read_text()[-4000:]}")
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.sock)), base_url="http://w", timeout=120)
-
-    def generate(self, prompt: str, n: int = 12) -> dict:
-        with self.client() as c:
-            r = c.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True}})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
@@ -108,6 +38,7 @@ def served(tmp_path_factory):
     runs = {"one": Served(tmp, "one", model, ["sm_80"]),
             "two": Served(tmp, "two", model, ["sm_80", "sm_86"]),
             "three": Served(tmp, "three", model, ["sm_75", "sm_86", "sm_90"]),
+            "three_mb": Served(tmp, "three_mb", model, ["sm_80", "sm_86", "sm_90"], ("--pipeline-microbatches", "3")),
             "tight_one": Served(tmp, "tight_one", model, ["sm_80"], tight),
             "tight_two": Served(tmp, "tight_two", model, ["sm_80", "sm_86"], ("--kv-cache-bytes", "98304"))}
     try:
@@ -126,10 +57,12 @@ def _texts(server: Served, prompts, n: int = 12) -> list[str]:
 
 def test_pipelines_answer_as_one_worker_does_batched_chunked_and_cached(served):
     """Concurrent requests, prompts over one step's 16 tokens (chunked prefill) and a repeated
-    prompt (prefix cache) give the same greedy text on 1, 2 and 3 stages."""
+    prompt (prefix cache) give the same greedy text on 1, 2 and 3 stages, and on 3 stages with
+    each step cut into micro-batches."""
     want = _texts(served["one"], PROMPTS)
     assert _texts(served["two"], PROMPTS) == want
     assert _texts(served["three"], PROMPTS) == want
+    assert _texts(served["three_mb"], PROMPTS) == want  # each step cut into 3 micro-batches on their way at once
     assert served["two"].generate(PROMPTS[2])["generated_text"] == want[2]  # again: from the prefix cache
 
 
@@ -203,3 +136,16 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_micro_batches_cut_in_order_by_tokens():
+    """`micro_batches` keeps the chunks' order, leaves no run empty and balances tokens."""
+    from types import SimpleNamespace
+
+    from workers.pipeline.runner import micro_batches
+
+    items = [(SimpleNamespace(num_tokens=n), [0] * n) for n in (1, 1, 1, 1, 12, 1, 1)]
+    runs = micro_batches(items, 3)
+    assert [x for run in runs for x in run] == items and len(runs) == 3 and all(runs)
+    assert [sum(c.num_tokens for c, _ in run) for run in runs] == [4, 12, 2]
+    assert micro_batches(items[:2], 5) == [[items[0]], [items[1]]] and micro_batches(items, 1) == [items]

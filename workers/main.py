@@ -97,11 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve as a stage of this pipeline plan (written by the router; workers/pipeline/)")
     p.add_argument("--pipeline-rank", type=int, default=0,
                    help="this worker's stage in --pipeline-plan (0: the first, which starts the others)")
+    p.add_argument("--pipeline-microbatches", type=int,
+                   help="micro-batches each step of a pipeline is cut into (default: one per stage)")
     p.add_argument("--preflight", choices=PREFLIGHT_MODES, default=os.environ.get(ENV_PREFLIGHT, "auto"),
                    help="compile and check the selected kernels before ready: auto (real GPUs), on (simulated "
                         f"GPUs too), off (default: ${ENV_PREFLIGHT} or auto)")  # fmt: skip
     args = p.parse_args(argv)
-    for name in ("max_batch", "threads", "kv_cache_bytes", "max_model_len"):
+    for name in ("max_batch", "threads", "kv_cache_bytes", "max_model_len", "pipeline_microbatches"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"`--{name.replace('_', '-')}` must be >= 1, got `{value}`")
@@ -319,8 +321,10 @@ def _join_pipeline(plan, rank: int, bound, loaded, stages):
 
 def _serve_stage(args, status: StatusFile, bound, loaded, kernels, conv, fp8_reason, link) -> int:
     """A stage after the first: its loop until the pipeline stops (workers/pipeline/follower.py)."""
+    from workers.device.slowdown import apply_slowdown
     from workers.pipeline.follower import serve_stage
 
+    apply_slowdown(loaded.model, args.worker_id)  # $HETSERVE_SLOWDOWN: benchmarks and tests only
     status.write(WorkerStatus.READY, stage=link.rank)
     context = min(loaded.config.context_length, args.max_model_len or loaded.config.context_length)
     serve_stage(args, bound, loaded, kernels, {"convention": conv.name, "reason": fp8_reason}, link, context)

@@ -43,17 +43,16 @@ def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, 
                                             link.agree_blocks)
     logger.info("KV cache %s bytes: %s; budget %s (%s)", kv.nbytes, shape, budget, why)
     link.gather(describe_stage(link.rank, bound, loaded, kernels, fp8, kv))
-    hidden_size, steps = loaded.config.hidden_size, 0
+    hidden_size, steps, sending = loaded.config.hidden_size, 0, []
     with torch.inference_mode():
         while (message := link.recv_step(hidden_size)) is not None:
             items, hidden = message
             batch = ForwardBatch.build(items, kv.block_size, bound.torch_device, None, kv.windows)
             out = loaded.model.step(batch, kv, hidden)  # [T, H], or the last stage's logits [N, V]
-            if link.last:
-                link.send_logits(out)
-            else:
-                link.send_step(items, out)
+            link.wait(sending)  # the previous micro-batch has left
+            sending = link.send_logits(out) if link.last else link.send_step(items, out)
             steps += 1
+    link.wait(sending)
     if not link.last:
         link.send_stop()
     link.close()

@@ -4,7 +4,8 @@ Design: stage `r` sends stage `r + 1` each step as three point-to-point messages
 (`[kind, meta bytes, rows]` int64), the step's chunks (pickled `(SeqChunk, token ids)` pairs, the
 same items the first stage packed its `ForwardBatch` from, so every stage builds the same batch
 for its own device) and the hidden states `[T, H]` in the sender's compute dtype; the last stage
-sends the logits `[N, V]` fp32 back to the first. Nothing else crosses: no fp8, no sampling
+sends the logits `[N, V]` fp32 back to the first. Sends do not wait for the receiver (`isend`): a
+stage goes on computing its next micro-batch while its last one travels. Nothing else crosses: no fp8, no sampling
 state. The backend is NCCL (RCCL on ROCm) when every stage is a real GPU of one vendor, gloo
 otherwise (CPU and simulated devices, a pipeline that crosses vendors), where tensors travel
 through host memory. The trade-off: a step's chunks are pickled on every hop (a few hundred
@@ -87,16 +88,20 @@ class StageLink:
             dist.destroy_process_group()
 
     # ---- one step -------------------------------------------------------------------------
-    def send_step(self, items, hidden: torch.Tensor) -> None:
-        """To the next stage: the step's chunks and the hidden states [T, H]."""
+    def send_step(self, items, hidden: torch.Tensor) -> list:
+        """To the next stage: the step's chunks and the hidden states [T, H]. Returns the sends
+        under way (wait on them, `wait`, before the tensors may change): the caller computes on."""
         meta = torch.frombuffer(bytearray(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-        dist.send(torch.tensor([STEP, meta.numel(), hidden.shape[0]], dtype=torch.int64, device=self.wire),
-                  self.rank + 1)
-        dist.send(meta.to(self.wire), self.rank + 1)
-        dist.send(hidden.to(self.wire).contiguous(), self.rank + 1)
+        header = torch.tensor([STEP, meta.numel(), hidden.shape[0]], dtype=torch.int64, device=self.wire)
+        return [dist.isend(t, self.rank + 1) for t in (header, meta.to(self.wire), hidden.to(self.wire).contiguous())]
 
     def send_stop(self) -> None:
         dist.send(torch.tensor([STOP, 0, 0], dtype=torch.int64, device=self.wire), self.rank + 1)
+
+    @staticmethod
+    def wait(sends: list) -> None:
+        for work in sends:
+            work.wait()
 
     def recv_step(self, hidden_size: int):
         """From the previous stage: (items, hidden [T, H] in this stage's dtype), or None to stop."""
@@ -112,8 +117,8 @@ class StageLink:
         items = pickle.loads(meta.cpu().numpy().tobytes())  # noqa: S301 (our own stages, in one process group)
         return items, hidden.to(self.device, self.dtypes[self.rank])
 
-    def send_logits(self, logits: torch.Tensor) -> None:
-        dist.send(logits.to(self.wire).contiguous(), 0)
+    def send_logits(self, logits: torch.Tensor) -> list:
+        return [dist.isend(logits.to(self.wire).contiguous(), 0)]
 
     def recv_logits(self, rows: int, vocab: int) -> torch.Tensor:
         out = torch.empty(rows, vocab, dtype=torch.float32, device=self.wire)

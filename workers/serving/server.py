@@ -169,7 +169,8 @@ class WorkerServer:
         if self.link is not None:  # the first stage of a pipeline (workers/pipeline/runner.py)
             from workers.pipeline.runner import PipelineRunner
 
-            runner = PipelineRunner(loaded.model, self.kv, self.bound.torch_device, self.link, args.worker_id)
+            runner = PipelineRunner(loaded.model, self.kv, self.bound.torch_device, self.link, args.worker_id,
+                                    getattr(args, "pipeline_microbatches", None))
         else:
             runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
                                  mirror=self.deterministic is None, compiled=self.compiled)

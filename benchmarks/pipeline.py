@@ -1,0 +1,122 @@
+"""Pipeline throughput, measured side by side in one run on the same checkpoint.
+
+    python benchmarks/pipeline.py                         # a 8-layer stand-in of 62M parameters (bf16)
+    python benchmarks/pipeline.py --model DIR --requests 16 --new-tokens 64 --slowdown 3
+
+The default model is a random Llama of 8 layers, hidden 768 (tests/checkpoints.py): large
+enough that a step's time is its layers' compute, as for the models pipelines are for, not
+the fixed cost of a step (the embedded 4-layer model decodes 16 rows in about a millisecond,
+where two processes' hand-offs cost as much as their layers). Real worker processes (`python -m workers`, tests/pipeline_harness.py), 16 concurrent greedy
+requests of `--new-tokens` tokens each (EOS ignored), all decode eager (a stage cannot compile
+its step; the single worker runs `--compile off` too, so the two compare the same kernels):
+(a) one worker with two CPU threads serving the whole model;
+(b) a 2-stage pipeline, one CPU thread per stage (the split even: the stages are equal);
+    b/a, target >= 0.8 (`--microbatches 1,2,4`: also with each step cut into micro-batches);
+(c) the same pipeline with its second stage slowed `--slowdown` times ($HETSERVE_SLOWDOWN),
+    split by speed as placement splits it (workers/contract/pipeline.py `split_layers`, speeds
+    1 and 1/slowdown);
+(d) the same slowed pipeline split evenly; c/d, target >= 1.2.
+Each pair runs alternately, each figure the best of `--repeats`. Exit code 1 when a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.pipeline_harness import Served  # noqa: E402
+from workers.contract.model_size import read_config  # noqa: E402
+from workers.contract.pipeline import split_layers  # noqa: E402
+
+WORDS = "the quick brown fox jumps over a lazy dog while each worker binds one device and picks its kernels".split()
+
+
+def prompts(n: int) -> list[str]:
+    return [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(12)) for i in range(n)]
+
+
+def throughput(server: Served, texts: list[str], new_tokens: int) -> float:
+    """Generated tokens per second with every request in flight at once."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        done = list(pool.map(lambda p: server.generate(p, new_tokens, ignore_eos=True), texts))
+    wall = time.perf_counter() - t0
+    tokens = sum(d["details"]["generated_tokens"] for d in done)
+    return tokens / wall
+
+
+def best_alternating(a: Served, b: Served, texts, new_tokens, repeats) -> tuple[float, float]:
+    ra, rb = [], []
+    for i in range(repeats):
+        for server, out in ((a, ra), (b, rb)) if i % 2 == 0 else ((b, rb), (a, ra)):
+            out.append(throughput(server, texts, new_tokens))
+    return max(ra), max(rb)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="a model directory (default: the stand-in)")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--slowdown", type=float, default=3.0)
+    p.add_argument("--microbatches", default="1",
+                   help="also run (b) with each step cut into these many micro-batches, e.g. 1,2,4 (the first is b)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="hetserve-pipeline-") as tmp:
+        if args.model is None:
+            from tests.checkpoints import make_checkpoint
+
+            args.model = make_checkpoint(Path(tmp) / "stand-in", hidden_size=768, intermediate_size=2048,
+                                         num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                                         vocab_size=4096, torch_dtype="bfloat16")
+        return run(args, Path(tmp))
+
+
+def run(args, t: Path) -> int:
+    n = int(read_config(args.model).get("num_hidden_layers"))
+    common = ("--max-batch", str(args.requests), "--compile", "off")
+    texts = prompts(args.requests)
+    weighted = [s.layers for s in split_layers([1] * n, [10**12, 10**12], [1.0, 1.0 / args.slowdown])]
+    even = [n // 2, n - n // 2]
+    slowed = {"HETSERVE_SLOWDOWN": f"slow_w-1={args.slowdown:g},slow_e-1={args.slowdown:g}"}
+    micro = [int(m) for m in args.microbatches.split(",")]
+    runs = {"one": Served(t, "one", args.model, ["sm_80"], threads=2, common=common),
+            **{f"two{m}": Served(t, f"two{m}", args.model, ["sm_80", "sm_86"], threads=1, common=common,
+                                 extra=("--pipeline-microbatches", str(m))) for m in micro},
+            "slow_w": Served(t, "slow_w", args.model, ["sm_80", "sm_86"], threads=1, common=common,
+                             partition=weighted, env=slowed),
+            "slow_e": Served(t, "slow_e", args.model, ["sm_80", "sm_86"], threads=1, common=common,
+                             partition=even, env=slowed)}
+    try:
+        for s in runs.values():
+            s.wait_ready()
+        for s in runs.values():  # warm up: first-step allocations, caches
+            throughput(s, texts[:4], 8)
+        a, b = best_alternating(runs["one"], runs[f"two{micro[0]}"], texts, args.new_tokens, args.repeats)
+        more = {m: best_alternating(runs["one"], runs[f"two{m}"], texts, args.new_tokens, args.repeats)
+                for m in micro[1:]}
+        c, d = best_alternating(runs["slow_w"], runs["slow_e"], texts, args.new_tokens, args.repeats)
+    finally:
+        for s in runs.values():
+            s.stop()
+    print(f"model {args.model.name}: {n} layers, {args.requests} concurrent requests x {args.new_tokens} tokens")
+    print(f"(a) one worker, 2 threads:            {a:8.1f} tokens/s")
+    print(f"(b) 2-stage pipeline, 1 thread each:  {b:8.1f} tokens/s   b/a = {b / a:.2f} (target >= 0.8)")
+    for m, (one, pipe) in more.items():
+        print(f"    with {m} micro-batches per step:  {pipe:8.1f} tokens/s   ({pipe / one:.2f}x one worker's {one:.1f})")
+    print(f"(c) stage 1 slowed {args.slowdown:g}x, split {weighted} by speed: {c:8.1f} tokens/s")
+    print(f"(d) stage 1 slowed {args.slowdown:g}x, split {even} evenly:   {d:8.1f} tokens/s   c/d = {c / d:.2f} "
+          f"(target >= 1.2)")
+    return 0 if b / a >= 0.8 and c / d >= 1.2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
