@@ -100,3 +100,35 @@ def test_killing_the_middle_stage_ends_the_stream_clearly_and_the_pipeline_comes
         assert c.post("/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 4}}).status_code == 200
     assert not alive(middle)
     assert Path(path).is_dir()
+
+
+def test_streams_on_a_killed_pipeline_move_to_the_other_replica(tmp_path):
+    """A pipeline replica (gpu0+gpu1) beside a single-device one (gpu2), `--place six=gpu0+gpu1,gpu2`:
+    kill -9 of the pipeline's second stage mid-stream moves its streams to gpu2, and every
+    stream ends with all its tokens; the pipeline then comes back."""
+    from tests.checkpoints import make_checkpoint
+    from tests.router_harness import sse_events
+
+    model = make_checkpoint(tmp_path / "six", num_hidden_layers=6)
+    router = RouterProcess(["--simulate", "sm_80,sm_86,sm_90", "--model", f"six={model}", "--place",
+                            "six=gpu0+gpu1,gpu2", "--dtype", "float32", "--max-batch", "8"],
+                           env={"HETSERVE_COMPILE": "off", "HETSERVE_SLOWDOWN": "gpu1=20,gpu2=20"},  # streams last
+                           fake=False, ready_timeout=300)
+    try:
+        workers = {w["id"]: w for w in router.workers()}
+        assert set(workers) == {"gpu0", "gpu2"} and workers["gpu2"]["pipeline"] is None
+        second = workers["gpu0"]["pipeline"]["stages"][1]
+        assert second["device"]["capability"] == "8.6"
+        body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 200, "ignore_eos": True}}
+        with router.client(timeout=180) as c, ThreadPoolExecutor(6) as pool:
+            streams = [pool.submit(lambda: c.post("/generate_stream", json=body).text) for _ in range(6)]
+            time.sleep(1.0)
+            os.kill(second["pid"], signal.SIGKILL)
+            finals = [sse_events(s.result(120))[-1] for s in streams]
+        assert all(f.get("details", {}).get("generated_tokens") == 200 for f in finals), finals
+        assert any(f["details"].get("migrations", 0) >= 1 for f in finals), finals
+        back = router.wait_for(lambda: (w := router.worker("gpu0"))["state"] == "ready" and w["restarts"] >= 1
+                               and w, 180)
+        assert back["pipeline"]["stages"][1]["pid"] != second["pid"]
+    finally:
+        router.stop()
