@@ -90,7 +90,7 @@ def test_what_no_layer_runs_is_a_named_error_listing_what_is_supported(change, m
 
 
 def test_the_registry_holds_one_module_per_method_and_no_config_is_unquantized():
-    assert sorted(METHODS) == ["compressed-tensors", "fp8"]
+    assert sorted(METHODS) == ["compressed-tensors", "fp8", "mxfp4"]
     assert read_quantization({"architectures": ["LlamaForCausalLM"]}) is None
     assert describe_quantization({}) is None
 
