@@ -51,7 +51,7 @@ from workers.contract import (
 
 REPO_ROOT = Path(__file__).resolve().parent
 LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE", "Fp8CheckpointLinear", "GatedDeltaRule",
-          "Fp8FusedMoE", "Int4CheckpointLinear")
+          "Fp8FusedMoE", "Int4CheckpointLinear", "Mxfp4FusedMoE")
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
@@ -264,6 +264,27 @@ _ENTRIES: tuple[_Entry, ...] = (
            "Triton W4A16, nibbles unpacked in registers, 16-bit MFMA, tuned for CDNA's 64-lane wavefronts"),
     _Entry("Int4CheckpointLinear", _rocm(100, _ANY), "int4_linear", "Int4LinearTritonRocm", "w4a16-triton-rocm",
            f"Triton W4A16; {_RDNA}"),
+    # -- Mxfp4FusedMoE: gpt-oss's MXFP4 experts, the ranges of the MXFP4 rule (workers/contract/mxfp4_rule.py
+    #    `mxfp4_kind`, held equal by a test; the variant's first word is the execution; a dequantizing device
+    #    holds no such module: its experts were widened at load into FusedMoE) ---------------------------
+    _Entry("Mxfp4FusedMoE", Device(type="cpu"), "fused_moe", "Mxfp4FusedMoE", "dequantized-torch",
+           "CPU: MXFP4 experts dequantized at load into the model dtype, then FusedMoE (Triton needs a GPU)"),
+    _Entry("Mxfp4FusedMoE", Device(type="cuda"), "fused_moe", "Mxfp4FusedMoE", "dequantized-torch",
+           "below sm_80 the grouped GEMM does not run in Triton (dots lower to FMAs): MXFP4 experts "
+           "dequantized at load into the model dtype, then FusedMoE"),
+    _Entry("Mxfp4FusedMoE", _cuda(80, 89), "fused_moe", "Mxfp4FusedMoETritonSm80",
+           "w4a16-triton-sm80", "Ampere/Ada (sm_80..sm_89): MXFP4 experts kept packed, e2m1 decoded in registers in "
+           "the Triton grouped GEMM, 16-bit mma, pre-Hopper tiles"),
+    _Entry("Mxfp4FusedMoE", _cuda(90, 99), "fused_moe", "Mxfp4FusedMoETritonSm90", "w4a16-triton-sm90",
+           "Hopper (sm_90): MXFP4 experts kept packed, e2m1 decoded in registers in the Triton grouped GEMM, "
+           "64-row blocks or more (wgmma)"),
+    _Entry("Mxfp4FusedMoE", _cuda(100, _ANY), "fused_moe", "Mxfp4FusedMoETritonSm90", "w4a16-triton-sm90",
+           f"MXFP4 experts kept packed, Triton grouped GEMM; {_NEWER}"),
+    _Entry("Mxfp4FusedMoE", Device(type="rocm"), "fused_moe", "Mxfp4FusedMoETritonRocm", "w4a16-triton-rocm",
+           "MXFP4 experts kept packed, e2m1 decoded in registers in the Triton grouped GEMM, 16-bit MFMA, tuned "
+           "for CDNA's 64-lane wavefronts"),
+    _Entry("Mxfp4FusedMoE", _rocm(100, _ANY), "fused_moe", "Mxfp4FusedMoETritonRocm", "w4a16-triton-rocm",
+           f"MXFP4 experts kept packed, Triton grouped GEMM; {_RDNA}"),
 )
 # fmt: on
 

@@ -163,46 +163,61 @@ def test_anything_else_in_the_config_is_a_named_error(qc, match):
 
 
 @pytest.mark.parametrize(
-    ("device_type", "cap", "shown"),
+    ("device_type", "cap", "kind", "reason"),
     [
-        ("cpu", None, "CPU"),
-        ("cuda", (7, 0), "sm_70"),
-        ("cuda", (7, 5), "sm_75"),
-        ("cuda", (9, 0), "sm_90"),
-        ("cuda", (12, 0), "sm_120"),
-        ("rocm", (9, 4), "ROCm"),
-        (None, None, "every device"),
+        ("cpu", None, "dequantized", "CPU: MXFP4 experts dequantized to the model dtype at load"),
+        (
+            "cuda",
+            (7, 0),
+            "dequantized",
+            "sm_70: below sm_80 the fused MoE's grouped GEMM does not run in Triton",
+        ),
+        ("cuda", (7, 5), "dequantized", "sm_75: below sm_80"),
+        (
+            "cuda",
+            (8, 0),
+            "w4a16",
+            "sm_80: MXFP4 experts kept packed (4.25 bits a weight), e2m1 decoded in registers",
+        ),
+        ("cuda", (9, 0), "w4a16", "sm_90: MXFP4 experts kept packed"),
+        ("cuda", (12, 0), "w4a16", "sm_120: MXFP4 experts kept packed"),
+        ("rocm", (9, 4), "w4a16", "ROCm: MXFP4 experts kept packed"),
+        (None, None, "per device", "MXFP4 experts kept packed on CUDA from sm_80 and on ROCm"),
     ],
 )
-def test_every_device_dequantizes_at_load_and_says_why(device_type, cap, shown):
+def test_each_device_runs_the_mxfp4_rule_and_says_why(device_type, cap, kind, reason):
     execution = mxfp4_execution(device_type, cap)
-    assert execution.kind == "dequantized"
-    assert execution.reason.startswith(f"{shown}: MXFP4 experts dequantized to the model dtype at load")
+    assert execution.kind == kind and execution.reason.startswith(reason), execution
+    if kind == "dequantized":
+        assert "dequantized to the model dtype at load" in execution.reason and "widened" in execution.reason
 
 
 # -- placement sizing -------------------------------------------------------------------------------
 
 
-def test_mxfp4_experts_are_sized_as_the_worker_holds_them(tmp_path):
-    """The experts take the compute dtype on every device (dequantized at load): sized at the stored
-    bytes, placement would offer a device a quarter of what the worker then holds."""
+def test_mxfp4_experts_are_sized_as_each_device_holds_them(tmp_path, monkeypatch):
+    """Guards the MXFP4 terms of `need_on`: where the rule dequantizes (sm_75) the experts take the compute
+    dtype (sized at the stored bytes, placement would offer a device a quarter of what the worker holds),
+    where it keeps them packed (sm_90) their stored bytes; both equal what the loader then holds."""
     from tests.family_checkpoints import make_family_checkpoint
     from tests.mxfp4_checkpoints import mxfp4_checkpoint
     from workers.contract import parse_simulate
     from workers.contract.model_size import need_on, read_profile
+    from workers.model import quantized_mxfp4
     from workers.model.loader import load_model
 
     ckpt = mxfp4_checkpoint(make_family_checkpoint("gpt_oss", tmp_path / "src"), tmp_path / "mx")
     profile = read_profile(ckpt)
-    loaded = load_model(ckpt, "bfloat16")
-    c = loaded.config
-    # gate_up (2I x H) and down (H x I) of every expert of every layer, all in MXFP4
     assert profile.quantization == "mxfp4"
-    assert (
-        profile.mxfp4_params
-        == 3 * c.num_hidden_layers * c.num_experts * c.hidden_size * c.moe_intermediate_size
-    )
-    unique = {t.data_ptr(): t for t in loaded.model.state_dict().values()}
-    held = sum(t.numel() * t.element_size() for t in unique.values())
     for device in parse_simulate("sm_75,sm_90"):
-        assert need_on(profile, device, "bfloat16").weight_bytes == held
+        monkeypatch.setattr(quantized_mxfp4, "load_device", lambda d=device: (d.type, tuple(d.capability)))
+        loaded = load_model(ckpt, "bfloat16")
+        c = loaded.config
+        # gate_up (2I x H) and down (H x I) of every expert of every layer, all in MXFP4
+        assert (
+            profile.mxfp4_params
+            == 3 * c.num_hidden_layers * c.num_experts * c.hidden_size * c.moe_intermediate_size
+        )
+        unique = {t.data_ptr(): t for t in loaded.model.state_dict().values()}
+        held = sum(t.numel() * t.element_size() for t in unique.values())
+        assert need_on(profile, device, "bfloat16").weight_bytes == held, device

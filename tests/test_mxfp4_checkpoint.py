@@ -149,6 +149,68 @@ def test_greedy_tokens_through_the_engine_equal_transformers(made, reference):
     assert [[e.token_id for e in s.events] for s in streams] == want
 
 
+# -- devices that keep the experts packed ----------------------------------------------------------
+
+SM90 = ("cuda", (9, 0))
+
+
+def _packed(made, monkeypatch, case="ckpt", dtype="float32"):
+    from workers.model import quantized_mxfp4
+
+    monkeypatch.setattr(quantized_mxfp4, "load_device", lambda: SM90)
+    return load_model(made[case], dtype)
+
+
+@pytest.mark.parametrize("case", ["ckpt", "partial"])
+def test_a_w4a16_device_holds_the_stored_bytes_in_our_row_order(made, monkeypatch, case):
+    """On sm_90 the experts stay packed (`Mxfp4FusedMoE`), gate rows then up rows; dequantized, they are
+    the twin's experts bit for bit; experts the config leaves alone stay a `FusedMoE`."""
+    from workers.model.moe import FusedMoE
+    from workers.model.moe_mxfp4 import Mxfp4FusedMoE
+    from workers.quant.mxfp4 import dequantize
+
+    lm = _packed(made, monkeypatch, case)
+    twin = load_model(made[{"ckpt": "twin", "partial": "partial_twin"}[case]], "float32").model
+    for i, layer in enumerate(lm.model.layers):
+        experts, want = layer.feed_forward.experts, twin.layers[i].feed_forward.experts
+        if case == "partial" and i == 1:
+            assert type(experts) is FusedMoE and torch.equal(experts.w_gate_up, want.w_gate_up)
+            continue
+        assert type(experts) is Mxfp4FusedMoE
+        for name in ("w_gate_up", "w_down"):
+            blocks, scales = getattr(experts, f"{name}_blocks"), getattr(experts, f"{name}_scales")
+            e, n, half = blocks.shape
+            got = dequantize(blocks.view(e, n, half // 16, 16), scales, torch.float32)
+            assert torch.equal(got, getattr(want, name)), (i, name)
+        assert torch.equal(experts.b_gate_up, want.b_gate_up) and torch.equal(experts.b_down, want.b_down)
+    q = lm.quantization
+    assert (q["execution"], q["widened_bytes"]) == ("w4a16", 0) and q["reason"].startswith(
+        "sm_90: MXFP4 experts kept"
+    )
+    assert q["weight_bytes"] == q["stored_bytes"] > 0
+    expert_bf16 = sum(2 * t.numel() for n, t in twin.named_parameters() if ".experts.w_" in n)
+    assert q["weight_bytes"] <= 0.3 * expert_bf16 * (1 if case == "ckpt" else 3 / 4)
+
+
+def test_a_w4a16_device_computes_the_dequantized_logits_bit_for_bit(made, monkeypatch):
+    """A simulated sm_90 worker's kernel layer (`Mxfp4FusedMoETritonSm90`, on CPU tensors its torch
+    path) gives the logits of the experts dequantized at load, bit for bit, so a mixed host answers alike."""
+    from workers.device.bind import BoundDevice
+    from workers.kernelize.apply import kernelize_for_device
+
+    lm = _packed(made, monkeypatch)
+    choices = kernelize_for_device(lm.model, BoundDevice("cuda", 0, "GPU-sim", "sim", SM90[1], 0, True))
+    assert choices["Mxfp4FusedMoE"].layer == "Mxfp4FusedMoETritonSm90"
+    assert type(lm.model.layers[0].feed_forward.experts.forward.__self__).__name__ == "Mxfp4FusedMoE"
+    assert lm.model.layers[0].feed_forward.experts.forward.__func__.__qualname__.startswith(
+        "Mxfp4FusedMoETritonSm90"
+    )
+    ref = load_model(made["ckpt"], "float32")
+    ids = torch.tensor([_prompts(ref.tokenizer)[0][:40]])
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids), ref.model(ids))
+
+
 # -- refusals -----------------------------------------------------------------------------------------
 
 

@@ -18,6 +18,11 @@ The `Fp8FusedMoE` layers run a pre-quantized checkpoint's fp8 experts (fp8.py), 
 each (`native`, `weight_only`, or `dequantized` for the torch layer, whose weights were widened
 at load), and refuse a module prepared for another: a buffer made for one execution never
 reaches another's kernel. Deterministic mode takes the torch path of the module's execution.
+
+The `Mxfp4FusedMoE` layers run gpt-oss's MXFP4 experts kept packed (mxfp4.py: e2m1 bytes and e8m0
+scales, decoded in registers by the grouped GEMM); the torch layer dequantizes an active expert per
+call. Only devices whose MXFP4 rule keeps the experts packed build such a module (the others widen
+them at load into `FusedMoE`), and each layer refuses a module of another execution.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 
 from .fp8 import fp8_compile_specs, fused_moe_fp8, fused_moe_fp8_reference
 from .fused_moe import HOPPER, PRE_HOPPER, ROCM, FusedMoETuning, compile_specs, fused_moe, fused_moe_reference
+from .mxfp4 import fused_moe_mxfp4, fused_moe_mxfp4_reference, mxfp4_compile_specs
 
 
 def _torch_path(module: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -148,6 +154,52 @@ class Fp8FusedMoETritonNativeRocm(nn.Module):
         return _fp8(self, x, topk_ids, topk_weights, "native", ROCM)
 
 
+# -- gpt-oss's MXFP4 experts kept packed (`Mxfp4FusedMoE`) ---------------------------------------------
+
+
+def _mxfp4(module: nn.Module, x, topk_ids, topk_weights, tuning: FusedMoETuning | None) -> torch.Tensor:
+    if getattr(module, "execution", None) != "w4a16":
+        raise TypeError(f"MXFP4 experts layer for the `w4a16` execution got a module of "
+                        f"`{getattr(module, 'execution', None)}`")  # fmt: skip
+    if tuning is None or getattr(module, "row_tile", None) is not None:  # torch, or deterministic tiles
+        return fused_moe_mxfp4_reference(x, module, topk_ids, topk_weights, getattr(module, "row_tile", None))
+    return fused_moe_mxfp4(x, module, topk_ids, topk_weights, tuning=tuning)
+
+
+class Mxfp4FusedMoE(nn.Module):
+    """Torch: each active expert's e2m1 blocks dequantized per call into the activations' dtype."""
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _mxfp4(self, x, topk_ids, topk_weights, None)
+
+
+class Mxfp4FusedMoETritonSm80(nn.Module):
+    """Triton W4A16 (Ampere/Ada, sm_80..sm_89): e2m1 decoded in registers, 16-bit mma, pre-Hopper tiles."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _mxfp4(self, x, topk_ids, topk_weights, PRE_HOPPER)
+
+
+class Mxfp4FusedMoETritonSm90(nn.Module):
+    """Triton W4A16, Hopper-and-later tiles (sm_90+: 64-row blocks or more, wgmma)."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _mxfp4(self, x, topk_ids, topk_weights, HOPPER)
+
+
+class Mxfp4FusedMoETritonRocm(nn.Module):
+    """Triton W4A16 on ROCm (16-bit MFMA, 64-lane wavefronts, 2 stages)."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _mxfp4(self, x, topk_ids, topk_weights, ROCM)
+
+
 # Ahead-of-time compile specs of each Triton layer: `spec(workload) -> (CompileSpec, ...)`.
 COMPILE_SPECS = {
     "FusedMoETritonSm70": partial(compile_specs, PRE_HOPPER),
@@ -158,4 +210,7 @@ COMPILE_SPECS = {
     "Fp8FusedMoETritonNativeSm89": partial(fp8_compile_specs, PRE_HOPPER, native=True),
     "Fp8FusedMoETritonNativeSm90": partial(fp8_compile_specs, HOPPER, native=True),
     "Fp8FusedMoETritonNativeRocm": partial(fp8_compile_specs, ROCM, native=True),
+    "Mxfp4FusedMoETritonSm80": partial(mxfp4_compile_specs, PRE_HOPPER),
+    "Mxfp4FusedMoETritonSm90": partial(mxfp4_compile_specs, HOPPER),
+    "Mxfp4FusedMoETritonRocm": partial(mxfp4_compile_specs, ROCM),
 }

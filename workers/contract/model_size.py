@@ -36,6 +36,7 @@ from workers.contract.device import DeviceInfo
 from workers.contract.dtypes import DTYPE_BYTES, SAFETENSORS_BYTES, SAFETENSORS_FLOATS, dtype_rule
 from workers.contract.fp8_rule import FP8_DEQUANTIZED, fp8_execution
 from workers.contract.int4_rule import INT4_DEQUANTIZED, int4_kind
+from workers.contract.mxfp4_rule import MXFP4_DEQUANTIZED, mxfp4_kind
 from workers.contract.sizes import human
 
 CONFIG_FILE = "config.json"
@@ -125,8 +126,8 @@ def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quan
     # (workers/model/quantized_int4.py); elsewhere they stay packed, as stored
     widened4 = profile.packed4_params if int4_kind(device.type, cap) == INT4_DEQUANTIZED else profile.packed4_expert_params
     weights += widened4 * size - widened4 // 2
-    if profile.mxfp4_params:  # MXFP4 experts dequantize at load on every device (workers/model/quantized_mxfp4.py)
-        weights += profile.mxfp4_params * size - profile.mxfp4_bytes
+    if profile.mxfp4_params and mxfp4_kind(device.type, cap) == MXFP4_DEQUANTIZED:  # widened at load there
+        weights += profile.mxfp4_params * size - profile.mxfp4_bytes  # (workers/model/quantized_mxfp4.py)
     if quantize == "fp8":
         weights += profile.projection_params + profile.projection_rows * FP8_SCALE_BYTES
         floats -= profile.projection_params

@@ -1,19 +1,25 @@
-"""Reading an MXFP4 checkpoint (gpt-oss's experts in e2m1 with e8m0 scales): dequantized at load.
+"""Reading an MXFP4 checkpoint (gpt-oss's experts in e2m1 with e8m0 scales) for this device's execution.
 
 Design: the loader drives this reader through the same five calls as the fp8 and 4-bit ones
 (workers/model/quantized.py, quantized_int4.py): `bind` notes the HF tensors the model expects,
 `claims` takes every `P_blocks` / `P_scales` of an experts projection `P` the config quantizes,
 `covers` tells the loader that `P` itself (the unquantized tensor the family's map expects) is made
-from them, `to_ours` checks each projection's dtype and shapes (workers/quant/mxfp4.py
-`check_stored`), dequantizes it into the model dtype, turns it into the orientation gpt-oss stores
-unquantized ([E, K, N]: gate and up interleaved along N) and hands it to the family's own weight
-map, so it lands in `FusedMoE.w_gate_up` / `w_down` exactly as an unquantized checkpoint's would;
-`install` then has nothing to swap. Refused by name: MXFP4 tensors on a module the config leaves
-alone (`modules_to_not_convert`), on anything but a stacked experts projection (only gpt-oss stores
-them so), a projection with its blocks but not its scales (or the reverse), and a float16 model whose
-experts overflow it. `describe` gives `/workers` the method, scheme, the device rule's execution and
-reason (`mxfp4_execution`) and the bytes as stored and as widened. The trade-off: the experts take
-their dequantized twin's memory until an MXFP4 kernel runs them packed.
+from them. The execution comes from the MXFP4 rule (workers/quant/mxfp4.py `mxfp4_execution`) for the
+bound device (`load_device`; the CPU when none is bound). `to_ours` checks each projection's dtype and
+shapes (`check_stored`), then:
+- `w4a16` (CUDA sm_80+, ROCm): keeps the bytes, in our row order (gpt-oss interleaves gate and up
+  rows: even rows gate, odd rows up; ours are gate rows then up rows) as `<experts>.w_gate_up_blocks`
+  [E, 2I, H/2], `_scales` [E, 2I, H/32], `w_down_blocks` [E, H, I/2], `_scales` [E, H, I/32], and
+  `install` swaps those layers' `FusedMoE` for an `Mxfp4FusedMoE` (workers/model/moe_mxfp4.py), which
+  kernelize gives the device's Triton layer;
+- `dequantized` (below sm_80, CPU): dequantizes into the model dtype, turns it into the orientation
+  gpt-oss stores unquantized ([E, K, N]) and hands it to the family's own weight map, so it lands in
+  `FusedMoE.w_gate_up` / `w_down` exactly as an unquantized checkpoint's would.
+Refused by name: MXFP4 tensors on a module the config leaves alone (`modules_to_not_convert`), on
+anything but a stacked experts projection (only gpt-oss stores them so), a projection with its blocks
+but not its scales (or the reverse), and a float16 model whose experts overflow it when dequantized.
+`describe` gives `/workers` the method, scheme, execution and reason, and the bytes as stored, as
+held and as widened. The trade-off: a dequantizing device holds the experts at their widened size.
 """
 
 from __future__ import annotations
@@ -23,7 +29,11 @@ import logging
 import torch
 from torch import nn
 
+from workers.contract.mxfp4_rule import MXFP4_W4A16
 from workers.model.config import ModelConfig
+from workers.model.moe import FusedMoE
+from workers.model.moe_mxfp4 import Mxfp4FusedMoE
+from workers.model.quantized_int4 import load_device
 from workers.model.weights import map_name, to_ours
 from workers.quant.mxfp4 import (
     LEAVES,
@@ -41,8 +51,12 @@ EXPERT_TENSORS = ("experts.w_gate_up", "experts.w_down")  # ours: where an MXFP4
 
 
 class Mxfp4Checkpoint:
-    def __init__(self, quant: Mxfp4Config, config: ModelConfig) -> None:
+    def __init__(self, quant: Mxfp4Config, config: ModelConfig,
+                 device: tuple[str, tuple[int, int] | None] | None = None) -> None:  # fmt: skip
         self.quant, self.config = quant, config
+        self.device_type, self.capability = device or load_device()
+        self.execution = mxfp4_execution(self.device_type, self.capability)
+        self.packed: dict[str, tuple[int, int, int]] = {}  # our experts module kept packed -> (E, H, I)
         self.expected: dict[str, tuple[int, ...]] = {}
         self.dtype = torch.float32
         # the HF projections stored in MXFP4 (`model.layers.0.mlp.experts.down_proj`)
@@ -83,14 +97,34 @@ class Mxfp4Checkpoint:
 
     # -- stored tensors -> ours ------------------------------------------------------------------
 
-    def _dequantize(self, projection: str, stored: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One projection in the model dtype and gpt-oss's unquantized orientation [E, K, N]."""
+    def _stored(self, projection: str, stored: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One projection's blocks [E, N, K/32, 16] and scales [E, N, K/32], checked."""
         blocks, scales = (stored.get(projection + leaf) for leaf in LEAVES)
         if blocks is None or scales is None:
             missing = projection + (LEAVES[0] if blocks is None else LEAVES[1])
             raise Mxfp4TensorError(f"`{projection}` is stored in MXFP4 but the checkpoint has no `{missing}`")
         e, k, n = self.expected[projection]  # the unquantized tensor's shape: [E, K inputs, N outputs]
         check_stored(projection, blocks, scales, (e, n, k))
+        return blocks, scales
+
+    def _packed(self, projection: str, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One projection kept packed, in our row order: `<ours>_blocks` [E, N, K/2], `<ours>_scales` [E, N, K/32]."""
+        blocks, scales = self._stored(projection, stored)
+        ours = map_name(projection, self.config)[0]  # `layers.0.feed_forward.experts.w_gate_up`
+        e, n = blocks.shape[:2]
+        if ours.endswith(".w_gate_up"):  # gpt-oss's rows alternate gate, up: ours are gate rows, then up rows
+            blocks = torch.cat((blocks[:, 0::2], blocks[:, 1::2]), dim=1)
+            scales = torch.cat((scales[:, 0::2], scales[:, 1::2]), dim=1)
+            module = ours.removesuffix(".w_gate_up")
+            self.packed[module] = (e, blocks.shape[2] * 32, n // 2)
+        return {
+            f"{ours}_blocks": blocks.reshape(e, n, -1).contiguous(),
+            f"{ours}_scales": scales.contiguous(),
+        }
+
+    def _dequantize(self, projection: str, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One projection in the model dtype and gpt-oss's unquantized orientation [E, K, N]."""
+        blocks, scales = self._stored(projection, stored)
         w = dequantize(blocks, scales, self.dtype)  # [E, N, K]
         if self.dtype == torch.float16 and bool(torch.isinf(w).any()):
             raise Mxfp4TensorError(
@@ -100,28 +134,40 @@ class Mxfp4Checkpoint:
         return w.transpose(1, 2)
 
     def to_ours(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our state-dict entries of the MXFP4 experts: dequantized, placed by the family's map."""
-        hf = {p: self._dequantize(p, stored) for p in sorted(self.projections)}
+        """Our state-dict entries of the MXFP4 experts: kept packed in our row order (`w4a16`), or
+        dequantized and placed by the family's map."""
         self.stored_bytes = sum(t.numel() * t.element_size() for t in stored.values())
+        if self.execution.kind == MXFP4_W4A16:
+            out: dict[str, torch.Tensor] = {}
+            for p in sorted(self.projections):
+                out |= self._packed(p, stored)
+            self.weight_bytes = sum(t.numel() * t.element_size() for t in out.values())
+            return out
+        hf = {p: self._dequantize(p, stored) for p in sorted(self.projections)}
         self.weight_bytes = sum(t.numel() * t.element_size() for t in hf.values())
         return to_ours(hf, self.config)
 
     def install(self, model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> int:
-        """Nothing to swap: the experts are the fused MoE layer's own weights, dequantized."""
-        logger.warning(
-            "mxfp4 checkpoint dequantized at load: %d expert projections, %d bytes stored -> %d bytes in %s "
-            "(%s)",
-            len(self.projections),
-            self.stored_bytes,
-            self.weight_bytes,
-            self.dtype,
-            mxfp4_execution(None).reason,
-        )
-        return 0
+        """Swap the `FusedMoE` of each layer whose experts stay packed for an `Mxfp4FusedMoE`; how many."""
+        for module, (e, h, i) in self.packed.items():
+            parent_name, _, attr = module.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            old = getattr(parent, attr)
+            if type(old) is not FusedMoE:
+                raise UnsupportedQuantizationError(f"Unsupported MXFP4 experts `{module}`: the layer is "
+                                                   f"`{type(old).__name__}`. Supported: a `FusedMoE`")  # fmt: skip
+            layer = Mxfp4FusedMoE(e, h, i, old.b_gate_up is not None, old.activation, old.alpha, old.limit,
+                                  dtype=self.dtype, device="meta")  # fmt: skip
+            setattr(parent, attr, layer)
+        how = "kept packed" if self.execution.kind == MXFP4_W4A16 else "dequantized at load"
+        log = logger.info if self.execution.kind == MXFP4_W4A16 else logger.warning
+        log("mxfp4 checkpoint %s: %d expert projections, %d bytes stored -> %d bytes held (%s)", how,
+            len(self.projections), self.stored_bytes, self.weight_bytes, self.execution.reason)  # fmt: skip
+        return len(self.packed)
 
     def describe(self, device_type: str | None = None, capability: tuple[int, int] | None = None) -> dict:
-        """The checkpoint's quantization, its execution (for `device_type`, default every device) and bytes."""
-        execution = mxfp4_execution(device_type, capability)
+        """The checkpoint's quantization, its execution (this reader's device unless another is named) and bytes."""
+        execution = self.execution if device_type is None else mxfp4_execution(device_type, capability)
         return {
             **self.quant.describe(),
             "notes": list(self.notes),

@@ -17,9 +17,10 @@ stores ([E, K, N], gate and up interleaved along N), so the family's own weight 
 module name up to a dot boundary, or a suffix: `model.layers.*.self_attn`, `lm_head`). Refused by
 name: any other key of the config (the format has no options hetserve would ignore silently) and,
 at load, MXFP4 tensors anywhere but a gpt-oss experts projection (workers/model/quantized_mxfp4.py).
-`mxfp4_execution` is the one device rule: today every device dequantizes at load. The trade-off:
-the experts take their dequantized twin's memory (about 4x the stored bytes in bfloat16), in
-exchange every device computes with the reference weights exactly.
+`mxfp4_execution` is the device rule with its reason (the threshold: workers/contract/mxfp4_rule.py):
+CUDA from sm_80 and ROCm keep the experts packed for the Triton grouped GEMM (`w4a16`), the others
+dequantize them at load. The trade-off: a dequantizing device holds the experts at about 4x their
+stored bytes in bfloat16; in exchange it computes with the reference weights exactly.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.contract.capability import Capability
+from workers.contract.mxfp4_rule import MXFP4_CAPABILITY, MXFP4_W4A16, mxfp4_kind
 from workers.quant.scheme import unsupported
 
 NAME = "mxfp4"
@@ -38,7 +41,6 @@ SCALE_BIAS = 127  # e8m0: scale = 2^(stored - 127)
 SCALE_NAN = 255  # e8m0's one NaN encoding
 KEYS = ("quant_method", "modules_to_not_convert", "dequantize")  # `dequantize`: transformers' load option
 LEAVES = ("_blocks", "_scales")  # `P_blocks`, `P_scales` beside a projection `P`
-MXFP4_DEQUANTIZED = "dequantized"
 
 
 class Mxfp4TensorError(ValueError):
@@ -156,25 +158,35 @@ def read(qc: dict) -> Mxfp4Config:
 
 @dataclass(frozen=True)
 class Mxfp4Execution:
-    kind: str  # "dequantized" (the only one so far)
+    kind: str  # "w4a16" | "dequantized" (workers/contract/mxfp4_rule.py)
     reason: str
 
     def to_dict(self) -> dict:
         return {"execution": self.kind, "reason": self.reason}
 
 
+RULE = (
+    f"MXFP4 experts kept packed on CUDA from {MXFP4_CAPABILITY.sm} and on ROCm (e2m1 decoded in registers "
+    "inside the Triton grouped GEMM), dequantized to the model dtype at load below and on the CPU"
+)
+
+
 def mxfp4_execution(device_type: str | None, capability: tuple[int, int] | None = None) -> Mxfp4Execution:
-    """How this device runs MXFP4 experts, and why (None: what every device does)."""
+    """How this device runs MXFP4 experts, and why (`device_type` None: the rule, per device)."""
     if device_type is None:
-        where = "every device"
-    elif device_type == "cpu":
-        where = "CPU"
-    elif device_type == "rocm":
-        where = "ROCm"
-    else:
-        where = "unknown capability" if capability is None else f"sm_{capability[0]}{capability[1]}"
-    return Mxfp4Execution(
-        MXFP4_DEQUANTIZED,
-        f"{where}: MXFP4 experts dequantized to the model dtype at load "
-        "(no MXFP4 kernel in the fused MoE layer yet: they take the widened bytes)",
+        return Mxfp4Execution("per device", RULE)
+    kind = mxfp4_kind(device_type, capability)
+    if device_type == "cpu":
+        return Mxfp4Execution(kind, "CPU: MXFP4 experts dequantized to the model dtype at load (Triton needs a GPU); "
+                                    "they take the widened bytes")  # fmt: skip
+    where = (
+        "ROCm"
+        if device_type == "rocm"
+        else ("unknown capability" if capability is None else Capability.parse(capability).sm)
     )
+    if kind == MXFP4_W4A16:
+        return Mxfp4Execution(kind, f"{where}: MXFP4 experts kept packed (4.25 bits a weight), e2m1 decoded in "
+                                    "registers inside the Triton grouped GEMM, 16-bit tensor cores")  # fmt: skip
+    return Mxfp4Execution(kind, f"{where}: below {MXFP4_CAPABILITY.sm} the fused MoE's grouped GEMM does not run in "
+                                "Triton (its dots lower to FMAs): MXFP4 experts dequantized to the model dtype at "
+                                "load; they take the widened bytes")  # fmt: skip

@@ -1,0 +1,89 @@
+"""`Mxfp4FusedMoE`: gpt-oss's MXFP4 experts kept packed, for devices whose rule keeps them so.
+
+Design: the experts of one mixture-of-experts layer as `FusedMoE` holds them (gate rows then up rows,
+`[E, 2I, H]` and `[E, H, I]`), but as the checkpoint's e2m1 bytes and e8m0 exponents:
+`w_gate_up_blocks` [E, 2I, H/2], `w_gate_up_scales` [E, 2I, H/32], `w_down_blocks` [E, H, I/2],
+`w_down_scales` [E, H, I/32] (uint8; two codes a byte, the even input in the low nibble; one scale per
+32 inputs of a row), and the biases in the model dtype. The loader fills it on devices whose MXFP4 rule
+is `w4a16` (workers/model/quantized_mxfp4.py) and never converts a value. It is kernel-swappable as
+`Mxfp4FusedMoE` (kernels_local/fused_moe: the grouped GEMM decoding the codes in registers);
+`forward` is the pure-torch reference: each active expert dequantized into the activations' dtype
+when the grouping asks for it, then `grouped_experts` exactly as `FusedMoE` runs, so a packed layer
+computes bit for bit what the experts dequantized at load compute. The trade-off: the reference (the
+CPU path of a simulated GPU) dequantizes an active expert on every call, which costs time, never
+memory held.
+"""
+
+from __future__ import annotations
+
+import torch
+from kernels import use_kernel_forward_from_hub
+from torch import nn
+
+from workers.model.moe import MOE_ACTIVATIONS, grouped_experts
+from workers.quant.mxfp4 import BLOCK, dequantize
+
+
+class _Dequantized:
+    """Packed experts read as a stacked weight tensor: `[e]` is expert e's weight [N, K] in `dtype`."""
+
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        self.blocks, self.scales, self.dtype = blocks, scales, dtype
+        self.shape = (blocks.shape[0], blocks.shape[1], blocks.shape[2] * 2)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        n, half = self.blocks.shape[1:]
+        return dequantize(self.blocks[e].view(n, half * 2 // BLOCK, BLOCK // 2), self.scales[e], self.dtype)
+
+
+@use_kernel_forward_from_hub("Mxfp4FusedMoE")
+class Mxfp4FusedMoE(nn.Module):
+    """The MXFP4 experts of one layer. `forward(x [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H]`.
+
+    Kernel layers read `w_gate_up_blocks`, `w_gate_up_scales`, `w_down_blocks`, `w_down_scales`,
+    `b_gate_up`, `b_down`, `activation`, `alpha`, `limit`, `row_tile` and `execution` ("w4a16")."""
+
+    execution = "w4a16"
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool = False,
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "meta") -> None:  # fmt: skip
+        super().__init__()
+        if activation not in MOE_ACTIVATIONS:
+            raise ValueError(
+                f"Unknown expert activation `{activation}`. Supported: {', '.join(MOE_ACTIVATIONS)}"
+            )
+        if hidden % BLOCK or intermediate % BLOCK:
+            raise ValueError(f"MXFP4 experts need hidden and intermediate sizes in whole blocks of {BLOCK}; got "
+                             f"{hidden} and {intermediate}")  # fmt: skip
+        e, h, i = num_experts, hidden, intermediate
+        self.num_experts, self.activation, self.alpha, self.limit = e, activation, alpha, limit
+        self.compute_dtype = dtype
+        self.row_tile: int | None = None  # deterministic mode: each expert's rows in fixed tiles
+        for name, (n, k) in (("w_gate_up", (2 * i, h)), ("w_down", (h, i))):
+            self.register_buffer(
+                f"{name}_blocks", torch.empty(e, n, k // 2, dtype=torch.uint8, device=device)
+            )
+            self.register_buffer(
+                f"{name}_scales", torch.empty(e, n, k // BLOCK, dtype=torch.uint8, device=device)
+            )
+        self.b_gate_up = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype, device=device)) if bias else None
+        self.b_down = nn.Parameter(torch.empty(e, h, dtype=dtype, device=device)) if bias else None
+
+    def nbytes(self) -> int:
+        """Bytes the experts' weights take: the e2m1 blocks and their scales."""
+        return sum(t.numel() * t.element_size() for t in (self.w_gate_up_blocks, self.w_gate_up_scales,
+                                                            self.w_down_blocks, self.w_down_scales))  # fmt: skip
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        # x [T, H] -> [T, H]: the experts dequantized into x's dtype as the grouping reaches them
+        w1 = _Dequantized(self.w_gate_up_blocks, self.w_gate_up_scales, x.dtype)
+        w2 = _Dequantized(self.w_down_blocks, self.w_down_scales, x.dtype)
+        return grouped_experts(x, w1, w2, topk_ids, topk_weights, self.b_gate_up, self.b_down, self.activation,
+                               self.alpha, self.limit, self.row_tile)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        e, n, half = self.w_gate_up_blocks.shape
+        return (
+            f"experts={e}, hidden={half * 2}, intermediate={n // 2}, mxfp4 blocks of {BLOCK}, execution=w4a16"
+        )
