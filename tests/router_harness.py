@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +25,23 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_WORKER = ROOT / "tests" / "router_fake_worker.py"
+
+
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                  "--disable-background-networking", "--disable-component-update", "--disable-default-apps"]
+
+
+def chromium_path() -> str:
+    """The system Chromium, or a skip that says why there is none."""
+    path = os.environ.get("HETSERVE_CHROMIUM") or next(
+        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    if path is None:
+        import pytest
+
+        note = ROOT / ".venv" / ".browser-unavailable"
+        why = note.read_text().strip() if note.exists() else "no chromium on PATH (scripts/browser.sh installs it)"
+        pytest.skip(f"status page browser test: {why}")
+    return path
 
 
 def free_port() -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import gzip
 import os
 import re
-import shutil
 import signal
 import threading
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.router_harness import ROOT, RouterProcess
+from tests.router_harness import CHROMIUM_FLAGS, ROOT, RouterProcess, chromium_path
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("opentelemetry.proto", reason="the tracing extra is not installed")
@@ -38,10 +37,6 @@ KEY = "status-page-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 ARTIFACTS = Path(os.environ.get("HETSERVE_ARTIFACTS", ROOT / "artifacts"))
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                  "--disable-background-networking", "--disable-component-update", "--disable-default-apps"]
-
-
 class OTLPReceiver:
     """An OTLP/HTTP trace collector on loopback: keeps every span it is sent, decoded."""
 
@@ -163,17 +158,6 @@ def test_gateway_gauges_per_worker_and_for_the_pod(client):
 # --- the browser -------------------------------------------------------------------------
 
 
-def _chromium() -> str:
-    """The system Chromium, or a skip that says why there is none."""
-    path = os.environ.get("HETSERVE_CHROMIUM") or next(
-        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
-    if path is None:
-        note = ROOT / ".venv" / ".browser-unavailable"
-        why = note.read_text().strip() if note.exists() else "no chromium on PATH (scripts/browser.sh installs it)"
-        pytest.skip(f"status page browser test: {why}")
-    return path
-
-
 def _future_fields(page) -> None:
     """Serve the page /workers and /stats as a router in trouble would: gpu2's breaker open and
     its canary suspect (checked 12 s ago), block counts and no KV gauge, in the real answers."""
@@ -239,7 +223,7 @@ def _load(router, stop: threading.Event) -> None:
 
 @pytest.mark.browser
 def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(router, client):
-    executable = _chromium()
+    executable = chromium_path()
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extras)")
     expect = sync_api.expect  # polls from Playwright's own world: the page's CSP forbids eval
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

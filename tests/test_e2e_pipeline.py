@@ -66,6 +66,27 @@ def test_the_model_fits_no_device_and_serves_as_three_stages(served):
     assert pipe[1]["kernels"]["RMSNorm"]["reason"].startswith("sm_86")
 
 
+def test_the_status_page_shows_each_stage(served):
+    """In a real browser, the pipeline's card lists its three stages: device, layers, bytes, fp8."""
+    from tests.router_harness import CHROMIUM_FLAGS, chromium_path
+
+    executable = chromium_path()
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extras)")
+    _, router, _ = served
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            page.goto(router.url + "/")
+            card = page.locator(".card[data-worker=gpu0]")
+            sync_api.expect(card.locator("dd.pipeline")).to_have_attribute("data-stages", "3", timeout=20_000)
+            lines = card.locator("dd.pipeline .stage").all_inner_texts()
+        finally:
+            browser.close()
+    assert [line.split(" (")[0] for line in lines] == ["stage 0: sm_75", "stage 1: sm_86", "stage 2: sm_90"], lines
+    assert all(" · layers " in line and " weights · fp8 not used (float32)" in line for line in lines), lines
+
+
 def test_greedy_tokens_over_http_equal_transformers(served):
     path, router, _ = served
     with router.client(timeout=120) as c:

@@ -268,7 +268,7 @@ def run_worker(args: argparse.Namespace) -> int:
             with startup_step("pipeline", status):
                 link = _join_pipeline(plan, args.pipeline_rank, bound, loaded, stages)
         if link is not None and not link.first:
-            return _serve_stage(args, status, bound, loaded, kernels, conv, fp8_reason, link)
+            return _serve_stage(args, status, bound, loaded, kernels, conv, fp8_reason, link, checkpoint)
         with startup_step("serve", status):
             from workers.device.slowdown import apply_slowdown
             from workers.serving.server import Startup, WorkerServer
@@ -319,7 +319,7 @@ def _join_pipeline(plan, rank: int, bound, loaded, stages):
     return join() if stages is None else stages.wait_for(join)
 
 
-def _serve_stage(args, status: StatusFile, bound, loaded, kernels, conv, fp8_reason, link) -> int:
+def _serve_stage(args, status: StatusFile, bound, loaded, kernels, conv, fp8_reason, link, checkpoint) -> int:
     """A stage after the first: its loop until the pipeline stops (workers/pipeline/follower.py)."""
     from workers.device.slowdown import apply_slowdown
     from workers.pipeline.follower import serve_stage
@@ -327,7 +327,11 @@ def _serve_stage(args, status: StatusFile, bound, loaded, kernels, conv, fp8_rea
     apply_slowdown(loaded.model, args.worker_id)  # $HETSERVE_SLOWDOWN: benchmarks and tests only
     status.write(WorkerStatus.READY, stage=link.rank)
     context = min(loaded.config.context_length, args.max_model_len or loaded.config.context_length)
-    serve_stage(args, bound, loaded, kernels, {"convention": conv.name, "reason": fp8_reason}, link, context)
+    stored = checkpoint is not None and (checkpoint.get("layers", 0) + checkpoint.get("expert_layers", 0)) > 0
+    used = args.quantize == "fp8" or stored  # fp8 as it runs on this stage, as the first stage labels its own
+    label = conv.name if used else f"not used ({str(loaded.dtype).removeprefix('torch.')})"
+    fp8 = {"convention": conv.name, "reason": fp8_reason, "used": used, "label": label}
+    serve_stage(args, bound, loaded, kernels, fp8, link, context)
     status.write(WorkerStatus.STOPPED)
     return ExitCode.OK
 
