@@ -143,3 +143,35 @@ print("kernel:", json.dumps(cap["kernels"]["Int4CheckpointLinear"]))' | tee -a "
 curl -s --unix-socket "$OUT/int4.sock" http://w/generate -H 'content-type: application/json' \
   -d '{"inputs": "The meaning of life is", "parameters": {"max_new_tokens": 24}}' | tee -a "$OUT/int4-checkpoint.txt"; echo
 kill "$wpid"; wait "$wpid"
+# 7. gpt-oss's MXFP4 experts: the grouped GEMM decoding e2m1 in registers is checked against its torch
+#    reference by the gpu tests of tests/test_mxfp4_kernel.py (in 1.: gpt-oss-20b expert shapes, bf16 and
+#    fp32); here a tiny gpt-oss (written by transformers, if this python has it) with MXFP4 experts is served
+#    by a worker on this GPU: from sm_80 its start runs the preflight and the self-test through the
+#    Mxfp4FusedMoE Triton layer, and /capability names the execution (w4a16) and the bytes held
+"$PY" - "$OUT/mxfp4" <<'PY' 2>&1 | tee "$OUT/mxfp4-checkpoint.txt"
+import shutil, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+shutil.rmtree(out, ignore_errors=True)
+try:
+    from tests.family_checkpoints import make_family_checkpoint
+    from tests.mxfp4_checkpoints import mxfp4_checkpoint
+
+    print("checkpoint", mxfp4_checkpoint(make_family_checkpoint("gpt_oss", out / "src"), out / "mx"))
+except ImportError as e:  # transformers writes the tiny gpt-oss
+    print("mxfp4 checkpoint skipped:", e)
+PY
+if [ -d "$OUT/mxfp4/mx" ]; then
+  start_worker mxfp4 --model "$OUT/mxfp4/mx"
+  curl -s --unix-socket "$OUT/mxfp4.sock" http://w/capability | "$PY" -c '
+import json, sys
+cap = json.load(sys.stdin)
+q = cap["fp8"]["checkpoint"]["quantization"]
+print("mxfp4:", q["execution"], "-", q["reason"])
+print("bytes held", q["weight_bytes"], "stored", q["stored_bytes"], "widened", q["widened_bytes"])
+print("kernel:", json.dumps(cap["kernels"]["Mxfp4FusedMoE"]))' | tee -a "$OUT/mxfp4-checkpoint.txt"
+  curl -s --unix-socket "$OUT/mxfp4.sock" http://w/generate -H 'content-type: application/json' \
+    -d '{"inputs": "The meaning of life is", "parameters": {"max_new_tokens": 24}}' | tee -a "$OUT/mxfp4-checkpoint.txt"; echo
+  kill "$wpid"; wait "$wpid"
+fi

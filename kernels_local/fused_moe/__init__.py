@@ -1,6 +1,7 @@
 """hetserve-fused-moe: the experts of a mixture-of-experts layer as a grouped GEMM in Triton
 (CUDA/ROCm, tuned per architecture) and torch (CPU); a pre-quantized checkpoint's fp8 experts
-through the same grouped GEMM on e4m3 weights, weight-only or native (`fp8.py`)."""
+through the same grouped GEMM on e4m3 weights, weight-only or native (`fp8.py`), and gpt-oss's
+MXFP4 experts with e2m1 codes decoded in registers (`mxfp4.py`)."""
 
 from . import layers
 from .fused_moe import (
