@@ -144,6 +144,7 @@ def test_the_declared_launches_compile_and_fit_on_every_architecture_they_are_fo
             record = check(spec, compile_spec(spec, target), target, arch_limits(arch))
             assert record.ok, (arch, spec.config, record.error)
             assert record.instruction_ok is True, (arch, record.instruction)
+            assert record.spill_bytes == 0, (arch, spec.config, record.spill_bytes)  # the preflight matrix's rule
 
 
 # -- the compiled kernel on a real GPU (scripts/gpu_check.sh runs these where one is lent) -----------

@@ -154,8 +154,9 @@ class Int4LinearTuning:
         return block_m, self.block_n, self.block_k, self.num_warps, self.num_stages
 
 
-# Turing: fp16 mma, 64 KB of shared memory: two stages of small tiles.
-SM75 = Int4LinearTuning("sm75", block_n=64, block_k=32, max_block_m=64, num_warps=4, num_stages=2)
+# Turing: fp16 mma, 64 KB of shared memory: two stages of small tiles, at most 32 rows (64-row tiles
+# over 4 warps spill 336-344 bytes per thread on sm_75; 32 rows take 192 registers, no spill).
+SM75 = Int4LinearTuning("sm75", block_n=64, block_k=32, max_block_m=32, num_warps=4, num_stages=2)
 # Ampere / Ada / Blackwell consumer (sm_80..sm_89, sm_120): cp.async pipelining, three stages.
 SM80 = Int4LinearTuning("sm80", block_n=64, block_k=32, max_block_m=64, num_warps=4, num_stages=3)
 # Hopper and Blackwell data-center: wider N tiles and 8 warps over 227 KB.
