@@ -16,7 +16,7 @@ walks them together):
   weight `(q - 8) * s + zero` exactly in fp32, while the references round `(q - z) * s` to the
   fp16/bf16 scales (measured on a 64 x 128 layer: outputs 2e-4 of their magnitude apart with fp16
   scales, 1.5e-3 with bf16), and with 16-bit activations it rounds in their dtype; it would equal the
-  reference only for fp32 scales and activations, which the formats here do not store;
+  reference only for fp32 scales and activations (checkpoints store fp16 or bf16 scales);
 - `dequantized` (CUDA below sm_75, where Triton has no 16-bit mma): the weights are widened at load
   into the model dtype (the widened bytes are reported), a plain matmul.
 The trade-off: the CPU's packed execution is slower per step than a bf16 matmul (it dequantizes every
