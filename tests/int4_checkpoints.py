@@ -133,10 +133,22 @@ def _config_of(fmt: str, group: int, sym: bool, desc_act: bool, not_convert: tup
 
 
 @torch.no_grad()
+def _order_seed(module: str, seed: int) -> int:
+    """The act-order seed of a module: shared by the projections that read the same input (q/k/v of
+    one layer, gate/up of one layer), as GPTQ's order comes from that input's Hessian."""
+    for parts, key in ((("q_proj", "k_proj", "v_proj"), "qkv"), (("gate_proj", "up_proj"), "gate_up")):
+        for part in parts:
+            if module.endswith(part):
+                return sum(ord(c) for c in module.removesuffix(part) + key)
+    return seed
+
+
 def quantize_checkpoint(src: Path, out: Path, fmt: str, group: int = 32, sym: bool = True, desc_act: bool = False,
-                        not_convert: tuple[str, ...] = (), zero_bias: bool = False) -> tuple[Path, dict]:  # fmt: skip
+                        not_convert: tuple[str, ...] = (), zero_bias: bool = False,
+                        shared_order: bool = False) -> tuple[Path, dict]:  # fmt: skip
     """`src` with every projection but `not_convert` (module name suffixes) in 4 bits; (dir, references).
-    `zero_bias`: a zero `bias` beside each 4-bit layer that has none, as AutoGPTQ writes."""
+    `zero_bias`: a zero `bias` beside each 4-bit layer that has none, as AutoGPTQ writes. `shared_order`:
+    act-order's input order shared by the projections of one input (as GPTQ writes it), else each its own."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -151,7 +163,8 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str, group: int = 32, sym: bo
             tensors[name] = t
             continue
         if fmt in ("gptq", "gptq_v2"):
-            packed, ref = gptq_tensors(t, group, sym, fmt, desc_act, seed=seed)
+            order = _order_seed(module, seed) if shared_order else seed
+            packed, ref = gptq_tensors(t, group, sym, fmt, desc_act, seed=order)
         elif fmt == "awq":
             packed, ref = awq_tensors(t, group, seed=seed)
         else:

@@ -169,6 +169,28 @@ def _rename(t, old, new):
     t[new] = t.pop(old)
 
 
+def test_act_order_shared_by_fused_parts_stays_packed_through_the_kernel_layer(sources, tmp_path, monkeypatch):
+    """GPTQ writes one act-order for the projections of one input (q/k/v, gate/up): those fuse into one
+    packed layer with that `g_idx`, which the W4A16 layer of a simulated sm_86 gathers; the logits equal
+    the dequantized twin's within fp32 rounding and nothing is dequantized at load."""
+    ckpt, refs = quantize_checkpoint(sources["llama"], tmp_path / "shared", "gptq_v2", 32, False, True,
+                                     shared_order=True)  # fmt: skip
+    twin = dequantized_twin(sources["llama"], refs, tmp_path / "twin")
+    _on(monkeypatch, SM86)
+    lm = load_model(ckpt, "float32")
+    kernelize_for_device(lm.model, BoundDevice("cuda", 0, "GPU-sim", "sim", (8, 6), 0, True))
+    q = lm.quantization
+    assert q["widened_modules"] == 0 and q["packed_modules"] == 16 and not q["notes"], q
+    fused = lm.model.get_submodule("layers.0.attention.wqkv")
+    assert fused.execution == "w4a16" and fused.g_idx is not None and fused.forward.__func__.__qualname__ == (
+        "Int4LinearTritonSm80.forward")
+    ref = load_model(twin, "float32").model
+    ids = torch.tensor([[1, 17, 400, 1023, 9], [1, 3000, 5, 77, 2048]])
+    with torch.no_grad():
+        got, exp = lm.model(ids), ref(ids)
+    torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5 * float(exp.abs().max()))
+
+
 @pytest.mark.parametrize(("name", "edit", "error", "match"), [
     ("qwen3-gptq-v2-asym-actorder",  # down_proj is not converted, yet stored in 4 bits
      lambda t: t.__setitem__("model.layers.0.mlp.down_proj.qweight", t["model.layers.0.mlp.up_proj.qweight"].clone()),
