@@ -41,7 +41,7 @@ def to_runtime(scheme: Int4Scheme, stored: dict[str, torch.Tensor]) -> dict:
         zeros = unpack_int32(stored["qzeros"], n, dim=1) + scheme.zero_offset  # [G, N]
         g_idx = stored.get("g_idx")
         if g_idx is not None:
-            trivial = torch.arange(k) // group if group else torch.zeros(k, dtype=torch.int64)
+            trivial = torch.arange(k, device=g_idx.device) // (group or k)  # on the tensors' device (a GPU's)
             g_idx = None if torch.equal(g_idx.to(torch.int64), trivial) else g_idx.to(torch.int32)
     elif scheme.layout == "awq":
         scales = stored["scales"]
@@ -55,7 +55,7 @@ def to_runtime(scheme: Int4Scheme, stored: dict[str, torch.Tensor]) -> dict:
         qweight = pack_int32(q.t(), dim=0)
         scales = stored["weight_scale"].t().contiguous()  # [G, N]
         zp = stored.get("weight_zero_point")
-        zeros = torch.full(scales.shape, 8) if zp is None else unpack_int32(zp, n, dim=0).t()
+        zeros = torch.full(scales.shape, 8, device=scales.device) if zp is None else unpack_int32(zp, n, dim=0).t()
         g_idx = None
     return {"qweight": qweight.contiguous(), "scales": scales.contiguous(), "zeros": zeros.to(torch.int8).contiguous(),
             "g_idx": g_idx, "group_size": group, "in_features": k}
