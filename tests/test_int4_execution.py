@@ -80,3 +80,5 @@ def test_placement_sizes_packed_bytes_where_the_4_bits_stay_and_widened_below_sm
         assert 0.9 * held[token] <= needs[token] <= 1.25 * held[token], (token, needs, held)
     assert needs["sm_75"] == needs["sm_90"] < needs["sm_70"] and held["sm_90"] < held["sm_70"]
     assert needs["sm_70"] - needs["sm_90"] == profile.packed4_params * 2 - profile.packed4_params // 2
+    shown = {t: need_on(profile, parse_simulate(t)[0], "bfloat16").describe() for t in ("sm_70", "sm_90")}
+    assert "4-bit layers widened at load" in shown["sm_70"] and "4-bit layers packed" in shown["sm_90"], shown

@@ -91,6 +91,7 @@ class Need:
     weight_bytes: int
     kv_bytes: int
     kv_tokens: int
+    packed4: str = ""  # how this device holds a 4-bit checkpoint's layers: "packed" | "widened" ("": none)
 
     @property
     def total(self) -> int:
@@ -99,6 +100,7 @@ class Need:
     def describe(self) -> str:
         """`weights 7.5 GiB (bfloat16) + KV 512 MiB (4096 tokens) = 8 GiB`."""
         how = self.dtype + (", fp8 projections" if self.quantize == "fp8" else "")
+        how += {"packed": ", 4-bit layers packed", "widened": ", 4-bit layers widened at load"}.get(self.packed4, "")
         return (f"weights {human(self.weight_bytes)} ({how}) + KV {human(self.kv_bytes)} ({self.kv_tokens} tokens) "
                 f"= {human(self.total)}")
 
@@ -124,8 +126,10 @@ def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quan
         weights += profile.fp8_params * (size - 1)  # widened once at load on this device
     # 4-bit layers widen at load where the device has no 4-bit execution, experts everywhere
     # (workers/model/quantized_int4.py); elsewhere they stay packed, as stored
-    widened4 = profile.packed4_params if int4_kind(device.type, cap) == INT4_DEQUANTIZED else profile.packed4_expert_params
+    widens = int4_kind(device.type, cap) == INT4_DEQUANTIZED
+    widened4 = profile.packed4_params if widens else profile.packed4_expert_params
     weights += widened4 * size - widened4 // 2
+    packed4 = "" if not profile.packed4_params else "widened" if widens else "packed"
     if profile.mxfp4_params and mxfp4_kind(device.type, cap) == MXFP4_DEQUANTIZED:  # widened at load there
         weights += profile.mxfp4_params * size - profile.mxfp4_bytes  # (workers/model/quantized_mxfp4.py)
     if quantize == "fp8":
@@ -133,7 +137,7 @@ def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quan
         floats -= profile.projection_params
     weights += floats * size
     tokens = min(KV_TOKENS, profile.context_length)
-    return Need(name, reason, quantize, weights, profile.kv_elements_per_token * size * tokens, tokens)
+    return Need(name, reason, quantize, weights, profile.kv_elements_per_token * size * tokens, tokens, packed4)
 
 
 # --- reading a model directory ------------------------------------------------------------
