@@ -81,6 +81,19 @@ def test_each_stage_runs_its_own_device_and_holds_only_its_layers(served):
     assert "pipeline" not in whole and cap["capacity"]["kv_blocks_total"] > 0
 
 
+def test_each_stage_counts_its_own_steps_in_the_first_stages_metrics(served):
+    """`/metrics` of a 3-stage pipeline has every stage's steps, compute seconds and last-step age."""
+    served["three"].generate("count these steps", 4)
+    with served["three"].client() as c:
+        text = c.get("/metrics").text
+    from tests.router_harness import metric_value
+
+    for stage in ("0", "1", "2"):
+        assert metric_value(text, "hetserve_worker_pipeline_stage_steps_total", stage=stage) > 0, stage
+        assert metric_value(text, "hetserve_worker_pipeline_stage_compute_seconds_total", stage=stage) > 0, stage
+        assert metric_value(text, "hetserve_worker_pipeline_stage_last_step_age_seconds", stage=stage) >= 0, stage
+
+
 def test_preempted_sequences_recompute_across_stages(served):
     """With a KV budget too small for four long answers at once, sequences are preempted and
     recomputed, and the pipeline's answers stay those of one worker under the same budget."""

@@ -323,6 +323,7 @@ def _serve_stage(args, status: StatusFile, bound, loaded, kernels, conv, fp8_rea
     """A stage after the first: its loop until the pipeline stops (workers/pipeline/follower.py)."""
     from workers.device.slowdown import apply_slowdown
     from workers.pipeline.follower import serve_stage
+    from workers.pipeline.metrics import StageClock
 
     apply_slowdown(loaded.model, args.worker_id)  # $HETSERVE_SLOWDOWN: benchmarks and tests only
     status.write(WorkerStatus.READY, stage=link.rank)
@@ -331,7 +332,10 @@ def _serve_stage(args, status: StatusFile, bound, loaded, kernels, conv, fp8_rea
     used = args.quantize == "fp8" or stored  # fp8 as it runs on this stage, as the first stage labels its own
     label = conv.name if used else f"not used ({str(loaded.dtype).removeprefix('torch.')})"
     fp8 = {"convention": conv.name, "reason": fp8_reason, "used": used, "label": label}
-    serve_stage(args, bound, loaded, kernels, fp8, link, context)
+    def report(steps: int, seconds: float, last: float) -> None:  # read by the first stage's /metrics
+        status.write(WorkerStatus.READY, stage=link.rank, steps=steps, step_seconds=seconds, last_step=last)
+
+    serve_stage(args, bound, loaded, kernels, fp8, link, context, StageClock(report))
     status.write(WorkerStatus.STOPPED)
     return ExitCode.OK
 

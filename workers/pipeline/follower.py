@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
 from workers.engine.kv_cache import build_kv_cache
 from workers.kv.batch import ForwardBatch
+from workers.pipeline.metrics import StageClock
 from workers.pipeline.transport import StageLink
 
 logger = logging.getLogger(__name__)
@@ -34,8 +36,10 @@ def describe_stage(rank: int, bound, loaded, kernels: dict, fp8: dict, kv) -> di
         "kv_cache_bytes": kv.nbytes}
 
 
-def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, context: int) -> int:
-    """Serve as stage `link.rank` until the first stage stops the pipeline; the steps served."""
+def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, context: int,
+                clock: StageClock | None = None) -> int:
+    """Serve as stage `link.rank` until the first stage stops the pipeline; the steps served.
+    `clock`: counts this stage's steps and compute time (workers/pipeline/metrics.py)."""
     from workers.model.row_buckets import install_row_buckets
 
     install_row_buckets(loaded.model, bound.torch_device, loaded.dtype)
@@ -43,16 +47,20 @@ def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, 
                                             link.agree_blocks)
     logger.info("KV cache %s bytes: %s; budget %s (%s)", kv.nbytes, shape, budget, why)
     link.gather(describe_stage(link.rank, bound, loaded, kernels, fp8, kv))
-    hidden_size, steps, sending = loaded.config.hidden_size, 0, []
+    hidden_size, sending = loaded.config.hidden_size, []
+    clock = clock or StageClock()
     with torch.inference_mode():
         while (message := link.recv_step(hidden_size)) is not None:
             items, hidden = message
+            t0 = time.perf_counter()
             batch = ForwardBatch.build(items, kv.block_size, bound.torch_device, None, kv.windows)
             out = loaded.model.step(batch, kv, hidden)  # [T, H], or the last stage's logits [N, V]
+            clock.add(time.perf_counter() - t0)
             link.wait(sending)  # the previous micro-batch has left
             sending = link.send_logits(out) if link.last else link.send_step(items, out)
-            steps += 1
     link.wait(sending)
+    clock.flush()
+    steps = clock.steps
     if not link.last:
         link.send_stop()
     link.close()

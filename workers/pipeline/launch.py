@@ -46,6 +46,10 @@ class Stages:
             logger.info("pipeline stage %d (layers %d:%d, %s) started: pid %d", rank, stage.start, stage.end,
                         stage.device or "device", self.procs[rank].pid)
 
+    def status_files(self) -> list[str | None]:
+        """Each later stage's status file (where it reports its steps: workers/pipeline/metrics.py)."""
+        return [_status_file(stage.argv) for stage in self.plan.stages[1:]]
+
     def exited(self) -> str | None:
         """Why a stage is gone (its rank, exit code and reported reason), or None while all run."""
         for rank, proc in self.procs.items():

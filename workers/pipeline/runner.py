@@ -21,10 +21,13 @@ across steps (one per stage, each its own sequences), which the scheduler does n
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from workers.engine.runner import ModelRunner
 from workers.kv.batch import ForwardBatch
+from workers.pipeline.metrics import StageClock
 from workers.pipeline.transport import StageLink
 
 
@@ -34,13 +37,16 @@ class PipelineRunner(ModelRunner):
         super().__init__(model, kv, device, worker_id=worker_id, mirror=False, compiled=None)
         self.link = link
         self.micro = micro or 1  # micro-batches per step (`--pipeline-microbatches`; see the module docstring)
+        self.clock = StageClock()  # this stage's own compute (workers/pipeline/metrics.py)
 
     def _forward(self, chunks, rows_of, preempted=()):
         items = self._items(chunks, rows_of)
         sends, rows = [], []
         for part in micro_batches(items, self.micro):  # each on its way while this stage computes the next
+            t0 = time.perf_counter()
             batch = ForwardBatch.build(part, self.kv.block_size, self.device, None, self.windows)
             hidden = self.model.step(batch, self.kv)  # [T_m, H] after this stage's layers
+            self.clock.add(time.perf_counter() - t0)
             sends += self.link.send_step(part, hidden)
             rows.append(batch.logits_index.shape[0])
         logits = [self.link.recv_logits(n, self.vocab_size) for n in rows]  # [N_m, V] each, from the last stage

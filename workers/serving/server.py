@@ -179,6 +179,10 @@ class WorkerServer:
                                           args.threads or 1, CompileBudget.from_args(args))
         self.engine = Engine(runner, Scheduler(config), loaded.tokenizer, max_queue=args.max_queue,
                              on_fatal=self._on_fatal, grammars=grammars)
+        if self.link is not None:  # each stage's own steps beside the engine's series
+            from workers.pipeline.metrics import StageMetrics
+
+            self.engine.metrics.registry.register(StageMetrics(runner.clock, self.stages.status_files()))
 
     def _init_app(self) -> None:
         from workers.model.describe import describe
