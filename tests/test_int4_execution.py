@@ -82,3 +82,32 @@ def test_placement_sizes_packed_bytes_where_the_4_bits_stay_and_widened_below_sm
     assert needs["sm_70"] - needs["sm_90"] == profile.packed4_params * 2 - profile.packed4_params // 2
     shown = {t: need_on(profile, parse_simulate(t)[0], "bfloat16").describe() for t in ("sm_70", "sm_90")}
     assert "4-bit layers widened at load" in shown["sm_70"] and "4-bit layers packed" in shown["sm_90"], shown
+
+
+def test_deterministic_mode_tiles_the_4bit_layers_rows(tmp_path):
+    """`--deterministic` cuts every projection's rows into fixed tiles, the 4-bit layers' included: a row's
+    logits through the packed layers do not depend on its batch mates, bit for bit."""
+    import torch
+
+    from tests.family_checkpoints import make_family_checkpoint
+    from tests.int4_checkpoints import quantize_checkpoint
+    from workers.device.bind import BoundDevice
+    from workers.kernelize.apply import kernelize_for_device
+    from workers.model.deterministic import enable_deterministic
+    from workers.model.loader import load_model
+    from workers.quant.int4_linear import Int4CheckpointLinear
+
+    src = make_family_checkpoint("llama", tmp_path / "src")
+    ckpt, _ = quantize_checkpoint(src, tmp_path / "awq", "awq", 32)
+    model = load_model(ckpt, "bfloat16").model  # no device bound: the CPU's packed execution
+    kernelize_for_device(model, BoundDevice("cpu", 0, "cpu", "cpu", None, 0, False))
+    layers = [m for m in model.modules() if isinstance(m, Int4CheckpointLinear)]
+    assert layers and all(m.execution == "packed" for m in layers)
+    plan = enable_deterministic(model)
+    assert plan.projections >= len(layers)
+    assert all(m.forward.__func__.__name__ == "forward" and "tiled_rows" in m.forward.__func__.__code__.co_names
+               for m in layers)  # fmt: skip
+    ids = torch.tensor([[1, 17, 400, 1023, 9, 5, 77]])
+    mates = torch.cat([ids, torch.randint(3, 4000, (5, 7), generator=torch.Generator().manual_seed(1))])
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], model(mates)[0])

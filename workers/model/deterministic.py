@@ -84,7 +84,8 @@ class DeterministicPlan:
 
 
 def _is_projection(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or type(module).__name__ in ("Fp8Linear", "Fp8CheckpointLinear")
+    return isinstance(module, nn.Linear) or type(module).__name__ in ("Fp8Linear", "Fp8CheckpointLinear",
+                                                                     "Int4CheckpointLinear")
 
 
 def tiled_rows(forward, x: torch.Tensor, tile: int) -> torch.Tensor:
