@@ -162,3 +162,15 @@ def pipeline_spec(group: PipelineGroup, model_dir: Path, settings, run_dir: Path
     return WorkerSpec(first.id, first.device, first.socket_path, first.status_path,
                       (*first.argv, "--pipeline-plan", str(path)), first.env, first.threads, first.model,
                       first.model_dir)
+
+
+def with_pipelines(specs: list[WorkerSpec], groups: Sequence[PipelineGroup], settings, run_dir: Path,
+                   threads: int) -> list[WorkerSpec]:
+    """`specs` with each pipeline's first-stage worker told to start its other stages (`pipeline_spec`)."""
+    import os
+
+    out = list(specs)
+    for group in groups:
+        i = next(i for i, s in enumerate(out) if s.device.index == group.first.index)
+        out[i] = pipeline_spec(group, out[i].model_dir, settings, run_dir, os.getpid(), threads, dict(os.environ))
+    return out

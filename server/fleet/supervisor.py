@@ -43,6 +43,7 @@ from server.fleet.breaker import BreakerPolicy, CircuitBreaker
 from server.fleet.client import WorkerClient, WorkerGone, WorkerHTTPError
 from server.fleet.exits import ExitHistory, RestartPolicy, decide_exit, describe_failure
 from server.fleet.handle import WorkerHandle, read_status
+from server.fleet.pipelines import with_pipelines
 from server.fleet.probe import Probe, probe
 from server.fleet.process import alive, kill, spawn
 from server.fleet.run_dir import make_run_dir, sweep_stale_run_dirs
@@ -222,12 +223,7 @@ class Supervisor:
     def _init_handles(self) -> None:
         assert self.run_dir is not None
         specs = build_worker_specs(self._devices, self.settings, self.run_dir, os.getpid(), models=self._models)
-        for group in self._pipelines:  # the first stage's worker, with the plan that starts the others
-            from server.fleet.pipelines import pipeline_spec
-
-            i = next(i for i, s in enumerate(specs) if s.device.index == group.first.index)
-            specs[i] = pipeline_spec(group, specs[i].model_dir, self.settings, self.run_dir, os.getpid(),
-                                     self._threads, dict(os.environ))
+        specs = with_pipelines(specs, self._pipelines, self.settings, self.run_dir, self._threads)
         self.workers = {spec.id: self._handle(spec) for spec in specs}
 
     def _handle(self, spec) -> WorkerHandle:
