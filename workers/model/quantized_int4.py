@@ -19,9 +19,8 @@ the notes say so. A 4-bit leaf on a layer the config leaves alone (`modules_to_n
 `ignore`), a fused layer with some parts 4-bit and others not, or a layer with its packed tensor but
 a missing scale, are named errors. `describe` gives `/workers` the method, the schemes, the
 execution and its reason and the bytes: as stored, as held, as widened, and the same layers' bf16
-bytes with the ratio. The trade-off: the
-reference weight of every layer is formed once at load to check it, which costs a layer's widened
-bytes transiently.
+bytes with the ratio. The trade-off: the reference weight of every layer is formed once at load to
+check it, one layer at a time, which costs that layer's widened bytes transiently.
 """
 
 from __future__ import annotations
@@ -184,28 +183,36 @@ class Int4Checkpoint:
         unused = sorted(n for n in stored if n.rpartition(".")[0] not in self.layers and not n.endswith(".bias"))
         if unused:
             raise Int4TensorError(f"4-bit tensors without their packed weight: {', '.join(f'`{n}`' for n in unused[:8])}")
-        # 1. every layer checked against its reference (shapes, zero points, g_idx), dequantized where widened
-        widened = {module: self._dequantize(module, scheme, stored) for module, scheme in self.layers.items()}
-        self.bf16_bytes = 2 * sum(w.numel() for w in widened.values())  # the same layers unquantized, in bf16
+        # 1. every layer checked against its reference (shapes, zero points, g_idx), one at a time (a
+        #    layer's widened weight is transient); kept in the model dtype only where it stays widened
+        groups = self._packed_modules(stored)
+        packed = {m for parts in groups.values() for _, m in parts}
+        widened: dict[str, torch.Tensor] = {}
+        elements = 0
+        for module, scheme in self.layers.items():
+            w = self._dequantize(module, scheme, stored)
+            elements += w.numel()
+            if module not in packed:
+                widened[module] = w.to(self.dtype)
+        self.bf16_bytes = 2 * elements  # the same layers unquantized, in bf16
         # 2. our modules that keep 4 bits: parts in the run-time layout, fused along the outputs
         out: dict[str, torch.Tensor] = {}
-        for ours, parts in self._packed_modules(stored).items():
+        for ours, parts in groups.items():
             runtimes = [to_runtime(self.layers[m], self._leaves(m, self.layers[m], stored)) for _, m in parts]
             why = fusable(runtimes)
             if why is not None:
                 self.notes.append(f"`{ours}`: its parts' 4-bit layouts cannot share one layer ({why}); "
                                   "dequantized at load")
                 self.modules[ours] = {"execution": INT4_DEQUANTIZED}
+                widened |= {m: self._dequantize(m, self.layers[m], stored).to(self.dtype) for _, m in parts}
                 continue
             rt = fuse_runtime(runtimes)
-            for _, m in parts:
-                widened.pop(m)
             out |= {f"{ours}.{k}": rt[k] for k in ("qweight", "scales", "zeros", "g_idx") if rt[k] is not None}
             self.modules[ours] = {"execution": self.execution.kind, "in_features": rt["in_features"],
                                   "groups": rt["scales"].shape[0], "group_size": rt["group_size"],
                                   "scale_dtype": rt["scales"].dtype, "act_order": rt["g_idx"] is not None}
         # 3. the rest as the reference weights in the model dtype, through the family's map
-        hf = {module + ".weight": w.to(self.dtype) for module, w in widened.items()}
+        hf = {module + ".weight": w for module, w in widened.items()}
         for module in widened:  # a widened nn.Linear is an Int4CheckpointLinear too, holding `weight`
             if module in self.linear:
                 self.modules.setdefault(self.linear[module][0], {"execution": INT4_DEQUANTIZED})
