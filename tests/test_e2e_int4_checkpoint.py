@@ -68,3 +68,29 @@ def test_every_worker_serves_the_4bit_checkpoint_and_says_how(router):
         assert r.status_code == 200 and r.headers["X-Worker-Id"] == wid, r.text
         texts.add(r.json()["generated_text"])
     assert len(texts) == 1 and texts.pop()
+
+
+def test_the_status_page_says_each_devices_4bit_execution(router):
+    """In a real browser, each worker's card lists its `Int4CheckpointLinear` kernel: the variant (its
+    first word the execution) and why."""
+    from tests.router_harness import CHROMIUM_FLAGS, chromium_path
+
+    executable = chromium_path()
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extras)")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            page.goto(router.url + "/")
+            shown = {}
+            for wid in DEVICES:
+                item = page.locator(f".card[data-worker={wid}] li", has_text="Int4CheckpointLinear")
+                sync_api.expect(item).to_have_count(1, timeout=20_000)
+                shown[wid] = item.text_content()
+        finally:
+            browser.close()
+    for wid, text in shown.items():
+        execution, layer = EXPECTED[wid]
+        assert f"kernels_local/int4_linear / {execution}" in text, (wid, text)
+        assert ("below sm_75" in text) == (execution == "dequantized"), (wid, text)
+        assert ("Triton W4A16" in text) == (execution == "w4a16") and ("kept packed" in text) == (execution == "packed")
