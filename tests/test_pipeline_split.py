@@ -9,7 +9,7 @@ import pytest
 from server.config.models import models_from_args
 from server.errors import UsageError
 from server.fleet.pipelines import PipelineError, device_speed, plan_pipeline, slowdown_of
-from server.fleet.placement import FIRST, STAGE, ModelAsk, Split, place
+from server.fleet.placement import FIRST, STAGE, ModelAsk, PlacementError, Split, place
 from tests.checkpoints import make_checkpoint
 from workers.contract.model_size import read_profile
 from workers.contract.pipeline import (
@@ -149,3 +149,33 @@ def test_flags_parse_and_refuse_clearly(six):
                             ({"pipeline": "3", "pipeline_partition": "2,4"}, "gives 2 stages")]:
         with pytest.raises(UsageError, match=message):
             models_from_args(SimpleNamespace(model=[f"six={path}"], **kwargs))
+
+
+def test_a_partition_without_a_pipeline_is_refused(six):
+    _, profile = six
+    with pytest.raises(PlacementError, match="no model is split into a pipeline"):
+        place([ModelAsk("six", profile)], parse_topology("sm_80,sm_86"), split=Split(partition=(2, 4)))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4", "gemma4_moe", "qwen3_5", "qwen3_next"])
+def test_the_router_refuses_to_split_exactly_what_the_worker_cannot(tmp_path, family):
+    """`unsplittable` (the router's, from config.json) says no where `Transformer.keep_stage`
+    (the worker's) raises, and yes where it splits; a refused model's pipeline is a named error."""
+    from tests.family_checkpoints import make_family_checkpoint
+    from workers.contract.model_size import read_config
+    from workers.contract.pipeline import unsplittable
+    from workers.model.config import ModelConfig
+    from workers.model.transformer import Transformer
+
+    path = make_family_checkpoint(family, tmp_path / family)
+    hf = read_config(path)
+    model = Transformer.from_config(ModelConfig.from_hf_config(hf))
+    try:
+        model.keep_stage(0, 1)
+        worker_refuses = False
+    except ValueError:
+        worker_refuses = True
+    assert (unsplittable(hf) is not None) == worker_refuses, (family, unsplittable(hf))
+    if worker_refuses:
+        with pytest.raises(PipelineError, match="cannot be split into pipeline stages"):
+            plan_pipeline(family, read_profile(path), parse_topology("sm_80,sm_86"))

@@ -24,7 +24,14 @@ from server.errors import UsageError
 from server.fleet.spec import WorkerSpec, build_worker_spec, worker_id
 from workers.contract import DeviceInfo, human
 from workers.contract.model_size import ModelProfile, need_on, read_config, usable_bytes
-from workers.contract.pipeline import PipelinePlan, PipelineSplitError, StagePlan, StageSplit, split_layers
+from workers.contract.pipeline import (
+    PipelinePlan,
+    PipelineSplitError,
+    StagePlan,
+    StageSplit,
+    split_layers,
+    unsplittable,
+)
 
 ENV_SLOWDOWN = "HETSERVE_SLOWDOWN"  # workers/device/slowdown.py reads the same variable
 # Memory bandwidth (GB/s) by compute capability or gfx name: decode speed follows it. Unlisted: 1000.
@@ -103,6 +110,10 @@ def plan_pipeline(model: str, profile: ModelProfile, devices: Sequence[DeviceInf
                   quantize: str = "none", fraction: float | None = None, partition: Sequence[int] | None = None,
                   slowdown: str = "", why: str = "") -> PipelineGroup:
     """`model` split over `devices` in this order; `PipelineError` when it cannot be."""
+    refusal = unsplittable(read_config(Path(profile.path)))
+    if refusal is not None:
+        raise PipelineError(f"`{model}` cannot be split into pipeline stages: a model with {refusal} is served on "
+                            "one device only. Accepted: models whose layers each keep their own KV cache")
     per_layer, first, last = layer_bytes(profile, devices[0], dtype, quantize)
     kv = need_on(profile, devices[0], dtype, quantize).kv_bytes // max(1, len(per_layer))
     per_layer = [b + kv for b in per_layer]  # a layer's weights and its share of the KV floor

@@ -260,6 +260,10 @@ def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str 
         count[pick.name] += 1
         owner[d.index] = (pick.name, REPLICA, f"replica {count[pick.name]} of {pick.name}: the fewest devices of "
                                               "the models that fit here")
+    if split.partition is not None and not groups:
+        raise PlacementError(f"`--pipeline-partition {','.join(map(str, split.partition))}` is given, but no model is "
+                             "split into a pipeline (each fits one device). Add `--pipeline N` or pin one replica "
+                             "over several devices: `--place NAME=gpu0+gpu1`")
     # 4. one slot per device, in device order
     slots = []
     for d in devices:

@@ -133,6 +133,22 @@ def split_layers(layer_bytes: Sequence[int], capacities: Sequence[int], speeds: 
     return tuple(splits)
 
 
+def unsplittable(hf: dict) -> str | None:
+    """What keeps a checkpoint (its config.json) from being split into stages, or None; the
+    worker's `Transformer.keep_stage` refuses the same models (tests/test_pipeline_split.py
+    holds the two equal on the families' checkpoints)."""
+    text = hf.get("text_config") or hf
+    kind = str(text.get("model_type") or hf.get("model_type") or "")
+    if kind.startswith(("qwen3_5", "qwen3_next")):
+        return "linear-attention layers"
+    if kind.startswith("gemma4"):
+        parts = [why for on, why in ((int(text.get("hidden_size_per_layer_input", 256) or 0), "per-layer inputs"),
+                                     (int(text.get("num_kv_shared_layers") or 0),
+                                      "layers that read another layer's KV")) if on]
+        return " and ".join(parts) or None
+    return None
+
+
 def parse_partition(text: str) -> tuple[int, ...]:
     """`--pipeline-partition 10,14` -> (10, 14); a clear error for anything else."""
     try:
