@@ -111,3 +111,25 @@ def test_deterministic_mode_tiles_the_4bit_layers_rows(tmp_path):
     mates = torch.cat([ids, torch.randint(3, 4000, (5, 7), generator=torch.Generator().manual_seed(1))])
     with torch.no_grad():
         assert torch.equal(model(ids)[0], model(mates)[0])
+
+
+def test_plan_model_names_each_devices_4bit_kernel_and_sizes_what_it_holds(tmp_path, capsys):
+    """`hetserve plan --model DIR` on a mixed host: each device's `Int4CheckpointLinear` kernel says its
+    execution and why, and the placement sizes the packed bytes from sm_75 and the widened ones on sm_70."""
+    import json
+
+    from server.cli import main
+    from tests.family_checkpoints import make_family_checkpoint
+    from tests.int4_checkpoints import quantize_checkpoint
+
+    src = make_family_checkpoint("llama", tmp_path / "src")
+    ckpt, _ = quantize_checkpoint(src, tmp_path / "awq", "awq", 32)
+    assert main(["plan", "--model", str(ckpt), "--simulate", "sm_70,sm_75,sm_86,sm_90", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert "awq" in plan["model"]["features"]["quantization"]
+    kinds = [d["kernels"]["Int4CheckpointLinear"]["variant"].split("-")[0] for d in plan["devices"]]
+    assert kinds == ["dequantized", "w4a16", "w4a16", "w4a16"]
+    assert plan["devices"][0]["kernels"]["Int4CheckpointLinear"]["reason"].startswith("sm_70: below sm_75")
+    slots = {s["worker_id"]: s for s in plan["placement"]["devices"]}
+    assert "4-bit layers widened at load" in slots["gpu0"]["reason"]
+    assert all("4-bit layers packed" in slots[w]["reason"] for w in ("gpu1", "gpu2", "gpu3"))
