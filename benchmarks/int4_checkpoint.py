@@ -45,7 +45,9 @@ def checkpoint(fmt: str, group: int, tmp: Path) -> Path:
     from workers.contract import DEFAULT_MODEL_DIR
 
     sym = fmt != "awq"  # AWQ stores zero points; the others symmetric, as their tools' defaults
-    ckpt, _ = quantize_checkpoint(DEFAULT_MODEL_DIR, tmp / fmt, "gptq_v2" if fmt == "gptq" else fmt, group, sym)
+    ckpt, _ = quantize_checkpoint(
+        DEFAULT_MODEL_DIR, tmp / fmt, "gptq_v2" if fmt == "gptq" else fmt, group, sym
+    )
     return ckpt
 
 
@@ -73,7 +75,9 @@ def loaded(ckpt: Path, device: str | None):
     device_type, cap = DEVICES[device]
     with bound_as((device_type, cap)):
         lm = load_model(ckpt, "bfloat16")
-    kernelize_for_device(lm.model, BoundDevice(device_type, 0, "GPU-sim", "sim", cap, 0, device_type != "cpu"))
+    kernelize_for_device(
+        lm.model, BoundDevice(device_type, 0, "GPU-sim", "sim", cap, 0, device_type != "cpu")
+    )
     return lm
 
 
@@ -126,8 +130,10 @@ def devices_table(args) -> int:
             print(f"{device:7} {q['execution']:11} {q['weight_bytes']:>12} {q['bf16_bytes']:>10} {q['bf16_ratio']:>6.3f} "
                   f"{whole:>9} {base_bytes:>10} {whole / base_bytes:>6.3f} {ms:>8.2f} {base_ms:>8.2f} "
                   f"{ms / base_ms:>6.2f}", flush=True)  # fmt: skip
-    print(f"target: at most {TARGET}x of bf16 in the 4-bit layers where a 4-bit kernel runs: "
-          f"{'met' if not failed else 'missed on ' + ', '.join(failed)}")
+    print(
+        f"target: at most {TARGET}x of bf16 in the 4-bit layers where a 4-bit kernel runs: "
+        f"{'met' if not failed else 'missed on ' + ', '.join(failed)}"
+    )
     return 1 if failed else 0
 
 
@@ -153,19 +159,25 @@ def kernels(args) -> int:
              (64, 2048, 2048, 0, False, torch.float16), (3, 200, 96, 64, False, torch.float32)]  # fmt: skip
     for m, n, k, group, act_order, scale_dtype in cases:
         groups = 1 if group == 0 else -(-k // group)
-        qweight = torch.randint(-(2**31), 2**31 - 1, (-(-k // 8), n), device=dev, generator=gen, dtype=torch.int32)
+        qweight = torch.randint(
+            -(2**31), 2**31 - 1, (-(-k // 8), n), device=dev, generator=gen, dtype=torch.int32
+        )
         scales = (torch.rand(groups, n, device=dev, generator=gen) * 0.02 + 1e-3).to(scale_dtype)
         zeros = torch.randint(0, 16, (groups, n), device=dev, generator=gen).to(torch.int8)
         g_idx = None
         if act_order:  # each input's group, shuffled (GPTQ's desc_act)
-            g_idx = (torch.arange(k, device=dev) // (group or k))[torch.randperm(k, device=dev, generator=gen)]
+            g_idx = (torch.arange(k, device=dev) // (group or k))[
+                torch.randperm(k, device=dev, generator=gen)
+            ]
             g_idx = g_idx.to(torch.int32)
         bias = torch.randn(n, device=dev, generator=gen).to(torch.bfloat16)
         for act in (torch.bfloat16, torch.float16):
             x = torch.randn(m, k, device=dev, generator=gen).to(act)
             b = bias.to(act)
             want = int4_linear_reference(x, qweight, scales, zeros, g_idx, b, group).float()
-            w16 = unpack_weight(qweight, scales, zeros, g_idx, group, k).to(act).contiguous()  # [N, K], for timing
+            w16 = (
+                unpack_weight(qweight, scales, zeros, g_idx, group, k).to(act).contiguous()
+            )  # [N, K], for timing
             t_16 = timed(partial(torch.nn.functional.linear, x, w16, b))
             for name in names:
                 run = partial(int4_linear, x, qweight, scales, zeros, g_idx, b, group, tuning=TUNINGS[name])

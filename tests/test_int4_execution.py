@@ -56,7 +56,9 @@ def test_each_device_class_gets_its_execution_and_says_why(device_type, capabili
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "pack-quantized"])
-def test_placement_sizes_packed_bytes_where_the_4_bits_stay_and_widened_below_sm75(tmp_path, fmt, monkeypatch):
+def test_placement_sizes_packed_bytes_where_the_4_bits_stay_and_widened_below_sm75(
+    tmp_path, fmt, monkeypatch
+):
     """`need_on` follows the rule: on sm_75 and up (and the CPU) the need is what the worker holds with
     its packed layers, below sm_75 what it holds widened, and the two differ by the widening."""
     from tests.family_checkpoints import make_family_checkpoint
@@ -70,7 +72,11 @@ def test_placement_sizes_packed_bytes_where_the_4_bits_stay_and_widened_below_sm
     ckpt, _ = quantize_checkpoint(src, tmp_path / fmt, fmt, 32, fmt != "awq", False, (), False)
     profile = read_profile(ckpt)
     needs, held = {}, {}
-    for token, device in (("sm_70", ("cuda", (7, 0))), ("sm_75", ("cuda", (7, 5))), ("sm_90", ("cuda", (9, 0)))):
+    for token, device in (
+        ("sm_70", ("cuda", (7, 0))),
+        ("sm_75", ("cuda", (7, 5))),
+        ("sm_90", ("cuda", (9, 0))),
+    ):
         monkeypatch.setattr(quantized_int4, "load_device", lambda device=device: device)
         model = load_model(ckpt, "bfloat16").model
         unique = {t.data_ptr(): t for t in model.state_dict().values()}
