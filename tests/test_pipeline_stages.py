@@ -162,3 +162,28 @@ def test_micro_batches_cut_in_order_by_tokens():
     assert [x for run in runs for x in run] == items and len(runs) == 3 and all(runs)
     assert [sum(c.num_tokens for c, _ in run) for run in runs] == [4, 12, 2]
     assert micro_batches(items[:2], 5) == [[items[0]], [items[1]]] and micro_batches(items, 1) == [items]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5"])
+def test_a_hybrid_splits_each_stage_keeping_its_own_linear_layers_state(tmp_path, family):
+    """Qwen3.5 (Gated DeltaNet and attention layers) as 2 stages: each keeps the recurrent state of
+    its own linear layers only, in the slots the first stage assigns; greedy text equals one worker's."""
+    from tests.family_checkpoints import make_family_checkpoint
+
+    model = make_family_checkpoint(family, tmp_path / family)
+    one, two = Served(tmp_path, "h1", model, ["sm_80"]), Served(tmp_path, "h2", model, ["sm_80", "sm_90"])
+    try:
+        one.wait_ready()
+        two.wait_ready()
+        prompts = PROMPTS[:4]
+        assert _texts(two, prompts) == _texts(one, prompts)
+        with two.client() as c:
+            stages = c.get("/capability").json()["pipeline"]["stages"]
+        with one.client() as c:
+            whole = c.get("/capability").json()["capacity"]["state_bytes"]
+        assert [s["layers"] for s in stages] == [[0, 2], [2, 4]]
+        assert stages[0]["kv_cache_bytes"] == 0 and stages[1]["kv_cache_bytes"] > 0  # layers 0, 1 are linear
+        assert sum(s["state_bytes"] for s in stages) == whole and min(s["state_bytes"] for s in stages) > 0
+    finally:
+        one.stop()
+        two.stop()

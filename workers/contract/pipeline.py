@@ -139,8 +139,6 @@ def unsplittable(hf: dict) -> str | None:
     holds the two equal on the families' checkpoints)."""
     text = hf.get("text_config") or hf
     kind = str(text.get("model_type") or hf.get("model_type") or "")
-    if kind.startswith(("qwen3_5", "qwen3_next")):
-        return "linear-attention layers"
     if kind.startswith("gemma4"):
         parts = [why for on, why in ((int(text.get("hidden_size_per_layer_input", 256) or 0), "per-layer inputs"),
                                      (int(text.get("num_kv_shared_layers") or 0),

@@ -7,7 +7,8 @@ layers that attend alike share the rest (workers/kv/groups.py). A stage counts o
 layers' bytes; the stages of one pipeline must then hold the same blocks, so `agree` (the
 pipeline's minimum over stages) settles each group's count before anything is allocated. A
 stage keeps every group, with only its own layers in it (a group none of its layers belong
-to holds no bytes), so the scheduler's block tables mean the same blocks on every stage.
+to holds no bytes), so the scheduler's block tables mean the same blocks on every stage; likewise its linear
+layers' state (`StageShape`), in the slots the first stage's scheduler assigns.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def build_kv_cache(args, bound, loaded, context: int, compile_enabled: bool, sta
                    agree: Callable[[list[int]], list[int]] | None = None) -> tuple[KVPool, str, int, str]:
     """(pool, shape description, budget, why) for this worker, or for its pipeline `stage` [start, end)."""
     cfg, dtype, bs = loaded.config, loaded.dtype, args.kv_block_size
+    if stage is not None:  # a stage keeps the state of its own linear layers only
+        cfg = StageShape(cfg, stage)
     per_layer = list(KVPool.block_bytes_per_layer(cfg, dtype, bs))
     if stage is not None:
         per_layer = [b if stage[0] <= i < stage[1] else 0 for i, b in enumerate(per_layer)]  # held elsewhere
@@ -59,6 +62,18 @@ def build_kv_cache(args, bound, loaded, context: int, compile_enabled: bool, sta
     if state_bytes:
         shape += f"; linear layers' state {state_bytes} bytes: {state_why}"
     return kv, shape, budget, why
+
+
+class StageShape:
+    """A model's config as one pipeline stage holds it: only its own linear layers keep state
+    (`state_layers`); everything else is the model's."""
+
+    def __init__(self, config, stage: tuple[int, int]):
+        self._config = config
+        self.state_layers = tuple(i for i in config.state_layers if stage[0] <= i < stage[1])
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
 
 
 def _stage_only(groups: tuple[KVGroup, ...], stage: tuple[int, int]) -> tuple[KVGroup, ...]:

@@ -97,6 +97,8 @@ def plan_groups(windows: Sequence[int | None], block_bytes_per_layer: int | Sequ
 
 def _split(groups, cost, held, budget, block_size, max_sequences, max_batched_tokens) -> dict[int, int]:
     """Each held group's blocks (see `plan_groups`)."""
+    if not held:  # a pipeline stage of linear-attention layers only: no KV here at all
+        return {}
     if len(held) == 1:
         return {held[0]: budget // cost[held[0]]}
     even = budget // sum(cost[g] for g in held)  # every group the same blocks

@@ -266,8 +266,7 @@ class Transformer(nn.Module):
         The other layers become empty modules, so the kept ones keep their checkpoint names."""
         n, c = self.config.num_hidden_layers, self.config
         unsplit = [why for on, why in ((c.per_layer_input_size, "per-layer inputs"),
-                                       (c.kv_shared_layers, "layers that read another layer's KV"),
-                                       (c.state_layers, "linear-attention layers")) if on]
+                                       (c.kv_shared_layers, "layers that read another layer's KV")) if on]
         if unsplit:
             raise ValueError(f"A model with {' and '.join(unsplit)} cannot be split into pipeline stages yet "
                              f"({c.architecture}). Accepted: models whose layers each keep their own KV cache")

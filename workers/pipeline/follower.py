@@ -31,9 +31,10 @@ def describe_stage(rank: int, bound, loaded, kernels: dict, fp8: dict, kv) -> di
     model = loaded.model
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     start, end = model.stage
-    return {"rank": rank, "pid": os.getpid(), "layers": [start, end], "device": bound.to_dict(), "dtype": str(loaded.dtype).removeprefix(
-        "torch."), "kernels": {k: v.to_dict() for k, v in kernels.items()}, "fp8": fp8, "weights_bytes": weights,
-        "kv_cache_bytes": kv.nbytes}
+    return {"rank": rank, "pid": os.getpid(), "layers": [start, end], "device": bound.to_dict(),
+            "dtype": str(loaded.dtype).removeprefix("torch."), "kernels": {k: v.to_dict() for k, v in kernels.items()},
+            "fp8": fp8, "weights_bytes": weights, "kv_cache_bytes": kv.nbytes,
+            "state_bytes": 0 if kv.states is None else kv.states.nbytes}  # its own linear layers' state only
 
 
 def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, context: int,

@@ -164,7 +164,7 @@ class WorkerServer:
             args.max_batch, self.context_length, shapes[0][1], self.kv.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_cache,
             eos_token_ids=loaded.eos_token_ids, cache_root=root, rope=loaded.model.rope_policy,
-            kv_groups=shapes, state_slots=self.kv.states.num_slots if self.kv.states is not None else 0,
+            kv_groups=shapes, state_slots=self._state_slots(),
         )
         if self.link is not None:  # the first stage of a pipeline (workers/pipeline/runner.py)
             from workers.pipeline.runner import PipelineRunner
@@ -233,6 +233,13 @@ class WorkerServer:
         self.tracing = start_tracing(getattr(self.args, "otlp_endpoint", None), "hetserve-worker",
                                      {"service.instance.id": info.worker_id or ""})
         self.app = create_app(info, self.engine, loaded.tokenizer, tracing=self.tracing)
+
+    def _state_slots(self) -> int:
+        """Slots of the linear layers' state the scheduler hands out: this pool's, or in a pipeline
+        (whose first stage may hold no linear layer) one per running sequence if any stage has them."""
+        if self.link is not None:
+            return self.args.max_batch if self.loaded.config.state_layers else 0
+        return self.kv.states.num_slots if self.kv.states is not None else 0
 
     def _pipeline_description(self, kernels: dict, fp8: dict) -> dict | None:
         """A pipeline's stages as `/workers` shows them: this one, then what each other stage reported."""
