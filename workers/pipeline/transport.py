@@ -63,9 +63,8 @@ class StageLink:
         backend = plan.backend
         dist.init_process_group(backend, init_method=f"tcp://{plan.address}", rank=rank, world_size=plan.world_size,
                                 timeout=datetime.timedelta(seconds=plan.timeout_s))
+        # NCCL sends from the device bind made current (workers/device/bind.py); gloo through host memory
         wire = device if backend == "nccl" else torch.device("cpu")
-        if backend == "nccl":
-            torch.cuda.set_device(device)
         names: list = [None] * plan.world_size
         dist.all_gather_object(names, str(dtype).removeprefix("torch."))
         logger.info("pipeline stage %d of %d joined (%s)", rank, plan.world_size, backend)
