@@ -97,13 +97,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve as a stage of this pipeline plan (written by the router; workers/pipeline/)")
     p.add_argument("--pipeline-rank", type=int, default=0,
                    help="this worker's stage in --pipeline-plan (0: the first, which starts the others)")
+    p.add_argument("--pipeline-batches", type=int,
+                   help="batches in flight through a pipeline at once, each of its own sequences (default: one per "
+                        "stage; 1: one step at a time; see workers/pipeline/engine.py)")
     p.add_argument("--pipeline-microbatches", type=int,
-                   help="micro-batches each step of a pipeline is cut into (default: one per stage)")
+                   help="micro-batches each step of a pipeline is cut into (default 1)")
     p.add_argument("--preflight", choices=PREFLIGHT_MODES, default=os.environ.get(ENV_PREFLIGHT, "auto"),
                    help="compile and check the selected kernels before ready: auto (real GPUs), on (simulated "
                         f"GPUs too), off (default: ${ENV_PREFLIGHT} or auto)")  # fmt: skip
     args = p.parse_args(argv)
-    for name in ("max_batch", "threads", "kv_cache_bytes", "max_model_len", "pipeline_microbatches"):
+    for name in ("max_batch", "threads", "kv_cache_bytes", "max_model_len", "pipeline_microbatches",
+                 "pipeline_batches"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"`--{name.replace('_', '-')}` must be >= 1, got `{value}`")

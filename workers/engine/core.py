@@ -238,11 +238,15 @@ class Engine:
     def _run(self) -> None:
         torch.set_num_threads(self._num_threads)
         while not self._stopping and self.fatal_error is None:
-            if not self.scheduler.has_unfinished():
+            if self._idle():
                 msg = self._inbox.get()  # idle: sleep until a request (or a stop) arrives
                 with self._step_lock:
                     self._handle(msg)
             self._guarded_step()
+
+    def _idle(self) -> bool:
+        """Nothing to step: no sequence waits or runs."""
+        return not self.scheduler.has_unfinished()
 
     def _guarded_step(self) -> None:
         """`step()`, where an exception (the model, or a bug) is fatal: every request gets an
@@ -303,6 +307,10 @@ class Engine:
                 record_prompt(out.chunks[i], rows)
         else:
             logits = self.runner.execute(out)  # [N, V]
+        return self._update(out, seqs, masks, logits, t0)
+
+    def _update(self, out, seqs: list[Sequence], masks: Future | None, logits: torch.Tensor, t0: float) -> int:
+        """Sample one token per sampling chunk and apply the step (the update half of `_step`)."""
         sampled = sample_tokens(logits, seqs, self.grammars, None if masks is None else masks.result(),
                                 self.scheduler.config.eos_token_ids)
         # 3. update: advance, append, detokenize, stop, stream

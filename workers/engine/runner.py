@@ -124,14 +124,23 @@ class ModelRunner:
         """`execute`, plus the logits at every row of the chunks `scored` (indices into
         `out.chunks`), from the same forward: ([N, V], [[len(chunk), V] per scored chunk])."""
         wanted = set(scored)
-        logits = self._perturbed(self._forward(out.chunks, lambda i, c: len(c.token_ids) if i in wanted
-                                               else int(c.samples), out.preempted))
-        last, spans, row = [], [], 0
-        for i, c in enumerate(out.chunks):
-            n = len(c.token_ids) if i in wanted else int(c.samples)
-            if i in wanted:
-                spans.append(logits[row : row + n])
-            if c.samples:
-                last.append(row + n - 1)
-            row += n
-        return logits[torch.tensor(last, dtype=torch.int64, device=logits.device)], spans
+        logits = self._perturbed(self._forward(out.chunks, scored_rows(wanted), out.preempted))
+        return split_scored(out.chunks, wanted, logits)
+
+
+def scored_rows(wanted: set[int]):
+    """`rows_of` for a forward that projects every row of the chunks `wanted`, the last of the others that sample."""
+    return lambda i, c: len(c.token_ids) if i in wanted else int(c.samples)
+
+
+def split_scored(chunks, wanted: set[int], logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The sampling rows [N, V] and each scored chunk's rows, from a forward that projected `scored_rows(wanted)`."""
+    last, spans, row = [], [], 0
+    for i, c in enumerate(chunks):
+        n = len(c.token_ids) if i in wanted else int(c.samples)
+        if i in wanted:
+            spans.append(logits[row : row + n])
+        if c.samples:
+            last.append(row + n - 1)
+        row += n
+    return logits[torch.tensor(last, dtype=torch.int64, device=logits.device)], spans

@@ -189,17 +189,23 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[int] = frozenset(), limit: int | None = None) -> SchedulerOutput:
+        """The next step's chunks. `busy`: id() of sequences in a step still in flight (a pipeline's
+        earlier batch, workers/pipeline/engine.py): neither scheduled nor preempted now; `limit`: at
+        most this many chunks (one batch of several in flight)."""
         budget = self.config.max_num_batched_tokens
+        limit = limit or self.config.max_sequences
         chunks: list[ScheduledChunk] = []
-        scheduled: set[int] = set()  # id() of the sequences in `chunks`
+        scheduled: set[int] = set(busy)  # id() of the sequences in `chunks` (and in flight: never victims)
         preempted: list[Sequence] = []
         # 1. Decodes of running sequences, oldest first; a block shortage preempts newer ones.
         prompting = []
         switch = self.config.rope[0] if self.config.rope and self.config.rope[1] == "longrope" else None
         for seq in list(self.running):
-            if seq.status != RUNNING:
+            if seq.status != RUNNING or id(seq) in busy:
                 continue
+            if len(chunks) >= limit:
+                break
             if switch is not None and seq.num_tokens > switch >= seq.rope_len:
                 self._switch_to_long(seq, preempted)
                 continue
@@ -211,7 +217,7 @@ class Scheduler:
                 budget -= 1
         # 2. The next chunk of running sequences whose prompt is not done, oldest first.
         for seq in prompting:
-            if budget <= 0:
+            if budget <= 0 or len(chunks) >= limit:
                 break
             if seq.status != RUNNING:  # preempted by an older one in this step
                 continue
@@ -222,7 +228,7 @@ class Scheduler:
                 budget -= n
         # 3. Admit waiting sequences (FCFS) from their cached prefix while batch, budget and blocks allow.
         cached = queried = 0
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_sequences:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_sequences and len(chunks) < limit:
             seq = self.waiting[0]
             admission = self.kv.admit(seq, budget, self._reserve if self.running else 0, _cacheable(seq))
             if admission is None:

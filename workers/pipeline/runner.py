@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from workers.engine.runner import ModelRunner
+from workers.engine.runner import ModelRunner, scored_rows, split_scored
 from workers.kv.batch import ForwardBatch
 from workers.pipeline.metrics import StageClock
 from workers.pipeline.transport import StageLink
@@ -40,7 +40,20 @@ class PipelineRunner(ModelRunner):
         self.clock = StageClock()  # this stage's own compute (workers/pipeline/metrics.py)
 
     def _forward(self, chunks, rows_of, preempted=()):
-        items = self._items(chunks, rows_of)
+        return self._receive(*self._send(self._items(chunks, rows_of)))
+
+    def launch(self, out, scored: list[int]):
+        """Send one step on its way (this stage's layers computed, the rest on the next stages);
+        `land` gets its logits. Steps land in the order they were launched."""
+        wanted = set(scored)
+        return self._send(self._items(out.chunks, scored_rows(wanted) if wanted else lambda i, c: int(c.samples)))
+
+    def land(self, launched, out, scored: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A launched step's sampling logits [N, V] and its scored chunks' rows (`execute_with_prompt_logits`)."""
+        logits = self._perturbed(self._receive(*launched))
+        return split_scored(out.chunks, set(scored), logits) if scored else (logits, [])
+
+    def _send(self, items) -> tuple[list, list[int]]:
         sends, rows = [], []
         for part in micro_batches(items, self.micro):  # each on its way while this stage computes the next
             t0 = time.perf_counter()
@@ -49,6 +62,9 @@ class PipelineRunner(ModelRunner):
             self.clock.add(time.perf_counter() - t0)
             sends += self.link.send_step(part, hidden)
             rows.append(batch.logits_index.shape[0])
+        return sends, rows
+
+    def _receive(self, sends: list, rows: list[int]) -> torch.Tensor:
         logits = [self.link.recv_logits(n, self.vocab_size) for n in rows]  # [N_m, V] each, from the last stage
         self.link.wait(sends)
         return logits[0] if len(logits) == 1 else torch.cat(logits)  # [N, V] in chunk order

@@ -177,8 +177,13 @@ class WorkerServer:
         # The grammar engine masks the logits' full width (the model's vocab may pad the tokenizer's).
         grammars = Grammars.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids,
                                           args.threads or 1, CompileBudget.from_args(args))
-        self.engine = Engine(runner, Scheduler(config), loaded.tokenizer, max_queue=args.max_queue,
-                             on_fatal=self._on_fatal, grammars=grammars)
+        kind, extra = Engine, {}
+        if self.link is not None:  # several batches in flight through the stages (workers/pipeline/engine.py)
+            from workers.pipeline.engine import PipelineEngine
+
+            kind, extra = PipelineEngine, {"batches": getattr(args, "pipeline_batches", None) or self.link.world}
+        self.engine = kind(runner, Scheduler(config), loaded.tokenizer, max_queue=args.max_queue,
+                           on_fatal=self._on_fatal, grammars=grammars, **extra)
         if self.link is not None:  # each stage's own steps beside the engine's series
             from workers.pipeline.metrics import StageMetrics
 
