@@ -15,7 +15,6 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -120,7 +119,6 @@ def test_killing_the_middle_stage_ends_the_stream_clearly_and_the_pipeline_comes
     with router.client(timeout=120) as c:
         assert c.post("/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 4}}).status_code == 200
     assert not alive(middle)
-    assert Path(path).is_dir()
 
 
 def test_streams_on_a_killed_pipeline_move_to_the_other_replica(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 from server.config.models import models_from_args
 from server.errors import UsageError
-from server.fleet.pipelines import PipelineError, device_speed, plan_pipeline, slowdown_of
+from server.fleet.pipelines import PipelineError, device_speed, plan_pipeline
 from server.fleet.placement import FIRST, STAGE, ModelAsk, PlacementError, Split, place
 from tests.checkpoints import make_checkpoint
 from workers.contract.model_size import read_profile
@@ -19,6 +19,7 @@ from workers.contract.pipeline import (
     parse_partition,
     split_layers,
 )
+from workers.contract.slowdown import slowdown_factor
 from workers.contract.topology import parse_simulate as parse_topology
 
 BIG = 10**12
@@ -85,7 +86,7 @@ def test_plan_file_round_trips_and_checks_contiguity(tmp_path):
 
 
 def test_slowdown_divides_speed():
-    assert slowdown_of("gpu0=3,gpu2=1.5", "gpu2") == 1.5 and slowdown_of("2", "gpu9") == 2.0
+    assert slowdown_factor("gpu0=3,gpu2=1.5", "gpu2") == 1.5 and slowdown_factor("2", "gpu9") == 2.0
     dev = parse_topology("sm_86")[0]
     assert device_speed(dev, "gpu0=4")[0] == pytest.approx(0.25)
 

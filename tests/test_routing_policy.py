@@ -36,7 +36,8 @@ from server.routing.speed import Speed, SpeedFit
 from server.routing.telemetry import Counters, Telemetry
 from tests.routing_helpers import PICK, choose
 from workers.contract import CapabilityPayload, WorkerState, parse_simulate
-from workers.device.slowdown import apply_slowdown, slowdown_factor
+from workers.contract.slowdown import slowdown_factor
+from workers.device.slowdown import apply_slowdown
 
 CHUNK = 64
 

@@ -32,8 +32,8 @@ from workers.contract.pipeline import (
     split_layers,
     unsplittable,
 )
+from workers.contract.slowdown import slowdown_factor
 
-ENV_SLOWDOWN = "HETSERVE_SLOWDOWN"  # workers/device/slowdown.py reads the same variable
 # Memory bandwidth (GB/s) by compute capability or gfx name: decode speed follows it. Unlisted: 1000.
 BANDWIDTH_GBS = {"7.0": 900, "7.5": 616, "8.0": 2039, "8.6": 936, "8.9": 864, "9.0": 3350, "10.0": 8000,
                  "12.0": 1792, "gfx90a": 1638, "gfx942": 5300, "gfx1100": 960}
@@ -67,22 +67,12 @@ class PipelineGroup:
                          for d, s in zip(self.devices, self.splits, strict=True))
 
 
-def slowdown_of(spec: str, wid: str) -> float:
-    """`wid`'s factor in a `$HETSERVE_SLOWDOWN` value (`gpu0=3,gpu2=1.5`, or one bare number)."""
-    factors: dict[str | None, str] = {}
-    for part in (spec or "").split(","):
-        name, sep, value = part.strip().rpartition("=")
-        if value.strip():
-            factors[name.strip() if sep else None] = value.strip()
-    try:
-        return max(1e-3, float(factors.get(wid, factors.get(None, "1"))))
-    except ValueError:
-        return 1.0
-
-
 def device_speed(device: DeviceInfo, slowdown: str = "") -> tuple[float, str]:
     """(relative speed, why) of a device before anything ran on it (see the module docstring)."""
-    factor = slowdown_of(slowdown, worker_id(device))
+    try:
+        factor = slowdown_factor(slowdown, worker_id(device))
+    except ValueError as e:
+        raise PipelineError(str(e)) from e
     if device.simulated or device.type == "cpu":
         base, why = 1.0, "this host's CPU"
     else:
@@ -92,9 +82,9 @@ def device_speed(device: DeviceInfo, slowdown: str = "") -> tuple[float, str]:
     return base / factor, why + (f", slowed {factor:g}x" if factor != 1.0 else "")
 
 
-def layer_bytes(profile: ModelProfile, device: DeviceInfo, dtype: str, quantize: str) -> tuple[list[int], int, int]:
+def layer_bytes(profile: ModelProfile, hf: dict, device: DeviceInfo, dtype: str,
+                quantize: str) -> tuple[list[int], int, int]:
     """(bytes of each layer, of the embedding, of the final norm and head) as `device` loads them."""
-    hf = read_config(Path(profile.path))
     hf = hf.get("text_config", hf) if "num_hidden_layers" not in hf else hf
     n = int(hf.get("num_hidden_layers") or 1)
     weights = need_on(profile, device, dtype, quantize).weight_bytes
@@ -110,11 +100,12 @@ def plan_pipeline(model: str, profile: ModelProfile, devices: Sequence[DeviceInf
                   quantize: str = "none", fraction: float | None = None, partition: Sequence[int] | None = None,
                   slowdown: str = "", why: str = "") -> PipelineGroup:
     """`model` split over `devices` in this order; `PipelineError` when it cannot be."""
-    refusal = unsplittable(read_config(Path(profile.path)))
+    hf = read_config(Path(profile.path))
+    refusal = unsplittable(hf)
     if refusal is not None:
         raise PipelineError(f"`{model}` cannot be split into pipeline stages: a model with {refusal} is served on "
                             "one device only. Accepted: models whose layers each keep their own KV cache")
-    per_layer, first, last = layer_bytes(profile, devices[0], dtype, quantize)
+    per_layer, first, last = layer_bytes(profile, hf, devices[0], dtype, quantize)
     kv = need_on(profile, devices[0], dtype, quantize).kv_bytes // max(1, len(per_layer))
     per_layer = [b + kv for b in per_layer]  # a layer's weights and its share of the KV floor
     capacities = [usable_bytes(d, fraction) for d in devices]

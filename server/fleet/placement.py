@@ -114,7 +114,7 @@ def split_of(settings) -> Split:
     """The pipeline flags of a run (`--pipeline`, `--pipeline-partition`) and its `$HETSERVE_SLOWDOWN`."""
     import os
 
-    from server.fleet.pipelines import ENV_SLOWDOWN
+    from workers.contract.slowdown import ENV_SLOWDOWN
 
     return Split(settings.models.pipeline, settings.models.partition, os.environ.get(ENV_SLOWDOWN, ""))
 

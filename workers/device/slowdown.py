@@ -21,30 +21,9 @@ import logging
 import os
 import time
 
+from workers.contract.slowdown import ENV_SLOWDOWN, slowdown_factor
+
 logger = logging.getLogger(__name__)
-
-ENV_SLOWDOWN = "HETSERVE_SLOWDOWN"
-
-
-def slowdown_factor(spec: str, worker_id: str) -> float:
-    """This worker's factor in a `HETSERVE_SLOWDOWN` value (1.0 when it is not listed)."""
-    spec = spec.strip()
-    if not spec:
-        return 1.0
-    factors: dict[str | None, str] = {}
-    for part in spec.split(","):
-        name, sep, value = part.strip().rpartition("=")
-        factors[name.strip() if sep else None] = value.strip()
-    raw = factors.get(worker_id, factors.get(None, "1"))
-    try:
-        factor = float(raw)
-    except ValueError:
-        factor = float("nan")
-    if not factor >= 1.0 or factor == float("inf"):
-        raise ValueError(f"Invalid {ENV_SLOWDOWN} factor `{raw}` for worker `{worker_id}`. Accepted: a number >= 1, "
-                         f"as `3` (every worker) or `gpu0=3,gpu2=1.5`")
-    return factor
-
 
 def _torch_threads() -> int:
     import torch

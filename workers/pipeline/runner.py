@@ -12,11 +12,11 @@ crosses processes.
 different runs at once; cutting is exact (a chunk's attention reads only its own sequence's
 blocks; the logits come back in chunk order). It is off (1) by default because decoding is
 bound by reading the weights, and every micro-batch reads them again: on two CPU threads a
-2-stage pipeline of an 8-layer stand-in decoded 16 sequences at 516, 370 and 157 tokens/s with
-1, 2 and 4 micro-batches (a single worker: 545); where a step is compute-bound (many prompt
-chunks) it may help, not measured yet. The trade-off: one step is in flight at a time, so a stage waits while
-the others compute; keeping every stage busy on decode needs several full batches in flight
-across steps (one per stage, each its own sequences), which the scheduler does not do yet.
+2-stage pipeline of an 8-layer stand-in decoded 16 sequences at 626, 374 and 167 tokens/s with
+1, 2 and 4 micro-batches (`benchmarks/pipeline.py --microbatches 1,2,4`); where a step is
+compute-bound (many prompt chunks) it may help, not measured yet. Keeping every stage busy on
+decode is the engine's part instead: several batches of their own sequences in flight at once
+(`launch` / `land`, workers/pipeline/engine.py).
 """
 
 from __future__ import annotations
