@@ -165,8 +165,9 @@ _ENTRIES: tuple[_Entry, ...] = (
         "PagedAttention", "paged_attention", "PagedAttention",
         "CPU: the rows' blocks gathered, one SDPA (Triton needs a GPU)",
         "below sm_70, which Triton does not target: gathered blocks and SDPA",
-        "pre-Hopper (sm_70..sm_89): Triton reads blocks in place through the block table, 64-position tiles, 4 warps",
-        "Hopper (sm_90): Triton reads blocks in place, up to 128-position tiles, 8 warps",
+        "pre-Hopper (sm_70..sm_89): Triton reads blocks in place through the block table, 64-position tiles, 4 warps "
+        "(more for wide heads, 16 at head dim 512)",
+        "Hopper (sm_90): Triton reads blocks in place, up to 128-position tiles, 8 warps (16 at head dim 512)",
         "Triton reading blocks in place, tuned for CDNA's 64-lane wavefronts"),
     # -- FusedMoE: Triton from sm_80 (a grouped GEMM: below sm_80 Triton's dots are FMAs) -------
     *_triton_family(
@@ -187,7 +188,7 @@ _ENTRIES: tuple[_Entry, ...] = (
         "below sm_70, which Triton does not target: the torch recurrent and chunked forms",
         "pre-Hopper (sm_70..sm_89): Triton, 16-token chunks over 32 of the state's columns per program, the "
         "key dim in 16-wide blocks (fp32 ieee dots), one-step decode kernel, 4 warps",
-        "Hopper (sm_90): Triton, 16-token chunks over 64 of the state's columns per program, the key dim in "
+        "Hopper (sm_90): Triton, 16-token chunks over 32 of the state's columns per program, the key dim in "
         "16-wide blocks (fp32 ieee dots), one-step decode kernel, 16 warps",
         "Triton, 16-token chunks over 64 of the state's columns per program, the key dim in 32-wide blocks "
         "(fp32 MFMA), tuned for CDNA's 64-lane wavefronts"),

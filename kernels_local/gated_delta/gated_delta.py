@@ -39,8 +39,9 @@ compiles without spills on its targets for head dims 64 to 512 (`hetserve plan -
 at head dim 128 the chunked kernel takes 234, 102 and 215 registers per thread on sm_80,
 sm_90 and gfx942):
 - pre-Hopper (sm_70..sm_89): 16-token chunks, 16 key columns, 32 state columns, 4 warps;
-- Hopper and later (sm_90+): 16-token chunks, 16 key columns, 64 state columns, 16 warps
-  (32-token chunks, and 8 warps on sm_100, spilled);
+- Hopper and later (sm_90+): 16-token chunks, 16 key columns, 32 state columns, 16 warps
+  (32-token chunks, and 8 warps on sm_100, spilled; 64 state columns spilled 16-40 bytes on
+  sm_100, sm_103 and sm_120 with triton 3.7.1, the version torch 2.13's CUDA wheel pins);
 - ROCm (64-lane wavefronts, fp32 MFMA): 16-token chunks, 32 key columns, 64 state columns,
   4 wavefronts.
 Row strides, slots and counts are runtime integers that Triton does not specialize, so one
@@ -311,7 +312,7 @@ class GatedDeltaTuning:
 
 
 PRE_HOPPER = GatedDeltaTuning("sm70", chunk=16, block_v=32, num_warps=4, block_k=16)
-HOPPER = GatedDeltaTuning("sm90", chunk=16, block_v=64, num_warps=16, block_k=16)
+HOPPER = GatedDeltaTuning("sm90", chunk=16, block_v=32, num_warps=16, block_k=16)
 ROCM = GatedDeltaTuning("rocm", chunk=16, block_v=64, num_warps=4, block_k=32)
 TUNINGS = {t.name: t for t in (PRE_HOPPER, HOPPER, ROCM)}
 

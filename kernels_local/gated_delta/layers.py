@@ -71,7 +71,7 @@ class GatedDeltaRuleTritonSm70(nn.Module):
 
 
 class GatedDeltaRuleTritonSm90(nn.Module):
-    """Triton, Hopper-and-later tuning (sm_90+): 16-token chunks, 64 state columns, 16-wide key blocks, 16 warps."""
+    """Triton, Hopper-and-later tuning (sm_90+): 16-token chunks, 32 state columns, 16-wide key blocks, 16 warps."""
 
     has_backward = False
 

@@ -31,7 +31,9 @@ that no thread holds more than `MAX_PER_THREAD` (32) values of a K tile: at head
 (Gemma 4's global layers; FlashAttention-style kernels stop at 256) a 16-position tile takes 8
 warps pre-Hopper (64 registers in bf16, 108 in fp32 on sm_80, no spills; with 4 warps it held
 64 values per thread: 96-158 registers), and stays at 8 warps on Hopper and 4 wavefronts of 64
-lanes on ROCm (72-116 and 80-82 registers).
+lanes on ROCm (72-116 and 80-82 registers). On 32-lane GPUs a head dim of 512 takes 16 warps
+(`WIDE_HEAD_WARPS`): with 8, triton 3.7.1 (the version torch 2.13's CUDA wheel pins) held
+sm_80 and sm_90 to 80 registers and spilled 16-24 bytes; with 16, 84-87 and no spills.
 The block size, the GQA group, the pool's block count, the block table's width and the row
 stride are runtime integers the JIT does not specialize on (`do_not_specialize`), and K/V
 rows are addressed as `(head * num_blocks + block) * block_size + offset` rows of
@@ -69,6 +71,8 @@ _UNSPECIALIZED = ("stride_n", "num_blocks", "stride_bt", "group", "block_size", 
 FULL_WINDOW = 2**31 - 1
 # Values of a K tile (and of V) one thread holds at most: the warps grow with the tile past it.
 MAX_PER_THREAD = 32
+# Warps at least for a padded head dim of 512 or more on 32-lane GPUs (see the module docstring).
+WIDE_HEAD, WIDE_HEAD_WARPS = 512, 16
 
 
 @triton.jit
@@ -202,7 +206,10 @@ class PagedAttentionTuning:
         """(TILE, HEAD_DIM, num_warps) for a head dim."""
         padded = triton.next_power_of_2(head_dim)
         tile = max(16, min(self.max_tile, self.tile_elements // padded))
-        return tile, padded, max(self.num_warps, tile * padded // (self.lanes * MAX_PER_THREAD))
+        warps = max(self.num_warps, tile * padded // (self.lanes * MAX_PER_THREAD))
+        if padded >= WIDE_HEAD and self.lanes == 32:
+            warps = max(warps, WIDE_HEAD_WARPS)
+        return tile, padded, warps
 
 
 PRE_HOPPER = PagedAttentionTuning("sm70", tile_elements=4096, max_tile=64, num_warps=4)
