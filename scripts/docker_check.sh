@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # deploy/ for real: a Docker engine, the CPU image built by `docker compose build` from
-# deploy/docker-compose.cpu.yml, the stack up on a free port, then everything torn down.
+# deploy/docker-compose.cpu.yml, the stack up on a free port, then everything torn down; and the
+# GPU image (deploy/Dockerfile's default build) built on the same base and checked inside.
 #
 #   scripts/docker_check.sh               # all of it: engine, image, up, probe, down, clean
 #   scripts/docker_check.sh engine        # a running engine (installs docker.io, starts dockerd)
 #   scripts/docker_check.sh image         # engine + base image + wheels + build; prints the tag
+#   scripts/docker_check.sh gpu-image     # engine + base image + torch's CUDA wheel + the GPU variant
+#                                         # built and checked inside; prints "tag seconds bytes"
 #   scripts/docker_check.sh up P PORT F.. # compose project P from files F up until /health says
 #                                         # every worker is ready on PORT ("auto": a free one);
 #                                         # prints the port
@@ -180,29 +183,112 @@ fill_wheels() {
   rm -rf "$tmp"
 }
 
-image() {
-  local base t0 before volumes
-  engine
-  base="$(base_image)"
-  fill_wheels "$base"
-  # BuildKit where the CLI has buildx, the classic builder otherwise; same Dockerfile.
-  docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
+# Runs build command "$@" (its output in $state/NAME.log), records TAG and whatever the build
+# left behind, and prints the seconds it took. The classic builder leaves the build stage behind
+# as an untagged image, and may leave the anonymous /models volume of a step after VOLUME.
+build_recorded() {
+  local name="$1" tag="$2" before volumes t0
+  shift 2
   before="$(docker images -q --filter dangling=true | sort)"
   volumes="$(docker volume ls -q --filter dangling=true | sort)"
-  log "building $HETSERVE_IMAGE on $base ($([ "${DOCKER_BUILDKIT:-1}" = 0 ] && echo classic builder || echo BuildKit))"
   t0=$(date +%s)
-  HETSERVE_BASE_IMAGE="$base" logged build compose -f "$cpu_compose" build || die "docker compose build failed"
-  record images "$HETSERVE_IMAGE"
-  # the classic builder leaves the build stage behind as an untagged image, and may leave the
-  # anonymous /models volume of a step after VOLUME
+  logged "$name" "$@" || return 1
+  record images "$tag"
   comm -13 <(echo "$before") <(docker images -q --filter dangling=true | sort) | while read -r id; do
     [ -n "$id" ] && record images "$id"
   done
   comm -13 <(echo "$volumes") <(docker volume ls -q --filter dangling=true | sort) | while read -r id; do
     [ -n "$id" ] && docker volume rm "$id" >/dev/null
   done
-  log "built $HETSERVE_IMAGE in $(($(date +%s) - t0)) s: $(docker image inspect -f '{{.Size}}' "$HETSERVE_IMAGE" | awk '{printf "%.2f GB", $1/1e9}')"
+  echo $(($(date +%s) - t0))
+}
+
+image_size() { docker image inspect -f '{{.Size}}' "$1"; }
+
+image() {
+  local base secs
+  engine
+  base="$(base_image)"
+  fill_wheels "$base"
+  # BuildKit where the CLI has buildx, the classic builder otherwise; same Dockerfile.
+  docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
+  log "building $HETSERVE_IMAGE on $base ($([ "${DOCKER_BUILDKIT:-1}" = 0 ] && echo classic builder || echo BuildKit))"
+  secs="$(HETSERVE_BASE_IMAGE="$base" build_recorded build "$HETSERVE_IMAGE" compose -f "$cpu_compose" build)" \
+    || die "docker compose build failed"
+  log "built $HETSERVE_IMAGE in $secs s: $(image_size "$HETSERVE_IMAGE" | awk '{printf "%.2f GB", $1/1e9}')"
   echo "$HETSERVE_IMAGE"
+}
+
+# ---------------------------------------------------------------------------- GPU image
+
+# torch's CUDA build (PyPI's, no local tag) for the base's Python into deploy/wheels/cuda, which
+# the GPU build reads first (TORCH_WHEELS=/wheels/cuda): a `+cpu` wheel in deploy/wheels would
+# win there. Read from PyPI with pip's configuration left out, since this host's find-links may
+# hold the CPU build of the same version.
+fill_cuda_wheel() {
+  local base="$1" torch pyv tmp f
+  torch="$(sed -n 's/^ARG TORCH_VERSION=//p' deploy/Dockerfile)"
+  pyv="$(docker run --rm --network none --entrypoint python3 "$base" -c \
+    'import sys; print("%d.%d" % sys.version_info[:2])')" || die "$base has no python3"
+  tmp="$(mktemp -d)"
+  logged wheels-cuda "$PY" -m pip download --isolated -q --no-deps --only-binary=:all: --python-version "$pyv" \
+    --implementation cp --platform "manylinux_2_28_$(uname -m)" -d "$tmp" "torch==$torch" \
+    --index-url "${HETSERVE_TORCH_CUDA_INDEX:-https://pypi.org/simple}" \
+    --cert "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}" || die "no CUDA build of torch==$torch"
+  mkdir -p deploy/wheels/cuda
+  for f in "$tmp"/*.whl; do
+    case "${f##*/}" in *+*) die "${f##*/} is not PyPI's CUDA build";; esac
+    if [ ! -e "deploy/wheels/cuda/${f##*/}" ]; then
+      mv "$f" deploy/wheels/cuda/ && record wheels "cuda/${f##*/}"
+    fi
+    log "deploy/wheels/cuda: ${f##*/}"
+  done
+  rm -rf "$tmp"
+}
+
+# The GPU variant: deploy/Dockerfile's defaults (torch's CUDA build, which carries its own CUDA
+# libraries, and the C toolchain Triton's launcher needs) on the CPU image's base in place of the
+# CUDA runtime base, which only adds the container toolkit's driver check. Then, inside it with no
+# network: torch is a CUDA build, triton (the version torch pins), kernels and hetserve import,
+# and `hetserve plan --simulate sm_80,sm_89,sm_90 --compile` compiles every kernel it selects.
+gpu_image() {
+  local base tag="${HETSERVE_GPU_IMAGE:-hetserve:gpu-check}" secs bytes
+  engine
+  base="$(base_image)"
+  fill_cuda_wheel "$base"
+  docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
+  log "building $tag on $base"
+  secs="$(build_recorded build-gpu "$tag" docker build -f deploy/Dockerfile -t "$tag" \
+    --build-arg BASE_IMAGE="$base" --build-arg TORCH_WHEELS=/wheels/cuda .)" \
+    || die "docker build of the GPU variant failed"
+  bytes="$(image_size "$tag")"
+  log "built $tag in $secs s: $(awk -v b="$bytes" 'BEGIN {printf "%.2f GB", b/1e9}')"
+  # what it serves with, as JSON ($state/gpu-imports.json), and the compile matrix ($state/gpu-plan.json)
+  docker run --rm --network none --entrypoint python "$tag" -P -c '
+import importlib.metadata as md, json, torch, triton, kernels, server.cli, workers.main
+pinned = next(r.split("==")[1].split(";")[0].strip() for r in md.requires("torch") if r.startswith("triton"))
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "archs": torch._C._cuda_getArchFlags(),
+                  "triton": triton.__version__, "triton_pinned_by_torch": pinned, "kernels": md.version("kernels"),
+                  "hetserve": md.version("hetserve")}))
+' >"$state/gpu-imports.json" 2>"$state/gpu-imports.log" \
+    || { tail -n 20 "$state/gpu-imports.log" >&2; die "the GPU image does not import what it serves with"; }
+  "$PY" - "$state/gpu-imports.json" <<'PY' || die "the GPU image's torch is not what it must be"
+import json, sys
+v = json.load(open(sys.argv[1]))
+assert v["cuda"], f"torch {v['torch']} is not a CUDA build"
+assert v["triton"] == v["triton_pinned_by_torch"], f"triton {v['triton']}, torch pins {v['triton_pinned_by_torch']}"
+PY
+  log "$(cat "$state/gpu-imports.json")"
+  docker run --rm --network none --entrypoint hetserve "$tag" plan --simulate sm_80,sm_89,sm_90 --compile --json \
+    >"$state/gpu-plan.json" 2>"$state/gpu-plan.log" \
+    || { tail -n 40 "$state/gpu-plan.log" >&2; die "hetserve plan --compile failed in the GPU image"; }
+  log "hetserve plan --compile in it: $("$PY" - "$state/gpu-plan.json" <<'PY'
+import json, sys
+devices = json.load(open(sys.argv[1]))["devices"]
+print(", ".join(d["preflight"]["arch"] + (" ok" if d["preflight"]["ok"] else " REFUSED") for d in devices))
+PY
+)"
+  echo "$tag $secs $bytes"
 }
 
 # ---------------------------------------------------------------------------- stacks
@@ -295,8 +381,9 @@ case "${1:-all}" in
   all) all ;;
   engine) engine ;;
   image) image ;;
+  gpu-image) gpu_image ;;
   up) shift; up "$@" ;;
   down) shift; down "$@" ;;
   clean) clean ;;
-  *) echo "usage: $0 [all|engine|image|up PROJECT PORT FILE...|down PROJECT FILE...|clean]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|engine|image|gpu-image|up PROJECT PORT FILE...|down PROJECT FILE...|clean]" >&2; exit 2 ;;
 esac

@@ -68,6 +68,22 @@ def test_generated_cpu_variant_without_gpu(tmp_path, monkeypatch):
     assert "no NVIDIA GPU" in text.splitlines()[0]
 
 
+@pytest.mark.parametrize("gpus", [True, False])
+def test_header_says_how_to_build_or_pull_the_image_it_names(tmp_path, monkeypatch, gpus):
+    """The header's build line tags the image the file names, with the GPU variant's default build
+    args for GPUs and the CPU variant's for a host without one; and a pull line for that image."""
+    if not gpus:
+        monkeypatch.setattr(compose, "inventory", lambda simulate: [])
+    image = "registry.example.com/team/hetserve:1.4"
+    _, text = _generate(tmp_path, *(["--simulate", SIM] if gpus else []), "--image", image)
+    header = " ".join(ln[2:].rstrip("\\") for ln in text.splitlines() if ln.startswith("#"))
+    build = header[header.index("docker build") :].split(" . ")[0].split()
+    assert build[:5] == ["docker", "build", "-f", "deploy/Dockerfile", "-t"] and build[5] == image
+    assert ("TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in build) is not gpus
+    assert f"docker pull {image}" in header
+    assert (yaml.safe_load(text)["services"]["hetserve"]["image"]) == image
+
+
 def test_generated_to_stdout_matches_file(tmp_path, capsys):
     assert main(["compose", "--simulate", "sm_90"]) == 0
     assert capsys.readouterr().out == compose.build(compose_args("--simulate", "sm_90")).text

@@ -30,13 +30,17 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy_tools import DEPLOY, ROOT
+from deploy_tools import DEPLOY, DOCKERFILE, ROOT
 
 from server.cli import main as hetserve_main
 from tests.checkpoints import make_checkpoint
+from tests.preflight_checks import assert_every_kernel_compiled_and_fits
 from workers.contract import parse_simulate
+from workers.device.build import runs_on
+from workers.kernelize.arch_limits import PREFLIGHT_ARCHS
 
 SCRIPT = ROOT / "scripts" / "docker_check.sh"
+STATE = Path(os.environ.get("HETSERVE_DOCKER_STATE", ROOT / ".cache" / "docker-check"))  # the script's records
 SIM = "sm_80,sm_89,sm_90"
 SIM_UUIDS = [d.uuid for d in parse_simulate(SIM)]
 EXPECTED = [("gpu0", "8.0", "emulated"), ("gpu1", "8.9", "native_e4m3"), ("gpu2", "9.0", "native_e4m3")]
@@ -301,6 +305,52 @@ def test_compose_down_drains_and_stops_every_worker_within_the_grace_period(stac
     label = f"label=com.docker.compose.project={stack.project}"
     assert _docker("ps", "-aq", "--filter", label).strip() == ""
     assert _docker("network", "ls", "-q", "--filter", label).strip() == ""
+
+
+# ------------------------------------------------------------------- the GPU image
+
+
+@pytest.fixture(scope="module")
+def gpu_image(docker_image) -> dict:
+    """The GPU variant (`docker_check.sh gpu-image`) on the CPU image's engine and base, removed
+    with them by `docker_image`'s clean: what it printed and what it found inside the image."""
+    r = _script("gpu-image", timeout=2100)
+    assert r.returncode == 0, r.stderr[-6000:]
+    tag, secs, size = r.stdout.split()[-3:]
+    return {"tag": tag, "build_s": int(secs), "bytes": int(size), "log": r.stderr,
+            "imports": json.loads((STATE / "gpu-imports.json").read_text()),
+            "plan": json.loads((STATE / "gpu-plan.json").read_text())}
+
+
+@pytest.mark.docker
+def test_the_gpu_image_holds_torchs_cuda_build_and_what_serves_with_it(gpu_image):
+    v = gpu_image["imports"]
+    pinned = next(ln.split("=")[1] for ln in DOCKERFILE.read_text().splitlines() if ln.startswith("ARG TORCH_VERSION="))
+    assert v["torch"].split("+")[0] == pinned and v["cuda"] and "+cpu" not in v["torch"], v
+    assert v["triton"] == v["triton_pinned_by_torch"], v  # torch's own pin, not this environment's triton
+    assert v["kernels"] and v["hetserve"]
+    # the bind check reads this wheel's real arch list: every CUDA card the matrix claims from Turing
+    # on is driven by it, a Volta (sm_70) is refused at bind (workers/device/build.py)
+    archs = v["archs"].split()
+    for arch in PREFLIGHT_ARCHS:
+        if arch.startswith("sm_"):
+            cap = (int(arch[3:-1]), int(arch[-1]))
+            assert runs_on(archs, "cuda", cap) is (cap >= (7, 5)), (arch, archs)
+    assert 1e9 < gpu_image["bytes"] < 12e9 and f"built {gpu_image['tag']} in {gpu_image['build_s']} s" in gpu_image["log"]
+
+
+@pytest.mark.docker
+def test_the_gpu_image_compiles_every_kernel_for_a_mixed_host(gpu_image):
+    """`hetserve plan --simulate sm_80,sm_89,sm_90 --compile` inside the image, with the triton that
+    torch's CUDA wheel pins: every selected kernel compiles and fits on each architecture."""
+    devices = gpu_image["plan"]["devices"]
+    assert [d["preflight"]["arch"] for d in devices] == ["sm_80", "sm_89", "sm_90"]
+    for entry in devices:
+        assert_every_kernel_compiled_and_fits(entry, entry["preflight"]["arch"])
+    # the fp8 GEMM on each card's own tensor cores: Ada's mma.sync and Hopper's wgmma on e4m3
+    gemm = [d["kernels"]["Fp8Linear"]["compiled"]["instruction"] for d in devices]
+    assert re.match(r"^mma\.sync.*\.f16\.f16", gemm[0]) and re.match(r"^mma\.sync.*\.e4m3\.e4m3", gemm[1]), gemm
+    assert re.match(r"^wgmma\.mma_async.*\.e4m3\.e4m3", gemm[2]), gemm
 
 
 # ------------------------------------------------------------------- the script itself

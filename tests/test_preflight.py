@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels_local.compile_spec import CompileSpec, Workload
 from kernels_local.mapping import select
+from tests.preflight_checks import assert_every_kernel_compiled_and_fits
 from workers.contract import ENV_TRITON_CACHE
 from workers.kernelize.arch_limits import ARCH_LIMITS, PREFLIGHT_ARCHS
 
@@ -69,24 +70,7 @@ def test_the_matrix_covers_every_claimed_architecture(matrix):
 
 @pytest.mark.parametrize("arch", PREFLIGHT_ARCHS)
 def test_every_selected_kernel_compiles_and_fits(matrix, arch):
-    entry = matrix[arch]
-    limits = ARCH_LIMITS[arch]
-    assert entry["preflight"]["ok"] is True, entry["preflight"]
-    assert entry["preflight"]["limits"]["shared_bytes"] == limits.shared_bytes
-    for layer, kernel in entry["kernels"].items():
-        compiled = kernel["compiled"]
-        assert set(compiled) >= {"target", "shared_bytes", "instruction", "ok"}
-        assert compiled["ok"] is True and compiled["target"].startswith(arch), (layer, compiled)
-        if "triton" not in kernel["variant"]:
-            assert compiled["configs"] == [] and "torch" in compiled["note"]
-            continue
-        assert compiled["configs"], f"{arch} {layer}: a Triton layer compiled nothing"
-        for r in compiled["configs"]:
-            assert r["ok"] and r["error"] is None, r
-            assert r["shared_bytes"] <= limits.shared_bytes
-            assert r["registers"] is not None and 0 < r["registers"] <= limits.registers_per_thread
-            assert r["registers"] * r["num_warps"] * limits.warp_size <= limits.registers_per_block
-            assert r["spill_bytes"] == 0, f"{arch} {r['kernel']} {r['config']} spills {r['spill_bytes']} bytes"
+    assert_every_kernel_compiled_and_fits(matrix[arch], arch)
 
 
 @pytest.mark.parametrize("arch", PREFLIGHT_ARCHS)

@@ -183,6 +183,20 @@ def _device_comment(d: DeviceInfo) -> str:
     return f"index {d.index}: {d.name}, {cap}"
 
 
+def _image_lines(image: str, gpu: bool) -> list[str]:
+    """How to get `image`: built from a clone of hetserve, or pulled from where it was pushed."""
+    lines = [f"The image `{image}`: build it in a clone of hetserve (deploy/Dockerfile) with"]
+    if gpu:  # the default build: torch's CUDA wheel, which carries its own CUDA libraries
+        lines.append(f"  docker build -f deploy/Dockerfile -t {image} .")
+    else:
+        lines += [
+            f"  docker build -f deploy/Dockerfile -t {image} --build-arg BASE_IMAGE=ubuntu:24.04 \\",
+            "      --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu --build-arg TRITON_LAUNCHER_DEPS= .",
+        ]
+    lines.append(f"or pull it from the registry it was pushed to: `docker pull {image}` (`--image` names another).")
+    return lines
+
+
 def build(args) -> ComposeFile:
     """The compose document and its header comment for `args` (simulate, model, port, image, devices)."""
     port, image, model = _check_args(args)
@@ -199,6 +213,7 @@ def build(args) -> ComposeFile:
             f"pin its GPUs, or add `--simulate`, `{SIMULATE_EXAMPLE}` to `command` to try the mixed-GPU path",
             "(one worker per simulated device) on this CPU.",
             f"  docker compose -f {args.output or 'FILE'} up -d && curl localhost:{port}/workers",
+            *_image_lines(image, gpu=False),
         ]
         return ComposeFile(
             {"name": "hetserve", "services": {"hetserve": _service(image, port, model, [])}},
@@ -224,6 +239,7 @@ def build(args) -> ComposeFile:
         f"hetserve on {len(gpus)} GPU(s), pinned by UUID: written by `hetserve compose`.",
         "One container holds these GPUs; its router spawns one worker per GPU.",
         f"  docker compose -f {args.output or 'FILE'} up -d && curl localhost:{port}/workers",
+        *_image_lines(image, gpu=True),
     ]
     if args.simulate:
         header += [
