@@ -338,6 +338,7 @@ clean() {
     docker network ls -q --filter "label=com.docker.compose.project=$p" 2>/dev/null | xargs -r docker network rm >/dev/null || true
   done
   for f in $(recorded wheels); do rm -f "deploy/wheels/$f"; done
+  rmdir deploy/wheels/cuda 2>/dev/null || true
   if [ "$keep" = 1 ]; then
     log "HETSERVE_DOCKER_KEEP=1: keeping images ($(recorded images | tr '\n' ' ')) and the engine"
     rm -rf "$state"; return 0
