@@ -180,3 +180,24 @@ def test_the_router_refuses_to_split_exactly_what_the_worker_cannot(tmp_path, fa
     if worker_refuses:
         with pytest.raises(PipelineError, match="cannot be split into pipeline stages"):
             plan_pipeline(family, read_profile(path), parse_topology("sm_80,sm_86"))
+
+
+def test_the_last_stage_hands_back_logits_that_make_one_workers_fp32_exactly(tmp_path):
+    """Guards `_stage_step`'s `_projected` (logits in the head's dtype, half the bytes on the wire)
+    and `recv_logits`' cast to fp32: a bfloat16 model split in two gives the last stage bfloat16
+    logits whose fp32 cast equals one worker's `step` bit for bit."""
+    import torch
+
+    from workers.kv.batch import ForwardBatch, SeqChunk
+    from workers.model.loader import load_model
+
+    path = make_checkpoint(tmp_path / "m", num_hidden_layers=4, torch_dtype="bfloat16")
+    whole, first, last = (load_model(path, "bfloat16", stage=s) for s in (None, (0, 2), (2, 4)))
+    items = [(SeqChunk(0, 5, [0, 1]), [3, 7, 11, 2, 9]), (SeqChunk(0, 3, [2]), [4, 4, 8])]
+    pools = [m.model.new_kv_pool(num_blocks=4, block_size=4) for m in (whole, first, last)]
+    batch = ForwardBatch.build(items, 4)
+    want = whole.model.step(batch, pools[0])  # [N, V] fp32
+    hidden = first.model.step(batch, pools[1])  # [T, H] bf16
+    got = last.model.step(ForwardBatch.build(items, 4), pools[2], hidden)
+    assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
+    assert torch.equal(got.float(), want)

@@ -255,9 +255,13 @@ class Transformer(nn.Module):
         return self._step_logits(x, batch)
 
     def _step_logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self._projected(x, batch).float()  # [N, V]
+
+    def _projected(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The logits [N, V] at `batch.logits_index`, in the dtype the head computes them in."""
         if x.shape[0] != batch.logits_index.shape[0]:  # equal only when every row is projected, in order
             x = x.index_select(0, batch.logits_index)  # [N, H]
-        return self._logits(x).float()  # [N, V]
+        return self._logits(x)
 
     # ---- a pipeline stage ---------------------------------------------------------------
     def keep_stage(self, start: int, end: int) -> None:
@@ -284,9 +288,10 @@ class Transformer(nn.Module):
 
     def _stage_step(self, batch: ForwardBatch, ctx, hidden: torch.Tensor | None) -> torch.Tensor:
         """The stage's layers over `hidden` [T, H] (the first stage embeds `batch.input_ids`):
-        hidden [T, H] for the next stage, or the last stage's logits [N, V] fp32."""
+        hidden [T, H] for the next stage, or the last stage's logits [N, V] as the head computes
+        them: the first stage makes them fp32 as `step` does (exact), half the bytes on the wire."""
         start, end = self.stage
         x = self._embed(batch.input_ids) if start == 0 else hidden  # [T, H]
         for i in range(start, end):
             x = self.layers[i].step(x, ctx)
-        return self._step_logits(x, batch) if end == self.config.num_hidden_layers else x
+        return self._projected(x, batch) if end == self.config.num_hidden_layers else x

@@ -4,7 +4,8 @@ Design: stage `r` sends stage `r + 1` each step as three point-to-point messages
 (`[kind, meta bytes, rows]` int64), the step's chunks (pickled `(SeqChunk, token ids)` pairs, the
 same items the first stage packed its `ForwardBatch` from, so every stage builds the same batch
 for its own device) and the hidden states `[T, H]` in the sender's compute dtype; the last stage
-sends the logits `[N, V]` fp32 back to the first. Sends do not wait for the receiver (`isend`): a
+sends the logits `[N, V]` back to the first in its compute dtype too, which the first makes fp32
+(the same cast a single worker makes, so the values are identical, at half the bytes of fp32). Sends do not wait for the receiver (`isend`): a
 stage goes on computing its next micro-batch while its last one travels. Nothing else crosses: no fp8, no sampling
 state. The backend is NCCL (RCCL on ROCm) when every stage is a real GPU of one vendor, gloo
 otherwise (CPU and simulated devices, a pipeline that crosses vendors), where tensors travel
@@ -117,9 +118,15 @@ class StageLink:
         return items, hidden.to(self.device, self.dtypes[self.rank])
 
     def send_logits(self, logits: torch.Tensor) -> list:
+        """The last stage's logits [N, V], in its compute dtype (a head that computes in another
+        dtype is a bug here: the first stage could not size the message)."""
+        if logits.dtype != self.dtypes[self.rank]:
+            raise TypeError(f"Logits in `{logits.dtype}`; this stage computes in {self.dtypes[self.rank]}, "
+                            f"the dtype the first stage receives them in")
         return [dist.isend(logits.to(self.wire).contiguous(), 0)]
 
     def recv_logits(self, rows: int, vocab: int) -> torch.Tensor:
-        out = torch.empty(rows, vocab, dtype=torch.float32, device=self.wire)
+        """The last stage's logits [N, V] as fp32 (`Transformer.step`'s dtype) on this device."""
+        out = torch.empty(rows, vocab, dtype=self.dtypes[self.world - 1], device=self.wire)
         dist.recv(out, self.world - 1)
-        return out.to(self.device)
+        return out.to(self.device, torch.float32)
