@@ -13,7 +13,8 @@ its step; the single worker runs `--compile off` too, so the two compare the sam
 (b) a 2-stage pipeline, one CPU thread per stage (the split even: the stages are equal; two
     batches in flight, the default);
     b/a, target >= 0.8 (`--microbatches 1,2,4`: also with each step cut into micro-batches;
-    `--batches 1`: also with another count of batches in flight, `--pipeline-batches`);
+    `--batches 1`: also with another count of batches in flight, `--pipeline-batches`;
+    `--partitions 3,5`: also with the layers split as given, `--pipeline-partition`);
 (c) the same pipeline with its second stage slowed `--slowdown` times ($HETSERVE_SLOWDOWN),
     split by speed as placement splits it (workers/contract/pipeline.py `split_layers`, speeds
     1 and 1/slowdown);
@@ -71,6 +72,8 @@ def main() -> int:
     p.add_argument("--slowdown", type=float, default=3.0)
     p.add_argument("--microbatches", default="1",
                    help="also run (b) with each step cut into these many micro-batches, e.g. 1,2,4 (the first is b)")
+    p.add_argument("--partitions", nargs="*", default=[], metavar="N,N",
+                   help="also run (b) with its layers split as given, e.g. 3,5 (--pipeline-partition)")
     p.add_argument("--batches", default="",
                    help="also run (b) with these many batches in flight at once, e.g. 2,3 (--pipeline-batches)")
     args = p.parse_args()
@@ -93,11 +96,14 @@ def run(args, t: Path) -> int:
     slowed = {"HETSERVE_SLOWDOWN": f"slow_w-1={args.slowdown:g},slow_e-1={args.slowdown:g}"}
     micro = [int(m) for m in args.microbatches.split(",")]
     flights = [int(k) for k in args.batches.split(",") if k]
+    parts = [[int(x) for x in q.split(",")] for q in args.partitions]
     runs = {"one": Served(t, "one", args.model, ["sm_80"], threads=2, common=common),
             **{f"two{m}": Served(t, f"two{m}", args.model, ["sm_80", "sm_86"], threads=1, common=common,
                                  extra=("--pipeline-microbatches", str(m))) for m in micro},
             **{f"flight{k}": Served(t, f"flight{k}", args.model, ["sm_80", "sm_86"], threads=1, common=common,
                                     extra=("--pipeline-batches", str(k))) for k in flights},
+            **{f"part{i}": Served(t, f"part{i}", args.model, ["sm_80", "sm_86"], threads=1, common=common,
+                                  partition=q) for i, q in enumerate(parts)},
             "slow_w": Served(t, "slow_w", args.model, ["sm_80", "sm_86"], threads=1, common=common,
                              partition=weighted, env=slowed),
             "slow_e": Served(t, "slow_e", args.model, ["sm_80", "sm_86"], threads=1, common=common,
@@ -112,6 +118,8 @@ def run(args, t: Path) -> int:
                 for m in micro[1:]}
         landed = {k: best_alternating(runs["one"], runs[f"flight{k}"], texts, args.new_tokens, args.repeats)
                   for k in flights}
+        split = [best_alternating(runs["one"], runs[f"part{i}"], texts, args.new_tokens, args.repeats)
+                 for i in range(len(parts))]
         c, d = best_alternating(runs["slow_w"], runs["slow_e"], texts, args.new_tokens, args.repeats)
     finally:
         for s in runs.values():
@@ -123,6 +131,8 @@ def run(args, t: Path) -> int:
         print(f"    with {m} micro-batches per step:  {pipe:8.1f} tokens/s   ({pipe / one:.2f}x one worker's {one:.1f})")
     for k, (one, pipe) in landed.items():
         print(f"    with {k} batches in flight:       {pipe:8.1f} tokens/s   ({pipe / one:.2f}x one worker's {one:.1f})")
+    for q, (one, pipe) in zip(parts, split, strict=True):
+        print(f"    split {q}:                   {pipe:8.1f} tokens/s   ({pipe / one:.2f}x one worker's {one:.1f})")
     print(f"(c) stage 1 slowed {args.slowdown:g}x, split {weighted} by speed: {c:8.1f} tokens/s")
     print(f"(d) stage 1 slowed {args.slowdown:g}x, split {even} evenly:   {d:8.1f} tokens/s   c/d = {c / d:.2f} "
           f"(target >= 1.2)")
