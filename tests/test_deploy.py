@@ -143,7 +143,8 @@ def test_dockerfile_contract():
     assert '"torch==${TORCH_VERSION}"' in runs and "-c deploy/constraints.txt ." in runs
     # the local wheel directory comes before any index: torch from it alone, then as find-links
     assert ("COPY", "deploy/wheels /wheels") in ins
-    assert runs.index("--no-index --no-deps --find-links /wheels") < runs.index("--index-url")
+    assert runs.index('--no-index --no-deps --find-links "${TORCH_WHEELS}"') < runs.index("--index-url")
+    assert ("ARG", "TORCH_WHEELS=/wheels") in ins  # deploy/wheels by default; /wheels/cuda for the GPU check
     assert "pip install --find-links /wheels -c deploy/constraints.txt ." in runs
 
 
