@@ -153,10 +153,23 @@ base_image() {
 
 # ---------------------------------------------------------------------------- wheels, image
 
+# The wheels pip downloaded into TMP moved into deploy/wheels/SUB (recorded for `clean`; one
+# already there is kept).
+keep_wheels() {
+  local tmp="$1" sub="$2" f
+  mkdir -p "deploy/wheels/$sub"
+  for f in "$tmp"/*.whl; do
+    if [ ! -e "deploy/wheels/$sub${f##*/}" ]; then
+      mv "$f" "deploy/wheels/$sub" && record wheels "$sub${f##*/}"
+    fi
+    log "deploy/wheels/$sub: ${f##*/}"
+  done
+}
+
 # The pinned torch wheel for the base image's Python into deploy/wheels (skipped when the base
 # has no Python: the build then installs it from its index).
 fill_wheels() {
-  local base="$1" torch tags pyv glibc tmp platforms=() f
+  local base="$1" torch tags pyv glibc tmp platforms=()
   torch="$(sed -n 's/^ARG TORCH_VERSION=//p' deploy/Dockerfile)"
   tags="$(docker run --rm --network none --entrypoint python3 "$base" -c \
     'import platform, sys; print("%d.%d" % sys.version_info[:2], platform.libc_ver()[1])' 2>/dev/null)" \
@@ -171,12 +184,7 @@ fill_wheels() {
        --index-url https://download.pytorch.org/whl/cpu --timeout 15 --retries 0 2>/dev/null \
      || logged wheels "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyv" \
        --implementation cp "${platforms[@]}" -d "$tmp" "torch==$torch"; then
-    for f in "$tmp"/*.whl; do
-      if [ ! -e "deploy/wheels/${f##*/}" ]; then
-        mv "$f" deploy/wheels/ && record wheels "${f##*/}"
-      fi
-      log "deploy/wheels: ${f##*/}"
-    done
+    keep_wheels "$tmp" ""
   else
     log "no torch==$torch wheel for Python $pyv here: torch comes from the build's index"
   fi
@@ -189,6 +197,8 @@ fill_wheels() {
 build_recorded() {
   local name="$1" tag="$2" before volumes t0
   shift 2
+  # BuildKit where the CLI has buildx, the classic builder otherwise; same Dockerfile.
+  docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
   before="$(docker images -q --filter dangling=true | sort)"
   volumes="$(docker volume ls -q --filter dangling=true | sort)"
   t0=$(date +%s)
@@ -210,9 +220,7 @@ image() {
   engine
   base="$(base_image)"
   fill_wheels "$base"
-  # BuildKit where the CLI has buildx, the classic builder otherwise; same Dockerfile.
-  docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
-  log "building $HETSERVE_IMAGE on $base ($([ "${DOCKER_BUILDKIT:-1}" = 0 ] && echo classic builder || echo BuildKit))"
+  log "building $HETSERVE_IMAGE on $base ($(docker buildx version >/dev/null 2>&1 && echo BuildKit || echo classic builder))"
   secs="$(HETSERVE_BASE_IMAGE="$base" build_recorded build "$HETSERVE_IMAGE" compose -f "$cpu_compose" build)" \
     || die "docker compose build failed"
   log "built $HETSERVE_IMAGE in $secs s: $(image_size "$HETSERVE_IMAGE" | awk '{printf "%.2f GB", $1/1e9}')"
@@ -226,7 +234,7 @@ image() {
 # win there. Read from PyPI with pip's configuration left out, since this host's find-links may
 # hold the CPU build of the same version.
 fill_cuda_wheel() {
-  local base="$1" torch pyv tmp f
+  local base="$1" torch pyv tmp
   torch="$(sed -n 's/^ARG TORCH_VERSION=//p' deploy/Dockerfile)"
   pyv="$(docker run --rm --network none --entrypoint python3 "$base" -c \
     'import sys; print("%d.%d" % sys.version_info[:2])')" || die "$base has no python3"
@@ -235,14 +243,8 @@ fill_cuda_wheel() {
     --implementation cp --platform "manylinux_2_28_$(uname -m)" -d "$tmp" "torch==$torch" \
     --index-url "${HETSERVE_TORCH_CUDA_INDEX:-https://pypi.org/simple}" \
     --cert "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}" || die "no CUDA build of torch==$torch"
-  mkdir -p deploy/wheels/cuda
-  for f in "$tmp"/*.whl; do
-    case "${f##*/}" in *+*) die "${f##*/} is not PyPI's CUDA build";; esac
-    if [ ! -e "deploy/wheels/cuda/${f##*/}" ]; then
-      mv "$f" deploy/wheels/cuda/ && record wheels "cuda/${f##*/}"
-    fi
-    log "deploy/wheels/cuda: ${f##*/}"
-  done
+  case "$(ls "$tmp")" in *+*) die "$(ls "$tmp") is not PyPI's CUDA build";; esac
+  keep_wheels "$tmp" cuda/
   rm -rf "$tmp"
 }
 
@@ -256,7 +258,6 @@ gpu_image() {
   engine
   base="$(base_image)"
   fill_cuda_wheel "$base"
-  docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
   log "building $tag on $base"
   secs="$(build_recorded build-gpu "$tag" docker build -f deploy/Dockerfile -t "$tag" \
     --build-arg BASE_IMAGE="$base" --build-arg TORCH_WHEELS=/wheels/cuda .)" \

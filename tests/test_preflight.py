@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kernels_local.compile_spec import CompileSpec, Workload
 from kernels_local.mapping import select
-from tests.preflight_checks import assert_every_kernel_compiled_and_fits
+from tests.preflight_checks import EXPECTED_GEMM, assert_every_kernel_compiled_and_fits
 from workers.contract import ENV_TRITON_CACHE
 from workers.kernelize.arch_limits import ARCH_LIMITS, PREFLIGHT_ARCHS
 
@@ -35,16 +35,6 @@ pytestmark = pytest.mark.timeout(3000)
 compiles_here = pytest.mark.skipif(type(tl.sum).__name__ == "InterpretedFunction",
                                    reason="TRITON_INTERPRET=1: kernels are interpreted, not compiled")  # fmt: skip
 BELOW_SM89 = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_87")
-# Expected tensor-core instruction of the fp8 linear GEMM per architecture (independent of the table).
-EXPECTED_GEMM = {
-    "sm_70": None, "sm_75": None,  # Fp8Linear is torch there (Triton dots need sm_80)
-    "sm_80": r"^mma\.sync.*\.f16\.f16", "sm_86": r"^mma\.sync.*\.f16\.f16", "sm_87": r"^mma\.sync.*\.f16\.f16",
-    "sm_89": r"^mma\.sync.*\.e4m3\.e4m3", "sm_120": r"^mma\.sync.*\.e4m3\.e4m3",
-    "sm_90": r"^wgmma\.mma_async.*\.e4m3\.e4m3",
-    "sm_100": r"^tcgen05\.mma.*kind::f8f6f4", "sm_103": r"^tcgen05\.mma.*kind::f8f6f4",
-    "gfx90a": r"^v_mfma_f32_\w+f16$", "gfx942": r"^v_mfma_f32_\w+_fp8_fp8$",
-    "gfx950": r"^v_mfma_f32_\w+_(fp8_fp8|f8f6f4)$",
-}  # fmt: skip
 
 
 def preflight_env(**extra) -> dict[str, str]:

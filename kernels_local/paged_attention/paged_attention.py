@@ -32,7 +32,7 @@ that no thread holds more than `MAX_PER_THREAD` (32) values of a K tile: at head
 warps pre-Hopper (64 registers in bf16, 108 in fp32 on sm_80, no spills; with 4 warps it held
 64 values per thread: 96-158 registers), and stays at 8 warps on Hopper and 4 wavefronts of 64
 lanes on ROCm (72-116 and 80-82 registers). On 32-lane GPUs a head dim of 512 takes 16 warps
-(`WIDE_HEAD_WARPS`): with 8, triton 3.7.1 (the version torch 2.13's CUDA wheel pins) held
+(the tunings' `wide_head_warps`): with 8, triton 3.7.1 (the version torch 2.13's CUDA wheel pins) held
 sm_80 and sm_90 to 80 registers and spilled 16-24 bytes; with 16, 84-87 and no spills.
 The block size, the GQA group, the pool's block count, the block table's width and the row
 stride are runtime integers the JIT does not specialize on (`do_not_specialize`), and K/V
@@ -71,8 +71,8 @@ _UNSPECIALIZED = ("stride_n", "num_blocks", "stride_bt", "group", "block_size", 
 FULL_WINDOW = 2**31 - 1
 # Values of a K tile (and of V) one thread holds at most: the warps grow with the tile past it.
 MAX_PER_THREAD = 32
-# Warps at least for a padded head dim of 512 or more on 32-lane GPUs (see the module docstring).
-WIDE_HEAD, WIDE_HEAD_WARPS = 512, 16
+# The padded head dim from which a tuning's `wide_head_warps` apply (see the module docstring).
+WIDE_HEAD = 512
 
 
 @triton.jit
@@ -201,19 +201,18 @@ class PagedAttentionTuning:
     max_tile: int
     num_warps: int  # at least; more where a tile would give a thread over MAX_PER_THREAD values
     lanes: int = 32  # threads per warp (64 per ROCm wavefront)
+    wide_head_warps: int = 0  # warps at least at a padded head dim of WIDE_HEAD or more (0: no floor)
 
     def launch_shape(self, head_dim: int) -> tuple[int, int, int]:
         """(TILE, HEAD_DIM, num_warps) for a head dim."""
         padded = triton.next_power_of_2(head_dim)
         tile = max(16, min(self.max_tile, self.tile_elements // padded))
         warps = max(self.num_warps, tile * padded // (self.lanes * MAX_PER_THREAD))
-        if padded >= WIDE_HEAD and self.lanes == 32:
-            warps = max(warps, WIDE_HEAD_WARPS)
-        return tile, padded, warps
+        return tile, padded, max(warps, self.wide_head_warps) if padded >= WIDE_HEAD else warps
 
 
-PRE_HOPPER = PagedAttentionTuning("sm70", tile_elements=4096, max_tile=64, num_warps=4)
-HOPPER = PagedAttentionTuning("sm90", tile_elements=8192, max_tile=128, num_warps=8)
+PRE_HOPPER = PagedAttentionTuning("sm70", tile_elements=4096, max_tile=64, num_warps=4, wide_head_warps=16)
+HOPPER = PagedAttentionTuning("sm90", tile_elements=8192, max_tile=128, num_warps=8, wide_head_warps=16)
 ROCM = PagedAttentionTuning("rocm", tile_elements=4096, max_tile=64, num_warps=4, lanes=64)
 TUNINGS = {t.name: t for t in (PRE_HOPPER, HOPPER, ROCM)}
 
