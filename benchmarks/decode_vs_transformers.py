@@ -1,16 +1,24 @@
 """Decode-step time: our `Transformer.step` with its paged KV cache vs transformers with its own
 KV cache (DynamicCache), on the same checkpoint and dtype, measured side by side, per family.
 
-Design: each round times one decode step of ours, then one of each of transformers' attention
-implementations, at every batch size, so machine noise hits all alike; the median over rounds
-is reported, with the ratio against the faster of theirs (transformers / ours: above 1 means
-ours is faster). Theirs is timed under both SDPA and eager attention by default because
-neither wins everywhere on a CPU (eager is the faster in bfloat16 at batch 32, SDPA in
-float32); both compute the model as its reference does, and an architecture SDPA cannot
-compute (Gemma 2's soft-capped scores) runs eager only. The output names each implementation.
-Ours runs as the CPU engine runs it: a paged pool whose blocks the sequences took as they grew
-together (every read goes through the block tables), read through the decode mirror, each
-chunk carrying its prompt's length where the rotary depends on it. Theirs runs
+Design: each round times one decode step of ours (the worker's, then eager's where they
+differ), then one of each of transformers' attention implementations, at every batch size,
+so machine noise hits all alike; the median over rounds is reported, with the ratio against
+the faster of theirs (transformers / ours: above 1 means ours is faster). Theirs is timed
+under both SDPA and eager attention by default because neither wins everywhere on a CPU
+(eager is the faster in bfloat16 at batch 32, SDPA in float32); both compute the model as its
+reference does, and an architecture SDPA cannot compute (Gemma 2's soft-capped scores) runs
+eager only. The output names each implementation.
+
+Ours runs as a CPU worker runs its decode step (`--compile auto`, the worker's default):
+compiled per batch bucket where the worker compiles it (workers/engine/compiled.py `decide`:
+Inductor, rows attending in place through their block tables), eager where the model cannot
+compile (MoE layers, linear-attention state, a dynamic rotary), always over a paged pool whose
+blocks the sequences took as they grew together (every read goes through the block tables;
+eager reads them through the decode mirror), each chunk carrying its prompt's length where the
+rotary depends on it. Where it compiles, the eager step is timed too (`eager ms`, its ratio
+beside); `--compile off` times eager only, `--compile on` refuses a model that cannot compile.
+Compiling a batch's bucket takes 10-25 s on 2 cores, before timing. Theirs runs
 `model(next, cache=...)` with the `DynamicCache` its `generate` would build (sliding layers
 keep only their window). Before timing, the first decode step's fp32 logits of both are
 compared (within 1e-3), so both sides are known to compute the same model. Trade-off: one step
@@ -26,7 +34,7 @@ shorter than the 64-token prompt, Gemma 2's soft-caps, Phi-3's partial rotary an
 past its original length, ...).
 
     python benchmarks/decode_vs_transformers.py --threads 1 [--arch llama qwen3 gemma3 phi3 | all]
-        [--dtype float32 bfloat16] [--batch 1 32] [--hf-attn fastest|auto|sdpa|eager]
+        [--dtype float32 bfloat16] [--batch 1 32] [--hf-attn fastest|auto|sdpa|eager] [--compile auto|on|off]
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -80,6 +89,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps per implementation")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                        help="our decode step as a CPU worker's --compile runs it (default auto: compiled "
+                             "where the model can be, and eager timed beside it)")
     parser.add_argument("--hf-attn", default="fastest", choices=HF_ATTN,
                         help="transformers' attention implementation (fastest: SDPA and eager both timed, "
                              "ours compared with the faster; auto: transformers' own pick)")
@@ -93,34 +105,52 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 class Ours:
     """The engine's decode path on the CPU: a paged pool whose blocks the sequences took as they
-    grew together (interleaved, so every read goes through the block tables), read through the
-    decode mirror."""
+    grew together (interleaved, so every read goes through the block tables), stepped eager
+    through the decode mirror, or (`compiled`) by the worker's compiled decode of one bucket."""
 
-    def __init__(self, lm, batch: int, prompt_len: int, max_len: int, block_size: int = 16) -> None:
+    def __init__(self, lm, batch: int, prompt_len: int, max_len: int, block_size: int = 16,
+                 compiled: bool = False) -> None:
+        from workers.engine.compiled import CompiledDecode, scratch_groups
         from workers.kv.batch import ForwardBatch, SeqChunk
+        from workers.kv.groups import same_blocks
         from workers.kv.mirror import DecodeMirror
+        from workers.kv.pool import KVPool, layer_shapes
 
         self.model, self.batch, self.pos, self.bs = lm.model, batch, prompt_len, block_size
         self.chunk, self.build = SeqChunk, ForwardBatch.build
         # a rotary that depends on the prompt's length gets it, as the engine's runner passes it
         self.rope_len = prompt_len if self.model.rope_threshold is not None else 0
         per_seq = -(-max_len // block_size)
-        self.kv = self.model.new_kv_pool(batch * per_seq, block_size)
+        if compiled:  # as the worker makes it: one scratch block per KV group for the bucket's pad rows
+            groups = scratch_groups(same_blocks(lm.config.layer_windows, batch * per_seq, layer_shapes(lm.config)))
+            self.kv = KVPool.for_config(lm.config, batch * per_seq, block_size, lm.dtype, "cpu", groups)
+        else:
+            self.kv = self.model.new_kv_pool(batch * per_seq, block_size)
         self.tables = [[s + batch * j for j in range(per_seq)] for s in range(batch)]
         # as the engine's runner: a pool of several KV groups (sliding layers) gets their windows,
         # and the mirror copies the first group's rows only when that group attends in full
         windows = getattr(self.kv, "windows", None)
         self.extra = {} if windows is None else {"windows": windows}
-        self.mirror = DecodeMirror(self.kv) if not windows or windows[0] is None else None
+        self.mirror = DecodeMirror(self.kv) if not compiled and (not windows or windows[0] is None) else None
         prompt = list(range(3, 3 + prompt_len))
         for s in range(batch):
             chunk = SeqChunk(0, prompt_len, self.tables[s], rope_len=self.rope_len)
             self.model.step(ForwardBatch.build([(chunk, prompt)], block_size, **self.extra), self.kv)
+        self.decode, self.compile_s = None, 0.0
+        if compiled:
+            self.decode = CompiledDecode(self.model, self.kv, "cpu", (batch,), "inductor")
+            self.compile_s = self.decode.warm()
+            self.seq = SimpleNamespace(group_tables=(), rope_len=self.rope_len)
 
     def step(self) -> torch.Tensor:
-        items = [(self.chunk(self.pos, 1, self.tables[s], key=s, rope_len=self.rope_len), [7])
-                 for s in range(self.batch)]
-        logits = self.model.step(self.build(items, self.bs, mirror=self.mirror, **self.extra), self.kv)
+        if self.decode is not None:
+            chunks = [SimpleNamespace(start_pos=self.pos, token_ids=[7], block_table=self.tables[s], samples=True,
+                                      seq=self.seq) for s in range(self.batch)]
+            logits = self.decode.run(chunks)
+        else:
+            items = [(self.chunk(self.pos, 1, self.tables[s], key=s, rope_len=self.rope_len), [7])
+                     for s in range(self.batch)]
+            logits = self.model.step(self.build(items, self.bs, mirror=self.mirror, **self.extra), self.kv)
         self.pos += 1
         return logits
 
@@ -187,9 +217,18 @@ def hf_models(ckpt: Path, dtype: str, choice: str) -> dict:
     return models
 
 
+def compiles(lm, mode: str) -> bool:
+    """Whether a CPU worker under `--compile mode` compiles this model's decode step
+    (workers/engine/compiled.py `decide`; `on` raises for a model that cannot compile)."""
+    from workers.engine.compiled import decide
+
+    return decide(mode, "cpu", False, False, lm.model).enabled
+
+
 def run_arch(arch: str, args: argparse.Namespace, tmp: Path) -> list[tuple]:
-    """Rows (arch, dtype, batch, ours ms, {attention implementation: theirs ms}) of one family,
-    its header printed first."""
+    """Rows (arch, dtype, batch, ours ms, ours eager ms or None, {attention implementation:
+    theirs ms}) of one family, its header printed first; ours is the worker's step (compiled
+    where `--compile` compiles it), and its eager step beside it when that differs."""
     from workers.model.loader import load_model
 
     ckpt, what = checkpoint(arch, tmp / arch)
@@ -197,45 +236,56 @@ def run_arch(arch: str, args: argparse.Namespace, tmp: Path) -> list[tuple]:
     for dtype in args.dtype:
         lm = load_model(ckpt, dtype=dtype)
         hfs = hf_models(ckpt, dtype, args.hf_attn)
+        compiled = compiles(lm, args.compile)
         if dtype == args.dtype[0]:
-            print(f"\n[{arch}] {lm.config.num_parameters / 1e6:.2f}M params, transformers attention "
+            how = "compiled (Inductor)" if compiled else "eager"
+            print(f"\n[{arch}] {lm.config.num_parameters / 1e6:.2f}M params, ours {how}, transformers attention "
                   f"{' and '.join(f'`{a}`' for a in hfs)}; {what}", flush=True)
         for batch in args.batch:
-            ours = Ours(lm, batch, args.prompt_len, args.prompt_len + args.steps + 8)
+            max_len = args.prompt_len + args.steps + 8
+            ours = {"ours": Ours(lm, batch, args.prompt_len, max_len, compiled=compiled)}
+            if compiled:
+                ours["ours eager"] = Ours(lm, batch, args.prompt_len, max_len)
+                print(f"  {dtype} batch {batch}: compiled in {ours['ours'].compile_s:.1f} s", flush=True)
             theirs = {impl: Theirs(hf, batch, args.prompt_len) for impl, hf in hfs.items()}
-            first = ours.step()
+            firsts = {name: o.step() for name, o in ours.items()}
             for impl, t in theirs.items():
-                diff = float((first - t.step()).abs().max())
+                out = t.step()
+                diff = max(float((first - out).abs().max()) for first in firsts.values())
                 if dtype == "float32" and diff > 1e-3:  # both compute the same model (tests/test_families.py: 1e-4)
                     raise SystemExit(f"[{arch}] batch {batch}: decode logits differ from transformers' ({impl}) "
                                      f"by `{diff:.2e}` (allowed: 1e-3)")
+            sides = {**ours, **{f"hf {impl}": t for impl, t in theirs.items()}}
             for _ in range(4):  # warm-up
-                ours.step()
-                for t in theirs.values():
-                    t.step()
-            t_ours, t_theirs = [], {impl: [] for impl in theirs}
-            for _ in range(args.steps):  # one round: ours, then each of theirs
-                t_ours.append(timed(ours.step))
-                for impl, t in theirs.items():
-                    t_theirs[impl].append(timed(t.step))
-            rows.append((arch, dtype, batch, statistics.median(t_ours) * 1e3,
-                         {impl: statistics.median(ts) * 1e3 for impl, ts in t_theirs.items()}))
+                for side in sides.values():
+                    side.step()
+            times = {name: [] for name in sides}
+            for _ in range(args.steps):  # one round: ours (compiled, eager), then each of theirs
+                for name, side in sides.items():
+                    times[name].append(timed(side.step))
+            ms = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+            rows.append((arch, dtype, batch, ms["ours"], ms.get("ours eager"),
+                         {impl: ms[f"hf {impl}"] for impl in theirs}))
         del lm, hfs
     return rows
 
 
 def print_table(rows: list[tuple]) -> None:
-    """One line per (arch, dtype, batch): ours, each of transformers' implementations, and the
-    ratio against the faster of them (named)."""
-    impls = [i for i in ("sdpa", "eager") if any(i in r[4] for r in rows)]
-    impls += sorted({i for r in rows for i in r[4]} - set(impls))
-    head = "".join(f"{i + ' ms':>10}" for i in impls)
-    print(f"\n{'arch':<11}{'dtype':<10}{'batch':>6}{'ours ms':>10}{head}{'transformers':>14}{'ratio':>8}")
-    for arch, dtype, batch, ours_ms, theirs in rows:
+    """One line per (arch, dtype, batch): ours (the worker's step), our eager step where it
+    compiled, each of transformers' implementations, and the ratios against the faster of them
+    (named): the worker's step, then eager's."""
+    impls = [i for i in ("sdpa", "eager") if any(i in r[5] for r in rows)]
+    impls += sorted({i for r in rows for i in r[5]} - set(impls))
+    head = "".join(f"{'hf ' + i + ' ms':>13}" for i in impls)
+    print(f"\n{'arch':<11}{'dtype':<10}{'batch':>6}{'ours ms':>10}{'eager ms':>10}{head}{'transformers':>14}"
+          f"{'ratio':>8}{'eager':>8}")
+    for arch, dtype, batch, ours_ms, eager_ms, theirs in rows:
         best = min(theirs, key=theirs.get)
-        cells = "".join(f"{theirs[i]:>10.2f}" if i in theirs else f"{'-':>10}" for i in impls)
-        print(f"{arch:<11}{dtype:<10}{batch:>6}{ours_ms:>10.2f}{cells}{theirs[best]:>9.2f} {best:<4}"
-              f"{theirs[best] / ours_ms:>7.2f}x")
+        cells = "".join(f"{theirs[i]:>13.2f}" if i in theirs else f"{'-':>13}" for i in impls)
+        eager_cell = f"{eager_ms:>10.2f}" if eager_ms is not None else f"{'-':>10}"
+        eager_ratio = f"{theirs[best] / eager_ms:>7.2f}x" if eager_ms is not None else f"{'-':>8}"
+        print(f"{arch:<11}{dtype:<10}{batch:>6}{ours_ms:>10.2f}{eager_cell}{cells}{theirs[best]:>9.2f} {best:<4}"
+              f"{theirs[best] / ours_ms:>7.2f}x{eager_ratio}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from workers.kv.batch import ForwardBatch, SeqChunk
 from workers.kv.groups import same_blocks
 from workers.kv.pool import KVPool, layer_shapes
 from workers.model.loader import default_model_dir, load_model
+from workers.model.rope import RopeSpec
 from workers.sampling.params import SamplingParams
 
 MAX_BATCH = 4
@@ -187,7 +188,8 @@ def test_decision_per_mode_device_and_deterministic():
 
 
 @pytest.mark.parametrize("model, why", [
-    (SimpleNamespace(step=None, config=SimpleNamespace(), rope_threshold=32), "rotary depends on the prompt"),
+    (SimpleNamespace(step=None, config=SimpleNamespace(), rope_threshold=32,
+                     rope_specs=(RopeSpec("dynamic", params=(("factor", 2.0),)),)), "dynamic rotary"),
     (SimpleNamespace(step=None, config=SimpleNamespace(sparse_layers=(1,))), "MoE layers"),
     (SimpleNamespace(step=None, config=SimpleNamespace(state_layers=(0,))), "recurrent state"),
     (SimpleNamespace(), "no `Transformer.step`"),
@@ -348,6 +350,43 @@ def test_a_sliding_group_with_fewer_blocks_than_the_context(tmp_path):
         return [[e.token_id for e in s.events] for s in streams]
 
     assert run(True) == run(False)
+
+
+def test_a_longrope_model_compiles_and_decodes_as_eager_across_its_switch(tmp_path):
+    """Guards the bucket's rotation lengths (`_Bucket.fill`'s `rope_lens`) and `lookup`'s
+    per-token `where` under compile: Phi-3's LongRoPE compiles, and a short prompt that decodes
+    past `original_max_position_embeddings` (32) and a long one past it from the start give
+    eager's greedy tokens (without the lengths, every row would take the short factors)."""
+    from tests.family_checkpoints import make_family_checkpoint
+
+    phi = load_model(make_family_checkpoint("phi3", tmp_path / "phi3"), "float32")
+    assert unfit_reason(phi.model) is None and phi.model.rope_threshold == 32
+
+    def run(compiled: bool) -> tuple[list[list[int]], int]:
+        groups = same_blocks(phi.config.layer_windows, BLOCKS, layer_shapes(phi.config))
+        groups = scratch_groups(groups) if compiled else groups
+        pool = KVPool.for_config(phi.config, BLOCKS, BLOCK, phi.dtype, "cpu", groups)
+        shapes = scheduler_shapes(pool) if compiled else pool.group_shapes
+        decode = None
+        if compiled:
+            decode = CompiledDecode(phi.model, pool, "cpu", (1, 2), "inductor", dynamo_backend="aot_eager")
+            decode.warm()
+        config = SchedulerConfig(2, phi.config.context_length, shapes[0][1], BLOCK, 2048, False,
+                                 eos_token_ids=(), kv_groups=shapes, rope=phi.model.rope_policy)
+        runner = ModelRunner(phi.model, pool, "cpu", compiled=decode)
+        spy = StepSpy(runner) if compiled else None
+        engine = Engine(runner, Scheduler(config), phi.tokenizer, max_queue=8)
+        long_prompt = list(range(5, 45))  # 40 tokens: past the switch from its first token
+        streams = [engine.submit(ids, SamplingParams.create(max_new_tokens=n, ignore_eos=True))
+                   for ids, n in ((list(range(5, 15)), 36), (long_prompt, 12))]
+        while engine.step():
+            pass
+        ran = sum(kind == "compiled" for step in spy.steps for kind, _ in step) if spy else 0
+        return [[e.token_id for e in s.events] for s in streams], ran
+
+    compiled_tokens, compiled_steps = run(True)
+    assert compiled_steps > 20  # the decodes ran compiled, before the switch and after it
+    assert compiled_tokens == run(False)[0]
 
 
 class FailingGraphs:

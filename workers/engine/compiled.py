@@ -4,15 +4,17 @@ Design: the common engine step decodes one token for every running sequence, and
 model its time is the dispatch of a few hundred small ops, not their arithmetic. Such a step
 (every chunk one token that samples) is padded to the smallest bucket that holds it (1, 2,
 4, ... below --max-batch, then --max-batch) and run by that bucket's compiled callable; every
-other step (prompt chunks, a prompt scored for its logprobs, a rotary that depends on the
-prompt's length, an MoE layer's data-dependent expert groups) runs eager, and a step mixing
+other step (prompt chunks, a prompt scored for its logprobs, a dynamic rotary's per-length
+frequencies, an MoE layer's data-dependent expert groups) runs eager, and a step mixing
 decodes with prompt chunks runs its decodes here and its prompt chunks eager in a second
 forward (workers/engine/runner.py). One mechanism for both kinds of device:
 - each bucket owns static inputs on the device (token ids, positions, each KV group's slots
   and block tables `[B, W]` with `W` the blocks of the longest sequence, the lengths) and one
   `ForwardBatch` built once over them, whose Python values are constants (`max_pos` is the
   context's last position, so the rotary tables grow once, before compiling). A step copies
-  its rows in and runs the bucket: `Transformer.step` itself, the same code as eager;
+  its rows in and runs the bucket: `Transformer.step` itself, the same code as eager (a
+  LongRoPE model's rows carry their rotation length, and the short or long table is a
+  per-row `where`);
 - pad rows read and write only the scratch block (the last block of each KV group, which the
   scheduler never hands out: `scratch_groups`); their logits are dropped;
 - CPU: `torch.compile` (Inductor, full graph) of the step per bucket. Decode rows attend in
@@ -156,8 +158,8 @@ def unfit_reason(model) -> str | None:
     """Why `model`'s decode step cannot be compiled as one static graph, or None."""
     if getattr(model, "stage", None) is not None:
         return "a pipeline stage (its step hands its hidden states to the next stage's process)"
-    if getattr(model, "rope_threshold", None) is not None:
-        return "its rotary depends on the prompt's length (dynamic / LongRoPE: a per-step host decision)"
+    if any(s.rope_type == "dynamic" for s in getattr(model, "rope_specs", ())):
+        return "its dynamic rotary's frequencies depend on each sequence's length (a table per length, chosen on the host)"
     if getattr(getattr(model, "config", None), "sparse_layers", ()):
         return "its MoE layers group tokens by expert (data-dependent shapes)"
     if getattr(getattr(model, "config", None), "state_layers", ()):
@@ -214,14 +216,16 @@ class PagedRows(DecodeRows):
 class _Bucket:
     """One bucket's static inputs on the device and the `ForwardBatch` built over them.
 
-    `data` [B * (3 + G)] int64 holds token ids, positions, lengths and each group's slots;
-    `tables[g]` [B, W_max] each group's block tables (only the first `width` columns of a step
-    are written; the kernels read no further than a row's length)."""
+    `data` [B * (3 + G + R)] int64 holds token ids, positions, lengths, each group's slots and,
+    for a LongRoPE model (R = 1), the length each row is rotated for; `tables[g]` [B, W_max]
+    each group's block tables (only the first `width` columns of a step are written; the
+    kernels read no further than a row's length)."""
 
     def __init__(self, size: int, groups: int, max_width: int, block_size: int, max_pos: int,
-                 device: torch.device) -> None:
-        self.size, self.block_size, self.max_pos = size, block_size, max_pos
-        self.data = torch.zeros(size * (3 + groups), dtype=torch.int64, device=device)
+                 device: torch.device, rope: bool = False) -> None:
+        self.size, self.block_size, self.max_pos, self.groups = size, block_size, max_pos, groups
+        self.data = torch.zeros(size * (3 + groups + int(rope)), dtype=torch.int64, device=device)
+        self.rope_lens = self.data[(3 + groups) * size :] if rope else None
         self.tables = tuple(torch.zeros((size, max_width), dtype=torch.int64, device=device) for _ in range(groups))
         self.rows = torch.arange(size, device=device)
         self.lens = self.data[2 * size : 3 * size]
@@ -244,7 +248,7 @@ class _Bucket:
         groups = tuple(GroupBatch(self.slots(g), rows[g], (), 0) for g in range(1, len(self.tables)))
         return ForwardBatch(input_ids=self.data[:b], positions=self.data[b : 2 * b], slot_mapping=self.slots(0),
                             logits_index=self.rows, decode=rows[0], prefills=(), block_size=self.block_size,
-                            max_pos=self.max_pos, max_block=0, groups=groups)
+                            max_pos=self.max_pos, max_block=0, rope_lens=self.rope_lens, groups=groups)
 
     def fill(self, chunks, scratch: tuple[int, ...], min_width: int) -> int:
         """Copy `chunks` (one-token sampling chunks, at most `size`) in, the rest as pads over each
@@ -264,6 +268,8 @@ class _Bucket:
                 tables.extend(t[:u])
                 tables.extend([block] * (width - u))
             tables.extend([block] * (width * pad))
+        if self.rope_lens is not None:  # each row's rotation length, as `ForwardBatch.build` computes it
+            flat += [max(c.start_pos + 1, c.seq.rope_len) for c in chunks] + [1] * pad
         host = torch.tensor(flat + tables, dtype=torch.int64)
         self.data.copy_(host[: self.data.numel()], non_blocking=True)
         cut = self.data.numel()
@@ -295,7 +301,8 @@ class CompiledDecode:
         self.max_width = -(-model.config.context_length // bs)
         self.min_width = MIN_WIDTH if backend == "inductor" else 1
         self.max_pos = model.config.context_length - 1
-        self._buckets = {b: _Bucket(b, len(kv.groups), self.max_width, bs, self.max_pos, self.device)
+        rope = getattr(model, "rope_threshold", None) is not None  # LongRoPE (unfit_reason refuses dynamic)
+        self._buckets = {b: _Bucket(b, len(kv.groups), self.max_width, bs, self.max_pos, self.device, rope)
                          for b in self.buckets}
         self._runs: dict[int, object] = {}
         self._graphs, self._dynamo_backend = graphs, dynamo_backend
@@ -321,11 +328,13 @@ class CompiledDecode:
         return self.seconds
 
     def _grow_rotary(self) -> None:
-        """The rotary tables at their full length, so no compiled step ever grows them."""
+        """The rotary tables at their full length (LongRoPE's long table too), so no compiled
+        step ever grows them."""
         rope = getattr(self.model, "rope", None)
         positions = torch.zeros(1, dtype=torch.int64, device=self.device)
         for spec in getattr(self.model, "rope_specs", ()):
-            rope.lookup(spec, positions, self.max_pos, self.model.dtype)
+            past = None if spec.threshold is None else torch.full_like(positions, spec.threshold + 1)
+            rope.lookup(spec, positions, self.max_pos, self.model.dtype, past)
 
     def _compile_all(self) -> None:
         import torch._dynamo

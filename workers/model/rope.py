@@ -226,7 +226,10 @@ class RotaryTables:
         sequence length each token is rotated for (dynamic, longrope; see the module docstring)."""
         cos, sin = self._table(spec, 0, positions.device, max_pos + 1)
         threshold = spec.threshold
-        if threshold is None or lengths is None or int(lengths.max()) <= threshold:
+        # LongRoPE's choice is a per-token `where`, so a compiled step (no host reads) makes it
+        # for every token; eager skips the long table when no token is past the threshold
+        traced = spec.rope_type == "longrope" and torch.compiler.is_compiling()
+        if threshold is None or lengths is None or (not traced and int(lengths.max()) <= threshold):
             return cos[positions].to(dtype).unsqueeze(-2), sin[positions].to(dtype).unsqueeze(-2)
         c, s = cos[positions], sin[positions]  # [T, rot/2] fp32
         past = lengths > threshold  # [T]
