@@ -125,7 +125,7 @@ class Ours:
             groups = scratch_groups(same_blocks(lm.config.layer_windows, batch * per_seq, layer_shapes(lm.config)))
             self.kv = KVPool.for_config(lm.config, batch * per_seq, block_size, lm.dtype, "cpu", groups)
         else:
-            self.kv = self.model.new_kv_pool(batch * per_seq, block_size)
+            self.kv = self.model.new_kv_pool(batch * per_seq, block_size, state_slots=batch)  # slot s: sequence s
         self.tables = [[s + batch * j for j in range(per_seq)] for s in range(batch)]
         # as the engine's runner: a pool of several KV groups (sliding layers) gets their windows,
         # and the mirror copies the first group's rows only when that group attends in full
@@ -134,7 +134,7 @@ class Ours:
         self.mirror = DecodeMirror(self.kv) if not compiled and (not windows or windows[0] is None) else None
         prompt = list(range(3, 3 + prompt_len))
         for s in range(batch):
-            chunk = SeqChunk(0, prompt_len, self.tables[s], rope_len=self.rope_len)
+            chunk = SeqChunk(0, prompt_len, self.tables[s], rope_len=self.rope_len, state_slot=s)
             self.model.step(ForwardBatch.build([(chunk, prompt)], block_size, **self.extra), self.kv)
         self.decode, self.compile_s = None, 0.0
         if compiled:
@@ -148,7 +148,7 @@ class Ours:
                                       seq=self.seq) for s in range(self.batch)]
             logits = self.decode.run(chunks)
         else:
-            items = [(self.chunk(self.pos, 1, self.tables[s], key=s, rope_len=self.rope_len), [7])
+            items = [(self.chunk(self.pos, 1, self.tables[s], key=s, rope_len=self.rope_len, state_slot=s), [7])
                      for s in range(self.batch)]
             logits = self.model.step(self.build(items, self.bs, mirror=self.mirror, **self.extra), self.kv)
         self.pos += 1
