@@ -320,6 +320,22 @@ def test_graph_replays_keep_earlier_outputs_and_match_eager(lm, eager_tokens):
     assert serve(engine, lm, 3) == eager_tokens[3]
 
 
+def two_row_engine(lm, groups, compiled: bool) -> Engine:
+    """An engine of 2 sequences over KV `groups` (each with the pads' scratch block when
+    `compiled`: buckets 1 and 2, traced with aot_eager), scheduling as the worker does
+    (its rotary's policy included)."""
+    groups = scratch_groups(groups) if compiled else groups
+    pool = KVPool.for_config(lm.config, BLOCKS, BLOCK, lm.dtype, "cpu", groups)
+    shapes = scheduler_shapes(pool) if compiled else pool.group_shapes
+    decode = None
+    if compiled:
+        decode = CompiledDecode(lm.model, pool, "cpu", (1, 2), "inductor", dynamo_backend="aot_eager")
+        decode.warm()
+    config = SchedulerConfig(2, lm.config.context_length, shapes[0][1], BLOCK, 2048, False,
+                             eos_token_ids=(), kv_groups=shapes, rope=lm.model.rope_policy)
+    return Engine(ModelRunner(lm.model, pool, "cpu", compiled=decode), Scheduler(config), lm.tokenizer, max_queue=8)
+
+
 def test_a_sliding_group_with_fewer_blocks_than_the_context(tmp_path):
     """Guards `max_width` from the context: a sliding group's table outgrows the group's blocks."""
     from dataclasses import replace
@@ -332,17 +348,7 @@ def test_a_sliding_group_with_fewer_blocks_than_the_context(tmp_path):
         groups = same_blocks(gemma.config.layer_windows, BLOCKS, layer_shapes(gemma.config))
         groups = tuple(replace(g, num_blocks=3) if g.window is not None else g for g in groups)  # 48 positions
         assert len(groups) == 2
-        groups = scratch_groups(groups) if compiled else groups
-        pool = KVPool.for_config(gemma.config, BLOCKS, BLOCK, gemma.dtype, "cpu", groups)
-        shapes = scheduler_shapes(pool) if compiled else pool.group_shapes
-        decode = None
-        if compiled:
-            decode = CompiledDecode(gemma.model, pool, "cpu", (1, 2), "inductor", dynamo_backend="aot_eager")
-            decode.warm()
-        config = SchedulerConfig(2, gemma.config.context_length, shapes[0][1], BLOCK, 2048, False,
-                                 eos_token_ids=(), kv_groups=shapes)
-        engine = Engine(ModelRunner(gemma.model, pool, "cpu", compiled=decode), Scheduler(config), gemma.tokenizer,
-                        max_queue=8)
+        engine = two_row_engine(gemma, groups, compiled)
         streams = [engine.submit(gemma.tokenizer.encode(p).ids, SamplingParams.create(max_new_tokens=n))
                    for p, n in (("Hello there", 70), ("Once upon", 60))]
         while engine.step():
@@ -363,19 +369,8 @@ def test_a_longrope_model_compiles_and_decodes_as_eager_across_its_switch(tmp_pa
     assert unfit_reason(phi.model) is None and phi.model.rope_threshold == 32
 
     def run(compiled: bool) -> tuple[list[list[int]], int]:
-        groups = same_blocks(phi.config.layer_windows, BLOCKS, layer_shapes(phi.config))
-        groups = scratch_groups(groups) if compiled else groups
-        pool = KVPool.for_config(phi.config, BLOCKS, BLOCK, phi.dtype, "cpu", groups)
-        shapes = scheduler_shapes(pool) if compiled else pool.group_shapes
-        decode = None
-        if compiled:
-            decode = CompiledDecode(phi.model, pool, "cpu", (1, 2), "inductor", dynamo_backend="aot_eager")
-            decode.warm()
-        config = SchedulerConfig(2, phi.config.context_length, shapes[0][1], BLOCK, 2048, False,
-                                 eos_token_ids=(), kv_groups=shapes, rope=phi.model.rope_policy)
-        runner = ModelRunner(phi.model, pool, "cpu", compiled=decode)
-        spy = StepSpy(runner) if compiled else None
-        engine = Engine(runner, Scheduler(config), phi.tokenizer, max_queue=8)
+        engine = two_row_engine(phi, same_blocks(phi.config.layer_windows, BLOCKS, layer_shapes(phi.config)), compiled)
+        spy = StepSpy(engine.runner) if compiled else None
         long_prompt = list(range(5, 45))  # 40 tokens: past the switch from its first token
         streams = [engine.submit(ids, SamplingParams.create(max_new_tokens=n, ignore_eos=True))
                    for ids, n in ((list(range(5, 15)), 36), (long_prompt, 12))]
