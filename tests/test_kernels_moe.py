@@ -34,6 +34,7 @@ needs_interpreter = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_kernels_run_under_the_interpreter)"
 )
 moe = importlib.import_module("kernels_local.fused_moe.fused_moe")  # the package exports a function of that name
+torch_path = importlib.import_module("kernels_local.fused_moe.torch_path")
 TINY = moe.FusedMoETuning("tiny", moe.MoEConfig(16, 16, 16, 2, 1, 1), moe.MoEConfig(16, 16, 16, 2, 1, 1))
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CASES = [(1, 1, 4), (3, 2, 8), (17, 4, 8), (17, 2, 4)]  # (tokens, top-k, experts)
@@ -116,11 +117,47 @@ def test_arguments_are_checked_naming_the_bad_value():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_torch_reference_is_the_models_grouped_experts_bit_for_bit(dtype, row_tile):
     case = make_case(17, 4, 8, bias=True, activation="swiglu_oai", dtype=dtype, gain=3.0)
-    ref = moe.fused_moe_reference(**case, row_tile=row_tile)
+    ref = torch_path.fused_moe_reference(**case, row_tile=row_tile)
     assert torch.equal(ref, grouped_experts(**case, row_tile=row_tile))
-    if not INTERPRETED:  # CPU tensors without the interpreter: every tuning runs the reference
+    if not INTERPRETED:  # CPU tensors without the interpreter: every tuning runs the grouped torch path
         for tuning in moe.TUNINGS.values():
-            assert torch.equal(moe.fused_moe(**case, tuning=tuning), grouped_experts(**case))
+            assert torch.equal(moe.fused_moe(**case, tuning=tuning), torch_path.fused_moe_grouped(**case))
+
+
+# -- the CPU path: one grouped GEMM per projection ----------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "gelu_tanh"])
+@pytest.mark.parametrize("t,k,e", CASES, ids=lambda v: str(v))
+def test_the_grouped_cpu_path_is_the_reference_in_fp32(t, k, e, activation):
+    """The same per-expert products (experts without tokens included), within fp32 rounding:
+    the activation runs over all pairs at once and its vector tail may round an ulp apart,
+    and a bias is added after the product rather than inside it."""
+    for bias in (False, True):
+        case = make_case(t, k, e, bias=bias, activation=activation, seed=t + k + e, gain=3.0)
+        assert_moe_close(torch_path.fused_moe_grouped(**case), torch_path.fused_moe_reference(**case))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_grouped_cpu_path_is_close_to_the_reference_in_every_dtype(dtype):
+    case = make_case(17, 4, 8, bias=True, activation="swiglu_oai", dtype=dtype, gain=3.0)
+    assert_moe_close(torch_path.fused_moe_grouped(**case), torch_path.fused_moe_reference(**case))
+    empty = make_case(0, 2, 4, dtype=dtype)
+    assert torch_path.fused_moe_grouped(**empty).shape == (0, HIDDEN)
+
+
+def test_a_compiled_graph_calls_the_grouped_path_as_one_op():
+    """Guards `fused_moe_torch`'s `is_compiling()` branch: without the op, Dynamo traces
+    `torch._grouped_mm`, whose fp32 meta kernel refuses (full graph: the compile fails)."""
+    case = make_case(9, 2, 8, bias=True, activation="swiglu_oai", seed=3)
+    names = ("x", "w_gate_up", "w_down", "topk_ids", "topk_weights", "b_gate_up", "b_down")
+
+    def experts(*tensors):
+        return torch_path.fused_moe_torch(*tensors, activation="swiglu_oai") * 2
+
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    out = compiled(*(case[n] for n in names))
+    assert torch.equal(out, torch_path.fused_moe_grouped(**case) * 2)
 
 
 # -- the kernel under the interpreter ---------------------------------------------------------
@@ -134,7 +171,7 @@ def test_the_torch_reference_is_the_models_grouped_experts_bit_for_bit(dtype, ro
 def test_kernel_matches_the_reference_and_grouped_experts(t, k, e, bias, activation, dtype):
     case = make_case(t, k, e, bias=bias, activation=activation, dtype=dtype, seed=t * k + e, gain=3.0)
     assert moe.runs_triton(case["x"])
-    ref = moe.fused_moe_reference(**case)
+    ref = torch_path.fused_moe_reference(**case)
     assert torch.equal(ref, grouped_experts(**case))
     assert_moe_close(moe.fused_moe(**case, tuning=TINY), ref)
 
@@ -144,7 +181,7 @@ def test_kernel_matches_the_reference_and_grouped_experts(t, k, e, bias, activat
 @needs_interpreter
 def test_every_tuning_matches_the_reference(tokens, dtype):
     case = make_case(tokens, 4, 8, bias=True, activation="swiglu_oai", dtype=dtype, seed=tokens, gain=3.0)
-    ref = moe.fused_moe_reference(**case)
+    ref = torch_path.fused_moe_reference(**case)
     for tuning in moe.TUNINGS.values():
         assert_moe_close(moe.fused_moe(**case, tuning=tuning), ref)
 
@@ -156,9 +193,9 @@ def test_gelu_tanh_experts_match_the_reference(dtype):
     `_activate`): every tuning and the tiny one against the reference, which is the model's
     `grouped_experts`; the activation is not SiLU's."""
     case = make_case(17, 2, 4, activation="gelu_tanh", dtype=dtype, seed=5, gain=3.0)
-    ref = moe.fused_moe_reference(**case)
+    ref = torch_path.fused_moe_reference(**case)
     assert torch.equal(ref, grouped_experts(**case))
-    assert (ref.float() - moe.fused_moe_reference(**{**case, "activation": "silu"}).float()).abs().max() > 0.05
+    assert (ref.float() - torch_path.fused_moe_reference(**{**case, "activation": "silu"}).float()).abs().max() > 0.05
     for tuning in (TINY, *moe.TUNINGS.values()):
         assert_moe_close(moe.fused_moe(**case, tuning=tuning), ref)
 
@@ -172,10 +209,10 @@ def test_swiglu_oai_clamps_past_the_limit():
     gate, up = h.chunk(2, dim=-1)
     assert (gate > 7).float().mean() > 0.05 and (up > 7).float().mean() > 0.05 and (up < -7).float().mean() > 0.05
     for alpha, limit in ((1.702, 7.0), (1.0, 3.5)):
-        ref = moe.fused_moe_reference(**case, alpha=alpha, limit=limit)
+        ref = torch_path.fused_moe_reference(**case, alpha=alpha, limit=limit)
         assert_moe_close(moe.fused_moe(**case, alpha=alpha, limit=limit, tuning=TINY), ref)
-    unclamped = moe.fused_moe_reference(**case, limit=1e9)
-    assert (unclamped - moe.fused_moe_reference(**case)).abs().max() > 1.0
+    unclamped = torch_path.fused_moe_reference(**case, limit=1e9)
+    assert (unclamped - torch_path.fused_moe_reference(**case)).abs().max() > 1.0
 
 
 @needs_interpreter
@@ -206,7 +243,8 @@ def _model_layer(bias: bool, activation: str, dtype=torch.float32, seed=0) -> Mo
 def test_layers_run_as_the_model_modules_forward(bias, activation):
     """Each repository layer installed the way the worker installs it (`apply_plan`, which
     kernelizes through `kernels`): the module then runs that layer's forward, the Triton ones
-    through the kernel (the interpreter runs it on CPU tensors), equal to the model's own."""
+    through the kernel (the interpreter runs it on CPU tensors), the CPU one through the grouped
+    torch path, each close to the model's own."""
     from kernels_local.mapping import select
     from workers.kernelize.apply import KernelPlan, apply_plan
 
@@ -221,8 +259,11 @@ def test_layers_run_as_the_model_modules_forward(bias, activation):
         assert apply_plan(installed, KernelPlan("cpu", {"FusedMoE": choice})) == 1
         assert installed.forward.__func__ is choice.repository().load().forward
         out = installed(case["x"], case["topk_ids"], case["topk_weights"])
-        if choice.variant == "torch":
-            assert torch.equal(out, ref)
+        if choice.variant == "torch":  # the CPU layer: the grouped torch path
+            grouped = torch_path.fused_moe_grouped(case["x"], layer.w_gate_up, layer.w_down, case["topk_ids"],
+                                                   case["topk_weights"], layer.b_gate_up, layer.b_down, activation)
+            assert torch.equal(out, grouped)
+            assert_moe_close(out, ref)
         else:
             assert_moe_close(out, ref)
 
@@ -373,8 +414,8 @@ def test_compiled_kernel_matches_the_reference_on_real_shapes(name, e, k, h, i, 
               "FusedMoETritonRocm": moe.ROCM}.get(layer, moe.PRE_HOPPER)  # fmt: skip
     case = make_case(tokens, k, e, h, i, bias=bias, activation=activation, dtype=torch.bfloat16, gain=3.0,
                      device="cuda")  # fmt: skip
-    assert_moe_close(moe.fused_moe(**case, tuning=tuning), moe.fused_moe_reference(**case))
+    assert_moe_close(moe.fused_moe(**case, tuning=tuning), torch_path.fused_moe_reference(**case))
     small = make_case(tokens, k, e, h, 256, bias=bias, activation=activation, device="cuda")
     assert not torch.backends.cuda.matmul.allow_tf32  # the reference's own fp32 matmuls are exact too
-    torch.testing.assert_close(moe.fused_moe(**small, tuning=tuning), moe.fused_moe_reference(**small),
+    torch.testing.assert_close(moe.fused_moe(**small, tuning=tuning), torch_path.fused_moe_reference(**small),
                                rtol=1e-4, atol=1e-4)  # fmt: skip

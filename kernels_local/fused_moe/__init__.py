@@ -10,9 +10,9 @@ from .fused_moe import (
     MoEConfig,
     align_pairs,
     fused_moe,
-    fused_moe_reference,
     runs_triton,
 )
+from .torch_path import fused_moe_reference, fused_moe_torch
 
 __all__ = [
     "TUNINGS",
@@ -21,6 +21,7 @@ __all__ = [
     "align_pairs",
     "fused_moe",
     "fused_moe_reference",
+    "fused_moe_torch",
     "layers",
     "runs_triton",
 ]

@@ -44,10 +44,10 @@ from .fused_moe import (
     FusedMoETuning,
     _activate,
     align_pairs,
-    expert_activation,
     gemm_ints,
     runs_triton,
 )
+from .torch_path import expert_activation
 
 FP8_DTYPES = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 MAX_VALUES = {"e4m3fn": 448.0, "e4m3fnuz": 240.0}

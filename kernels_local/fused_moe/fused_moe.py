@@ -46,11 +46,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
+
+from .torch_path import fused_moe_torch
 
 ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
 # Runtime integers compiled once for every value (no divisibility or ==1 specialization).
@@ -177,49 +178,6 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, y.to(Out.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
 
 
-# -- the torch reference (the model's grouped_experts, same math) ------------------------------
-
-
-def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    """[n, 2I] gate columns then up columns -> [n, I]."""
-    gate, up = h.chunk(2, dim=-1)
-    if activation == "silu":
-        return F.silu(gate) * up
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh") * up
-    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
-def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None,
-                        b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
-                        limit: float = 7.0, row_tile: int | None = None) -> torch.Tensor:  # fmt: skip
-    """sum_k w[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H] in x's dtype: pairs grouped by expert
-    (one stable sort), one matmul pair per active expert (in fixed zero-padded tiles of
-    `row_tile` rows when set, so a row's result does not depend on its batch mates), router
-    weights applied in x's dtype, experts added in ascending order."""
-    k = topk_ids.shape[1]
-    flat = topk_ids.flatten()  # [P]
-    order = flat.argsort(stable=True)  # pairs by expert, tokens ascending within each
-    tokens = order // k  # [P]
-    xs = x.index_select(0, tokens)  # [P, H]
-    ys = torch.empty_like(xs)  # [P, H]
-    start = 0
-    for e, n in enumerate(torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()):
-        tile = row_tile or n
-        for lo in range(start, start + n, max(tile, 1)):  # nothing for an expert without pairs
-            rows = min(tile, start + n - lo)
-            part = xs[lo : lo + rows] if rows == tile else F.pad(xs[lo : lo + rows], (0, 0, 0, tile - rows))
-            h = F.linear(part, w_gate_up[e], None if b_gate_up is None else b_gate_up[e])  # [tile, 2I]
-            y = F.linear(expert_activation(h, activation, alpha, limit), w_down[e],
-                         None if b_down is None else b_down[e])  # fmt: skip
-            ys[lo : lo + rows] = y[:rows]
-        start += n
-    ys = ys * topk_weights.flatten().index_select(0, order)[:, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
-
-
 # -- tuning ------------------------------------------------------------------------------------
 
 
@@ -337,10 +295,10 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
               tuning: FusedMoETuning = PRE_HOPPER) -> torch.Tensor:  # fmt: skip
     """The experts of `x` [T, H] for `topk_ids` / `topk_weights` [T, K] -> [T, H] in x's dtype:
-    two grouped GEMM launches; the torch reference on CPU tensors."""
+    two grouped GEMM launches; the torch path on CPU tensors."""
     _check(x, w_gate_up, w_down, topk_ids, topk_weights, activation)
     if not runs_triton(x) or x.shape[0] == 0:
-        return fused_moe_reference(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation,
+        return fused_moe_torch(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation,
                                    alpha, limit)  # fmt: skip
     (t, h), (e, two_i, _), k = x.shape, w_gate_up.shape, topk_ids.shape[1]
     p, i = t * k, two_i // 2

@@ -33,11 +33,16 @@ import torch
 from torch import nn
 
 from .fp8 import fp8_compile_specs, fused_moe_fp8, fused_moe_fp8_reference
-from .fused_moe import HOPPER, PRE_HOPPER, ROCM, FusedMoETuning, compile_specs, fused_moe, fused_moe_reference
+from .fused_moe import HOPPER, PRE_HOPPER, ROCM, FusedMoETuning, compile_specs, fused_moe
 from .mxfp4 import fused_moe_mxfp4, fused_moe_mxfp4_reference, mxfp4_compile_specs
+from .torch_path import fused_moe_reference, fused_moe_torch
 
 
 def _torch_path(module: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Deterministic mode: the reference in fixed row tiles; otherwise the grouped torch path."""
+    if getattr(module, "row_tile", None) is None:
+        return fused_moe_torch(x, module.w_gate_up, module.w_down, topk_ids, topk_weights, module.b_gate_up,
+                               module.b_down, module.activation, module.alpha, module.limit)  # fmt: skip
     return fused_moe_reference(x, module.w_gate_up, module.w_down, topk_ids, topk_weights, module.b_gate_up,
                                module.b_down, module.activation, module.alpha, module.limit,
                                getattr(module, "row_tile", None))  # fmt: skip

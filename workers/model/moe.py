@@ -15,7 +15,10 @@ token-expert pairs by expert with one stable sort and runs one matmul per active
 its rows: a loop over experts, never over tokens. Under `--deterministic`, each expert's rows
 go through in fixed tiles of `row_tile` rows (the last one zero-padded), so a row's result
 does not depend on how many other rows chose the same expert. Trade-off: experts that got few
-rows pay a whole matmul call each; the GPU kernel groups them into one launch instead.
+rows pay a whole matmul call each; the kernel layers group them into one call (the CPU layer's
+`torch._grouped_mm`, the GPU's Triton launch). Inside `torch.compile` the experts are one opaque
+op (`hetserve::grouped_experts`, shaped like its input), so the compiled decode step
+(workers/engine/compiled.py) keeps the grouping's data-dependent sizes out of its graph.
 """
 
 from __future__ import annotations
@@ -80,6 +83,25 @@ def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
     return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
 
 
+def _grouped_experts_op():
+    """`hetserve::grouped_experts`: `grouped_experts` as one op a compiled graph calls (registered once)."""
+    if hasattr(torch.ops.hetserve, "grouped_experts"):
+        return torch.ops.hetserve.grouped_experts
+
+    @torch.library.custom_op("hetserve::grouped_experts", mutates_args=())
+    def op(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+           topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None,
+           activation: str, alpha: float, limit: float) -> torch.Tensor:  # fmt: skip
+        return grouped_experts(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation, alpha,
+                               limit)  # fmt: skip
+
+    op.register_fake(lambda x, *args: torch.empty_like(x))
+    return torch.ops.hetserve.grouped_experts
+
+
+GROUPED_EXPERTS = _grouped_experts_op()
+
+
 @use_kernel_forward_from_hub("FusedMoE")
 class FusedMoE(nn.Module):
     """The experts of one layer. `forward(x [T, H], topk_ids [T, K] int64, topk_weights [T, K])
@@ -98,6 +120,9 @@ class FusedMoE(nn.Module):
         self.row_tile: int | None = None  # deterministic mode: each expert's rows in fixed tiles
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # deterministic mode (row tiles) never compiles
+            return GROUPED_EXPERTS(x, self.w_gate_up, self.w_down, topk_ids, topk_weights, self.b_gate_up,
+                                   self.b_down, self.activation, float(self.alpha), float(self.limit))  # fmt: skip
         return grouped_experts(x, self.w_gate_up, self.w_down, topk_ids, topk_weights, self.b_gate_up, self.b_down,
                                self.activation, self.alpha, self.limit, self.row_tile)
 

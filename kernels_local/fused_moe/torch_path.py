@@ -1,0 +1,128 @@
+"""The experts in torch: the reference (one matmul pair per active expert, in fixed tiles under
+`--deterministic`) and the CPU path (one grouped GEMM pair), with the custom op that lets a
+compiled decode step call the CPU path.
+
+Design: both sort the `T x K` token-expert pairs by expert with one stable sort. The reference
+then loops over the active experts (two `F.linear` each), reading the pair counts on the host;
+the CPU path hands every expert's run to `torch._grouped_mm` as one group (the group ends are a
+scatter-add and a cumsum on the device), so a step makes one call per projection however many
+experts it touches, and nothing is read on the host. Its results are the reference's within
+fp32 rounding (the same per-expert products; the activation runs over all pairs at once, whose
+vector tail may round an ulp apart; tests/test_kernels_moe.py), and a bias is added after the
+product rather than inside it (`x @ W + b`, as transformers writes it), a rounding apart in bf16.
+Inside `torch.compile` the CPU path is one opaque op, `hetserve_fused_moe::grouped_experts`,
+whose output is shaped like `x`: the grouping's data-dependent sizes stay inside it and
+Inductor compiles the rest of the step (attention, norms, the router) around it.
+Trade-off: the op is opaque, so nothing around it fuses into it; the reference stays the
+readable statement of the math that the Triton kernel and this path are checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """[n, 2I] gate columns then up columns -> [n, I]."""
+    gate, up = h.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None,
+                        b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                        limit: float = 7.0, row_tile: int | None = None) -> torch.Tensor:  # fmt: skip
+    """sum_k w[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H] in x's dtype: pairs grouped by expert
+    (one stable sort), one matmul pair per active expert (in fixed zero-padded tiles of
+    `row_tile` rows when set, so a row's result does not depend on its batch mates), router
+    weights applied in x's dtype, experts added in ascending order."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.flatten()  # [P]
+    order = flat.argsort(stable=True)  # pairs by expert, tokens ascending within each
+    tokens = order // k  # [P]
+    xs = x.index_select(0, tokens)  # [P, H]
+    ys = torch.empty_like(xs)  # [P, H]
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()):
+        tile = row_tile or n
+        for lo in range(start, start + n, max(tile, 1)):  # nothing for an expert without pairs
+            rows = min(tile, start + n - lo)
+            part = xs[lo : lo + rows] if rows == tile else F.pad(xs[lo : lo + rows], (0, 0, 0, tile - rows))
+            h = F.linear(part, w_gate_up[e], None if b_gate_up is None else b_gate_up[e])  # [tile, 2I]
+            y = F.linear(expert_activation(h, activation, alpha, limit), w_down[e],
+                         None if b_down is None else b_down[e])  # fmt: skip
+            ys[lo : lo + rows] = y[:rows]
+        start += n
+    ys = ys * topk_weights.flatten().index_select(0, order)[:, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
+
+
+def fused_moe_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None,
+                      b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                      limit: float = 7.0) -> torch.Tensor:  # fmt: skip
+    """The reference's sum as two `torch._grouped_mm` calls, one group per expert: [T, H] -> [T, H]."""
+    num_experts, k = w_gate_up.shape[0], topk_ids.shape[1]
+    flat = topk_ids.flatten().to(torch.int64)  # [P]
+    # 1. pairs by expert, and where each expert's run ends (a scatter-add: nothing read on the host)
+    order = flat.argsort(stable=True)  # [P]
+    experts = flat.index_select(0, order)  # [P] the expert of each sorted pair
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    ends = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)  # [E]
+    tokens = order // k  # [P]
+    xs = x.index_select(0, tokens)  # [P, H]
+    # 2. gate_up, the activation, down: one grouped GEMM per projection, biases per row
+    h = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=ends)  # [P, 2I]
+    if b_gate_up is not None:
+        h = h + b_gate_up.index_select(0, experts)
+    y = torch._grouped_mm(expert_activation(h, activation, alpha, limit), w_down.transpose(1, 2), offs=ends)  # [P, H]
+    if b_down is not None:
+        y = y + b_down.index_select(0, experts)
+    # 3. router weights in x's dtype, then each token's K rows summed
+    y = y * topk_weights.flatten().index_select(0, order)[:, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, y)  # [T, H]
+
+
+def _grouped_experts_op():
+    """`hetserve_fused_moe::grouped_experts`, registered once per process (this repository may be
+    imported under two names: as `kernels` loads it and as `kernels_local.fused_moe`)."""
+    namespace = torch.ops.hetserve_fused_moe
+    if hasattr(namespace, "grouped_experts"):
+        return namespace.grouped_experts
+
+    @torch.library.custom_op("hetserve_fused_moe::grouped_experts", mutates_args=())
+    def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None,
+                        b_down: torch.Tensor | None, activation: str, alpha: float,
+                        limit: float) -> torch.Tensor:  # fmt: skip
+        return fused_moe_grouped(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation,
+                                 alpha, limit)  # fmt: skip
+
+    grouped_experts.register_fake(lambda x, *args: torch.empty_like(x))  # [T, H]
+    return namespace.grouped_experts
+
+
+GROUPED_EXPERTS = _grouped_experts_op()
+
+
+def fused_moe_torch(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None,
+                    b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                    limit: float = 7.0) -> torch.Tensor:  # fmt: skip
+    """The experts without Triton: on CPU tensors the grouped path (as the opaque op inside a
+    compiled graph); on a GPU (a device below Triton's floor) the reference, whose per-expert
+    cuBLAS calls need no grouped GEMM support from the installed torch."""
+    if x.device.type != "cpu":
+        return fused_moe_reference(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation,
+                                   alpha, limit)  # fmt: skip
+    if torch.compiler.is_compiling():
+        return GROUPED_EXPERTS(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation,
+                               float(alpha), float(limit))  # fmt: skip
+    return fused_moe_grouped(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation, alpha,
+                             limit)  # fmt: skip
