@@ -190,7 +190,6 @@ def test_decision_per_mode_device_and_deterministic():
 @pytest.mark.parametrize("model, why", [
     (SimpleNamespace(step=None, config=SimpleNamespace(), rope_threshold=32,
                      rope_specs=(RopeSpec("dynamic", params=(("factor", 2.0),)),)), "dynamic rotary"),
-    (SimpleNamespace(step=None, config=SimpleNamespace(sparse_layers=(1,))), "MoE layers"),
     (SimpleNamespace(step=None, config=SimpleNamespace(state_layers=(0,))), "recurrent state"),
     (SimpleNamespace(), "no `Transformer.step`"),
 ])
@@ -382,6 +381,56 @@ def test_a_longrope_model_compiles_and_decodes_as_eager_across_its_switch(tmp_pa
     compiled_tokens, compiled_steps = run(True)
     assert compiled_steps > 20  # the decodes ran compiled, before the switch and after it
     assert compiled_tokens == run(False)[0]
+
+
+@pytest.mark.parametrize("arch, kernelized", [("qwen3_moe", False), ("gpt_oss", True)])
+def test_an_moe_model_compiles_and_decodes_as_eager(tmp_path, arch, kernelized):
+    """Guards the experts' opaque op inside the graph (the model's `hetserve::grouped_experts`,
+    and the CPU kernel layer's `hetserve_fused_moe::grouped_experts` once kernelized as a CPU
+    worker is) and `unfit_reason`'s MoE clause: the decode steps run compiled and give eager's
+    greedy tokens (gpt-oss: sinks, biases, the clamped SwiGLU, sliding layers shorter than the
+    prompt)."""
+    from tests.family_checkpoints import make_family_checkpoint
+    from workers.device.bind import BoundDevice
+    from workers.kernelize.apply import kernelize_for_device
+
+    lm = load_model(make_family_checkpoint(arch, tmp_path / arch), "float32")
+    if kernelized:
+        kernelize_for_device(lm.model, BoundDevice("cpu", 0, "cpu", "cpu", None, 0, False))
+    assert lm.config.sparse_layers and unfit_reason(lm.model) is None
+    assert decide("auto", "cpu", False, False, lm.model).enabled
+
+    def run(compiled: bool) -> tuple[list[list[int]], int]:
+        engine = two_row_engine(lm, same_blocks(lm.config.layer_windows, BLOCKS, layer_shapes(lm.config)), compiled)
+        spy = StepSpy(engine.runner) if compiled else None
+        streams = [engine.submit(ids, SamplingParams.create(max_new_tokens=n, ignore_eos=True))
+                   for ids, n in ((list(range(5, 25)), 24), (list(range(30, 36)), 16))]
+        while engine.step():
+            pass
+        ran = sum(kind == "compiled" for step in spy.steps for kind, _ in step) if spy else 0
+        return [[e.token_id for e in s.events] for s in streams], ran
+
+    compiled_tokens, compiled_steps = run(True)
+    assert compiled_steps > 20
+    assert compiled_tokens == run(False)[0]
+
+
+class _QuantizedExperts(torch.nn.Module):
+    kernel_layer_name = "Fp8FusedMoE"
+
+
+def test_moe_experts_stay_eager_in_a_gpu_graph_and_when_quantized():
+    """Guards the MoE clause's two refusals: a CUDA/HIP graph does not capture the experts yet,
+    and a pre-quantized checkpoint's experts loop over experts on the host."""
+    model = torch.nn.Module()
+    model.step, model.config = None, SimpleNamespace(sparse_layers=(1,))
+    assert unfit_reason(model) is None
+    gpu = decide("auto", "cuda", False, False, model)
+    assert not gpu.enabled and "MoE layers" in gpu.reason and "graph" in gpu.reason
+    model.experts = _QuantizedExperts()
+    assert "quantized experts (Fp8FusedMoE)" in unfit_reason(model)
+    with pytest.raises(ValueError, match=r"`--compile on`: its quantized experts \(Fp8FusedMoE\)"):
+        decide("on", "cpu", False, False, model)
 
 
 class FailingGraphs:

@@ -5,7 +5,7 @@ model its time is the dispatch of a few hundred small ops, not their arithmetic.
 (every chunk one token that samples) is padded to the smallest bucket that holds it (1, 2,
 4, ... below --max-batch, then --max-batch) and run by that bucket's compiled callable; every
 other step (prompt chunks, a prompt scored for its logprobs, a dynamic rotary's per-length
-frequencies, an MoE layer's data-dependent expert groups) runs eager, and a step mixing
+frequencies; on a GPU, an MoE layer's data-dependent expert groups) runs eager, and a step mixing
 decodes with prompt chunks runs its decodes here and its prompt chunks eager in a second
 forward (workers/engine/runner.py). One mechanism for both kinds of device:
 - each bucket owns static inputs on the device (token ids, positions, each KV group's slots
@@ -18,7 +18,7 @@ forward (workers/engine/runner.py). One mechanism for both kinds of device:
 - pad rows read and write only the scratch block (the last block of each KV group, which the
   scheduler never hands out: `scratch_groups`); their logits are dropped;
 - CPU: `torch.compile` (Inductor, full graph) of the step per bucket. Decode rows attend in
-  place through the block table (`PagedRows`: explicit ops that Inductor fuses with the
+  place through the block table (`workers/kv/paged.py` `PagedRows`: explicit ops that Inductor fuses with the
   block gather, so the attended K/V are never copied), over the table width the step needs,
   which is a dynamic dimension: one graph per bucket serves every length;
 - CUDA/ROCm: a graph per bucket, captured once the worker has bound its device; the
@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 
 from workers.contract import ENV_TRITON_CACHE_DIR
-from workers.kv.batch import DecodeRows, ForwardBatch, GroupBatch
+from workers.kv.batch import ForwardBatch, GroupBatch
+from workers.kv.paged import PagedRows
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def decide(mode: str, device_type: str, simulated: bool, deterministic: bool, mo
     if deterministic:
         return CompileDecision(mode, False, None, "deterministic mode: its fixed GEMM tiles and attention splits "
                                                   "run eager (a compiled graph would fuse and reorder them)")
-    unfit = unfit_reason(model)
+    unfit = unfit_reason(model, backend)
     if unfit is not None:
         if mode == "on":
             raise ValueError(f"`--compile on`: {unfit}. Allowed: --compile auto or off for this model")
@@ -154,14 +155,21 @@ _BACKEND_WHY = {
 }
 
 
-def unfit_reason(model) -> str | None:
-    """Why `model`'s decode step cannot be compiled as one static graph, or None."""
+def unfit_reason(model, backend: str = "inductor") -> str | None:
+    """Why `model`'s decode step cannot be compiled as one static graph by `backend`, or None.
+    MoE experts compile under Inductor as one opaque op each (kernels_local/fused_moe/torch_path.py);
+    a graph capture of the Triton experts, and quantized experts' per-expert loops, stay eager."""
     if getattr(model, "stage", None) is not None:
         return "a pipeline stage (its step hands its hidden states to the next stage's process)"
     if any(s.rope_type == "dynamic" for s in getattr(model, "rope_specs", ())):
         return "its dynamic rotary's frequencies depend on each sequence's length (a table per length, chosen on the host)"
     if getattr(getattr(model, "config", None), "sparse_layers", ()):
-        return "its MoE layers group tokens by expert (data-dependent shapes)"
+        if backend != "inductor":
+            return "its MoE layers group tokens by expert (data-dependent shapes; not captured in a graph yet)"
+        quantized = sorted({name for m in model.modules() if (name := getattr(type(m), "kernel_layer_name", None))
+                            in ("Fp8FusedMoE", "Mxfp4FusedMoE")})
+        if quantized:
+            return f"its quantized experts ({', '.join(quantized)}) loop over experts on the host"
     if getattr(getattr(model, "config", None), "state_layers", ()):
         return "its linear-attention layers keep a recurrent state per sequence (slots chosen per step, no pad slot)"
     if not hasattr(model, "step") or not hasattr(model, "config"):
@@ -178,39 +186,6 @@ def scratch_groups(groups):
 def scheduler_shapes(kv) -> tuple[tuple[int | None, int], ...]:
     """(window, blocks) of each group of a pool made with `scratch_groups`, without its scratch block."""
     return tuple((w, n - 1) for w, n in kv.group_shapes)
-
-
-@dataclass(frozen=True, eq=False)
-class PagedRows(DecodeRows):
-    """Decode rows that attend in place through their block tables (the compiled CPU step):
-    softmax(q k^T * scale) v over each row's positions `< seq_lens` (its last `window` ones when
-    it slides), soft-capped where asked, with gpt-oss's sinks; scores and softmax in fp32."""
-
-    def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
-               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        _, hkv, nb, bs, d = kv.shape
-        n, hq, _ = query.shape
-        g = hq // hkv
-        length = self.block_tables.shape[1] * bs
-        pos = torch.arange(length, device=query.device)  # [L]
-        slots = self.block_tables.repeat_interleave(bs, dim=1) * bs + pos % bs  # [N, L]
-        flat = kv.view(2, hkv, nb * bs, d)
-        k, v = flat[0][:, slots], flat[1][:, slots]  # [Hkv, N, L, D], read through the table (fused)
-        q = query.view(n, hkv, g, d).transpose(0, 1)  # [Hkv, N, G, D]
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (d**-0.5 if scale is None else scale)  # [Hkv, N, G, L]
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
-        seen = pos[None, :] < self.seq_lens[:, None]  # [N, L]
-        if window is not None:
-            seen &= pos[None, :] >= self.seq_lens[:, None] - window
-        s = s.masked_fill(~seen[None, :, None, :], float("-inf"))
-        if sinks is None:
-            p = torch.softmax(s, dim=-1)
-        else:  # one more logit per head, whose weight is dropped
-            sink = sinks.float().view(hkv, 1, g, 1).expand(hkv, n, g, 1)
-            p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :length]
-        o = torch.matmul(p, v.float())  # [Hkv, N, G, D]
-        return o.transpose(0, 1).reshape(n, hq, d).to(query.dtype)
 
 
 class _Bucket:
