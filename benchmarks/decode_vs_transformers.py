@@ -10,17 +10,20 @@ under both SDPA and eager attention by default because neither wins everywhere o
 reference does, and an architecture SDPA cannot compute (Gemma 2's soft-capped scores) runs
 eager only. The output names each implementation.
 
-Ours runs as a CPU worker runs its decode step (`--compile auto`, the worker's default):
+Ours runs as a CPU worker runs its decode step: kernelized for the CPU (the layers the worker
+installs, e.g. the experts' grouped GEMM) and, under `--compile auto` (the worker's default),
 compiled per batch bucket where the worker compiles it (workers/engine/compiled.py `decide`:
-Inductor, rows attending in place through their block tables), eager where the model cannot
-compile (MoE layers, linear-attention state, a dynamic rotary), always over a paged pool whose
+Inductor, rows attending in place through their block tables, an MoE layer's experts one
+opaque op), eager where the model cannot compile (linear-attention state, a dynamic rotary),
+always over a paged pool whose
 blocks the sequences took as they grew together (every read goes through the block tables;
 eager reads them through the decode mirror), each chunk carrying its prompt's length where the
 rotary depends on it. Where it compiles, the eager step is timed too (`eager ms`, its ratio
 beside); `--compile off` times eager only, `--compile on` refuses a model that cannot compile.
 Compiling a batch's bucket takes 10-25 s on 2 cores, before timing. Theirs runs
 `model(next, cache=...)` with the `DynamicCache` its `generate` would build (sliding layers
-keep only their window). Before timing, the first decode step's fp32 logits of both are
+keep only their window). Every row of a batch has its own prompt and decodes its own token
+(identical rows would send every token of an MoE layer to the same experts). Before timing, the first decode step's fp32 logits of both are
 compared (within 1e-3), so both sides are known to compute the same model. Trade-off: one step
 is a few milliseconds, so the figures carry the Python overhead of both sides, which is what a
 decode step costs on a CPU at this size; a larger model would weigh the matmuls more, on both
@@ -103,6 +106,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def row_prompt(row: int, length: int) -> list[int]:
+    """Row `row`'s prompt: its own tokens, so the rows of a batch differ (identical rows would
+    route every token of an MoE layer to the same experts, which a batch of requests does not)."""
+    return [3 + (row * 7 + i) % 4000 for i in range(length)]
+
+
+def next_token(row: int) -> int:
+    """The token row `row` decodes at every step (its own, for the same reason)."""
+    return 7 + row
+
+
 class Ours:
     """The engine's decode path on the CPU: a paged pool whose blocks the sequences took as they
     grew together (interleaved, so every read goes through the block tables), stepped eager
@@ -132,10 +146,9 @@ class Ours:
         windows = getattr(self.kv, "windows", None)
         self.extra = {} if windows is None else {"windows": windows}
         self.mirror = DecodeMirror(self.kv) if not compiled and (not windows or windows[0] is None) else None
-        prompt = list(range(3, 3 + prompt_len))
         for s in range(batch):
             chunk = SeqChunk(0, prompt_len, self.tables[s], rope_len=self.rope_len, state_slot=s)
-            self.model.step(ForwardBatch.build([(chunk, prompt)], block_size, **self.extra), self.kv)
+            self.model.step(ForwardBatch.build([(chunk, row_prompt(s, prompt_len))], block_size, **self.extra), self.kv)
         self.decode, self.compile_s = None, 0.0
         if compiled:
             self.decode = CompiledDecode(self.model, self.kv, "cpu", (batch,), "inductor")
@@ -144,11 +157,11 @@ class Ours:
 
     def step(self) -> torch.Tensor:
         if self.decode is not None:
-            chunks = [SimpleNamespace(start_pos=self.pos, token_ids=[7], block_table=self.tables[s], samples=True,
+            chunks = [SimpleNamespace(start_pos=self.pos, token_ids=[next_token(s)], block_table=self.tables[s], samples=True,
                                       seq=self.seq) for s in range(self.batch)]
             logits = self.decode.run(chunks)
         else:
-            items = [(self.chunk(self.pos, 1, self.tables[s], key=s, rope_len=self.rope_len, state_slot=s), [7])
+            items = [(self.chunk(self.pos, 1, self.tables[s], key=s, rope_len=self.rope_len, state_slot=s), [next_token(s)])
                      for s in range(self.batch)]
             logits = self.model.step(self.build(items, self.bs, mirror=self.mirror, **self.extra), self.kv)
         self.pos += 1
@@ -161,10 +174,10 @@ class Theirs:
 
         self.model = model
         self.cache = DynamicCache(config=model.config)
-        ids = torch.arange(3, 3 + prompt_len).expand(batch, -1)
+        ids = torch.tensor([row_prompt(s, prompt_len) for s in range(batch)])
         with torch.inference_mode():
             model(ids, cache=self.cache, use_cache=True)
-        self.next = torch.full((batch, 1), 7)
+        self.next = torch.tensor([[next_token(s)] for s in range(batch)])
         self.pos = prompt_len
 
     def step(self) -> torch.Tensor:
@@ -229,12 +242,16 @@ def run_arch(arch: str, args: argparse.Namespace, tmp: Path) -> list[tuple]:
     """Rows (arch, dtype, batch, ours ms, ours eager ms or None, {attention implementation:
     theirs ms}) of one family, its header printed first; ours is the worker's step (compiled
     where `--compile` compiles it), and its eager step beside it when that differs."""
+    from workers.device.bind import BoundDevice
+    from workers.kernelize.apply import kernelize_for_device
     from workers.model.loader import load_model
 
+    CPU = BoundDevice("cpu", 0, "cpu", "cpu", None, 0, False)
     ckpt, what = checkpoint(arch, tmp / arch)
     rows = []
     for dtype in args.dtype:
         lm = load_model(ckpt, dtype=dtype)
+        kernelize_for_device(lm.model, CPU)  # the layers a CPU worker runs (workers/main.py)
         hfs = hf_models(ckpt, dtype, args.hf_attn)
         compiled = compiles(lm, args.compile)
         if dtype == args.dtype[0]:
