@@ -57,7 +57,7 @@ def _triton_or_torch(module: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor,
 
 
 class FusedMoE(nn.Module):
-    """Torch (CPU): pairs grouped by expert, one matmul pair per active expert."""
+    """Torch (CPU): pairs grouped by expert, one grouped GEMM per projection (deterministic: the reference in row tiles)."""
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return _torch_path(self, x, topk_ids, topk_weights)
