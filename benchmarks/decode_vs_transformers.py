@@ -246,12 +246,12 @@ def run_arch(arch: str, args: argparse.Namespace, tmp: Path) -> list[tuple]:
     from workers.kernelize.apply import kernelize_for_device
     from workers.model.loader import load_model
 
-    CPU = BoundDevice("cpu", 0, "cpu", "cpu", None, 0, False)
+    cpu = BoundDevice("cpu", 0, "cpu", "cpu", None, 0, False)
     ckpt, what = checkpoint(arch, tmp / arch)
     rows = []
     for dtype in args.dtype:
         lm = load_model(ckpt, dtype=dtype)
-        kernelize_for_device(lm.model, CPU)  # the layers a CPU worker runs (workers/main.py)
+        kernelize_for_device(lm.model, cpu)  # the layers a CPU worker runs (workers/main.py)
         hfs = hf_models(ckpt, dtype, args.hf_attn)
         compiled = compiles(lm, args.compile)
         if dtype == args.dtype[0]:

@@ -40,12 +40,12 @@ from .torch_path import fused_moe_reference, fused_moe_torch
 
 def _torch_path(module: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """Deterministic mode: the reference in fixed row tiles; otherwise the grouped torch path."""
-    if getattr(module, "row_tile", None) is None:
+    tile = getattr(module, "row_tile", None)
+    if tile is None:
         return fused_moe_torch(x, module.w_gate_up, module.w_down, topk_ids, topk_weights, module.b_gate_up,
                                module.b_down, module.activation, module.alpha, module.limit)  # fmt: skip
     return fused_moe_reference(x, module.w_gate_up, module.w_down, topk_ids, topk_weights, module.b_gate_up,
-                               module.b_down, module.activation, module.alpha, module.limit,
-                               getattr(module, "row_tile", None))  # fmt: skip
+                               module.b_down, module.activation, module.alpha, module.limit, tile)  # fmt: skip
 
 
 def _triton_or_torch(module: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

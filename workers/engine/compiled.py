@@ -18,8 +18,9 @@ forward (workers/engine/runner.py). One mechanism for both kinds of device:
 - pad rows read and write only the scratch block (the last block of each KV group, which the
   scheduler never hands out: `scratch_groups`); their logits are dropped;
 - CPU: `torch.compile` (Inductor, full graph) of the step per bucket. Decode rows attend in
-  place through the block table (`workers/kv/paged.py` `PagedRows`: explicit ops that Inductor fuses with the
-  block gather, so the attended K/V are never copied), over the table width the step needs,
+  place through the block table (`workers/kv/paged.py` `PagedRows`: explicit ops that Inductor
+  fuses into one gather a whole block per table entry, written once for the batched matmuls),
+  over the table width the step needs,
   which is a dynamic dimension: one graph per bucket serves every length;
 - CUDA/ROCm: a graph per bucket, captured once the worker has bound its device; the
   paged-decode kernel reads block tables and lengths from the static buffers, so a graph

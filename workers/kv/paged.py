@@ -26,7 +26,7 @@ class PagedRows(DecodeRows):
 
     def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
                scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        _, hkv, nb, bs, d = kv.shape
+        _, hkv, _, bs, d = kv.shape
         n, hq, _ = query.shape
         g = hq // hkv
         length = self.block_tables.shape[1] * bs
