@@ -11,7 +11,8 @@ reference does, and an architecture SDPA cannot compute (Gemma 2's soft-capped s
 eager only. The output names each implementation.
 
 Ours runs as a CPU worker runs its decode step: kernelized for the CPU (the layers the worker
-installs, e.g. the experts' grouped GEMM) and, under `--compile auto` (the worker's default),
+installs, e.g. the experts' grouped GEMM), its projections and experts through oneDNN with packed
+weights (workers/model/cpu_projections.py), and, under `--compile auto` (the worker's default),
 compiled per batch bucket where the worker compiles it (workers/engine/compiled.py `decide`:
 Inductor, rows attending in place through their block tables, an MoE layer's experts one
 opaque op), eager where the model cannot compile (linear-attention state, a dynamic rotary),
@@ -244,6 +245,7 @@ def run_arch(arch: str, args: argparse.Namespace, tmp: Path) -> list[tuple]:
     where `--compile` compiles it), and its eager step beside it when that differs."""
     from workers.device.bind import BoundDevice
     from workers.kernelize.apply import kernelize_for_device
+    from workers.model.cpu_projections import install_cpu_projections
     from workers.model.loader import load_model
 
     cpu = BoundDevice("cpu", 0, "cpu", "cpu", None, 0, False)
@@ -252,6 +254,7 @@ def run_arch(arch: str, args: argparse.Namespace, tmp: Path) -> list[tuple]:
     for dtype in args.dtype:
         lm = load_model(ckpt, dtype=dtype)
         kernelize_for_device(lm.model, cpu)  # the layers a CPU worker runs (workers/main.py)
+        install_cpu_projections(lm.model, "cpu", lm.dtype)  # and its packed projections (workers/serving/server.py)
         hfs = hf_models(ckpt, dtype, args.hf_attn)
         compiled = compiles(lm, args.compile)
         if dtype == args.dtype[0]:

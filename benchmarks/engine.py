@@ -47,9 +47,9 @@ from workers.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from workers.kv.batch import ForwardBatch, SeqChunk  # noqa: E402
 from workers.kv.groups import same_blocks  # noqa: E402
 from workers.kv.pool import KVPool, layer_shapes  # noqa: E402
+from workers.model.cpu_projections import install_cpu_projections  # noqa: E402
 from workers.model.deterministic import enable_deterministic  # noqa: E402
 from workers.model.loader import default_model_dir, load_model  # noqa: E402
-from workers.model.row_buckets import install_row_buckets  # noqa: E402
 from workers.sampling.params import SamplingParams  # noqa: E402
 
 SENTENCES = [
@@ -200,7 +200,7 @@ def deterministic_cost(path: Path, batch: list[list[int]], new_tokens: int, repe
         if deterministic:
             enable_deterministic(loaded.model)
         else:
-            install_row_buckets(loaded.model, "cpu", loaded.dtype)
+            install_cpu_projections(loaded.model, "cpu", loaded.dtype)
         engine = make_engine(loaded, len(batch), max(map(len, batch)) + new_tokens, mirror=not deterministic)
         engine.start()
         engines.append(engine)

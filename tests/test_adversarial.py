@@ -429,17 +429,20 @@ def test_non_streamed_client_leaving_aborts_the_worker_request(real):
 
 
 def test_matmul_kernels_compiled_stay_within_the_row_buckets(real):
-    """Guards `install_row_buckets` (and the capped caches): on CPU, oneDNN compiles
-    and keeps one bf16 matmul kernel per distinct row count, and dropped streams leave every
-    batch size behind, so worker memory grew by 20-25% over 13 rounds and stayed."""
+    """Guards the row buckets of `install_cpu_projections` (and the capped caches): on CPU,
+    oneDNN compiles and keeps one kernel per distinct row count (a bf16 matmul, a packed
+    projection's inner product), and dropped streams leave every batch size behind, so worker
+    memory grew by 20-25% over 13 rounds and stayed."""
     from workers.model.row_buckets import row_bucket
 
     _drop_streams(real.url, 24)
-    created = re.findall(r"create:cache_miss,cpu,matmul,.*?,(\d+)x(\d+):(\d+)x(\d+)", real.output())
-    if not created:
+    log = real.output()
+    matmuls = re.findall(r"create:cache_miss,cpu,matmul,.*?,(\d+)x(\d+):(\d+)x(\d+)", log)
+    packed = re.findall(r"create:cache_miss,cpu,inner_product,.*?,mb(\d+)ic", log)
+    if not matmuls and not packed:
         pytest.skip("oneDNN compiled no matmul here (no bf16 oneDNN path on this CPU)")
-    rows = {int(m) for m, *_ in created}
-    assert all(row_bucket(m) == m for m in rows), sorted(rows)
+    rows = {int(m) for m, *_ in matmuls} | {int(m) for m in packed}
+    assert packed and all(row_bucket(m) == m for m in rows), sorted(rows)
 
 
 def test_clean_shutdown_leaves_nothing_in_tmp(real):

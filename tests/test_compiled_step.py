@@ -383,20 +383,24 @@ def test_a_longrope_model_compiles_and_decodes_as_eager_across_its_switch(tmp_pa
     assert compiled_tokens == run(False)[0]
 
 
-@pytest.mark.parametrize("arch, kernelized", [("qwen3_moe", False), ("gpt_oss", True)])
+@pytest.mark.parametrize("arch, kernelized", [("qwen3_moe", False), ("gpt_oss", True), ("mixtral", "packed")])
 def test_an_moe_model_compiles_and_decodes_as_eager(tmp_path, arch, kernelized):
     """Guards the experts' opaque op inside the graph (the model's `hetserve::grouped_experts`,
     and the CPU kernel layer's `hetserve_fused_moe::grouped_experts` once kernelized as a CPU
-    worker is) and `unfit_reason`'s MoE clause: the decode steps run compiled and give eager's
-    greedy tokens (gpt-oss: sinks, biases, the clamped SwiGLU, sliding layers shorter than the
-    prompt)."""
+    worker is; `packed`: and its projections through `hetserve::packed_linear`, the experts'
+    packs in prompt steps) and `unfit_reason`'s MoE clause: the decode steps run compiled and give
+    eager's greedy tokens (gpt-oss: sinks, biases, the clamped SwiGLU, sliding layers shorter
+    than the prompt)."""
     from tests.family_checkpoints import make_family_checkpoint
     from workers.device.bind import BoundDevice
     from workers.kernelize.apply import kernelize_for_device
+    from workers.model.cpu_projections import install_cpu_projections
 
     lm = load_model(make_family_checkpoint(arch, tmp_path / arch), "float32")
     if kernelized:
         kernelize_for_device(lm.model, BoundDevice("cpu", 0, "cpu", "cpu", None, 0, False))
+    if kernelized == "packed":  # every matrix packed, however small, as a worker packs a real model's
+        assert install_cpu_projections(lm.model, "cpu", lm.dtype, min_elements=0).packed > 0
     assert lm.config.sparse_layers and unfit_reason(lm.model) is None
     assert decide("auto", "cpu", False, False, lm.model).enabled
 

@@ -84,6 +84,26 @@ def test_logits_match_transformers(case):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+def test_logits_match_transformers_as_a_cpu_worker_runs_the_model(case):
+    """The same parity through the layers a CPU worker installs: kernelized for the CPU, every
+    projection and expert stack multiplied through its oneDNN pack (workers/model/cpu_projections.py,
+    all sizes packed here), the rows padded to buckets (40 rows -> 48)."""
+    from workers.device.bind import BoundDevice
+    from workers.kernelize.apply import kernelize_for_device
+    from workers.model.cpu_projections import install_cpu_projections
+
+    name, ours, ref = case
+    worker = load_model(ours.model_dir, "float32")
+    kernelize_for_device(worker.model, BoundDevice("cpu", 0, "cpu", "cpu", None, 0, False))
+    assert install_cpu_projections(worker.model, "cpu", worker.dtype, min_elements=0).packed > 0
+    prompts = _prompts(ours)
+    ids = torch.tensor([prompts[0][:40], prompts[3][:33] + prompts[0][:7]])  # [2, 40]
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = worker.model(ids).float()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 def test_the_weight_map_gives_back_the_checkpoints_tensors(case):
     """Every family's one map, inverted (`to_hf`): our state dict split, unstacked and turned back
     into the checkpoint's layouts (gpt-oss's interleaved, transposed experts) equals every tensor

@@ -146,6 +146,50 @@ def test_the_grouped_cpu_path_is_close_to_the_reference_in_every_dtype(dtype):
     assert torch_path.fused_moe_grouped(**empty).shape == (0, HIDDEN)
 
 
+def _with_packs(case: dict) -> dict:
+    """`case` with copies of its expert stacks carrying oneDNN packs, as a CPU worker makes them
+    (workers/model/cpu_projections.py)."""
+    from workers.model.cpu_projections import PACKED_ATTR, pack
+
+    case = dict(case)
+    for name in ("w_gate_up", "w_down"):
+        w = case[name].clone()
+        setattr(w, PACKED_ATTR, tuple(pack(w[e]) for e in range(w.shape[0])))
+        case[name] = w
+    return case
+
+
+@pytest.mark.parametrize("t, k, e", [(17, 2, 4), (16, 4, 8), (9, 2, 8)])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "gelu_tanh"])
+def test_the_packed_cpu_path_is_the_reference_in_fp32(t, k, e, activation):
+    """The experts' oneDNN packs give the reference's per-expert products within fp32 rounding
+    (experts without tokens included, biases inside the product), at two rows per expert or more."""
+    for bias in (False, True):
+        case = _with_packs(make_case(t, k, e, bias=bias, activation=activation, seed=t + k + e, gain=3.0))
+        assert t * k >= 2 * e  # the packed path's threshold (`fused_moe_grouped`)
+        assert_moe_close(torch_path.fused_moe_grouped(**case), torch_path.fused_moe_reference(**case))
+
+
+def test_the_packed_path_runs_from_two_rows_per_expert_and_reads_the_packs():
+    """Guards `fused_moe_grouped`'s dispatch: with two rows per expert or more it multiplies
+    through the packs (packs of other weights change the result), below that the grouped GEMM
+    ignores them."""
+    from workers.model.cpu_projections import PACKED_ATTR, pack
+
+    for t, used in ((16, True), (3, False)):  # 8 experts, top-2: 4 and 0.75 rows per expert
+        case = _with_packs(make_case(t, 2, 8, bias=True, seed=5))
+        right = torch_path.fused_moe_grouped(**case)
+        other = torch.randn_like(case["w_gate_up"])
+        setattr(case["w_gate_up"], PACKED_ATTR, tuple(pack(other[e]) for e in range(other.shape[0])))
+        changed = not torch.equal(torch_path.fused_moe_grouped(**case), right)
+        assert changed == used, (t, used)
+
+
+def test_the_packed_path_is_close_to_the_reference_in_bfloat16():
+    case = _with_packs(make_case(17, 4, 8, bias=True, activation="swiglu_oai", dtype=torch.bfloat16, gain=3.0))
+    assert_moe_close(torch_path.fused_moe_grouped(**case), torch_path.fused_moe_reference(**case))
+
+
 def test_a_compiled_graph_calls_the_grouped_path_as_one_op():
     """Guards `fused_moe_torch`'s `is_compiling()` branch: without the op, Dynamo traces
     `torch._grouped_mm`, whose fp32 meta kernel refuses (full graph: the compile fails)."""

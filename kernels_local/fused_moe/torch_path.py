@@ -10,6 +10,11 @@ experts it touches, and nothing is read on the host. Its results are the referen
 fp32 rounding (the same per-expert products; the activation runs over all pairs at once, whose
 vector tail may round an ulp apart; tests/test_kernels_moe.py), and a bias is added after the
 product rather than inside it (`x @ W + b`, as transformers writes it), a rounding apart in bf16.
+Where a CPU worker packed the experts for oneDNN (workers/model/cpu_projections.py: one packed
+matrix per expert on the stacked tensor, `PACKED_ATTR`), the CPU path runs `fused_moe_packed`
+instead: the same sort, then one oneDNN matmul pair per active expert (its bias inside the
+product), 0.4-0.7x the grouped GEMM's time where the experts average two rows or more (fewer:
+a oneDNN call's fixed cost outweighs it, and the grouped GEMM runs).
 Inside `torch.compile` the CPU path is one opaque op, `hetserve_fused_moe::grouped_experts`,
 whose output is shaped like `x`: the grouping's data-dependent sizes stay inside it and
 Inductor compiles the rest of the step (attention, norms, the router) around it.
@@ -21,6 +26,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# A CPU worker's oneDNN packs of the stacked expert weights, one per expert, kept on the dense
+# tensor under this attribute (workers/model/cpu_projections.py makes them), and oneDNN's matmul.
+PACKED_ATTR = "_hetserve_onednn"
+# An expert's rows past 8 go to oneDNN padded to a multiple of 8: it compiles one kernel per row
+# count (about 0.4 MiB each in float32), so a worker keeps a few per expert shape, not one per count.
+PACKED_ROW_STEP = 8
 
 
 def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
@@ -34,6 +46,22 @@ def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: flo
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _pairs_by_expert(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
+    """(order, tokens, xs, counts): the `T x K` pairs sorted by expert with one stable sort (tokens
+    ascending within each), each pair's token, its row of `x` [P, H], the pairs per expert (host)."""
+    flat = topk_ids.flatten()  # [P]
+    order = flat.argsort(stable=True)  # [P]
+    tokens = order // topk_ids.shape[1]  # [P]
+    return order, tokens, x.index_select(0, tokens), torch.bincount(flat, minlength=num_experts).tolist()
+
+
+def _weighted_sum(x: torch.Tensor, ys: torch.Tensor, order: torch.Tensor, tokens: torch.Tensor,
+                  topk_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The sorted pairs' outputs `ys` [P, H] times their router weights (in x's dtype), each token's K rows summed."""
+    ys = ys * topk_weights.flatten().index_select(0, order)[:, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
+
+
 def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None,
                         b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
@@ -42,14 +70,10 @@ def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
     (one stable sort), one matmul pair per active expert (in fixed zero-padded tiles of
     `row_tile` rows when set, so a row's result does not depend on its batch mates), router
     weights applied in x's dtype, experts added in ascending order."""
-    k = topk_ids.shape[1]
-    flat = topk_ids.flatten()  # [P]
-    order = flat.argsort(stable=True)  # pairs by expert, tokens ascending within each
-    tokens = order // k  # [P]
-    xs = x.index_select(0, tokens)  # [P, H]
+    order, tokens, xs, counts = _pairs_by_expert(x, topk_ids, w_gate_up.shape[0])
     ys = torch.empty_like(xs)  # [P, H]
     start = 0
-    for e, n in enumerate(torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()):
+    for e, n in enumerate(counts):
         tile = row_tile or n
         for lo in range(start, start + n, max(tile, 1)):  # nothing for an expert without pairs
             rows = min(tile, start + n - lo)
@@ -59,15 +83,44 @@ def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
                          None if b_down is None else b_down[e])  # fmt: skip
             ys[lo : lo + rows] = y[:rows]
         start += n
-    ys = ys * topk_weights.flatten().index_select(0, order)[:, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
+    return _weighted_sum(x, ys, order, tokens, topk_weights)
+
+
+def fused_moe_packed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None,
+                     b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                     limit: float = 7.0) -> torch.Tensor:  # fmt: skip
+    """The reference's sum through the experts' oneDNN packs (`PACKED_ATTR` on both stacks, one
+    packed matrix per expert): one packed matmul pair per active expert, biases inside it."""
+    order, tokens, xs, counts = _pairs_by_expert(x, topk_ids, w_gate_up.shape[0])
+    ys = torch.empty_like(xs)  # [P, H]
+    gate_up, down = getattr(w_gate_up, PACKED_ATTR), getattr(w_down, PACKED_ATTR)
+    linear = torch.ops.mkldnn._linear_pointwise
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = xs[start : start + n]  # [n, H]
+        if n > PACKED_ROW_STEP and n % PACKED_ROW_STEP:  # a multiple of the step: few shapes, few kernels
+            rows = F.pad(rows, (0, 0, 0, PACKED_ROW_STEP - n % PACKED_ROW_STEP))
+        h = linear(rows, gate_up[e], None if b_gate_up is None else b_gate_up[e], "none", [], "")  # [n', 2I]
+        y = linear(expert_activation(h, activation, alpha, limit), down[e], None if b_down is None else b_down[e],
+                   "none", [], "")  # fmt: skip
+        ys[start : start + n] = y[:n]
+        start += n
+    return _weighted_sum(x, ys, order, tokens, topk_weights)
 
 
 def fused_moe_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None,
                       b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
                       limit: float = 7.0) -> torch.Tensor:  # fmt: skip
-    """The reference's sum as two `torch._grouped_mm` calls, one group per expert: [T, H] -> [T, H]."""
+    """The reference's sum as two `torch._grouped_mm` calls, one group per expert: [T, H] -> [T, H]
+    (through the experts' oneDNN packs where the worker made them)."""
+    rows_per_expert = topk_ids.numel() / w_gate_up.shape[0]
+    if rows_per_expert >= 2 and hasattr(w_gate_up, PACKED_ATTR) and hasattr(w_down, PACKED_ATTR):
+        return fused_moe_packed(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation, alpha,
+                                limit)  # fmt: skip
     num_experts, k = w_gate_up.shape[0], topk_ids.shape[1]
     flat = topk_ids.flatten().to(torch.int64)  # [P]
     # 1. pairs by expert, and where each expert's run ends (a scatter-add: nothing read on the host)

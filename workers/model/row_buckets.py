@@ -7,23 +7,21 @@ CPUs. An engine step multiplies as many rows as it has tokens, and that number v
 with every mix of prefills and decodes (dropped streams leave odd batch sizes behind), so
 a long-running worker kept compiling new shapes and its memory grew by hundreds of MiB.
 
-Two bounds, applied to a CPU worker whose model computes in reduced precision:
-1. `install_row_buckets(model)` pads the rows of every projection to a bucket (exact up to
-   16, then two sizes per octave: 24, 32, 48, 64, 96, ...), so the shapes a worker ever
-   compiles are a few dozen; the padding costs at most a third more rows, and only on
-   steps larger than 16 tokens.
+Two bounds, applied to a CPU worker (its projections run through oneDNN in float32 too, with
+packed weights: workers/model/cpu_projections.py):
+1. `row_bucket(rows)` is the padded row count of every projection (exact up to 16, then two
+   sizes per octave: 24, 32, 48, 64, 96, ...), so the shapes a worker ever compiles are a few
+   dozen; the padding costs at most a third more rows, and only on steps larger than 16 tokens.
 2. `cap_native_caches()` (before torch is imported) sets both caches to `NATIVE_CACHE_ENTRIES`
    unless the environment already says otherwise, enough for every bucket of a model's
    few projection shapes.
 Trade-off: a step of 17 tokens multiplies 24 rows; in exchange a worker's memory stops
-growing once the buckets it uses are compiled. float32 and GPUs need neither (no per-shape
-cache), so they are left alone.
+growing once the buckets it uses are compiled. GPUs need neither (no per-shape cache).
 """
 
 from __future__ import annotations
 
 import os
-import types
 
 # torch is imported inside the functions: `cap_native_caches` must run before torch loads.
 
@@ -45,28 +43,3 @@ def row_bucket(rows: int) -> int:
     power = 1 << (rows - 1).bit_length()  # the next power of two >= rows
     three_quarters = power // 4 * 3
     return three_quarters if rows <= three_quarters else power
-
-
-def install_row_buckets(model, device, dtype) -> int:
-    """Pad every plain `nn.Linear`'s rows to a bucket on a CPU model in reduced precision;
-    returns how many layers it changed (0 elsewhere)."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
-        return 0
-
-    def _bucketed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.dim() != 2 or rows <= EXACT_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        padded = F.pad(x, (0, 0, 0, row_bucket(rows) - rows))  # [bucket, K]
-        return F.linear(padded, self.weight, self.bias)[:rows]  # [rows, N]
-
-    changed = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.forward = types.MethodType(_bucketed_forward, module)
-            changed += 1
-    return changed

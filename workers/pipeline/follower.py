@@ -41,9 +41,9 @@ def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, 
                 clock: StageClock | None = None) -> int:
     """Serve as stage `link.rank` until the first stage stops the pipeline; the steps served.
     `clock`: counts this stage's steps and compute time (workers/pipeline/metrics.py)."""
-    from workers.model.row_buckets import install_row_buckets
+    from workers.model.cpu_projections import install_cpu_projections
 
-    install_row_buckets(loaded.model, bound.torch_device, loaded.dtype)
+    install_cpu_projections(loaded.model, bound.torch_device, loaded.dtype)
     kv, shape, budget, why = build_kv_cache(args, bound, loaded, context, False, loaded.model.stage,
                                             link.agree_blocks)
     logger.info("KV cache %s bytes: %s; budget %s (%s)", kv.nbytes, shape, budget, why)

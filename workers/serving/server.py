@@ -96,7 +96,7 @@ class WorkerServer:
         self.args, self.bound, self.loaded = startup.args, startup.bound, startup.loaded
         self.link, self.stages = startup.pipeline or (None, None)
         self._pipeline_error: BaseException | None = None
-        self._init_row_buckets()
+        self._init_projections()
         self._init_compile()
         self._init_kv_cache()
         self._init_engine()
@@ -105,18 +105,18 @@ class WorkerServer:
         if self.stages is not None:  # from here on, a stage that exits stops this replica
             self.stages.watch(self._stage_exited)
 
-    def _init_row_buckets(self) -> None:
+    def _init_projections(self) -> None:
         self.deterministic = None
         if getattr(self.args, "deterministic", False):  # fixed row tiles bound the shapes already
             from workers.model.deterministic import enable_deterministic
 
             self.deterministic = enable_deterministic(self.loaded.model)
             return
-        from workers.model.row_buckets import install_row_buckets
+        from workers.model.cpu_projections import install_cpu_projections
 
-        n = install_row_buckets(self.loaded.model, self.bound.torch_device, self.loaded.dtype)
-        if n:
-            logger.info("CPU %s projections: rows padded to buckets (%d layers)", self.loaded.dtype, n)
+        done = install_cpu_projections(self.loaded.model, self.bound.torch_device, self.loaded.dtype)
+        if done.layers:
+            logger.info("CPU %s projections (%d layers): %s", self.loaded.dtype, done.layers, done.reason)
 
     def _init_compile(self) -> None:
         from workers.engine.compiled import decide

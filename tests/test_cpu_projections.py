@@ -1,0 +1,99 @@
+"""The CPU's projections through oneDNN packs (workers/model/cpu_projections.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model import cpu_projections
+from workers.model.cpu_projections import MIN_PACKED_ELEMENTS, PACKED_ATTR, install_cpu_projections, pack
+
+
+class Tiny(nn.Module):
+    """A large projection (packed), a small one (left to torch) and a stacked expert layer."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.big = nn.Linear(256, 1024, bias=True, dtype=dtype)  # 2^18 elements: packed
+        self.small = nn.Linear(256, 8, bias=False, dtype=dtype)  # a router's size: torch's matmul
+        self.experts = nn.Module()
+        self.experts.w_gate_up = nn.Parameter(torch.randn(4, 1024, 256, generator=g).to(dtype), requires_grad=False)
+        self.experts.w_down = nn.Parameter(torch.randn(4, 256, 512, generator=g).to(dtype), requires_grad=False)
+        with torch.no_grad():
+            for layer in (self.big, self.small):
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.05)
+        if self.big.bias is not None:
+            with torch.no_grad():
+                self.big.bias.copy_(torch.randn(1024, generator=g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packs_the_large_projections_and_the_experts_and_says_so(dtype):
+    model = Tiny(dtype)
+    done = install_cpu_projections(model, "cpu", dtype)
+    assert hasattr(model.big.weight, PACKED_ATTR) and not hasattr(model.small.weight, PACKED_ATTR)
+    assert len(getattr(model.experts.w_gate_up, PACKED_ATTR)) == 4 and hasattr(model.experts.w_down, PACKED_ATTR)
+    assert (done.layers, done.packed) == (2, 3)
+    size = torch.finfo(dtype).bits // 8
+    assert done.packed_bytes == (1024 * 256 + 4 * 1024 * 256 + 4 * 256 * 512) * size
+    assert "oneDNN packed weights (1 projections, 2 expert stacks" in done.reason
+    assert model.small.weight.numel() < MIN_PACKED_ELEMENTS <= model.big.weight.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+def test_a_packed_projection_is_torchs_within_rounding_for_every_row_count(dtype, rows):
+    """Rows up to 16 go as they are, more are padded to their bucket (17 -> 24, 40 -> 48) and cut back."""
+    model = Tiny(dtype)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    want_big, want_small = F.linear(x, model.big.weight, model.big.bias), F.linear(x, model.small.weight)
+    install_cpu_projections(model, "cpu", dtype)
+    got = model.big(x)
+    assert got.shape == (rows, 1024) and got.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(got, want_big, **tol)
+    torch.testing.assert_close(model.small(x), want_small, **tol)
+    three = model.big(x.reshape(1, rows, 256))  # [B, S, K] as the model's layers call it
+    assert torch.equal(three.reshape(rows, 1024), got)
+
+
+def test_the_forward_multiplies_through_the_pack():
+    """Guards `_packed_forward`: a pack of other weights changes the projection's result (it reads
+    the pack, not the dense weight), in eager and inside a compiled graph (`hetserve::packed_linear`);
+    a lone float32 row does not read it (the GEMV branch)."""
+    model = Tiny(torch.float32)
+    install_cpu_projections(model, "cpu", torch.float32)
+    x = torch.randn(5, 256)
+    with torch.no_grad():  # as a worker steps
+        right = model.big(x)
+        compiled = torch.compile(lambda t: model.big(t) * 2, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x), right * 2)
+        setattr(model.big.weight, PACKED_ATTR, pack(torch.randn(1024, 256)))
+        assert not torch.allclose(model.big(x), right)
+        assert not torch.allclose(compiled(x), right * 2)
+        one = x[:1]  # a lone float32 row keeps MKL's GEMV: the pack is not read
+        assert torch.equal(model.big(one), F.linear(one, model.big.weight, model.big.bias))
+
+
+def test_packing_is_skipped_when_it_would_take_half_the_available_memory(monkeypatch):
+    model = Tiny(torch.float32)
+    monkeypatch.setattr(cpu_projections, "available_bytes", lambda: 1_000_000)
+    done = install_cpu_projections(model, "cpu", torch.float32)
+    assert done.packed == 0 and not hasattr(model.big.weight, PACKED_ATTR)
+    assert done.reason == f"not packed: the packs would take {(1024 * 256 + 4 * 1024 * 256 + 4 * 256 * 512) * 4} " \
+                          "bytes, over 50% of the 1000000 available"
+    x = torch.randn(20, 256)
+    torch.testing.assert_close(model.big(x), F.linear(x, model.big.weight, model.big.bias))
+
+
+def test_float16_pads_rows_without_packing_and_other_devices_are_left_alone():
+    model = Tiny(torch.float16)
+    done = install_cpu_projections(model, "cpu", torch.float16)
+    assert done.packed == 0 and done.layers == 2 and "float16" in done.reason
+    assert not hasattr(model.big.weight, PACKED_ATTR)
+    other = Tiny(torch.float32)
+    assert install_cpu_projections(other, "cuda:0", torch.float32).layers == 0
+    assert "forward" not in vars(other.big)  # the module's own forward, untouched

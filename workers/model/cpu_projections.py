@@ -1,0 +1,166 @@
+"""The CPU's projections: oneDNN with weights packed once, rows padded to buckets.
+
+On a CPU, torch multiplies a float32 `nn.Linear` with MKL, whose kernels on this project's AMD
+CPUs take their AVX2 path (about 90 GFLOP/s on one core at best, 25-45 at the 8-32 rows of a
+decode step with weights out of cache), and a bfloat16 one with oneDNN, which reorders the
+weight into its blocked layout on every call. Reordered once (`mkldnn._reorder_linear_weight`)
+and multiplied by oneDNN's AVX-512 brgemm (`mkldnn._linear_pointwise`), the same products take
+0.3-0.6x the time in float32 and 0.6-0.9x in bfloat16 at 1 to 64 rows for a matrix of 2^18
+elements or more (docs/benchmarks.md "CPU projections"). Below that size (a router, a tiny
+test model's attention) oneDNN's fixed cost of about 20 us a call outweighs it, and torch's
+own matmul stays; so does a lone float32 row, whose MKL GEMV made a batch-1 decode step 7%
+faster than the packed product on the benchmark's models (their weights in cache).
+
+Design: `install_cpu_projections(model, device, dtype)` runs once on a CPU worker (and a CPU
+pipeline stage) after loading and kernelizing, outside deterministic mode (whose fixed row tiles
+need neither). It packs every plain `nn.Linear`'s weight and every expert layer's stacked
+`w_gate_up` / `w_down` (one packed matrix per expert), keeping each pack on its dense tensor as
+the attribute `PACKED_ATTR`, and gives every plain `nn.Linear` a forward that multiplies through
+its pack, the rows padded to `row_bucket` sizes (oneDNN compiles one kernel per row count;
+workers/model/row_buckets.py). The experts' CPU kernel (kernels_local/fused_moe/torch_path.py)
+finds the packs on the same tensors. Inside `torch.compile` a projection is one opaque op,
+`hetserve::packed_linear`, which reads the pack from the weight it is given. The decision
+returns its reason: packing is skipped for float16 (no AVX-512 FP16 here: oneDNN would
+emulate it), and when the packs would take more than half the memory still available.
+Trade-off: the packs are a second copy of the projections' and experts' weights, so a CPU
+worker holds its weights twice in exchange for the faster products; the dense tensors stay,
+since the embedding, deterministic mode and the reference paths read them.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.row_buckets import EXACT_ROWS, row_bucket
+
+PACKED_ATTR = "_hetserve_onednn"  # the attribute kernels_local/fused_moe/torch_path.py reads too
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+MIN_PACKED_ELEMENTS = 1 << 18  # smaller matrices stay with torch's matmul (oneDNN's ~20 us per call)
+AVAILABLE_SHARE = 0.5  # the packs may take at most this share of the memory available after loading
+
+
+@dataclass(frozen=True)
+class CpuProjections:
+    """What `install_cpu_projections` did: layers changed, how many weights packed, the packs' bytes, why."""
+
+    layers: int
+    packed: int
+    packed_bytes: int
+    reason: str
+
+
+def available_bytes() -> int | None:
+    """The memory the kernel says is available (`MemAvailable`), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), EXACT_ROWS)
+
+
+def packed_linear_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ weight.T + bias through the pack on `weight`, rows padded to their bucket."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, width)  # [R, K]
+    n = rows.shape[0]
+    bucket = row_bucket(n)
+    if bucket != n:
+        rows = F.pad(rows, (0, 0, 0, bucket - n))  # [bucket, K]
+    out = torch.ops.mkldnn._linear_pointwise(rows, getattr(weight, PACKED_ATTR), bias, "none", [], "")  # [bucket, N]
+    return out[:n].reshape(*lead, out.shape[-1])
+
+
+def _packed_linear_op():
+    """`hetserve::packed_linear`, registered once per process: the compiled step's projection."""
+    namespace = torch.ops.hetserve
+    if hasattr(namespace, "packed_linear"):
+        return namespace.packed_linear
+
+    @torch.library.custom_op("hetserve::packed_linear", mutates_args=())
+    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return packed_linear_eager(x, weight, bias)
+
+    packed_linear.register_fake(lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))  # [..., N]
+    return namespace.packed_linear
+
+
+PACKED_LINEAR = _packed_linear_op()
+
+
+def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() == x.shape[-1] and x.dtype == torch.float32:  # a lone float32 row: MKL's GEMV (docstring)
+        return F.linear(x, self.weight, self.bias)
+    if torch.compiler.is_compiling():
+        return PACKED_LINEAR(x, self.weight, self.bias)
+    return packed_linear_eager(x, self.weight, self.bias)
+
+
+def _bucketed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """float16: torch's own matmul, rows padded to their bucket (bounded oneDNN shapes)."""
+    rows = x.shape[0]
+    if x.dim() != 2 or rows <= EXACT_ROWS:
+        return F.linear(x, self.weight, self.bias)
+    padded = F.pad(x, (0, 0, 0, row_bucket(rows) - rows))  # [bucket, K]
+    return F.linear(padded, self.weight, self.bias)[:rows]  # [rows, N]
+
+
+def _expert_weights(model: nn.Module, min_elements: int) -> list[torch.Tensor]:
+    """Every expert layer's stacked float weights (`w_gate_up` [E, 2I, H], `w_down` [E, H, I]) whose
+    experts are large enough to pack (an expert's gate/up matrix of `min_elements` or more; both
+    stacks, or neither)."""
+    found = []
+    for module in model.modules():
+        pair = [getattr(module, name, None) for name in ("w_gate_up", "w_down")]
+        if all(isinstance(w, torch.Tensor) and w.dim() == 3 and w.dtype in PACKED_DTYPES for w in pair) and \
+                pair[0][0].numel() >= min_elements:  # fmt: skip
+            found += pair
+    return found
+
+
+def install_cpu_projections(model: nn.Module, device, dtype: torch.dtype,
+                            min_elements: int = MIN_PACKED_ELEMENTS) -> CpuProjections:  # fmt: skip
+    """Pack the projections and experts of a CPU model in float32 / bfloat16 (matrices of
+    `min_elements` or more) and route every plain `nn.Linear` through its pack (the others: rows
+    padded to buckets); float16: rows padded to buckets only; elsewhere nothing."""
+    if torch.device(device).type != "cpu" or dtype not in (*PACKED_DTYPES, torch.float16):
+        return CpuProjections(0, 0, 0, "not a CPU model in float32, bfloat16 or float16: torch's own matmuls")
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    if dtype == torch.float16:
+        for module in linears:
+            module.forward = types.MethodType(_bucketed_forward, module)
+        return CpuProjections(len(linears), 0, 0, "float16: rows padded to buckets, weights not packed "
+                                                  "(oneDNN would emulate float16 on this CPU)")  # fmt: skip
+    weights = list({id(m.weight): m.weight for m in linears
+                    if m.weight.dtype == dtype and m.weight.numel() >= min_elements}.values())  # fmt: skip
+    experts = _expert_weights(model, min_elements)
+    total = sum(w.numel() * w.element_size() for w in (*weights, *experts))
+    free = available_bytes()
+    if free is not None and total > free * AVAILABLE_SHARE:
+        for module in linears:
+            module.forward = types.MethodType(_bucketed_forward, module)
+        return CpuProjections(len(linears), 0, 0, f"not packed: the packs would take {total} bytes, over "
+                                                  f"{AVAILABLE_SHARE:.0%} of the {free} available")  # fmt: skip
+    with torch.no_grad():
+        for w in weights:
+            setattr(w, PACKED_ATTR, pack(w))
+        for w in experts:
+            setattr(w, PACKED_ATTR, tuple(pack(w[e]) for e in range(w.shape[0])))
+    for module in linears:
+        forward = _packed_forward if hasattr(module.weight, PACKED_ATTR) else _bucketed_forward
+        module.forward = types.MethodType(forward, module)
+    return CpuProjections(len(linears), len(weights) + len(experts), total,
+                          f"oneDNN packed weights ({len(weights)} projections, {len(experts)} expert stacks, "
+                          f"{total} bytes beside the dense ones), rows padded to buckets")  # fmt: skip
