@@ -1,15 +1,14 @@
 """The CPU's projections: oneDNN with weights packed once, rows padded to buckets.
 
 On a CPU, torch multiplies a float32 `nn.Linear` with MKL, whose kernels on this project's AMD
-CPUs take their AVX2 path (about 90 GFLOP/s on one core at best, 25-45 at the 8-32 rows of a
-decode step with weights out of cache), and a bfloat16 one with oneDNN, which reorders the
-weight into its blocked layout on every call. Reordered once (`mkldnn._reorder_linear_weight`)
-and multiplied by oneDNN's AVX-512 brgemm (`mkldnn._linear_pointwise`), the same products take
-0.3-0.6x the time in float32 and 0.6-0.9x in bfloat16 at 1 to 64 rows for a matrix of 2^18
-elements or more (docs/benchmarks.md "CPU projections"). Below that size (a router, a tiny
-test model's attention) oneDNN's fixed cost of about 20 us a call outweighs it, and torch's
-own matmul stays; so does a lone float32 row, whose MKL GEMV made a batch-1 decode step 7%
-faster than the packed product on the benchmark's models (their weights in cache).
+CPUs take their AVX2 path, and a bfloat16 one with oneDNN, which reorders the weight into its
+blocked layout on every call. Reordered once (`mkldnn._reorder_linear_weight`) and multiplied
+by oneDNN's AVX-512 brgemm (`mkldnn._linear_pointwise`), the same products take 0.3-0.9x the
+time from 4 rows up, and for one bfloat16 row, on matrices of 2^18 elements or more with their
+weights out of cache (docs/benchmarks.md "CPU projections"). Smaller matrices (a router, a
+tiny model's attention, whose weights stay in cache) keep torch's matmul, where oneDNN's
+fixed cost per call outweighs the gain; so does a lone float32 row, for which MKL's GEMV is
+the faster (the packed product took 1.2-1.3x its time on large matrices).
 
 Design: `install_cpu_projections(model, device, dtype)` runs once on a CPU worker (and a CPU
 pipeline stage) after loading and kernelizing, outside deterministic mode (whose fixed row tiles
