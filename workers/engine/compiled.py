@@ -34,8 +34,8 @@ the CPU decode mirror (a Python-side row map, storage offsets: graph breaks; not
 compiled step, whose in-place attention needs no contiguous copy); the step's per-step
 Python values (lengths, masks, max positions: constants or tensors here).
 Dynamo checks its guards on every call; a decode keeps those on the step's inputs, the KV pool
-and the model's plain attributes, and drops those on the model's submodules and weights (nine
-in ten, 0.1-0.3 ms a step: fixed once the worker built its model), over its own copy of the
+and the model's plain attributes, and drops those on the model's submodules and weights (four
+in five, 0.1-0.25 ms a step: fixed once the worker built its model), over its own copy of the
 step's code, so no other model in the process can match its graphs (`own_code`).
 Compiled code lives per process; Inductor's on-disk cache per architecture, beside the
 architecture's Triton cache (`use_inductor_cache`), never shared across devices.
@@ -275,8 +275,8 @@ def own_code(fn: types.FunctionType) -> types.FunctionType:
 
 def skip_model_state_guards(entries) -> list[bool]:
     """Dynamo's guards to keep: all but those on the model's submodules and their weights (about
-    nine in ten of a step's, each evaluated on every call: 0.2-0.3 ms a step for the embedded
-    model on this CPU). A worker's model is fixed once it is loaded, kernelized and packed, before
+    four in five of a step's, each evaluated on every call: 0.1-0.25 ms a step on this CPU,
+    benchmarks/compiled_guards.py). A worker's model is fixed once it is loaded, kernelized and packed, before
     compiling; the step's own inputs, the KV pool, the rotary tables and the model's plain
     attributes stay guarded."""
     return [not e.name.startswith(MODEL_STATE) for e in entries]
