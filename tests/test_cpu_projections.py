@@ -8,7 +8,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import cpu_projections
-from workers.model.cpu_projections import MIN_PACKED_ELEMENTS, PACKED_ATTR, install_cpu_projections, pack
+from workers.model.cpu_projections import (
+    MIN_PACKED_ELEMENTS,
+    PACKED_ATTR,
+    install_cpu_projections,
+    pack,
+    packing_refusal,
+)
+
+
+def needs_packing(dtype: torch.dtype) -> None:
+    """Skip where this CPU's oneDNN cannot pack `dtype` (bfloat16 on an AVX2-only CPU)."""
+    if packing_refusal(dtype) is not None:
+        pytest.skip(f"this CPU's oneDNN cannot pack {dtype}: {packing_refusal(dtype)}")
 
 
 class Tiny(nn.Module):
@@ -32,6 +44,7 @@ class Tiny(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_packs_the_large_projections_and_the_experts_and_says_so(dtype):
+    needs_packing(dtype)
     model = Tiny(dtype)
     done = install_cpu_projections(model, "cpu", dtype)
     assert hasattr(model.big.weight, PACKED_ATTR) and not hasattr(model.small.weight, PACKED_ATTR)
@@ -97,3 +110,29 @@ def test_float16_pads_rows_without_packing_and_other_devices_are_left_alone():
     other = Tiny(torch.float32)
     assert install_cpu_projections(other, "cuda:0", torch.float32).layers == 0
     assert "forward" not in vars(other.big)  # the module's own forward, untouched
+
+
+def test_a_dtype_this_cpu_cannot_pack_pads_rows_and_says_why(monkeypatch):
+    """Guards the `packing_refusal` branch of `install_cpu_projections`: on a CPU whose oneDNN
+    refuses to pack bfloat16 (AVX2 only: "bf16 path needs the cpu support avx_ne_convert or
+    avx512bw, avx512vl and avx512dq"), a worker would otherwise fail to start at its first pack."""
+    message = "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw"
+    monkeypatch.setattr(cpu_projections, "packing_refusal", lambda dtype: message)
+    monkeypatch.setattr(cpu_projections, "pack", lambda w: pytest.fail("packed a weight this CPU cannot pack"))
+    model = Tiny(torch.bfloat16)
+    done = install_cpu_projections(model, "cpu", torch.bfloat16)
+    assert (done.layers, done.packed) == (2, 0) and not hasattr(model.big.weight, PACKED_ATTR)
+    assert done.reason == f"bfloat16: rows padded to buckets, weights not packed (this CPU's oneDNN: {message})"
+    x = torch.randn(20, 256).to(torch.bfloat16)
+    torch.testing.assert_close(model.big(x), F.linear(x, model.big.weight, model.big.bias))
+
+
+def test_the_probe_reports_what_this_cpu_can_pack():
+    """`packing_refusal` is None exactly where a pack of that dtype succeeds (float32 everywhere)."""
+    assert packing_refusal(torch.float32) is None
+    try:
+        pack(torch.zeros(16, 16, dtype=torch.bfloat16))
+        packs = True
+    except RuntimeError:
+        packs = False
+    assert (packing_refusal(torch.bfloat16) is None) == packs

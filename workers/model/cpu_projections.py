@@ -20,7 +20,10 @@ workers/model/row_buckets.py). The experts' CPU kernel (kernels_local/fused_moe/
 finds the packs on the same tensors. Inside `torch.compile` a projection is one opaque op,
 `hetserve::packed_linear`, which reads the pack from the weight it is given. The decision
 returns its reason: packing is skipped for float16 (no AVX-512 FP16 here: oneDNN would
-emulate it), and when the packs would take more than half the memory still available.
+emulate it), where this CPU's oneDNN cannot pack the dtype (its bfloat16 packs need AVX-512
+BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU gets rows padded to buckets instead, found by
+packing one small matrix once per process), and when the packs would take more than half the
+memory still available.
 Trade-off: the packs are a second copy of the projections' and experts' weights, so a CPU
 worker holds its weights twice in exchange for the faster products; the dense tensors stay,
 since the embedding, deterministic mode and the reference paths read them.
@@ -28,6 +31,7 @@ since the embedding, deterministic mode and the reference paths read them.
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 
@@ -68,6 +72,18 @@ def available_bytes() -> int | None:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), EXACT_ROWS)
+
+
+@functools.cache
+def packing_refusal(dtype: torch.dtype) -> str | None:
+    """Why this CPU's oneDNN cannot pack `dtype` weights (its own message), or None: one small
+    matrix packed once per process, since which instruction sets oneDNN needs per dtype is its own
+    business (bfloat16: AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    try:
+        pack(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError as e:
+        return str(e).strip().splitlines()[0]
+    return None
 
 
 def packed_linear_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -129,6 +145,13 @@ def _expert_weights(model: nn.Module, min_elements: int) -> list[torch.Tensor]:
     return found
 
 
+def _unpacked(linears: list[nn.Linear], reason: str) -> CpuProjections:
+    """Every plain `nn.Linear` through torch's matmul, rows padded to buckets; nothing packed."""
+    for module in linears:
+        module.forward = types.MethodType(_bucketed_forward, module)
+    return CpuProjections(len(linears), 0, 0, reason)
+
+
 def install_cpu_projections(model: nn.Module, device, dtype: torch.dtype,
                             min_elements: int = MIN_PACKED_ELEMENTS) -> CpuProjections:  # fmt: skip
     """Pack the projections and experts of a CPU model in float32 / bfloat16 (matrices of
@@ -138,20 +161,20 @@ def install_cpu_projections(model: nn.Module, device, dtype: torch.dtype,
         return CpuProjections(0, 0, 0, "not a CPU model in float32, bfloat16 or float16: torch's own matmuls")
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     if dtype == torch.float16:
-        for module in linears:
-            module.forward = types.MethodType(_bucketed_forward, module)
-        return CpuProjections(len(linears), 0, 0, "float16: rows padded to buckets, weights not packed "
-                                                  "(oneDNN would emulate float16 on this CPU)")  # fmt: skip
+        refusal = "oneDNN would emulate float16 on this CPU"
+    else:
+        refusal = packing_refusal(dtype) and f"this CPU's oneDNN: {packing_refusal(dtype)}"
+    if refusal is not None:
+        return _unpacked(linears, f"{str(dtype).removeprefix('torch.')}: rows padded to buckets, weights not "
+                                  f"packed ({refusal})")  # fmt: skip
     weights = list({id(m.weight): m.weight for m in linears
                     if m.weight.dtype == dtype and m.weight.numel() >= min_elements}.values())  # fmt: skip
     experts = _expert_weights(model, min_elements)
     total = sum(w.numel() * w.element_size() for w in (*weights, *experts))
     free = available_bytes()
     if free is not None and total > free * AVAILABLE_SHARE:
-        for module in linears:
-            module.forward = types.MethodType(_bucketed_forward, module)
-        return CpuProjections(len(linears), 0, 0, f"not packed: the packs would take {total} bytes, over "
-                                                  f"{AVAILABLE_SHARE:.0%} of the {free} available")  # fmt: skip
+        return _unpacked(linears, f"not packed: the packs would take {total} bytes, over "
+                                  f"{AVAILABLE_SHARE:.0%} of the {free} available")  # fmt: skip
     with torch.no_grad():
         for w in weights:
             setattr(w, PACKED_ATTR, pack(w))
