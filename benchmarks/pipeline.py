@@ -10,14 +10,14 @@ where two processes' hand-offs cost as much as their layers). Real worker proces
 requests of `--new-tokens` tokens each (EOS ignored), all decode eager (a stage cannot compile
 its step; the single worker runs `--compile off` too, so the two compare the same kernels):
 (a) one worker with two CPU threads serving the whole model;
-(b) a 2-stage pipeline, one CPU thread per stage (the split even: the stages are equal; two
-    batches in flight, the default);
+(b) a 2-stage pipeline, one CPU thread per stage, split as placement splits it (server/fleet/
+    pipelines.py `plan_pipeline`: equal stages, the first charged for its serving work); two
+    batches in flight, the default;
     b/a, target >= 0.8 (`--microbatches 1,2,4`: also with each step cut into micro-batches;
     `--batches 1`: also with another count of batches in flight, `--pipeline-batches`;
-    `--partitions 3,5`: also with the layers split as given, `--pipeline-partition`);
+    `--partitions 4,4`: also with the layers split as given, `--pipeline-partition`);
 (c) the same pipeline with its second stage slowed `--slowdown` times ($HETSERVE_SLOWDOWN),
-    split by speed as placement splits it (workers/contract/pipeline.py `split_layers`, speeds
-    1 and 1/slowdown);
+    split by speed as placement splits it (speeds 1 and 1/slowdown, the same serving charge);
 (d) the same slowed pipeline split evenly; c/d, target >= 1.2.
 Each pair runs alternately, each figure the best of `--repeats`. Exit code 1 when a target is missed.
 """
@@ -34,9 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from server.fleet.pipelines import plan_pipeline  # noqa: E402
 from tests.pipeline_harness import Served  # noqa: E402
-from workers.contract.model_size import read_config  # noqa: E402
-from workers.contract.pipeline import split_layers  # noqa: E402
+from workers.contract.model_size import read_config, read_profile  # noqa: E402
+from workers.contract.topology import parse_simulate  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while each worker binds one device and picks its kernels".split()
 
@@ -73,7 +74,7 @@ def main() -> int:
     p.add_argument("--microbatches", default="1",
                    help="also run (b) with each step cut into these many micro-batches, e.g. 1,2,4 (the first is b)")
     p.add_argument("--partitions", nargs="*", default=[], metavar="N,N",
-                   help="also run (b) with its layers split as given, e.g. 3,5 (--pipeline-partition)")
+                   help="also run (b) with its layers split as given, e.g. 4,4 (--pipeline-partition)")
     p.add_argument("--batches", default="",
                    help="also run (b) with these many batches in flight at once, e.g. 2,3 (--pipeline-batches)")
     args = p.parse_args()
@@ -91,7 +92,9 @@ def run(args, t: Path) -> int:
     n = int(read_config(args.model).get("num_hidden_layers"))
     common = ("--max-batch", str(args.requests), "--compile", "off")
     texts = prompts(args.requests)
-    weighted = [s.layers for s in split_layers([1] * n, [10**12, 10**12], [1.0, 1.0 / args.slowdown])]
+    devices, profile = parse_simulate("sm_80,sm_86"), read_profile(args.model)
+    placed = [s.layers for s in plan_pipeline("bench", profile, devices).splits]
+    weighted = [s.layers for s in plan_pipeline("bench", profile, devices, slowdown=f"gpu1={args.slowdown:g}").splits]
     even = [n // 2, n - n // 2]
     slowed = {"HETSERVE_SLOWDOWN": f"slow_w-1={args.slowdown:g},slow_e-1={args.slowdown:g}"}
     micro = [int(m) for m in args.microbatches.split(",")]
@@ -99,9 +102,9 @@ def run(args, t: Path) -> int:
     parts = [[int(x) for x in q.split(",")] for q in args.partitions]
     runs = {"one": Served(t, "one", args.model, ["sm_80"], threads=2, common=common),
             **{f"two{m}": Served(t, f"two{m}", args.model, ["sm_80", "sm_86"], threads=1, common=common,
-                                 extra=("--pipeline-microbatches", str(m))) for m in micro},
+                                 partition=placed, extra=("--pipeline-microbatches", str(m))) for m in micro},
             **{f"flight{k}": Served(t, f"flight{k}", args.model, ["sm_80", "sm_86"], threads=1, common=common,
-                                    extra=("--pipeline-batches", str(k))) for k in flights},
+                                    partition=placed, extra=("--pipeline-batches", str(k))) for k in flights},
             **{f"part{i}": Served(t, f"part{i}", args.model, ["sm_80", "sm_86"], threads=1, common=common,
                                   partition=q) for i, q in enumerate(parts)},
             "slow_w": Served(t, "slow_w", args.model, ["sm_80", "sm_86"], threads=1, common=common,
@@ -126,7 +129,8 @@ def run(args, t: Path) -> int:
             s.stop()
     print(f"model {args.model.name}: {n} layers, {args.requests} concurrent requests x {args.new_tokens} tokens")
     print(f"(a) one worker, 2 threads:            {a:8.1f} tokens/s")
-    print(f"(b) 2-stage pipeline, 1 thread each:  {b:8.1f} tokens/s   b/a = {b / a:.2f} (target >= 0.8)")
+    print(f"(b) 2-stage pipeline, 1 thread each, split {placed}: {b:8.1f} tokens/s   b/a = {b / a:.2f} "
+          f"(target >= 0.8)")
     for m, (one, pipe) in more.items():
         print(f"    with {m} micro-batches per step:  {pipe:8.1f} tokens/s   ({pipe / one:.2f}x one worker's {one:.1f})")
     for k, (one, pipe) in landed.items():

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from server.config.models import models_from_args
 from server.errors import UsageError
-from server.fleet.pipelines import PipelineError, device_speed, plan_pipeline
+from server.fleet.pipelines import SERVING_BYTES, PipelineError, device_speed, plan_pipeline, serving_charge
 from server.fleet.placement import FIRST, STAGE, ModelAsk, PlacementError, Split, place
 from tests.checkpoints import make_checkpoint
 from workers.contract.model_size import read_profile
@@ -50,6 +51,36 @@ def test_embedding_and_head_count_on_the_end_stages():
     splits = split_layers([100] * 12, [900, BIG], [1, 1], first_bytes=400)
     assert splits[0].layers == 5 and splits[0].bytes == 900
     assert sum(s.layers for s in splits) == 12
+
+
+def test_the_first_stage_is_charged_for_its_serving():
+    """Guards the `ahead` charge `split_layers` hands `_water_fill`: with the first stage's serving
+    worth two layers, 8 equal layers split 3 + 5 (each stage's step 5 layer-times), not 4 + 4;
+    on a faster first stage the charge weighs less (its own layer-times)."""
+    assert _layers(split_layers([100] * 8, [BIG, BIG])) == [(0, 4), (4, 8)]
+    charged = split_layers([100] * 8, [BIG, BIG], serving=2.0)
+    assert _layers(charged) == [(0, 3), (3, 8)] and "serving charged as 2.0 layers" in charged[0].reason
+    assert _layers(split_layers([100] * 12, [BIG, BIG], [2, 1], serving=3.0)) == [(0, 7), (7, 12)]
+    assert _layers(split_layers([100] * 8, [BIG, BIG], serving=50.0)) == [(0, 1), (1, 8)]  # one layer at least
+    assert _layers(split_layers([100] * 8, [BIG, BIG], partition=[4, 4], serving=2.0)) == [(0, 4), (4, 8)]
+    with pytest.raises(PipelineSplitError, match="serving charge `-1.0`"):
+        split_layers([100] * 8, [BIG, BIG], serving=-1.0)
+
+
+def test_whole_layers_go_where_they_lengthen_the_slowest_step_least():
+    """Guards `_water_fill`'s rounding: stage 1 three times slower, the first charged 2.3 layers
+    for serving: the shares are 5.4 + 2.6; 6 + 2 (steps of 8.3 and 6 layer-times) beats the 5 + 3
+    that the largest remainder would give (7.3 and 9)."""
+    assert _layers(split_layers([100] * 8, [BIG, BIG], [1, 1 / 3], serving=2.3)) == [(0, 6), (6, 8)]
+
+
+def test_serving_is_charged_where_the_first_stage_computes_on_the_cpu():
+    """A simulated (or CPU) first stage is charged `SERVING_BYTES` in its layers' units; a real
+    GPU's is not (its layers run on the device while the CPU serves)."""
+    sim = parse_topology("sm_80")[0]
+    layers, why = serving_charge(sim, [SERVING_BYTES // 4] * 6)
+    assert layers == pytest.approx(4.0) and "4.0 layers" in why
+    assert serving_charge(replace(sim, simulated=False), [SERVING_BYTES // 4] * 6) == (0.0, "")
 
 
 def test_no_split_fits_names_the_sizes():
@@ -105,8 +136,10 @@ def test_placement_pipelines_a_model_no_device_holds(six):
     placement = place([ModelAsk("six", profile)], devices)
     assert [s.role for s in placement.slots] == [FIRST, STAGE]
     (group,) = placement.pipelines
-    assert [(s.start, s.end) for s in group.splits] == [(0, 3), (3, 6)]
-    assert "fits no single device" in group.reason
+    # the first stage (serving on its CPU core: its charge outweighs a tiny layer) keeps the fewest
+    # layers; the second holds what fits
+    assert [(s.start, s.end) for s in group.splits] == [(0, 2), (2, 6)]
+    assert "fits no single device" in group.reason and "first stage serving on its CPU core" in group.reason
 
 
 def test_placement_leaves_a_model_that_fits_alone(six):

@@ -9,8 +9,12 @@ rule (`workers.contract.pipeline.split_layers`): each stage holds at most its us
 fewer. A device's speed before anything ran: a simulated device computes on this host's CPU
 like every other, so they are equal; a real GPU's is its memory bandwidth (decoding reads
 every weight once per step); either divided by its `$HETSERVE_SLOWDOWN` factor, the knob that
-makes a worker that much slower on purpose. Trade-off: no measured figure exists before the
-first start, so the split uses these estimates, and says so in its reason.
+makes a worker that much slower on purpose. The first stage also serves the whole pipeline
+(schedules, samples, detokenizes, answers HTTP); on a device that computes on the host's CPU
+that work shares the core with its layers, so it is charged `SERVING_BYTES` of weight reads, in
+its layers' units (`serving_charge`); on a GPU the layers run on the device while the CPU
+serves, and nothing is charged. Trade-off: no measured figure exists before the first start, so
+the split uses these estimates, and says so in its reason.
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ from workers.contract.slowdown import slowdown_factor
 # Memory bandwidth (GB/s) by compute capability or gfx name: decode speed follows it. Unlisted: 1000.
 BANDWIDTH_GBS = {"7.0": 900, "7.5": 616, "8.0": 2039, "8.6": 936, "8.9": 864, "9.0": 3350, "10.0": 8000,
                  "12.0": 1792, "gfx90a": 1638, "gfx942": 5300, "gfx1100": 960}
+
+
+# On a CPU, the first stage's serving work per step costs about what reading this many bytes of
+# weights does on the same core: measured with benchmarks/pipeline.py on its 8-layer stand-in
+# (14 MiB of bfloat16 weights per layer), whose best split gave the first stage two layers fewer.
+SERVING_BYTES = 28 << 20
 
 
 class PipelineError(UsageError):
@@ -82,6 +92,14 @@ def device_speed(device: DeviceInfo, slowdown: str = "") -> tuple[float, str]:
     return base / factor, why + (f", slowed {factor:g}x" if factor != 1.0 else "")
 
 
+def serving_charge(device: DeviceInfo, per_layer: Sequence[int]) -> tuple[float, str]:
+    """(layer-times, why) charged to a first stage on `device` for serving (the module docstring)."""
+    if not (device.simulated or device.type == "cpu"):
+        return 0.0, ""
+    layers = SERVING_BYTES / max(1, sum(per_layer) // max(1, len(per_layer)))
+    return layers, f"first stage serving on its CPU core as {layers:.1f} layers"
+
+
 def layer_bytes(profile: ModelProfile, hf: dict, device: DeviceInfo, dtype: str,
                 quantize: str) -> tuple[list[int], int, int]:
     """(bytes of each layer, of the embedding, of the final norm and head) as `device` loads them."""
@@ -110,13 +128,15 @@ def plan_pipeline(model: str, profile: ModelProfile, devices: Sequence[DeviceInf
     per_layer = [b + kv for b in per_layer]  # a layer's weights and its share of the KV floor
     capacities = [usable_bytes(d, fraction) for d in devices]
     speeds = [device_speed(d, slowdown) for d in devices]
+    serving, serving_why = serving_charge(devices[0], per_layer)
     try:
-        splits = split_layers(per_layer, capacities, [s for s, _ in speeds], first, last, partition)
+        splits = split_layers(per_layer, capacities, [s for s, _ in speeds], first, last, partition, serving)
     except PipelineSplitError as e:
         names = "+".join(worker_id(d) for d in devices)
         raise PipelineError(f"`{model}` as a pipeline over {names}: {e}") from e
     speed_why = ", ".join(f"{worker_id(d)} {w}" for d, (_, w) in zip(devices, speeds, strict=True))
-    return PipelineGroup(model, tuple(devices), splits, f"{why}; speeds: {speed_why}".lstrip("; "))
+    charged = f"; {serving_why}" if serving_why and partition is None else ""
+    return PipelineGroup(model, tuple(devices), splits, f"{why}; speeds: {speed_why}{charged}".lstrip("; "))
 
 
 def auto_devices(profile: ModelProfile, free: Sequence[DeviceInfo], dtype: str, quantize: str,

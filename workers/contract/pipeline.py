@@ -10,10 +10,13 @@ share of the KV cache) and is given layers in proportion to its measured `speed`
 card gets fewer layers and no card more than it holds. Layers are filled like water: every
 stage gets its speed's share, a stage that cannot hold its share keeps what fits and the rest
 flows to the others by speed; the first stage also holds the embedding, the last the final
-norm and head (`first_bytes`, `last_bytes`). An explicit partition (`--pipeline-partition
-10,14`) is checked against the same capacities. The trade-off: speed is one number per device
-(its decode tokens/s), not a per-layer cost model; layers of one model cost about the same, so
-the rule needs no more.
+norm and head (`first_bytes`, `last_bytes`). The first stage also serves (it schedules, samples
+and answers for the whole pipeline); where that work shares its core with its layers, it is
+charged `serving` layer-times of its own before any layer is given out, so every stage's step
+ends at about the same time. An explicit partition (`--pipeline-partition 10,14`) is checked
+against the same capacities. The trade-off: speed is one number per device (its decode
+tokens/s), not a per-layer cost model; layers of one model cost about the same, so the rule
+needs no more.
 """
 
 from __future__ import annotations
@@ -54,45 +57,40 @@ def _stage_bytes(layer_bytes: Sequence[int], start: int, end: int, first: int, l
     return sum(layer_bytes[start:end]) + (first if start == 0 else 0) + (last if end == len(layer_bytes) else 0)
 
 
-def _water_fill(n: int, speeds: Sequence[float], caps: Sequence[int]) -> list[int]:
-    """Integer layer counts summing to `n`, each >= 1 and <= its cap, proportional to speed where caps allow."""
+def _water_fill(n: int, speeds: Sequence[float], caps: Sequence[int], ahead: Sequence[float]) -> list[int]:
+    """Integer layer counts summing to `n`, each >= 1 and <= its cap, that end every stage's step
+    together where caps allow: stage i's time is (ahead[i] + its layers) / speed[i]."""
     k = len(speeds)
-    share = [0.0] * k
-    free, left = set(range(k)), float(n)
-    while free and left > 1e-9:  # give each free stage its speed's share; cap it; repeat with the rest
-        total = sum(speeds[i] for i in free)
-        capped = {i for i in free if share[i] + left * speeds[i] / total >= caps[i]}
-        if not capped:
-            for i in free:
-                share[i] += left * speeds[i] / total
-            break
-        for i in capped:
-            left -= caps[i] - share[i]
-            share[i] = float(caps[i])
-        free -= capped
+
+    def shares(level: float) -> list[float]:  # each stage's layers if every stage's time were `level`
+        return [min(float(caps[i]), max(0.0, level * speeds[i] - ahead[i])) for i in range(k)]
+
+    lo, hi = 0.0, (n + sum(ahead)) / min(speeds) + 1.0
+    for _ in range(200):  # the level at which the shares add up to n (they grow with it)
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(shares(mid)) < n else (lo, mid)
+    share = shares(hi)
     counts = [max(1, min(caps[i], int(share[i]))) for i in range(k)]
-    # largest remainders first, within each cap, until the counts add up
-    order = sorted(range(k), key=lambda i: share[i] - counts[i], reverse=True)
-    while sum(counts) < n:
-        grown = False
-        for i in order:
-            if sum(counts) < n and counts[i] < caps[i]:
-                counts[i] += 1
-                grown = True
-        if not grown:
-            break
-    while sum(counts) > n:  # the floors of 1 overshot: take back from the stage furthest above its share
-        i = max((j for j in range(k) if counts[j] > 1), key=lambda j: counts[j] - share[j])
-        counts[i] -= 1
+
+    def time(i: int, extra: int = 0) -> float:
+        return (ahead[i] + counts[i] + extra) / speeds[i]
+
+    # each layer left to the stage whose step it lengthens least (within its cap), so the slowest
+    # stage's step, which sets the pipeline's pace, is as short as whole layers allow
+    while sum(counts) < n and any(counts[i] < caps[i] for i in range(k)):
+        counts[min((i for i in range(k) if counts[i] < caps[i]), key=lambda i: time(i, 1))] += 1
+    while sum(counts) > n:  # the floors of 1 overshot: take back from the slowest stage that can spare one
+        counts[max((j for j in range(k) if counts[j] > 1), key=time)] -= 1
     return counts
 
 
 def split_layers(layer_bytes: Sequence[int], capacities: Sequence[int], speeds: Sequence[float] | None = None,
-                 first_bytes: int = 0, last_bytes: int = 0,
-                 partition: Sequence[int] | None = None) -> tuple[StageSplit, ...]:
+                 first_bytes: int = 0, last_bytes: int = 0, partition: Sequence[int] | None = None,
+                 serving: float = 0.0) -> tuple[StageSplit, ...]:
     """The stages' layer ranges for a model of `len(layer_bytes)` layers over devices holding
-    `capacities` bytes of weights each, weighted by `speeds` (None: equal), or as `partition`
-    (layers per stage) says. Raises `PipelineSplitError` when no split fits."""
+    `capacities` bytes of weights each, weighted by `speeds` (None: equal) with the first stage
+    charged `serving` layer-times for its serving work, or as `partition` (layers per stage)
+    says. Raises `PipelineSplitError` when no split fits."""
     n, k = len(layer_bytes), len(capacities)
     speeds = list(speeds) if speeds is not None else [1.0] * k
     if k < 2:
@@ -115,7 +113,9 @@ def split_layers(layer_bytes: Sequence[int], capacities: Sequence[int], speeds: 
             total = sum(layer_bytes) + first_bytes + last_bytes
             raise PipelineSplitError(f"The model's {_mib(total)} of weights do not fit these {k} devices (they hold "
                                      f"{', '.join(_mib(c) for c in capacities)}); add a device or quantize")
-        counts = _water_fill(n, speeds, caps)
+        if serving < 0:
+            raise PipelineSplitError(f"The first stage's serving charge `{serving}` must be 0 or more layer-times")
+        counts = _water_fill(n, speeds, caps, [serving] + [0.0] * (k - 1))
         capped = [i for i in range(k) if counts[i] == caps[i] and counts[i] < n * speeds[i] / sum(speeds) - 0.5]
         why = ("layers by speed" if not capped else
                f"layers by speed; stage {', '.join(map(str, capped))} full, the rest to the others")
@@ -127,6 +127,8 @@ def split_layers(layer_bytes: Sequence[int], capacities: Sequence[int], speeds: 
             raise PipelineSplitError(f"Stage {i} (layers {start}:{end}) needs {_mib(b)} of weights; its device holds "
                                      f"{_mib(capacities[i])}")
         share = f"{speeds[i] / sum(speeds):.0%} of the speed"
+        if i == 0 and serving and partition is None:
+            share += f", serving charged as {serving:.1f} layers"
         splits.append(StageSplit(start, end, b, int(capacities[i]), float(speeds[i]),
                                  f"{c} layers: {why} ({share}, holds {_mib(capacities[i])})"))
         start = end
