@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from workers.contract.dtypes import cpu_bfloat16
 from workers.model.loader import default_model_dir, load_model
 
 MODEL_DIR = default_model_dir()
@@ -72,7 +73,8 @@ def test_checkpoint_is_a_plain_hf_llama_directory():
 def test_loads_through_the_loader_with_its_tokens(lm):
     tok_cfg = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())
     gen = json.loads((MODEL_DIR / "generation_config.json").read_text())
-    assert lm.model_dir == MODEL_DIR.resolve() and lm.dtype == torch.bfloat16
+    # bfloat16 as stored, where this CPU computes it (workers/contract/dtypes.py)
+    assert lm.model_dir == MODEL_DIR.resolve() and lm.dtype == (torch.bfloat16 if cpu_bfloat16() else torch.float32)
     assert (lm.bos_token, lm.eos_token) == (tok_cfg["bos_token"], tok_cfg["eos_token"])
     assert lm.eos_token_ids == (lm.tokenizer.token_to_id(lm.eos_token),) == (gen["eos_token_id"],)
     ids = lm.tokenizer.encode("Love is").ids

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 from tests.checkpoints import CHAT_TEMPLATE, make_checkpoint
+from workers.contract import dtypes
 from workers.model import loader
 from workers.model.families.registry import FAMILIES
 from workers.model.loader import ModelLoadError, choose_dtype, default_model_dir, load_model
@@ -51,10 +52,13 @@ def test_sharded_equals_single_file(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("saved", "requested", "expected"),
-    [("bfloat16", "auto", torch.bfloat16), ("float16", "auto", torch.float32), ("float32", "bfloat16", torch.bfloat16)],
+    ("saved", "requested", "bf16_cpu", "expected"),
+    [("bfloat16", "auto", True, torch.bfloat16), ("bfloat16", "auto", False, torch.float32),
+     ("float16", "auto", True, torch.float32), ("float32", "bfloat16", False, torch.bfloat16)],
 )
-def test_dtype_choice_on_cpu(tmp_path, saved, requested, expected):
+def test_dtype_choice_on_cpu(tmp_path, monkeypatch, saved, requested, bf16_cpu, expected):
+    """`bf16_cpu`: a CPU with (True) or without (False, AVX2 only) bfloat16 kernels."""
+    monkeypatch.setattr(dtypes, "cpu_bfloat16", lambda: bf16_cpu)
     lm = load_model(make_checkpoint(tmp_path / "m", torch_dtype=saved), dtype=requested)
     assert lm.dtype == expected and lm.model.tok_embeddings.weight.dtype == expected
     assert lm.dtype_reason
@@ -151,7 +155,7 @@ def test_export_then_load_round_trip(tmp_path):
     save_hf_checkpoint(lm.model, out, dtype=torch.bfloat16)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (out / name).write_bytes((lm.model_dir / name).read_bytes())
-    again = load_model(out)
+    again = load_model(out, dtype="bfloat16")  # as saved (`auto` widens it on an AVX2-only CPU)
     assert again.dtype == torch.bfloat16 and again.config.attention_bias
     ids = torch.tensor([[3, 4, 5]])
     model32 = Transformer.from_config(again.config, torch.float32)

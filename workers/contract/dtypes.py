@@ -6,9 +6,17 @@ placement (server/fleet/placement.py) sizes a model's weights on each device wit
 answer the worker's loader (`workers/model/loader.py` `choose_dtype()`, which maps the name
 to a torch dtype) arrives at. Trade-off: names, not torch dtypes, so that the contract stays
 torch-free; `DTYPE_BYTES` is the one table of element sizes both sides use.
+
+On a CPU, bfloat16 is computed well only where oneDNN has bfloat16 kernels: AVX-512 (BW, VL,
+DQ), AVX-NE-CONVERT or AMX. An AVX2-only CPU (many AMD EPYCs before Zen 4, older Xeons) falls
+back to a reference GEMM: on one, an 8-row bfloat16 product took 5x float32's time and a 32-row
+one 9x (2026-12-02, torch 2.13). There `auto` computes a bfloat16 checkpoint in float32
+(`cpu_bfloat16()` reads the CPU's flags from /proc/cpuinfo; where it cannot tell, bfloat16).
 """
 
 from __future__ import annotations
+
+import functools
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPE_CHOICES = ("auto", *DTYPE_BYTES)
@@ -24,15 +32,42 @@ class DtypeError(ValueError):
     """A `--dtype` that is not one of `DTYPE_CHOICES`."""
 
 
+# oneDNN's bfloat16 kernels need one of these (Linux's /proc/cpuinfo flag names)
+BF16_FLAG_SETS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}),
+                  frozenset({"amx_bf16"}))
+
+
+def bfloat16_flags(flags: frozenset[str]) -> str | None:
+    """What in `flags` computes bfloat16 (e.g. `avx512bw avx512dq avx512vl`), or None."""
+    found = next((have for have in BF16_FLAG_SETS if have <= flags), None)
+    return None if found is None else " ".join(sorted(found))
+
+
+@functools.cache
+def cpu_bfloat16() -> bool:
+    """Whether this host's CPU computes bfloat16 matmuls natively (module docstring); True where
+    its flags cannot be read (not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), None)
+    except OSError:
+        return True
+    return line is None or bfloat16_flags(frozenset(line.split(":", 1)[-1].split())) is not None
+
+
 def dtype_rule(requested: str, checkpoint_dtype: str | None, device_type: str,
-               capability: tuple[int, int] | None = None) -> tuple[str, str]:
-    """(dtype name, reason). `auto` keeps the checkpoint's dtype where the device computes it well."""
+               capability: tuple[int, int] | None = None, cpu_bf16: bool | None = None) -> tuple[str, str]:
+    """(dtype name, reason). `auto` keeps the checkpoint's dtype where the device computes it well
+    (`cpu_bf16`: whether the CPU computes bfloat16; None: this host's, `cpu_bfloat16()`)."""
     if requested not in DTYPE_CHOICES:
         raise DtypeError(f"Unsupported dtype `{requested}`. Supported: {', '.join(DTYPE_CHOICES)}")
     if requested != "auto":
         return requested, f"requested {requested}"
     saved = checkpoint_dtype if checkpoint_dtype in DTYPE_BYTES else None
     if device_type == "cpu":
+        if saved == "bfloat16" and not (cpu_bfloat16() if cpu_bf16 is None else cpu_bf16):
+            return "float32", ("auto: checkpoint is bfloat16, but this CPU has no AVX-512, AVX-NE-CONVERT or AMX: "
+                               "its bfloat16 matmuls would be emulated (5-9x float32's time), so float32")
         if saved in ("bfloat16", "float32"):
             return saved, f"auto: checkpoint is {saved}, which CPU matmuls support natively"
         if saved == "float16":

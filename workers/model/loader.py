@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from workers.contract import DEFAULT_MODEL_DIR, find_chat_template, token_text
+from workers.contract.dtypes import DtypeError, dtype_rule
 from workers.model.config import ConfigError, ModelConfig
 from workers.model.quantized import QuantizedCheckpoint, quantized_checkpoint
 from workers.model.transformer import Transformer
@@ -28,7 +29,6 @@ from workers.model.weights import IGNORED_HF, hf_shapes, map_name, skipped, text
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 class ModelLoadError(ValueError):
@@ -61,24 +61,12 @@ def default_model_dir() -> Path:
 def choose_dtype(
     requested: str, checkpoint_dtype: str | None, device_type: str, capability: tuple[int, int] | None = None
 ) -> tuple[torch.dtype, str]:
-    """(dtype, reason). `auto` keeps the checkpoint's dtype where the device computes it well."""
-    if requested not in DTYPE_CHOICES:
-        raise ModelLoadError(f"Unsupported dtype `{requested}`. Supported: {', '.join(DTYPE_CHOICES)}")
-    if requested != "auto":
-        return DTYPES[requested], f"requested {requested}"
-    saved = checkpoint_dtype if checkpoint_dtype in DTYPES else None
-    if device_type == "cpu":
-        if saved in ("bfloat16", "float32"):
-            return DTYPES[saved], f"auto: checkpoint is {saved}, which CPU matmuls support natively"
-        if saved == "float16":
-            return torch.float32, "auto: checkpoint is float16; CPU float16 matmuls are slow and bfloat16 would round its weights, so float32"
-        return torch.float32, "auto: checkpoint dtype unknown; float32 on CPU"
-    bf16_ok = capability is None or capability >= (8, 0)
-    if saved in ("bfloat16", "float16") and (saved == "float16" or bf16_ok):
-        return DTYPES[saved], f"auto: checkpoint is {saved}"
-    if bf16_ok:
-        return torch.bfloat16, f"auto: checkpoint is {saved or 'unspecified'}; bfloat16 on a GPU with native bf16"
-    return torch.float16, f"auto: checkpoint is {saved or 'unspecified'}; float16 (no native bf16 below sm_80)"
+    """(dtype, reason): the contract's rule (`workers.contract.dtypes.dtype_rule`) as a torch dtype."""
+    try:
+        name, reason = dtype_rule(requested, checkpoint_dtype, device_type, capability)
+    except DtypeError as e:
+        raise ModelLoadError(str(e)) from e
+    return DTYPES[name], reason
 
 
 # ---- files ------------------------------------------------------------------------------
