@@ -10,8 +10,9 @@ torch-free; `DTYPE_BYTES` is the one table of element sizes both sides use.
 On a CPU, bfloat16 is computed well only where oneDNN has bfloat16 kernels: AVX-512 (BW, VL,
 DQ), AVX-NE-CONVERT or AMX. An AVX2-only CPU (many AMD EPYCs before Zen 4, older Xeons) falls
 back to a reference GEMM: on one, a bfloat16 product of 1, 8 and 32 rows took 2x, 5x and 9x
-float32's time (a 352 x 256 weight, one thread; 2026-12-02, torch 2.13). There `auto` computes a bfloat16 checkpoint in float32
-(`cpu_bfloat16()` reads the CPU's flags from /proc/cpuinfo; where it cannot tell, bfloat16).
+float32's time (a 352 x 256 weight, one thread; 2026-12-02, torch 2.13). There `auto` computes
+a bfloat16 checkpoint in float32 (`cpu_bfloat16()` reads the CPU's flags from /proc/cpuinfo;
+where it cannot tell, bfloat16).
 """
 
 from __future__ import annotations
