@@ -258,3 +258,20 @@ def test_logit_bias_of_many_rows_in_one_op_adds_each_rows_own_bias():
             want[i, token] += value
     got = apply_logit_bias(logits.clone(), rows, [i for i, b in enumerate(biases) if b])
     assert torch.equal(got, want)
+
+
+def test_a_row_with_top_p_one_keeps_its_tail_however_fp32_rounds():
+    """Guards the `p < 1.0` of both top_p masks (`_sorted_top_k_top_p`, and the candidates'):
+    peaked fp32 logits whose sorted cumulative mass rounds to exactly 1.0 before the tail (on an
+    AVX2 CPU, 942 of 1024 tokens) would lose that tail in a row that asked for no top_p."""
+    from workers.sampling.logits_processors import _sorted_top_k_top_p, apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 1024, generator=g) * 4
+    logits[:, 0] = 60.0  # one token holds all but ~e-20 of the mass: the sum is 1.0 from the start
+    for fn in (_sorted_top_k_top_p, apply_top_k_top_p):
+        out = fn(logits.clone(), [0, 0, 0, 1024], [0.5, 1.0, 1.0, 1.0])
+        assert int((~torch.isinf(out[0])).sum()) == 1  # top_p 0.5: the best token only
+        assert not torch.isinf(out[1:]).any(), fn.__name__  # p = 1: every token stays
+    top_k = apply_top_k_top_p(logits[:2].clone(), [40, 40], [1.0, 1.0])  # top_k rows: k kept, no more cut
+    assert ((~torch.isinf(top_k)).sum(dim=-1) == 40).all()

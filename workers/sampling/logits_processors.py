@@ -117,7 +117,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         total = probs.sum(dim=-1)  # [N]: the candidates' mass
         if bool(((p[:, 0] < 1.0) & ~has_k & (total < p[:, 0])).any()):
             return _sorted_top_k_top_p(logits, top_k, top_p)
-        remove |= (probs.cumsum(dim=-1) - probs) >= p  # mass of strictly better tokens
+        # mass of strictly better tokens; a row with p = 1 keeps all (its fp32 sum can round to 1 early)
+        remove |= ((probs.cumsum(dim=-1) - probs) >= p) & (p < 1.0)
     remove[:, 0] = False  # the best token always stays, even when `p` underflows to 0 in fp32
     truncated = torch.tensor([w > 0 for w in wants], device=logits.device)[:, None]  # [N, 1]
     mask = torch.ones_like(logits, dtype=torch.bool).scatter_(1, order, remove) & truncated  # [N, V]
@@ -137,7 +138,7 @@ def _sorted_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
         p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)[:, None]  # [N, 1]
         probs = sorted_logits.masked_fill(remove, -math.inf).softmax(dim=-1)  # [N, V]
         mass_before = probs.cumsum(dim=-1) - probs  # [N, V]: mass of strictly better tokens
-        remove |= mass_before >= p
+        remove |= (mass_before >= p) & (p < 1.0)  # p = 1: nothing, however the fp32 sum rounds
     remove[:, 0] = False  # the best token always stays, even when `p` underflows to 0 in fp32
     mask = torch.empty_like(remove).scatter_(1, order, remove)  # back to vocab order
     return logits.masked_fill(mask, -math.inf)
