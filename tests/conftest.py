@@ -10,6 +10,13 @@ import pytest
 # each CPU worker compiling its buckets at start would cost the suite minutes
 # (workers/contract/defaults.py ENV_COMPILE; tests of the compiled step ask for it).
 os.environ.setdefault("HETSERVE_COMPILE", "off")
+# What pipelines measure goes to a file of this test session, never the host's
+# (~/.cache/hetserve/stage_timings.json), so no run's figures move another run's splits
+# (workers/contract/stage_timing.py; tests of the timings set their own file).
+if "HETSERVE_STAGE_TIMINGS" not in os.environ:
+    import tempfile
+
+    os.environ["HETSERVE_STAGE_TIMINGS"] = os.path.join(tempfile.mkdtemp(prefix="hetserve-timings-"), "timings.json")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -33,7 +33,11 @@ class Served:
     """One worker, or the first stage of a pipeline, started as `python -m workers`."""
 
     def __init__(self, tmp: Path, name: str, model: Path, simulate: list[str], extra=(), *, threads: int = 1,
-                 partition: list[int] | None = None, env: dict | None = None, common=COMMON):
+                 partition: list[int] | None = None, env: dict | None = None, common=COMMON,
+                 timing: tuple[str, tuple[str, ...]] | None = None):
+        """`timing`: (the model's key, each stage's device key) under which the first stage records
+        what the stages measured (workers/contract/stage_timing.py; the file from `env`'s
+        `HETSERVE_STAGE_TIMINGS`); None: nothing recorded."""
         self.tmp, self.name = tmp, name
         self.sock, self.status = tmp / f"{name}.sock", tmp / f"{name}.json"
         argv = ["--model", str(model), "--threads", str(threads), *common, *extra]
@@ -43,12 +47,14 @@ class Served:
             counts = partition or [round((i + 1) * n / len(simulate)) - round(i * n / len(simulate))
                                    for i in range(len(simulate))]
             bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
-            stages = [StagePlan(bounds[0], bounds[1], (), (), f"{name}-0")]
+            model_key, keys = timing or ("", ("",) * len(simulate))
+            stages = [StagePlan(bounds[0], bounds[1], (), (), f"{name}-0", keys[0])]
             for r in range(1, len(simulate)):
                 stage_argv = ("--socket", str(tmp / f"{name}-{r}.sock"), "--worker-id", f"{name}-{r}", "--simulate",
                               simulate[r], "--status-file", str(tmp / f"{name}-{r}.json"), *argv)
-                stages.append(StagePlan(bounds[r], bounds[r + 1], stage_argv, (), f"{name}-{r}"))
-            PipelinePlan(f"127.0.0.1:{free_port()}", tuple(stages), 60.0).write(tmp / f"{name}.plan.json")
+                stages.append(StagePlan(bounds[r], bounds[r + 1], stage_argv, (), f"{name}-{r}", keys[r]))
+            PipelinePlan(f"127.0.0.1:{free_port()}", tuple(stages), 60.0,
+                         timing_model=model_key).write(tmp / f"{name}.plan.json")
             plan_args = ["--pipeline-plan", str(tmp / f"{name}.plan.json")]
         self.log = open(tmp / f"{name}.log", "w")
         self.proc = subprocess.Popen(

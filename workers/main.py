@@ -336,11 +336,12 @@ def _serve_stage(args, status: StatusFile, bound, loaded, kernels, conv, fp8_rea
     used = args.quantize == "fp8" or stored  # fp8 as it runs on this stage, as the first stage labels its own
     label = conv.name if used else f"not used ({str(loaded.dtype).removeprefix('torch.')})"
     fp8 = {"convention": conv.name, "reason": fp8_reason, "used": used, "label": label}
-    def report(steps: int, seconds: float, last: float) -> None:  # read by the first stage's /metrics
-        status.write(WorkerStatus.READY, stage=link.rank, steps=steps, step_seconds=seconds, last_step=last)
+    def report(clock: StageClock) -> None:  # read by the first stage's /metrics and its timing records
+        status.write(WorkerStatus.READY, stage=link.rank, **clock.figures())
 
-    serve_stage(args, bound, loaded, kernels, fp8, link, context, StageClock(report))
-    status.write(WorkerStatus.STOPPED)
+    clock = StageClock(report, host_cpu=bound.simulated or bound.type == "cpu")
+    serve_stage(args, bound, loaded, kernels, fp8, link, context, clock)
+    status.write(WorkerStatus.STOPPED, stage=link.rank, **clock.figures())  # its last figures, for the records
     return ExitCode.OK
 
 

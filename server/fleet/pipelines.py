@@ -6,21 +6,25 @@ and `--pipeline auto` (the default) splits only a model that fits no single devi
 fewest devices (the roomiest first) that together hold it. The layers follow the contract's
 rule (`workers.contract.pipeline.split_layers`): each stage holds at most its usable memory
 (each layer costing its weights and its share of the KV floor), and gets layers in proportion to its speed, so the slow card gets
-fewer. A device's speed before anything ran: a simulated device computes on this host's CPU
-like every other, so they are equal; a real GPU's is its memory bandwidth (decoding reads
-every weight once per step); either divided by its `$HETSERVE_SLOWDOWN` factor, the knob that
-makes a worker that much slower on purpose. The first stage also serves the whole pipeline
-(schedules, samples, detokenizes, answers HTTP); on a device that computes on the host's CPU
-that work shares the core with its layers, so it is charged `SERVING_BYTES` of weight reads, in
-its layers' units (`serving_charge`); on a GPU the layers run on the device while the CPU
-serves, and nothing is charged. Trade-off: no measured figure exists before the first start, so
-the split uses these estimates, and says so in its reason.
+fewer. Once a replica of the model has served on the same devices, its stages' own figures
+give the speeds and charges (workers/contract/stage_timing.py: each device's seconds per layer
+and step, and the time each stage's thread was busy besides its layers, recorded on this host
+by the first stage); the reason then says measured, with the figures. Before that, estimates:
+a simulated device computes on this host's CPU like every other, so they are equal; a real
+GPU's is its memory bandwidth (decoding reads every weight once per step); either divided by its
+`$HETSERVE_SLOWDOWN` factor, the knob that makes a worker that much slower on purpose. The
+first stage also serves the whole pipeline (schedules, samples, detokenizes, answers HTTP); on
+a device that computes on the host's CPU that work shares the core with its layers, so it is
+charged `SERVING_BYTES` of weight reads, in its layers' units (`serving_charge`); on a GPU the
+layers run on the device while the CPU serves, and nothing is charged. Trade-off: the split is
+made when the replica starts, so what a replica measures serves the next start (a restart
+after a failure keeps its plan); measuring costs two clock reads per step.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +41,7 @@ from workers.contract.pipeline import (
     unsplittable,
 )
 from workers.contract.slowdown import slowdown_factor
+from workers.contract.stage_timing import PipelineTiming, device_key, measured_inputs, model_key, record_key
 
 # Memory bandwidth (GB/s) by compute capability or gfx name: decode speed follows it. Unlisted: 1000.
 BANDWIDTH_GBS = {"7.0": 900, "7.5": 616, "8.0": 2039, "8.6": 936, "8.9": 864, "9.0": 3350, "10.0": 8000,
@@ -61,6 +66,8 @@ class PipelineGroup:
     devices: tuple[DeviceInfo, ...]
     splits: tuple[StageSplit, ...]
     reason: str
+    timing_model: str = ""  # the keys its stages record their figures under (workers/contract/stage_timing.py)
+    timing_devices: tuple[str, ...] = ()
 
     @property
     def first(self) -> DeviceInfo:
@@ -114,10 +121,29 @@ def layer_bytes(profile: ModelProfile, hf: dict, device: DeviceInfo, dtype: str,
     return [body // n] * n, embed, head + hidden * per
 
 
+def timing_keys(hf: dict, devices: Sequence[DeviceInfo], dtype: str, quantize: str,
+                slowdown: str = "") -> tuple[str, tuple[str, ...]]:
+    """(the model's key, each device's key) under which its stages record what they measured
+    (workers/contract/stage_timing.py)."""
+    import json
+
+    keys = []
+    for d in devices:
+        try:
+            factor = slowdown_factor(slowdown, worker_id(d))
+        except ValueError as e:
+            raise PipelineError(str(e)) from e
+        keys.append(device_key(d.uuid, d.simulated, d.index, d.simulate_token or d.capability_label, factor))
+    return model_key(json.dumps(hf, sort_keys=True), dtype, quantize), tuple(keys)
+
+
 def plan_pipeline(model: str, profile: ModelProfile, devices: Sequence[DeviceInfo], dtype: str = "auto",
                   quantize: str = "none", fraction: float | None = None, partition: Sequence[int] | None = None,
-                  slowdown: str = "", why: str = "") -> PipelineGroup:
-    """`model` split over `devices` in this order; `PipelineError` when it cannot be."""
+                  slowdown: str = "", why: str = "",
+                  timings: Mapping[str, PipelineTiming] | None = None) -> PipelineGroup:
+    """`model` split over `devices` in this order; `PipelineError` when it cannot be. `timings`:
+    what earlier replicas measured (`read_timings`); a record covering these devices gives the
+    speeds and charges, else they are estimated (the module docstring)."""
     hf = read_config(Path(profile.path))
     refusal = unsplittable(hf)
     if refusal is not None:
@@ -127,16 +153,23 @@ def plan_pipeline(model: str, profile: ModelProfile, devices: Sequence[DeviceInf
     kv = need_on(profile, devices[0], dtype, quantize).kv_bytes // max(1, len(per_layer))
     per_layer = [b + kv for b in per_layer]  # a layer's weights and its share of the KV floor
     capacities = [usable_bytes(d, fraction) for d in devices]
-    speeds = [device_speed(d, slowdown) for d in devices]
-    serving, serving_why = serving_charge(devices[0], per_layer)
+    key, device_keys = timing_keys(hf, devices, dtype, quantize, slowdown)
+    measured = measured_inputs((timings or {}).get(record_key(key, device_keys)), device_keys)
+    if measured is not None:
+        speeds, serving, speed_why = list(measured.speeds), list(measured.ahead), measured.reason
+    else:
+        estimates = [device_speed(d, slowdown) for d in devices]
+        charge, charge_why = serving_charge(devices[0], per_layer)
+        speeds, serving = [s for s, _ in estimates], charge
+        speed_why = "speeds estimated: " + ", ".join(f"{worker_id(d)} {w}" for d, (_, w) in zip(devices, estimates,
+                                                                                                 strict=True))
+        speed_why += f"; {charge_why}" if charge_why and partition is None else ""
     try:
-        splits = split_layers(per_layer, capacities, [s for s, _ in speeds], first, last, partition, serving)
+        splits = split_layers(per_layer, capacities, speeds, first, last, partition, serving)
     except PipelineSplitError as e:
         names = "+".join(worker_id(d) for d in devices)
         raise PipelineError(f"`{model}` as a pipeline over {names}: {e}") from e
-    speed_why = ", ".join(f"{worker_id(d)} {w}" for d, (_, w) in zip(devices, speeds, strict=True))
-    charged = f"; {serving_why}" if serving_why and partition is None else ""
-    return PipelineGroup(model, tuple(devices), splits, f"{why}; speeds: {speed_why}{charged}".lstrip("; "))
+    return PipelineGroup(model, tuple(devices), splits, f"{why}; {speed_why}".lstrip("; "), key, device_keys)
 
 
 def auto_devices(profile: ModelProfile, free: Sequence[DeviceInfo], dtype: str, quantize: str,
@@ -174,12 +207,13 @@ def pipeline_spec(group: PipelineGroup, model_dir: Path, settings, run_dir: Path
     command line and environment built as for any worker on its device."""
     specs = [build_worker_spec(d, group.model, model_dir, settings, run_dir, parent_pid, threads, base)
              for d in group.devices]
+    keys = group.timing_devices or ("",) * len(specs)
     stages = tuple(StagePlan(s.start, s.end, spec.argv[len(settings.worker_command):] if i else (), spec.env if i
-                             else (), f"{spec.id} ({spec.device.capability_label})")
-                   for i, (s, spec) in enumerate(zip(group.splits, specs, strict=True)))
+                             else (), f"{spec.id} ({spec.device.capability_label})", key)
+                   for i, (s, spec, key) in enumerate(zip(group.splits, specs, keys, strict=True)))
     path = run_dir / f"{specs[0].id}.pipeline.json"
     PipelinePlan(free_address(), stages, backend=backend_for(group.devices),
-                 notes={"reason": group.reason}).write(path)
+                 notes={"reason": group.reason}, timing_model=group.timing_model).write(path)
     first = specs[0]
     return WorkerSpec(first.id, first.device, first.socket_path, first.status_path,
                       (*first.argv, "--pipeline-plan", str(path)), first.env, first.threads, first.model,

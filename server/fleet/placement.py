@@ -21,7 +21,7 @@ which device holds what so the user can pin them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from server.errors import UsageError, shown
@@ -29,6 +29,7 @@ from server.fleet.pipelines import PipelineError, PipelineGroup, auto_devices, p
 from server.fleet.spec import worker_id
 from workers.contract import DeviceInfo, human
 from workers.contract.model_size import ModelProfile, ModelSizeError, Need, need_on, usable_bytes
+from workers.contract.stage_timing import PipelineTiming, read_timings, timings_path
 
 PINNED, FIRST, REPLICA, FREE, STAGE = "pinned", "first", "replica", "free", "stage"
 
@@ -108,15 +109,18 @@ class Split:
     stages: int | None = None
     partition: tuple[int, ...] | None = None
     slowdown: str = ""
+    timings: Mapping[str, PipelineTiming] = field(default_factory=dict)  # what earlier replicas measured
 
 
 def split_of(settings) -> Split:
-    """The pipeline flags of a run (`--pipeline`, `--pipeline-partition`) and its `$HETSERVE_SLOWDOWN`."""
+    """The pipeline flags of a run (`--pipeline`, `--pipeline-partition`), its `$HETSERVE_SLOWDOWN`
+    and the stage timings recorded on this host (`$HETSERVE_STAGE_TIMINGS`)."""
     import os
 
     from workers.contract.slowdown import ENV_SLOWDOWN
 
-    return Split(settings.models.pipeline, settings.models.partition, os.environ.get(ENV_SLOWDOWN, ""))
+    return Split(settings.models.pipeline, settings.models.partition, os.environ.get(ENV_SLOWDOWN, ""),
+                 read_timings(timings_path()))
 
 
 def resolve_device(token: str, devices: Sequence[DeviceInfo]) -> DeviceInfo | None:
@@ -161,7 +165,7 @@ def _pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], fits, needs
             why = f"pinned by --place {m.name}={','.join(m.pins)}"
             if len(devs) > 1:  # one replica over several devices
                 group = plan_pipeline(m.name, m.profile, devs, dtype, quantize, fraction, split.partition,
-                                      split.slowdown, why)
+                                      split.slowdown, why, split.timings)
                 groups.append(group)
                 for i, d in enumerate(devs):
                     owner[d.index] = (m.name, PINNED if i == 0 else STAGE, f"{why}: pipeline stage {i}, "
@@ -202,7 +206,7 @@ def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str 
 
     def pipeline(m: ModelAsk, devs: list[DeviceInfo], why: str) -> None:
         group = plan_pipeline(m.name, m.profile, devs, dtype, quantize, fraction, split.partition, split.slowdown,
-                              why)
+                              why, split.timings)
         groups.append(group)
         pinned_models.add(m.name)  # its replica is the pipeline: no single-device replicas beside it
         for i, d in enumerate(devs):

@@ -86,11 +86,12 @@ def _water_fill(n: int, speeds: Sequence[float], caps: Sequence[int], ahead: Seq
 
 def split_layers(layer_bytes: Sequence[int], capacities: Sequence[int], speeds: Sequence[float] | None = None,
                  first_bytes: int = 0, last_bytes: int = 0, partition: Sequence[int] | None = None,
-                 serving: float = 0.0) -> tuple[StageSplit, ...]:
+                 serving: float | Sequence[float] = 0.0) -> tuple[StageSplit, ...]:
     """The stages' layer ranges for a model of `len(layer_bytes)` layers over devices holding
     `capacities` bytes of weights each, weighted by `speeds` (None: equal) with the first stage
-    charged `serving` layer-times for its serving work, or as `partition` (layers per stage)
-    says. Raises `PipelineSplitError` when no split fits."""
+    charged `serving` layer-times for its serving work (a sequence: each stage its own charge,
+    as measured: workers/contract/stage_timing.py), or as `partition` (layers per stage) says.
+    Raises `PipelineSplitError` when no split fits."""
     n, k = len(layer_bytes), len(capacities)
     speeds = list(speeds) if speeds is not None else [1.0] * k
     if k < 2:
@@ -100,6 +101,7 @@ def split_layers(layer_bytes: Sequence[int], capacities: Sequence[int], speeds: 
     if n < k:
         raise PipelineSplitError(f"A model of {n} layers cannot be split into {k} stages (one layer each at least)")
     avg = max(1, sum(layer_bytes) // n)
+    ahead = [0.0] * k
     if partition is not None:
         counts, why = list(partition), "as --pipeline-partition says"
         if len(counts) != k or min(counts) < 1 or sum(counts) != n:
@@ -113,9 +115,11 @@ def split_layers(layer_bytes: Sequence[int], capacities: Sequence[int], speeds: 
             total = sum(layer_bytes) + first_bytes + last_bytes
             raise PipelineSplitError(f"The model's {_mib(total)} of weights do not fit these {k} devices (they hold "
                                      f"{', '.join(_mib(c) for c in capacities)}); add a device or quantize")
-        if serving < 0:
-            raise PipelineSplitError(f"The first stage's serving charge `{serving}` must be 0 or more layer-times")
-        counts = _water_fill(n, speeds, caps, [serving] + [0.0] * (k - 1))
+        ahead = [float(serving)] + [0.0] * (k - 1) if isinstance(serving, (int, float)) else list(serving)
+        if len(ahead) != k or min(ahead) < 0:
+            raise PipelineSplitError(f"The stages' serving charge `{serving}` must be 0 or more layer-times, "
+                                     f"one number (the first stage's) or {k} (one per stage)")
+        counts = _water_fill(n, speeds, caps, ahead)
         capped = [i for i in range(k) if counts[i] == caps[i] and counts[i] < n * speeds[i] / sum(speeds) - 0.5]
         why = ("layers by speed" if not capped else
                f"layers by speed; stage {', '.join(map(str, capped))} full, the rest to the others")
@@ -127,8 +131,8 @@ def split_layers(layer_bytes: Sequence[int], capacities: Sequence[int], speeds: 
             raise PipelineSplitError(f"Stage {i} (layers {start}:{end}) needs {_mib(b)} of weights; its device holds "
                                      f"{_mib(capacities[i])}")
         share = f"{speeds[i] / sum(speeds):.0%} of the speed"
-        if i == 0 and serving and partition is None:
-            share += f", serving charged as {serving:.1f} layers"
+        if partition is None and ahead[i]:
+            share += f", {'serving' if i == 0 else 'transport'} charged as {ahead[i]:.1f} layers"
         splits.append(StageSplit(start, end, b, int(capacities[i]), float(speeds[i]),
                                  f"{c} layers: {why} ({share}, holds {_mib(capacities[i])})"))
         start = end
@@ -171,6 +175,7 @@ class StagePlan:
     argv: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     device: str = ""  # its device, as `/workers` shows it (e.g. `gpu2 (sm_86)`)
+    timing_device: str = ""  # its device's key in the stage timings (workers/contract/stage_timing.py)
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,7 @@ class PipelinePlan:
     timeout_s: float = 300.0  # a stage silent for longer than this is gone (the process group's timeout)
     backend: str = "gloo"
     notes: dict = field(default_factory=dict)
+    timing_model: str = ""  # the model's key in the stage timings ("": the stages record nothing)
 
     @property
     def world_size(self) -> int:
@@ -195,10 +201,11 @@ class PipelinePlan:
         try:
             raw = json.loads(Path(path).read_text())
             stages = tuple(StagePlan(s["start"], s["end"], tuple(s.get("argv", ())),
-                                     tuple(tuple(p) for p in s.get("env", ())), s.get("device", ""))
+                                     tuple(tuple(p) for p in s.get("env", ())), s.get("device", ""),
+                                     s.get("timing_device", ""))
                            for s in raw["stages"])
             plan = cls(raw["address"], stages, float(raw.get("timeout_s", 300.0)), raw.get("backend", "gloo"),
-                       raw.get("notes", {}))
+                       raw.get("notes", {}), raw.get("timing_model", ""))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise PipelineSplitError(f"Pipeline plan `{path}` cannot be read: {e}") from e
         if len(stages) < 2 or stages[0].start != 0 or any(a.end != b.start for a, b in zip(stages, stages[1:], strict=False)):

@@ -239,10 +239,14 @@ class Engine:
         torch.set_num_threads(self._num_threads)
         while not self._stopping and self.fatal_error is None:
             if self._idle():
-                msg = self._inbox.get()  # idle: sleep until a request (or a stop) arrives
+                msg = self._wait_for_work()  # idle: sleep until a request (or a stop) arrives
                 with self._step_lock:
                     self._handle(msg)
             self._guarded_step()
+
+    def _wait_for_work(self):
+        """The next inbox message, waiting for it (the engine is idle)."""
+        return self._inbox.get()
 
     def _idle(self) -> bool:
         """Nothing to step: no sequence waits or runs."""

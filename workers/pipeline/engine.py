@@ -45,6 +45,10 @@ class PipelineEngine(Engine):
     def _idle(self) -> bool:
         return not self._flight and super()._idle()
 
+    def _wait_for_work(self):
+        with self.runner.clock.waiting():  # idle time is no work of this stage's (workers/pipeline/metrics.py)
+            return super()._wait_for_work()
+
     def _step(self) -> int:
         self._drain_inbox()
         if self._stopping:  # what is on its way lands first: no stage is left with an unread send

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 
@@ -37,6 +36,11 @@ def describe_stage(rank: int, bound, loaded, kernels: dict, fp8: dict, kv) -> di
             "state_bytes": 0 if kv.states is None else kv.states.nbytes}  # its own linear layers' state only
 
 
+def _received(link: StageLink, hidden_size: int, clock: StageClock):
+    with clock.waiting():  # for the previous stage
+        return link.recv_step(hidden_size)
+
+
 def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, context: int,
                 clock: StageClock | None = None) -> int:
     """Serve as stage `link.rank` until the first stage stops the pipeline; the steps served.
@@ -51,13 +55,13 @@ def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, 
     hidden_size, sending = loaded.config.hidden_size, []
     clock = clock or StageClock()
     with torch.inference_mode():
-        while (message := link.recv_step(hidden_size)) is not None:
+        while (message := _received(link, hidden_size, clock)) is not None:
             items, hidden = message
-            t0 = time.perf_counter()
-            batch = ForwardBatch.build(items, kv.block_size, bound.torch_device, None, kv.windows)
-            out = loaded.model.step(batch, kv, hidden)  # [T, H], or the last stage's logits [N, V]
-            clock.add(time.perf_counter() - t0)
-            link.wait(sending)  # the previous micro-batch has left
+            with clock.measure():
+                batch = ForwardBatch.build(items, kv.block_size, bound.torch_device, None, kv.windows)
+                out = loaded.model.step(batch, kv, hidden)  # [T, H], or the last stage's logits [N, V]
+            with clock.waiting():
+                link.wait(sending)  # the previous micro-batch has left
             sending = link.send_logits(out) if link.last else link.send_step(items, out)
     link.wait(sending)
     clock.flush()

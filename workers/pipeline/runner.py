@@ -21,8 +21,6 @@ decode is the engine's part instead: several batches of their own sequences in f
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from workers.engine.runner import ModelRunner, scored_rows, split_scored
@@ -33,11 +31,11 @@ from workers.pipeline.transport import StageLink
 
 class PipelineRunner(ModelRunner):
     def __init__(self, model, kv, device, link: StageLink, worker_id: str | None = None,
-                 micro: int | None = None):
+                 micro: int | None = None, clock: StageClock | None = None):
         super().__init__(model, kv, device, worker_id=worker_id, mirror=False, compiled=None)
         self.link = link
         self.micro = micro or 1  # micro-batches per step (`--pipeline-microbatches`; see the module docstring)
-        self.clock = StageClock()  # this stage's own compute (workers/pipeline/metrics.py)
+        self.clock = clock or StageClock()  # this stage's own compute (workers/pipeline/metrics.py)
 
     def _forward(self, chunks, rows_of, preempted=()):
         return self._receive(*self._send(self._items(chunks, rows_of)))
@@ -56,17 +54,17 @@ class PipelineRunner(ModelRunner):
     def _send(self, items) -> tuple[list, list[int]]:
         sends, rows = [], []
         for part in micro_batches(items, self.micro):  # each on its way while this stage computes the next
-            t0 = time.perf_counter()
-            batch = ForwardBatch.build(part, self.kv.block_size, self.device, None, self.windows)
-            hidden = self.model.step(batch, self.kv)  # [T_m, H] after this stage's layers
-            self.clock.add(time.perf_counter() - t0)
+            with self.clock.measure():
+                batch = ForwardBatch.build(part, self.kv.block_size, self.device, None, self.windows)
+                hidden = self.model.step(batch, self.kv)  # [T_m, H] after this stage's layers
             sends += self.link.send_step(part, hidden)
             rows.append(batch.logits_index.shape[0])
         return sends, rows
 
     def _receive(self, sends: list, rows: list[int]) -> torch.Tensor:
-        logits = [self.link.recv_logits(n, self.vocab_size) for n in rows]  # [N_m, V] each, from the last stage
-        self.link.wait(sends)
+        with self.clock.waiting():  # for the other stages
+            logits = [self.link.recv_logits(n, self.vocab_size) for n in rows]  # [N_m, V] each, from the last stage
+            self.link.wait(sends)
         return logits[0] if len(logits) == 1 else torch.cat(logits)  # [N, V] in chunk order
 
     def stop(self) -> None:

@@ -167,10 +167,13 @@ class WorkerServer:
             kv_groups=shapes, state_slots=self._state_slots(),
         )
         if self.link is not None:  # the first stage of a pipeline (workers/pipeline/runner.py)
+            from workers.pipeline.metrics import StageClock, TimingRecorder
             from workers.pipeline.runner import PipelineRunner
 
+            clock = StageClock(lambda _: self.recorder.record(), self.bound.simulated or self.bound.type == "cpu")
+            self.recorder = TimingRecorder(self.stages.plan, clock, self.stages.status_files())
             runner = PipelineRunner(loaded.model, self.kv, self.bound.torch_device, self.link, args.worker_id,
-                                    getattr(args, "pipeline_microbatches", None))
+                                    getattr(args, "pipeline_microbatches", None), clock)
         else:
             runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
                                  mirror=self.deterministic is None, compiled=self.compiled)
@@ -330,7 +333,8 @@ class WorkerServer:
         if self.link is not None:  # the other stages stop after this one's last step
             with contextlib.suppress(Exception):  # a stage already gone: nothing to tell
                 self.engine.runner.stop()
-            self.stages.stop()
+            self.stages.stop()  # each has reported its last figures as it left
+            self.recorder.record(force=True)  # what the stages measured, for the next split
         self.tracing.shutdown()  # flush the last spans
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
