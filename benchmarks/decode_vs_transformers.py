@@ -124,14 +124,18 @@ class Ours:
     through the decode mirror, or (`compiled`) by the worker's compiled decode of one bucket."""
 
     def __init__(self, lm, batch: int, prompt_len: int, max_len: int, block_size: int = 16,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, in_place: bool | None = None) -> None:
+        """`in_place`: decode rows attend through the C++ kernel (None: where a CPU worker would,
+        workers/kv/cpu_decode.py)."""
         from workers.engine.compiled import CompiledDecode, scratch_groups
+        from workers.kv import cpu_decode
         from workers.kv.batch import ForwardBatch, SeqChunk
         from workers.kv.groups import same_blocks
         from workers.kv.mirror import DecodeMirror
         from workers.kv.pool import KVPool, layer_shapes
 
         self.model, self.batch, self.pos, self.bs = lm.model, batch, prompt_len, block_size
+        self.in_place = cpu_decode.in_place("cpu") if in_place is None else in_place
         self.chunk, self.build = SeqChunk, ForwardBatch.build
         # a rotary that depends on the prompt's length gets it, as the engine's runner passes it
         self.rope_len = prompt_len if self.model.rope_threshold is not None else 0
@@ -146,13 +150,14 @@ class Ours:
         # and the mirror copies the first group's rows only when that group attends in full
         windows = getattr(self.kv, "windows", None)
         self.extra = {} if windows is None else {"windows": windows}
-        self.mirror = DecodeMirror(self.kv) if not compiled and (not windows or windows[0] is None) else None
+        self.mirror = DecodeMirror(self.kv) if not (compiled or self.in_place) and (not windows or windows[0] is None) \
+            else None
         for s in range(batch):
             chunk = SeqChunk(0, prompt_len, self.tables[s], rope_len=self.rope_len, state_slot=s)
             self.model.step(ForwardBatch.build([(chunk, row_prompt(s, prompt_len))], block_size, **self.extra), self.kv)
         self.decode, self.compile_s = None, 0.0
         if compiled:
-            self.decode = CompiledDecode(self.model, self.kv, "cpu", (batch,), "inductor")
+            self.decode = CompiledDecode(self.model, self.kv, "cpu", (batch,), "inductor", in_place=self.in_place)
             self.compile_s = self.decode.warm()
             self.seq = SimpleNamespace(group_tables=(), rope_len=self.rope_len)
 
@@ -164,7 +169,8 @@ class Ours:
         else:
             items = [(self.chunk(self.pos, 1, self.tables[s], key=s, rope_len=self.rope_len, state_slot=s), [next_token(s)])
                      for s in range(self.batch)]
-            logits = self.model.step(self.build(items, self.bs, mirror=self.mirror, **self.extra), self.kv)
+            logits = self.model.step(self.build(items, self.bs, mirror=self.mirror, in_place=self.in_place,
+                                                **self.extra), self.kv)
         self.pos += 1
         return logits
 

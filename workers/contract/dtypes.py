@@ -45,15 +45,21 @@ def bfloat16_flags(flags: frozenset[str]) -> str | None:
 
 
 @functools.cache
-def cpu_bfloat16() -> bool:
-    """Whether this host's CPU computes bfloat16 matmuls natively (module docstring); True where
-    its flags cannot be read (not Linux, not x86)."""
+def cpu_flags() -> frozenset[str] | None:
+    """This host's CPU feature flags (Linux's /proc/cpuinfo names), or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((ln for ln in f if ln.startswith("flags")), None)
     except OSError:
-        return True
-    return line is None or bfloat16_flags(frozenset(line.split(":", 1)[-1].split())) is not None
+        return None
+    return None if line is None else frozenset(line.split(":", 1)[-1].split())
+
+
+def cpu_bfloat16() -> bool:
+    """Whether this host's CPU computes bfloat16 matmuls natively (module docstring); True where
+    its flags cannot be read (not Linux, not x86)."""
+    flags = cpu_flags()
+    return flags is None or bfloat16_flags(flags) is not None
 
 
 def dtype_rule(requested: str, checkpoint_dtype: str | None, device_type: str,

@@ -17,11 +17,12 @@ forward (workers/engine/runner.py). One mechanism for both kinds of device:
   per-row `where`);
 - pad rows read and write only the scratch block (the last block of each KV group, which the
   scheduler never hands out: `scratch_groups`); their logits are dropped;
-- CPU: `torch.compile` (Inductor, full graph) of the step per bucket. Decode rows attend in
-  place through the block table (`workers/kv/paged.py` `PagedRows`: explicit ops that Inductor
-  fuses into one gather a whole block per table entry, written once for the batched matmuls),
-  over the table width the step needs,
-  which is a dynamic dimension: one graph per bucket serves every length;
+- CPU: `torch.compile` (Inductor, full graph) of the step per bucket. Decode rows attend
+  through the block table (`workers/kv/paged.py` `PagedRows`: the C++ kernel reading the blocks
+  in place, one opaque op, where the worker loaded it; else explicit ops that Inductor fuses
+  into one gather a whole block per table entry, written once for the batched matmuls), over
+  the table width the step needs, which is a dynamic dimension: one graph per bucket serves
+  every length;
 - CUDA/ROCm: a graph per bucket, captured once the worker has bound its device; the
   paged-decode kernel reads block tables and lengths from the static buffers, so a graph
   replays for any lengths up to the width it was captured with (the context).
@@ -203,8 +204,9 @@ class _Bucket:
     kernels read no further than a row's length)."""
 
     def __init__(self, size: int, groups: int, max_width: int, block_size: int, max_pos: int,
-                 device: torch.device, rope: bool = False) -> None:
+                 device: torch.device, rope: bool = False, in_place: bool = False) -> None:
         self.size, self.block_size, self.max_pos, self.groups = size, block_size, max_pos, groups
+        self.in_place = in_place
         self.data = torch.zeros(size * (3 + groups + int(rope)), dtype=torch.int64, device=device)
         self.rope_lens = self.data[(3 + groups) * size :] if rope else None
         self.tables = tuple(torch.zeros((size, max_width), dtype=torch.int64, device=device) for _ in range(groups))
@@ -225,7 +227,7 @@ class _Bucket:
     def _make_batch(self, width: int) -> ForwardBatch:
         b, n = self.size, width * self.block_size
         rows = [PagedRows(rows=self.rows, rows_start=0, block_tables=t[:, :width], seq_lens=self.lens, max_len=n,
-                          mask=None, view=None) for t in self.tables]
+                          mask=None, view=None, in_place=self.in_place) for t in self.tables]
         groups = tuple(GroupBatch(self.slots(g), rows[g], (), 0) for g in range(1, len(self.tables)))
         return ForwardBatch(input_ids=self.data[:b], positions=self.data[b : 2 * b], slot_mapping=self.slots(0),
                             logits_index=self.rows, decode=rows[0], prefills=(), block_size=self.block_size,
@@ -287,12 +289,13 @@ class CompiledDecode:
     `fits(chunks)` says whether a step's chunks can run here, `run(chunks)` returns their logits."""
 
     def __init__(self, model, kv, device: torch.device | str, buckets: tuple[int, ...], backend: str,
-                 graphs=None, dynamo_backend: str = "inductor") -> None:
+                 graphs=None, dynamo_backend: str = "inductor", in_place: bool = False) -> None:
         """`kv` must be made with `scratch_groups` (its last block in each group is the pads'
         scratch block); `backend` "inductor" or "cuda-graphs"; `graphs`: the device's graph
         API (default `CudaGraphs()`; tests pass a stand-in); `dynamo_backend`: what
         `torch.compile` lowers the CPU graph with (tests trace with "aot_eager": the same
-        full graph and buckets, without Inductor's C++ code generation, minutes on 2 cores)."""
+        full graph and buckets, without Inductor's C++ code generation, minutes on 2 cores);
+        `in_place`: CPU rows attend through the C++ kernel (workers/kv/cpu_decode.py), not a gather."""
         if backend not in _BACKEND_WHY:
             raise ValueError(f"Unknown compile backend `{backend}`. Allowed: {', '.join(_BACKEND_WHY)}")
         self.model, self.kv, self.device, self.backend = model, kv, torch.device(device), backend
@@ -305,7 +308,8 @@ class CompiledDecode:
         self.min_width = MIN_WIDTH if backend == "inductor" else 1
         self.max_pos = model.config.context_length - 1
         rope = getattr(model, "rope_threshold", None) is not None  # LongRoPE (unfit_reason refuses dynamic)
-        self._buckets = {b: _Bucket(b, len(kv.groups), self.max_width, bs, self.max_pos, self.device, rope)
+        self.in_place = in_place
+        self._buckets = {b: _Bucket(b, len(kv.groups), self.max_width, bs, self.max_pos, self.device, rope, in_place)
                          for b in self.buckets}
         self._runs: dict[int, object] = {}
         self._graphs, self._dynamo_backend = graphs, dynamo_backend

@@ -4,8 +4,10 @@ Design: the scheduler's chunks become `SeqChunk`s over the paged KV cache, packe
 `ForwardBatch`; the batch asks the model for logits only where they are used (`num_logits`):
 the last row of each chunk that samples, and every row of a prompt chunk whose request asked
 for its prompt's logprobs (`execute_with_prompt_logits`), all from the same forward. On the
-CPU the runner keeps a `DecodeMirror` of the decoding sequences' K/V (`workers.kv.mirror`),
-releasing the row of a sequence the scheduler preempts. With a compiled decode step
+CPU the decode rows attend through the C++ kernel in place where the worker loaded it
+(`in_place`, `workers.kv.cpu_decode`); otherwise the runner keeps a `DecodeMirror` of the
+decoding sequences' K/V (`workers.kv.mirror`), releasing the row of a sequence the scheduler
+preempts. With a compiled decode step
 (`workers.engine.compiled`), a step's one-token chunks run there, padded to a bucket, and
 the mirror is not kept (those rows attend in place); a step that also computes prompt chunks
 runs them eager in a second forward, and the logits are put back in chunk order, so decode
@@ -53,14 +55,16 @@ def injected_perturbation(worker_id: str | None, vocab_size: int | None, device)
 
 class ModelRunner:
     def __init__(self, model, kv, device: str | torch.device, worker_id: str | None = None, mirror: bool = True,
-                 compiled: CompiledDecode | None = None):
+                 compiled: CompiledDecode | None = None, in_place: bool = False):
         """`mirror=False` leaves the CPU decode mirror out (deterministic mode reads the pool);
-        `compiled`: the decode step per bucket that one-token chunks run on (None: all eager)."""
+        `compiled`: the decode step per bucket that one-token chunks run on (None: all eager);
+        `in_place`: CPU decode rows attend through the C++ kernel (workers/kv/cpu_decode.py:
+        no mirror needed)."""
         self.model, self.kv, self.device = model, kv, torch.device(device)
-        self.compiled = compiled
+        self.compiled, self.in_place = compiled, in_place
         # the mirror copies the first KV group's rows whole: not for a group that slides (bounded memory)
         self.windows = getattr(kv, "windows", (None,))
-        on_cpu = self.device.type == "cpu" and compiled is None
+        on_cpu = self.device.type == "cpu" and compiled is None and not in_place
         self.mirror = DecodeMirror(kv) if on_cpu and mirror and self.windows[0] is None else None
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
         self.perturb = injected_perturbation(worker_id, self.vocab_size, self.device)
@@ -73,7 +77,7 @@ class ModelRunner:
             for seq in preempted:  # recomputed later: its mirrored row would be stale
                 self.mirror.release(seq.uid)
         batch = ForwardBatch.build(self._items(chunks, rows_of), self.kv.block_size, self.device, self.mirror,
-                                   self.windows)
+                                   self.windows, self.in_place)
         return self.model.step(batch, self.kv)
 
     def _items(self, chunks, rows_of) -> list[tuple[SeqChunk, list[int]]]:

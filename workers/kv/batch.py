@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from workers.kv.cpu_decode import attend_in_place
 from workers.kv.groups import first_needed
 from workers.kv.mirror import DecodeMirror, MirrorRows, attend_rows, row_mask, step_mask
 from workers.kv.state import StateBatch
@@ -81,6 +82,7 @@ class DecodeRows:
     # and its length counted from there [Nd]; None when the rows are short (or the group is full)
     window_tables: torch.Tensor | None = None
     window_lens: torch.Tensor | None = None
+    in_place: bool = False  # CPU: attend through the tables with the C++ kernel (workers/kv/cpu_decode.py)
 
     @property
     def num(self) -> int:
@@ -96,6 +98,8 @@ class DecodeRows:
         [2, Hkv, NB, B, D] (this step's K/V already written) -> [Nd, Hq, D]; a sliding layer's
         rows see their last `window` positions, `softcap` caps the scores, `scale` scales them
         (default 1/sqrt(D)), `sinks` [Hq] join each row's softmax (gpt-oss)."""
+        if self.in_place:
+            return attend_in_place(self, query, kv, window, softcap, scale, sinks)
         if self.mirror is not None:
             return self.mirror.attend(query, kv, window, softcap, scale, sinks)
         if window is not None and self.window_tables is not None:  # only the blocks the window reads
@@ -167,11 +171,15 @@ class ForwardBatch:
         device: torch.device | str = "cpu",
         mirror: DecodeMirror | None = None,
         windows: Sequence[int | None] = (None,),
+        in_place: bool = False,
     ) -> ForwardBatch:
         """Pack `(chunk, token ids)` pairs; `len(ids)` must equal `chunk.num_tokens`. With a
-        `mirror`, decode rows (whose chunks must carry a `key`) are attended from it. `windows`:
-        each KV group's window (the chunks carry the other groups' tables), so a sliding group
-        reads only what its window sees."""
+        `mirror`, decode rows (whose chunks must carry a `key`) are attended from it; `in_place`,
+        through their tables by the CPU kernel (workers/kv/cpu_decode.py; then no mirror).
+        `windows`: each KV group's window (the chunks carry the other groups' tables), so a
+        sliding group reads only what its window sees."""
+        if in_place and mirror is not None:
+            raise ValueError("Decode rows read in place need no DecodeMirror: give one or the other")
         if not items:
             raise ValueError("A ForwardBatch needs at least one chunk, got `0`")
         bs, window = block_size, windows[0]
@@ -257,20 +265,21 @@ class ForwardBatch:
             max_len = max(dec_lens)
             lens = data[cut + n_dec : cut + 2 * n_dec]
             mask, view = None, None
-            if mirror is None:
+            if mirror is None and not in_place:
                 view = _strided_view(dec_tables)
                 if min(dec_lens) != max_len:
                     mask = row_mask(lens, max_len, None)  # [Nd, 1, 1, L]
-            elif None in dec_keys:
+            elif mirror is not None and None in dec_keys:
                 raise ValueError("Decode chunks need a `key` when the batch uses a DecodeMirror")
-            wt, wl = _window_rows(dec_tables, dec_lens, window if mirror is None else None, bs, device)
+            wt, wl = _window_rows(dec_tables, dec_lens, window if mirror is None and not in_place else None, bs,
+                                  device)
             decode = DecodeRows(
                 rows=data[cut : cut + n_dec],
                 rows_start=dec_rows[0] if dec_rows[-1] - dec_rows[0] == n_dec - 1 else None,
                 block_tables=data[cut + 2 * n_dec : cut + (2 + width) * n_dec].view(n_dec, width),
                 seq_lens=lens, max_len=max_len, mask=mask, view=view,
                 mirror=None if mirror is None else mirror.prepare(dec_keys, dec_tables, dec_lens, bs),
-                window_tables=wt, window_lens=wl,
+                window_tables=wt, window_lens=wl, in_place=in_place,
             )
         groups = tuple(_group_batch(items, g, w, bs, device, decode) for g, w in enumerate(windows[1:], 1))
         return cls(
@@ -353,7 +362,7 @@ def _group_batch(items: Sequence[tuple[SeqChunk, Sequence[int]]], g: int, window
     if decode is not None:
         width = decode.block_tables.shape[1]
         flat = [b for t in tables for b in (*t, *([0] * (width - len(t))))]
-        wt, wl = _window_rows(tables, lens, window, bs, device)
+        wt, wl = _window_rows(tables, lens, None if decode.in_place else window, bs, device)
         mask = decode.mask if decode.mirror is None else (
             row_mask(decode.seq_lens, decode.max_len, None) if min(lens) != decode.max_len else None)
         rows = replace(decode, block_tables=_int64(flat, device).view(len(tables), width), mask=mask,

@@ -1,5 +1,9 @@
 """A contiguous copy of the decoding sequences' K/V, kept across steps, for the CPU torch path.
 
+Where the CPU decode kernel is loaded (workers/kv/cpu_decode.py) decode rows read the pool in
+place and no mirror is kept; the mirror serves the torch path, where the kernel is off or could
+not be built.
+
 Why: SDPA on the CPU reads each row's K/V as one `[positions, head_dim]` matrix per head, and
 the pool keeps them in blocks, so attention over blocks starts with a gather: a copy of every
 attended position, per layer and per step, which costs about as much as the attention

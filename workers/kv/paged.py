@@ -1,12 +1,15 @@
-"""Decode rows that attend in place through their block tables: the compiled CPU step's attention.
+"""Decode rows that attend through their block tables: the compiled CPU step's attention.
 
-Design: the eager torch path reads a decode row's K/V contiguous (the CPU decode mirror, or a
+Design: where the CPU decode kernel is loaded (`in_place`, workers/kv/cpu_decode.py), the rows
+read their blocks where they lie, one opaque op in the graph. Otherwise (the kernel off or not
+built) the eager torch path reads a decode row's K/V contiguous (the CPU decode mirror, or a
 strided view of the pool) or gathers them per step; inside a compiled graph there is no mirror
 (a Python-side row map) and every row attends the same table width, so the rows' blocks are
 read through their tables with explicit ops that Inductor fuses into one gather kernel, a whole
-block per table entry, then two batched matmuls with the mask and softmax (fp32) between them.
-Trade-off: the gathered K/V are written once per layer and step (the matmuls are library calls
-that cannot read through a table), and every row attends the longest row's width, masked.
+block per table entry, then two batched matmuls with the mask and softmax (fp32) between them:
+the reference the kernel is held to. Trade-off of that fallback: the gathered K/V are written
+once per layer and step (the matmuls are library calls that cannot read through a table), and
+every row attends the longest row's width, masked.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.kv.batch import DecodeRows
+from workers.kv.cpu_decode import attend_in_place
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,6 +30,8 @@ class PagedRows(DecodeRows):
 
     def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
                scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.in_place:  # the C++ kernel reads the blocks where they lie (workers/kv/cpu_decode.py)
+            return attend_in_place(self, query, kv, window, softcap, scale, sinks)
         _, hkv, _, bs, d = kv.shape
         n, hq, _ = query.shape
         g = hq // hkv

@@ -45,9 +45,11 @@ def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, 
                 clock: StageClock | None = None) -> int:
     """Serve as stage `link.rank` until the first stage stops the pipeline; the steps served.
     `clock`: counts this stage's steps and compute time (workers/pipeline/metrics.py)."""
+    from workers.kv import cpu_decode
     from workers.model.cpu_projections import install_cpu_projections
 
     install_cpu_projections(loaded.model, bound.torch_device, loaded.dtype)
+    in_place = cpu_decode.in_place(bound.torch_device)  # decode rows through the C++ kernel, as the first stage's
     kv, shape, budget, why = build_kv_cache(args, bound, loaded, context, False, loaded.model.stage,
                                             link.agree_blocks)
     logger.info("KV cache %s bytes: %s; budget %s (%s)", kv.nbytes, shape, budget, why)
@@ -58,7 +60,7 @@ def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, 
         while (message := _received(link, hidden_size, clock)) is not None:
             items, hidden = message
             with clock.measure():
-                batch = ForwardBatch.build(items, kv.block_size, bound.torch_device, None, kv.windows)
+                batch = ForwardBatch.build(items, kv.block_size, bound.torch_device, None, kv.windows, in_place)
                 out = loaded.model.step(batch, kv, hidden)  # [T, H], or the last stage's logits [N, V]
             with clock.waiting():
                 link.wait(sending)  # the previous micro-batch has left

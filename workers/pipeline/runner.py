@@ -31,8 +31,8 @@ from workers.pipeline.transport import StageLink
 
 class PipelineRunner(ModelRunner):
     def __init__(self, model, kv, device, link: StageLink, worker_id: str | None = None,
-                 micro: int | None = None, clock: StageClock | None = None):
-        super().__init__(model, kv, device, worker_id=worker_id, mirror=False, compiled=None)
+                 micro: int | None = None, clock: StageClock | None = None, in_place: bool = False):
+        super().__init__(model, kv, device, worker_id=worker_id, mirror=False, compiled=None, in_place=in_place)
         self.link = link
         self.micro = micro or 1  # micro-batches per step (`--pipeline-microbatches`; see the module docstring)
         self.clock = clock or StageClock()  # this stage's own compute (workers/pipeline/metrics.py)
@@ -55,7 +55,7 @@ class PipelineRunner(ModelRunner):
         sends, rows = [], []
         for part in micro_batches(items, self.micro):  # each on its way while this stage computes the next
             with self.clock.measure():
-                batch = ForwardBatch.build(part, self.kv.block_size, self.device, None, self.windows)
+                batch = ForwardBatch.build(part, self.kv.block_size, self.device, None, self.windows, self.in_place)
                 hidden = self.model.step(batch, self.kv)  # [T_m, H] after this stage's layers
             sends += self.link.send_step(part, hidden)
             rows.append(batch.logits_index.shape[0])

@@ -97,6 +97,7 @@ class WorkerServer:
         self.link, self.stages = startup.pipeline or (None, None)
         self._pipeline_error: BaseException | None = None
         self._init_projections()
+        self._init_decode_attention()
         self._init_compile()
         self._init_kv_cache()
         self._init_engine()
@@ -117,6 +118,18 @@ class WorkerServer:
         done = install_cpu_projections(self.loaded.model, self.bound.torch_device, self.loaded.dtype)
         if done.layers:
             logger.info("CPU %s projections (%d layers): %s", self.loaded.dtype, done.layers, done.reason)
+
+    def _init_decode_attention(self) -> None:
+        """Whether decode rows on this device's CPU tensors attend through the C++ kernel, reading
+        the pool in place (workers/kv/cpu_decode.py; the first worker on a host builds it), and why."""
+        self.in_place, self.decode_attention = False, None
+        if self.bound.torch_device.split(":")[0] != "cpu" or self.deterministic is not None:
+            return  # a GPU's kernels read in place already; deterministic mode has its own split path
+        from workers.kv import cpu_decode
+
+        state = cpu_decode.load()
+        self.in_place, self.decode_attention = state.available, state.reason
+        logger.info("decode attention on the CPU: %s", state.reason)
 
     def _init_compile(self) -> None:
         from workers.engine.compiled import decide
@@ -159,7 +172,8 @@ class WorkerServer:
 
             shapes = scheduler_shapes(self.kv)
             self.compiled = CompiledDecode(loaded.model, self.kv, self.bound.torch_device,
-                                           decode_buckets(args.max_batch), self.compile_decision.backend)
+                                           decode_buckets(args.max_batch), self.compile_decision.backend,
+                                           in_place=self.in_place)
         config = SchedulerConfig(
             args.max_batch, self.context_length, shapes[0][1], self.kv.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not args.no_prefix_cache,
@@ -173,10 +187,10 @@ class WorkerServer:
             clock = StageClock(lambda _: self.recorder.record(), self.bound.simulated or self.bound.type == "cpu")
             self.recorder = TimingRecorder(self.stages.plan, clock, self.stages.status_files())
             runner = PipelineRunner(loaded.model, self.kv, self.bound.torch_device, self.link, args.worker_id,
-                                    getattr(args, "pipeline_microbatches", None), clock)
+                                    getattr(args, "pipeline_microbatches", None), clock, self.in_place)
         else:
             runner = ModelRunner(loaded.model, self.kv, self.bound.torch_device, worker_id=args.worker_id,
-                                 mirror=self.deterministic is None, compiled=self.compiled)
+                                 mirror=self.deterministic is None, compiled=self.compiled, in_place=self.in_place)
         # The grammar engine masks the logits' full width (the model's vocab may pad the tokenizer's).
         grammars = Grammars.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids,
                                           args.threads or 1, CompileBudget.from_args(args))
@@ -213,6 +227,8 @@ class WorkerServer:
             if isinstance(loaded.generation_config.get(k), (int, float))
         }
         kernel_info = {k: v.to_dict() for k, v in startup.kernels.items()}
+        if self.decode_attention is not None and "PagedAttention" in kernel_info:  # what its CPU tensors run
+            kernel_info["PagedAttention"]["cpu_decode"] = self.decode_attention
         fp8 = {"convention": startup.fp8.name, "reason": startup.fp8_reason, **self._fp8_use()}
         if startup.fp8_checkpoint is not None:  # how this device runs the checkpoint's fp8 layers, and why
             fp8["checkpoint"] = {**startup.fp8_checkpoint, "quantization": loaded.quantization}

@@ -1,0 +1,153 @@
+// Paged decode attention on the CPU: one query token per row, reading K/V in place through the
+// block table (workers/kv/cpu_decode.py says why and how it is built and checked).
+//
+// For each (row, KV head) the kernel walks the row's blocks once: converts a block's K and V to
+// fp32 (shared by the query heads of the group), computes the block's scores (q.k times scale,
+// soft-capped where asked), and folds them into a running softmax (max, sum, weighted V) in
+// fp32, so no gathered copy of the rows' K/V is ever written. The blocks two ahead are
+// prefetched. Tried and slower here: reading each row once per key for every head (no staged
+// block), keys transposed to [D, B] for score vectors without horizontal sums, and the weighted
+// values summed over the block per column. Positions outside the row's length
+// (or before its window) are skipped; gpt-oss's sink joins each head's softmax as a starting
+// logit whose weight is dropped.
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+template <typename T>
+void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
+                 const float* sinks, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block,
+                 int64_t dim, int64_t width, int64_t q_row, int64_t q_head, int64_t pool_head, int64_t pool_block,
+                 int64_t window, float scale, float softcap) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), kf(block * dim), vf(block * dim), score(block);
+    std::vector<float> run_max(group), run_sum(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / kv_heads, h = item % kv_heads;
+      const int64_t len = lens[n];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      // 1. this group's queries in fp32; each head's softmax starts from its sink (or nothing)
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qp = q + n * q_row + (h * group + g) * q_head;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qp[d]);
+        run_max[g] = sinks ? sinks[h * group + g] : -std::numeric_limits<float>::infinity();
+        run_sum[g] = sinks ? 1.f : 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      // 2. the row's blocks, from the first its window reads, two ahead already on their way
+      for (int64_t b = first / block; b * block < len; ++b) {
+        {  // the block two ahead (this row's, else the next row's) on its way to the cache: blocks lie
+           // anywhere in the pool, so the hardware's prefetcher cannot run ahead of the walk
+          int64_t nn = n, hh = h, bb = b + 2;
+          if (bb * block >= len) {
+            nn = (item + 1) / kv_heads, hh = (item + 1) % kv_heads, bb -= (len + block - 1) / block;
+          }
+          if (nn < rows && bb * block < lens[nn]) {
+            const int64_t ahead = hh * pool_head + tables[nn * width + bb] * pool_block;
+            const char* kn = reinterpret_cast<const char*>(k_pool + ahead);
+            const char* vn = reinterpret_cast<const char*>(v_pool + ahead);
+            for (int64_t x = 0; x < int64_t(block * dim * sizeof(T)); x += 64) {
+              __builtin_prefetch(kn + x);
+              __builtin_prefetch(vn + x);
+            }
+          }
+        }
+        const int64_t lo = std::max(first - b * block, int64_t(0));
+        const int64_t count = std::min(block, len - b * block) - lo;
+        const int64_t base = h * pool_head + tables[n * width + b] * pool_block + lo * dim;
+        const T* kp = k_pool + base;
+        const T* vp = v_pool + base;
+        // 3. the block's keys and values in fp32, once for every query head of the group
+#pragma omp simd
+        for (int64_t x = 0; x < count * dim; ++x) {
+          kf[x] = static_cast<float>(kp[x]);
+          vf[x] = static_cast<float>(vp[x]);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          // 4. the block's scores, scaled (and soft-capped)
+          const float* qg = qf.data() + g * dim;
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t p = 0; p < count; ++p) {
+            const float* kr = kf.data() + p * dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kr[d];
+            float s = dot * scale;
+            if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
+            score[p] = s;
+            block_max = std::max(block_max, s);
+          }
+          // 5. fold them into the running softmax: rescale what is held, add the block's weights
+          const float new_max = std::max(run_max[g], block_max);
+          const float keep = std::exp(run_max[g] - new_max);
+          at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp(); }, score.data(), score.data(), count);
+          float* a = acc.data() + g * dim;
+          float added = 0.f;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] *= keep;
+          for (int64_t p = 0; p < count; ++p) {
+            const float w = score[p];
+            const float* vr = vf.data() + p * dim;
+            added += w;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) a[d] += w * vr[d];
+          }
+          run_sum[g] = run_sum[g] * keep + added;
+          run_max[g] = new_max;
+        }
+      }
+      // 6. normalize and write each head's output
+      for (int64_t g = 0; g < group; ++g) {
+        T* op = out + (n * heads + h * group + g) * dim;
+        const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) op[d] = static_cast<T>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& tables,
+                           const torch::Tensor& lens, int64_t window, double scale, double softcap,
+                           const c10::optional<torch::Tensor>& sinks) {
+  // query [N, Hq, D]; kv [2, Hkv, NB, B, D] (a layer of the pool); tables [N, W]; lens [N]
+  TORCH_CHECK(query.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "paged_decode: query [N, Hq, D], kv [2, Hkv, NB, B, D]");
+  TORCH_CHECK(query.scalar_type() == kv.scalar_type(), "paged_decode: query and kv must share a dtype");
+  TORCH_CHECK(query.stride(2) == 1 && kv.stride(4) == 1 && kv.stride(3) == kv.size(4) &&
+              kv.stride(2) == kv.size(3) * kv.size(4), "paged_decode: kv blocks must be contiguous [B, D]");
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = kv.size(1), block = kv.size(3);
+  TORCH_CHECK(kv.size(4) == dim && heads % kv_heads == 0, "paged_decode: head dims or group sizes disagree");
+  auto t = tables.to(torch::kInt64).contiguous();
+  auto l = lens.to(torch::kInt64).contiguous();
+  TORCH_CHECK(t.size(0) == rows && l.size(0) == rows, "paged_decode: one table and one length per row");
+  torch::Tensor s;
+  if (sinks.has_value()) s = sinks->to(torch::kFloat32).contiguous();
+  auto out = torch::empty({rows, heads, dim}, query.options());
+  if (rows == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    decode_rows<scalar_t>(query.data_ptr<scalar_t>(), kv[0].data_ptr<scalar_t>(), kv[1].data_ptr<scalar_t>(),
+                          t.data_ptr<int64_t>(), l.data_ptr<int64_t>(), s.defined() ? s.data_ptr<float>() : nullptr,
+                          out.data_ptr<scalar_t>(), rows, heads, kv_heads, block, dim, t.size(1), query.stride(0),
+                          query.stride(1), kv.stride(1), kv.stride(2), window, static_cast<float>(scale),
+                          static_cast<float>(softcap));
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over the pool, in place (CPU)");
+}

@@ -1,0 +1,121 @@
+"""Decode attention on the CPU, in place through the block table: a small C++ kernel.
+
+Why: on a CPU, attending the decode rows over the paged pool in torch starts with a gather (every
+attended position of every row copied out of its block, per layer and step), and the compiled
+step then widens that copy to fp32 for its batched matmuls; at 32 rows of 176 positions that
+copy and the matmuls reading it were most of the embedded model's decode step. The kernel reads
+each row's blocks where they lie and keeps a running softmax in fp32 (`cpu_decode.cpp`), the
+way the GPU kernels do, so nothing is copied: the mirror of contiguous rows (workers/kv/mirror.py)
+and the compiled step's gather are not needed where it runs.
+
+Design: `paged_decode_cpu(query, kv, tables, lens, window, scale, softcap, sinks)` is one opaque
+op, `hetserve::paged_decode_cpu` (so a compiled step calls it as it is); its scores, soft-cap,
+window, sinks and softmax follow the torch path (`workers/kv/paged.py` `PagedRows.attend`), which
+stays the reference. The source is compiled once per host with torch's C++ extension builder,
+for this CPU's vector instructions (AVX-512 or AVX2, from its flags, as Inductor builds its own), into
+torch's extension cache (`$TORCH_EXTENSIONS_DIR`, under a name carrying a hash of the source and
+the flags), on first use in a process: `load()` says whether it is there, and why not (no C++
+compiler, a failed build: then the torch path serves, and the reason is shown). The first
+build on a host takes 20-40 s, later loads well under a second; `HETSERVE_CPU_DECODE=off` turns
+the kernel off (the torch path everywhere).
+Trade-off: a compiler on the host at first use (Inductor needs one anyway to compile the step),
+and a kernel of our own to keep equal to the reference, which the tests hold it to.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.contract.dtypes import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+ENV_CPU_DECODE = "HETSERVE_CPU_DECODE"  # "off": the torch path only
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+
+
+@dataclass(frozen=True)
+class CpuDecode:
+    """Whether the kernel is loaded in this process, and why (or why not)."""
+
+    available: bool
+    reason: str
+
+
+_module = None
+
+
+# this CPU's vector instructions -> the compiler flags for them and the macro that sizes ATen's
+# `Vectorized` to them (as Inductor builds its own kernels: torch/_inductor/cpu_vec_isa.py)
+ISA_FLAGS = (
+    ("avx512", frozenset({"avx512f", "avx512dq", "avx512vl", "avx512bw", "fma"}),
+     "-mavx512f -mavx512dq -mavx512vl -mavx512bw -mfma", "CPU_CAPABILITY_AVX512"),
+    ("avx2", frozenset({"avx2", "fma", "f16c"}), "-mavx2 -mfma -mf16c", "CPU_CAPABILITY_AVX2"),
+)
+
+
+def _flags() -> tuple[list[str], str]:
+    """The compiler flags for this CPU's vector instructions and their name (`scalar` without any)."""
+    have = cpu_flags() or frozenset()
+    for name, needs, flags, macro in ISA_FLAGS:
+        if needs <= have:
+            return ["-O3", "-fopenmp-simd", *flags.split(), f"-D{macro}"], name
+    return ["-O3", "-fopenmp-simd"], "scalar"
+
+
+@functools.cache
+def load() -> CpuDecode:
+    """Build (once per host) and load the kernel; its state and reason. Never raises."""
+    global _module
+    if os.environ.get(ENV_CPU_DECODE, "").lower() in ("off", "0", "false"):
+        return CpuDecode(False, f"${ENV_CPU_DECODE}=off: decode attention gathers the rows' K/V in torch")
+    try:
+        from torch.utils import cpp_extension
+
+        flags, isa = _flags()
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+        _module = cpp_extension.load(f"hetserve_cpu_decode_{digest}", [str(SOURCE)], extra_cflags=flags,
+                                     verbose=False)
+    except Exception as e:  # no compiler, a failed build: the torch path serves
+        logger.warning("CPU decode kernel unavailable (%s: %s); decode attention gathers in torch",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return CpuDecode(False, f"C++ kernel unavailable ({type(e).__name__}): decode attention gathers in torch")
+    return CpuDecode(True, f"C++ kernel ({isa}): decode rows read their blocks in place, softmax in fp32")
+
+
+@torch.library.custom_op("hetserve::paged_decode_cpu", mutates_args=())
+def paged_decode_cpu(query: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, window: int,
+                     scale: float, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T * scale) v for one query token per row: `query` [N, Hq, D] over the pool layer
+    `kv` [2, Hkv, NB, B, D] through `tables` [N, W], row n attending positions `< lens[n]` (its last
+    `window` when > 0), scores soft-capped when `softcap` > 0, `sinks` [Hq] joining each softmax;
+    -> [N, Hq, D]. A `RuntimeError` naming why where the kernel cannot load (`load()`)."""
+    state = load()
+    if not state.available:
+        raise RuntimeError(f"The CPU decode kernel is not available: {state.reason}")
+    return _module.paged_decode(query, kv, tables, lens, window, scale, softcap, sinks)
+
+
+@paged_decode_cpu.register_fake
+def _(query, kv, tables, lens, window, scale, softcap, sinks):
+    return torch.empty_like(query)
+
+
+def attend_in_place(rows, query: torch.Tensor, kv: torch.Tensor, window: int | None = None,
+                    softcap: float | None = None, scale: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`DecodeRows.attend` by the kernel: `rows`' block tables and lengths, the layer's options."""
+    return paged_decode_cpu(query, kv, rows.block_tables, rows.seq_lens, window or 0,
+                            query.shape[-1] ** -0.5 if scale is None else scale, softcap or 0.0, sinks)
+
+
+def in_place(device: torch.device | str) -> bool:
+    """Whether decode rows on `device` attend through the kernel: a CPU, with the kernel loaded."""
+    return torch.device(device).type == "cpu" and load().available
