@@ -43,7 +43,8 @@ TOL = {torch.float32: (2e-5, 2e-6), torch.bfloat16: (2e-2, 2e-2), torch.float16:
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "kv_heads", "group", "dim", "block", "width"),
-                         [(5, 2, 2, 64, 16, 6), (3, 4, 1, 32, 8, 9), (2, 1, 4, 128, 16, 3), (1, 2, 3, 64, 16, 1)])
+                         [(5, 2, 2, 64, 16, 6), (3, 4, 1, 32, 8, 9), (2, 1, 4, 128, 16, 3), (1, 2, 3, 64, 16, 1),
+                          (2, 2, 2, 36, 8, 4)])  # 36: no whole vectors (the staged path)
 def test_the_kernel_is_the_torch_path(kernel, dtype, n, kv_heads, group, dim, block, width):
     g = torch.Generator().manual_seed(n * 100 + dim)
     kv = torch.randn(2, kv_heads, 64, block, dim, generator=g).to(dtype)

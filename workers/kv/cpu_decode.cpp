@@ -1,13 +1,14 @@
 // Paged decode attention on the CPU: one query token per row, reading K/V in place through the
 // block table (workers/kv/cpu_decode.py says why and how it is built and checked).
 //
-// For each (row, KV head) the kernel walks the row's blocks once: converts a block's K and V to
-// fp32 (shared by the query heads of the group), computes the block's scores (q.k times scale,
-// soft-capped where asked), and folds them into a running softmax (max, sum, weighted V) in
-// fp32, so no gathered copy of the rows' K/V is ever written. The blocks two ahead are
-// prefetched. Tried and slower here: reading each row once per key for every head (no staged
-// block), keys transposed to [D, B] for score vectors without horizontal sums, and the weighted
-// values summed over the block per column. Positions outside the row's length
+// For each (row, KV head) the kernel walks the row's blocks once: each key and value row is read
+// once for every query head of the group and converted to fp32, the block's scores (q.k times
+// scale, soft-capped where asked) fold into a running softmax (max, sum, weighted V) in fp32,
+// so no gathered copy of the rows' K/V is ever written; the blocks two ahead are prefetched.
+// A head of whole vectors (`decode_rows_vec`: 32 to 512 dims) keeps its rows in registers; any
+// other head size stages each block in fp32 (`decode_rows_any`). Tried and slower here: keys
+// transposed to [D, B] for score vectors without horizontal sums, and the weighted values
+// summed over the block per column. Positions outside the row's length
 // (or before its window) are skipped; gpt-oss's sink joins each head's softmax as a starting
 // logit whose weight is dropped.
 
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -26,7 +28,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 
 template <typename T>
-void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
+void decode_rows_any(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
                  const float* sinks, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block,
                  int64_t dim, int64_t width, int64_t q_row, int64_t q_head, int64_t pool_head, int64_t pool_block,
                  int64_t window, float scale, float softcap) {
@@ -116,6 +118,134 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
       }
     }
   });
+}
+
+// One vector of a row as fp32 (converted from 16-bit where the pool is).
+template <typename T>
+inline Vec load_f(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+// The common case: a head of C whole vectors (D = C * Vec::size(), float, bfloat16 or half). Each
+// key row is loaded into C vectors once and dotted with every query head of the group (one
+// horizontal sum per score); each value row likewise is added to every head's C accumulators.
+template <typename T, int C>
+void decode_rows_vec(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
+                     const float* sinks, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block,
+                     int64_t dim, int64_t width, int64_t q_row, int64_t q_head, int64_t pool_head,
+                     int64_t pool_block, int64_t window, float scale, float softcap) {
+  constexpr int W = Vec::size();
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Vec> qv(group * C), acc(group * C);
+    std::vector<float> score(group * block), run_max(group), run_sum(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / kv_heads, h = item % kv_heads;
+      const int64_t len = lens[n];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qp = q + n * q_row + (h * group + g) * q_head;
+        for (int c = 0; c < C; ++c) {
+          qv[g * C + c] = load_f(qp + c * W);
+          acc[g * C + c] = Vec(0.f);
+        }
+        run_max[g] = sinks ? sinks[h * group + g] : -std::numeric_limits<float>::infinity();
+        run_sum[g] = sinks ? 1.f : 0.f;
+      }
+      for (int64_t b = first / block; b * block < len; ++b) {
+        {
+          int64_t nn = n, hh = h, bb = b + 2;
+          if (bb * block >= len) {
+            nn = (item + 1) / kv_heads, hh = (item + 1) % kv_heads, bb -= (len + block - 1) / block;
+          }
+          if (nn < rows && bb * block < lens[nn]) {
+            const int64_t ahead = hh * pool_head + tables[nn * width + bb] * pool_block;
+            const char* kn = reinterpret_cast<const char*>(k_pool + ahead);
+            const char* vn = reinterpret_cast<const char*>(v_pool + ahead);
+            for (int64_t x = 0; x < int64_t(block * dim * sizeof(T)); x += 64) {
+              __builtin_prefetch(kn + x);
+              __builtin_prefetch(vn + x);
+            }
+          }
+        }
+        const int64_t lo = std::max(first - b * block, int64_t(0));
+        const int64_t count = std::min(block, len - b * block) - lo;
+        const int64_t base = h * pool_head + tables[n * width + b] * pool_block + lo * dim;
+        for (int64_t p = 0; p < count; ++p) {
+          Vec k[C];
+          for (int c = 0; c < C; ++c) k[c] = load_f(k_pool + base + p * dim + c * W);
+          for (int64_t g = 0; g < group; ++g) {
+            Vec d = qv[g * C] * k[0];
+            for (int c = 1; c < C; ++c) d = at::vec::fmadd(qv[g * C + c], k[c], d);
+            float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d) * scale;
+            if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
+            score[g * block + p] = s;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = score.data() + g * block;
+          const float new_max = std::max(run_max[g], *std::max_element(s, s + count));
+          const float keep = std::exp(run_max[g] - new_max);
+          at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp(); }, s, s, count);
+          float added = 0.f;
+          for (int64_t p = 0; p < count; ++p) added += s[p];
+          run_sum[g] = run_sum[g] * keep + added;
+          run_max[g] = new_max;
+          for (int c = 0; c < C; ++c) acc[g * C + c] = acc[g * C + c] * Vec(keep);
+        }
+        for (int64_t p = 0; p < count; ++p) {
+          Vec v[C];
+          for (int c = 0; c < C; ++c) v[c] = load_f(v_pool + base + p * dim + c * W);
+          for (int64_t g = 0; g < group; ++g) {
+            const Vec w(score[g * block + p]);
+            for (int c = 0; c < C; ++c) acc[g * C + c] = at::vec::fmadd(w, v[c], acc[g * C + c]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+        float tmp[W];
+        T* op = out + (n * heads + h * group + g) * dim;
+        for (int c = 0; c < C; ++c) {
+          (acc[g * C + c] * Vec(inv)).store(tmp);
+          for (int i = 0; i < W; ++i) op[c * W + i] = static_cast<T>(tmp[i]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
+                 const float* sinks, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block,
+                 int64_t dim, int64_t width, int64_t q_row, int64_t q_head, int64_t pool_head, int64_t pool_block,
+                 int64_t window, float scale, float softcap) {
+  constexpr int W = Vec::size();
+#define HETSERVE_DECODE_VEC(C)                                                                                  \
+  if (dim == (C) * W) {                                                                                          \
+    return decode_rows_vec<T, C>(q, k_pool, v_pool, tables, lens, sinks, out, rows, heads, kv_heads, block, dim, \
+                                 width, q_row, q_head, pool_head, pool_block, window, scale, softcap);          \
+  }
+  if constexpr (!std::is_same_v<T, double>) {  // float, bfloat16, half: rows in vectors
+    HETSERVE_DECODE_VEC(2)
+    HETSERVE_DECODE_VEC(3)
+    HETSERVE_DECODE_VEC(4)
+    HETSERVE_DECODE_VEC(5)
+    HETSERVE_DECODE_VEC(6)
+    HETSERVE_DECODE_VEC(8)
+    HETSERVE_DECODE_VEC(12)
+    HETSERVE_DECODE_VEC(16)
+    HETSERVE_DECODE_VEC(32)
+  }
+#undef HETSERVE_DECODE_VEC
+  decode_rows_any<T>(q, k_pool, v_pool, tables, lens, sinks, out, rows, heads, kv_heads, block, dim, width, q_row,
+                     q_head, pool_head, pool_block, window, scale, softcap);
 }
 
 torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& tables,
