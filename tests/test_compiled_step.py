@@ -54,9 +54,10 @@ NEW_TOKENS = [20, 6, 14, 9, 12, 7]
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def make_engine(lm, compiled: str | None, buckets=None, dynamo_backend="aot_eager"):
+def make_engine(lm, compiled: str | None, buckets=None, dynamo_backend="aot_eager", in_place: bool = False):
     """An engine of `MAX_BATCH` sequences; `compiled`: None (eager, the CPU mirror as a worker
-    with --compile off runs), "inductor" or "cuda-graphs" (then `dynamo_backend` / a stand-in)."""
+    with --compile off runs), "inductor" or "cuda-graphs" (then `dynamo_backend` / a stand-in);
+    `in_place`: decode rows through the CPU kernel (workers/kv/cpu_decode.py), as a CPU worker runs them."""
     groups = same_blocks(lm.config.layer_windows, BLOCKS, layer_shapes(lm.config))
     if compiled:
         groups = scratch_groups(groups)
@@ -65,11 +66,12 @@ def make_engine(lm, compiled: str | None, buckets=None, dynamo_backend="aot_eage
     decode = None
     if compiled:
         decode = CompiledDecode(lm.model, pool, "cpu", buckets or decode_buckets(MAX_BATCH), compiled,
-                                graphs=StandInGraphs(), dynamo_backend=dynamo_backend)
+                                graphs=StandInGraphs(), dynamo_backend=dynamo_backend, in_place=in_place)
         decode.warm()
     config = SchedulerConfig(MAX_BATCH, lm.config.context_length, shapes[0][1], BLOCK, 2048, False,
                              eos_token_ids=(), kv_groups=shapes)
-    return Engine(ModelRunner(lm.model, pool, "cpu", compiled=decode), Scheduler(config), lm.tokenizer, max_queue=64)
+    return Engine(ModelRunner(lm.model, pool, "cpu", compiled=decode, in_place=in_place), Scheduler(config),
+                  lm.tokenizer, max_queue=64)
 
 
 def serve(engine, lm, n: int) -> list[list[int]]:
@@ -267,6 +269,22 @@ def test_greedy_fp32_tokens_equal_eager_for_batches_of_1_3_and_5(lm, eager_token
     kinds = spy.kinds()
     assert {"compiled", "eager"} in kinds  # decodes compiled beside a prompt chunk run eager, in one step
     assert {"eager"} in kinds  # prompts alone run eager
+
+
+def test_with_the_cpu_kernel_a_mixed_step_is_one_eager_forward(lm, eager_tokens):
+    """Guards `ModelRunner._execute_compiled`'s `in_place` branch: where decode rows read the pool
+    in place, a step mixing decodes with a prompt chunk is one eager forward (no compiled decode
+    beside it); decodes alone still run compiled; greedy fp32 tokens equal eager's."""
+    from workers.kv import cpu_decode
+
+    if not cpu_decode.load().available:
+        pytest.skip(f"no CPU decode kernel here: {cpu_decode.load().reason}")
+    engine = make_engine(lm, "inductor", in_place=True)
+    spy = StepSpy(engine.runner)
+    assert serve(engine, lm, 5) == eager_tokens[5]
+    kinds = spy.kinds()
+    # the same requests split their mixed steps without the kernel (the test above): here none is split
+    assert {"compiled"} in kinds and {"eager"} in kinds and {"compiled", "eager"} not in kinds
 
 
 def test_pad_rows_write_only_the_scratch_block_and_rows_match_eager(lm, compiled_engine):

@@ -6,8 +6,9 @@ model its time is the dispatch of a few hundred small ops, not their arithmetic.
 4, ... below --max-batch, then --max-batch) and run by that bucket's compiled callable; every
 other step (prompt chunks, a prompt scored for its logprobs, a dynamic rotary's per-length
 frequencies; on a GPU, an MoE layer's data-dependent expert groups) runs eager, and a step mixing
-decodes with prompt chunks runs its decodes here and its prompt chunks eager in a second
-forward (workers/engine/runner.py). One mechanism for both kinds of device:
+decodes with prompt chunks runs as one eager forward where decode rows read the pool in place
+(the CPU kernel), else its decodes here and its prompt chunks eager in a second forward
+(workers/engine/runner.py). One mechanism for both kinds of device:
 - each bucket owns static inputs on the device (token ids, positions, each KV group's slots
   and block tables `[B, W]` with `W` the blocks of the longest sequence, the lengths) and one
   `ForwardBatch` built once over them, whose Python values are constants (`max_pos` is the
