@@ -43,6 +43,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,21 @@ def print_table(rounds: list[dict], stopping_how: str, base: str) -> None:
                 print(f"{c:>4} {i + 1:>5} {label:>20} | {h['tpot_ms']:>8.2f} {v['tpot_ms']:>12.2f} | "
                       f"{h['ttft_ms']:>8.1f} {v['ttft_ms']:>12.1f} | {h['output_tok_s']:>6.0f} "
                       f"{v['output_tok_s']:>12.0f} {h['output_tok_s'] / v['output_tok_s']:>5.2f}x | {tokens}")
+    if len(rounds) < 2:
+        return
+    print(f"medians over {len(rounds)} rounds (each row's pair measured back to back; the machine drifts between rows):")
+    for c in ARGS.concurrency:
+        for kind in rounds[0]:
+            if kind in (base, "vllm"):
+                continue
+            mine, theirs = [r[kind][c] for r in rounds], [r[base][c] for r in rounds]
+            med = {f: (statistics.median(x[f] for x in mine), statistics.median(x[f] for x in theirs))
+                   for f in ("tpot_ms", "ttft_ms", "output_tok_s")}
+            ratio = statistics.median(h["output_tok_s"] / v["output_tok_s"] for h, v in zip(mine, theirs, strict=True))
+            label = f"--compile {kind}" if kind else "default"
+            print(f"{c:>4} {'med':>5} {label:>20} | {med['tpot_ms'][0]:>8.2f} {med['tpot_ms'][1]:>12.2f} | "
+                  f"{med['ttft_ms'][0]:>8.1f} {med['ttft_ms'][1]:>12.1f} | {med['output_tok_s'][0]:>6.0f} "
+                  f"{med['output_tok_s'][1]:>12.0f} {ratio:>5.2f}x |")
 
 
 def parse_args(argv=None):
