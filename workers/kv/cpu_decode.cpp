@@ -27,50 +27,68 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
+// What both kernels read: the decode rows' queries, the layer's pool and where each row's blocks lie.
 template <typename T>
-void decode_rows_any(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
-                 const float* sinks, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block,
-                 int64_t dim, int64_t width, int64_t q_row, int64_t q_head, int64_t pool_head, int64_t pool_block,
-                 int64_t window, float scale, float softcap) {
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+struct Rows {
+  const T* q;              // [N, Hq, D] (row and head strides below)
+  const T* k_pool;         // [Hkv, NB, B, D] this layer's keys
+  const T* v_pool;         // the values, laid out as the keys
+  const int64_t* tables;   // [N, width] block ids
+  const int64_t* lens;     // [N] tokens held per row
+  const float* sinks;      // [Hq] or null
+  T* out;                  // [N, Hq, D]
+  int64_t rows, heads, kv_heads, block, dim, width, q_row, q_head, pool_head, pool_block, window;
+  float scale, softcap;
+
+  // Where row n's block b (from its position lo) lies in KV head h.
+  int64_t at(int64_t n, int64_t h, int64_t b, int64_t lo) const {
+    return h * pool_head + tables[n * width + b] * pool_block + lo * dim;
+  }
+
+  // The block two ahead of (item, b), this row's else the next row's, on its way to the cache:
+  // blocks lie anywhere in the pool, so the hardware's prefetcher cannot run ahead of the walk.
+  void prefetch_ahead(int64_t item, int64_t b, int64_t len) const {
+    int64_t n = item / kv_heads, h = item % kv_heads, ahead = b + 2;
+    if (ahead * block >= len) {
+      n = (item + 1) / kv_heads, h = (item + 1) % kv_heads, ahead -= (len + block - 1) / block;
+    }
+    if (n >= rows || ahead * block >= lens[n]) return;
+    const char* kn = reinterpret_cast<const char*>(k_pool + at(n, h, ahead, 0));
+    const char* vn = reinterpret_cast<const char*>(v_pool + at(n, h, ahead, 0));
+    for (int64_t x = 0; x < int64_t(block * dim * sizeof(T)); x += 64) {
+      __builtin_prefetch(kn + x);
+      __builtin_prefetch(vn + x);
+    }
+  }
+};
+
+template <typename T>
+void decode_rows_any(const Rows<T>& r) {
+  const int64_t dim = r.dim, block = r.block, kv_heads = r.kv_heads;
+  const int64_t group = r.heads / kv_heads;
+  at::parallel_for(0, r.rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), kf(block * dim), vf(block * dim), score(block);
     std::vector<float> run_max(group), run_sum(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / kv_heads, h = item % kv_heads;
-      const int64_t len = lens[n];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t len = r.lens[n];
+      const int64_t first = r.window > 0 ? std::max<int64_t>(0, len - r.window) : 0;
       // 1. this group's queries in fp32; each head's softmax starts from its sink (or nothing)
       for (int64_t g = 0; g < group; ++g) {
-        const T* qp = q + n * q_row + (h * group + g) * q_head;
+        const T* qp = r.q + n * r.q_row + (h * group + g) * r.q_head;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qp[d]);
-        run_max[g] = sinks ? sinks[h * group + g] : -std::numeric_limits<float>::infinity();
-        run_sum[g] = sinks ? 1.f : 0.f;
+        run_max[g] = r.sinks ? r.sinks[h * group + g] : -std::numeric_limits<float>::infinity();
+        run_sum[g] = r.sinks ? 1.f : 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       // 2. the row's blocks, from the first its window reads, two ahead already on their way
       for (int64_t b = first / block; b * block < len; ++b) {
-        {  // the block two ahead (this row's, else the next row's) on its way to the cache: blocks lie
-           // anywhere in the pool, so the hardware's prefetcher cannot run ahead of the walk
-          int64_t nn = n, hh = h, bb = b + 2;
-          if (bb * block >= len) {
-            nn = (item + 1) / kv_heads, hh = (item + 1) % kv_heads, bb -= (len + block - 1) / block;
-          }
-          if (nn < rows && bb * block < lens[nn]) {
-            const int64_t ahead = hh * pool_head + tables[nn * width + bb] * pool_block;
-            const char* kn = reinterpret_cast<const char*>(k_pool + ahead);
-            const char* vn = reinterpret_cast<const char*>(v_pool + ahead);
-            for (int64_t x = 0; x < int64_t(block * dim * sizeof(T)); x += 64) {
-              __builtin_prefetch(kn + x);
-              __builtin_prefetch(vn + x);
-            }
-          }
-        }
+        r.prefetch_ahead(item, b, len);
         const int64_t lo = std::max(first - b * block, int64_t(0));
         const int64_t count = std::min(block, len - b * block) - lo;
-        const int64_t base = h * pool_head + tables[n * width + b] * pool_block + lo * dim;
-        const T* kp = k_pool + base;
-        const T* vp = v_pool + base;
+        const int64_t base = r.at(n, h, b, lo);
+        const T* kp = r.k_pool + base;
+        const T* vp = r.v_pool + base;
         // 3. the block's keys and values in fp32, once for every query head of the group
 #pragma omp simd
         for (int64_t x = 0; x < count * dim; ++x) {
@@ -86,8 +104,8 @@ void decode_rows_any(const T* q, const T* k_pool, const T* v_pool, const int64_t
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kr[d];
-            float s = dot * scale;
-            if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
+            float s = dot * r.scale;
+            if (r.softcap > 0.f) s = std::tanh(s / r.softcap) * r.softcap;
             score[p] = s;
             block_max = std::max(block_max, s);
           }
@@ -112,7 +130,7 @@ void decode_rows_any(const T* q, const T* k_pool, const T* v_pool, const int64_t
       }
       // 6. normalize and write each head's output
       for (int64_t g = 0; g < group; ++g) {
-        T* op = out + (n * heads + h * group + g) * dim;
+        T* op = r.out + (n * r.heads + h * group + g) * dim;
         const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
         for (int64_t d = 0; d < dim; ++d) op[d] = static_cast<T>(acc[g * dim + d] * inv);
       }
@@ -136,55 +154,39 @@ inline Vec load_f(const T* p) {
 // key row is loaded into C vectors once and dotted with every query head of the group (one
 // horizontal sum per score); each value row likewise is added to every head's C accumulators.
 template <typename T, int C>
-void decode_rows_vec(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
-                     const float* sinks, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block,
-                     int64_t dim, int64_t width, int64_t q_row, int64_t q_head, int64_t pool_head,
-                     int64_t pool_block, int64_t window, float scale, float softcap) {
+void decode_rows_vec(const Rows<T>& r) {
+  const int64_t dim = r.dim, block = r.block, kv_heads = r.kv_heads;
   constexpr int W = Vec::size();
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t group = r.heads / kv_heads;
+  at::parallel_for(0, r.rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<Vec> qv(group * C), acc(group * C);
     std::vector<float> score(group * block), run_max(group), run_sum(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / kv_heads, h = item % kv_heads;
-      const int64_t len = lens[n];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t len = r.lens[n];
+      const int64_t first = r.window > 0 ? std::max<int64_t>(0, len - r.window) : 0;
       for (int64_t g = 0; g < group; ++g) {
-        const T* qp = q + n * q_row + (h * group + g) * q_head;
+        const T* qp = r.q + n * r.q_row + (h * group + g) * r.q_head;
         for (int c = 0; c < C; ++c) {
           qv[g * C + c] = load_f(qp + c * W);
           acc[g * C + c] = Vec(0.f);
         }
-        run_max[g] = sinks ? sinks[h * group + g] : -std::numeric_limits<float>::infinity();
-        run_sum[g] = sinks ? 1.f : 0.f;
+        run_max[g] = r.sinks ? r.sinks[h * group + g] : -std::numeric_limits<float>::infinity();
+        run_sum[g] = r.sinks ? 1.f : 0.f;
       }
       for (int64_t b = first / block; b * block < len; ++b) {
-        {
-          int64_t nn = n, hh = h, bb = b + 2;
-          if (bb * block >= len) {
-            nn = (item + 1) / kv_heads, hh = (item + 1) % kv_heads, bb -= (len + block - 1) / block;
-          }
-          if (nn < rows && bb * block < lens[nn]) {
-            const int64_t ahead = hh * pool_head + tables[nn * width + bb] * pool_block;
-            const char* kn = reinterpret_cast<const char*>(k_pool + ahead);
-            const char* vn = reinterpret_cast<const char*>(v_pool + ahead);
-            for (int64_t x = 0; x < int64_t(block * dim * sizeof(T)); x += 64) {
-              __builtin_prefetch(kn + x);
-              __builtin_prefetch(vn + x);
-            }
-          }
-        }
+        r.prefetch_ahead(item, b, len);
         const int64_t lo = std::max(first - b * block, int64_t(0));
         const int64_t count = std::min(block, len - b * block) - lo;
-        const int64_t base = h * pool_head + tables[n * width + b] * pool_block + lo * dim;
+        const int64_t base = r.at(n, h, b, lo);
         for (int64_t p = 0; p < count; ++p) {
           Vec k[C];
-          for (int c = 0; c < C; ++c) k[c] = load_f(k_pool + base + p * dim + c * W);
+          for (int c = 0; c < C; ++c) k[c] = load_f(r.k_pool + base + p * dim + c * W);
           for (int64_t g = 0; g < group; ++g) {
             Vec d = qv[g * C] * k[0];
             for (int c = 1; c < C; ++c) d = at::vec::fmadd(qv[g * C + c], k[c], d);
-            float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d) * scale;
-            if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
+            float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d) * r.scale;
+            if (r.softcap > 0.f) s = std::tanh(s / r.softcap) * r.softcap;
             score[g * block + p] = s;
           }
         }
@@ -201,7 +203,7 @@ void decode_rows_vec(const T* q, const T* k_pool, const T* v_pool, const int64_t
         }
         for (int64_t p = 0; p < count; ++p) {
           Vec v[C];
-          for (int c = 0; c < C; ++c) v[c] = load_f(v_pool + base + p * dim + c * W);
+          for (int c = 0; c < C; ++c) v[c] = load_f(r.v_pool + base + p * dim + c * W);
           for (int64_t g = 0; g < group; ++g) {
             const Vec w(score[g * block + p]);
             for (int c = 0; c < C; ++c) acc[g * C + c] = at::vec::fmadd(w, v[c], acc[g * C + c]);
@@ -211,7 +213,7 @@ void decode_rows_vec(const T* q, const T* k_pool, const T* v_pool, const int64_t
       for (int64_t g = 0; g < group; ++g) {
         const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
         float tmp[W];
-        T* op = out + (n * heads + h * group + g) * dim;
+        T* op = r.out + (n * r.heads + h * group + g) * dim;
         for (int c = 0; c < C; ++c) {
           (acc[g * C + c] * Vec(inv)).store(tmp);
           for (int i = 0; i < W; ++i) op[c * W + i] = static_cast<T>(tmp[i]);
@@ -222,16 +224,10 @@ void decode_rows_vec(const T* q, const T* k_pool, const T* v_pool, const int64_t
 }
 
 template <typename T>
-void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
-                 const float* sinks, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t block,
-                 int64_t dim, int64_t width, int64_t q_row, int64_t q_head, int64_t pool_head, int64_t pool_block,
-                 int64_t window, float scale, float softcap) {
+void decode_rows(const Rows<T>& r) {
   constexpr int W = Vec::size();
-#define HETSERVE_DECODE_VEC(C)                                                                                  \
-  if (dim == (C) * W) {                                                                                          \
-    return decode_rows_vec<T, C>(q, k_pool, v_pool, tables, lens, sinks, out, rows, heads, kv_heads, block, dim, \
-                                 width, q_row, q_head, pool_head, pool_block, window, scale, softcap);          \
-  }
+#define HETSERVE_DECODE_VEC(C) \
+  if (r.dim == (C) * W) return decode_rows_vec<T, C>(r);
   if constexpr (!std::is_same_v<T, double>) {  // float, bfloat16, half: rows in vectors
     HETSERVE_DECODE_VEC(2)
     HETSERVE_DECODE_VEC(3)
@@ -244,8 +240,7 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
     HETSERVE_DECODE_VEC(32)
   }
 #undef HETSERVE_DECODE_VEC
-  decode_rows_any<T>(q, k_pool, v_pool, tables, lens, sinks, out, rows, heads, kv_heads, block, dim, width, q_row,
-                     q_head, pool_head, pool_block, window, scale, softcap);
+  decode_rows_any<T>(r);
 }
 
 torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& tables,
@@ -267,11 +262,12 @@ torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv, 
   auto out = torch::empty({rows, heads, dim}, query.options());
   if (rows == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    decode_rows<scalar_t>(query.data_ptr<scalar_t>(), kv[0].data_ptr<scalar_t>(), kv[1].data_ptr<scalar_t>(),
-                          t.data_ptr<int64_t>(), l.data_ptr<int64_t>(), s.defined() ? s.data_ptr<float>() : nullptr,
-                          out.data_ptr<scalar_t>(), rows, heads, kv_heads, block, dim, t.size(1), query.stride(0),
-                          query.stride(1), kv.stride(1), kv.stride(2), window, static_cast<float>(scale),
-                          static_cast<float>(softcap));
+    const Rows<scalar_t> r{query.data_ptr<scalar_t>(), kv[0].data_ptr<scalar_t>(), kv[1].data_ptr<scalar_t>(),
+                           t.data_ptr<int64_t>(), l.data_ptr<int64_t>(), s.defined() ? s.data_ptr<float>() : nullptr,
+                           out.data_ptr<scalar_t>(), rows, heads, kv_heads, block, dim, t.size(1), query.stride(0),
+                           query.stride(1), kv.stride(1), kv.stride(2), window, static_cast<float>(scale),
+                           static_cast<float>(softcap)};
+    decode_rows<scalar_t>(r);
   });
   return out;
 }
