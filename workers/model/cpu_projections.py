@@ -5,8 +5,10 @@ CPUs take their AVX2 path, and a bfloat16 one with oneDNN, which reorders the we
 blocked layout on every call. Reordered once (`mkldnn._reorder_linear_weight`) and multiplied
 by oneDNN's AVX-512 brgemm (`mkldnn._linear_pointwise`), the same products take 0.3-0.9x the
 time from 4 rows up, and for one bfloat16 row, on matrices of 2^18 elements or more with their
-weights out of cache (docs/benchmarks.md "CPU projections"). Smaller matrices (a router, a
-tiny model's attention, whose weights stay in cache) keep torch's matmul, where oneDNN's
+weights out of cache (docs/benchmarks.md "CPU projections"). Matrices from 2^16 elements (a
+small model's attention and down projections, Qwen3-MoE's narrow experts) gain too, in the
+compiled decode step itself (the embedded model's step 0.89-0.96x the time with them packed,
+a small Qwen3-MoE's 0.92-0.97x); smaller ones (a router) keep torch's matmul, where oneDNN's
 fixed cost per call outweighs the gain; so does a lone float32 row, for which MKL's GEMV is
 the faster (the packed product took 1.2-1.3x its time on large matrices).
 
@@ -43,7 +45,7 @@ from workers.model.row_buckets import EXACT_ROWS, row_bucket
 
 PACKED_ATTR = "_hetserve_onednn"  # the attribute kernels_local/fused_moe/torch_path.py reads too
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-MIN_PACKED_ELEMENTS = 1 << 18  # smaller matrices stay with torch's matmul (oneDNN's ~20 us per call)
+MIN_PACKED_ELEMENTS = 1 << 16  # smaller matrices (a router) stay with torch's matmul (oneDNN's ~20 us per call)
 AVAILABLE_SHARE = 0.5  # the packs may take at most this share of the memory available after loading
 
 
