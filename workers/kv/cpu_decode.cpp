@@ -40,6 +40,16 @@ struct Rows {
   int64_t rows, heads, kv_heads, block, dim, width, q_row, q_head, pool_head, pool_block, window;
   float scale, softcap;
 
+  // The first position row n's window reads (0 without a window) from its `len` tokens.
+  int64_t first(int64_t len) const { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
+
+  // Row n's query of head `head`.
+  const T* query(int64_t n, int64_t head) const { return q + n * q_row + head * q_head; }
+
+  // Where head `head`'s running softmax starts: its sink as a logit of weight 1, or nothing.
+  float start_max(int64_t head) const { return sinks ? sinks[head] : -std::numeric_limits<float>::infinity(); }
+  float start_sum() const { return sinks ? 1.f : 0.f; }
+
   // Where row n's block b (from its position lo) lies in KV head h.
   int64_t at(int64_t n, int64_t h, int64_t b, int64_t lo) const {
     return h * pool_head + tables[n * width + b] * pool_block + lo * dim;
@@ -72,13 +82,13 @@ void decode_rows_any(const Rows<T>& r) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / kv_heads, h = item % kv_heads;
       const int64_t len = r.lens[n];
-      const int64_t first = r.window > 0 ? std::max<int64_t>(0, len - r.window) : 0;
+      const int64_t first = r.first(len);
       // 1. this group's queries in fp32; each head's softmax starts from its sink (or nothing)
       for (int64_t g = 0; g < group; ++g) {
-        const T* qp = r.q + n * r.q_row + (h * group + g) * r.q_head;
+        const T* qp = r.query(n, h * group + g);
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(qp[d]);
-        run_max[g] = r.sinks ? r.sinks[h * group + g] : -std::numeric_limits<float>::infinity();
-        run_sum[g] = r.sinks ? 1.f : 0.f;
+        run_max[g] = r.start_max(h * group + g);
+        run_sum[g] = r.start_sum();
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       // 2. the row's blocks, from the first its window reads, two ahead already on their way
@@ -169,15 +179,15 @@ void decode_rows_vec(const Rows<T>& r) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / kv_heads, h = item % kv_heads;
       const int64_t len = r.lens[n];
-      const int64_t first = r.window > 0 ? std::max<int64_t>(0, len - r.window) : 0;
+      const int64_t first = r.first(len);
       for (int64_t g = 0; g < group; ++g) {
-        const T* qp = r.q + n * r.q_row + (h * group + g) * r.q_head;
+        const T* qp = r.query(n, h * group + g);
         for (int c = 0; c < C; ++c) {
           qv[g * C + c] = load_f(qp + c * W);
           acc[g * C + c] = Vec(0.f);
         }
-        run_max[g] = r.sinks ? r.sinks[h * group + g] : -std::numeric_limits<float>::infinity();
-        run_sum[g] = r.sinks ? 1.f : 0.f;
+        run_max[g] = r.start_max(h * group + g);
+        run_sum[g] = r.start_sum();
       }
       for (int64_t b = first / block; b * block < len; ++b) {
         r.prefetch_ahead(item, b, len);
