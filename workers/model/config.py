@@ -4,9 +4,9 @@ Design: every family we serve is the Llama decoder with switches, so one `ModelC
 describes them all: the sizes, the rotary (global, and the sliding layers' own where a family
 has one), and what a family switches on (norm placement and style, q/k norms, activation,
 attention scale, soft-caps, sliding layers, NoPE layers, multipliers, biases).
-`from_hf_config` is the only place that reads Hugging Face's spellings: the fields every
-family shares here (transformers 4 and 5 alike), the rest through the family's own `read`
-(workers/model/families/). Each layer's attention then comes from `layer(i)`: its window and
+`from_hf_config` is the only way in from Hugging Face's spellings (workers/model/hf_config.py:
+the fields every family shares, transformers 4 and 5 alike, the rest through the family's own
+`read` in workers/model/families/). Each layer's attention then comes from `layer(i)`: its window and
 its rotary. Trade-off: a family whose architecture is more than switches on this decoder
 (mixtures of experts, linear attention) is refused by name until it has its own layers,
 instead of being half supported.
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from workers.model.families.base import FULL, LAYER_TYPES, LINEAR, SLIDING, FamilyConfigError, text_part
-from workers.model.families.registry import FAMILIES, family, family_of
+from workers.model.families.base import FULL, LAYER_TYPES, LINEAR, SLIDING, FamilyConfigError
+from workers.model.families.registry import FAMILIES, family
+from workers.model.hf_config import hf_dict, hf_fields
 from workers.model.layer_shapes import LayerShapes
 from workers.model.rope import RopeConfigError, RopeSpec
 
@@ -47,14 +48,6 @@ class LayerSpec:
     kv_heads: int = 0
     kv_source: int | None = None  # the earlier layer whose KV cache it reads (KV sharing); None: its own
     k_eq_v: bool = False  # its values are its key projection (no value projection)
-
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
 
 
 def _choice(name: str, value, allowed: tuple) -> None:
@@ -338,74 +331,18 @@ class ModelConfig(LayerShapes):
             out["active_parameters"] = self.active_parameters
         return out
 
-    # ---- Hugging Face round trip ------------------------------------------------------
+    # ---- Hugging Face round trip (workers/model/hf_config.py) ---------------------------
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face config.json dict (transformers 4 or 5 spellings)."""
         try:
-            fam = family_of(hf)
-            hf = text_part(hf)  # a multimodal checkpoint: its text model's config
-            heads = int(hf["num_attention_heads"])
-            shared = dict(
-                architecture=fam.name,
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=int(hf["hidden_size"]),
-                intermediate_size=int(hf.get("intermediate_size") or 0),  # none where every layer has experts
-                num_hidden_layers=int(hf["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_id=_eos_ids(hf.get("eos_token_id")),
-                torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
-            )
-            return cls(**{**shared, **fam.read(hf)})
+            return cls(**hf_fields(hf))
         except (FamilyConfigError, RopeConfigError) as e:
             raise ConfigError(str(e)) from e
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json dict that both this loader and transformers 5 read (the Llama baseline's
         families: the ones checkpoints are exported as)."""
-        fam = family(self.architecture)
-        if not fam.hf_class:
+        if not family(self.architecture).hf_class:
             raise ConfigError(f"Export of `{self.architecture}` is not supported. Supported: llama, mistral, qwen2")
-        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
-        if self.rope_scaling:
-            rope.update(self.rope_scaling)
-        out: dict[str, Any] = {
-            "architectures": [fam.hf_class],
-            "model_type": self.architecture,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dict(rope) if self.rope_scaling else None,
-            "rope_parameters": rope,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": (
-                None if not self.eos_token_id
-                else self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)
-            ),
-            "torch_dtype": self.torch_dtype or "float32",
-        }
-        if self.architecture == "llama":
-            out["attention_bias"] = self.attention_bias
-            out["mlp_bias"] = self.mlp_bias
-        if self.architecture == "mistral":
-            out["sliding_window"] = self.sliding_window
-        if self.architecture == "qwen2":
-            out["use_sliding_window"] = bool(self.sliding_window)
-            out["sliding_window"] = self.sliding_window
-            out["layer_types"] = list(self.layer_types) or None
-        return out
+        return hf_dict(self)
