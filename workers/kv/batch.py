@@ -265,14 +265,14 @@ class ForwardBatch:
             max_len = max(dec_lens)
             lens = data[cut + n_dec : cut + 2 * n_dec]
             mask, view = None, None
-            if mirror is None and not in_place:
+            gathers = mirror is None and not in_place  # the torch path reading the pool itself
+            if gathers:
                 view = _strided_view(dec_tables)
                 if min(dec_lens) != max_len:
                     mask = row_mask(lens, max_len, None)  # [Nd, 1, 1, L]
             elif mirror is not None and None in dec_keys:
                 raise ValueError("Decode chunks need a `key` when the batch uses a DecodeMirror")
-            wt, wl = _window_rows(dec_tables, dec_lens, window if mirror is None and not in_place else None, bs,
-                                  device)
+            wt, wl = _window_rows(dec_tables, dec_lens, window if gathers else None, bs, device)
             decode = DecodeRows(
                 rows=data[cut : cut + n_dec],
                 rows_start=dec_rows[0] if dec_rows[-1] - dec_rows[0] == n_dec - 1 else None,
