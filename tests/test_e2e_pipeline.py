@@ -106,12 +106,14 @@ def test_killing_the_middle_stage_ends_the_stream_clearly_and_the_pipeline_comes
     path, router, stages = served
     before = _pipeline(router)
     middle = before["pipeline"]["stages"][1]["pid"]
-    with router.client(timeout=120) as c, ThreadPoolExecutor(1) as pool:
-        stream = pool.submit(lambda: c.post("/generate_stream", json={
-            "inputs": PROMPT, "parameters": {"max_new_tokens": 400}}).text)
-        time.sleep(1.5)
-        os.kill(middle, signal.SIGKILL)
-        text = stream.result(60)
+    lines = []
+    with router.client(timeout=120) as c, c.stream("POST", "/generate_stream", json={
+            "inputs": PROMPT, "parameters": {"max_new_tokens": 400}}) as stream:
+        for line in stream.iter_lines():  # the kill lands mid-stream: after its first token, however fast
+            lines.append(line)
+            if len(lines) == 1:
+                os.kill(middle, signal.SIGKILL)
+    text = "\n".join(lines)
     assert "error" in text.splitlines()[-1] or "error" in text, text[-500:]
     back = router.wait_for(lambda: (w := _pipeline(router))["state"] == "ready" and w["restarts"] >= 1 and w, 180)
     assert back["pid"] != before["pid"] and back["pipeline"]["stages"][1]["pid"] != middle
