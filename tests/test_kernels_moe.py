@@ -166,17 +166,23 @@ def test_the_packed_cpu_path_is_the_reference_in_fp32(t, k, e, activation):
     (experts without tokens included, biases inside the product), at two rows per expert or more."""
     for bias in (False, True):
         case = _with_packs(make_case(t, k, e, bias=bias, activation=activation, seed=t + k + e, gain=3.0))
-        assert t * k >= 2 * e  # the packed path's threshold (`fused_moe_grouped`)
-        assert_moe_close(torch_path.fused_moe_grouped(**case), torch_path.fused_moe_reference(**case))
+        assert_moe_close(torch_path.fused_moe_packed(**case), torch_path.fused_moe_reference(**case))
 
 
-def test_the_packed_path_runs_from_two_rows_per_expert_and_reads_the_packs():
-    """Guards `fused_moe_grouped`'s dispatch: with two rows per expert or more it multiplies
-    through the packs (packs of other weights change the result), below that the grouped GEMM
-    ignores them."""
+@pytest.mark.parametrize("from_cpp", [False, True])
+def test_the_packed_path_runs_where_it_wins_and_reads_the_packs(monkeypatch, from_cpp):
+    """Guards `fused_moe_grouped`'s dispatch (`packed_wins`): from Python, from two rows per expert;
+    from C++, float32 from eight rows; where it runs, packs of other weights change the result,
+    below it the grouped GEMM ignores them."""
+    from kernels_local.fused_moe.cpu_experts import CpuExperts
     from workers.model.cpu_projections import PACKED_ATTR, pack
 
-    for t, used in ((16, True), (3, False)):  # 8 experts, top-2: 4 and 0.75 rows per expert
+    if from_cpp and not torch_path.cpu_experts.load().available:
+        pytest.skip(torch_path.cpu_experts.load().reason)
+    if not from_cpp:
+        monkeypatch.setattr(torch_path.cpu_experts, "load", lambda: CpuExperts(False, "the Python loop"))
+    cases = ((32, True), (16, False)) if from_cpp else ((16, True), (3, False))  # 8 experts, top-2
+    for t, used in cases:
         case = _with_packs(make_case(t, 2, 8, bias=True, seed=5))
         right = torch_path.fused_moe_grouped(**case)
         other = torch.randn_like(case["w_gate_up"])

@@ -13,8 +13,13 @@ product rather than inside it (`x @ W + b`, as transformers writes it), a roundi
 Where a CPU worker packed the experts for oneDNN (workers/model/cpu_projections.py: one packed
 matrix per expert on the stacked tensor, `PACKED_ATTR`), the CPU path runs `fused_moe_packed`
 instead: the same sort, then one oneDNN matmul pair per active expert (its bias inside the
-product), 0.4-0.7x the grouped GEMM's time where the experts average two rows or more (fewer:
-a oneDNN call's fixed cost outweighs it, and the grouped GEMM runs).
+product), driven from C++ where that loop builds on the host (cpu_experts.py: the Python loop's
+ops without the Python between them), from Python otherwise. Which of the two a step takes
+(`packed_wins`): from Python, the packs where the experts average two rows or more (0.4-0.7x
+the grouped GEMM's time there; fewer: a oneDNN call's fixed cost outweighs it); from C++,
+bfloat16 always (the grouped GEMM's bfloat16 products are unpacked oneDNN calls: 0.5-1.0x its
+time at 1 to 32 rows) and float32 from eight rows per expert (fewer: MKL's float32 GEMM inside
+the grouped GEMM costs less per call than oneDNN's; at 32 experts of 4 rows, 0.5x the packs').
 Inside `torch.compile` the CPU path is one opaque op, `hetserve_fused_moe::grouped_experts`,
 whose output is shaped like `x`: the grouping's data-dependent sizes stay inside it and
 Inductor compiles the rest of the step (attention, norms, the router) around it.
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_experts
 
 # A CPU worker's oneDNN packs of the stacked expert weights, one per expert, kept on the dense
 # tensor under this attribute (workers/model/cpu_projections.py makes them), and oneDNN's matmul.
@@ -92,9 +99,12 @@ def fused_moe_packed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
                      limit: float = 7.0) -> torch.Tensor:  # fmt: skip
     """The reference's sum through the experts' oneDNN packs (`PACKED_ATTR` on both stacks, one
     packed matrix per expert): one packed matmul pair per active expert, biases inside it."""
+    gate_up, down = getattr(w_gate_up, PACKED_ATTR), getattr(w_down, PACKED_ATTR)
+    if cpu_experts.load().available:  # the same ops from C++ (cpu_experts.cpp)
+        return cpu_experts.experts_packed(x, topk_ids, topk_weights, gate_up, down, b_gate_up, b_down, activation,
+                                          alpha, limit, PACKED_ROW_STEP)  # fmt: skip
     order, tokens, xs, counts = _pairs_by_expert(x, topk_ids, w_gate_up.shape[0])
     ys = torch.empty_like(xs)  # [P, H]
-    gate_up, down = getattr(w_gate_up, PACKED_ATTR), getattr(w_down, PACKED_ATTR)
     linear = torch.ops.mkldnn._linear_pointwise
     start = 0
     for e, n in enumerate(counts):
@@ -111,14 +121,23 @@ def fused_moe_packed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     return _weighted_sum(x, ys, order, tokens, topk_weights)
 
 
+def packed_wins(dtype: torch.dtype, rows_per_expert: float, from_cpp: bool) -> bool:
+    """Whether the experts' oneDNN packs beat the grouped GEMM at this many rows per expert (the
+    module's docstring gives the timings): from C++, bfloat16 always and float32 from
+    `PACKED_ROW_STEP` rows; from Python, from two rows."""
+    if not from_cpp:
+        return rows_per_expert >= 2
+    return dtype == torch.bfloat16 or rows_per_expert >= PACKED_ROW_STEP
+
+
 def fused_moe_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor, b_gate_up: torch.Tensor | None = None,
                       b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
                       limit: float = 7.0) -> torch.Tensor:  # fmt: skip
     """The reference's sum as two `torch._grouped_mm` calls, one group per expert: [T, H] -> [T, H]
     (through the experts' oneDNN packs where the worker made them)."""
-    rows_per_expert = topk_ids.numel() / w_gate_up.shape[0]
-    if rows_per_expert >= 2 and hasattr(w_gate_up, PACKED_ATTR) and hasattr(w_down, PACKED_ATTR):
+    if hasattr(w_gate_up, PACKED_ATTR) and hasattr(w_down, PACKED_ATTR) and \
+            packed_wins(x.dtype, topk_ids.numel() / w_gate_up.shape[0], cpu_experts.load().available):  # fmt: skip
         return fused_moe_packed(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation, alpha,
                                 limit)  # fmt: skip
     num_experts, k = w_gate_up.shape[0], topk_ids.shape[1]
