@@ -14,12 +14,13 @@ Where a CPU worker packed the experts for oneDNN (workers/model/cpu_projections.
 matrix per expert on the stacked tensor, `PACKED_ATTR`), the CPU path runs `fused_moe_packed`
 instead: the same sort, then one oneDNN matmul pair per active expert (its bias inside the
 product), driven from C++ where that loop builds on the host (cpu_experts.py: the Python loop's
-ops without the Python between them), from Python otherwise. Which of the two a step takes
-(`packed_wins`): from Python, the packs where the experts average two rows or more (0.4-0.7x
-the grouped GEMM's time there; fewer: a oneDNN call's fixed cost outweighs it); from C++,
-bfloat16 always (the grouped GEMM's bfloat16 products are unpacked oneDNN calls: 0.5-1.0x its
-time at 1 to 32 rows) and float32 from eight rows per expert (fewer: MKL's float32 GEMM inside
-the grouped GEMM costs less per call than oneDNN's; at 32 experts of 4 rows, 0.5x the packs').
+ops without the Python between them; in float32 the products by oneDNN's batch-reduce GEMM on
+[K, N] copies of the packs, bit for bit the packs' and without their per-call setup), from
+Python otherwise. Which of the two a step takes (`packed_wins`): from C++, the packs always
+(0.3-0.5x the grouped GEMM's time at 1 to 32 rows in float32, 8 and 32 experts; 0.5-1.0x in
+bfloat16, whose grouped products are unpacked oneDNN calls); from Python, where the experts
+average two rows or more (0.4-0.7x the grouped GEMM's time there; fewer: a oneDNN call's fixed
+cost outweighs it).
 Inside `torch.compile` the CPU path is one opaque op, `hetserve_fused_moe::grouped_experts`,
 whose output is shaped like `x`: the grouping's data-dependent sizes stay inside it and
 Inductor compiles the rest of the step (attention, norms, the router) around it.
@@ -99,10 +100,11 @@ def fused_moe_packed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
                      limit: float = 7.0) -> torch.Tensor:  # fmt: skip
     """The reference's sum through the experts' oneDNN packs (`PACKED_ATTR` on both stacks, one
     packed matrix per expert): one packed matmul pair per active expert, biases inside it."""
-    gate_up, down = getattr(w_gate_up, PACKED_ATTR), getattr(w_down, PACKED_ATTR)
-    if cpu_experts.load().available:  # the same ops from C++ (cpu_experts.cpp)
+    if cpu_experts.load().available:  # the same ops from C++ (cpu_experts.cpp); float32 products by brgemm
+        gate_up, down = cpu_experts.products(w_gate_up, PACKED_ATTR), cpu_experts.products(w_down, PACKED_ATTR)
         return cpu_experts.experts_packed(x, topk_ids, topk_weights, gate_up, down, b_gate_up, b_down, activation,
                                           alpha, limit, PACKED_ROW_STEP)  # fmt: skip
+    gate_up, down = getattr(w_gate_up, PACKED_ATTR), getattr(w_down, PACKED_ATTR)
     order, tokens, xs, counts = _pairs_by_expert(x, topk_ids, w_gate_up.shape[0])
     ys = torch.empty_like(xs)  # [P, H]
     linear = torch.ops.mkldnn._linear_pointwise
@@ -121,13 +123,10 @@ def fused_moe_packed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     return _weighted_sum(x, ys, order, tokens, topk_weights)
 
 
-def packed_wins(dtype: torch.dtype, rows_per_expert: float, from_cpp: bool) -> bool:
-    """Whether the experts' oneDNN packs beat the grouped GEMM at this many rows per expert (the
-    module's docstring gives the timings): from C++, bfloat16 always and float32 from
-    `PACKED_ROW_STEP` rows; from Python, from two rows."""
-    if not from_cpp:
-        return rows_per_expert >= 2
-    return dtype == torch.bfloat16 or rows_per_expert >= PACKED_ROW_STEP
+def packed_wins(rows_per_expert: float, from_cpp: bool) -> bool:
+    """Whether the experts' packs beat the grouped GEMM at this many rows per expert (the
+    module's docstring gives the timings): from C++ always, from Python from two rows."""
+    return from_cpp or rows_per_expert >= 2
 
 
 def fused_moe_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
@@ -137,7 +136,7 @@ def fused_moe_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
     """The reference's sum as two `torch._grouped_mm` calls, one group per expert: [T, H] -> [T, H]
     (through the experts' oneDNN packs where the worker made them)."""
     if hasattr(w_gate_up, PACKED_ATTR) and hasattr(w_down, PACKED_ATTR) and \
-            packed_wins(x.dtype, topk_ids.numel() / w_gate_up.shape[0], cpu_experts.load().available):  # fmt: skip
+            packed_wins(topk_ids.numel() / w_gate_up.shape[0], cpu_experts.load().available):  # fmt: skip
         return fused_moe_packed(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation, alpha,
                                 limit)  # fmt: skip
     num_experts, k = w_gate_up.shape[0], topk_ids.shape[1]
