@@ -1,7 +1,7 @@
 """The CPU experts' C++ loop over their oneDNN packs (kernels_local/fused_moe/cpu_experts.cpp):
 bit for bit the Python loop it replaces (`fused_moe_packed` with the loop off; in float32 through
-oneDNN's batch-reduce GEMM on [K, N] copies of the packs, made on first use), in float32 and
-bfloat16, for every activation, with and without biases, at row counts that the loop pads and
+oneDNN's batch-reduce GEMM on copies of the packs laid out for it, made on first use), in
+float32 and bfloat16, for every activation, with and without biases, at row counts that the loop pads and
 with experts that receive no pair; its errors; and the switch that keeps the Python loop.
 
 The C++ source is built on first use (20-30 s once per host, then cached by torch); without a

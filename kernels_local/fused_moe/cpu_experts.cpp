@@ -5,8 +5,8 @@
 // its gate/up product, the activation, its down product, each pair's output times its router
 // weight rounded to the input's dtype and added to its token's row in ascending expert order, in
 // float (as `index_add_` adds the sorted pairs). The products and the activation are the same ATen ops;
-// only the Python between them is gone (about 30 us an expert on a CPU). In float32 the products
-// run through oneDNN's batch-reduce GEMM on [K, N] copies instead of the packs (`product`).
+// only the Python between them is gone (about 30 us an expert on a CPU). The products run through
+// oneDNN's batch-reduce GEMM on copies of the packs laid out for it (`product`).
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/CPUBlas.h>
@@ -34,20 +34,29 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   return stack[0].toTensor();
 }
 
-// rows [m, K] times one expert's matrix: a oneDNN pack (its bias inside the product), or in
-// float32 the matrix laid out [K, N] for oneDNN's batch-reduce GEMM kernel, which torch exports
-// (cpublas::brgemm: the same products bit for bit, without the pack's per-call setup)
+// rows [m, K] times one expert's matrix: a oneDNN pack (its bias inside the product), or the
+// matrix laid out for oneDNN's batch-reduce GEMM kernel, which torch exports (cpublas::brgemm:
+// the same products bit for bit, without the pack's per-call setup): [K, N] in float32, [K/2, N, 2]
+// (pairs of K interleaved, VNNI) in bfloat16, whose float32 sums are rounded once, after the bias
 at::Tensor product(const at::Tensor& rows, const at::Tensor& pack, const c10::optional<at::Tensor>& bias) {
   if (pack.is_mkldnn()) return packed_linear(rows, pack, bias);
   const at::Tensor a = rows.contiguous();
-  TORCH_CHECK(pack.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat && pack.dim() == 2 &&
-              pack.is_contiguous() && pack.size(0) == a.size(1), "experts_packed: a [K, N] float32 matrix expected");
+  const bool vnni = pack.dim() == 3;
   const int64_t m = a.size(0), k = a.size(1), n = pack.size(1);
-  at::Tensor out = at::empty({m, n}, a.options());
-  at::native::cpublas::brgemm(m, n, k, k, n, n, false, a.data_ptr<float>(), pack.data_ptr<float>(),
-                              out.data_ptr<float>(), false);
+  TORCH_CHECK(pack.is_contiguous() && pack.scalar_type() == a.scalar_type() &&
+              (vnni ? a.scalar_type() == at::kBFloat16 && pack.size(0) * 2 == k && pack.size(2) == 2
+                    : a.scalar_type() == at::kFloat && pack.dim() == 2 && pack.size(0) == k),
+              "experts_packed: a [K, N] float32 or [K/2, N, 2] bfloat16 matrix expected");
+  at::Tensor out = at::empty({m, n}, a.options().dtype(at::kFloat));
+  if (vnni) {
+    at::native::cpublas::brgemm(m, n, k, k, n, n, false, a.data_ptr<at::BFloat16>(), pack.data_ptr<at::BFloat16>(),
+                                out.data_ptr<float>(), true);
+  } else {
+    at::native::cpublas::brgemm(m, n, k, k, n, n, false, a.data_ptr<float>(), pack.data_ptr<float>(),
+                                out.data_ptr<float>(), false);
+  }
   if (bias.has_value()) out.add_(*bias);
-  return out;
+  return vnni ? out.to(at::kBFloat16) : out;
 }
 
 // [n, 2I] gate columns then up columns -> [n, I], as torch_path.py's `expert_activation`
@@ -134,7 +143,7 @@ at::Tensor experts_packed(const at::Tensor& x_in, const at::Tensor& topk_ids, co
                    expert_pairs, n, k, hidden);
     }
   }
-  if (!gate_up[0].is_mkldnn()) at::native::cpublas::brgemm_release(false);
+  if (!gate_up[0].is_mkldnn()) at::native::cpublas::brgemm_release(gate_up[0].dim() == 3);
   return fp32 ? acc : acc.to(x.scalar_type());
 }
 

@@ -66,14 +66,18 @@ def load() -> CpuExperts:
 
 
 def products(w: torch.Tensor, attr: str) -> tuple[torch.Tensor, ...]:
-    """The matrices the C++ loop multiplies by, one per expert of the stack `w` [E, N, K]: its oneDNN
-    packs (under `attr`), or in float32 their [K, N] copies for oneDNN's batch-reduce GEMM, which
-    replace the packs under `attr` on first use (the same products bit for bit, a third of a packed
-    call's time at 1 to 16 rows: no per-call setup; the same bytes)."""
+    """The matrices the C++ loop multiplies by, one per expert of the stack `w` [E, N, K]: copies
+    of its oneDNN packs (under `attr`) laid out for oneDNN's batch-reduce GEMM, [K, N] in float32
+    and [K/2, N, 2] in bfloat16 (an even K), which replace the packs under `attr` on first use (the
+    same products bit for bit, without a packed call's setup: 0.1-0.7x its time at 1 to 32 rows;
+    the same bytes); the packs themselves where the layout cannot hold the matrix (an odd K)."""
     packs = getattr(w, attr)
-    if w.dtype == torch.float32 and packs[0].is_mkldnn:
-        kn = torch.stack([p.to_dense().t() for p in packs]).contiguous()  # [E, K, N], from the packs themselves
-        packs = tuple(kn.unbind(0))
+    k = w.shape[-1]
+    if packs[0].is_mkldnn and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and k % 2 == 0)):
+        kn = torch.stack([p.to_dense().t() for p in packs])  # [E, K, N], from the packs themselves
+        if w.dtype == torch.bfloat16:  # pairs of K side by side: [E, K/2, N, 2]
+            kn = kn.view(kn.shape[0], k // 2, 2, kn.shape[-1]).transpose(2, 3)
+        packs = tuple(kn.contiguous().unbind(0))
         setattr(w, attr, packs)
     return packs
 
