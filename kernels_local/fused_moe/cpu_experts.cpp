@@ -12,6 +12,7 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -35,9 +36,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 }
 
 // rows [m, K] times one expert's matrix: a oneDNN pack (its bias inside the product), or the
-// matrix laid out for oneDNN's batch-reduce GEMM kernel, which torch exports (cpublas::brgemm:
-// the same products bit for bit, without the pack's per-call setup): [K, N] in float32, [K/2, N, 2]
-// (pairs of K interleaved, VNNI) in bfloat16, whose float32 sums are rounded once, after the bias
+// matrix [K, N] laid out for oneDNN's batch-reduce GEMM kernel, which torch exports
+// (cpublas::brgemm: no per-call setup): column panels of `kPanel` columns (the last one narrower)
+// one after the other, each [K, w] in float32 or [K/2, w, 2] in bfloat16 (pairs of K side by side,
+// VNNI), so every call streams one contiguous panel; rows in blocks of `kRowBlock`. The sums are
+// float32, rounded to bfloat16 once, after the bias.
+constexpr int64_t kPanel = 64;
+constexpr int64_t kRowBlock = 64;
+
 at::Tensor product(const at::Tensor& rows, const at::Tensor& pack, const c10::optional<at::Tensor>& bias) {
   if (pack.is_mkldnn()) return packed_linear(rows, pack, bias);
   const at::Tensor a = rows.contiguous();
@@ -46,14 +52,21 @@ at::Tensor product(const at::Tensor& rows, const at::Tensor& pack, const c10::op
   TORCH_CHECK(pack.is_contiguous() && pack.scalar_type() == a.scalar_type() &&
               (vnni ? a.scalar_type() == at::kBFloat16 && pack.size(0) * 2 == k && pack.size(2) == 2
                     : a.scalar_type() == at::kFloat && pack.dim() == 2 && pack.size(0) == k),
-              "experts_packed: a [K, N] float32 or [K/2, N, 2] bfloat16 matrix expected");
+              "experts_packed: a [K, N] float32 or [K/2, N, 2] bfloat16 panel matrix expected");
   at::Tensor out = at::empty({m, n}, a.options().dtype(at::kFloat));
-  if (vnni) {
-    at::native::cpublas::brgemm(m, n, k, k, n, n, false, a.data_ptr<at::BFloat16>(), pack.data_ptr<at::BFloat16>(),
-                                out.data_ptr<float>(), true);
-  } else {
-    at::native::cpublas::brgemm(m, n, k, k, n, n, false, a.data_ptr<float>(), pack.data_ptr<float>(),
-                                out.data_ptr<float>(), false);
+  float* c = out.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < n; n0 += kPanel) {
+    const int64_t w = std::min(kPanel, n - n0);
+    for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
+      const int64_t mb = std::min(kRowBlock, m - m0);
+      if (vnni) {
+        at::native::cpublas::brgemm(mb, w, k, k, w, n, false, a.data_ptr<at::BFloat16>() + m0 * k,
+                                    pack.data_ptr<at::BFloat16>() + n0 * k, c + m0 * n + n0, true);
+      } else {
+        at::native::cpublas::brgemm(mb, w, k, k, w, n, false, a.data_ptr<float>() + m0 * k,
+                                    pack.data_ptr<float>() + n0 * k, c + m0 * n + n0, false);
+      }
+    }
   }
   if (bias.has_value()) out.add_(*bias);
   return vnni ? out.to(at::kBFloat16) : out;
