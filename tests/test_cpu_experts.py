@@ -56,6 +56,36 @@ def test_the_cpp_loop_is_the_python_loop_bit_for_bit(monkeypatch, dtype, activat
         assert torch.equal(ours, _python_loop(monkeypatch, _with_packs(case))), (dtype, activation, t, k, e, bias)
 
 
+def _with_panels(case):
+    """`case` with copies of its expert stacks laid out as column panels, as a CPU worker lays them
+    out where its panel GEMM builds (workers/model/cpu_gemm.py)."""
+    from workers.model import cpu_gemm
+    from workers.model.cpu_projections import PACKED_ATTR
+
+    case = dict(case)
+    for name in ("w_gate_up", "w_down"):
+        w = case[name].clone()
+        setattr(w, PACKED_ATTR, tuple(cpu_gemm.panels(w[e]) for e in range(w.shape[0])))
+        case[name] = w
+    return case
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("t, k, e", [(1, 1, 4), (37, 2, 4), (33, 4, 8)])
+def test_over_panels_the_cpp_loop_is_the_python_loop_over_packs_bit_for_bit(monkeypatch, dtype, activation, t, k, e):
+    """The worker's panels (brgemm, cpu_experts.cpp `product`) give the packs' products on these
+    reductions (72 and 40), the bias added to float32 sums and rounded once as oneDNN does; the
+    grouped path's dispatch takes the C++ loop over them (the Python loop reads packs only)."""
+    _needs_loop()
+    if packing_refusal(dtype) is not None:
+        pytest.skip(f"this CPU's oneDNN cannot pack {dtype}: {packing_refusal(dtype)}")
+    for bias in (False, True):
+        case = make_case(t, k, e, bias=bias, activation=activation, dtype=dtype, seed=t + e + 1, gain=3.0)
+        ours = torch_path.fused_moe_grouped(**_with_panels(case))
+        assert torch.equal(ours, _python_loop(monkeypatch, _with_packs(case))), (dtype, activation, t, k, e, bias)
+
+
 def test_the_cpp_loop_reads_each_experts_pack_and_weighs_each_pair(monkeypatch):
     """The loop multiplies through the packs it is given (others change the result) and applies
     each pair's router weight (doubling one token's weights doubles only its row)."""
@@ -99,33 +129,3 @@ def test_the_switch_keeps_the_python_loop_and_says_so(monkeypatch):
 @pytest.mark.parametrize("rows, from_cpp, wins", [(1.9, False, False), (2.0, False, True), (0.25, True, True)])
 def test_packed_wins_from_cpp_always_and_from_python_from_two_rows(rows, from_cpp, wins):
     assert torch_path.packed_wins(rows, from_cpp) is wins
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_panels_hold_the_matrix_column_panel_by_panel(dtype):
-    """`panels` lays [K, N] out as column panels of `PANEL` (the last narrower), each [K, w] or, in
-    bfloat16, [K/2, w, 2]: reading them back panel by panel gives the matrix."""
-    k, n, step = 6, 2 * cpu_experts.PANEL + 16, cpu_experts.PANEL
-    kn = torch.arange(k * n, dtype=torch.float32).view(k, n).to(dtype)
-    flat, back, at = cpu_experts.panels(kn).flatten(), [], 0
-    for n0 in range(0, n, step):
-        w = min(step, n - n0)
-        part = flat[at : at + k * w]
-        back.append(part.view(k // 2, w, 2).transpose(1, 2).reshape(k, w) if dtype == torch.bfloat16 else part.view(k, w))
-        at += k * w
-    assert torch.equal(torch.cat(back, dim=1), kn)
-
-
-def test_a_reduction_past_max_k_keeps_the_packs(monkeypatch):
-    """Guards `products`' `k <= MAX_K`: past it the oneDNN packs stay (the panels have no K
-    blocking and lose to them there), and the result is still the Python loop's."""
-    _needs_loop()
-    case = make_case(17, 2, 4, seed=4)
-    monkeypatch.setattr(cpu_experts, "MAX_K", case["x"].shape[1] - 1)
-    packed = _with_packs(case)
-    ours = torch_path.fused_moe_packed(**packed)
-    from workers.model.cpu_projections import PACKED_ATTR
-
-    assert getattr(packed["w_gate_up"], PACKED_ATTR)[0].is_mkldnn
-    assert not getattr(packed["w_down"], PACKED_ATTR)[0].is_mkldnn  # its K (the expert width) is below
-    assert torch.equal(ours, _python_loop(monkeypatch, _with_packs(case)))

@@ -52,7 +52,11 @@ def test_packs_the_large_projections_and_the_experts_and_says_so(dtype):
     assert (done.layers, done.packed) == (2, 3)
     size = torch.finfo(dtype).bits // 8
     assert done.packed_bytes == (1024 * 256 + 4 * 1024 * 256 + 4 * 256 * 512) * size
-    assert "oneDNN packed weights (1 projections, 2 expert stacks" in done.reason
+    assert "packed weights (1 projections, 2 expert stacks" in done.reason
+    from workers.model import cpu_gemm
+
+    if cpu_gemm.load().available:  # every K here is at most MAX_K: all three laid out as panels
+        assert "3 as brgemm column panels" in done.reason and cpu_gemm.is_panels(getattr(model.big.weight, PACKED_ATTR))
     assert model.small.weight.numel() < MIN_PACKED_ELEMENTS <= model.big.weight.numel()
 
 
@@ -73,22 +77,35 @@ def test_a_packed_projection_is_torchs_within_rounding_for_every_row_count(dtype
     assert torch.equal(three.reshape(rows, 1024), got)
 
 
-def test_the_forward_multiplies_through_the_pack():
-    """Guards `_packed_forward`: a pack of other weights changes the projection's result (it reads
-    the pack, not the dense weight), in eager and inside a compiled graph (`hetserve::packed_linear`);
-    a lone float32 row does not read it (the GEMV branch)."""
+@pytest.mark.parametrize("panels", [False, True], ids=["onednn", "panels"])
+def test_the_forward_multiplies_through_the_pack(monkeypatch, panels):
+    """Guards `_packed_forward` / `_panel_forward`: a pack of other weights changes the projection's
+    result (it reads the pack, not the dense weight), in eager and inside a compiled graph
+    (`hetserve::packed_linear`); a lone float32 row reads a oneDNN pack's dense weight (the GEMV
+    branch) and a panel layout's panels."""
+    from workers.model import cpu_gemm
+    from workers.model.cpu_gemm import CpuGemm
+
+    if panels and not cpu_gemm.load().available:
+        pytest.skip(cpu_gemm.load().reason)
+    if not panels:
+        monkeypatch.setattr(cpu_projections.cpu_gemm, "load", lambda: CpuGemm(False, "oneDNN packs"))
     model = Tiny(torch.float32)
     install_cpu_projections(model, "cpu", torch.float32)
+    assert cpu_gemm.is_panels(getattr(model.big.weight, PACKED_ATTR)) == panels
+    other = cpu_gemm.panels if panels else pack
     x = torch.randn(5, 256)
     with torch.no_grad():  # as a worker steps
         right = model.big(x)
         compiled = torch.compile(lambda t: model.big(t) * 2, fullgraph=True, backend="aot_eager")
         assert torch.equal(compiled(x), right * 2)
-        setattr(model.big.weight, PACKED_ATTR, pack(torch.randn(1024, 256)))
+        one = x[:1]
+        alone = model.big(one)
+        setattr(model.big.weight, PACKED_ATTR, other(torch.randn(1024, 256)))
         assert not torch.allclose(model.big(x), right)
         assert not torch.allclose(compiled(x), right * 2)
-        one = x[:1]  # a lone float32 row keeps MKL's GEMV: the pack is not read
-        assert torch.equal(model.big(one), F.linear(one, model.big.weight, model.big.bias))
+        assert torch.equal(model.big(one), F.linear(one, model.big.weight, model.big.bias)) != panels
+        assert panels or torch.equal(alone, model.big(one))
 
 
 def test_packing_is_skipped_when_it_would_take_half_the_available_memory(monkeypatch):

@@ -5,8 +5,8 @@
 // its gate/up product, the activation, its down product, each pair's output times its router
 // weight rounded to the input's dtype and added to its token's row in ascending expert order, in
 // float (as `index_add_` adds the sorted pairs). The products and the activation are the same ATen ops;
-// only the Python between them is gone (about 30 us an expert on a CPU). The products run through
-// oneDNN's batch-reduce GEMM on copies of the packs laid out for it (`product`).
+// only the Python between them is gone (about 30 us an expert on a CPU). Over column panels the
+// products run through oneDNN's batch-reduce GEMM (`product`).
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/CPUBlas.h>
@@ -36,11 +36,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 }
 
 // rows [m, K] times one expert's matrix: a oneDNN pack (its bias inside the product), or the
-// matrix [K, N] laid out for oneDNN's batch-reduce GEMM kernel, which torch exports
-// (cpublas::brgemm: no per-call setup): column panels of `kPanel` columns (the last one narrower)
-// one after the other, each [K, w] in float32 or [K/2, w, 2] in bfloat16 (pairs of K side by side,
-// VNNI), so every call streams one contiguous panel; rows in blocks of `kRowBlock`. The sums are
-// float32, rounded to bfloat16 once, after the bias.
+// matrix [K, N] as the worker lays it out for oneDNN's batch-reduce GEMM kernel, which torch
+// exports (cpublas::brgemm: no per-call setup; workers/model/cpu_gemm.py `panels`): column panels
+// of `kPanel` columns (the last one narrower) one after the other, each [K, w] in float32 or
+// [K/2, w, 2] in bfloat16 (pairs of K side by side, VNNI), so every call streams one contiguous
+// panel; rows in blocks of `kRowBlock`. The sums are float32, rounded to bfloat16 once, after the bias.
 constexpr int64_t kPanel = 64;
 constexpr int64_t kRowBlock = 64;
 

@@ -1,26 +1,25 @@
 """The CPU experts' loop over their packed matrices in C++ (`cpu_experts.cpp`), built once per host.
 
-Why: where a CPU worker packed the experts for oneDNN (torch_path.py `fused_moe_packed`), a
-layer's time at a decode batch was the packed matmuls plus, as much again in float32 at 32
-rows and 8 experts, the Python between them: slicing, padding, the activation's three ops and
-the copy out, per active expert. And each packed oneDNN call has a fixed setup of about 13 us on
-this CPU, more than the product itself for an expert of a few rows. The C++ loop runs the same
-ops with the pairs sorted, gathered and summed in plain loops, and multiplies through oneDNN's
-batch-reduce GEMM kernel (torch's `cpublas::brgemm`), which has no per-call setup, on the
-experts' matrices laid out as column panels (`panels`, made from the packs on first use in
-place of them). Its output is the Python loop's bit for bit in float32 and bfloat16 on the
-shapes tests/test_cpu_experts.py checks; a layer of the benchmark's Qwen3-MoE (8 experts, 32
-rows) takes 0.3x the Python loop's time in float32 and 0.35x in bfloat16.
+Why: where a CPU worker packed the experts (torch_path.py `fused_moe_packed`), a layer's time at
+a decode batch was the packed matmuls plus, as much again in float32 at 32 rows and 8 experts,
+the Python between them: slicing, padding, the activation's three ops and the copy out, per
+active expert. The C++ loop runs the same ops with the pairs sorted, gathered and summed in
+plain loops. Each expert's matrix is what the worker made of it (workers/model/cpu_projections.py):
+a oneDNN pack, multiplied by oneDNN's packed matmul, or column panels (workers/model/cpu_gemm.py
+`panels`: [K, N] as panels of 64 columns, [K/2, w, 2] pairs in bfloat16) multiplied by oneDNN's
+batch-reduce GEMM kernel, which torch exports (`cpublas::brgemm`) and which skips the packed
+call's setup of about 13 us. Over packs its output is the Python loop's bit for bit; over panels
+too on the shapes tests/test_cpu_experts.py checks. A layer of the benchmark's Qwen3-MoE (8
+experts, 32 rows) takes 0.3x the Python loop's time in float32, 0.35x in bfloat16.
 
 Design: compiled with torch's C++ extension builder on first use in a process, into torch's
 extension cache under a name carrying a hash of the source and flags (a later start loads it in
 well under a second); `load()` says whether it is there and why not (no C++ compiler, a failed
-build: the Python loop serves); `$HETSERVE_CPU_EXPERTS=off` keeps the Python loop. No vector
-flags: the products are oneDNN's, the loops around them move rows. A reduction past `MAX_K`
-keeps the oneDNN packs (the panels have no K blocking, and lose to them there).
+build: the Python loop serves, over oneDNN packs only); `$HETSERVE_CPU_EXPERTS=off` keeps the
+Python loop. No vector flags: the products are oneDNN's, the loops around them move rows.
 Trade-off: a compiler on the host at first use (Inductor needs one anyway) and 20-30 s for the
-first build on 2 cores; the layout is this loop's own, so only it reads the experts' packs once
-they are panels.
+first build on 2 cores; the panels' brgemm call is written here and in workers/model/cpu_gemm.cpp
+alike, since a kernel repository imports no worker code.
 """
 
 from __future__ import annotations
@@ -69,38 +68,6 @@ def load() -> CpuExperts:
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
         return CpuExperts(False, f"C++ loop unavailable ({type(e).__name__}): the packed experts run from Python")
     return CpuExperts(True, "C++ loop over the packed experts")
-
-
-PANEL = 64  # columns per panel of the layout (`panels`, cpu_experts.cpp `kPanel`)
-MAX_K = 2048  # past this reduction the panels lose to the packs (no K blocking): the packs stay
-
-
-def panels(kn: torch.Tensor) -> torch.Tensor:
-    """A [K, N] matrix laid out for the C++ loop's batch-reduce GEMM: column panels of `PANEL`
-    (the last narrower) one after another, each [K, w] in float32 or [K/2, w, 2] in bfloat16 (pairs
-    of K side by side); shaped [K, N] / [K/2, N, 2] over that order."""
-    k, n = kn.shape
-    parts = []
-    for n0 in range(0, n, PANEL):
-        part = kn[:, n0 : n0 + PANEL]  # [K, w]
-        if kn.dtype == torch.bfloat16:
-            part = part.reshape(k // 2, 2, -1).transpose(1, 2)  # [K/2, w, 2]
-        parts.append(part.contiguous().flatten())
-    flat = torch.cat(parts)
-    return flat.view(k // 2, n, 2) if kn.dtype == torch.bfloat16 else flat.view(k, n)
-
-
-def products(w: torch.Tensor, attr: str) -> tuple[torch.Tensor, ...]:
-    """The matrices the C++ loop multiplies by, one per expert of the stack `w` [E, N, K]: its
-    oneDNN packs (under `attr`), replaced there on first use by `panels` of them for oneDNN's
-    batch-reduce GEMM where K is even (bfloat16) and at most `MAX_K` (0.2-0.95x a packed call's
-    time at 1 to 128 rows on this CPU: no per-call setup; the same bytes)."""
-    packs = getattr(w, attr)
-    k = w.shape[-1]
-    if packs[0].is_mkldnn and k <= MAX_K and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and k % 2 == 0)):
-        packs = tuple(panels(p.to_dense().t()) for p in packs)  # from the packs themselves
-        setattr(w, attr, packs)
-    return packs
 
 
 def experts_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: tuple, down: tuple,

@@ -12,15 +12,15 @@ vector tail may round an ulp apart; tests/test_kernels_moe.py), and a bias is ad
 product rather than inside it (`x @ W + b`, as transformers writes it), a rounding apart in bf16.
 Where a CPU worker packed the experts for oneDNN (workers/model/cpu_projections.py: one packed
 matrix per expert on the stacked tensor, `PACKED_ATTR`), the CPU path runs `fused_moe_packed`
-instead: the same sort, then one oneDNN matmul pair per active expert (its bias inside the
+instead: the same sort, then one matmul pair per active expert (a oneDNN pack's bias inside the
 product), driven from C++ where that loop builds on the host (cpu_experts.py: the Python loop's
-ops without the Python between them; in float32 the products by oneDNN's batch-reduce GEMM on
-[K, N] copies of the packs, bit for bit the packs' and without their per-call setup), from
-Python otherwise. Which of the two a step takes (`packed_wins`): from C++, the packs always
-(0.3-0.5x the grouped GEMM's time at 1 to 32 rows in float32, 8 and 32 experts; 0.5-1.0x in
-bfloat16, whose grouped products are unpacked oneDNN calls); from Python, where the experts
-average two rows or more (0.4-0.7x the grouped GEMM's time there; fewer: a oneDNN call's fixed
-cost outweighs it).
+ops without the Python between them; where the worker laid an expert's matrices out as column
+panels, workers/model/cpu_gemm.py, their products by oneDNN's batch-reduce GEMM without a packed
+call's setup), from Python otherwise (over oneDNN packs only). Which of the two a step takes
+(`packed_wins`): from C++, the packed matrices always (0.3-0.5x the grouped GEMM's time at 1 to
+32 rows in float32, 8 and 32 experts; 0.3-0.35x in bfloat16, whose grouped products are unpacked
+oneDNN calls); from Python, where the experts average two rows or more (0.4-0.7x the grouped
+GEMM's time there; fewer: a oneDNN call's fixed cost outweighs it).
 Inside `torch.compile` the CPU path is one opaque op, `hetserve_fused_moe::grouped_experts`,
 whose output is shaped like `x`: the grouping's data-dependent sizes stay inside it and
 Inductor compiles the rest of the step (attention, norms, the router) around it.
@@ -100,11 +100,10 @@ def fused_moe_packed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
                      limit: float = 7.0) -> torch.Tensor:  # fmt: skip
     """The reference's sum through the experts' oneDNN packs (`PACKED_ATTR` on both stacks, one
     packed matrix per expert): one packed matmul pair per active expert, biases inside it."""
-    if cpu_experts.load().available:  # the same ops from C++ (cpu_experts.cpp); float32 products by brgemm
-        gate_up, down = cpu_experts.products(w_gate_up, PACKED_ATTR), cpu_experts.products(w_down, PACKED_ATTR)
+    gate_up, down = getattr(w_gate_up, PACKED_ATTR), getattr(w_down, PACKED_ATTR)
+    if cpu_experts.load().available:  # the same ops from C++ (cpu_experts.cpp), over packs or panels
         return cpu_experts.experts_packed(x, topk_ids, topk_weights, gate_up, down, b_gate_up, b_down, activation,
                                           alpha, limit, PACKED_ROW_STEP)  # fmt: skip
-    gate_up, down = getattr(w_gate_up, PACKED_ATTR), getattr(w_down, PACKED_ATTR)
     order, tokens, xs, counts = _pairs_by_expert(x, topk_ids, w_gate_up.shape[0])
     ys = torch.empty_like(xs)  # [P, H]
     linear = torch.ops.mkldnn._linear_pointwise
@@ -123,10 +122,11 @@ def fused_moe_packed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     return _weighted_sum(x, ys, order, tokens, topk_weights)
 
 
-def packed_wins(rows_per_expert: float, from_cpp: bool) -> bool:
-    """Whether the experts' packs beat the grouped GEMM at this many rows per expert (the
-    module's docstring gives the timings): from C++ always, from Python from two rows."""
-    return from_cpp or rows_per_expert >= 2
+def packed_wins(rows_per_expert: float, from_cpp: bool, onednn: bool = True) -> bool:
+    """Whether the experts' packed matrices beat the grouped GEMM at this many rows per expert (the
+    module's docstring gives the timings): from C++ always; from Python, over oneDNN packs (`onednn`:
+    the Python loop multiplies by nothing else) from two rows."""
+    return from_cpp or (onednn and rows_per_expert >= 2)
 
 
 def fused_moe_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
@@ -135,8 +135,9 @@ def fused_moe_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
                       limit: float = 7.0) -> torch.Tensor:  # fmt: skip
     """The reference's sum as two `torch._grouped_mm` calls, one group per expert: [T, H] -> [T, H]
     (through the experts' oneDNN packs where the worker made them)."""
-    if hasattr(w_gate_up, PACKED_ATTR) and hasattr(w_down, PACKED_ATTR) and \
-            packed_wins(topk_ids.numel() / w_gate_up.shape[0], cpu_experts.load().available):  # fmt: skip
+    packs = getattr(w_gate_up, PACKED_ATTR, None), getattr(w_down, PACKED_ATTR, None)
+    if None not in packs and packed_wins(topk_ids.numel() / w_gate_up.shape[0], cpu_experts.load().available,
+                                         packs[0][0].is_mkldnn and packs[1][0].is_mkldnn):  # fmt: skip
         return fused_moe_packed(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation, alpha,
                                 limit)  # fmt: skip
     num_experts, k = w_gate_up.shape[0], topk_ids.shape[1]

@@ -25,7 +25,6 @@ and a kernel of our own to keep equal to the reference, which the tests hold it 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 
 from workers.contract.dtypes import cpu_flags
+from workers.device.cpp_ext import build
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +76,11 @@ def load() -> CpuDecode:
     global _module
     if os.environ.get(ENV_CPU_DECODE, "").lower() in ("off", "0", "false"):
         return CpuDecode(False, f"${ENV_CPU_DECODE}=off: decode attention gathers the rows' K/V in torch")
-    try:
-        from torch.utils import cpp_extension
-
-        flags, isa = _flags()
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-        _module = cpp_extension.load(f"hetserve_cpu_decode_{digest}", [str(SOURCE)], extra_cflags=flags,
-                                     verbose=False)
-    except Exception as e:  # no compiler, a failed build: the torch path serves
-        logger.warning("CPU decode kernel unavailable (%s: %s); decode attention gathers in torch",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return CpuDecode(False, f"C++ kernel unavailable ({type(e).__name__}): decode attention gathers in torch")
+    flags, isa = _flags()
+    _module, why = build("hetserve_cpu_decode", SOURCE, flags)
+    if _module is None:  # no compiler, a failed build: the torch path serves
+        logger.warning("CPU decode kernel unavailable (%s); decode attention gathers in torch", why)
+        return CpuDecode(False, f"C++ kernel unavailable ({why.split(':')[0]}): decode attention gathers in torch")
     return CpuDecode(True, f"C++ kernel ({isa}): decode rows read their blocks in place, softmax in fp32")
 
 

@@ -1,0 +1,97 @@
+"""A CPU projection without oneDNN's per-call setup: brgemm over the weight's column panels (C++).
+
+Why: a packed oneDNN matmul (`mkldnn._linear_pointwise`, workers/model/cpu_projections.py) sets
+itself up on every call, about 13 us on this project's CPUs: more than the product of a small
+model's projection at a decode batch (a [16, 256] x [256, 512] bfloat16 product is 3 us of it).
+oneDNN's batch-reduce GEMM kernel, which torch exports for its own CPU attention
+(`at::native::cpublas::brgemm`), is looked up per shape without that setup. Over a weight laid out
+once as contiguous column panels (`panels`), a projection takes 0.1-0.95x the packed call's time
+at 1 to 128 rows for reductions up to `MAX_K` (docs/benchmarks.md "CPU projections"); past it,
+without K blocking, it loses to the packs, which stay there.
+
+Design: `cpu_gemm.cpp` is built once per host for the worker (workers/device/cpp_ext.py), on first
+use in a process; `load()` says whether it is there and why not, and without it the oneDNN packs
+serve. `panels(weight)` lays a weight [N, K] out as [K, N] column panels of `PANEL` (the last
+narrower), each [K, w] in float32 or [K/2, w, 2] in bfloat16 (pairs of K side by side: the order
+the bfloat16 dot instructions read; an even K); `linear(rows, panels, bias)` multiplies. The
+products are float32 sums, the bias added to them and a bfloat16 output rounded once, as the
+packed matmul does; the order of the sums is the kernel's own, so results may differ from the
+packs' in the last bit where oneDNN splits a reduction otherwise (tests/test_cpu_gemm.py).
+Trade-off: a second kernel family beside the packs, chosen by the reduction's length, and a
+layout only this module reads; the same bytes as the packs they replace.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.device.cpp_ext import build
+
+logger = logging.getLogger(__name__)
+
+ENV_CPU_GEMM = "HETSERVE_CPU_GEMM"  # "off": the oneDNN packs only
+SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+FLAGS = ["-O3"]
+PANEL = 64  # columns per panel (cpu_gemm.cpp `kPanel`)
+MAX_K = 2048  # past this reduction the packs win (the panels have no K blocking)
+
+
+@dataclass(frozen=True)
+class CpuGemm:
+    """Whether the panel GEMM is loaded in this process, and why (or why not)."""
+
+    available: bool
+    reason: str
+
+
+_module = None
+
+
+@functools.cache
+def load() -> CpuGemm:
+    """Build (once per host) and load the panel GEMM; its state and reason. Never raises."""
+    global _module
+    if os.environ.get(ENV_CPU_GEMM, "").lower() in ("off", "0", "false"):
+        return CpuGemm(False, f"${ENV_CPU_GEMM}=off: projections through the oneDNN packs")
+    _module, why = build("hetserve_cpu_gemm", SOURCE, FLAGS)
+    if _module is None:
+        logger.warning("CPU panel GEMM unavailable (%s); projections through the oneDNN packs", why)
+        return CpuGemm(False, f"panel GEMM unavailable ({why.split(':')[0]}): projections through the oneDNN packs")
+    return CpuGemm(True, f"brgemm over column panels for reductions up to {MAX_K}, oneDNN packs past it")
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether `weight` [N, K] can be laid out as panels: float32, or bfloat16 with an even K; K at most `MAX_K`."""
+    k = weight.shape[-1]
+    return k <= MAX_K and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and k % 2 == 0))
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] as [K, N] column panels of `PANEL` (the last narrower) one after another, each
+    [K, w] in float32 or [K/2, w, 2] in bfloat16; shaped [K, N] / [K/2, N, 2] over that order."""
+    kn = weight.detach().t()  # [K, N]
+    k, n = kn.shape
+    parts = []
+    for n0 in range(0, n, PANEL):
+        part = kn[:, n0 : n0 + PANEL]  # [K, w]
+        if kn.dtype == torch.bfloat16:
+            part = part.reshape(k // 2, 2, -1).transpose(1, 2)  # [K/2, w, 2]
+        parts.append(part.contiguous().flatten())
+    flat = torch.cat(parts)
+    return flat.view(k // 2, n, 2) if kn.dtype == torch.bfloat16 else flat.view(k, n)
+
+
+def is_panels(pack: torch.Tensor) -> bool:
+    """Whether a weight's pack is `panels`' layout (else a oneDNN pack)."""
+    return not pack.is_mkldnn
+
+
+def linear(rows: torch.Tensor, layout: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [R, K] @ weight.T + bias through the weight's `panels` -> [R, N] in the rows' dtype."""
+    return _module.panel_linear(rows, layout, bias)
