@@ -1,4 +1,4 @@
-"""A CPU projection through torch's matmul against the same one through its oneDNN pack, side by side.
+"""A CPU projection through torch's matmul, its oneDNN pack and its brgemm column panels, side by side.
 
     python benchmarks/cpu_projections.py [--threads 1] [--rows 1 4 16 32 64]
 
@@ -7,8 +7,10 @@ attention projection and one of its experts) and dtype, `--copies` distinct weig
 multiplied in turn, so their bytes come from memory rather than a warm cache, as a real
 model's layers do; each round times `F.linear` (MKL in float32, oneDNN with the weight
 reordered per call in bfloat16), then `mkldnn._linear_pointwise` over the weights packed
-once (workers/model/cpu_projections.py), alternately, and the median per matrix is printed
-with the ratio (torch / packed: above 1 means the pack is faster). A matrix below
+once (workers/model/cpu_projections.py), then brgemm over the weights laid out once as column
+panels (workers/model/cpu_gemm.py, where the panel GEMM builds and the reduction fits it),
+alternately, and the median per matrix is printed with the ratios (torch / packed: above 1 means
+the pack is faster; packed / panels: above 1 means the panels are, which a worker then uses). A matrix below
 `MIN_PACKED_ELEMENTS` is marked: the worker leaves those to torch; so is a dtype this CPU's
 oneDNN cannot pack (bfloat16 without AVX-512 or AVX-NE-CONVERT), which is not timed.
 """
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from workers.model import cpu_gemm  # noqa: E402
 from workers.model.cpu_projections import MIN_PACKED_ELEMENTS, pack, packing_refusal  # noqa: E402
 
 # (what, out features N, in features K, copies): distinct weights cycled per timing
@@ -45,8 +48,9 @@ def timed(fn, rounds: int) -> float:
     return (time.perf_counter() - t0) / rounds
 
 
-def time_pair(x: torch.Tensor, weights: list, packs: list, rounds: int) -> tuple[float, float]:
-    """Median microseconds per matrix of `F.linear` and of the packed product, alternately."""
+def time_sides(x: torch.Tensor, weights: list, packs: list, panels: list | None, rounds: int) -> list[float]:
+    """Median microseconds per matrix of `F.linear`, the packed product and (`panels` given) the
+    panel GEMM, alternately."""
 
     def plain():
         for w in weights:
@@ -56,12 +60,18 @@ def time_pair(x: torch.Tensor, weights: list, packs: list, rounds: int) -> tuple
         for p in packs:
             torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
 
-    plain(), packed()  # warm-up: oneDNN compiles this row count's kernel
-    ours, theirs = [], []
+    def panel():
+        for p in panels:
+            cpu_gemm.linear(x, p, None)
+
+    sides = [plain, packed] + ([panel] if panels else [])
+    for side in sides:  # warm-up: oneDNN compiles this row count's kernels
+        side()
+    times = [[] for _ in sides]
     for _ in range(rounds):
-        theirs.append(timed(plain, 3) / len(weights))
-        ours.append(timed(packed, 3) / len(packs))
-    return statistics.median(theirs) * 1e6, statistics.median(ours) * 1e6
+        for side, ts in zip(sides, times, strict=True):
+            ts.append(timed(side, 3) / len(weights))
+    return [statistics.median(ts) * 1e6 for ts in times]
 
 
 def main(argv=None) -> int:
@@ -73,7 +83,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; us per matrix, median of {args.rounds}")
-    print(f"{'matrix':<36}{'dtype':<10}{'rows':>5}{'torch us':>10}{'packed us':>11}{'ratio':>8}")
+    gemm = cpu_gemm.load()
+    print(f"panels: {gemm.reason}")
+    print(f"{'matrix':<36}{'dtype':<10}{'rows':>5}{'torch us':>10}{'packed us':>11}{'ratio':>8}{'panels us':>11}"
+          f"{'ratio':>8}")
     g = torch.Generator().manual_seed(0)
     names = [n for n in args.dtype if packing_refusal(getattr(torch, n)) is None]
     for name in sorted(set(args.dtype) - set(names)):  # the worker leaves these to torch (rows padded only)
@@ -83,11 +96,13 @@ def main(argv=None) -> int:
             dtype = getattr(torch, name)
             weights = [torch.randn(n, k, generator=g).to(dtype) for _ in range(copies)]
             packs = [pack(w) for w in weights]
+            panels = [cpu_gemm.panels(w) for w in weights] if gemm.available and cpu_gemm.fits(weights[0]) else None
             small = "" if n * k >= MIN_PACKED_ELEMENTS else "  (below MIN_PACKED_ELEMENTS: torch's)"
             for rows in args.rows:
                 x = torch.randn(rows, k, generator=g).to(dtype)
-                t, p = time_pair(x, weights, packs, args.rounds)
-                print(f"{what:<36}{name:<10}{rows:>5}{t:>10.1f}{p:>11.1f}{t / p:>7.2f}x{small}")
+                t, p, *b = time_sides(x, weights, packs, panels, args.rounds)
+                cells = f"{b[0]:>11.1f}{p / b[0]:>7.2f}x" if b else f"{'-':>11}{'-':>8}"
+                print(f"{what:<36}{name:<10}{rows:>5}{t:>10.1f}{p:>11.1f}{t / p:>7.2f}x{cells}{small}")
     return 0
 
 
