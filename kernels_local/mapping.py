@@ -172,7 +172,9 @@ _ENTRIES: tuple[_Entry, ...] = (
     # -- FusedMoE: Triton from sm_80 (a grouped GEMM: below sm_80 Triton's dots are FMAs) -------
     *_triton_family(
         "FusedMoE", "fused_moe", "FusedMoE",
-        "CPU: pairs grouped by expert, one grouped GEMM per projection (torch._grouped_mm; Triton needs a GPU)",
+        "CPU: pairs grouped by expert; a CPU worker's packed experts through a C++ loop (brgemm over column "
+        "panels, oneDNN packs past a reduction of 2048), else one grouped GEMM per projection "
+        "(torch._grouped_mm); Triton needs a GPU",
         "below sm_80 Triton lowers dots to FMAs (no mma; the grouped GEMM spills), while cuBLAS has tensor "
         "cores: one torch matmul pair per active expert",
         "Ampere/Ada (sm_80..sm_89): Triton grouped GEMM over expert-aligned blocks, 16-row decode / 64-row "
