@@ -153,3 +153,19 @@ def test_the_probe_reports_what_this_cpu_can_pack():
     except RuntimeError:
         packs = False
     assert (packing_refusal(torch.bfloat16) is None) == packs
+
+
+def test_packing_experts_builds_their_cpp_loop_at_start(monkeypatch):
+    """Guards `install_cpu_projections`' `if experts:` branch: a model with packed experts loads
+    the experts' C++ loop while the worker starts (its first build takes 20-30 s), one without
+    experts does not."""
+    from kernels_local.fused_moe import cpu_experts
+
+    calls = []
+    monkeypatch.setattr(cpu_experts, "load", lambda: calls.append(1))
+    install_cpu_projections(Tiny(torch.float32), "cpu", torch.float32)
+    assert calls == [1]
+    plain = Tiny(torch.float32)
+    del plain.experts
+    install_cpu_projections(plain, "cpu", torch.float32)
+    assert calls == [1]

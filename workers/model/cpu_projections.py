@@ -193,6 +193,10 @@ def install_cpu_projections(model: nn.Module, device, dtype: torch.dtype,
         return _unpacked(linears, f"not packed: the packs would take {total} bytes, over "
                                   f"{AVAILABLE_SHARE:.0%} of the {free} available")  # fmt: skip
     gemm = cpu_gemm.load()
+    if experts:  # the experts' C++ loop builds now, at start, not on the first request (once per host)
+        from kernels_local.fused_moe import cpu_experts
+
+        cpu_experts.load()
     lay = (lambda w: cpu_gemm.panels(w) if cpu_gemm.fits(w) else pack(w)) if gemm.available else pack
     with torch.no_grad():
         for w in weights:
