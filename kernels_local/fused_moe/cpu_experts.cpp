@@ -161,5 +161,7 @@ at::Tensor experts_packed(const at::Tensor& x_in, const at::Tensor& topk_ids, co
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("experts_packed", &experts_packed, "an MoE layer's experts through their oneDNN packs (CPU)");
+  // the GIL released while it runs: the worker's HTTP thread goes on meanwhile
+  m.def("experts_packed", &experts_packed, "an MoE layer's experts through their oneDNN packs (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

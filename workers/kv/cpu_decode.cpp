@@ -5,10 +5,13 @@
 // once for every query head of the group and converted to fp32, the block's scores (q.k times
 // scale, soft-capped where asked) fold into a running softmax (max, sum, weighted V) in fp32,
 // so no gathered copy of the rows' K/V is ever written; the blocks two ahead are prefetched.
-// A head of whole vectors (`decode_rows_vec`: 32 to 512 dims) keeps its rows in registers; any
-// other head size stages each block in fp32 (`decode_rows_any`). Tried and slower here: keys
-// transposed to [D, B] for score vectors without horizontal sums, and the weighted values
-// summed over the block per column. Positions outside the row's length
+// A head of whole vectors (`decode_rows_vec`: 32 to 512 dims) keeps its rows in registers, sums a
+// tile of keys' dot products together into one vector of scores and takes the block's max, weights
+// and their sum in vectors (scalar loops over a block's scores were chains of dependent adds and
+// compares: a third of the kernel's time); any other head size stages each block in fp32
+// (`decode_rows_any`). Tried and slower here: keys transposed to [D, B] for score vectors without
+// horizontal sums, and the weighted values summed over the block per column; tried and not worth
+// its code: bf16 pairs dotted by AVX512-BF16 (0.9x the time). Positions outside the row's length
 // (or before its window) are skipped; gpt-oss's sink joins each head's softmax as a starting
 // logit whose weight is dropped.
 
@@ -160,19 +163,61 @@ inline Vec load_f(const T* p) {
   }
 }
 
-// The common case: a head of C whole vectors (D = C * Vec::size(), float, bfloat16 or half). Each
-// key row is loaded into C vectors once and dotted with every query head of the group (one
-// horizontal sum per score); each value row likewise is added to every head's C accumulators.
-// A group of G = 1, 2 or 4 query heads per KV head keeps the queries and accumulators in
-// fixed arrays the compiler holds in registers (0.75-0.85x the time of G read at run time).
+// W partial dot vectors (one per key) -> one vector of their W sums, in key order: a tree of
+// unpacks, lane shuffles and adds (45 instructions for 16 scores with AVX-512, where a horizontal
+// sum per score takes about 8 each); without AVX-512 or AVX2, one horizontal sum per score.
+inline Vec sum_lanes(const Vec* r) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    const __m512 a = r[2 * i], b = r[2 * i + 1];
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: four keys' partial sums
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // the four 128-bit lanes of each summed: keys 0-3, 4-7, 8-11, 12-15 in order
+  const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xDD));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 t[4], u[2];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = r[2 * i], b = r[2 * i + 1];
+    t[i] = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m256d a = _mm256_castps_pd(t[2 * i]), b = _mm256_castps_pd(t[2 * i + 1]);
+    u[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+#else
+  float s[Vec::size()];
+  for (int i = 0; i < Vec::size(); ++i) {
+    Vec x = r[i];
+    s[i] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+  }
+  return Vec::loadu(s);
+#endif
+}
+
+// The common case: a head of C whole vectors (D = C * Vec::size(), float, bfloat16 or half). Keys
+// are read in tiles of W (one vector's lanes): each key row is loaded into C vectors once and
+// dotted with every query head of the group, and a tile's W partial vectors per head are summed
+// together (`sum_lanes`) into one vector of scores; each value row likewise is added to every
+// head's C accumulators. A group of G = 1, 2 or 4 query heads per KV head keeps the queries and
+// accumulators in fixed arrays the compiler holds in registers (0.75-0.85x the time of G read at
+// run time).
 template <typename T, int C, int G>
 void decode_rows_vec(const Rows<T>& r) {
   const int64_t dim = r.dim, block = r.block, kv_heads = r.kv_heads;
   constexpr int W = Vec::size();
   const int64_t group = G > 0 ? G : r.heads / kv_heads;
   at::parallel_for(0, r.rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Vec> qv_any(G > 0 ? 0 : group * C), acc_any(G > 0 ? 0 : group * C);
-    std::vector<float> score(group * block), run_max(group), run_sum(group);
+    std::vector<Vec> qv_any(G > 0 ? 0 : group * C), acc_any(G > 0 ? 0 : group * C), part(group * W);
+    const int64_t padded = (block + W - 1) / W * W;
+    std::vector<float> score(group * padded), run_max(group), run_sum(group);
     Vec qv_fixed[G > 0 ? G * C : 1], acc_fixed[G > 0 ? G * C : 1];
     Vec* qv = G > 0 ? qv_fixed : qv_any.data();
     Vec* acc = G > 0 ? acc_fixed : acc_any.data();
@@ -194,24 +239,38 @@ void decode_rows_vec(const Rows<T>& r) {
         const int64_t lo = std::max(first - b * block, int64_t(0));
         const int64_t count = std::min(block, len - b * block) - lo;
         const int64_t base = r.at(n, h, b, lo);
-        for (int64_t p = 0; p < count; ++p) {
-          Vec k[C];
-          for (int c = 0; c < C; ++c) k[c] = load_f(r.k_pool + base + p * dim + c * W);
+        for (int64_t p0 = 0; p0 < count; p0 += W) {
+          const int64_t tile = std::min<int64_t>(W, count - p0);
+          for (int64_t p = 0; p < tile; ++p) {
+            Vec k[C];
+            for (int c = 0; c < C; ++c) k[c] = load_f(r.k_pool + base + (p0 + p) * dim + c * W);
+            for (int64_t g = 0; g < group; ++g) {
+              Vec d = qv[g * C] * k[0];
+              for (int c = 1; c < C; ++c) d = at::vec::fmadd(qv[g * C + c], k[c], d);
+              part[g * W + p] = d;
+            }
+          }
           for (int64_t g = 0; g < group; ++g) {
-            Vec d = qv[g * C] * k[0];
-            for (int c = 1; c < C; ++c) d = at::vec::fmadd(qv[g * C + c], k[c], d);
-            float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d) * r.scale;
-            if (r.softcap > 0.f) s = std::tanh(s / r.softcap) * r.softcap;
-            score[g * block + p] = s;
+            for (int64_t p = tile; p < W; ++p) part[g * W + p] = Vec(0.f);
+            Vec s = sum_lanes(part.data() + g * W) * Vec(r.scale);
+            if (r.softcap > 0.f) s = (s / Vec(r.softcap)).tanh() * Vec(r.softcap);
+            if (tile < W) s = Vec::set(Vec(-std::numeric_limits<float>::infinity()), s, tile);  // past the row: no weight
+            s.store(score.data() + g * padded + p0);
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = score.data() + g * block;
-          const float new_max = std::max(run_max[g], *std::max_element(s, s + count));
+        for (int64_t g = 0; g < group; ++g) {  // the block's max, weights and their sum, in vectors
+          float* s = score.data() + g * padded;
+          Vec m = Vec::loadu(s);
+          for (int64_t p0 = W; p0 < count; p0 += W) m = at::vec::maximum(m, Vec::loadu(s + p0));
+          const float new_max = std::max(run_max[g], at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, m));
           const float keep = std::exp(run_max[g] - new_max);
-          at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp(); }, s, s, count);
-          float added = 0.f;
-          for (int64_t p = 0; p < count; ++p) added += s[p];
+          Vec total(0.f);
+          for (int64_t p0 = 0; p0 < count; p0 += W) {
+            const Vec e = (Vec::loadu(s + p0) - Vec(new_max)).exp();
+            e.store(s + p0);
+            total = total + e;
+          }
+          const float added = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, total);
           run_sum[g] = run_sum[g] * keep + added;
           run_max[g] = new_max;
           for (int c = 0; c < C; ++c) acc[g * C + c] = acc[g * C + c] * Vec(keep);
@@ -220,7 +279,7 @@ void decode_rows_vec(const Rows<T>& r) {
           Vec v[C];
           for (int c = 0; c < C; ++c) v[c] = load_f(r.v_pool + base + p * dim + c * W);
           for (int64_t g = 0; g < group; ++g) {
-            const Vec w(score[g * block + p]);
+            const Vec w(score[g * padded + p]);
             for (int c = 0; c < C; ++c) acc[g * C + c] = at::vec::fmadd(w, v[c], acc[g * C + c]);
           }
         }
@@ -297,5 +356,7 @@ torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv, 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over the pool, in place (CPU)");
+  // the GIL released while it runs: the worker's HTTP thread goes on meanwhile
+  m.def("paged_decode", &paged_decode, "paged decode attention over the pool, in place (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -54,5 +54,7 @@ torch::Tensor panel_linear(const torch::Tensor& rows, const torch::Tensor& panel
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("panel_linear", &panel_linear, "a CPU projection by brgemm over column panels");
+  // the GIL released while it runs: the worker's HTTP thread goes on meanwhile
+  m.def("panel_linear", &panel_linear, "a CPU projection by brgemm over column panels",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,70 @@
+"""The worker's C++ kernels let go of the GIL while they run (their `py::call_guard` in
+workers/kv/cpu_decode.cpp and workers/model/cpu_gemm.cpp).
+
+Why it matters: the engine thread calls them inside every step, and the worker's HTTP thread
+turns the previous step's tokens into frames meanwhile; a kernel holding the GIL stalls that
+thread for its whole call, and the engine then waits for the HTTP thread in turn. Checked the
+way a user would see it: a second Python thread keeps running during one long kernel call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from workers.kv import cpu_decode
+from workers.model import cpu_gemm
+
+
+def _ticks_during(call) -> tuple[int, float]:
+    """How often a second Python thread ran during `call()` (its middle 80%), and the call's seconds."""
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    while not stamps:  # the thread runs before the call starts
+        time.sleep(0.001)
+    t0 = time.perf_counter()
+    call()
+    t1 = time.perf_counter()
+    stop.set()
+    thread.join()
+    lo, hi = t0 + 0.1 * (t1 - t0), t1 - 0.1 * (t1 - t0)
+    return sum(lo < s < hi for s in stamps), t1 - t0
+
+
+def _long_enough(call) -> None:
+    call()  # the first call through a custom op sets itself up in Python
+    ticks, seconds = _ticks_during(call)
+    assert seconds > 0.02, f"the call took {seconds * 1e3:.1f} ms: too short to tell"
+    assert ticks > 100, f"another thread ran {ticks} times in a {seconds * 1e3:.0f} ms kernel call: the GIL was held"
+
+
+def test_the_decode_kernel_releases_the_gil():
+    """Guards `py::call_guard<py::gil_scoped_release>()` on `paged_decode` (cpu_decode.cpp): without
+    it the other thread never runs during the call."""
+    if not cpu_decode.load().available:
+        pytest.skip(cpu_decode.load().reason)
+    n, kv_heads, block, width = 256, 8, 16, 64
+    kv = torch.randn(2, kv_heads, n * width // 4, block, 64)
+    tables = torch.randint(0, n * width // 4, (n, width))
+    lens = torch.full((n,), width * block)
+    q = torch.randn(n, kv_heads * 2, 64)
+    _long_enough(lambda: cpu_decode.paged_decode_cpu(q, kv, tables, lens, 0, 0.125, 0.0, None))
+
+
+def test_the_panel_gemm_releases_the_gil():
+    """Guards `py::call_guard<py::gil_scoped_release>()` on `panel_linear` (cpu_gemm.cpp)."""
+    if not cpu_gemm.load().available:
+        pytest.skip(cpu_gemm.load().reason)
+    weight, rows = torch.randn(8192, 2048), torch.randn(1024, 2048)
+    layout = cpu_gemm.panels(weight)
+    _long_enough(lambda: cpu_gemm.linear(rows, layout, None))
