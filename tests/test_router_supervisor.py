@@ -88,3 +88,45 @@ def test_a_missing_worker_command_is_failed_with_the_os_error():
 
     h = asyncio.run(main())
     assert h.state == "failed" and "could not start" in h.reason and "/nonexistent/python" in h.reason
+
+
+def test_a_worker_spawned_while_stopping_does_not_outlive_the_router(monkeypatch):
+    """Guards `stop()` ending the lifecycle tasks before it signals the workers (server/fleet/
+    supervisor.py): a restart whose spawn is under way when stopping begins used to start a worker
+    after `stop()` had listed whom to signal, and cancelling its task then left it running (the
+    stand-in worker here dies by itself once the run directory is gone; a real one loads its model
+    first). No worker may start once stopping began."""
+    import server.fleet.supervisor as supervisor
+
+    spawned: list[tuple[int, bool]] = []  # pid, and whether stopping had begun
+    real_spawn = supervisor.spawn
+
+    async def main():
+        sup = Supervisor(parse_simulate("sm_80,sm_89"), _settings(restart_backoff_initial_s=0.01))
+
+        async def slow_spawn(argv, environ):
+            if sup.workers["gpu1"].generation and argv == sup.workers["gpu1"].spec.argv:  # gpu1's restart
+                while not sup._stopping:  # held until stopping begins, then started
+                    await asyncio.sleep(0.01)
+            proc = await real_spawn(argv, environ)
+            spawned.append((proc.pid, sup._stopping))
+            return proc
+
+        monkeypatch.setattr(supervisor, "spawn", slow_spawn)
+        await sup.start()
+        try:
+            assert await sup.wait_settled(60)
+            sup.workers["gpu1"].process.kill()  # gpu1 crashes; its restart waits in `spawn`
+            for _ in range(500):
+                if sup.workers["gpu1"].state == "restarting":
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+        finally:
+            await sup.stop()
+        await asyncio.sleep(0.2)
+
+    asyncio.run(main())
+    assert len(spawned) >= 2
+    assert not [pid for pid, stopping in spawned if stopping], "a worker started after stopping began"
+    assert not any(alive(pid) for pid, _ in spawned)

@@ -187,10 +187,15 @@ class Supervisor:
         self._notify()
 
     async def stop(self) -> None:
-        """SIGTERM every worker (they drain), SIGKILL what is left after the timeout, clean up."""
+        """SIGTERM every worker (they drain), SIGKILL what is left after the timeout, clean up. The
+        lifecycle tasks end first, so none is left spawning a worker (a restart in flight) that
+        the signals would miss and that would outlive the router."""
         self._stopping = True
         if self._stop_event is not None:
             self._stop_event.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         procs = [h.process for h in self.workers.values() if h.process and h.process.returncode is None]
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -207,9 +212,6 @@ class Supervisor:
                         proc.kill()
             if pending:
                 await asyncio.wait(pending, timeout=5.0)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         for handle in self.workers.values():
             await self._drop_client(handle)
         if self.run_dir is not None:
@@ -261,10 +263,12 @@ class Supervisor:
                 return
             watcher = asyncio.create_task(self._watch(handle))
             assert handle.process is not None
-            returncode = await handle.process.wait()
-            # Python 3.11's wait_for can swallow a cancel that races its inner wait, so the
-            # watcher also stops by itself once the process has exited; never wait on it forever.
-            watcher.cancel()
+            try:
+                returncode = await handle.process.wait()
+            finally:  # the process exited, or `stop()` ends this task while it runs
+                # Python 3.11's wait_for can swallow a cancel that races its inner wait, so the
+                # watcher also stops by itself once the process has exited; never wait on it forever.
+                watcher.cancel()
             await asyncio.wait([watcher], timeout=5.0)
             served_for = time.monotonic() - handle.ready_since if handle.ready_since is not None else None
             await self._drop_client(handle)
