@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from server.fleet.channel import STREAM_PATH, ChannelRefused, ChannelStream, WorkerChannel
 from server.fleet.uds_http import Response, UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
-from workers.contract import CapabilityPayload
+from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, CapabilityPayload
 
 _CONTROL_TIMEOUT_S = 5.0
 
@@ -34,11 +35,16 @@ class WorkerHTTPError(Exception):
 class WorkerClient:
     """Talks to one worker socket. Cheap to keep; `aclose()` when the worker is replaced."""
 
-    def __init__(self, socket_path: Path | str):
+    def __init__(self, socket_path: Path | str, channel: bool = True):
         self.socket_path = str(socket_path)
         self._pool = UnixHTTPPool(self.socket_path)
+        self._use_channel = channel  # streams share one stream channel (server/fleet/channel.py)
+        self._channel: WorkerChannel | None = None
+        self._opening = asyncio.Lock()
 
     async def aclose(self) -> None:
+        if self._channel is not None:
+            await self._channel.aclose()
         await self._pool.aclose()
 
     def abort(self) -> None:
@@ -76,13 +82,49 @@ class WorkerClient:
         return await self._pool.request("POST", path, json.dumps(body).encode(), headers)
 
     @asynccontextmanager
-    async def stream(self, path: str, body: dict, headers: dict[str, str] | None = None) -> AsyncIterator[Response]:
-        """A streamed call; read `iter_chunks()` inside the block."""
-        response = await self._pool.send("POST", path, json.dumps(body).encode(), headers=headers)
+    async def stream(self, path: str, body: dict,
+                     headers: dict[str, str] | None = None) -> AsyncIterator[Response | ChannelStream]:
+        """A streamed call; read `iter_chunks()` inside the block. `/generate_stream` goes on the
+        worker's stream channel when it has one (opened on first use)."""
+        payload = json.dumps(body).encode()
+        channel = await self._open_channel() if path == STREAM_PATH else None
+        if channel is not None:
+            response = await self._on_channel(channel, path, payload, headers)
+        else:
+            response = await self._pool.send("POST", path, payload, headers=headers)
         try:
             yield response
         finally:
             await response.aclose()
+
+    async def _open_channel(self) -> WorkerChannel | None:
+        """The open channel, opened now if needed; None when the worker has none to give (streams
+        then go one per connection). Raises one of `WorkerGone` when the worker is unreachable."""
+        if not self._use_channel:
+            return None
+        if self._channel is None or self._channel.dead:
+            async with self._opening:
+                if self._channel is None or self._channel.dead:
+                    try:
+                        self._channel = await WorkerChannel.open(self._pool)
+                    except ChannelRefused as e:
+                        self._use_channel = e.status not in (404, 405)  # a worker without channels: never ask again
+                        return None
+        return self._channel
+
+    async def _on_channel(self, channel: WorkerChannel, path: str, payload: bytes,
+                          headers: dict[str, str] | None) -> ChannelStream:
+        key, queue = channel.register()
+        extra = {**(headers or {}), HEADER_CHANNEL: channel.id, HEADER_STREAM_KEY: str(key)}
+        try:
+            status, answer_headers, content = await self._pool.request("POST", path, payload, extra)
+        except BaseException:  # lost or cancelled: the worker may have admitted it
+            channel.abort(key)
+            raise
+        if status != 200:
+            channel.forget(key)
+            return ChannelStream(status, answer_headers, content)
+        return ChannelStream(status, answer_headers, channel=channel, key=key, queue=queue)
 
 
 def _json_or_empty(content: bytes) -> dict:

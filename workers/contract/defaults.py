@@ -63,6 +63,12 @@ WORKER_HEADERS = (HEADER_WORKER_ID, HEADER_WORKER_CAPABILITY, HEADER_FP8_CONVENT
 # The generate request field that carries the token ids a migrated stream already delivered:
 # the worker that takes the stream over goes on after them (workers/engine/resume.py).
 RESUME_IDS = "resume_ids"
+# The router's stream channel to a worker (workers/serving/channel.py): `GET /streams` opens one
+# (the worker names it in `X-Hetserve-Channel`); a `POST /generate_stream` carrying both headers
+# is answered at once and its events travel on that channel under the router's stream key;
+# `POST /streams/abort` ends streams whose client left.
+HEADER_CHANNEL = "X-Hetserve-Channel"
+HEADER_STREAM_KEY = "X-Hetserve-Stream"
 # Request headers that constrain routing (matched case-insensitively).
 HEADER_PIN_WORKER = "X-Hetserve-Worker"
 HEADER_MIN_CAPABILITY = "X-Hetserve-Min-Capability"

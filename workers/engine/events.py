@@ -12,11 +12,15 @@ loop) per step, not one per token; events produced on the loop's own thread (an 
 engine's first step runs there) are pushed at once, with no wake-up at all. Without an event
 loop (tests driving `Engine.step()`), events collect in `RequestStream.events`. A streamed
 response reads them in `batches()`: whatever arrived while it was writing goes out together.
+A stream on the router's channel (workers/serving/channel.py) is `redirect`ed instead: its
+events go straight to the channel's sink, which writes every stream's events of a step as one
+frame, so no per-request reader wakes up at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.sampling.logprobs import TopList
@@ -72,13 +76,26 @@ class RequestStream:
         self.ended = False  # its last event (a finish or an error) has been handed over
         self.events: list[TokenEvent | ErrorEvent] = []
         self._queue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self._sink: Callable[[RequestStream, TokenEvent | ErrorEvent], None] | None = None
 
     def push(self, event: TokenEvent | ErrorEvent) -> None:
         """Called on the stream's loop (or directly without one)."""
-        if self._queue is None:
+        if self._sink is not None:
+            self._sink(self, event)
+        elif self._queue is None:
             self.events.append(event)
         else:
             self._queue.put_nowait(event)
+
+    def redirect(self, sink: Callable[[RequestStream, TokenEvent | ErrorEvent], None]) -> None:
+        """From now on hand every event to `sink(stream, event)` instead of queueing it (on the
+        stream's loop); the events already queued go to it first, in order."""
+        pending = self.events if self._queue is None else []
+        while self._queue is not None and not self._queue.empty():
+            pending.append(self._queue.get_nowait())
+        self.events, self._sink = [], sink
+        for event in pending:
+            sink(self, event)
 
     async def __aiter__(self):
         while True:

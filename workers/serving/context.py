@@ -16,6 +16,7 @@ leaves meanwhile; then the queue.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,8 @@ class WorkerContext:
     token_bytes: TokenBytes
     tracer: RequestTracer
     status: str = field(default="starting")  # starting | ready | draining
+    channels: dict = field(default_factory=dict)  # id -> the router's `StreamChannel`s (workers/serving/channel.py)
+    stopping: Callable[[], bool] = field(default=lambda: False)  # the HTTP server is shutting down
     _max_token_chars: int | None = None  # the most characters one token stands for (found when first needed)
 
     @property

@@ -129,6 +129,15 @@ class GenerateRequest(BaseModel):
         return valid_unicode(value, "inputs")
 
 
+class AbortStreams(BaseModel):
+    """`POST /streams/abort`: streams of a channel whose clients left (workers/serving/channel.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    channel: str
+    streams: list[StrictInt]
+
+
 class Render:
     """Turns one request's engine events into TGI dicts (with the extensions above)."""
 

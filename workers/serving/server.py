@@ -322,6 +322,7 @@ class WorkerServer:
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on", proxy_headers=False,
                                 timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
         self.server = uvicorn.Server(config)
+        self.app.state.ctx.stopping = lambda: self.server.should_exit  # the stream channels end then
 
     def _on_fatal(self, exc: BaseException) -> None:
         """Engine thread: the model failed; stop serving so the router restarts this worker."""

@@ -7,31 +7,30 @@ cancelling the stream (streamed); both abort the request, which frees its KV blo
 the next engine step. Each request has one span, ended with what happened to it. A raise
 while rendering a stream's events is this request's fault alone: its stream ends with a
 `request_failed` error event (never a broken connection, which the router would read as the
-worker's death) and the worker serves on.
+worker's death) and the worker serves on. The router streams through its channel instead
+(`GET /streams`, `POST /streams/abort`; workers/serving/channel.py): a `/generate_stream`
+naming it is answered at once, and its events travel on the channel.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from workers.contract.errors import ERROR_REQUEST_FAILED, ERROR_VALIDATION, safe_message
+from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY
+from workers.contract.errors import ERROR_VALIDATION
 from workers.engine.core import Engine
-from workers.engine.events import ErrorEvent, RequestStream, is_last
+from workers.engine.events import ErrorEvent, RequestStream
+from workers.serving.channel import LAST, ChannelResponse, StreamChannel, render_batch
 from workers.serving.context import CLIENT_GONE, get_ctx
 from workers.serving.errors import APIError, error_response
-from workers.serving.schemas import GenerateRequest
+from workers.serving.schemas import AbortStreams, GenerateRequest
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
-
-
-def _error_frame(message: str, error_type: str) -> str:
-    return f"data: {json.dumps({'error': safe_message(message), 'error_type': error_type})}\n\n"
 
 
 async def _abort_on_disconnect(request: Request, engine: Engine, stream: RequestStream) -> None:
@@ -77,31 +76,67 @@ async def generate_stream(req: GenerateRequest, request: Request):
         raise APIError(422, "`max_new_tokens` must be an integer >= 1 on `/generate_stream` "
                             "(0, prompt scoring, is answered by `/generate`)", "validation")
     ctx = get_ctx(request)
+    on_channel = _channel_stream(ctx, request)
     sub = await ctx.submit_traced(req, request)
+    if on_channel is not None:
+        channel, key = on_channel
+        if channel.closed:  # the router's channel went away while this request was admitted
+            ctx.engine.abort(sub.stream.request_id)
+            ctx.tracer.end(sub.span, None, sub.stream.request_id, sub.params)
+            raise APIError(503, f"The stream channel `{channel.id}` closed; open another with GET /streams",
+                           "unavailable")
+        channel.add(key, sub)
+        return Response(status_code=200)
     stream, engine = sub.stream, ctx.engine
 
     async def sse():
         finished, e = False, None
         try:
             async for batch in stream.batches():  # the events that are there: one write
-                frames = []
-                try:
-                    for e in batch:
-                        if isinstance(e, ErrorEvent):
-                            frames.append(_error_frame(e.message, e.error_type))
-                        else:
-                            frames.append(f"data: {json.dumps(sub.render.event(e))}\n\n")
-                except Exception as exc:  # this request only: its last event says so, the worker serves on
-                    logger.exception("Rendering a stream event failed on %s (this request only)", request.url.path)
-                    frames.append(_error_frame(f"Processing the request failed on the worker ({type(exc).__name__}); "
-                                               "see its log", ERROR_REQUEST_FAILED))
-                    yield "".join(frames)
-                    return  # not finished: the finally aborts the engine's request
-                finished = is_last(batch[-1])
-                yield "".join(frames)
+                text, ended = render_batch(sub, batch, request.url.path)
+                yield text
+                if ended is not None:  # FAILED: not finished, the finally aborts the engine's request
+                    finished, e = ended == LAST, batch[-1]
+                    return
         finally:
-            if not finished:  # cancelled: the client went away mid-stream
+            if not finished:  # cancelled (the client went away mid-stream), or rendering failed
                 engine.abort(stream.request_id)
             ctx.tracer.end(sub.span, e if finished else None, stream.request_id, sub.params)
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _channel_stream(ctx, request: Request) -> tuple[StreamChannel, int] | None:
+    """The channel and key a streamed request names (workers/serving/channel.py), None when it
+    names none; an `APIError` when they are not usable."""
+    channel_id = request.headers.get(HEADER_CHANNEL)
+    if channel_id is None:
+        return None
+    channel = ctx.channels.get(channel_id)
+    if channel is None:
+        raise APIError(503, f"No stream channel `{channel_id}` is open on this worker; open one with GET /streams",
+                       "unavailable")
+    key = request.headers.get(HEADER_STREAM_KEY, "")
+    if not key.isdigit() or int(key) in channel.streams:
+        raise APIError(422, f"`{HEADER_STREAM_KEY}` must be a decimal stream key not in use on the channel, "
+                            f"got `{key}`", "validation")
+    return channel, int(key)
+
+
+@router.get("/streams")
+async def open_channel(request: Request):
+    """The router's stream channel (workers/serving/channel.py)."""
+    ctx = get_ctx(request)
+    if not ctx.ready:
+        raise APIError(503, f"Worker `{ctx.info.worker_id}` is {ctx.status}: not accepting streams", "unavailable")
+    channel = StreamChannel(ctx)
+    ctx.channels[channel.id] = channel
+    return ChannelResponse(channel)
+
+
+@router.post("/streams/abort")
+async def abort_streams(body: AbortStreams, request: Request):
+    """End the named streams of a channel (their clients left); a channel already gone aborted
+    them all when it closed."""
+    channel = get_ctx(request).channels.get(body.channel)
+    return {"aborted": 0 if channel is None else channel.abort(body.streams)}

@@ -1,0 +1,230 @@
+"""The router's stream channel to a real worker process (workers/serving/channel.py,
+server/fleet/channel.py): streams multiplexed on one connection carry what a stream of its
+own would, a stream closed early or a channel that breaks aborts the worker's requests, bad
+channel headers get a clear error, and a worker with an idle channel stops at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from server.fleet.channel import ChannelStream, WorkerChannel
+from server.fleet.client import SSEEvents, WorkerClient
+from server.fleet.uds_http import WorkerConnectionLost
+from tests.checkpoints import make_checkpoint
+from tests.test_worker_process import client, start_worker, wait_state
+from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Hello", "The quick brown fox", "Once upon a time there was", "def main():"]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("channel")
+    model = make_checkpoint(tmp / "model")
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    proc, sock, status = start_worker(tmp, model, "--simulate", "sm_89", "--max-batch", "4",
+                                      "--parent-pid", str(parent.pid), "--kv-block-size", "8")
+    try:
+        wait_state(proc, status, {"ready"})
+        yield {"proc": proc, "sock": sock, "status": status}
+    finally:
+        parent.kill()
+        parent.wait()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _body(prompt: str, n: int = 10, **params) -> dict:
+    return {"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True, **params}}
+
+
+async def _events(c: WorkerClient, body: dict) -> tuple[type, list[dict]]:
+    async with c.stream("/generate_stream", body) as response:
+        assert response.status_code == 200
+        return type(response), [json.loads(data) async for data in SSEEvents(response.iter_chunks()).events()]
+
+
+def _generated(sock) -> float:
+    with client(sock) as c:
+        lines = c.get("/metrics").text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("hetserve_worker_generated_tokens_total"))
+
+
+def _idle(sock) -> dict:
+    """The worker's health once nothing runs or waits (within 5 s)."""
+    with client(sock) as c:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            health = c.get("/health").json()
+            if health["load"] == {"running": 0, "queued": 0}:
+                break
+            time.sleep(0.02)
+    return health
+
+
+def test_streams_on_one_channel_carry_what_their_own_streams_would(worker):
+    """Four concurrent streams share one channel and each gets the same events, in order and
+    complete, as the same request streamed on a connection of its own."""
+
+    async def run():
+        on_channel, alone = WorkerClient(worker["sock"]), WorkerClient(worker["sock"], channel=False)
+        try:
+            shared = await asyncio.gather(*(_events(on_channel, _body(p, ignore_eos=True)) for p in PROMPTS))
+            own = [await _events(alone, _body(p, ignore_eos=True)) for p in PROMPTS]
+            channel = on_channel._channel
+        finally:
+            await on_channel.aclose()
+            await alone.aclose()
+        return shared, own, channel
+
+    shared, own, channel = asyncio.run(run())
+    assert channel is not None and channel.id.startswith("c")
+    for (kind, events), (own_kind, own_events) in zip(shared, own, strict=True):
+        assert kind is ChannelStream and own_kind is not ChannelStream
+        assert [e["token"]["id"] for e in events] == [e["token"]["id"] for e in own_events]
+        assert [e["index"] for e in events] == list(range(10))
+        assert events[-1]["generated_text"] == own_events[-1]["generated_text"]
+        assert events[-1]["details"]["finish_reason"] == "length"
+
+
+def test_a_stream_closed_early_is_aborted_on_the_worker(worker):
+    """Guards `self._channel.abort(self._key)` in `ChannelStream.aclose`: without it the worker
+    would run the 250-token request to its end while its client is gone."""
+
+    async def run():
+        c = WorkerClient(worker["sock"])
+        try:
+            async with c.stream("/generate_stream", _body("Hello", 250, do_sample=True, seed=1)) as response:
+                async for _chunk in response.iter_chunks():
+                    break
+            await asyncio.sleep(0.3)  # the abort call goes out on the next loop iteration
+            return c._channel.dead
+        finally:
+            await c.aclose()
+
+    before = _generated(worker["sock"])
+    assert asyncio.run(run()) is False  # the channel itself stayed open
+    health = _idle(worker["sock"])
+    assert health["load"] == {"running": 0, "queued": 0}
+    assert health["capacity"]["kv_blocks_free"] == 4 * 256 // 8  # every block free again
+    assert _generated(worker["sock"]) - before < 200  # the closed stream did not run to its end
+
+
+def test_a_broken_channel_fails_its_streams_and_the_worker_aborts_them(worker):
+    """Guards `self.abort(list(self.streams))` in the worker's `StreamChannel.close`. Closing the channel's connection (what the supervisor does to a hung worker) fails every
+    stream on it with `WorkerConnectionLost`, and the worker aborts their requests."""
+
+    async def run():
+        c = WorkerClient(worker["sock"])
+        try:
+            async with c.stream("/generate_stream", _body("Hello", 250, do_sample=True, seed=2)) as response:
+                chunks = response.iter_chunks()
+                await chunks.__anext__()
+                c.abort()
+                with pytest.raises(WorkerConnectionLost):
+                    async for _chunk in chunks:
+                        pass
+        finally:
+            await c.aclose()
+
+    before = _generated(worker["sock"])
+    asyncio.run(run())
+    assert _idle(worker["sock"])["load"] == {"running": 0, "queued": 0}
+    assert _generated(worker["sock"]) - before < 200  # aborted, not run to its end
+
+
+def test_bad_channel_headers_are_clear_errors(worker):
+    with client(worker["sock"]) as c:
+        r = c.post("/generate_stream", json=_body("Hello"), headers={HEADER_CHANNEL: "nope", HEADER_STREAM_KEY: "1"})
+        assert r.status_code == 503 and "`nope`" in r.json()["error"] and "GET /streams" in r.json()["error"]
+        with c.stream("GET", "/streams") as opened:
+            channel_id = opened.headers[HEADER_CHANNEL.lower()]
+            r = c.post("/generate_stream", json=_body("Hello"), headers={HEADER_CHANNEL: channel_id,
+                                                                          HEADER_STREAM_KEY: "x1"})
+            assert r.status_code == 422 and "`x1`" in r.json()["error"]
+            r = c.post("/streams/abort", json={"channel": channel_id, "streams": [7]})
+            assert r.status_code == 200 and r.json() == {"aborted": 0}
+        r = c.post("/streams/abort", json={"channel": channel_id, "streams": ["a"]})
+        assert r.status_code == 422
+
+
+def test_records_split_anywhere_reach_their_streams():
+    """The router's reader takes records whole however the frames are cut, and a channel that
+    ends fails the streams still open on it."""
+
+    class Frames:
+        def __init__(self, chunks):
+            self.chunks = chunks
+
+        async def iter_chunks(self):
+            for chunk in self.chunks:
+                yield chunk
+
+        async def aclose(self):
+            pass
+
+    async def run():
+        channel = WorkerChannel(None, "c1")
+        (k1, q1), (k2, q2) = channel.register(), channel.register()
+        wire = b"1 5 0\nhello2 3 1\nbye1 6 1\n world"
+        await channel._read(Frames([wire[i:i + 4] for i in range(0, len(wire), 4)]))
+        first = [q1.get_nowait() for _ in range(q1.qsize())]
+        second = [q2.get_nowait() for _ in range(q2.qsize())]
+        (k3, q3) = channel.register()
+        return (k1, first), (k2, second), channel.dead
+
+    (k1, first), (k2, second), dead = asyncio.run(run())
+    assert (k1, k2) == (1, 2)
+    assert first == [b"hello", b" world", None] and second == [b"bye", None] and dead
+
+
+def test_a_channel_cut_mid_record_fails_the_open_streams():
+    class Frames:
+        async def iter_chunks(self):
+            yield b"1 5 0\nhel"
+
+        async def aclose(self):
+            pass
+
+    async def run():
+        channel = WorkerChannel(None, "c1")
+        _, queue = channel.register()
+        await channel._read(Frames())
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    items = asyncio.run(run())
+    assert len(items) == 1 and isinstance(items[0], WorkerConnectionLost)
+
+
+def test_a_worker_with_an_idle_channel_stops_at_once(worker):
+    """Guards the `ctx.stopping()` check in `StreamChannel.frames`: without it uvicorn waits its
+    whole graceful-shutdown time (30 s) for the channel's response to end."""
+
+    async def open_channel():
+        c = WorkerClient(worker["sock"])
+        assert await c._open_channel() is not None
+        return c
+
+    loop = asyncio.new_event_loop()
+    try:
+        c = loop.run_until_complete(open_channel())
+        started = time.monotonic()
+        worker["proc"].send_signal(signal.SIGTERM)
+        assert worker["proc"].wait(timeout=20) == 0
+        assert time.monotonic() - started < 5
+        loop.run_until_complete(c.aclose())
+    finally:
+        loop.close()
+    with pytest.raises(httpx.TransportError):
+        client(worker["sock"]).get("/health")

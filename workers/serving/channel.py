@@ -1,0 +1,184 @@
+"""The router's stream channel: every streamed request's events of a step in one frame.
+
+A streamed response per request costs the worker's event loop a reader wake-up, an SSE
+write through the ASGI stack and a socket write per token per request; at 32 concurrent
+streams that is 32 of each per engine step, Python that contends with the engine thread for
+the GIL. The router opens one channel per worker instead (`GET /streams`, a chunked
+response that lasts as long as the router's client); a `POST /generate_stream` that names
+the channel and a stream key (`X-Hetserve-Channel`, `X-Hetserve-Stream`) is admitted as
+usual, answered at once with an empty 200 (or the usual refusal), and its events go to the
+channel's sink (`RequestStream.redirect`). One task renders whatever the engine delivered
+since it last woke, for every stream at once, and writes one frame: per stream a record
+`b"<key> <length> <end>\n"` followed by `length` bytes of the same SSE events
+`/generate_stream` would have sent (`end` is 1 on a stream's last record). As vLLM's engine
+core hands its API server one batch of outputs per step, the per-token HTTP work becomes
+per-step work here.
+
+A stream ends with its last event, with `POST /streams/abort` (its client left), or with the
+channel: when the router's connection goes away every stream still on it is aborted, as a
+dropped `/generate_stream` connection aborts its one request. While the server shuts down
+the channel stays open until its last stream has ended, then ends its response (uvicorn waits
+for it). Trade-off: the router must demultiplex, and a stream's bytes wait in the router
+rather than in the socket when its client reads slowly (at most its generation's events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+
+from workers.contract import HEADER_CHANNEL
+from workers.contract.errors import ERROR_REQUEST_FAILED, safe_message
+from workers.engine.events import ErrorEvent, RequestStream, TokenEvent, is_last
+
+logger = logging.getLogger(__name__)
+
+_IDLE_CHECK_S = 0.25  # how often an idle channel looks whether the server is stopping
+_ids = itertools.count(1)
+
+
+def error_frame(message: str, error_type: str) -> str:
+    return f"data: {json.dumps({'error': safe_message(message), 'error_type': error_type})}\n\n"
+
+
+LAST, FAILED = "last", "failed"  # how a rendered batch ended its stream
+
+
+def render_batch(sub, batch: list, path: str) -> tuple[str, str | None]:
+    """One request's events as SSE text, and whether that ends its stream: `LAST` (its last event
+    came), `FAILED` (rendering raised: this request's fault alone, a `request_failed` error event
+    ends its stream and the caller aborts the engine's request) or None."""
+    frames = []
+    try:
+        for e in batch:
+            if isinstance(e, ErrorEvent):
+                frames.append(error_frame(e.message, e.error_type))
+            else:
+                frames.append(f"data: {json.dumps(sub.render.event(e))}\n\n")
+    except Exception as exc:  # this request only: its last event says so, the worker serves on
+        logger.exception("Rendering a stream event failed on %s (this request only)", path)
+        frames.append(error_frame(f"Processing the request failed on the worker ({type(exc).__name__}); see its log",
+                                  ERROR_REQUEST_FAILED))
+        return "".join(frames), FAILED
+    return "".join(frames), LAST if is_last(batch[-1]) else None
+
+
+class StreamChannel:
+    """One router connection's streams (see the module docstring); lives on the event loop."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.id = f"c{next(_ids)}"
+        self.streams: dict[int, object] = {}  # key -> `Submitted`
+        self.closed = False
+        self._pending: list[tuple[int, TokenEvent | ErrorEvent]] = []
+        self._wake = asyncio.Event()
+
+    def add(self, key: int, sub) -> None:
+        """Carry `sub`'s events from now on (those it already has first)."""
+        self.streams[key] = sub
+
+        def sink(_stream: RequestStream, event, pending=self._pending, wake=self._wake) -> None:
+            pending.append((key, event))
+            wake.set()
+
+        sub.stream.redirect(sink)
+
+    def abort(self, keys) -> int:
+        """End these streams (their client left): the engine frees their requests. How many were live."""
+        n = 0
+        for key in keys:
+            sub = self.streams.pop(key, None)
+            if sub is not None:
+                n += 1
+                self._end(sub, None, abort=True)
+        return n
+
+    def close(self) -> None:
+        """The router's connection is gone: abort every stream still on it."""
+        self.closed = True
+        self.ctx.channels.pop(self.id, None)
+        self.abort(list(self.streams))
+        self._pending.clear()
+
+    def _end(self, sub, last, abort: bool) -> None:
+        if abort and not sub.stream.ended:
+            self.ctx.engine.abort(sub.stream.request_id)
+        self.ctx.tracer.end(sub.span, last, sub.stream.request_id, sub.params)
+
+    def _render(self, pending: list) -> bytes:
+        by_key: dict[int, list] = {}
+        for key, event in pending:
+            by_key.setdefault(key, []).append(event)
+        records = []
+        for key, batch in by_key.items():
+            sub = self.streams.get(key)
+            if sub is None:  # aborted since the engine made these
+                continue
+            text, ended = render_batch(sub, batch, "/generate_stream")
+            data = text.encode()
+            records.append(b"%d %d %d\n" % (key, len(data), ended is not None))
+            records.append(data)
+            if ended is not None:
+                del self.streams[key]
+                self._end(sub, batch[-1] if ended == LAST else None, abort=ended == FAILED)
+        return b"".join(records)
+
+    async def frames(self, gone: Callable[[], bool]) -> AsyncIterator[bytes]:
+        """Each wake-up's records as one frame, until the router is `gone()` or the server stops
+        with no stream left."""
+        while not gone():
+            if self._pending:
+                pending, self._pending[:] = list(self._pending), []
+                frame = self._render(pending)
+                if frame:
+                    yield frame
+                continue
+            if not self.streams and self.ctx.stopping():
+                return
+            self._wake.clear()
+            if self.streams:
+                await self._wake.wait()
+            else:  # idle: look now and then whether the server is stopping
+                try:
+                    await asyncio.wait_for(self._wake.wait(), _IDLE_CHECK_S)
+                except TimeoutError:
+                    pass
+
+    def wake_up(self) -> None:
+        self._wake.set()
+
+
+class ChannelResponse(StreamingResponse):
+    """`GET /streams`: the channel's frames as one chunked response (pure ASGI below FastAPI)."""
+
+    def __init__(self, channel: StreamChannel):
+        super().__init__(iter(()), media_type="application/octet-stream",
+                         headers={HEADER_CHANNEL: channel.id, "Cache-Control": "no-cache"})
+        self.channel = channel
+
+    async def __call__(self, scope, receive, send) -> None:
+        channel = self.channel
+        gone = asyncio.ensure_future(_disconnected(receive))
+        gone.add_done_callback(lambda _: channel.wake_up())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for frame in channel.frames(gone.done):
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            if not gone.done():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the router went away mid-write
+            pass
+        finally:
+            gone.cancel()
+            channel.close()
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
