@@ -42,11 +42,11 @@ def test_panels_hold_the_transposed_weight_panel_by_panel(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 64, 130])
+@pytest.mark.parametrize("rows", [1, 7, 64, 130, 300])
 @pytest.mark.parametrize("k, n", [(256, 200), (688, 64)])
 def test_the_product_is_torchs_within_rounding_and_the_packs_bit_for_bit_on_short_reductions(dtype, rows, k, n):
     """Against `F.linear` within rounding at every row block (130 rows: three blocks of at most
-    64) and a narrower last panel (200 columns); against the oneDNN pack it replaces, bit for bit
+    64; 300 rows: five, shared among two threads) and a narrower last panel (200 columns); against the oneDNN pack it replaces, bit for bit
     where oneDNN does not split the reduction (K = 256), within rounding otherwise."""
     _needs_gemm(dtype)
     g = torch.Generator().manual_seed(rows + k)
@@ -63,6 +63,26 @@ def test_the_product_is_torchs_within_rounding_and_the_packs_bit_for_bit_on_shor
             assert torch.equal(got, onednn)
         else:
             torch.testing.assert_close(got, onednn, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prompts_rows_shared_among_threads_give_the_same_bits(dtype):
+    """From 256 rows (`kParallelBlocks` blocks of 64) the row blocks are split over torch's
+    threads: each output element is still one kernel's sum, so 2 threads give exactly what 1
+    gives, for row counts that split evenly and not."""
+    _needs_gemm(dtype)
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(200, 256, generator=g) * 0.05).to(dtype)
+    layout, before = cpu_gemm.panels(weight), torch.get_num_threads()
+    try:
+        for rows in (256, 257, 700):
+            x = torch.randn(rows, 256, generator=g).to(dtype)
+            torch.set_num_threads(1)
+            one = cpu_gemm.linear(x, layout, None)
+            torch.set_num_threads(2)
+            assert torch.equal(cpu_gemm.linear(x, layout, None), one), rows
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_which_weights_fit_the_layout():

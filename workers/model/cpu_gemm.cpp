@@ -8,7 +8,11 @@
 // oneDNN once per shape, is looked up without the per-call setup of a packed oneDNN matmul. The
 // sums are float32; the bias is added to them and a bfloat16 output rounded once, as oneDNN's
 // packed matmul does.
+// From kParallelBlocks row blocks on (a prompt's rows) the blocks are shared among torch's
+// intra-op threads; each output element is computed whole by one thread, so the result does not
+// depend on how many there are.
 
+#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/extension.h>
 
@@ -18,6 +22,7 @@ namespace {
 
 constexpr int64_t kPanel = 64;
 constexpr int64_t kRowBlock = 64;
+constexpr int64_t kParallelBlocks = 4;  // from 256 rows the blocks are shared among the threads
 
 }  // namespace
 
@@ -35,21 +40,32 @@ torch::Tensor panel_linear(const torch::Tensor& rows, const torch::Tensor& panel
               a.scalar_type(), " rows ", a.sizes(), " and ", panels.scalar_type(), " panels ", panels.sizes());
   torch::Tensor out = torch::empty({m, n}, a.options().dtype(at::kFloat));
   float* c = out.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < n; n0 += kPanel) {  // 1. each panel once, 2. every block of rows against it
-    const int64_t w = std::min(kPanel, n - n0);
-    for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
-      const int64_t mb = std::min(kRowBlock, m - m0);
-      if (vnni) {
-        at::native::cpublas::brgemm(mb, w, k, k, w, n, false, a.data_ptr<at::BFloat16>() + m0 * k,
-                                    panels.data_ptr<at::BFloat16>() + n0 * k, c + m0 * n + n0, true);
-      } else {
-        at::native::cpublas::brgemm(mb, w, k, k, w, n, false, a.data_ptr<float>() + m0 * k,
-                                    panels.data_ptr<float>() + n0 * k, c + m0 * n + n0, false);
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  // the row blocks [b0, b1) against every panel: 1. each panel once, 2. each of those blocks against it
+  auto run = [&](int64_t b0, int64_t b1) {
+    for (int64_t n0 = 0; n0 < n; n0 += kPanel) {
+      const int64_t w = std::min(kPanel, n - n0);
+      for (int64_t m0 = b0 * kRowBlock; m0 < std::min(m, b1 * kRowBlock); m0 += kRowBlock) {
+        const int64_t mb = std::min(kRowBlock, m - m0);
+        if (vnni) {
+          at::native::cpublas::brgemm(mb, w, k, k, w, n, false, a.data_ptr<at::BFloat16>() + m0 * k,
+                                      panels.data_ptr<at::BFloat16>() + n0 * k, c + m0 * n + n0, true);
+        } else {
+          at::native::cpublas::brgemm(mb, w, k, k, w, n, false, a.data_ptr<float>() + m0 * k,
+                                      panels.data_ptr<float>() + n0 * k, c + m0 * n + n0, false);
+        }
       }
     }
+    at::native::cpublas::brgemm_release(vnni);
+  };
+  // 3. a prompt's many rows split over torch's intra-op threads (each output element is the same
+  // kernel's sum whichever thread computes it); a decode step's few stay on the calling thread
+  if (blocks >= kParallelBlocks && at::get_num_threads() > 1) {
+    at::parallel_for(0, blocks, 1, run);
+  } else {
+    run(0, blocks);
   }
-  at::native::cpublas::brgemm_release(vnni);
-  if (bias.has_value()) out.add_(*bias);  // 3. the bias on the float32 sums, then one rounding
+  if (bias.has_value()) out.add_(*bias);  // 4. the bias on the float32 sums, then one rounding
   return vnni ? out.to(at::kBFloat16) : out;
 }
 
