@@ -222,7 +222,7 @@ def test_a_worker_with_an_idle_channel_stops_at_once(worker):
         started = time.monotonic()
         worker["proc"].send_signal(signal.SIGTERM)
         assert worker["proc"].wait(timeout=20) == 0
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 15  # far under the 30 s it waits without the check
         loop.run_until_complete(c.aclose())
     finally:
         loop.close()
