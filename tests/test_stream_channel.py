@@ -153,6 +153,9 @@ def test_bad_channel_headers_are_clear_errors(worker):
             r = c.post("/generate_stream", json=_body("Hello"), headers={HEADER_CHANNEL: channel_id,
                                                                           HEADER_STREAM_KEY: "x1"})
             assert r.status_code == 422 and "`x1`" in r.json()["error"]
+            r = c.post("/generate_stream", json=_body("Hello"), headers={HEADER_CHANNEL: channel_id,
+                                                                          HEADER_STREAM_KEY: b"\xb2"})
+            assert r.status_code == 422  # "²" (latin-1): a digit to `str.isdigit`, not to `int`
             r = c.post("/streams/abort", json={"channel": channel_id, "streams": [7]})
             assert r.status_code == 200 and r.json() == {"aborted": 0}
         r = c.post("/streams/abort", json={"channel": channel_id, "streams": ["a"]})

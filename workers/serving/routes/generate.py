@@ -117,7 +117,7 @@ def _channel_stream(ctx, request: Request) -> tuple[StreamChannel, int] | None:
         raise APIError(503, f"No stream channel `{channel_id}` is open on this worker; open one with GET /streams",
                        "unavailable")
     key = request.headers.get(HEADER_STREAM_KEY, "")
-    if not key.isdigit() or int(key) in channel.streams:
+    if not (key.isascii() and key.isdigit()) or int(key) in channel.streams:
         raise APIError(422, f"`{HEADER_STREAM_KEY}` must be a decimal stream key not in use on the channel, "
                             f"got `{key}`", "validation")
     return channel, int(key)
