@@ -13,10 +13,10 @@ too on the shapes tests/test_cpu_experts.py checks. A layer of the benchmark's Q
 experts, 32 rows) takes 0.3x the Python loop's time in float32, 0.35x in bfloat16.
 
 Design: compiled with torch's C++ extension builder on first use in a process, into torch's
-extension cache under a name carrying a hash of the source and flags (a later start loads it in
-well under a second); `load()` says whether it is there and why not (no C++ compiler, a failed
-build: the Python loop serves, over oneDNN packs only); `$HETSERVE_CPU_EXPERTS=off` keeps the
-Python loop. No vector flags: the products are oneDNN's, the loops around them move rows.
+extension cache under a name carrying a hash of the source and flags (kernels_local/cpp_build.py:
+a later start loads it in well under a second); `load()` says whether it is there and why not (no
+C++ compiler, a failed build: the Python loop serves, over oneDNN packs only);
+`$HETSERVE_CPU_EXPERTS=off` keeps the Python loop. No vector flags: the products are oneDNN's, the loops around them move rows.
 Trade-off: a compiler on the host at first use (Inductor needs one anyway) and 20-30 s for the
 first build on 2 cores; the panels' brgemm call is written here and in workers/model/cpu_gemm.cpp
 alike, since a kernel repository imports no worker code.
@@ -25,13 +25,14 @@ alike, since a kernel repository imports no worker code.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kernels_local.cpp_build import build
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +58,10 @@ def load() -> CpuExperts:
     global _module
     if os.environ.get(ENV_CPU_EXPERTS, "").lower() in ("off", "0", "false"):
         return CpuExperts(False, f"${ENV_CPU_EXPERTS}=off: the packed experts run from a Python loop")
-    try:
-        from torch.utils import cpp_extension
-
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
-        _module = cpp_extension.load(f"hetserve_cpu_experts_{digest}", [str(SOURCE)], extra_cflags=list(FLAGS),
-                                     verbose=False)  # fmt: skip
-    except Exception as e:  # no compiler, a failed build: the Python loop serves
-        logger.warning("CPU experts loop unavailable (%s: %s); the packed experts run from Python",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
-        return CpuExperts(False, f"C++ loop unavailable ({type(e).__name__}): the packed experts run from Python")
+    _module, why = build("hetserve_cpu_experts", SOURCE, list(FLAGS))
+    if _module is None:  # no compiler, a failed build: the Python loop serves
+        logger.warning("CPU experts loop unavailable (%s); the packed experts run from Python", why)
+        return CpuExperts(False, f"C++ loop unavailable ({why.split(':')[0]}): the packed experts run from Python")
     return CpuExperts(True, "C++ loop over the packed experts")
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from kernels_local.cpp_build import build, vector_flags
 from workers.contract.dtypes import cpu_flags
-from workers.device.cpp_ext import build
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +52,9 @@ class CpuDecode:
 _module = None
 
 
-# this CPU's vector instructions -> the compiler flags for them and the macro that sizes ATen's
-# `Vectorized` to them (as Inductor builds its own kernels: torch/_inductor/cpu_vec_isa.py)
-ISA_FLAGS = (
-    ("avx512", frozenset({"avx512f", "avx512dq", "avx512vl", "avx512bw", "fma"}),
-     "-mavx512f -mavx512dq -mavx512vl -mavx512bw -mfma", "CPU_CAPABILITY_AVX512"),
-    ("avx2", frozenset({"avx2", "fma", "f16c"}), "-mavx2 -mfma -mf16c", "CPU_CAPABILITY_AVX2"),
-)
-
-
 def _flags() -> tuple[list[str], str]:
     """The compiler flags for this CPU's vector instructions and their name (`scalar` without any)."""
-    have = cpu_flags() or frozenset()
-    for name, needs, flags, macro in ISA_FLAGS:
-        if needs <= have:
-            return ["-O3", "-fopenmp-simd", *flags.split(), f"-D{macro}"], name
-    return ["-O3", "-fopenmp-simd"], "scalar"
+    return vector_flags(cpu_flags() or frozenset())
 
 
 @functools.cache

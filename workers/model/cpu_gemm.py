@@ -9,13 +9,13 @@ once as contiguous column panels (`panels`), a projection takes 0.1-0.95x the pa
 at 1 to 128 rows for reductions up to `MAX_K` (docs/benchmarks.md "CPU projections"); past it,
 without K blocking, it loses to the packs, which stay there.
 
-Design: `cpu_gemm.cpp` is built once per host for the worker (workers/device/cpp_ext.py), on first
+Design: `cpu_gemm.cpp` is built once per host for the worker (kernels_local/cpp_build.py), on first
 use in a process; `load()` says whether it is there and why not, and without it the oneDNN packs
 serve. `panels(weight)` lays a weight [N, K] out as [K, N] column panels of `PANEL` (the last
 narrower), each [K, w] in float32 or [K/2, w, 2] in bfloat16 (pairs of K side by side: the order
 the bfloat16 dot instructions read; an even K); `linear(rows, panels, bias)` multiplies. The
 products are float32 sums, the bias added to them and a bfloat16 output rounded once, as the
-packed matmul does; the order of the sums is the kernel's own, so results may differ from the
+packed matmul does, one [64, 64] tile at a time while it is in cache; the order of the sums is the kernel's own, so results may differ from the
 packs' in the last bit where oneDNN splits a reduction otherwise (tests/test_cpu_gemm.py).
 From 256 rows (a prompt's, never a decode step's) the row blocks are shared among torch's
 intra-op threads (`at::parallel_for`, built with OpenMP as torch is): each output element is
@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from workers.device.cpp_ext import build
+from kernels_local.cpp_build import build, vector_flags
+from workers.contract.dtypes import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 ENV_CPU_GEMM = "HETSERVE_CPU_GEMM"  # "off": the oneDNN packs only
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
-FLAGS = ["-O3", "-fopenmp"]  # at::parallel_for over OpenMP, as torch is built
 PANEL = 64  # columns per panel (cpu_gemm.cpp `kPanel`)
 MAX_K = 2048  # past this reduction the packs win (the panels have no K blocking)
 
@@ -64,7 +64,8 @@ def load() -> CpuGemm:
     global _module
     if os.environ.get(ENV_CPU_GEMM, "").lower() in ("off", "0", "false"):
         return CpuGemm(False, f"${ENV_CPU_GEMM}=off: projections through the oneDNN packs")
-    _module, why = build("hetserve_cpu_gemm", SOURCE, FLAGS)
+    flags = [*vector_flags(cpu_flags() or frozenset())[0], "-fopenmp"]  # at::parallel_for over OpenMP, as torch is
+    _module, why = build("hetserve_cpu_gemm", SOURCE, flags)
     if _module is None:
         logger.warning("CPU panel GEMM unavailable (%s); projections through the oneDNN packs", why)
         return CpuGemm(False, f"panel GEMM unavailable ({why.split(':')[0]}): projections through the oneDNN packs")

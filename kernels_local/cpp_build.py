@@ -1,0 +1,102 @@
+"""C++ kernels for the CPU: built once per host with torch's extension builder, for its vector ISA.
+
+Design: `build(stem, source, flags)` compiles `source` into torch's extension cache
+(`$TORCH_EXTENSIONS_DIR`) under `stem` and a hash of the source and flags, so an edited source or
+other flags build anew and a later start only loads (well under a second); the first build takes
+20-40 s on 2 cores. It never raises: a host without a C++ compiler, or a failed build, gives the
+reason, and the caller keeps its torch path. `vector_flags()` gives the flags for this CPU's
+vector instructions and the macro that sizes ATen's `Vectorized` to them, as Inductor builds its
+own kernels (torch/_inductor/cpu_vec_isa.py): a kernel written over `at::vec::Vectorized` then
+runs the same vector code (and the same Sleef functions) as torch's own CPU kernels.
+Shared by the kernel repositories' CPU kernels and the worker's own (workers/kv/cpu_decode.py,
+workers/model/cpu_gemm.py), like `compile_spec`; it imports nothing of either.
+Trade-off: a compiler at first use, which Inductor needs anyway to compile a CPU step.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# this CPU's vector instructions -> the compiler flags for them and the macro that sizes `Vectorized`
+ISA_FLAGS = (
+    ("avx512", frozenset({"avx512f", "avx512dq", "avx512vl", "avx512bw", "fma"}),
+     "-mavx512f -mavx512dq -mavx512vl -mavx512bw -mfma", "CPU_CAPABILITY_AVX512"),
+    ("avx2", frozenset({"avx2", "fma", "f16c"}), "-mavx2 -mfma -mf16c", "CPU_CAPABILITY_AVX2"),
+)
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """This host's CPU feature flags (Linux's /proc/cpuinfo names); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(":", 1)[-1].split())
+
+
+def vector_flags(have: frozenset[str] | None = None) -> tuple[list[str], str]:
+    """The compiler flags for the vector instructions of this CPU (or of one with the flags `have`)
+    and their name (`scalar` without any)."""
+    have = _cpu_flags() if have is None else have
+    for name, needs, flags, macro in ISA_FLAGS:
+        if needs <= have:
+            return ["-O3", "-fopenmp-simd", *flags.split(), f"-D{macro}"], name
+    return ["-O3", "-fopenmp-simd"], "scalar"
+
+
+def build(stem: str, source: Path, flags: list[str]):
+    """(module, None) once `source` is built and imported, or (None, why not)."""
+    try:
+        from torch.utils import cpp_extension
+
+        digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+        return cpp_extension.load(f"{stem}_{digest}", [str(source)], extra_cflags=flags, verbose=False), None
+    except Exception as e:  # no compiler, a failed build
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
+
+
+@dataclass(frozen=True)
+class CppState:
+    """Whether a C++ kernel is loaded in this process, and why (or why not)."""
+
+    available: bool
+    reason: str
+
+
+class CppKernel:
+    """One C++ source for this CPU's vector ISA, built (once per host) and loaded on first use in a
+    process; `$<env>=off` keeps the caller's torch path. `load()` never raises; `module` is the
+    loaded extension (None until `load()` found it)."""
+
+    def __init__(self, stem: str, source: Path, env: str, what: str, extra_flags: tuple[str, ...] = ()):
+        self.stem, self.source, self.env, self.what, self.extra_flags = stem, source, env, what, extra_flags
+        self.module = None
+        self._state: CppState | None = None
+
+    def load(self) -> CppState:
+        if self._state is None:
+            self._state = self._load()
+        return self._state
+
+    def reset(self) -> None:
+        """Forget the state (tests switch `$<env>`); a later `load()` looks again."""
+        self._state, self.module = None, None
+
+    def _load(self) -> CppState:
+        if os.environ.get(self.env, "").lower() in ("off", "0", "false"):
+            return CppState(False, f"${self.env}=off: the torch reference")
+        flags, isa = vector_flags()
+        self.module, why = build(self.stem, self.source, [*flags, *self.extra_flags])
+        if self.module is None:  # no compiler, a failed build: the torch reference serves
+            logger.warning("%s unavailable (%s); the torch reference serves", self.what, why)
+            return CppState(False, f"{self.what} unavailable ({why.split(':')[0]}): the torch reference")
+        return CppState(True, f"{self.what} ({isa})")
