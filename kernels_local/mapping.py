@@ -106,7 +106,8 @@ _NEWER = "newer than the newest tuned architecture (sm_90): its Hopper tuning, t
 
 _RDNA = "RDNA (gfx10+) runs the CDNA tuning: correct, with fewer warps than its 32-lane waves would like"
 
-_CPU_REFERENCE = "CPU: the torch reference (Triton needs a GPU)"
+_CPU_CPP = ("CPU: C++, one pass per row in ATen's vectors for this CPU's ISA (the torch reference under "
+            "torch.compile, which fuses it, and where the kernel cannot build)")
 
 _BELOW_SM70 = "below sm_70, which Triton does not target: the torch reference"
 
@@ -114,12 +115,13 @@ _CDNA_TUNING = "Triton tuned for CDNA's 64-lane wavefronts"
 
 
 def _triton_family(layer: str, repo: str, cls: str, cpu: str, below: str, sm70: str, sm90: str,
-                   rocm: str, first: int = 70) -> tuple[_Entry, ...]:
-    """The seven entries of a layer with the usual Triton family: the torch reference on CPU and
-    below sm_`first` (sm_70 unless the layer's kernel needs more), `<cls>TritonSm70` up to Ada,
-    `<cls>TritonSm90` from Hopper on, `<cls>TritonRocm`."""
+                   rocm: str, first: int = 70, cpu_kernel: tuple[str, str] | None = None) -> tuple[_Entry, ...]:
+    """The seven entries of a layer with the usual Triton family: the torch reference on CPU (or
+    `cpu_kernel`'s (class, variant)) and below sm_`first` (sm_70 unless the layer's kernel needs
+    more), `<cls>TritonSm70` up to Ada, `<cls>TritonSm90` from Hopper on, `<cls>TritonRocm`."""
+    cpu_cls, cpu_variant = cpu_kernel or (cls, "torch")
     return (
-        _Entry(layer, Device(type="cpu"), repo, cls, "torch", cpu),
+        _Entry(layer, Device(type="cpu"), repo, cpu_cls, cpu_variant, cpu),
         _Entry(layer, Device(type="cuda"), repo, cls, "torch", below),
         _Entry(layer, _cuda(first, 89), repo, f"{cls}TritonSm70", "triton-sm70", sm70),
         _Entry(layer, _cuda(90, 99), repo, f"{cls}TritonSm90", "triton-sm90", sm90),
@@ -131,15 +133,15 @@ def _triton_family(layer: str, repo: str, cls: str, cpu: str, below: str, sm70: 
 # fmt: off
 _ENTRIES: tuple[_Entry, ...] = (
     *_triton_family(
-        "RMSNorm", "rmsnorm", "RMSNorm", _CPU_REFERENCE, _BELOW_SM70,
+        "RMSNorm", "rmsnorm", "RMSNorm", _CPU_CPP, _BELOW_SM70,
         "pre-Hopper (sm_70..sm_89): Triton, one row per program, 8 elements per thread",
         "Hopper (sm_90): Triton, several narrow rows per program, 16 elements per thread",
-        _CDNA_TUNING),
+        _CDNA_TUNING, cpu_kernel=("RMSNormCpu", "cpp")),
     *_triton_family(
-        "SiluAndMul", "activation", "SiluAndMul", _CPU_REFERENCE, _BELOW_SM70,
+        "SiluAndMul", "activation", "SiluAndMul", _CPU_CPP, _BELOW_SM70,
         "pre-Hopper (sm_70..sm_89): Triton, 1024 columns x 4 warps per program",
         "Hopper (sm_90): Triton, 4096 columns x 8 warps per program",
-        _CDNA_TUNING),
+        _CDNA_TUNING, cpu_kernel=("SiluAndMulCpu", "cpp")),
     # -- Fp8Linear (ranges and convention from the fp8 rule) --------------------------------
     _Entry("Fp8Linear", Device(type="cpu"), "fp8_linear", "Fp8Linear", "emulated-torch",
            "CPU: emulated fp8, uint8 weights dequantized for a torch matmul", EMULATED),

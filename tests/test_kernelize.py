@@ -55,7 +55,8 @@ def _layers_module(repo: str, any_layer: str):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Count the launches of the kernel layers, by tuning name ("torch" for the reference)."""
+    """Count the launches of the kernel layers, by tuning name ("torch" for the reference, "cpp" for
+    the CPU layers' C++ kernels)."""
     seen: Counter = Counter()
     norm_layers = _layers_module("rmsnorm", "RMSNorm")
     act_layers = _layers_module("activation", "SiluAndMul")
@@ -73,6 +74,8 @@ def calls(monkeypatch):
     monkeypatch.setattr(
         norm_layers, "rms_norm_reference", counting(lambda a: "RMSNorm:torch", norm_layers.rms_norm_reference)
     )
+    monkeypatch.setattr(norm_layers, "rms_norm_cpu", counting(lambda a: "RMSNorm:cpp", norm_layers.rms_norm_cpu))
+    monkeypatch.setattr(act_layers, "silu_and_mul_cpu", counting(lambda a: "SiluAndMul:cpp", act_layers.silu_and_mul_cpu))
     monkeypatch.setattr(
         act_layers, "silu_and_mul", counting(lambda a: f"SiluAndMul:{a[1].name}", act_layers.silu_and_mul)
     )
@@ -87,7 +90,7 @@ def calls(monkeypatch):
 @pytest.mark.parametrize(
     "token,norm_tuning,act_tuning",
     [("sm_80", "sm70", "sm70"), ("sm_90", "sm90", "sm90"), ("sm_120", "sm90", "sm90"), ("gfx942", "rocm", "rocm"),
-     ("cpu", "torch", "torch")],
+     ("cpu", "cpp", "cpp")],
 )  # fmt: skip
 def test_counters_prove_which_forward_ran(calls, token, norm_tuning, act_tuning):
     model, bound = tiny_model(), device(token)

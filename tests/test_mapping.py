@@ -67,8 +67,10 @@ def test_tuned_variants_by_architecture():
     assert select("cuda", (7, 5))["SiluAndMul"].layer == "SiluAndMulTritonSm70"
     assert select("rocm", (9, 4))["RMSNorm"].variant == "triton-rocm"
     assert select("cpu", None)["RMSNorm"] == KernelChoice(
-        "kernels_local/rmsnorm", "RMSNorm", "torch", select("cpu", None)["RMSNorm"].reason
+        "kernels_local/rmsnorm", "RMSNormCpu", "cpp", select("cpu", None)["RMSNorm"].reason
     )
+    assert select("cpu", None)["SiluAndMul"].layer == "SiluAndMulCpu"
+    assert select("cuda", (6, 0))["RMSNorm"].layer == "RMSNorm"  # below sm_70: the torch reference
 
 
 @pytest.mark.parametrize("cap", [(10, 0), (12, 0), (15, 9)])

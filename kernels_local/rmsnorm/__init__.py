@@ -1,4 +1,4 @@
-"""hetserve-rmsnorm: RMSNorm in Triton (CUDA/ROCm, tuned per architecture) and torch (CPU)."""
+"""hetserve-rmsnorm: RMSNorm in Triton (CUDA/ROCm, tuned per architecture) and C++ (CPU), with its torch reference."""
 
 from . import layers
 from .rmsnorm import MAX_BLOCK_N, TUNINGS, RMSNormTuning, rms_norm, rms_norm_reference, runs_triton

@@ -2,7 +2,8 @@
 
 Each layer is stateless: no `__init__`, only `forward(self, hidden_states)`, reading the
 `weight` and `variance_epsilon` of the module it replaces. The Triton layers differ only in
-their launch tuning; on CPU tensors they run the torch reference (see `rms_norm`).
+their launch tuning; on CPU tensors they run the torch reference (see `rms_norm`). A CPU
+worker's `RMSNormCpu` runs the C++ kernel of cpu.py.
 `COMPILE_SPECS` names, per Triton layer, the launches its forward can make (the preflight
 compiles them ahead of time); each entry's tuning is the one its forward passes.
 """
@@ -14,14 +15,24 @@ from functools import partial
 import torch
 from torch import nn
 
+from .cpu import rms_norm_cpu
 from .rmsnorm import HOPPER, PRE_HOPPER, ROCM, compile_specs, rms_norm, rms_norm_reference
 
 
 class RMSNorm(nn.Module):
-    """Torch reference (CPU)."""
+    """Torch reference (CUDA below sm_70; the CPU where the C++ kernel cannot build)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm_reference(hidden_states, self.weight, self.variance_epsilon)
+
+
+class RMSNormCpu(nn.Module):
+    """C++ on the CPU, one pass per row (cpu.py); the torch reference under torch.compile."""
+
+    has_backward = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm_cpu(hidden_states, self.weight, self.variance_epsilon)
 
 
 class RMSNormTritonSm70(nn.Module):

@@ -1,0 +1,39 @@
+"""The rotary embedding on the CPU in one pass: C++ (`cpu_rotary.cpp`), built once per host.
+
+Why: `apply_rotary`'s torch form is seven elementwise passes (four products, a difference, a sum
+and a concatenation) over a step's queries and keys; at a prompt's rows (a burst of 16 prompts of
+128 tokens through the embedded model) they were a tenth of the prefill step on one CPU thread. The
+kernel reads each token's heads once and writes the rotated heads once.
+
+Design: `rotate(x, cos, sin)` is `apply_rotary`'s fast path for an eager step's packed tokens
+(x [T, heads, D], cos and sin [T, 1, R/2]) in float32 or bfloat16 on the CPU; anything else, and
+everything under `torch.compile` (Inductor fuses the torch form itself), takes the torch form, as
+it does where the kernel did not build (`KERNEL.load()` says why; `$HETSERVE_CPU_ROTARY=off`
+keeps the torch form). Each product, the difference and the sum round to the input's dtype as the
+torch form's ops do, so the two agree bit for bit (tests/test_cpu_elementwise.py): which one a
+step takes changes no output. Trade-off: one more C++ build on a host's first start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kernels_local.cpp_build import CppKernel
+
+ENV_CPU_ROTARY = "HETSERVE_CPU_ROTARY"  # "off": the torch form only
+KERNEL = CppKernel("hetserve_cpu_rotary", Path(__file__).with_name("cpu_rotary.cpp"), ENV_CPU_ROTARY,
+                   "C++ rotary, one pass per token", ("-ffp-contract=off",))
+
+
+def runs(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `apply_rotary(x, cos, ...)` takes the kernel."""
+    return (x.device.type == "cpu" and x.dim() == 3 and cos.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16)
+            and cos.dtype == x.dtype and x.shape[0] == cos.shape[0] and x.stride(-1) == 1 and x.numel() > 0
+            and not torch.compiler.is_compiling() and KERNEL.load().available)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos, sin [T, 1, R/2] over its first R dims -> [T, heads, D] (`runs` must hold)."""
+    return KERNEL.module.rotary(x, cos.contiguous(), sin.contiguous())
