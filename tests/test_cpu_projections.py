@@ -108,6 +108,32 @@ def test_the_forward_multiplies_through_the_pack(monkeypatch, panels):
         assert panels or torch.equal(alone, model.big(one))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_prompts_bfloat16_rows_take_onednns_matmul_on_the_dense_weight(dtype):
+    """Guards `n >= LARGE_ROWS and rows.dtype == torch.bfloat16` in `packed_linear_eager`: from
+    `LARGE_ROWS` bfloat16 rows a panel-laid weight's projection is `F.linear` on the dense weight
+    (its rows padded to a multiple of `LARGE_ROW_STEP` and cut back), so a pack of other weights no
+    longer changes it; fewer rows, and float32 at any count, still read the panels."""
+    from workers.model import cpu_gemm
+
+    if not cpu_gemm.load().available:
+        pytest.skip(cpu_gemm.load().reason)
+    needs_packing(dtype)
+    model = Tiny(dtype)
+    install_cpu_projections(model, "cpu", dtype)
+    assert cpu_gemm.is_panels(getattr(model.big.weight, PACKED_ATTR))
+    setattr(model.big.weight, PACKED_ATTR, cpu_gemm.panels(torch.randn(1024, 256).to(dtype)))  # other weights
+    g = torch.Generator().manual_seed(1)
+    large = cpu_projections.LARGE_ROWS + 3  # not a multiple of the step: padded, then cut back
+    with torch.no_grad():
+        for rows in (large - 4, large):
+            x = torch.randn(rows, 256, generator=g).to(dtype)
+            got = model.big(x)
+            assert got.shape == (rows, 1024)
+            dense = torch.equal(got, F.linear(x, model.big.weight, model.big.bias))
+            assert dense == (rows >= cpu_projections.LARGE_ROWS and dtype == torch.bfloat16), (rows, dtype)
+
+
 def test_packing_is_skipped_when_it_would_take_half_the_available_memory(monkeypatch):
     model = Tiny(torch.float32)
     monkeypatch.setattr(cpu_projections, "available_bytes", lambda: 1_000_000)

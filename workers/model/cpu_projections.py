@@ -52,6 +52,11 @@ PACKED_ATTR = "_hetserve_onednn"  # the attribute kernels_local/fused_moe/torch_
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_PACKED_ELEMENTS = 1 << 16  # smaller matrices (a router) stay with torch's matmul (oneDNN's ~20 us per call)
 AVAILABLE_SHARE = 0.5  # the packs may take at most this share of the memory available after loading
+# From this many bfloat16 rows (a prompt's) oneDNN's matmul on the dense weight, reordered per call, is as
+# fast as the column panels or faster: 0.99-1.39x at 512 rows, 1.05-1.6x at 1024, 1.39-2.11x at 2048 with
+# the weights out of cache (`python benchmarks/cpu_projections.py --rows 512 1024 2048 --dtype bfloat16`);
+# its rows padded to a multiple of `LARGE_ROW_STEP` (a few dozen shapes up to a step's token budget).
+LARGE_ROWS, LARGE_ROW_STEP = 512, 128
 
 
 @dataclass(frozen=True)
@@ -94,19 +99,26 @@ def packing_refusal(dtype: torch.dtype) -> str | None:
 
 
 def packed_linear_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight.T + bias through the pack on `weight`, rows padded to their bucket."""
+    """x [..., K] @ weight.T + bias through the pack on `weight`: a oneDNN pack's rows padded to their
+    bucket; column panels take the rows as they are (brgemm's kernels are per block of 64 rows, not
+    per row count), except from `LARGE_ROWS` bfloat16 rows (a burst of prompts), which oneDNN's own
+    matmul on the dense weight multiplies faster, rows padded to a multiple of `LARGE_ROW_STEP`."""
     lead, width = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, width)  # [R, K]
     n = rows.shape[0]
-    bucket = row_bucket(n)
-    if bucket != n:
-        rows = F.pad(rows, (0, 0, 0, bucket - n))  # [bucket, K]
     packed = getattr(weight, PACKED_ATTR)
-    if cpu_gemm.is_panels(packed):  # brgemm over the weight's column panels (workers/model/cpu_gemm.py)
-        out = cpu_gemm.linear(rows, packed, bias)  # [bucket, N]
-    else:
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [bucket, N]
+    if not cpu_gemm.is_panels(packed):
+        out = torch.ops.mkldnn._linear_pointwise(_padded(rows, row_bucket(n)), packed, bias, "none", [], "")
+    elif n >= LARGE_ROWS and rows.dtype == torch.bfloat16:
+        out = F.linear(_padded(rows, -(-n // LARGE_ROW_STEP) * LARGE_ROW_STEP), weight, bias)  # [bucket, N]
+    else:  # brgemm over the weight's column panels (workers/model/cpu_gemm.py)
+        out = cpu_gemm.linear(rows, packed, bias)  # [R, N]
     return out[:n].reshape(*lead, out.shape[-1])
+
+
+def _padded(rows: torch.Tensor, bucket: int) -> torch.Tensor:
+    """rows [R, K] with zero rows appended up to `bucket` (oneDNN compiles one kernel per row count)."""
+    return rows if bucket == rows.shape[0] else F.pad(rows, (0, 0, 0, bucket - rows.shape[0]))
 
 
 def _packed_linear_op():
