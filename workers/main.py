@@ -46,6 +46,7 @@ from workers.contract import (
     engine_limits_error,
     use_triton_cache,
 )
+from workers.device.host_memory import keep_freed_memory
 from workers.model.row_buckets import cap_native_caches
 from workers.sampling.grammar_sandbox import CompileBudget, add_budget_args
 
@@ -195,9 +196,11 @@ def configure_logging(worker_id: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cap_native_caches()  # before torch loads (see workers/model/row_buckets.py)
+    memory = keep_freed_memory()  # before the first step's temporaries (workers/device/host_memory.py)
     args = parse_args(argv)
     args.worker_id = args.worker_id or _default_worker_id(args)
     configure_logging(args.worker_id)
+    logger.info("host memory: %s", memory)
     return run_worker(args)
 
 
