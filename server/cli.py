@@ -21,6 +21,7 @@ from server.config.routing import add_routing_flags
 from server.config.settings import CANARY_ACTIONS, RouterSettings
 from server.errors import UsageError
 from workers.contract import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -80,9 +81,10 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_KV_BLOCK_SIZE})")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="workers do not reuse the KV blocks of shared prompt prefixes")
-    g.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="N",
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="tokens one engine step computes: running decodes first, then prompt chunks "
-                        f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+                        f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS} on a GPU, {CPU_MAX_NUM_BATCHED_TOKENS} where the "
+                        "step computes on the CPU: a CPU or simulated device)")
     g.add_argument("--kv-cache-bytes", type=int, default=None, metavar="N",
                    help=f"KV cache budget of each worker in bytes (default: {round(GPU_FREE_FRACTION * 100)}%% of a GPU's "
                         "free memory after loading; on a CPU or simulated device what --max-batch sequences of "

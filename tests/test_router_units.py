@@ -24,7 +24,15 @@ from server.routing.filter import (
     parse_constraints,
 )
 from tests.routing_helpers import PICK, choose
-from workers.contract import CapabilityPayload, DeviceInfo, WorkerState, parse_simulate
+from workers.contract import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    CapabilityPayload,
+    DeviceInfo,
+    WorkerState,
+    cpu_device,
+    parse_simulate,
+)
 
 REAL_H100 = DeviceInfo(index=3, uuid="GPU-aaaa-bbbb", name="NVIDIA H100", type="cuda", capability=(9, 0),
                        memory_total_bytes=80 << 30, simulated=False, pci_bus_id="00000000:41:00.0")
@@ -134,6 +142,10 @@ def test_engine_flags_reach_every_worker_and_bad_ones_are_refused_before_spawnin
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "512"
     defaults = _specs([REAL_H100])[0].argv
     assert "--no-prefix-cache" not in defaults and defaults[defaults.index("--kv-block-size") + 1] == "16"
+    # without the flag each device's step budget (`step_token_budget`): a GPU's, or a CPU's where the step computes there
+    assert defaults[defaults.index("--max-num-batched-tokens") + 1] == str(DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    on_cpu = _specs([cpu_device()])[0].argv
+    assert on_cpu[on_cpu.index("--max-num-batched-tokens") + 1] == str(CPU_MAX_NUM_BATCHED_TOKENS)
     for bad, needle in ((["--kv-block-size", "12"], "`--kv-block-size 12` is not supported. Supported: 1, 2, 4"),
                         (["--max-num-batched-tokens", "8"], "`--max-num-batched-tokens 8` must be >= `--max-batch 32`")):
         with pytest.raises(UsageError, match=needle):
@@ -309,3 +321,16 @@ def test_run_dirs_of_dead_routers_are_swept(tmp_path):
         (d / RUN_DIR_MARKER).write_text("")
     assert sweep_stale_run_dirs(tmp_path) == [stale]
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_the_step_budget_is_each_devices_and_never_below_the_batch():
+    """`step_token_budget`: 2048 tokens a step on a GPU, 1024 where the step computes on the CPU (a
+    CPU, or a simulated device); a `--max-batch` above it raises it, so every running sequence still
+    decodes each step."""
+    from workers.contract import step_token_budget
+
+    assert step_token_budget(False) == DEFAULT_MAX_NUM_BATCHED_TOKENS == 2048
+    assert step_token_budget(True) == CPU_MAX_NUM_BATCHED_TOKENS == 1024
+    assert step_token_budget(True, 4096) == 4096
+    assert cpu_device().computes_on_cpu and not REAL_H100.computes_on_cpu
+    assert parse_simulate("sm_90")[0].computes_on_cpu

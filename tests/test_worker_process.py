@@ -207,3 +207,21 @@ def test_failed_start_names_the_step_and_exits_3(tmp_path):
     assert proc.wait(timeout=60) == 3
     s = read_status(status)
     assert s["state"] == "failed" and s["step"] == "bind" and "`sm_8x`" in s["reason"]
+
+
+def test_a_worker_started_by_hand_takes_its_devices_step_budget(tmp_path):
+    """Guards the resolution after `bind` in workers/main.py `run_worker`: without
+    `--max-num-batched-tokens` a worker's step budget is its device's (`step_token_budget`); a
+    simulated device computes on the CPU, so 1024 tokens a step."""
+    from workers.contract import CPU_MAX_NUM_BATCHED_TOKENS
+
+    proc, sock, status = start_worker(tmp_path, make_checkpoint(tmp_path / "model"), "--simulate", "sm_90",
+                                      "--max-batch", "2", "--compile", "off")
+    try:
+        wait_state(proc, status, {"ready"})
+        with client(sock) as c:
+            capacity = c.get("/capability").json()["capacity"]
+        assert capacity["max_num_batched_tokens"] == CPU_MAX_NUM_BATCHED_TOKENS
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

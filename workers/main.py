@@ -32,6 +32,7 @@ import traceback
 from collections.abc import Iterator
 
 from workers.contract import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -44,6 +45,7 @@ from workers.contract import (
     ExitCode,
     WorkerStatus,
     engine_limits_error,
+    step_token_budget,
     use_triton_cache,
 )
 from workers.device.host_memory import keep_freed_memory
@@ -79,9 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-block-size", type=int, default=DEFAULT_KV_BLOCK_SIZE,
                    help=f"tokens per KV cache block (default {DEFAULT_KV_BLOCK_SIZE})")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV blocks of shared prompt prefixes")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help=f"tokens one engine step computes: decodes first, then prompt chunks "
-                        f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"tokens one engine step computes: decodes first, then prompt chunks (default "
+                        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} on a GPU, {CPU_MAX_NUM_BATCHED_TOKENS} where the step computes "
+                        "on the CPU: a CPU or simulated device)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: a request's output does not depend on its batch mates "
                         "(fixed GEMM row tiles and attention splits; see workers/model/deterministic.py)")
@@ -230,6 +233,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
             bound = bind_device(args.simulate, args.device_index, args.device_uuid)
             logger.info("Triton cache %s", use_triton_cache(bound.arch_name))  # before Triton is imported
+            if args.max_num_batched_tokens is None:  # this device's step budget (workers/contract/defaults.py)
+                args.max_num_batched_tokens = step_token_budget(bound.computes_on_cpu, args.max_batch)
         if args.threads:  # the CPU threads the router gave this worker, before any compute
             import torch
 

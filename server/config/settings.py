@@ -28,7 +28,6 @@ from server.errors import UsageError
 from workers.contract import (
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MODEL_DIR,
     DRAIN_TIMEOUT_S,
@@ -85,7 +84,7 @@ class RouterSettings:
     max_queue: int = DEFAULT_MAX_QUEUE  # waiting requests per worker before it answers 429
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV cache block
     prefix_cache: bool = True  # workers reuse the KV blocks of shared prompt prefixes
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # tokens per engine step
+    max_num_batched_tokens: int | None = None  # tokens per engine step (None: each device's, `step_token_budget`)
     api_key: str | None = None
     api_key_source: str = "none"  # --api-key, --api-key-file PATH, $HETSERVE_API_KEY or none
     log_level: str = "info"
@@ -154,7 +153,7 @@ class RouterSettings:
         engine = {
             "kv_block_size": getattr(args, "kv_block_size", DEFAULT_KV_BLOCK_SIZE),
             "prefix_cache": not getattr(args, "no_prefix_cache", False),
-            "max_num_batched_tokens": getattr(args, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
+            "max_num_batched_tokens": getattr(args, "max_num_batched_tokens", None),
         }
         error = engine_limits_error(engine["kv_block_size"], engine["max_num_batched_tokens"],
                                     getattr(args, "max_batch", DEFAULT_MAX_BATCH))

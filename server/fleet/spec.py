@@ -27,6 +27,7 @@ from workers.contract import (
     ENV_SIMULATE,
     DeviceInfo,
     cpu_device,
+    step_token_budget,
     use_triton_cache,
 )
 
@@ -82,7 +83,7 @@ def compute_threads(settings: RouterSettings, devices: list[DeviceInfo]) -> int:
     if settings.threads:
         return settings.threads
     cpus = available_cpus()
-    on_cpu = all(d.simulated or d.type == "cpu" for d in devices)
+    on_cpu = all(d.computes_on_cpu for d in devices)
     return cpus - 1 if on_cpu and cpus > 1 else cpus
 
 
@@ -138,7 +139,8 @@ def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, sock
         "--max-batch", str(settings.max_batch),
         "--max-queue", str(settings.max_queue),
         "--kv-block-size", str(settings.kv_block_size),
-        "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+        "--max-num-batched-tokens", str(settings.max_num_batched_tokens
+                                        or step_token_budget(device.computes_on_cpu, settings.max_batch)),
         "--threads", str(threads),
         "--status-file", str(status_path),
         "--parent-pid", str(parent_pid),

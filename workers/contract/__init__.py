@@ -29,6 +29,7 @@ from workers.contract.chat_template import (
     token_text,
 )
 from workers.contract.defaults import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -63,6 +64,7 @@ from workers.contract.defaults import (
     RUN_DIR_MARKER,
     WORKER_HEADERS,
     engine_limits_error,
+    step_token_budget,
 )
 from workers.contract.device import DEVICE_FIELDS, DeviceDescribing, DeviceInfo
 from workers.contract.fp8_rule import (
@@ -132,13 +134,13 @@ __all__ = [
     "ACCEPTED_CAPABILITY_SPELLINGS", "Capability", "CapabilityError", "capability_label", "JINJA_FILE",
     "TOKENIZER_CONFIG", "TOKENIZER_FILE", "FoundTemplate", "find_chat_template", "read_special_tokens",
     "read_tokenizer_config", "token_text", "DEFAULT_KV_BLOCK_SIZE", "DEFAULT_MAX_BATCH",
-    "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_QUEUE", "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S",
+    "CPU_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_QUEUE", "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S",
     "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_COMPILE", "ENV_PREFLIGHT", "ENV_SIMULATE", "ENV_TEST_PERTURB_LOGITS",
     "GATEWAY_KV_USAGE", "GATEWAY_POD", "GATEWAY_RUNNING", "GATEWAY_WAITING", "HEADER_FP8",
     "HEADER_CHANNEL", "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_MODEL", "HEADER_PIN_WORKER",
     "HEADER_STREAM_KEY", "HEADER_WORKER_CAPABILITY",
     "HEADER_WORKER_ID", "KV_BLOCK_SIZES", "MAX_HEADER_BYTES", "MAX_HEADER_COUNT", "MAX_URL_BYTES",
-    "PREFLIGHT_MODES", "RESUME_IDS", "RUN_DIR_MARKER", "WORKER_HEADERS", "engine_limits_error",
+    "PREFLIGHT_MODES", "RESUME_IDS", "RUN_DIR_MARKER", "WORKER_HEADERS", "engine_limits_error", "step_token_budget",
     "DEVICE_FIELDS", "DeviceDescribing", "DeviceInfo", "DEVICE_TYPES", "EMULATED", "FP8_CONVENTIONS",
     "NATIVE", "NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_LAST",
     "ROCM_OCP_FP8_CAPABILITY", "Fp8Decision", "fp8_rule", "FP8_DEQUANTIZED", "FP8_EXECUTIONS", "FP8_NATIVE",

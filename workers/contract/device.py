@@ -39,6 +39,11 @@ class DeviceDescribing:
         return Capability.parse(self.capability).sm
 
     @property
+    def computes_on_cpu(self) -> bool:
+        """Whether this device's worker computes on the host's CPU: a CPU, or a simulated device."""
+        return bool(getattr(self, "simulated", False)) or self.type == "cpu"
+
+    @property
     def capability_label(self) -> str:
         """`"9.0"`, or `"cpu"`: the `capability` label of metrics and headers."""
         return capability_label(self.capability)
