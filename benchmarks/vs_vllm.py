@@ -4,6 +4,7 @@
     python benchmarks/vs_vllm.py --concurrency 32 --rounds 2 --json
     python benchmarks/vs_vllm.py --venv /data/vllm-venv   # or $HETSERVE_VLLM_VENV
     python benchmarks/vs_vllm.py --compile off,on --no-vllm   # hetserve's decode step eager vs compiled
+    python benchmarks/vs_vllm.py --no-vllm --serve-args "--max-num-batched-tokens 2048" --serve-args ""
 
 What it does, in order:
 1. makes sure a venv with vLLM's CPU build exists outside the project (default
@@ -25,7 +26,9 @@ What it does, in order:
 `--compile off,on` serves hetserve once per listed `--compile` mode in each round (default:
 the flag not passed, so `auto`: a CPU worker compiles its decode step at start, which takes
 a minute or more the first time, less from Inductor's cache); `--no-vllm` leaves vLLM out and
-compares the first mode with the others (the client still comes from vLLM's venv).
+compares the first mode with the others (the client still comes from vLLM's venv). `--serve-args
+ARGS` (repeatable) serves hetserve once more per round with those `hetserve serve` arguments
+("" for none): with `--no-vllm`, the first variant is the base the others are compared with.
 
 Equal stopping: both servers must generate the same number of tokens, or the figures compare
 different work. If hetserve's `/v1/completions` honours `ignore_eos` (probed: a request whose
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -139,16 +143,21 @@ def vllm_server(vllm: Path, model: Path, port: int, log_dir: Path) -> Server:
     return Server("vllm", cmd, port, env, log_dir, "/health")
 
 
-def hetserve_server(model: Path, port: int, log_dir: Path, compile_mode: str | None = None) -> Server:
-    """`compile_mode`: hetserve's `--compile` (None: not passed, the default auto)."""
+def hetserve_server(model: Path, port: int, log_dir: Path, variant: str = "") -> Server:
+    """`variant`: more `hetserve serve` arguments ("--compile off"; "": none, the defaults)."""
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--dtype", "bfloat16",
-           "--host", "127.0.0.1", "--port", str(port), *(["--compile", compile_mode] if compile_mode else [])]
+           "--host", "127.0.0.1", "--port", str(port), *shlex.split(variant)]
     env = {k: v for k, v in os.environ.items() if k not in ("HETSERVE_WORKER_CMD", "HETSERVE_COMPILE")}
-    return Server(hetserve_name(compile_mode), cmd, port, env, log_dir, "/health")
+    return Server(hetserve_name(variant), cmd, port, env, log_dir, "/health")
 
 
-def hetserve_name(compile_mode: str | None) -> str:
-    return "hetserve" if compile_mode is None else f"hetserve-compile-{compile_mode}"
+def hetserve_name(variant: str) -> str:
+    """A file name for the variant's log and results: `hetserve`, `hetserve--compile-off`, ..."""
+    return "hetserve" + "".join(c if c.isalnum() or c in "-_." else "-" for c in variant)
+
+
+def label(variant: str) -> str:
+    return variant or "default"
 
 
 # -- equal stopping --------------------------------------------------------------------------
@@ -207,13 +216,13 @@ def summary(r: dict) -> dict:
 
 
 def start(kind: str, vllm: Path, model: Path, port: int, tmp: Path) -> Server:
-    """`kind`: "vllm", or hetserve's `--compile` mode ("" for the default)."""
-    return vllm_server(vllm, model, port, tmp) if kind == "vllm" else hetserve_server(model, port, tmp, kind or None)
+    """`kind`: "vllm", or a hetserve variant (its extra serve arguments, "" for the defaults)."""
+    return vllm_server(vllm, model, port, tmp) if kind == "vllm" else hetserve_server(model, port, tmp, kind)
 
 
 def print_table(rounds: list[dict], stopping_how: str, base: str) -> None:
-    """One row per concurrency, round and hetserve mode, beside `base` ("vllm", or the first mode)."""
-    name = "vLLM" if base == "vllm" else f"--compile {base}"
+    """One row per concurrency, round and hetserve variant, beside `base` ("vllm", or the first variant)."""
+    name = "vLLM" if base == "vllm" else label(base)[:12]
     print(f"vllm bench serve, random {ARGS.input_len} in / {ARGS.output_len} out, greedy; stopping: {stopping_how}")
     print(f"{'conc':>4} {'round':>5} {'hetserve':>20} | {'TPOT ms':>8} {name:>12} | {'TTFT ms':>8} {name:>12} | "
           f"{'tok/s':>6} {name:>12} {'ratio':>6} | tokens")
@@ -226,8 +235,7 @@ def print_table(rounds: list[dict], stopping_how: str, base: str) -> None:
                 h = runs[c]
                 tokens = "equal" if h["output_tokens"] == v["output_tokens"] == h["expected_tokens"] else \
                     f"{h['output_tokens']} vs {v['output_tokens']} of {h['expected_tokens']}"
-                label = f"--compile {kind}" if kind else "default"
-                print(f"{c:>4} {i + 1:>5} {label:>20} | {h['tpot_ms']:>8.2f} {v['tpot_ms']:>12.2f} | "
+                print(f"{c:>4} {i + 1:>5} {label(kind)[:20]:>20} | {h['tpot_ms']:>8.2f} {v['tpot_ms']:>12.2f} | "
                       f"{h['ttft_ms']:>8.1f} {v['ttft_ms']:>12.1f} | {h['output_tok_s']:>6.0f} "
                       f"{v['output_tok_s']:>12.0f} {h['output_tok_s'] / v['output_tok_s']:>5.2f}x | {tokens}")
     if len(rounds) < 2:
@@ -241,8 +249,7 @@ def print_table(rounds: list[dict], stopping_how: str, base: str) -> None:
             med = {f: (statistics.median(x[f] for x in mine), statistics.median(x[f] for x in theirs))
                    for f in ("tpot_ms", "ttft_ms", "output_tok_s")}
             ratio = statistics.median(h["output_tok_s"] / v["output_tok_s"] for h, v in zip(mine, theirs, strict=True))
-            label = f"--compile {kind}" if kind else "default"
-            print(f"{c:>4} {'med':>5} {label:>20} | {med['tpot_ms'][0]:>8.2f} {med['tpot_ms'][1]:>12.2f} | "
+            print(f"{c:>4} {'med':>5} {label(kind)[:20]:>20} | {med['tpot_ms'][0]:>8.2f} {med['tpot_ms'][1]:>12.2f} | "
                   f"{med['ttft_ms'][0]:>8.1f} {med['ttft_ms'][1]:>12.1f} | {med['output_tok_s'][0]:>6.0f} "
                   f"{med['output_tok_s'][1]:>12.0f} {ratio:>5.2f}x |")
 
@@ -261,10 +268,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--compile", type=compile_modes, default=[""], metavar="MODE[,MODE]",
+    p.add_argument("--compile", type=compile_modes, default=None, metavar="MODE[,MODE]",
                    help="hetserve's --compile modes, each served once per round (default: not passed, auto)")
+    p.add_argument("--serve-args", action="append", default=None, metavar="ARGS",
+                   help="a hetserve variant: these `hetserve serve` arguments (\"\" for none); repeatable")
     p.add_argument("--no-vllm", action="store_true",
-                   help="leave vLLM's server out: compare hetserve's first --compile mode with the others")
+                   help="leave vLLM's server out: compare hetserve's first variant with the others")
     return p.parse_args(argv)
 
 
@@ -274,6 +283,16 @@ def compile_modes(value: str) -> list[str]:
     if bad:
         raise argparse.ArgumentTypeError(f"`{bad[0]}` is not a --compile mode. Accepted: auto, on, off")
     return modes
+
+
+def hetserve_variants(args) -> list[str]:
+    """The hetserve servers to measure, each as its extra serve arguments: one per `--compile` mode,
+    then one per `--serve-args`; neither given: the defaults alone."""
+    modes = [f"--compile {m}" for m in args.compile or []]
+    variants = [*modes, *(args.serve_args or [])] or [""]
+    if len(set(variants)) != len(variants):
+        raise SystemExit(f"the hetserve variants {variants} repeat one: each must differ")
+    return variants
 
 
 ARGS: argparse.Namespace
@@ -286,7 +305,7 @@ def main(argv=None) -> int:
     model = args.model.resolve()
     tmp = Path(tempfile.mkdtemp(prefix="hetserve-vs-vllm-"))
     # Equal stopping (see the module docstring), decided against hetserve itself.
-    probe = hetserve_server(model, args.port, tmp, "off")  # no compiling for one request
+    probe = hetserve_server(model, args.port, tmp, "--compile off")  # no compiling for one request
     try:
         ignore = honours_ignore_eos(probe.url, model)
     finally:
@@ -296,9 +315,10 @@ def main(argv=None) -> int:
     else:
         bias = json.dumps({"logit_bias": {str(eos_id(model)): -100}})
         stopping, how = ["--extra-body", bias], f"EOS banned on both ({bias}; hetserve lacks ignore_eos)"
-    if args.no_vllm and len(args.compile) < 2:
-        raise SystemExit("--no-vllm compares hetserve's --compile modes: give two or more, e.g. --compile off,on")
-    kinds = [*([] if args.no_vllm else ["vllm"]), *args.compile]
+    variants = hetserve_variants(args)
+    if args.no_vllm and len(variants) < 2:
+        raise SystemExit("--no-vllm compares hetserve variants: give two or more, e.g. --compile off,on")
+    kinds = [*([] if args.no_vllm else ["vllm"]), *variants]
     servers: dict[str, Server] = {}
     try:
         for i, kind in enumerate(kinds):  # every server up before any is measured
@@ -314,7 +334,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"stopping": how, "rounds": rounds}, indent=2))
     else:
-        print_table(rounds, how, args.compile[0] if args.no_vllm else "vllm")
+        print_table(rounds, how, variants[0] if args.no_vllm else "vllm")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

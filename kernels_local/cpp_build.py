@@ -75,12 +75,22 @@ class CppState:
 class CppKernel:
     """One C++ source for this CPU's vector ISA, built (once per host) and loaded on first use in a
     process; `$<env>=off` keeps the caller's torch path. `load()` never raises; `module` is the
-    loaded extension (None until `load()` found it)."""
+    loaded extension (None until `load()` found it). Every instance is listed in `CppKernel.made`:
+    the `kernels` library imports a kernel repository under a name of its own, so a process may
+    hold two copies of a repository's module, each with its own instance."""
+
+    made: list[CppKernel] = []
 
     def __init__(self, stem: str, source: Path, env: str, what: str, extra_flags: tuple[str, ...] = ()):
         self.stem, self.source, self.env, self.what, self.extra_flags = stem, source, env, what, extra_flags
         self.module = None
         self._state: CppState | None = None
+        CppKernel.made.append(self)
+
+    @classmethod
+    def named(cls, stem: str) -> list[CppKernel]:
+        """Every instance made for `stem` in this process."""
+        return [k for k in cls.made if k.stem == stem]
 
     def load(self) -> CppState:
         if self._state is None:
