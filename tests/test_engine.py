@@ -211,6 +211,30 @@ def test_an_idle_engine_runs_the_first_step_on_the_submitting_thread():
     assert any(rid == "req-3" for step in runner.steps[2:] for rid, *_ in step)
 
 
+def test_a_long_prompt_reaching_an_idle_engine_is_prefilled_on_the_engine_thread():
+    """Guards `seq.num_tokens > INLINE_MAX_TOKENS` in `Engine._first_step_here`: a prompt longer than
+    that is not stepped on the caller's thread (its prefill would hold the caller's event loop,
+    and every request arriving behind it, for the whole step); a short one still is."""
+    from workers.engine.core import INLINE_MAX_TOKENS
+
+    engine, runner = make_engine(max_sequences=4, max_seq_len=INLINE_MAX_TOKENS + 8, delay=0.002)
+    engine.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        long = engine.submit(prompt(" ".join(["word"] * 4 * INLINE_MAX_TOKENS))[: INLINE_MAX_TOKENS + 1],
+                             SamplingParams.create(max_new_tokens=1), loop)
+        assert runner.threads == []  # nothing ran inside submit()
+        first = [e async for e in long]
+        short = engine.submit(prompt()[:INLINE_MAX_TOKENS], SamplingParams.create(max_new_tokens=1), loop)
+        return first, [e async for e in short]
+
+    first, short = asyncio.run(main())
+    engine.shutdown()
+    assert first[-1].finish.generated_tokens == 1 and short[-1].finish.generated_tokens == 1
+    assert runner.threads == ["engine", "MainThread"]
+
+
 def test_model_failure_is_fatal_and_every_request_gets_an_error():
     class Broken:
         def execute(self, out):

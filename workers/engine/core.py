@@ -22,11 +22,16 @@ Threads: the asyncio HTTP side calls `submit()` / `abort()` (they put on a threa
 inbox) and reads a `RequestStream`; the engine thread hands one step's events to each event
 loop in one batch (`workers.engine.events.deliver`), so the per-step cost of crossing threads is
 one wake-up, not one per token. An idle engine runs a new request's first step on the
-submitting thread itself, under the step lock: a request arriving at a quiet worker pays no
-thread hand-off (two wake-ups and two GIL transfers, the larger part of a one-token
-request's cost on a busy host), and the engine thread takes over if more steps are needed.
-Trade-off: that first step blocks the caller's event loop for one step, which only happens
-when no other request is running. Python bookkeeping stays on the critical path of every
+submitting thread itself, under the step lock, when its prompt is short (at most
+`INLINE_MAX_TOKENS`): a request arriving at a quiet worker pays no thread hand-off (two
+wake-ups and two GIL transfers, the larger part of a one-token request's cost on a busy host),
+and the engine thread takes over if more steps are needed. Trade-off: that first step blocks
+the caller's event loop for one step, which only happens when no other request is running; a
+longer prompt's prefill would block it for longer than the hand-off saves, and while it ran
+the requests arriving behind it could not even be read: a burst of one-token requests of
+128-token prompts was prefilled one by one, each on the event loop after the previous one
+(the last of 16 answered after 72-85 ms, of 32 after 136-153; with those prompts prefilled on
+the engine thread a burst shares its steps: 68-69 and 94-97 ms, `python benchmarks/burst.py`). Python bookkeeping stays on the critical path of every
 step (the GIL is shared with the HTTP side), so it is kept to a few list operations per
 sequence; the tensor work releases the GIL.
 
@@ -68,6 +73,7 @@ logger = logging.getLogger(__name__)
 
 
 _ADD, _ABORT, _WAKE, _STOP = "add", "abort", "wake", "stop"
+INLINE_MAX_TOKENS = 32  # an idle engine's first step runs on the submitting thread up to this many tokens
 
 
 class EngineOverloaded(RuntimeError):
@@ -171,10 +177,11 @@ class Engine:
         return seq.stream
 
     def _first_step_here(self, seq: Sequence) -> bool:
-        """When the engine thread is idle, add `seq` and run its first step on this thread (no
-        hand-off); the engine thread is woken only if more steps are needed. False (nothing
-        done) when the engine is busy, not started, or another thread holds the step lock."""
-        if self._thread is None or not self._step_lock.acquire(blocking=False):
+        """When the engine thread is idle and `seq` is short, add it and run its first step on this
+        thread (no hand-off); the engine thread is woken only if more steps are needed. False
+        (nothing done) when the engine is busy, not started, another thread holds the step lock,
+        or `seq` has more than `INLINE_MAX_TOKENS` tokens to compute (the module docstring says why)."""
+        if seq.num_tokens > INLINE_MAX_TOKENS or self._thread is None or not self._step_lock.acquire(blocking=False):
             return False
         try:
             if self.scheduler.has_unfinished() or not self._inbox.empty() or not self.accepting:
