@@ -275,3 +275,63 @@ def test_a_row_with_top_p_one_keeps_its_tail_however_fp32_rounds():
         assert not torch.isinf(out[1:]).any(), fn.__name__  # p = 1: every token stays
     top_k = apply_top_k_top_p(logits[:2].clone(), [40, 40], [1.0, 1.0])  # top_k rows: k kept, no more cut
     assert ((~torch.isinf(top_k)).sum(dim=-1) == 40).all()
+
+
+def _torch_greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """The torch form the C++ greedy rows replace: log_softmax, argmax, gather."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ids = logprobs.argmax(dim=-1)
+    return ids.tolist(), logprobs.gather(1, ids[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("shape", [(32, 4096), (1, 4096), (7, 100), (3, 5), (2, 1), (4, 151936)])
+def test_greedy_rows_on_the_cpu_are_the_torch_forms_ids_and_logprobs_bit_for_bit(shape):
+    """workers/sampling/cpu_greedy.py: each row's argmax under log_softmax (the first of equal
+    maxima, as ATen's argmax) and its logprob, as log_softmax computes it; a vocabulary narrower
+    than a vector and one with a tail."""
+    from workers.sampling import cpu_greedy
+
+    if not cpu_greedy.KERNEL.load().available:
+        pytest.skip(cpu_greedy.KERNEL.load().reason)
+    g = torch.Generator().manual_seed(sum(shape))
+    logits = torch.randn(*shape, generator=g) * 5
+    logits[0, shape[1] // 2] = logits[0, -1] = logits[0].max() + 1  # a tie: the first index wins
+    ids, lps = cpu_greedy.greedy(logits)
+    want_ids, want_lps = _torch_greedy(logits)
+    assert ids.tolist() == want_ids and lps.tolist() == want_lps
+    assert ids[0] == shape[1] // 2 or shape[1] == 1
+    strided = torch.randn(shape[0], shape[1] + 3, generator=g)[:, 1:-2]  # rows of a wider tensor
+    assert cpu_greedy.greedy(strided)[0].tolist() == _torch_greedy(strided)[0]
+
+
+def test_a_row_with_a_nan_logit_gives_what_torch_gives():
+    """A NaN logit makes the row's max NaN, so every logprob of it is NaN and ATen's argmax takes the
+    first: index 0, logprob NaN (the other row is unaffected)."""
+    from workers.sampling import cpu_greedy
+
+    if not cpu_greedy.KERNEL.load().available:
+        pytest.skip(cpu_greedy.KERNEL.load().reason)
+    logits = torch.randn(2, 50)
+    logits[1, 17] = logits[1, 30] = float("nan")
+    ids, lps = cpu_greedy.greedy(logits)
+    assert ids.tolist() == torch.log_softmax(logits, -1).argmax(-1).tolist() == [ids[0].item(), 0]
+    assert math.isnan(lps[1]) and not math.isnan(lps[0])
+
+
+def test_the_sampler_takes_the_cpu_greedy_rows_only_for_an_all_greedy_step_without_alternatives(monkeypatch):
+    """Guards the fast path's condition in `sample_tokens`: an all-greedy step takes the C++ kernel
+    (same tokens and logprobs as the torch form); a step with a sampled row or a row asking for
+    alternatives takes log_softmax, which they read whole."""
+    from workers.sampling import cpu_greedy
+
+    if not cpu_greedy.KERNEL.load().available:
+        pytest.skip(cpu_greedy.KERNEL.load().reason)
+    calls = []
+    monkeypatch.setattr(cpu_greedy, "greedy", lambda x, f=cpu_greedy.greedy: calls.append(1) or f(x))
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    greedy = [Row(SamplingParams.create()) for _ in range(3)]
+    out = sample_tokens(logits, greedy)
+    assert calls == [1] and (out.token_ids, out.logprobs) == _torch_greedy(logits) and out.top == [None] * 3
+    sample_tokens(logits, [*greedy[:2], Row(SamplingParams.create(do_sample=True, seed=3))])
+    with_top = sample_tokens(logits, [*greedy[:2], Row(SamplingParams.create(logprobs=2))])
+    assert calls == [1] and len(with_top.top[2]) == 2

@@ -3,7 +3,9 @@
 Design: the sampler turns one step's logits `[N, V]` into one token per row with a few batched
 tensor ops, in vLLM's order: logit bias -> penalties (repetition, presence, frequency) -> EOS
 and stop token ids banned below `min_tokens` -> grammar mask -> temperature -> min_p -> top_k
--> top_p -> log_softmax -> argmax for greedy rows, inverse-CDF draw for sampled rows. Each processor runs only when a row asks for it
+-> top_p -> log_softmax -> argmax for greedy rows, inverse-CDF draw for sampled rows (a CPU step whose
+rows are all greedy, none asking for alternatives, takes the same ids and logprobs from one C++ pass,
+workers/sampling/cpu_greedy.py). Each processor runs only when a row asks for it
 (`workers/sampling/logits_processors.py`, `workers/sampling/grammar.py`), so constrained, penalized and plain
 rows share one batch and a plain batch pays nothing for the others.
 
@@ -30,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from workers.sampling import cpu_greedy
 from workers.sampling.grammar import Grammars, apply_bitmask, fill_bitmasks
 from workers.sampling.logits_processors import (
     apply_logit_bias,
@@ -113,6 +116,10 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Gra
         top_p = [p.top_p if p.do_sample else 1.0 for p in params]
         if any(top_k) or any(p < 1.0 for p in top_p):
             logits = apply_top_k_top_p(logits, top_k, top_p)
+    counts = [p.logprobs for p in params]
+    if not sampled and not any(counts) and cpu_greedy.runs(logits):  # the same ids and logprobs, no [N, V] pass
+        ids, chosen = cpu_greedy.greedy(logits)
+        return SampleOutput(ids.tolist(), chosen.tolist(), top_alternatives(logits, counts))
     logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
     ids = logprobs.argmax(dim=-1)  # [N]
     if sampled:
@@ -124,7 +131,7 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Gra
         ids[idx] = drawn[:, 0]
     chosen = logprobs.gather(1, ids[:, None])[:, 0]  # [N]
     # 4. The alternatives some rows asked for (one topk over those rows).
-    top = top_alternatives(logprobs, [p.logprobs for p in params])
+    top = top_alternatives(logprobs, counts)
     return SampleOutput(ids.tolist(), chosen.tolist(), top)
 
 
