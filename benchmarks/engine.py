@@ -197,10 +197,9 @@ def deterministic_cost(path: Path, batch: list[list[int]], new_tokens: int, repe
     engines = []
     for deterministic in (False, True):
         loaded = load_model(path, "bfloat16")
+        install_cpu_projections(loaded.model, "cpu", loaded.dtype, experts=not deterministic)  # as a CPU worker
         if deterministic:
             enable_deterministic(loaded.model)
-        else:
-            install_cpu_projections(loaded.model, "cpu", loaded.dtype)
         engine = make_engine(loaded, len(batch), max(map(len, batch)) + new_tokens, mirror=not deterministic)
         engine.start()
         engines.append(engine)

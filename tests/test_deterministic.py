@@ -14,6 +14,7 @@ from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.kv.batch import ForwardBatch, SeqChunk
 from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
+from workers.model.cpu_projections import install_cpu_projections
 from workers.model.deterministic import KV_SPLIT, ROW_TILE, enable_deterministic, split_attention, tiled_rows
 from workers.model.loader import default_model_dir, load_model
 from workers.sampling.params import SamplingParams
@@ -27,8 +28,11 @@ NEW_TOKENS = 16
 
 
 def _load(deterministic: bool):
+    """The embedded model as a CPU worker runs it: its projections packed (in deterministic mode
+    under the fixed row tiles, workers/serving/server.py `_init_projections`)."""
     torch.set_num_threads(1)
     lm = load_model(default_model_dir(), "bfloat16")
+    install_cpu_projections(lm.model, "cpu", lm.dtype, experts=not deterministic)
     if deterministic:
         enable_deterministic(lm.model)
     return lm
@@ -207,3 +211,17 @@ def test_a_mixture_of_experts_with_sinks_is_deterministic_alone_together_chunked
     assert metric(engine, "hetserve_worker_preemptions_total") > 0
     assert all(len(t) == NEW_TOKENS for t in alone)
     assert together == alone and chunked == alone and preempted == alone
+
+
+@pytest.mark.parametrize("fn", [torch.exp, torch.sigmoid, torch.nn.functional.silu, torch.nn.functional.softplus],
+                         ids=["exp", "sigmoid", "silu", "softplus"])
+def test_tail_free_gives_a_value_the_same_bits_in_a_tensor_of_any_size(fn):
+    """`tail_free`: an element-wise function over a slice of a tensor gives each element the bits it
+    gets in the whole tensor (no element in ATen's scalar tail, whatever the sizes)."""
+    from workers.model.deterministic import tail_free
+
+    x = torch.randn(90, 3, generator=torch.Generator().manual_seed(0)) * 4
+    whole = tail_free(fn, x)
+    for rows in (1, 7, 33):
+        assert torch.equal(tail_free(fn, x[:rows]), whole[:rows])
+    assert whole.shape == x.shape and torch.equal(whole, fn(torch.nn.functional.pad(x.flatten(), (0, 128 - 270 % 128)))[:270].view(90, 3))

@@ -172,8 +172,10 @@ def test_plan_shows_the_linear_layers_their_kernel_and_state(tmp_path, capsys):
 def test_deterministic_mode_gives_the_same_numbers_however_the_prompt_is_chunked(tmp_path):
     """`--deterministic` (workers/model/deterministic.py `enable_deterministic`) turns every
     DeltaNet's `token_by_token` on, so a prompt prefilled in 7-token steps and in one step give
-    bit-identical logprobs: the chunked form's sums would depend on where the steps cut it.
-    Guards the `token_by_token` line of `enable_deterministic`."""
+    bit-identical logprobs: the chunked form's sums would depend on where the steps cut it; and
+    turns `tail_free` on, so its gates, convolution and gated norm give a token the same bits in a
+    7-token step as in a 90-token one (on some CPUs libm's exp in ATen's scalar tail rounds otherwise
+    than its vector code). Guards the `token_by_token` and `tail_free` lines of `enable_deterministic`."""
     from workers.model.deterministic import enable_deterministic
 
     ours = load_model(make_family_checkpoint("qwen3_5", tmp_path), "float32")

@@ -13,8 +13,10 @@ fixed cost per call outweighs the gain; so does a lone float32 row, for which MK
 the faster (the packed product took 1.2-1.3x its time on large matrices).
 
 Design: `install_cpu_projections(model, device, dtype)` runs once on a CPU worker (and a CPU
-pipeline stage) after loading and kernelizing, outside deterministic mode (whose fixed row tiles
-need neither). It packs every plain `nn.Linear`'s weight and every expert layer's stacked
+pipeline stage) after loading and kernelizing; in deterministic mode too, before its fixed row
+tiles wrap the projections (workers/model/deterministic.py): every tile then meets a pack at one
+shape, 32 rows, so a row's numbers still ignore its batch mates (the experts stay unpacked there:
+their packed loop does not take the tiles). It packs every plain `nn.Linear`'s weight and every expert layer's stacked
 `w_gate_up` / `w_down` (one packed matrix per expert), keeping each pack on its dense tensor as
 the attribute `PACKED_ATTR`, and gives every plain `nn.Linear` a forward that multiplies through
 its pack, the rows padded to `row_bucket` sizes (oneDNN compiles one kernel per row count;
@@ -181,11 +183,12 @@ def _unpacked(linears: list[nn.Linear], reason: str) -> CpuProjections:
     return CpuProjections(len(linears), 0, 0, reason)
 
 
-def install_cpu_projections(model: nn.Module, device, dtype: torch.dtype,
-                            min_elements: int = MIN_PACKED_ELEMENTS) -> CpuProjections:  # fmt: skip
-    """Pack the projections and experts of a CPU model in float32 / bfloat16 (matrices of
-    `min_elements` or more) and route every plain `nn.Linear` through its pack (the others: rows
-    padded to buckets); float16: rows padded to buckets only; elsewhere nothing."""
+def install_cpu_projections(model: nn.Module, device, dtype: torch.dtype, min_elements: int = MIN_PACKED_ELEMENTS,
+                            experts: bool = True) -> CpuProjections:  # fmt: skip
+    """Pack the projections and (with `experts`) the experts of a CPU model in float32 / bfloat16
+    (matrices of `min_elements` or more) and route every plain `nn.Linear` through its pack (the
+    others: rows padded to buckets); float16: rows padded to buckets only; elsewhere nothing.
+    Deterministic mode packs no experts: their packed loop does not take its fixed row tiles."""
     if torch.device(device).type != "cpu" or dtype not in (*PACKED_DTYPES, torch.float16):
         return CpuProjections(0, 0, 0, "not a CPU model in float32, bfloat16 or float16: torch's own matmuls")
     linears = [m for m in model.modules() if type(m) is nn.Linear]
@@ -198,7 +201,7 @@ def install_cpu_projections(model: nn.Module, device, dtype: torch.dtype,
                                   f"packed ({refusal})")  # fmt: skip
     weights = list({id(m.weight): m.weight for m in linears
                     if m.weight.dtype == dtype and m.weight.numel() >= min_elements}.values())  # fmt: skip
-    experts = _expert_weights(model, min_elements)
+    experts = _expert_weights(model, min_elements) if experts else []
     total = sum(w.numel() * w.element_size() for w in (*weights, *experts))
     free = available_bytes()
     if free is not None and total > free * AVAILABLE_SHARE:

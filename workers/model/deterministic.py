@@ -33,15 +33,22 @@ the batch's shape.) Here every op a row goes through is a fixed function of that
   (no CPU decode mirror, `workers/kv/mirror.py`), a prompt of `n` tokens attends `n` rows
   per split it reaches (about `n^2 / (2 KV_SPLIT)` row-splits, causal) where SDPA would do
   one fused call, and a Python loop runs over the splits.
-- **Norms and activations** need no change: RMSNorm reduces each row on its own (torch, and
-  the Triton kernels, whose tile shape depends only on the row width), and SiluAndMul, RoPE,
-  the residual adds and the embedding are element-wise.
+- **Norms and activations** need no change: RMSNorm reduces each row on its own (torch, its
+  C++ kernel on a CPU and the Triton kernels, whose tile shape depends only on the row width),
+  and SiluAndMul, RoPE, the residual adds and the embedding are element-wise. One catch on the
+  CPU: ATen computes an element-wise op in vectors and the last few elements of a tensor one at
+  a time with libm, whose exp (in SiLU, softplus, sigmoid) may differ from the vector code's in
+  the last bit; which elements fall in that tail depends on the tensor's size, so on the step's
+  tokens. The CPU's C++ SiluAndMul takes its tail per row, and the Gated DeltaNet (its gates,
+  its convolution's SiLU, its gated norm, its state's decay) pads such tensors to a multiple of
+  `TAIL_FREE` elements (`tail_free`) and sums its convolution's taps in a fixed order.
 - **Sampling** is already per row (workers/sampling/sampler.py): a log-softmax and argmax per row,
   one generator per seeded request, so greedy and seeded sampled outputs follow.
 
 Measured cost (`python benchmarks/engine.py --skip-hf`, README "Deterministic mode and the
 canary"): at batch 32 on the embedded model in bfloat16 (CPU, 1 thread), deterministic
-throughput is 0.76x the default mode's in the same run (target >= 0.6).
+throughput is 0.65x the default mode's in the same run (2026-12-04, its projections through the
+CPU packs under the row tiles; target >= 0.6).
 Trade-off: exactness against a little throughput; off by default. Outputs are identical for
 the same weights, kernels, dtype and device type; two workers with different kernels (another
 architecture, another fp8 path) still differ, which the router's canary measures
@@ -56,6 +63,7 @@ import types
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from workers.kv.batch import gather_kv
@@ -64,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 ROW_TILE = 32  # rows per projection GEMM (CPU and GPU alike: a batch of 32 is one tile)
 KV_SPLIT = 64  # cached positions per attention split
+TAIL_FREE = 128  # elements: a tensor padded to a multiple of this has no scalar tail in ATen's loops
 ATTENTION = "fixed splits over the paged cache (torch)"  # `/capability` `deterministic.attention`
 
 
@@ -86,6 +95,17 @@ class DeterministicPlan:
 def _is_projection(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ in ("Fp8Linear", "Fp8CheckpointLinear",
                                                                      "Int4CheckpointLinear")
+
+
+def tail_free(fn, x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for an element-wise `fn` (exp, SiLU, softplus, sigmoid), every element through ATen's
+    vector loop: `x` flattened and zero-padded to a multiple of `TAIL_FREE` elements, so no element
+    falls in the loop's scalar tail, whose libm functions may round otherwise than the vector code
+    (module docstring). The same value then gives the same bits whatever tensor it sits in."""
+    flat = x.reshape(-1)
+    n = flat.shape[0]
+    pad = -n % TAIL_FREE
+    return (fn(F.pad(flat, (0, pad)))[:n] if pad else fn(flat)).view(x.shape)
 
 
 def tiled_rows(forward, x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -128,6 +148,8 @@ def enable_deterministic(model: nn.Module, row_tile: int = ROW_TILE, kv_split: i
             projections += 1
         if hasattr(module, "token_by_token"):  # Gated DeltaNet rules: every token one recurrent step, however chunked
             module.token_by_token = True
+        if hasattr(module, "tail_free"):  # Gated DeltaNet's gates and convolution: no element in a scalar tail
+            module.tail_free = True
     plan = DeterministicPlan(row_tile, kv_split, projections)
     logger.info("deterministic mode: %d projections in %d-row tiles, attention in %d-position splits",
                 projections, row_tile, kv_split)

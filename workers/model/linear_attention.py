@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from kernels import use_kernel_forward_from_hub
 from torch import nn
 
+from workers.model.deterministic import tail_free
+
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's default)
 
 
@@ -58,9 +60,10 @@ def recurrent_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
     b, hv, s, dk = k.shape
     state = q.new_zeros(b, hv, dk, v.shape[-1]) if state is None else state.float()
     out = torch.empty_like(v)  # [B, Hv, S, Dv]
+    decay = tail_free(torch.exp, g)  # [B, Hv, S]: the same bits however many rows and tokens come together
     for t in range(s):
         kt = k[:, :, t, :, None]  # [B, Hv, Dk, 1]
-        state = state * g[:, :, t].exp()[..., None, None]  # 1. decay
+        state = state * decay[:, :, t, None, None]  # 1. decay
         delta = (v[:, :, t] - (state * kt).sum(dim=-2)) * beta[:, :, t, None]  # 2. what the state mispredicts
         state = state + kt * delta[:, :, None, :]  # 3. the delta rule's write
         out[:, :, t] = (state * q[:, :, t, :, None]).sum(dim=-2)  # 4. read at q
@@ -139,7 +142,10 @@ class GatedDeltaRule(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of each head's output, then gated: `(w * norm(x).to(dtype)) * silu(z)` in fp32, cast last."""
+    """RMSNorm of each head's output, then gated: `(w * norm(x).to(dtype)) * silu(z)` in fp32, cast last
+    (`tail_free`, deterministic mode: the SiLU over a padded tensor, workers/model/deterministic.py)."""
+
+    tail_free: bool = False
 
     def __init__(self, width: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -150,13 +156,17 @@ class GatedRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         h = self.weight * h.to(x.dtype)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        gate = gate.float()
+        return (h * (tail_free(F.silu, gate) if self.tail_free else F.silu(gate))).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer: x [.., H] -> [.., H], with the `Attention` module's two entry points."""
 
     window = None  # no sliding window: the full forward passes this layer no mask
+    # deterministic mode: the gates and the convolution's SiLU over padded tensors, the convolution's
+    # taps summed in order for every row (workers/model/deterministic.py `tail_free`)
+    tail_free: bool = False
 
     def __init__(self, config, layer_index: int) -> None:
         super().__init__()
@@ -178,8 +188,9 @@ class GatedDeltaNet(nn.Module):
         """x [.., H] -> conv input [.., C], z [.., Hv, Dv], beta and g [.., Hv] (g fp32)."""
         mixed, z = self.in_proj_qkvz(x).split((self.conv_dim, self.hv * self.dv), dim=-1)
         b, a = self.in_proj_ba(x).chunk(2, dim=-1)  # [.., Hv] each
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return mixed, z.unflatten(-1, (self.hv, self.dv)), b.sigmoid(), g
+        each = tail_free if self.tail_free else (lambda fn, t: fn(t))
+        g = -self.A_log.float().exp() * each(F.softplus, a.float() + self.dt_bias)
+        return mixed, z.unflatten(-1, (self.hv, self.dv)), each(torch.sigmoid, b), g
 
     def _split(self, mixed: torch.Tensor):
         """Convolved [.., C] -> q, k [.., Hk, Dk], v [.., Hv, Dv]."""
@@ -206,14 +217,27 @@ class GatedDeltaNet(nn.Module):
         if batch.decode is not None:  # 1. decode rows: their K - 1 previous inputs, then this one
             rows = _rows(batch.decode)
             window = torch.cat((conv_state.index_select(0, slots.decode_slots), mixed[rows, :, None]), dim=-1)
-            out[rows] = (window * self.conv_weight[:, 0]).sum(-1)  # [Nd, C, K] -> [Nd, C] (a depthwise conv1d is slower)
+            out[rows] = self._taps(window) if self.tail_free else \
+                (window * self.conv_weight[:, 0]).sum(-1)  # [Nd, C, K] -> [Nd, C] (a depthwise conv1d is slower)
             conv_state.index_copy_(0, slots.decode_slots, window[..., 1:])
         for span, slot in zip(batch.prefills, slots.prefill_slots, strict=True):  # 2. prefill spans
             r = slice(span.row_start, span.row_start + span.num_tokens)
             window = torch.cat((conv_state[slot], mixed[r].transpose(0, 1)), dim=-1)[None]  # [1, C, K-1+n]
-            out[r] = F.conv1d(window, self.conv_weight, groups=self.conv_dim)[0].transpose(0, 1)
+            if self.tail_free:  # every token's K taps, in the order a decode row sums them
+                out[r] = self._taps(window[0].unfold(-1, self.kernel, 1).transpose(0, 1))  # [n, C, K] -> [n, C]
+            else:
+                out[r] = F.conv1d(window, self.conv_weight, groups=self.conv_dim)[0].transpose(0, 1)
             conv_state[slot] = window[0, :, -(self.kernel - 1) :]
-        return F.silu(out)
+        return tail_free(F.silu, out) if self.tail_free else F.silu(out)
+
+    def _taps(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows [N, C, K] -> [N, C]: each channel's K inputs times its weights, summed tap by tap
+        (element-wise ops only: a row's sum does not depend on the others or on how many there are)."""
+        w = self.conv_weight[:, 0]  # [C, K]
+        acc = windows[..., 0] * w[:, 0]
+        for j in range(1, self.kernel):
+            acc = acc + windows[..., j] * w[:, j]
+        return acc
 
     def step(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """One engine step over packed tokens: x [T, H] -> [T, H]; reads and writes the sequences' state."""

@@ -107,17 +107,20 @@ class WorkerServer:
             self.stages.watch(self._stage_exited)
 
     def _init_projections(self) -> None:
+        """A CPU's projections through their packs, then, with --deterministic, in fixed row tiles
+        over them (each tile one shape: workers/model/cpu_projections.py says why that stays exact)."""
+        from workers.model.cpu_projections import install_cpu_projections
+
         self.deterministic = None
-        if getattr(self.args, "deterministic", False):  # fixed row tiles bound the shapes already
+        deterministic = getattr(self.args, "deterministic", False)
+        done = install_cpu_projections(self.loaded.model, self.bound.torch_device, self.loaded.dtype,
+                                       experts=not deterministic)
+        if done.layers:
+            logger.info("CPU %s projections (%d layers): %s", self.loaded.dtype, done.layers, done.reason)
+        if deterministic:
             from workers.model.deterministic import enable_deterministic
 
             self.deterministic = enable_deterministic(self.loaded.model)
-            return
-        from workers.model.cpu_projections import install_cpu_projections
-
-        done = install_cpu_projections(self.loaded.model, self.bound.torch_device, self.loaded.dtype)
-        if done.layers:
-            logger.info("CPU %s projections (%d layers): %s", self.loaded.dtype, done.layers, done.reason)
 
     def _init_decode_attention(self) -> None:
         """Whether decode rows on this device's CPU tensors attend through the C++ kernel, reading
