@@ -53,15 +53,24 @@ def vector_flags(have: frozenset[str] | None = None) -> tuple[list[str], str]:
     return ["-O3", "-fopenmp-simd"], "scalar"
 
 
-def build(stem: str, source: Path, flags: list[str]):
-    """(module, None) once `source` is built and imported, or (None, why not)."""
+def build(stem: str, source: Path, flags: list[str], ops: str | None = None):
+    """(module, None) once `source` is built and imported, or (None, why not). `ops`: the source
+    registers operators in that `torch.ops` namespace (`TORCH_LIBRARY_FRAGMENT`, light headers: a
+    build of seconds where a pybind11 module's `torch/extension.h` takes half a minute), and the
+    namespace is returned in place of a module."""
     try:
+        import torch
         from torch.utils import cpp_extension
 
         digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-        return cpp_extension.load(f"{stem}_{digest}", [str(source)], extra_cflags=flags, verbose=False), None
+        module = cpp_extension.load(f"{stem}_{digest}", [str(source)], extra_cflags=flags, verbose=False,
+                                    is_python_module=ops is None)
+        return (module if ops is None else getattr(torch.ops, ops)), None
     except Exception as e:  # no compiler, a failed build
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
+
+
+OPS = "hetserve_cpu"  # the torch.ops namespace of the CPU kernels `CppKernel` builds
 
 
 @dataclass(frozen=True)
@@ -81,8 +90,10 @@ class CppKernel:
 
     made: list[CppKernel] = []
 
-    def __init__(self, stem: str, source: Path, env: str, what: str, extra_flags: tuple[str, ...] = ()):
+    def __init__(self, stem: str, source: Path, env: str, what: str, extra_flags: tuple[str, ...] = (),
+                 ops: str | None = OPS):
         self.stem, self.source, self.env, self.what, self.extra_flags = stem, source, env, what, extra_flags
+        self.ops = ops  # the `torch.ops` namespace the source registers its operators in (None: a pybind11 module)
         self.module = None
         self._state: CppState | None = None
         CppKernel.made.append(self)
@@ -105,7 +116,7 @@ class CppKernel:
         if os.environ.get(self.env, "").lower() in ("off", "0", "false"):
             return CppState(False, f"${self.env}=off: the torch reference")
         flags, isa = vector_flags()
-        self.module, why = build(self.stem, self.source, [*flags, *self.extra_flags])
+        self.module, why = build(self.stem, self.source, [*flags, *self.extra_flags], self.ops)
         if self.module is None:  # no compiler, a failed build: the torch reference serves
             logger.warning("%s unavailable (%s); the torch reference serves", self.what, why)
             return CppState(False, f"{self.what} unavailable ({why.split(':')[0]}): the torch reference")

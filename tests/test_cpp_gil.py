@@ -68,3 +68,26 @@ def test_the_panel_gemm_releases_the_gil():
     weight, rows = torch.randn(8192, 2048), torch.randn(1024, 2048)
     layout = cpu_gemm.panels(weight)
     _long_enough(lambda: cpu_gemm.linear(rows, layout, None))
+
+
+@pytest.mark.parametrize("kernel", ["rms_norm", "silu_and_mul", "rotary", "greedy"])
+def test_the_cpu_kernels_registered_as_torch_ops_release_the_gil(kernel):
+    """The C++ kernels registered as `torch.ops.hetserve_cpu` operators (kernels_local/cpp_build.py
+    `CppKernel`) run with the GIL let go by torch's operator call, as the pybind11 modules above
+    do through their call guards."""
+    from kernels_local.activation import cpu as activation
+    from kernels_local.rmsnorm import cpu as rmsnorm
+    from workers.model import cpu_rotary
+    from workers.sampling import cpu_greedy
+
+    owner = {"rms_norm": rmsnorm, "silu_and_mul": activation, "rotary": cpu_rotary, "greedy": cpu_greedy}[kernel]
+    if not owner.KERNEL.load().available:
+        pytest.skip(owner.KERNEL.load().reason)
+    ops = owner.KERNEL.module
+    args = {  # made before the call: only the kernel runs while the other thread is counted
+        "rms_norm": (torch.randn(1 << 15, 1024), torch.ones(1024), 1e-6),
+        "silu_and_mul": (torch.randn(1 << 14, 2048),),
+        "rotary": (torch.randn(1 << 14, 16, 128), torch.randn(1 << 14, 1, 64), torch.randn(1 << 14, 1, 64)),
+        "greedy": (torch.randn(1 << 10, 1 << 15),),
+    }[kernel]
+    _long_enough(lambda: getattr(ops, kernel)(*args))

@@ -209,19 +209,24 @@ def test_failed_start_names_the_step_and_exits_3(tmp_path):
     assert s["state"] == "failed" and s["step"] == "bind" and "`sm_8x`" in s["reason"]
 
 
-def test_a_worker_started_by_hand_takes_its_devices_step_budget(tmp_path):
+def test_a_cpu_worker_started_by_hand_takes_its_devices_step_budget_and_says_what_its_kernels_run(tmp_path):
     """Guards the resolution after `bind` in workers/main.py `run_worker`: without
-    `--max-num-batched-tokens` a worker's step budget is its device's (`step_token_budget`); a
-    simulated device computes on the CPU, so 1024 tokens a step."""
+    `--max-num-batched-tokens` a worker's step budget is its device's (`step_token_budget`): 1024
+    tokens a step on the CPU. Its `/capability` kernels say whether RMSNorm's and SiluAndMul's C++
+    kernels built there (`WorkerServer._init_cpu_kernels`, at start)."""
     from workers.contract import CPU_MAX_NUM_BATCHED_TOKENS
 
-    proc, sock, status = start_worker(tmp_path, make_checkpoint(tmp_path / "model"), "--simulate", "sm_90",
-                                      "--max-batch", "2", "--compile", "off")
+    proc, sock, status = start_worker(tmp_path, make_checkpoint(tmp_path / "model"), "--max-batch", "2",
+                                      "--compile", "off")
     try:
         wait_state(proc, status, {"ready"})
         with client(sock) as c:
-            capacity = c.get("/capability").json()["capacity"]
-        assert capacity["max_num_batched_tokens"] == CPU_MAX_NUM_BATCHED_TOKENS
+            cap = c.get("/capability").json()
+        assert cap["device"]["type"] == "cpu"
+        assert cap["capacity"]["max_num_batched_tokens"] == CPU_MAX_NUM_BATCHED_TOKENS
+        for layer in ("RMSNorm", "SiluAndMul"):
+            assert cap["kernels"][layer]["variant"] == "cpp"
+            assert cap["kernels"][layer]["cpu_kernel"].startswith(("C++ kernel, one pass per row", "$HETSERVE_CPU_"))
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -10,7 +10,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 namespace {
 
@@ -50,7 +52,7 @@ void rotate_head(const T* x, const T* cos, const T* sin, T* out, int64_t half, i
 }
 
 template <typename T>
-void rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = cos.size(-1);
   const int64_t sx = x.stride(0), sh = x.stride(1), sc = cos.stride(0), ss = sin.stride(0);
   const T *xp = x.data_ptr<T>(), *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
@@ -66,7 +68,7 @@ void rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tenso
 
 // x [T, heads, D] (each head contiguous), cos and sin [T, 1, R/2] (each row contiguous), R <= D
 // -> the rotated x [T, heads, D], contiguous
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x [T, heads, D] with contiguous heads expected, got ",
               x.sizes(), " strides ", x.strides());
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == x.size(0) && cos.size(1) == 1 &&
@@ -74,7 +76,7 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "rotary: cos and sin [T, 1, R/2] of x's dtype with R <= D expected, got ", cos.sizes(), " and ",
               sin.sizes(), " for x ", x.sizes());
-  torch::Tensor out = torch::empty(x.sizes(), x.options());
+  at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kBFloat16) {
     rotate<at::BFloat16>(x, cos, sin, out);
   } else {
@@ -84,8 +86,5 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL released while it runs: the worker's HTTP thread goes on meanwhile
-  m.def("rotary", &rotary, "the rotary embedding (rotate_half layout) on the CPU",
-        py::call_guard<py::gil_scoped_release>());
-}
+// torch.ops.hetserve_cpu.rotary (light headers: a build of seconds, not of half a minute)
+TORCH_LIBRARY_FRAGMENT(hetserve_cpu, m) { m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rotary); }

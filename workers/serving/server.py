@@ -97,6 +97,7 @@ class WorkerServer:
         self.link, self.stages = startup.pipeline or (None, None)
         self._pipeline_error: BaseException | None = None
         self._init_projections()
+        self._init_cpu_kernels()
         self._init_decode_attention()
         self._init_compile()
         self._init_kv_cache()
@@ -121,6 +122,19 @@ class WorkerServer:
             from workers.model.deterministic import enable_deterministic
 
             self.deterministic = enable_deterministic(self.loaded.model)
+
+    def _init_cpu_kernels(self) -> None:
+        """Where the model computes on the CPU, its C++ kernels (RMSNorm, SiluAndMul, the rotary, the
+        greedy rows: kernels_local/cpp_build.py `CppKernel`) built and loaded now, at start (a few
+        seconds once per host), not inside the first request; `cpu_kernels`: each one's state by name."""
+        self.cpu_kernels: dict[str, str] = {}
+        if self.bound.torch_device.split(":")[0] != "cpu":
+            return
+        from kernels_local.cpp_build import CppKernel
+
+        for kernel in list(CppKernel.made):  # every copy (the kernels library imports repositories anew)
+            self.cpu_kernels[kernel.stem] = kernel.load().reason
+        logger.info("CPU kernels: %s", "; ".join(f"{k}: {v}" for k, v in self.cpu_kernels.items()))
 
     def _init_decode_attention(self) -> None:
         """Whether decode rows on this device's CPU tensors attend through the C++ kernel, reading
@@ -232,6 +246,10 @@ class WorkerServer:
         kernel_info = {k: v.to_dict() for k, v in startup.kernels.items()}
         if self.decode_attention is not None and "PagedAttention" in kernel_info:  # what its CPU tensors run
             kernel_info["PagedAttention"]["cpu_decode"] = self.decode_attention
+        for layer, stem in (("RMSNorm", "hetserve_cpu_rmsnorm"), ("SiluAndMul", "hetserve_cpu_silu_and_mul")):
+            if startup.kernels.get(layer) is not None and startup.kernels[layer].variant == "cpp" \
+                    and stem in self.cpu_kernels:  # whether its C++ built here, and why not
+                kernel_info[layer]["cpu_kernel"] = self.cpu_kernels[stem]
         fp8 = {"convention": startup.fp8.name, "reason": startup.fp8_reason, **self._fp8_use()}
         if startup.fp8_checkpoint is not None:  # how this device runs the checkpoint's fp8 layers, and why
             fp8["checkpoint"] = {**startup.fp8_checkpoint, "quantization": loaded.quantization}
