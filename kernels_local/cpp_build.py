@@ -3,7 +3,8 @@
 Design: `build(stem, source, flags)` compiles `source` into torch's extension cache
 (`$TORCH_EXTENSIONS_DIR`) under `stem` and a hash of the source and flags, so an edited source or
 other flags build anew and a later start only loads (well under a second); the first build takes
-20-40 s on 2 cores. It never raises: a host without a C++ compiler, or a failed build, gives the
+20-40 s on 2 cores for a pybind11 module (`torch/extension.h`), about 6 s for a source that only
+registers `torch.ops` operators over ATen's lighter headers (`CppKernel`'s default). It never raises: a host without a C++ compiler, or a failed build, gives the
 reason, and the caller keeps its torch path. `vector_flags()` gives the flags for this CPU's
 vector instructions and the macro that sizes ATen's `Vectorized` to them, as Inductor builds its
 own kernels (torch/_inductor/cpu_vec_isa.py): a kernel written over `at::vec::Vectorized` then

@@ -2,7 +2,7 @@
 SiluAndMul (kernels_local/activation/cpu.py) and the rotary embedding (workers/model/cpu_rotary.py);
 which inputs take them, their switches and their errors.
 
-The C++ sources are built on first use (20-30 s each, once per host, then cached by torch); without
+The C++ sources are built on first use (about 6 s each, once per host, then cached by torch); without
 a C++ compiler the tests that need a kernel skip with the reason its loader gives.
 """
 
