@@ -31,9 +31,9 @@ longer prompt's prefill would block it for longer than the hand-off saves, and w
 the requests arriving behind it could not even be read: a burst of one-token requests of
 128-token prompts was prefilled one by one, each on the event loop after the previous one
 (the last of 16 answered after 72-85 ms, of 32 after 136-153; with those prompts prefilled on
-the engine thread a burst shares its steps: 68-69 and 94-97 ms, `python benchmarks/burst.py`). Python bookkeeping stays on the critical path of every
-step (the GIL is shared with the HTTP side), so it is kept to a few list operations per
-sequence; the tensor work releases the GIL.
+the engine thread a burst shares its steps: 68-69 and 94-97 ms, `python benchmarks/burst.py`).
+Python bookkeeping stays on the critical path of every step (the GIL is shared with the HTTP
+side), so it is kept to a few list operations per sequence; the tensor work releases the GIL.
 
 Backpressure: at most `max_sequences + max_queue` requests are in flight; `submit()` beyond
 that raises `EngineOverloaded` (HTTP 429 with Retry-After) instead of queueing forever.

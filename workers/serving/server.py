@@ -246,8 +246,11 @@ class WorkerServer:
         kernel_info = {k: v.to_dict() for k, v in startup.kernels.items()}
         if self.decode_attention is not None and "PagedAttention" in kernel_info:  # what its CPU tensors run
             kernel_info["PagedAttention"]["cpu_decode"] = self.decode_attention
-        for layer, stem in (("RMSNorm", "hetserve_cpu_rmsnorm"), ("SiluAndMul", "hetserve_cpu_silu_and_mul")):
-            if startup.kernels.get(layer) is not None and startup.kernels[layer].variant == "cpp" \
+        from kernels_local.activation import cpu as activation
+        from kernels_local.rmsnorm import cpu as rmsnorm
+
+        for layer, stem in (("RMSNorm", rmsnorm.KERNEL.stem), ("SiluAndMul", activation.KERNEL.stem)):
+            if layer in kernel_info and kernel_info[layer]["variant"] == "cpp" \
                     and stem in self.cpu_kernels:  # whether its C++ built here, and why not
                 kernel_info[layer]["cpu_kernel"] = self.cpu_kernels[stem]
         fp8 = {"convention": startup.fp8.name, "reason": startup.fp8_reason, **self._fp8_use()}
