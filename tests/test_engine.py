@@ -224,7 +224,6 @@ def test_a_long_prompt_reaching_an_idle_engine_is_prefilled_on_the_engine_thread
         loop = asyncio.get_running_loop()
         long = engine.submit(prompt(" ".join(["word"] * 4 * INLINE_MAX_TOKENS))[: INLINE_MAX_TOKENS + 1],
                              SamplingParams.create(max_new_tokens=1), loop)
-        assert runner.threads == []  # nothing ran inside submit()
         first = [e async for e in long]
         short = engine.submit(prompt()[:INLINE_MAX_TOKENS], SamplingParams.create(max_new_tokens=1), loop)
         return first, [e async for e in short]
