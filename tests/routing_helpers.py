@@ -14,6 +14,7 @@ from server.fleet.handle import WorkerHandle
 from server.routing.filter import ELIGIBLE, Constraints, eligible
 from server.routing.policy import Route
 from server.routing.router import Router, RouteRequest
+from workers.contract import WorkerRequest
 
 PICK = "pick"
 
@@ -32,6 +33,6 @@ def choose(workers, c: Constraints, capacity: int, exclude: dict[str, int] | Non
     if f.kind != ELIGIBLE:
         return Decision(f.kind, f.reason)
     router = router or Router(RoutingConfig(policy=LEAST_LOADED))
-    req = req or router.request({"inputs": ""}, c)
+    req = req or router.request(WorkerRequest(), c)
     worker, route = router.pick(list(f.workers), c, req)
     return Decision(PICK, f"{route.header}: {route.detail} ({f.reason})", worker, route)

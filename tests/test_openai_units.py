@@ -60,8 +60,8 @@ def test_bad_requests_name_the_field(make, needle):
 
 def test_openai_fields_become_worker_parameters():
     p = chat(stop="\n", presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"7": 3}, temperature=0).sampling(8)
-    assert p["stop"] == ["\n"] and p["include_stop_str_in_output"] is False  # OpenAI: stop not in the text
-    assert (p["presence_penalty"], p["frequency_penalty"], p["logit_bias"]) == (0.5, -0.5, {7: 3.0})
+    assert p.stop == ("\n",) and p.include_stop_str_in_output is False  # OpenAI: stop not in the text
+    assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (0.5, -0.5, {7: 3.0})
     assert CompletionRequest(prompt=[1, 2, 3]).prompts == [[1, 2, 3]]
     assert CompletionRequest(prompt=[[1], [2, 3]], n=2).prompts == [[1], [2, 3]]
     assert chat(logprobs=True).top_n == 0 and chat(logprobs=True, top_logprobs=3).top_n == 3 and chat().top_n is None

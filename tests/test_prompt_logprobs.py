@@ -49,7 +49,7 @@ def test_prompt_logprobs_equal_the_full_forward_and_batch_mates_are_unaffected()
         return Engine(runner, Scheduler(config), TOK)
 
     alone = run(engine(), [(plain, SamplingParams.create(max_new_tokens=4))])[0]
-    ev_scored, ev_plain = run(engine(), [(scored, SamplingParams.create(max_new_tokens=4, logprobs=3, prompt_logprobs=True)),
+    ev_scored, ev_plain = run(engine(), [(scored, SamplingParams.create(max_new_tokens=4, top_n_tokens=3, decoder_input_details=True)),
                                           (plain, SamplingParams.create(max_new_tokens=4))])
     prefill = ev_scored[0].prefill
     assert [p[0] for p in prefill] == scored and prefill[0][1:] == (None, None)
@@ -69,7 +69,7 @@ def test_a_prompt_scored_in_pieces_equals_one_piece():
 
     def seq():
         return types.SimpleNamespace(prompt_ids=prompt, output_ids=[], prompt_logprobs=None,
-                                     params=SamplingParams.create(logprobs=2, prompt_logprobs=True))
+                                     params=SamplingParams.create(top_n_tokens=2, decoder_input_details=True))
 
     logits = torch.randn(len(prompt), 64, generator=torch.Generator().manual_seed(1))
     whole = seq()
@@ -94,7 +94,7 @@ def test_a_scored_prompt_whose_prefix_is_cached_is_still_scored_whole():
     engine = Engine(ModelRunner(model, model.new_kv_pool(config.num_blocks, config.block_size), "cpu"),
                     Scheduler(config), TOK)
     run(engine, [(prompt, SamplingParams.create(max_new_tokens=2))])  # caches the prompt's two full blocks
-    scored = SamplingParams.create(max_new_tokens=2, prompt_logprobs=True)
+    scored = SamplingParams.create(max_new_tokens=2, decoder_input_details=True)
     events = run(engine, [(prompt, scored)])[0]
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), -1)  # [S, V]

@@ -35,7 +35,7 @@ from server.routing.sessions import OVERLOADED, UNAVAILABLE, SessionAffinity
 from server.routing.speed import Speed, SpeedFit
 from server.routing.telemetry import Counters, Telemetry
 from tests.routing_helpers import PICK, choose
-from workers.contract import CapabilityPayload, WorkerState, parse_simulate
+from workers.contract import CapabilityPayload, WorkerRequest, WorkerState, parse_simulate
 from workers.contract.slowdown import slowdown_factor
 from workers.device.slowdown import apply_slowdown
 
@@ -338,7 +338,7 @@ def _handles(n=3):
 
 
 def _send(router: Router, hs, body: dict, c: Constraints = Constraints(), capacity: int = 10):
-    req = router.request(body, c)
+    req = router.request(WorkerRequest.model_validate(body), c)
     d = choose(hs, c, capacity, router=router, req=req)
     assert d.kind == PICK, d.reason
     return router.begin(d.worker, d.route, req)
@@ -372,7 +372,7 @@ def test_broken_workers_stay_excluded_whatever_they_hold():
     assert _send(router, hs, prompt).worker is not holder
     holder.state = WorkerState.READY
     assert _send(router, hs, prompt).worker is holder
-    req = router.request(prompt, Constraints())
+    req = router.request(WorkerRequest.model_validate(prompt), Constraints())
     d = choose(hs, Constraints(), 10, exclude={holder.id: holder.generation},  # it failed this request
                router=router, req=req)
     assert d.worker is not holder
@@ -386,7 +386,7 @@ def test_pinned_requests_say_so_and_a_new_process_holds_no_prefix():
     assert pinned.route.header == "pinned"
     assert router.index.size("gpu2") == 4
     pinned.end()  # while it ran, its prefix was hot there (shared by a request in flight)
-    req = router.request(prompt, Constraints())
+    req = router.request(WorkerRequest.model_validate(prompt), Constraints())
     assert router.pick(hs, Constraints(), req)[1].header == "prefix:64"
     hs[2].generation += 1  # restarted: its cache is empty
     worker, route = router.pick(hs, Constraints(), req)
@@ -439,7 +439,7 @@ def test_the_policy_never_sees_a_worker_the_filter_refused():
     router, hs = Router(), _handles(1)
     hs[0].breaker = CircuitBreaker(BreakerPolicy(failures=1))
     hs[0].breaker.on_failure("answered 500")
-    req = router.request({"inputs": "x"}, Constraints())
+    req = router.request(WorkerRequest(inputs="x"), Constraints())
     assert choose(hs, Constraints(), 10, router=router, req=req).kind == WAIT
 
 

@@ -149,7 +149,7 @@ def test_logprob_is_finite_and_from_the_warped_distribution():
         ({"frequency_penalty": float("nan")}, "`frequency_penalty`"),
         ({"logit_bias": {5: 101.0}}, "`logit_bias` values must be in [-100, 100]"),
         ({"logit_bias": {-1: 1.0}}, "`logit_bias` keys must be token ids"),
-        ({"logprobs": 21}, "`top_n_tokens` must be an integer in [0, 20]"),
+        ({"top_n_tokens": 21}, "`top_n_tokens` must be an integer in [0, 20]"),
     ],
 )
 def test_new_parameters_are_validated_and_named(kwargs, needle):
@@ -182,13 +182,13 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
 
 def test_top_alternatives_are_the_best_of_the_sampled_distribution():
     logits = torch.tensor([[0.0, 2.0, 1.0, 3.0], [1.0, 0.0, 0.0, 0.0]])
-    rows = [Row(SamplingParams.create(logprobs=2, temperature=0.5, seed=1)), Row(SamplingParams())]
+    rows = [Row(SamplingParams.create(top_n_tokens=2, temperature=0.5, seed=1)), Row(SamplingParams())]
     out = sample_tokens(logits, rows)
     expected = torch.log_softmax(logits[0] / 0.5, -1)
     assert [i for i, _ in out.top[0]] == [3, 1]
     assert [lp for _, lp in out.top[0]] == pytest.approx([expected[3].item(), expected[1].item()], abs=1e-5)
     assert out.top[1] is None  # not asked
-    zero = sample_tokens(logits[:1], [Row(SamplingParams.create(logprobs=0))])
+    zero = sample_tokens(logits[:1], [Row(SamplingParams.create(top_n_tokens=0))])
     assert zero.top == [()]  # asked for logprobs without alternatives
 
 
@@ -333,5 +333,5 @@ def test_the_sampler_takes_the_cpu_greedy_rows_only_for_an_all_greedy_step_witho
     out = sample_tokens(logits, greedy)
     assert calls == [1] and (out.token_ids, out.logprobs) == _torch_greedy(logits) and out.top == [None] * 3
     sample_tokens(logits, [*greedy[:2], Row(SamplingParams.create(do_sample=True, seed=3))])
-    with_top = sample_tokens(logits, [*greedy[:2], Row(SamplingParams.create(logprobs=2))])
+    with_top = sample_tokens(logits, [*greedy[:2], Row(SamplingParams.create(top_n_tokens=2))])
     assert calls == [1] and len(with_top.top[2]) == 2

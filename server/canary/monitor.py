@@ -54,7 +54,7 @@ from server.fleet.canary_record import FIRST_CHECK, SUSPECT, CanaryRecord
 from server.fleet.client import WorkerGone
 from server.fleet.handle import WorkerHandle
 from server.fleet.supervisor import Supervisor
-from workers.contract import WorkerState
+from workers.contract import GenerationParameters, WorkerRequest, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class CanaryMonitor:
                 raise CanaryBusy(f"no free batch slot for {SLOT_WAIT_S:g}s")
             await asyncio.sleep(SLOT_POLL_S)
 
-    async def _post(self, h: WorkerHandle, body: dict) -> dict:
+    async def _post(self, h: WorkerHandle, body: WorkerRequest) -> dict:
         await self._free_slot(h)
         client = h.client
         if client is None:
@@ -214,8 +214,8 @@ class CanaryMonitor:
         """Each canary prompt's token ids followed by its greedy continuation on `h`."""
         out = []
         for prompt in CANARY_PROMPTS:
-            body = await self._post(h, {"inputs": prompt, "parameters": {
-                "max_new_tokens": NEW_TOKENS, "do_sample": False, "details": True, "decoder_input_details": True}})
+            body = await self._post(h, WorkerRequest(inputs=prompt, parameters=GenerationParameters(
+                max_new_tokens=NEW_TOKENS, do_sample=False, details=True, decoder_input_details=True)))
             prompt_ids, generated = parse_generation(body)
             out.append(tuple(prompt_ids + generated))
         return out
@@ -224,8 +224,8 @@ class CanaryMonitor:
         """`h`'s scores of each sequence, teacher-forced (one prefill each, nothing generated)."""
         out = []
         for seq in sequences:
-            body = await self._post(h, {"input_ids": list(seq), "parameters": {
-                "max_new_tokens": 0, "details": True, "decoder_input_details": True, "top_n_tokens": TOP_N}})
+            body = await self._post(h, WorkerRequest(input_ids=tuple(seq), parameters=GenerationParameters(
+                max_new_tokens=0, details=True, decoder_input_details=True, top_n_tokens=TOP_N)))
             out.append(parse_scores(body))
         return tuple(out)
 

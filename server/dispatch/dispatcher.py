@@ -43,6 +43,7 @@ from workers.contract import (
     HEADER_WORKER_CAPABILITY,
     HEADER_WORKER_ID,
     WORKER_HEADERS,
+    WireRequest,
 )
 from workers.contract.tracing import NO_TRACING, Tracing
 
@@ -282,13 +283,13 @@ class Dispatcher:
         logger.warning("refusing a request: %s", reason)
         raise DispatchError(422, reason, REFUSED_TYPE)
 
-    def check_quarantine(self, path: str, body: dict) -> None:
+    def check_quarantine(self, path: str, body: WireRequest) -> None:
         """A 422 for a request refused earlier for killing workers (nothing to do while none was)."""
         if self.quarantine and (reason := self.quarantine.reason(fingerprint(path, body))) is not None:
             raise DispatchError(422, reason, REFUSED_TYPE)
 
     # --- non-streamed ------------------------------------------------------------------
-    async def generate(self, path: str, body: dict, c: Constraints) -> WorkerReply:
+    async def generate(self, path: str, body: WireRequest, c: Constraints) -> WorkerReply:
         """The worker's whole answer (any status but 429/503, which are retried elsewhere)."""
         self.check_quarantine(path, body)
 
@@ -305,7 +306,7 @@ class Dispatcher:
                                         key=lambda: fingerprint(path, body))
 
     # --- streamed ----------------------------------------------------------------------
-    async def open_stream(self, path: str, body: dict, c: Constraints,
+    async def open_stream(self, path: str, body: WireRequest, c: Constraints,
                           exclude: dict[str, int] | None = None, deaths: Deaths | None = None) -> WorkerStream | WorkerReply:
         """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply.
         `exclude`: workers (id -> generation) that already failed this request; `deaths`: those

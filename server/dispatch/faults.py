@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from workers.contract import RESUME_IDS, WireRequest
 from workers.contract.errors import ERROR_VALIDATION, is_request_fault
 
 DEATHS_BEFORE_REFUSAL = 2  # workers that may die with a request in flight before it is refused
@@ -49,10 +50,10 @@ def request_fault(status: int, content: bytes) -> bool:
     return status >= 400 and is_request_fault(reply_error_type(content))
 
 
-def fingerprint(path: str, body: dict) -> str:
+def fingerprint(path: str, body: WireRequest) -> str:
     """The identity of a request for the quarantine: its path and body (without `resume_ids`,
     which only say how far a stream had come)."""
-    kept = {k: v for k, v in body.items() if k != "resume_ids"}
+    kept = body.model_dump(mode="json", exclude_unset=True, exclude={RESUME_IDS})
     text = json.dumps([path, kept], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()
 

@@ -46,7 +46,7 @@ from server.dispatch.faults import Deaths, fingerprint
 from server.dispatch.spans import note_migration
 from server.fleet.client import WorkerGone, split_events
 from server.routing.filter import Constraints
-from workers.contract import RESUME_IDS
+from workers.contract import RESUME_IDS, WorkerRequest
 from workers.contract.errors import ERROR_INTERNAL, is_request_fault
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def token_ids(raws: list[bytes]) -> list[int]:
     return ids
 
 
-async def open_client_stream(dispatcher: Dispatcher, path: str, body: dict,
+async def open_client_stream(dispatcher: Dispatcher, path: str, body: WorkerRequest,
                              c: Constraints) -> ClientStream | WorkerReply:
     """A client stream whose first event exists, or the worker's refusal (e.g. 422) as a reply."""
     opened = await dispatcher.open_stream(path, body, c)
@@ -116,7 +116,7 @@ class ClientStream:
     """One client stream over one or more worker streams (see the module docstring);
     `aclose()` always, once."""
 
-    def __init__(self, dispatcher: Dispatcher, path: str, body: dict, c: Constraints, first: WorkerStream):
+    def __init__(self, dispatcher: Dispatcher, path: str, body: WorkerRequest, c: Constraints, first: WorkerStream):
         self.dispatcher, self.path, self.body, self.constraints = dispatcher, path, body, c
         self.stream = first  # the worker stream serving now
         self.headers = first.headers  # the response's headers: the first worker's
@@ -256,7 +256,7 @@ class ClientStream:
         self.dispatcher.metrics.stream_migration(lost.worker)
         note_migration(self.dispatcher.tracing, lost.worker, why, sent)
         logger.warning("stream on worker %s lost after %d tokens (%s); moving it", lost.worker.id, sent, why)
-        body = {**self.body, RESUME_IDS: list(self._delivered)}
+        body = self.body.model_copy(update={RESUME_IDS: tuple(self._delivered)})
         try:
             opened = await self.dispatcher.open_stream(self.path, body, self.constraints, self._exclude, self._deaths)
         except DispatchError as e:

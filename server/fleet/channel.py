@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 
 from server.fleet.uds_http import UnixHTTPPool, WorkerConnectionLost
-from workers.contract import HEADER_CHANNEL
+from workers.contract import HEADER_CHANNEL, AbortStreams, wire_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class WorkerChannel:
             task.add_done_callback(self._tasks.discard)
 
     async def _post_abort(self, keys: list[int]) -> None:
-        body = json.dumps({"channel": self.id, "streams": keys}).encode()
+        body = wire_bytes(AbortStreams(channel=self.id, streams=tuple(keys)))
         try:
             await asyncio.wait_for(self._pool.request("POST", "/streams/abort", body), 5.0)
         except (OSError, TimeoutError) as e:  # the worker is gone (its streams with it) or hangs

@@ -1,7 +1,8 @@
 """HTTP to one worker over its Unix socket (server/fleet/uds_http.py, one keep-alive pool per worker).
 
-The worker's socket API mirrors the public one (TGI shapes), so the router forwards request
-bodies and streamed bytes untouched. A worker that dies shows up here as one of `WorkerGone`
+A request goes out as one of the contract's typed bodies (`WorkerRequest` and the others of
+workers/contract/wire.py, nothing else), and the worker answers in TGI's shapes, so streamed
+bytes are relayed untouched. A worker that dies shows up here as one of `WorkerGone`
 (nothing listens, or the connection broke mid-answer); the dispatcher turns that into a
 retry or a migration. Generation reads have no timeout (a long generation is not a
 failure); a hung worker is caught by the supervisor's health checks instead, which then
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from server.fleet.channel import STREAM_PATH, ChannelRefused, ChannelStream, WorkerChannel
 from server.fleet.uds_http import Response, UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
-from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, CapabilityPayload
+from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, CapabilityPayload, WireRequest, wire_bytes
 
 _CONTROL_TIMEOUT_S = 5.0
 
@@ -76,17 +77,19 @@ class WorkerClient:
         return content.decode("utf-8", errors="replace")
 
     # --- generation --------------------------------------------------------------------
-    async def post(self, path: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-        """A non-streamed call: (status, headers, body), the whole answer read. `headers`: extra
-        request headers (the trace context)."""
-        return await self._pool.request("POST", path, json.dumps(body).encode(), headers)
+    async def post(self, path: str, body: WireRequest,
+                   headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        """A non-streamed call: (status, headers, body), the whole answer read. `body`: one of the
+        contract's requests (`TypeError` for anything else); `headers`: extra request headers
+        (the trace context)."""
+        return await self._pool.request("POST", path, wire_bytes(body), headers)
 
     @asynccontextmanager
-    async def stream(self, path: str, body: dict,
+    async def stream(self, path: str, body: WireRequest,
                      headers: dict[str, str] | None = None) -> AsyncIterator[Response | ChannelStream]:
         """A streamed call; read `iter_chunks()` inside the block. `/generate_stream` goes on the
         worker's stream channel when it has one (opened on first use)."""
-        payload = json.dumps(body).encode()
+        payload = wire_bytes(body)
         channel = await self._open_channel() if path == STREAM_PATH else None
         if channel is not None:
             response = await self._on_channel(channel, path, payload, headers)

@@ -7,7 +7,8 @@ honour (`best_of`, `watermark`, `suffix`...); those are accepted when they ask f
 ignored. Unknown fields are ignored, as TGI and OpenAI servers do. Types are strict (an
 integer field refuses `"5"`, `true` and `2.0`), floats must be finite, and text must be
 valid Unicode (no lone surrogate such as `"\ud800"`, which no tokenizer can encode).
-Internally the router forwards plain dicts; nothing below the edge sees these classes.
+`GenerateRequest.to_worker()` translates one into the contract's `WorkerRequest`, the one shape
+a worker receives; nothing below the edge sees these classes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from workers.contract import (
     MAX_PENALTY,
     MAX_SEED,
     MAX_STOP_SEQUENCES,
+    GenerationParameters,
+    WorkerRequest,
     grammar_value,
 )
 
@@ -69,24 +72,27 @@ class GenerateParameters(Edge):
                        "adapter_id": (None, "")})
         return self
 
-    def to_worker(self) -> dict:
-        """The worker's `parameters` (only what it understands; unset fields take its defaults)."""
+    def to_worker(self) -> GenerationParameters:
+        """The worker's parameters (the same names; unset fields take the contract's defaults).
+        `ValueError` for a combination only the contract checks."""
         keep = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty",
-                "do_sample", "seed", "stop", "details", "return_full_text")
-        out = {k: getattr(self, k) for k in keep if getattr(self, k) is not None}
-        if self.decoder_input_details:
-            out["details"] = out["decoder_input_details"] = True
-        if self.top_n_tokens:  # TGI: 0 and null both mean no alternatives
-            out["top_n_tokens"] = self.top_n_tokens
+                "do_sample", "seed", "stop", "details", "return_full_text", "decoder_input_details")
+        out = {k: getattr(self, k) for k in keep}
+        out["details"] = self.details or self.decoder_input_details
+        out["top_n_tokens"] = self.top_n_tokens or None  # TGI: 0 and null both mean no alternatives
         if self.grammar is not None:
             out["grammar"] = {"type": self.grammar.type, "value": self.grammar.value}
-        return out
+        return GenerationParameters.create(**out)
 
 
 class GenerateRequest(Edge):
     inputs: str = Field(min_length=1, max_length=1_000_000)
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = False  # used by `POST /` (TGI's compat route) only
+
+    def to_worker(self) -> WorkerRequest:
+        """The contract's request (`ValueError` for a combination only the contract checks)."""
+        return WorkerRequest(inputs=self.inputs, parameters=self.parameters.to_worker())
 
 
 class Token(BaseModel):

@@ -39,7 +39,7 @@ from server.routing.prefix_index import PrefixIndex
 from server.routing.sessions import SessionAffinity
 from server.routing.speed import REFERENCE_BATCH, Speed
 from server.routing.telemetry import Telemetry
-from workers.contract import DEFAULT_MAX_NEW_TOKENS
+from workers.contract import WireRequest, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -93,20 +93,16 @@ class Router:
         self._last_turn: str | None = None  # round-robin
 
     # --- the request ---------------------------------------------------------------------
-    def request(self, body: dict, c: Constraints) -> RouteRequest:
-        """Routing facts of a worker request body (`inputs` or `input_ids`, `parameters`, `resume_ids`)."""
-        prompt = body.get("inputs")
-        if not isinstance(prompt, str):
-            ids = body.get("input_ids")
-            prompt = tuple(ids) if isinstance(ids, list) else ""
-        resumed = body.get("resume_ids")
-        resumed = len(resumed) if isinstance(resumed, list) else 0
-        params = body.get("parameters") if isinstance(body.get("parameters"), dict) else {}
-        asked = params.get("max_new_tokens")
-        new = asked if isinstance(asked, int) and asked >= 0 else DEFAULT_MAX_NEW_TOKENS  # what the worker will take
+    def request(self, body: WireRequest, c: Constraints) -> RouteRequest:
+        """Routing facts of a request for a worker: a generation's prompt (text or token ids), its
+        `max_new_tokens` and `resume_ids`; any other body (a count, an embedding) caches nothing."""
+        if not isinstance(body, WorkerRequest):
+            return RouteRequest(self.index.keys(""), self.index.chunk_units(""), 0, 0, 0, c.session)
+        prompt, resumed = body.prompt, len(body.resume_ids)
         text = isinstance(prompt, str)
         return RouteRequest(self.index.keys(prompt), self.index.chunk_units(prompt), len(prompt) if text else 0,
-                            (0 if text else len(prompt)) + resumed, max(0, new - resumed), c.session)
+                            (0 if text else len(prompt)) + resumed,
+                            max(0, body.parameters.max_new_tokens - resumed), c.session)
 
     def _prompt_tokens(self, req: RouteRequest) -> int:
         return self.telemetry.tokens(req.chars) + req.ids

@@ -7,7 +7,8 @@ lifecycle values (`lifecycle`), defaults, environment and header names (`default
 limits of a generation request and its shape checks (`limits`), the chat-template lookup
 (`chat_template`), JSON schemas as requests carry them (`json_schema`), the
 per-architecture Triton cache (`triton_cache`) and the `/capability` and `/health` payloads
-(`payload`). Code outside the contract imports these names from here; tracing setup, which
+(`payload`), and the typed bodies that cross between them: `WorkerRequest`, the one shape of a
+generation request (`request`), and the tokenize, detokenize, embed and abort bodies (`wire`). Code outside the contract imports these names from here; tracing setup, which
 both processes share too, is its own module (`workers.contract.tracing`): it loads
 OpenTelemetry only when asked to.
 """
@@ -111,6 +112,13 @@ from workers.contract.payload import (
     Load,
     ModelDescription,
 )
+from workers.contract.request import (
+    MIN_TEMPERATURE,
+    GenerationParameters,
+    Grammar,
+    WorkerRequest,
+    request_error,
+)
 from workers.contract.sizes import ACCEPTED_SIZES, SizeError, format_size, human, parse_size
 from workers.contract.topology import (
     ACCEPTED_DEVICES,
@@ -128,6 +136,16 @@ from workers.contract.triton_cache import (
     triton_cache_dir,
     triton_cache_root,
     use_triton_cache,
+)
+from workers.contract.wire import (
+    MAX_EMBED_INPUTS,
+    POOLINGS,
+    AbortStreams,
+    DetokenizeRequest,
+    EmbedRequest,
+    TokenizeRequest,
+    WireRequest,
+    wire_bytes,
 )
 
 __all__ = [
@@ -151,5 +169,6 @@ __all__ = [
     "Fp8Description", "HealthPayload", "KernelDescription", "Load", "ModelDescription", "ACCEPTED_DEVICES",
     "ACCEPTED_TOKENS", "TopologySpecError", "cpu_device", "parse_simulate", "parse_token", "select_devices",
     "simulated_device", "ACCEPTED_SIZES", "SizeError", "format_size", "human", "parse_size", "ENV_TRITON_CACHE", "ENV_TRITON_CACHE_DIR", "triton_cache_dir", "triton_cache_root",
-    "use_triton_cache",
+    "use_triton_cache", "MIN_TEMPERATURE", "GenerationParameters", "Grammar", "WorkerRequest", "request_error", "MAX_EMBED_INPUTS", "POOLINGS", "AbortStreams", "DetokenizeRequest", "EmbedRequest",
+    "TokenizeRequest", "WireRequest", "wire_bytes",
 ]

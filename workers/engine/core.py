@@ -167,7 +167,7 @@ class Engine:
             seq.generator = make_generator(seed, skip=len(resumed))
         seq.seed = seed
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, self._special_ids, params.stop,
-                                           params.stop_in_output, params.skip_special_tokens, params.min_tokens)
+                                           params.include_stop_str_in_output, params.skip_special_tokens, params.min_tokens)
         seq.stream = RequestStream(rid, loop)
         if grammar is not None:
             seq.grammar = grammar.matcher()

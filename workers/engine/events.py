@@ -55,7 +55,7 @@ class TokenEvent:
     logprob: float
     special: bool
     finish: FinishInfo | None = None
-    top: TopList | None = None  # the best alternatives, when the request asked (`logprobs`)
+    top: TopList | None = None  # the best alternatives, when the request asked (`top_n_tokens`)
     prefill: tuple | None = None  # on the first event: (id, logprob, top) per prompt token, when asked
 
 

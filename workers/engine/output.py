@@ -44,7 +44,7 @@ def _ending_dropped(seq: Sequence, token_id: int) -> bool:
     be in it (an ordinary token, or any with `skip_special_tokens` false). A special token's
     text is otherwise streamed flagged `special` (the router reads harmony's tags from it)."""
     p = seq.params
-    return not p.stop_in_output and (not p.skip_special_tokens or not seq.detok.is_special(token_id))
+    return not p.include_stop_str_in_output and (not p.skip_special_tokens or not seq.detok.is_special(token_id))
 
 
 def _stop_reason(seq: Sequence, u: TokenUpdate, reason: str) -> str | int | None:

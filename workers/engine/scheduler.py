@@ -51,7 +51,7 @@ def _cacheable(seq: Sequence) -> int | None:
     """How many leading tokens `seq` may take from the prefix cache (None: any). A prompt scored
     for its logprobs computes every row not scored yet: a row taken from the cache has no
     logits, so its entry would be missing."""
-    if not seq.params.prompt_logprobs:
+    if not seq.params.decoder_input_details:
         return None
     scored = 0 if seq.prompt_logprobs is None else len(seq.prompt_logprobs) - 1  # rows whose entries exist
     return None if scored >= len(seq.prompt_ids) - 1 else scored

@@ -56,7 +56,7 @@ def prompt_chunks(chunks: Sequence) -> list[int]:
     for i, c in enumerate(chunks):
         seq = c.seq
         done = 1 if seq.prompt_logprobs is None else len(seq.prompt_logprobs)
-        if seq.params.prompt_logprobs and c.start_pos + 1 < len(seq.prompt_ids) and done < len(seq.prompt_ids):
+        if seq.params.decoder_input_details and c.start_pos + 1 < len(seq.prompt_ids) and done < len(seq.prompt_ids):
             picked.append(i)
     return picked
 
@@ -75,7 +75,7 @@ def record_prompt(chunk, logits: torch.Tensor) -> None:
     logprobs = torch.log_softmax(rows, dim=-1)
     targets = seq.prompt_ids[first:end]
     chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])[:, 0].tolist()
-    top = seq.params.prompt_top if seq.params.prompt_top is not None else seq.params.logprobs
+    top = seq.params.prompt_top_n_tokens if seq.params.prompt_top_n_tokens is not None else seq.params.top_n_tokens
     tops = top_alternatives(logprobs, [top] * len(targets))
     seq.prompt_logprobs.extend(zip(targets, chosen, tops, strict=True))
 

@@ -61,7 +61,7 @@ class SampleRow(Protocol):
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[float]  # of each chosen token
-    top: list[TopList | None]  # the `params.logprobs` best alternatives per row (None: not asked)
+    top: list[TopList | None]  # the `params.top_n_tokens` best alternatives per row (None: not asked)
 
 
 def constrained_rows(rows: Sequence[SampleRow]) -> list[tuple[object, int]]:
@@ -116,7 +116,7 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Gra
         top_p = [p.top_p if p.do_sample else 1.0 for p in params]
         if any(top_k) or any(p < 1.0 for p in top_p):
             logits = apply_top_k_top_p(logits, top_k, top_p)
-    counts = [p.logprobs for p in params]
+    counts = [p.top_n_tokens for p in params]
     if not sampled and not any(counts) and cpu_greedy.runs(logits):  # the same ids and logprobs, no [N, V] pass
         ids, chosen = cpu_greedy.greedy(logits)
         return SampleOutput(ids.tolist(), chosen.tolist(), top_alternatives(logits, counts))

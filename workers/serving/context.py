@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import Request
 
-from workers.contract import CapabilityPayload
+from workers.contract import CapabilityPayload, WorkerRequest
 from workers.engine.core import Engine, EngineOverloaded, EngineUnavailable
 from workers.engine.events import RequestStream
 from workers.engine.scheduler import CapacityError
@@ -30,7 +30,7 @@ from workers.sampling.grammar import CompiledGrammar, GrammarBusy, GrammarError,
 from workers.sampling.logprobs import TokenBytes
 from workers.sampling.params import ParameterError, SamplingParams
 from workers.serving.errors import APIError
-from workers.serving.schemas import GenerateRequest, Render
+from workers.serving.render import Render
 from workers.serving.tracing import RequestTracer
 
 CLIENT_GONE = "client_disconnected"  # the error type that ends a request whose client left
@@ -63,7 +63,7 @@ class WorkerContext:
     def ready(self) -> bool:
         return self.status == "ready" and self.engine.accepting
 
-    async def submit(self, req: GenerateRequest, request: Request | None = None) -> Submitted:
+    async def submit(self, req: WorkerRequest, request: Request | None = None) -> Submitted:
         """Validate, tokenize, compile the grammar and queue (see the module docstring); every
         refusal is an `APIError`. `request`: the HTTP request, watched for the client leaving
         while its grammar compiles."""
@@ -72,7 +72,7 @@ class WorkerContext:
                            "unavailable")
         engine, vocab = self.engine, self.grammars.vocab_size
         try:
-            params = req.parameters.sampling()
+            params = SamplingParams.from_request(req.parameters)
             prompt_ids, input_text = await self._prompt_ids(req, params.context_tokens)
             _check_vocab(params, vocab)
             engine.scheduler.check_fits(len(prompt_ids), params.context_tokens)  # before any compile
@@ -108,7 +108,7 @@ class WorkerContext:
             raise APIError(499, "The client disconnected while its grammar compiled", CLIENT_GONE)
         return compiling.result()
 
-    async def _prompt_ids(self, req: GenerateRequest, new_tokens: int) -> tuple[list[int], str | None]:
+    async def _prompt_ids(self, req: WorkerRequest, new_tokens: int) -> tuple[list[int], str | None]:
         """The prompt's token ids; a text that cannot fit the context whatever its tokens is
         refused untokenized (`CapacityError`), a long one tokenized off the event loop."""
         text = req.inputs
@@ -124,7 +124,7 @@ class WorkerContext:
             return await asyncio.to_thread(_prompt_ids, req, self.tokenizer, self.grammars.vocab_size)
         return _prompt_ids(req, self.tokenizer, self.grammars.vocab_size)
 
-    async def submit_traced(self, req: GenerateRequest, request: Request) -> Submitted:
+    async def submit_traced(self, req: WorkerRequest, request: Request) -> Submitted:
         """`submit` inside the request's span (a child of the router's); a refusal ends the span."""
         span = self.tracer.start(request.url.path, request.headers)
         try:
@@ -140,14 +140,12 @@ def get_ctx(request: Request) -> WorkerContext:
     return request.app.state.ctx
 
 
-def _prompt_ids(req: GenerateRequest, tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
+def _prompt_ids(req: WorkerRequest, tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
     """The prompt's token ids, and the text they decode to when the request gave ids."""
     if req.input_ids is None:
         if not req.inputs:
             raise ParameterError("`inputs` must be a non-empty string (or give `input_ids`)")
         return tokenizer.encode(req.inputs).ids, None
-    if req.inputs:
-        raise ParameterError("Give the prompt as `inputs` or as `input_ids`, not both")
     bad = [t for t in req.input_ids if not 0 <= t < vocab_size]
     if not req.input_ids or bad:
         raise ParameterError(f"`input_ids` must be a non-empty list of token ids in [0, {vocab_size - 1}]"

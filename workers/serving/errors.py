@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from workers.contract.errors import ERROR_REQUEST_FAILED, safe_message
+from workers.contract.request import request_error
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,6 @@ def error_response(status: int, message: str, error_type: str, headers: dict[str
     return JSONResponse({"error": safe_message(message), "error_type": error_type}, status_code=status, headers=headers)
 
 
-def field_message(exc: RequestValidationError) -> str:
-    """The first few validation errors, each naming its field: "`parameters.top_k`: ..."."""
-    parts = []
-    for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"`{loc}`: {err.get('msg', 'invalid')}")
-    return "; ".join(parts)
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -50,7 +42,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return error_response(422, field_message(exc), "validation")
+        return error_response(422, request_error(exc.errors()), "validation")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):

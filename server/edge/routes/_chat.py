@@ -1,4 +1,4 @@
-"""One chat request -> its prompt, worker bodies and choice specs; one choice relayed to a writer.
+"""One chat request -> its prompt, worker requests and choice specs; one choice relayed to a writer.
 
 Chat completions, Responses and Messages are three shapes of one thing: messages rendered
 with the model's chat template, sampled by a worker, read back through the reasoning parser
@@ -18,11 +18,11 @@ from typing import Protocol
 
 from fastapi.responses import Response
 
-from server.dispatch.dispatcher import DispatchError, WorkerReply
+from server.dispatch.dispatcher import WorkerReply
 from server.dispatch.migration import ClientStream, StreamIncomplete, parse_event
 from server.edge.context import ModelContext
 from server.edge.errors import error_response
-from server.edge.routes._common import close_shielded
+from server.edge.routes._common import close_shielded, to_worker
 from server.protocol.harmony import HarmonyPlan, plan_harmony
 from server.protocol.openai import responses as fmt
 from server.protocol.openai.choices import ChoiceSpec, ChoiceStream
@@ -30,7 +30,7 @@ from server.protocol.openai.requests import ChatCompletionRequest
 from server.protocol.openai.tools import AUTO, plan_tools, response_grammar, template_messages
 from server.protocol.reasoning import add_reasoning, choose_parser, plan_reasoning
 from server.protocol.tool_parsers.choose import choose_tool_parser
-from workers.contract import MAX_SEED
+from workers.contract import MAX_SEED, GenerationParameters, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +40,18 @@ class ChatJob:
     """A chat request ready to send: the rendered prompt, one worker body and spec per choice."""
 
     prompt: str
-    bodies: tuple[dict, ...]
+    bodies: tuple[WorkerRequest, ...]
     specs: tuple[ChoiceSpec, ...]
 
 
-def worker_body(prompt: str | list[int], params: dict) -> dict:
-    return {"inputs": prompt, "parameters": params} if isinstance(prompt, str) else \
-        {"input_ids": prompt, "parameters": params}
-
-
-def choice_params(params: dict, k: int) -> dict:
-    """Choice k's parameters: the request's seed + k (wrapping within the seeds a worker takes)."""
-    return {**params, "seed": (params["seed"] + k) % (MAX_SEED + 1)} if k and "seed" in params else params
+def choice_request(prompt: str | list[int], params: GenerationParameters, k: int = 0) -> WorkerRequest:
+    """Choice k's request: the prompt as text or token ids, and the request's seed + k (wrapping
+    within the seeds a worker takes), so choices differ yet stay reproducible."""
+    if k and params.seed is not None:
+        params = params.model_copy(update={"seed": (params.seed + k) % (MAX_SEED + 1)})
+    if isinstance(prompt, str):
+        return WorkerRequest(inputs=prompt, parameters=params)
+    return WorkerRequest(input_ids=prompt, parameters=params)
 
 
 def render_prompt(ctx: ModelContext, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> str:
@@ -72,21 +72,15 @@ def prepare_chat(ctx: ModelContext, req: ChatCompletionRequest) -> ChatJob:
     plan = replace(plan_tools(req), syntax=tool_parser.syntax)
     kwargs = req.template_kwargs()
     prompt = render_prompt(ctx, req)
-    params = req.sampling(req.max_new_tokens, ctx.sampling_defaults())
-    try:
-        grammar = plan.grammar() or response_grammar(req)
-    except ValueError as e:
-        raise DispatchError(422, str(e), "validation") from e
-    if grammar is not None:
-        params["grammar"] = grammar
-    if req.top_n is not None:
-        params["top_n_tokens"] = req.top_n
+    grammar = to_worker(lambda: plan.grammar() or response_grammar(req))  # tools' or the response format's
+    params = to_worker(lambda: req.sampling(req.max_new_tokens, ctx.sampling_defaults(), top_n_tokens=req.top_n,
+                                            grammar=grammar))
     parser = choose_parser(ctx.settings.reasoning_parser, template.source, template.model_type)
     reasoning = plan_reasoning(parser, prompt, kwargs, constrained=grammar is not None)
     if tool_parser.harmony and plan.mode == AUTO and not isinstance(reasoning, HarmonyPlan):
         reasoning = plan_harmony(prompt, grammar is not None)  # `--tool-call-parser openai`: read harmony
     specs = tuple(ChoiceSpec(k, req.top_n, tools=plan, reasoning=reasoning) for k in range(req.n))
-    bodies = tuple(worker_body(prompt, choice_params(params, k)) for k in range(req.n))
+    bodies = tuple(choice_request(prompt, params, k) for k in range(req.n))
     return ChatJob(prompt, bodies, specs)
 
 

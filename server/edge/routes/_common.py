@@ -1,21 +1,26 @@
-"""Helpers the route modules share: constraints and the model, the context-length check, stream relays."""
+"""Helpers the route modules share: constraints and the model, the context-length check, the
+contract's request as a 422 where it refuses, stream relays."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from server.dispatch.dispatcher import DispatchError
 from server.dispatch.migration import ClientStream
 from server.edge.context import ModelContext, RouterContext, get_ctx
 from server.errors import shown
 from server.routing.filter import MAX_SESSION_CHARS, Constraints, parse_constraints
-from workers.contract import HEADER_MODEL, HEADER_PIN_WORKER
+from workers.contract import HEADER_MODEL, HEADER_PIN_WORKER, request_error
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+T = TypeVar("T")
 
 
 def constraints(request: Request, user: str | None = None, model: str | None = None) -> Constraints:
@@ -49,6 +54,18 @@ def check_new_tokens(ctx: RouterContext | ModelContext, value: int | None, name:
     if value is not None and limit is not None and value > limit:
         raise DispatchError(422, f"`{name}` = `{value}` exceeds the model's context length ({limit} tokens)",
                             "validation")
+
+
+def to_worker(build: Callable[[], T]) -> T:
+    """What `build` translates a public request into (the contract's `WorkerRequest` or its
+    parameters); a value the contract refuses (a combination the public shape does not check)
+    is a 422 with the contract's message, before any worker is asked."""
+    try:
+        return build()
+    except ValidationError as e:
+        raise DispatchError(422, request_error(e.errors()), "validation") from e
+    except ValueError as e:
+        raise DispatchError(422, str(e), "validation") from e
 
 
 async def close_shielded(stream: ClientStream) -> None:

@@ -33,6 +33,7 @@ from server.protocol.anthropic.messages import MessageEvents, message_id, messag
 from server.protocol.anthropic.requests import MessagesBase, MessagesRequest, chat_request
 from server.protocol.openai.choices import ChoiceStream, chat_choice
 from server.protocol.openai.requests import ChatCompletionRequest
+from workers.contract import TokenizeRequest
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["anthropic"])
@@ -89,7 +90,7 @@ async def _count(worker, prompt: str) -> int:
     no admission slot); 0 when it cannot say (the count is a hint: `message_delta` carries the
     worker's own at the end)."""
     try:
-        status, _, content = await worker.client.post("/tokenize", {"prompt": prompt})
+        status, _, content = await worker.client.post("/tokenize", TokenizeRequest(prompt=prompt))
         return int(json.loads(content)["count"]) if status == 200 else 0
     except (*WorkerGone, ValueError, KeyError) as e:  # gone meanwhile (the stream says so), or no count
         logger.info("no prompt count from %s: %r", worker.id, e)
@@ -102,7 +103,8 @@ async def count_tokens(req: MessagesBase, request: Request) -> Response:
     warn = check_fields(get_ctx(request).settings, req, "/v1/messages/count_tokens")
     ctx = get_ctx(request).model(req.model)
     job = _job(ctx, req)
-    reply = await ctx.dispatcher.generate("/tokenize", {"prompt": job.prompt}, constraints(request, None, ctx.name))
+    reply = await ctx.dispatcher.generate("/tokenize", TokenizeRequest(prompt=job.prompt),
+                                         constraints(request, None, ctx.name))
     if reply.status != 200:
         return worker_failure(request.url.path, reply)
     return with_headers(JSONResponse({"input_tokens": json.loads(reply.content)["count"]}, headers=reply.headers),

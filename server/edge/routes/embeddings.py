@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse, Response
 from server.dispatch.dispatcher import DispatchError
 from server.edge.context import get_ctx
 from server.edge.routes._chat import worker_failure
-from server.edge.routes._common import constraints
+from server.edge.routes._common import constraints, to_worker
 from server.edge.routes._params import check_fields, with_headers
-from server.protocol.openai.embeddings import MAX_INPUTS, EmbeddingsRequest, embeddings_response, pooling_of
+from server.protocol.openai.embeddings import EmbeddingsRequest, embeddings_response, pooling_of
+from workers.contract import MAX_EMBED_INPUTS, EmbedRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -35,8 +36,8 @@ async def create_embeddings(req: EmbeddingsRequest, request: Request) -> Respons
                                  "`--task embed` or `--task auto`", "invalid_request_error")
     ctx = router_ctx.model(req.model)
     items = req.items()
-    if not items or len(items) > MAX_INPUTS:
-        raise DispatchError(422, f"`input` holds {len(items)} inputs. Accepted: 1 to {MAX_INPUTS}", "validation")
+    if not items or len(items) > MAX_EMBED_INPUTS:
+        raise DispatchError(422, f"`input` holds {len(items)} inputs. Accepted: 1 to {MAX_EMBED_INPUTS}", "validation")
     try:
         pooling = pooling_of(ctx._dir())
     except ValueError as e:
@@ -45,7 +46,8 @@ async def create_embeddings(req: EmbeddingsRequest, request: Request) -> Respons
         raise DispatchError(400, f"`dimensions` = `{req.dimensions}`: model `{ctx.model_id()}` is not "
                                  "matryoshka-trained (its config.json sets no `is_matryoshka`), so a cut vector "
                                  "means nothing. Accepted: no `dimensions`", "invalid_request_error")
-    body = {"inputs": items, "pooling": pooling.mode, "normalize": pooling.normalize, "dimensions": req.dimensions}
+    body = to_worker(lambda: EmbedRequest(inputs=items, pooling=pooling.mode, normalize=pooling.normalize,
+                                          dimensions=req.dimensions))
     reply = await ctx.dispatcher.generate("/embed", body, constraints(request, req.user, ctx.name))
     if reply.status != 200:
         return worker_failure(request.url.path, reply)

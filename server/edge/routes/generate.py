@@ -1,8 +1,8 @@
 """TGI-shaped generation: `POST /generate`, `POST /generate_stream` (SSE), `POST /`, `GET /info`.
 
-Request and response bodies are the worker's own (same TGI shapes), so the router
-validates the request, picks a worker and relays the answer bytes untouched, adding the
-worker headers. `POST /` is TGI's compat route (what `huggingface_hub.InferenceClient`
+The public request is translated once into the contract's `WorkerRequest` (the same TGI names),
+the router picks a worker and relays the answer bytes untouched (the worker answers in TGI's
+shapes), adding the worker headers. `POST /` is TGI's compat route (what `huggingface_hub.InferenceClient`
 calls when given the server's URL): `"stream": true` streams, otherwise it generates. The
 `X-Hetserve-Model` header picks the model (absent: the default model).
 A stream the worker loses after its first event moves to another worker from the token
@@ -22,9 +22,16 @@ from fastapi.responses import Response
 from server.dispatch.dispatcher import WorkerReply
 from server.dispatch.migration import ClientStream, StreamIncomplete, StreamRefused, open_client_stream
 from server.edge.context import VERSION, ModelContext, get_ctx
-from server.edge.routes._common import RelayResponse, check_new_tokens, close_shielded, constraints, tgi_model
+from server.edge.routes._common import (
+    RelayResponse,
+    check_new_tokens,
+    close_shielded,
+    constraints,
+    tgi_model,
+    to_worker,
+)
 from server.protocol.tgi import ErrorResponse, GenerateRequest, GenerateResponse
-from workers.contract import MAX_STOP_SEQUENCES
+from workers.contract import MAX_STOP_SEQUENCES, WorkerRequest
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["text-generation-inference"])
@@ -37,21 +44,20 @@ def _reply(reply: WorkerReply) -> Response:
     return Response(reply.content, status_code=reply.status, media_type="application/json", headers=reply.headers)
 
 
-def _worker_body(req: GenerateRequest, ctx: ModelContext) -> dict:
-    params = req.parameters.to_worker()
-    check_new_tokens(ctx, params.get("max_new_tokens"), "parameters.max_new_tokens")
-    return {"inputs": req.inputs, "parameters": params}
+def _worker_request(req: GenerateRequest, ctx: ModelContext) -> WorkerRequest:
+    check_new_tokens(ctx, req.parameters.max_new_tokens, "parameters.max_new_tokens")
+    return to_worker(req.to_worker)
 
 
 async def _generate(req: GenerateRequest, request: Request) -> Response:
     ctx = tgi_model(request)
-    reply = await ctx.dispatcher.generate("/generate", _worker_body(req, ctx), constraints(request, model=ctx.name))
+    reply = await ctx.dispatcher.generate("/generate", _worker_request(req, ctx), constraints(request, model=ctx.name))
     return _reply(reply)
 
 
 async def _generate_stream(req: GenerateRequest, request: Request) -> Response:
     ctx = tgi_model(request)
-    opened = await open_client_stream(ctx.dispatcher, "/generate_stream", _worker_body(req, ctx),
+    opened = await open_client_stream(ctx.dispatcher, "/generate_stream", _worker_request(req, ctx),
                                       constraints(request, model=ctx.name))
     if isinstance(opened, WorkerReply):
         return _reply(opened)

@@ -41,13 +41,14 @@ from server.dispatch.migration import (
 )
 from server.edge.context import RouterContext, get_ctx
 from server.edge.errors import error_response
-from server.edge.routes._chat import choice_params, prepare_chat, worker_body
+from server.edge.routes._chat import choice_request, prepare_chat
 from server.edge.routes._common import (
     RelayResponse,
     check_new_tokens,
     close_shielded,
     constraints,
     merged_headers,
+    to_worker,
 )
 from server.edge.routes._params import check_fields, with_headers
 from server.edge.routes.models import model_list
@@ -57,6 +58,7 @@ from server.protocol.openai.choices import ChoiceSpec, ChoiceStream, chat_choice
 from server.protocol.openai.extras import prompt_logprobs
 from server.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
 from server.routing.filter import Constraints
+from workers.contract import WorkerRequest
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -64,7 +66,7 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 _ERRORS = {code: {"description": "OpenAI-shaped error"} for code in (401, 413, 422, 429, 503)}
 
 
-async def _generate_all(ctx: RouterContext, c: Constraints, bodies: list[dict]) -> list[WorkerReply]:
+async def _generate_all(ctx: RouterContext, c: Constraints, bodies: list[WorkerRequest]) -> list[WorkerReply]:
     results = await asyncio.gather(*(ctx.dispatcher.generate("/generate", b, c) for b in bodies),
                                    return_exceptions=True)
     for r in results:
@@ -113,16 +115,14 @@ async def _completions(req: CompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request).model(req.model)
     c = constraints(request, req.session_key(), ctx.name)
     check_new_tokens(ctx, req.max_tokens, "max_tokens")
-    params = req.sampling(req.max_tokens, ctx.sampling_defaults())
-    if req.logprobs is not None:
-        params["top_n_tokens"] = req.logprobs
-    if req.scoring_only or (req.echo and req.logprobs is not None):
-        params["decoder_input_details"] = True
+    scored = req.scoring_only or (req.echo and req.logprobs is not None)  # the prompt's own logprobs
+    params = to_worker(lambda: req.sampling(req.max_tokens, ctx.sampling_defaults(), top_n_tokens=req.logprobs,
+                                            decoder_input_details=scored))
     prompts = req.prompts
     jobs = [(i, k) for i in range(len(prompts)) for k in range(req.n)]
     specs = [ChoiceSpec(index, req.logprobs, req.echo, prompts[i] if isinstance(prompts[i], str) else None)
              for index, (i, _k) in enumerate(jobs)]
-    bodies = [worker_body(prompts[i], choice_params(params, k)) for i, k in jobs]
+    bodies = [choice_request(prompts[i], params, k) for i, k in jobs]
     prompt_of = [i for i, _k in jobs]
     if req.stream and not req.scoring_only:
         return await _stream(ctx, c, request, bodies, specs, prompt_of, chat=False, usage=_include_usage(req))
@@ -183,8 +183,8 @@ def _whole_stream(ctx: RouterContext, specs: list[ChoiceSpec], answers: list[dic
     return Response("".join(parts), media_type="text/event-stream", headers=headers)
 
 
-async def _stream(ctx: RouterContext, c: Constraints, request: Request, bodies: list[dict], specs: list[ChoiceSpec],
-                  prompt_of: list[int], chat: bool, usage: bool) -> Response:
+async def _stream(ctx: RouterContext, c: Constraints, request: Request, bodies: list[WorkerRequest],
+                  specs: list[ChoiceSpec], prompt_of: list[int], chat: bool, usage: bool) -> Response:
     """One worker stream per choice, opened concurrently; a refusal of any is the answer."""
     opened = await asyncio.gather(*(open_client_stream(ctx.dispatcher, "/generate_stream", b, c) for b in bodies),
                                   return_exceptions=True)

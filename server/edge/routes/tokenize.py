@@ -22,10 +22,11 @@ from pydantic import Field, ValidationError, model_validator
 
 from server.edge.context import get_ctx
 from server.edge.routes._chat import render_prompt, worker_failure
-from server.edge.routes._common import constraints
+from server.edge.routes._common import constraints, to_worker
 from server.edge.routes._params import check_fields, with_headers
 from server.protocol.base import EdgeRequest, refuse
 from server.protocol.openai.requests import ChatCompletionRequest, ChatMessage, Tool
+from workers.contract import wire
 
 router = APIRouter(tags=["tokenizer"])
 
@@ -72,7 +73,8 @@ async def tokenize(req: TokenizeRequest, request: Request) -> Response:
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
         text = render_prompt(ctx, chat, req.add_generation_prompt)
-    body = {"prompt": text, "add_special_tokens": req.add_special_tokens, "return_token_strs": req.return_token_strs}
+    body = to_worker(lambda: wire.TokenizeRequest(prompt=text, add_special_tokens=req.add_special_tokens,
+                                                  return_token_strs=req.return_token_strs))
     reply = await ctx.dispatcher.generate("/tokenize", body, constraints(request, None, ctx.name))
     if reply.status != 200:
         return worker_failure(request.url.path, reply)
@@ -84,7 +86,8 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> Response:
     """The text of token ids."""
     warn = check_fields(get_ctx(request).settings, req, "/detokenize")
     ctx = get_ctx(request).model(req.model)
-    reply = await ctx.dispatcher.generate("/detokenize", {"tokens": req.tokens}, constraints(request, None, ctx.name))
+    reply = await ctx.dispatcher.generate("/detokenize", to_worker(lambda: wire.DetokenizeRequest(tokens=req.tokens)),
+                                         constraints(request, None, ctx.name))
     if reply.status != 200:
         return worker_failure(request.url.path, reply)
     return with_headers(JSONResponse(json.loads(reply.content), headers=reply.headers), warn)

@@ -25,7 +25,6 @@ from pydantic import Field
 
 from server.protocol.base import EdgeRequest
 
-MAX_INPUTS = 2048  # texts in one request (OpenAI's limit)
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 _OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 

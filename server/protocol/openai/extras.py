@@ -30,7 +30,7 @@ StopTokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class VLLMExtras(EdgeRequest):
-    """The extra fields (see the module docstring); `extra_parameters` turns them into worker ones."""
+    """The extra fields (see the module docstring); `extra_parameters` gives them in the contract's names."""
 
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=TOKENS_MAX)
@@ -47,23 +47,16 @@ class VLLMExtras(EdgeRequest):
                              "`prompt_logprobs`")
         return self
 
-    def extra_parameters(self, sampled: bool) -> dict:
-        """The worker parameters these fields ask for (`sampled`: the request samples, so `min_p` applies)."""
-        p: dict = {}
-        if self.ignore_eos:
-            p["ignore_eos"] = True
-        if self.min_tokens:
-            p["min_tokens"] = self.min_tokens
-        if self.stop_token_ids:
-            p["stop_token_ids"] = list(self.stop_token_ids)
-        if not self.skip_special_tokens:
-            p["skip_special_tokens"] = False
-        if sampled and self.min_p:
-            p["min_p"] = self.min_p
-        if self.prompt_logprobs is not None:
-            p["decoder_input_details"] = True
-            p["prompt_top_n_tokens"] = self.prompt_logprobs
-        return p
+    def extra_parameters(self) -> dict:
+        """The contract's fields these ask for, in its names (`min_p` is the contract's to drop
+        when the request turns out greedy). OpenAI cuts a matched stop string off the text; with
+        nothing to stop on but EOS, the text keeps what the worker's default keeps."""
+        stopping = bool(getattr(self, "stop", None) or self.stop_token_ids or not self.skip_special_tokens)
+        return {"ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
+                "skip_special_tokens": self.skip_special_tokens, "min_p": self.min_p,
+                "include_stop_str_in_output": self.include_stop_str_in_output or not stopping,
+                "decoder_input_details": self.prompt_logprobs is not None,
+                "prompt_top_n_tokens": self.prompt_logprobs}
 
 
 def prompt_logprobs(body: dict) -> list[dict | None]:

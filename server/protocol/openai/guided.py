@@ -101,10 +101,9 @@ class GuidedDecoding(Edge):
             return {"type": "json_object"}
         return {"type": kind, "value": value}
 
-    def sampling(self, max_tokens: int | None, defaults: dict | None = None) -> dict:
-        """The worker `parameters` of the request, with the grammar these fields ask for."""
-        p = super().sampling(max_tokens, defaults)
-        grammar = self.guided_grammar()
-        if grammar is not None:
-            p["grammar"] = grammar
-        return p
+    def sampling(self, max_tokens: int | None, defaults: dict | None = None, **more):
+        """The contract's parameters of the request, with the grammar these fields ask for (they
+        exclude any other constraint: `_one_constraint`)."""
+        if more.get("grammar") is None:
+            more["grammar"] = self.guided_grammar()
+        return super().sampling(max_tokens, defaults, **more)

@@ -13,9 +13,9 @@ requests sharing it go to the worker whose prefix cache holds them) and `safety_
 (`reasoning_content`, or `reasoning`); OpenAI's `reasoning_effort` (`low`, `medium`, `high`)
 reaches the chat template as the variable `reasoning_effort` (gpt-oss's template writes it
 into its system message). Fields this server cannot honour are
-refused with a 422 naming them (`best_of` > 1, `suffix`, image parts). `sampling()` turns a
-request into the worker's TGI-shaped `parameters`; tools and response formats become a
-grammar in `server/protocol/openai/tools.py`.
+refused with a 422 naming them (`best_of` > 1, `suffix`, image parts). `sampling()` translates a
+request into the contract's `GenerationParameters` (workers/contract/request.py); tools and
+response formats become a grammar in `server/protocol/openai/tools.py`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from workers.contract import (
     MAX_PENALTY,
     MAX_SEED,
     MAX_STOP_SEQUENCES,
+    GenerationParameters,
     valid_unicode,
 )
 from workers.contract.errors import shown
@@ -100,41 +101,34 @@ class _OpenAISampling(VLLMExtras):
         """The routing session these fields name (after `X-Session-Id`): the cache key, else the user."""
         return self.prompt_cache_key or self.user or self.safety_identifier
 
-    def sampling(self, max_tokens: int | None, defaults: dict | None = None) -> dict:
-        """Worker `parameters` for these OpenAI fields (temperature 0 means greedy). A field the
-        request leaves out takes the model's generation_config value (`defaults`), then OpenAI's."""
+    def sampling(self, max_tokens: int | None, defaults: dict | None = None, **more) -> GenerationParameters:
+        """The contract's parameters for these OpenAI fields, each public name translated here
+        once. A field the request leaves out takes the model's generation_config value
+        (`defaults`), then OpenAI's. OpenAI samples unless the temperature is 0; the contract
+        makes temperature 0 greedy, with the warpers off. `more`: contract fields the route adds
+        (`grammar`, `top_n_tokens`, `decoder_input_details`). `ValueError` for a combination only
+        the contract checks."""
         defaults = defaults or {}
 
         def pick(name: str, fallback):
             value = getattr(self, name)
             return defaults.get(name, fallback) if value is None else value
 
-        temperature = pick("temperature", 1.0)
-        p: dict[str, Any] = {"details": True, "do_sample": temperature > 0}
-        if temperature > 0:
-            p["temperature"] = temperature
-        if max_tokens is not None:
-            p["max_new_tokens"] = max_tokens
-        top_p, top_k, repetition_penalty = pick("top_p", None), pick("top_k", None), pick("repetition_penalty", None)
-        if temperature > 0 and top_p is not None and 0 < top_p < 1.0:
-            p["top_p"] = top_p
-        if temperature > 0 and top_k is not None and top_k > 0:
-            p["top_k"] = top_k
-        if repetition_penalty is not None and repetition_penalty > 0:
-            p["repetition_penalty"] = repetition_penalty
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                p[name] = getattr(self, name)
-        if self.logit_bias:
-            p["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
-        if self.seed is not None:
-            p["seed"] = self.seed
-        if self.stop:  # OpenAI: the returned text does not contain the stop sequence
-            p["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        p.update(self.extra_parameters(sampled=temperature > 0))  # vLLM's extras (server/protocol/openai/extras.py)
-        if self.stop or self.stop_token_ids or not self.skip_special_tokens or self.include_stop_str_in_output:
-            p["include_stop_str_in_output"] = self.include_stop_str_in_output
-        return p
+        temperature, top_p, top_k = pick("temperature", 1.0), pick("top_p", None), pick("top_k", None)
+        repetition_penalty = pick("repetition_penalty", None)
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        # a model's generation_config value outside its range is no request's fault: off, as if absent
+        fields = dict(
+            details=True, do_sample=temperature > 0, temperature=temperature, max_new_tokens=max_tokens,
+            top_p=top_p if top_p is not None and 0 < top_p <= 1.0 else None,
+            top_k=top_k if top_k is not None and top_k > 0 else None,  # vLLM's -1 (and 0): off
+            repetition_penalty=repetition_penalty if repetition_penalty is not None and repetition_penalty > 0 else None,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, seed=self.seed, stop=stops,
+            **self.extra_parameters(),  # vLLM's extras (server/protocol/openai/extras.py)
+        )
+        fields["decoder_input_details"] = fields["decoder_input_details"] or more.pop("decoder_input_details", False)
+        return GenerationParameters.create(**fields, **more)
 
 
 class CompletionRequest(GuidedDecoding, _OpenAISampling):

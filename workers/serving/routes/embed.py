@@ -10,37 +10,15 @@ the ids against the vocabulary (422 naming the first bad one), all on a thread, 
 from __future__ import annotations
 
 import asyncio
-from typing import Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
-from workers.contract import valid_unicode
+from workers.contract import EmbedRequest
 from workers.engine.pooling import embed
 from workers.serving.context import get_ctx
 from workers.serving.errors import APIError
 
 router = APIRouter()
-
-MAX_INPUTS = 2048  # texts in one request (OpenAI's limit)
-
-
-class EmbedRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    inputs: list[StrictStr | list[StrictInt]] = Field(min_length=1, max_length=MAX_INPUTS)
-    pooling: Literal["last", "mean", "cls"] = "last"
-    normalize: StrictBool = True
-    dimensions: StrictInt | None = Field(None, ge=1)
-
-    @field_validator("inputs")
-    @classmethod
-    def _unicode(cls, value: list) -> list:
-        """A lone surrogate cannot be encoded: a 422 naming the input, never a 500."""
-        for k, item in enumerate(value):
-            if isinstance(item, str):
-                valid_unicode(item, f"input[{k}]")
-        return value
 
 
 @router.post("/embed")

@@ -20,14 +20,13 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY
+from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, AbortStreams, WorkerRequest
 from workers.contract.errors import ERROR_VALIDATION
 from workers.engine.core import Engine
 from workers.engine.events import ErrorEvent, RequestStream
 from workers.serving.channel import LAST, ChannelResponse, StreamChannel, render_batch
 from workers.serving.context import CLIENT_GONE, get_ctx
 from workers.serving.errors import APIError, error_response
-from workers.serving.schemas import AbortStreams, GenerateRequest
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ async def _abort_on_disconnect(request: Request, engine: Engine, stream: Request
 
 
 @router.post("/generate")
-async def generate(req: GenerateRequest, request: Request):
+async def generate(req: WorkerRequest, request: Request):
     ctx = get_ctx(request)
     engine = ctx.engine
     sub = await ctx.submit_traced(req, request)
@@ -71,7 +70,7 @@ async def generate(req: GenerateRequest, request: Request):
 
 
 @router.post("/generate_stream")
-async def generate_stream(req: GenerateRequest, request: Request):
+async def generate_stream(req: WorkerRequest, request: Request):
     if req.parameters.scoring_only:
         raise APIError(422, "`max_new_tokens` must be an integer >= 1 on `/generate_stream` "
                             "(0, prompt scoring, is answered by `/generate`)", "validation")

@@ -14,34 +14,14 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from workers.contract import valid_unicode
+from workers.contract import DetokenizeRequest, TokenizeRequest
 from workers.serving.context import get_ctx
 from workers.serving.errors import APIError
 
 router = APIRouter()
 
 _INLINE_CHARS = 4096  # longer texts are encoded on a thread
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str = Field(max_length=4_000_000)
-    add_special_tokens: StrictBool = True
-    return_token_strs: StrictBool = False
-
-    @field_validator("prompt")
-    @classmethod
-    def _unicode(cls, value: str) -> str:
-        return valid_unicode(value, "prompt")
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tokens: list[StrictInt] = Field(max_length=1_000_000)
 
 
 @router.post("/tokenize")
