@@ -170,17 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="export OpenTelemetry spans of the router and every worker to this OTLP collector "
                           "(e.g. http://collector:4318; off by default)")
 
-    plan = sub.add_parser("plan", help="show per device the kernels and fp8 convention chosen, without loading weights")
+    plan = sub.add_parser("plan", help="show which model each device serves, then per device the fp8 convention and "
+                                       "the kernels its model runs, with reasons, without loading weights")
     _add_simulate(plan)
     plan.add_argument("--devices", default="all", metavar="all|0,2|UUID,...")
-    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("--json", action="store_true", help="print JSON (every kernel of every device, always)")
+    plan.add_argument("--all-kernels", action="store_true",
+                      help="list every kernel each device selects, the ones its model does not run too (each with "
+                           "why), and those of devices that serve no model; by default a device lists only the "
+                           "kernels its model runs (every one without --model)")  # fmt: skip
     plan.add_argument("--compile", action="store_true",
                       help="also compile every selected Triton kernel for each device's target (no GPU needed) and "
                            "check it against the device's limits; exits 1 if any is refused")  # fmt: skip
     plan.add_argument("--model", metavar="[NAME=]DIR", action="append", default=None,
-                      help="a model directory: also show its architecture and, per device, the attention each "
-                           "layer type gets (full, sliding) and why; repeated: which device serves which model, "
-                           "with the bytes and the reason")  # fmt: skip
+                      help="a model directory: where it is placed (per device, with the bytes and the reason), its "
+                           "architecture and, per device, the kernels it runs and the attention each layer type "
+                           "gets (full, sliding) and why; repeatable: which device serves which model")  # fmt: skip
     plan.add_argument("--place", metavar="NAME=DEV[,DEV...]", action="append", default=None,
                       help="pin a model's replicas to these devices, as `serve --place` does (`gpu0+gpu2`: one "
                            "pipeline replica)")
@@ -190,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                       help="the dtype the placement sizes weights in, as `serve --dtype`")
     plan.add_argument("--quantize", default="none", choices=["none", "fp8"],
-                      help="as `serve --quantize`: fp8 projections take one byte per weight")
+                      help="as `serve --quantize`: fp8 projections take one byte per weight and run Fp8Linear")
 
     compose = sub.add_parser("compose", help="write a docker compose file for this host's GPUs")
     _add_simulate(compose)

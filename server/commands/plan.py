@@ -1,5 +1,5 @@
-"""`hetserve plan`: per device, the kernel each layer gets and the fp8 convention, with reasons,
-without loading weights.
+"""`hetserve plan`: which model each device serves, then per device the fp8 convention and the
+kernel each layer of that model gets, with reasons, without loading weights.
 
 Design: the plan runs the workers' own decision functions (`kernels_local.mapping.select`
 and the fp8 rule `workers.contract.fp8_rule`, both pure) on the router's inventory (NVML,
@@ -12,10 +12,14 @@ this module). With `--compile`, each device's preflight (`server.commands.plan_c
 compile record of every kernel under `kernels.<layer>.compiled` and, where fp8 is emulated,
 the native fp8 kernel's verdict under `fp8.native_compile`. With `--model DIR`, the model's
 architecture and, per device, which attention each of its layer types gets and why
-(`server.commands.plan_model`). Every `--model` (`NAME=DIR`, repeatable) is also placed, as
+(`server.commands.plan_model`), and the kernel layers it does not run marked `unused`, with why
+(`server.commands.plan_kernels`). Every `--model` (`NAME=DIR`, repeatable) is also placed, as
 `serve` places it (server/fleet/placement.py, with `--place`, `--dtype`, `--quantize`):
 `placement` names per device the model it serves, the bytes it takes there and why; with
 several models each device's attention plan is that of its own model.
+The text reads top-down: the placement, one line per device, then each device's section with
+only the kernels its model runs (every kernel without `--model`; none on a device that serves
+nothing), the others named in one line; `--all-kernels` lists them all, as `--json` always does.
 """
 
 from __future__ import annotations
@@ -72,34 +76,73 @@ def build_plan(simulate: str | None = None, devices: str | None = "all", compile
     return plan
 
 
-def _render(plan: dict) -> str:
-    lines = []
+def _render(plan: dict, all_kernels: bool = False) -> str:
+    """The text plan, top-down: the placement (one line per device), the models, then per device its
+    fp8 convention and the kernels its model runs, each with its variant and reason (every kernel,
+    the unused ones with why, with `all_kernels`)."""
+    lines = render_placement(plan.get("placement"), plan["devices"]) + [""]
     for m in [plan["model"]] if "model" in plan else plan.get("models", []):
         feats = ", ".join(f"{k} {v}" for k, v in m["features"].items())
         named = f"{m['name']} = " if "models" in plan else ""
         lines += [f"model {named}{m['path']}: {m['architecture']} ({feats})"]
-    lines += [""] if lines else []
+    lines += [""] if "model" in plan or plan.get("models") else []
+    served = _served(plan)
     for entry in plan["devices"]:
-        d = entry["device"]
-        cap = f"capability {d['capability']}" if d["capability"] else "no GPU capability"
-        sim = ", simulated" if d["simulated"] else ""
-        lines.append(f"device {d['index']}: {d['name']} [{d['type']}, {cap}{sim}] {d['uuid']}"
-                     + (f" serves {entry['model']}" if entry.get("model") else ""))
-        rows = [("fp8", entry["fp8"]["convention"], "", entry["fp8"]["reason"])]
-        rows += [
-            (layer, k["variant"], f"{k['repo']}:{k['layer']}",
-             k["reason"] if "unused" not in k else f"not used: {k['unused']}")
-            for layer, k in entry["kernels"].items()
-        ]
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        for r, kernel in zip(rows, [None, *entry["kernels"].values()], strict=True):
-            lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
-            lines += [] if kernel is None else render_layer(kernel)
-        lines += render_attention(entry)
-        lines += render_preflight(entry)
-        lines.append("")
-    lines += render_placement(plan.get("placement"))
+        uuid = entry["device"]["uuid"]
+        lines += render_device(entry, all_kernels, uuid not in served or served[uuid] is not None,
+                               served.get(uuid) or entry.get("model")) + [""]
     return "\n".join(lines).rstrip("\n")
+
+
+def _served(plan: dict) -> dict[str, str | None]:
+    """Per device UUID, the model the placement gives it (None: free); empty without a placement."""
+    placement = plan.get("placement") or {}
+    return {slot["device"]["uuid"]: slot["model"] for slot in placement.get("devices", [])}
+
+
+def render_device(entry: dict, all_kernels: bool = False, serves: bool = True, model: str | None = None) -> list[str]:
+    """One device's section: its line (with the `model` it serves), the fp8 convention and the
+    kernels listed (those its model runs, none where it `serves` nothing; every one with
+    `all_kernels`), each followed by its compile records, and a line naming those left out; then
+    its attention and preflight."""
+    d = entry["device"]
+    cap = f"capability {d['capability']}" if d["capability"] else "no GPU capability"
+    sim = ", simulated" if d["simulated"] else ""
+    lines = [f"device {d['index']}: {d['name']} [{d['type']}, {cap}{sim}] {d['uuid']}"
+             + (f" serves {model}" if model else "" if serves else " serves no model")]
+    shown, hidden = split_kernels(entry, serves, all_kernels)
+    rows = [("fp8", entry["fp8"]["convention"], "", entry["fp8"]["reason"])]
+    rows += [(layer, k["variant"], f"{k['repo']}:{k['layer']}",
+              k["reason"] if "unused" not in k else f"not used: {k['unused']}") for layer, k in shown.items()]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r, kernel in zip(rows, [None, *shown.values()], strict=True):
+        lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
+        lines += [] if kernel is None else render_layer(kernel)
+    lines += _left_out(hidden, serves)
+    if serves or all_kernels:
+        lines += render_attention(entry)
+    return lines + render_preflight(entry)
+
+
+def split_kernels(entry: dict, serves: bool = True, all_kernels: bool = False) -> tuple[dict, dict]:
+    """(listed, left out) of a device's kernels: listed, those its model runs (all of them without a
+    model to tell); left out, the ones it does not, or every one on a device that serves nothing."""
+    kernels = entry["kernels"]
+    if all_kernels:
+        return dict(kernels), {}
+    if not serves:
+        return {}, dict(kernels)
+    return ({n: k for n, k in kernels.items() if "unused" not in k},
+            {n: k for n, k in kernels.items() if "unused" in k})
+
+
+def _left_out(hidden: dict, serves: bool) -> list[str]:
+    if not hidden:
+        return []
+    refused = [n for n, k in hidden.items() if k.get("compiled") and not k["compiled"].get("ok", True)]
+    why = "its model does not run them" if serves else "it serves no model"
+    return [f"  not listed ({why}; --all-kernels lists them): {', '.join(hidden)}"
+            + (f"; REFUSED by preflight: {', '.join(refused)}" if refused else "")]
 
 
 def run(args) -> int:
@@ -111,6 +154,6 @@ def run(args) -> int:
     if getattr(args, "json", False):
         print(json.dumps(plan, indent=2))
     else:
-        print(_render(plan))
+        print(_render(plan, getattr(args, "all_kernels", False)))
     refused = [e for e in plan["devices"] if compile_ and not e["preflight"]["ok"]]
     return 1 if refused or "error" in plan.get("placement", {}) else 0

@@ -13,8 +13,9 @@ Per layer type (full attention; sliding over `W` positions):
   keeps none of its own.
 Each layer type shows its head dim and KV heads (Gemma 4's global layers have their own).
 Kernel layers the model does not contain are marked `unused`, with why (Gemma's `(1 + w)`
-norm is its own, not the kernel-swappable RMSNorm). With several models (`attach_models`), they
-are placed as `serve` places them and each device's plan is that of the model it serves.
+norm is its own, not the kernel-swappable RMSNorm; `server.commands.plan_kernels`). With
+several models (`attach_models`), they are placed as `serve` places them and each device's plan
+is that of the model it serves.
 Trade-off: a child process per model described.
 """
 
@@ -24,8 +25,10 @@ import json
 import subprocess
 import sys
 
+from server.commands.plan_kernels import unused_layers
 from server.errors import UsageError
-from workers.contract import human
+from server.fleet.spec import worker_id
+from workers.contract import DeviceInfo, human
 
 DESCRIBE_TIMEOUT_S = 300
 
@@ -82,8 +85,9 @@ def attention_plan(entry: dict, described: dict) -> list[dict]:
     return rows
 
 
-def attach(entry: dict, described: dict) -> None:
-    """Add the model's attention plan to a device's entry, and mark kernel layers it lacks."""
+def attach(entry: dict, described: dict, quantize: str = "none") -> None:
+    """Add the model's attention plan to a device's entry, and mark the kernel layers it lacks
+    (`unused`, with why: `server.commands.plan_kernels`)."""
     entry["attention"] = attention_plan(entry, described)
     linear = described["attention"].get("linear")
     if linear is not None:  # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): a state per sequence, no KV
@@ -91,7 +95,8 @@ def attach(entry: dict, described: dict) -> None:
         entry["linear_attention"] = {**linear, "kernel": {"variant": kernel["variant"],
                                                           "kernel": f"{kernel['repo']}:{kernel['layer']}",
                                                           "reason": kernel["reason"]}}
-    for layer, why in described["kernel_layers_unused"].items():
+    device = entry["device"]
+    for layer, why in unused_layers(described, device["type"], device["capability"], quantize).items():
         if layer in entry["kernels"]:
             entry["kernels"][layer]["unused"] = why
 
@@ -154,31 +159,40 @@ def attach_models(plan: dict, devices: list, raw_models: list[str], raw_place: l
     if len(rows) == 1:
         plan["model"] = {k: v for k, v in rows[0].items() if k != "name"}
         for entry in plan["devices"]:
-            attach(entry, described[rows[0]["name"]])
+            attach(entry, described[rows[0]["name"]], quantize)
         return
     plan["models"] = rows
     for entry, name in zip(plan["devices"], served, strict=True):
         entry["model"] = name
         if name is not None:
-            attach(entry, described[name])
+            attach(entry, described[name], quantize)
 
 
-def render_placement(placement: dict | None) -> list[str]:
-    """Text lines of the placement: per device the model it serves, why and the bytes."""
+def render_placement(placement: dict | None, devices: list[dict]) -> list[str]:
+    """The placement's text, one line per device (`devices`: the plan's entries): the model it
+    serves, its role, why and the bytes, then each pipeline's stages; without `--model`, or where
+    placement failed, each device says it serves nothing."""
+    if placement is not None and "error" not in placement:
+        summary = "; ".join(f"{m} on {', '.join(ids)}" for m, ids in placement["models"].items())
+        lines = [f"placement: {summary}"]
+        lines += [f"{_device_label(slot['device'])}: {slot['model'] or 'free'} [{slot['role']}] {slot['reason']}"
+                  for slot in placement["devices"]]
+        for group in placement.get("pipelines", []):  # one replica over several devices: each stage's share
+            lines.append(f"pipeline {group['model']}: {group['reason']}")
+            lines += [f"  stage {i} {st['worker_id']} ({st['capability'] or 'cpu'}): layers {st['layers'][0]}:"
+                      f"{st['layers'][1]}, {human(st['weight_bytes'])} of weights and KV "
+                      f"({human(st['capacity_bytes'])} usable, speed {st['speed']:g})"
+                      for i, st in enumerate(group["stages"])]
+        return lines
     if placement is None:
-        return []
-    if "error" in placement:
-        return [f"placement: {placement['error']}"]
-    summary = "; ".join(f"{m} on {', '.join(ids)}" for m, ids in placement["models"].items())
-    lines = [f"placement: {summary}"]
-    for slot in placement["devices"]:
-        d = slot["device"]
-        cap = d["capability"] or "cpu"
-        lines.append(f"  {slot['worker_id']} ({cap}, {human(d['memory_total_bytes'])}): "
-                     f"{slot['model'] or 'free'} [{slot['role']}] {slot['reason']}")
-    for group in placement.get("pipelines", []):  # one replica over several devices: each stage's share
-        lines.append(f"pipeline {group['model']}: {group['reason']}")
-        lines += [f"  stage {i} {st['worker_id']} ({st['capability'] or 'cpu'}): layers {st['layers'][0]}:"
-                  f"{st['layers'][1]}, {human(st['weight_bytes'])} of weights and KV ({human(st['capacity_bytes'])} "
-                  f"usable, speed {st['speed']:g})" for i, st in enumerate(group["stages"])]
-    return lines
+        head = "placement: none without --model; each device below lists every kernel it selects"
+        verdict = "no model"
+    else:
+        head, verdict = f"placement: {placement['error']}", "nothing placed"
+    return [head] + [f"{_device_label(e['device'])}: {verdict}" for e in devices]
+
+
+def _device_label(device: dict) -> str:
+    """`  gpu1 (8.6, 24 MiB)`: the worker id, capability and memory that start a placement line."""
+    return (f"  {worker_id(DeviceInfo(**device))} ({device['capability'] or 'cpu'}, "
+            f"{human(device['memory_total_bytes'])})")
