@@ -14,11 +14,11 @@ instead of being half supported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
-from workers.model.families.base import FULL, LAYER_TYPES, LINEAR, SLIDING, FamilyConfigError
+from workers.model.families.base import FULL, LAYER_TYPES, LINEAR, SLIDING, ConfigError, FamilyConfigError
 from workers.model.families.registry import FAMILIES, family
 from workers.model.hf_config import hf_dict, hf_fields
 from workers.model.layer_shapes import LayerShapes
@@ -31,10 +31,6 @@ QK_NORMS = (None, "head", "projection")
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROUTERS = ("softmax_topk", "topk_softmax", "gemma4")
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
-
-
-class ConfigError(ValueError):
-    """A config.json this server cannot run; the message names the field and what is allowed."""
 
 
 @dataclass(frozen=True)
@@ -345,4 +341,4 @@ class ModelConfig(LayerShapes):
         families: the ones checkpoints are exported as)."""
         if not family(self.architecture).hf_class:
             raise ConfigError(f"Export of `{self.architecture}` is not supported. Supported: llama, mistral, qwen2")
-        return hf_dict(self)
+        return hf_dict({f.name: getattr(self, f.name) for f in fields(self)})

@@ -1,7 +1,7 @@
 """A `ModelConfig`'s Hugging Face round trip: the one place that reads and writes config.json's spellings.
 
 Design: `hf_fields(hf)` reads the fields every family shares (transformers 4 and 5 alike) and
-hands the rest to the family's own `read` (workers/model/families/); `hf_dict(config)` writes
+hands the rest to the family's own `read` (workers/model/families/); `hf_dict(fields)` writes
 the Llama baseline's families back as transformers 5 reads them. `ModelConfig.from_hf_config`
 and `to_hf_config` (workers/model/config.py) wrap them with its error. Trade-off: the two
 directions are not symmetric: every registered family reads, only the families checkpoints are
@@ -10,13 +10,12 @@ exported as write.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
 
 from workers.model.families.base import text_part
 from workers.model.families.registry import family, family_of
-
-if TYPE_CHECKING:
-    from workers.model.config import ModelConfig
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -52,8 +51,10 @@ def hf_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return {**shared, **fam.read(hf)}
 
 
-def hf_dict(config: ModelConfig) -> dict[str, Any]:
-    """A config.json dict of `config` (a family with an `hf_class`) that this loader and transformers 5 read."""
+def hf_dict(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A config.json dict of a `ModelConfig`'s fields (a family with an `hf_class`) that this loader
+    and transformers 5 read; fields, not the config, so that this module needs nothing of config.py."""
+    config = SimpleNamespace(**fields)
     fam = family(config.architecture)
     rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
     if config.rope_scaling:

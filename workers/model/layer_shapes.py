@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.model.families.base import FULL, SLIDING
+from workers.model.families.base import FULL, SLIDING, ConfigError
 
 
 class LayerShapes:
@@ -77,8 +77,6 @@ class LayerShapes:
                     or self.per_layer_input_size or self.moe_block or self.layer_scalar)
 
     def _check_shapes(self) -> None:
-        from workers.model.config import ConfigError
-
         for i in range(self.num_hidden_layers):
             d, hkv = self.layer_head_dim(i), self.layer_kv_heads(i)
             if d % 2 or hkv < 1 or self.num_attention_heads % hkv:

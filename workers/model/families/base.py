@@ -29,6 +29,10 @@ from workers.contract.checkpoint_check import (
 WeightMap = Mapping[str, tuple[str, int | None]]
 
 
+class ConfigError(ValueError):
+    """A config.json this server cannot run; the message names the field and what is allowed."""
+
+
 class FamilyConfigError(ValueError):
     """A family's config.json asks for something this server cannot compute; names the field."""
 
