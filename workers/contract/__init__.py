@@ -2,7 +2,7 @@
 
 Both processes import this package, and the router imports nothing else from `workers`
 (import-linter enforces it): the capability type (`capability`), the device description
-(`device`) and the simulated topology (`topology`), byte sizes (`sizes`), the fp8 rule (`fp8_rule`), the worker's
+(`device`), the simulated devices' catalog (`catalog`) and topology (`topology`), byte sizes (`sizes`), the fp8 rule (`fp8_rule`), the worker's
 lifecycle values (`lifecycle`), defaults, environment and header names (`defaults`), the
 limits of a generation request and its shape checks (`limits`), the chat-template lookup
 (`chat_template`), JSON schemas as requests carry them (`json_schema`), the

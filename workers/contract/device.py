@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.contract.capability import Capability, capability_label
+from workers.contract.catalog import catalog_memory
+from workers.contract.sizes import format_size
 
 DEVICE_FIELDS = ("type", "index", "uuid", "name", "capability", "simulated", "memory_total_bytes")
 
@@ -79,9 +81,6 @@ class DeviceInfo(DeviceDescribing):
         if not self.simulated:
             return None
         arch = self.arch or ("cpu" if self.capability is None else self.capability.sm)
-        from workers.contract.sizes import format_size
-        from workers.contract.topology import catalog_memory
-
         if catalog_memory(arch)[1] == self.memory_total_bytes:
             return arch
         return f"{arch}:{format_size(self.memory_total_bytes)}"

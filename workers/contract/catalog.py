@@ -1,0 +1,89 @@
+"""The architectures a simulated device may have, and the product each one stands for.
+
+Design: a `--simulate` token names an architecture (`sm_89`, `gfx942`, `cpu`); this catalog
+turns it into a capability, a representative product's name and its memory, and refuses an
+architecture that does not exist (`sm_99`) rather than showing it as some product. The device
+description (workers/contract/device.py) and the topology (workers/contract/topology.py) both
+read it, and it reads neither. Trade-off: one product per capability, so two cards of one
+architecture differ only by the memory a token gives them (`sm_86:24GiB`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from workers.contract.capability import Capability
+
+ACCEPTED_TOKENS = ("sm_XY (e.g. sm_75, sm_80, sm_89, sm_90, sm_100, sm_120), gfxNNN (e.g. gfx90a, gfx942) or cpu, "
+                   "each optionally with its memory (e.g. sm_86:24GiB)")
+
+_SM_RE = re.compile(r"^sm_(\d{1,2})(\d)$")
+_GFX_RE = re.compile(r"^gfx(\d{1,2})([0-9a-f])([0-9a-f])$")
+
+# Representative product per CUDA capability, for names and memory of simulated devices.
+_CUDA_CATALOG: dict[tuple[int, int], tuple[str, int]] = {
+    (7, 0): ("Tesla V100-SXM2-32GB", 32),
+    (7, 5): ("Tesla T4", 16),
+    (8, 0): ("NVIDIA A100-SXM4-80GB", 80),
+    (8, 6): ("NVIDIA A10", 24),
+    (8, 7): ("NVIDIA Jetson AGX Orin", 32),
+    (8, 9): ("NVIDIA L40S", 48),
+    (9, 0): ("NVIDIA H100 80GB HBM3", 80),
+    (10, 0): ("NVIDIA B200", 180),
+    (12, 0): ("NVIDIA GeForce RTX 5090", 32),
+}
+_ROCM_CATALOG: dict[str, tuple[str, int]] = {
+    "gfx90a": ("AMD Instinct MI250X", 64),
+    "gfx942": ("AMD Instinct MI300X", 192),
+    "gfx950": ("AMD Instinct MI355X", 288),
+    "gfx1100": ("AMD Radeon RX 7900 XTX", 24),
+}
+_GIB = 1024**3
+# Architectures a simulated device may have: the CUDA capabilities and ROCm targets that exist, so
+# that a typo (`sm_99`) is refused rather than shown as some product; real devices are read as they
+# report, whatever their architecture.
+KNOWN_CUDA = ((3, 5), (3, 7), (5, 0), (5, 2), (5, 3), (6, 0), (6, 1), (6, 2), (7, 0), (7, 2), (7, 5), (8, 0),
+              (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (11, 0), (12, 0), (12, 1))
+KNOWN_ROCM = ("gfx900", "gfx906", "gfx908", "gfx90a", "gfx940", "gfx941", "gfx942", "gfx950", "gfx1030", "gfx1100",
+              "gfx1101", "gfx1102", "gfx1150", "gfx1151", "gfx1200", "gfx1201")
+
+
+class TopologySpecError(ValueError):
+    """A `--simulate` or `--devices` value that cannot be understood."""
+
+    exit_code = 2
+
+
+def parse_token(token: str) -> tuple[str, Capability | None]:
+    """`sm_89` -> ("cuda", (8, 9)); `gfx942` -> ("rocm", (9, 4)); `cpu` -> ("cpu", None)."""
+    t = token.strip().lower()
+    if t == "cpu":
+        return "cpu", None
+    m = _SM_RE.match(t)
+    if m:
+        major, minor = int(m.group(1)), int(m.group(2))
+        if 3 <= major <= 15:
+            return "cuda", Capability(major, minor)
+    m = _GFX_RE.match(t)
+    if m:
+        return "rocm", Capability(int(m.group(1)), int(m.group(2), 16))
+    raise TopologySpecError(f"Unknown simulated device `{token}`. Accepted: {ACCEPTED_TOKENS}")
+
+
+def catalog_memory(arch: str) -> tuple[str, int]:
+    """(product name, memory in bytes) of a simulated device's architecture token."""
+    dtype, cap = parse_token(arch)
+    t = arch.strip().lower()
+    if dtype == "cpu":
+        return "CPU (simulated)", 16 * _GIB
+    if dtype == "cuda":
+        assert cap is not None
+        base, mem_gib = _CUDA_CATALOG.get(cap, (f"NVIDIA GPU {cap.sm}", 24))
+    else:
+        base, mem_gib = _ROCM_CATALOG.get(t, (f"AMD GPU {t}", 64))
+    return f"{base} (simulated)", mem_gib * _GIB
+
+
+def known_architectures() -> str:
+    """`sm_35, ..., sm_121, gfx900, ..., gfx1201, cpu`: what `--simulate` accepts."""
+    return ", ".join([*(f"sm_{a}{b}" for a, b in KNOWN_CUDA), *KNOWN_ROCM, "cpu"])
