@@ -217,7 +217,7 @@ def test_a_4bit_checkpoint_claims_no_fp8_execution(made):
     the device's fp8 execution (`native` on sm_90) for a checkpoint that holds no fp8 layer."""
     ckpt, _, _ = made["llama-gptq-v1-sym"]
     loaded = load_model(ckpt, "float32")
-    from workers.fp8.convention import choose_fp8
+    from workers.quant.fp8_convention import choose_fp8
 
     conv, _ = choose_fp8("cuda", (9, 0))
     summary = prepare_fp8_checkpoint(loaded.model, conv, "cuda", (9, 0))

@@ -127,9 +127,9 @@ def test_a_directory_with_only_config_json_is_counted_from_its_shapes(tmp_path):
 def test_weights_as_the_worker_loads_them_with_and_without_fp8():
     """`need_on`'s weight bytes equal the bytes of the worker's loaded model, and with
     `--quantize fp8` of the model after `quantize_model` (fp8 projections + one scale per row)."""
-    from workers.fp8.convention import choose_fp8
-    from workers.fp8.linear import quantize_model
     from workers.model.loader import load_model
+    from workers.quant.fp8_convention import choose_fp8
+    from workers.quant.quantize_model import quantize_model
 
     def nbytes(model) -> int:  # a tied LM head is the embedding: counted once
         unique = {t.data_ptr(): t for t in model.state_dict().values()}

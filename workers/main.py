@@ -257,7 +257,7 @@ def run_worker(args: argparse.Namespace) -> int:
             if wants_preflight(args.preflight, bound):  # every selected kernel compiled and fitting
                 compiled = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
         with startup_step("fp8", status):
-            from workers.fp8.convention import choose_fp8, lock_convention
+            from workers.quant.fp8_convention import choose_fp8, lock_convention
 
             conv, fp8_reason = choose_fp8(bound.type, cap)
             lock_convention(conv)
@@ -267,7 +267,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
                 checkpoint = prepare_fp8_checkpoint(loaded.model, conv, bound.type, cap)
             if args.quantize == "fp8":
-                from workers.fp8.linear import quantize_model
+                from workers.quant.quantize_model import quantize_model
 
                 logger.info("fp8 weights: %s", quantize_model(loaded.model, conv))
             logger.info("fp8 convention %s: %s", conv.name, fp8_reason)

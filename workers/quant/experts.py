@@ -2,7 +2,7 @@
 
 Design: the experts of one mixture-of-experts layer as `FusedMoE` holds them (gate rows then up rows
 in `w_gate_up` [E, 2I, H], `w_down` [E, H, I]), but as the checkpoint's e4m3 bytes: `w_gate_up_q`,
-`w_down_q` and their scales in the grouped layout of `fp8_math` per expert (`w_gate_up_scale`
+`w_down_q` and their scales in the grouped layout of `e4m3` per expert (`w_gate_up_scale`
 [E, ceil(2I / gn), ceil(H / gk)], `w_down_scale` likewise), with the static input scales where the
 scheme has them (one per projection: the largest of the experts', as vLLM takes it, so that no
 expert's inputs saturate; the loader says so when they differ). The loader fills it and never
@@ -24,7 +24,7 @@ from kernels import use_kernel_forward_from_hub
 from torch import nn
 
 from workers.contract import FP8_DEQUANTIZED, FP8_EXECUTIONS, FP8_NATIVE, FP8_WEIGHT_ONLY
-from workers.quant.fp8_math import (
+from workers.quant.e4m3 import (
     FP8_DTYPES,
     dequantize_activations,
     dequantize_weight,
