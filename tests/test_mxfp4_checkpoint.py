@@ -166,8 +166,8 @@ def test_a_w4a16_device_holds_the_stored_bytes_in_our_row_order(made, monkeypatc
     """On sm_90 the experts stay packed (`Mxfp4FusedMoE`), gate rows then up rows; dequantized, they are
     the twin's experts bit for bit; experts the config leaves alone stay a `FusedMoE`."""
     from workers.model.moe import FusedMoE
-    from workers.model.moe_mxfp4 import Mxfp4FusedMoE
     from workers.quant.mxfp4 import dequantize
+    from workers.quant.mxfp4_experts import Mxfp4FusedMoE
 
     lm = _packed(made, monkeypatch, case)
     twin = load_model(made[{"ckpt": "twin", "partial": "partial_twin"}[case]], "float32").model

@@ -10,7 +10,7 @@ shapes (`check_stored`), then:
 - `w4a16` (CUDA sm_80+, ROCm): keeps the bytes, in our row order (gpt-oss interleaves gate and up
   rows: even rows gate, odd rows up; ours are gate rows then up rows) as `<experts>.w_gate_up_blocks`
   [E, 2I, H/2], `_scales` [E, 2I, H/32], `w_down_blocks` [E, H, I/2], `_scales` [E, H, I/32], and
-  `install` swaps those layers' `FusedMoE` for an `Mxfp4FusedMoE` (workers/model/moe_mxfp4.py), which
+  `install` swaps those layers' `FusedMoE` for an `Mxfp4FusedMoE` (workers/quant/mxfp4_experts.py), which
   kernelize gives the device's Triton layer;
 - `dequantized` (below sm_80, CPU): dequantizes into the model dtype, turns it into the orientation
   gpt-oss stores unquantized ([E, K, N]) and hands it to the family's own weight map, so it lands in
@@ -32,7 +32,6 @@ from torch import nn
 from workers.contract.mxfp4_rule import MXFP4_W4A16
 from workers.model.config import ModelConfig
 from workers.model.moe import FusedMoE
-from workers.model.moe_mxfp4 import Mxfp4FusedMoE
 from workers.model.quantized_int4 import load_device
 from workers.model.weights import map_name, to_ours
 from workers.quant.mxfp4 import (
@@ -43,6 +42,7 @@ from workers.quant.mxfp4 import (
     dequantize,
     mxfp4_execution,
 )
+from workers.quant.mxfp4_experts import Mxfp4FusedMoE
 from workers.quant.scheme import UnsupportedQuantizationError
 
 logger = logging.getLogger(__name__)
