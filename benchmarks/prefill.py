@@ -69,7 +69,7 @@ def build_engine(args):
     torch.set_num_threads(args.threads)
     bound = bind_device(None)
     cap = capability()
-    loaded = load_model(args.model, wargs.dtype, bound.torch_device, cap, None)
+    loaded = load_model(args.model, wargs.dtype, bound.torch_device, cap, None, device_type=bound.type)
     kernels = kernelize_for_device(loaded.model, bound)
     conv, why = choose_fp8(bound.type, cap)
     lock_convention(conv)

@@ -247,7 +247,8 @@ def run_worker(args: argparse.Namespace) -> int:
         with startup_step("load", status):
             from workers.model.loader import load_model
 
-            loaded = load_model(args.model or DEFAULT_MODEL_DIR, args.dtype, bound.torch_device, cap, layers)
+            loaded = load_model(args.model or DEFAULT_MODEL_DIR, args.dtype, bound.torch_device, cap, layers,
+                                device_type=bound.type)
         with startup_step("kernelize", status):  # also checks `kernels`' own capability lookup
             from workers.kernelize.apply import kernelize_for_device
             from workers.kernelize.preflight import model_workload, preflight_or_refuse, wants_preflight

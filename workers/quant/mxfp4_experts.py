@@ -5,7 +5,7 @@ Design: the experts of one mixture-of-experts layer as `FusedMoE` holds them (ga
 `w_gate_up_blocks` [E, 2I, H/2], `w_gate_up_scales` [E, 2I, H/32], `w_down_blocks` [E, H, I/2],
 `w_down_scales` [E, H, I/32] (uint8; two codes a byte, the even input in the low nibble; one scale per
 32 inputs of a row), and the biases in the model dtype. The loader fills it on devices whose MXFP4 rule
-is `w4a16` (workers/model/quantized_mxfp4.py) and never converts a value. It is kernel-swappable as
+is `w4a16` (workers/quant/mxfp4_reader.py) and never converts a value. It is kernel-swappable as
 `Mxfp4FusedMoE` (kernels_local/fused_moe: the grouped GEMM decoding the codes in registers);
 `forward` is the pure-torch reference: each active expert dequantized into the activations' dtype
 when the grouping asks for it, then the expert loop the fp8 experts share (workers/quant/experts.py
