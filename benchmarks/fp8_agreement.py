@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers.contract import simulated_device  # noqa: E402
 from workers.device.bind import BoundDevice  # noqa: E402
-from workers.fp8.convention import choose_fp8  # noqa: E402
-from workers.fp8.linear import quantize_model  # noqa: E402
 from workers.kernelize.apply import kernelize_for_device  # noqa: E402
 from workers.model.loader import default_model_dir, load_model  # noqa: E402
+from workers.quant.fp8_convention import choose_fp8  # noqa: E402
+from workers.quant.quantize_model import quantize_model  # noqa: E402
 
 
 def simulated(token: str) -> BoundDevice:

@@ -22,7 +22,6 @@ against its torch reference on the real GPU (scripts/gpu_check.sh).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import tempfile
@@ -51,19 +50,6 @@ def checkpoint(fmt: str, group: int, tmp: Path) -> Path:
     return ckpt
 
 
-@contextlib.contextmanager
-def bound_as(device: tuple[str, tuple[int, int] | None]):
-    """Load as a worker bound to `device` would: only the capability source the 4-bit reader asks is swapped."""
-    from workers.model import quantized_int4
-
-    original = quantized_int4.load_device
-    quantized_int4.load_device = lambda: device
-    try:
-        yield
-    finally:
-        quantized_int4.load_device = original
-
-
 def loaded(ckpt: Path, device: str | None):
     """The model in bf16, loaded and kernelized for the simulated `device` (None: the bf16 model as is)."""
     from workers.device.bind import BoundDevice
@@ -73,8 +59,7 @@ def loaded(ckpt: Path, device: str | None):
     if device is None:
         return load_model(ckpt, "bfloat16")
     device_type, cap = DEVICES[device]
-    with bound_as((device_type, cap)):
-        lm = load_model(ckpt, "bfloat16")
+    lm = load_model(ckpt, "bfloat16", device_type=device_type, capability=cap)  # laid out as that worker would
     kernelize_for_device(
         lm.model, BoundDevice(device_type, 0, "GPU-sim", "sim", cap, 0, device_type != "cpu")
     )

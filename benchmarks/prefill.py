@@ -56,10 +56,10 @@ def build_engine(args):
     import torch
 
     from workers.device.bind import bind_device, capability
-    from workers.fp8.convention import choose_fp8, lock_convention
     from workers.kernelize.apply import kernelize_for_device
     from workers.main import parse_args as worker_args
     from workers.model.loader import load_model
+    from workers.quant.fp8_convention import choose_fp8, lock_convention
     from workers.serving.server import Startup, WorkerServer
 
     budget = args.prompts * args.tokens
@@ -69,7 +69,7 @@ def build_engine(args):
     torch.set_num_threads(args.threads)
     bound = bind_device(None)
     cap = capability()
-    loaded = load_model(args.model, wargs.dtype, bound.torch_device, cap, None)
+    loaded = load_model(args.model, wargs.dtype, bound.torch_device, cap, None, device_type=bound.type)
     kernels = kernelize_for_device(loaded.model, bound)
     conv, why = choose_fp8(bound.type, cap)
     lock_convention(conv)

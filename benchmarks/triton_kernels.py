@@ -103,8 +103,8 @@ def bench_fp8(m: int, n: int, k: int, chosen: str, native_ok: bool, rounds: int)
     import torch.nn.functional as F
 
     from kernels_local.fp8_linear import TUNINGS, fp8_linear, fp8_linear_reference
-    from workers.fp8.convention import EMULATED_E4M3
-    from workers.fp8.quantize import quantize_weight_per_channel
+    from workers.quant.fp8_convention import EMULATED_E4M3
+    from workers.quant.fp8_quantize import quantize_weight_per_channel
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5

@@ -16,7 +16,7 @@ def unbind_device() -> None:
 
 def unlock_fp8() -> None:
     """Forget the fp8 convention this process locked."""
-    from workers.fp8 import convention
+    from workers.quant import fp8_convention as convention
 
     with convention._lock:
         convention._locked = None
@@ -24,6 +24,6 @@ def unlock_fp8() -> None:
 
 def locked_fp8():
     """The fp8 convention this process locked (None before any)."""
-    from workers.fp8 import convention
+    from workers.quant import fp8_convention as convention
 
     return convention._locked

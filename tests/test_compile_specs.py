@@ -345,7 +345,7 @@ def test_gfx950_is_ocp_e4m3fn_not_fnuz():
     matrix cores take OCP e4m3fn; only CDNA3 takes FNUZ."""
     assert ARCH_LIMITS["gfx950"].fp8 == "e4m3fn" and ARCH_LIMITS["gfx942"].fp8 == "e4m3fnuz"
     from kernels_local.mapping import select
-    from workers.fp8.convention import NATIVE_E4M3, NATIVE_E4M3_FNUZ, choose_fp8
+    from workers.quant.fp8_convention import NATIVE_E4M3, NATIVE_E4M3_FNUZ, choose_fp8
 
     assert choose_fp8("rocm", parse_token("gfx950")[1])[0] == NATIVE_E4M3
     assert choose_fp8("rocm", parse_token("gfx950")[1])[0].storage_dtype == torch.float8_e4m3fn

@@ -7,7 +7,8 @@ import torch
 
 from tests.process_state import locked_fp8, unlock_fp8
 from workers.contract import NATIVE_FP8_CAPABILITY
-from workers.fp8.convention import (
+from workers.quant.e4m3 import decode_e4m3, encode_e4m3, round_to_e4m3
+from workers.quant.fp8_convention import (
     EMULATED_E4M3,
     EMULATED_E4M3_FNUZ,
     NATIVE_E4M3,
@@ -16,8 +17,7 @@ from workers.fp8.convention import (
     choose_fp8,
     lock_convention,
 )
-from workers.fp8.e4m3 import decode_e4m3, encode_e4m3, round_to_e4m3
-from workers.fp8.quantize import dequantize, quantize, quantize_weight_per_channel
+from workers.quant.fp8_quantize import dequantize, quantize, quantize_weight_per_channel
 
 
 @pytest.fixture(autouse=True)

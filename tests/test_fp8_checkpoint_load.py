@@ -31,7 +31,7 @@ from tests.fp8_checkpoints import (
 )
 from workers.model.loader import load_model
 from workers.model.weights import map_name
-from workers.quant.fp8_math import dequantize_weight
+from workers.quant.e4m3 import dequantize_weight
 from workers.quant.linear import Fp8CheckpointLinear
 from workers.quant.prepare import prepare_fp8_checkpoint
 from workers.quant.scheme import UnsupportedQuantizationError

@@ -23,8 +23,8 @@ from tests.fp8_checkpoints import dequantized_checkpoint, quantize_checkpoint, r
 from workers.device.bind import BoundDevice
 from workers.kernelize.apply import kernelize_for_device
 from workers.model.loader import load_model
+from workers.quant.e4m3 import dequantize_weight
 from workers.quant.experts import Fp8FusedMoE
-from workers.quant.fp8_math import dequantize_weight
 from workers.quant.prepare import prepare_fp8_checkpoint
 
 pytest.importorskip("compressed_tensors")

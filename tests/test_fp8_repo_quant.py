@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kernels_local.fp8_linear import quant
-from workers.fp8.convention import choose_fp8
-from workers.fp8.e4m3 import round_to_e4m3
-from workers.fp8.quantize import quantize
+from workers.quant.e4m3 import round_to_e4m3
+from workers.quant.fp8_convention import choose_fp8
+from workers.quant.fp8_quantize import quantize
 
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 
@@ -42,7 +42,7 @@ def test_round_to_grid_is_torchs_round_to_nearest_even_and_the_hosts(fmt):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_quantize_rows_equals_the_host_quantizer_bit_for_bit(fmt, dtype):
     """Per-token scales (amax / max, floored for an all-zero row) and grid values, against
-    `workers.fp8.quantize(..., group_size=K)`: the host and the kernel repository use one rule."""
+    `workers.quant.fp8_quantize(..., group_size=K)`: the host and the kernel repository use one rule."""
     native = choose_fp8("rocm" if fmt == "e4m3fnuz" else "cuda", (9, 4) if fmt == "e4m3fnuz" else (9, 0))[0]
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(5, 40, generator=g) * torch.tensor([1.0, 1e-3, 300.0, 0.0, 7.0]).unsqueeze(1)).to(dtype)

@@ -3,8 +3,8 @@
 The checkpoints are tiny Llama, Qwen3 and Qwen3-MoE models written by transformers (`from_config`,
 tests/family_checkpoints.py), their projections packed into each format by the test packers
 (tests/int4_checkpoints.py), beside each its dequantized twin: the same checkpoint with the
-reference weights in fp32 and no `quantization_config`. Each device's execution comes from the bound
-device (the capability source, `load_device`, patched here). What must hold:
+reference weights in fp32 and no `quantization_config`. Each device's execution comes from the device
+the loader is given (as a worker gives it its bound device). What must hold:
 - on a device that dequantizes (sm_70), every weight our loader builds from the 4-bit tensors equals
   the twin's bit for bit (so q/k/v and gate/up fuse and experts stack as for an unquantized
   checkpoint), and the not-converted modules (and the MoE router, stored unquantized) stay as stored;
@@ -29,7 +29,6 @@ from tests.family_checkpoints import make_family_checkpoint
 from tests.int4_checkpoints import dequantized_twin, quantize_checkpoint
 from workers.device.bind import BoundDevice
 from workers.kernelize.apply import kernelize_for_device
-from workers.model import quantized_int4
 from workers.model.loader import load_model
 from workers.quant.int4_linear import Int4CheckpointLinear, runtime_weight
 from workers.quant.int4_pack import Int4TensorError
@@ -85,16 +84,15 @@ class _HF(torch.nn.Module):
 SM70, SM86 = ("cuda", (7, 0)), ("cuda", (8, 6))
 
 
-def _on(monkeypatch, device):
-    """Load as a worker bound to `device` would: only the capability source is patched."""
-    monkeypatch.setattr(quantized_int4, "load_device", lambda: device)
+def _on(device) -> dict:
+    """Load as a worker bound to `device` would: its type and capability, named to the loader."""
+    return {"device_type": device[0], "capability": device[1]}
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_the_weights_we_load_equal_the_reference_dequantization_bit_for_bit(made, name, monkeypatch):
+def test_the_weights_we_load_equal_the_reference_dequantization_bit_for_bit(made, name):
     ckpt, twin, refs = made[name]
-    _on(monkeypatch, SM70)
-    lm = load_model(ckpt, "float32")
+    lm = load_model(ckpt, "float32", **_on(SM70))
     want = load_model(twin, "float32").model.state_dict()
     got = lm.model.state_dict()
     assert sorted(got) == sorted(want)
@@ -114,10 +112,9 @@ def test_the_weights_we_load_equal_the_reference_dequantization_bit_for_bit(made
 
 @pytest.mark.parametrize("device", [("cpu", None), SM86], ids=["cpu-packed", "sm86-w4a16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_devices_that_keep_4_bits_compute_the_reference_within_fp32_rounding(made, name, device, monkeypatch):
+def test_devices_that_keep_4_bits_compute_the_reference_within_fp32_rounding(made, name, device):
     ckpt, twin, refs = made[name]
-    _on(monkeypatch, device)
-    lm = load_model(ckpt, "float32")
+    lm = load_model(ckpt, "float32", **_on(device))
     kernelize_for_device(lm.model, BoundDevice(device[0], 0, "GPU-sim", "sim", device[1], 0, device[0] != "cpu"))
     ref = load_model(twin, "float32").model
     want = ref.state_dict()
@@ -169,15 +166,14 @@ def _rename(t, old, new):
     t[new] = t.pop(old)
 
 
-def test_act_order_shared_by_fused_parts_stays_packed_through_the_kernel_layer(sources, tmp_path, monkeypatch):
+def test_act_order_shared_by_fused_parts_stays_packed_through_the_kernel_layer(sources, tmp_path):
     """GPTQ writes one act-order for the projections of one input (q/k/v, gate/up): those fuse into one
     packed layer with that `g_idx`, which the W4A16 layer of a simulated sm_86 gathers; the logits equal
     the dequantized twin's within fp32 rounding and nothing is dequantized at load."""
     ckpt, refs = quantize_checkpoint(sources["llama"], tmp_path / "shared", "gptq_v2", 32, False, True,
                                      shared_order=True)  # fmt: skip
     twin = dequantized_twin(sources["llama"], refs, tmp_path / "twin")
-    _on(monkeypatch, SM86)
-    lm = load_model(ckpt, "float32")
+    lm = load_model(ckpt, "float32", **_on(SM86))
     kernelize_for_device(lm.model, BoundDevice("cuda", 0, "GPU-sim", "sim", (8, 6), 0, True))
     q = lm.quantization
     assert q["widened_modules"] == 0 and q["packed_modules"] == 16 and not q["notes"], q
@@ -217,7 +213,7 @@ def test_a_4bit_checkpoint_claims_no_fp8_execution(made):
     the device's fp8 execution (`native` on sm_90) for a checkpoint that holds no fp8 layer."""
     ckpt, _, _ = made["llama-gptq-v1-sym"]
     loaded = load_model(ckpt, "float32")
-    from workers.fp8.convention import choose_fp8
+    from workers.quant.fp8_convention import choose_fp8
 
     conv, _ = choose_fp8("cuda", (9, 0))
     summary = prepare_fp8_checkpoint(loaded.model, conv, "cuda", (9, 0))

@@ -56,16 +56,13 @@ def test_each_device_class_gets_its_execution_and_says_why(device_type, capabili
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "pack-quantized"])
-def test_placement_sizes_packed_bytes_where_the_4_bits_stay_and_widened_below_sm75(
-    tmp_path, fmt, monkeypatch
-):
+def test_placement_sizes_packed_bytes_where_the_4_bits_stay_and_widened_below_sm75(tmp_path, fmt):
     """`need_on` follows the rule: on sm_75 and up (and the CPU) the need is what the worker holds with
     its packed layers, below sm_75 what it holds widened, and the two differ by the widening."""
     from tests.family_checkpoints import make_family_checkpoint
     from tests.int4_checkpoints import quantize_checkpoint
     from workers.contract import parse_simulate
     from workers.contract.model_size import need_on, read_profile
-    from workers.model import quantized_int4
     from workers.model.loader import load_model
 
     src = make_family_checkpoint("llama", tmp_path / "src")
@@ -77,8 +74,7 @@ def test_placement_sizes_packed_bytes_where_the_4_bits_stay_and_widened_below_sm
         ("sm_75", ("cuda", (7, 5))),
         ("sm_90", ("cuda", (9, 0))),
     ):
-        monkeypatch.setattr(quantized_int4, "load_device", lambda device=device: device)
-        model = load_model(ckpt, "bfloat16").model
+        model = load_model(ckpt, "bfloat16", device_type=device[0], capability=device[1]).model
         unique = {t.data_ptr(): t for t in model.state_dict().values()}
         held[token] = sum(t.numel() * t.element_size() for t in unique.values())
         needs[token] = need_on(profile, parse_simulate(token)[0], "bfloat16").weight_bytes

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.interpreter import INTERPRETED, needs_interpreter, rerun_under_interpreter
-from workers.fp8.e4m3 import decode_e4m3
+from workers.quant.e4m3 import decode_e4m3
 
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

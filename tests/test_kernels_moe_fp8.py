@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.interpreter import INTERPRETED, needs_interpreter, rerun_under_interpreter
-from workers.fp8.e4m3 import decode_e4m3
+from workers.quant.e4m3 import decode_e4m3
 
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 E, H, INTER = 4, 144, 40
@@ -167,7 +167,7 @@ def test_the_models_reference_is_the_repositorys_bit_for_bit(execution, fmt, sch
     assert torch.equal(getattr(layers, cls).forward(layer, x, ids, weights), want)
     fn = _model_experts("dequantized", "e4m3fn", scheme)
     if execution != "dequantized":
-        from workers.quant.fp8_math import dequantize_weight
+        from workers.quant.e4m3 import dequantize_weight
 
         for name, groups in (("w_gate_up", layer.gate_up_groups), ("w_down", layer.down_groups)):
             q, s = getattr(layer, f"{name}_q"), getattr(layer, f"{name}_scale")

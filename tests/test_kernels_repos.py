@@ -12,12 +12,12 @@ from kernels import LocalLayerRepository
 from kernels.layer.layer import _validate_layer
 
 from kernels_local import activation, fp8_linear, rmsnorm
-from workers.fp8.convention import EMULATED_E4M3, EMULATED_E4M3_FNUZ, NATIVE_E4M3, choose_fp8
-from workers.fp8.e4m3 import decode_e4m3, round_to_e4m3
-from workers.fp8.quantize import dequantize, quantize, quantize_weight_per_channel
 from workers.model.layers import PagedAttention as ModelPagedAttention
 from workers.model.layers import RMSNorm as ModelRMSNorm
 from workers.model.layers import SiluAndMul as ModelSiluAndMul
+from workers.quant.e4m3 import decode_e4m3, round_to_e4m3
+from workers.quant.fp8_convention import EMULATED_E4M3, EMULATED_E4M3_FNUZ, NATIVE_E4M3, choose_fp8
+from workers.quant.fp8_quantize import dequantize, quantize, quantize_weight_per_channel
 
 REPOS = Path(__file__).resolve().parents[1] / "kernels_local"
 REPO_LAYERS = {
@@ -49,8 +49,8 @@ def test_metadata_follows_the_kernels_layout(repo):
 def test_layers_load_and_are_stateless(repo):
     """`kernels` refuses layers with a constructor or extra members; check every layer the
     way it does, against the model layer it replaces."""
-    from workers.fp8.linear import Fp8Linear as ModelFp8Linear
     from workers.model.moe import FusedMoE as ModelFusedMoE
+    from workers.quant.quantize_model import Fp8Linear as ModelFp8Linear
 
     replaced = {"rmsnorm": ModelRMSNorm, "activation": ModelSiluAndMul, "fp8_linear": ModelFp8Linear,
                 "paged_attention": ModelPagedAttention, "fused_moe": ModelFusedMoE}[repo]
@@ -168,7 +168,7 @@ def test_chosen_kernels_on_this_gpu_match_the_references():
     x2 = torch.randn(5, 2 * 11008, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(chosen["SiluAndMul"].forward(act, x2), act(x2))
     if kind == "cuda" and cap >= (8, 0):
-        from workers.fp8.linear import Fp8Linear
+        from workers.quant.quantize_model import Fp8Linear
 
         conv = choose_fp8(kind, cap)[0]
         linear = torch.nn.Linear(4096, 1000, bias=True, device="cuda", dtype=torch.bfloat16)

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tests.interpreter import INTERPRETED, needs_interpreter, rerun_under_interpreter
-from workers.fp8.convention import EMULATED_E4M3, EMULATED_E4M3_FNUZ, NATIVE_E4M3, NATIVE_E4M3_FNUZ
-from workers.fp8.e4m3 import decode_e4m3
-from workers.fp8.quantize import quantize_weight_per_channel
+from workers.quant.e4m3 import decode_e4m3
+from workers.quant.fp8_convention import EMULATED_E4M3, EMULATED_E4M3_FNUZ, NATIVE_E4M3, NATIVE_E4M3_FNUZ
+from workers.quant.fp8_quantize import quantize_weight_per_channel
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already running under the interpreter")

@@ -5,7 +5,7 @@ Between the processes: the router imports from `workers` only the torch-free con
 contract stays torch-free, workers never import the router, kernel repositories import
 neither, and nothing in the router imports torch (`tests/test_router_no_cuda.py` checks that
 one at run time too). Inside each: the worker's packages follow its mission (contract <-
-device <- kv <- model <- kernelize <- fp8 | sampling <- engine <- serving <- main) and the
+device <- kv | quant <- model <- kernelize <- sampling <- engine <- serving <- main) and the
 router's run from the commands down to the configuration; no import runs back up a layer.
 """
 
@@ -40,12 +40,12 @@ def test_import_contracts_are_kept():
         ("server/routing/filter.py", "import torch", "never imports torch"),
         ("workers/contract/defaults.py", "import torch", "stays light"),
         ("workers/sampling/params.py", "import server.edge.app", "never import the router"),
-        ("kernels_local/rmsnorm/layers.py", "import workers.fp8.convention", "Kernel repositories import neither"),
+        ("kernels_local/rmsnorm/layers.py", "import workers.quant.fp8_convention", "Kernel repositories import neither"),
         # inside the worker: a lower step importing a higher one
         ("workers/model/transformer.py", "import workers.engine.scheduler", "worker's packages keep their layers"),
         ("workers/kv/pool.py", "import workers.model.config", "worker's packages keep their layers"),
         ("workers/device/bind.py", "import workers.kernelize.apply", "worker's packages keep their layers"),
-        ("workers/sampling/params.py", "import workers.fp8.convention", "worker's packages keep their layers"),
+        ("workers/quant/fp8_convention.py", "import workers.model.config", "worker's packages keep their layers"),
         # inside the router
         ("server/protocol/chat.py", "import server.fleet.handle", "protocol translations know no worker"),
         ("server/protocol/tgi.py", "import server.edge.context", "router's packages keep their layers"),

@@ -91,7 +91,7 @@ def test_below_sm70_falls_back_to_torch():
     "device_type,caps", [("cuda", CUDA_CAPS + [(3, 5), (6, 0), (6, 1)]), ("rocm", ROCM_CAPS), ("cpu", [None])]
 )
 def test_fp8_variant_follows_the_fp8_convention(device_type, caps):
-    from workers.fp8.convention import choose_fp8
+    from workers.quant.fp8_convention import choose_fp8
 
     for cap in caps:
         conv, _ = choose_fp8(device_type, cap)

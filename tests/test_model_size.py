@@ -127,9 +127,9 @@ def test_a_directory_with_only_config_json_is_counted_from_its_shapes(tmp_path):
 def test_weights_as_the_worker_loads_them_with_and_without_fp8():
     """`need_on`'s weight bytes equal the bytes of the worker's loaded model, and with
     `--quantize fp8` of the model after `quantize_model` (fp8 projections + one scale per row)."""
-    from workers.fp8.convention import choose_fp8
-    from workers.fp8.linear import quantize_model
     from workers.model.loader import load_model
+    from workers.quant.fp8_convention import choose_fp8
+    from workers.quant.quantize_model import quantize_model
 
     def nbytes(model) -> int:  # a tied LM head is the embedding: counted once
         unique = {t.data_ptr(): t for t in model.state_dict().values()}
@@ -174,22 +174,20 @@ def test_an_unreadable_model_directory_is_named(tmp_path, files, needle):
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "pack-quantized"])
-def test_a_4bit_checkpoint_is_sized_as_its_widened_weights(tmp_path, fmt, monkeypatch):
+def test_a_4bit_checkpoint_is_sized_as_its_widened_weights(tmp_path, fmt):
     """Guards the `packed4_params` widening in `need_on`: below sm_75 4-bit layers dequantize at load, so
     placement sized a 4-bit checkpoint at its packed bytes, about a quarter of what the worker
     then holds. The need is at least the loaded model's bytes (scales and zero points on top).
     (Where the packed weights stay: tests/test_int4_execution.py.)"""
     from tests.family_checkpoints import make_family_checkpoint
     from tests.int4_checkpoints import quantize_checkpoint
-    from workers.model import quantized_int4
     from workers.model.loader import load_model
 
     src = make_family_checkpoint("llama", tmp_path / "src")
     ckpt, _ = quantize_checkpoint(src, tmp_path / fmt, fmt, 32, fmt != "awq", False, (), False)
     profile = read_profile(ckpt)
     assert profile.packed4_params > 0
-    monkeypatch.setattr(quantized_int4, "load_device", lambda: ("cuda", (7, 0)))  # loaded as an sm_70 worker
-    loaded = load_model(ckpt, "bfloat16")
+    loaded = load_model(ckpt, "bfloat16", device_type="cuda", capability=(7, 0))  # loaded as an sm_70 worker
     unique = {t.data_ptr(): t for t in loaded.model.state_dict().values()}
     held = sum(t.numel() * t.element_size() for t in unique.values())
     (device,) = parse_simulate("sm_70")

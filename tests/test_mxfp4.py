@@ -195,7 +195,7 @@ def test_each_device_runs_the_mxfp4_rule_and_says_why(device_type, cap, kind, re
 # -- placement sizing -------------------------------------------------------------------------------
 
 
-def test_mxfp4_experts_are_sized_as_each_device_holds_them(tmp_path, monkeypatch):
+def test_mxfp4_experts_are_sized_as_each_device_holds_them(tmp_path):
     """Guards the MXFP4 terms of `need_on`: where the rule dequantizes (sm_75) the experts take the compute
     dtype (sized at the stored bytes, placement would offer a device a quarter of what the worker holds),
     where it keeps them packed (sm_90) their stored bytes; both equal what the loader then holds."""
@@ -203,15 +203,13 @@ def test_mxfp4_experts_are_sized_as_each_device_holds_them(tmp_path, monkeypatch
     from tests.mxfp4_checkpoints import mxfp4_checkpoint
     from workers.contract import parse_simulate
     from workers.contract.model_size import need_on, read_profile
-    from workers.model import quantized_mxfp4
     from workers.model.loader import load_model
 
     ckpt = mxfp4_checkpoint(make_family_checkpoint("gpt_oss", tmp_path / "src"), tmp_path / "mx")
     profile = read_profile(ckpt)
     assert profile.quantization == "mxfp4"
     for device in parse_simulate("sm_75,sm_90"):
-        monkeypatch.setattr(quantized_mxfp4, "load_device", lambda d=device: (d.type, tuple(d.capability)))
-        loaded = load_model(ckpt, "bfloat16")
+        loaded = load_model(ckpt, "bfloat16", device_type=device.type, capability=tuple(device.capability))
         c = loaded.config
         # gate_up (2I x H) and down (H x I) of every expert of every layer, all in MXFP4
         assert (

@@ -154,22 +154,19 @@ def test_greedy_tokens_through_the_engine_equal_transformers(made, reference):
 SM90 = ("cuda", (9, 0))
 
 
-def _packed(made, monkeypatch, case="ckpt", dtype="float32"):
-    from workers.model import quantized_mxfp4
-
-    monkeypatch.setattr(quantized_mxfp4, "load_device", lambda: SM90)
-    return load_model(made[case], dtype)
+def _packed(made, case="ckpt", dtype="float32"):
+    return load_model(made[case], dtype, device_type=SM90[0], capability=SM90[1])
 
 
 @pytest.mark.parametrize("case", ["ckpt", "partial"])
-def test_a_w4a16_device_holds_the_stored_bytes_in_our_row_order(made, monkeypatch, case):
+def test_a_w4a16_device_holds_the_stored_bytes_in_our_row_order(made, case):
     """On sm_90 the experts stay packed (`Mxfp4FusedMoE`), gate rows then up rows; dequantized, they are
     the twin's experts bit for bit; experts the config leaves alone stay a `FusedMoE`."""
     from workers.model.moe import FusedMoE
-    from workers.model.moe_mxfp4 import Mxfp4FusedMoE
     from workers.quant.mxfp4 import dequantize
+    from workers.quant.mxfp4_experts import Mxfp4FusedMoE
 
-    lm = _packed(made, monkeypatch, case)
+    lm = _packed(made, case)
     twin = load_model(made[{"ckpt": "twin", "partial": "partial_twin"}[case]], "float32").model
     for i, layer in enumerate(lm.model.layers):
         experts, want = layer.feed_forward.experts, twin.layers[i].feed_forward.experts
@@ -192,13 +189,13 @@ def test_a_w4a16_device_holds_the_stored_bytes_in_our_row_order(made, monkeypatc
     assert q["weight_bytes"] <= 0.3 * expert_bf16 * (1 if case == "ckpt" else 3 / 4)
 
 
-def test_a_w4a16_device_computes_the_dequantized_logits_bit_for_bit(made, monkeypatch):
+def test_a_w4a16_device_computes_the_dequantized_logits_bit_for_bit(made):
     """A simulated sm_90 worker's kernel layer (`Mxfp4FusedMoETritonSm90`, on CPU tensors its torch
     path) gives the logits of the experts dequantized at load, bit for bit, so a mixed host answers alike."""
     from workers.device.bind import BoundDevice
     from workers.kernelize.apply import kernelize_for_device
 
-    lm = _packed(made, monkeypatch)
+    lm = _packed(made)
     choices = kernelize_for_device(lm.model, BoundDevice("cuda", 0, "GPU-sim", "sim", SM90[1], 0, True))
     assert choices["Mxfp4FusedMoE"].layer == "Mxfp4FusedMoETritonSm90"
     assert type(lm.model.layers[0].feed_forward.experts.forward.__self__).__name__ == "Mxfp4FusedMoE"

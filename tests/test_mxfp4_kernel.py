@@ -106,7 +106,7 @@ def test_every_code_and_the_extreme_scales_decode_exactly():
 
 def _model_experts(dtype=torch.float32, seed: int = 5):
     """The model's `Mxfp4FusedMoE`, filled with the stand-in's bytes."""
-    from workers.model.moe_mxfp4 import Mxfp4FusedMoE
+    from workers.quant.mxfp4_experts import Mxfp4FusedMoE
 
     ref = experts(64, bias=True, dtype=dtype, seed=seed)
     layer = Mxfp4FusedMoE(E, H, 64, bias=True, activation="swiglu_oai", dtype=dtype, device="cpu")

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from workers.device.bind import BoundDevice
-from workers.fp8.convention import EMULATED_E4M3, NATIVE_E4M3, choose_fp8
-from workers.fp8.linear import Fp8KernelMismatchError, Fp8Linear, quantize_model
 from workers.kernelize.apply import kernelize_for_device
 from workers.model.transformer import Transformer
+from workers.quant.fp8_convention import EMULATED_E4M3, NATIVE_E4M3, choose_fp8
+from workers.quant.quantize_model import Fp8KernelMismatchError, Fp8Linear, quantize_model
 
 TINY = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip

@@ -80,9 +80,9 @@ def test_self_test_on_the_real_gpu(quantize):
     from tests.process_state import unlock_fp8
     from workers.contract import DEFAULT_MODEL_DIR
     from workers.device.bind import bind_device
-    from workers.fp8.convention import choose_fp8
-    from workers.fp8.linear import quantize_model
     from workers.model.loader import load_model
+    from workers.quant.fp8_convention import choose_fp8
+    from workers.quant.quantize_model import quantize_model
 
     bound = bind_device()
     loaded = load_model(DEFAULT_MODEL_DIR, "auto", bound.torch_device, bound.capability)

@@ -86,7 +86,7 @@ def test_every_subcommand_has_help():
 def test_capability_forms_agree(form):
     from kernels_local.mapping import select
     from workers.contract import Capability
-    from workers.fp8.convention import choose_fp8
+    from workers.quant.fp8_convention import choose_fp8
 
     assert Capability.parse(form) == (9, 0)
     assert select("cuda", form) == select("cuda", (9, 0))

@@ -247,7 +247,8 @@ def run_worker(args: argparse.Namespace) -> int:
         with startup_step("load", status):
             from workers.model.loader import load_model
 
-            loaded = load_model(args.model or DEFAULT_MODEL_DIR, args.dtype, bound.torch_device, cap, layers)
+            loaded = load_model(args.model or DEFAULT_MODEL_DIR, args.dtype, bound.torch_device, cap, layers,
+                                device_type=bound.type)
         with startup_step("kernelize", status):  # also checks `kernels`' own capability lookup
             from workers.kernelize.apply import kernelize_for_device
             from workers.kernelize.preflight import model_workload, preflight_or_refuse, wants_preflight
@@ -257,7 +258,7 @@ def run_worker(args: argparse.Namespace) -> int:
             if wants_preflight(args.preflight, bound):  # every selected kernel compiled and fitting
                 compiled = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
         with startup_step("fp8", status):
-            from workers.fp8.convention import choose_fp8, lock_convention
+            from workers.quant.fp8_convention import choose_fp8, lock_convention
 
             conv, fp8_reason = choose_fp8(bound.type, cap)
             lock_convention(conv)
@@ -267,7 +268,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
                 checkpoint = prepare_fp8_checkpoint(loaded.model, conv, bound.type, cap)
             if args.quantize == "fp8":
-                from workers.fp8.linear import quantize_model
+                from workers.quant.quantize_model import quantize_model
 
                 logger.info("fp8 weights: %s", quantize_model(loaded.model, conv))
             logger.info("fp8 convention %s: %s", conv.name, fp8_reason)

@@ -3,11 +3,11 @@
 Native e4m3 at or above `NATIVE_FP8_CAPABILITY` on CUDA (fp8 tensor cores); on ROCm, native
 on the architectures with fp8 matrix cores, in the encoding those cores take: e4m3fnuz on
 CDNA3 (gfx94x), OCP e4m3fn from CDNA4 (gfx950, MI355); emulated (e4m3 bytes stored as uint8
-and dequantized for the matmul) everywhere else. `workers.fp8.convention.choose_fp8` turns the decision
-into the worker's `Fp8Convention` (buffer dtypes), `kernels_local.mapping` draws its
-`Fp8Linear` capability ranges from the same thresholds, and `hetserve plan` shows it: all
-three read this module, so the host's buffers and the kernel's compile-time flag cannot
-come from two different rules. Importing it costs nothing (no torch), which is why the
+and dequantized for the matmul) everywhere else. `workers.quant.fp8_convention.choose_fp8`
+turns the decision into the worker's `Fp8Convention` (buffer dtypes), `kernels_local.mapping`
+draws its `Fp8Linear` capability ranges from the same thresholds, and `hetserve plan` shows
+it: all three read this module, so the host's buffers and the kernel's compile-time flag
+cannot come from two different rules. Importing it costs nothing (no torch), which is why the
 router's `plan` can show the decision without loading anything.
 """
 

@@ -125,13 +125,13 @@ def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quan
     if profile.fp8_params and fp8_execution(device.type, cap).kind == FP8_DEQUANTIZED:
         weights += profile.fp8_params * (size - 1)  # widened once at load on this device
     # 4-bit layers widen at load where the device has no 4-bit execution, experts everywhere
-    # (workers/model/quantized_int4.py); elsewhere they stay packed, as stored
+    # (workers/quant/int4_reader.py); elsewhere they stay packed, as stored
     widens = int4_kind(device.type, cap) == INT4_DEQUANTIZED
     widened4 = profile.packed4_params if widens else profile.packed4_expert_params
     weights += widened4 * size - widened4 // 2
     packed4 = "" if not profile.packed4_params else "widened" if widens else "packed"
     if profile.mxfp4_params and mxfp4_kind(device.type, cap) == MXFP4_DEQUANTIZED:  # widened at load there
-        weights += profile.mxfp4_params * size - profile.mxfp4_bytes  # (workers/model/quantized_mxfp4.py)
+        weights += profile.mxfp4_params * size - profile.mxfp4_bytes  # (workers/quant/mxfp4_reader.py)
     if quantize == "fp8":
         weights += profile.projection_params + profile.projection_rows * FP8_SCALE_BYTES
         floats -= profile.projection_params

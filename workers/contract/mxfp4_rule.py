@@ -1,7 +1,7 @@
 """The MXFP4 rule's device side, torch-free: which devices keep gpt-oss's MXFP4 experts packed.
 
 Design: one threshold decides how a device runs a checkpoint's MXFP4 experts, and every reader takes
-it from here: the loader (workers/model/quantized_mxfp4.py, through workers/quant/mxfp4.py
+it from here: the loader (workers/quant/mxfp4_reader.py, through workers/quant/mxfp4.py
 `mxfp4_execution`, which adds the reason), the kernel mapping (kernels_local/mapping.py, whose
 `Mxfp4FusedMoE` ranges a test holds equal to it) and placement (workers/contract/model_size.py, which
 sizes the packed bytes where they stay packed and the widened experts where they do not).

@@ -14,7 +14,9 @@ left to decide on its own:
 After kernelizing, every swappable module is checked to run the chosen layer's forward.
 
 The plan is recorded on the model (`model.kernel_plan`) so that layers created later
-(fp8 quantization swaps in `Fp8Linear` after this step) get the same device's choice.
+(fp8 quantization swaps in `Fp8Linear` after this step) get the same device's choice: the
+plan applies itself (`KernelPlan.apply`), so the fp8 step, in a package below this one, asks the
+model's plan without importing the kernelize step.
 The trade-off: the mapping is resolved once per process; a worker never re-selects.
 """
 
@@ -44,6 +46,10 @@ class KernelPlan:
 
     device_type: str  # "cuda" | "rocm" on a real GPU; "cpu" when compute runs on the CPU
     choices: dict[str, KernelChoice]
+
+    def apply(self, module: nn.Module) -> int:
+        """Kernelize `module`, a layer created after this plan was made, with it (`apply_plan`)."""
+        return apply_plan(module, self)
 
 
 def kernel_device_type(bound: BoundDevice) -> str:

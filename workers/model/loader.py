@@ -5,7 +5,9 @@ Design: everything a worker needs from a checkpoint comes back in one frozen
 tensor at fault (and what was expected), so a worker's "failed at load" status tells the
 operator what to fix. Weights are read tensor by tensor through `safetensors.safe_open`,
 checked against the shapes the config implies, converted to the chosen dtype and assigned
-into a meta-built model (no double allocation). The dtype choice returns its reason.
+into a meta-built model (no double allocation). The dtype choice returns its reason. A
+pre-quantized checkpoint is read through `workers.quant` (its registry picks the reader; the loader
+hands it the family's weight map as a `ModelMap` and names the device the layers are laid out for).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +25,11 @@ import torch
 from workers.contract import DEFAULT_MODEL_DIR, find_chat_template, token_text
 from workers.contract.dtypes import DtypeError, dtype_rule
 from workers.model.config import ConfigError, ModelConfig
-from workers.model.quantized import QuantizedCheckpoint, quantized_checkpoint
+from workers.model.moe import FusedMoE
 from workers.model.transformer import Transformer
 from workers.model.weights import IGNORED_HF, hf_shapes, map_name, skipped, text_name, to_ours
+from workers.quant.checkpoint import ModelMap
+from workers.quant.registry import CheckpointReader, quantized_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,7 @@ class LoadedModel:
     dtype_reason: str
     model_dir: Path
     model_id: str
-    quantization: dict | None = None  # a pre-quantized checkpoint's method and schemes (workers/model/quantized.py)
+    quantization: dict | None = None  # a pre-quantized checkpoint's method and schemes (workers/quant/registry.py)
 
 
 def default_model_dir() -> Path:
@@ -122,8 +127,14 @@ def _other_stage(name: str, stage: tuple[int, int], expected: dict) -> bool:
     return not stage[0] <= int(m.group(1)) < stage[1] if m else name not in expected
 
 
+def _model_map(config: ModelConfig) -> ModelMap:
+    """The family's weight map and experts layer, as a quantized checkpoint's reader takes them."""
+    return ModelMap(config.architecture, config.num_experts, partial(map_name, config=config),
+                    partial(to_ours, config=config), FusedMoE)
+
+
 def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, device: str,
-                  quant: QuantizedCheckpoint | None = None) -> dict[str, torch.Tensor]:
+                  quant: CheckpointReader | None = None) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     config = model.config
@@ -180,9 +191,13 @@ def load_model(
     device: str | torch.device = "cpu",
     capability: tuple[int, int] | None = None,
     stage: tuple[int, int] | None = None,
+    device_type: str | None = None,
 ) -> LoadedModel:
     """Load config, weights, tokenizer, generation config and chat template from `model_dir`;
-    with `stage` (layers [start, end) of a pipeline), only that stage's weights."""
+    with `stage` (layers [start, end) of a pipeline), only that stage's weights. A quantized
+    checkpoint's layers are laid out for the device `device_type` at `capability` (the worker's bound
+    device: a simulated GPU loads onto the CPU yet keeps its GPU's execution); `device_type` defaults
+    to `device`'s own type."""
     model_dir = Path(model_dir).expanduser().resolve()
     device = torch.device(device)
     if model_dir == DEFAULT_MODEL_DIR and not (model_dir / "config.json").is_file():
@@ -199,7 +214,8 @@ def load_model(
     except KeyError as e:
         raise ModelLoadError(f"`config.json` in `{model_dir}` lacks the field `{e.args[0]}`") from e
     torch_dtype, reason = choose_dtype(dtype, config.torch_dtype, device.type, capability)
-    quant = quantized_checkpoint(hf_config, config)  # None unless config.json has a quantization_config
+    quant = quantized_checkpoint(hf_config, _model_map(config), device_type or device.type,
+                                 capability)  # None unless config.json has a quantization_config
     tokenizer = _load_tokenizer(model_dir)
     tok_cfg = _read_json(model_dir, "tokenizer_config.json", required=False)
     generation_config = _read_json(model_dir, "generation_config.json", required=False)

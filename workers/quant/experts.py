@@ -2,7 +2,7 @@
 
 Design: the experts of one mixture-of-experts layer as `FusedMoE` holds them (gate rows then up rows
 in `w_gate_up` [E, 2I, H], `w_down` [E, H, I]), but as the checkpoint's e4m3 bytes: `w_gate_up_q`,
-`w_down_q` and their scales in the grouped layout of `fp8_math` per expert (`w_gate_up_scale`
+`w_down_q` and their scales in the grouped layout of `e4m3` per expert (`w_gate_up_scale`
 [E, ceil(2I / gn), ceil(H / gk)], `w_down_scale` likewise), with the static input scales where the
 scheme has them (one per projection: the largest of the experts', as vLLM takes it, so that no
 expert's inputs saturate; the loader says so when they differ). The loader fills it and never
@@ -11,9 +11,10 @@ converts a value; the fp8 step calls `prepare(kind, fmt)` with the device's `Fp8
 `weight_only` uint8 storage of the same bytes, `dequantized` widens `w_gate_up` / `w_down` into the
 model dtype and drops the bytes. It is kernel-swappable as `Fp8FusedMoE` (kernels_local/fused_moe:
 the grouped GEMM on fp8 weights, native or weight-only); `forward` is the pure-torch reference of
-the execution it was prepared for (experts grouped by one sort, one matmul pair per active expert).
-The trade-off: the reference dequantizes an active expert's weights on every call (the CPU path of a
-simulated GPU), which costs time, never memory held.
+the execution it was prepared for (experts grouped by one sort, one matmul pair per active expert:
+`run_experts`, the loop both quantized expert layers share, which computes as the model's `FusedMoE`
+does). The trade-off: the reference dequantizes an active expert's weights on every call (the CPU
+path of a simulated GPU), which costs time, never memory held.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kernels import use_kernel_forward_from_hub
 from torch import nn
 
 from workers.contract import FP8_DEQUANTIZED, FP8_EXECUTIONS, FP8_NATIVE, FP8_WEIGHT_ONLY
-from workers.quant.fp8_math import (
+from workers.quant.e4m3 import (
     FP8_DTYPES,
     dequantize_activations,
     dequantize_weight,
@@ -37,7 +38,7 @@ from workers.quant.scheme import Fp8Scheme
 ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
 
 
-def _activate(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
     """[n, 2I] gate columns then up columns -> [n, I] (as workers/model/moe.py's experts)."""
     gate, up = h.chunk(2, dim=-1)
     if activation == "silu":
@@ -46,6 +47,29 @@ def _activate(h: torch.Tensor, activation: str, alpha: float, limit: float) -> t
         return F.gelu(gate, approximate="tanh") * up
     gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def run_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                row_tile: int | None, expert) -> torch.Tensor:
+    """sum_k w[t, k] * expert_{ids[t, k]}(x[t]) with `expert(e, rows [n, H]) -> [n, H]`: the token-expert
+    pairs grouped by one stable sort, each expert's rows in one call (in tiles of `row_tile`, the last
+    zero-padded, when set), experts added in ascending order. x [T, H], topk_ids / topk_weights [T, K]."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.flatten()  # [P]
+    order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within each
+    tokens = order // k
+    xs = x.index_select(0, tokens)  # [P, H]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        tile = row_tile or n
+        for lo in range(start, start + n, max(tile, 1)):  # nothing for an expert without pairs
+            rows = min(tile, start + n - lo)
+            part = xs[lo : lo + rows] if rows == tile else F.pad(xs[lo : lo + rows], (0, 0, 0, tile - rows))
+            ys[lo : lo + rows] = expert(e, part)[:rows]  # [tile, H]
+        start += n
+    ys = ys * topk_weights.flatten().index_select(0, order)[:, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
 
 
 @use_kernel_forward_from_hub("Fp8FusedMoE")
@@ -134,27 +158,15 @@ class Fp8FusedMoE(nn.Module):
         # x [T, H], topk_ids / topk_weights [T, K] -> [T, H]
         if self.execution == STORED:
             raise Fp8LayerStateError("fp8 experts used before the fp8 step prepared them for their device")
-        k = topk_ids.shape[1]
-        flat = topk_ids.flatten()  # [P]
-        order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within each
-        tokens = order // k
-        xs = x.index_select(0, tokens)  # [P, H]
-        ys = torch.empty_like(xs)
         static = self.input_scales or (None, None)
-        start = 0
-        for e, n in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
-            tile = self.row_tile or n
-            for lo in range(start, start + n, max(tile, 1)):  # nothing for an expert without pairs
-                rows = min(tile, start + n - lo)
-                part = xs[lo : lo + rows] if rows == tile else F.pad(xs[lo : lo + rows], (0, 0, 0, tile - rows))
-                h = self._linear(part, "w_gate_up", e, self.gate_up_groups,
-                                 None if self.b_gate_up is None else self.b_gate_up[e], static[0])  # [tile, 2I]
-                y = self._linear(_activate(h, self.activation, self.alpha, self.limit), "w_down", e, self.down_groups,
-                                 None if self.b_down is None else self.b_down[e], static[1])  # [tile, H]
-                ys[lo : lo + rows] = y[:rows]
-            start += n
-        ys = ys * topk_weights.flatten().index_select(0, order)[:, None].to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
+
+        def expert(e: int, part: torch.Tensor) -> torch.Tensor:
+            h = self._linear(part, "w_gate_up", e, self.gate_up_groups,
+                             None if self.b_gate_up is None else self.b_gate_up[e], static[0])  # [tile, 2I]
+            return self._linear(expert_activation(h, self.activation, self.alpha, self.limit), "w_down", e, self.down_groups,
+                                None if self.b_down is None else self.b_down[e], static[1])  # [tile, H]
+
+        return run_experts(x, topk_ids, topk_weights, self.num_experts, self.row_tile, expert)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, scheme={self.scheme.weights}/{self.activations}, "

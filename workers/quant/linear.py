@@ -1,7 +1,7 @@
 """`Fp8CheckpointLinear`: a checkpoint's fp8 linear layer, its bytes and scales as stored, run the device's way.
 
 Design: the loader fills the layer with what the checkpoint stores (`qweight` float8_e4m3fn [N, K],
-fused parts concatenated; `weight_scale` in the grouped layout of `fp8_math`; `input_scale` when
+fused parts concatenated; `weight_scale` in the grouped layout of `e4m3`; `input_scale` when
 activations are static) and never converts a value. The fp8 step then calls `prepare(kind, fmt)`
 with the device's `Fp8Execution` (workers/contract/fp8_rule.py):
 - `native`: `qweight` stays an fp8 tensor (in e4m3fnuz on CDNA3: bytes reinterpreted, scales doubled);
@@ -25,7 +25,7 @@ from kernels import use_kernel_forward_from_hub
 from torch import nn
 
 from workers.contract import FP8_DEQUANTIZED, FP8_EXECUTIONS, FP8_NATIVE, FP8_WEIGHT_ONLY
-from workers.quant.fp8_math import (
+from workers.quant.e4m3 import (
     FP8_DTYPES,
     dequantize_activations,
     dequantize_weight,

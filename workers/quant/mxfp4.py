@@ -16,7 +16,7 @@ stores ([E, K, N], gate and up interleaved along N), so the family's own weight 
 `modules_to_not_convert` is matched as transformers matches it (a regex from the start of the
 module name up to a dot boundary, or a suffix: `model.layers.*.self_attn`, `lm_head`). Refused by
 name: any other key of the config (the format has no options hetserve would ignore silently) and,
-at load, MXFP4 tensors anywhere but a gpt-oss experts projection (workers/model/quantized_mxfp4.py).
+at load, MXFP4 tensors anywhere but a gpt-oss experts projection (workers/quant/mxfp4_reader.py).
 `mxfp4_execution` is the device rule with its reason (the threshold: workers/contract/mxfp4_rule.py):
 CUDA from sm_80 and ROCm keep the experts packed for the Triton grouped GEMM (`w4a16`), the others
 dequantize them at load. The trade-off: a dequantizing device holds the experts at about 4x their

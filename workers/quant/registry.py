@@ -1,4 +1,5 @@
-"""The quantization-method registry: which module reads a checkpoint's `quantization_config`.
+"""The quantization-method registry: which module reads a checkpoint's `quantization_config`, and which
+reader then loads its tensors.
 
 Design: one module per method (`compressed_tensors`, `fp8_blockwise`, `mxfp4`), each with its `NAME` (the
 config's `quant_method`) and `read(qc) -> QuantConfig`; `read_quantization(hf_config)` looks the
@@ -11,17 +12,24 @@ compressed-tensors names both its fp8 and its 4-bit formats with one method. The
 methods whose layers exist; a method name alone never makes a checkpoint load. The method names
 are also the contract's `QUANT_METHODS` (workers/contract/checkpoint_check.py), which the router
 checks before any worker starts; tests/test_checkpoint_check.py holds the two equal.
+`quantized_checkpoint(hf_config, model_map, device_type, capability)` gives the loader the reader
+of the config's kind (fp8, 4-bit, MXFP4), for the device it names.
 """
 
 from __future__ import annotations
 
 from workers.contract.checkpoint_check import QUANT_METHODS
 from workers.quant import compressed_tensors, fp8_blockwise, int4_methods, mxfp4
+from workers.quant.checkpoint import ModelMap
+from workers.quant.fp8_reader import QuantizedCheckpoint
+from workers.quant.int4_reader import Int4Checkpoint
 from workers.quant.int4_scheme import Int4Config
 from workers.quant.mxfp4 import Mxfp4Config
+from workers.quant.mxfp4_reader import Mxfp4Checkpoint
 from workers.quant.scheme import QuantConfig, unsupported
 
 METHODS = {m.NAME: m.read for m in (compressed_tensors, fp8_blockwise, mxfp4)}
+CheckpointReader = QuantizedCheckpoint | Int4Checkpoint | Mxfp4Checkpoint  # driven by the loader (checkpoint.py)
 
 
 def read_quantization(hf_config: dict) -> QuantConfig | Int4Config | Mxfp4Config | None:
@@ -42,3 +50,15 @@ def describe_quantization(hf_config: dict) -> dict | None:
     """What `hetserve plan --model` and `/workers` show of the checkpoint's quantization (no weights read)."""
     quant = read_quantization(hf_config)
     return None if quant is None else quant.describe()
+
+
+def quantized_checkpoint(hf_config: dict, model_map: ModelMap, device_type: str,
+                         capability: tuple[int, int] | None) -> CheckpointReader | None:
+    """The reader of a quantized checkpoint, laying its layers out for the device `device_type` at
+    `capability` (the one the worker serves); None for an unquantized checkpoint."""
+    quant = read_quantization(hf_config)
+    if isinstance(quant, Int4Config):  # 4-bit: packed or dequantized at load, per device (int4_reader.py)
+        return Int4Checkpoint(quant, model_map, device_type, capability)
+    if isinstance(quant, Mxfp4Config):  # gpt-oss's MXFP4 experts: packed or dequantized at load (mxfp4_reader.py)
+        return Mxfp4Checkpoint(quant, model_map, device_type, capability)
+    return None if quant is None else QuantizedCheckpoint(quant, model_map)

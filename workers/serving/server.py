@@ -25,9 +25,9 @@ from workers.contract import DRAIN_TIMEOUT_S, ENV_TRITON_CACHE_DIR, CapabilityPa
 from workers.contract.payload import CompileDescription
 from workers.contract.tracing import start_tracing
 from workers.device.bind import BoundDevice
-from workers.fp8.convention import Fp8Convention
 from workers.kernelize.records import Preflight
 from workers.model.loader import LoadedModel
+from workers.quant.fp8_convention import Fp8Convention
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Tensors to fp8 bytes and back, in one worker's convention: per tensor, per token group, per channel.
 
 `quantize` scales a tensor by its amax over the format's largest value, rounds onto the e4m3
-grid in fp32 (workers/fp8/e4m3.py) and stores the result in the convention's storage dtype
+grid in fp32 (workers/quant/e4m3.py) and stores the result in the convention's storage dtype
 (an fp8 dtype when native, uint8 bytes when emulated); `dequantize` inverts it. The
 convention decides the storage, the caller the granularity: weights take one scale per
 output channel, activations one per token. Scales are fp32 and never zero (a tensor of
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.fp8.convention import Fp8Convention
-from workers.fp8.e4m3 import decode_e4m3, encode_e4m3, round_to_e4m3
+from workers.quant.e4m3 import decode_e4m3, encode_e4m3, round_to_e4m3
+from workers.quant.fp8_convention import Fp8Convention
 
 
 def _to_storage(grid: torch.Tensor, conv: Fp8Convention) -> torch.Tensor:

@@ -5,10 +5,11 @@ Design: the experts of one mixture-of-experts layer as `FusedMoE` holds them (ga
 `w_gate_up_blocks` [E, 2I, H/2], `w_gate_up_scales` [E, 2I, H/32], `w_down_blocks` [E, H, I/2],
 `w_down_scales` [E, H, I/32] (uint8; two codes a byte, the even input in the low nibble; one scale per
 32 inputs of a row), and the biases in the model dtype. The loader fills it on devices whose MXFP4 rule
-is `w4a16` (workers/model/quantized_mxfp4.py) and never converts a value. It is kernel-swappable as
+is `w4a16` (workers/quant/mxfp4_reader.py) and never converts a value. It is kernel-swappable as
 `Mxfp4FusedMoE` (kernels_local/fused_moe: the grouped GEMM decoding the codes in registers);
 `forward` is the pure-torch reference: each active expert dequantized into the activations' dtype
-when the grouping asks for it, then `grouped_experts` exactly as `FusedMoE` runs, so a packed layer
+when the grouping asks for it, then the expert loop the fp8 experts share (workers/quant/experts.py
+`run_experts`: the same grouping, tiles and matmuls as the model's `FusedMoE`), so a packed layer
 computes bit for bit what the experts dequantized at load compute. The trade-off: the reference (the
 CPU path of a simulated GPU) dequantizes an active expert on every call, which costs time, never
 memory held.
@@ -17,23 +18,18 @@ memory held.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from kernels import use_kernel_forward_from_hub
 from torch import nn
 
-from workers.model.moe import MOE_ACTIVATIONS, grouped_experts
+from workers.quant.experts import ACTIVATIONS, expert_activation, run_experts
 from workers.quant.mxfp4 import BLOCK, dequantize
 
 
-class _Dequantized:
-    """Packed experts read as a stacked weight tensor: `[e]` is expert e's weight [N, K] in `dtype`."""
-
-    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
-        self.blocks, self.scales, self.dtype = blocks, scales, dtype
-        self.shape = (blocks.shape[0], blocks.shape[1], blocks.shape[2] * 2)
-
-    def __getitem__(self, e: int) -> torch.Tensor:
-        n, half = self.blocks.shape[1:]
-        return dequantize(self.blocks[e].view(n, half * 2 // BLOCK, BLOCK // 2), self.scales[e], self.dtype)
+def _weight(blocks: torch.Tensor, scales: torch.Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert `e`'s weight [N, K] in `dtype` from the packed blocks [E, N, K/2] and scales [E, N, K/32]."""
+    n, half = blocks.shape[1:]
+    return dequantize(blocks[e].view(n, half * 2 // BLOCK, BLOCK // 2), scales[e], dtype)
 
 
 @use_kernel_forward_from_hub("Mxfp4FusedMoE")
@@ -49,9 +45,9 @@ class Mxfp4FusedMoE(nn.Module):
                  activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "meta") -> None:  # fmt: skip
         super().__init__()
-        if activation not in MOE_ACTIVATIONS:
+        if activation not in ACTIVATIONS:
             raise ValueError(
-                f"Unknown expert activation `{activation}`. Supported: {', '.join(MOE_ACTIVATIONS)}"
+                f"Unknown expert activation `{activation}`. Supported: {', '.join(ACTIVATIONS)}"
             )
         if hidden % BLOCK or intermediate % BLOCK:
             raise ValueError(f"MXFP4 experts need hidden and intermediate sizes in whole blocks of {BLOCK}; got "
@@ -77,10 +73,16 @@ class Mxfp4FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x [T, H] -> [T, H]: the experts dequantized into x's dtype as the grouping reaches them
-        w1 = _Dequantized(self.w_gate_up_blocks, self.w_gate_up_scales, x.dtype)
-        w2 = _Dequantized(self.w_down_blocks, self.w_down_scales, x.dtype)
-        return grouped_experts(x, w1, w2, topk_ids, topk_weights, self.b_gate_up, self.b_down, self.activation,
-                               self.alpha, self.limit, self.row_tile)  # fmt: skip
+        b1, b2 = self.b_gate_up, self.b_down
+
+        def expert(e: int, part: torch.Tensor) -> torch.Tensor:
+            w1 = _weight(self.w_gate_up_blocks, self.w_gate_up_scales, e, x.dtype)  # [2I, H]
+            h = F.linear(part, w1, None if b1 is None else b1[e])  # [rows, 2I]
+            w2 = _weight(self.w_down_blocks, self.w_down_scales, e, x.dtype)  # [H, I]
+            return F.linear(expert_activation(h, self.activation, self.alpha, self.limit), w2,
+                            None if b2 is None else b2[e])  # [rows, H]
+
+        return run_experts(x, topk_ids, topk_weights, self.num_experts, self.row_tile, expert)
 
     def extra_repr(self) -> str:
         e, n, half = self.w_gate_up_blocks.shape

@@ -1,28 +1,28 @@
 """Reading a 4-bit checkpoint (GPTQ, AWQ, compressed-tensors pack-quantized) for this device's execution.
 
-Design: the loader drives this reader through the same five calls as the fp8 one
-(workers/model/quantized.py): `bind` notes the HF tensors the model expects and which of them land on
-one of our `nn.Linear` modules (whole, or a part of fused q/k/v and gate/up), `claims` takes every
-4-bit leaf of a layer the config quantizes (`qweight`, `qzeros`, `scales`, `g_idx`; `weight_packed`,
-`weight_scale`, `weight_shape`, `weight_zero_point`), and the zero `bias` AutoGPTQ stores for layers
-that have none, `covers` tells the loader which expected `.weight` those stand for. The execution
-comes from the device rule (workers/quant/int4_methods.py) for the bound device (`load_device`; the
-CPU when none is bound): `to_ours` checks each layer against its format's reference
-(workers/quant/int4_pack.py) and, where the device keeps the 4 bits (`w4a16`, `packed`), moves it
-into the one run-time layout (`to_runtime`, exact) and concatenates the parts of a fused module
-along the outputs; where it does not (`dequantized`), the reference weights go through the family's
-own map as an unquantized checkpoint's would. `install` swaps each of those modules for an
-`Int4CheckpointLinear` of that execution, which kernelize then gives the device's kernel layer.
-Experts stored per expert (Qwen3-MoE) have no 4-bit layer: they are dequantized at load on every
-device, and so is a fused module whose parts' act-order `g_idx` differ (one input order per module);
-the notes say so. A 4-bit leaf on a layer the config leaves alone (`modules_to_not_convert`,
-`ignore`), a fused layer with some parts 4-bit and others not, or a layer with its packed tensor but
-a missing scale, are named errors. `describe` gives `/workers` the method, the schemes, the
-execution and its reason and the bytes: as stored, as held, as widened, and the same layers' bf16
-bytes with the ratio. The trade-off: the reference weight of every layer is formed once at load to
-check it, one layer at a time, which costs that layer's widened bytes transiently.
+Design: the loader drives this reader through the same calls as the fp8 one
+(workers/quant/checkpoint.py): `bind` notes the HF tensors the model expects and which of them
+land on one of our `nn.Linear` modules (whole, or a part of fused q/k/v and gate/up), `claims` takes
+every 4-bit leaf of a layer the config quantizes (`qweight`, `qzeros`, `scales`, `g_idx`;
+`weight_packed`, `weight_scale`, `weight_shape`, `weight_zero_point`), and the zero `bias` AutoGPTQ
+stores for layers that have none, `covers` tells the loader which expected `.weight` those stand for.
+The execution comes from the device rule (workers/quant/int4_methods.py) for the device the loader
+names (its type and capability, passed in: a simulated GPU loads onto the CPU yet keeps its GPU's
+execution): `to_ours` checks each layer against its format's reference (workers/quant/int4_pack.py)
+and, where the device keeps the 4 bits (`w4a16`, `packed`), moves it into the one run-time layout
+(`to_runtime`, exact) and concatenates the parts of a fused module along the outputs; where it does
+not (`dequantized`), the reference weights go through the family's own map as an unquantized
+checkpoint's would. `install` swaps each of those modules for an `Int4CheckpointLinear` of that
+execution, which kernelize then gives the device's kernel layer. Experts stored per expert
+(Qwen3-MoE) have no 4-bit layer: they are dequantized at load on every device, and so is a fused
+module whose parts' act-order `g_idx` differ (one input order per module); the notes say so. A
+4-bit leaf on a layer the config leaves alone (`modules_to_not_convert`, `ignore`), a fused layer
+with some parts 4-bit and others not, or a layer with its packed tensor but a missing scale, are
+named errors. `describe` gives `/workers` the method, the schemes, the execution and its reason and
+the bytes: as stored, as held, as widened, and the same layers' bf16 bytes with the ratio. The
+trade-off: the reference weight of every layer is formed once at load to check it, one layer at a
+time, which costs that layer's widened bytes transiently.
 """
-
 from __future__ import annotations
 
 import logging
@@ -30,8 +30,7 @@ import logging
 import torch
 from torch import nn
 
-from workers.model.config import ModelConfig
-from workers.model.weights import map_name, to_ours
+from workers.quant.checkpoint import ModelMap
 from workers.quant.int4_linear import Int4CheckpointLinear, fusable, fuse_runtime, to_runtime
 from workers.quant.int4_methods import INT4_DEQUANTIZED, int4_execution
 from workers.quant.int4_pack import (
@@ -52,23 +51,11 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def load_device() -> tuple[str, tuple[int, int] | None]:
-    """The (type, capability) of the device this process serves, which the 4-bit layers are loaded for;
-    the CPU when no device is bound (tools and tests that load a checkpoint outside a worker)."""
-    from workers.device.bind import DeviceNotBoundError, bound_device
-
-    try:
-        bound = bound_device()
-    except DeviceNotBoundError:
-        return "cpu", None
-    return bound.type, None if bound.capability is None else tuple(bound.capability)
-
-
 class Int4Checkpoint:
-    def __init__(self, quant: Int4Config, config: ModelConfig, device: tuple[str, tuple[int, int] | None] | None = None,
-                 ) -> None:  # fmt: skip
-        self.quant, self.config = quant, config
-        self.device_type, self.capability = device or load_device()
+    def __init__(self, quant: Int4Config, model_map: ModelMap, device_type: str,
+                 capability: tuple[int, int] | None) -> None:  # fmt: skip
+        self.quant, self.map = quant, model_map
+        self.device_type, self.capability = device_type, capability
         self.execution = int4_execution(self.device_type, self.capability)
         self.expected: dict[str, tuple[int, ...]] = {}
         self.dtype = torch.float32
@@ -83,7 +70,7 @@ class Int4Checkpoint:
         modules land on one of our `nn.Linear` modules."""
         self.expected, self.dtype = dict(expected), model.dtype
         for hf_name, shape in expected.items():
-            mapped = map_name(hf_name, self.config) if hf_name.endswith(".weight") and len(shape) == 2 else None
+            mapped = self.map.map_name(hf_name) if hf_name.endswith(".weight") and len(shape) == 2 else None
             if mapped is None or not mapped[0].endswith(".weight") or not (mapped[1] is None or isinstance(mapped[1], int)):
                 continue  # not a linear weight of ours (experts, layouts)
             ours = mapped[0].removesuffix(".weight")
@@ -144,7 +131,7 @@ class Int4Checkpoint:
         """A fused module of ours (q/k/v, gate/up) takes all its parts in 4 bits or none."""
         parts: dict[str, list[str]] = {}
         for hf in self.expected:
-            mapped = map_name(hf, self.config) if hf.endswith(".weight") else None
+            mapped = self.map.map_name(hf) if hf.endswith(".weight") else None
             if mapped is not None and isinstance(mapped[1], int):
                 parts.setdefault(mapped[0], []).append(hf)
         for ours, names in parts.items():
@@ -220,7 +207,7 @@ class Int4Checkpoint:
             self.notes.append("experts stored in 4 bits have no 4-bit layer: dequantized at load on every device")
         self.stored_bytes = _nbytes(t for n, t in stored.items() if not n.endswith(".bias"))
         self.weight_bytes = _nbytes(out.values()) + _nbytes(hf.values())
-        return out | to_ours(hf, self.config)
+        return out | self.map.to_ours(hf)
 
     def install(self, model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> int:
         """Swap each of our modules the 4-bit layers land on for an `Int4CheckpointLinear` of its

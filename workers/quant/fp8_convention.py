@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.contract import EMULATED, NATIVE, fp8_rule
-from workers.fp8.e4m3 import FORMATS, E4M3Format
+from workers.quant.e4m3 import FORMATS, E4M3Format
 
 
 class MixedFp8ConventionError(RuntimeError):

@@ -1,13 +1,15 @@
-"""fp8 weight quantization of a loaded model, in the worker's one fp8 convention.
+"""`--quantize fp8`: a loaded model's projections quantized to e4m3, in the worker's one fp8 convention.
 
 Design: `quantize_model(model, conv)` replaces each projection `nn.Linear` by an `Fp8Linear`
 holding the weight quantized to e4m3 with one fp32 scale per output channel
-(`workers.fp8.quantize.quantize_weight_per_channel`). The buffer dtype (`conv.storage_dtype`: an fp8
+(`workers.quant.fp8_quantize.quantize_weight_per_channel`). The buffer dtype (`conv.storage_dtype`: an fp8
 dtype when native, uint8 when emulated) and the kernels' `NATIVE` flag (`fp8_native`) are
 both read from the same `conv`, so they cannot disagree. Activations are quantized per
 token at run time. `Fp8Linear.forward` is the pure-torch reference (dequantize both
 operands, fp32 matmul); when the model was kernelized (`model.kernel_plan`), the new
-layers get this device's `Fp8Linear` kernel, whose variant must match `conv`.
+layers get this device's `Fp8Linear` kernel, whose variant must match `conv`: the plan the
+kernelize step recorded on the model applies itself to them (`plan.apply(layer)`), so this
+package, below the model and the kernelize step, imports neither.
 
 Not quantized: the token embedding (a gather, no matmul) and, by default, the LM head.
 The LM head's error lands directly on the logits that greedy decoding and sampling
@@ -25,8 +27,8 @@ import torch
 from kernels import use_kernel_forward_from_hub
 from torch import nn
 
-from workers.fp8.convention import Fp8Convention
-from workers.fp8.quantize import dequantize, quantize, quantize_weight_per_channel
+from workers.quant.fp8_convention import Fp8Convention
+from workers.quant.fp8_quantize import dequantize, quantize, quantize_weight_per_channel
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +132,10 @@ def quantize_model(model: nn.Module, conv: Fp8Convention, *, include_lm_head: bo
         after += _nbytes([layer.qweight, layer.weight_scale])
         setattr(parent, attr, layer)
         swapped.append(layer)
-    # 3. give the new layers this device's kernel
+    # 3. give the new layers this device's kernel (the plan the kernelize step recorded)
     if plan is not None and swapped:
-        from workers.kernelize.apply import apply_plan
-
         for layer in swapped:
-            apply_plan(layer, plan)
+            plan.apply(layer)
     skipped = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     summary = {
         "convention": conv.name,

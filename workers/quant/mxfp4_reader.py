@@ -1,17 +1,17 @@
 """Reading an MXFP4 checkpoint (gpt-oss's experts in e2m1 with e8m0 scales) for this device's execution.
 
-Design: the loader drives this reader through the same five calls as the fp8 and 4-bit ones
-(workers/model/quantized.py, quantized_int4.py): `bind` notes the HF tensors the model expects,
-`claims` takes every `P_blocks` / `P_scales` of an experts projection `P` the config quantizes,
-`covers` tells the loader that `P` itself (the unquantized tensor the family's map expects) is made
-from them. The execution comes from the MXFP4 rule (workers/quant/mxfp4.py `mxfp4_execution`) for the
-bound device (`load_device`; the CPU when none is bound). `to_ours` checks each projection's dtype and
-shapes (`check_stored`), then:
+Design: the loader drives this reader through the same calls as the fp8 and 4-bit ones
+(workers/quant/checkpoint.py): `bind` notes the HF tensors the model expects, `claims` takes every
+`P_blocks` / `P_scales` of an experts projection `P` the config quantizes, `covers` tells the loader
+that `P` itself (the unquantized tensor the family's map expects) is made from them. The execution
+comes from the MXFP4 rule (workers/quant/mxfp4.py `mxfp4_execution`) for the device the loader names
+(its type and capability, passed in). `to_ours` checks each projection's dtype and shapes
+(`check_stored`), then:
 - `w4a16` (CUDA sm_80+, ROCm): keeps the bytes, in our row order (gpt-oss interleaves gate and up
   rows: even rows gate, odd rows up; ours are gate rows then up rows) as `<experts>.w_gate_up_blocks`
   [E, 2I, H/2], `_scales` [E, 2I, H/32], `w_down_blocks` [E, H, I/2], `_scales` [E, H, I/32], and
-  `install` swaps those layers' `FusedMoE` for an `Mxfp4FusedMoE` (workers/model/moe_mxfp4.py), which
-  kernelize gives the device's Triton layer;
+  `install` swaps those layers' `FusedMoE` for an `Mxfp4FusedMoE` (workers/quant/mxfp4_experts.py),
+  which kernelize gives the device's Triton layer;
 - `dequantized` (below sm_80, CPU): dequantizes into the model dtype, turns it into the orientation
   gpt-oss stores unquantized ([E, K, N]) and hands it to the family's own weight map, so it lands in
   `FusedMoE.w_gate_up` / `w_down` exactly as an unquantized checkpoint's would.
@@ -30,11 +30,7 @@ import torch
 from torch import nn
 
 from workers.contract.mxfp4_rule import MXFP4_W4A16
-from workers.model.config import ModelConfig
-from workers.model.moe import FusedMoE
-from workers.model.moe_mxfp4 import Mxfp4FusedMoE
-from workers.model.quantized_int4 import load_device
-from workers.model.weights import map_name, to_ours
+from workers.quant.checkpoint import ModelMap
 from workers.quant.mxfp4 import (
     LEAVES,
     Mxfp4Config,
@@ -43,6 +39,7 @@ from workers.quant.mxfp4 import (
     dequantize,
     mxfp4_execution,
 )
+from workers.quant.mxfp4_experts import Mxfp4FusedMoE
 from workers.quant.scheme import UnsupportedQuantizationError
 
 logger = logging.getLogger(__name__)
@@ -51,10 +48,10 @@ EXPERT_TENSORS = ("experts.w_gate_up", "experts.w_down")  # ours: where an MXFP4
 
 
 class Mxfp4Checkpoint:
-    def __init__(self, quant: Mxfp4Config, config: ModelConfig,
-                 device: tuple[str, tuple[int, int] | None] | None = None) -> None:  # fmt: skip
-        self.quant, self.config = quant, config
-        self.device_type, self.capability = device or load_device()
+    def __init__(self, quant: Mxfp4Config, model_map: ModelMap, device_type: str,
+                 capability: tuple[int, int] | None) -> None:  # fmt: skip
+        self.quant, self.map = quant, model_map
+        self.device_type, self.capability = device_type, capability
         self.execution = mxfp4_execution(self.device_type, self.capability)
         self.packed: dict[str, tuple[int, int, int]] = {}  # our experts module kept packed -> (E, H, I)
         self.expected: dict[str, tuple[int, ...]] = {}
@@ -75,11 +72,11 @@ class Mxfp4Checkpoint:
             return False
         projection = name.removesuffix(leaf)
         module = projection.rpartition(".")[0]
-        mapped = map_name(projection, self.config) if projection in self.expected else None
+        mapped = self.map.map_name(projection) if projection in self.expected else None
         if mapped is None or not mapped[0].endswith(EXPERT_TENSORS):
             raise UnsupportedQuantizationError(
                 f"Unsupported MXFP4 tensor `{name}`: `{projection}` is not a stacked experts projection of this "
-                f"`{self.config.architecture}` checkpoint. Supported: MXFP4 on gpt-oss's "
+                f"`{self.map.architecture}` checkpoint. Supported: MXFP4 on gpt-oss's "
                 "`mlp.experts.gate_up_proj` and `mlp.experts.down_proj`"
             )
         if self.quant.ignored(module):
@@ -110,7 +107,7 @@ class Mxfp4Checkpoint:
     def _packed(self, projection: str, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One projection kept packed, in our row order: `<ours>_blocks` [E, N, K/2], `<ours>_scales` [E, N, K/32]."""
         blocks, scales = self._stored(projection, stored)
-        ours = map_name(projection, self.config)[0]  # `layers.0.feed_forward.experts.w_gate_up`
+        ours = self.map.map_name(projection)[0]  # `layers.0.feed_forward.experts.w_gate_up`
         e, n = blocks.shape[:2]
         if ours.endswith(".w_gate_up"):  # gpt-oss's rows alternate gate, up: ours are gate rows, then up rows
             blocks = torch.cat((blocks[:, 0::2], blocks[:, 1::2]), dim=1)
@@ -145,7 +142,7 @@ class Mxfp4Checkpoint:
             return out
         hf = {p: self._dequantize(p, stored) for p in sorted(self.projections)}
         self.weight_bytes = sum(t.numel() * t.element_size() for t in hf.values())
-        return to_ours(hf, self.config)
+        return self.map.to_ours(hf)
 
     def install(self, model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> int:
         """Swap the `FusedMoE` of each layer whose experts stay packed for an `Mxfp4FusedMoE`; how many."""
@@ -153,9 +150,10 @@ class Mxfp4Checkpoint:
             parent_name, _, attr = module.rpartition(".")
             parent = model.get_submodule(parent_name)
             old = getattr(parent, attr)
-            if type(old) is not FusedMoE:
+            if type(old) is not self.map.experts:
                 raise UnsupportedQuantizationError(f"Unsupported MXFP4 experts `{module}`: the layer is "
-                                                   f"`{type(old).__name__}`. Supported: a `FusedMoE`")  # fmt: skip
+                                                   f"`{type(old).__name__}`. Supported: a "
+                                                   f"`{self.map.experts.__name__}`")  # fmt: skip
             layer = Mxfp4FusedMoE(e, h, i, old.b_gate_up is not None, old.activation, old.alpha, old.limit,
                                   dtype=self.dtype, device="meta")  # fmt: skip
             setattr(parent, attr, layer)

@@ -1,25 +1,24 @@
-"""Reading a pre-quantized checkpoint: its fp8 tensors onto our layers, as stored, through the family's map.
+"""Reading an fp8 checkpoint: its fp8 tensors onto our layers, as stored, through the family's map.
 
-Design: `quantized_checkpoint(hf_config, config)` reads the checkpoint's `quantization_config`
-through the registry (workers/quant/registry.py; None when there is none). `bind(model, expected)`
-then walks the family's weight map: every Hugging Face linear weight that lands on one of our
+Design: the registry (workers/quant/registry.py `quantized_checkpoint`) gives an fp8 `QuantConfig`
+this reader, with the loader's `ModelMap` (workers/quant/checkpoint.py). `bind(model, expected)`
+walks the family's weight map: every Hugging Face linear weight that lands on one of our
 `nn.Linear` modules (a whole tensor, or a part of a fused one: q/k/v -> `wqkv`, gate/up ->
 `w_gate_up`) and that the config quantizes becomes a target, with its scheme. The loader hands it
 the targets' tensors untouched (`claims`): fp8 bytes and fp32 scales are never converted.
 `to_ours` checks each target's dtype and shapes, puts every scale in the grouped layout of
-`workers/quant/fp8_math.py` (per-tensor and per-channel scales as one value per row; block scales
+`workers/quant/e4m3.py` (per-tensor and per-channel scales as one value per row; block scales
 as blocks, or per row where fused parts do not start on a block), and concatenates the parts of a
 fused module in order; `install` swaps those modules for `Fp8CheckpointLinear` of the same
 shapes. Parts of one fused module must share a scheme; where their static input scales differ,
 the largest is taken (as vLLM does: no part's activations saturate) and the note says so.
 Experts stored one tensor per expert and projection (Qwen3-MoE, Mixtral) are targets too: each
 expert's gate/up fused as above, then the experts stacked (`workers/quant/experts.py`'s
-`Fp8FusedMoE` replaces the layer's `FusedMoE`); their static input scales become one per projection,
-the largest of the experts'. Quantized tensors this map cannot place (gpt-oss's experts, stacked and
-transposed in one tensor per layer) are refused by name. The trade-off: the fused layout turns a
-per-tensor scale into one copy per row (4 bytes a row).
+`Fp8FusedMoE` replaces the layer's `FusedMoE`, the map's `experts`); their static input scales
+become one per projection, the largest of the experts'. Quantized tensors this map cannot place
+(gpt-oss's experts, stacked and transposed in one tensor per layer) are refused by name. The
+trade-off: the fused layout turns a per-tensor scale into one copy per row (4 bytes a row).
 """
-
 from __future__ import annotations
 
 import logging
@@ -28,16 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.model.config import ModelConfig
-from workers.model.moe import FusedMoE
-from workers.model.quantized_int4 import Int4Checkpoint
-from workers.model.quantized_mxfp4 import Mxfp4Checkpoint
-from workers.model.weights import map_name
+from workers.quant.checkpoint import ModelMap
 from workers.quant.experts import Fp8FusedMoE
-from workers.quant.int4_scheme import Int4Config
 from workers.quant.linear import Fp8CheckpointLinear
-from workers.quant.mxfp4 import Mxfp4Config
-from workers.quant.registry import read_quantization
 from workers.quant.scheme import Fp8Scheme, QuantConfig, UnsupportedQuantizationError
 
 logger = logging.getLogger(__name__)
@@ -71,20 +63,9 @@ class _Module:
     scale_shape: tuple[int, int]
 
 
-def quantized_checkpoint(hf_config: dict,
-                         config: ModelConfig) -> QuantizedCheckpoint | Int4Checkpoint | Mxfp4Checkpoint | None:
-    """The reader of a quantized checkpoint; None for an unquantized one."""
-    quant = read_quantization(hf_config)
-    if isinstance(quant, Int4Config):  # 4-bit: dequantized at load (workers/model/quantized_int4.py)
-        return Int4Checkpoint(quant, config)
-    if isinstance(quant, Mxfp4Config):  # gpt-oss's MXFP4 experts: dequantized at load (quantized_mxfp4.py)
-        return Mxfp4Checkpoint(quant, config)
-    return None if quant is None else QuantizedCheckpoint(quant, config)
-
-
 class QuantizedCheckpoint:
-    def __init__(self, quant: QuantConfig, config: ModelConfig) -> None:
-        self.quant, self.config = quant, config
+    def __init__(self, quant: QuantConfig, model_map: ModelMap) -> None:
+        self.quant, self.map = quant, model_map
         self.targets: dict[str, _Target] = {}
         self.modules: dict[str, _Module] = {}
         self.expert_modules: dict[str, dict[str, _Module]] = {}  # FusedMoE -> {"w_gate_up" | "w_down": stacked}
@@ -93,12 +74,12 @@ class QuantizedCheckpoint:
     def bind(self, model: nn.Module, expected: dict[str, tuple[int, ...]]) -> None:
         """Find the quantized targets among the HF tensors `expected` (name -> shape) of `model`."""
         for hf_name, shape in expected.items():
-            mapped = map_name(hf_name, self.config) if hf_name.endswith(".weight") and len(shape) == 2 else None
+            mapped = self.map.map_name(hf_name) if hf_name.endswith(".weight") and len(shape) == 2 else None
             if mapped is None or not (mapped[1] is None or isinstance(mapped[1], (int, tuple))):
                 continue  # not a linear weight of ours (layouts)
             hf, (ours, part) = hf_name.removesuffix(".weight"), mapped
             if isinstance(part, tuple):  # expert `e`'s projection, stacked into `FusedMoE.w_gate_up` / `w_down`
-                if type(model.get_submodule(ours.rpartition(".")[0])) is not FusedMoE:
+                if type(model.get_submodule(ours.rpartition(".")[0])) is not self.map.experts:
                     continue
                 scheme = self.quant.scheme_for(hf)
                 if scheme is not None:
@@ -197,7 +178,7 @@ class QuantizedCheckpoint:
     def _stack(self, ours: str, experts: dict[int, list[_Target]], stored: dict[str, torch.Tensor]):
         """One stacked expert tensor (`...experts.w_gate_up`): each expert's parts fused, then stacked."""
         module, _, param = ours.rpartition(".")
-        count = self.config.num_experts
+        count = self.map.num_experts
         if sorted(experts) != list(range(count)):
             missing = sorted(set(range(count)) - set(experts))
             raise UnsupportedQuantizationError(
