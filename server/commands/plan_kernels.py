@@ -7,7 +7,7 @@ layers cannot be in that device's model, each with why: `unused_layers` returns 
 plan lists only the others, the rest behind `--all-kernels`. A layer is called unused only where
 it surely is absent: an fp8 checkpoint may leave some experts unquantized, so an fp8 MoE keeps
 `FusedMoE` listed beside `Fp8FusedMoE`. Pure, so it is tested without a process. The trade-off:
-which layer class each kind of checkpoint installs (workers/model/quantized*.py) is restated here
+which layer class each kind of checkpoint installs (workers/quant/*_reader.py) is restated here
 in a few lines, as the router cannot import the loader.
 """
 
