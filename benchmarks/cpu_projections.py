@@ -8,7 +8,7 @@ multiplied in turn, so their bytes come from memory rather than a warm cache, as
 model's layers do; each round times `F.linear` (MKL in float32, oneDNN with the weight
 reordered per call in bfloat16), then `mkldnn._linear_pointwise` over the weights packed
 once (workers/model/cpu_projections.py), then brgemm over the weights laid out once as column
-panels (workers/model/cpu_gemm.py, where the panel GEMM builds and the reduction fits it),
+panels (kernels_local/panel_linear/cpu.py, where the panel GEMM builds and the reduction fits it),
 alternately, and the median per matrix is printed with the ratios (torch / packed: above 1 means
 the pack is faster; packed / panels: above 1 means the panels are, which a worker then uses). A matrix below
 `MIN_PACKED_ELEMENTS` is marked: the worker leaves those to torch; so is a dtype this CPU's
