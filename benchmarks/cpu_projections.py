@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.model import cpu_gemm  # noqa: E402
+from kernels_local.panel_linear import cpu as cpu_gemm  # noqa: E402
 from workers.model.cpu_projections import MIN_PACKED_ELEMENTS, pack, packing_refusal  # noqa: E402
 
 # (what, out features N, in features K, copies): distinct weights cycled per timing

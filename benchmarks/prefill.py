@@ -81,7 +81,8 @@ def configure(name: str) -> None:
     from kernels_local.activation import cpu as activation
     from kernels_local.cpp_build import CppKernel, CppState
     from kernels_local.rmsnorm import cpu as rmsnorm
-    from workers.model import cpu_projections, cpu_rotary
+    from kernels_local.rotary import cpu as cpu_rotary
+    from workers.model import cpu_projections
 
     for key, stem in (("+rmsnorm", rmsnorm.KERNEL.stem), ("+activation", activation.KERNEL.stem),
                       ("+rotary", cpu_rotary.KERNEL.stem)):
