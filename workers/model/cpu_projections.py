@@ -50,7 +50,7 @@ from torch import nn
 from kernels_local.panel_linear import cpu as cpu_gemm
 from workers.model.row_buckets import EXACT_ROWS, row_bucket
 
-PACKED_ATTR = "_hetserve_onednn"  # the attribute kernels_local/fused_moe/torch_path.py reads too
+PACKED_ATTR = cpu_gemm.PACKED_ATTR  # the attribute kernels_local/fused_moe/torch_path.py reads too
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_PACKED_ELEMENTS = 1 << 16  # smaller matrices (a router) stay with torch's matmul (oneDNN's ~20 us per call)
 AVAILABLE_SHARE = 0.5  # the packs may take at most this share of the memory available after loading
