@@ -8,7 +8,7 @@ multiplied in turn, so their bytes come from memory rather than a warm cache, as
 model's layers do; each round times `F.linear` (MKL in float32, oneDNN with the weight
 reordered per call in bfloat16), then `mkldnn._linear_pointwise` over the weights packed
 once (workers/model/cpu_projections.py), then brgemm over the weights laid out once as column
-panels (workers/model/cpu_gemm.py, where the panel GEMM builds and the reduction fits it),
+panels (kernels_local/panel_linear/cpu.py, where the panel GEMM builds and the reduction fits it),
 alternately, and the median per matrix is printed with the ratios (torch / packed: above 1 means
 the pack is faster; packed / panels: above 1 means the panels are, which a worker then uses). A matrix below
 `MIN_PACKED_ELEMENTS` is marked: the worker leaves those to torch; so is a dtype this CPU's
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.model import cpu_gemm  # noqa: E402
+from kernels_local.panel_linear import cpu as cpu_gemm  # noqa: E402
 from workers.model.cpu_projections import MIN_PACKED_ELEMENTS, pack, packing_refusal  # noqa: E402
 
 # (what, out features N, in features K, copies): distinct weights cycled per timing

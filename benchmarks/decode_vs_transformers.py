@@ -126,9 +126,9 @@ class Ours:
     def __init__(self, lm, batch: int, prompt_len: int, max_len: int, block_size: int = 16,
                  compiled: bool = False, in_place: bool | None = None) -> None:
         """`in_place`: decode rows attend through the C++ kernel (None: where a CPU worker would,
-        workers/kv/cpu_decode.py)."""
+        kernels_local/paged_attention/cpu.py)."""
+        from kernels_local.paged_attention import cpu as cpu_decode
         from workers.engine.compiled import CompiledDecode, scratch_groups
-        from workers.kv import cpu_decode
         from workers.kv.batch import ForwardBatch, SeqChunk
         from workers.kv.groups import same_blocks
         from workers.kv.mirror import DecodeMirror

@@ -12,7 +12,7 @@ configuration once, in turn, so the machine's drift falls on all of them alike:
              through the column panels (`LARGE_ROWS` out of reach);
   +rmsnorm, +activation, +rotary, +onednn   the torch forms with that one CPU path switched on (the
              C++ kernels of kernels_local/rmsnorm/cpu.py, kernels_local/activation/cpu.py and
-             workers/model/cpu_rotary.py; oneDNN's matmul from `LARGE_ROWS` bfloat16 rows);
+             kernels_local/rotary/cpu.py; oneDNN's matmul from `LARGE_ROWS` bfloat16 rows);
   worker     all of them: what a CPU worker's step runs.
 That comparison runs in a child process with glibc's freed memory kept as a worker keeps it
 (workers/device/host_memory.py); a second child runs the worker's configuration alone with glibc's
@@ -81,7 +81,8 @@ def configure(name: str) -> None:
     from kernels_local.activation import cpu as activation
     from kernels_local.cpp_build import CppKernel, CppState
     from kernels_local.rmsnorm import cpu as rmsnorm
-    from workers.model import cpu_projections, cpu_rotary
+    from kernels_local.rotary import cpu as cpu_rotary
+    from workers.model import cpu_projections
 
     for key, stem in (("+rmsnorm", rmsnorm.KERNEL.stem), ("+activation", activation.KERNEL.stem),
                       ("+rotary", cpu_rotary.KERNEL.stem)):

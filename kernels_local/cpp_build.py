@@ -9,8 +9,8 @@ reason, and the caller keeps its torch path. `vector_flags()` gives the flags fo
 vector instructions and the macro that sizes ATen's `Vectorized` to them, as Inductor builds its
 own kernels (torch/_inductor/cpu_vec_isa.py): a kernel written over `at::vec::Vectorized` then
 runs the same vector code (and the same Sleef functions) as torch's own CPU kernels.
-Shared by the kernel repositories' CPU kernels and the worker's own (workers/kv/cpu_decode.py,
-workers/model/cpu_gemm.py), like `compile_spec`; it imports nothing of either.
+Shared by the kernel repositories' CPU kernels (each repository's `cpu.py`), like `compile_spec`;
+it imports nothing of them, nor of the worker.
 Trade-off: a compiler at first use, which Inductor needs anyway to compile a CPU step.
 """
 
@@ -34,7 +34,7 @@ ISA_FLAGS = (
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     """This host's CPU feature flags (Linux's /proc/cpuinfo names); empty where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -47,7 +47,7 @@ def _cpu_flags() -> frozenset[str]:
 def vector_flags(have: frozenset[str] | None = None) -> tuple[list[str], str]:
     """The compiler flags for the vector instructions of this CPU (or of one with the flags `have`)
     and their name (`scalar` without any)."""
-    have = _cpu_flags() if have is None else have
+    have = cpu_flags() if have is None else have
     for name, needs, flags, macro in ISA_FLAGS:
         if needs <= have:
             return ["-O3", "-fopenmp-simd", *flags.split(), f"-D{macro}"], name

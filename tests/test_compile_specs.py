@@ -364,7 +364,8 @@ def test_an_architecture_without_a_row_reads_its_family_or_none(arch, row):
 def test_repositories_import_only_the_spec_module_from_the_project():
     """The spec module and the CPU kernels' build helper are the only things repositories import from
     outside themselves."""
-    for repo in ("rmsnorm", "activation", "fp8_linear", "paged_attention", "fused_moe", "gated_delta"):
+    for repo in ("rmsnorm", "activation", "fp8_linear", "paged_attention", "fused_moe", "gated_delta", "rotary",
+                 "panel_linear", "sampling"):
         text = "\n".join(p.read_text() for p in (ROOT / "kernels_local" / repo).glob("*.py"))
         outside = {line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))
                    and line.split()[1].startswith("kernels_local")}  # fmt: skip

@@ -57,7 +57,7 @@ NEW_TOKENS = [20, 6, 14, 9, 12, 7]
 def make_engine(lm, compiled: str | None, buckets=None, dynamo_backend="aot_eager", in_place: bool = False):
     """An engine of `MAX_BATCH` sequences; `compiled`: None (eager, the CPU mirror as a worker
     with --compile off runs), "inductor" or "cuda-graphs" (then `dynamo_backend` / a stand-in);
-    `in_place`: decode rows through the CPU kernel (workers/kv/cpu_decode.py), as a CPU worker runs them."""
+    `in_place`: decode rows through the CPU kernel (kernels_local/paged_attention/cpu.py), as a CPU worker runs them."""
     groups = same_blocks(lm.config.layer_windows, BLOCKS, layer_shapes(lm.config))
     if compiled:
         groups = scratch_groups(groups)
@@ -275,7 +275,7 @@ def test_with_the_cpu_kernel_a_mixed_step_is_one_eager_forward(lm, eager_tokens)
     """Guards `ModelRunner._execute_compiled`'s `in_place` branch: where decode rows read the pool
     in place, a step mixing decodes with a prompt chunk is one eager forward (no compiled decode
     beside it); decodes alone still run compiled; greedy fp32 tokens equal eager's."""
-    from workers.kv import cpu_decode
+    from kernels_local.paged_attention import cpu as cpu_decode
 
     if not cpu_decode.load().available:
         pytest.skip(f"no CPU decode kernel here: {cpu_decode.load().reason}")

@@ -1,5 +1,5 @@
 """The worker's C++ kernels let go of the GIL while they run (their `py::call_guard` in
-workers/kv/cpu_decode.cpp and workers/model/cpu_gemm.cpp).
+kernels_local/paged_attention/cpu_decode.cpp and kernels_local/panel_linear/cpu_gemm.cpp).
 
 Why it matters: the engine thread calls them inside every step, and the worker's HTTP thread
 turns the previous step's tokens into frames meanwhile; a kernel holding the GIL stalls that
@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from workers.kv import cpu_decode
-from workers.model import cpu_gemm
+from kernels_local.paged_attention import cpu as cpu_decode
+from kernels_local.panel_linear import cpu as cpu_gemm
 
 
 def _ticks_during(call) -> tuple[int, float]:
@@ -77,8 +77,8 @@ def test_the_cpu_kernels_registered_as_torch_ops_release_the_gil(kernel):
     do through their call guards."""
     from kernels_local.activation import cpu as activation
     from kernels_local.rmsnorm import cpu as rmsnorm
-    from workers.model import cpu_rotary
-    from workers.sampling import cpu_greedy
+    from kernels_local.rotary import cpu as cpu_rotary
+    from kernels_local.sampling import cpu as cpu_greedy
 
     owner = {"rms_norm": rmsnorm, "silu_and_mul": activation, "rotary": cpu_rotary, "greedy": cpu_greedy}[kernel]
     if not owner.KERNEL.load().available:

@@ -1,4 +1,4 @@
-"""The CPU decode kernel (workers/kv/cpu_decode.py) against the torch path it replaces.
+"""The CPU decode kernel (kernels_local/paged_attention/cpu.py) against the torch path it replaces.
 
 The kernel reads each row's blocks in place; the torch path (`PagedRows.attend`: gathered K/V,
 scores and softmax in fp32) is the reference. Compared over group sizes, head dims, block
@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from workers.kv import cpu_decode
+from kernels_local.paged_attention import cpu as cpu_decode
 from workers.kv.batch import ForwardBatch, SeqChunk
 from workers.kv.mirror import DecodeMirror
 from workers.kv.paged import PagedRows

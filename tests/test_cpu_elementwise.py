@@ -1,5 +1,5 @@
 """The CPU's C++ elementwise kernels against their torch forms: RMSNorm (kernels_local/rmsnorm/cpu.py),
-SiluAndMul (kernels_local/activation/cpu.py) and the rotary embedding (workers/model/cpu_rotary.py);
+SiluAndMul (kernels_local/activation/cpu.py) and the rotary embedding (kernels_local/rotary/cpu.py);
 which inputs take them, their switches and their errors.
 
 The C++ sources are built on first use (about 6 s each, once per host, then cached by torch); without
@@ -15,7 +15,7 @@ from kernels_local.activation import cpu as act_cpu
 from kernels_local.activation.silu_and_mul import silu_and_mul_reference
 from kernels_local.rmsnorm import cpu as norm_cpu
 from kernels_local.rmsnorm.rmsnorm import rms_norm_reference
-from workers.model import cpu_rotary
+from kernels_local.rotary import cpu as cpu_rotary
 from workers.model.rope import apply_rotary
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -58,8 +58,8 @@ def test_the_cpp_loop_is_the_python_loop_bit_for_bit(monkeypatch, dtype, activat
 
 def _with_panels(case):
     """`case` with copies of its expert stacks laid out as column panels, as a CPU worker lays them
-    out where its panel GEMM builds (workers/model/cpu_gemm.py)."""
-    from workers.model import cpu_gemm
+    out where its panel GEMM builds (kernels_local/panel_linear/cpu.py)."""
+    from kernels_local.panel_linear import cpu as cpu_gemm
     from workers.model.cpu_projections import PACKED_ATTR
 
     case = dict(case)

@@ -1,4 +1,4 @@
-"""The CPU projection by brgemm over column panels (workers/model/cpu_gemm.py and .cpp): the
+"""The CPU projection by brgemm over column panels (kernels_local/panel_linear/cpu.py and .cpp): the
 layout, the product against torch's and against the oneDNN packs it replaces, which weights it
 takes, its errors and its switch.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.model import cpu_gemm
+from kernels_local.panel_linear import cpu as cpu_gemm
 from workers.model.cpu_projections import pack, packing_refusal
 
 DTYPES = [torch.float32, torch.bfloat16]

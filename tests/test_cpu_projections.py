@@ -53,7 +53,7 @@ def test_packs_the_large_projections_and_the_experts_and_says_so(dtype):
     size = torch.finfo(dtype).bits // 8
     assert done.packed_bytes == (1024 * 256 + 4 * 1024 * 256 + 4 * 256 * 512) * size
     assert "packed weights (1 projections, 2 expert stacks" in done.reason
-    from workers.model import cpu_gemm
+    from kernels_local.panel_linear import cpu as cpu_gemm
 
     if cpu_gemm.load().available:  # every K here is at most MAX_K: all three laid out as panels
         assert "3 as brgemm column panels" in done.reason and cpu_gemm.is_panels(getattr(model.big.weight, PACKED_ATTR))
@@ -83,8 +83,8 @@ def test_the_forward_multiplies_through_the_pack(monkeypatch, panels):
     result (it reads the pack, not the dense weight), in eager and inside a compiled graph
     (`hetserve::packed_linear`); a lone float32 row reads a oneDNN pack's dense weight (the GEMV
     branch) and a panel layout's panels."""
-    from workers.model import cpu_gemm
-    from workers.model.cpu_gemm import CpuGemm
+    from kernels_local.panel_linear import cpu as cpu_gemm
+    from kernels_local.panel_linear.cpu import CpuGemm
 
     if panels and not cpu_gemm.load().available:
         pytest.skip(cpu_gemm.load().reason)
@@ -114,7 +114,7 @@ def test_a_prompts_bfloat16_rows_take_onednns_matmul_on_the_dense_weight(dtype):
     `LARGE_ROWS` bfloat16 rows a panel-laid weight's projection is `F.linear` on the dense weight
     (its rows padded to a multiple of `LARGE_ROW_STEP` and cut back), so a pack of other weights no
     longer changes it; fewer rows, and float32 at any count, still read the panels."""
-    from workers.model import cpu_gemm
+    from kernels_local.panel_linear import cpu as cpu_gemm
 
     if not cpu_gemm.load().available:
         pytest.skip(cpu_gemm.load().reason)

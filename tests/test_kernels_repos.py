@@ -34,6 +34,10 @@ REPO_LAYERS = {
     "paged_attention": ["PagedAttention", "PagedAttentionTritonSm70", "PagedAttentionTritonSm90",
                         "PagedAttentionTritonRocm"],
     "fused_moe": ["FusedMoE", "FusedMoETritonSm70", "FusedMoETritonSm90", "FusedMoETritonRocm"],
+    # CPU kernels the worker calls directly; their layers keep each repository loadable through `kernels`
+    "rotary": ["Rotary", "RotaryCpu"],
+    "panel_linear": ["Linear", "PanelLinearCpu"],
+    "sampling": ["GreedyRows", "GreedyRowsCpu"],
 }
 
 
@@ -52,13 +56,66 @@ def test_layers_load_and_are_stateless(repo):
     from workers.model.moe import FusedMoE as ModelFusedMoE
     from workers.quant.quantize_model import Fp8Linear as ModelFp8Linear
 
+    # no model module applies the rotary or picks greedy rows: their layers keep the reference's forward
+    own = {r: LocalLayerRepository(repo_path=REPOS / r, layer_name=REPO_LAYERS[r][0]).load()
+           for r in ("rotary", "sampling")}  # fmt: skip
     replaced = {"rmsnorm": ModelRMSNorm, "activation": ModelSiluAndMul, "fp8_linear": ModelFp8Linear,
-                "paged_attention": ModelPagedAttention, "fused_moe": ModelFusedMoE}[repo]
+                "paged_attention": ModelPagedAttention, "fused_moe": ModelFusedMoE, "panel_linear": torch.nn.Linear,
+                **own}[repo]
     for name in REPO_LAYERS[repo]:
         lrepo = LocalLayerRepository(repo_path=REPOS / repo, layer_name=name)
         cls = lrepo.load()
         _validate_layer(check_cls=replaced, cls=cls, repo=lrepo)
         assert cls.__init__ is torch.nn.Module.__init__
+
+
+def _layer(repo: str, name: str) -> torch.nn.Module:
+    return LocalLayerRepository(repo_path=REPOS / repo, layer_name=name).load()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_rotary_repository_is_the_models_rotary(dtype):
+    """kernels_local/rotary: its reference is `apply_rotary`'s torch form, and its CPU layer (the C++
+    kernel where it builds) gives the same bits, full and partial rotary."""
+    from workers.model.rope import apply_rotary
+
+    g = torch.Generator().manual_seed(4)
+    for rot in (32, 16):
+        x = torch.randn(5, 3, 32, generator=g).to(dtype)  # [T, heads, D]
+        cos, sin = (torch.randn(5, 1, rot // 2, generator=g).to(dtype) for _ in range(2))
+        want = apply_rotary(x[None], cos, sin)[0]  # batched: the torch form
+        assert torch.equal(_layer("rotary", "Rotary")().forward(x, cos, sin), want)
+        assert torch.equal(_layer("rotary", "RotaryCpu")().forward(x, cos, sin), want)
+
+
+def test_the_sampling_repository_is_the_samplers_greedy_rows():
+    """kernels_local/sampling: its reference and its CPU layer pick the sampler's greedy tokens and
+    logprobs (log_softmax, argmax, gather), the first of equal logits."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5))
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ids = logprobs.argmax(dim=-1)
+    for name in ("GreedyRows", "GreedyRowsCpu"):
+        got_ids, got_lps = _layer("sampling", name)().forward(logits)
+        assert got_ids.tolist() == ids.tolist() and got_ids[2] == 7
+        assert torch.equal(got_lps, logprobs.gather(1, ids[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_panel_linear_repository_is_a_linear(dtype):
+    """kernels_local/panel_linear: its layers replace `nn.Linear`'s forward; the CPU layer multiplies
+    through the panels kept on the weight (or `F.linear` without them), within the last bit."""
+    from kernels_local.panel_linear import cpu
+
+    linear = torch.nn.Linear(64, 96).to(dtype)
+    x = torch.randn(3, 5, 64).to(dtype)
+    want = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    assert torch.equal(_layer("panel_linear", "Linear").forward(linear, x), want)
+    panel = _layer("panel_linear", "PanelLinearCpu")
+    assert torch.equal(panel.forward(linear, x), want)  # no panels on the weight: F.linear
+    if cpu.load().available:
+        setattr(linear.weight, cpu.PACKED_ATTR, cpu.panels(linear.weight))
+        torch.testing.assert_close(panel.forward(linear, x), want)
 
 
 def test_rms_norm_tunings_really_differ():

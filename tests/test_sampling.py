@@ -286,10 +286,10 @@ def _torch_greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:
 
 @pytest.mark.parametrize("shape", [(32, 4096), (1, 4096), (7, 100), (3, 5), (2, 1), (4, 151936)])
 def test_greedy_rows_on_the_cpu_are_the_torch_forms_ids_and_logprobs_bit_for_bit(shape):
-    """workers/sampling/cpu_greedy.py: each row's argmax under log_softmax (the first of equal
+    """kernels_local/sampling/cpu.py: each row's argmax under log_softmax (the first of equal
     maxima, as ATen's argmax) and its logprob, as log_softmax computes it; a vocabulary narrower
     than a vector and one with a tail."""
-    from workers.sampling import cpu_greedy
+    from kernels_local.sampling import cpu as cpu_greedy
 
     if not cpu_greedy.KERNEL.load().available:
         pytest.skip(cpu_greedy.KERNEL.load().reason)
@@ -307,7 +307,7 @@ def test_greedy_rows_on_the_cpu_are_the_torch_forms_ids_and_logprobs_bit_for_bit
 def test_a_row_with_a_nan_logit_gives_what_torch_gives():
     """A NaN logit makes the row's max NaN, so every logprob of it is NaN and ATen's argmax takes the
     first: index 0, logprob NaN (the other row is unaffected)."""
-    from workers.sampling import cpu_greedy
+    from kernels_local.sampling import cpu as cpu_greedy
 
     if not cpu_greedy.KERNEL.load().available:
         pytest.skip(cpu_greedy.KERNEL.load().reason)
@@ -322,7 +322,7 @@ def test_the_sampler_takes_the_cpu_greedy_rows_only_for_an_all_greedy_step_witho
     """Guards the fast path's condition in `sample_tokens`: an all-greedy step takes the C++ kernel
     (same tokens and logprobs as the torch form); a step with a sampled row or a row asking for
     alternatives takes log_softmax, which they read whole."""
-    from workers.sampling import cpu_greedy
+    from kernels_local.sampling import cpu as cpu_greedy
 
     if not cpu_greedy.KERNEL.load().available:
         pytest.skip(cpu_greedy.KERNEL.load().reason)

@@ -112,7 +112,7 @@ def test_socket_is_private_and_capability_is_the_simulated_device(worker):
     assert capacity["max_tokens"] == 4 * 256 and capacity["prefix_cache"] is True
     assert 0 <= capacity["kv_blocks_free"] <= capacity["kv_blocks_total"]
     assert cap["model"]["context_length"] == 256 and cap["model"]["eos_token"] == "</s>"
-    # its decode rows on the host's CPU: the C++ kernel where it built (workers/kv/cpu_decode.py), and why
+    # its decode rows on the host's CPU: the C++ kernel where it built (kernels_local/paged_attention/cpu.py), and why
     assert cap["kernels"]["PagedAttention"]["cpu_decode"].startswith(("C++ kernel", "C++ kernel unavailable"))
 
 

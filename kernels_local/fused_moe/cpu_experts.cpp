@@ -37,7 +37,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 
 // rows [m, K] times one expert's matrix: a oneDNN pack (its bias inside the product), or the
 // matrix [K, N] as the worker lays it out for oneDNN's batch-reduce GEMM kernel, which torch
-// exports (cpublas::brgemm: no per-call setup; workers/model/cpu_gemm.py `panels`): column panels
+// exports (cpublas::brgemm: no per-call setup; kernels_local/panel_linear/cpu.py `panels`): column panels
 // of `kPanel` columns (the last one narrower) one after the other, each [K, w] in float32 or
 // [K/2, w, 2] in bfloat16 (pairs of K side by side, VNNI), so every call streams one contiguous
 // panel; rows in blocks of `kRowBlock`. The sums are float32, rounded to bfloat16 once, after the bias.

@@ -5,7 +5,7 @@ a decode batch was the packed matmuls plus, as much again in float32 at 32 rows 
 the Python between them: slicing, padding, the activation's three ops and the copy out, per
 active expert. The C++ loop runs the same ops with the pairs sorted, gathered and summed in
 plain loops. Each expert's matrix is what the worker made of it (workers/model/cpu_projections.py):
-a oneDNN pack, multiplied by oneDNN's packed matmul, or column panels (workers/model/cpu_gemm.py
+a oneDNN pack, multiplied by oneDNN's packed matmul, or column panels (kernels_local/panel_linear/cpu.py
 `panels`: [K, N] as panels of 64 columns, [K/2, w, 2] pairs in bfloat16) multiplied by oneDNN's
 batch-reduce GEMM kernel, which torch exports (`cpublas::brgemm`) and which skips the packed
 call's setup of about 13 us. Over packs its output is the Python loop's bit for bit; over panels
@@ -18,8 +18,8 @@ a later start loads it in well under a second); `load()` says whether it is ther
 C++ compiler, a failed build: the Python loop serves, over oneDNN packs only);
 `$HETSERVE_CPU_EXPERTS=off` keeps the Python loop. No vector flags: the products are oneDNN's, the loops around them move rows.
 Trade-off: a compiler on the host at first use (Inductor needs one anyway) and 20-30 s for the
-first build on 2 cores; the panels' brgemm call is written here and in workers/model/cpu_gemm.cpp
-alike, since a kernel repository imports no worker code.
+first build on 2 cores; the panels' brgemm call is written here and in
+kernels_local/panel_linear/cpu_gemm.cpp alike, since a kernel repository imports no other.
 """
 
 from __future__ import annotations

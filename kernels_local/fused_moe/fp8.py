@@ -43,6 +43,7 @@ from .fused_moe import (
     _TRITON_DTYPES,
     FusedMoETuning,
     _activate,
+    _moe_tile,
     align_pairs,
     gemm_ints,
     runs_triton,
@@ -136,27 +137,13 @@ def _moe_fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # 1. program -> (pair block, column block), GROUP_M pair blocks side by side (L2 reuse)
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(max_padded, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_m
-    pid_n = (pid % width) // group_m
+    # 1. this program's pairs (their A rows and expert) and output columns (fused_moe.py `_moe_tile`)
+    pid_m, pairs, pair_mask, rows, expert, offs_n, n_mask, offs_k, a_ptrs = _moe_tile(
+        A, SORTED_PAIRS, BLOCK_EXPERTS, max_padded, num_pairs, top_k, N, stride_am, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     # 2. blocks past the experts' padded runs have nothing to do
     if pid_m * BLOCK_M >= tl.load(NUM_PADDED):
         return
-    # 3. this block's pairs, their A rows, their expert, and the weight rows' scale rows
-    pairs = tl.load(SORTED_PAIRS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_mask = pairs < num_pairs
-    rows = (pairs // top_k).to(tl.int64)
-    expert = tl.load(BLOCK_EXPERTS + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    # 3. the expert's weight tile and the weight rows' scale rows
     w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] of W[e].T
     s_gate = SW + expert * stride_se + (offs_n // group_n) * stride_sn  # [BLOCK_N]
     s_up = SW + expert * stride_se + ((N + offs_n) // group_n) * stride_sn

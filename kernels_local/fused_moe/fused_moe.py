@@ -15,6 +15,8 @@ pairs, however many experts a step touches.
 - down (`ACTIVATION` none, `ROUTED`): A rows are the pairs' activated rows; the bias is added
   and the router weight applied in the epilogue, and the `[T, K, H]` result is summed over
   top-k in torch (one reduction, no atomics, so no order-dependent float adds).
+One prologue (`_moe_tile`: program id -> pair block, expert and column block; offsets, masks,
+the A rows' pointers) serves this kernel and the fp8 (fp8.py) and MXFP4 (mxfp4.py) ones.
 Accumulation is fp32; fp32 operands use `input_precision="ieee"` (never tf32), fp16/bf16 use
 the tensor cores. Each matmul's output is rounded to the activation dtype before what
 follows it (as `F.linear` does in the reference), so low-precision results stay close.
@@ -95,6 +97,35 @@ def _activate(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
     return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
 
 
+@triton.jit
+def _moe_tile(A, SORTED_PAIRS, BLOCK_EXPERTS, max_padded, num_pairs, top_k, N, stride_am,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # The prologue every grouped GEMM shares (this file's, fp8.py's, mxfp4.py's): this program's
+    # block of pairs and of output columns, the pairs' A rows and expert, and the masks.
+    # 1. program -> (pair block, column block), GROUP_M pair blocks side by side so that
+    #    consecutive programs reuse one expert's weight tile from L2
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(max_padded, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
+    # 2. this block's pairs (padding slots hold `num_pairs`), their A rows, and their expert: read
+    #    for every block of the launch (`SORTED_PAIRS` holds all of them), used by the live ones
+    pairs = tl.load(SORTED_PAIRS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_mask = pairs < num_pairs
+    rows = (pairs // top_k).to(tl.int64)
+    expert = tl.load(BLOCK_EXPERTS + pid_m).to(tl.int64)
+    # 3. the block's output columns and the first K tile of its A rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    return pid_m, pairs, pair_mask, rows, expert, offs_n, n_mask, offs_k, a_ptrs
+
+
 @triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _moe_gemm_kernel(
     A,
@@ -125,28 +156,13 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # 1. program -> (pair block, column block), GROUP_M pair blocks side by side so that
-    #    consecutive programs reuse one expert's weight tile from L2
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(max_padded, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_m
-    pid_n = (pid % width) // group_m
+    # 1. this program's pairs (their A rows and expert) and output columns (`_moe_tile`)
+    pid_m, pairs, pair_mask, rows, expert, offs_n, n_mask, offs_k, a_ptrs = _moe_tile(
+        A, SORTED_PAIRS, BLOCK_EXPERTS, max_padded, num_pairs, top_k, N, stride_am, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     # 2. blocks past the experts' padded runs have nothing to do
     if pid_m * BLOCK_M >= tl.load(NUM_PADDED):
         return
-    # 3. this block's pairs (padding slots hold `num_pairs`), their A rows, and their expert
-    pairs = tl.load(SORTED_PAIRS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_mask = pairs < num_pairs
-    rows = (pairs // top_k).to(tl.int64)
-    expert = tl.load(BLOCK_EXPERTS + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    # 3. the expert's weight tile
     w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] of W[e].T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

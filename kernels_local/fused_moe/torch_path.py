@@ -15,7 +15,7 @@ matrix per expert on the stacked tensor, `PACKED_ATTR`), the CPU path runs `fuse
 instead: the same sort, then one matmul pair per active expert (a oneDNN pack's bias inside the
 product), driven from C++ where that loop builds on the host (cpu_experts.py: the Python loop's
 ops without the Python between them; where the worker laid an expert's matrices out as column
-panels, workers/model/cpu_gemm.py, their products by oneDNN's batch-reduce GEMM without a packed
+panels, kernels_local/panel_linear/cpu.py, their products by oneDNN's batch-reduce GEMM without a packed
 call's setup), from Python otherwise (over oneDNN packs only). Which of the two a step takes
 (`packed_wins`): from C++, the packed matrices always (0.3-0.5x the grouped GEMM's time at 1 to
 32 rows in float32, 8 and 32 experts; 0.3-0.35x in bfloat16, whose grouped products are unpacked

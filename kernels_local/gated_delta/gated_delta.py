@@ -66,12 +66,6 @@ _UNSPECIALIZED = ("stride_q", "stride_k", "stride_v", "stride_g", "stride_b", "s
 EPS = 1e-6  # of the L2 norm of q and k
 
 
-@triton.jit
-def _l2norm_rows(x):
-    # each row divided by sqrt(sum of squares + eps): [R, D] fp32
-    return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]
-
-
 @triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _gated_delta_step_kernel(
     Q, K, V, G, BETA, STATE, OUT, ROWS, SLOTS,

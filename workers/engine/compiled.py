@@ -296,7 +296,8 @@ class CompiledDecode:
         API (default `CudaGraphs()`; tests pass a stand-in); `dynamo_backend`: what
         `torch.compile` lowers the CPU graph with (tests trace with "aot_eager": the same
         full graph and buckets, without Inductor's C++ code generation, minutes on 2 cores);
-        `in_place`: CPU rows attend through the C++ kernel (workers/kv/cpu_decode.py), not a gather."""
+        `in_place`: CPU rows attend through the C++ kernel (kernels_local/paged_attention/cpu.py),
+        not a gather."""
         if backend not in _BACKEND_WHY:
             raise ValueError(f"Unknown compile backend `{backend}`. Allowed: {', '.join(_BACKEND_WHY)}")
         self.model, self.kv, self.device, self.backend = model, kv, torch.device(device), backend

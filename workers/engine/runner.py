@@ -5,7 +5,7 @@ Design: the scheduler's chunks become `SeqChunk`s over the paged KV cache, packe
 the last row of each chunk that samples, and every row of a prompt chunk whose request asked
 for its prompt's logprobs (`execute_with_prompt_logits`), all from the same forward. On the
 CPU the decode rows attend through the C++ kernel in place where the worker loaded it
-(`in_place`, `workers.kv.cpu_decode`); otherwise the runner keeps a `DecodeMirror` of the
+(`in_place`, `kernels_local.paged_attention.cpu`); otherwise the runner keeps a `DecodeMirror` of the
 decoding sequences' K/V (`workers.kv.mirror`), releasing the row of a sequence the scheduler
 preempts. With a compiled decode step
 (`workers.engine.compiled`), a step of one-token chunks runs there, padded to a bucket, and
@@ -61,7 +61,7 @@ class ModelRunner:
                  compiled: CompiledDecode | None = None, in_place: bool = False):
         """`mirror=False` leaves the CPU decode mirror out (deterministic mode reads the pool);
         `compiled`: the decode step per bucket that one-token chunks run on (None: all eager);
-        `in_place`: CPU decode rows attend through the C++ kernel (workers/kv/cpu_decode.py:
+        `in_place`: CPU decode rows attend through the C++ kernel (kernels_local/paged_attention/cpu.py:
         no mirror needed)."""
         self.model, self.kv, self.device = model, kv, torch.device(device)
         self.compiled, self.in_place = compiled, in_place

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from workers.kv.cpu_decode import attend_in_place
+from kernels_local.paged_attention.cpu import attend_in_place
 from workers.kv.groups import first_needed
 from workers.kv.mirror import DecodeMirror, MirrorRows, attend_rows, row_mask, step_mask
 from workers.kv.state import StateBatch
@@ -82,7 +82,7 @@ class DecodeRows:
     # and its length counted from there [Nd]; None when the rows are short (or the group is full)
     window_tables: torch.Tensor | None = None
     window_lens: torch.Tensor | None = None
-    in_place: bool = False  # CPU: attend through the tables with the C++ kernel (workers/kv/cpu_decode.py)
+    in_place: bool = False  # CPU: attend through the tables with the C++ kernel (kernels_local/paged_attention)
 
     @property
     def num(self) -> int:
@@ -175,7 +175,7 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """Pack `(chunk, token ids)` pairs; `len(ids)` must equal `chunk.num_tokens`. With a
         `mirror`, decode rows (whose chunks must carry a `key`) are attended from it; `in_place`,
-        through their tables by the CPU kernel (workers/kv/cpu_decode.py; then no mirror).
+        through their tables by the CPU kernel (kernels_local/paged_attention/cpu.py; then no mirror).
         `windows`: each KV group's window (the chunks carry the other groups' tables), so a
         sliding group reads only what its window sees."""
         if in_place and mirror is not None:

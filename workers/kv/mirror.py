@@ -1,6 +1,6 @@
 """A contiguous copy of the decoding sequences' K/V, kept across steps, for the CPU torch path.
 
-Where the CPU decode kernel is loaded (workers/kv/cpu_decode.py) decode rows read the pool in
+Where the CPU decode kernel is loaded (kernels_local/paged_attention/cpu.py) decode rows read the pool in
 place and no mirror is kept; the mirror serves the torch path, where the kernel is off or could
 not be built.
 

@@ -1,6 +1,6 @@
 """Decode rows that attend through their block tables: the compiled CPU step's attention.
 
-Design: where the CPU decode kernel is loaded (`in_place`, workers/kv/cpu_decode.py), the rows
+Design: where the CPU decode kernel is loaded (`in_place`, kernels_local/paged_attention/cpu.py), the rows
 read their blocks where they lie, one opaque op in the graph. Otherwise (the kernel off or not
 built) the eager torch path reads a decode row's K/V contiguous (the CPU decode mirror, or a
 strided view of the pool) or gathers them per step; inside a compiled graph there is no mirror
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels_local.paged_attention.cpu import attend_in_place
 from workers.kv.batch import DecodeRows
-from workers.kv.cpu_decode import attend_in_place
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,7 +30,7 @@ class PagedRows(DecodeRows):
 
     def attend(self, query: torch.Tensor, kv: torch.Tensor, window: int | None = None, softcap: float | None = None,
                scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if self.in_place:  # the C++ kernel reads the blocks where they lie (workers/kv/cpu_decode.py)
+        if self.in_place:  # the C++ kernel reads the blocks where they lie (kernels_local/paged_attention)
             return attend_in_place(self, query, kv, window, softcap, scale, sinks)
         _, hkv, _, bs, d = kv.shape
         n, hq, _ = query.shape

@@ -28,7 +28,7 @@ emulate it), where this CPU's oneDNN cannot pack the dtype (its bfloat16 packs n
 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU gets rows padded to buckets instead, found by
 packing one small matrix once per process), and when the packs would take more than half the
 memory still available.
-Where the worker's panel GEMM builds (workers/model/cpu_gemm.py), a matrix with a reduction of at
+Where the panel GEMM builds (kernels_local/panel_linear/cpu.py), a matrix with a reduction of at
 most 2048 is laid out as brgemm column panels instead of a oneDNN pack (the same bytes, no per-call
 setup: 1.01-2.7x the pack's speed at 1 to 64 rows), under the same attribute; its projection takes
 every row count through them (`_panel_forward`), the experts' C++ loop reads them too.
@@ -47,10 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model import cpu_gemm
+from kernels_local.panel_linear import cpu as cpu_gemm
 from workers.model.row_buckets import EXACT_ROWS, row_bucket
 
-PACKED_ATTR = "_hetserve_onednn"  # the attribute kernels_local/fused_moe/torch_path.py reads too
+PACKED_ATTR = cpu_gemm.PACKED_ATTR  # the attribute kernels_local/fused_moe/torch_path.py reads too
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_PACKED_ELEMENTS = 1 << 16  # smaller matrices (a router) stay with torch's matmul (oneDNN's ~20 us per call)
 AVAILABLE_SHARE = 0.5  # the packs may take at most this share of the memory available after loading
@@ -113,7 +113,7 @@ def packed_linear_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         out = torch.ops.mkldnn._linear_pointwise(_padded(rows, row_bucket(n)), packed, bias, "none", [], "")
     elif n >= LARGE_ROWS and rows.dtype == torch.bfloat16:
         out = F.linear(_padded(rows, -(-n // LARGE_ROW_STEP) * LARGE_ROW_STEP), weight, bias)  # [bucket, N]
-    else:  # brgemm over the weight's column panels (workers/model/cpu_gemm.py)
+    else:  # brgemm over the weight's column panels (kernels_local/panel_linear/cpu.py)
         out = cpu_gemm.linear(rows, packed, bias)  # [R, N]
     return out[:n].reshape(*lead, out.shape[-1])
 

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
+from kernels_local.rotary import cpu as cpu_rotary
 from workers.contract.checkpoint_check import ROPE_TYPES  # the router checks a checkpoint against it too
-from workers.model import cpu_rotary
 
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
@@ -250,7 +250,7 @@ class RotaryTables:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` [..., T, heads, D] by cos/sin [T, 1, R/2] (rotate_half layout) over its first R
     dimensions; the rest pass through (partial rotary). An eager CPU step's packed tokens take the
-    C++ kernel (workers/model/cpu_rotary.py), which computes the same bits in one pass."""
+    C++ kernel (kernels_local/rotary/cpu.py), which computes the same bits in one pass."""
     if cpu_rotary.runs(x, cos):
         return cpu_rotary.rotate(x, cos, sin)
     rot = 2 * cos.shape[-1]

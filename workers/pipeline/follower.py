@@ -45,7 +45,7 @@ def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, 
                 clock: StageClock | None = None) -> int:
     """Serve as stage `link.rank` until the first stage stops the pipeline; the steps served.
     `clock`: counts this stage's steps and compute time (workers/pipeline/metrics.py)."""
-    from workers.kv import cpu_decode
+    from kernels_local.paged_attention import cpu as cpu_decode
     from workers.model.cpu_projections import install_cpu_projections
 
     install_cpu_projections(loaded.model, bound.torch_device, loaded.dtype)

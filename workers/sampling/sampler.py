@@ -5,7 +5,7 @@ tensor ops, in vLLM's order: logit bias -> penalties (repetition, presence, freq
 and stop token ids banned below `min_tokens` -> grammar mask -> temperature -> min_p -> top_k
 -> top_p -> log_softmax -> argmax for greedy rows, inverse-CDF draw for sampled rows (a CPU step whose
 rows are all greedy, none asking for alternatives, takes the same ids and logprobs from one C++ pass,
-workers/sampling/cpu_greedy.py). Each processor runs only when a row asks for it
+kernels_local/sampling/cpu.py). Each processor runs only when a row asks for it
 (`workers/sampling/logits_processors.py`, `workers/sampling/grammar.py`), so constrained, penalized and plain
 rows share one batch and a plain batch pays nothing for the others.
 
@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from workers.sampling import cpu_greedy
+from kernels_local.sampling import cpu as cpu_greedy
 from workers.sampling.grammar import Grammars, apply_bitmask, fill_bitmasks
 from workers.sampling.logits_processors import (
     apply_logit_bias,

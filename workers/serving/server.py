@@ -138,11 +138,12 @@ class WorkerServer:
 
     def _init_decode_attention(self) -> None:
         """Whether decode rows on this device's CPU tensors attend through the C++ kernel, reading
-        the pool in place (workers/kv/cpu_decode.py; the first worker on a host builds it), and why."""
+        the pool in place (kernels_local/paged_attention/cpu.py; the first worker on a host builds
+        it), and why."""
         self.in_place, self.decode_attention = False, None
         if self.bound.torch_device.split(":")[0] != "cpu" or self.deterministic is not None:
             return  # a GPU's kernels read in place already; deterministic mode has its own split path
-        from workers.kv import cpu_decode
+        from kernels_local.paged_attention import cpu as cpu_decode
 
         state = cpu_decode.load()
         self.in_place, self.decode_attention = state.available, state.reason

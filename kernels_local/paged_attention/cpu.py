@@ -10,14 +10,17 @@ and the compiled step's gather are not needed where it runs.
 
 Design: `paged_decode_cpu(query, kv, tables, lens, window, scale, softcap, sinks)` is one opaque
 op, `hetserve::paged_decode_cpu` (so a compiled step calls it as it is); its scores, soft-cap,
-window, sinks and softmax follow the torch path (`workers/kv/paged.py` `PagedRows.attend`), which
-stays the reference. The source is compiled once per host with torch's C++ extension builder,
+window, sinks and softmax follow the worker's torch path (workers/kv/paged.py
+`PagedRows.attend`), which stays the reference. The source is compiled once per host with torch's C++ extension builder,
 for this CPU's vector instructions (AVX-512 or AVX2, from its flags, as Inductor builds its own), into
 torch's extension cache (`$TORCH_EXTENSIONS_DIR`, under a name carrying a hash of the source and
 the flags), on first use in a process: `load()` says whether it is there, and why not (no C++
 compiler, a failed build: then the torch path serves, and the reason is shown). The first
 build on a host takes 20-40 s, later loads well under a second; `HETSERVE_CPU_DECODE=off` turns
 the kernel off (the torch path everywhere).
+The package's `layers` does not import this module: the `kernels` library imports a repository
+under a name of its own, and the op registers once per process (the worker imports it as
+`kernels_local.paged_attention.cpu`).
 Trade-off: a compiler on the host at first use (Inductor needs one anyway to compile the step),
 and a kernel of our own to keep equal to the reference, which the tests hold it to.
 """
@@ -32,8 +35,7 @@ from pathlib import Path
 
 import torch
 
-from kernels_local.cpp_build import build, vector_flags
-from workers.contract.dtypes import cpu_flags
+from kernels_local.cpp_build import build, cpu_flags, vector_flags
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 // Paged decode attention on the CPU: one query token per row, reading K/V in place through the
-// block table (workers/kv/cpu_decode.py says why and how it is built and checked).
+// block table (kernels_local/paged_attention/cpu.py says why and how it is built and checked).
 //
 // For each (row, KV head) the kernel walks the row's blocks once: each key and value row is read
 // once for every query head of the group and converted to fp32, the block's scores (q.k times

@@ -1,5 +1,5 @@
 // Greedy rows on the CPU: each row's argmax under log_softmax and its logprob, without the
-// [N, V] logprobs (workers/sampling/cpu_greedy.py says why and how it is built and checked).
+// [N, V] logprobs (kernels_local/sampling/cpu.py says why and how it is built and checked).
 //
 // torch's form writes log_softmax's [N, V] output, then ATen's argmax reads it back one element at
 // a time (its CPU argmax is a scalar loop), then a gather picks each row's value. Here each row's

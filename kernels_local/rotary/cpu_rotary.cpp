@@ -1,4 +1,4 @@
-// The rotary embedding on the CPU in one pass (workers/model/cpu_rotary.py says why and how it is built).
+// The rotary embedding on the CPU in one pass (kernels_local/rotary/cpu.py says why and how it is built).
 //
 // `apply_rotary`'s torch form (rotate_half layout) is four products, a difference, a sum and a
 // concatenation, each a pass through memory over a step's [T, heads, D] queries and keys. Here each

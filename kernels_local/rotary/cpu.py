@@ -5,13 +5,14 @@ and a concatenation) over a step's queries and keys; at a prompt's rows (a burst
 128 tokens through the embedded model) they were a tenth of the prefill step on one CPU thread. The
 kernel reads each token's heads once and writes the rotated heads once.
 
-Design: `rotate(x, cos, sin)` is `apply_rotary`'s fast path for an eager step's packed tokens
-(x [T, heads, D], cos and sin [T, 1, R/2]) in float32 or bfloat16 on the CPU; anything else, and
-everything under `torch.compile` (Inductor fuses the torch form itself), takes the torch form, as
-it does where the kernel did not build (`KERNEL.load()` says why; `$HETSERVE_CPU_ROTARY=off`
-keeps the torch form). Each product, the difference and the sum round to the input's dtype as the
-torch form's ops do, so the two agree bit for bit (tests/test_cpu_elementwise.py): which one a
-step takes changes no output. Trade-off: one more C++ build on a host's first start.
+Design: `rotate(x, cos, sin)` is `apply_rotary`'s fast path (workers/model/rope.py) for an eager
+step's packed tokens (x [T, heads, D], cos and sin [T, 1, R/2]) in float32 or bfloat16 on the
+CPU; anything else, and everything under `torch.compile` (Inductor fuses the torch form itself),
+takes the torch form (rotary.py; `rotary_cpu` chooses), as it does where the kernel did not build
+(`KERNEL.load()` says why; `$HETSERVE_CPU_ROTARY=off` keeps the torch form). Each product, the
+difference and the sum round to the input's dtype as the torch form's ops do, so the two agree
+bit for bit (tests/test_cpu_elementwise.py): which one a step takes changes no output.
+Trade-off: one more C++ build on a host's first start.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 
 from kernels_local.cpp_build import CppKernel
+
+from .rotary import rotary_reference
 
 ENV_CPU_ROTARY = "HETSERVE_CPU_ROTARY"  # "off": the torch form only
 KERNEL = CppKernel("hetserve_cpu_rotary", Path(__file__).with_name("cpu_rotary.cpp"), ENV_CPU_ROTARY,
@@ -37,3 +40,8 @@ def runs(x: torch.Tensor, cos: torch.Tensor) -> bool:
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated by cos, sin [T, 1, R/2] over its first R dims -> [T, heads, D] (`runs` must hold)."""
     return KERNEL.module.rotary(x, cos.contiguous(), sin.contiguous())
+
+
+def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotary_reference(x, cos, sin)` by the kernel where it runs (`runs`)."""
+    return rotate(x, cos, sin) if runs(x, cos) else rotary_reference(x, cos, sin)

@@ -10,8 +10,9 @@ ATen's argmax picks it (the lowest index among equals, a NaN above every number)
 Design: `runs(logits)` says whether the sampler may take it: float32 logits on the CPU, outside
 `torch.compile`, with the kernel built (`KERNEL.load()` says why not; `$HETSERVE_CPU_GREEDY=off`
 keeps the torch form). The sampler takes it only when every row of the step is greedy and none
-asks for alternatives (which read the whole logprobs): workers/sampling/sampler.py. Trade-off: a
-C++ build on a host's first start; the same tokens and logprobs either way (tests/test_sampler.py).
+asks for alternatives (which read the whole logprobs): workers/sampling/sampler.py; `greedy_rows`
+takes the kernel where it runs, the torch reference (greedy.py) otherwise. Trade-off: a C++ build
+on a host's first start; the same tokens and logprobs either way (tests/test_sampling.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 
 from kernels_local.cpp_build import CppKernel
+
+from .greedy import greedy_reference
 
 ENV_CPU_GREEDY = "HETSERVE_CPU_GREEDY"  # "off": the torch form only
 KERNEL = CppKernel("hetserve_cpu_greedy", Path(__file__).with_name("cpu_greedy.cpp"), ENV_CPU_GREEDY,
@@ -37,3 +40,8 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`log_softmax(logits).argmax(-1)` and those logprobs: (ids [N] int64, logprobs [N] float32)."""
     rows = logits if logits.stride(-1) == 1 else logits.contiguous()
     return KERNEL.module.greedy(rows)
+
+
+def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_reference(logits)` by the kernel where it runs (`runs`)."""
+    return greedy(logits) if runs(logits) else greedy_reference(logits)

@@ -9,7 +9,7 @@ once as contiguous column panels (`panels`), a projection takes 0.1-0.95x the pa
 at 1 to 128 rows for reductions up to `MAX_K` (docs/benchmarks.md "CPU projections"); past it,
 without K blocking, it loses to the packs, which stay there.
 
-Design: `cpu_gemm.cpp` is built once per host for the worker (kernels_local/cpp_build.py), on first
+Design: `cpu_gemm.cpp` is built once per host (kernels_local/cpp_build.py), on first
 use in a process; `load()` says whether it is there and why not, and without it the oneDNN packs
 serve. `panels(weight)` lays a weight [N, K] out as [K, N] column panels of `PANEL` (the last
 narrower), each [K, w] in float32 or [K/2, w, 2] in bfloat16 (pairs of K side by side: the order
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from kernels_local.cpp_build import build, vector_flags
-from workers.contract.dtypes import cpu_flags
+from kernels_local.cpp_build import build, cpu_flags, vector_flags
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ ENV_CPU_GEMM = "HETSERVE_CPU_GEMM"  # "off": the oneDNN packs only
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 PANEL = 64  # columns per panel (cpu_gemm.cpp `kPanel`)
 MAX_K = 2048  # past this reduction the packs win (the panels have no K blocking)
+# where a weight's layout is kept: its oneDNN pack or its `panels` (workers/model/cpu_projections.py sets it)
+PACKED_ATTR = "_hetserve_onednn"
 
 
 @dataclass(frozen=True)
@@ -101,3 +103,14 @@ def is_panels(pack: torch.Tensor) -> bool:
 def linear(rows: torch.Tensor, layout: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """rows [R, K] @ weight.T + bias through the weight's `panels` -> [R, N] in the rows' dtype."""
     return _module.panel_linear(rows, layout, bias)
+
+
+def panel_linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x [..., K], weight, bias)` through the panels kept on `weight` (`PACKED_ATTR`) where
+    it has them in `x`'s dtype and the kernel is loaded, eagerly; `F.linear` otherwise."""
+    layout = getattr(weight, PACKED_ATTR, None)
+    if (not isinstance(layout, torch.Tensor) or not is_panels(layout) or layout.dtype != x.dtype
+            or x.device.type != "cpu" or torch.compiler.is_compiling() or not load().available):
+        return F.linear(x, weight, bias)
+    out = linear(x.reshape(-1, x.shape[-1]), layout, bias)  # [R, N]
+    return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -1,5 +1,5 @@
 // A CPU projection through oneDNN's batch-reduce GEMM kernel (torch's cpublas::brgemm) on a weight
-// laid out for it once (workers/model/cpu_gemm.py says why and how it is built and checked).
+// laid out for it once (kernels_local/panel_linear/cpu.py says why and how it is built and checked).
 //
 // The weight [N, K] is held transposed, [K, N], as column panels of kPanel columns (the last one
 // narrower) one after another: each [K, w] in float32, [K/2, w, 2] in bfloat16 (pairs of K side by
