@@ -260,7 +260,7 @@ def run_arch(arch: str, args: argparse.Namespace, tmp: Path) -> list[tuple]:
     for dtype in args.dtype:
         lm = load_model(ckpt, dtype=dtype)
         kernelize_for_device(lm.model, cpu)  # the layers a CPU worker runs (workers/main.py)
-        install_cpu_projections(lm.model, "cpu", lm.dtype)  # and its packed projections (workers/serving/server.py)
+        install_cpu_projections(lm.model, "cpu", lm.dtype)  # and its packed projections (workers/engine/build.py)
         hfs = hf_models(ckpt, dtype, args.hf_attn)
         compiled = compiles(lm, args.compile)
         if dtype == args.dtype[0]:

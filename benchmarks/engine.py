@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workers.contract import DEFAULT_KV_BLOCK_SIZE  # noqa: E402
+from workers.contract import DEFAULT_KV_BLOCK_SIZE, DEFAULT_MODEL_DIR  # noqa: E402
 from workers.engine.compiled import CompiledDecode, scratch_groups  # noqa: E402
 from workers.engine.core import Engine  # noqa: E402
 from workers.engine.runner import ModelRunner  # noqa: E402
@@ -49,7 +49,7 @@ from workers.kv.groups import same_blocks  # noqa: E402
 from workers.kv.pool import KVPool, layer_shapes  # noqa: E402
 from workers.model.cpu_projections import install_cpu_projections  # noqa: E402
 from workers.model.deterministic import enable_deterministic  # noqa: E402
-from workers.model.loader import default_model_dir, load_model  # noqa: E402
+from workers.model.loader import load_model  # noqa: E402
 from workers.sampling.params import SamplingParams  # noqa: E402
 
 SENTENCES = [
@@ -84,7 +84,7 @@ def parse_args(argv=None):
 def model_dir(args, tmp: Path) -> tuple[Path, str]:
     if args.model:
         return args.model, str(args.model)
-    default = default_model_dir()
+    default = DEFAULT_MODEL_DIR
     if (default / "config.json").is_file():
         return default, "embedded model (workers/default_model)"
     from tests.checkpoints import make_checkpoint

@@ -19,10 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.contract import simulated_device  # noqa: E402
+from workers.contract import (
+    DEFAULT_MODEL_DIR,  # noqa: E402
+    simulated_device,  # noqa: E402
+)
 from workers.device.bind import BoundDevice  # noqa: E402
 from workers.kernelize.apply import kernelize_for_device  # noqa: E402
-from workers.model.loader import default_model_dir, load_model  # noqa: E402
+from workers.model.loader import load_model  # noqa: E402
 from workers.quant.fp8_convention import choose_fp8  # noqa: E402
 from workers.quant.quantize_model import quantize_model  # noqa: E402
 
@@ -60,7 +63,7 @@ def agreement(model, seqs: list[tuple[int, list[int]]]) -> tuple[int, int, list[
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", type=Path, default=default_model_dir())
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=24)
     args = p.parse_args()

@@ -35,10 +35,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import engine as engine_bench  # noqa: E402
 
+from workers.contract import DEFAULT_MODEL_DIR  # noqa: E402
 from workers.kv.batch import ForwardBatch, SeqChunk  # noqa: E402
 from workers.kv.mirror import DecodeMirror  # noqa: E402
 from workers.kv.pool import KVPool  # noqa: E402
-from workers.model.loader import default_model_dir, load_model  # noqa: E402
+from workers.model.loader import load_model  # noqa: E402
 from workers.sampling.params import SamplingParams  # noqa: E402
 
 CONTEXT = 512  # the embedded model's context
@@ -204,7 +205,7 @@ def decode_ratio(lm, block_size: int, steps: int = 64) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    lm = load_model(default_model_dir(), "float32")
+    lm = load_model(DEFAULT_MODEL_DIR, "float32")
     cfg = lm.config
     print(f"model: embedded ({cfg.num_parameters / 1e6:.1f}M params, {cfg.num_hidden_layers} layers, "
           f"context {cfg.max_position_embeddings}, {lm.dtype}), {args.threads} thread(s), block size {args.block_size}")

@@ -52,28 +52,31 @@ def parse_args(argv=None):
 
 
 def build_engine(args):
-    """The worker's serve step for this process's CPU, as `run_worker` builds it (no socket)."""
+    """The worker's engine for this process's CPU, as `run_worker` assembles it (no socket)."""
     import torch
 
+    from workers.contract import WorkerConfig
     from workers.device.bind import bind_device, capability
+    from workers.engine.build import build_engine, build_kv, context_length, decide_compile, install_cpu_paths
     from workers.kernelize.apply import kernelize_for_device
-    from workers.main import parse_args as worker_args
     from workers.model.loader import load_model
     from workers.quant.fp8_convention import choose_fp8, lock_convention
-    from workers.serving.server import Startup, WorkerServer
 
-    budget = args.prompts * args.tokens
-    wargs = worker_args(["--socket", str(ROOT / ".prefill-bench.sock"), "--compile", "off", "--threads",
-                         str(args.threads), "--dtype", args.dtype, "--max-batch", str(max(args.prompts, 1)),
-                         "--max-num-batched-tokens", str(budget), "--no-prefix-cache"])
+    config = WorkerConfig(socket=str(ROOT / ".prefill-bench.sock"), compile="off", threads=args.threads,
+                          dtype=args.dtype, max_batch=max(args.prompts, 1),
+                          max_num_batched_tokens=args.prompts * args.tokens, no_prefix_cache=True)
     torch.set_num_threads(args.threads)
     bound = bind_device(None)
     cap = capability()
-    loaded = load_model(args.model, wargs.dtype, bound.torch_device, cap, None, device_type=bound.type)
-    kernels = kernelize_for_device(loaded.model, bound)
-    conv, why = choose_fp8(bound.type, cap)
+    loaded = load_model(args.model, config.dtype, bound.torch_device, cap, None, device_type=bound.type)
+    kernelize_for_device(loaded.model, bound)
+    conv, _ = choose_fp8(bound.type, cap)
     lock_convention(conv)
-    return WorkerServer(Startup(wargs, bound, loaded, kernels, conv, why)).engine
+    cpu = install_cpu_paths(loaded, bound, config.deterministic)
+    decision = decide_compile(config, bound, cpu, loaded.model, pipeline=False)
+    context = context_length(config, loaded)
+    kv = build_kv(config, bound, loaded, context, decision.enabled)
+    return build_engine(config, bound, loaded, kv, decision, cpu, context).engine
 
 
 def configure(name: str) -> None:

@@ -49,8 +49,11 @@ def default_model() -> str:
 
 
 def worker_socket(pid: int) -> str:
+    """The socket of the worker `pid`, from the configuration file its command line names."""
+    from workers.contract import WorkerConfig
+
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    return argv[argv.index(b"--socket") + 1].decode()
+    return WorkerConfig.read(argv[argv.index(b"--config") + 1].decode()).socket
 
 
 async def latency(router: httpx.AsyncClient, direct: httpx.AsyncClient, n: int) -> dict:

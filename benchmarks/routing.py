@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from router_harness import RouterProcess  # noqa: E402
 
-from workers.device.slowdown import slowdown_factor  # noqa: E402
+from workers.contract.slowdown import slowdown_factor  # noqa: E402
 
 WORDS = (ROOT / "workers" / "default_model" / "corpus_words.txt").read_text().split()
 POLICIES = ("cache-aware", "least-loaded")

@@ -32,9 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from workers.contract import DEFAULT_MODEL_DIR  # noqa: E402
 from workers.kv.batch import ForwardBatch, SeqChunk  # noqa: E402
 from workers.kv.pool import KVPool  # noqa: E402
-from workers.model.loader import default_model_dir, load_model  # noqa: E402
+from workers.model.loader import load_model  # noqa: E402
 
 PROMPT = "Hello, my name is"
 
@@ -105,7 +106,7 @@ def main() -> int:
     p.add_argument("--profile", metavar="FILE", help="record the worker with py-spy into FILE (collapsed stacks, idle included)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    lm = load_model(default_model_dir(), "auto")  # the worker's own choice on a CPU
+    lm = load_model(DEFAULT_MODEL_DIR, "auto")  # the worker's own choice on a CPU
     ids = lm.tokenizer.encode(PROMPT).ids
     pool = KVPool.for_config(lm.config, 1, 16, lm.dtype)
     table = [0]

@@ -9,6 +9,10 @@ mapping mistake on our side shows up as a parity failure against transformers.
 
     from tests.checkpoints import make_checkpoint
     ckpt = make_checkpoint(tmp_path / "m", arch="qwen2", num_key_value_heads=1)
+
+`save_hf_checkpoint(model, dir)` writes one of our models back in that layout (its weights
+through the family's one HF map, `workers.model.weights.to_hf`); `default_model_dir()` is the
+embedded checkpoint a worker serves without `--model`.
 """
 
 from __future__ import annotations
@@ -16,11 +20,15 @@ from __future__ import annotations
 import functools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from workers.contract import DEFAULT_MODEL_DIR
+from workers.model.weights import to_hf
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 CHAT_TEMPLATE = (
@@ -178,3 +186,25 @@ def make_checkpoint(
     gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], **(generation_config or {})}
     (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     return path
+
+
+def default_model_dir() -> Path:
+    """The embedded checkpoint served when no `--model` is given (workers/default_model/)."""
+    return DEFAULT_MODEL_DIR
+
+
+def save_hf_checkpoint(model: torch.nn.Module, out_dir, dtype: torch.dtype | None = None) -> None:
+    """Write `config.json` and `model.safetensors` (HF names) for `model` into `out_dir`.
+
+    Tokenizer files are the caller's; `workers.model.loader.load_model` reads the result back and
+    so does transformers' `LlamaForCausalLM.from_pretrained`.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = to_hf(model)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    saved_dtype = next(iter(tensors.values())).dtype
+    config = replace(model.config, torch_dtype=str(saved_dtype).removeprefix("torch."))
+    (out / "config.json").write_text(json.dumps(config.to_hf_config(), indent=2) + "\n")
+    save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})

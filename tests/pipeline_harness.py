@@ -2,8 +2,10 @@
 
 `Served(tmp, name, model, ["sm_80", "sm_86"])` starts `python -m workers` for the first device and,
 with more than one device, writes the plan file the router would (workers/contract/pipeline.py:
-each later stage's command line) so the first stage starts the others; `partition` sets each
-stage's layers (default: even). `generate` posts one TGI `/generate` over the Unix socket.
+each later stage's `WorkerConfig`, from the same flags) so the first stage starts the others;
+`partition` sets each stage's layers (default: even). As the router does, it gives each simulated
+stage its `$HETSERVE_SLOWDOWN` factor (from `env`) in its configuration. `generate` posts one TGI
+`/generate` over the Unix socket.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 import httpx
 
 from tests.router_harness import free_port
+from workers.contract import WorkerConfig
 from workers.contract.pipeline import PipelinePlan, StagePlan
+from workers.contract.slowdown import ENV_SLOWDOWN, slowdown_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ("--max-batch", "4", "--kv-block-size", "8", "--max-num-batched-tokens", "16", "--dtype", "float32",
@@ -41,6 +45,12 @@ class Served:
         self.tmp, self.name = tmp, name
         self.sock, self.status = tmp / f"{name}.sock", tmp / f"{name}.json"
         argv = ["--model", str(model), "--threads", str(threads), *common, *extra]
+        slowdown = (env or {}).get(ENV_SLOWDOWN, "")
+
+        def slowed(worker_id: str) -> list[str]:  # the router's `device_slowdown`: every stage here is simulated
+            factor = slowdown_factor(slowdown, worker_id)
+            return ["--slowdown", str(factor)] if factor != 1.0 else []
+
         plan_args: list[str] = []
         if len(simulate) > 1:
             n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
@@ -48,18 +58,20 @@ class Served:
                                    for i in range(len(simulate))]
             bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
             model_key, keys = timing or ("", ("",) * len(simulate))
-            stages = [StagePlan(bounds[0], bounds[1], (), (), f"{name}-0", keys[0])]
+            stages = [StagePlan(bounds[0], bounds[1], None, (), f"{name}-0", keys[0])]
             for r in range(1, len(simulate)):
-                stage_argv = ("--socket", str(tmp / f"{name}-{r}.sock"), "--worker-id", f"{name}-{r}", "--simulate",
-                              simulate[r], "--status-file", str(tmp / f"{name}-{r}.json"), *argv)
-                stages.append(StagePlan(bounds[r], bounds[r + 1], stage_argv, (), f"{name}-{r}", keys[r]))
+                config = WorkerConfig.from_argv(["--socket", str(tmp / f"{name}-{r}.sock"), "--worker-id",
+                                                 f"{name}-{r}", "--simulate", simulate[r], "--status-file",
+                                                 str(tmp / f"{name}-{r}.json"), *argv, *slowed(f"{name}-{r}")],
+                                                environ={})
+                stages.append(StagePlan(bounds[r], bounds[r + 1], config, (), f"{name}-{r}", keys[r]))
             PipelinePlan(f"127.0.0.1:{free_port()}", tuple(stages), 60.0,
                          timing_model=model_key).write(tmp / f"{name}.plan.json")
             plan_args = ["--pipeline-plan", str(tmp / f"{name}.plan.json")]
         self.log = open(tmp / f"{name}.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "workers", "--socket", str(self.sock), "--status-file", str(self.status),
-             "--worker-id", f"{name}-0", "--simulate", simulate[0], *argv, *plan_args],
+             "--worker-id", f"{name}-0", "--simulate", simulate[0], *argv, *slowed(f"{name}-0"), *plan_args],
             cwd=ROOT, env=_env(env), stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 180.0) -> None:

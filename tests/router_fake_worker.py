@@ -1,6 +1,6 @@
 """A stand-in worker for router tests: the worker's socket API without a model or torch.
 
-Speaks the worker contract (`python -m workers` arguments, status file, exit codes, Unix
+Speaks the worker contract (`python -m workers --config FILE`, status file, exit codes, Unix
 socket with /health, /capability, /generate, /generate_stream, /metrics, the X-Worker-*
 headers, 422/429/503 JSON errors) and produces deterministic text: token i is ` t{i}` (id
 100 + i); a request with `resume_ids` goes on from token len(resume_ids), as a real worker
@@ -29,7 +29,6 @@ per id, `/embed` `[length, 1]` per input. `/health` reports engine liveness (`en
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -37,33 +36,22 @@ import os
 import socket
 import sys
 import time
+from dataclasses import replace
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from workers.contract import WorkerConfig
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--socket", required=True)
-    p.add_argument("--worker-id", default="w0")
-    p.add_argument("--model")
-    p.add_argument("--simulate")
-    p.add_argument("--device-index", type=int, default=0)
-    p.add_argument("--device-uuid", default="GPU-fake")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantize", default="none")
-    p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--max-queue", type=int, default=256)
-    p.add_argument("--kv-cache-bytes", type=int)
-    p.add_argument("--kv-block-size", type=int, default=16)
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--threads", type=int)
-    p.add_argument("--status-file")
-    p.add_argument("--parent-pid", type=int)
-    p.add_argument("--otlp-endpoint")
-    return p.parse_args(argv)
+
+def parse_args(argv=None) -> WorkerConfig:
+    """The worker's own configuration (`--config FILE`, as the router starts it, or flags), with the
+    stand-in's defaults for what a hand-started one leaves out."""
+    config = WorkerConfig.from_argv(argv, environ={})
+    return replace(config, worker_id=config.worker_id or "w0",
+                   device_index=0 if config.device_index is None else config.device_index,
+                   device_uuid=config.device_uuid or "GPU-fake")
 
 
 def write_status(path, **status):

@@ -78,7 +78,7 @@ class RouterProcess:
         full_env = {**os.environ, **(env or {})}
         if fake:
             full_env["HETSERVE_WORKER_CMD"] = f"{sys.executable} {FAKE_WORKER}"
-        else:
+        elif "HETSERVE_WORKER_CMD" not in (env or {}):  # the real worker, unless the test starts its own
             full_env.pop("HETSERVE_WORKER_CMD", None)
         self.log = tempfile.NamedTemporaryFile(prefix="hetserve-router-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]

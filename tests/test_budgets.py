@@ -1,10 +1,9 @@
 """The budget flags: checked once by the router, passed to its workers, checked again there.
 
 `hetserve serve` validates `--write-timeout` and the grammar compile budget
-(server/config/budgets.py) and hands the grammar ones to each worker's command line only where
-they differ from the workers' defaults (workers/contract/limits.py), so a worker stand-in that
-knows none of them keeps working; the worker's own parser (workers/main.py) refuses a bad value
-by name too.
+(server/config/budgets.py) and writes the grammar ones into each worker's configuration
+(`WorkerConfig`, whose defaults are the workers' own: workers/contract/limits.py); the worker's
+own command line (workers/main.py) refuses a bad value by name too.
 """
 
 from __future__ import annotations
@@ -15,9 +14,10 @@ import sys
 import pytest
 
 from server.cli import build_parser
-from server.config.budgets import RequestBudgets, budgets_from_args, worker_args
+from server.config.budgets import RequestBudgets, budgets_from_args, worker_budget
 from server.errors import UsageError
 from tests.router_harness import ROOT
+from workers.contract import WorkerConfig
 from workers.main import parse_args
 from workers.sampling.grammar_sandbox import CompileBudget
 
@@ -29,15 +29,17 @@ def serve_args(*flags: str):
 def test_no_flag_means_the_defaults_and_nothing_for_the_workers():
     budgets = budgets_from_args(serve_args())
     assert budgets == RequestBudgets()
-    assert worker_args(budgets) == []
+    assert WorkerConfig(socket="/tmp/x.sock", **worker_budget(budgets)) == WorkerConfig(socket="/tmp/x.sock")
 
 
 def test_only_the_grammar_flags_that_differ_reach_the_workers():
     budgets = budgets_from_args(serve_args("--grammar-compile-timeout", "0.5", "--grammar-cache-mib", "8",
                                            "--write-timeout", "3", "--grammar-compile-workers", "2"))
     assert budgets.write_timeout_s == 3 and budgets.grammar_compile_timeout_s == 0.5
-    assert worker_args(budgets) == ["--grammar-compile-timeout", "0.5", "--grammar-cache-mib", "8"]
-    worker = CompileBudget.from_args(parse_args(["--socket", "/tmp/x.sock", *worker_args(budgets)]))
+    config = WorkerConfig(socket="/tmp/x.sock", **worker_budget(budgets))
+    assert [flag for flag in config.to_argv() if flag.startswith("--grammar")] == ["--grammar-compile-timeout",
+                                                                                 "--grammar-cache-mib"]
+    worker = CompileBudget.from_config(parse_args(config.to_argv()))
     assert worker.timeout_s == 0.5 and worker.cache_bytes == 8 << 20 and worker.workers == 2
 
 

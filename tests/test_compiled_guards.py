@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.checkpoints import default_model_dir
 from tests.test_compiled_step import BLOCK, BLOCKS, chunk, eager_logits
 from workers.engine import compiled as compiled_mod
 from workers.engine.compiled import MODEL_STATE, CompiledDecode, scratch_groups
 from workers.kv.groups import same_blocks
 from workers.kv.pool import KVPool, layer_shapes
 from workers.model.layers import GeluTanhAndMul, SiluAndMul
-from workers.model.loader import default_model_dir, load_model
+from workers.model.loader import load_model
 
 
 def compiled_decode(lm) -> tuple[CompiledDecode, KVPool]:

@@ -19,6 +19,7 @@ import torch
 
 from server.config.compile import AUTO, compile_from_args
 from server.errors import UsageError
+from tests.checkpoints import default_model_dir
 from workers.contract import STARTUP_STEPS, cpu_device
 from workers.engine.compiled import (
     ENV_INDUCTOR_CACHE_DIR,
@@ -38,7 +39,7 @@ from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.kv.batch import ForwardBatch, SeqChunk
 from workers.kv.groups import same_blocks
 from workers.kv.pool import KVPool, layer_shapes
-from workers.model.loader import default_model_dir, load_model
+from workers.model.loader import load_model
 from workers.model.rope import RopeSpec
 from workers.sampling.params import SamplingParams
 
@@ -249,12 +250,14 @@ def test_router_compile_flag_is_validated_and_forwarded_unless_auto():
     with pytest.raises(UsageError, match=r"`--compile fast` is not a mode\. Accepted: auto, on, off"):
         RouterSettings.from_args(parse(["serve", "--compile", "fast"]))
     assert compile_from_args(argparse.Namespace()) == AUTO
-    for mode, forwarded in (("auto", None), ("on", "on"), ("off", "off")):
+    for mode, forwarded in (("auto", AUTO), ("on", "on"), ("off", "off")):
         settings = RouterSettings.from_args(parse(["serve", "--compile", mode]))
         (spec,) = build_worker_specs([cpu_device()], settings, Path("/tmp/run"), parent_pid=1, base_env={})
-        argv = list(spec.argv)
-        got = argv[argv.index("--compile") + 1] if "--compile" in argv else None
-        assert got == forwarded
+        assert spec.config.compile == forwarded
+    # auto leaves the choice to `$HETSERVE_COMPILE` where the router runs, resolved into each config
+    settings = RouterSettings.from_args(parse(["serve"]))
+    (spec,) = build_worker_specs([cpu_device()], settings, Path("/tmp/run"), 1, base_env={"HETSERVE_COMPILE": "on"})
+    assert spec.config.compile == "on"
 
 
 # -- the engine, compiled against eager ------------------------------------------------------

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from tests.checkpoints import default_model_dir
 from workers.contract.dtypes import cpu_bfloat16
-from workers.model.loader import default_model_dir, load_model
+from workers.model.loader import load_model
 
 MODEL_DIR = default_model_dir()
 # Measured by scripts/train_default_model.py on heldout_sample.txt (see the model card): 108.6.

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.checkpoints import default_model_dir
 from tests.test_paged_engine import metric
 from workers.engine.core import Engine
 from workers.engine.runner import ModelRunner
@@ -16,7 +17,7 @@ from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
 from workers.model.cpu_projections import install_cpu_projections
 from workers.model.deterministic import KV_SPLIT, ROW_TILE, enable_deterministic, split_attention, tiled_rows
-from workers.model.loader import default_model_dir, load_model
+from workers.model.loader import load_model
 from workers.sampling.params import SamplingParams
 
 PREFIX = ("You are a helpful assistant. Answer in one short sentence, and never repeat the question back. "
@@ -29,7 +30,7 @@ NEW_TOKENS = 16
 
 def _load(deterministic: bool):
     """The embedded model as a CPU worker runs it: its projections packed (in deterministic mode
-    under the fixed row tiles, workers/serving/server.py `_init_projections`)."""
+    under the fixed row tiles, workers/engine/build.py `install_cpu_paths`)."""
     torch.set_num_threads(1)
     lm = load_model(default_model_dir(), "bfloat16")
     install_cpu_projections(lm.model, "cpu", lm.dtype, experts=not deterministic)

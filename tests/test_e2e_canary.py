@@ -1,18 +1,20 @@
 """End to end: the router's canary over three real workers (`--simulate sm_89,sm_89,sm_89`,
 the embedded model, `--deterministic`), one of them made to compute wrong by the test-only
-fault injection (`$HETSERVE_TEST_PERTURB_LOGITS`, workers/engine/runner.py): the canary marks
+fault injection (tests/perturbed_worker.py, started in place of `python -m workers`): the canary marks
 exactly that worker suspect within one interval, the others stay healthy with exact
 agreement, and `--canary-action drain` keeps it out of rotation (restarted, checked again,
 still wrong, so held)."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 
-from tests.router_harness import running_router
-from workers.contract import ENV_TEST_PERTURB_LOGITS, HEADER_WORKER_ID
+from tests.perturbed_worker import ENV_PERTURB_LOGITS
+from tests.router_harness import ROOT, running_router
+from workers.contract import HEADER_WORKER_ID
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +26,8 @@ def router():
     yield from running_router(
         ["--simulate", "sm_89,sm_89,sm_89", "--deterministic", "--max-batch", "4",
          "--canary-interval", str(INTERVAL_S), "--canary-action", "drain"],
-        env={ENV_TEST_PERTURB_LOGITS: "gpu1:4"}, fake=False, ready_timeout=240, expect_ready=2)
+        env={ENV_PERTURB_LOGITS: "gpu1:4", "HETSERVE_WORKER_CMD": f"{sys.executable} {ROOT / 'tests/perturbed_worker.py'}"},
+        fake=False, ready_timeout=240, expect_ready=2)
 
 
 def _canary(router, wid: str) -> dict | None:

@@ -76,7 +76,7 @@ def test_every_worker_runs_the_checkpoint_its_own_way_and_says_why(routers, name
         assert w["state"] == "ready" and w["device"]["capability"] == cap, wid
         assert ckpt["execution"] == execution and execution in ckpt["kernel"]["variant"], wid
         assert ckpt["reason"] and ckpt["kernel"]["reason"], wid
-        # the fp8 layers run, so the labels name them (workers/serving/server.py `_fp8_use`)
+        # the fp8 layers run, so the labels name them (workers/engine/describe.py `fp8_description`)
         assert w["fp8"]["used"] is True, wid
         assert w["fp8"]["label"] == f"{w['fp8']['convention']} (checkpoint, {execution})", wid
         assert ckpt["fmt"] == ("e4m3fnuz" if cap == "9.4" else "e4m3fn"), wid

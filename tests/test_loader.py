@@ -10,13 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
-from tests.checkpoints import CHAT_TEMPLATE, make_checkpoint
+from tests.checkpoints import CHAT_TEMPLATE, default_model_dir, make_checkpoint, save_hf_checkpoint
 from workers.contract import dtypes
 from workers.model import loader
 from workers.model.families.registry import FAMILIES
-from workers.model.loader import ModelLoadError, choose_dtype, default_model_dir, load_model
+from workers.model.loader import ModelLoadError, choose_dtype, load_model
 from workers.model.transformer import Transformer
-from workers.model.weights import save_hf_checkpoint
 
 
 def _rewrite(ckpt, edit) -> None:
@@ -132,7 +131,7 @@ def test_default_model_dir_and_clear_error_when_absent(tmp_path, monkeypatch):
     assert default_model_dir().parts[-2:] == ("workers", "default_model")
     monkeypatch.setattr(loader, "DEFAULT_MODEL_DIR", tmp_path / "default_model")
     with pytest.raises(ModelLoadError, match="embedded model is absent: `config.json`"):
-        load_model(loader.default_model_dir())
+        load_model(loader.DEFAULT_MODEL_DIR)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

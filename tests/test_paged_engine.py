@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.checkpoints import default_model_dir
 from workers.engine.core import Engine
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
-from workers.model.loader import default_model_dir, load_model
+from workers.model.loader import load_model
 from workers.sampling.params import SamplingParams
 
 PREFIX = ("You are a helpful assistant. Answer in one short sentence, and never repeat the "

@@ -9,9 +9,17 @@ import pytest
 
 from server.config.models import models_from_args
 from server.errors import UsageError
-from server.fleet.pipelines import SERVING_BYTES, PipelineError, device_speed, plan_pipeline, serving_charge
+from server.fleet.pipelines import (
+    SERVING_BYTES,
+    PipelineError,
+    backend_for,
+    device_speed,
+    plan_pipeline,
+    serving_charge,
+)
 from server.fleet.placement import FIRST, STAGE, ModelAsk, PlacementError, Split, place
 from tests.checkpoints import make_checkpoint
+from workers.contract import DeviceInfo, WorkerConfig
 from workers.contract.model_size import read_profile
 from workers.contract.pipeline import (
     PipelinePlan,
@@ -108,7 +116,8 @@ def test_bad_partitions_are_named(text):
 
 
 def test_plan_file_round_trips_and_checks_contiguity(tmp_path):
-    plan = PipelinePlan("127.0.0.1:1234", (StagePlan(0, 3), StagePlan(3, 6, ("--x",), (("A", "1"),), "gpu1")))
+    plan = PipelinePlan("127.0.0.1:1234", (StagePlan(0, 3), StagePlan(3, 6, WorkerConfig(socket="/s", simulate="sm_86"),
+                                                                   (("A", "1"),), "gpu1")))
     plan.write(tmp_path / "p.json")
     assert PipelinePlan.read(tmp_path / "p.json") == plan
     PipelinePlan("h:1", (StagePlan(0, 3), StagePlan(4, 6))).write(tmp_path / "bad.json")
@@ -120,6 +129,21 @@ def test_slowdown_divides_speed():
     assert slowdown_factor("gpu0=3,gpu2=1.5", "gpu2") == 1.5 and slowdown_factor("2", "gpu9") == 2.0
     dev = parse_topology("sm_86")[0]
     assert device_speed(dev, "gpu0=4")[0] == pytest.approx(0.25)
+
+
+def _gpu(index: int, kind: str = "cuda") -> DeviceInfo:
+    return DeviceInfo(index=index, uuid=f"GPU-{index}", name="real", type=kind, capability=(9, 0),
+                      memory_total_bytes=80 << 30, simulated=False)
+
+
+def test_a_real_gpu_is_not_slowed_and_its_backend_is_decided_by_the_router():
+    """Guards `device_slowdown` (workers/contract/slowdown.py: only a simulated device is slowed,
+    as only its worker applies the factor) and `backend_for` (server/fleet/pipelines.py), the one
+    NCCL-or-gloo rule: the plan carries its answer to every stage."""
+    assert device_speed(_gpu(0), "gpu0=4") == device_speed(_gpu(0))
+    assert backend_for([_gpu(0), _gpu(1)]) == "nccl" and backend_for([_gpu(0, "rocm"), _gpu(1, "rocm")]) == "nccl"
+    assert backend_for([_gpu(0), _gpu(1, "rocm")]) == "gloo"  # across vendors: through host memory
+    assert backend_for([_gpu(0), parse_topology("sm_90")[0]]) == "gloo"
 
 
 @pytest.fixture(scope="module")

@@ -121,7 +121,7 @@ def test_a_volta_card_under_a_cuda_13_torch_gets_the_reason_and_the_build():
 
 
 def test_bind_refuses_a_card_the_installed_torch_cannot_drive(monkeypatch):
-    """Guards `check_torch_build(dev, torch)` in `_bind_gpu`: a V100 under a torch built for
+    """Guards `torch_build_error(dev, torch)` in `_bind_gpu`: a V100 under a torch built for
     sm_75 and newer fails at bind, naming the card, its architecture and what to install."""
     unbind_device()
     props = SimpleNamespace(name="Tesla V100-SXM2-32GB", uuid=None, total_memory=32 << 30)

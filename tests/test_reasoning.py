@@ -108,7 +108,7 @@ def test_the_family_comes_from_config_json_else_from_the_worker(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "smollm3"}))
     assert load_chat_template(tmp_path, reported).model_type == "smollm3"
     assert load_chat_template(tmp_path / "absent").model_type is None
-    # a worker reports its family as `architecture` (workers/serving/server.py): guards chat.py's
+    # a worker reports its family as `architecture` (workers/engine/describe.py): guards chat.py's
     # `else reported.architecture` fallback
     assert load_chat_template(tmp_path / "absent", {"chat_template": "plain", "architecture": "qwen3"}).model_type == "qwen3"
 

@@ -12,7 +12,7 @@ import pytest
 from server.config.settings import RouterSettings
 from server.fleet.supervisor import Supervisor
 from tests.router_harness import FAKE_WORKER, alive
-from workers.contract import parse_simulate
+from workers.contract import WorkerConfig, parse_simulate
 
 pytestmark = pytest.mark.slow
 
@@ -38,23 +38,23 @@ def test_workers_get_their_device_environment_a_private_run_dir_and_no_orphans(m
             mode = stat.S_IMODE(os.stat(sup.run_dir).st_mode)
             assert mode == 0o700, oct(mode)
             envs = {h.id: _environ(h.pid) for h in sup.workers.values()}
-            argvs = {h.id: h.spec.argv for h in sup.workers.values()}
+            configs = {h.id: WorkerConfig.read(h.spec.config_path) for h in sup.workers.values()}
             pids = [h.pid for h in sup.workers.values()]
             run_dir = sup.run_dir
         finally:
             await sup.stop()
-        return envs, argvs, pids, run_dir
+        return envs, configs, pids, run_dir
 
-    envs, argvs, pids, run_dir = asyncio.run(main())
+    envs, configs, pids, run_dir = asyncio.run(main())
     for i, (wid, token) in enumerate((("gpu0", "sm_80"), ("gpu1", "sm_89"))):
         env = envs[wid]
         assert env["HETSERVE_SIMULATE"] == token and env["CUDA_VISIBLE_DEVICES"] == ""
         assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and env["HETSERVE_DEVICE_INDEX"] == str(i)
         assert env["HETSERVE_DEVICE_UUID"].startswith("GPU-") and env["OMP_NUM_THREADS"] == "2"
-        argv = argvs[wid]
-        assert argv[argv.index("--threads") + 1] == "2"  # 4 threads shared by 2 workers
-        assert argv[argv.index("--parent-pid") + 1] == str(os.getpid())
-        assert argv[argv.index("--simulate") + 1] == token
+        config = configs[wid]  # the file each was started with
+        assert config.threads == 2  # 4 threads shared by 2 workers
+        assert config.parent_pid == os.getpid()
+        assert config.simulate == token
     assert not any(alive(p) for p in pids)
     assert not run_dir.exists()
 

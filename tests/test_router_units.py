@@ -51,10 +51,10 @@ def test_real_gpu_worker_sees_only_its_uuid_and_is_not_simulated():
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa-bbbb" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert "HETSERVE_SIMULATE" not in env  # inherited value dropped
     assert env["HETSERVE_DEVICE_INDEX"] == "3" and env["HETSERVE_DEVICE_UUID"] == "GPU-aaaa-bbbb"
-    assert spec.id == "gpu3" and "--simulate" not in spec.argv
+    assert spec.id == "gpu3" and spec.config.simulate is None
     assert spec.argv[:3] == ("python", "-m", "workers")
-    assert spec.argv[spec.argv.index("--device-uuid") + 1] == "GPU-aaaa-bbbb"
-    assert spec.argv[spec.argv.index("--socket") + 1] == "/tmp/run/gpu3.sock"
+    assert spec.config.device_uuid == "GPU-aaaa-bbbb"
+    assert spec.config.socket == "/tmp/run/gpu3.sock"
 
 
 def test_simulated_workers_hide_real_gpus_and_share_the_cpu_threads():
@@ -63,7 +63,7 @@ def test_simulated_workers_hide_real_gpus_and_share_the_cpu_threads():
     for spec, token in zip(specs, ("sm_80", "sm_89", "sm_90"), strict=True):
         env = spec.environ()
         assert env["HETSERVE_SIMULATE"] == token and env["CUDA_VISIBLE_DEVICES"] == ""
-        assert spec.threads == 2 and spec.argv[spec.argv.index("--threads") + 1] == "2"
+        assert spec.threads == 2 and spec.config.threads == 2
     assert threads_per_worker(1, 3) == 1
 
 
@@ -137,15 +137,15 @@ def test_engine_flags_reach_every_worker_and_bad_ones_are_refused_before_spawnin
                                       "--max-num-batched-tokens", "512"])
     settings = RouterSettings.from_args(args)
     assert (settings.kv_block_size, settings.prefix_cache, settings.max_num_batched_tokens) == (32, False, 512)
-    argv = _specs([REAL_H100], kv_block_size=32, prefix_cache=False, max_num_batched_tokens=512)[0].argv
-    assert argv[argv.index("--kv-block-size") + 1] == "32" and "--no-prefix-cache" in argv
-    assert argv[argv.index("--max-num-batched-tokens") + 1] == "512"
-    defaults = _specs([REAL_H100])[0].argv
-    assert "--no-prefix-cache" not in defaults and defaults[defaults.index("--kv-block-size") + 1] == "16"
+    config = _specs([REAL_H100], kv_block_size=32, prefix_cache=False, max_num_batched_tokens=512)[0].config
+    assert config.kv_block_size == 32 and config.no_prefix_cache
+    assert config.max_num_batched_tokens == 512
+    defaults = _specs([REAL_H100])[0].config
+    assert not defaults.no_prefix_cache and defaults.kv_block_size == 16
     # without the flag each device's step budget (`step_token_budget`): a GPU's, or a CPU's where the step computes there
-    assert defaults[defaults.index("--max-num-batched-tokens") + 1] == str(DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    on_cpu = _specs([cpu_device()])[0].argv
-    assert on_cpu[on_cpu.index("--max-num-batched-tokens") + 1] == str(CPU_MAX_NUM_BATCHED_TOKENS)
+    assert defaults.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    on_cpu = _specs([cpu_device()])[0].config
+    assert on_cpu.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
     for bad, needle in ((["--kv-block-size", "12"], "`--kv-block-size 12` is not supported. Supported: 1, 2, 4"),
                         (["--max-num-batched-tokens", "8"], "`--max-num-batched-tokens 8` must be >= `--max-batch 32`")):
         with pytest.raises(UsageError, match=needle):
@@ -167,7 +167,7 @@ def test_no_device_gives_one_cpu_worker():
     env = spec.environ()
     # the host CPU is a real device: no simulate token, and no GPU visible to the worker
     assert spec.id == "cpu0" and "HETSERVE_SIMULATE" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
-    assert "--simulate" not in spec.argv and spec.device.capability_label == "cpu"
+    assert spec.config.simulate is None and spec.device.capability_label == "cpu"
     assert spec.device.simulated is False
 
 

@@ -36,7 +36,7 @@ from server.routing.speed import Speed, SpeedFit
 from server.routing.telemetry import Counters, Telemetry
 from tests.routing_helpers import PICK, choose
 from workers.contract import CapabilityPayload, WorkerRequest, WorkerState, parse_simulate
-from workers.contract.slowdown import slowdown_factor
+from workers.contract.slowdown import device_slowdown, slowdown_factor
 from workers.device.slowdown import apply_slowdown
 
 CHUNK = 64
@@ -481,8 +481,8 @@ def test_slowdown_makes_each_forward_take_longer():
         return x + 1
 
     model = SimpleNamespace(step=step)
-    assert apply_slowdown(model, "gpu1", {"HETSERVE_SLOWDOWN": "gpu0=3"}) == 1.0 and model.step is step
-    assert apply_slowdown(model, "gpu0", {"HETSERVE_SLOWDOWN": "gpu0=3"}) == 3.0
+    assert apply_slowdown(model, device_slowdown("gpu0=3", "gpu1", True)) == 1.0 and model.step is step
+    assert apply_slowdown(model, device_slowdown("gpu0=3", "gpu0", True)) == 3.0
     t0 = time.perf_counter()
     assert model.step(1) == 2
     assert time.perf_counter() - t0 >= 0.055

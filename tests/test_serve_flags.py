@@ -1,6 +1,6 @@
 """`--served-model-name`, `--max-model-len` and `--gpu-memory-utilization`: checked once in the
 router (server/config/models.py, server/config/memory.py), carried to every worker
-(server/fleet/spec.py) and applied there (workers/kv/sizing.py, workers/serving/server.py)."""
+(server/fleet/spec.py) and applied there (workers/kv/sizing.py, workers/engine/build.py)."""
 
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ def test_the_step_lists_each_chunks_slot_in_the_batchs_order():
 
 def test_the_cpu_default_budget_adds_the_state_so_the_kv_still_holds_the_full_context():
     """Guards `kv_budget`'s `state_per_sequence` (workers/kv/sizing.py) and its use by the worker
-    (workers/serving/server.py `_init_kv_cache`): the state comes out of the budget first, so the
+    (workers/engine/kv_cache.py `build_kv_cache`): the state comes out of the budget first, so the
     CPU default adds it; an explicit `--kv-cache-bytes` is the whole budget, state included."""
     import types
 

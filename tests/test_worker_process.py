@@ -213,7 +213,7 @@ def test_a_cpu_worker_started_by_hand_takes_its_devices_step_budget_and_says_wha
     """Guards the resolution after `bind` in workers/main.py `run_worker`: without
     `--max-num-batched-tokens` a worker's step budget is its device's (`step_token_budget`): 1024
     tokens a step on the CPU. Its `/capability` kernels say whether RMSNorm's and SiluAndMul's C++
-    kernels built there (`WorkerServer._init_cpu_kernels`, at start)."""
+    kernels built there (workers/engine/build.py `install_cpu_paths`, at start)."""
     from workers.contract import CPU_MAX_NUM_BATCHED_TOKENS
 
     proc, sock, status = start_worker(tmp_path, make_checkpoint(tmp_path / "model"), "--max-batch", "2",

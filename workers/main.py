@@ -1,26 +1,31 @@
 """The worker process: one device, one model, one engine, one Unix socket.
 
-`run_worker(args)` reads top-down as the mission: bind -> capability -> load -> kernelize ->
-fp8 -> serve (the KV cache, engine and app, then `compile`: the decode step per batch bucket,
-workers/engine/compiled.py, before the socket listens). Right after binding, Triton is
-pointed at this architecture's own cache directory (before anything imports it). On a real
-GPU, kernelize also compiles every selected kernel for the device ahead of time and checks
-it against the device's limits (the preflight), and once fp8 has swapped in its layers one
-forward is compared with the torch reference path (the self-test); either failing fails the
-start at `kernelize`. Everything is built inside this process (vLLM `run_engine_core` style):
-the router passes only arguments and environment. Each startup step is logged once with its
-duration and written to the status file, so a worker that cannot start says which step
-failed and why (exit 3), distinct from a fatal error while serving (exit 4). A start failure
-is one console line (step and reason), its traceback only in the debug log
-(HETSERVE_LOG_LEVEL=debug) and the status file's `traceback`: the router repeats the reason
-once per worker, and a bad checkpoint no longer floods the console with chained tracebacks. A clean
-shutdown (SIGTERM, or the parent dying) drains in-flight requests within a bound and
-exits 0. Cleanup happens in `finally`, whatever the path.
+`run_worker(config)` reads top-down as the mission: bind -> capability -> load -> kernelize ->
+fp8 -> serve, and assembles the worker in that order: every step that changes the model or
+builds the engine runs from here (workers/engine/build.py, workers/pipeline/first.py), then the
+`/capability` description (workers/engine/describe.py) and the server that serves them
+(workers/serving/server.py), then `compile` (the decode step per batch bucket,
+workers/engine/compiled.py, before the socket listens). Right after binding, Triton is pointed
+at this architecture's own cache directory; on a real GPU, kernelize also compiles every
+selected kernel for the device ahead of time and checks it against the device's limits (the
+preflight), and once fp8 has swapped in its layers one forward is compared with the torch
+reference path (the self-test); either failing fails the start at `kernelize`. A CPU model's
+own paths (packed projections, deterministic numerics, its C++ kernels and decode attention)
+follow fp8, as a second kernelize step; then the KV cache (`kv_cache`), the engine (`engine`),
+the server (`serve`). Everything is built inside this process (vLLM `run_engine_core` style):
+the router passes one `WorkerConfig` (workers/contract/config.py) and the environment. Each
+startup step is logged once with its duration and written to the status file, so a worker that
+cannot start says which step failed and why (exit 3), distinct from a fatal error while serving
+(exit 4). A start failure is one console line (step and reason), its traceback only in the
+debug log (HETSERVE_LOG_LEVEL=debug) and the status file's `traceback`: the router repeats the
+reason once per worker. A clean shutdown (SIGTERM, or the parent dying) drains in-flight
+requests within a bound and exits 0. Cleanup happens in `finally`, whatever the path. Each step
+imports what it uses as it runs, on purpose: torch's native caches are capped and the Triton
+cache is chosen before torch and Triton load.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -30,107 +35,29 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import replace
 
 from workers.contract import (
-    CPU_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_KV_BLOCK_SIZE,
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_QUEUE,
     DEFAULT_MODEL_DIR,
-    ENV_COMPILE,
     ENV_DEVICE_INDEX,
-    ENV_PREFLIGHT,
-    PREFLIGHT_MODES,
     ExitCode,
+    WorkerConfig,
     WorkerStatus,
-    engine_limits_error,
     step_token_budget,
     use_triton_cache,
 )
 from workers.device.host_memory import keep_freed_memory
 from workers.model.row_buckets import cap_native_caches
-from workers.sampling.grammar_sandbox import CompileBudget, add_budget_args
 
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m workers", description="hetserve worker: serve one device.")
-    p.add_argument("--socket", required=True, help="Unix socket path to listen on (created with mode 0600)")
-    p.add_argument("--worker-id", help="name in logs, headers and /capability (default: worker-<device index>)")
-    p.add_argument("--model", help="HF-layout model directory (default: the embedded model)")
-    p.add_argument("--simulate", help="simulated device token, e.g. sm_89, gfx942, cpu")
-    p.add_argument("--device-index", type=int, help="physical device index (default: $HETSERVE_DEVICE_INDEX or 0)")
-    p.add_argument("--device-uuid", help="device UUID to check after binding")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
-    p.add_argument("--quantize", default="none", choices=("none", "fp8"))
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="most sequences running at once")
-    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                   help="requests waiting beyond the batch before 429")
-    p.add_argument("--kv-cache-bytes", type=int,
-                   help="KV cache budget (default: 85%% of free GPU memory; on CPU --max-batch full-context "
-                        "sequences, at most 512 MiB)")
-    p.add_argument("--max-model-len", type=int,
-                   help="longest sequence served: the context is capped at it (default: the checkpoint's)")
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   help="fraction of the device's own memory for weights and KV cache (0 < F <= 1; on a simulated "
-                        "device, of its simulated memory); see workers/kv/sizing.py")
-    p.add_argument("--kv-block-size", type=int, default=DEFAULT_KV_BLOCK_SIZE,
-                   help=f"tokens per KV cache block (default {DEFAULT_KV_BLOCK_SIZE})")
-    p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV blocks of shared prompt prefixes")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"tokens one engine step computes: decodes first, then prompt chunks (default "
-                        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} on a GPU, {CPU_MAX_NUM_BATCHED_TOKENS} where the step computes "
-                        "on the CPU: a CPU or simulated device)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant numerics: a request's output does not depend on its batch mates "
-                        "(fixed GEMM row tiles and attention splits; see workers/model/deterministic.py)")
-    p.add_argument("--compile", default=os.environ.get(ENV_COMPILE, "auto"),
-                   help="the decode step compiled per batch bucket (Inductor on CPU, CUDA/HIP graphs on GPUs): auto "
-                        "(real GPUs and CPU workers, not simulated GPUs), on, off (default: "
-                        f"${ENV_COMPILE} or auto); see workers/engine/compiled.py")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--status-file", help="JSON status file, rewritten atomically at each step")
-    p.add_argument("--parent-pid", type=int, help="exit when this process dies")
-    p.add_argument("--otlp-endpoint", metavar="URL", help="export OpenTelemetry spans (OTLP) to this collector")
-    add_budget_args(p)
-    p.add_argument("--pipeline-plan", metavar="FILE",
-                   help="serve as a stage of this pipeline plan (written by the router; workers/pipeline/)")
-    p.add_argument("--pipeline-rank", type=int, default=0,
-                   help="this worker's stage in --pipeline-plan (0: the first, which starts the others)")
-    p.add_argument("--pipeline-batches", type=int,
-                   help="batches in flight through a pipeline at once, each of its own sequences (default: one per "
-                        "stage; 1: one step at a time; see workers/pipeline/engine.py)")
-    p.add_argument("--pipeline-microbatches", type=int,
-                   help="micro-batches each step of a pipeline is cut into (default 1)")
-    p.add_argument("--preflight", choices=PREFLIGHT_MODES, default=os.environ.get(ENV_PREFLIGHT, "auto"),
-                   help="compile and check the selected kernels before ready: auto (real GPUs), on (simulated "
-                        f"GPUs too), off (default: ${ENV_PREFLIGHT} or auto)")  # fmt: skip
-    args = p.parse_args(argv)
-    for name in ("max_batch", "threads", "kv_cache_bytes", "max_model_len", "pipeline_microbatches",
-                 "pipeline_batches"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"`--{name.replace('_', '-')}` must be >= 1, got `{value}`")
-    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
-        p.error(f"`--gpu-memory-utilization {args.gpu_memory_utilization}` is no fraction. Accepted: 0 < F <= 1")
-    if args.max_queue < 0:
-        p.error(f"`--max-queue` must be >= 0, got `{args.max_queue}`")
-    if args.preflight not in PREFLIGHT_MODES:  # a default from the environment skips argparse's check
-        p.error(f"`${ENV_PREFLIGHT}={args.preflight}` is not a preflight mode. Accepted: {', '.join(PREFLIGHT_MODES)}")
-    error = engine_limits_error(args.kv_block_size, args.max_num_batched_tokens, args.max_batch)
-    if error:
-        p.error(error)
-    if args.compile not in ("auto", "on", "off"):
-        p.error(f"`--compile {args.compile}` is not a mode (or `${ENV_COMPILE}`). Accepted: auto, on, off")
-    try:
-        CompileBudget.from_args(args)
-    except ValueError as e:
-        p.error(str(e))
-    return args
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    """The worker's configuration from its command line: `--config FILE` (what the router writes)
+    and/or one flag per field (workers/contract/config.py); a bad one exits 2 naming it."""
+    return WorkerConfig.from_argv(argv)
 
 
 class StartupError(RuntimeError):
@@ -185,8 +112,8 @@ def startup_traceback(e: StartupError) -> str:
     return "".join(traceback.format_exception(e.__cause__ or e))
 
 
-def _default_worker_id(args: argparse.Namespace) -> str:
-    index = args.device_index if args.device_index is not None else os.environ.get(ENV_DEVICE_INDEX, "0")
+def _default_worker_id(config: WorkerConfig) -> str:
+    index = config.device_index if config.device_index is not None else os.environ.get(ENV_DEVICE_INDEX, "0")
     return f"worker-{index}"
 
 
@@ -200,100 +127,104 @@ def configure_logging(worker_id: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     cap_native_caches()  # before torch loads (see workers/model/row_buckets.py)
     memory = keep_freed_memory()  # before the first step's temporaries (workers/device/host_memory.py)
-    args = parse_args(argv)
-    args.worker_id = args.worker_id or _default_worker_id(args)
-    configure_logging(args.worker_id)
+    config = parse_args(argv)
+    config = replace(config, worker_id=config.worker_id or _default_worker_id(config))
+    configure_logging(config.worker_id)
     logger.info("host memory: %s", memory)
-    return run_worker(args)
+    return run_worker(config)
 
 
-def run_worker(args: argparse.Namespace) -> int:
+def run_worker(config: WorkerConfig) -> int:
     """bind -> capability -> load -> kernelize -> fp8 -> serve."""
-    status = StatusFile(args.status_file, args.worker_id)
+    status = StatusFile(config.status_file, config.worker_id)
     phase: dict = {"server": None}  # the uvicorn server once serving
     _install_sigterm(phase)
-    _watch_parent(args.parent_pid)
-    server = stages = plan = link = None
+    _watch_parent(config.parent_pid)
+    server = stages = plan = link = first = None
     try:
-        if args.pipeline_plan:  # one stage of a pipeline: the first starts the others now, so all load at once
+        if config.pipeline_plan:  # one stage of a pipeline: the first starts the others now, so all load at once
             with startup_step("pipeline", status):
-                from workers.contract.pipeline import PipelinePlan
-
-                plan = PipelinePlan.read(args.pipeline_plan)
-                if not 0 <= args.pipeline_rank < plan.world_size:
-                    raise ValueError(f"`--pipeline-rank {args.pipeline_rank}` is not a stage of the plan's "
-                                     f"{plan.world_size}")
-                if args.pipeline_rank == 0:
-                    from workers.pipeline.launch import Stages
-
-                    stages = Stages(plan, args.pipeline_plan)
-        layers = None if plan is None else (plan.stages[args.pipeline_rank].start, plan.stages[args.pipeline_rank].end)
+                plan, stages = _read_plan(config)
         with startup_step("bind", status):
             from workers.device.bind import bind_device
 
-            bound = bind_device(args.simulate, args.device_index, args.device_uuid)
+            bound = bind_device(config.simulate, config.device_index, config.device_uuid)
             logger.info("Triton cache %s", use_triton_cache(bound.arch_name))  # before Triton is imported
-            if args.max_num_batched_tokens is None:  # this device's step budget (workers/contract/defaults.py)
-                args.max_num_batched_tokens = step_token_budget(bound.computes_on_cpu, args.max_batch)
-        if args.threads:  # the CPU threads the router gave this worker, before any compute
+            config = _for_device(config, bound)
+        if config.threads:  # the CPU threads the router gave this worker, before any compute
             import torch
 
-            torch.set_num_threads(args.threads)
+            torch.set_num_threads(config.threads)
         with startup_step("capability", status):
             from workers.device.bind import capability
 
             cap = capability()
             logger.info("capability %s (%s)", bound.capability_label, bound.type)
         with startup_step("load", status):
+            from workers.device.slowdown import apply_slowdown
             from workers.model.loader import load_model
 
-            loaded = load_model(args.model or DEFAULT_MODEL_DIR, args.dtype, bound.torch_device, cap, layers,
+            layers = None if plan is None else (plan.stages[config.pipeline_rank].start,
+                                                plan.stages[config.pipeline_rank].end)
+            loaded = load_model(config.model or DEFAULT_MODEL_DIR, config.dtype, bound.torch_device, cap, layers,
                                 device_type=bound.type)
+            apply_slowdown(loaded.model, config.slowdown)  # a simulated device only (`_for_device`)
         with startup_step("kernelize", status):  # also checks `kernels`' own capability lookup
             from workers.kernelize.apply import kernelize_for_device
             from workers.kernelize.preflight import model_workload, preflight_or_refuse, wants_preflight
 
             kernels = kernelize_for_device(loaded.model, bound)
-            compiled = None
-            if wants_preflight(args.preflight, bound):  # every selected kernel compiled and fitting
-                compiled = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
+            preflight = None
+            if wants_preflight(config.preflight, bound):  # every selected kernel compiled and fitting
+                preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
         with startup_step("fp8", status):
-            from workers.quant.fp8_convention import choose_fp8, lock_convention
-
-            conv, fp8_reason = choose_fp8(bound.type, cap)
-            lock_convention(conv)
-            checkpoint = None
-            if loaded.quantization is not None:  # pre-quantized: the stored bytes in this device's execution
-                from workers.quant.prepare import prepare_fp8_checkpoint
-
-                checkpoint = prepare_fp8_checkpoint(loaded.model, conv, bound.type, cap)
-            if args.quantize == "fp8":
-                from workers.quant.quantize_model import quantize_model
-
-                logger.info("fp8 weights: %s", quantize_model(loaded.model, conv))
-            logger.info("fp8 convention %s: %s", conv.name, fp8_reason)
+            conv, fp8_reason, checkpoint = _apply_fp8(config, bound, cap, loaded)
         if bound.is_real_gpu:
             with startup_step("kernelize", status):  # its last check, once fp8 swapped in its layers
                 from workers.kernelize.selftest import self_test
 
                 logger.info("self-test: %s", self_test(loaded.model, loaded.config, bound.torch_device))
+        with startup_step("kernelize", status):  # a CPU model's own paths, over the layers fp8 left
+            from workers.engine.build import install_cpu_paths
+
+            # deterministic numerics are the first stage's (a later stage runs its layers as before)
+            cpu = install_cpu_paths(loaded, bound, config.deterministic and config.pipeline_rank == 0)
         if plan is not None:  # every stage joins the replica's process group
             with startup_step("pipeline", status):
-                link = _join_pipeline(plan, args.pipeline_rank, bound, loaded, stages)
+                link = _join_pipeline(plan, config.pipeline_rank, bound, loaded, stages)
+        with startup_step("kv_cache", status):  # sized on this device; a pipeline's stages agree on the blocks
+            from workers.engine.build import build_kv, context_length, decide_compile
+
+            context = context_length(config, loaded)
+            decision = decide_compile(config, bound, cpu, loaded.model, pipeline=link is not None)
+            kv = build_kv(config, bound, loaded, context, decision.enabled, None if link is None else link.agree_blocks)
+        from workers.engine.describe import compile_description, describe_worker, fp8_description
+
+        fp8 = fp8_description(conv, fp8_reason, config.quantize, checkpoint, loaded, preflight)
         if link is not None and not link.first:
-            return _serve_stage(args, status, bound, loaded, kernels, conv, fp8_reason, link, checkpoint)
-        with startup_step("serve", status):
-            from workers.device.slowdown import apply_slowdown
-            from workers.serving.server import Startup, WorkerServer
+            return _serve_stage(status, bound, loaded, kernels, fp8, cpu, link, kv)
+        with startup_step("engine", status):  # runner, scheduler, grammars (a pipeline's: its first stage's)
+            if link is None:
+                from workers.engine.build import build_engine
 
-            apply_slowdown(loaded.model, args.worker_id)  # $HETSERVE_SLOWDOWN: benchmarks and tests only
+                built = build_engine(config, bound, loaded, kv, decision, cpu, context)
+            else:
+                from workers.pipeline.first import build_first_stage
 
-            server = WorkerServer(Startup(args, bound, loaded, kernels, conv, fp8_reason, compiled, checkpoint,
-                                          None if link is None else (link, stages)))
+                built, first = build_first_stage(config, bound, loaded, kv, decision, cpu, context, link, stages)
+        with startup_step("serve", status):  # the `/capability` description, the app, the socket
+            from workers.serving.server import WorkerServer
+
+            pipeline = None if first is None else first.describe(bound, loaded, kernels, fp8, kv)
+            info = describe_worker(config, bound, loaded, kernels, fp8, preflight, cpu, built, context, pipeline)
+            server = WorkerServer(config.socket, built.engine, loaded.tokenizer, info, config.otlp_endpoint)
+            if first is not None:  # from here on, a stage that exits stops this replica
+                first.stages.watch(server.stop)
         with startup_step("compile", status):  # the decode step per batch bucket, before the first request
-            logger.info("decode step: %s", server.compile())
+            logger.info("decode step: %s", built.compile())
+            info.compile = compile_description(built.decision, built.compiled)
         phase["server"] = server.server
-        server.run(on_ready=lambda: status.write(WorkerStatus.READY, socket=args.socket))
+        server.run(on_ready=lambda: status.write(WorkerStatus.READY, socket=config.socket))
         if server.fatal_error is not None:
             status.write(WorkerStatus.FATAL, reason=f"{type(server.fatal_error).__name__}: {server.fatal_error}")
             return ExitCode.FATAL
@@ -316,8 +247,55 @@ def run_worker(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.close()
+            if first is not None:  # the other stages stop after this one's last step
+                first.close()
         elif stages is not None:  # the first stage failed before serving: its stages go with it
             stages.stop(timeout=0.0)
+
+
+def _read_plan(config: WorkerConfig):
+    """(the pipeline plan, the other stages' processes when this is the first stage, else None)."""
+    from workers.contract.pipeline import PipelinePlan
+
+    plan = PipelinePlan.read(config.pipeline_plan)
+    if not config.pipeline_rank < plan.world_size:
+        raise ValueError(f"`--pipeline-rank {config.pipeline_rank}` is not a stage of the plan's {plan.world_size}")
+    if config.pipeline_rank != 0:
+        return plan, None
+    from workers.pipeline.launch import Stages
+
+    return plan, Stages(plan, config.pipeline_plan)
+
+
+def _for_device(config: WorkerConfig, bound) -> WorkerConfig:
+    """`config` with what the bound device decides: its step budget (workers/contract/defaults.py
+    `step_token_budget`) where none was given; a slowdown only where the device is simulated."""
+    if config.slowdown != 1.0 and not bound.simulated:
+        raise ValueError(f"`--slowdown {config.slowdown:g}` slows a simulated device only; this worker is bound to "
+                         f"{bound.type} device {bound.index}. Accepted: --slowdown 1 (or leave it out)")
+    if config.max_num_batched_tokens is not None:
+        return config
+    return replace(config, max_num_batched_tokens=step_token_budget(bound.computes_on_cpu, config.max_batch))
+
+
+def _apply_fp8(config: WorkerConfig, bound, cap, loaded):
+    """(the device's fp8 convention, why, how a pre-quantized checkpoint runs here or None), with
+    the convention locked for this process and `--quantize fp8`'s layers swapped in."""
+    from workers.quant.fp8_convention import choose_fp8, lock_convention
+
+    conv, reason = choose_fp8(bound.type, cap)
+    lock_convention(conv)
+    checkpoint = None
+    if loaded.quantization is not None:  # pre-quantized: the stored bytes in this device's execution
+        from workers.quant.prepare import prepare_fp8_checkpoint
+
+        checkpoint = prepare_fp8_checkpoint(loaded.model, conv, bound.type, cap)
+    if config.quantize == "fp8":
+        from workers.quant.quantize_model import quantize_model
+
+        logger.info("fp8 weights: %s", quantize_model(loaded.model, conv))
+    logger.info("fp8 convention %s: %s", conv.name, reason)
+    return conv, reason, checkpoint
 
 
 def _join_pipeline(plan, rank: int, bound, loaded, stages):
@@ -332,24 +310,18 @@ def _join_pipeline(plan, rank: int, bound, loaded, stages):
     return join() if stages is None else stages.wait_for(join)
 
 
-def _serve_stage(args, status: StatusFile, bound, loaded, kernels, conv, fp8_reason, link, checkpoint) -> int:
+def _serve_stage(status: StatusFile, bound, loaded, kernels, fp8: dict, cpu, link, kv) -> int:
     """A stage after the first: its loop until the pipeline stops (workers/pipeline/follower.py)."""
-    from workers.device.slowdown import apply_slowdown
     from workers.pipeline.follower import serve_stage
     from workers.pipeline.metrics import StageClock
 
-    apply_slowdown(loaded.model, args.worker_id)  # $HETSERVE_SLOWDOWN: benchmarks and tests only
     status.write(WorkerStatus.READY, stage=link.rank)
-    context = min(loaded.config.context_length, args.max_model_len or loaded.config.context_length)
-    stored = checkpoint is not None and (checkpoint.get("layers", 0) + checkpoint.get("expert_layers", 0)) > 0
-    used = args.quantize == "fp8" or stored  # fp8 as it runs on this stage, as the first stage labels its own
-    label = conv.name if used else f"not used ({str(loaded.dtype).removeprefix('torch.')})"
-    fp8 = {"convention": conv.name, "reason": fp8_reason, "used": used, "label": label}
+
     def report(clock: StageClock) -> None:  # read by the first stage's /metrics and its timing records
         status.write(WorkerStatus.READY, stage=link.rank, **clock.figures())
 
     clock = StageClock(report, host_cpu=bound.simulated or bound.type == "cpu")
-    serve_stage(args, bound, loaded, kernels, fp8, link, context, clock)
+    serve_stage(bound, loaded, kernels, fp8, link, kv, cpu.in_place, clock)
     status.write(WorkerStatus.STOPPED, stage=link.rank, **clock.figures())  # its last figures, for the records
     return ExitCode.OK
 

@@ -1,11 +1,11 @@
 """What one request may cost: the grammar compile budget the workers enforce, and the router's
 write timeout for clients that stop reading.
 
-The router validates these flags once and passes the grammar ones to every worker's command
-line (`worker_args`), only where they differ from the workers' own defaults
-(workers/contract/limits.py), so a worker stand-in that knows none of them keeps working; the
-write timeout is the router's own (server/edge/http11.py). Trade-off: as with `--compile`, one
-more place that must agree with the worker's defaults, which both read from the contract.
+The router validates these flags once and writes the grammar ones into every worker's
+configuration (`worker_budget`: the `WorkerConfig` fields, workers/contract/config.py, whose
+defaults both read from workers/contract/limits.py); the write timeout is the router's own
+(server/edge/http11.py). Trade-off: the router's messages name its own flags, and the worker
+checks the values again when it reads its configuration.
 """
 
 from __future__ import annotations
@@ -74,11 +74,9 @@ def budgets_from_args(args) -> RequestBudgets:
     return RequestBudgets(**given)
 
 
-def worker_args(budgets: RequestBudgets) -> list[str]:
-    """The grammar budget on a worker's command line: the flags that differ from its defaults."""
-    default, argv = RequestBudgets(), []
-    for flag, (name, _kind, _low, _strict) in _FLAGS.items():
-        value = getattr(budgets, name)
-        if flag != "write_timeout" and value != getattr(default, name):
-            argv += [f"--{flag.replace('_', '-')}", str(value)]
-    return argv
+def worker_budget(budgets: RequestBudgets) -> dict:
+    """The grammar budget as the `WorkerConfig` fields that carry it to a worker."""
+    return {"grammar_compile_timeout": budgets.grammar_compile_timeout_s,
+            "grammar_compile_memory_mib": budgets.grammar_compile_memory_mib,
+            "grammar_compile_workers": budgets.grammar_compile_workers,
+            "grammar_cache_mib": budgets.grammar_cache_mib}

@@ -3,9 +3,9 @@
 The router only validates and forwards the mode; each worker decides for its own device
 (workers/engine/compiled.py `decide`: Inductor on a CPU worker, CUDA/HIP graphs on a real
 GPU, eager for a simulated GPU under `auto`) and reports the decision, its reason and its
-buckets in `/capability` `compile`. The default `auto` is not passed on the worker's command
-line, so a worker stand-in that knows no `--compile` keeps working; the trade-off is one more
-place that must agree with the worker's default (tests/test_compiled_step.py checks it).
+buckets in `/capability` `compile`. Under `auto` the worker's configuration gets
+`$HETSERVE_COMPILE` where the router runs, else `auto` (server/fleet/spec.py `worker_config`); the
+modes are the contract's (`COMPILE_MODES`), so the two processes accept the same ones.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 
 from server.errors import UsageError
+from workers.contract import COMPILE_MODES
 
 AUTO = "auto"
-COMPILE_MODES = (AUTO, "on", "off")
 
 
 def add_compile_flags(serve: argparse.ArgumentParser) -> None:

@@ -11,8 +11,9 @@ give the speeds and charges (workers/contract/stage_timing.py: each device's sec
 and step, and the time each stage's thread was busy besides its layers, recorded on this host
 by the first stage); the reason then says measured, with the figures. Before that, estimates:
 a simulated device computes on this host's CPU like every other, so they are equal; a real
-GPU's is its memory bandwidth (decoding reads every weight once per step); either divided by its
-`$HETSERVE_SLOWDOWN` factor, the knob that makes a worker that much slower on purpose. The
+GPU's is its memory bandwidth (decoding reads every weight once per step); a simulated device's
+divided by its `$HETSERVE_SLOWDOWN` factor, the knob that makes its worker that much slower on
+purpose (workers/device/slowdown.py). The
 first stage also serves the whole pipeline (schedules, samples, detokenizes, answers HTTP); on
 a device that computes on the host's CPU that work shares the core with its layers, so it is
 charged `SERVING_BYTES` of weight reads, in its layers' units (`serving_charge`); on a GPU the
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from server.errors import UsageError
@@ -40,7 +41,7 @@ from workers.contract.pipeline import (
     split_layers,
     unsplittable,
 )
-from workers.contract.slowdown import slowdown_factor
+from workers.contract.slowdown import device_slowdown
 from workers.contract.stage_timing import PipelineTiming, device_key, measured_inputs, model_key, record_key
 
 # Memory bandwidth (GB/s) by compute capability or gfx name: decode speed follows it. Unlisted: 1000.
@@ -87,7 +88,7 @@ class PipelineGroup:
 def device_speed(device: DeviceInfo, slowdown: str = "") -> tuple[float, str]:
     """(relative speed, why) of a device before anything ran on it (see the module docstring)."""
     try:
-        factor = slowdown_factor(slowdown, worker_id(device))
+        factor = device_slowdown(slowdown, worker_id(device), device.simulated)
     except ValueError as e:
         raise PipelineError(str(e)) from e
     if device.simulated or device.type == "cpu":
@@ -130,7 +131,7 @@ def timing_keys(hf: dict, devices: Sequence[DeviceInfo], dtype: str, quantize: s
     keys = []
     for d in devices:
         try:
-            factor = slowdown_factor(slowdown, worker_id(d))
+            factor = device_slowdown(slowdown, worker_id(d), d.simulated)
         except ValueError as e:
             raise PipelineError(str(e)) from e
         keys.append(device_key(d.uuid, d.simulated, d.index, d.simulate_token or d.capability_label, factor))
@@ -195,7 +196,9 @@ def free_address() -> str:
 
 
 def backend_for(devices: Sequence[DeviceInfo]) -> str:
-    """NCCL (RCCL on ROCm) between real GPUs of one vendor, gloo otherwise (workers/pipeline/transport.py)."""
+    """The process group's backend, written into the plan that every stage joins by: NCCL (RCCL on
+    ROCm) between real GPUs of one vendor, gloo otherwise, through host memory (CPU and simulated
+    devices, GPUs of different vendors; workers/pipeline/transport.py)."""
     kinds = {d.type for d in devices}
     return "nccl" if not any(d.simulated for d in devices) and len(kinds) == 1 and kinds <= {"cuda", "rocm"} \
         else "gloo"
@@ -204,20 +207,18 @@ def backend_for(devices: Sequence[DeviceInfo]) -> str:
 def pipeline_spec(group: PipelineGroup, model_dir: Path, settings, run_dir: Path, parent_pid: int, threads: int,
                   base: dict[str, str]) -> WorkerSpec:
     """The first stage's spec, told to start the others from a plan file in `run_dir`: each stage's
-    command line and environment built as for any worker on its device."""
+    `WorkerConfig` and environment built as for any worker on its device."""
     specs = [build_worker_spec(d, group.model, model_dir, settings, run_dir, parent_pid, threads, base)
              for d in group.devices]
     keys = group.timing_devices or ("",) * len(specs)
-    stages = tuple(StagePlan(s.start, s.end, spec.argv[len(settings.worker_command):] if i else (), spec.env if i
-                             else (), f"{spec.id} ({spec.device.capability_label})", key)
+    stages = tuple(StagePlan(s.start, s.end, spec.config if i else None, spec.env if i else (),
+                             f"{spec.id} ({spec.device.capability_label})", key)
                    for i, (s, spec, key) in enumerate(zip(group.splits, specs, keys, strict=True)))
     path = run_dir / f"{specs[0].id}.pipeline.json"
     PipelinePlan(free_address(), stages, backend=backend_for(group.devices),
                  notes={"reason": group.reason}, timing_model=group.timing_model).write(path)
     first = specs[0]
-    return WorkerSpec(first.id, first.device, first.socket_path, first.status_path,
-                      (*first.argv, "--pipeline-plan", str(path)), first.env, first.threads, first.model,
-                      first.model_dir)
+    return replace(first, config=replace(first.config, pipeline_plan=str(path)))
 
 
 def with_pipelines(specs: list[WorkerSpec], groups: Sequence[PipelineGroup], settings, run_dir: Path,

@@ -1,6 +1,10 @@
-"""How each worker process is started: its id, command line and environment (pure).
+"""How each worker process is started: its id, configuration, command and environment (pure).
 
-One worker per selected device. The environment is fixed before the child's Python starts,
+One worker per selected device. Its configuration is one `WorkerConfig` (workers/contract/
+config.py), which the supervisor writes as JSON beside its socket before each start; the
+command is then `python -m workers --config FILE`. What the worker would otherwise read from
+this process's environment is resolved here, once: `$HETSERVE_COMPILE` where `--compile` is
+auto, `$HETSERVE_PREFLIGHT`, and a simulated device's `$HETSERVE_SLOWDOWN` factor. The environment is fixed before the child's Python starts,
 which is what makes "bind first" possible: a real GPU worker sees exactly one device
 (`CUDA_DEVICE_ORDER=PCI_BUS_ID`, `CUDA_VISIBLE_DEVICES=<its UUID>`), a simulated one sees
 none (`CUDA_VISIBLE_DEVICES=""`) and learns its capability from `HETSERVE_SIMULATE`.
@@ -19,19 +23,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.config.api_key import ENV_API_KEY
-from server.config.budgets import worker_args as budget_worker_args
+from server.config.budgets import worker_budget
+from server.config.compile import AUTO as AUTO_COMPILE
 from server.config.settings import RouterSettings
+from server.errors import UsageError
 from workers.contract import (
+    ENV_COMPILE,
     ENV_DEVICE_INDEX,
     ENV_DEVICE_UUID,
+    ENV_PREFLIGHT,
     ENV_SIMULATE,
     DeviceInfo,
+    WorkerConfig,
     cpu_device,
     step_token_budget,
     use_triton_cache,
 )
+from workers.contract.slowdown import ENV_SLOWDOWN, device_slowdown
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: server/fleet/spec.py -> ../..
 
 # Variables that choose a device: never inherited from the router's own environment.
 _DEVICE_ENV = (
@@ -52,11 +62,24 @@ class WorkerSpec:
     device: DeviceInfo
     socket_path: Path
     status_path: Path
-    argv: tuple[str, ...]
+    config: WorkerConfig  # written to `config_path` before each start
+    command: tuple[str, ...]  # the worker program (`python -m workers`, or a stand-in's)
     env: tuple[tuple[str, str], ...]  # sorted (name, value) pairs: hashable and comparable
     threads: int
     model: str = ""  # the name of the model it serves (server/config/models.py)
     model_dir: Path | None = None
+
+    @property
+    def config_path(self) -> Path:
+        return self.status_path.with_name(f"{self.id}.config.json")
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return (*self.command, "--config", str(self.config_path))
+
+    def write_config(self) -> Path:
+        """The configuration file the command reads (rewritten before each start)."""
+        return self.config.write(self.config_path)
 
     def environ(self) -> dict[str, str]:
         return dict(self.env)
@@ -123,46 +146,33 @@ def worker_environment(device: DeviceInfo, threads: int, base: dict[str, str]) -
     return env
 
 
-def worker_argv(spec_id: str, device: DeviceInfo, settings: RouterSettings, socket_path: Path,
-                status_path: Path, threads: int, parent_pid: int, model_dir: Path | None = None) -> tuple[str, ...]:
-    """The command line of `python -m workers` (its arguments are the worker's `parse_args`);
-    `model_dir`: the model it serves (default: the settings' default model)."""
-    argv = [
-        *settings.worker_command,
-        "--socket", str(socket_path),
-        "--worker-id", spec_id,
-        "--model", str(model_dir or settings.model_dir),
-        "--device-index", str(device.index),
-        "--device-uuid", device.uuid,
-        "--dtype", settings.dtype,
-        "--quantize", settings.quantize,
-        "--max-batch", str(settings.max_batch),
-        "--max-queue", str(settings.max_queue),
-        "--kv-block-size", str(settings.kv_block_size),
-        "--max-num-batched-tokens", str(settings.max_num_batched_tokens
-                                        or step_token_budget(device.computes_on_cpu, settings.max_batch)),
-        "--threads", str(threads),
-        "--status-file", str(status_path),
-        "--parent-pid", str(parent_pid),
-    ]
-    if device.simulate_token is not None:
-        argv += ["--simulate", device.simulate_token]
-    if not settings.prefix_cache:
-        argv.append("--no-prefix-cache")
-    if settings.kv_cache_bytes is not None:
-        argv += ["--kv-cache-bytes", str(settings.kv_cache_bytes)]
-    if settings.max_model_len is not None:
-        argv += ["--max-model-len", str(settings.max_model_len)]
-    if settings.gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", f"{settings.gpu_memory_utilization:g}"]
-    if settings.otlp_endpoint is not None:
-        argv += ["--otlp-endpoint", settings.otlp_endpoint]
-    if settings.deterministic:
-        argv.append("--deterministic")
-    argv += budget_worker_args(settings.budgets)  # the grammar compile budget, where not the default
-    if settings.compile != "auto":  # the worker's default is auto (server/config/compile.py)
-        argv += ["--compile", settings.compile]
-    return tuple(argv)
+def worker_config(spec_id: str, device: DeviceInfo, settings: RouterSettings, socket_path: Path,
+                  status_path: Path, threads: int, parent_pid: int, model_dir: Path | None = None,
+                  environ: dict[str, str] | None = None) -> WorkerConfig:
+    """The configuration of the worker `spec_id` on `device` (`model_dir`: the model it serves,
+    default the settings' default model); `environ`: this process's environment, whose
+    `$HETSERVE_COMPILE`, `$HETSERVE_PREFLIGHT` and `$HETSERVE_SLOWDOWN` it carries (the module
+    docstring). `UsageError` names a bad value."""
+    environ = os.environ if environ is None else environ
+    try:
+        return WorkerConfig(
+            socket=str(socket_path), worker_id=spec_id, model=str(model_dir or settings.model_dir),
+            simulate=device.simulate_token, device_index=device.index, device_uuid=device.uuid,
+            dtype=settings.dtype, quantize=settings.quantize, max_batch=settings.max_batch,
+            max_queue=settings.max_queue, kv_cache_bytes=settings.kv_cache_bytes,
+            max_model_len=settings.max_model_len, gpu_memory_utilization=settings.gpu_memory_utilization,
+            kv_block_size=settings.kv_block_size, no_prefix_cache=not settings.prefix_cache,
+            max_num_batched_tokens=settings.max_num_batched_tokens
+            or step_token_budget(device.computes_on_cpu, settings.max_batch),
+            deterministic=settings.deterministic,
+            compile=settings.compile if settings.compile != AUTO_COMPILE else environ.get(ENV_COMPILE) or AUTO_COMPILE,
+            threads=threads, status_file=str(status_path), parent_pid=parent_pid,
+            otlp_endpoint=settings.otlp_endpoint, preflight=environ.get(ENV_PREFLIGHT) or AUTO_COMPILE,
+            slowdown=device_slowdown(environ.get(ENV_SLOWDOWN, ""), spec_id, device.simulated),
+            **worker_budget(settings.budgets),
+        )
+    except ValueError as e:  # a `WorkerConfigError`, a bad `$HETSERVE_SLOWDOWN`
+        raise UsageError(f"worker {spec_id}: {e}") from e
 
 
 def build_worker_spec(device: DeviceInfo, model: str, model_dir: Path, settings: RouterSettings, run_dir: Path,
@@ -175,9 +185,9 @@ def build_worker_spec(device: DeviceInfo, model: str, model_dir: Path, settings:
     # torch's compile cache, else an empty /tmp/torchinductor_<user> outlives every run
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_dir / f"{wid}.inductor"))
     env.pop(ENV_API_KEY, None)  # workers have no use for the router's key
-    argv = worker_argv(wid, device, settings, socket_path, status_path, threads, parent_pid, model_dir)
-    return WorkerSpec(wid, device, socket_path, status_path, argv, tuple(sorted(env.items())), threads, model,
-                      model_dir)
+    config = worker_config(wid, device, settings, socket_path, status_path, threads, parent_pid, model_dir, base)
+    return WorkerSpec(wid, device, socket_path, status_path, config, tuple(settings.worker_command),
+                      tuple(sorted(env.items())), threads, model, model_dir)
 
 
 def build_worker_specs(devices: list[DeviceInfo], settings: RouterSettings, run_dir: Path,

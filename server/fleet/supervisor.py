@@ -257,7 +257,7 @@ class Supervisor:
             try:
                 await self._spawn(handle)
             except OSError as e:
-                self._set(handle, WorkerState.FAILED, f"could not start `{' '.join(handle.spec.argv[:3])}`: {e}",
+                self._set(handle, WorkerState.FAILED, f"could not start `{' '.join(handle.spec.command)}`: {e}",
                           logged=True)
                 logger.error("worker %s failed: %s", handle.id, handle.reason)
                 return
@@ -298,6 +298,7 @@ class Supervisor:
         handle.step = None
         handle.probe = None
         handle.breaker.reset()  # a new process starts with a clean record
+        spec.write_config()  # what `python -m workers --config FILE` reads
         handle.process = await spawn(spec.argv, spec.environ())
         handle.pid = handle.process.pid
         handle.generation += 1

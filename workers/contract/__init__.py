@@ -6,9 +6,11 @@ Both processes import this package, and the router imports nothing else from `wo
 lifecycle values (`lifecycle`), defaults, environment and header names (`defaults`), the
 limits of a generation request and its shape checks (`limits`), the chat-template lookup
 (`chat_template`), JSON schemas as requests carry them (`json_schema`), the
-per-architecture Triton cache (`triton_cache`) and the `/capability` and `/health` payloads
-(`payload`), and the typed bodies that cross between them: `WorkerRequest`, the one shape of a
-generation request (`request`), and the tokenize, detokenize, embed and abort bodies (`wire`). Code outside the contract imports these names from here; tracing setup, which
+per-architecture Triton cache (`triton_cache`), the `/capability` and `/health` payloads
+(`payload`), the worker's whole configuration (`config`: `WorkerConfig`, written as JSON by the
+router, read by the worker), and the typed bodies that cross between them: `WorkerRequest`, the
+one shape of a generation request (`request`), and the tokenize, detokenize, embed and abort
+bodies (`wire`). Code outside the contract imports these names from here; tracing setup, which
 both processes share too, is its own module (`workers.contract.tracing`): it loads
 OpenTelemetry only when asked to.
 """
@@ -29,7 +31,9 @@ from workers.contract.chat_template import (
     read_tokenizer_config,
     token_text,
 )
+from workers.contract.config import WorkerConfig, WorkerConfigError
 from workers.contract.defaults import (
+    COMPILE_MODES,
     CPU_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH,
@@ -42,7 +46,6 @@ from workers.contract.defaults import (
     ENV_DEVICE_UUID,
     ENV_PREFLIGHT,
     ENV_SIMULATE,
-    ENV_TEST_PERTURB_LOGITS,
     GATEWAY_KV_USAGE,
     GATEWAY_POD,
     GATEWAY_RUNNING,
@@ -153,12 +156,12 @@ __all__ = [
     "TOKENIZER_CONFIG", "TOKENIZER_FILE", "FoundTemplate", "find_chat_template", "read_special_tokens",
     "read_tokenizer_config", "token_text", "DEFAULT_KV_BLOCK_SIZE", "DEFAULT_MAX_BATCH",
     "CPU_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_QUEUE", "DEFAULT_MODEL_DIR", "DRAIN_TIMEOUT_S",
-    "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_COMPILE", "ENV_PREFLIGHT", "ENV_SIMULATE", "ENV_TEST_PERTURB_LOGITS",
+    "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_COMPILE", "ENV_PREFLIGHT", "ENV_SIMULATE",
     "GATEWAY_KV_USAGE", "GATEWAY_POD", "GATEWAY_RUNNING", "GATEWAY_WAITING", "HEADER_FP8",
     "HEADER_CHANNEL", "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_MODEL", "HEADER_PIN_WORKER",
     "HEADER_STREAM_KEY", "HEADER_WORKER_CAPABILITY",
     "HEADER_WORKER_ID", "KV_BLOCK_SIZES", "MAX_HEADER_BYTES", "MAX_HEADER_COUNT", "MAX_URL_BYTES",
-    "PREFLIGHT_MODES", "RESUME_IDS", "RUN_DIR_MARKER", "WORKER_HEADERS", "engine_limits_error", "step_token_budget",
+    "PREFLIGHT_MODES", "COMPILE_MODES", "WorkerConfig", "WorkerConfigError", "RESUME_IDS", "RUN_DIR_MARKER", "WORKER_HEADERS", "engine_limits_error", "step_token_budget",
     "DEVICE_FIELDS", "DeviceDescribing", "DeviceInfo", "DEVICE_TYPES", "EMULATED", "FP8_CONVENTIONS",
     "NATIVE", "NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_CAPABILITY", "ROCM_NATIVE_FP8_LAST",
     "ROCM_OCP_FP8_CAPABILITY", "Fp8Decision", "fp8_rule", "FP8_DEQUANTIZED", "FP8_EXECUTIONS", "FP8_NATIVE",

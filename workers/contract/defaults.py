@@ -52,11 +52,6 @@ ENV_SIMULATE = "HETSERVE_SIMULATE"
 ENV_DEVICE_INDEX = "HETSERVE_DEVICE_INDEX"
 ENV_DEVICE_UUID = "HETSERVE_DEVICE_UUID"
 
-# Test-only fault injection, never set in production: `<worker id>:<scale>` makes that worker's
-# model runner add a fixed pseudo-random vector (standard normal x scale) to every logits row, a
-# stand-in for a card that computes wrong. The router's canary must catch it (server/canary/monitor.py).
-ENV_TEST_PERTURB_LOGITS = "HETSERVE_TEST_PERTURB_LOGITS"
-
 # Whether a worker compiles and checks its selected kernels before ready (`--preflight`):
 # auto = on real GPUs only, on = simulated GPUs too (compiled for their target), off = never.
 ENV_PREFLIGHT = "HETSERVE_PREFLIGHT"
@@ -66,6 +61,7 @@ PREFLIGHT_MODES = ("auto", "on", "off")
 # not given: auto (workers/engine/compiled.py `decide`), on, off. The test suite sets it to off
 # (tests/conftest.py): dozens of CPU workers each compiling at start would cost minutes.
 ENV_COMPILE = "HETSERVE_COMPILE"
+COMPILE_MODES = ("auto", "on", "off")
 
 # Response headers: which worker answered, its capability and its fp8 convention.
 HEADER_WORKER_ID = "X-Worker-Id"

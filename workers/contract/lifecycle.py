@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from enum import IntEnum, StrEnum
 
-# The mission, in order: the worker's entry point runs them top-down (`compile`: the decode step
-# per batch bucket, once the server is built and before its socket listens).
-STARTUP_STEPS = ("bind", "capability", "load", "kernelize", "fp8", "serve", "compile")
+# The mission, in order: the worker's entry point runs them top-down (`kv_cache` and `engine`:
+# the engine built for this device; `compile`: the decode step per batch bucket, once the server
+# is built and before its socket listens). A pipeline's stage also reports `pipeline` (its plan,
+# then joining the other stages).
+STARTUP_STEPS = ("bind", "capability", "load", "kernelize", "fp8", "kv_cache", "engine", "serve", "compile")
 
 
 class ExitCode(IntEnum):

@@ -33,6 +33,19 @@ GRAMMAR_COMPILE_WORKERS = 2
 GRAMMAR_CACHE_MIB = 256
 
 
+def grammar_budget_error(timeout_s: float, memory_mib: int, workers: int, cache_mib: int) -> str | None:
+    """Why a grammar compile budget cannot work (one message naming the flag and its value), or
+    None: the worker's configuration and its `CompileBudget` check the same values with it."""
+    if not timeout_s > 0:
+        return f"`--grammar-compile-timeout {timeout_s}` must be > 0 seconds"
+    for flag, value in (("grammar-compile-memory-mib", memory_mib), ("grammar-compile-workers", workers)):
+        if value < 1:
+            return f"`--{flag} {value}` must be at least 1"
+    if cache_mib < 0:
+        return f"`--grammar-cache-mib {cache_mib}` must be >= 0 (0 keeps none)"
+    return None
+
+
 def grammar_value(kind: str, value):
     """A request grammar's value, checked for its type: a non-empty pattern (`regex`), a schema
     as an object or JSON text (`json`, loaded), `{"name": ..., "schema": ...}` (`json_schema`,

@@ -1,8 +1,8 @@
 """A pipeline replica: one model's layers split over several devices, each stage its own worker.
 
 Design: the router decides the split (`split_layers`) and writes a `PipelinePlan` file; the
-first stage's worker starts the others from it (each with its own device environment, as the
-router would start any worker) and joins them in one `torch.distributed` process group. Both
+first stage's worker starts the others from it (each from its own `WorkerConfig` and device
+environment, as the router would start any worker) and joins them in one `torch.distributed` process group. Both
 sides read the plan through this module, so the file's shape is defined once.
 
 The split rule: each stage holds what it can (`capacity`: its memory for weights, after its
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from workers.contract.config import WorkerConfig
 from workers.contract.sizes import human
 
 
@@ -168,11 +169,12 @@ def parse_partition(text: str) -> tuple[int, ...]:
 # ---- the plan file ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage: its layers [start, end), the worker's command-line arguments and environment."""
+    """One stage: its layers [start, end), its worker's configuration (None for the first stage,
+    which runs its own) and environment."""
 
     start: int
     end: int
-    argv: tuple[str, ...] = ()
+    config: WorkerConfig | None = None
     env: tuple[tuple[str, str], ...] = ()
     device: str = ""  # its device, as `/workers` shows it (e.g. `gpu2 (sm_86)`)
     timing_device: str = ""  # its device's key in the stage timings (workers/contract/stage_timing.py)
@@ -200,7 +202,8 @@ class PipelinePlan:
     def read(cls, path: str | Path) -> PipelinePlan:
         try:
             raw = json.loads(Path(path).read_text())
-            stages = tuple(StagePlan(s["start"], s["end"], tuple(s.get("argv", ())),
+            stages = tuple(StagePlan(s["start"], s["end"],
+                                     None if s.get("config") is None else WorkerConfig.from_dict(s["config"]),
                                      tuple(tuple(p) for p in s.get("env", ())), s.get("device", ""),
                                      s.get("timing_device", ""))
                            for s in raw["stages"])
@@ -210,4 +213,6 @@ class PipelinePlan:
             raise PipelineSplitError(f"Pipeline plan `{path}` cannot be read: {e}") from e
         if len(stages) < 2 or stages[0].start != 0 or any(a.end != b.start for a, b in zip(stages, stages[1:], strict=False)):
             raise PipelineSplitError(f"Pipeline plan `{path}` does not give contiguous layers from 0 to its stages")
+        if any(stage.config is None for stage in stages[1:]):
+            raise PipelineSplitError(f"Pipeline plan `{path}` gives a stage after the first no worker config")
         return plan

@@ -1,7 +1,9 @@
-"""The `HETSERVE_SLOWDOWN` value (benchmarks and tests only): each worker's factor, read by both processes.
+"""The `HETSERVE_SLOWDOWN` value (benchmarks and tests only): each simulated device's factor.
 
-A worker slows its own forward passes by it (workers/device/slowdown.py); the router weighs a
-pipeline stage's speed by it (server/fleet/pipelines.py). Parsed here once, torch-free.
+The router reads it once and uses each factor twice: in the worker's configuration (the
+simulated device slows its own forward passes by it: workers/device/slowdown.py) and to weigh a
+pipeline stage's speed (server/fleet/pipelines.py). Only a simulated device is slowed, so
+`device_slowdown` gives every other device 1. Parsed here once, torch-free.
 """
 
 from __future__ import annotations
@@ -27,3 +29,8 @@ def slowdown_factor(spec: str, worker_id: str) -> float:
         raise ValueError(f"Invalid {ENV_SLOWDOWN} factor `{raw}` for worker `{worker_id}`. Accepted: a number >= 1, "
                          f"as `3` (every worker) or `gpu0=3,gpu2=1.5`")
     return factor
+
+
+def device_slowdown(spec: str, worker_id: str, simulated: bool) -> float:
+    """The factor a device's worker runs slowed by: its `slowdown_factor` when it is simulated, else 1."""
+    return slowdown_factor(spec, worker_id) if simulated else 1.0

@@ -31,7 +31,7 @@ from workers.contract import (
     parse_token,
     simulated_device,
 )
-from workers.device.build import check_torch_build
+from workers.device.build import torch_build_error
 from workers.device.guard import CudaPlatform, bind_current_device
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,9 @@ def _bind_gpu(index: int, expected_uuid: str | None) -> BoundDevice:
         raise DeviceBindError(f"Bound device UUID `{uuid}` differs from the requested `{expected_uuid}`")
     dev = _describe_gpu(index, uuid, props, torch)  # 4. capability by explicit index
     # 5. the installed torch has code this device runs (else: the reason and the build to install)
-    check_torch_build(dev, torch)
+    error = torch_build_error(dev, torch)
+    if error is not None:
+        raise DeviceBindError(error)
     return dev
 
 

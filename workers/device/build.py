@@ -51,12 +51,8 @@ def build_error(arch_list: list[str], kind: str, capability: tuple[int, int], na
             f"`{sm}`, which none of them runs on: {advice}")
 
 
-def check_torch_build(dev, torch) -> None:
-    """`DeviceBindError` (workers.device.bind) when the installed torch cannot drive the bound `dev`."""
-    from workers.device.bind import DeviceBindError
-
+def torch_build_error(dev, torch) -> str | None:
+    """Why the installed torch cannot drive the bound `dev` (bind raises it as `DeviceBindError`), or None."""
     kind = "rocm" if torch.version.hip is not None else "cuda"
-    error = build_error(list(torch.cuda.get_arch_list()), kind, tuple(dev.capability), dev.name, torch.__version__,
-                        torch.version.cuda, dev.arch)
-    if error is not None:
-        raise DeviceBindError(error)
+    return build_error(list(torch.cuda.get_arch_list()), kind, tuple(dev.capability), dev.name, torch.__version__,
+                       torch.version.cuda, dev.arch)

@@ -58,14 +58,13 @@ from pathlib import Path
 
 import torch
 
-from workers.contract import ENV_TRITON_CACHE_DIR
+from workers.contract import COMPILE_MODES, ENV_TRITON_CACHE_DIR
 from workers.engine.cuda_graphs import CudaGraphs
 from workers.kv.batch import ForwardBatch, GroupBatch
 from workers.kv.paged import PagedRows
 
 logger = logging.getLogger(__name__)
 
-COMPILE_MODES = ("auto", "on", "off")
 ENV_INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 MIN_WIDTH = 2  # the CPU graph's table width is dynamic from 2 blocks (Dynamo specializes a width of 1)
 

@@ -16,16 +16,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from workers.contract import WorkerConfig
 from workers.kv.groups import KVGroup, plan_groups
 from workers.kv.pool import KVPool, layer_shapes
 from workers.kv.sizing import kv_budget, plan_kv_blocks
 from workers.kv.state import StatePool, plan_state
 
 
-def build_kv_cache(args, bound, loaded, context: int, compile_enabled: bool, stage: tuple[int, int] | None = None,
+def build_kv_cache(config: WorkerConfig, bound, loaded, context: int, compile_enabled: bool,
+                   stage: tuple[int, int] | None = None,
                    agree: Callable[[list[int]], list[int]] | None = None) -> tuple[KVPool, str, int, str]:
     """(pool, shape description, budget, why) for this worker, or for its pipeline `stage` [start, end)."""
-    cfg, dtype, bs = loaded.config, loaded.dtype, args.kv_block_size
+    cfg, dtype, bs = loaded.config, loaded.dtype, config.kv_block_size
     if stage is not None:  # a stage keeps the state of its own linear layers only
         cfg = StageShape(cfg, stage)
     per_layer = list(KVPool.block_bytes_per_layer(cfg, dtype, bs))
@@ -34,14 +36,14 @@ def build_kv_cache(args, bound, loaded, context: int, compile_enabled: bool, sta
     per_token = KVPool.bytes_per_token(cfg, dtype) if stage is None else max(1, sum(per_layer) // bs)
     per_state = StatePool.bytes_per_sequence(cfg, dtype) if cfg.state_layers else 0
     weights = sum(t.numel() * t.element_size() for t in (*loaded.model.parameters(), *loaded.model.buffers()))
-    budget, why = kv_budget(args, bound, per_token, context, per_state, weights)
+    budget, why = kv_budget(config, bound, per_token, context, per_state, weights)
     # the linear layers' state of --max-batch sequences comes out of the budget first (workers/kv/state.py)
-    state_bytes, state_why = plan_state(cfg, dtype, args.max_batch, budget)
+    state_bytes, state_why = plan_state(cfg, dtype, config.max_batch, budget)
     budget -= state_bytes
     _, shape = plan_kv_blocks(per_token, bs, budget, context)  # raises below one block
     # sliding layers get a window per sequence, the full layers the rest, each group in its own
     # shape's bytes; layers reading another's KV hold none (workers/kv/groups.py)
-    groups = plan_groups(cfg.layer_windows, per_layer, budget, bs, args.max_batch, args.max_num_batched_tokens,
+    groups = plan_groups(cfg.layer_windows, per_layer, budget, bs, config.max_batch, config.max_num_batched_tokens,
                          layer_shapes(cfg))
     if agree is not None:  # every stage of a pipeline: the fewest blocks any stage holds, per group
         groups = tuple(replace(g, num_blocks=n) for g, n in zip(groups, agree([g.num_blocks for g in groups]),
@@ -54,7 +56,7 @@ def build_kv_cache(args, bound, loaded, context: int, compile_enabled: bool, sta
         shape = f"layers {stage[0]}:{stage[1]} of a pipeline, {groups[0].num_blocks} blocks x {bs} tokens"
         groups = _stage_only(groups, stage)
     kv = KVPool.for_config(cfg, groups[0].num_blocks, bs, dtype, bound.torch_device, groups,
-                           state_slots=args.max_batch)
+                           state_slots=config.max_batch)
     if stage is None and (len(groups) > 1 or groups[0].window is not None):
         shape = "; ".join(f"{'full' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers x "
                           f"{g.num_blocks} blocks x {bs} tokens ({g.kv_heads or cfg.num_key_value_heads} KV "

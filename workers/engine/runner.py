@@ -18,46 +18,19 @@ not measured there yet) the decode rows still run compiled and the prompt chunks
 second forward, the logits put back in chunk order (the two forwards touch different
 sequences' blocks: a decoding sequence writes only its own last block); one chunk list is
 then walked twice per step (to pack it, then to split the logits), a few microseconds.
-
-Test-only fault injection: `$HETSERVE_TEST_PERTURB_LOGITS=<worker id>:<scale>` makes the runner
-of that worker add a fixed pseudo-random vector (standard normal x scale, seed 0) to every
-logits row it returns, a stand-in for a card that computes wrong, so that tests can check the
-router's canary catches it. It is read only when a worker id is given, never set by hetserve
-itself, and does nothing unless the id matches.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
-from workers.contract import ENV_TEST_PERTURB_LOGITS
 from workers.engine.compiled import CompiledDecode
 from workers.kv.batch import ForwardBatch, SeqChunk
 from workers.kv.mirror import DecodeMirror
 
-logger = logging.getLogger(__name__)
-
-
-def injected_perturbation(worker_id: str | None, vocab_size: int | None, device) -> torch.Tensor | None:
-    """The logits offset `$HETSERVE_TEST_PERTURB_LOGITS` asks of worker `worker_id` (test-only), or None."""
-    raw = os.environ.get(ENV_TEST_PERTURB_LOGITS, "")
-    target, _, scale = raw.rpartition(":")
-    if not raw or worker_id is None or vocab_size is None or target != worker_id:
-        return None
-    try:
-        value = float(scale)
-    except ValueError as e:
-        raise ValueError(f"`${ENV_TEST_PERTURB_LOGITS}={raw}` is not `<worker id>:<scale>`") from e
-    logger.warning("TEST-ONLY fault injection: logits perturbed by N(0, 1) x %g", value)
-    gen = torch.Generator().manual_seed(0)
-    return (torch.randn(vocab_size, generator=gen) * value).to(device)
-
 
 class ModelRunner:
-    def __init__(self, model, kv, device: str | torch.device, worker_id: str | None = None, mirror: bool = True,
+    def __init__(self, model, kv, device: str | torch.device, mirror: bool = True,
                  compiled: CompiledDecode | None = None, in_place: bool = False):
         """`mirror=False` leaves the CPU decode mirror out (deterministic mode reads the pool);
         `compiled`: the decode step per bucket that one-token chunks run on (None: all eager);
@@ -70,7 +43,6 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu" and compiled is None and not in_place
         self.mirror = DecodeMirror(kv) if on_cpu and mirror and self.windows[0] is None else None
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
-        self.perturb = injected_perturbation(worker_id, self.vocab_size, self.device)
         # rotaries that depend on the prompt's length (dynamic, LongRoPE: workers/model/rope.py)
         self.rope_threshold: int | None = getattr(model, "rope_threshold", None)
 
@@ -90,16 +62,13 @@ class ModelRunner:
                           c.seq.rope_len if rope else 0, c.seq.group_tables, c.seq.state_slot), c.token_ids)
                 for i, c in enumerate(chunks)]
 
-    def _perturbed(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits if self.perturb is None else logits + self.perturb
-
     def execute(self, out) -> torch.Tensor:
         """Logits [N, V] float32, one row per sampling chunk, in chunk order."""
         if self.compiled is not None:
             logits = self._execute_compiled(out.chunks)
             if logits is not None:
-                return self._perturbed(logits)
-        return self._perturbed(self._forward(out.chunks, lambda i, c: int(c.samples), out.preempted))
+                return logits
+        return self._forward(out.chunks, lambda i, c: int(c.samples), out.preempted)
 
     def _execute_compiled(self, chunks) -> torch.Tensor | None:
         """The step's one-token chunks through the compiled decode, any prompt chunks eager in
@@ -133,7 +102,7 @@ class ModelRunner:
         """`execute`, plus the logits at every row of the chunks `scored` (indices into
         `out.chunks`), from the same forward: ([N, V], [[len(chunk), V] per scored chunk])."""
         wanted = set(scored)
-        logits = self._perturbed(self._forward(out.chunks, scored_rows(wanted), out.preempted))
+        logits = self._forward(out.chunks, scored_rows(wanted), out.preempted)
         return split_scored(out.chunks, wanted, logits)
 
 

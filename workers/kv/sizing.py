@@ -21,36 +21,35 @@ device memory of its own to share out) keeps the CPU default.
 
 from __future__ import annotations
 
-import argparse
-
 # of the bound device's free memory after loading (the rest for activations); a CPU worker's cap
+from workers.contract import WorkerConfig
 from workers.contract.defaults import CPU_KV_MAX_DEFAULT_BYTES, GPU_FREE_FRACTION
 
 __all__ = ["CPU_KV_MAX_DEFAULT_BYTES", "GPU_FREE_FRACTION", "kv_budget", "plan_kv_blocks"]
 
 
-def kv_budget(args: argparse.Namespace, bound, bytes_per_token: int, context: int,
+def kv_budget(config: WorkerConfig, bound, bytes_per_token: int, context: int,
               state_per_sequence: int = 0, weights_bytes: int = 0) -> tuple[int, str]:
     """This worker's KV cache budget in bytes (the linear layers' state included, `state_per_sequence`
     bytes per sequence), from its own device only, with the reason; `weights_bytes`: what the loaded
     model holds (counted against `--gpu-memory-utilization` on a simulated device)."""
-    fraction = getattr(args, "gpu_memory_utilization", None)
+    fraction = config.gpu_memory_utilization
     if fraction is not None and (bound.is_real_gpu or bound.simulated):
-        return _fraction_budget(args, bound, fraction, weights_bytes)
+        return _fraction_budget(config, bound, fraction, weights_bytes)
     if bound.is_real_gpu:
         import torch
 
         free, _total = torch.cuda.mem_get_info(bound.torch_device)
         usable = int(free * GPU_FREE_FRACTION)
-        if args.kv_cache_bytes:
-            return min(args.kv_cache_bytes, usable), f"--kv-cache-bytes {args.kv_cache_bytes}, capped at {usable} usable"
+        if config.kv_cache_bytes:
+            return min(config.kv_cache_bytes, usable), f"--kv-cache-bytes {config.kv_cache_bytes}, capped at {usable} usable"
         return usable, f"{GPU_FREE_FRACTION:.0%} of the bound device's {free} free bytes after loading"
-    if args.kv_cache_bytes:
-        return args.kv_cache_bytes, f"--kv-cache-bytes {args.kv_cache_bytes}"
-    full = args.max_batch * (context * bytes_per_token + state_per_sequence)
+    if config.kv_cache_bytes:
+        return config.kv_cache_bytes, f"--kv-cache-bytes {config.kv_cache_bytes}"
+    full = config.max_batch * (context * bytes_per_token + state_per_sequence)
     if full <= CPU_KV_MAX_DEFAULT_BYTES:
         state = " and their linear layers' state" if state_per_sequence else ""
-        return full, f"CPU default: {args.max_batch} sequences x {context} tokens of context{state}"
+        return full, f"CPU default: {config.max_batch} sequences x {context} tokens of context{state}"
     return CPU_KV_MAX_DEFAULT_BYTES, f"CPU default: at most {CPU_KV_MAX_DEFAULT_BYTES} bytes"
 
 
@@ -67,7 +66,7 @@ def plan_kv_blocks(bytes_per_token: int, block_size: int, budget: int, context: 
     return blocks, f"{blocks} blocks x {block_size} tokens ({blocks * block_size} tokens; longest request {longest})"
 
 
-def _fraction_budget(args: argparse.Namespace, bound, fraction: float, weights_bytes: int) -> tuple[int, str]:
+def _fraction_budget(config: WorkerConfig, bound, fraction: float, weights_bytes: int) -> tuple[int, str]:
     """`--gpu-memory-utilization`: the device's share less what is already taken, capped by
     `--kv-cache-bytes`; a share smaller than what is taken is a named error."""
     if bound.is_real_gpu:
@@ -83,6 +82,6 @@ def _fraction_budget(args: argparse.Namespace, bound, fraction: float, weights_b
         raise ValueError(f"`--gpu-memory-utilization {fraction:g}` gives {share} bytes of the device's {total}, "
                          f"below the {used} bytes {what}; raise it (accepted: 0 < F <= 1)")
     why = f"--gpu-memory-utilization {fraction:g} of the device's {total} bytes, less {used} bytes {what}"
-    if args.kv_cache_bytes and args.kv_cache_bytes < budget:
-        return args.kv_cache_bytes, f"--kv-cache-bytes {args.kv_cache_bytes} (below {budget}: {why})"
+    if config.kv_cache_bytes and config.kv_cache_bytes < budget:
+        return config.kv_cache_bytes, f"--kv-cache-bytes {config.kv_cache_bytes} (below {budget}: {why})"
     return budget, why

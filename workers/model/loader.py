@@ -57,11 +57,6 @@ class LoadedModel:
     quantization: dict | None = None  # a pre-quantized checkpoint's method and schemes (workers/quant/registry.py)
 
 
-def default_model_dir() -> Path:
-    """The embedded checkpoint served when no `--model` is given (workers/default_model/)."""
-    return DEFAULT_MODEL_DIR
-
-
 # ---- dtype ----------------------------------------------------------------------------
 def choose_dtype(
     requested: str, checkpoint_dtype: str | None, device_type: str, capability: tuple[int, int] | None = None

@@ -192,26 +192,3 @@ def to_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             tensor = tensor.split(_part_sizes(config, name), dim=0)[part]
         out[hf_name] = tensor.contiguous().clone()
     return out
-
-
-def save_hf_checkpoint(model: torch.nn.Module, out_dir, dtype: torch.dtype | None = None) -> None:
-    """Write `config.json` and `model.safetensors` (HF names) for `model` into `out_dir`.
-
-    Tokenizer files are the caller's; `workers.model.loader.load_model` reads the result back and
-    so does transformers' `LlamaForCausalLM.from_pretrained`.
-    """
-    import json
-    from dataclasses import replace
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf(model)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    saved_dtype = next(iter(tensors.values())).dtype
-    config = replace(model.config, torch_dtype=str(saved_dtype).removeprefix("torch."))
-    (out / "config.json").write_text(json.dumps(config.to_hf_config(), indent=2) + "\n")
-    save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})

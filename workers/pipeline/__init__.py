@@ -2,7 +2,8 @@
 
 The first stage is a full worker (HTTP socket, scheduler, sampling) whose runner sends each
 step's hidden states on to the next stage (`runner.py`); the other stages run their layers on
-what they receive (`follower.py`); `launch.py` starts them from the router's plan and watches
+what they receive (`follower.py`); `first.py` builds the first stage's engine and holds the
+others; `launch.py` starts them from the router's plan and watches
 them; `transport.py` is the one place that speaks `torch.distributed`. Each stage binds its
 own device, loads only its layers and picks its own kernels and fp8 convention; activations
 cross in the compute dtype, never fp8.

@@ -1,10 +1,10 @@
 """A stage after the first: its layers over what the previous stage sends, until told to stop.
 
-Design: the worker's mission runs as for any worker (bind, capability, load only this stage's
-layers, kernelize, fp8 for this device); the serve step is then this loop instead of an HTTP
-socket: size the KV cache for its own layers and agree with the other stages on the blocks
-(the fewest any of them holds), tell the first stage what it runs (`describe_stage`), then per
-step receive the chunks and hidden states, build the same `ForwardBatch` for this device, run
+Design: the worker's mission runs as for any worker (workers/main.py: bind, capability, load
+only this stage's layers, kernelize, fp8 for this device, its CPU paths, then its KV cache sized
+for its own layers, the blocks agreed with the other stages: the fewest any of them holds); the
+serve step is then this loop instead of an HTTP socket: tell the first stage what it runs
+(`describe_stage`), then per step receive the chunks and hidden states, build the same `ForwardBatch` for this device, run
 the layers and hand the result on (hidden states to the next stage, logits from the last back
 to the first). A stop message is passed on before leaving. Any error ends the process: the
 first stage sees the broken link and the whole replica restarts (server/fleet/supervisor.py).
@@ -17,7 +17,6 @@ import os
 
 import torch
 
-from workers.engine.kv_cache import build_kv_cache
 from workers.kv.batch import ForwardBatch
 from workers.pipeline.metrics import StageClock
 from workers.pipeline.transport import StageLink
@@ -41,18 +40,11 @@ def _received(link: StageLink, hidden_size: int, clock: StageClock):
         return link.recv_step(hidden_size)
 
 
-def serve_stage(args, bound, loaded, kernels: dict, fp8: dict, link: StageLink, context: int,
+def serve_stage(bound, loaded, kernels: dict, fp8: dict, link: StageLink, kv, in_place: bool,
                 clock: StageClock | None = None) -> int:
-    """Serve as stage `link.rank` until the first stage stops the pipeline; the steps served.
-    `clock`: counts this stage's steps and compute time (workers/pipeline/metrics.py)."""
-    from kernels_local.paged_attention import cpu as cpu_decode
-    from workers.model.cpu_projections import install_cpu_projections
-
-    install_cpu_projections(loaded.model, bound.torch_device, loaded.dtype)
-    in_place = cpu_decode.in_place(bound.torch_device)  # decode rows through the C++ kernel, as the first stage's
-    kv, shape, budget, why = build_kv_cache(args, bound, loaded, context, False, loaded.model.stage,
-                                            link.agree_blocks)
-    logger.info("KV cache %s bytes: %s; budget %s (%s)", kv.nbytes, shape, budget, why)
+    """Serve as stage `link.rank` over its KV cache `kv` until the first stage stops the pipeline;
+    the steps served. `in_place`: decode rows attend through the CPU's C++ kernel, as the first
+    stage's do; `clock`: counts this stage's steps and compute time (workers/pipeline/metrics.py)."""
     link.gather(describe_stage(link.rank, bound, loaded, kernels, fp8, kv))
     hidden_size, sending = loaded.config.hidden_size, []
     clock = clock or StageClock()

@@ -1,10 +1,10 @@
 """The first stage starts the other stages of its pipeline and watches them.
 
 Design: the router writes the replica's plan (workers/contract/pipeline.py: each stage's layers,
-command line and environment, built as for any worker on that device) and starts only the first
+`WorkerConfig` and environment, built as for any worker on that device) and starts only the first
 stage; the first stage starts the others at once (so every stage loads its layers at the same
-time), each told to exit with it (`--parent-pid`), and then waits for all of them in the
-process group. A stage that exits takes the first stage down with it (`watch`): before serving
+time), each from its configuration written beside the plan with its rank and told to exit with
+it (`parent_pid`), and then waits for all of them in the process group. A stage that exits takes the first stage down with it (`watch`): before serving
 a start failure naming the stage and its reason (from its status file), while serving a fatal
 error, so the router restarts the whole replica. The trade-off: the router supervises one
 process per replica, and a stage's own restart is its replica's.
@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 
 from workers.contract.pipeline import PipelinePlan
 
@@ -28,27 +30,23 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.2
 
 
-def _status_file(argv) -> str | None:
-    argv = list(argv)
-    return argv[argv.index("--status-file") + 1] if "--status-file" in argv[:-1] else None
-
-
 class Stages:
     """The follower processes of one pipeline, started by its first stage."""
 
     def __init__(self, plan: PipelinePlan, plan_path: str):
         self.plan, self.procs = plan, {}
         for rank, stage in enumerate(plan.stages[1:], start=1):
-            argv = [sys.executable, "-m", "workers", *stage.argv, "--pipeline-plan", plan_path,
-                    "--pipeline-rank", str(rank), "--parent-pid", str(os.getpid())]
+            config = replace(stage.config, pipeline_plan=plan_path, pipeline_rank=rank, parent_pid=os.getpid())
+            path = config.write(Path(plan_path).with_name(f"{Path(plan_path).stem}.stage{rank}.json"))
             env = dict(stage.env) or dict(os.environ)
-            self.procs[rank] = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+            self.procs[rank] = subprocess.Popen([sys.executable, "-m", "workers", "--config", str(path)], env=env,
+                                                stdin=subprocess.DEVNULL)
             logger.info("pipeline stage %d (layers %d:%d, %s) started: pid %d", rank, stage.start, stage.end,
                         stage.device or "device", self.procs[rank].pid)
 
     def status_files(self) -> list[str | None]:
         """Each later stage's status file (where it reports its steps: workers/pipeline/metrics.py)."""
-        return [_status_file(stage.argv) for stage in self.plan.stages[1:]]
+        return [stage.config.status_file for stage in self.plan.stages[1:]]
 
     def exited(self) -> str | None:
         """Why a stage is gone (its rank, exit code and reported reason), or None while all run."""
@@ -60,7 +58,7 @@ class Stages:
         return None
 
     def _reason(self, rank: int) -> str:
-        path = _status_file(self.plan.stages[rank].argv)
+        path = self.plan.stages[rank].config.status_file
         try:
             with open(path) as f:
                 status = json.load(f)

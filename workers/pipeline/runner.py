@@ -30,9 +30,9 @@ from workers.pipeline.transport import StageLink
 
 
 class PipelineRunner(ModelRunner):
-    def __init__(self, model, kv, device, link: StageLink, worker_id: str | None = None,
-                 micro: int | None = None, clock: StageClock | None = None, in_place: bool = False):
-        super().__init__(model, kv, device, worker_id=worker_id, mirror=False, compiled=None, in_place=in_place)
+    def __init__(self, model, kv, device, link: StageLink, micro: int | None = None, clock: StageClock | None = None,
+                 in_place: bool = False):
+        super().__init__(model, kv, device, mirror=False, compiled=None, in_place=in_place)
         self.link = link
         self.micro = micro or 1  # micro-batches per step (`--pipeline-microbatches`; see the module docstring)
         self.clock = clock or StageClock()  # this stage's own compute (workers/pipeline/metrics.py)
@@ -48,7 +48,7 @@ class PipelineRunner(ModelRunner):
 
     def land(self, launched, out, scored: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A launched step's sampling logits [N, V] and its scored chunks' rows (`execute_with_prompt_logits`)."""
-        logits = self._perturbed(self._receive(*launched))
+        logits = self._receive(*launched)
         return split_scored(out.chunks, set(scored), logits) if scored else (logits, [])
 
     def _send(self, items) -> tuple[list, list[int]]:

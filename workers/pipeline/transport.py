@@ -7,9 +7,9 @@ for its own device) and the hidden states `[T, H]` in the sender's compute dtype
 sends the logits `[N, V]` back to the first in its compute dtype too, which the first makes fp32
 (the same cast a single worker makes, so the values are identical, at half the bytes of fp32). Sends do not wait for the receiver (`isend`): a
 stage goes on computing its next micro-batch while its last one travels. Nothing else crosses: no fp8, no sampling
-state. The backend is NCCL (RCCL on ROCm) when every stage is a real GPU of one vendor, gloo
-otherwise (CPU and simulated devices, a pipeline that crosses vendors), where tensors travel
-through host memory. The trade-off: a step's chunks are pickled on every hop (a few hundred
+state. The backend is the plan's (the router decides it: server/fleet/pipelines.py `backend_for`):
+NCCL (RCCL on ROCm) when every stage is a real GPU of one vendor, gloo otherwise (CPU and
+simulated devices, a pipeline that crosses vendors), where tensors travel through host memory. The trade-off: a step's chunks are pickled on every hop (a few hundred
 bytes per sequence) rather than kept as state on each stage, so a stage holds no scheduler state
 and a restarted pipeline has nothing to reconcile.
 """
@@ -29,14 +29,6 @@ from workers.contract.pipeline import PipelinePlan
 logger = logging.getLogger(__name__)
 
 STEP, STOP = 0, 1
-
-
-def choose_backend(device_types: list[str], simulated: list[bool]) -> tuple[str, str]:
-    """(backend, reason) for a pipeline over devices of these types."""
-    kinds = set(device_types)
-    if not any(simulated) and len(kinds) == 1 and kinds <= {"cuda", "rocm"}:
-        return "nccl", f"nccl: every stage a real {'ROCm' if kinds == {'rocm'} else 'CUDA'} GPU"
-    return "gloo", "gloo: CPU or simulated stages, or GPUs of different vendors (tensors through host memory)"
 
 
 @dataclass

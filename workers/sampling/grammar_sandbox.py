@@ -36,11 +36,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.contract import WorkerConfig
 from workers.contract.limits import (
     GRAMMAR_CACHE_MIB,
     GRAMMAR_COMPILE_MEMORY_MIB,
     GRAMMAR_COMPILE_TIMEOUT_S,
     GRAMMAR_COMPILE_WORKERS,
+    grammar_budget_error,
 )
 from workers.sampling.grammar_child import read_frame, write_frame
 from workers.sampling.grammar_source import GrammarError, describe
@@ -64,43 +66,20 @@ class CompileBudget:
     cache_bytes: int = GRAMMAR_CACHE_MIB << 20  # compiled grammars kept (--grammar-cache-mib)
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"`--grammar-compile-timeout {self.timeout_s}` must be > 0 seconds")
-        for flag, value in (("grammar-compile-memory-mib", self.memory_bytes >> 20),
-                            ("grammar-compile-workers", self.workers)):
-            if value < 1:
-                raise ValueError(f"`--{flag} {value}` must be at least 1")
-        if self.cache_bytes < 0:
-            raise ValueError(f"`--grammar-cache-mib {self.cache_bytes >> 20}` must be >= 0 (0 keeps none)")
+        error = grammar_budget_error(self.timeout_s, self.memory_bytes >> 20, self.workers, self.cache_bytes >> 20)
+        if error is not None:
+            raise ValueError(error)
 
     @classmethod
-    def from_args(cls, args) -> CompileBudget:
-        """From the worker's command line (`add_budget_args`); `ValueError` names a bad value."""
-        def arg(name: str, default):
-            value = getattr(args, name, None)
-            return default if value is None else value
-
-        return cls(timeout_s=arg("grammar_compile_timeout", GRAMMAR_COMPILE_TIMEOUT_S),
-                   memory_bytes=arg("grammar_compile_memory_mib", GRAMMAR_COMPILE_MEMORY_MIB) << 20,
-                   workers=arg("grammar_compile_workers", GRAMMAR_COMPILE_WORKERS),
-                   cache_bytes=arg("grammar_cache_mib", GRAMMAR_CACHE_MIB) << 20)
+    def from_config(cls, config: WorkerConfig) -> CompileBudget:
+        """The budget of the worker's configuration (its four `grammar_*` fields, checked there)."""
+        return cls(timeout_s=config.grammar_compile_timeout, memory_bytes=config.grammar_compile_memory_mib << 20,
+                   workers=config.grammar_compile_workers, cache_bytes=config.grammar_cache_mib << 20)
 
     @property
     def max_waiting(self) -> int:
         """Compiles that may wait for a free child; beyond it a new one is refused (429)."""
         return 4 * self.workers
-
-
-def add_budget_args(p) -> None:
-    """The worker's grammar budget flags (the router passes those that differ from these defaults)."""
-    p.add_argument("--grammar-compile-timeout", type=float, default=GRAMMAR_COMPILE_TIMEOUT_S, metavar="S",
-                   help="wall-clock seconds one grammar may take to compile (then 422)")
-    p.add_argument("--grammar-compile-memory-mib", type=int, default=GRAMMAR_COMPILE_MEMORY_MIB, metavar="N",
-                   help="MiB one grammar compile may use in its sandbox process (then 422)")
-    p.add_argument("--grammar-compile-workers", type=int, default=GRAMMAR_COMPILE_WORKERS, metavar="N",
-                   help="grammar compiles at once")
-    p.add_argument("--grammar-cache-mib", type=int, default=GRAMMAR_CACHE_MIB, metavar="N",
-                   help="MiB of compiled grammars kept")
 
 
 class BudgetExceeded(GrammarError):

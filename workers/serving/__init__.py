@@ -1,7 +1,7 @@
-"""The serve step: the worker's HTTP app on its Unix socket, built over the ready engine.
+"""The serve step: the worker's HTTP app on its Unix socket, over the engine the earlier steps built.
 
-`server` builds the KV cache, the engine and the app from one `Startup` value and runs
-uvicorn on the socket; `app` is the app factory; the routes (`routes/`) reach the worker
+`server` receives the built engine and the `/capability` description (workers/main.py assembles
+both: workers/engine/build.py, workers/engine/describe.py) and runs uvicorn on the socket; `app` is the app factory; the routes (`routes/`) reach the worker
 through one `context` dependency, like the router's; `schemas` are the TGI shapes at this
 edge, `errors` its error answers, `headers` the identity on every answer and `tracing` the
 span of each request.

@@ -1,0 +1,168 @@
+"""The engine built for one bound device: the CPU's own paths, the KV cache, the engine, its compiled step.
+
+Design: workers/main.py runs these in the mission's order once the model is loaded, kernelized
+and in its fp8 convention, each inside a startup step so that the status file says which one
+failed: `install_cpu_paths` (a CPU's packed projections, deterministic numerics, its C++ kernels
+and decode attention), `decide_compile` and `build_kv` (the paged cache sized for this device),
+`build_engine` (runner, scheduler, grammars) and, once the server is built, `BuiltEngine.compile`.
+Each takes the worker's `WorkerConfig` and its `BoundDevice` as arguments and returns what it made
+as a value, which `/capability` then describes (workers/engine/describe.py). A pipeline's first
+stage builds its runner and engine from the same pieces (`scheduler_config`, `grammars_for`;
+workers/pipeline/first.py). Trade-off: the steps hand each other plain values rather than sharing
+one object's state, so a step's inputs are spelled at each call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kernels_local.cpp_build import CppKernel
+from kernels_local.paged_attention import cpu as cpu_decode
+from workers.contract import WorkerConfig
+from workers.device.bind import BoundDevice
+from workers.engine.compiled import (
+    CompiledDecode,
+    CompileDecision,
+    decide,
+    decode_buckets,
+    scheduler_shapes,
+    use_inductor_cache,
+    warm_or_eager,
+)
+from workers.engine.core import Engine
+from workers.engine.kv_cache import build_kv_cache
+from workers.engine.runner import ModelRunner
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.kv.hashing import root_hash
+from workers.kv.pool import KVPool
+from workers.model.cpu_projections import install_cpu_projections
+from workers.model.deterministic import DeterministicPlan, enable_deterministic
+from workers.model.loader import LoadedModel
+from workers.sampling.grammar import CompileBudget, Grammars
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CpuPaths:
+    """What a model computing on the CPU runs besides torch's own ops, and why (`/capability`)."""
+
+    deterministic: DeterministicPlan | None = None  # --deterministic: fixed row tiles and attention splits
+    kernels: dict[str, str] = field(default_factory=dict)  # each C++ kernel's state, by its stem
+    in_place: bool = False  # decode rows attend through the C++ kernel, reading the pool in place
+    decode_attention: str | None = None  # why (None: not a CPU model, or deterministic mode)
+
+
+def context_length(config: WorkerConfig, loaded: LoadedModel) -> int:
+    """The longest sequence served: the checkpoint's context, capped by `--max-model-len`."""
+    context = loaded.config.context_length
+    return min(context, config.max_model_len) if config.max_model_len else context
+
+
+def install_cpu_paths(loaded: LoadedModel, bound: BoundDevice, deterministic: bool) -> CpuPaths:
+    """A CPU model's projections through their packs (then, `deterministic`, in fixed row tiles over
+    them: workers/model/cpu_projections.py says why that stays exact), its C++ kernels built and
+    loaded now rather than inside the first request (kernels_local/cpp_build.py `CppKernel`), and
+    whether its decode rows read the KV pool in place (kernels_local/paged_attention/cpu.py)."""
+    done = install_cpu_projections(loaded.model, bound.torch_device, loaded.dtype, experts=not deterministic)
+    if done.layers:
+        logger.info("CPU %s projections (%d layers): %s", loaded.dtype, done.layers, done.reason)
+    plan = enable_deterministic(loaded.model) if deterministic else None
+    if bound.torch_device.split(":")[0] != "cpu":
+        return CpuPaths(plan)
+    kernels = {kernel.stem: kernel.load().reason for kernel in list(CppKernel.made)}  # every copy (see `made`)
+    logger.info("CPU kernels: %s", "; ".join(f"{k}: {v}" for k, v in kernels.items()))
+    if plan is not None:  # deterministic mode has its own split attention
+        return CpuPaths(plan, kernels)
+    state = cpu_decode.load()
+    logger.info("decode attention on the CPU: %s", state.reason)
+    return CpuPaths(plan, kernels, state.available, state.reason)
+
+
+def decide_compile(config: WorkerConfig, bound: BoundDevice, cpu: CpuPaths, model, pipeline: bool) -> CompileDecision:
+    """The `--compile` decision for this device and model (workers/engine/compiled.py `decide`); a
+    pipeline's stages run every step eager (the first stage's runner sends each step on)."""
+    if pipeline:
+        decision = CompileDecision(config.compile, False, None, "a pipeline stage: every step eager (each step is "
+                                                                "sent on to the next stage)")
+    else:
+        decision = decide(config.compile, bound.torch_device.split(":")[0], bound.simulated,
+                          cpu.deterministic is not None, model)
+    logger.info("decode step: %s", decision.reason)
+    return decision
+
+
+def build_kv(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, context: int, compile_enabled: bool,
+             agree: Callable[[list[int]], list[int]] | None = None) -> KVPool:
+    """The paged KV cache for this worker, or with `agree` (a pipeline's stages settling each group's
+    blocks together) for this stage's own layers (workers/engine/kv_cache.py)."""
+    stage = None if agree is None else loaded.model.stage
+    kv, shape, budget, why = build_kv_cache(config, bound, loaded, context, compile_enabled, stage, agree)
+    if agree is not None and loaded.model.stage[0] > 0:  # a later stage: no prefix cache of its own
+        logger.info("KV cache %s bytes: %s; budget %s (%s)", kv.nbytes, shape, budget, why)
+    else:
+        logger.info("KV cache %s bytes: %s; budget %s (%s); prefix cache %s", kv.nbytes, shape, budget, why,
+                    "off" if config.no_prefix_cache or kv.states is not None else "on")
+    return kv
+
+
+def scheduler_config(config: WorkerConfig, loaded: LoadedModel, kv: KVPool, context: int,
+                     shapes: tuple[tuple[int | None, int], ...], state_slots: int) -> SchedulerConfig:
+    """The scheduler's limits: the worker's flags, the KV groups' `shapes`, and the prefix cache's
+    hash root (what besides the tokens decides a block's contents)."""
+    root = root_hash(loaded.model_id, loaded.dtype, config.quantize, config.kv_block_size)
+    return SchedulerConfig(
+        config.max_batch, context, shapes[0][1], kv.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=not config.no_prefix_cache,
+        eos_token_ids=loaded.eos_token_ids, cache_root=root, rope=loaded.model.rope_policy, kv_groups=shapes,
+        state_slots=state_slots,
+    )
+
+
+def grammars_for(config: WorkerConfig, loaded: LoadedModel) -> Grammars:
+    """The grammar engine, masking the logits' full width (the model's vocab may pad the tokenizer's)."""
+    return Grammars.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids,
+                                  config.threads or 1, CompileBudget.from_config(config))
+
+
+@dataclass
+class BuiltEngine:
+    """The engine over its KV cache, and its decode step compiled per bucket (None: every step eager)."""
+
+    engine: Engine
+    kv: KVPool
+    decision: CompileDecision
+    compiled: CompiledDecode | None = None
+
+    def compile(self) -> str:
+        """Compile (CPU) or capture (GPU) the decode step of every bucket (the `compile` startup
+        step); what it did, in one line. `auto` and compiling failed: every step eager."""
+        if self.compiled is None:
+            return self.decision.reason
+        if self.compiled.backend == "inductor":  # beside this architecture's Triton cache
+            logger.info("Inductor cache %s", use_inductor_cache())
+        self.decision = warm_or_eager(self.decision, self.compiled)
+        if not self.decision.enabled:
+            self.engine.runner.compiled = self.compiled = None
+            return self.decision.reason
+        return f"{self.compiled.backend}, buckets {list(self.compiled.buckets)} in {self.compiled.seconds:.1f}s"
+
+
+def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, kv: KVPool,
+                 decision: CompileDecision, cpu: CpuPaths, context: int) -> BuiltEngine:
+    """The engine of a worker that serves the whole model: its runner (with the compiled decode
+    step per bucket where decided; the scheduler never hands out its scratch blocks), scheduler and
+    grammars."""
+    compiled, shapes = None, kv.group_shapes
+    if decision.enabled:
+        shapes = scheduler_shapes(kv)
+        compiled = CompiledDecode(loaded.model, kv, bound.torch_device, decode_buckets(config.max_batch),
+                                  decision.backend, in_place=cpu.in_place)
+    runner = ModelRunner(loaded.model, kv, bound.torch_device, mirror=cpu.deterministic is None, compiled=compiled,
+                         in_place=cpu.in_place)
+    slots = kv.states.num_slots if kv.states is not None else 0
+    engine = Engine(runner, Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots)), loaded.tokenizer,
+                    max_queue=config.max_queue, grammars=grammars_for(config, loaded))
+    return BuiltEngine(engine, kv, decision, compiled)
