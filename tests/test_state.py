@@ -146,11 +146,11 @@ def test_the_cpu_default_budget_adds_the_state_so_the_kv_still_holds_the_full_co
     per_token, per_state = KVPool.bytes_per_token(HYBRID, torch.float32), StatePool.bytes_per_sequence(HYBRID,
                                                                                                     torch.float32)
     assert per_token == 2 * 2 * 16 * 4  # the one full layer's K and V
-    args = types.SimpleNamespace(kv_cache_bytes=0, max_batch=3)
+    args = types.SimpleNamespace(kv_cache_bytes=0, max_batch=3, gpu_memory_utilization=None)
     budget, why = kv_budget(args, cpu, per_token, 512, per_state)
     state, _ = plan_state(HYBRID, torch.float32, 3, budget)
     assert budget - state == 3 * 512 * per_token and "linear layers' state" in why
     assert kv_budget(args, cpu, per_token, 512) == (3 * 512 * per_token, "CPU default: 3 sequences x 512 tokens of "
                                                                           "context")  # fmt: skip
-    fixed = types.SimpleNamespace(kv_cache_bytes=10**6, max_batch=3)
+    fixed = types.SimpleNamespace(kv_cache_bytes=10**6, max_batch=3, gpu_memory_utilization=None)
     assert kv_budget(fixed, cpu, per_token, 512, per_state)[0] == 10**6

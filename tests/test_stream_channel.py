@@ -20,7 +20,7 @@ from server.fleet.client import SSEEvents, WorkerClient
 from server.fleet.uds_http import WorkerConnectionLost
 from tests.checkpoints import make_checkpoint
 from tests.test_worker_process import client, start_worker, wait_state
-from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY
+from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, WorkerRequest
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def _body(prompt: str, n: int = 10, **params) -> dict:
 
 
 async def _events(c: WorkerClient, body: dict) -> tuple[type, list[dict]]:
-    async with c.stream("/generate_stream", body) as response:
+    async with c.stream("/generate_stream", WorkerRequest.model_validate(body)) as response:
         assert response.status_code == 200
         return type(response), [json.loads(data) async for data in SSEEvents(response.iter_chunks()).events()]
 
@@ -105,7 +105,7 @@ def test_a_stream_closed_early_is_aborted_on_the_worker(worker):
     async def run():
         c = WorkerClient(worker["sock"])
         try:
-            async with c.stream("/generate_stream", _body("Hello", 250, do_sample=True, seed=1)) as response:
+            async with c.stream("/generate_stream", WorkerRequest.model_validate(_body("Hello", 250, do_sample=True, seed=1))) as response:
                 async for _chunk in response.iter_chunks():
                     break
             await asyncio.sleep(0.3)  # the abort call goes out on the next loop iteration
@@ -128,7 +128,7 @@ def test_a_broken_channel_fails_its_streams_and_the_worker_aborts_them(worker):
     async def run():
         c = WorkerClient(worker["sock"])
         try:
-            async with c.stream("/generate_stream", _body("Hello", 250, do_sample=True, seed=2)) as response:
+            async with c.stream("/generate_stream", WorkerRequest.model_validate(_body("Hello", 250, do_sample=True, seed=2))) as response:
                 chunks = response.iter_chunks()
                 await chunks.__anext__()
                 c.abort()

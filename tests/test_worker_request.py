@@ -71,6 +71,14 @@ def test_the_worker_parses_what_the_router_sends_into_the_same_value():
     assert s.include_stop_str_in_output is False  # OpenAI cuts the stop string
 
 
+def test_a_prompt_scored_twice_over_is_one_field():
+    """Guards the pop in `_OpenAISampling.sampling`: vLLM's `prompt_logprobs` and the route's own
+    prompt scoring (`echo` with `logprobs`) both ask for `decoder_input_details`."""
+    req = CompletionRequest(prompt="x", max_tokens=1, echo=True, logprobs=1, prompt_logprobs=1)
+    p = req.sampling(1, top_n_tokens=1, decoder_input_details=True)
+    assert p.decoder_input_details and p.prompt_top_n_tokens == 1
+
+
 def test_only_the_contracts_shapes_cross_to_a_worker():
     """Guards `wire_bytes`' type check: a plain dict never reaches a worker."""
     with pytest.raises(TypeError, match="not a request the contract declares"):

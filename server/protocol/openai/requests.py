@@ -127,7 +127,8 @@ class _OpenAISampling(VLLMExtras):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, seed=self.seed, stop=stops,
             **self.extra_parameters(),  # vLLM's extras (server/protocol/openai/extras.py)
         )
-        fields["decoder_input_details"] = fields["decoder_input_details"] or more.pop("decoder_input_details", False)
+        scored = more.pop("decoder_input_details", False)  # the route's, or vLLM's `prompt_logprobs`
+        fields["decoder_input_details"] = fields["decoder_input_details"] or scored
         return GenerationParameters.create(**fields, **more)
 
 
