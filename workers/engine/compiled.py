@@ -1,51 +1,18 @@
 """A compiled decode step per batch-size bucket: Inductor on the CPU, CUDA/HIP graphs on GPUs.
 
-Design: the common engine step decodes one token for every running sequence, and on a small
-model its time is the dispatch of a few hundred small ops, not their arithmetic. Such a step
-(every chunk one token that samples) is padded to the smallest bucket that holds it (1, 2,
-4, ... below --max-batch, then --max-batch) and run by that bucket's compiled callable; every
-other step (prompt chunks, a prompt scored for its logprobs, a dynamic rotary's per-length
-frequencies; on a GPU, an MoE layer's data-dependent expert groups) runs eager, and a step mixing
-decodes with prompt chunks runs as one eager forward where decode rows read the pool in place
-(the CPU kernel), else its decodes here and its prompt chunks eager in a second forward
-(workers/engine/runner.py). One mechanism for both kinds of device:
-- each bucket owns static inputs on the device (token ids, positions, each KV group's slots
-  and block tables `[B, W]` with `W` the blocks of the longest sequence, the lengths) and one
-  `ForwardBatch` built once over them, whose Python values are constants (`max_pos` is the
-  context's last position, so the rotary tables grow once, before compiling). A step copies
-  its rows in and runs the bucket: `Transformer.step` itself, the same code as eager (a
-  LongRoPE model's rows carry their rotation length, and the short or long table is a
-  per-row `where`);
-- pad rows read and write only the scratch block (the last block of each KV group, which the
-  scheduler never hands out: `scratch_groups`); their logits are dropped;
-- CPU: `torch.compile` (Inductor, full graph) of the step per bucket. Decode rows attend
-  through the block table (`workers/kv/paged.py` `PagedRows`: the C++ kernel reading the blocks
-  in place, one opaque op, where the worker loaded it; else explicit ops that Inductor fuses
-  into one gather a whole block per table entry, written once for the batched matmuls), over
-  the table width the step needs, which is a dynamic dimension: one graph per bucket serves
-  every length;
-- CUDA/ROCm: a graph per bucket, captured once the worker has bound its device; the
-  paged-decode kernel reads block tables and lengths from the static buffers, so a graph
-  replays for any lengths up to the width it was captured with (the context).
-What kept `torch.compile(model.step)` from working, and the fix: the step's
-`@torch.inference_mode()` decorator (Dynamo cannot trace into it: the body is compiled and
-called under the engine's inference mode); each layer's K/V view of the pool, which made
-the graph's inputs aliases of one tensor that Inductor copies whole on every write (layers
-are sliced, and written, from one flat view per group inside the graph: workers/kv/pool.py);
-the CPU decode mirror (a Python-side row map, storage offsets: graph breaks; not used with a
-compiled step, whose in-place attention needs no contiguous copy); the step's per-step
-Python values (lengths, masks, max positions: constants or tensors here).
-Dynamo checks its guards on every call; a decode keeps those on the step's inputs, the KV pool
-and the model's plain attributes, and drops those on the model's submodules and weights (four
-in five, 0.1-0.25 ms a step: fixed once the worker built its model), over its own copy of the
-step's code, so no other model in the process can match its graphs (`own_code`).
-Compiled code lives per process; Inductor's on-disk cache per architecture, beside the
-architecture's Triton cache (`use_inductor_cache`), never shared across devices.
-Trade-off: a bucket computes up to twice the rows it needs (31 rows run as 32; 17 as 32), and
-on the CPU every row attends the longest row's table width (masked), for one call instead of
-hundreds; compile time at start (Inductor: 22-43 s for the embedded model's six buckets on 2
-loaded cores, the lower from its on-disk cache; graph capture: not measured on a GPU yet).
-"""
+Design: on a small model a decode step's time is the dispatch of a few hundred small ops, not
+their arithmetic. A step whose chunks are each one sampling token is padded to the smallest
+bucket that holds it (1, 2, 4, ... below --max-batch, then --max-batch) and runs that bucket's
+callable: `Transformer.step` itself, over static inputs the bucket owns and one `ForwardBatch`
+whose Python values are constants; pad rows read and write only each KV group's scratch block
+(`scratch_groups`). On the CPU one full graph per bucket, its table width dynamic, serves every
+length; on a GPU a graph per bucket, captured once the device is bound, replays for any length
+up to the context. Every other step runs eager (workers/engine/runner.py). For Dynamo the step
+keeps no per-step Python values and slices each layer's K/V from one flat view per group
+(workers/kv/pool.py); compiled rows attend in place, without the CPU decode mirror.
+Trade-off: a bucket computes up to twice the rows it needs (17 rows run as 32), and on the CPU
+every row attends the longest row's table width (masked), for one call instead of hundreds;
+compiling costs time at start (docs/benchmarks.md, "Compiled decode step")."""
 
 from __future__ import annotations
 
@@ -111,14 +78,13 @@ def decide(mode: str, device_type: str, simulated: bool, deterministic: bool, mo
     """The `--compile` decision for a bound device and a loaded model, with its reason.
 
     `auto` compiles where it was measured to help: CUDA/HIP graphs on a real GPU (the step's
-    launches replay as one; capture takes well under a second per bucket), and Inductor on a
-    CPU worker that is not simulating a GPU (`benchmarks/vs_vllm.py --no-vllm --compile off,on`,
-    the embedded model in bfloat16: 1.3-2.2x the output tokens/s at concurrency 1, 0.95-1.6x
-    at 16 and 32; not measured on a real GPU yet: scripts/gpu_check.sh). A simulated GPU stays eager under `auto`: it is
-    how tests and demos run many workers on few cores, where tens of seconds of compiling per
-    start cost more than they save. `off` never compiles; deterministic mode never does (its
-    fixed row tiles and attention splits are what it guarantees, and a compiled graph fuses
-    and reorders them: `--deterministic` takes precedence over `--compile on`)."""
+    launches replay as one), and Inductor on a CPU worker that is not simulating a GPU
+    (docs/benchmarks.md, "Compiled decode step"; on a GPU scripts/gpu_check.sh measures it). A
+    simulated GPU stays eager under `auto`: it is how tests and demos run many workers on few
+    cores, where compiling at every start costs more than it saves. `off` never compiles;
+    deterministic mode never does (its fixed row tiles and attention splits are what it
+    guarantees, and a compiled graph fuses and reorders them: `--deterministic` takes
+    precedence over `--compile on`)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"Unknown compile mode `{mode}`. Allowed: {', '.join(COMPILE_MODES)}")
     backend = "inductor" if device_type == "cpu" else "cuda-graphs"
@@ -169,7 +135,8 @@ def unfit_reason(model, backend: str = "inductor") -> str | None:
     if getattr(model, "stage", None) is not None:
         return "a pipeline stage (its step hands its hidden states to the next stage's process)"
     if any(s.rope_type == "dynamic" for s in getattr(model, "rope_specs", ())):
-        return "its dynamic rotary's frequencies depend on each sequence's length (a table per length, chosen on the host)"
+        return ("its dynamic rotary's frequencies depend on each sequence's length "
+                "(a table per length, chosen on the host)")
     if getattr(getattr(model, "config", None), "sparse_layers", ()):
         if backend != "inductor":
             return "its MoE layers group tokens by expert (data-dependent shapes; not captured in a graph yet)"
@@ -277,10 +244,10 @@ def own_code(fn: types.FunctionType) -> types.FunctionType:
 
 def skip_model_state_guards(entries) -> list[bool]:
     """Dynamo's guards to keep: all but those on the model's submodules and their weights (about
-    four in five of a step's, each evaluated on every call: 0.1-0.25 ms a step on this CPU,
-    benchmarks/compiled_guards.py). A worker's model is fixed once it is loaded, kernelized and packed, before
-    compiling; the step's own inputs, the KV pool, the rotary tables and the model's plain
-    attributes stay guarded."""
+    four in five of a step's, each evaluated on every call; their cost: benchmarks/compiled_guards.py).
+    A worker's model is fixed once it is loaded, kernelized and packed, before compiling; the
+    step's own inputs, the KV pool, the rotary tables and the model's plain attributes stay
+    guarded."""
     return [not e.name.startswith(MODEL_STATE) for e in entries]
 
 

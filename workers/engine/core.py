@@ -1,45 +1,18 @@
 """The engine: a loop in its own thread that turns requests into tokens on one device.
 
-Design: each step is schedule -> execute -> update.
-- schedule: the `Scheduler` (plain CPU code) picks decodes of the running batch, then
-  prompt chunks (continuing ones, then newly admitted prompts from their cached prefix)
-  within the step's token budget, preempting the newest sequences when blocks run out;
-- execute: the `ModelRunner` (`workers.engine.runner`) packs them into ONE `ForwardBatch` over the
-  paged KV cache and calls `model.step(batch, kv)` once -> logits `[N, V]` for the chunks
-  that sample; `sample_tokens()` picks one token per row, constrained rows masked by their
-  grammar (masks computed on a helper thread during the forward: they depend only on each
-  grammar's state). A prompt that asks for its own logprobs also gets its rows' logits from
-  that forward (`execute_with_prompt_logits`);
-- update: the scheduler advances every chunk, appends the tokens, finishes sequences and
-  indexes newly full blocks for prefix caching; the output processor
-  (workers/engine/output.py) detokenizes, checks stop strings and grammar ends, and makes
-  each request's events, which go out in one batch.
-Requests join (inbox) and leave (finish, abort) only between steps, so a disconnected
-client's blocks are free for the very next step. A preempted sequence sends nothing until
-it is recomputed and samples its next token, so a client never sees a token twice.
-
-Threads: the asyncio HTTP side calls `submit()` / `abort()` (they put on a thread-safe
-inbox) and reads a `RequestStream`; the engine thread hands one step's events to each event
-loop in one batch (`workers.engine.events.deliver`), so the per-step cost of crossing threads is
-one wake-up, not one per token. An idle engine runs a new request's first step on the
-submitting thread itself, under the step lock, when its prompt is short (at most
-`INLINE_MAX_TOKENS`): a request arriving at a quiet worker pays no thread hand-off (two
-wake-ups and two GIL transfers, the larger part of a one-token request's cost on a busy host),
-and the engine thread takes over if more steps are needed. Trade-off: that first step blocks
-the caller's event loop for one step, which only happens when no other request is running; a
-longer prompt's prefill would block it for longer than the hand-off saves, and while it ran
-the requests arriving behind it could not even be read: a burst of one-token requests of
-128-token prompts was prefilled one by one, each on the event loop after the previous one
-(the last of 16 answered after 72-85 ms, of 32 after 136-153; with those prompts prefilled on
-the engine thread a burst shares its steps: 68-69 and 94-97 ms, `python benchmarks/burst.py`).
-Python bookkeeping stays on the critical path of every step (the GIL is shared with the HTTP
-side), so it is kept to a few list operations per sequence; the tensor work releases the GIL.
-
-Backpressure: at most `max_sequences + max_queue` requests are in flight; `submit()` beyond
-that raises `EngineOverloaded` (HTTP 429 with Retry-After) instead of queueing forever.
-A request may resume a stream begun on another worker (`resume_ids`, workers/engine/resume.py), and
-`liveness()` tells a hung engine from an idle one (workers/engine/liveness.py).
-"""
+Design: each step is schedule -> execute -> update: the `Scheduler` (plain CPU code) picks the
+step's decodes and prompt chunks, the `ModelRunner` runs them as ONE `model.step` and
+`sample_tokens()` picks a token per row (grammar masks computed on a helper thread meanwhile),
+then the scheduler advances the sequences and the `OutputProcessor` makes each request's events,
+delivered in one batch per event loop. Requests join and leave only between steps, so an aborted
+request's blocks are free for the very next step; a preempted sequence sends nothing until it
+samples again, so a client never sees a token twice. Beyond `max_sequences + max_queue` requests
+in flight `submit()` raises `EngineOverloaded` (a 429) instead of queueing forever.
+An idle engine runs a short prompt's first step (at most `INLINE_MAX_TOKENS`) on the submitting
+thread, sparing a quiet worker's request two thread hand-offs. Trade-off: that step blocks the
+caller's event loop, so a longer prompt goes to the engine thread, where the requests of a burst
+arriving behind it are read meanwhile and share its steps; the Python bookkeeping of each step
+shares the GIL with the HTTP side, so it is kept to a few list operations per sequence."""
 
 from __future__ import annotations
 
@@ -167,7 +140,8 @@ class Engine:
             seq.generator = make_generator(seed, skip=len(resumed))
         seq.seed = seed
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, self._special_ids, params.stop,
-                                           params.include_stop_str_in_output, params.skip_special_tokens, params.min_tokens)
+                                           params.include_stop_str_in_output, params.skip_special_tokens,
+                                           params.min_tokens)
         seq.stream = RequestStream(rid, loop)
         if grammar is not None:
             seq.grammar = grammar.matcher()

@@ -1,26 +1,15 @@
 """Incremental detokenization and stop strings, one small state object per sequence.
 
-Design (the prefix/read-offset scheme of TGI and vLLM): each step decodes two short windows
-of token ids — `ids[prefix:read]` (text already emitted) and `ids[prefix:]` — and emits the
-difference. A window whose text ends in U+FFFD (a UTF-8 character split across tokens by a
-byte-level tokenizer) emits nothing yet; the bytes stay in the window until the character
-is complete, so a streamed piece never carries half a character. The window is seeded with
-the prompt's last tokens, so a first token's leading space (SentencePiece `▁`) decodes as it
-would in context. Trade-off: two small decodes per token instead of one full decode, which
-keeps the cost per step flat however long the sequence grows.
-
-Special tokens (EOS, ...) are not fed to the window: their streamed text is their own
-content (`</s>`) flagged `special`, and they never enter the generated text, as in TGI; with
-vLLM's `skip_special_tokens` false their text is part of the generated text (not flagged, so
-the router keeps it), still outside the decode window.
-
-Stop strings are matched on the emitted text; the text is cut right after the stop string
-(TGI), or right before it when the stop must not be part of the output (OpenAI, vLLM's
-`include_stop_str_in_output=False`). Then a streamed piece never shows the start of a stop
-string that may still complete: text that could begin one is held back until it either
-completes the stop (and is dropped) or cannot any more (and goes out). Stop strings match only
-from the `stop_after`-th token on (vLLM's `min_tokens`); `stop_hit` is the one that matched.
-"""
+Design (the prefix/read-offset scheme of TGI and vLLM): each step decodes two short windows of
+token ids, `ids[prefix:read]` (text already emitted) and `ids[prefix:]`, and emits the
+difference; a window ending in U+FFFD (a UTF-8 character split across tokens) emits nothing
+until the character is complete. The window is seeded with the prompt's last tokens, so a first
+token's leading space decodes as in context. Special tokens never enter the window: their text is
+flagged `special` (TGI), or joins the generated text with vLLM's `skip_special_tokens` false.
+Stop strings match on the emitted text from the `stop_after`-th token on (vLLM's `min_tokens`);
+the text is cut after the stop (TGI) or before it (OpenAI), and text that could begin a stop is
+held back until it completes one or cannot. Trade-off: two small decodes per token instead of one
+full decode, which keeps the cost per step flat however long the sequence grows."""
 
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
 """What the engine hands the HTTP side for each request: token events, the finish, errors, and
 the per-request stream that carries them across threads.
 
-Frozen values made on the engine thread and read on the event loop; `workers/serving/schemas.py`
-turns them into TGI-shaped dicts. A token event may carry the best alternatives of its token
-(`top`, when the request asked for logprobs) and, the first one, the prompt's own logprobs
-(`prefill`, when it asked to score its prompt).
-
-Delivery: the engine produces one step's events for many requests at once and hands them to
-each event loop in one batch (`deliver`): one `call_soon_threadsafe` (one wake-up of that
-loop) per step, not one per token; events produced on the loop's own thread (an idle
-engine's first step runs there) are pushed at once, with no wake-up at all. Without an event
-loop (tests driving `Engine.step()`), events collect in `RequestStream.events`. A streamed
-response reads them in `batches()`: whatever arrived while it was writing goes out together.
-A stream on the router's channel (workers/serving/channel.py) is `redirect`ed instead: its
-events go straight to the channel's sink, which writes every stream's events of a step as one
-frame, so no per-request reader wakes up at all.
-"""
+Design: frozen values made on the engine thread and read on the event loop
+(workers/serving/schemas.py renders them). `deliver` hands one step's events to each event loop
+in one batch, one `call_soon_threadsafe` per step, not one per token; events made on the loop's
+own thread (an idle engine's first step) are pushed at once, and without a loop (tests driving
+`Engine.step()`) they collect in `RequestStream.events`. A stream on the router's channel is
+`redirect`ed to the channel's sink (workers/serving/channel.py). Trade-off: a response reads its
+events in `batches()`, whatever arrived while it was writing, so tokens of one step go out
+together rather than each as soon as it exists."""
 
 from __future__ import annotations
 

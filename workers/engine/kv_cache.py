@@ -1,15 +1,12 @@
 """The KV cache a worker serves from: its budget on this device, split between the layers' groups.
 
-Design: one function sizes and allocates the paged cache for a whole model or for one pipeline
-stage's layers (workers/pipeline/): the budget comes from this device only
-(workers/kv/sizing.py), the linear layers' state is taken from it first, and the groups of
-layers that attend alike share the rest (workers/kv/groups.py). A stage counts only its own
-layers' bytes; the stages of one pipeline must then hold the same blocks, so `agree` (the
-pipeline's minimum over stages) settles each group's count before anything is allocated. A
-stage keeps every group, with only its own layers in it (a group none of its layers belong
-to holds no bytes), so the scheduler's block tables mean the same blocks on every stage; likewise its linear
-layers' state (`StageShape`), in the slots the first stage's scheduler assigns.
-"""
+Design: one function sizes and allocates the paged cache for a whole model or one pipeline
+stage's layers: the budget comes from this device only (workers/kv/sizing.py), the linear
+layers' state is taken from it first, and the groups of layers that attend alike share the rest
+(workers/kv/groups.py). A stage keeps every group, holding only its own layers, so the
+scheduler's block tables mean the same blocks on every stage. Trade-off: the stages agree before
+allocating (`agree`: per group, the fewest blocks any stage holds), so the stage with the least
+room sets every stage's blocks."""
 
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
 """This worker's own Prometheus series (the router adds worker id and capability labels).
 
-Design: one `CollectorRegistry` per `WorkerMetrics` instance, never the global one, so a
-test process can build several workers and the text holds only this worker's series. The
-engine thread updates counters once per request event and once per step (prometheus_client
-is thread-safe); the HTTP side only renders.
-
-Beside the `hetserve_worker_` series, the gauges that Kubernetes inference gateways scrape
-(the Gateway API Inference Extension's model server protocol, under the vLLM names its
-endpoint picker reads by default) are read from the engine at scrape time (`track()`), so
-they are never stale between engine steps.
-"""
+Design: one `CollectorRegistry` per `WorkerMetrics`, never the global one, so a test process can
+build several workers and the text holds only this worker's series. The engine thread updates
+counters once per request event and once per step; the HTTP side only renders. The gauges
+Kubernetes inference gateways scrape (vLLM's names, which the Gateway API Inference Extension's
+endpoint picker reads) are read from the engine at scrape time (`track()`), so they are never
+stale between engine steps. Trade-off: a registry per worker instead of the process's default
+one, so nothing registered globally (a library's own series) shows in this worker's text."""
 
 from __future__ import annotations
 
@@ -52,7 +49,8 @@ class WorkerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._tracking = False
         r = self.registry
-        self.requests = Counter(f"{PREFIX}_requests", "Requests finished, by finish reason", ["finish_reason"], registry=r)
+        self.requests = Counter(f"{PREFIX}_requests", "Requests finished, by finish reason", ["finish_reason"],
+                                registry=r)
         self.rejected = Counter(f"{PREFIX}_rejected_requests", "Requests refused, by reason", ["reason"], registry=r)
         self.prefill_tokens = Counter(
             f"{PREFIX}_prefill_tokens", "Prompt tokens computed, or skipped because the prefix cache held them",

@@ -1,24 +1,13 @@
 """Output processing: one step's sampled tokens -> the events each request's stream gets.
 
-The engine's update phase in two halves: the scheduler appends each sampled token and ends a
-sequence on EOS or length (workers/engine/scheduler.py); then this processor, per token:
-1. detokenizes it incrementally (workers/engine/detokenize.py), which also finds stop strings
-   (the EOS or stop token id that ends a request keeping no stop text stays out of it);
-2. ends the sequence on a completed stop string, or when its grammar is complete (only EOS
-   could follow), through the scheduler, which frees its blocks at once; a grammar that
-   reached a dead end (EOS drawn while the grammar is not complete: nothing else was allowed,
-   as for `{"const": "<|eos|>"}`, whose text no ordinary token spells) ends the request with a
-   `validation` error instead of an answer that violates it;
-3. stamps the first token's time (time to first token, the prefill's start for the trace);
-4. on a finish, flushes the text held back, builds `FinishInfo` with the request's timings and
-   counts it in the worker's metrics;
-5. makes the `TokenEvent`: the token's streamed text, its logprob and alternatives, and on
-   the first one the prompt's own logprobs when asked.
-It returns the events and the sequences that finished; the engine releases those from its
-admission count and delivers the events in one batch per event loop. Trade-off: stop strings
-and grammar ends are found one step late for the scheduler (after it already appended the
-token), which costs nothing: a finished sequence is simply not scheduled again.
-"""
+Design: the second half of the engine's update. The scheduler has appended each token and ended
+sequences on EOS or length (workers/engine/scheduler.py); per token this processor detokenizes
+and finds stop strings (workers/engine/detokenize.py), ends a sequence on a completed stop
+string or a complete grammar (a grammar at a dead end, EOS drawn while incomplete, ends the
+request with a `validation` error instead of an answer that violates it), stamps the first
+token's time, builds `FinishInfo` on a finish and makes the `TokenEvent`. Trade-off: stop strings
+and grammar ends are found one step late for the scheduler (after it appended the token), which
+costs nothing: a finished sequence is simply not scheduled again."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """Embeddings of whole texts: the decoder's last hidden states (after its final norm, as
 transformers' `last_hidden_state`), pooled per text.
 
-Poolings, as sentence-transformers names them: `last` (the last token's state, for decoder
-embedding models such as Qwen3-Embedding, whose tokenizer ends each text with EOS), `mean`
-(over every token), `cls` (the first token). Then an optional matryoshka cut to `dimensions`
-(the first values) and L2 normalisation, in that order, as vLLM does and OpenAI's shortened
-vectors are (sentence-transformers' `truncate_dim` cuts after normalising: its cut vectors are
-shorter than unit length).
-
-Design and trade-off: each text runs the model's full causal forward on its own, with no KV
-cache (nothing is kept, nothing is shared with generation), under the engine's step lock so
-that the device holds one forward at a time; texts run one by one, so no padding enters a
-state. That costs a forward per text instead of a batch through the
-scheduler: simple and exact (what the reference computes), slower than a batched prefill for
-many short texts. The trunk mirrors `Transformer.forward` without its head.
-"""
+Poolings as sentence-transformers names them: `last` (decoder embedding models such as
+Qwen3-Embedding, whose tokenizer ends each text with EOS), `mean`, `cls`; then an optional
+matryoshka cut to `dimensions` and L2 normalisation, in that order, as vLLM does.
+Design: each text runs the model's full causal forward on its own, without a KV cache and under
+the engine's step lock, so no padding enters a state and nothing is shared with generation; the
+trunk mirrors `Transformer.forward` without its head. Trade-off: a forward per text instead of a
+batch through the scheduler: exact and simple, slower than a batched prefill for many short texts."""
 
 from __future__ import annotations
 

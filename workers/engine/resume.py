@@ -1,16 +1,12 @@
 """Resuming a request whose first tokens were generated elsewhere.
 
-When a worker dies mid-stream the router sends the same request to another worker with the
-token ids the client has already received (`resume_ids`). The new worker must go on exactly
-where the first stopped: the sequence starts with those tokens as its output, so its prefill
-covers prompt + resumed tokens, token indices, `generated_tokens`, `max_new_tokens` and the
-repetition penalty count them as the original did; the detokenizer replays them (a UTF-8
-character split across the migration point, or a stop string straddling it, comes out as in
-the original); a constrained request's grammar consumes them; a sampled request's generator
-skips the draws the original made (one per step), so a seeded request stays reproducible. Trade-off: the resumed tokens are computed again
-(one prefill) instead of moving the KV cache between processes, which costs a little compute
-and needs nothing but the token ids.
-"""
+Design: when a worker dies mid-stream the router sends the request to another worker with the
+token ids the client already received (`resume_ids`). The sequence starts with them as its
+output, so every count (positions, `generated_tokens`, `max_new_tokens`, repetition penalties)
+sees them as the original did; the detokenizer replays them, a grammar consumes them and a
+seeded generator skips the original's draws, so the answer goes on exactly where it stopped.
+Trade-off: the resumed tokens are computed again (one prefill) instead of moving the KV cache
+between processes: a little compute, and nothing but token ids crosses."""
 
 from __future__ import annotations
 

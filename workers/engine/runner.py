@@ -1,24 +1,16 @@
 """The model runner: one `SchedulerOutput` as one `model.step`, the only tensor work of a step.
 
 Design: the scheduler's chunks become `SeqChunk`s over the paged KV cache, packed into one
-`ForwardBatch`; the batch asks the model for logits only where they are used (`num_logits`):
-the last row of each chunk that samples, and every row of a prompt chunk whose request asked
-for its prompt's logprobs (`execute_with_prompt_logits`), all from the same forward. On the
-CPU the decode rows attend through the C++ kernel in place where the worker loaded it
-(`in_place`, `kernels_local.paged_attention.cpu`); otherwise the runner keeps a `DecodeMirror` of the
-decoding sequences' K/V (`workers.kv.mirror`), releasing the row of a sequence the scheduler
-preempts. With a compiled decode step
-(`workers.engine.compiled`), a step of one-token chunks runs there, padded to a bucket, and
-the mirror is not kept (those rows attend in place). A step that also computes prompt chunks
-runs as one eager forward where its decode rows read the pool in place (the CPU kernel): the
-prompt's forward reads every weight anyway, and the decode rows ride along for little more,
-where two forwards read the weights twice (measured at 16 and 32 concurrent requests of
-128-token prompts: the mean step 0.75-0.85x the split's). Elsewhere (the torch path, GPUs:
-not measured there yet) the decode rows still run compiled and the prompt chunks eager in a
-second forward, the logits put back in chunk order (the two forwards touch different
-sequences' blocks: a decoding sequence writes only its own last block); one chunk list is
-then walked twice per step (to pack it, then to split the logits), a few microseconds.
-"""
+`ForwardBatch` that asks for logits only where they are used (`num_logits`): the last row of
+each chunk that samples, and every row of a prompt chunk scored for its logprobs. CPU decode rows
+attend through the C++ kernel in place where the worker loaded it, else through a `DecodeMirror`
+of the decoding sequences' K/V. A step of one-token chunks runs on the compiled decode step where
+there is one (workers/engine/compiled.py). A step that also computes prompt chunks runs as one
+eager forward where decode rows read the pool in place: the prompt's forward reads every weight
+anyway and the decode rows ride along. Elsewhere (the torch path, GPUs) its decode rows still run
+compiled and the prompt chunks eager in a second forward, the logits put back in chunk order.
+Trade-off: the split walks one chunk list twice per step and reads the weights twice; the merged
+forward gives up the compiled step for that step's decode rows."""
 
 from __future__ import annotations
 

@@ -1,27 +1,16 @@
 """Continuous-batching scheduler over a paged KV cache: which tokens run in the next step.
 
-Design (vLLM v1 style): plain CPU bookkeeping behind a small interface, no tensors and no
-model, so tests drive it with hand-built outputs. A sequence is its tokens (prompt, then
-generated) and how many of them are already in the cache (`num_computed`); a step computes
-some of the rest. Each step has a token budget (`max_num_batched_tokens`), filled in order:
-1. every running sequence's decode token, oldest first;
-2. the next chunk of running sequences whose prompt is not done (a long prompt, or tokens
-   recomputed after a preemption), oldest first;
-3. newly admitted waiting sequences (FCFS), each starting after its cached prefix, while the
-   batch (`max_sequences`), the budget and the free blocks allow.
-A prompt longer than what is left of the budget is cut into chunks over several steps, so
-a long prompt never holds the others' decodes back for more than one budgeted step. A
-chunk that reaches the sequence's last token samples one new token; the others only fill
-the cache.
-
-Memory pressure: blocks are taken as sequences grow. A running sequence that needs a block
-when none is free preempts the newest running sequences (never older ones): their blocks
-are freed (their full blocks stay cached), they go back to the front of the queue with the
-tokens they already generated, and are recomputed later, usually from their cached prefix.
-If there is nothing newer to preempt, the sequence preempts itself. So the oldest sequence
-always progresses, nothing is lost and nothing already streamed is sampled again. Only a
-request that could never fit (beyond the model's context or the whole pool) is refused.
-"""
+Design (vLLM v1 style): plain CPU bookkeeping behind a small interface, no tensors and no model,
+so tests drive it with hand-built outputs. A sequence is its tokens and how many are in the
+cache (`num_computed`). A step's token budget (`max_num_batched_tokens`) is filled in order:
+every running decode (oldest first), the next chunk of running sequences still prefilling, then
+newly admitted sequences (FCFS) from their cached prefix; a prompt longer than the budget left is
+cut into chunks, so it never holds the others' decodes back for more than one step. A sequence
+that needs a block when none is free preempts the newest running sequences (or itself): their
+blocks are freed, full ones left cached, and they are recomputed later from the front of the
+queue. Trade-off: recomputation instead of refusal or swapping costs compute under memory
+pressure, but the oldest sequence always progresses and only a request that could never fit is
+refused."""
 
 from __future__ import annotations
 
@@ -88,7 +77,8 @@ class SchedulerConfig:
             if (getattr(self, name) or 0) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got `{getattr(self, name)}`")
         if self.kv_groups is not None and self.kv_groups[0][1] != self.num_blocks:
-            raise ValueError(f"`kv_groups` `{self.kv_groups}` must start with the `num_blocks` `{self.num_blocks}` group")
+            raise ValueError(f"`kv_groups` `{self.kv_groups}` must start with the `num_blocks` "
+                             f"`{self.num_blocks}` group")
 
     @property
     def max_tokens(self) -> int:
@@ -132,7 +122,8 @@ class Scheduler:
         total = prompt_len + max_new_tokens
         given = f"Given: {prompt_len} `inputs` tokens and {max_new_tokens} `max_new_tokens` ({total} tokens)"
         if total > c.max_seq_len:
-            raise CapacityError(f"`inputs` tokens + `max_new_tokens` must be <= {c.max_seq_len} on this worker. {given}")
+            raise CapacityError(f"`inputs` tokens + `max_new_tokens` must be <= {c.max_seq_len} on this worker. "
+                                f"{given}")
         if total > c.max_tokens and not c.slides_only:
             raise CapacityError(
                 f"`inputs` tokens + `max_new_tokens` must be <= {c.max_tokens}, the whole KV cache of this "
@@ -360,7 +351,8 @@ class Scheduler:
         (`max_seq_len`: the longest request served, the context or the whole pool)."""
         c = self.config
         return {
-            "max_sequences": c.max_sequences, "max_tokens": c.max_tokens, "max_seq_len": c.max_seq_len if c.slides_only else min(c.max_seq_len, c.max_tokens),
+            "max_sequences": c.max_sequences, "max_tokens": c.max_tokens,
+            "max_seq_len": c.max_seq_len if c.slides_only else min(c.max_seq_len, c.max_tokens),
             "kv_block_size": c.block_size, "kv_blocks_total": c.num_blocks,
             "kv_blocks_free": self.kv.num_free_blocks, "prefix_cache": c.prefix_caching,
             "max_num_batched_tokens": c.max_num_batched_tokens,

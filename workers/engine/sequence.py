@@ -28,7 +28,8 @@ class Sequence:
     __slots__ = (
         "uid", "request_id", "prompt_ids", "params", "output_ids", "logprobs", "num_computed", "status",
         "finish_reason", "generator", "seed", "arrival_time", "first_token_time", "detok", "stream",
-        "block_ids", "group_tables", "held_from", "block_hashes", "num_cached_blocks", "num_preemptions", "grammar", "prompt_logprobs",
+        "block_ids", "group_tables", "held_from", "block_hashes", "num_cached_blocks", "num_preemptions", "grammar",
+        "prompt_logprobs",
         "cache_root", "rope_len", "state_slot",
     )
 
