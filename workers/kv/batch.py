@@ -1,19 +1,13 @@
 """The batch one `Transformer.step` runs: packed chunks of several sequences over block tables.
 
-`ForwardBatch.build` does all index bookkeeping once on the host: each token's position and
-its cache slot (`block * block_size + offset`, where its K/V are written), which chunks
-decode (one token: attended together, `DecodeRows`) and which prefill (several tokens:
-attended one by one, `PrefillSpan`), and which rows are projected to logits. The model's
-step is then only tensor work.
-
-Decode rows are attended by `DecodeRows.attend` on the torch path (the GPU kernel reads the
-blocks in place through the block table instead). Reading a sequence's K/V back from blocks
-is a gather (`gather_kv`), a copy of every attended position per layer and step, so the torch
-path avoids it where it can: with a `DecodeMirror` (the CPU engine keeps each decoding
-sequence's K/V contiguous across steps), or when row `i`'s blocks are `first + i * stride +
-j` (one block per sequence as in a contiguous cache, or a lone sequence on a fresh pool),
-which makes the rows a strided view of the pool (`DecodeRows.view`).
-"""
+Design: `ForwardBatch.build` does all index bookkeeping once on the host (each token's position
+and cache slot, which chunks decode as `DecodeRows` and which prefill as `PrefillSpan`s, which
+rows become logits), so the model's step is only tensor work. Reading a sequence's K/V back from
+blocks is a gather (`gather_kv`), a copy of every attended position per layer and step, so the
+torch path avoids it where it can: through a `DecodeMirror`, or a strided view of the pool when
+row `i`'s blocks are `first + i * stride + j` (`DecodeRows.view`). GPU kernels read the blocks
+in place. Trade-off: the host builds every index tensor each step, Python work on the step's
+critical path, so the model never branches on a sequence's layout."""
 
 from __future__ import annotations
 
@@ -50,7 +44,8 @@ class PrefillSpan:
     row_start: int  # first row of the chunk in the packed [T] tokens
     num_tokens: int
     start_pos: int
-    blocks: torch.Tensor | None  # [1, nb] blocks holding positions base .. start_pos + num_tokens - 1; None when start_pos == 0
+    # [1, nb] blocks holding positions base .. start_pos + num_tokens - 1; None when start_pos == 0
+    blocks: torch.Tensor | None
     table: Sequence[int] = ()  # every block of the chunk's table as host ints (deterministic mode reads them all)
     base: int = 0  # position of `blocks`' first slot (a sliding group skips what its window cannot see)
 
@@ -198,7 +193,8 @@ class ForwardBatch:
         for chunk, tokens in items:
             start, n = chunk.start_pos, chunk.num_tokens
             end = start + n
-            if n == 1 and len(tokens) == 1 and start >= 0 and chunk.num_logits in (0, 1) and len(chunk.block_table) > start // bs:
+            if (n == 1 and len(tokens) == 1 and start >= 0 and chunk.num_logits in (0, 1)
+                    and len(chunk.block_table) > start // bs):
                 # a decode token (the common case, kept short): earlier positions went through
                 # the same table in earlier steps, so only the block written now is checked
                 row, used = len(ids), start // bs + 1

@@ -1,18 +1,13 @@
 """The block allocator: reference counts, the free queue and the prefix cache's index.
 
-Design (vLLM v1 `BlockPool`): blocks are ids `0 .. num_blocks-1` into the KV tensors. A
-block in use has a reference count >= 1 (several sequences share a cached prefix block); a
-block whose count drops to 0 goes to the free queue but keeps its contents and its hash, so
-a later request with the same prefix takes it back from there ("cached, evictable"). The free
-queue is one ordered dict, front = evicted first:
-- blocks never used, and freed blocks without a hash (a partial block, or caching off), go
-  to the front: they hold nothing anyone can ask for;
-- freed blocks with a hash go to the back, so cached blocks are evicted in LRU order. A
-  sequence's blocks are freed last-block-first, so its prefix's head outlives its tail.
-Allocation pops from the front and drops the popped block's hash (an eviction). Every
-operation is O(1) per block. Trade-off: a hash maps to one block; when two sequences compute
-the same block at once, the second copy stays unindexed and is reused as a plain free block.
-"""
+Design (vLLM v1 `BlockPool`): blocks are ids into the KV tensors, counted by the sequences that
+share them. A block whose count drops to 0 keeps its contents and hash in one ordered free
+queue, front evicted first: blocks that hold nothing anyone can ask for (never used, partial,
+caching off) go to the front, hashed ones to the back, so cached blocks are evicted in LRU order
+(a sequence frees its last block first, so a prefix's head outlives its tail). Allocation pops
+the front and drops its hash. Every operation is O(1) per block. Trade-off: a hash maps to one
+block; when two sequences compute the same block at once, the second copy stays unindexed and is
+reused as a plain free block."""
 
 from __future__ import annotations
 

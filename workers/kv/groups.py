@@ -1,30 +1,16 @@
 """KV cache groups: layers that attend alike share a block table; a sliding group frees its past.
 
-Design (vLLM's hybrid allocator, one block pool per attention type): the model's layers are
-grouped by the positions they attend, full attention in one group, each sliding window `W`
-in another. A group has its own blocks (its own memory, its own `BlockPool`) and each
-sequence one block table per group, all indexed alike by position. A full group keeps a
-sequence's every block. A sliding group frees a block as soon as no later query can see it:
-the next query at position `q` sees `q - W + 1 .. q`, so blocks wholly before `q - W + 1`
-go back to the pool (with their prefix-cache hash, as any freed block). So what one sequence
-holds in a sliding group is bounded by its window (`window_blocks`), plus the chunk it is
-computing. Its table keeps its length: freed leading entries stay as placeholders that no
-kernel reads (decode starts at `q - W + 1`; the torch path gathers only the window).
-
-Why separate pools rather than one pool whose blocks every layer indexes: a block id shared
-by all layers cannot be freed for the sliding layers while the full ones still need it. The
-trade-off: the memory is split once at start (`plan_groups`): a sliding group gets what
-`max_sequences` windows plus one step's new tokens need, the rest goes to the full group,
-and a sliding group short of blocks preempts like any other shortage. A prefix hit must hold
-every full block and, in a sliding group, the blocks of the last `W` positions before the
-first computed token (`Groups.hit_length`).
-
-Layers attend alike when they also share a cache shape: a group has its own KV heads and head
-dim (Gemma 4's sliding layers keep 256-dim heads, its global layers 512-dim ones, maybe fewer of
-them), so `shapes` splits the layers further and the budget is spent in each group's own bytes
-per block. A layer that reads another layer's cache (Gemma 4's KV sharing: its shape None)
-belongs to no group: the cache holds its producer once, and only producers count.
-"""
+Design (vLLM's hybrid allocator, one block pool per attention type): layers are grouped by the
+positions they attend and by their cache shape (KV heads, head dim: Gemma 4's sliding and global
+layers differ). Each group has its own blocks and each sequence one table per group, indexed
+alike by position. A sliding group of window `W` frees a block once no later query can see it,
+so a sequence holds about its window there (`window_blocks`); freed entries stay in the table as
+placeholders no kernel reads. A layer reading another layer's cache (Gemma 4's KV sharing)
+belongs to no group. Trade-off: separate pools, because a block id shared by every layer could
+not be freed for the sliding layers while the full ones read it; the memory is then split once at
+start (`plan_groups`: a sliding group gets what `max_sequences` windows and one step's tokens
+need, the full group the rest), and a prefix hit must hold every full block and the window's
+blocks before the first computed token (`Groups.hit_length`)."""
 
 from __future__ import annotations
 

@@ -4,10 +4,9 @@ A full block's K/V depend on every token before it, not just its own, so its has
 `h_i = sha256(h_{i-1} || token ids of block i)`, and the chain starts from a root digest of
 everything else that changes the contents (the model, its dtype, the quantization, the block
 size). Two requests share block `i` exactly when they share tokens `0 .. (i+1)*B - 1` and
-that root. sha256 rather than Python's `hash()`: a collision would hand one request another
-request's context, and `hash()` on tuples of ints can be collided on purpose (vLLM made the
-same change). It costs about a microsecond per block, once per block per sequence.
-"""
+that root. Trade-off: sha256 costs more than Python's `hash()`, once per block per sequence, but
+a collision would hand one request another request's context, and `hash()` on tuples of ints
+can be collided on purpose (vLLM made the same change)."""
 
 from __future__ import annotations
 

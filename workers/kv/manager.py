@@ -1,35 +1,16 @@
 """Per-sequence block tables over the block pool, and automatic prefix caching.
 
-Design: the scheduler asks this manager three things, all plain CPU bookkeeping:
-- `admit(seq, num_new, reserve, max_cached)`: the sequence's cached prefix (every leading
-  full block whose chained hash is in the pool, at most `len(tokens) - 1` tokens so the last
-  token is always computed and gives logits, and at most `max_cached` tokens when the caller
-  needs some rows computed, e.g. a prompt scored for its logprobs) plus fresh blocks for the
-  next `num_new` tokens, or nothing if they do not fit;
-- `grow(seq, end)`: blocks up to position `end` for a running sequence, or False (then the
-  scheduler preempts);
-- `free(seq)`: every reference dropped, last block first.
-After each step, `cache_full_blocks` indexes the blocks that became full and computed, so the
-next request with the same prefix finds them. A sequence only ever writes positions at or
-past its `num_computed`, which lie in blocks it allocated itself: blocks it got from the
-cache are full and never written again.
-
-The state lives on the sequence (`block_ids`, `block_hashes`, `num_cached_blocks`), so a
-preempted sequence keeps its hashes and finds its own blocks again if they were not evicted.
-Trade-off: a prefix is reused only in whole blocks (a 16-token block size wastes up to 15
-tokens of a shared prefix), which keeps matching to one dictionary lookup per block.
-
-Groups (`workers.kv.groups`): a model with sliding layers has one block table per group, all
-of the same length. `seq.block_ids` is the first group's (the full group when there is one),
-`seq.group_tables` the others'; `seq.held_from[g]` is where group `g`'s held blocks start
-(entries before it are freed placeholders). `slide(seq)` frees what a sliding group's window
-has left behind; admission, growth and freeing cover every group at once, and a prefix hit is
-the longest one every group can serve.
-
-Linear-attention layers (workers/kv/state.py): with `state_slots`, admission also takes one
-slot of their state pool for the sequence (`seq.state_slot`) and `free` gives it back, so the
-state lives exactly as long as the sequence's blocks, on every path that frees them.
-"""
+Design: plain CPU bookkeeping behind three calls the scheduler makes: `admit` (the cached prefix,
+whole blocks found by chained hash, plus fresh blocks for the next tokens, or nothing if they do
+not fit), `grow` (blocks up to a position, or False: the scheduler preempts) and `free` (every
+reference dropped, last block first). After each step `cache_full_blocks` indexes the blocks that
+became full. A sequence writes only positions past its `num_computed`, in blocks it allocated, so
+a cached block is never written again. The state lives on the sequence (`block_ids`,
+`group_tables`, `held_from`, `block_hashes`), so a preempted sequence finds its own blocks again
+if they were not evicted; every call covers every KV group, and the linear layers' state slot
+(`seq.state_slot`) is taken and freed with the blocks. Trade-off: a prefix is reused only in
+whole blocks (up to `block_size - 1` tokens of a shared prefix recomputed), which keeps matching
+to one dictionary lookup per block."""
 
 from __future__ import annotations
 
@@ -116,9 +97,11 @@ class KVCacheManager:
     # -- sequences ------------------------------------------------------------------------------
 
     def admit(self, seq: KVSequence, num_new: int, reserve: int = 0, max_cached: int | None = None) -> Admission | None:
-        """Give a waiting sequence its cached prefix (at most `max_cached` tokens of it) and blocks
-        for up to `num_new` more tokens, keeping `reserve` blocks free (that share of each group);
-        None (and nothing taken) when they do not fit (or no state slot is free)."""
+        """Give a waiting sequence its cached prefix (at most `max_cached` tokens of it, for a caller
+        that needs some rows computed, e.g. a prompt scored for its logprobs; never its last token,
+        which must give logits) and blocks for up to `num_new` more tokens, keeping `reserve` blocks
+        free (that share of each group); None (and nothing taken) when they do not fit (or no state
+        slot is free)."""
         if self.states is not None and self.states.num_free == 0:
             return None
         tokens = seq.token_ids()

@@ -1,25 +1,15 @@
 """A contiguous copy of the decoding sequences' K/V, kept across steps, for the CPU torch path.
 
-Where the CPU decode kernel is loaded (kernels_local/paged_attention/cpu.py) decode rows read the pool in
-place and no mirror is kept; the mirror serves the torch path, where the kernel is off or could
-not be built.
-
-Why: SDPA on the CPU reads each row's K/V as one `[positions, head_dim]` matrix per head, and
-the pool keeps them in blocks, so attention over blocks starts with a gather: a copy of every
-attended position, per layer and per step, which costs about as much as the attention
-itself (memory bound either way). Yet between two decode steps a sequence's cached K/V only
-gain one position. The mirror keeps the gather: each decoding sequence owns a row
-`[layers, 2, kv_heads, row, positions, head_dim]`, filled from its blocks once when it starts
-decoding (or comes back after a preemption), then each step copies in only the new token's
-K/V, which the layer has just written to the pool. Rows are released when a sequence stops
-decoding (the last row moves into the hole, so rows stay packed) and when the scheduler
-preempts it.
-
-The pool stays the source of truth (the prefix cache, chunked prefill and recomputation read
-it); the mirror is a cache of reads. Trade-off: the decoding rows' K/V are held twice on the
-CPU (the mirror grows by doubling to the longest row), the price of contiguous-cache decode
-speed over a paged pool. GPU kernels read the blocks in place and use no mirror.
-"""
+Design: SDPA on the CPU reads each row's K/V as one matrix per head, and the pool keeps them in
+blocks, so attention over blocks starts with a gather of every attended position per layer and
+step, about as costly as the attention itself. Between two decode steps a sequence's K/V gain
+only one position, so each decoding sequence owns a mirror row, filled from its blocks once when
+it starts decoding (or returns from preemption), then given only the new token's K/V each step.
+Rows are released when a sequence stops decoding or is preempted (the last row fills the hole).
+The pool stays the source of truth; where the CPU decode kernel is loaded no mirror is kept, and
+GPU kernels read the blocks in place. Trade-off: the decoding rows' K/V are held twice (the
+mirror grows by doubling to the longest row), the price of contiguous-cache decode speed over a
+paged pool."""
 
 from __future__ import annotations
 
@@ -120,7 +110,8 @@ class MirrorRows:
         mask = self.window_mask(window)
         if self.order is None:
             return attend_rows(query, k, v, mask, scale, softcap, sinks)
-        return attend_rows(query.index_select(0, self.order), k, v, mask, scale, softcap, sinks).index_select(0, self.rows)
+        out = attend_rows(query.index_select(0, self.order), k, v, mask, scale, softcap, sinks)
+        return out.index_select(0, self.rows)
 
 
 class DecodeMirror:
@@ -185,7 +176,8 @@ class DecodeMirror:
         n, max_len = len(rows), max(lens)
         identity = rows == list(range(n))
         ordered = list(range(n)) if identity else sorted(range(n), key=rows.__getitem__)  # decode row of mirror row r
-        slots = [t[(k - 1) // block_size] * block_size + (k - 1) % block_size for t, k in zip(tables, lens, strict=True)]
+        slots = [t[(k - 1) // block_size] * block_size + (k - 1) % block_size
+                 for t, k in zip(tables, lens, strict=True)]
         capacity = self.data.shape[4]
         dest = [r * capacity + k - 1 for r, k in zip(rows, lens, strict=True)]
         data = torch.tensor(rows + dest + slots + ordered + [lens[i] for i in ordered],

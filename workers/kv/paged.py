@@ -1,16 +1,13 @@
 """Decode rows that attend through their block tables: the compiled CPU step's attention.
 
-Design: where the CPU decode kernel is loaded (`in_place`, kernels_local/paged_attention/cpu.py), the rows
-read their blocks where they lie, one opaque op in the graph. Otherwise (the kernel off or not
-built) the eager torch path reads a decode row's K/V contiguous (the CPU decode mirror, or a
-strided view of the pool) or gathers them per step; inside a compiled graph there is no mirror
-(a Python-side row map) and every row attends the same table width, so the rows' blocks are
-read through their tables with explicit ops that Inductor fuses into one gather kernel, a whole
-block per table entry, then two batched matmuls with the mask and softmax (fp32) between them:
-the reference the kernel is held to. Trade-off of that fallback: the gathered K/V are written
-once per layer and step (the matmuls are library calls that cannot read through a table), and
-every row attends the longest row's width, masked.
-"""
+Design: where the CPU decode kernel is loaded (`in_place`, kernels_local/paged_attention/cpu.py)
+the rows read their blocks where they lie, one opaque op in the graph. Otherwise a compiled graph
+has no mirror (a Python-side row map) and every row attends the same table width, so the rows'
+blocks are read through their tables with explicit ops that Inductor fuses into one gather, a
+whole block per table entry, then two batched matmuls with the mask and fp32 softmax between
+them: the reference the kernel is held to. Trade-off of that fallback: the gathered K/V are
+written once per layer and step (the matmuls cannot read through a table), and every row attends
+the longest row's width, masked."""
 
 from __future__ import annotations
 
@@ -41,7 +38,8 @@ class PagedRows(DecodeRows):
         k = kv[0][:, self.block_tables].reshape(hkv, n, length, d)
         v = kv[1][:, self.block_tables].reshape(hkv, n, length, d)
         q = query.view(n, hkv, g, d).transpose(0, 1)  # [Hkv, N, G, D]
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (d**-0.5 if scale is None else scale)  # [Hkv, N, G, L]
+        # [Hkv, N, G, L]
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (d**-0.5 if scale is None else scale)
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
         seen = pos[None, :] < self.seq_lens[:, None]  # [N, L]

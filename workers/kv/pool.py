@@ -1,21 +1,14 @@
 """The KV cache's memory: keys and values of every layer, in fixed-size blocks.
 
-Layout: one tensor `[layers, 2 (K, V), kv_heads, num_blocks, block_size, head_dim]` per group
-of layers that attend alike (full attention, each sliding window, each cache shape:
-`workers.kv.groups`), with the group's own KV heads and head dim. A layer that shares another
-layer's KV (Gemma 4) has no tensor: it is mapped to its producer's. Why
-heads before blocks (vLLM puts them after): a sequence's blocks gathered along the block
-axis give, per head, one contiguous `[blocks x block_size, head_dim]` matrix, so the block
-and in-block axes merge into one position axis without a second copy, which is the
-`[N, Hkv, L, D]` operand SDPA (and a per-head GPU tile) reads. K and V of a layer sit in
-one tensor so one `index_select` gathers both. Trade-off: one block's bytes are spread over
-`2 x kv_heads` places per layer, so copying a single block would take that many copies;
-nothing here copies blocks (a preempted sequence is recomputed, not swapped out).
-
-The memory is zero-filled: positions past a sequence's length are masked in attention, but
-must hold finite values (a masked weight of 0 times NaN is still NaN); so must a sliding
-group's freed blocks, which its placeholders still name.
-"""
+Design: one tensor `[layers, 2 (K, V), kv_heads, num_blocks, block_size, head_dim]` per KV group
+(workers/kv/groups.py); a layer sharing another's KV (Gemma 4) maps to its producer's. Heads
+come before blocks (vLLM puts them after) so that a sequence's blocks gathered along the block
+axis give, per head, one contiguous `[positions, head_dim]` matrix, the `[N, Hkv, L, D]` operand
+SDPA and a per-head GPU tile read, without a second copy; K and V share one tensor so one
+`index_select` gathers both. The memory is zero-filled: masked positions and a sliding group's
+freed blocks must hold finite values (a masked weight of 0 times NaN is still NaN). Trade-off:
+a block's bytes are spread over `2 x kv_heads` places per layer, so nothing copies blocks (a
+preempted sequence is recomputed, not swapped out)."""
 
 from __future__ import annotations
 

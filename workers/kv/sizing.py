@@ -1,23 +1,15 @@
 """How much KV cache a worker gets, and how many blocks that is: from its own device only.
 
-The budget is read from the bound device (its free memory after the model is loaded, or a
-fixed CPU default), never from another device or a process-wide answer. A GPU worker takes
-`GPU_FREE_FRACTION` of its free memory, as vLLM does: blocks beyond what the running batch
-needs keep more prefixes cached. A CPU worker without `--kv-cache-bytes` takes what
-`--max-batch` sequences of the full context need (the footprint of a contiguous cache), at
-most `CPU_KV_MAX_DEFAULT_BYTES`, so simulated workers sharing one host stay small. The pool
-is then `budget // (block_size x bytes per token)` blocks; a sequence may be as long as the
-model's context or the whole pool, whichever is shorter. A model with linear-attention layers
-(workers/kv/state.py) takes its `--max-batch` sequences' state out of the budget first; the
-CPU default adds it to the footprint, so the KV still holds the full context.
-
-`--gpu-memory-utilization F` replaces those defaults with a fraction of the device's own memory
-for weights and KV together, as vLLM's flag: on a real GPU, F x its total memory less what is
-already in use after loading (weights, the CUDA context, other processes); on a simulated
-device, F x its simulated memory less the weights' bytes, so devices of different sizes get
-budgets of their own size. `--kv-cache-bytes` then caps the result. A host CPU worker (no
-device memory of its own to share out) keeps the CPU default.
-"""
+Design: the budget is read from the bound device, never from another device or a process-wide
+answer. A GPU worker takes `GPU_FREE_FRACTION` of its free memory after loading, as vLLM does
+(blocks beyond the running batch keep more prefixes cached); a CPU worker without
+`--kv-cache-bytes` takes what `--max-batch` sequences of the full context need, at most
+`CPU_KV_MAX_DEFAULT_BYTES`, so simulated workers sharing one host stay small.
+`--gpu-memory-utilization` budgets a fraction of the device's own memory (a simulated device's
+simulated size) for weights and KV together, capped by `--kv-cache-bytes`. Linear layers' state
+comes out of the budget first (the CPU default adds it). Trade-off: each worker sizes its cache
+alone, so devices of different sizes get budgets of their own size but no worker lends another
+its spare memory."""
 
 from __future__ import annotations
 
@@ -32,7 +24,9 @@ def kv_budget(config: WorkerConfig, bound, bytes_per_token: int, context: int,
               state_per_sequence: int = 0, weights_bytes: int = 0) -> tuple[int, str]:
     """This worker's KV cache budget in bytes (the linear layers' state included, `state_per_sequence`
     bytes per sequence), from its own device only, with the reason; `weights_bytes`: what the loaded
-    model holds (counted against `--gpu-memory-utilization` on a simulated device)."""
+    model holds (counted against `--gpu-memory-utilization` on a simulated device). A host CPU
+    worker, with no device memory of its own to share out, keeps the CPU default under
+    `--gpu-memory-utilization`."""
     fraction = config.gpu_memory_utilization
     if fraction is not None and (bound.is_real_gpu or bound.simulated):
         return _fraction_budget(config, bound, fraction, weights_bytes)
@@ -42,7 +36,8 @@ def kv_budget(config: WorkerConfig, bound, bytes_per_token: int, context: int,
         free, _total = torch.cuda.mem_get_info(bound.torch_device)
         usable = int(free * GPU_FREE_FRACTION)
         if config.kv_cache_bytes:
-            return min(config.kv_cache_bytes, usable), f"--kv-cache-bytes {config.kv_cache_bytes}, capped at {usable} usable"
+            return (min(config.kv_cache_bytes, usable),
+                    f"--kv-cache-bytes {config.kv_cache_bytes}, capped at {usable} usable")
         return usable, f"{GPU_FREE_FRACTION:.0%} of the bound device's {free} free bytes after loading"
     if config.kv_cache_bytes:
         return config.kv_cache_bytes, f"--kv-cache-bytes {config.kv_cache_bytes}"

@@ -1,31 +1,16 @@
 """Per-sequence state of linear-attention layers, beside the paged KV cache.
 
-Design (vLLM's "mamba" cache, one slot per running sequence): a Gated DeltaNet layer keeps,
-for each sequence, the last `K - 1` inputs of its causal convolution (`conv [C, K-1]`, in the
-model's dtype) and its recurrent state (`recurrent [Hv, Dk, Dv]`, fp32 as transformers keeps
-it: the state sums every token's update, and bf16 would round each one away). `StatePool`
-holds both for every linear layer and `num_slots` sequences, allocated once at start and
-counted in the worker's memory budget (`plan_state`); `StateSlots` is the scheduler's side,
-which slot each running sequence holds: taken at admission (`KVCacheManager.admit`), given back
-whenever its blocks are (finish, abort, preemption: `KVCacheManager.free`), so a slot lives
-exactly as long as the sequence's KV blocks and cannot leak apart from them. A sequence's
-first chunk starts from a zero state (`StateBatch.fresh`: the slot is cleared in the step that
-starts it, so nothing is cleared at free); every later chunk, a prefill chunk or a decode
-token, reads the slot and writes it back, so chunked prefill carries the state across chunks.
-A preempted sequence is recomputed from its first token (its state is gone with its slot), and
-a migrated stream rebuilds it the same way, from its prompt plus the resumed tokens
-(workers/engine/resume.py): nothing but the tokens is needed.
-
-Prefix caching: none for a model with linear layers (`SchedulerConfig` turns it off and
-`/capability` says so). Reusing a cached prefix needs the recurrent state at the end of that
-prefix, i.e. a snapshot of every linear layer's state at each block boundary (vLLM's approach),
-and a snapshot is as large as a sequence's whole state: for Qwen3.6-35B-A3B, 30 linear layers x
-32 heads x 128 x 128 fp32 = 63 MB, the KV of about 3,000 tokens of its 10 attention layers, for
-every 16-token block cached. The chunked kernels also give the state only at the end of a
-chunk, so snapshots would force chunk ends onto block boundaries. Trade-off: a shared prefix (a
-system prompt, a chat's history) is recomputed for each request, which costs prefill compute;
-the state memory stays bounded by `num_slots` sequences.
-"""
+Design (vLLM's "mamba" cache, one slot per running sequence): a Gated DeltaNet layer keeps per
+sequence the last `K - 1` inputs of its convolution (model dtype) and its recurrent state
+`[Hv, Dk, Dv]` in fp32 (it sums every token's update, which bf16 would round away). `StatePool`
+holds both for every linear layer and `num_slots` sequences, allocated once and counted in the
+memory budget (`plan_state`); `StateSlots` hands a slot out at admission and takes it back with
+the sequence's blocks, so it cannot leak apart from them. A first chunk starts from zeros
+(`StateBatch.fresh`), every later chunk reads the slot and writes it back; a preempted or
+migrated sequence is recomputed from its tokens. Trade-off: no prefix caching for such models
+(a snapshot per cached block would be as large as a sequence's whole state, and the chunked
+kernels give the state only at chunk ends), so a shared prefix is recomputed per request while
+the state memory stays bounded by `num_slots`."""
 
 from __future__ import annotations
 
