@@ -1,23 +1,15 @@
 """Grouped-query self-attention over packed tokens and the paged KV cache, with each layer's options.
 
-Design: q, k and v come from one fused projection `wqkv` (one matmul over every token of
-the batch). A layer's family options are applied in transformers' order: q/k norms (per head,
-or over the whole projection before the heads are split), then the rotary of the layer's
-kind (its `RopeSpec`: all or part of each head; none for a NoPE layer), then attention
-scaled by the layer's scale, soft-capped where the family caps scores, over the last
-`sliding_window` positions on a sliding layer. A step writes every token's K/V into its cache
-slot (one indexed store per layer), then attends in two groups:
-- decode rows (one token per sequence, any position) all at once through `PagedAttention`,
-  the kernel-swappable layer, which carries the layer's window, cap and scale: on the CPU the
-  rows' blocks are gathered and one masked SDPA covers them (GQA folded into the query axis);
-  on GPUs a Triton kernel reads the blocks in place through the block table;
-- prefill chunks one by one with a causal SDPA over the chunk's own K/V, or, when the chunk
-  continues a sequence (a chunked prompt, a cached prefix, a recomputed preemption), over
-  its gathered cached positions plus the chunk; a window or a cap adds its mask or its ops.
-Trade-off: padding decode rows to the longest one wastes work when lengths differ a lot;
-on CPU that is cheaper than a loop of SDPA calls per sequence. A soft-capped layer cannot use
-SDPA's fused kernel and pays for explicit score matrices.
-"""
+Design: q, k and v come from one fused projection `wqkv`, then a layer's family options apply in
+transformers' order: q/k norms (per head or over the whole projection), the rotary of the layer's
+kind (none on a NoPE layer), the layer's scale, soft-cap and sliding window. A step writes every
+token's K/V into its cache slot, then attends in two groups: decode rows all at once through
+`PagedAttention`, the kernel-swappable layer (the CPU's C++ kernel or a masked SDPA over the
+gathered rows, a Triton kernel reading the blocks in place on GPUs), and prefill chunks one by
+one with a causal SDPA over the chunk, plus its gathered cached positions when it continues a
+sequence. Trade-off: padding decode rows to the longest one wastes work when lengths differ a
+lot, which on a CPU is cheaper than a loop of SDPA calls; a soft-capped layer cannot use SDPA's
+fused kernel and pays for explicit score matrices."""
 
 from __future__ import annotations
 
@@ -66,8 +58,9 @@ class StepContext:
 
 
 def build_step_context(batch: ForwardBatch, kv: KVPool, rope, share_kv: bool = False) -> StepContext:
-    """`rope`: each spec's cos/sin; `share_kv`: some layers read others' KV (their K, V pass through `shared`). Each KV group's prefill masks: its window over the positions
-    its spans read (from `span.base`)."""
+    """`rope`: each spec's cos/sin; `share_kv`: some layers read others' KV (their K, V pass through
+    `shared`). Each KV group's prefill masks: its window over the positions its spans read (from
+    `span.base`)."""
     masks = []
     for g, group in enumerate(kv.groups):
         window, per_span = group.window, []
@@ -197,7 +190,8 @@ class Attention(nn.Module):
         return explicit_attention(q, k, v, mask, self.scale, self.softcap,
                                   None if sinks is None else sinks.view(1, -1, 1, 1))  # [1, Hq, 1, 1]
 
-    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None = None, shared: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None = None,
+                shared: dict | None = None) -> torch.Tensor:
         """Full causal attention without a cache: x [B, S, H] -> [B, S, H]; `mask` [S, S] for a
         sliding layer (None: causal); `shared` the producers' K, V where layers share them."""
         q, k, v, gate = self._qkv(x, rope)  # [B, S, Hq|Hkv, D]

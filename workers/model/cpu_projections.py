@@ -1,41 +1,18 @@
-"""The CPU's projections: oneDNN with weights packed once, rows padded to buckets.
+"""The CPU's projections: weights laid out once for a faster GEMM than torch's, rows padded to buckets.
 
-On a CPU, torch multiplies a float32 `nn.Linear` with MKL, whose kernels on this project's AMD
-CPUs take their AVX2 path, and a bfloat16 one with oneDNN, which reorders the weight into its
-blocked layout on every call. Reordered once (`mkldnn._reorder_linear_weight`) and multiplied
-by oneDNN's AVX-512 brgemm (`mkldnn._linear_pointwise`), the same products take 0.3-0.9x the
-time from 4 rows up, and for one bfloat16 row, on matrices of 2^18 elements or more with their
-weights out of cache (docs/benchmarks.md "CPU projections"). Matrices from 2^16 elements (a
-small model's attention and down projections, Qwen3-MoE's narrow experts) gain too, in the
-compiled decode step itself (the embedded model's step 0.89-0.96x the time with them packed,
-a small Qwen3-MoE's 0.92-0.97x); smaller ones (a router) keep torch's matmul, where oneDNN's
-fixed cost per call outweighs the gain; so does a lone float32 row, for which MKL's GEMV is
-the faster (the packed product took 1.2-1.3x its time on large matrices).
-
-Design: `install_cpu_projections(model, device, dtype)` runs once on a CPU worker (and a CPU
-pipeline stage) after loading and kernelizing; in deterministic mode too, before its fixed row
-tiles wrap the projections (workers/model/deterministic.py): every tile then meets a pack at one
-shape, 32 rows, so a row's numbers still ignore its batch mates (the experts stay unpacked there:
-their packed loop does not take the tiles). It packs every plain `nn.Linear`'s weight and every expert layer's stacked
-`w_gate_up` / `w_down` (one packed matrix per expert), keeping each pack on its dense tensor as
-the attribute `PACKED_ATTR`, and gives every plain `nn.Linear` a forward that multiplies through
-its pack, the rows padded to `row_bucket` sizes (oneDNN compiles one kernel per row count;
-workers/model/row_buckets.py). The experts' CPU kernel (kernels_local/fused_moe/torch_path.py)
-finds the packs on the same tensors. Inside `torch.compile` a projection is one opaque op,
-`hetserve::packed_linear`, which reads the pack from the weight it is given. The decision
-returns its reason: packing is skipped for float16 (no AVX-512 FP16 here: oneDNN would
-emulate it), where this CPU's oneDNN cannot pack the dtype (its bfloat16 packs need AVX-512
-BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU gets rows padded to buckets instead, found by
-packing one small matrix once per process), and when the packs would take more than half the
-memory still available.
-Where the panel GEMM builds (kernels_local/panel_linear/cpu.py), a matrix with a reduction of at
-most 2048 is laid out as brgemm column panels instead of a oneDNN pack (the same bytes, no per-call
-setup: 1.01-2.7x the pack's speed at 1 to 64 rows), under the same attribute; its projection takes
-every row count through them (`_panel_forward`), the experts' C++ loop reads them too.
-Trade-off: the packs are a second copy of the projections' and experts' weights, so a CPU
-worker holds its weights twice in exchange for the faster products; the dense tensors stay,
-since the embedding, deterministic mode and the reference paths read them.
-"""
+On a CPU torch multiplies a float32 `nn.Linear` with MKL (its AVX2 path on this project's AMD
+CPUs) and a bfloat16 one with oneDNN, which reorders the weight on every call. Design:
+`install_cpu_projections` runs once on a CPU worker after loading and kernelizing (before
+deterministic mode's row tiles, which then meet one shape) and lays every plain `nn.Linear` and
+expert matrix of `MIN_PACKED_ELEMENTS` or more out once, on its dense tensor as `PACKED_ATTR`:
+as column panels for oneDNN's brgemm where the panel GEMM builds and the reduction is at most
+2048 (kernels_local/panel_linear/cpu.py, no per-call setup), else as a oneDNN pack. Projections
+multiply through it (`hetserve::packed_linear` inside `torch.compile`), and the experts' kernels
+find the same layouts; a lone float32 row on a pack and a prompt's `LARGE_ROWS` bfloat16 rows keep
+torch's matmul, faster there. float16, a dtype this CPU's oneDNN cannot pack and packs over half
+the memory available are refused with the reason (rows then only padded to buckets). Trade-off:
+the layouts are a second copy of the weights beside the dense tensors, which the embedding and
+the reference paths read; what they buy: docs/benchmarks.md, "CPU projections"."""
 
 from __future__ import annotations
 
@@ -52,12 +29,11 @@ from workers.model.row_buckets import EXACT_ROWS, row_bucket
 
 PACKED_ATTR = cpu_gemm.PACKED_ATTR  # the attribute kernels_local/fused_moe/torch_path.py reads too
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-MIN_PACKED_ELEMENTS = 1 << 16  # smaller matrices (a router) stay with torch's matmul (oneDNN's ~20 us per call)
+MIN_PACKED_ELEMENTS = 1 << 16  # smaller matrices (a router) stay with torch's matmul: a call's setup outweighs the gain
 AVAILABLE_SHARE = 0.5  # the packs may take at most this share of the memory available after loading
 # From this many bfloat16 rows (a prompt's) oneDNN's matmul on the dense weight, reordered per call, is as
-# fast as the column panels or faster: 0.99-1.39x at 512 rows, 1.05-1.6x at 1024, 1.39-2.11x at 2048 with
-# the weights out of cache (`python benchmarks/cpu_projections.py --rows 512 1024 2048 --dtype bfloat16`);
-# its rows padded to a multiple of `LARGE_ROW_STEP` (a few dozen shapes up to a step's token budget).
+# fast as the column panels or faster (docs/benchmarks.md, "CPU projections"); its rows padded to a
+# multiple of `LARGE_ROW_STEP` (a few dozen shapes up to a step's token budget).
 LARGE_ROWS, LARGE_ROW_STEP = 512, 128
 
 
@@ -141,14 +117,14 @@ PACKED_LINEAR = _packed_linear_op()
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() == x.shape[-1] and x.dtype == torch.float32:  # a lone float32 row: MKL's GEMV (docstring)
+    if x.numel() == x.shape[-1] and x.dtype == torch.float32:  # a lone float32 row: MKL's GEMV beats the pack
         return F.linear(x, self.weight, self.bias)
     return _panel_forward(self, x)
 
 
 def _panel_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """Through the weight's pack, rows padded to their bucket; a weight laid out as column panels
-    takes every row count so (a lone float32 row too: 0.2-0.3x the packed call, under MKL's GEMV)."""
+    takes every row count so (a lone float32 row too: the panels beat both the pack and MKL's GEMV)."""
     if torch.compiler.is_compiling():
         return PACKED_LINEAR(x, self.weight, self.bias)
     return packed_linear_eager(x, self.weight, self.bias)

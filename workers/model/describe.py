@@ -1,18 +1,13 @@
 """What a checkpoint's architecture asks of a device, as plain JSON: for `/capability` and `plan`.
 
 Design: one function reads the `ModelConfig` (no weights) and says what the architecture
-switches on (`features`) and how its layers attend, per layer type: which layers attend
-fully and which slide (and over how many positions), with the options every attention of
-the model shares (head dim, scale, soft-cap) and which of the kernel-swappable layers the
-model contains. Linear-attention layers (Qwen3.5, Qwen3-Next: Gated DeltaNet) hold no KV;
-they are described apart (`attention.linear`: their layers, heads and the per-sequence state
-they keep instead), so `layer_types` stays the list of KV-holding layer types. The router cannot import the model package (it holds no torch), so
-`hetserve plan --model DIR` runs `python -m workers.model.describe DIR` once and joins the
-answer with each device's kernel choices; a ready worker reports the same under `model`. A
-pre-quantized checkpoint adds `quantization` (the registry's reading of its config) and a
-`features` entry naming its method (and, for MXFP4, the execution every device runs).
-Trade-off: a child process per plan for the one source of the rules.
-"""
+switches on (`features`) and how its layers attend per layer type (full or sliding and over how
+many positions, the options every attention shares, which kernel-swappable layers the model
+contains); linear-attention layers, which hold no KV, are described apart (`attention.linear`),
+and a pre-quantized checkpoint adds its `quantization` and a `features` entry naming its method.
+The router holds no torch, so `hetserve plan --model DIR` runs `python -m workers.model.describe
+DIR` and joins the answer with each device's kernel choices; a ready worker reports the same under
+`model`. Trade-off: a child process per plan, for one source of the rules."""
 
 from __future__ import annotations
 
@@ -106,7 +101,8 @@ def describe_dir(model_dir: str | Path) -> dict[str, Any]:
     try:
         hf = json.loads(path.read_text())
     except OSError as e:
-        raise ConfigError(f"`{path}` cannot be read: {e.strerror}; `--model` takes a directory with a config.json") from e
+        raise ConfigError(f"`{path}` cannot be read: {e.strerror}; "
+                          f"`--model` takes a directory with a config.json") from e
     except ValueError as e:
         raise ConfigError(f"`{path}` is not valid JSON: {e}") from e
     out = describe(ModelConfig.from_hf_config(hf))

@@ -1,59 +1,17 @@
 """Deterministic mode (`--deterministic`): a row's numbers do not depend on its batch mates.
 
-Without it, nothing guarantees that a request's tokens stay the same whatever else the worker
-runs: kernels may pick their reduction order by problem shape (cuBLAS switches algorithms,
-split-K among them, with the row count; attention kernels split the keys by length or batch),
-and the default attention pads every decode row to the longest one of the step and takes
-another path for prompt rows than for decode rows. In bfloat16 the last bits then differ,
-and now and then an argmax flips. (On the CPU, oneDNN's bfloat16 GEMMs and the CPU flash
-attention gave batch-independent rows for the embedded model's shapes in our measurements;
-tests/test_deterministic.py therefore also checks the mode over kernels whose numerics follow
-the batch's shape.) Here every op a row goes through is a fixed function of that row alone:
-
-- **Projections** (every `nn.Linear` and `Fp8Linear`, the LM head included): rows are cut
-  into tiles of exactly `ROW_TILE` rows (the last one padded), one GEMM per tile, so every
-  row meets the same GEMM shape, hence the same kernel and the same reduction over K,
-  whatever the step holds. Cost: a step of `r` rows multiplies `ceil(r / ROW_TILE)` tiles;
-  nothing at a multiple of the tile, up to `ROW_TILE - 1` padded rows otherwise (a lone
-  decode multiplies 32 rows where it needed 1), and large prefills run as many tile-sized
-  GEMMs instead of one. It also bounds oneDNN's per-shape caches to one shape per weight,
-  so `workers/model/row_buckets.py` is not needed.
-- **Attention** (prefill and decode rows alike, `attend_paged`): every query row attends to
-  its own sequence's cached positions `0..p`, read back from the paged KV cache (this step's
-  K/V are written first), in fixed splits of `KV_SPLIT` positions counted from position 0
-  (flash-decoding with a fixed split size, not a fixed number of splits): the scores of each
-  split are one `[G, D] x [D, KV_SPLIT]` problem per (row, KV head), the softmax takes the
-  split's own maximum, and the splits' partial results are merged by their log-sum-exp in
-  split order, in fp32. Positions past a row's length are masked to exact zeros, so padding
-  to a batch mate's length adds nothing. A prompt row and a decode row at the same position
-  go through the same function, so chunked prefill, a prefix-cache hit and a recomputation
-  after preemption all give a row the numbers of one whole prefill. The same torch path
-  runs on every device (the GPU paged-attention kernel serves decode rows only, and its
-  prompt rows would take SDPA). Cost: K/V are gathered from the blocks for every row
-  (no CPU decode mirror, `workers/kv/mirror.py`), a prompt of `n` tokens attends `n` rows
-  per split it reaches (about `n^2 / (2 KV_SPLIT)` row-splits, causal) where SDPA would do
-  one fused call, and a Python loop runs over the splits.
-- **Norms and activations** need no change: RMSNorm reduces each row on its own (torch, its
-  C++ kernel on a CPU and the Triton kernels, whose tile shape depends only on the row width),
-  and SiluAndMul, RoPE, the residual adds and the embedding are element-wise. One catch on the
-  CPU: ATen computes an element-wise op in vectors and the last few elements of a tensor one at
-  a time with libm, whose exp (in SiLU, softplus, sigmoid) may differ from the vector code's in
-  the last bit; which elements fall in that tail depends on the tensor's size, so on the step's
-  tokens. The CPU's C++ SiluAndMul takes its tail per row, and the Gated DeltaNet (its gates,
-  its convolution's SiLU, its gated norm, its state's decay) pads such tensors to a multiple of
-  `TAIL_FREE` elements (`tail_free`) and sums its convolution's taps in a fixed order.
-- **Sampling** is already per row (workers/sampling/sampler.py): a log-softmax and argmax per row,
-  one generator per seeded request, so greedy and seeded sampled outputs follow.
-
-Measured cost (`python benchmarks/engine.py --skip-hf`, README "Deterministic mode and the
-canary"): at batch 32 on the embedded model in bfloat16 (CPU, 1 thread), deterministic
-throughput is 0.65x the default mode's in the same run (2026-12-04, its projections through the
-CPU packs under the row tiles; target >= 0.6).
-Trade-off: exactness against a little throughput; off by default. Outputs are identical for
-the same weights, kernels, dtype and device type; two workers with different kernels (another
-architecture, another fp8 path) still differ, which the router's canary measures
-(server/canary/monitor.py).
-"""
+Without it, kernels may pick their reduction order by problem shape (cuBLAS's split-K by row
+count, attention splitting keys by length or batch) and prompt rows take another attention path
+than decode rows, so in bfloat16 an argmax now and then flips with the batch. Design: every op a
+row goes through is a fixed function of that row alone. Projections run in GEMMs of exactly
+`ROW_TILE` rows (`install_row_tiles`); attention, prompt and decode rows alike, reads each row's
+own cached positions in fixed splits of `KV_SPLIT` from position 0 (`attend_paged`); norms,
+activations and sampling are per row already, with element-wise ops kept out of ATen's scalar
+tail on the CPU (`tail_free`). What the mode guarantees and how it is tested:
+docs/deterministic-and-canary.md. Trade-off: exactness for some throughput (padded row tiles,
+K/V gathered for every row, a loop over splits instead of one fused SDPA; docs/benchmarks.md,
+"Deterministic mode's cost"), so it is off by default; workers with different kernels still
+differ, which the router's canary measures."""
 
 from __future__ import annotations
 
@@ -100,8 +58,12 @@ def _is_projection(module: nn.Module) -> bool:
 def tail_free(fn, x: torch.Tensor) -> torch.Tensor:
     """`fn(x)` for an element-wise `fn` (exp, SiLU, softplus, sigmoid), every element through ATen's
     vector loop: `x` flattened and zero-padded to a multiple of `TAIL_FREE` elements, so no element
-    falls in the loop's scalar tail, whose libm functions may round otherwise than the vector code
-    (module docstring). The same value then gives the same bits whatever tensor it sits in."""
+    falls in the loop's scalar tail, whose libm functions (exp in SiLU, softplus, sigmoid) may round
+    otherwise than the vector code in the last bit. Which elements fall in that tail depends on the
+    tensor's size, so on the step's tokens; padded, the same value gives the same bits whatever
+    tensor it sits in. The Gated DeltaNet pads its gates, its convolution's SiLU, its gated norm and
+    its state's decay so (and sums its convolution's taps in a fixed order); the CPU's C++
+    SiluAndMul takes its tail per row instead."""
     flat = x.reshape(-1)
     n = flat.shape[0]
     pad = -n % TAIL_FREE
@@ -121,8 +83,14 @@ def tiled_rows(forward, x: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 def install_row_tiles(model: nn.Module, tile: int = ROW_TILE) -> int:
-    """Make every projection of `model` (whatever forward it has now: torch, a kernel, fp8) run
-    in fixed row tiles; returns how many modules changed."""
+    """Make every projection of `model` (whatever forward it has now: torch, a kernel, fp8; the LM
+    head included) run in fixed row tiles; returns how many modules changed.
+
+    Every row then meets one GEMM shape, hence one kernel and one reduction over K, whatever the
+    step holds. Cost: a step of `r` rows multiplies `ceil(r / tile)` tiles, up to `tile - 1` of
+    them padding (a lone decode multiplies 32 rows), and a large prefill runs many tile-sized GEMMs
+    instead of one. It also bounds oneDNN's per-shape caches to one shape per weight, so
+    workers/model/row_buckets.py is not needed."""
     changed = 0
     for module in model.modules():
         if not _is_projection(module):
@@ -166,6 +134,16 @@ def attend_paged(q: torch.Tensor, kv: torch.Tensor, batch, split: int = KV_SPLIT
     cached positions `0..p` (the last `window` of them on a sliding layer), read back from the
     paged cache, through `split_attention`.
 
+    Splits have a fixed size counted from position 0 (flash-decoding with a fixed split size, not
+    a fixed number of splits): each split's scores are one `[G, D] x [D, split]` problem per (row,
+    KV head) with the split's own maximum, and the partial results merge by their log-sum-exp in
+    split order, in fp32; positions past a row's length are masked to exact zeros, so padding to a
+    batch mate's length adds nothing. Prompt and decode rows go through this one function, so
+    chunked prefill, a prefix-cache hit and a recomputation all give a row the numbers of one whole
+    prefill; it is the same torch path on every device (the GPU paged-attention kernel serves
+    decode rows only). Cost: every row's K/V are gathered (no CPU decode mirror), and a prompt of
+    `n` tokens attends about `n^2 / (2 split)` row-splits where SDPA makes one fused call.
+
     `q` [T, Hq, D]; `kv` one layer's blocks [2, Hkv, NB, B, D] with this step's K/V written;
     `batch` the step's `ForwardBatch` -> [T, Hq, D] in `q`'s dtype."""
     hkv, d = kv.shape[1], kv.shape[-1]
@@ -201,7 +179,8 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     """One split: softmax attention of `q` [R, Hkv, G, D] over `k`, `v` [R, Hkv, S, D] with `mask`
     [R, 1, 1, S] (True = attend) -> (out [R, Hkv, G, D] fp32, logsumexp [R, Hkv, G] fp32)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if q.device.type == "cpu" and softcap is None:  # the fused CPU kernel: one [G, D] x [D, S] problem per (row, KV head)
+    # the fused CPU kernel: one [G, D] x [D, S] problem per (row, KV head)
+    if q.device.type == "cpu" and softcap is None:
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
                                                                               scale=scale)

@@ -1,18 +1,13 @@
 """Each layer's own shape where a family's layers differ (Gemma 4): head dim and KV heads per
-layer type, whose KV a layer reads, its projections' and MLP's widths, and the parameters they
-add up to.
+layer type, whose KV a layer reads, its projections' and MLP's widths, and their parameters.
 
-Design: `ModelConfig` (workers/model/config.py) takes these as a mixin over its own fields,
-so the model, the weight map and the KV cache ask one place per layer instead of reading
-`head_dim` and `num_key_value_heads` as the whole model's. The switches: full-attention
-layers with their own head dim and KV heads (`global_head_dim`, `global_kv_heads`; 0: the
-model's); `attention_k_eq_v`, whose full layers project no values (their keys are their
-values); `kv_shared_layers`, the last layers that project no K/V and read the cache of the
-last earlier layer of their type (transformers' `kv_sharing_modes`: the cache holds them once,
-and only the producers count in the KV budget); `double_wide_mlp`, those layers' MLP twice as
-wide. Trade-off: a model whose layers are all alike walks the same per-layer questions, a
-few integer reads per layer at build time.
-"""
+Design: `ModelConfig` takes these as a mixin, so the model, the weight map and the KV cache ask
+one place per layer instead of reading `head_dim` and `num_key_value_heads` as the whole
+model's. The switches: full-attention layers' own head dim and KV heads (`global_head_dim`,
+`global_kv_heads`; 0: the model's), `attention_k_eq_v` (full layers whose keys are their values),
+`kv_shared_layers` (the last layers read the cache of the last earlier layer of their type, held
+once and counted once in the KV budget) and `double_wide_mlp`. Trade-off: a model whose layers
+are all alike walks the same per-layer questions, a few integer reads per layer at build time."""
 
 from __future__ import annotations
 
@@ -29,7 +24,9 @@ class LayerShapes:
         return self.global_head_dim if self.global_head_dim and self.layer_type(index) == FULL else self.head_dim
 
     def layer_kv_heads(self, index: int) -> int:
-        return self.global_kv_heads if self.global_kv_heads and self.layer_type(index) == FULL else self.num_key_value_heads
+        if self.global_kv_heads and self.layer_type(index) == FULL:
+            return self.global_kv_heads
+        return self.num_key_value_heads
 
     def layer_k_eq_v(self, index: int) -> bool:
         """The layer's values are its key projection (Gemma 4's full layers under `attention_k_eq_v`)."""

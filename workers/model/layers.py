@@ -1,20 +1,13 @@
 """The model's norm, activation and decode-attention layers; three of them `kernels.kernelize` may swap.
 
-Design: RMSNorm, SiluAndMul and PagedAttention are pure-torch reference forwards decorated
-with `kernels.use_kernel_forward_from_hub(<name>)`. Kernel layers replacing them are
-stateless and take the same forward signature; they read the module's attributes, so
-RMSNorm keeps transformers' names `weight` and `variance_epsilon` (LlamaRMSNorm),
-SiluAndMul has no state and PagedAttention only its layer's attention options
-(`sliding_window`, `softcap`, `scale`). Numerics follow transformers: RMSNorm normalises in
-fp32 and casts back before the weight multiply; PagedAttention is softmax(q k^T * scale) v
-over each row's cached positions (its window's, when it slides), soft-capped where asked.
-
-`FloatRMSNorm` (OLMo: `w * x` in fp32, cast last; Gemma: `x * (1 + w)` in fp32, cast last),
-`PowRMSNorm` (Gemma 4's: `pow(mean + eps, -0.5)`, with or without a scale) and
-`GeluTanhAndMul` (Gemma's GELU) have no kernels yet: they run their torch forward on every
-device, which is what they must compute. Trade-off: the families that use them pay for the
-unfused ops on a GPU until a kernel joins the mapping.
-"""
+Design: RMSNorm, SiluAndMul and PagedAttention are pure-torch reference forwards decorated with
+`kernels.use_kernel_forward_from_hub(<name>)`; the stateless kernel layers replacing them read
+the module's attributes, so RMSNorm keeps transformers' `weight` and `variance_epsilon` and
+PagedAttention only its layer's options (`sliding_window`, `softcap`, `scale`). Numerics follow
+transformers (RMSNorm in fp32, cast back before the weight multiply). `FloatRMSNorm` (OLMo,
+Gemma), `PowRMSNorm` (Gemma 4) and `GeluTanhAndMul` have no kernels yet and run their torch
+forward on every device. Trade-off: the families that use them pay for the unfused ops on a GPU
+until a kernel joins the mapping."""
 
 from __future__ import annotations
 

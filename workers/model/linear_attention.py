@@ -1,28 +1,17 @@
 """Gated DeltaNet: the linear-attention layers of Qwen3.5 / Qwen3.6 and Qwen3-Next, in plain torch.
 
-Per token `t` and value head, with a state `S [Dk, Dv]` carried from token to token:
-`S = exp(g_t) S`, then the delta rule writes `beta_t (v_t - S^T k_t)` at key `k_t`
-(`S += k_t (beta_t (v_t - S^T k_t))^T`), and the output reads `S^T q_t`; q and k are
-L2-normalized and q scaled by `Dk^-1/2`, `g_t = -exp(A_log) softplus(a_t + dt_bias)` decays the
-state and `beta_t = sigmoid(b_t)` is the write's strength. Before it, q, k and v go through a
-short causal depthwise convolution (width `K`, SiLU); after it, each head's output is
-RMS-normed and gated by `silu(z)` (`GatedRMSNorm`), then projected out. A key head serves
-`Hv / Hk` consecutive value heads (grouped like GQA).
-
-Two forms of the same recurrence (as transformers and vLLM compute it): `recurrent_delta_rule`,
-token by token (decode: one token per sequence), and `chunked_delta_rule`, which turns a
-chunk of `C` tokens into a few matmuls (the WY form: a unit-lower-triangular solve per chunk)
-and steps the state once per chunk (prefill). The engine's step (`GatedDeltaNet.step`) runs
-decode rows together and prefill spans one by one, each from its sequence's slot of the state
-pool (workers/kv/state.py): the conv state holds the last `K - 1` inputs, the recurrent state
-`S` per head; both are read at a chunk's start and written at its end, so a prompt chunked
-over several steps gives the state one whole prefill would. The gated delta rule itself is
-the kernel-swappable `GatedDeltaRule` (a Triton kernel on GPUs: kernels_local/gated_delta/);
-the convolution stays in torch on every device (a few FLOPs per channel). Trade-off: the
-chunked form's rounding differs slightly from the recurrent one's in fp32 (both are
-transformers' own), and `--deterministic` steps every token recurrently so that chunking
-cannot change a row's numbers, at the price of a slower prefill.
-"""
+Per token and value head a state `S [Dk, Dv]` decays by `exp(g_t)`, the delta rule writes
+`beta_t (v_t - S^T k_t)` at key `k_t`, and the output reads `S^T q_t` (q, k L2-normed, q scaled
+by `Dk^-1/2`); a short causal convolution (SiLU) precedes it and a `silu(z)`-gated RMSNorm
+follows (`GatedRMSNorm`); a key head serves `Hv / Hk` value heads, as GQA. Design: two forms of
+one recurrence, as transformers and vLLM compute it: `recurrent_delta_rule` token by token
+(decode) and `chunked_delta_rule`, a chunk of tokens as a few matmuls (the WY form), the state
+stepped once per chunk (prefill). `GatedDeltaNet.step` reads each sequence's conv and recurrent
+state from its slot (workers/kv/state.py) at a chunk's start and writes it at its end, so a
+chunked prompt ends in the state one whole prefill gives. The rule is the kernel-swappable
+`GatedDeltaRule` (Triton on GPUs: kernels_local/gated_delta/); the convolution stays in torch.
+Trade-off: the chunked form rounds slightly otherwise than the recurrent one in fp32, so
+`--deterministic` steps every token recurrently, at the price of a slower prefill."""
 
 from __future__ import annotations
 
@@ -196,7 +185,8 @@ class GatedDeltaNet(nn.Module):
         """Convolved [.., C] -> q, k [.., Hk, Dk], v [.., Hv, Dv]."""
         ks = self.hk * self.dk
         q, k, v = mixed.split((ks, ks, self.hv * self.dv), dim=-1)
-        return q.unflatten(-1, (self.hk, self.dk)), k.unflatten(-1, (self.hk, self.dk)), v.unflatten(-1, (self.hv, self.dv))
+        return (q.unflatten(-1, (self.hk, self.dk)), k.unflatten(-1, (self.hk, self.dk)),
+                v.unflatten(-1, (self.hv, self.dv)))
 
     def _out(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self.out_proj(self.norm(o, z).flatten(-2))  # [.., Hv, Dv] -> [.., H]

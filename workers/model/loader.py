@@ -230,7 +230,8 @@ def load_model(
     template = find_chat_template(model_dir, tok_cfg)
     eos_ids = _eos_ids(generation_config, config, tokenizer, eos_token)
     model_id = hf_config.get("_name_or_path") or model_dir.name
-    logger.info("Loaded %s (%s, %s params) as %s: %s", model_id, config.architecture, config.num_parameters, torch_dtype, reason)
+    logger.info("Loaded %s (%s, %s params) as %s: %s", model_id, config.architecture, config.num_parameters,
+                torch_dtype, reason)
     return LoadedModel(
         model=model, config=config, tokenizer=tokenizer, generation_config=generation_config,
         chat_template=None if template is None else template.source, bos_token=bos_token, eos_token=eos_token,

@@ -1,25 +1,15 @@
 """Mixture-of-experts feed-forward: a router picks each token's experts, `FusedMoE` runs them.
 
-Design: the router (a family's own: softmax then top-k, renormalized or not; top-k of biased
-logits then softmax over them) gives each token `K` expert ids and weights; `FusedMoE` is the
-kernel-swappable layer (like RMSNorm) that runs the experts on them. Its weights are stacked
-per expert in one layout for every family: `w_gate_up` [E, 2I, H] (gate rows, then up rows),
-`w_down` [E, H, I], optional biases `b_gate_up` [E, 2I] and `b_down` [E, H]; the loader turns
-gpt-oss's interleaved, transposed tensors into it. Activations: `silu` (SwiGLU), `gelu_tanh`
-(Gemma 4: GELU-tanh of the gate times up) and
-`swiglu_oai` (gpt-oss: gate clamped above at `limit`, up clamped to +-`limit`,
-`(up + 1) * gate * sigmoid(alpha * gate)`).
-
-The torch path (CPU, simulated devices, and the reference of the GPU kernels) groups the
-token-expert pairs by expert with one stable sort and runs one matmul per active expert over
-its rows: a loop over experts, never over tokens. Under `--deterministic`, each expert's rows
-go through in fixed tiles of `row_tile` rows (the last one zero-padded), so a row's result
-does not depend on how many other rows chose the same expert. Trade-off: experts that got few
-rows pay a whole matmul call each; the kernel layers group them into one call (the CPU layer's
-`torch._grouped_mm`, the GPU's Triton launch). Inside `torch.compile` the experts are one opaque
-op (`hetserve::grouped_experts`, shaped like its input), so the compiled decode step
-(workers/engine/compiled.py) keeps the grouping's data-dependent sizes out of its graph.
-"""
+Design: the family's router (softmax then top-k, renormalized or not; or top-k of biased logits
+then softmax) gives each token `K` expert ids and weights, and `FusedMoE`, kernel-swappable like
+RMSNorm, runs the experts over one stacked layout for every family: `w_gate_up` [E, 2I, H] (gate
+rows, then up rows), `w_down` [E, H, I], optional biases (the loader turns gpt-oss's interleaved,
+transposed tensors into it); activations `silu`, `gelu_tanh` (Gemma 4) and `swiglu_oai` (gpt-oss's
+clamped SwiGLU). The torch path groups the token-expert pairs by expert with one stable sort and
+runs one matmul per active expert (under `--deterministic` in fixed `row_tile` tiles); inside
+`torch.compile` the experts are one opaque op (`hetserve::grouped_experts`), so the grouping's
+data-dependent sizes stay out of the graph. Trade-off: in the torch path an expert with few rows
+pays a whole matmul call; the kernel layers group them into one call."""
 
 from __future__ import annotations
 

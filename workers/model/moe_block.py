@@ -1,16 +1,12 @@
 """Gemma 4's MoE block: experts beside the dense MLP, their outputs summed.
 
-Design, as transformers' Gemma4TextDecoderLayer computes it: the layer's dense MLP runs as in
-every Gemma layer (on the pre-feed-forward norm of the residual `r`); the experts take `r`
-itself, normed by their own `pre_norm`, and the router takes `r` too: a scale-less RMSNorm,
-times a learned per-channel `router_scale` and 1/sqrt(H), projected to the experts, softmax in
-fp32, top-k, renormalized to sum to 1, each weight then times its expert's learned
-`per_expert_scale`. The experts are `FusedMoE` (workers/model/moe.py: stacked `[E, 2I, H]` gate
-and up, `[E, H, I]` down, GELU-tanh), so a device's kernel swaps in as for any MoE family. The
-two outputs are each normed (`post_dense_norm`, `post_norm`) and summed; the layer's
-post-feed-forward norm and residual follow. Trade-off: the router reads the residual rather
-than a normed input, so it cannot share the MLP's norm.
-"""
+Design, as transformers' Gemma4TextDecoderLayer computes it: the dense MLP runs on the
+pre-feed-forward norm of the residual `r`; the experts take `r` normed by their own `pre_norm`,
+and the router takes `r` too (a scale-less RMSNorm times a learned `router_scale` and 1/sqrt(H),
+softmax in fp32, top-k renormalized, each weight times its expert's `per_expert_scale`). The
+experts are `FusedMoE`, so a device's kernel swaps in as for any MoE family. Both outputs are
+normed (`post_dense_norm`, `post_norm`) and summed. Trade-off: the router reads the residual
+rather than a normed input, so it cannot share the MLP's norm."""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Per-layer input embeddings (Gemma 4's PLE): a small extra input for every layer of every token.
 
-Design, as transformers' Gemma4TextModel computes it: one packed table
-`embed_tokens_per_layer` [V, L x P] (scaled by sqrt(P) in the weights' dtype) gives each token
-`L` vectors of `P` values, its identity; a projection of the token's (scaled) embedding
-[H -> L x P], times 1/sqrt(H) and RMS-normed per layer, gives `L` more, its context. Their sum
-times 1/sqrt(2) is the token's per-layer input `[T, L, P]`, computed once per step next to the
-embedding (`PerLayerInputs`). Layer `i` then adds `norm(projection(gelu(gate(x)) * input_i))` to
-its output (`PerLayerGate`: [H -> P], times its input, [P -> H]), after the feed-forward's
-residual and before its `layer_scalar`. Trade-off: the packed table is the largest tensor of
-the small Gemma 4 models (L x P values per vocabulary entry); it is read one row per token,
-so it stays with the other weights rather than being streamed from the host.
-"""
+Design, as transformers' Gemma4TextModel computes it: a packed table `embed_tokens_per_layer`
+[V, L x P] gives each token `L` vectors of `P` values, and a projection of its embedding, RMS-normed
+per layer, `L` more; their sum times 1/sqrt(2) is the per-layer input `[T, L, P]`, computed once
+per step next to the embedding (`PerLayerInputs`). Layer `i` adds
+`norm(projection(gelu(gate(x)) * input_i))` after its feed-forward residual (`PerLayerGate`).
+Trade-off: the packed table is the largest tensor of the small Gemma 4 models; it is read one row
+per token, so it stays with the other weights rather than being streamed from the host."""
 
 from __future__ import annotations
 

@@ -1,32 +1,16 @@
 """Rotary position embeddings: every rope type transformers names, over all or part of a head.
 
 Design: one frozen `RopeSpec` per kind of layer (`default`, `linear`, `dynamic`, `yarn`,
-`longrope`, `llama3`, `proportional`; `rotary_dim` < head_dim for partial rotary; no spec at
-all for a NoPE layer), and `RotaryTables` that turn a batch's positions into cos/sin. The model keeps no rope
-buffers: tables are computed on first use per device and grown by doubling, so a model built
-on the meta device needs no initialisation step and a 128k-context config does not allocate
-its whole table up front. Frequencies follow transformers' `rotate_half` (non-interleaved)
-layout in fp32 (each formula as `transformers.modeling_rope_utils` computes it), and yarn's
-and LongRoPE's attention factor scales cos and sin in fp32, so Hugging Face q/k weights load
-unpermuted and the rotation matches theirs bit for bit. Gemma 4's `proportional` rotary is
-partial the other way: it rotates the first `partial_rotary_factor` of each half of the head
-(pairs `j, j + D/2`) with frequencies spread over the whole head dim, and leaves the rest
-unrotated; its spec covers the whole head, the frequencies past its angles being 0 (cos 1,
-sin 0: those dimensions pass through exactly), as transformers computes it. Trade-off: those
-dimensions are multiplied by 1 and 0 rather than skipped.
-
-Two types depend on the sequence length the rotation is computed for, which transformers
-takes per forward as the largest position + 1: `dynamic` (NTK scaling past
-`max_position_embeddings`) and `longrope` (short factors up to `original_max_position_embeddings`,
-long factors past it). With a cache, a token keeps the rotation it was computed with. Here
-each token's length is `max(position + 1, prompt length)`: a prompt is rotated as one forward
-over the whole prompt would rotate it (however the engine chunks it), and each generated token
-as its own decode step would, which is what transformers' `generate` computes for one
-sequence. Cached keys keep their rotation, as in transformers' cache; the prefix cache keys a
-long prompt's blocks by its length too (workers/engine/core.py), since the same tokens rotate
-differently in a longer prompt. Trade-off: a resumed stream's replayed tokens are rotated as
-one prompt, so past the switch they differ from the original's step-by-step rotation.
-"""
+`longrope`, `llama3`, `proportional`; partial rotary through `rotary_dim`; no spec for a NoPE
+layer) and `RotaryTables` that turn positions into cos/sin. Tables are computed on first use per
+device and grown by doubling, so a meta-built model needs no initialisation and a 128k context
+allocates nothing up front. Frequencies follow transformers' non-interleaved `rotate_half`
+layout in fp32, so Hugging Face q/k weights load unpermuted and rotate bit for bit as theirs.
+`dynamic` and `longrope` depend on a sequence length: each token is rotated for
+`max(position + 1, prompt length)`, so a prompt rotates as one forward over it would however it is
+chunked, and each generated token as its own decode step would (transformers' `generate`); the
+prefix cache keys such blocks by that length. Trade-off: a resumed stream's replayed tokens rotate
+as one prompt, so past the switch they differ from the original's step-by-step rotation."""
 
 from __future__ import annotations
 
@@ -168,7 +152,12 @@ def _longrope(spec: RopeSpec, long: bool) -> tuple[torch.Tensor, float]:
 
 
 def _proportional(spec: RopeSpec) -> torch.Tensor:
-    """Gemma 4: `rope_angles` frequencies `theta ** (-2j / D)` over the whole head dim D, then zeros."""
+    """Gemma 4: `rope_angles` frequencies `theta ** (-2j / D)` over the whole head dim D, then zeros.
+
+    Partial the other way round: it rotates the first angles of each half of the head (pairs
+    `j, j + D/2`) and leaves the rest unrotated, as transformers computes it; the spec covers the
+    whole head and the zero frequencies give cos 1, sin 0, so those dimensions pass through
+    exactly, multiplied by 1 and 0 rather than skipped."""
     dim, angles = spec.rotary_dim, int(spec.get("rope_angles"))
     rotated = 1.0 / (spec.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim))
     return torch.cat((rotated, torch.zeros(dim // 2 - angles))) / float(spec.get("factor") or 1.0)
@@ -185,7 +174,9 @@ def _dynamic(spec: RopeSpec, seq_len: int) -> torch.Tensor:
 
 def inv_frequencies(spec: RopeSpec, variant: int = 0) -> tuple[torch.Tensor, float]:
     """([rotary_dim / 2] fp32 inverse frequencies, attention factor) of one table: LongRoPE's
-    `variant` 1 is its long-factor table; dynamic's tables are per length (`_dynamic`)."""
+    `variant` 1 is its long-factor table; dynamic's tables are per length (`_dynamic`). Each formula
+    is `transformers.modeling_rope_utils`'s; yarn's and LongRoPE's attention factor scales cos and
+    sin in fp32."""
     if spec.rope_type == "linear":
         return _default(spec) / float(spec.get("factor")), 1.0
     if spec.rope_type == "llama3":

@@ -1,23 +1,14 @@
 """Bounded native memory on CPU: few distinct matmul shapes, capped kernel caches.
 
-On CPU, a bfloat16/float16 `nn.Linear` runs through oneDNN, which compiles one matmul
-kernel per distinct row count and keeps it in two caches (oneDNN's primitive cache and
-torch's ideep cache, 1024 entries each by default), about 0.5-1.5 MiB per entry on AMX
-CPUs. An engine step multiplies as many rows as it has tokens, and that number varies
-with every mix of prefills and decodes (dropped streams leave odd batch sizes behind), so
-a long-running worker kept compiling new shapes and its memory grew by hundreds of MiB.
-
-Two bounds, applied to a CPU worker (its projections run through oneDNN in float32 too, with
-packed weights: workers/model/cpu_projections.py):
-1. `row_bucket(rows)` is the padded row count of every projection (exact up to 16, then two
-   sizes per octave: 24, 32, 48, 64, 96, ...), so the shapes a worker ever compiles are a few
-   dozen; the padding costs at most a third more rows, and only on steps larger than 16 tokens.
-2. `cap_native_caches()` (before torch is imported) sets both caches to `NATIVE_CACHE_ENTRIES`
-   unless the environment already says otherwise, enough for every bucket of a model's
-   few projection shapes.
-Trade-off: a step of 17 tokens multiplies 24 rows; in exchange a worker's memory stops
-growing once the buckets it uses are compiled. GPUs need neither (no per-shape cache).
-"""
+On a CPU oneDNN compiles one matmul kernel per distinct row count and keeps it in two caches
+(its primitive cache and torch's ideep cache), and an engine step's row count varies with every
+mix of prefills and decodes, so a long-running worker kept compiling shapes and its memory grew.
+Design, two bounds on a CPU worker: `row_bucket(rows)` pads every projection's rows (exact up to
+`EXACT_ROWS`, then two sizes per octave: 24, 32, 48, 64, 96, ...), so a worker compiles a few
+dozen shapes; `cap_native_caches()`, before torch is imported, sets both caches to
+`NATIVE_CACHE_ENTRIES` unless the environment says otherwise. Trade-off: up to a third more rows
+on steps larger than `EXACT_ROWS` tokens (17 tokens multiply 24 rows), for a memory that stops
+growing once the used buckets are compiled. GPUs need neither (no per-shape cache)."""
 
 from __future__ import annotations
 

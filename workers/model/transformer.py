@@ -1,23 +1,15 @@
 """The decoder of every family in the registry, in plain torch.
 
-Design (gpt-fast style): `Transformer.from_config` builds the module on the meta device,
-and the loader assigns real tensors with `load_state_dict(..., assign=True)`, so weights
-are never allocated twice. Projections are fused (`wqkv`, `w_gate_up`) so each layer runs
-four matmuls over all packed tokens of a step; they stay `nn.Linear` so fp8 quantisation
-can swap them. RMSNorm and SiluAndMul are kernel-swappable layers (workers/model/layers.py).
-A family's options are plain switches here: the norms' placement (before each sub-layer,
-after it, or both) and style, the activation, the embedding scale, the residual multiplier,
-the final soft-cap and logits divisor; each layer's attention takes its own window and
-rotary (`ModelConfig.layer`).
-
-Two entry points share the weights:
-- `model(input_ids [B, S]) -> logits [B, S, V]`: full causal forward, no cache (parity
-  tests, training);
-- `model.step(batch, kv) -> logits [N, V] fp32`: one engine step over packed chunks
-  (prefills of any length plus one-token decodes at any position), writing K/V into the
-  paged cache and projecting only the rows the batch asks for (each sampling chunk's last
-  token; any positions, e.g. for prompt logprobs) to the vocabulary.
-"""
+Design (gpt-fast style): `Transformer.from_config` builds the module on the meta device and the
+loader assigns real tensors with `load_state_dict(..., assign=True)`, so weights are never
+allocated twice. Projections are fused (`wqkv`, `w_gate_up`) and stay `nn.Linear`, so fp8
+quantisation can swap them; a family's options are plain switches (norm placement and style,
+activation, embedding scale, residual multiplier, final soft-cap, logits divisor), each layer's
+attention taking its own window and rotary (`ModelConfig.layer`). Two entry points share the
+weights: `model(input_ids)`, the full causal forward without a cache (parity tests, training),
+and `model.step(batch, kv)`, one engine step over packed chunks that writes K/V into the paged
+cache and projects only the rows the batch asks for to fp32 logits. Trade-off: one decoder with
+switches for every family, so a family that is more than switches needs its own layers here."""
 
 from __future__ import annotations
 

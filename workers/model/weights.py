@@ -79,7 +79,8 @@ def _interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
 # layout name -> (HF -> ours, ours -> HF, our shape -> HF shape)
 TRANSFORMS = {
     # gpt-oss experts: gate_up [E, H, 2I] interleaved -> [E, 2I, H] gate rows then up rows
-    "gate_up_interleaved_t": (lambda t: _deinterleave(t, 2).transpose(1, 2), lambda t: _interleave(t.transpose(1, 2), 2),
+    "gate_up_interleaved_t": (lambda t: _deinterleave(t, 2).transpose(1, 2),
+                              lambda t: _interleave(t.transpose(1, 2), 2),
                               lambda s: (s[0], s[2], s[1])),
     "gate_up_bias_interleaved": (lambda t: _deinterleave(t, 1), lambda t: _interleave(t, 1), lambda s: tuple(s)),
     # [E, I, H] -> [E, H, I]

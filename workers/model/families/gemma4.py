@@ -1,33 +1,15 @@
 """Gemma 4 text (`Gemma4ForCausalLM`, model type `gemma4_text`) and the text part of its
-multimodal checkpoints (`Gemma4ForConditionalGeneration`, model type `gemma4`).
+multimodal checkpoints (`Gemma4ForConditionalGeneration`, `gemma4`: its `text_config`, weights
+under `model.language_model.`; the vision and audio towers are skipped at load).
 
-What differs from Gemma 3 (workers/model/families/gemma3.py):
-- layer shapes per type: the global (full-attention) layers have their own head dim
-  (`global_head_dim`, 512 by default) and, where `attention_k_eq_v`, their own KV head count
-  (`num_global_key_value_heads`); transformers 5 writes both as `per_layer_config`;
-- `attention_k_eq_v`: a global layer's values are its key projection (no `v_proj`), normed by
-  the value norm and never rotated;
-- every layer norms its values with a scale-less RMSNorm (`v_norm`); q and k as Gemma 3, but
-  every norm is Gemma 4's (`w * x`, computed in fp32 with `pow(mean + eps, -0.5)`);
-- attention scores are not scaled (`scaling` 1.0); no score soft-cap; a final logit soft-cap;
-- the global layers rotate with the `proportional` rotary (the first `partial_rotary_factor`
-  of each half of the head, frequencies over the whole head dim), the sliding ones with the
-  default rotary over the whole head;
-- KV sharing: the last `num_kv_shared_layers` layers compute no K/V; each reads the cache of
-  the last earlier layer of its type (transformers' `kv_sharing_modes`), so the cache holds
-  them once; `use_double_wide_mlp` doubles those layers' MLP;
-- per-layer input embeddings (`hidden_size_per_layer_input`, 256 by default): one packed
-  embedding table and a projection of the embeddings give each layer a small input, which a
-  gate and a projection add to its output (workers/model/per_layer_inputs.py);
-- each layer's output is scaled by its `layer_scalar`;
-- `enable_moe_block`: experts beside the dense MLP, summed, with their own router (norm,
-  scale, per-expert scale) and norms (workers/model/moe_block.py).
-A multimodal checkpoint's text part reads as `Gemma4ForCausalLM` (its `text_config`, its
-weights under `model.language_model.`); its vision and audio towers are skipped at load.
-The last layer always attends fully (transformers forces it, with a warning; so do we).
-Refused by name: `use_bidirectional_attention: all` (an encoder), per-layer overrides other
-than a global layer's head dim and KV heads, KV sharing with no producer.
-"""
+What differs from Gemma 3: global layers with their own head dim and KV heads
+(workers/model/layer_shapes.py) and the `proportional` rotary (workers/model/rope.py),
+`attention_k_eq_v`, a value norm and Gemma 4's norms, unscaled scores with a final logit
+soft-cap, KV shared by the last `num_kv_shared_layers` layers, per-layer inputs
+(workers/model/per_layer_inputs.py), a `layer_scalar` per layer and the MoE block beside the MLP
+(workers/model/moe_block.py); `_read` lists each switch. Refused by name: `use_bidirectional_attention:
+all` (an encoder), per-layer overrides other than a global layer's head dim and KV heads, KV
+sharing with no producer."""
 
 from __future__ import annotations
 
@@ -85,7 +67,8 @@ def _global_shape(hf: dict, types: tuple) -> dict:
         raise FamilyConfigError(f"`per_layer_config` gives full-attention layers different shapes `{sorted(shapes)}`. "
                                 f"Supported: one shape per layer type")
     over = dict(next(iter(shapes), ()))
-    return {"global_head_dim": int(over.get("head_dim") or 0), "global_kv_heads": int(over.get("num_key_value_heads") or 0)}
+    return {"global_head_dim": int(over.get("head_dim") or 0),
+            "global_kv_heads": int(over.get("num_key_value_heads") or 0)}
 
 
 def _shared(hf: dict, types: tuple) -> int:
@@ -124,6 +107,14 @@ def _experts(hf: dict, n: int) -> dict:
 
 
 def _read(hf: dict) -> dict:
+    """A Gemma 4 checkpoint's switches: every norm Gemma 4's (`w * x` in fp32 with
+    `pow(mean + eps, -0.5)`), q and k normed per head as in Gemma 3 and values by a scale-less
+    norm; scores unscaled (`scaling` 1.0) and not soft-capped, the final logits capped; the global
+    layers' `proportional` rotary, the sliding ones' default rotary; `attention_k_eq_v` (a global
+    layer's values are its key projection, normed by the value norm and never rotated);
+    `use_double_wide_mlp` (the KV-sharing layers' MLP twice as wide); per-layer inputs of
+    `hidden_size_per_layer_input` values (256 by default); a `layer_scalar` per layer; and with
+    `enable_moe_block` the experts beside the dense MLP."""
     refuse(hf, "use_bidirectional_attention", (None, "vision"), " (`all`: a bidirectional encoder)")
     w = window({"sliding_window": 512, **hf})  # transformers' default window
     types = _types(hf, w)

@@ -94,7 +94,8 @@ MIXTRAL = Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), with_weights(
 def _read_gpt_oss(hf: dict) -> dict:
     w = window(hf)
     return {**rope_fields(hf, 150000.0), "attention_bias": True, "o_bias": True, "attention_sinks": True,
-            "sliding_window": w, "layer_types": layer_types(hf, w, lambda i: SLIDING if i % 2 == 0 else "full_attention"),
+            "sliding_window": w,
+            "layer_types": layer_types(hf, w, lambda i: SLIDING if i % 2 == 0 else "full_attention"),
             **_experts(hf, ("num_local_experts", "num_experts")), "moe_intermediate_size": int(hf["intermediate_size"]),
             "sparse_layers": tuple(range(int(hf["num_hidden_layers"]))), "router": "topk_softmax",
             "router_bias": True, "expert_bias": True, "expert_activation": "swiglu_oai",

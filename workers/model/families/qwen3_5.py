@@ -1,26 +1,14 @@
 """Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next: hybrids of Gated DeltaNet and full attention.
 
-Three of every four layers (`layer_types`, or `full_attention_interval`) are Gated DeltaNet
-linear attention (workers/model/linear_attention.py): a short causal convolution and a gated
-delta rule over a per-sequence recurrent state, no KV cache. The others are full attention
-with Qwen3's per-head q/k norms, a sigmoid output gate that `q_proj` computes beside each
-head's query (its rows interleave query and gate per head; our `wqkv` keeps them so), and a
-rotary over the first quarter of each head (`partial_rotary_factor` 0.25). Every RMSNorm
-scales by `(1 + w)` in fp32 (Gemma's style); the DeltaNet's output norm is gated by
-`silu(z)`. The MoE variants route with softmax then top-k, renormalized (Qwen3.5-MoE always,
-Qwen3-Next where `norm_topk_prob` asks), and add a shared expert gated by `sigmoid(x w)`.
-
-Checkpoints: Qwen3.5 stores the DeltaNet's projections apart (`in_proj_qkv`, `in_proj_z`,
-`in_proj_b`, `in_proj_a`), Qwen3-Next fused and grouped by key head (`in_proj_qkvz`,
-`in_proj_ba`: per key head its q, k, then its value heads' v and z), which the weight map
-turns into Qwen3.5's order (`layouts`). A `*ForConditionalGeneration` checkpoint (Qwen3.5 and
-Qwen3.6 ship as such) nests the text model's config under `text_config` and its weights under
-`model.language_model.`; its vision tower (`model.visual.*`) and the multi-token prediction
-head (`mtp.*`) are skipped at load with a log line. The text model's rotary is transformers'
-multi-axis one (`mrope_section`), which for text (the same position on every axis) is the
-plain rotary: text is what this server computes. Trade-off: an image in a prompt is refused
-upstream (the tokenizer's vision placeholders are plain tokens here), not approximated.
-"""
+Three of every four layers are Gated DeltaNet linear attention (workers/model/linear_attention.py),
+with no KV cache; the others are full attention with Qwen3's per-head q/k norms, a sigmoid output
+gate that `q_proj` computes beside each head's query, and a rotary over the first quarter of each
+head. Norms scale by `(1 + w)` in fp32; the MoE variants add a shared expert gated by
+`sigmoid(x w)`. Qwen3-Next's fused, key-head-grouped DeltaNet projections are turned into Qwen3.5's
+order (`layouts`). A `*ForConditionalGeneration` checkpoint is read for its text model (its vision
+tower and multi-token prediction head skipped at load with a log line), whose multi-axis rotary is
+the plain rotary for text. Trade-off: an image in a prompt is refused upstream (the tokenizer's
+vision placeholders are plain tokens here), not approximated."""
 
 from __future__ import annotations
 
@@ -59,7 +47,9 @@ def _layer_types(hf: dict) -> tuple[str, ...]:
 
 
 def _common(hf: dict) -> dict:
-    """What the three families read alike: the hybrid layer stack and its two attentions."""
+    """What the three families read alike: the hybrid layer stack and its two attentions. A full
+    layer's `q_proj` computes a sigmoid output gate beside each head's query (its rows interleave
+    query and gate per head, and our `wqkv` keeps them so); every norm is `(1 + w)` in fp32."""
     refuse(hf, "hidden_act", ("silu", "swish"), " (the DeltaNet's convolution and the MLP use it)")
     refuse(hf, "attn_output_gate", (True,), " (full attention without its output gate)")
     bias = bool(hf.get("attention_bias", False))
@@ -78,7 +68,8 @@ def _experts(hf: dict, sparse: tuple[int, ...], norm_topk: bool) -> dict:
     if not isinstance(count, int) or not isinstance(top_k, int) or not 1 <= top_k <= count:
         raise FamilyConfigError(f"`num_experts` `{count}` and `num_experts_per_tok` `{top_k}` must be integers with "
                                 f"1 <= top-k <= experts")
-    return {"num_experts": count, "num_experts_per_tok": top_k, "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+    return {"num_experts": count, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(hf["moe_intermediate_size"]),
             "sparse_layers": sparse, "norm_topk_prob": norm_topk,
             "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0)}
 
@@ -115,7 +106,8 @@ _QWEN3_5_PROJECTIONS = {
     "model.layers.{i}.linear_attn.in_proj_a.weight": ("layers.{i}.attention.in_proj_ba.weight", 1),
 }
 _NEXT_PROJECTIONS = {
-    "model.layers.{i}.linear_attn.in_proj_qkvz.weight": ("layers.{i}.attention.in_proj_qkvz.weight", "qkvz_by_key_head"),
+    "model.layers.{i}.linear_attn.in_proj_qkvz.weight": ("layers.{i}.attention.in_proj_qkvz.weight",
+                                                          "qkvz_by_key_head"),
     "model.layers.{i}.linear_attn.in_proj_ba.weight": ("layers.{i}.attention.in_proj_ba.weight", "ba_by_key_head"),
 }
 _MOE = {
@@ -123,9 +115,12 @@ _MOE = {
     "model.layers.{i}.mlp.experts.{e}.gate_proj.weight": ("layers.{i}.feed_forward.experts.w_gate_up", (EXPERT, 0)),
     "model.layers.{i}.mlp.experts.{e}.up_proj.weight": ("layers.{i}.feed_forward.experts.w_gate_up", (EXPERT, 1)),
     "model.layers.{i}.mlp.experts.{e}.down_proj.weight": ("layers.{i}.feed_forward.experts.w_down", (EXPERT, None)),
-    "model.layers.{i}.mlp.shared_expert.gate_proj.weight": ("layers.{i}.feed_forward.shared_expert.w_gate_up.weight", 0),
-    "model.layers.{i}.mlp.shared_expert.up_proj.weight": ("layers.{i}.feed_forward.shared_expert.w_gate_up.weight", 1),
-    "model.layers.{i}.mlp.shared_expert.down_proj.weight": ("layers.{i}.feed_forward.shared_expert.w_down.weight", None),
+    "model.layers.{i}.mlp.shared_expert.gate_proj.weight": ("layers.{i}.feed_forward.shared_expert.w_gate_up.weight",
+                                                            0),
+    "model.layers.{i}.mlp.shared_expert.up_proj.weight": ("layers.{i}.feed_forward.shared_expert.w_gate_up.weight",
+                                                          1),
+    "model.layers.{i}.mlp.shared_expert.down_proj.weight": ("layers.{i}.feed_forward.shared_expert.w_down.weight",
+                                                            None),
     "model.layers.{i}.mlp.shared_expert_gate.weight": ("layers.{i}.feed_forward.shared_expert_gate.weight", None),
 }
 _HYBRID = with_weights(LLAMA_WEIGHTS, {**QK_NORM_WEIGHTS, **_LINEAR})
