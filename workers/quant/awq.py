@@ -1,16 +1,10 @@
 """AWQ checkpoints (`quant_method: awq`, AutoAWQ's GEMM version).
 
-Design: `read(qc)` turns `{"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true,
-"version": "gemm", "modules_to_not_convert": [...]}` into an `Int4Config` whose one group targets
-every linear layer but `lm_head` and the not-converted modules. A layer stores `qweight` int32
-[in, out/8] packed along the output dim in AWQ's interleaved order (word nibble i holds output column
-8c + [0, 2, 4, 6, 1, 3, 5, 7][i]), `qzeros` int32 [in/group, out/8] packed the same way and `scales`
-[in/group, out] (fp16 as AutoAWQ writes it; bf16 and fp32 are used as stored too). The weight is
-`(q - z) * s` per group of inputs; zero points are stored as they are (no offset). Refused by name:
-bits other than 4, group sizes other than 32/64/128, `zero_point: false`, and the other versions
-(gemv, gemv_fast, exllama, marlin, ipex), whose layouts differ. The trade-off: AutoAWQ's older key
-spellings (`w_bit`, `q_group_size`) are read too, so checkpoints of either era load.
-"""
+Design: `read(qc)` turns the config into an `Int4Config` whose one group targets every linear
+layer but `lm_head` and `modules_to_not_convert`; the stored layout (`qweight` packed along the
+output dim in AWQ's interleaved nibble order, `qzeros` likewise, `scales` as stored) and every
+refusal: docs/quantization-int4.md. Trade-off: AutoAWQ's older key spellings (`w_bit`,
+`q_group_size`) are read too, so checkpoints of either era load."""
 
 from __future__ import annotations
 

@@ -1,18 +1,14 @@
 """What a quantized checkpoint's reader needs of the model it fills, handed in by the model's loader.
 
-Design: the readers (`fp8_reader.py`, `int4_reader.py`, `mxfp4_reader.py`) know the formats: which
-stored tensors a scheme has, how to check them and how to lay them out for this device's
-execution. Where those tensors land is the model's knowledge: the family's one Hugging Face name
-map (`workers/model/weights.py` `map_name`, `to_ours`) and the experts layer (`FusedMoE`) that
-quantized experts replace. This package sits below the model, so the loader passes that knowledge
-in as one frozen `ModelMap` instead of the readers importing it. Every reader is driven by the
-loader through the same calls, in order: `bind(model, expected)` (the HF tensors the model
-expects), `claims(name)` (a stored tensor handed over as stored), `covers(name)` (an expected
-tensor the reader makes), `to_ours(stored)` (our state-dict entries), `install(model, state_dict)`
-(the quantized layers swapped in, on meta) and `describe()` (what `/workers` shows). The trade-off:
-the map is a few callables rather than the model's classes, so a reader can be tested with a
-stand-in, and a reader cannot ask the model anything the map does not carry.
-"""
+Design: the readers (`fp8_reader.py`, `int4_reader.py`, `mxfp4_reader.py`) know the formats;
+where the tensors land is the model's knowledge (the family's Hugging Face name map and the
+`FusedMoE` layer quantized experts replace). This package sits below the model, so the loader
+passes that knowledge in as one frozen `ModelMap`. Every reader is driven through the same calls,
+in order: `bind(model, expected)`, `claims(name)` (a stored tensor handed over as stored),
+`covers(name)` (an expected tensor the reader makes), `to_ours(stored)`, `install(model,
+state_dict)` (the quantized layers swapped in, on meta) and `describe()` (what `/workers` shows).
+Trade-off: the map is a few callables rather than the model's classes, so a reader can be tested
+with a stand-in, and cannot ask the model anything the map does not carry."""
 
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """compressed-tensors (llm-compressor's checkpoints): the `float-quantized` fp8 format.
 
-Design: `read(qc)` turns the `quantization_config` of `quant_method: compressed-tensors` into a
-`QuantConfig`. Each config group names its targets (`Linear`, module names, `re:` patterns) and
-the quantization arguments of its weights and input activations; `ignore` lists modules left in the
-model dtype (`lm_head`, a router gate; llm-compressor writes them out by name). What the layers run:
-8-bit float weights (symmetric, static) with `tensor`, `channel` or `block` strategy, stored as
-`weight` (float8_e4m3fn) plus `weight_scale` ([1], [out, 1] or [out/128, in/128]); input activations
-dynamic per `token` (a `tensor` strategy that is dynamic runs per token too: finer, and a row's result
-then depends on no batch mate), static per `tensor` (`input_scale`), or dynamic per `group` of 128
-with block weights (`FP8_BLOCK`). Refused by name: other formats (`pack-quantized` int4, nvfp4, ...),
-integer or 4-bit weights, weight-only fp8, asymmetric scales, output activation quantization, a KV
-cache scheme, sparsity and transforms. The trade-off: the whole config is checked at load, so a
-checkpoint with one scheme we do not run fails to start instead of serving partly approximated.
-"""
+Design: `read(qc)` turns a `quant_method: compressed-tensors` config into a `QuantConfig`: its
+groups' targets (`Linear`, module names, `re:` patterns) with their weights' and input
+activations' schemes, and the `ignore` list. A dynamic `tensor` activation strategy runs per
+token (finer, and a row's result then depends on no batch mate). The formats, their tensors and
+the refusals: docs/quantized-checkpoints.md. Trade-off: the whole config is checked at load, so
+a checkpoint with one scheme we do not run fails to start instead of serving partly approximated."""
 
 from __future__ import annotations
 

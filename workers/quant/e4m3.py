@@ -1,28 +1,15 @@
 """The fp8 arithmetic, once: the e4m3 formats, exact rounding onto their grid, bytes to values, scale layouts.
 
-Two flavours of 1 sign, 4 exponent and 3 mantissa bits: OCP `e4m3fn` (NVIDIA, AMD CDNA4;
-bias 7, max 448) and `e4m3fnuz` (AMD CDNA3; bias 8, max 240, no negative zero). Every caller
-takes its constants (largest value, torch dtype, NaN byte) from `FORMATS`. Values are rounded
-onto the grid in fp32 (round-to-nearest-even, saturating) before any downcast, so the native
-path (a cast of values already on the grid: exact) and the emulated path (the integer encoding
-below of the same values) give identical bytes; a direct fp32 -> fp16 -> e4m3 cast rounds twice
-and shrinks about 0.4% of values by one ULP. The trade-off: one extra fp32 pass over each tensor
-quantized, paid at load time for weights.
-
-Two paths onto the same grid, each where its inputs are: `round_to_e4m3` / `encode_e4m3` /
-`decode_e4m3` use integer and fp32 operations only (the emulated convention's uint8 buffers and
-`--quantize fp8`); a checkpoint's bytes, already e4m3, are read with torch's own fp8 dtypes
-(`fp8_values`: exact from fp8 to fp32) and activations are put on the grid by a cast from fp32
-(`to_grid`: one rounding, to nearest even). Weight scales of a checkpoint live in one layout for
-every scheme: `scale` [ceil(N / group_n), ceil(K / group_k)] fp32, the value of weight (n, k) being
-`q[n, k] * scale[n // group_n, k // group_k]`: per-tensor and per-channel scales are rows of one
-column (group_k = K), blocks are 128 x 128 (or 1 x 128 where fused parts do not align on blocks).
-The ROCm conversion is vLLM's: the same byte read as e4m3fnuz is half the e4m3fn value (bias 8
-against 7), so the bytes are kept and the scales doubled; the one byte whose meaning differs
-beyond that, 0x80 (e4m3fn -0, e4m3fnuz NaN), becomes 0. An e4m3fn NaN byte (0x7f, 0xff), which no
-quantizer writes, would read as +-240 under fnuz. The trade-off of the layout: a per-tensor scale
-is stored once per row (4 bytes per row, nothing per weight).
-"""
+Design: OCP `e4m3fn` (NVIDIA, AMD CDNA4) and `e4m3fnuz` (AMD CDNA3) are `FORMATS`, which every
+caller takes its constants from. Values are rounded onto the grid in fp32 (to nearest even,
+saturating) before any downcast, so the native path (a cast of values on the grid) and the
+emulated one (`round_to_e4m3` / `encode_e4m3` / `decode_e4m3`, integer and fp32 operations only)
+give identical bytes, where a direct fp32 -> fp16 -> e4m3 cast would round twice. A checkpoint's
+bytes are read with torch's fp8 dtypes (`fp8_values`) and its weight scales kept in one layout
+for every scheme: `scale` [ceil(N / group_n), ceil(K / group_k)] fp32, weight (n, k) being
+`q[n, k] * scale[n // group_n, k // group_k]`. CDNA3 takes the same bytes with doubled scales
+(vLLM's conversion), 0x80 (e4m3fn's -0, fnuz's NaN) becoming 0. Trade-off: one extra fp32 pass
+over each tensor quantized, paid at load for weights, and a per-tensor scale stored once per row."""
 
 from __future__ import annotations
 
@@ -126,7 +113,9 @@ def fp8_values(q: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def expand_scales(scale: torch.Tensor, n: int, k: int, group_n: int, group_k: int) -> torch.Tensor:
-    """The [N, K] scale of every weight from the grouped layout (each stored value repeated, never changed)."""
+    """The [N, K] scale of every weight from the grouped layout (each stored value repeated, never changed):
+    per-tensor and per-channel scales are rows of one column (`group_k` = K), blocks 128 x 128, or
+    1 x 128 where fused parts do not align on blocks."""
     s = scale.to(torch.float32)
     if group_n > 1:
         s = s.repeat_interleave(group_n, dim=0)
@@ -175,7 +164,8 @@ def dequantize_activations(grid: torch.Tensor, scale: torch.Tensor, group: int |
 
 def fn_to_fnuz(q: torch.Tensor) -> torch.Tensor:
     """e4m3fn bytes (any 1-byte dtype) as e4m3fnuz bytes (uint8) of half the value: 0x80 (-0) -> 0.
-    The caller doubles the scales."""
+    The caller doubles the scales. An e4m3fn NaN byte (0x7f, 0xff), which no quantizer writes,
+    would read as +-240 under fnuz."""
     b = q.view(torch.uint8).clone()
     b[b == FNUZ_NAN_BYTE] = 0
     return b

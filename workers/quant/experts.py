@@ -1,21 +1,14 @@
 """`Fp8FusedMoE`: a checkpoint's fp8 experts, stacked as stored, run the device's way.
 
-Design: the experts of one mixture-of-experts layer as `FusedMoE` holds them (gate rows then up rows
-in `w_gate_up` [E, 2I, H], `w_down` [E, H, I]), but as the checkpoint's e4m3 bytes: `w_gate_up_q`,
-`w_down_q` and their scales in the grouped layout of `e4m3` per expert (`w_gate_up_scale`
-[E, ceil(2I / gn), ceil(H / gk)], `w_down_scale` likewise), with the static input scales where the
-scheme has them (one per projection: the largest of the experts', as vLLM takes it, so that no
-expert's inputs saturate; the loader says so when they differ). The loader fills it and never
-converts a value; the fp8 step calls `prepare(kind, fmt)` with the device's `Fp8Execution`, as for
-`Fp8CheckpointLinear`: `native` keeps fp8 tensors (e4m3fnuz with doubled scales on CDNA3),
-`weight_only` uint8 storage of the same bytes, `dequantized` widens `w_gate_up` / `w_down` into the
-model dtype and drops the bytes. It is kernel-swappable as `Fp8FusedMoE` (kernels_local/fused_moe:
-the grouped GEMM on fp8 weights, native or weight-only); `forward` is the pure-torch reference of
-the execution it was prepared for (experts grouped by one sort, one matmul pair per active expert:
-`run_experts`, the loop both quantized expert layers share, which computes as the model's `FusedMoE`
-does). The trade-off: the reference dequantizes an active expert's weights on every call (the CPU
-path of a simulated GPU), which costs time, never memory held.
-"""
+Design: the experts of one layer as `FusedMoE` holds them (`w_gate_up` [E, 2I, H], `w_down`
+[E, H, I]), but as the checkpoint's e4m3 bytes with their scales in `e4m3`'s grouped layout per
+expert and, where the scheme has them, one static input scale per projection (the largest of the
+experts', as vLLM takes it, so no expert's inputs saturate). The loader never converts a value;
+the fp8 step's `prepare(kind, fmt)` gives it the device's `Fp8Execution`, as for
+`Fp8CheckpointLinear`. It is kernel-swappable (kernels_local/fused_moe); `forward` is the torch
+reference of its execution through `run_experts`, the expert loop both quantized expert layers
+share, which computes as the model's `FusedMoE` does. Trade-off: the reference (a simulated GPU's
+CPU path) dequantizes an active expert's weights on every call: time, never memory held."""
 
 from __future__ import annotations
 
@@ -163,7 +156,8 @@ class Fp8FusedMoE(nn.Module):
         def expert(e: int, part: torch.Tensor) -> torch.Tensor:
             h = self._linear(part, "w_gate_up", e, self.gate_up_groups,
                              None if self.b_gate_up is None else self.b_gate_up[e], static[0])  # [tile, 2I]
-            return self._linear(expert_activation(h, self.activation, self.alpha, self.limit), "w_down", e, self.down_groups,
+            act = expert_activation(h, self.activation, self.alpha, self.limit)
+            return self._linear(act, "w_down", e, self.down_groups,
                                 None if self.b_down is None else self.b_down[e], static[1])  # [tile, H]
 
         return run_experts(x, topk_ids, topk_weights, self.num_experts, self.row_tile, expert)

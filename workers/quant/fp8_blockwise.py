@@ -1,17 +1,12 @@
 """The `quant_method: fp8` format (Qwen3-*-FP8, DeepSeek-V3, transformers' FineGrainedFP8).
 
-Design: `read(qc)` turns `{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-"weight_block_size": [128, 128]}` into a `QuantConfig` whose one group targets every linear layer:
-weights stored as `weight` (float8_e4m3fn) with `weight_scale_inv` [ceil(out/128), ceil(in/128)]
-(despite its name, the multiplier that dequantizes: w = q * s per block), activations quantized at
-run time per token and group of 128 columns (the block's width). Without `weight_block_size` it is
-the older per-tensor fp8 format: `weight_scale` per tensor, activations dynamic (run per token) or
-static (`input_scale`). Modules left unquantized are named in `modules_to_not_convert`
-(transformers) or `ignored_layers` (vLLM), matched as module names or path components (`lm_head`,
-`mlp.gate`). Refused by name: an `fmt` other than e4m3, blocks other than 128 x 128, static
-activations with blocks. The trade-off: the format carries no per-layer targets, so a checkpoint
-whose tensors disagree with the config fails at load naming the tensor, never silently.
-"""
+Design: `read(qc)` turns the config into a `QuantConfig` whose one group targets every linear
+layer: 128 x 128 blocks with `weight_scale_inv` (despite its name, the multiplier that
+dequantizes: w = q * s per block) and activations per token and group of 128 columns, or, without
+`weight_block_size`, the older per-tensor form. `modules_to_not_convert` (transformers) and
+`ignored_layers` (vLLM) match module names or path components. The tensors and refusals:
+docs/quantized-checkpoints.md. Trade-off: the format carries no per-layer targets, so a checkpoint
+whose tensors disagree with the config fails at load naming the tensor, never silently."""
 
 from __future__ import annotations
 
@@ -22,7 +17,8 @@ ACTIVATION_SCHEMES = ("dynamic", "static")
 
 
 def read(qc: dict) -> QuantConfig:
-    """The `QuantConfig` of a `quant_method: fp8` config; `UnsupportedQuantizationError` otherwise."""
+    """The `QuantConfig` of a `quant_method: fp8` config; `UnsupportedQuantizationError` otherwise
+    (an `fmt` other than e4m3, blocks other than 128 x 128, static activations with blocks)."""
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise unsupported("fp8 `fmt`", fmt, ["e4m3"])

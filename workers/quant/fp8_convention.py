@@ -1,16 +1,12 @@
 """The fp8 convention of one worker: native e4m3 or emulated, in the encoding its device takes.
 
-Design: a device gets native e4m3 at or above `NATIVE_FP8_CAPABILITY` (fp8 tensor cores),
-emulated fp8 below it (uint8 storage, dequantized compute); on ROCm the encoding its matrix
-cores take (the fnuz variant of e4m3 on CDNA3, OCP e4m3fn on CDNA4). The rule itself is
-torch-free (`workers/contract/fp8_rule.py`), shared with the kernel mapping and `hetserve
-plan`; this module turns its decision into one frozen `Fp8Convention` value: the host's
-buffer dtype (`storage_dtype`) and the kernels' compile-time flag (`native`) are both read
-from it, so they cannot disagree. A process locks the first convention it uses and refuses
-any other (`MixedFp8ConventionError`): a buffer made under one convention can never reach a
-kernel compiled for the other. The trade-off: one process can never serve two conventions,
-which is the point (one process, one device).
-"""
+Design: the rule is torch-free (workers/contract/fp8_rule.py), shared with the kernel mapping and
+`hetserve plan`; this module turns its decision into one frozen `Fp8Convention`, from which both
+the host's buffer dtype (`storage_dtype`) and the kernels' compile-time flag (`native`) are read,
+so they cannot disagree. A process locks the first convention it uses and refuses any other
+(`MixedFp8ConventionError`), so a buffer made under one never reaches a kernel compiled for the
+other. Trade-off: one process never serves two conventions, which is the point (one process, one
+device)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """Reading an fp8 checkpoint: its fp8 tensors onto our layers, as stored, through the family's map.
 
-Design: the registry (workers/quant/registry.py `quantized_checkpoint`) gives an fp8 `QuantConfig`
-this reader, with the loader's `ModelMap` (workers/quant/checkpoint.py). `bind(model, expected)`
-walks the family's weight map: every Hugging Face linear weight that lands on one of our
-`nn.Linear` modules (a whole tensor, or a part of a fused one: q/k/v -> `wqkv`, gate/up ->
-`w_gate_up`) and that the config quantizes becomes a target, with its scheme. The loader hands it
-the targets' tensors untouched (`claims`): fp8 bytes and fp32 scales are never converted.
-`to_ours` checks each target's dtype and shapes, puts every scale in the grouped layout of
-`workers/quant/e4m3.py` (per-tensor and per-channel scales as one value per row; block scales
-as blocks, or per row where fused parts do not start on a block), and concatenates the parts of a
-fused module in order; `install` swaps those modules for `Fp8CheckpointLinear` of the same
-shapes. Parts of one fused module must share a scheme; where their static input scales differ,
-the largest is taken (as vLLM does: no part's activations saturate) and the note says so.
-Experts stored one tensor per expert and projection (Qwen3-MoE, Mixtral) are targets too: each
-expert's gate/up fused as above, then the experts stacked (`workers/quant/experts.py`'s
-`Fp8FusedMoE` replaces the layer's `FusedMoE`, the map's `experts`); their static input scales
-become one per projection, the largest of the experts'. Quantized tensors this map cannot place
-(gpt-oss's experts, stacked and transposed in one tensor per layer) are refused by name. The
-trade-off: the fused layout turns a per-tensor scale into one copy per row (4 bytes a row).
-"""
+Design: `bind` walks the family's weight map: every Hugging Face linear weight the config
+quantizes that lands on one of our `nn.Linear` modules (whole, or a part of fused q/k/v or
+gate/up) becomes a target with its scheme; its tensors reach `to_ours` untouched (`claims`), which
+checks dtypes and shapes, puts every scale in `e4m3`'s grouped layout and concatenates a fused
+module's parts in order, and `install` swaps those modules for `Fp8CheckpointLinear`. Experts
+stored per expert and projection (Qwen3-MoE, Mixtral) are stacked into an `Fp8FusedMoE`; quantized
+tensors the map cannot place (gpt-oss's stacked experts) are refused by name. Where static input
+scales of fused parts or experts differ, the largest is taken (as vLLM does) and the notes say so.
+Trade-off: the fused layout turns a per-tensor scale into one copy per row."""
 from __future__ import annotations
 
 import logging
@@ -121,7 +111,8 @@ class QuantizedCheckpoint:
                                        "`torch.float8_e4m3fn`")
         name = f"{t.hf}.{t.scheme.scale_name}"
         if name not in stored:
-            raise QuantizedTensorError(f"`{t.hf}` is quantized ({t.scheme.describe()}) but the checkpoint has no `{name}`")
+            raise QuantizedTensorError(f"`{t.hf}` is quantized ({t.scheme.describe()}) "
+                                       f"but the checkpoint has no `{name}`")
         for zp in ("weight_zero_point", "input_zero_point"):
             if f"{t.hf}.{zp}" in stored and bool(stored[f"{t.hf}.{zp}"].to(torch.float32).ne(0).any()):
                 raise QuantizedTensorError(f"`{t.hf}.{zp}` is not zero: asymmetric fp8 is not supported")
@@ -210,7 +201,8 @@ class QuantizedCheckpoint:
             values.append(stored[name].to(torch.float32).reshape(()))
         top = torch.stack(values).max()
         if any(v != top for v in values):
-            shown = ", ".join(f"{float(v):.6g}" for v in values[:4]) + (f" and {len(values) - 4} more" if len(values) > 4 else "")
+            shown = ", ".join(f"{float(v):.6g}" for v in values[:4])
+            shown += f" and {len(values) - 4} more" if len(values) > 4 else ""
             self.notes.append(f"`{ours}`: its parts' static input scales differ ({shown}); "
                               f"the largest ({float(top):.6g}) quantizes the shared input")
         return top.clone()

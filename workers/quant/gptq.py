@@ -1,18 +1,10 @@
 """GPTQ checkpoints (`quant_method: gptq`: AutoGPTQ, GPTQModel, optimum).
 
-Design: `read(qc)` turns `{"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": true,
-"desc_act": false, "checkpoint_format": "gptq"}` into an `Int4Config` whose one group targets every
-linear layer but `lm_head` (unless `lm_head: true`) and `modules_to_not_convert`. A layer stores
-`qweight` int32 [in/8, out] (eight inputs per word, input 8i+j in bits 4j..4j+3), `qzeros` int32
-[groups, out/8] (packed along the output dim the same way), `scales` [groups, out] (fp16, bf16 or
-fp32, used as stored) and `g_idx` [in] (each input's group; with `desc_act` a permutation of the
-groups, without it `i // group_size`). The weight is `(q - z) * s` per input's group. The two
-zero-point conventions: `checkpoint_format: gptq` (v1, AutoGPTQ's) stores each zero point minus 1,
-`gptq_v2` (GPTQModel's) stores it as is. Refused by name: bits other than 4, group sizes other than
-32/64/128/-1, other checkpoint formats (marlin, bitblas, ...), GPTQModel's per-module `dynamic`
-overrides. The trade-off: `sym` is reported, never assumed: the stored zero points are used either
-way, as every GPTQ reference does.
-"""
+Design: `read(qc)` turns the config into an `Int4Config` whose one group targets every linear
+layer but `lm_head` (unless `lm_head: true`) and `modules_to_not_convert`. `checkpoint_format:
+gptq` (v1, AutoGPTQ's) stores each zero point minus 1, `gptq_v2` (GPTQModel's) as is; the stored
+tensors and every refusal: docs/quantization-int4.md. Trade-off: `sym` is reported, never assumed:
+the stored zero points are used either way, as every GPTQ reference does."""
 
 from __future__ import annotations
 

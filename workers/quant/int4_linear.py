@@ -1,23 +1,14 @@
 """`Int4CheckpointLinear`: a 4-bit checkpoint's linear layer in the one run-time layout the W4A16 kernel reads.
 
-Design: `to_runtime(scheme, stored)` turns any format's stored tensors (workers/quant/int4_pack.py
-reads them) into one layout, exactly (only bits move, no value is rounded):
-- `qweight` int32 [ceil(K/8), N]: input 8i+j of output n in bits 4j..4j+3 of row i (GPTQ's own
-  layout, kept as stored; AWQ's [K, N/8] interleaved words and pack-quantized's [N, K/8] words are
-  unpacked and packed again along K);
-- `zeros` int8 [G, N]: the zero point each group subtracts (GPTQ v1's stored value plus 1; AWQ's as
-  stored; pack-quantized's offset-by-8 value, 8 when symmetric: the weights keep their offset too);
-- `scales` [G, N] in the checkpoint's dtype; `g_idx` [K] int32 only for act-order (a GPTQ `g_idx`
-  equal to k // group is dropped); `group_size` the format's, 0 per channel.
-The weight is `(q - z) * s` rounded once to the scales' dtype, the reference's bits. The layer holds
-that layout for the packed executions of the device rule (workers/quant/int4_methods.py: `w4a16`,
-`packed`), or the weight widened at load (`dequantized`: `weight` [N, K] in the model dtype, no
-packed tensors); its `execution` says which, and the kernel layers (kernels_local/int4_linear/
-layers.py, same attributes) refuse a module of another. `forward` is the pure-torch reference
-(dequantize, fp32 matmul, bias, cast): what the kernel layers are tested against. The trade-off: the
-zero points take a byte each per group and output (at group 128, under 1% of the weight's bytes) so
-the kernel loads them without a second unpack.
-"""
+Design: `to_runtime(scheme, stored)` moves any format's stored tensors into one layout, exactly
+(only bits move): `qweight` int32 [ceil(K/8), N] packed along the inputs (GPTQ's own; AWQ's and
+pack-quantized's words are repacked), `zeros` int8 [G, N] (the zero point each group subtracts,
+the formats' offsets applied), `scales` [G, N] in the checkpoint's dtype and `g_idx` only for
+act-order. The weight is `(q - z) * s` rounded once to the scales' dtype, the reference's bits.
+The layer holds that layout for the packed executions (`w4a16`, `packed`) or the weight widened at
+load (`dequantized`); the kernel layers refuse a module of another execution, and `forward` is the
+torch reference they are tested against. Trade-off: a byte per zero point (per group and output)
+so the kernel loads them without a second unpack."""
 
 from __future__ import annotations
 
@@ -117,10 +108,12 @@ class Int4CheckpointLinear(nn.Module):
         self.execution = execution
         n, k = out_features, in_features
         packed = execution != "dequantized"
-        self.register_buffer("qweight", torch.empty(-(-k // 8), n, dtype=torch.int32, device=device) if packed else None)
+        self.register_buffer("qweight",
+                             torch.empty(-(-k // 8), n, dtype=torch.int32, device=device) if packed else None)
         self.register_buffer("scales", torch.empty(groups, n, dtype=scale_dtype, device=device) if packed else None)
         self.register_buffer("zeros", torch.empty(groups, n, dtype=torch.int8, device=device) if packed else None)
-        self.register_buffer("g_idx", torch.empty(k, dtype=torch.int32, device=device) if packed and act_order else None)
+        self.register_buffer("g_idx",
+                             torch.empty(k, dtype=torch.int32, device=device) if packed and act_order else None)
         self.register_buffer("weight", None if packed else torch.empty(n, k, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype, device=device), requires_grad=False) if bias else None
 
@@ -143,9 +136,10 @@ class Int4CheckpointLinear(nn.Module):
         return layer
 
     def nbytes(self) -> int:
-        """Bytes the layer's weight takes: words, scales, zero points and the act-order index, or the widened weight."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros, self.g_idx, self.weight)
-                   if t is not None)  # fmt: skip
+        """Bytes the layer's weight takes: words, scales, zero points and the act-order index, or the
+        widened weight."""
+        held = (self.qweight, self.scales, self.zeros, self.g_idx, self.weight)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]

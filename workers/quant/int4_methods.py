@@ -1,27 +1,14 @@
 """The 4-bit methods of the registry: which reader takes a `quantization_config`, and the device rule.
 
-Design: `handles(qc)` says whether a config is one of the 4-bit formats (`quant_method` gptq or awq,
-or compressed-tensors whose groups are `pack-quantized` integers: compressed-tensors' fp8 formats
-keep their own reader), `read(qc)` returns its `Int4Config`. The registry (registry.py) asks here
-first, so adding the 4-bit methods touched it by one hook. `int4_execution(device_type, capability)`
-is the one rule for how a device runs 4-bit weights (its kind from the torch-free contract,
-workers/contract/int4_rule.py, which placement reads too), with its reason, and the kernel mapping's
-`Int4CheckpointLinear` entries (kernels_local/mapping.py) follow the same capability ranges (a test
-walks them together):
-- `w4a16` (CUDA sm_75+ and ROCm): the packed words, scales and zero points stay resident; the Triton
-  W4A16 GEMM (kernels_local/int4_linear/) unpacks them in registers, act-order through its `g_idx`
-  gather (a permuted load);
-- `packed` (CPU): the same packed tensors stay resident; each forward dequantizes the layer in torch
-  and runs an fp32 matmul. torch's `_weight_int4pack_mm_for_cpu` is not used: it computes the affine
-  weight `(q - 8) * s + zero` exactly in fp32, while the references round `(q - z) * s` to the
-  fp16/bf16 scales (measured on a 64 x 128 layer: outputs 2e-4 of their magnitude apart with fp16
-  scales, 1.5e-3 with bf16), and with 16-bit activations it rounds in their dtype; it would equal the
-  reference only for fp32 scales and activations (checkpoints store fp16 or bf16 scales);
-- `dequantized` (CUDA below sm_75, where Triton has no 16-bit mma): the weights are widened at load
-  into the model dtype (the widened bytes are reported), a plain matmul.
-The trade-off: the CPU's packed execution is slower per step than a bf16 matmul (it dequantizes every
-call) in exchange for a quarter of the memory; the dequantized fallback costs the memory instead.
-"""
+Design: `handles(qc)` says whether a config is one of the 4-bit formats (gptq, awq, or
+compressed-tensors' `pack-quantized` groups) and `read(qc)` returns its `Int4Config`; the registry
+asks here first, through one hook. `int4_execution(device_type, capability)` is the one rule, with
+its reason (its kind from the torch-free workers/contract/int4_rule.py, which placement and the
+kernel mapping's `Int4CheckpointLinear` ranges follow): `w4a16` (CUDA sm_75+, ROCm: the Triton
+GEMM unpacks in registers), `packed` (CPU: each forward dequantizes the layer exactly, since torch's
+`_weight_int4pack_mm_for_cpu` does not round as the references do; docs/quantization-int4.md) and
+`dequantized` (below sm_75: widened at load). Trade-off: the CPU's packed execution is slower per
+step than a bf16 matmul in exchange for a quarter of the memory; the fallback costs the memory."""
 
 from __future__ import annotations
 

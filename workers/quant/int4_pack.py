@@ -1,21 +1,13 @@
 """4-bit weights unpacked to integers and dequantized exactly as each format's reference computes them.
 
-Design: one unpacking primitive (`unpack_int32`: eight 4-bit values per int32 word, value j in bits
-4j..4j+3, along either dim, optionally in AWQ's interleaved order) and one dequantizing step per
-layout, each returning the weight [out, in] in the dtype of the stored scales:
-- GPTQ: `qweight` [in/8, out], `qzeros` [groups, out/8], `scales` [groups, out], `g_idx` [in];
-  W[n, k] = (q[k, n] - (z[g, n] + offset)) * s[g, n], g = g_idx[k];
-- AWQ: `qweight` [in, out/8], `qzeros` [in/group, out/8] (interleaved nibbles), `scales`
-  [in/group, out]; W[n, k] = (q[k, n] - z[k // group, n]) * s[k // group, n];
-- pack-quantized: `weight_packed` [out, in/8] and `weight_zero_point` [out/8, groups] offset by 8,
-  `weight_scale` [out, groups]; W[n, k] = (q[n, k] - z[n, g]) * s[n, g], g = k // group.
-Every reference (AutoGPTQ's and AutoAWQ's torch paths, compressed-tensors' decompressor) forms
-`q - z` (an integer in [-15, 16], exact in any float type) and multiplies once by the scale in the
-scale's dtype. Here the product is taken in fp32 and rounded once to the scale's dtype: the fp32
-product of a 5-bit integer and an fp16/bf16 value is exact, so the result is the reference bit for
-bit. The trade-off: the unpacked integers take a byte each (int32 while computing), fine at load
-time and the reason these are not the run-time path.
-"""
+Design: one unpacking primitive (`unpack_int32`: eight 4-bit values per int32 word, value j in
+bits 4j..4j+3, along either dim, optionally in AWQ's interleaved order) and one dequantizing step
+per layout (GPTQ, AWQ, pack-quantized; docs/quantization-int4.md), each returning the weight
+[out, in] in the dtype of the stored scales. Every reference forms `q - z` (exact in any float
+type) and multiplies once by the scale in its dtype; here the product is taken in fp32, exact for
+a 5-bit integer times an fp16/bf16 value, and rounded once, the reference's bits. Trade-off: the
+unpacked integers take a byte each (int32 while computing), fine at load time and the reason these
+are not the run-time path."""
 
 from __future__ import annotations
 

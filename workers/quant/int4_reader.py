@@ -1,28 +1,16 @@
 """Reading a 4-bit checkpoint (GPTQ, AWQ, compressed-tensors pack-quantized) for this device's execution.
 
-Design: the loader drives this reader through the same calls as the fp8 one
-(workers/quant/checkpoint.py): `bind` notes the HF tensors the model expects and which of them
-land on one of our `nn.Linear` modules (whole, or a part of fused q/k/v and gate/up), `claims` takes
-every 4-bit leaf of a layer the config quantizes (`qweight`, `qzeros`, `scales`, `g_idx`;
-`weight_packed`, `weight_scale`, `weight_shape`, `weight_zero_point`), and the zero `bias` AutoGPTQ
-stores for layers that have none, `covers` tells the loader which expected `.weight` those stand for.
-The execution comes from the device rule (workers/quant/int4_methods.py) for the device the loader
-names (its type and capability, passed in: a simulated GPU loads onto the CPU yet keeps its GPU's
-execution): `to_ours` checks each layer against its format's reference (workers/quant/int4_pack.py)
-and, where the device keeps the 4 bits (`w4a16`, `packed`), moves it into the one run-time layout
-(`to_runtime`, exact) and concatenates the parts of a fused module along the outputs; where it does
-not (`dequantized`), the reference weights go through the family's own map as an unquantized
-checkpoint's would. `install` swaps each of those modules for an `Int4CheckpointLinear` of that
-execution, which kernelize then gives the device's kernel layer. Experts stored per expert
-(Qwen3-MoE) have no 4-bit layer: they are dequantized at load on every device, and so is a fused
-module whose parts' act-order `g_idx` differ (one input order per module); the notes say so. A
-4-bit leaf on a layer the config leaves alone (`modules_to_not_convert`, `ignore`), a fused layer
-with some parts 4-bit and others not, or a layer with its packed tensor but a missing scale, are
-named errors. `describe` gives `/workers` the method, the schemes, the execution and its reason and
-the bytes: as stored, as held, as widened, and the same layers' bf16 bytes with the ratio. The
-trade-off: the reference weight of every layer is formed once at load to check it, one layer at a
-time, which costs that layer's widened bytes transiently.
-"""
+Design: driven by the loader through the same calls as the fp8 reader (workers/quant/checkpoint.py);
+`claims` takes every 4-bit leaf of a layer the config quantizes (and the zero `bias` AutoGPTQ
+stores). The execution comes from the device rule for the device the loader names (a simulated GPU
+loads onto the CPU yet keeps its GPU's execution). `to_ours` checks each layer against its
+format's reference (int4_pack.py); where the device keeps the 4 bits it moves the layer exactly
+into the run-time layout and concatenates a fused module's parts, and `install` swaps in
+`Int4CheckpointLinear`; where it does not, the reference weights take the family's own map as an
+unquantized checkpoint's would. Experts and fused modules with differing act-orders are
+dequantized on every device (the notes say so); the named errors: docs/quantization-int4.md.
+Trade-off: each layer's reference weight is formed once at load to check it, one layer at a time,
+which costs that layer's widened bytes transiently."""
 from __future__ import annotations
 
 import logging
@@ -71,7 +59,8 @@ class Int4Checkpoint:
         self.expected, self.dtype = dict(expected), model.dtype
         for hf_name, shape in expected.items():
             mapped = self.map.map_name(hf_name) if hf_name.endswith(".weight") and len(shape) == 2 else None
-            if mapped is None or not mapped[0].endswith(".weight") or not (mapped[1] is None or isinstance(mapped[1], int)):
+            if (mapped is None or not mapped[0].endswith(".weight")
+                    or not (mapped[1] is None or isinstance(mapped[1], int))):
                 continue  # not a linear weight of ours (experts, layouts)
             ours = mapped[0].removesuffix(".weight")
             if type(model.get_submodule(ours)) is nn.Linear:
@@ -91,7 +80,8 @@ class Int4Checkpoint:
         if scheme is None or leaf not in scheme.leaves:
             if leaf in ("qweight", "weight_packed", "qzeros", "g_idx", "weight_zero_point"):
                 raise UnsupportedQuantizationError(
-                    f"Unsupported 4-bit tensor `{name}`: the `{self.quant.method}` config leaves `{module}` unquantized "
+                    f"Unsupported 4-bit tensor `{name}`: the `{self.quant.method}` config leaves `{module}` "
+                    f"unquantized "
                     f"(modules_to_not_convert / ignore: {', '.join(f'`{p}`' for p in self.quant.ignore) or 'none'}). "
                     "Supported: 4-bit tensors only on the layers the config quantizes")
             return False  # a `scales` or `weight_scale` of something else: the loader judges it
@@ -169,7 +159,8 @@ class Int4Checkpoint:
                                       "Supported: a zero bias (as AutoGPTQ writes) or none")
         unused = sorted(n for n in stored if n.rpartition(".")[0] not in self.layers and not n.endswith(".bias"))
         if unused:
-            raise Int4TensorError(f"4-bit tensors without their packed weight: {', '.join(f'`{n}`' for n in unused[:8])}")
+            raise Int4TensorError(f"4-bit tensors without their packed weight: "
+                                  f"{', '.join(f'`{n}`' for n in unused[:8])}")
         # 1. every layer checked against its reference (shapes, zero points, g_idx), one at a time (a
         #    layer's widened weight is transient); kept in the model dtype only where it stays widened
         groups = self._packed_modules(stored)

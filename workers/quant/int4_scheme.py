@@ -1,16 +1,12 @@
 """What a 4-bit checkpoint's quantization says, as values: a layer's int4 scheme, and which layer gets which.
 
-Design: the three 4-bit readers (`gptq.py`, `awq.py`, `pack_quantized.py`) each turn their
-`quantization_config` into one `Int4Config`: config groups of (targets, `Int4Scheme`) and an ignore
-list, matched exactly as the fp8 `QuantConfig` matches them (its `ignored` and `scheme_for` are
-reused, so `modules_to_not_convert` and compressed-tensors' `ignore` mean here what they mean there).
-An `Int4Scheme` names the tensor layout a layer stores (`gptq`: `qweight` packed along the input
-dim, `awq`: along the output dim in AWQ's interleaved nibble order, `pack-quantized`: along the input
-dim, offset by 8), its group size (-1: one group per output channel), whether zero points are stored
-and the offset the format adds to them (GPTQ's v1 `gptq` format stores zero - 1). The trade-off: the
-only bit width is 4 and the only group sizes 32, 64 and 128 (or per channel); anything else is an
-`UnsupportedQuantizationError` naming the value and listing these, since no layer here would run it.
-"""
+Design: the three 4-bit readers (`gptq.py`, `awq.py`, `pack_quantized.py`) each turn their config
+into one `Int4Config` of (targets, `Int4Scheme`) groups and an ignore list, matched as the fp8
+`QuantConfig` matches them (its `ignored` and `scheme_for` reused). An `Int4Scheme` names the
+stored layout (`gptq`, `awq`, `pack-quantized`), the group size (-1: per output channel), whether
+zero points are stored and the offset the format adds to them. Trade-off: the only bit width is 4
+and the only group sizes 32, 64 and 128 (or per channel); anything else is refused by name, since
+no layer here would run it."""
 
 from __future__ import annotations
 
@@ -36,7 +32,8 @@ def check_bits(bits, what: str) -> int:
 
 def check_group(group, what: str, allowed: tuple[int, ...] = GROUP_SIZES) -> int:
     if group not in allowed:
-        raise unsupported(f"{what} group size", group, [f"{g}" + (" (per channel)" if g == -1 else "") for g in allowed])
+        raise unsupported(f"{what} group size", group,
+                          [f"{g}" + (" (per channel)" if g == -1 else "") for g in allowed])
     return group
 
 

@@ -1,21 +1,14 @@
 """`Fp8CheckpointLinear`: a checkpoint's fp8 linear layer, its bytes and scales as stored, run the device's way.
 
-Design: the loader fills the layer with what the checkpoint stores (`qweight` float8_e4m3fn [N, K],
-fused parts concatenated; `weight_scale` in the grouped layout of `e4m3`; `input_scale` when
-activations are static) and never converts a value. The fp8 step then calls `prepare(kind, fmt)`
-with the device's `Fp8Execution` (workers/contract/fp8_rule.py):
-- `native`: `qweight` stays an fp8 tensor (in e4m3fnuz on CDNA3: bytes reinterpreted, scales doubled);
-  activations are quantized at run time as the scheme says (per token, per token group of 128, or
-  with the static `input_scale`) and the GEMM runs on fp8 operands;
-- `weight_only`: `qweight` becomes uint8 storage of the same bytes (the emulated convention's
-  buffers), dequantized inside a 16-bit GEMM; activations are not quantized;
-- `dequantized`: `weight` [N, K] in the model dtype replaces the bytes (`qweight` is None): a plain
-  matmul, and the memory it takes is reported.
-`forward` is the pure-torch reference of whichever execution the layer was prepared for; a
-kernelized model runs the device's kernel layer instead (kernels_local/fp8_linear/layers.py, same
-attributes), which refuses a layer prepared for another execution. The trade-off: until the fp8
-step a loaded layer cannot run (`Fp8LayerStateError`), so a model is never served half prepared.
-"""
+Design: the loader fills the layer with what the checkpoint stores (`qweight` float8_e4m3fn
+[N, K], fused parts concatenated; `weight_scale` in `e4m3`'s grouped layout; `input_scale` when
+activations are static) and never converts a value. The fp8 step's `prepare(kind, fmt)` then
+gives it the device's `Fp8Execution` (workers/contract/fp8_rule.py): `native` keeps fp8 operands
+(e4m3fnuz with doubled scales on CDNA3) and quantizes activations as the scheme says,
+`weight_only` keeps the bytes as uint8 for a 16-bit GEMM, `dequantized` widens the weight. `forward`
+is the torch reference of that execution; the device's kernel layer refuses a layer prepared for
+another. Trade-off: until the fp8 step a loaded layer cannot run (`Fp8LayerStateError`), so a model
+is never served half prepared."""
 
 from __future__ import annotations
 

@@ -1,27 +1,15 @@
 """MXFP4 checkpoints (`quant_method: mxfp4`): gpt-oss's experts in OCP microscaling 4-bit floats.
 
-Design: `read(qc)` turns `{"quant_method": "mxfp4", "modules_to_not_convert": [...]}` into an
-`Mxfp4Config`. The format quantizes the stacked experts of each mixture-of-experts layer only: for
-a projection `P` (gpt-oss: `gate_up_proj`, `down_proj`) of experts `E` with `N` outputs and `K`
-inputs, the checkpoint stores
-- `P_blocks` uint8 [E, N, K/32, 16]: 32 consecutive inputs of one output per block, two e2m1
-  values a byte, input 2j of the block in the low nibble of byte j and input 2j+1 in the high one;
-- `P_scales` uint8 [E, N, K/32]: each block's e8m0 exponent, biased by 127 (scale = 2^(s - 127));
-and the biases as floats. An e2m1 code is sign (bit 3), two exponent bits (bias 1) and one mantissa
-bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (`e2m1_values`, built from that definition).
-A weight is its code's value times its block's scale, exact in fp32 and rounded once to the model
-dtype (exact again in bfloat16 and float32; float16 rounds the smallest and refuses the largest).
-The dequantized projection is [E, N, K], which is the transpose of the unquantized tensor gpt-oss
-stores ([E, K, N], gate and up interleaved along N), so the family's own weight map places it.
-`modules_to_not_convert` is matched as transformers matches it (a regex from the start of the
-module name up to a dot boundary, or a suffix: `model.layers.*.self_attn`, `lm_head`). Refused by
-name: any other key of the config (the format has no options hetserve would ignore silently) and,
-at load, MXFP4 tensors anywhere but a gpt-oss experts projection (workers/quant/mxfp4_reader.py).
-`mxfp4_execution` is the device rule with its reason (the threshold: workers/contract/mxfp4_rule.py):
-CUDA from sm_80 and ROCm keep the experts packed for the Triton grouped GEMM (`w4a16`), the others
-dequantize them at load. The trade-off: a dequantizing device holds the experts at about 4x their
-stored bytes in bfloat16; in exchange it computes with the reference weights exactly.
-"""
+Design: `read(qc)` turns the config into an `Mxfp4Config`: only the stacked experts are quantized,
+as `P_blocks` (two e2m1 codes a byte, 32 inputs a block) and `P_scales` (a block's e8m0 exponent),
+and `modules_to_not_convert` is matched as transformers matches it. A weight is its code's value
+(`e2m1_values`, from the format's definition) times its block's scale, exact in fp32 and rounded
+once to the model dtype; the dequantized projection [E, N, K] is the transpose of gpt-oss's
+unquantized tensor, so the family's own map places it. Any other config key is refused by name.
+`mxfp4_execution` is the device rule with its reason (workers/contract/mxfp4_rule.py): CUDA from
+sm_80 and ROCm keep the experts packed (`w4a16`), the others dequantize them at load. The format
+in full: docs/quantization-mxfp4.md. Trade-off: a dequantizing device holds the experts widened,
+in exchange for computing with the reference weights exactly."""
 
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """`Mxfp4FusedMoE`: gpt-oss's MXFP4 experts kept packed, for devices whose rule keeps them so.
 
-Design: the experts of one mixture-of-experts layer as `FusedMoE` holds them (gate rows then up rows,
-`[E, 2I, H]` and `[E, H, I]`), but as the checkpoint's e2m1 bytes and e8m0 exponents:
-`w_gate_up_blocks` [E, 2I, H/2], `w_gate_up_scales` [E, 2I, H/32], `w_down_blocks` [E, H, I/2],
-`w_down_scales` [E, H, I/32] (uint8; two codes a byte, the even input in the low nibble; one scale per
-32 inputs of a row), and the biases in the model dtype. The loader fills it on devices whose MXFP4 rule
-is `w4a16` (workers/quant/mxfp4_reader.py) and never converts a value. It is kernel-swappable as
-`Mxfp4FusedMoE` (kernels_local/fused_moe: the grouped GEMM decoding the codes in registers);
-`forward` is the pure-torch reference: each active expert dequantized into the activations' dtype
-when the grouping asks for it, then the expert loop the fp8 experts share (workers/quant/experts.py
-`run_experts`: the same grouping, tiles and matmuls as the model's `FusedMoE`), so a packed layer
-computes bit for bit what the experts dequantized at load compute. The trade-off: the reference (the
-CPU path of a simulated GPU) dequantizes an active expert on every call, which costs time, never
-memory held.
-"""
+Design: the experts of one layer as `FusedMoE` holds them, but as the checkpoint's e2m1 bytes and
+e8m0 exponents in our row order (`w_gate_up_blocks` [E, 2I, H/2], `w_gate_up_scales` [E, 2I, H/32],
+`w_down_blocks` [E, H, I/2], `w_down_scales` [E, H, I/32]) with the biases in the model dtype; the
+loader never converts a value. It is kernel-swappable (kernels_local/fused_moe: the grouped GEMM
+decoding the codes in registers); `forward` is the torch reference: each active expert dequantized,
+then the fp8 experts' loop (`run_experts`), so a packed layer computes bit for bit what experts
+dequantized at load compute. Trade-off: the reference (a simulated GPU's CPU path) dequantizes an
+active expert on every call: time, never memory held."""
 
 from __future__ import annotations
 

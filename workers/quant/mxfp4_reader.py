@@ -1,26 +1,13 @@
 """Reading an MXFP4 checkpoint (gpt-oss's experts in e2m1 with e8m0 scales) for this device's execution.
 
-Design: the loader drives this reader through the same calls as the fp8 and 4-bit ones
-(workers/quant/checkpoint.py): `bind` notes the HF tensors the model expects, `claims` takes every
-`P_blocks` / `P_scales` of an experts projection `P` the config quantizes, `covers` tells the loader
-that `P` itself (the unquantized tensor the family's map expects) is made from them. The execution
-comes from the MXFP4 rule (workers/quant/mxfp4.py `mxfp4_execution`) for the device the loader names
-(its type and capability, passed in). `to_ours` checks each projection's dtype and shapes
-(`check_stored`), then:
-- `w4a16` (CUDA sm_80+, ROCm): keeps the bytes, in our row order (gpt-oss interleaves gate and up
-  rows: even rows gate, odd rows up; ours are gate rows then up rows) as `<experts>.w_gate_up_blocks`
-  [E, 2I, H/2], `_scales` [E, 2I, H/32], `w_down_blocks` [E, H, I/2], `_scales` [E, H, I/32], and
-  `install` swaps those layers' `FusedMoE` for an `Mxfp4FusedMoE` (workers/quant/mxfp4_experts.py),
-  which kernelize gives the device's Triton layer;
-- `dequantized` (below sm_80, CPU): dequantizes into the model dtype, turns it into the orientation
-  gpt-oss stores unquantized ([E, K, N]) and hands it to the family's own weight map, so it lands in
-  `FusedMoE.w_gate_up` / `w_down` exactly as an unquantized checkpoint's would.
-Refused by name: MXFP4 tensors on a module the config leaves alone (`modules_to_not_convert`), on
-anything but a stacked experts projection (only gpt-oss stores them so), a projection with its blocks
-but not its scales (or the reverse), and a float16 model whose experts overflow it when dequantized.
-`describe` gives `/workers` the method, scheme, execution and reason, and the bytes as stored, as
-held and as widened. The trade-off: a dequantizing device holds the experts at their widened size.
-"""
+Design: driven by the loader through the same calls as the fp8 and 4-bit readers
+(workers/quant/checkpoint.py); `claims` takes every `P_blocks` / `P_scales` of an experts
+projection the config quantizes and `covers` says `P` is made from them. The execution comes
+from the MXFP4 rule for the device the loader names. `to_ours` checks each projection
+(`check_stored`); `w4a16` keeps the bytes in our row order (gpt-oss interleaves gate and up rows)
+and `install` swaps in `Mxfp4FusedMoE`, while `dequantized` widens them into the orientation gpt-oss
+stores unquantized and hands them to the family's own map. The refusals: docs/quantization-mxfp4.md.
+Trade-off: a dequantizing device holds the experts at their widened size."""
 
 from __future__ import annotations
 

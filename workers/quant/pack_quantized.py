@@ -1,19 +1,11 @@
 """compressed-tensors' `pack-quantized` format: llm-compressor's W4A16 (with and without zero points).
 
 Design: `read(qc)` turns a `quant_method: compressed-tensors` config whose groups are
-`pack-quantized` into an `Int4Config`: each group's targets (`Linear`, names, `re:` patterns) and
-its 4-bit integer weights, `group` (32/64/128) or `channel` strategy, symmetric or not; `ignore` as
-compressed-tensors matches it. A layer stores `weight_packed` int32 [out, ceil(in/8)] (input 8c+j in
-bits 4j..4j+3 of word c, each value offset by 8 so it is unsigned), `weight_scale` [out, groups]
-(the checkpoint's dtype, used as stored), `weight_shape` [2] and, when asymmetric, `weight_zero_point`
-int32 [ceil(out/8), groups] packed along the output dim, offset by 8 too. The weight is
-`(q - z) * s` in the scale's dtype, as the library's own decompressor computes it. Refused by name:
-other bit widths, strategies (tensor, block, tensor_group), activation ordering by `group`
-(`g_idx`; compressed-tensors itself no longer reads it), dynamic weights, quantized activations
-(W4A8, W4A4), a KV cache scheme, sparsity, transforms, and groups of other formats in the same
-config. The trade-off: the whole config is checked at load, as for fp8, so a checkpoint never
-serves partly approximated.
-"""
+`pack-quantized` into an `Int4Config`: each group's targets and its 4-bit integer weights by
+`group` or `channel`, symmetric or not, with `ignore` as compressed-tensors matches it. The weight
+is `(q - z) * s` in the scale's dtype, as the library's decompressor computes it; the stored
+tensors and the refusals: docs/quantization-int4.md. Trade-off: the whole config is checked at
+load, as for fp8, so a checkpoint never serves partly approximated."""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """The fp8 step for a pre-quantized checkpoint: every fp8 layer turned into this device's execution.
 
-Design: `prepare_fp8_checkpoint(model, convention, device_type, capability)` asks the contract's
-`fp8_execution` (the same rule that gives the device its fp8 convention and the kernel mapping its
-`Fp8CheckpointLinear` ranges) how this device runs fp8 checkpoints, checks that the worker's locked
-convention and the kernel chosen for the layer are of that same execution (`Fp8ExecutionMismatchError`
-otherwise: a buffer made for one execution never reaches a kernel built for another), prepares each
-layer (`Fp8CheckpointLinear.prepare`, and the fp8 experts' `Fp8FusedMoE.prepare`, whose kernel
-`Fp8FusedMoE` is checked the same way) and returns the summary `/workers` shows under
-`fp8.checkpoint`: the execution and its reason, the bytes the weights take, and, where the device
-widens them, how many bytes that costs (also logged as a warning). The trade-off: a dequantizing
-device holds the widened weights only (the fp8 bytes are released), so its memory is what an
-unquantized checkpoint would take.
-"""
+Design: `prepare_fp8_checkpoint` asks the contract's `fp8_execution` (the rule that also gives the
+device its fp8 convention and the kernel mapping its ranges) how this device runs fp8 checkpoints,
+checks that the locked convention and the kernels chosen for `Fp8CheckpointLinear` and
+`Fp8FusedMoE` are of that execution (`Fp8ExecutionMismatchError` otherwise), prepares each layer
+and returns what `/workers` shows under `fp8.checkpoint` (the execution, its reason, the weights'
+bytes and what widening costs, also logged as a warning). Trade-off: a dequantizing device
+releases the fp8 bytes and holds the widened weights only, as an unquantized checkpoint would."""
 
 from __future__ import annotations
 

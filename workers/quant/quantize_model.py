@@ -1,23 +1,13 @@
 """`--quantize fp8`: a loaded model's projections quantized to e4m3, in the worker's one fp8 convention.
 
-Design: `quantize_model(model, conv)` replaces each projection `nn.Linear` by an `Fp8Linear`
-holding the weight quantized to e4m3 with one fp32 scale per output channel
-(`workers.quant.fp8_quantize.quantize_weight_per_channel`). The buffer dtype (`conv.storage_dtype`: an fp8
-dtype when native, uint8 when emulated) and the kernels' `NATIVE` flag (`fp8_native`) are
-both read from the same `conv`, so they cannot disagree. Activations are quantized per
-token at run time. `Fp8Linear.forward` is the pure-torch reference (dequantize both
-operands, fp32 matmul); when the model was kernelized (`model.kernel_plan`), the new
-layers get this device's `Fp8Linear` kernel, whose variant must match `conv`: the plan the
-kernelize step recorded on the model applies itself to them (`plan.apply(layer)`), so this
-package, below the model and the kernelize step, imports neither.
-
-Not quantized: the token embedding (a gather, no matmul) and, by default, the LM head.
-The LM head's error lands directly on the logits that greedy decoding and sampling
-compare, it is the largest single matrix of a small model's accuracy budget, and with tied
-embeddings it *is* the embedding table (quantizing it would break the tie or double the
-memory). `include_lm_head=True` quantizes it too. The trade-off: the LM head keeps its
-full-precision bytes (vocab x hidden).
-"""
+Design: `quantize_model(model, conv)` replaces each projection `nn.Linear` by an `Fp8Linear` with
+e4m3 weights and one fp32 scale per output channel; its buffer dtype and the kernels' `NATIVE`
+flag both come from `conv`, and activations are quantized per token at run time. A kernelized
+model's new layers get this device's `Fp8Linear` kernel through the plan the kernelize step
+recorded on the model (`plan.apply(layer)`), so this package imports neither. The token embedding
+and, by default, the LM head stay unquantized: the head's error lands directly on the logits, and
+with tied embeddings it is the embedding table (`include_lm_head=True` quantizes it too).
+Trade-off: the LM head keeps its full-precision bytes (vocab x hidden)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,15 @@
-"""The quantization-method registry: which module reads a checkpoint's `quantization_config`, and which
-reader then loads its tensors.
+"""The quantization-method registry: which module reads a checkpoint's `quantization_config`, and
+which reader then loads its tensors.
 
-Design: one module per method (`compressed_tensors`, `fp8_blockwise`, `mxfp4`), each with its `NAME` (the
-config's `quant_method`) and `read(qc) -> QuantConfig`; `read_quantization(hf_config)` looks the
-method up here, so adding a method is adding a module and a line. A checkpoint without
-`quantization_config` is served unquantized (None); an unknown method is an
-`UnsupportedQuantizationError` naming it and listing the registered ones, raised at load (and by
-`hetserve plan --model`, which reads the same config). The 4-bit formats (GPTQ, AWQ, compressed-
-tensors `pack-quantized`) are asked first through one hook (`int4_methods.handles`), since
-compressed-tensors names both its fp8 and its 4-bit formats with one method. The trade-off: the registry knows only the
-methods whose layers exist; a method name alone never makes a checkpoint load. The method names
-are also the contract's `QUANT_METHODS` (workers/contract/checkpoint_check.py), which the router
-checks before any worker starts; tests/test_checkpoint_check.py holds the two equal.
-`quantized_checkpoint(hf_config, model_map, device_type, capability)` gives the loader the reader
-of the config's kind (fp8, 4-bit, MXFP4), for the device it names.
-"""
+Design: one module per method, each with its `NAME` (the config's `quant_method`) and `read(qc)`;
+`read_quantization(hf_config)` looks the method up, so adding a method is a module and a line.
+No `quantization_config` is served unquantized; an unknown method is refused naming the registered
+ones (at load, and by `hetserve plan --model`). The 4-bit formats are asked first through one hook
+(`int4_methods.handles`), since compressed-tensors names its fp8 and 4-bit formats alike; the
+names are also the contract's `QUANT_METHODS`, which the router checks before any worker starts
+(a test holds the two equal). `quantized_checkpoint` gives the loader the reader of the config's
+kind for the device it names. Trade-off: the registry knows only the methods whose layers exist;
+a method name alone never makes a checkpoint load."""
 
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
 """What one checkpoint's quantization says, as values: the fp8 scheme of a layer, and which layer gets which.
 
-Design: a method module (compressed-tensors, the block-wise fp8 format) reads its config into one
-`QuantConfig`: config groups of (targets, `Fp8Scheme`) and an `ignore` list, matched the way
-compressed-tensors matches them (a target is a module class name such as `Linear`, an exact module
-name, or `re:` and a regular expression matched from the start of the name). `scheme_for(name)`
-is the one place that answers "is this layer quantized, and how". The schemes are the ones the
-execution layers run: fp8 e4m3 weights with per-tensor, per-channel or 128 x 128 block scales;
-activations quantized dynamically per token, dynamically per token group (with block weights) or
-statically per tensor (the checkpoint's `input_scale`). Anything else is an
-`UnsupportedQuantizationError` naming the value and listing these. The trade-off: a scheme the
-layers could run but the list does not name (say, weight-only fp8) is refused rather than guessed.
-"""
+Design: a method module reads its config into one `QuantConfig`: config groups of (targets,
+`Fp8Scheme`) and an `ignore` list, matched as compressed-tensors matches them (a module class
+name such as `Linear`, an exact module name, or `re:` and a regular expression from the start of
+the name); `scheme_for(name)` is the one place that answers "is this layer quantized, and how".
+The schemes are those the execution layers run: e4m3 weights with per-tensor, per-channel or
+128 x 128 block scales, activations per token, per token group or static per tensor. Trade-off:
+a scheme the layers could run but the list does not name (say, weight-only fp8) is refused rather
+than guessed."""
 
 from __future__ import annotations
 
