@@ -1,39 +1,17 @@
 """Structured output: a grammar per request, enforced token by token as a bitmask on the logits.
 
-Engine: llguidance (chosen over xgrammar, both measured here on the embedded model):
-- it reads the model's own `tokenizer.json` (Rust `tokenizers`) and needs no other package,
-  where xgrammar pulls `transformers` and `apache-tvm-ffi` into the worker and takes 4.4 s
-  to import (llguidance: 0.09 s);
-- it refuses what it cannot enforce and says why (`Unknown format: foo`, `Pointer '/x' does
-  not exist`), which becomes the 422; xgrammar silently ignores an unknown `format`;
-- no ahead-of-time compile: a new schema costs about 1 ms for the first request, then each
-  request deep-copies the cached matcher in 8 us;
-- masks are computed lazily, in Rust threads with the GIL released.
-Trade-off: a lazily computed mask costs about 20 us per constrained row per step with the
-embedded 4k vocabulary, where xgrammar's precomputed masks cost about 3 us; both are small
-against a decode step (about 2 ms for 8 rows on these CPUs).
-
-Design: `GrammarSpec` (frozen: kind and text) is what a request asks for. `Grammars` turns a
-spec into a `CompiledGrammar`, an initialized matcher kept as a template, so a schema is
-compiled once per worker; a request gets its own copy (`CompiledGrammar.matcher()`), which
-only the engine thread advances. Every compile runs under a `CompileBudget`
-(workers/sampling/grammar_sandbox.py: wall clock and memory, proven in a child process that
-can be killed, before the worker builds the grammar itself), in a pool of its own
-(`compile_async`: `budget.workers` threads, never the event loop's default pool), shared by
-concurrent requests for the same spec and cancelled when they have all left. Two lanes, `budget.workers`
-threads each, so that an ordinary grammar never waits behind bombs: every new grammar first
-gets `FAST_LANE_S` in the fast lane (an ordinary schema compiles in milliseconds); one still
-compiling then is killed there and compiled again, under the whole budget, in the budgeted
-pool (8 concurrent bombs made an ordinary schema wait 13 s; behind them in one pool it would
-wait for their budgets). Trade-off: a grammar that takes longer than the slice is built twice
-from the start, and its fast-lane child restarts (its tokenizer loaded again). The cache is an
-LRU bounded by bytes (what each matcher holds, as the sandbox measured it), and keeps
-refusals too, so a grammar over budget is not compiled again for the next request that sends
-it. The sampler fills one bitmask row per constrained sequence (`fill_bitmasks`) and sets the
-logits of disallowed tokens to -inf before temperature and truncation, so constrained and
-unconstrained rows share one batch. JSON is generated compact (no free whitespace: a small
-model would otherwise spend its tokens on spaces).
-"""
+Design: llguidance is the engine (it reads the model's own `tokenizer.json`, needs no other
+package, computes masks lazily in Rust with the GIL released, and refuses what it cannot enforce
+with the reason, which becomes the 422). `Grammars` turns a request's `GrammarSpec` into a
+`CompiledGrammar`, a matcher kept as a template in an LRU cache bounded by bytes (refusals cached
+too), so a schema compiles once per worker and each request gets its own copy. Every compile is
+first proven in a sandboxed child under a `CompileBudget` (workers/sampling/grammar_sandbox.py),
+in pools of its own: every new grammar gets `FAST_LANE_S` in a fast lane, and one still compiling
+then goes on in the budgeted pool, so an ordinary grammar never waits behind bombs. The sampler
+fills one bitmask row per constrained sequence (`fill_bitmasks`) and sets disallowed logits to
+-inf before temperature and truncation; JSON comes out compact. Trade-off: lazily computed masks
+cost more per step than precomputed ones, and a grammar slower than the fast lane is built twice
+(docs/benchmarks.md, "Structured output"; the budgets: docs/hardening.md)."""
 
 from __future__ import annotations
 
@@ -208,7 +186,8 @@ class Grammars:
                 raise GrammarError(f"The {describe(spec.kind)} allows no output: no token can start or continue it")
             template = llguidance.LLMatcher(self.tokenizer, spec.source(), log_level=0, limits=LIMITS)
             if template.is_error():
-                raise GrammarError(f"The {describe(spec.kind)} cannot be enforced: {engine_reason(template.get_error())}")
+                raise GrammarError(f"The {describe(spec.kind)} cannot be enforced: "
+                                   f"{engine_reason(template.get_error())}")
         except GrammarError as e:
             self._cache.put(spec, e, len(spec.text) + _REFUSAL_BYTES)
             raise

@@ -1,23 +1,17 @@
 """A sandboxed grammar compiler: a child of the worker that builds one grammar at a time,
 under a memory cap, and says whether it fits.
 
-Run as `python -m workers.sampling.grammar_child` by `workers/sampling/grammar_sandbox.py`;
-it speaks length-prefixed JSON frames on stdin and stdout. The first frame is the tokenizer
-(`tokenizer`, `vocab_size`, `eos`); each further frame a grammar (`kind`, `text`, `strict`,
-`memory_bytes`), answered with `{"ok": true, "bytes": <what the matcher holds>, "dead": <its
-first mask allows no output>}` or `{"ok": false, "error": ...}` / `{"ok": false, "budget":
-"memory"}`.
-
-Design: before each build the child caps its data segment (RLIMIT_DATA) at what it holds plus
-the budget, so an allocation beyond it aborts this process (Rust aborts when an allocation
-fails) and never the worker; the bytes a matcher holds are glibc's allocated bytes
-(`mallinfo2`) after the build minus before, nothing else running in this process; after each
-build the memory goes back to the system (`malloc_trim`), so one big grammar does not shrink
-the next one's budget. The child dies with the thread that started it (PR_SET_PDEATHSIG) and
-at the end of its stdin. It imports only llguidance and the standard library (no torch: it
-starts in about 0.1 s). Trade-off: a grammar is built here and then again in the worker, the
-price of a build that can be killed.
-"""
+Run as `python -m workers.sampling.grammar_child` by workers/sampling/grammar_sandbox.py, over
+length-prefixed JSON frames on stdin and stdout: first the tokenizer (`tokenizer`, `vocab_size`,
+`eos`), then grammars (`kind`, `text`, `strict`, `memory_bytes`), each answered with
+`{"ok": true, "bytes", "dead"}` or `{"ok": false, "error"}` / `{"ok": false, "budget": "memory"}`.
+Design: before each build the child caps its data segment (RLIMIT_DATA) at what it holds plus the
+budget, so an allocation beyond it aborts this process, never the worker; a matcher's bytes are
+glibc's allocated bytes (`mallinfo2`) after the build minus before, and `malloc_trim` gives them
+back afterwards. It dies with the thread that started it (PR_SET_PDEATHSIG) and at the end of its
+stdin, and imports only llguidance and the standard library (no torch), so it starts quickly.
+Trade-off: a grammar is built here and then again in the worker, the price of a build that can
+be killed."""
 
 from __future__ import annotations
 

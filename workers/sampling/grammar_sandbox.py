@@ -1,27 +1,17 @@
 """Grammar compiles under a budget: each new grammar is first built in a child process that can
 be killed.
 
-Why: llguidance builds a grammar in Rust with the GIL released, and nothing in this process
-can interrupt it; its own limits do not bound every path (an `allOf` of N `.*X.*` string
-patterns makes the emptiness check of their intersection exponential: N=19 took 8.6 s and
-+730 MiB, N=21 asked for 7.7 GB at once, and a worker under a memory limit was killed).
-
+Why: llguidance builds a grammar in Rust with the GIL released, which nothing in this process can
+interrupt, and its own limits do not bound every path (docs/hardening.md, "Grammar compiles").
 Design: `CompileSandbox.check(spec)` sends the spec to a long-lived child
-(`python -m workers.sampling.grammar_child`, which holds the tokenizer) and waits at most
-`CompileBudget.timeout_s`; the child builds it with its data segment capped at what it holds
-plus `memory_bytes`. Over time the child is killed; over memory it aborts (or answers so);
-either is a `BudgetExceeded` naming the budget, a 422 for the client, and the child is
-started again for the next compile. A grammar that passes comes back with the bytes its
-matcher holds (what the grammar cache counts) and whether it allows any output at all; only
-then does the worker build it for the engine, within the same bounds since it is the same
-build. A compile whose clients have all left is cancelled the same way (`cancel` set: the
-child is killed within `_POLL_S`); a fast-lane try (`slice_s`) that runs out is a `SliceOver`,
-not a refusal (workers/sampling/grammar.py then compiles it again under the whole budget). Each thread that compiles owns one child (a thread-local),
-so the compile pool's size (`CompileBudget.workers`) bounds the children. Trade-off: a new
-grammar is built twice (child, then here) plus a pipe round trip, about a millisecond more for
-an ordinary schema; a cached grammar costs nothing more, and the child, started on the first
-compile, costs about 0.1 s once and some 40 MB while it lives.
-"""
+(workers/sampling/grammar_child.py, which holds the tokenizer) and waits at most
+`CompileBudget.timeout_s`; over time the child is killed, over memory it aborts, either a
+`BudgetExceeded` (a 422) after which the next compile starts a new child. A grammar that passes
+comes back with the bytes its matcher holds and whether it allows any output; only then does the
+worker build it. A compile whose clients all left is cancelled within `_POLL_S`; a fast-lane try
+that runs out is a `SliceOver`, not a refusal. Each compiling thread owns one child, so the pool's
+size bounds the children. Trade-off: a new grammar is built twice plus a pipe round trip; a cached
+one costs nothing more (docs/benchmarks.md, "Structured output")."""
 
 from __future__ import annotations
 
@@ -111,7 +101,8 @@ class _Child:
     """One compile child and its pipes; `kill()` when it is stuck or no longer wanted."""
 
     def __init__(self, header: dict, timeout_s: float):
-        env = {**os.environ, "RUST_BACKTRACE": "0", "PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)}
+        path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "RUST_BACKTRACE": "0", "PYTHONPATH": path}
         self.proc = subprocess.Popen(_CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         write_frame(self.proc.stdin, header)
         if self._wait(time.monotonic() + max(30.0, timeout_s), None) is None:

@@ -2,14 +2,11 @@
 sandboxed compile children (workers/sampling/grammar_child.py).
 
 Design: one function turns (kind, text, strict) into the llguidance grammar, so the child that
-proves a grammar compiles within budget and the worker that then builds it for the engine
-build the very same grammar. `LIMITS` are llguidance's own limits as both apply them: its
-defaults, with `verbose_errors` off so that an error names the problem without dumping the
-parser state and the grammar (a 1 MB regex came back in a 3 MB 422). Trade-off: llguidance's
-limits bound lexer and parser work but not every path of a build (an `allOf` of `.*X.*`
-patterns is exponential within them), which is why the sandbox adds a wall-clock and a
-memory bound of its own.
-"""
+proves a grammar compiles within budget and the worker that then builds it build the very same
+grammar. `LIMITS` are llguidance's defaults with `verbose_errors` off, so an error names the
+problem without dumping the parser state and the grammar into the 422. Trade-off: llguidance's
+limits bound lexer and parser work but not every path of a build, which is why the sandbox adds a
+wall-clock and a memory bound of its own."""
 
 from __future__ import annotations
 

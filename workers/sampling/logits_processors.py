@@ -1,24 +1,16 @@
 """Logit processors of the sampler: bias, penalties and the top_k / top_p truncation.
 
-Design: each processor takes one step's logits `[N, V]` (float32) and the rows that ask for
-it, and touches only those rows, so a batch where nobody asks pays nothing (the sampler
-skips the call). Per-row work (the seen tokens of one sequence) is a small loop over the
-rows that ask; the truncation is batched over all rows in one `torch.topk` over the candidates
-(k of them; a bounded few for top_p alone), with a full sort of the vocabulary only when the
-candidates cannot decide (ties beyond them, or a nucleus wider than them).
-
-Semantics, as vLLM and OpenAI define them:
-- `logit_bias`: added to the logits of the listed token ids before anything else.
-- `min_tokens` (vLLM): EOS and the request's `stop_token_ids` are masked until it has
-  generated that many tokens; `min_p`: tokens below min_p x the best token's probability go.
-- `repetition_penalty` (CTRL, TGI and transformers): every token seen so far, prompt and
-  output, has its logit divided by the penalty when positive, multiplied when negative.
-- `presence_penalty` / `frequency_penalty` (OpenAI): subtracted once per distinct output
-  token / once per occurrence of it; the prompt is not counted.
-Trade-off: seen-token sets are rebuilt from the token lists at every step (a `bincount` per
-penalized row) instead of kept incrementally, which costs microseconds and needs no state
-beyond the sequence's own tokens, so preemption or recomputation can never desynchronize it.
-"""
+Design: each processor takes one step's logits `[N, V]` (float32) and the rows that ask for it,
+and touches only those rows, so a batch where nobody asks pays nothing. Per-row work is a small
+loop over the asking rows; the truncation is one batched `torch.topk` over the candidates, with a
+full sort of the vocabulary only when they cannot decide (ties beyond them, a wider nucleus).
+Semantics as vLLM and OpenAI define them: `logit_bias` first; `min_tokens` masks EOS and
+`stop_token_ids` until reached; `min_p` drops tokens below min_p x the best's probability;
+`repetition_penalty` (CTRL, TGI) divides a seen token's positive logit, multiplies a negative one,
+prompt included; `presence_penalty` / `frequency_penalty` (OpenAI) subtract once per distinct
+output token / per occurrence. Trade-off: seen-token counts are rebuilt from the token lists every
+step (a `bincount` per penalized row), which needs no state beyond the sequence's own tokens, so
+preemption or recomputation can never desynchronize it."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """Log-probabilities: the top alternatives of each token, prompt tokens, and each token's bytes.
 
-Which distribution (as vLLM documents its `logprobs_mode`, ours is its `processed_logprobs`):
-- a generated token's logprob, and its top alternatives, are log-softmax of the logits the
-  sampler drew from: after `logit_bias`, the grammar mask, the repetition / presence /
-  frequency penalties, the temperature and top_k / top_p (a token they removed has -inf,
-  reported as -9999.0 as vLLM does, since JSON has no infinity). A greedy row has no
-  temperature or truncation, so its logprobs are the model's after bias, mask and penalties;
-- a prompt token's logprob (echo, `decoder_input_details`) is the model's own distribution
-  at the previous position (raw logits: nothing was sampled there). The first prompt
-  token has none (null).
-
-Prompt logprobs come from a small hook in the engine step: for a chunk whose sequence asks for
-them, the runner also returns the logits of the chunk's earlier rows (`prompt_chunks` picks
-those chunks, `record_prompt` turns their rows into entries). It works per chunk, so a
-prompt split across steps (chunked prefill) is scored piece by piece.
-"""
+Design: a generated token's logprob and alternatives are the log-softmax of the logits the sampler
+drew from (vLLM's `processed_logprobs`: after bias, grammar mask, penalties, temperature and
+truncation; a removed token's -inf is reported as -9999.0, as vLLM does); a prompt token's is the
+model's raw distribution at the previous position, the first prompt token having none. Prompt
+logprobs come from a small hook in the engine step: for a chunk that asks, the runner also returns
+its earlier rows' logits (`prompt_chunks`, `record_prompt`). Trade-off: scoring works per chunk,
+so a prompt split across steps is scored piece by piece, and a prompt that asks computes every row
+it has not scored instead of taking it from the prefix cache."""
 
 from __future__ import annotations
 

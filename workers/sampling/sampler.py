@@ -1,28 +1,17 @@
 """The batched sampler: one step's logits, one token per row.
 
-Design: the sampler turns one step's logits `[N, V]` into one token per row with a few batched
-tensor ops, in vLLM's order: logit bias -> penalties (repetition, presence, frequency) -> EOS
-and stop token ids banned below `min_tokens` -> grammar mask -> temperature -> min_p -> top_k
--> top_p -> log_softmax -> argmax for greedy rows, inverse-CDF draw for sampled rows (a CPU step whose
-rows are all greedy, none asking for alternatives, takes the same ids and logprobs from one C++ pass,
-kernels_local/sampling/cpu.py). Each processor runs only when a row asks for it
-(`workers/sampling/logits_processors.py`, `workers/sampling/grammar.py`), so constrained, penalized and plain
-rows share one batch and a plain batch pays nothing for the others.
-
-Determinism: each sampled request owns a `torch.Generator` seeded from its `seed`, and draws
-exactly one uniform number from it per step. Every other op is row-wise, so a row's token
-depends only on its own logits and its own generator, never on its batch mates.
-Trade-off: one tiny `torch.rand` call per sampled row per step (a few microseconds) instead
-of one batched draw, which would tie each row's randomness to the batch composition.
-
-The logprob returned (and the top alternatives, `logprobs`) is the token's log-probability
-under the distribution it was drawn from: after bias, mask, penalties and warpers (vLLM's
-`processed_logprobs`, TGI's choice; see `workers/sampling/logprobs.py`).
-
-Finite for every accepted value (`SamplingParams` already turned a tiny temperature into
-greedy, workers/sampling/params.py): the penalized and tempered logits are clamped to fp32's finite range, so a tiny `repetition_penalty` cannot
-overflow a row to inf (whose softmax is NaN).
-"""
+Design: a few batched tensor ops in vLLM's order (logit bias -> penalties -> EOS and stop ids
+banned below `min_tokens` -> grammar mask -> temperature -> min_p -> top_k -> top_p ->
+log_softmax -> argmax for greedy rows, an inverse-CDF draw for sampled ones), each processor only
+for the rows that ask, so constrained, penalized and plain rows share one batch; a CPU step whose
+rows are all greedy and ask for no alternatives takes the same ids and logprobs from one C++ pass
+(kernels_local/sampling/cpu.py). The logprob returned is the token's under the distribution it
+was drawn from (workers/sampling/logprobs.py). Penalized and tempered logits are clamped to fp32's
+finite range, so no accepted value overflows a row to inf. Each sampled request owns a generator
+seeded from its `seed` and draws exactly one uniform number per step; every other op is row-wise,
+so a row's token never depends on its batch mates. Trade-off: one tiny `torch.rand` call per
+sampled row per step instead of one batched draw, which would tie each row's randomness to the
+batch."""
 
 from __future__ import annotations
 
