@@ -1,28 +1,17 @@
 """The worker process: one device, one model, one engine, one Unix socket.
 
-`run_worker(config)` reads top-down as the mission: bind -> capability -> load -> kernelize ->
-fp8 -> serve, and assembles the worker in that order: every step that changes the model or
-builds the engine runs from here (workers/engine/build.py, workers/pipeline/first.py), then the
-`/capability` description (workers/engine/describe.py) and the server that serves them
-(workers/serving/server.py), then `compile` (the decode step per batch bucket,
-workers/engine/compiled.py, before the socket listens). Right after binding, Triton is pointed
-at this architecture's own cache directory; on a real GPU, kernelize also compiles every
-selected kernel for the device ahead of time and checks it against the device's limits (the
-preflight), and once fp8 has swapped in its layers one forward is compared with the torch
-reference path (the self-test); either failing fails the start at `kernelize`. A CPU model's
-own paths (packed projections, deterministic numerics, its C++ kernels and decode attention)
-follow fp8, as a second kernelize step; then the KV cache (`kv_cache`), the engine (`engine`),
-the server (`serve`). Everything is built inside this process (vLLM `run_engine_core` style):
-the router passes one `WorkerConfig` (workers/contract/config.py) and the environment. Each
-startup step is logged once with its duration and written to the status file, so a worker that
-cannot start says which step failed and why (exit 3), distinct from a fatal error while serving
-(exit 4). A start failure is one console line (step and reason), its traceback only in the
-debug log (HETSERVE_LOG_LEVEL=debug) and the status file's `traceback`: the router repeats the
-reason once per worker. A clean shutdown (SIGTERM, or the parent dying) drains in-flight
-requests within a bound and exits 0. Cleanup happens in `finally`, whatever the path. Each step
-imports what it uses as it runs, on purpose: torch's native caches are capped and the Triton
-cache is chosen before torch and Triton load.
-"""
+Design: `run_worker(config)` reads top-down as the mission, bind -> capability -> load ->
+kernelize -> fp8 -> serve, and every step that changes the model or builds the engine runs from
+here in that order: a CPU model's own paths after fp8, then the KV cache, the engine, the
+`/capability` description and its server, then `compile` before the socket listens (the steps:
+docs/worker.md, "The worker process"). Everything is built inside this process from one
+`WorkerConfig` the router passes (vLLM `run_engine_core` style). Each startup step is logged once
+with its duration and written to the status file, so a worker that cannot start says which step
+failed and why (exit 3, one console line; its traceback in the debug log and the status file),
+distinct from a fatal error while serving (exit 4); SIGTERM or the parent's death drains in-flight
+requests and exits 0, and cleanup runs in `finally`. Trade-off: each step imports what it uses as
+it runs, on purpose, so torch's native caches are capped and the Triton cache chosen before torch
+and Triton load, at the price of imports spread through the function."""
 
 from __future__ import annotations
 

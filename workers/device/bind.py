@@ -1,16 +1,13 @@
 """Device binding and capability: the worker's first act, and the only place capability is read.
 
 Design: `bind_device()` binds the one device this process serves and returns a frozen
-`BoundDevice`. Every later capability question is answered from that value (a field read,
-well under a microsecond) or, for raw reads, by explicit device index with a memo keyed by
-index. There is no process-wide "current device" answer to go stale: a capability read
-before binding raises `DeviceNotBoundError` instead of silently reading device 0.
-
-Platforms: real CUDA (torch.cuda, UUID check against what the router asked for), ROCm
-(capability from `gcnArchName`), CPU, and simulated devices (a capability from the
-`--simulate` token, compute on the CPU). Only the capability source differs between them;
-the decisions made from a `BoundDevice` are the same code everywhere.
-"""
+`BoundDevice`; every later capability question is answered from that value, or for raw reads by
+explicit index with a memo keyed by index. There is no process-wide "current device" to go stale:
+a read before binding raises `DeviceNotBoundError` instead of silently reading device 0. Real
+CUDA (a UUID check against what the router asked for), ROCm (`gcnArchName`), the CPU and
+simulated devices (a capability from the `--simulate` token, compute on the CPU) differ only in
+where the capability comes from. Trade-off: every caller must be handed the `BoundDevice`
+explicitly rather than asking torch."""
 
 from __future__ import annotations
 

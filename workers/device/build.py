@@ -1,17 +1,14 @@
 """Can the installed torch drive the bound device? Checked at bind, before anything runs on it.
 
 Design: a torch build carries machine code for a list of architectures
-(`torch.cuda.get_arch_list()`: `sm_75`, ..., `sm_120`, and PTX as `compute_120`). A CUDA
-device of capability A.B runs code built for `sm_A.Y` with Y <= B (binary compatibility
-within a major version) or PTX `compute_XY` with XY <= AB (the driver compiles it); ROCm runs
-only its own `gfxNNN`. Without any of these, the first kernel fails deep inside a load or a
-warm-up with "no kernel image is available for execution on the device"; here it fails at
-`bind` with the reason and the build to install instead. PyPI's torch 2.13 wheels are built
-for CUDA 13 (sm_75 and newer; driver 580 or newer), so a Volta or Pascal card needs a build
-for CUDA 12 (download.pytorch.org's cu126 index) on its own host or worker image. Trade-off: the
-rule is CUDA's documented compatibility, not a trial launch, so a build whose list is wrong
-about itself would pass; the preflight and the self-test still run kernels before ready.
-"""
+(`torch.cuda.get_arch_list()`). A CUDA device of capability A.B runs code built for `sm_A.Y`
+with Y <= B or PTX `compute_XY` with XY <= AB; ROCm runs only its own `gfxNNN`. Without any, the
+first kernel fails deep inside a load with "no kernel image is available"; here it fails at `bind`
+with the reason and the build to install (PyPI's torch 2.13 wheels are for CUDA 13, sm_75 and
+newer, driver 580 or newer, so a Volta or Pascal card needs a CUDA 12 build, download.pytorch.org's
+cu126 index). Trade-off: the rule is CUDA's documented compatibility, not a trial launch, so a
+build whose list is wrong about itself would pass; the preflight and the self-test still run
+kernels before ready."""
 
 from __future__ import annotations
 

@@ -2,14 +2,12 @@
 and the worker's one permanent switch (its binding) through `bind_current_device`.
 
 Design: the guard remembers the caller's device on entry and restores it on exit whenever the
-caller *asked* for a different device, whether or not the switch reported success (a switch
-that raised half-way may still have changed the device). It refuses a negative or absent
-index before touching anything. One guard object entered several times (nested or re-entered)
-switches on the first entry and restores exactly once, on the last exit.
-
-The device primitives come from a small `Platform` (real CUDA through torch, or an in-memory
-one for simulated hosts and tests), so the guard's logic is the same code everywhere.
-"""
+caller asked for a different device, whether or not the switch reported success (one that raised
+half-way may still have changed it); it refuses a negative or absent index before touching
+anything, and one guard entered several times switches on the first entry and restores once, on
+the last exit. The device primitives come from a small `Platform` (CUDA through torch, or an
+in-memory one for simulated hosts and tests). Trade-off: a restore on every exit that asked for
+another device, even one whose switch failed, costs a device call to never leave one changed."""
 
 from __future__ import annotations
 

@@ -1,22 +1,15 @@
 """The host's allocator: a step's large temporaries kept for the next step, not handed back each time.
 
 Why: glibc's malloc serves an allocation above its mmap threshold (128 KiB at first, raised as
-such chunks are freed, up to 32 MiB) with fresh pages from `mmap`, and gives the top of a heap
-back to the kernel once more than its trim threshold (twice the mmap threshold) lies free there.
-An engine step allocates its activations anew and frees them at its end, so steps kept faulting in
-and zeroing fresh pages: inside a step prefilling 16 prompts of 128 tokens on one thread, the
-embedded model's [2048, 256] x [256, 1376] bfloat16 projection took 2.8-3.2 ms, 1.0 ms with freed
-memory kept (an ad-hoc timing of that call inside the step), as fast as it runs alone; the
-[2048, 1376] output it writes is 5.6 MB of fresh pages otherwise.
-
-Design: `keep_freed_memory()`, first thing in a worker process, sets glibc's mmap threshold to its
-largest value (`MMAP_THRESHOLD`, which also stops it moving) and the trim threshold to `TRIM_BYTES`,
-through `mallopt`: allocations up to 32 MiB come from the heap, and up to 512 MiB freed at a heap's
-top stays with the process. It returns what it did and why (a C library without `mallopt`, as musl
-or macOS: nothing, and says so). Trade-off: the worker's resident memory stays at the high-water
-mark of its steps' temporaries (bounded by the step's token budget) instead of falling back after
-each step; an allocation above 32 MiB still maps fresh pages.
-"""
+such chunks are freed, up to 32 MiB) with fresh pages from `mmap`, and gives a heap's top back
+once more than its trim threshold lies free there. An engine step allocates its activations anew
+and frees them at its end, so steps kept faulting in and zeroing fresh pages (docs/benchmarks.md,
+"Prefill step"). Design: `keep_freed_memory()`, first thing in a worker process, sets the mmap
+threshold to its largest value (`MMAP_THRESHOLD`, which also stops it moving) and the trim
+threshold to `TRIM_BYTES` through `mallopt`, and returns what it did and why (nothing, and says
+so, on a C library without `mallopt`). Trade-off: the worker's resident memory stays at the
+high-water mark of its steps' temporaries (bounded by the step's token budget) instead of falling
+back after each step; an allocation above `MMAP_THRESHOLD` still maps fresh pages."""
 
 from __future__ import annotations
 

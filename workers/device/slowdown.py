@@ -1,18 +1,14 @@
 """A slower simulated device, on purpose: benchmarks and tests only.
 
-Routing across unequal GPUs can only be measured with unequal workers, and simulated workers
-on one CPU host are all as fast as each other. The router reads `$HETSERVE_SLOWDOWN="gpu0=3,
-gpu2=1.5"` once (workers/contract/slowdown.py: a bare number applies to every worker) and gives
-each simulated device's worker its factor in its `WorkerConfig` (`slowdown`); the worker then
-makes its forward passes take that many times as long: after each `model.step` the engine
-thread sleeps for (factor - 1) times the CPU time the step used (the thread's own CPU time when
-torch computes on one thread, as simulated workers sharing a host do, so that waiting for a core
-shared with the other workers is not multiplied too; else the wall time), inside the engine step,
-so the worker's step time, its throughput and its metrics all show a device that much slower,
-and the sleep leaves the CPU to the others, as a slower GPU would. Trade-off: only a simulated
-device is slowed (workers/main.py refuses the factor elsewhere): on a real GPU a step's launch
-returns before the device finishes, so the factor would apply to the launch time only.
-"""
+Routing across unequal GPUs can only be measured with unequal workers. The router reads
+`$HETSERVE_SLOWDOWN` once (workers/contract/slowdown.py) and gives each simulated device's worker
+its factor in its `WorkerConfig`. Design: after each `model.step` the engine thread sleeps for
+(factor - 1) times the CPU time the step used (the thread's own CPU time when torch computes on
+one thread, so waiting for a core shared with other workers is not multiplied too; else the wall
+time), so the worker's step time, throughput and metrics show a device that much slower, and the
+sleep leaves the CPU to the others, as a slower GPU would. Trade-off: only a simulated device is
+slowed (workers/main.py refuses the factor elsewhere): on a real GPU a step's launch returns
+before the device finishes, so the factor would apply to the launch time only."""
 
 from __future__ import annotations
 

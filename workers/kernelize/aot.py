@@ -1,21 +1,15 @@
 """Compile one declared kernel launch for one GPU target, ahead of time, and read its figures.
 
-Design: `compile_spec(spec, target)` turns a repository's `CompileSpec` into what
-`triton.compile` takes (`ASTSource` with the signature, the constexprs and the alignment
-attributes Triton's JIT would specialize on) and compiles it for a named `GPUTarget`. No
-GPU is needed: `ptxas` ships inside the triton wheel, and ROCm code objects come out of
-Triton's own LLVM. From the result it reads what the hardware limits are about: shared
-memory (Triton's metadata), registers and spilled bytes per thread (`cuobjdump
---dump-resource-usage` on the cubin; the code object's `.vgpr_count`, `.agpr_count` and
-private segment on ROCm), and the first tensor-core instruction in the generated code.
-A compiler error is a result, not an exception: its message is what the preflight records
-(for instance why a native fp8 dot cannot exist below sm_89).
-
-Compilation goes through Triton's on-disk cache (`TRITON_CACHE_DIR`, one directory per
-architecture), so a repeated preflight costs a cache read per kernel. The trade-off:
-compiles run one after another in the calling process (Triton's compiler is not
-documented as thread-safe); callers that need several targets at once use one process each.
-"""
+Design: `compile_spec(spec, target)` turns a repository's `CompileSpec` into what `triton.compile`
+takes (the signature, the constexprs and the alignment attributes Triton's JIT would specialize
+on) and compiles it for a named `GPUTarget`, without a GPU (`ptxas` ships in the triton wheel,
+ROCm code objects come from Triton's LLVM). From the result it reads what the hardware limits
+are about: shared memory, registers and spills per thread (`cuobjdump` on the cubin, the code
+object's metadata on ROCm) and the first tensor-core instruction. A compiler error is a result,
+not an exception: its message is what the preflight records. Compiles go through Triton's
+per-architecture on-disk cache. Trade-off: compiles run one after another in the calling process
+(Triton's compiler is not documented as thread-safe); callers needing several targets at once
+use one process each."""
 
 from __future__ import annotations
 

@@ -1,24 +1,15 @@
 """Kernelize the worker's model for its own bound device, with exactly `select()`'s choices.
 
 Design: the choice is `kernels_local.mapping.select(bound.type, bound.capability)`, a pure
-function of the bound device, the same code in simulation and on real GPUs. `kernels` then
-applies a mapping holding only those choices (`inherit_mapping=False`), so it has nothing
-left to decide on its own:
-- real GPU: `kernels.kernelize(model, device="cuda"|"rocm", mode=Mode.INFERENCE)`. `kernels`
-  still reads its process-wide `_find_capability()` while doing so; the worker first checks
-  that it equals the bound device's capability and refuses otherwise
-  (`workers/kernelize/crosscheck.py`).
-- simulated device or CPU: the chosen layers are registered for "cpu" and kernelized with
-  `device="cpu"`, so the model runs the layers chosen for the simulated device through
-  their CPU path (a Triton layer falls back to its torch reference on CPU tensors).
-After kernelizing, every swappable module is checked to run the chosen layer's forward.
-
-The plan is recorded on the model (`model.kernel_plan`) so that layers created later
-(fp8 quantization swaps in `Fp8Linear` after this step) get the same device's choice: the
-plan applies itself (`KernelPlan.apply`), so the fp8 step, in a package below this one, asks the
-model's plan without importing the kernelize step.
-The trade-off: the mapping is resolved once per process; a worker never re-selects.
-"""
+function of the bound device, and `kernels` applies a mapping holding only those choices
+(`inherit_mapping=False`), so it has nothing left to decide. On a real GPU it kernelizes for the
+GPU's device type, after `crosscheck` found `kernels`' own capability equal to the bound one; a
+simulated device or a CPU registers the chosen layers for "cpu", so they run through their CPU
+path (a Triton layer falls back to its torch reference). Every swappable module is then checked
+to run the chosen forward, and the plan is recorded on the model (`model.kernel_plan`), so layers
+created later (`--quantize fp8`'s `Fp8Linear`) get the same choice without their package
+importing this one. Trade-off: the mapping is resolved once per process; a worker never
+re-selects."""
 
 from __future__ import annotations
 

@@ -1,29 +1,15 @@
 """What each GPU architecture we claim can hold per block, and which tensor-core instruction
 its compiled kernels must use: the table the preflight checks every compiled kernel against.
 
-Design: one row per architecture name (`sm_89`, `gfx942`, as `--simulate` spells them),
-each figure with its source beside it. A compiled kernel fits when its shared memory, its
-registers per thread and its registers per block are within the row's figures; a kernel
-that uses tensor cores must show the instruction the row expects for its operand type
-(fp8 or fp16). An architecture without a row takes the closest older row of its family
-(sm_121 reads sm_120's; the CUDA rule of binary compatibility within a major), never a guess
-across families. On a real GPU the device's own figures replace the row (the driver knows
-best), and `scripts/gpu_check.sh` compares them with the row.
-
-Sources:
-- NVIDIA: CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"
-  (shared memory per block is the opt-in maximum `cudaDevAttrMaxSharedMemoryPerBlockOptin`,
-  which is what Triton's launcher checks); 65536 32-bit registers per block and 255 per
-  thread on every capability from 7.0; warps of 32. PTX ISA, "Warp-level matrix multiply"
-  (mma.sync with .e4m3 operands from sm_89), "wgmma" (sm_90a) and "tcgen05" (sm_100a,
-  sm_103a) sections. Triton emits no mma below sm_80 (its fp16 dots lower to FMAs there).
-- AMD: ROCm documentation, "AMD GPU specifications" (LDS per compute unit: 64 KiB on
-  MI250X gfx90a and MI300X gfx942, 160 KiB on MI355X gfx950; wavefront 64; VGPR file
-  512 KiB per CU, i.e. 4 SIMDs x 64 lanes x 512 registers); CDNA3 and CDNA4 ISA references
-  (MFMA fp8 on gfx94x in FNUZ encodings, on gfx950 in OCP encodings: `v_mfma_*_fp8_fp8`,
-  `v_mfma_*_f8f6f4`). "Data types and precision support" (OCP e4m3fn on gfx950, e4m3fnuz
-  on gfx942).
-"""
+Design: one row per architecture name (`sm_89`, `gfx942`, as `--simulate` spells them), each
+figure with its source beside it (the sources, and the table: docs/preflight.md). A compiled
+kernel fits when its shared memory and its registers per thread and per block are within the
+row; a kernel using tensor cores must show the instruction the row expects for its operand type
+(fp8 or fp16; Triton emits no mma below sm_80, where its fp16 dots lower to FMAs). An
+architecture without a row takes the closest older row of its family (sm_121 reads sm_120's,
+CUDA's binary compatibility within a major), never a guess across families. Trade-off: a
+published table, not the hardware: on a real GPU the device's own figures replace the row, and
+`scripts/gpu_check.sh` compares the two."""
 
 from __future__ import annotations
 

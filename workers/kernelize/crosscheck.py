@@ -1,15 +1,12 @@
 """The capability cross-check: does the `kernels` library compute the bound device's capability?
 
-`kernels` picks CUDA kernels through its private `_find_capability()`, an `lru_cache` over
-`torch.cuda.get_device_capability(device=None)`: the process's current device, memoized for
-the whole process. A worker binds its one device first, so the two answers should agree; if
-they do not (a capability read before binding, a stale cache), `kernels` would choose kernels
-for another device than the one this worker serves. On a real GPU the worker therefore
-compares them before kernelizing and refuses to become ready on a mismatch
-(`KernelCapabilityMismatchError`). This module is the only one that imports that private
-function, so a change in the library shows up here and nowhere else. Simulated devices and
-CPUs have nothing to cross-check: `kernels` never reads a CUDA capability for them.
-"""
+Design: `kernels` picks CUDA kernels through its private `_find_capability()`, a process-wide
+`lru_cache` over the current device's capability. A worker binds its one device first, so both
+answers should agree; if not (a read before binding, a stale cache), `kernels` would choose for
+another device. On a real GPU the worker compares them before kernelizing and refuses to become
+ready on a mismatch (`KernelCapabilityMismatchError`); simulated devices and CPUs have nothing to
+check. Trade-off: this module imports a private function, the only one that does, so a change in
+the library breaks here and nowhere else."""
 
 from __future__ import annotations
 

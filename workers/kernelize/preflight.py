@@ -1,27 +1,16 @@
 """Preflight: every Triton kernel a device selects, compiled ahead of time for that device's
 target and checked against its limits, before the device serves.
 
-Design: `preflight(device_type, capability, arch, workload)` is pure given the device
-description: it runs `kernels_local.mapping.select()` (the worker's own choice), asks each
-chosen layer's repository for its launches (`COMPILE_SPECS` in the repository's `layers`:
-one entry per Triton layer, declared next to the kernel), compiles each launch for the
-device's target (`workers.kernelize.aot`) and checks it against the architecture's row in
-`workers.kernelize.arch_limits` (or, on a real GPU, the device's own figures). A launch that needs
-more shared memory or registers than the device has is refused with a reason naming the
-kernel, the figure and the limit. A tensor-core dot records the instruction it compiled
-to and whether it is the one the architecture row expects.
-
-For a GPU whose fp8 rule says "emulated", the preflight also compiles the native fp8
-kernel (the layer the mapping gives the first native capability) for this device and
-records the compiler's verdict: the reason for emulation, shown by `hetserve plan`.
-
-The same function serves three callers: a worker on a real GPU (its kernelize step,
-before ready: a refusal fails the start), `hetserve plan --compile` (one child process
-per device running `python -m workers.kernelize --arch ...`, each with its own Triton
-cache) and CI (the whole matrix of architectures). Its report types live in
-`workers/kernelize/records.py`, its command line in `workers/kernelize/cli.py`. The trade-off: a cold preflight costs
-seconds of compilation per device; Triton's per-architecture cache makes later ones cheap.
-"""
+Design: `preflight(device_type, capability, arch, workload)` is pure given the device description:
+it runs `kernels_local.mapping.select()` (the worker's own choice), takes each chosen layer's
+launches from its repository (`COMPILE_SPECS`, declared next to the kernel), compiles each for the
+device's target (`aot`) and checks it against the architecture's row (`arch_limits`; a real GPU's
+own figures): a launch over the limits is refused naming the kernel, the figure and the limit,
+and a dot records the instruction it compiled to. Where the fp8 rule says "emulated" it also
+compiles the native fp8 kernel, whose compiler verdict is the recorded reason for emulation. One
+function serves a real GPU's worker (before ready), `hetserve plan --compile` (a child per device:
+`cli`) and CI (the whole matrix). Trade-off: a cold preflight costs seconds of compilation per
+device; Triton's per-architecture cache makes later ones cheap."""
 
 from __future__ import annotations
 

@@ -1,24 +1,16 @@
 """Start-up self-test: the kernelized (and quantized) model against the same model's torch
 reference path, on the same device, before the worker reports ready.
 
-Design: kernelize swaps a module's forward for the kernel layer's on the instance (the
-`kernels` library binds the layer's forward to the module); the class keeps its pure-torch
-forward, which is the reference. `reference_path(model)` takes the instance forwards off for
-the duration of one call, so the same weights, the same device and the same input run once
-through the kernels and once through torch. The figure is the largest absolute difference
-of the logits relative to the largest reference logit; a wrong or miscompiled kernel moves
-it by orders of magnitude, rounding moves it by a fraction of a percent. Tolerances (stated
-in `TOLERANCE`) leave room for the kernels' different fp32 summation order compounding over
-the layers of a reduced-precision model.
-
-Two passes run on each path: the full causal forward of `BATCH` x `TOKENS` fixed tokens
-(norms, activations, fp8 projections over many rows), and one engine step over a small paged
-KV cache that decodes each row's last token after its others were prefilled, through block
-tables scattered over the pool (the decode attention kernel, `PagedAttention`, which the
-full forward does not use). The trade-off: milliseconds on a GPU prove the whole kernel path
-(every swapped layer, fp8 included) end to end, but not every launch shape: the preflight
-covers those at compile level.
-"""
+Design: kernelize swaps a module's forward on the instance and the class keeps its pure-torch
+forward, the reference; `reference_path(model)` takes the instance forwards off for one call, so
+the same weights, device and input run once through the kernels and once through torch. Two
+passes run on each path: a full causal forward of `BATCH` x `TOKENS` fixed tokens, and one engine
+step decoding each row's last token over a small, scattered paged KV cache (the decode attention
+kernel the full forward does not use). The figure is the largest logit difference relative to the
+largest reference logit: a wrong kernel moves it by orders of magnitude, rounding by a fraction
+(`TOLERANCE` allows for the kernels' summation order over a reduced-precision model's layers).
+Trade-off: milliseconds on a GPU prove every swapped layer end to end, but not every launch shape,
+which the preflight covers at compile level."""
 
 from __future__ import annotations
 
