@@ -2,7 +2,7 @@
 the per-request stream that carries them across threads.
 
 Design: frozen values made on the engine thread and read on the event loop
-(workers/serving/schemas.py renders them). `deliver` hands one step's events to each event loop
+(workers/serving/render.py renders them). `deliver` hands one step's events to each event loop
 in one batch, one `call_soon_threadsafe` per step, not one per token; events made on the loop's
 own thread (an idle engine's first step) are pushed at once, and without a loop (tests driving
 `Engine.step()`) they collect in `RequestStream.events`. A stream on the router's channel is

@@ -1,19 +1,14 @@
 """The first stage's engine: several batches in flight through the stages at once.
 
-Design: an `Engine` whose step launches batches until `batches` are in flight (each scheduled
-from the sequences no batch in flight holds, at most `--max-batch / batches` of them) and then
-lands the oldest: its logits back from the last stage, sampled and applied as any step's
-(`Engine._update`). While stage 1 computes one batch, this stage computes the next and samples
-the one before, so on decode every stage is busy, each process on its own core or GPU. The
-scheduler keeps the batches apart (`Scheduler.schedule(busy=...)`: a sequence in flight is
-neither scheduled again nor preempted), and every stage takes the batches in the order they
-were launched, so a block freed by one batch and reused by the next is written in that order
-on every stage. The trade-off: each batch is a fraction of `--max-batch`, and decoding reads
-every weight once per batch, so overlap wins only where the stages truly compute at once
-(separate devices or cores). Measured on two CPU cores (`benchmarks/pipeline.py --batches 1`, 16
-sequences, 8-layer stand-in): 650 and 655 tokens/s with two batches in flight against 581 and
-573 with one, side by side in two runs; hence one batch per stage by default (`--pipeline-batches`).
-"""
+Design: an `Engine` whose step launches batches until `batches` are in flight (each from the
+sequences no batch in flight holds, at most `--max-batch / batches` of them) and then lands the
+oldest: its logits back from the last stage, sampled and applied as any step's. While stage 1
+computes one batch this stage computes the next, so on decode every stage is busy. The scheduler
+keeps the batches apart (`Scheduler.schedule(busy=...)`: a sequence in flight is neither
+scheduled again nor preempted), and every stage takes the batches in launch order, so a block
+freed by one batch and reused by the next is written in that order everywhere. Trade-off: each
+batch is a fraction of `--max-batch` and decoding reads every weight once per batch, so overlap
+wins only where the stages truly compute at once (docs/benchmarks.md, "Pipelines")."""
 
 from __future__ import annotations
 

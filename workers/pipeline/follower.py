@@ -4,11 +4,11 @@ Design: the worker's mission runs as for any worker (workers/main.py: bind, capa
 only this stage's layers, kernelize, fp8 for this device, its CPU paths, then its KV cache sized
 for its own layers, the blocks agreed with the other stages: the fewest any of them holds); the
 serve step is then this loop instead of an HTTP socket: tell the first stage what it runs
-(`describe_stage`), then per step receive the chunks and hidden states, build the same `ForwardBatch` for this device, run
-the layers and hand the result on (hidden states to the next stage, logits from the last back
-to the first). A stop message is passed on before leaving. Any error ends the process: the
-first stage sees the broken link and the whole replica restarts (server/fleet/supervisor.py).
-"""
+(`describe_stage`), then per step receive the chunks and hidden states, build the same
+`ForwardBatch` for this device, run the layers and hand the result on (hidden states to the next
+stage, logits from the last back to the first). A stop message is passed on before leaving.
+Trade-off: any error ends the process; the first stage sees the broken link and the whole
+replica restarts (server/fleet/supervisor.py), rather than a stage recovering alone."""
 
 from __future__ import annotations
 

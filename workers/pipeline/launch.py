@@ -4,11 +4,11 @@ Design: the router writes the replica's plan (workers/contract/pipeline.py: each
 `WorkerConfig` and environment, built as for any worker on that device) and starts only the first
 stage; the first stage starts the others at once (so every stage loads its layers at the same
 time), each from its configuration written beside the plan with its rank and told to exit with
-it (`parent_pid`), and then waits for all of them in the process group. A stage that exits takes the first stage down with it (`watch`): before serving
-a start failure naming the stage and its reason (from its status file), while serving a fatal
-error, so the router restarts the whole replica. The trade-off: the router supervises one
-process per replica, and a stage's own restart is its replica's.
-"""
+it (`parent_pid`), and then waits for all of them in the process group. A stage that exits takes
+the first stage down with it (`watch`): before serving a start failure naming the stage and its
+reason (from its status file), while serving a fatal error, so the router restarts the whole
+replica. The trade-off: the router supervises one process per replica, and a stage's own restart
+is its replica's."""
 
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
 """Each pipeline stage's own step figures, in the first stage's `/metrics` and the host's stage timings.
 
-Design: a stage after the first serves no HTTP, so it reports through its status file (the
-file the router already reads for every worker): every half second of steps it rewrites its
-step count, the seconds its layers took (not the time spent waiting for the previous stage),
-the seconds its thread was busy in all (its layers, and what it does besides: the first stage's
-scheduling, sampling and output, any stage's transport), and when its last step ended. The first stage's runner counts its own layers' time likewise, and `StageMetrics`,
-registered beside the engine's series, reads all of them when scraped:
-`hetserve_worker_pipeline_stage_steps_total`, `..._stage_compute_seconds_total` and
-`..._stage_last_step_age_seconds`, labelled by stage. The engine's own step histogram and
-liveness remain the whole pipeline's (a step ends when the last stage's logits are back), so
-a hung stage shows there, and here as the stage whose last step grows old. The same figures,
-every `RECORD_S` and when the pipeline stops, go to the host's stage timings
-(`TimingRecorder`, workers/contract/stage_timing.py), from which the router's next split takes
-each device's measured speed. The trade-off: a follower's figures are at most half a second old.
-"""
+Design: a stage after the first serves no HTTP, so it reports through its status file, which the
+router reads for every worker: every half second of steps it rewrites its step count, its layers'
+seconds, its thread's busy seconds in all and when its last step ended. The first stage's runner
+counts its own layers likewise, and `StageMetrics` reads them all when scraped
+(`hetserve_worker_pipeline_stage_*`, labelled by stage); the engine's own step histogram and
+liveness remain the whole pipeline's, so a hung stage shows there and here as the stage whose last
+step grows old. The same figures go every `RECORD_S` and at the end to the host's stage timings
+(workers/contract/stage_timing.py), from which the router's next split takes each device's
+measured speed. Trade-off: a follower's figures are at most half a second old."""
 
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
 """The first stage's runner: its layers here, the rest on the next stages, logits back.
 
-Design: a `ModelRunner` whose one forward packs the step's chunks as every runner does, runs
-this stage's layers (the embedding first), sends the chunks and hidden states to stage 1
-(workers/pipeline/transport.py) and waits for the last stage's logits; the scheduler, the
-sampler and the output processing above it do not know a pipeline is below. No CPU decode
-mirror (the stages would each need the same rows) and no compiled step: a stage's step
-crosses processes.
-
-`--pipeline-microbatches N` cuts a step's chunks into N runs of about equal tokens
-(`micro_batches`), each sent on as soon as this stage has computed it, so the stages compute
-different runs at once; cutting is exact (a chunk's attention reads only its own sequence's
-blocks; the logits come back in chunk order). It is off (1) by default because decoding is
-bound by reading the weights, and every micro-batch reads them again: on two CPU threads a
-2-stage pipeline of an 8-layer stand-in decoded 16 sequences at 626, 374 and 167 tokens/s with
-1, 2 and 4 micro-batches (`benchmarks/pipeline.py --microbatches 1,2,4`); where a step is
-compute-bound (many prompt chunks) it may help, not measured yet. Keeping every stage busy on
-decode is the engine's part instead: several batches of their own sequences in flight at once
-(`launch` / `land`, workers/pipeline/engine.py).
-"""
+Design: a `ModelRunner` whose forward packs the step's chunks as every runner does, runs this
+stage's layers (the embedding first), sends the chunks and hidden states to stage 1
+(workers/pipeline/transport.py) and waits for the last stage's logits; the scheduler, sampler and
+output processing above it do not know a pipeline is below. No CPU decode mirror and no compiled
+step: a stage's step crosses processes. `--pipeline-microbatches N` cuts a step's chunks into N
+runs of about equal tokens (`micro_batches`), each sent on as soon as computed; cutting is exact (a
+chunk reads only its own sequence's blocks). Trade-off: decoding is bound by reading the weights
+and every micro-batch reads them again, so it is off by default (docs/benchmarks.md,
+"Pipelines"); keeping the stages busy is the engine's several batches in flight instead."""
 
 from __future__ import annotations
 

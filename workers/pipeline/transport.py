@@ -1,18 +1,14 @@
 """The pipeline's wire: one `torch.distributed` process group per replica, stage to stage.
 
-Design: stage `r` sends stage `r + 1` each step as three point-to-point messages: a header
-(`[kind, meta bytes, rows]` int64), the step's chunks (pickled `(SeqChunk, token ids)` pairs, the
-same items the first stage packed its `ForwardBatch` from, so every stage builds the same batch
-for its own device) and the hidden states `[T, H]` in the sender's compute dtype; the last stage
-sends the logits `[N, V]` back to the first in its compute dtype too, which the first makes fp32
-(the same cast a single worker makes, so the values are identical, at half the bytes of fp32). Sends do not wait for the receiver (`isend`): a
-stage goes on computing its next micro-batch while its last one travels. Nothing else crosses: no fp8, no sampling
-state. The backend is the plan's (the router decides it: server/fleet/pipelines.py `backend_for`):
-NCCL (RCCL on ROCm) when every stage is a real GPU of one vendor, gloo otherwise (CPU and
-simulated devices, a pipeline that crosses vendors), where tensors travel through host memory. The trade-off: a step's chunks are pickled on every hop (a few hundred
-bytes per sequence) rather than kept as state on each stage, so a stage holds no scheduler state
-and a restarted pipeline has nothing to reconcile.
-"""
+Design: stage `r` sends stage `r + 1` each step a header (`[kind, meta bytes, rows]` int64), the
+step's chunks (pickled `(SeqChunk, token ids)` pairs, so every stage builds the same batch) and
+the hidden states `[T, H]` in the compute dtype; the last stage sends the logits back in its
+compute dtype, which the first makes fp32 (the cast a single worker makes, at half the bytes).
+Sends do not wait for the receiver (`isend`); no fp8 and no sampling state crosses. The backend is
+the plan's (server/fleet/pipelines.py `backend_for`): NCCL (RCCL) when every stage is a real GPU of
+one vendor, gloo through host memory otherwise. Trade-off: a step's chunks are pickled on every
+hop rather than kept as state on each stage, so a stage holds no scheduler state and a restarted
+pipeline has nothing to reconcile."""
 
 from __future__ import annotations
 

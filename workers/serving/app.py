@@ -1,16 +1,13 @@
 """The worker's HTTP app on its Unix socket: what the router (and only the router) calls.
 
-Routes (workers/serving/routes/): POST /generate, POST /generate_stream (SSE), GET /health,
-GET /capability, GET /metrics, in TGI shapes; POST /tokenize, POST /detokenize; errors as `{"error", "error_type"}` (422
-validation, 429 overloaded with Retry-After, 503 unavailable, 500 internal). Every response
-carries X-Worker-Id, X-Worker-Capability and X-Fp8-Convention (workers/serving/headers.py).
-
-Design: `create_app()` is a factory over a ready engine (no model work at import), in
-FastAPI's "bigger applications" shape: the routes reach the worker's state through one
-`WorkerContext` (workers/serving/context.py) on `app.state.ctx`. The engine thread starts in
-the lifespan and stops there, draining in-flight requests for up to `drain_timeout` seconds;
-a request's `resume_ids` continues a stream another worker began (workers/engine/resume.py).
-"""
+Design: `create_app()` is a factory over a ready engine (no model work at import), in FastAPI's
+"bigger applications" shape: the routes (workers/serving/routes/: generation, health and
+capability, metrics, tokens, embeddings, in TGI's shapes) reach the worker's state through one
+`WorkerContext` on `app.state.ctx`; errors are `{"error", "error_type"}` (422, 429 with
+Retry-After, 503, 500) and every response carries the worker's identity headers
+(workers/serving/headers.py). The engine thread starts in the lifespan and stops there, draining
+in-flight requests for up to `drain_timeout` seconds. Trade-off: FastAPI's request path costs
+more per request than a bare ASGI route, for validation and one shape shared with the router."""
 
 from __future__ import annotations
 

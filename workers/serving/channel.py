@@ -1,26 +1,16 @@
 """The router's stream channel: every streamed request's events of a step in one frame.
 
-A streamed response per request costs the worker's event loop a reader wake-up, an SSE
-write through the ASGI stack and a socket write per token per request; at 32 concurrent
-streams that is 32 of each per engine step, Python that contends with the engine thread for
-the GIL. The router opens one channel per worker instead (`GET /streams`, a chunked
-response that lasts as long as the router's client); a `POST /generate_stream` that names
-the channel and a stream key (`X-Hetserve-Channel`, `X-Hetserve-Stream`) is admitted as
-usual, answered at once with an empty 200 (or the usual refusal), and its events go to the
-channel's sink (`RequestStream.redirect`). One task renders whatever the engine delivered
-since it last woke, for every stream at once, and writes one frame: per stream a record
-`b"<key> <length> <end>\n"` followed by `length` bytes of the same SSE events
-`/generate_stream` would have sent (`end` is 1 on a stream's last record). As vLLM's engine
-core hands its API server one batch of outputs per step, the per-token HTTP work becomes
-per-step work here.
-
-A stream ends with its last event, with `POST /streams/abort` (its client left), or with the
-channel: when the router's connection goes away every stream still on it is aborted, as a
-dropped `/generate_stream` connection aborts its one request. While the server shuts down
-the channel stays open until its last stream has ended, then ends its response (uvicorn waits
-for it). Trade-off: the router must demultiplex, and a stream's bytes wait in the router
-rather than in the socket when its client reads slowly (at most its generation's events).
-"""
+Why: a streamed response per request costs the event loop a reader wake-up, an SSE write and a
+socket write per token per request, Python that contends with the engine thread for the GIL.
+Design: the router opens one channel per worker (`GET /streams`, a chunked response); a
+`POST /generate_stream` naming it and a stream key (`X-Hetserve-Channel`, `X-Hetserve-Stream`) is
+admitted as usual, answered at once with an empty 200, and its events go to the channel's sink
+(`RequestStream.redirect`). One task renders whatever the engine delivered since it last woke and
+writes one frame: per stream a record `b"<key> <length> <end>\n"` and the SSE bytes
+`/generate_stream` would have sent. As vLLM's engine core hands its API server one batch of
+outputs per step, per-token HTTP work becomes per-step work. A stream ends with its last event,
+`POST /streams/abort` or the channel's connection. Trade-off: the router must demultiplex, and a
+slow client's bytes wait in the router rather than in the socket (at most its generation's events)."""
 
 from __future__ import annotations
 

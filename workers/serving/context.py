@@ -1,17 +1,14 @@
 """What every route of the worker's app needs, and the one way a generation request gets in.
 
-`WorkerContext` holds the worker's fixed description (its `/capability` answer), the engine,
-the tokenizer with its grammar engine and token bytes, the request tracer and the HTTP side's
-own state (`starting` until the lifespan has started the engine, `ready`, `draining`).
-`create_app` puts one on `app.state.ctx`; routes take it through `get_ctx`, as the router's
-routes do. `submit` is the worker's admission, cheapest check first, so a bad request is
-answered before it costs anything and before it takes a queue place (every refusal an
-`APIError` naming the field): the parameters; the prompt (a text that cannot fit the context
-whatever its tokens is refused before it is tokenized, and a long one is tokenized off the
-event loop); the vocabulary and the context length; only then the grammar, compiled under its
-budget in the grammar pool (workers/sampling/grammar.py) and abandoned when the client
-leaves meanwhile; then the queue.
-"""
+Design: `WorkerContext` holds the worker's fixed description (its `/capability` answer), the
+engine, the tokenizer with its grammar engine and token bytes, the request tracer and the HTTP
+side's state (`starting`, `ready`, `draining`); routes take it through `get_ctx`, as the router's
+routes do. `submit` is the worker's admission, cheapest check first, each refusal an `APIError`
+naming the field: the parameters; the prompt (one that cannot fit whatever its tokens is refused
+before tokenizing, a long one tokenized off the event loop); the vocabulary and the context; then
+the grammar, compiled under its budget and abandoned if the client leaves; then the queue.
+Trade-off: the order is by cost, not by what a client would fix first, so a request with several
+faults hears of the cheapest one."""
 
 from __future__ import annotations
 
@@ -119,8 +116,8 @@ class WorkerContext:
             least = len(text) // (2 * self._max_token_chars)  # halved: a normalizer may merge characters
             limit = self.engine.scheduler.config.max_seq_len
             if least + new_tokens > limit:
-                raise CapacityError(f"`inputs` holds {len(text)} characters, at least {least} tokens: `inputs` tokens + "
-                                    f"`max_new_tokens` must be <= {limit} on this worker")
+                raise CapacityError(f"`inputs` holds {len(text)} characters, at least {least} tokens: "
+                                    f"`inputs` tokens + `max_new_tokens` must be <= {limit} on this worker")
             return await asyncio.to_thread(_prompt_ids, req, self.tokenizer, self.grammars.vocab_size)
         return _prompt_ids(req, self.tokenizer, self.grammars.vocab_size)
 

@@ -1,16 +1,13 @@
 """`POST /generate` and `POST /generate_stream` (SSE), in TGI's shapes.
 
-A request is admitted by the context (tokenized, validated, queued), then the route only
-awaits its `RequestStream`. A client that goes away is noticed by a task waiting for
-`http.disconnect` (non-streamed), which also ends the request's stream, or by Starlette
-cancelling the stream (streamed); both abort the request, which frees its KV blocks before
-the next engine step. Each request has one span, ended with what happened to it. A raise
-while rendering a stream's events is this request's fault alone: its stream ends with a
-`request_failed` error event (never a broken connection, which the router would read as the
-worker's death) and the worker serves on. The router streams through its channel instead
-(`GET /streams`, `POST /streams/abort`; workers/serving/channel.py): a `/generate_stream`
-naming it is answered at once, and its events travel on the channel.
-"""
+Design: the context admits a request (tokenized, validated, queued) and the route only awaits its
+`RequestStream`. A client that goes away is noticed by a task waiting for `http.disconnect`
+(non-streamed) or by Starlette cancelling the stream; both abort the request, freeing its KV
+blocks before the next step. Each request has one span, ended with what happened to it. A raise
+while rendering a stream's events ends that stream with a `request_failed` error event, never a
+broken connection, which the router would read as the worker's death. A `/generate_stream` that
+names the router's channel is answered at once, its events on the channel
+(workers/serving/channel.py). Trade-off: a disconnect watcher task per non-streamed request."""
 
 from __future__ import annotations
 
