@@ -52,7 +52,8 @@ def read_special_tokens(model_dir: Path | str | None) -> tuple[str, ...]:
     decoder = read_tokenizer_config(model_dir).get("added_tokens_decoder") or {}
     entries += list(decoder.values()) if isinstance(decoder, dict) else []
     for entry in entries:
-        if isinstance(entry, dict) and entry.get("special") and isinstance(entry.get("content"), str) and entry["content"]:
+        if (isinstance(entry, dict) and entry.get("special") and isinstance(entry.get("content"), str)
+                and entry["content"]):
             found.add(entry["content"])
     return tuple(sorted(found, key=lambda t: (-len(t), t)))
 

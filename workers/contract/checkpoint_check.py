@@ -76,7 +76,8 @@ def _rope_sets(hf: dict[str, Any]) -> list[dict]:
     legacy = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
     if isinstance(params, dict) and set(params) & {FULL, SLIDING}:
         full, sliding = params.get(FULL), params.get(SLIDING)
-        return [{**legacy, **(full if isinstance(full, dict) else {})}, *([sliding] if isinstance(sliding, dict) else [])]
+        return [{**legacy, **(full if isinstance(full, dict) else {})},
+                *([sliding] if isinstance(sliding, dict) else [])]
     return [{**legacy, **(params if isinstance(params, dict) else {})}]
 
 

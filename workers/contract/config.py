@@ -163,7 +163,8 @@ class WorkerConfig:
         if error:
             return error
         if self.compile not in COMPILE_MODES:
-            return f"`--compile {self.compile}` is not a mode (or `${ENV_COMPILE}`). Accepted: {', '.join(COMPILE_MODES)}"
+            return (f"`--compile {self.compile}` is not a mode (or `${ENV_COMPILE}`). "
+                    f"Accepted: {', '.join(COMPILE_MODES)}")
         return grammar_budget_error(self.grammar_compile_timeout, self.grammar_compile_memory_mib,
                                     self.grammar_compile_workers, self.grammar_cache_mib)
 

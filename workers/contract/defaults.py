@@ -25,11 +25,9 @@ CPU_MAX_NUM_BATCHED_TOKENS = 1024  # the same where the step computes on the CPU
 def step_token_budget(computes_on_cpu: bool, max_batch: int = DEFAULT_MAX_BATCH) -> int:
     """The default `--max-num-batched-tokens` of a worker (at least `max_batch`): 2048 on a GPU;
     1024 where the step computes on the CPU (a CPU or a simulated device), whose step of 2048
-    prompt tokens takes tens of milliseconds even for a small model, every running stream waiting
-    for it. On the 2-core machine, the embedded model served to `vllm bench serve` (128-token
-    prompts, 64 new) had its time to first token cut from 59 / 99 ms to 47 / 76 at concurrency
-    16 / 32 by 1024, time per output token 2.77 -> 2.86 and 4.36 -> 4.41 ms, output tokens/s
-    within 1% (docs/benchmarks.md, "Against vLLM")."""
+    prompt tokens is long even for a small model, every running stream waiting for it. The
+    smaller budget cut the time to first token under bursts at a small cost per output token
+    (docs/benchmarks.md, "Against vLLM")."""
     return max(max_batch, CPU_MAX_NUM_BATCHED_TOKENS if computes_on_cpu else DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
 

@@ -2,18 +2,13 @@
 
 Design: the rule is a pure function of (requested dtype, the checkpoint's dtype, the compute
 device's type, its capability) returning the dtype's name and the reason, so the router's
-placement (server/fleet/placement.py) sizes a model's weights on each device with the same
-answer the worker's loader (`workers/model/loader.py` `choose_dtype()`, which maps the name
-to a torch dtype) arrives at. Trade-off: names, not torch dtypes, so that the contract stays
-torch-free; `DTYPE_BYTES` is the one table of element sizes both sides use.
-
-On a CPU, bfloat16 is computed well only where oneDNN has bfloat16 kernels: AVX-512 (BW, VL,
-DQ), AVX-NE-CONVERT or AMX. An AVX2-only CPU (many AMD EPYCs before Zen 4, older Xeons) falls
-back to a reference GEMM: on one, a bfloat16 product of 1, 8 and 32 rows took 2x, 5x and 9x
-float32's time (a 352 x 256 weight, one thread; 2026-12-02, torch 2.13). There `auto` computes
-a bfloat16 checkpoint in float32 (`cpu_bfloat16()` reads the CPU's flags from /proc/cpuinfo;
-where it cannot tell, bfloat16).
-"""
+placement sizes a model's weights on each device with the same answer the worker's loader
+(`choose_dtype()`) arrives at. On a CPU, bfloat16 is computed well only where oneDNN has
+bfloat16 kernels (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX); an AVX2-only CPU emulates it several
+times slower (docs/benchmarks.md, "CPU projections"), so there `auto` computes a bfloat16
+checkpoint in float32 (`cpu_bfloat16()` reads /proc/cpuinfo; where it cannot tell, bfloat16).
+Trade-off: names, not torch dtypes, so that the contract stays torch-free; `DTYPE_BYTES` is the
+one table of element sizes both sides use."""
 
 from __future__ import annotations
 

@@ -1,25 +1,15 @@
 """The error answers both processes give: who is at fault, and how a client's value is quoted.
 
-Design: the worker answers every refusal as `{"error", "error_type"}` (a stream: one last
-event of that shape), and the router reads `error_type` to tell a request fault from a worker
-fault. A request fault is answered to the client as it is: never retried on another worker,
-never counted against the worker's circuit breaker, never a reason to move a stream, since
-the next worker would fail the same request the same way. The request faults:
-- `validation` (422): the request is wrong, or cannot be served (a grammar over its compile
-  budget, a grammar the output cannot complete);
-- `request_failed` (500): processing this one request raised on the worker, which logged it
-  and serves on.
-Everything else on a 5xx (`internal`: the engine failed; a lost connection) is the worker's.
-Trade-off: a worker bug that only some requests hit is then never isolated by the breaker;
-its requests fail on their own instead of taking the worker's other clients with them.
-
-Quoting: an error names the client's bad value through `shown()`: at most `SHOWN_CHARS`
-characters of it, then how long it was, and escaped so that any text encodes (a lone
-surrogate `\\ud800`, valid JSON but not valid UTF-8, would make the error itself fail to
-encode). `safe_message()` applies the same to every backticked value of a finished message
-and caps its length: the last line of defence in both processes' error handlers, for a
-message some library built around a client's value.
-"""
+Design: the worker answers every refusal as `{"error", "error_type"}` (a stream: one last event
+of that shape), and the router reads `error_type` to tell a request fault from a worker fault. A
+request fault (`validation`, 422; `request_failed`, 500: this one request raised, the worker
+serves on) is answered to the client as it is: never retried, never counted by the circuit
+breaker, never a reason to move a stream, since the next worker would fail it the same way;
+everything else on a 5xx is the worker's. An error quotes a client's value through `shown()`
+(at most `SHOWN_CHARS`, escaped so any text encodes, a lone surrogate included), and
+`safe_message()` applies the same to a finished message, the last line of defence in both
+error handlers. Trade-off: a worker bug that only some requests hit is never isolated by the
+breaker; its requests fail on their own instead of taking the worker's other clients with them."""
 
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ def fp8_rule(device_type: str, capability) -> Fp8Decision:
         return Fp8Decision(EMULATED, "e4m3fnuz",
                            f"ROCm arch {shown}: no fp8 matrix cores, e4m3fnuz bytes stored as uint8 and dequantized")
     if device_type == "cpu":
-        return Fp8Decision(EMULATED, "e4m3fn", "CPU without a GPU capability: e4m3 bytes stored as uint8 and dequantized")
+        return Fp8Decision(EMULATED, "e4m3fn",
+                           "CPU without a GPU capability: e4m3 bytes stored as uint8 and dequantized")
     raise ValueError(f"Unsupported device type `{device_type}`. Supported: {', '.join(DEVICE_TYPES)}")
 
 

@@ -1,28 +1,16 @@
 """What a model needs of a device, read from its files without loading a weight (no torch).
 
-Design: placement (server/fleet/placement.py) must know, before any worker starts, how many
-bytes each model takes on each device. `read_profile(dir)` reads them from what the loader
-will read: the safetensors headers (a JSON table of every tensor's dtype and shape at the
-start of each file: exact, whatever the family) and, for a directory with config.json only,
-a count from its shapes (embeddings, attention and feed-forward projections, experts, norms;
-within a fraction of a percent of the workers' own `ModelConfig.num_parameters`). Then
-`need_on(profile, device, dtype, quantize)` is the need on one device: the weights as that
-device loads them (floating tensors in the dtype `dtype_rule` picks there; with `--quantize
-fp8` the projections the worker's fp8 layers replace take one byte per weight and a 4-byte
-scale per row; tensors stored pre-quantized keep their stored bytes where the device runs
-them as stored, and take the compute dtype where it widens them at load: fp8 weights on a
-device whose fp8 execution is `dequantized` (contract `fp8_execution`), 4-bit packed weights
-on a device whose 4-bit kind is `dequantized` (contract `int4_kind`: below sm_75) and 4-bit experts
-everywhere (they have no 4-bit layer), MXFP4 experts likewise: their blocks and scales
-become the experts' weights in the compute dtype) plus the KV cache of one
-sequence of `KV_TOKENS` tokens (or the model's context, if shorter). A device offers
-`USABLE_FRACTION` of its memory: the rest is the runtime's and the activations'.
-
-Trade-offs: the KV figure is a floor (one sequence, every layer full attention: sliding layers
-need less), so a model placed on a device fits and gets more KV from whatever memory is left;
-and a device is sized as a real GPU of its capability loads the model, also when simulated,
-though a simulated worker computes on the CPU (where a float16 checkpoint loads as float32).
-"""
+Design: placement (server/fleet/placement.py) must know, before any worker starts, how many bytes
+each model takes on each device. `read_profile(dir)` reads the safetensors headers (every tensor's
+dtype and shape: exact, whatever the family), or for a config alone counts from its shapes.
+`need_on(profile, device, dtype, quantize)` is the need on one device: the weights as that device
+loads them (floating tensors in the dtype `dtype_rule` picks; `--quantize fp8` projections at a
+byte per weight plus a scale per row; pre-quantized tensors at their stored bytes where the
+device runs them as stored and widened where its fp8, 4-bit or MXFP4 rule dequantizes them) plus
+the KV cache of one sequence of `KV_TOKENS` tokens; a device offers `USABLE_FRACTION` of its
+memory. Trade-offs: the KV figure is a floor (one sequence, every layer full attention), so a
+placed model gets more KV from what is left; a simulated device is sized as a real GPU of its
+capability loads the model, though it computes on the CPU."""
 
 from __future__ import annotations
 
@@ -115,7 +103,9 @@ def usable_bytes(device: DeviceInfo, fraction: float | None = None) -> int:
 
 
 def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quantize: str = "none") -> Need:
-    """The bytes `profile` takes on `device`: weights as loaded there, plus the KV floor."""
+    """The bytes `profile` takes on `device`: weights as loaded there, plus the KV floor. A
+    simulated device is sized as a real GPU of its capability loads the model, though its worker
+    computes on the CPU (where a float16 checkpoint loads as float32)."""
     compute = "cpu" if device.type == "cpu" else "cuda"
     cap = None if device.capability is None else tuple(device.capability)
     name, reason = dtype_rule(dtype, profile.checkpoint_dtype, compute, cap)

@@ -1,23 +1,15 @@
 """A pipeline replica: one model's layers split over several devices, each stage its own worker.
 
-Design: the router decides the split (`split_layers`) and writes a `PipelinePlan` file; the
-first stage's worker starts the others from it (each from its own `WorkerConfig` and device
-environment, as the router would start any worker) and joins them in one `torch.distributed` process group. Both
-sides read the plan through this module, so the file's shape is defined once.
-
-The split rule: each stage holds what it can (`capacity`: its memory for weights, after its
-share of the KV cache) and is given layers in proportion to its measured `speed`, so a slow
-card gets fewer layers and no card more than it holds. Layers are filled like water: every
-stage gets its speed's share, a stage that cannot hold its share keeps what fits and the rest
-flows to the others by speed; the first stage also holds the embedding, the last the final
-norm and head (`first_bytes`, `last_bytes`). The first stage also serves (it schedules, samples
-and answers for the whole pipeline); where that work shares its core with its layers, it is
-charged `serving` layer-times of its own before any layer is given out, so every stage's step
-ends at about the same time. An explicit partition (`--pipeline-partition 10,14`) is checked
-against the same capacities. The trade-off: speed is one number per device (its decode
-tokens/s), not a per-layer cost model; layers of one model cost about the same, so the rule
-needs no more.
-"""
+Design: the router decides the split (`split_layers`) and writes a `PipelinePlan` file; the first
+stage's worker starts the others from it (each from its own `WorkerConfig` and environment) and
+joins them in one `torch.distributed` group; both sides read the plan through this module. Each
+stage holds what it can (`capacity`, after its share of the KV cache) and gets layers in
+proportion to its measured `speed`, filled like water: a stage that cannot hold its share keeps
+what fits and the rest flows to the others by speed; the first stage also holds the embedding and
+is charged `serving` layer-times for the scheduling and sampling it does, the last the final norm
+and head. An explicit `--pipeline-partition` is checked against the same capacities. Trade-off:
+speed is one number per device, not a per-layer cost model; a model's layers cost about the
+same, so the rule needs no more."""
 
 from __future__ import annotations
 
@@ -211,7 +203,8 @@ class PipelinePlan:
                        raw.get("notes", {}), raw.get("timing_model", ""))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise PipelineSplitError(f"Pipeline plan `{path}` cannot be read: {e}") from e
-        if len(stages) < 2 or stages[0].start != 0 or any(a.end != b.start for a, b in zip(stages, stages[1:], strict=False)):
+        if (len(stages) < 2 or stages[0].start != 0
+                or any(a.end != b.start for a, b in zip(stages, stages[1:], strict=False))):
             raise PipelineSplitError(f"Pipeline plan `{path}` does not give contiguous layers from 0 to its stages")
         if any(stage.config is None for stage in stages[1:]):
             raise PipelineSplitError(f"Pipeline plan `{path}` gives a stage after the first no worker config")

@@ -1,23 +1,15 @@
 """`WorkerRequest`: the one shape of a generation request between the router and a worker.
 
 Design: every public protocol (TGI, OpenAI completions and chat, Responses, Anthropic Messages)
-and the canary translate their own names into this value once, at their edge; the router's
-routing reads its typed fields; the worker parses it once into what its sampler takes
-(workers/sampling/params.py `SamplingParams.from_request`). The names are the worker socket's
-own, TGI's `/generate` shape with vLLM's extras (`inputs` or `input_ids`, `parameters{...}`,
-`resume_ids`), so a TGI client pointed at a worker still works. Every limit, default and check
-lives here, once; a bad value is a `ValueError` naming the field and what is accepted (a 422 on
-either side). Unknown fields are ignored, as TGI does.
-
-Greedy normalization happens here and nowhere else: a temperature of 0 (or below
-`MIN_TEMPERATURE`) means greedy, and greedy turns the warpers off (temperature, top_k, top_p,
-min_p back to their neutral values); any warper, or `do_sample`, means sampling (TGI). The
-value a worker receives therefore holds only what it acts on.
-
-Trade-off: pydantic validates the value where it is built and again where it is received (two
-processes, each checks what it is handed), a few microseconds per request; in return neither
-side trusts a dict.
-"""
+and the canary translate their own names into this value once, at their edge; routing reads its
+typed fields; the worker parses it once into its `SamplingParams`. The names are the worker
+socket's own, TGI's `/generate` shape with vLLM's extras (`inputs` or `input_ids`,
+`parameters{...}`, `resume_ids`), so a TGI client pointed at a worker still works; unknown fields
+are ignored, as TGI does. Every limit, default and check lives here, and greedy normalization
+only here: a temperature of 0 (or below `MIN_TEMPERATURE`) means greedy with the warpers back to
+neutral, and any warper or `do_sample` means sampling. Trade-off: pydantic validates the value
+where it is built and again where it is received, a little work per request, so neither side
+trusts a dict."""
 
 from __future__ import annotations
 

@@ -1,25 +1,15 @@
 """What a pipeline's stages measured while serving, kept per host, so the next split uses it.
 
-Design: a split made before anything ran can only estimate each device's speed (a GPU's memory
-bandwidth, a CPU core for a simulated device) and what the first stage's serving costs beside
-its layers. Once a replica has served, its stages know: every stage computed the same batches,
-so the seconds each spent in its own layers, per layer and step, compare the devices directly
-on this model; and the time a stage's thread was busy outside its layers (the first stage's
-scheduling, sampling, detokenizing, and the HTTP side taking its turns; any stage's transport),
-not waiting, is what it does per step besides. The
-first stage writes these figures (`PipelineTiming`) to a per-host file keyed by the model (its
-config, dtype and quantization) and the set of devices, at most every `RECORD_S` and when it stops; the router reads
-the file when it plans (server/fleet/pipelines.py) and, where one record covers every device of
-a replica, splits by the measured speeds, charging each stage that computes on the host's CPU
-its measured work besides its layers, in its own layer-times (`measured_inputs`).
-
-Trade-offs: a record is of one model on one set of devices: another set, or a model changed
-since, falls back to the estimates, and says so. Speed is one number per device (seconds per
-layer and step, averaged over whatever batches the replica served), as the split rule needs.
-A simulated device's key carries its `$HETSERVE_SLOWDOWN` factor: a slowed simulated device is
-another device. The file is small JSON, replaced whole under a lock, so concurrent replicas
-never leave it half written.
-"""
+Design: a split made before anything ran can only estimate each device's speed and the first
+stage's serving work. Once a replica has served, every stage computed the same batches, so the
+seconds each spent in its own layers per layer and step compare the devices directly, and the
+time its thread was busy outside them is what it does per step besides. The first stage writes
+these figures (`PipelineTiming`) to a per-host file keyed by the model and the set of devices
+(a simulated device's key carries its slowdown factor), at most every `RECORD_S` and when it
+stops; the router's planner splits by them where one record covers every device of a replica
+(`measured_inputs`). Trade-off: a record is of one model on one set of devices, averaged over
+whatever batches the replica served; another set or a changed model falls back to the estimates,
+and says so. The file is small JSON, replaced whole under a lock."""
 
 from __future__ import annotations
 

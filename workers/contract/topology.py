@@ -1,17 +1,13 @@
 """Device descriptions that need no torch: the simulated topology and `--devices` selection.
 
-Both the router (which must never initialize CUDA) and the worker read this module, so it
-imports nothing heavy. A simulated device carries only what a real one would report
-(capability, name, memory, UUID); every decision made from it runs the real code.
-
-Spec tokens: `sm_XY` / `sm_XXY` (CUDA capability X.Y, e.g. `sm_89`, `sm_100`), `gfxNNN`
-(ROCm arch, e.g. `gfx90a`, `gfx942`) and `cpu`, each optionally followed by `:SIZE`, the
-device's memory (`sm_86:24GiB`; workers/contract/sizes.py): without it, the catalog's
-product's (the catalog: workers/contract/catalog.py). Placement (server/fleet/placement.py) reads that memory, so a test can give
-simulated devices budgets that small models fill. A device's `simulate_token` carries the
-size only when it differs from the catalog's, so the token a worker receives is the one the
-user wrote, or as short.
-"""
+Design: both the router (which must never initialize CUDA) and the worker read this module, so
+it imports nothing heavy, and a simulated device carries only what a real one would report
+(capability, name, memory, UUID), so every decision made from it runs the real code. Spec
+tokens are `sm_XY` / `sm_XXY`, `gfxNNN` and `cpu`, each optionally with `:SIZE`, the device's
+memory (`sm_86:24GiB`), else the catalog product's (workers/contract/catalog.py); placement reads
+that memory, so a test can give simulated devices budgets small models fill. Trade-off: a device's
+`simulate_token` carries the size only when it differs from the catalog's, so the token a worker
+receives is the one the user wrote, or shorter."""
 
 from __future__ import annotations
 
@@ -49,9 +45,11 @@ def simulated_device(token: str, index: int) -> DeviceInfo:
     an architecture that does not exist (`sm_99`) is a `TopologySpecError` listing the known ones."""
     arch, memory = split_memory(token)
     dtype, cap = parse_token(arch)
-    if (dtype == "cuda" and tuple(cap) not in KNOWN_CUDA) or (dtype == "rocm" and arch.strip().lower() not in KNOWN_ROCM):
+    if ((dtype == "cuda" and tuple(cap) not in KNOWN_CUDA)
+            or (dtype == "rocm" and arch.strip().lower() not in KNOWN_ROCM)):
         where = f" in `{token.strip()}`" if token.strip() != arch.strip() else ""
-        raise TopologySpecError(f"Unknown simulated architecture `{arch.strip()}`{where}. Known: {known_architectures()}")
+        raise TopologySpecError(f"Unknown simulated architecture `{arch.strip()}`{where}. "
+                                f"Known: {known_architectures()}")
     name, default_memory = catalog_memory(arch)
     return DeviceInfo(
         index=index,
@@ -73,7 +71,8 @@ def cpu_device() -> DeviceInfo:
     except (ValueError, OSError):
         mem = 0
     return DeviceInfo(
-        index=0, uuid="cpu", name="CPU", type="cpu", capability=None, memory_total_bytes=mem, simulated=False, arch="cpu"
+        index=0, uuid="cpu", name="CPU", type="cpu", capability=None, memory_total_bytes=mem, simulated=False,
+        arch="cpu",
     )
 
 

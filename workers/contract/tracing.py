@@ -1,18 +1,13 @@
 """OpenTelemetry tracing, shared by the router and the workers; off unless asked for.
 
-`hetserve serve --otlp-endpoint URL` turns it on in the router and in every worker: each
-process builds its own `Tracing` (a tracer provider named `hetserve-router` or
-`hetserve-worker`, exporting OTLP in batches from a background thread), and a request's
-trace crosses the worker socket as a W3C `traceparent` header, so the worker's span is a
-child of the router's. Off (the default) is `NO_TRACING`: callers read its `enabled` flag
-and do nothing else, and opentelemetry is never imported, so tracing off costs one
-attribute read per request and needs no package installed (FastAPI's own instrumentation,
-which recent FastAPI versions switch on whenever opentelemetry is importable, is turned off
-in both apps: `fastapi_telemetry_off`).
-
-Trade-off: spans leave in batches (every few seconds, `OTEL_BSP_SCHEDULE_DELAY`), so a
-process killed with SIGKILL loses its last batch; a clean stop flushes it.
-"""
+Design: `hetserve serve --otlp-endpoint URL` turns it on in every process, each building its own
+`Tracing` (a tracer provider named `hetserve-router` or `hetserve-worker`, exporting OTLP in
+batches from a background thread); a request's trace crosses the worker socket as a W3C
+`traceparent` header, so the worker's span is a child of the router's. Off (the default) is
+`NO_TRACING`: callers read its `enabled` flag and opentelemetry is never imported, and FastAPI's
+own instrumentation is turned off in both apps (`fastapi_telemetry_off`). Trade-off: spans leave
+in batches (`OTEL_BSP_SCHEDULE_DELAY`), so a process killed with SIGKILL loses its last batch; a
+clean stop flushes it."""
 
 from __future__ import annotations
 
@@ -109,8 +104,8 @@ def fastapi_telemetry_off() -> dict:
     """`FastAPI(**...)` arguments that turn FastAPI's own OpenTelemetry instrumentation off.
 
     Recent FastAPI versions look for a global tracer provider on every request once
-    opentelemetry is installed (about 15 us each, measured here); hetserve makes its own
-    spans, and only with `--otlp-endpoint`. Older FastAPI versions take no such argument.
+    opentelemetry is installed (its cost: docs/benchmarks.md, "Worker latency"); hetserve makes
+    its own spans, and only with `--otlp-endpoint`. Older FastAPI versions take no such argument.
     """
     import inspect
 
