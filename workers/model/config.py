@@ -3,14 +3,12 @@
 Design: every family we serve is the Llama decoder with switches, so one `ModelConfig`
 describes them all: the sizes, the rotary (global, and the sliding layers' own where a family
 has one), and what a family switches on (norm placement and style, q/k norms, activation,
-attention scale, soft-caps, sliding layers, NoPE layers, multipliers, biases).
-`from_hf_config` is the only way in from Hugging Face's spellings (workers/model/hf_config.py:
-the fields every family shares, transformers 4 and 5 alike, the rest through the family's own
-`read` in workers/model/families/). Each layer's attention then comes from `layer(i)`: its window and
-its rotary. Trade-off: a family whose architecture is more than switches on this decoder
-(mixtures of experts, linear attention) is refused by name until it has its own layers,
-instead of being half supported.
-"""
+attention scale, soft-caps, sliding layers, NoPE layers, multipliers, biases, experts, linear
+attention). `from_hf_config` is the only way in from Hugging Face's spellings
+(workers/model/hf_config.py, then the family's own `read` in workers/model/families/). Each
+layer's attention comes from `layer(i)`: its window and its rotary. Trade-off: a family whose
+architecture is more than switches on this decoder needs layers of its own (as the experts and
+the linear attention have) and is refused by name until then, instead of being half supported."""
 
 from __future__ import annotations
 
