@@ -1,8 +1,7 @@
 """The rotary position embedding's torch reference (rotate_half layout, partial rotary).
 
-The model's own form is workers/model/rope.py `apply_rotary`; this copy is the reference the
-repository's CPU kernel (cpu.py) and its layers fall back to, since a kernel repository imports no
-worker code (tests/test_kernels_repos.py holds the two equal bit for bit).
+The one torch form of the rotation: the repository's CPU kernel (cpu.py) and its layers fall back
+to it, and the model's `apply_rotary` (workers/model/rope.py) calls it through `rotary_cpu`.
 """
 
 from __future__ import annotations

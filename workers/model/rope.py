@@ -240,13 +240,7 @@ class RotaryTables:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` [..., T, heads, D] by cos/sin [T, 1, R/2] (rotate_half layout) over its first R
-    dimensions; the rest pass through (partial rotary). An eager CPU step's packed tokens take the
-    C++ kernel (kernels_local/rotary/cpu.py), which computes the same bits in one pass."""
-    if cpu_rotary.runs(x, cos):
-        return cpu_rotary.rotate(x, cos, sin)
-    rot = 2 * cos.shape[-1]
-    if rot == x.shape[-1]:
-        x1, x2 = x.chunk(2, dim=-1)  # [..., T, heads, D/2] each
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    x1, x2 = x[..., : rot // 2], x[..., rot // 2 : rot]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]), dim=-1)
+    dimensions; the rest pass through (partial rotary). The rotary repository's form: an eager CPU
+    step's packed tokens take its C++ kernel, which computes the same bits in one pass, everything
+    else its torch reference (kernels_local/rotary/)."""
+    return cpu_rotary.rotary_cpu(x, cos, sin)
