@@ -1,28 +1,14 @@
 """What a kernel repository declares so that its Triton kernels can be compiled ahead of time.
 
-Design: next to each kernel, its repository writes a function that lists every launch the
-kernel's wrapper can make for a `Workload` (the model's dtype and row widths, how many
-tokens one launch carries, the fp8 flavour), as `CompileSpec`s: the `@triton.jit`
-function, its argument types in the notation of Triton's own ahead-of-time compiler
-(`"*bf16:16"`: a pointer to bf16 aligned to 16 bytes, `"i32:16"`: an integer divisible by
-16, `"i32"`: any integer), its constexprs and its launch options. The wrapper and its
-specs compute the launch from the same tuning method, so they cannot drift apart. Each
-repository's `layers` module maps its Triton layer classes to such functions
-(`COMPILE_SPECS`); the preflight (`workers.kernelize.preflight`) compiles whatever the selected
-layers declare, so a new kernel is preflighted by declaring its specs, not by editing
-the preflight.
-
-Attention kernels launch per head rather than per row: their launches depend on the head
-dim (`head_dims`, again only through its next power of two).
-
-The alignment marks mirror what Triton's JIT specializes at run time: tensors from torch's
-allocator are 16-byte aligned and the model's widths are multiples of 16, and that
-specialization is the one that vectorizes and pipelines (the most shared memory). An
-integer equal to 1 (a batch of one) gets its own specialization at run time too; it only
-drops masks. The trade-off: widths that are not multiples of 16 compile a variant with
-narrower loads that the preflight covers only when the worker's own model has them.
-
-This module imports neither torch nor triton, and no repository depends on more than it.
+Next to each kernel, its repository writes a function listing every launch the kernel's wrapper
+can make for a `Workload` (the model's dtype, row widths and head dims, tokens per launch, the fp8
+flavour) as `CompileSpec`s, computed from the same tuning method as the wrapper's launch, so the
+two cannot drift apart. Each repository's `layers` maps its Triton layer classes to such
+functions (`COMPILE_SPECS`); the preflight (`workers.kernelize.preflight`) compiles whatever the
+selected layers declare, so a new kernel is preflighted by declaring its specs, not by editing
+the preflight. The trade-off: widths that are not multiples of 16 compile a variant with narrower
+loads that the preflight covers only when the worker's own model has them (`int_arg`). This
+module imports neither torch nor triton, and no repository depends on more than it.
 """
 
 from __future__ import annotations
@@ -34,7 +20,8 @@ from typing import Any
 # every launch shape the tunings choose depends only on the next power of two of a width.
 REALISTIC_WIDTHS = tuple(2**k for k in range(8, 15))
 # Head dims of realistic models (64: Llama 3.2 1B; 128: most; 256: Gemma; 512: Gemma 4's global
-# layers); 80 and 96 pad to 128.
+# layers); 80 and 96 pad to 128. Attention kernels launch per head rather than per row, so their
+# launches depend on the head dim, again only through its next power of two.
 REALISTIC_HEAD_DIMS = (64, 128, 256, 512)
 # Tokens one launch can carry (a long prefill); every smaller count is a power of two below it.
 MAX_TOKENS = 8192
@@ -80,7 +67,12 @@ class Workload:
 
 
 def int_arg(value: int) -> str:
-    """Triton's type of an integer argument with this value: divisible by 16 or not."""
+    """Triton's type of an integer argument with this value: divisible by 16 or not.
+
+    The marks mirror what Triton's JIT specializes at run time: tensors from torch's allocator are
+    16-byte aligned and the model's widths are multiples of 16, and that specialization is the one
+    that vectorizes and pipelines (the most shared memory). An integer equal to 1 (a batch of one)
+    gets its own specialization at run time too; it only drops masks."""
     return "i32:16" if value % 16 == 0 else "i32"
 
 
@@ -94,7 +86,10 @@ class CompileSpec:
     """One launch of one Triton kernel: what `triton.compile` needs to build it ahead of time."""
 
     kernel: Any = field(compare=False)  # the @triton.jit function (not compared: its name is)
-    args: tuple[tuple[str, str], ...]  # (name, type) of the runtime arguments, in kernel order
+    # (name, type) of the runtime arguments, in kernel order, in the notation of Triton's own
+    # ahead-of-time compiler: "*bf16:16" a pointer to bf16 aligned to 16 bytes, "i32:16" an integer
+    # divisible by 16, "i32" any integer
+    args: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, Any], ...]
     num_warps: int
     num_stages: int = 3  # Triton's default; only loops with loads are pipelined

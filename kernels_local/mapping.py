@@ -1,27 +1,14 @@
 """The kernel mapping: which local kernel layer each model layer gets on which device.
 
-Design: ONE table (`_ENTRIES`) declares, per model layer, a kernel layer for every device
-type (`kernels`' `Device` with `CUDAProperties` / `ROCMProperties` capability ranges), and
-`kernel_mapping()` builds it in the shape `kernels.use_kernel_mapping` takes. Every
-device type listed stays listed: entries are merged per layer, never assigned over each
-other, and a duplicate (layer, device) is refused.
-
-`select(device_type, capability)` resolves the table the way `kernels` does (the smallest
-capability interval that contains the device wins; an entry without properties spans all
-capabilities) but as a pure function of its arguments: no current device, no cache. The
-worker kernelizes with exactly the choices `select` returns, so simulation and real GPUs
-run the same selection code. Every capability resolves: the CUDA entries without
-properties catch what no range covers (below sm_70; below sm_80 for the fused MoE's grouped
-GEMM), and the last ranges are open-ended so architectures newer than the tuned ones
-(sm_100, sm_120) get a defined, forward-compatible choice whose reason says so.
-
-The fp8 linear entries take their capability ranges from the fp8 rule itself
-(`workers.contract.fp8_rule`: native e4m3 from sm_89; on ROCm e4m3fnuz on CDNA3 and OCP
-e4m3fn from CDNA4) and each names the convention it was built for (`KernelChoice.fp8`),
-which the quantizer compares with the worker's convention; a test checks both agree for
-every capability. This module imports
-neither torch nor the kernel repositories, only the torch-free contract, so the router's
-`plan` stays light.
+ONE table (`_ENTRIES`) declares, per model layer, a kernel layer for every device type (`kernels`'
+`Device` with `CUDAProperties` / `ROCMProperties` capability ranges); `kernel_mapping()` builds it
+in the shape `kernels.use_kernel_mapping` takes, merging entries per layer and refusing a
+duplicate (layer, device). `select(device_type, capability)` resolves it the way `kernels` does
+(the smallest capability interval wins) but as a pure function: no current device, no cache, so
+simulation and real GPUs run the same selection code and the worker kernelizes with exactly its
+choices. It imports neither torch nor the kernel repositories, only the torch-free contract (the
+fp8 rule's thresholds), so the router's `plan` stays light; the trade-off: layer classes are named
+as strings, which a test loads through `kernels`.
 """
 
 from __future__ import annotations
@@ -55,7 +42,10 @@ LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE", "F
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
-# fp8 convention thresholds as `kernels` capability integers, from the one fp8 rule.
+# fp8 convention thresholds as `kernels` capability integers, from the one fp8 rule
+# (`workers.contract.fp8_rule`: native e4m3 from sm_89; on ROCm e4m3fnuz on CDNA3, OCP e4m3fn from
+# CDNA4). Each fp8 entry names the convention it was built for (`KernelChoice.fp8`), which the
+# quantizer compares with the worker's; a test checks both agree for every capability.
 _FP8_NATIVE_CUDA = NATIVE_FP8_CAPABILITY.int  # 89
 _FP8_FNUZ_ROCM = (ROCM_NATIVE_FP8_CAPABILITY.int, ROCM_OCP_FP8_CAPABILITY.int - 1)  # CDNA3 (gfx94x)
 _FP8_OCP_ROCM = (ROCM_OCP_FP8_CAPABILITY.int, ROCM_NATIVE_FP8_LAST.int)  # CDNA4+ (gfx950)
@@ -102,7 +92,8 @@ def _rocm(lo: int, hi: int) -> Device:
     return Device(type="rocm", properties=ROCMProperties(min_capability=lo, max_capability=hi))
 
 
-_NEWER = "newer than the newest tuned architecture (sm_90): its Hopper tuning, the nearest, on forward-compatible Triton code"
+_NEWER = ("newer than the newest tuned architecture (sm_90): its Hopper tuning, the nearest, on forward-compatible "
+          "Triton code")
 
 _RDNA = "RDNA (gfx10+) runs the CDNA tuning: correct, with fewer warps than its 32-lane waves would like"
 
@@ -353,7 +344,12 @@ def _resolve(layer: str, device_type: str, cap: int | None) -> _Entry:
 
 def select(device_type: str, capability) -> dict[str, KernelChoice]:
     """The kernel for each layer on one device. Pure: depends only on its arguments.
-    `capability` is (major, minor); 90, "9.0" and "sm_90" are accepted too."""
+    `capability` is (major, minor); 90, "9.0" and "sm_90" are accepted too.
+
+    Every capability resolves: the CUDA entries without properties catch what no range covers
+    (below sm_70; below sm_80 for the fused MoE's grouped GEMM), and the last ranges are open-ended
+    so architectures newer than the tuned ones (sm_100, sm_120) get a defined, forward-compatible
+    choice whose reason says so."""
     capability = _checked(device_type, capability)
     cap = None if capability is None else capability.int
     where = _describe(device_type, capability)

@@ -1,30 +1,15 @@
 """Fused mixture-of-experts over a pre-quantized checkpoint's fp8 experts: the grouped GEMM with e4m3
 weights (weight-only or native), its torch references, and the launches the preflight compiles.
 
-The experts arrive as the checkpoint stored them, stacked, in one scale layout for every scheme:
-`w_gate_up_q` [E, 2I, H] and `w_down_q` [E, H, I] e4m3 bytes (an fp8 tensor when native, uint8
-storage when weight-only), `w_gate_up_scale` [E, ceil(2I / gn), ceil(H / gk)] and `w_down_scale`
-[E, ceil(H / gn), ceil(I / gk)] fp32, weight (e, n, k) being `q[e, n, k] * scale[e, n // gn, k // gk]`
-(per-tensor and per-channel scales: one value per row, gk = K; 128 x 128 blocks: gn = gk = 128, or
-gn = 1 where gate and up did not start on a block). The module that carries them (the model's
-`Fp8FusedMoE`) names `gate_up_groups`, `down_groups`, `activations` ("dynamic_token" |
-"dynamic_group" | "static_tensor"), `input_scales` (the two static scales, or None), `fp8_fmt` and
-`execution`.
-
-`_moe_fp8_gemm_kernel` is the grouped GEMM of `fused_moe.py` (pairs aligned to expert blocks, one
-program per block of one expert's pairs, gate and up accumulated side by side, the activation and
-the router weight in the epilogue), with each K tile's dot scaled before it is added by its weight
-group's scale (and, native, by its rows' activation scales), so every scale granularity runs in one
-kernel; BLOCK_K divides 128, so a K tile never straddles a scale group.
-- `NATIVE=False` (weight-only, sm_80..sm_88 and ROCm without fp8 matrix cores): the bytes are
-  decoded in registers into the activations' dtype (exact: every e4m3 value is an fp16 and a bf16),
-  the dot runs on 16-bit tensor cores; the activations are never quantized.
-- `NATIVE=True` (sm_89+, CDNA3 in e4m3fnuz, CDNA4): A is fp8 too, quantized before each GEMM in
-  torch (per token, per token and 128 columns, or with the static scale: the largest of the
-  experts' stored `input_scale`s, as vLLM takes it, so that no expert's inputs saturate), and the
-  dot runs on the fp8 tensor cores.
+`_moe_fp8_gemm_kernel` is the grouped GEMM of `fused_moe.py` with each K tile's dot scaled, before
+it is added, by its weight group's scale (and, native, by its rows' activation scales), so
+per-tensor, per-channel and 128 x 128 block scales all run in one kernel (BLOCK_K divides 128: a
+K tile never straddles a scale group). `NATIVE=False` (weight-only, sm_80..sm_88 and ROCm without
+fp8 matrix cores) decodes the bytes in registers into the activations' dtype (exact) for the
+16-bit tensor cores and never quantizes the activations; `NATIVE=True` (sm_89+, CDNA3 in
+e4m3fnuz, CDNA4) quantizes A to fp8 before each GEMM and runs the dot on the fp8 tensor cores.
 The trade-off: the scales are applied per K tile (one multiply per tile and row block) rather than
-once in the epilogue, which costs little and lets block scales share the kernel.
+once in the epilogue, which costs little and lets block scales share the kernel (`fused_moe_fp8`).
 """
 
 from __future__ import annotations
@@ -275,7 +260,7 @@ def launch_shape(tuning: FusedMoETuning, tokens: int, dtype: str):
     """The tuning's shape for `tokens`, with K tiles of at most 64 (they divide a 128-column group)
     and, for tiles of 64 rows or more, at most 32 columns: each K tile's dot is scaled before it is
     added, so gate and up each hold a dot result beside their accumulator, which at 64 x 64 spilled
-    registers (sm_80 weight-only; sm_90 and sm_120 native)."""
+    (sm_80 weight-only; sm_90 and sm_120 native)."""
     cfg = tuning.launch_shape(tokens, dtype)
     cfg = cfg if cfg.block_k <= 64 else replace(cfg, block_k=64)
     return cfg if cfg.block_m < 64 else replace(cfg, block_n=min(cfg.block_n, 32))
@@ -284,7 +269,19 @@ def launch_shape(tuning: FusedMoETuning, tokens: int, dtype: str):
 def fused_moe_fp8(x: torch.Tensor, experts, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, native: bool,
                   tuning: FusedMoETuning) -> torch.Tensor:  # fmt: skip
     """The fp8 experts of `x` [T, H] -> [T, H] in x's dtype: two launches of the grouped GEMM (native
-    fp8 operands or weight-only), the torch reference on CPU tensors."""
+    fp8 operands or weight-only), the torch reference on CPU tensors.
+
+    `experts` (the model's `Fp8FusedMoE`) carries them as the checkpoint stored them, stacked, in one
+    scale layout for every scheme: `w_gate_up_q` [E, 2I, H] and `w_down_q` [E, H, I] e4m3 bytes (an
+    fp8 tensor when native, uint8 storage when weight-only), `w_gate_up_scale` [E, ceil(2I / gn),
+    ceil(H / gk)] and `w_down_scale` [E, ceil(H / gn), ceil(I / gk)] fp32, weight (e, n, k) being
+    `q[e, n, k] * scale[e, n // gn, k // gk]` (per-tensor and per-channel: one value per row, gk = K;
+    128 x 128 blocks: gn = gk = 128, or gn = 1 where gate and up did not start on a block); it also
+    names `gate_up_groups`, `down_groups`, `activations` ("dynamic_token" | "dynamic_group" |
+    "static_tensor"), `input_scales` (the two static scales, or None), `fp8_fmt` and `execution`.
+    Native activations are quantized per token, per token and 128 columns, or with the static scale:
+    the largest of the experts' stored `input_scale`s, as vLLM takes it, so no expert's inputs
+    saturate."""
     _check(experts, native)
     if not runs_triton(x) or x.shape[0] == 0:
         return fused_moe_fp8_reference(x, experts, topk_ids, topk_weights)

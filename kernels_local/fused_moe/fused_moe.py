@@ -1,46 +1,15 @@
 """Fused mixture-of-experts (the experts of one layer) as a grouped Triton GEMM, its torch
 reference, and per-architecture launch tuning.
 
-Design (the spirit of vLLM's and SGLang's fused MoE): the `T x K` token-expert pairs are
-sorted by expert and each expert's run is padded to a multiple of `BLOCK_M` (`align_pairs`,
-a few torch ops on the device: no host sync, the padded length is bounded on the host by
-`P + min(E, P) * (BLOCK_M - 1)` and blocks past the true end exit at once). One grouped GEMM
-kernel then serves both matmuls of the experts: each program takes one `BLOCK_M` block of
-pairs (all of one expert, read from `BLOCK_EXPERTS`) and `BLOCK_N` output columns, and reads
-that expert's weight tiles: every active expert in one launch, none for an expert without
-pairs, however many experts a step touches.
-- gate_up (`ACTIVATION` silu | swiglu_oai | gelu_tanh): A rows are the pairs' tokens (`pair // top_k`),
-  the program keeps two accumulators (gate rows `n`, up rows `I + n` of `w_gate_up`), adds
-  the bias and writes the activated `[P, I]` rows: the `[P, 2I]` pre-activation never exists.
-- down (`ACTIVATION` none, `ROUTED`): A rows are the pairs' activated rows; the bias is added
-  and the router weight applied in the epilogue, and the `[T, K, H]` result is summed over
-  top-k in torch (one reduction, no atomics, so no order-dependent float adds).
-One prologue (`_moe_tile`: program id -> pair block, expert and column block; offsets, masks,
-the A rows' pointers) serves this kernel and the fp8 (fp8.py) and MXFP4 (mxfp4.py) ones.
-Accumulation is fp32; fp32 operands use `input_precision="ieee"` (never tf32), fp16/bf16 use
-the tensor cores. Each matmul's output is rounded to the activation dtype before what
-follows it (as `F.linear` does in the reference), so low-precision results stay close.
-The trade-off: padding wastes up to `BLOCK_M - 1` rows of work per active expert (most at
-decode, where the weights' bytes dominate anyway), and the pairs' intermediate rows make one
-round trip through memory between the two launches.
-
-Launch configurations (`FusedMoETuning.launch_shape(tokens, dtype)`, both GEMMs): a decode
-shape up to `decode_tokens` tokens per launch and a prefill shape above it.
-- pre-Hopper (the mapping runs it on sm_80..sm_89; below sm_80 Triton's dots are FMAs and
-  the layer takes torch): 16 x 64 x 64 tiles (decode), 64 x 64 x 32 grouped by 8 (prefill),
-  4 warps, 3 stages: at most 36 KiB of shared memory and 139 registers, mma.sync.
-- Hopper and later (sm_90+): tiles of at least 64 rows so the dots run on wgmma (below that
-  Triton falls back to mma.sync): 64 x 64 x 64 over 4 stages (decode) and 128 x 64 x 64 over
-  8 warps and 4 stages (prefill): at most 128 KiB on sm_90, and under sm_120's 99 KiB,
-  which shares the layer.
-- ROCm (64-lane wavefronts, 64 KiB of LDS): 16 x 64 x 64 and 64 x 64 x 64, 2 stages.
-fp32 operands take tiles of at most 64 x 32 x 32: on CUDA their dots are FMAs holding both
-operands and two accumulators in registers (64 x 64 spilled on sm_80); on CDNA they are
-fp32 MFMAs (exact, not xf32).
-
-Runtime integers that change from step to step (`max_padded`, `num_pairs`, `top_k`, which is
-1 for the down GEMM) are not specialized (`do_not_specialize`), so `compile_specs` declares
-exactly the launches the wrapper makes: per token bucket, activation and bias flag.
+In the spirit of vLLM's and SGLang's fused MoE: the `T x K` token-expert pairs are sorted by
+expert and each expert's run padded to a multiple of `BLOCK_M` on the device (`align_pairs`, no
+host sync); one grouped GEMM kernel then serves both matmuls, each program taking one `BLOCK_M`
+block of one expert's pairs and `BLOCK_N` output columns, so one launch covers every active
+expert and reads no weight of an idle one. Gate and up accumulate side by side and are activated
+in the epilogue (the `[P, 2I]` pre-activation never exists); the down GEMM applies the router
+weight, and torch sums over top-k (no atomics, no order-dependent adds). The trade-off: padding
+wastes up to `BLOCK_M - 1` rows per active expert (most at decode, where the weights' bytes
+dominate anyway), and the activated rows make one round trip through memory between the launches.
 """
 
 from __future__ import annotations
@@ -56,7 +25,9 @@ from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, 
 from .torch_path import fused_moe_torch
 
 ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
-# Runtime integers compiled once for every value (no divisibility or ==1 specialization).
+# Runtime integers compiled once for every value (no divisibility or ==1 specialization): they
+# change from step to step (`top_k` is 1 for the down GEMM), so `compile_specs` declares exactly
+# the launches the wrapper makes.
 _UNSPECIALIZED = ("max_padded", "num_pairs", "top_k")
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Triton's interpreter (TRITON_INTERPRET=1) multiplies bf16 dot operands as their raw uint16
@@ -209,15 +180,25 @@ class MoEConfig:
     num_stages: int
 
     def for_fp32(self) -> MoEConfig:
-        """fp32 operands: FMA dots (operands and two accumulators in registers) on 4-byte
-        elements, so tiles of at most 64 x 32 x 32."""
+        """fp32 operands: on CUDA FMA dots (operands and two accumulators in registers) on 4-byte
+        elements, so tiles of at most 64 x 32 x 32 (64 x 64 spilled on sm_80); on CDNA fp32 MFMAs
+        (exact, not xf32)."""
         return replace(self, block_m=min(self.block_m, 64), block_n=min(self.block_n, 32),
                        block_k=min(self.block_k, 32))  # fmt: skip
 
 
 @dataclass(frozen=True)
 class FusedMoETuning:
-    """Launch shapes for one architecture family, by tokens per launch."""
+    """Launch shapes for one architecture family, by tokens per launch: a decode shape up to
+    `decode_tokens` tokens and a prefill shape above it, for both GEMMs.
+    - pre-Hopper (the mapping runs it on sm_80..sm_89; below sm_80 Triton's dots are FMAs and the
+      layer takes torch): 16 x 64 x 64 tiles (decode), 64 x 64 x 32 grouped by 8 (prefill), 4 warps,
+      3 stages, mma.sync;
+    - Hopper and later (sm_90+): at least 64 rows so the dots run on wgmma (below that Triton falls
+      back to mma.sync): 64 x 64 x 64 over 4 stages (decode), 128 x 64 x 64 over 8 warps and 4
+      stages (prefill), within sm_90's shared memory and under sm_120's 99 KiB, which shares it;
+    - ROCm (64-lane wavefronts, 64 KiB of LDS): 16 x 64 x 64 and 64 x 64 x 64, 2 stages.
+    Shared memory and registers per tuning: docs/benchmarks.md "Preflight matrix"."""
 
     name: str
     decode: MoEConfig
@@ -311,7 +292,16 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
               tuning: FusedMoETuning = PRE_HOPPER) -> torch.Tensor:  # fmt: skip
     """The experts of `x` [T, H] for `topk_ids` / `topk_weights` [T, K] -> [T, H] in x's dtype:
-    two grouped GEMM launches; the torch path on CPU tensors."""
+    two grouped GEMM launches; the torch path on CPU tensors.
+
+    - gate_up (`activation` silu | swiglu_oai | gelu_tanh): A rows are the pairs' tokens
+      (`pair // top_k`); two accumulators (gate rows `n`, up rows `I + n` of `w_gate_up`), the bias,
+      and the activated `[P, I]` rows written.
+    - down (`ACTIVATION` none, `ROUTED`): A rows are the pairs' activated rows; the bias and the
+      router weight in the epilogue, and the `[T, K, H]` result summed over top-k in torch.
+    Accumulation is fp32; fp32 operands use `input_precision="ieee"` (never tf32), fp16/bf16 the
+    tensor cores. Each matmul's output is rounded to the activation dtype before what follows it
+    (as `F.linear` does in the reference), so low-precision results stay close."""
     _check(x, w_gate_up, w_down, topk_ids, topk_weights, activation)
     if not runs_triton(x) or x.shape[0] == 0:
         return fused_moe_torch(x, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, activation,

@@ -1,28 +1,15 @@
 """Kernel layers replacing the model's `FusedMoE` forward (`kernels` layer rules).
 
-Each layer is stateless: no `__init__`, only `forward(self, x, topk_ids, topk_weights)`,
-where `self` is the model's `FusedMoE` with its stacked expert weights `w_gate_up` [E, 2I, H]
-and `w_down` [E, H, I], optional biases `b_gate_up` [E, 2I] and `b_down` [E, H] (None when
-absent), `activation` ("silu" | "swiglu_oai" | "gelu_tanh"), `alpha`, `limit` and `row_tile`. The Triton
-layers differ only in their launch tuning; on CPU tensors they take the torch path.
-
-Deterministic mode (`row_tile` set): a Triton layer takes the torch path in fixed tiles of
-`row_tile` rows per expert, as the CPU layer does. The kernel's tile shape follows the
-step's token count (decode or prefill shape) and a row's block mates are whatever other
-pairs chose its expert, so it gives no such guarantee; the torch path's fixed GEMM shape does.
-The trade-off: deterministic serving of an MoE model runs its experts one matmul per tile.
-`COMPILE_SPECS` names, per Triton layer, the launches its forward can make (the preflight
-compiles them ahead of time); each entry's tuning is the one its forward passes.
-
-The `Fp8FusedMoE` layers run a pre-quantized checkpoint's fp8 experts (fp8.py), one execution
-each (`native`, `weight_only`, or `dequantized` for the torch layer, whose weights were widened
-at load), and refuse a module prepared for another: a buffer made for one execution never
-reaches another's kernel. Deterministic mode takes the torch path of the module's execution.
-
-The `Mxfp4FusedMoE` layers run gpt-oss's MXFP4 experts kept packed (mxfp4.py: e2m1 bytes and e8m0
-scales, decoded in registers by the grouped GEMM); the torch layer dequantizes an active expert per
-call. Only devices whose MXFP4 rule keeps the experts packed build such a module (the others widen
-them at load into `FusedMoE`), and each layer refuses a module of another execution.
+Each layer is stateless: no `__init__`, only `forward(self, x, topk_ids, topk_weights)`, where
+`self` is the model's `FusedMoE` (`w_gate_up` [E, 2I, H], `w_down` [E, H, I], biases `b_gate_up`
+[E, 2I] and `b_down` [E, H] or None, `activation`, `alpha`, `limit`, `row_tile`), its
+`Fp8FusedMoE` (a checkpoint's fp8 experts, fp8.py) or its `Mxfp4FusedMoE` (gpt-oss's MXFP4 experts
+kept packed, mxfp4.py). The Triton layers differ only in their launch tuning and take the torch
+path on CPU tensors; an fp8 or MXFP4 layer runs one execution and refuses a module prepared for
+another, so a buffer made for one never reaches another's kernel. Deterministic mode (`row_tile`
+set) takes the torch path in fixed row tiles (`_triton_or_torch`): the trade-off is one matmul per
+tile. `COMPILE_SPECS` names, per Triton layer, the launches its forward can make (the preflight
+compiles them ahead of time), each with the tuning its forward passes.
 """
 
 from __future__ import annotations
@@ -50,14 +37,19 @@ def _torch_path(module: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk
 
 def _triton_or_torch(module: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      tuning: FusedMoETuning) -> torch.Tensor:  # fmt: skip
-    if getattr(module, "row_tile", None) is not None:  # deterministic: fixed tiles, see the docstring
+    """The kernel, or in deterministic mode (`row_tile` set) the torch path in fixed tiles of
+    `row_tile` rows per expert, as the CPU layer does: the kernel's tile shape follows the step's
+    token count (decode or prefill shape) and a row's block mates are whatever other pairs chose
+    its expert, so it cannot promise a row's bits whatever its batch; the fixed GEMM shape does."""
+    if getattr(module, "row_tile", None) is not None:  # deterministic: fixed tiles
         return _torch_path(module, x, topk_ids, topk_weights)
     return fused_moe(x, module.w_gate_up, module.w_down, topk_ids, topk_weights, module.b_gate_up, module.b_down,
                      module.activation, module.alpha, module.limit, tuning=tuning)  # fmt: skip
 
 
 class FusedMoE(nn.Module):
-    """Torch (CPU): pairs grouped by expert, one grouped GEMM per projection (deterministic: the reference in row tiles)."""
+    """Torch (CPU): pairs grouped by expert, one grouped GEMM per projection (deterministic: the
+    reference in row tiles)."""
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return _torch_path(self, x, topk_ids, topk_weights)
@@ -101,7 +93,7 @@ def _expect(module: nn.Module, execution: str) -> None:
 
 def _fp8(module: nn.Module, x, topk_ids, topk_weights, execution: str, tuning: FusedMoETuning) -> torch.Tensor:
     _expect(module, execution)
-    if getattr(module, "row_tile", None) is not None:  # deterministic: fixed tiles, see the docstring
+    if getattr(module, "row_tile", None) is not None:  # deterministic: fixed tiles (`_triton_or_torch`)
         return fused_moe_fp8_reference(x, module, topk_ids, topk_weights, module.row_tile)
     return fused_moe_fp8(x, module, topk_ids, topk_weights, native=execution == "native", tuning=tuning)
 
@@ -172,7 +164,9 @@ def _mxfp4(module: nn.Module, x, topk_ids, topk_weights, tuning: FusedMoETuning 
 
 
 class Mxfp4FusedMoE(nn.Module):
-    """Torch: each active expert's e2m1 blocks dequantized per call into the activations' dtype."""
+    """Torch: each active expert's e2m1 blocks dequantized per call into the activations' dtype. Only
+    devices whose MXFP4 rule keeps the experts packed build an `Mxfp4FusedMoE` (the others widen them
+    at load into `FusedMoE`)."""
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return _mxfp4(self, x, topk_ids, topk_weights, None)

@@ -1,31 +1,15 @@
 """The experts in torch: the reference (one matmul pair per active expert, in fixed tiles under
-`--deterministic`) and the CPU path (one grouped GEMM pair), with the custom op that lets a
-compiled decode step call the CPU path.
+`--deterministic`) and the CPU path, with the custom op that lets a compiled decode step call it.
 
-Design: both sort the `T x K` token-expert pairs by expert with one stable sort. The reference
-then loops over the active experts (two `F.linear` each), reading the pair counts on the host;
-the CPU path hands every expert's run to `torch._grouped_mm` as one group (the group ends are a
-scatter-add and a cumsum on the device), so a step makes one call per projection however many
-experts it touches, and nothing is read on the host. Its results are the reference's within
-fp32 rounding (the same per-expert products; the activation runs over all pairs at once, whose
-vector tail may round an ulp apart; tests/test_kernels_moe.py), and a bias is added after the
-product rather than inside it (`x @ W + b`, as transformers writes it), a rounding apart in bf16.
-Where a CPU worker packed the experts for oneDNN (workers/model/cpu_projections.py: one packed
-matrix per expert on the stacked tensor, `PACKED_ATTR`), the CPU path runs `fused_moe_packed`
-instead: the same sort, then one matmul pair per active expert (a oneDNN pack's bias inside the
-product), driven from C++ where that loop builds on the host (cpu_experts.py: the Python loop's
-ops without the Python between them; where the worker laid an expert's matrices out as column
-panels, kernels_local/panel_linear/cpu.py, their products by oneDNN's batch-reduce GEMM without a packed
-call's setup), from Python otherwise (over oneDNN packs only). Which of the two a step takes
-(`packed_wins`): from C++, the packed matrices always (0.3-0.5x the grouped GEMM's time at 1 to
-32 rows in float32, 8 and 32 experts; 0.3-0.35x in bfloat16, whose grouped products are unpacked
-oneDNN calls); from Python, where the experts average two rows or more (0.4-0.7x the grouped
-GEMM's time there; fewer: a oneDNN call's fixed cost outweighs it).
-Inside `torch.compile` the CPU path is one opaque op, `hetserve_fused_moe::grouped_experts`,
-whose output is shaped like `x`: the grouping's data-dependent sizes stay inside it and
-Inductor compiles the rest of the step (attention, norms, the router) around it.
-Trade-off: the op is opaque, so nothing around it fuses into it; the reference stays the
-readable statement of the math that the Triton kernel and this path are checked against.
+Both sort the `T x K` token-expert pairs by expert with one stable sort. The reference loops over
+the active experts, reading the pair counts on the host; the CPU path makes one call per
+projection however many experts a step touches: `torch._grouped_mm` with one group per expert
+(`fused_moe_grouped`), or, where a CPU worker packed the experts, one packed matmul pair per
+active expert driven from C++ (`fused_moe_packed`, cpu_experts.py; `packed_wins` chooses). Inside
+`torch.compile` the CPU path is one opaque op, `hetserve_fused_moe::grouped_experts`, shaped like
+`x`, so the grouping's data-dependent sizes stay inside it and Inductor compiles the rest of the
+step around it. The trade-off: nothing around the op fuses into it; the reference stays the
+readable statement of the math that the Triton kernel and the CPU path are checked against.
 """
 
 from __future__ import annotations
@@ -39,7 +23,7 @@ from . import cpu_experts
 # tensor under this attribute (workers/model/cpu_projections.py makes them), and oneDNN's matmul.
 PACKED_ATTR = "_hetserve_onednn"
 # An expert's rows past 8 go to oneDNN padded to a multiple of 8: it compiles one kernel per row
-# count (about 0.4 MiB each in float32), so a worker keeps a few per expert shape, not one per count.
+# count, so a worker keeps a few per expert shape, not one per count.
 PACKED_ROW_STEP = 8
 
 
@@ -99,7 +83,10 @@ def fused_moe_packed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
                      b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
                      limit: float = 7.0) -> torch.Tensor:  # fmt: skip
     """The reference's sum through the experts' oneDNN packs (`PACKED_ATTR` on both stacks, one
-    packed matrix per expert): one packed matmul pair per active expert, biases inside it."""
+    packed matrix per expert): one packed matmul pair per active expert, biases inside it. Driven
+    from C++ where that loop builds on the host (cpu_experts.py: the Python loop's ops without the
+    Python between them; over column panels where the worker laid an expert's matrices out so,
+    kernels_local/panel_linear/cpu.py), from Python otherwise (over oneDNN packs only)."""
     gate_up, down = getattr(w_gate_up, PACKED_ATTR), getattr(w_down, PACKED_ATTR)
     if cpu_experts.load().available:  # the same ops from C++ (cpu_experts.cpp), over packs or panels
         return cpu_experts.experts_packed(x, topk_ids, topk_weights, gate_up, down, b_gate_up, b_down, activation,
@@ -123,9 +110,10 @@ def fused_moe_packed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
 
 
 def packed_wins(rows_per_expert: float, from_cpp: bool, onednn: bool = True) -> bool:
-    """Whether the experts' packed matrices beat the grouped GEMM at this many rows per expert (the
-    module's docstring gives the timings): from C++ always; from Python, over oneDNN packs (`onednn`:
-    the Python loop multiplies by nothing else) from two rows."""
+    """Whether the experts' packed matrices beat the grouped GEMM at this many rows per expert: from
+    C++ always; from Python, over oneDNN packs (`onednn`: the Python loop multiplies by nothing else)
+    from two rows, below which a oneDNN call's fixed cost outweighs the gain (timings:
+    docs/benchmarks.md "Decode step against transformers")."""
     return from_cpp or (onednn and rows_per_expert >= 2)
 
 
@@ -134,7 +122,11 @@ def fused_moe_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
                       b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
                       limit: float = 7.0) -> torch.Tensor:  # fmt: skip
     """The reference's sum as two `torch._grouped_mm` calls, one group per expert: [T, H] -> [T, H]
-    (through the experts' oneDNN packs where the worker made them)."""
+    (through the experts' oneDNN packs where the worker made them). The group ends are a
+    scatter-add and a cumsum on the device, so nothing is read on the host. Its results are the
+    reference's within fp32 rounding (the same per-expert products; the activation runs over all
+    pairs at once, whose vector tail may round an ulp apart: tests/test_kernels_moe.py), and a bias
+    is added after the product (`x @ W + b`, as transformers writes it), a rounding apart in bf16."""
     packs = getattr(w_gate_up, PACKED_ATTR, None), getattr(w_down, PACKED_ATTR, None)
     if None not in packs and packed_wins(topk_ids.numel() / w_gate_up.shape[0], cpu_experts.load().available,
                                          packs[0][0].is_mkldnn and packs[1][0].is_mkldnn):  # fmt: skip

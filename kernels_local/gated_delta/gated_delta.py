@@ -1,52 +1,15 @@
 """The gated delta rule (Gated DeltaNet's token mixer) as two Triton kernels, their torch
 references, and per-architecture launch tuning.
 
-The recurrence, per value head with a state `S [Dk, Dv]` in fp32: `S = exp(g_t) S`, then
-`S += k_t (beta_t (v_t - S^T k_t))^T` and `o_t = S^T q_t`, with q and k L2-normalized (eps
-1e-6, as FLA and transformers) and q scaled by `Dk^-1/2`; a key head serves `Hv / Hk`
-consecutive value heads. Layout (the worker's state pool, workers/kv/state.py): `state [S,
-Hv, Dk, Dv]` fp32, one slot per sequence, read at a chunk's start and written back at its end
-in place; q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, g (log decay, fp32) and beta `[T, Hv]` are the
-step's packed tokens, any row stride (they are views of one projection).
-
-Design: one program per (sequence, value head, `BV` columns of the state).
-- `_gated_delta_step_kernel` (decode: one token per row): one step of the recurrence on the
-  program's `[Dk, BV]` slice of the state, held in registers (element-wise products and row
-  sums, no `tl.dot`); a wide key dim narrows `BV` so that the slice stays within
-  `STEP_STATE_REGISTERS` values per thread.
-- `_gated_delta_chunk_kernel` (prefill spans): the chunked (WY) form, `CHUNK` tokens at a time,
-  with the state's slice kept in its slot (global memory, in place) and every product over
-  the key dim taken in `BK`-wide blocks: the cumulative log decay `c` of the chunk; over the
-  key blocks, `k k^T`, `q k^T` and the state read at decayed keys and queries (`k exp(c) S`,
-  `q exp(c) S`); `A = tril(beta k k^T * exp(c_i - c_j), -1)` and its unit-lower-triangular
-  inverse `T = (I + A)^-1` by forward substitution (row by row in registers: the same
-  eliminations as `torch.linalg.solve_triangular`, stable however alike the keys are, where
-  a Neumann product would sum binomially growing terms); the chunk's writes
-  `fresh = T (beta v - beta k exp(c) S)`, its output `q exp(c) S + tril(q k^T exp(c_i - c_j)) fresh`,
-  then, block by block again, the state stepped once: `S exp(c_last) + (k exp(c_last - c))^T fresh`.
-  Tokens past the span's end load as zeros (beta 0, g 0), which write and decay nothing.
-  Why blocks and not the whole key dim in registers: fp32 dots whose reduction is the key dim
-  (128) keep that whole dim of both operands per thread (FMA dots) and spilled on every CUDA
-  target; with `BK`-wide blocks every dot reduces over at most 32, and the state makes a
-  round trip through L2 per chunk (`Dk x BV` fp32 per program) instead.
-Every dot is fp32 with `input_precision="ieee"` (no tf32: the state accumulates every token's
-update); the trade-off is that Hopper's wgmma and Ampere's tf32 mma go unused, which a
-bf16-operand variant could buy back at the cost of the state's precision.
-
-Launch configurations (`GatedDeltaTuning`): `CHUNK` tokens, `BV` state columns per program,
-`BK` key columns per block, warps; `DK` is the key head dim's next power of two. Each one
-compiles without spills on its targets for head dims 64 to 512 (`hetserve plan --compile`;
-at head dim 128 the chunked kernel takes 234, 102 and 215 registers per thread on sm_80,
-sm_90 and gfx942):
-- pre-Hopper (sm_70..sm_89): 16-token chunks, 16 key columns, 32 state columns, 4 warps;
-- Hopper and later (sm_90+): 16-token chunks, 16 key columns, 32 state columns, 16 warps
-  (32-token chunks, and 8 warps on sm_100, spilled; 64 state columns spilled 16-40 bytes on
-  sm_100, sm_103 and sm_120 with triton 3.7.1, the version torch 2.13's CUDA wheel pins);
-- ROCm (64-lane wavefronts, fp32 MFMA): 16-token chunks, 32 key columns, 64 state columns,
-  4 wavefronts.
-Row strides, slots and counts are runtime integers that Triton does not specialize, so one
-compiled launch per (tuning, head dims, dtype) serves every step; `compile_specs` declares
-exactly those launches.
+Per value head, with a state `S [Dk, Dv]` in fp32: `S = exp(g_t) S`, then
+`S += k_t (beta_t (v_t - S^T k_t))^T` and `o_t = S^T q_t`, q and k L2-normalized, q scaled by
+`Dk^-1/2`. One program per (sequence, value head, `BV` columns of the state): the decode kernel
+steps one token with its slice of the state in registers; the prefill kernel runs the chunked (WY)
+form `CHUNK` tokens at a time, its products over the key dim in `BK`-wide blocks, the state kept in
+its slot (a round trip through L2 per chunk instead of register spills). The trade-off: every dot
+is fp32 with `input_precision="ieee"` (the state accumulates every token's update), so Hopper's
+wgmma and Ampere's tf32 mma go unused; a bf16-operand variant could buy them back at the cost of
+the state's precision. Layout: `gated_delta_step`; the tunings: `GatedDeltaTuning`.
 """
 
 from __future__ import annotations
@@ -61,9 +24,10 @@ import triton.language as tl
 
 from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
 
-# Runtime integers compiled once for every value (no divisibility or ==1 specialization).
+# Runtime integers compiled once for every value (no divisibility or ==1 specialization), so one
+# compiled launch per (tuning, head dims, dtype) serves every step.
 _UNSPECIALIZED = ("stride_q", "stride_k", "stride_v", "stride_g", "stride_b", "stride_o", "group", "num_heads")
-EPS = 1e-6  # of the L2 norm of q and k
+EPS = 1e-6  # of the L2 norm of q and k, as FLA and transformers
 
 
 @triton.jit(do_not_specialize=_UNSPECIALIZED)
@@ -119,6 +83,16 @@ def _state_block(s_base, d0, cols, key_dim, value_dim, BK: tl.constexpr):
     return s_base + d[:, None] * value_dim + cols[None, :], (d < key_dim)[:, None] & (cols < value_dim)[None, :]
 
 
+# The chunked (WY) form, per chunk: the cumulative log decay `c`; over the key blocks `k k^T`,
+# `q k^T` and the state read at decayed keys and queries (`k exp(c) S`, `q exp(c) S`);
+# `A = tril(beta k k^T * exp(c_i - c_j), -1)` and `T = (I + A)^-1` by forward substitution (the
+# eliminations of `torch.linalg.solve_triangular`, stable however alike the keys are, where a
+# Neumann product would sum binomially growing terms); the writes `fresh = T (beta v - beta k exp(c) S)`,
+# the output `q exp(c) S + tril(q k^T exp(c_i - c_j)) fresh`, then the state stepped once, block by
+# block: `S exp(c_last) + (k exp(c_last - c))^T fresh`. Tokens past the span's end load as zeros
+# (beta 0, g 0), which write and decay nothing. Why key blocks: fp32 dots reducing over the whole
+# key dim (128) keep it all per thread (FMA dots) and spilled on every CUDA target; a `BK`-wide
+# block reduces over at most 32.
 @triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _gated_delta_chunk_kernel(
     Q, K, V, G, BETA, STATE, OUT, SPANS,
@@ -286,7 +260,15 @@ STEP_STATE_REGISTERS = 32  # fp32 state values per thread in the decode kernel (
 
 @dataclass(frozen=True)
 class GatedDeltaTuning:
-    """Launch shape for one architecture family."""
+    """Launch shape for one architecture family: `CHUNK` tokens, `BV` state columns per program, `BK`
+    key columns per block, warps (`DK` is the key head dim's next power of two). Each compiles
+    without spills on its targets for head dims 64 to 512 (`hetserve plan --compile`):
+    - pre-Hopper (sm_70..sm_89): 16-token chunks, 16 key columns, 32 state columns, 4 warps;
+    - Hopper and later (sm_90+): 16-token chunks, 16 key columns, 32 state columns, 16 warps
+      (32-token chunks and 8 warps spilled on sm_100, 64 state columns on sm_100, sm_103, sm_120);
+    - ROCm (64-lane wavefronts, fp32 MFMA): 16-token chunks, 32 key columns, 64 state columns,
+      4 wavefronts.
+    Registers per tuning: docs/benchmarks.md "Preflight matrix"."""
 
     name: str
     chunk: int  # tokens per chunk of the chunked kernel (>= 16: tl.dot's smallest side)
@@ -341,7 +323,12 @@ def _args(q, k, v, g, beta, out):
 def gated_delta_step(q, k, v, g, beta, state, rows: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
                      tuning: GatedDeltaTuning = PRE_HOPPER) -> None:  # fmt: skip
     """Decode rows: packed row `rows[n]` steps slot `slots[n]` of `state` once (in place) and writes
-    its output row of `out` [T, Hv, Dv]; operands as the module docstring lays them out."""
+    its output row of `out` [T, Hv, Dv].
+
+    Layout (the worker's state pool, workers/kv/state.py): `state [S, Hv, Dk, Dv]` fp32, one slot per
+    sequence, read at a chunk's start and written back at its end in place; q, k `[T, Hk, Dk]`,
+    v `[T, Hv, Dv]`, g (log decay, fp32) and beta `[T, Hv]` are the step's packed tokens, any row
+    stride (views of one projection); a key head serves `Hv / Hk` consecutive value heads."""
     _, dk, hv, dv = _checked(q, k, v, g, beta, state)
     if not runs_triton(q):
         o, s = step_reference(q[rows], k[rows], v[rows], g[rows], beta[rows], state.index_select(0, slots))

@@ -1,28 +1,14 @@
 """Decode attention on the CPU, in place through the block table: a small C++ kernel.
 
-Why: on a CPU, attending the decode rows over the paged pool in torch starts with a gather (every
-attended position of every row copied out of its block, per layer and step), and the compiled
-step then widens that copy to fp32 for its batched matmuls; at 32 rows of 176 positions that
-copy and the matmuls reading it were most of the embedded model's decode step. The kernel reads
-each row's blocks where they lie and keeps a running softmax in fp32 (`cpu_decode.cpp`), the
-way the GPU kernels do, so nothing is copied: the mirror of contiguous rows (workers/kv/mirror.py)
-and the compiled step's gather are not needed where it runs.
-
-Design: `paged_decode_cpu(query, kv, tables, lens, window, scale, softcap, sinks)` is one opaque
-op, `hetserve::paged_decode_cpu` (so a compiled step calls it as it is); its scores, soft-cap,
-window, sinks and softmax follow the worker's torch path (workers/kv/paged.py
-`PagedRows.attend`), which stays the reference. The source is compiled once per host with torch's C++ extension builder,
-for this CPU's vector instructions (AVX-512 or AVX2, from its flags, as Inductor builds its own), into
-torch's extension cache (`$TORCH_EXTENSIONS_DIR`, under a name carrying a hash of the source and
-the flags), on first use in a process: `load()` says whether it is there, and why not (no C++
-compiler, a failed build: then the torch path serves, and the reason is shown). The first
-build on a host takes 20-40 s, later loads well under a second; `HETSERVE_CPU_DECODE=off` turns
-the kernel off (the torch path everywhere).
-The package's `layers` does not import this module: the `kernels` library imports a repository
-under a name of its own, and the op registers once per process (the worker imports it as
-`kernels_local.paged_attention.cpu`).
-Trade-off: a compiler on the host at first use (Inductor needs one anyway to compile the step),
-and a kernel of our own to keep equal to the reference, which the tests hold it to.
+In torch, attending the decode rows over the paged pool starts with a gather (every attended
+position of every row copied out of its block, per layer and step), which a compiled step then
+widens to fp32 for its batched matmuls. The kernel (`cpu_decode.cpp`) reads each row's blocks
+where they lie and keeps a running softmax in fp32, as the GPU kernels do, so nothing is copied:
+the contiguous mirror (workers/kv/mirror.py) and the compiled step's gather are not needed where
+it runs. It is one opaque op, `hetserve::paged_decode_cpu`, so a compiled step calls it as it is,
+built once per host for its vector ISA (kernels_local/cpp_build.py). The trade-off: a compiler on
+the host at first use (Inductor needs one anyway) and a kernel of our own to keep equal to the
+torch path (workers/kv/paged.py `PagedRows.attend`), the reference the tests hold it to.
 """
 
 from __future__ import annotations
@@ -61,7 +47,15 @@ def _flags() -> tuple[list[str], str]:
 
 @functools.cache
 def load() -> CpuDecode:
-    """Build (once per host) and load the kernel; its state and reason. Never raises."""
+    """Build (once per host) and load the kernel; its state and reason. Never raises.
+
+    Compiled with torch's C++ extension builder for this CPU's vector instructions (AVX-512 or AVX2,
+    from its flags, as Inductor builds its own) into torch's extension cache (`$TORCH_EXTENSIONS_DIR`,
+    under a name carrying a hash of the source and the flags), on first use in a process; later
+    starts only load it. Without a C++ compiler, after a failed build or with
+    `$HETSERVE_CPU_DECODE=off`, the torch path serves and the reason says why. The package's
+    `layers` does not import this module: `kernels` imports a repository under a name of its own,
+    and the op registers once per process (the worker imports `kernels_local.paged_attention.cpu`)."""
     global _module
     if os.environ.get(ENV_CPU_DECODE, "").lower() in ("off", "0", "false"):
         return CpuDecode(False, f"${ENV_CPU_DECODE}=off: decode attention gathers the rows' K/V in torch")
@@ -79,7 +73,8 @@ def paged_decode_cpu(query: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor
     """softmax(q k^T * scale) v for one query token per row: `query` [N, Hq, D] over the pool layer
     `kv` [2, Hkv, NB, B, D] through `tables` [N, W], row n attending positions `< lens[n]` (its last
     `window` when > 0), scores soft-capped when `softcap` > 0, `sinks` [Hq] joining each softmax;
-    -> [N, Hq, D]. A `RuntimeError` naming why where the kernel cannot load (`load()`)."""
+    -> [N, Hq, D]. Scores, soft-cap, window, sinks and softmax follow the worker's torch path. A
+    `RuntimeError` naming why where the kernel cannot load (`load()`)."""
     state = load()
     if not state.available:
         raise RuntimeError(f"The CPU decode kernel is not available: {state.reason}")

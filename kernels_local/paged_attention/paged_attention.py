@@ -1,56 +1,14 @@
 """Decode attention over a paged KV cache as one Triton kernel, its torch path, and launch tuning.
 
-Layout (the worker's KV pool): one layer's cache is `kv [2 (K, V), Hkv, NB, B, D]`; sequence
-`n` keeps position `p` in block `block_tables[n, p // B]` at offset `p % B`. Each decode row
-has one query token, at position `seq_lens[n] - 1`, whose K/V are already written. A layer's
-options (Gemma 2/3, Qwen3, OLMo 3): a sliding `window` (the row attends only positions
-`p >= seq_lens[n] - window`), a `softcap` (scores -> cap * tanh(scores / cap), after the
-scale, before the softmax) and the score `scale` (default 1/sqrt(D)).
-
-Design: one program per (sequence, query head). It walks the sequence's positions `TILE` at
-a time from the window's first one (`max(0, seq_len - window)`: positions before it are
-never read, so the cache may free their blocks and point their table entries anywhere),
-looks up each position's block through the block table (so any block size works, and a
-tile may span several blocks), loads K `[TILE, D]`, computes the scores in fp32 (scaled,
-then soft-capped), keeps a running max and sum (online softmax, as flash-decoding does),
-and accumulates `p @ V`; the query heads of one KV group read the same K/V (grouped-query
-attention without repeating them). Loads past the sequence's length or the head dim are
-masked. The trade-off: the G query heads of a group load their K/V tiles separately (G x
-the reads of a fused group kernel, mostly served from L2), which keeps the kernel free of
-`tl.dot` and its per-architecture precision and shape constraints (fp32 inputs would
-otherwise be rounded to tf32 on Ampere and later).
-
-Launch configurations (grid `(num_rows, num_query_heads)`, constexprs `TILE` and
-`HEAD_DIM`): `TILE = clamp(tile_elements // HEAD_DIM, 16, max_tile)`:
-- pre-Hopper (sm_70..sm_89): tile_elements 4096, max_tile 64, 4 warps;
-- Hopper and later (sm_90+): tile_elements 8192, max_tile 128, 8 warps (more bytes in flight);
-- ROCm (64-lane wavefronts): tile_elements 4096, max_tile 64, 4 wavefronts.
-At head dim 256 (Gemma) that is 16 positions (4 warps) or 32 (8 warps): 32 fp32 values of K
-and of V per thread, 64-74 registers on sm_80/sm_90 and no spills. Warps grow with the tile so
-that no thread holds more than `MAX_PER_THREAD` (32) values of a K tile: at head dim 512
-(Gemma 4's global layers; FlashAttention-style kernels stop at 256) a 16-position tile takes 8
-warps pre-Hopper (64 registers in bf16, 108 in fp32 on sm_80, no spills; with 4 warps it held
-64 values per thread: 96-158 registers), and stays at 8 warps on Hopper and 4 wavefronts of 64
-lanes on ROCm (72-116 and 80-82 registers). On 32-lane GPUs a head dim of 512 takes 16 warps
-(the tunings' `wide_head_warps`): with 8, triton 3.7.1 (the version torch 2.13's CUDA wheel pins) held
-sm_80 and sm_90 to 80 registers and spilled 16-24 bytes; with 16, 84-87 and no spills.
-The block size, the GQA group, the pool's block count, the block table's width and the row
-stride are runtime integers the JIT does not specialize on (`do_not_specialize`), and K/V
-rows are addressed as `(head * num_blocks + block) * block_size + offset` rows of
-`head_dim`: so one compiled launch per padded head dim serves every block size, group,
-pool size (no stride beyond int32 however large the pool) and step, and `compile_specs`
-declares exactly the launches the wrapper makes. The trade-off: a division and a modulo by
-a runtime block size per position instead of shifts (negligible next to the K/V loads).
-
-The layer options are runtime arguments too, so the one launch per padded head dim also
-serves every window, cap and scale: `window` is an unspecialized integer (a full layer passes
-`FULL_WINDOW`, which no sequence reaches; a window of 1 stays a runtime value), `softcap` and
-`scale` are fp32 scalars (Triton never specializes floats), and the cap is one uniform branch
-per tile (`softcap > 0`; 0 is off). The trade-off: a scalar compare per tile and both branches
-in the binary, instead of a second compiled variant per head dim (twice the preflight's
-compiles and two binaries to keep in step). tanh is written with `tl.exp` (`_tanh`):
-`triton.language` has none of its own, and libdevice's is per backend and has moved between
-Triton versions.
+One program per (sequence, query head) walks the sequence's positions `TILE` at a time from the
+window's first one, finds each position's block through the block table (any block size; a tile
+may span blocks) and keeps a running max and sum in fp32 (online softmax, as flash-decoding does);
+the query heads of one KV group read the same K/V. Block size, group, pool size, window, cap and
+scale are runtime arguments, so one compiled launch per padded head dim serves every layer and
+step. The trade-off: the G query heads of a group load their K/V tiles separately (G x the reads
+of a fused group kernel, mostly served from L2), which keeps the kernel free of `tl.dot` and its
+per-architecture precision and shape constraints (fp32 inputs would be rounded to tf32 on Ampere
+and later). The layout and options: `paged_decode`; the launch shapes: `PagedAttentionTuning`.
 """
 
 from __future__ import annotations
@@ -65,18 +23,23 @@ import triton.language as tl
 
 from kernels_local.compile_spec import CompileSpec, Workload, int_arg, pointer, unique
 
-# Runtime integers compiled once for every value (no divisibility or ==1 specialization).
+# Runtime integers compiled once for every value (no divisibility or ==1 specialization): one
+# launch per padded head dim serves every block size, group, pool size, window and step, at the
+# cost of a division and a modulo by a runtime block size per position (negligible next to the
+# K/V loads). K/V rows are addressed as `(head * num_blocks + block) * block_size + offset`, so no
+# stride exceeds int32 however large the pool.
 _UNSPECIALIZED = ("stride_n", "num_blocks", "stride_bt", "group", "block_size", "window", "use_sinks")
 # The window of a layer that does not slide: larger than any sequence (int32, as launched).
 FULL_WINDOW = 2**31 - 1
 # Values of a K tile (and of V) one thread holds at most: the warps grow with the tile past it.
 MAX_PER_THREAD = 32
-# The padded head dim from which a tuning's `wide_head_warps` apply (see the module docstring).
+# The padded head dim from which a tuning's `wide_head_warps` apply (see `PagedAttentionTuning`).
 WIDE_HEAD = 512
 
 
 @triton.jit
 def _tanh(x):
+    # `triton.language` has no tanh, and libdevice's is per backend and has moved between versions.
     # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]: no overflow for any x
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
@@ -194,7 +157,18 @@ def paged_decode_reference(
 
 @dataclass(frozen=True)
 class PagedAttentionTuning:
-    """Launch shape for one architecture family: positions per iteration and warps."""
+    """Launch shape for one architecture family: positions per iteration and warps.
+
+    Grid `(num_rows, num_query_heads)`; `TILE = clamp(tile_elements // HEAD_DIM, 16, max_tile)`:
+    - pre-Hopper (sm_70..sm_89): tile_elements 4096, max_tile 64, 4 warps;
+    - Hopper and later (sm_90+): tile_elements 8192, max_tile 128, 8 warps (more bytes in flight);
+    - ROCm (64-lane wavefronts): tile_elements 4096, max_tile 64, 4 wavefronts.
+    At head dim 256 (Gemma) that is 16 positions (4 warps) or 32 (8 warps). Warps grow with the
+    tile so that no thread holds more than `MAX_PER_THREAD` values of a K tile: at head dim 512
+    (Gemma 4's global layers; FlashAttention-style kernels stop at 256) a 16-position tile takes 8
+    warps pre-Hopper. On 32-lane GPUs a padded head dim of `WIDE_HEAD` takes `wide_head_warps`
+    (16): with 8, Triton spilled on sm_80 and sm_90. Registers and spills per tuning:
+    docs/benchmarks.md "Preflight matrix"."""
 
     name: str
     tile_elements: int  # TILE x HEAD_DIM elements of K (and of V) one iteration holds
@@ -261,7 +235,17 @@ def paged_decode(
     [N, MB] for rows of `seq_lens` [N] positions -> [N, Hq, D]; the torch path on CPU. Each row
     attends its last `window` positions (None or 0: all), its scores scaled by `scale` (None:
     1/sqrt(D)) and then soft-capped to `softcap` (None or 0: off); `sinks` [Hq] (gpt-oss) add one
-    logit per head to each softmax."""
+    logit per head to each softmax.
+
+    Layout (the worker's KV pool, one layer): sequence `n` keeps position `p` in block
+    `block_tables[n, p // B]` at offset `p % B`; each row has one query token, at position
+    `seq_lens[n] - 1`, whose K/V are already written. Positions before the window's first one
+    (`max(0, seq_len - window)`) are never read, so the cache may free their blocks and point
+    their table entries anywhere. The options (Gemma 2/3, Qwen3, OLMo 3, gpt-oss) are runtime
+    arguments: a full layer passes `FULL_WINDOW`, which no sequence reaches; `softcap` and `scale`
+    are fp32 scalars (Triton never specializes floats) and the cap is one uniform branch per tile
+    (`softcap > 0`): a scalar compare per tile instead of a second compiled variant per head dim
+    (twice the preflight's compiles and two binaries to keep in step)."""
     n, hq, d = query.shape
     _, hkv, _, bs, _ = kv.shape
     if hq % hkv:
@@ -289,14 +273,13 @@ def paged_decode(
 
 def compile_specs(tuning: PagedAttentionTuning, workload: Workload) -> tuple[CompileSpec, ...]:
     """Every launch `paged_decode` makes with `tuning` for the workload's head dims: one per
-    padded head dim, whatever the window, cap and scale (runtime arguments, see the module
-    docstring)."""
+    padded head dim, whatever the window, cap and scale (runtime arguments, see `paged_decode`)."""
     specs = []
     for d in workload.head_dims:
         tile, padded, warps = tuning.launch_shape(d)
         t, index = pointer(workload.dtype), pointer("i64")
         args = (("Q", t), ("K", t), ("V", t), ("Out", t), ("BLOCK_TABLES", index), ("SEQ_LENS", index),
-                ("SINKS", pointer("fp32")), *((name, "i32") for name in _UNSPECIALIZED), ("head_dim", int_arg(d)), ("softcap", "fp32"),
-                ("scale", "fp32"))
+                ("SINKS", pointer("fp32")), *((name, "i32") for name in _UNSPECIALIZED), ("head_dim", int_arg(d)),
+                ("softcap", "fp32"), ("scale", "fp32"))
         specs.append(CompileSpec(_paged_decode_kernel, args, (("TILE", tile), ("HEAD_DIM", padded)), warps))
     return unique(specs)

@@ -1,29 +1,13 @@
 """A CPU projection without oneDNN's per-call setup: brgemm over the weight's column panels (C++).
 
-Why: a packed oneDNN matmul (`mkldnn._linear_pointwise`, workers/model/cpu_projections.py) sets
-itself up on every call, about 13 us on this project's CPUs: more than the product of a small
-model's projection at a decode batch (a [16, 256] x [256, 512] bfloat16 product is 3 us of it).
-oneDNN's batch-reduce GEMM kernel, which torch exports for its own CPU attention
-(`at::native::cpublas::brgemm`), is looked up per shape without that setup. Over a weight laid out
-once as contiguous column panels (`panels`), a projection takes 0.1-0.95x the packed call's time
-at 1 to 128 rows for reductions up to `MAX_K` (docs/benchmarks.md "CPU projections"); past it,
-without K blocking, it loses to the packs, which stay there.
-
-Design: `cpu_gemm.cpp` is built once per host (kernels_local/cpp_build.py), on first
-use in a process; `load()` says whether it is there and why not, and without it the oneDNN packs
-serve. `panels(weight)` lays a weight [N, K] out as [K, N] column panels of `PANEL` (the last
-narrower), each [K, w] in float32 or [K/2, w, 2] in bfloat16 (pairs of K side by side: the order
-the bfloat16 dot instructions read; an even K); `linear(rows, panels, bias)` multiplies. The
-products are float32 sums, the bias added to them and a bfloat16 output rounded once, as the
-packed matmul does, one [64, 64] tile at a time while it is in cache; the order of the sums is the kernel's own, so results may differ from the
-packs' in the last bit where oneDNN splits a reduction otherwise (tests/test_cpu_gemm.py).
-From 256 rows (a prompt's, never a decode step's) the row blocks are shared among torch's
-intra-op threads (`at::parallel_for`, built with OpenMP as torch is): each output element is
-still one kernel's sum, so the bits do not depend on the thread count, and a burst of 16
-prompts of 128 tokens prefilled in one step of the embedded model took 34 ms instead of 47 on
-the 2-core machine (2 threads; 54 ms on 1).
-Trade-off: a second kernel family beside the packs, chosen by the reduction's length, and a
-layout only this module reads; the same bytes as the packs they replace.
+A packed oneDNN matmul (workers/model/cpu_projections.py) sets itself up on every call, which can
+outweigh a small model's projection at a decode batch; oneDNN's batch-reduce GEMM kernel, which
+torch exports (`at::native::cpublas::brgemm`), is looked up per shape without that setup.
+`panels(weight)` lays a weight out once as contiguous column panels; `linear` multiplies over
+them (cpu_gemm.cpp, built once per host by kernels_local/cpp_build.py; without it the packs serve).
+The trade-off: a second kernel family beside the packs, chosen by the reduction's length (up to
+`MAX_K`; without K blocking the packs win past it), and a layout only this module reads; the same
+bytes as the packs they replace. Timings: docs/benchmarks.md "CPU projections".
 """
 
 from __future__ import annotations
@@ -82,7 +66,8 @@ def fits(weight: torch.Tensor) -> bool:
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [N, K] as [K, N] column panels of `PANEL` (the last narrower) one after another, each
-    [K, w] in float32 or [K/2, w, 2] in bfloat16; shaped [K, N] / [K/2, N, 2] over that order."""
+    [K, w] in float32 or [K/2, w, 2] in bfloat16 (pairs of K side by side: the order the bfloat16 dot
+    instructions read; an even K); shaped [K, N] / [K/2, N, 2] over that order."""
     kn = weight.detach().t()  # [K, N]
     k, n = kn.shape
     parts = []
@@ -101,7 +86,15 @@ def is_panels(pack: torch.Tensor) -> bool:
 
 
 def linear(rows: torch.Tensor, layout: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows [R, K] @ weight.T + bias through the weight's `panels` -> [R, N] in the rows' dtype."""
+    """rows [R, K] @ weight.T + bias through the weight's `panels` -> [R, N] in the rows' dtype.
+
+    The products are float32 sums, the bias added to them and a bfloat16 output rounded once, as the
+    packed matmul does, one [64, 64] tile at a time while it is in cache. The order of the sums is
+    the kernel's own, so results may differ from the packs' in the last bit where oneDNN splits a
+    reduction otherwise (tests/test_cpu_gemm.py). From 256 rows (a prompt's, never a decode step's)
+    the row blocks are shared among torch's intra-op threads (`at::parallel_for`, built with OpenMP
+    as torch is): each output element is still one kernel's sum, so the bits do not depend on the
+    thread count."""
     return _module.panel_linear(rows, layout, bias)
 
 
