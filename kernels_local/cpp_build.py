@@ -1,17 +1,14 @@
 """C++ kernels for the CPU: built once per host with torch's extension builder, for its vector ISA.
 
-Design: `build(stem, source, flags)` compiles `source` into torch's extension cache
+`build(stem, source, flags)` compiles `source` into torch's extension cache
 (`$TORCH_EXTENSIONS_DIR`) under `stem` and a hash of the source and flags, so an edited source or
-other flags build anew and a later start only loads (well under a second); the first build takes
-20-40 s on 2 cores for a pybind11 module (`torch/extension.h`), about 6 s for a source that only
-registers `torch.ops` operators over ATen's lighter headers (`CppKernel`'s default). It never raises: a host without a C++ compiler, or a failed build, gives the
-reason, and the caller keeps its torch path. `vector_flags()` gives the flags for this CPU's
-vector instructions and the macro that sizes ATen's `Vectorized` to them, as Inductor builds its
-own kernels (torch/_inductor/cpu_vec_isa.py): a kernel written over `at::vec::Vectorized` then
-runs the same vector code (and the same Sleef functions) as torch's own CPU kernels.
-Shared by the kernel repositories' CPU kernels (each repository's `cpu.py`), like `compile_spec`;
-it imports nothing of them, nor of the worker.
-Trade-off: a compiler at first use, which Inductor needs anyway to compile a CPU step.
+other flags build anew and a later start only loads. It never raises: without a C++ compiler, or
+after a failed build, it gives the reason and the caller keeps its torch path. `vector_flags()`
+gives the flags for this CPU's vector instructions and the macro that sizes ATen's `Vectorized` to
+them, as Inductor builds its own kernels (torch/_inductor/cpu_vec_isa.py), so a kernel written over
+`at::vec::Vectorized` runs the same vector code (and Sleef functions) as torch's own CPU kernels.
+Shared by the repositories' CPU kernels (each `cpu.py`), like `compile_spec`; it imports nothing of
+them, nor of the worker. The trade-off: a compiler at first use, which Inductor needs anyway.
 """
 
 from __future__ import annotations
@@ -56,9 +53,9 @@ def vector_flags(have: frozenset[str] | None = None) -> tuple[list[str], str]:
 
 def build(stem: str, source: Path, flags: list[str], ops: str | None = None):
     """(module, None) once `source` is built and imported, or (None, why not). `ops`: the source
-    registers operators in that `torch.ops` namespace (`TORCH_LIBRARY_FRAGMENT`, light headers: a
-    build of seconds where a pybind11 module's `torch/extension.h` takes half a minute), and the
-    namespace is returned in place of a module."""
+    registers operators in that `torch.ops` namespace (`TORCH_LIBRARY_FRAGMENT` over ATen's lighter
+    headers: a much shorter build than a pybind11 module's `torch/extension.h`; `CppKernel`'s
+    default), and the namespace is returned in place of a module."""
     try:
         import torch
         from torch.utils import cpp_extension

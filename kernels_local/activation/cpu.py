@@ -1,18 +1,14 @@
 """SiluAndMul's CPU kernel: one pass in C++ (`cpu_silu_and_mul.cpp`), built once per host.
 
-Why: the torch reference runs SiLU over the strided gate half into a new tensor and multiplies it
-with the up half in a second pass; at a prompt's rows ([2048, 1376] -> [2048, 688] for a burst of
-16 prompts of 128 tokens through the embedded model) the two took an eighth of the prefill step on
-one CPU thread. The kernel reads each row's gate and up once and writes the product once.
-
-Design: `silu_and_mul_cpu` takes the kernel in eager mode for float32 and bfloat16 inputs; under
-`torch.compile` (the worker's compiled decode step) it returns the torch reference, which Inductor
-fuses itself, and so it does for any other input or where the kernel did not build
-(`KERNEL.load()` says why; `$HETSERVE_CPU_ACTIVATION=off` keeps the reference). The math is the
-reference's, rounding for rounding (SiLU rounded to the input's dtype before the product), with
-ATen's own vectorized `exp` where ATen's loop takes it: the outputs are the reference's bit for bit
-as ATen computes it on one thread (on more, ATen splits a tensor at any element, which moves the
-few elements its scalar tail computes).
+The torch reference runs SiLU over the strided gate half into a new tensor and multiplies it with
+the up half in a second pass; the kernel reads each row's gate and up once and writes the product
+once. `silu_and_mul_cpu` takes it in eager mode for float32 and bfloat16 inputs; under
+`torch.compile` (the compiled decode step, which Inductor fuses itself), for any other input and
+where the kernel did not build it returns the reference (`KERNEL.load()` says why;
+`$HETSERVE_CPU_ACTIVATION=off` keeps it). The math is the reference's, rounding for rounding (SiLU
+rounded to the input's dtype before the product), with ATen's vectorized `exp` where ATen's loop
+takes it. The trade-off: the outputs are the reference's bit for bit as ATen computes it on one
+thread; on more, ATen splits a tensor at any element, which moves the few its scalar tail computes.
 """
 
 from __future__ import annotations

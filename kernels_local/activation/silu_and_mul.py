@@ -1,17 +1,11 @@
 """SiluAndMul (`silu(x[..., :I]) * x[..., I:]`) as one Triton kernel, its torch reference, and
 per-architecture launch tuning.
 
-Design: a program handles `BLOCK` output columns of one row: it reads the gate and the up
-half of the same row and writes one half-width row. Rounding follows the reference exactly
-(silu rounded to the input dtype, then the product rounded), so kernel and reference agree
-bit for bit; the trade-off is one extra fp32 round-trip per element, free in a
-memory-bound kernel.
-
-What the tunings change:
-- pre-Hopper (sm_70..sm_89): 1024 columns and 4 warps per program (8 elements per thread).
-- Hopper and later (sm_90+): 4096 columns and 8 warps per program (16 elements per
-  thread): fewer, fatter programs keep more bytes in flight on HBM3.
-- ROCm (64-lane wavefronts): 2048 columns over 4 wavefronts.
+A program handles `BLOCK` output columns of one row: it reads the gate and the up half of the
+same row and writes one half-width row. Rounding follows the reference exactly (silu rounded to
+the input dtype, then the product rounded), so kernel and reference agree bit for bit; the
+trade-off is one extra fp32 round-trip per element, free in a memory-bound kernel. The tunings
+(`SiluAndMulTuning`) change only columns and warps per program.
 """
 
 from __future__ import annotations
@@ -56,7 +50,12 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SiluAndMulTuning:
-    """Launch shape for one architecture family: columns and warps per program."""
+    """Launch shape for one architecture family: columns and warps per program.
+
+    - pre-Hopper (sm_70..sm_89): 1024 columns and 4 warps per program (8 elements per thread).
+    - Hopper and later (sm_90+): 4096 columns and 8 warps per program (16 elements per
+      thread): fewer, fatter programs keep more bytes in flight on HBM3.
+    - ROCm (64-lane wavefronts): 2048 columns over 4 wavefronts."""
 
     name: str
     block: int  # output columns per program (upper bound; narrower rows use less)

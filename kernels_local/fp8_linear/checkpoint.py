@@ -3,23 +3,13 @@
 
 The weight arrives as the checkpoint stored it, in one scale layout for every scheme:
 `weight_scale` [ceil(N / group_n), ceil(K / group_k)] fp32, weight (n, k) being `q[n, k] *
-scale[n // group_n, k // group_k]` (per-tensor and per-channel scales: one value per row,
-group_k = K; 128 x 128 blocks: group_n = group_k = 128, or group_n = 1 where fused parts did not
-start on a block).
-- `w8a8_linear` (native execution, sm_89+ and CDNA3/CDNA4): activations quantized on the fly.
-  Per-row weight scales go through the per-channel GEMM of `fp8_linear.py` (`_fp8_linear_kernel`,
-  `NATIVE=True`), after the per-token quantizer or the static one (the checkpoint's
-  `input_scale`). Blocks go through `_fp8_block_gemm_kernel`: activations quantized per token and
-  128 columns, K marched one block at a time, each block's fp8 dot (fp32) scaled by its token-group
-  scale and its weight-block scale before it is added, as DeepSeek's reference GEMM does.
-- `w8a16_linear` (weight-only, sm_80/sm_86 and ROCm without fp8 matrix cores): the uint8 bytes are
-  decoded in registers into the activations' dtype (exact: every e4m3 value is a bf16 and an fp16),
-  each K tile's dot runs on 16-bit tensor cores (fp32 operands: IEEE dots) and is scaled by its
-  group's scales as it is added; the activations are never quantized. The bytes stay one per
-  weight in memory; the trade-off is a decode per weight tile, hidden behind the loads when a
-  decode step is bound by the weight bytes (the case it is for).
-On CPU tensors (simulated devices) each wrapper runs its torch path: `torch._scaled_mm` for e4m3fn
-per-row scales (as the `--quantize fp8` layer does), the references otherwise.
+scale[n // group_n, k // group_k]` (per-tensor and per-channel: one value per row, group_k = K;
+128 x 128 blocks: group_n = group_k = 128, or group_n = 1 where fused parts did not start on a
+block). `w8a8_linear` (native, sm_89+ and CDNA3/CDNA4) quantizes the activations on the fly;
+`w8a16_linear` (weight-only, sm_80/sm_86 and ROCm without fp8 matrix cores) decodes the bytes in
+registers and never quantizes the activations. The trade-off of the weight-only GEMM: a decode
+per weight tile, hidden behind the loads when a decode step is bound by the weight bytes (the case
+it is for), while the bytes stay one per weight in memory. On CPU tensors each runs its torch path.
 """
 
 from __future__ import annotations
@@ -158,7 +148,8 @@ def _fp8_w8a16_kernel(
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int, fmt: str) -> torch.Tensor:
-    """Weight values [N, K] fp32: each byte's value (uint8 storage decoded, or an fp8 tensor) times its group's scale."""
+    """Weight values [N, K] fp32: each byte's value (uint8 storage decoded, or an fp8 tensor) times its
+    group's scale."""
     n, k = qweight.shape
     q = decode(qweight, fmt) if qweight.dtype == torch.uint8 else qweight.to(torch.float32)
     s = scale.to(torch.float32)
@@ -213,7 +204,15 @@ def block_tuning(tuning: Fp8LinearTuning) -> Fp8LinearTuning:
 
 def w8a8_linear(x, qweight, weight_scale, group_n, group_k, input_scale, activations, bias, *, fmt: str,
                 tuning: Fp8LinearTuning) -> torch.Tensor:  # fmt: skip
-    """Native execution: x [..., K] -> [..., N] in x's dtype (see the module docstring)."""
+    """Native execution: x [..., K] -> [..., N] in x's dtype.
+
+    Per-row weight scales go through the per-channel GEMM of `fp8_linear.py` (`_fp8_linear_kernel`,
+    `NATIVE=True`), after the per-token quantizer or the static one (the checkpoint's
+    `input_scale`). Blocks go through `_fp8_block_gemm_kernel`: activations quantized per token and
+    128 columns, K marched one block at a time, each block's fp8 dot (fp32) scaled by its
+    token-group scale and its weight-block scale before it is added, as DeepSeek's reference GEMM
+    does. On CPU tensors (simulated devices): `torch._scaled_mm` for e4m3fn per-row scales (as the
+    `--quantize fp8` layer does), the reference otherwise."""
     if qweight.dtype != get_format(fmt).torch_dtype:
         raise TypeError(f"native fp8 weight has dtype `{qweight.dtype}`; the {fmt} convention stores "
                         f"`{get_format(fmt).torch_dtype}`")  # fmt: skip
@@ -256,7 +255,11 @@ def w8a8_linear(x, qweight, weight_scale, group_n, group_k, input_scale, activat
 
 def w8a16_linear(x, qweight, weight_scale, group_n, group_k, bias, *, fmt: str,
                  tuning: Fp8LinearTuning = SM80) -> torch.Tensor:  # fmt: skip
-    """Weight-only execution: x [..., K] -> [..., N] in x's dtype, the weight as uint8 bytes."""
+    """Weight-only execution: x [..., K] -> [..., N] in x's dtype, the weight as uint8 bytes.
+
+    The bytes are decoded in registers into the activations' dtype (exact: every e4m3 value is a
+    bf16 and an fp16); each K tile's dot runs on 16-bit tensor cores (fp32 operands: IEEE dots) and
+    is scaled by its group's scales as it is added. The reference on CPU tensors."""
     if qweight.dtype != torch.uint8:
         raise TypeError(f"weight-only fp8 stores uint8 bytes, got `{qweight.dtype}`")
     k, n = x.shape[-1], qweight.shape[0]

@@ -1,24 +1,15 @@
 """fp8 (e4m3) linear: y = x @ W.T + b with per-token activation scales and per-output-channel
 weight scales, as one Triton kernel, its torch reference, and per-architecture tuning.
 
-Design: activations are quantized per token in fp32 onto the e4m3 grid (`quant.py`, one
-fused kernel on GPUs); the weight arrives already quantized, in the worker's convention.
-One GEMM kernel serves both conventions through the compile-time flag `NATIVE`, which the
-caller passes from that same convention (the value that also chose the weight buffer's
-dtype):
-- `NATIVE=True`: weight and activations are fp8 tensors and `tl.dot` runs on fp8 tensor
-  cores (sm_89+, or CDNA3 with e4m3fnuz).
-- `NATIVE=False` (emulated): the weight is uint8 bytes, decoded to fp16 in registers with
-  integer ops; activations come as fp16 grid values (exact); `tl.dot` runs in fp16.
-Both accumulate in fp32 and apply `scale_x[m] * scale_w[n]` in the epilogue. Every e4m3
-value is exact in fp16 and every product of two is exact in fp32, so the two paths differ
-only by fp32 summation order.
-
-On CPU tensors (simulated devices) the native path runs `torch._scaled_mm`, which
-dequantizes both operands and multiplies in fp32; the reference does the same steps in the
-same order, so on CPU the native and emulated paths give identical bits. The trade-off of
-per-token activation scales: one extra pass over the activations per linear, in exchange
-for accuracy close to bf16 on outlier tokens.
+Activations are quantized per token in fp32 onto the e4m3 grid (`quant.py`, one fused kernel on
+GPUs); the weight arrives quantized in the worker's convention. One tiled GEMM serves both
+conventions through the constexpr `NATIVE`, which the caller passes from the value that also chose
+the weight buffer's dtype: `NATIVE=True` runs `tl.dot` on fp8 tensor cores (sm_89+, CDNA3 with
+e4m3fnuz); `NATIVE=False` (emulated) decodes uint8 bytes to fp16 in registers and runs the dot in
+fp16 on grid values. Both accumulate in fp32 and apply `scale_x[m] * scale_w[n]` in the epilogue;
+every e4m3 value is exact in fp16 and every product of two exact in fp32, so the two differ only
+by summation order. The trade-off of per-token scales: one extra pass over the activations per
+linear, for accuracy close to bf16 on outlier tokens.
 """
 
 from __future__ import annotations
@@ -124,7 +115,9 @@ def fp8_linear_reference(
 def scaled_mm_cpu(
     x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, fmt: str
 ) -> torch.Tensor:
-    """Native path on CPU tensors: `torch._scaled_mm` on fp8 operands (e4m3fn)."""
+    """Native path on CPU tensors: `torch._scaled_mm` on fp8 operands (e4m3fn), which dequantizes both
+    operands and multiplies in fp32; the reference does the same steps in the same order, so on CPU
+    the native and emulated paths give identical bits."""
     k = x.shape[-1]
     grid, sx = quantize_rows(x.reshape(-1, k), fmt)  # [M, K], [M, 1]
     y = torch._scaled_mm(

@@ -1,25 +1,15 @@
 """The CPU experts' loop over their packed matrices in C++ (`cpu_experts.cpp`), built once per host.
 
-Why: where a CPU worker packed the experts (torch_path.py `fused_moe_packed`), a layer's time at
-a decode batch was the packed matmuls plus, as much again in float32 at 32 rows and 8 experts,
-the Python between them: slicing, padding, the activation's three ops and the copy out, per
-active expert. The C++ loop runs the same ops with the pairs sorted, gathered and summed in
-plain loops. Each expert's matrix is what the worker made of it (workers/model/cpu_projections.py):
-a oneDNN pack, multiplied by oneDNN's packed matmul, or column panels (kernels_local/panel_linear/cpu.py
-`panels`: [K, N] as panels of 64 columns, [K/2, w, 2] pairs in bfloat16) multiplied by oneDNN's
-batch-reduce GEMM kernel, which torch exports (`cpublas::brgemm`) and which skips the packed
-call's setup of about 13 us. Over packs its output is the Python loop's bit for bit; over panels
-too on the shapes tests/test_cpu_experts.py checks. A layer of the benchmark's Qwen3-MoE (8
-experts, 32 rows) takes 0.3x the Python loop's time in float32, 0.35x in bfloat16.
-
-Design: compiled with torch's C++ extension builder on first use in a process, into torch's
-extension cache under a name carrying a hash of the source and flags (kernels_local/cpp_build.py:
-a later start loads it in well under a second); `load()` says whether it is there and why not (no
-C++ compiler, a failed build: the Python loop serves, over oneDNN packs only);
-`$HETSERVE_CPU_EXPERTS=off` keeps the Python loop. No vector flags: the products are oneDNN's, the loops around them move rows.
-Trade-off: a compiler on the host at first use (Inductor needs one anyway) and 20-30 s for the
-first build on 2 cores; the panels' brgemm call is written here and in
-kernels_local/panel_linear/cpu_gemm.cpp alike, since a kernel repository imports no other.
+Where a CPU worker packed the experts (torch_path.py `fused_moe_packed`), the Python between the
+packed matmuls (slicing, padding, the activation's three ops and the copy out, per active expert)
+cost a decode batch as much as the matmuls; the C++ loop runs the same ops, the pairs sorted,
+gathered and summed in plain loops. Each expert's matrix is what the worker made of it
+(workers/model/cpu_projections.py): a oneDNN pack, multiplied by oneDNN's packed matmul, or column
+panels (kernels_local/panel_linear/cpu.py `panels`) multiplied by oneDNN's batch-reduce GEMM
+(`cpublas::brgemm`) without the packed call's setup. Over packs its output is the Python loop's
+bit for bit; over panels too on the shapes tests/test_cpu_experts.py checks. The trade-off: a
+compiler on the host at first use (Inductor needs one anyway), and the panels' brgemm call written
+here and in kernels_local/panel_linear/cpu_gemm.cpp alike, since a kernel repository imports no other.
 """
 
 from __future__ import annotations
@@ -54,7 +44,13 @@ _module = None
 
 @functools.cache
 def load() -> CpuExperts:
-    """Build (once per host) and load the C++ loop; its state and reason. Never raises."""
+    """Build (once per host) and load the C++ loop; its state and reason. Never raises.
+
+    Compiled with torch's C++ extension builder on first use in a process, into torch's extension
+    cache under a name carrying a hash of the source and flags (kernels_local/cpp_build.py), so a
+    later start only loads it. Without a C++ compiler, after a failed build or with
+    `$HETSERVE_CPU_EXPERTS=off`, the Python loop serves (over oneDNN packs only). No vector flags:
+    the products are oneDNN's, the loops around them move rows."""
     global _module
     if os.environ.get(ENV_CPU_EXPERTS, "").lower() in ("off", "0", "false"):
         return CpuExperts(False, f"${ENV_CPU_EXPERTS}=off: the packed experts run from a Python loop")

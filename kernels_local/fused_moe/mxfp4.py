@@ -1,26 +1,15 @@
 """Fused mixture-of-experts over MXFP4 experts (gpt-oss): the grouped GEMM with e2m1 weights decoded
 in registers, its torch reference, and the launches the preflight compiles.
 
-The experts arrive as the checkpoint stores them, in our row order (gate rows then up rows):
-`w_gate_up_blocks` [E, 2I, H/2] and `w_down_blocks` [E, H, I/2] uint8, two e2m1 codes a byte (input
-2j of a row in the low nibble of byte j, 2j+1 in the high one), and `w_gate_up_scales` [E, 2I, H/32],
-`w_down_scales` [E, H, I/32] uint8, one e8m0 exponent per 32 inputs of a row (scale 2^(s - 127)).
-Weight (e, n, k) is `e2m1(code[e, n, k]) * 2^(scale[e, n, k // 32] - 127)`. The module that carries
-them (the model's `Mxfp4FusedMoE`) also names `b_gate_up`, `b_down`, `activation`, `alpha`, `limit`
-and `row_tile`, as `FusedMoE` does.
-
-`_moe_mxfp4_gemm_kernel` is the grouped GEMM of `fused_moe.py` (pairs aligned to expert blocks, one
-program per block of one expert's pairs, gate and up accumulated side by side, the activation and the
-router weight in the epilogue) with K tiles of exactly one scale block (32 inputs): each tile's bytes
-are loaded once per input row pair, the nibble of each input selected and decoded into the
-activations' dtype (exact: every e2m1 value is an fp16 and a bf16), the dot runs on the 16-bit tensor
-cores (fp32 operands exactly, `ieee`), and its fp32 result is multiplied by the tile's scale per
-output column (a power of two: exact) before it is added. The activations are never quantized: this
-is weight-only, W4A16. The torch reference dequantizes an active expert's weights into the
-activations' dtype per call and runs `fused_moe_reference`'s grouping, so it equals the experts
-dequantized at load bit for bit. The trade-off: every byte is read for two inputs (the tile holds
-each input row once), which costs load bandwidth from L1, not from memory, and keeps the decode a
-plain elementwise step.
+`_moe_mxfp4_gemm_kernel` is the grouped GEMM of `fused_moe.py` with K tiles of exactly one scale
+block (32 inputs): each tile's bytes are loaded once per input row pair, each input's nibble
+decoded into the activations' dtype (exact: every e2m1 value is an fp16 and a bf16), the dot run
+on the 16-bit tensor cores (fp32 operands exactly, `ieee`), and its fp32 result multiplied by the
+tile's power-of-two scale per output column (exact) before it is added. The activations are never
+quantized: W4A16. The torch reference dequantizes an active expert per call, bit for bit what
+dequantizing at load computes. The trade-off: every byte is read for two inputs, which costs load
+bandwidth from L1, not from memory, and keeps the decode a plain elementwise step. Layout:
+`fused_moe_mxfp4`.
 """
 
 from __future__ import annotations
@@ -199,7 +188,8 @@ def mxfp4_gemm_ints(hidden: int, intermediate: int, gate_up: bool) -> tuple[tupl
     n, k = (i, h) if gate_up else (h, i)  # gate_up: x [T, H] -> act [P, I]; down: act [P, I] -> [P, H]
     rows = 2 * i if gate_up else h  # weight rows of one expert
     return (("N", n), ("K", k), ("stride_am", k), ("stride_we", rows * k // 2), ("stride_wn", k // 2),
-            ("stride_se", rows * k // BLOCK), ("stride_sn", k // BLOCK), ("stride_be", rows), ("stride_om", n))  # fmt: skip
+            ("stride_se", rows * k // BLOCK), ("stride_sn", k // BLOCK), ("stride_be", rows),
+            ("stride_om", n))  # fmt: skip
 
 
 def launch_shape(tuning: FusedMoETuning, tokens: int, dtype: str):
@@ -232,7 +222,15 @@ def _check(x: torch.Tensor, experts) -> None:
 def fused_moe_mxfp4(x: torch.Tensor, experts, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                     tuning: FusedMoETuning) -> torch.Tensor:  # fmt: skip
     """The MXFP4 experts of `x` [T, H] -> [T, H] in x's dtype: two launches of the grouped GEMM with
-    e2m1 weights decoded in registers; the torch reference on CPU tensors."""
+    e2m1 weights decoded in registers; the torch reference on CPU tensors.
+
+    `experts` (the model's `Mxfp4FusedMoE`) carries them as the checkpoint stores them, in our row
+    order (gate rows then up rows): `w_gate_up_blocks` [E, 2I, H/2] and `w_down_blocks` [E, H, I/2]
+    uint8, two e2m1 codes a byte (input 2j of a row in the low nibble of byte j, 2j+1 in the high
+    one), and `w_gate_up_scales` [E, 2I, H/32], `w_down_scales` [E, H, I/32] uint8, one e8m0 exponent
+    per 32 inputs of a row: weight (e, n, k) is `e2m1(code[e, n, k]) * 2^(scale[e, n, k // 32] - 127)`.
+    It also names `b_gate_up`, `b_down`, `activation`, `alpha`, `limit` and `row_tile`, as `FusedMoE`
+    does."""
     _check(x, experts)
     if not runs_triton(x) or x.shape[0] == 0:
         return fused_moe_mxfp4_reference(x, experts, topk_ids, topk_weights)

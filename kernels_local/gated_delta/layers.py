@@ -1,16 +1,13 @@
 """Kernel layers replacing the model's `GatedDeltaRule` forward (`kernels` layer rules).
 
-Each layer is stateless: no `__init__`, only `forward(self, q, k, v, g, beta, state, batch)`:
-q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, g (fp32) and beta `[T, Hv]` are the step's packed tokens,
-`state` `[S, Hv, Dk, Dv]` fp32 the layer's recurrent state of every slot (updated in place),
-and `batch` the step's batch: its `decode` rows (`rows`, `rows_start`), its `prefills` spans
-(`row_start`, `num_tokens`) and `states` (`decode_slots` [Nd], `prefill_slots`, `prefills`
-[P, 3] row start, tokens, slot). `self` is the model's `GatedDeltaRule`: `token_by_token`
-(deterministic mode: every token one recurrent step, so chunking cannot change a row's
-numbers; a Triton layer then takes the torch path, as the fused MoE does for its fixed tiles)
-and `chunk` (the torch path's chunk length). The Triton layers differ only in their launch
-tuning; on CPU tensors they take the torch path. `COMPILE_SPECS` names, per Triton layer, the
-launches its forward can make (the preflight compiles them ahead of time).
+Each layer is stateless: no `__init__`, only `forward(self, q, k, v, g, beta, state, batch)` (the
+operands as gated_delta.py lays them out; `state` updated in place; `batch` the step's decode rows,
+prefill spans and their slots, see `_torch_path`). `self` is the model's `GatedDeltaRule`, with
+`chunk` (the torch path's chunk length) and `token_by_token` (deterministic mode: every token one
+recurrent step, so chunking cannot change a row's numbers). The Triton layers differ only in their
+launch tuning; on CPU tensors, and in deterministic mode, they take the torch path, as the fused
+MoE does for its fixed tiles: the trade-off of bits independent of the batch is the recurrent
+form's speed. `COMPILE_SPECS` names, per Triton layer, the launches its forward can make.
 """
 
 from __future__ import annotations
@@ -34,6 +31,11 @@ from .gated_delta import (
 
 
 def _torch_path(module: nn.Module, q, k, v, g, beta, state: torch.Tensor, batch) -> torch.Tensor:
+    """The reference over the step: q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, g (fp32) and beta `[T, Hv]`
+    the packed tokens, `state` `[S, Hv, Dk, Dv]` fp32 every slot's state (updated in place), and
+    `batch` the step's batch: its `decode` rows (`rows`, `rows_start`), its `prefills` spans
+    (`row_start`, `num_tokens`) and `states` (`decode_slots` [Nd], `prefill_slots`, `prefills`
+    [P, 3] row start, tokens, slot)."""
     decode, states = batch.decode, batch.states
     rows = None if decode is None else (
         decode.rows if decode.rows_start is None else slice(decode.rows_start, decode.rows_start + decode.num))

@@ -1,18 +1,15 @@
-"""W4A16 linear: y = x @ W.T + b with W dequantized from 4-bit integers inside the GEMM, and its torch reference.
+"""W4A16 linear: y = x @ W.T + b with W dequantized from 4-bit integers inside the GEMM, and its torch
+reference.
 
-Design: one run-time layout for every 4-bit checkpoint format (GPTQ's, the others repack to it at
-load, exactly): `qweight` int32 [ceil(K/8), N] (input 8i+j in bits 4j..4j+3 of row i), `scales`
-[G, N] in the checkpoint's dtype, `zeros` [G, N] integers (int8/uint8, the zero point each group
-subtracts) and, for act-order checkpoints, `g_idx` [K] int32 (each input's group; otherwise the
-group is k // GROUP, a run-time integer: K per channel, so one variant serves every group size). The kernel loads a [BLOCK_K, BLOCK_N] tile
-of words (each word read for its eight inputs: the cache serves the repeats), shifts and masks the
-nibbles in registers, looks up each input's scale and zero point, forms (q - z) * s in fp32,
-rounds it to the scales' dtype (the reference weight, bit for bit; to bf16 by round-to-nearest-even
-on the fp32 bits, which the interpreter's own cast does not do) and then to the activations' dtype, and runs `tl.dot` on those (fp16 or bf16 tensor cores, fp32 in IEEE precision), with fp32
-accumulation and the bias in the epilogue. So the kernel equals the reference up to fp32 summation
-order. The trade-off: a gather per input for scales and zero points (simple, act-order for free)
-instead of one load per group; the tunings keep BLOCK_K at or below the smallest group, so a tile
-spans few groups and those loads stay in cache.
+One run-time layout serves every 4-bit checkpoint format (GPTQ's; the others repack to it at load,
+exactly; see `int4_linear`). A tiled GEMM loads a [BLOCK_K, BLOCK_N] tile of words (each word read
+for its eight inputs: the cache serves the repeats), unpacks the nibbles in registers, forms
+(q - z) * s in fp32 from each input's scale and zero point, rounds it to the scales' dtype (the
+reference weight, bit for bit) and then to the activations' dtype, and runs `tl.dot` on those with
+fp32 accumulation: the kernel equals the reference up to fp32 summation order. The trade-off: a
+gather per input for scales and zero points (simple, act-order for free) instead of one load per
+group; the tunings keep BLOCK_K at or below the smallest group, so a tile spans few groups and
+those loads stay in cache.
 """
 
 from __future__ import annotations
@@ -124,7 +121,8 @@ def unpack_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 
 
 def int4_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                          g_idx: torch.Tensor | None, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:  # fmt: skip
+                          g_idx: torch.Tensor | None, bias: torch.Tensor | None,
+                          group_size: int) -> torch.Tensor:  # fmt: skip
     """The torch math: the weight unpacked and rounded to the scales' dtype, then the activations',
     an fp32 matmul, the bias, the cast. `group_size` 0: per channel."""
     k = x.shape[-1]
@@ -155,7 +153,7 @@ class Int4LinearTuning:
 
 
 # Turing: fp16 mma, 64 KB of shared memory: two stages of small tiles, at most 32 rows (64-row tiles
-# over 4 warps spill 336-344 bytes per thread on sm_75; 32 rows take 192 registers, no spill).
+# over 4 warps spill on sm_75; docs/benchmarks.md "Preflight matrix").
 SM75 = Int4LinearTuning("sm75", block_n=64, block_k=32, max_block_m=32, num_warps=4, num_stages=2)
 # Ampere / Ada / Blackwell consumer (sm_80..sm_89, sm_120): cp.async pipelining, three stages.
 SM80 = Int4LinearTuning("sm80", block_n=64, block_k=32, max_block_m=64, num_warps=4, num_stages=3)
@@ -176,7 +174,15 @@ def runs_triton(x: torch.Tensor) -> bool:
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 g_idx: torch.Tensor | None, bias: torch.Tensor | None, group_size: int, *,
                 tuning: Int4LinearTuning = SM80) -> torch.Tensor:  # fmt: skip
-    """x [..., K] @ dequant(qweight [ceil(K/8), N]).T + bias -> [..., N] in x's dtype."""
+    """x [..., K] @ dequant(qweight [ceil(K/8), N]).T + bias -> [..., N] in x's dtype.
+
+    The layout: `qweight` int32 [ceil(K/8), N] (input 8i+j in bits 4j..4j+3 of row i), `scales`
+    [G, N] in the checkpoint's dtype, `zeros` [G, N] integers (int8/uint8, the zero point each group
+    subtracts) and, for act-order checkpoints, `g_idx` [K] int32 (each input's group; otherwise the
+    group is k // GROUP, a run-time integer, K per channel, so one variant serves every group size).
+    The dot runs on fp16 or bf16 tensor cores, fp32 operands in IEEE precision; the bias is added in
+    the epilogue. Rounding to bf16 is round-to-nearest-even on the fp32 bits, which the interpreter's
+    own cast does not do."""
     if group_size not in GROUPS:
         raise ValueError(f"Unsupported int4 group size `{group_size}`. Supported: {', '.join(map(str, GROUPS))}")
     if qweight.dtype != torch.int32 or zeros.shape != scales.shape:

@@ -1,16 +1,14 @@
 """Kernel layers for a 4-bit checkpoint's linear layer: the W4A16 GEMM with each architecture's tuning.
 
 Stateless (`kernels` layer rules): only `forward(self, x)`, reading from the module it replaces:
-`execution` ("w4a16" | "packed" | "dequantized", set at load from the device's 4-bit rule),
-`qweight` int32 [ceil(K/8), N] (the run-time layout of int4_linear.py), `scales` [G, N] in the
-checkpoint's dtype, `zeros` [G, N] int8, `g_idx` [K] int32 or None (act-order), `group_size` (0 per
-channel) and `bias` [N] or None; `weight` [N, K] when dequantized. Each layer runs its execution
-and refuses a module loaded for another, except a module dequantized at load (the named fallback
-of a layer the packed layout cannot hold, on any device), which every layer runs as a plain matmul. On CPU tensors (simulated GPUs) the Triton layers take the
-torch reference, as the CPU layer does. `COMPILE_SPECS`
-names, per Triton layer, the launches its forward can make (the preflight compiles them ahead of
-time) with the tuning its forward passes. The trade-off: one kernel and four tunings; a layer per
-tuning keeps the choice a kernel mapping entry, as for the fp8 layers.
+`execution` ("w4a16" | "packed" | "dequantized", set at load from the device's 4-bit rule), the
+run-time layout of int4_linear.py (`qweight`, `scales`, `zeros`, `g_idx` or None, `group_size`, 0
+per channel) and `bias`, or `weight` [N, K] when dequantized. Each layer runs its execution and
+refuses a module loaded for another, except a module dequantized at load (the named fallback of a
+layer the packed layout cannot hold, on any device), which every layer runs as a plain matmul. On
+CPU tensors the Triton layers take the torch reference. `COMPILE_SPECS` names, per Triton layer,
+the launches its forward can make with the tuning its forward passes. The trade-off: one kernel
+and four tunings; a layer per tuning keeps the choice a kernel mapping entry, as for fp8.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """RMSNorm's CPU kernel: one pass per row in C++ (`cpu_rmsnorm.cpp`), built once per host.
 
-Why: the torch reference is seven elementwise passes over its input, each through memory; at a
-prompt's rows (a burst of 16 prompts of 128 tokens: [2048, 256] per norm) they were a sixth of
-the embedded model's prefill step on one CPU thread. The kernel reads a row once, sums its squares
-in float32 vectors and writes the normalized, rounded and scaled row while it is in cache.
-
-Design: `rms_norm_cpu` takes the kernel in eager mode for float32 and bfloat16 inputs whose weight
-has their dtype; under `torch.compile` (the worker's compiled decode step) it returns the torch
-reference, which Inductor fuses itself, and so it does for any other input or where the kernel did
-not build (`KERNEL.load()` says why; `$HETSERVE_CPU_RMSNORM=off` keeps the reference). Trade-off:
-the sum of squares is the kernel's own order, so a row's variance may differ from the reference's
-in its last float32 bit (and the output by one bfloat16 step where that bit decides a rounding).
+The torch reference is seven elementwise passes over its input, each through memory; the kernel
+reads a row once, sums its squares in float32 vectors and writes the normalized, rounded and
+scaled row while it is in cache. `rms_norm_cpu` takes it in eager mode for float32 and bfloat16
+inputs whose weight has their dtype; under `torch.compile` (the compiled decode step, which
+Inductor fuses itself), for any other input and where the kernel did not build it returns the
+reference (`KERNEL.load()` says why; `$HETSERVE_CPU_RMSNORM=off` keeps it). The trade-off: the sum
+of squares is the kernel's own order, so a row's variance may differ from the reference's in its
+last float32 bit (and the output by one bfloat16 step where that bit decides a rounding).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """RMSNorm as one Triton kernel, its torch reference, and per-architecture launch tuning.
 
-Design: a program normalizes a tile of `ROWS` whole rows (`BLOCK_N` >= the row width), so
-the row is read once, reduced in fp32 and written once. The math follows the model's own
-RMSNorm (transformers' LlamaRMSNorm): normalize in fp32, round to the input dtype, then
-multiply by the weight. The trade-off: rows wider than `MAX_BLOCK_N` do not fit one tile
-and take the torch reference instead of a two-pass kernel (no served model is that wide).
-
-What the tunings change (the kernel is the same):
-- pre-Hopper (sm_70..sm_89): one row per program, ~8 elements per thread. Ampere/Ada have
-  fewer SMs and less bandwidth; one row per program already keeps them busy.
-- Hopper and later (sm_90+): several narrow rows per program and ~16 elements per thread,
-  so each program moves more bytes per launch on HBM3 (narrow rows waste programs there).
-- ROCm (CDNA, 64-lane wavefronts): a "warp" is 64 lanes, so half the warps per tile.
+A program normalizes a tile of `ROWS` whole rows (`BLOCK_N` >= the row width), so a row is read
+once, reduced in fp32 and written once. The math follows the model's own RMSNorm (transformers'
+LlamaRMSNorm): normalize in fp32, round to the input dtype, then multiply by the weight. The
+trade-off: rows wider than `MAX_BLOCK_N` do not fit one tile and take the torch reference instead
+of a two-pass kernel (no served model is that wide). The tunings (`RMSNormTuning`) change only
+rows per program and threads per tile.
 """
 
 from __future__ import annotations
@@ -70,7 +64,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 @dataclass(frozen=True)
 class RMSNormTuning:
-    """Launch shape for one architecture family: rows per program and threads per tile."""
+    """Launch shape for one architecture family: rows per program and threads per tile.
+
+    - pre-Hopper (sm_70..sm_89): one row per program, ~8 elements per thread. Ampere/Ada have
+      fewer SMs and less bandwidth; one row per program already keeps them busy.
+    - Hopper and later (sm_90+): several narrow rows per program and ~16 elements per thread,
+      so each program moves more bytes per launch on HBM3 (narrow rows waste programs there).
+    - ROCm (CDNA, 64-lane wavefronts): a "warp" is 64 lanes, so half the warps per tile."""
 
     name: str
     tile_elements: int  # target ROWS * BLOCK_N: how many elements one program moves

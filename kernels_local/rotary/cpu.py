@@ -1,18 +1,14 @@
 """The rotary embedding on the CPU in one pass: C++ (`cpu_rotary.cpp`), built once per host.
 
-Why: `apply_rotary`'s torch form is seven elementwise passes (four products, a difference, a sum
-and a concatenation) over a step's queries and keys; at a prompt's rows (a burst of 16 prompts of
-128 tokens through the embedded model) they were a tenth of the prefill step on one CPU thread. The
-kernel reads each token's heads once and writes the rotated heads once.
-
-Design: `rotate(x, cos, sin)` is `apply_rotary`'s fast path (workers/model/rope.py) for an eager
-step's packed tokens (x [T, heads, D], cos and sin [T, 1, R/2]) in float32 or bfloat16 on the
-CPU; anything else, and everything under `torch.compile` (Inductor fuses the torch form itself),
-takes the torch form (rotary.py; `rotary_cpu` chooses), as it does where the kernel did not build
-(`KERNEL.load()` says why; `$HETSERVE_CPU_ROTARY=off` keeps the torch form). Each product, the
-difference and the sum round to the input's dtype as the torch form's ops do, so the two agree
-bit for bit (tests/test_cpu_elementwise.py): which one a step takes changes no output.
-Trade-off: one more C++ build on a host's first start.
+`apply_rotary`'s torch form is seven elementwise passes (four products, a difference, a sum and a
+concatenation) over a step's queries and keys; the kernel reads each token's heads once and writes
+the rotated heads once. `rotate` is `apply_rotary`'s fast path (workers/model/rope.py) for an eager
+step's packed tokens in float32 or bfloat16; anything else, everything under `torch.compile`
+(Inductor fuses the torch form itself) and a host where the kernel did not build take the torch
+form (rotary.py; `rotary_cpu` chooses, `$HETSERVE_CPU_ROTARY=off` keeps the torch form). Each
+product, the difference and the sum round to the input's dtype as the torch form's ops do, so the
+two agree bit for bit (tests/test_cpu_elementwise.py). The trade-off: one more C++ build on a
+host's first start.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Greedy rows on the CPU in C++ (`cpu_greedy.cpp`): each row's token and logprob, no [N, V] logprobs.
 
-Why: for a step's greedy rows the sampler took log_softmax over the whole vocabulary, then ATen's
-argmax (a scalar loop on the CPU) over that output, then a gather: for 32 rows of the embedded
-model's 4,096 logits about 0.33 ms a decode step, a tenth of the step itself. The kernel takes each
-row's max and sum of exponentials with ATen's own vectorized reductions, so its logprobs are the
-ones log_softmax writes, bit for bit, and finds the first index of the greatest in vectors, as
-ATen's argmax picks it (the lowest index among equals, a NaN above every number).
-
-Design: `runs(logits)` says whether the sampler may take it: float32 logits on the CPU, outside
-`torch.compile`, with the kernel built (`KERNEL.load()` says why not; `$HETSERVE_CPU_GREEDY=off`
-keeps the torch form). The sampler takes it only when every row of the step is greedy and none
-asks for alternatives (which read the whole logprobs): workers/sampling/sampler.py; `greedy_rows`
-takes the kernel where it runs, the torch reference (greedy.py) otherwise. Trade-off: a C++ build
-on a host's first start; the same tokens and logprobs either way (tests/test_sampling.py).
+For a step's greedy rows the torch form takes log_softmax over the whole vocabulary, then ATen's
+argmax (a scalar loop on the CPU) over that output, then a gather. The kernel takes each row's max
+and sum of exponentials with ATen's own vectorized reductions, so its logprobs are the ones
+log_softmax writes, bit for bit, and finds the first index of the greatest in vectors, as ATen's
+argmax picks it (the lowest index among equals, a NaN above every number). The sampler
+(workers/sampling/sampler.py) takes it only when every row of the step is greedy and none asks for
+alternatives, which read the whole logprobs; `greedy_rows` falls back to the torch reference
+(greedy.py) where `runs` says no (`$HETSERVE_CPU_GREEDY=off` keeps it). The trade-off: a C++ build
+on a host's first start, for the same tokens and logprobs either way (tests/test_sampling.py).
 """
 
 from __future__ import annotations
