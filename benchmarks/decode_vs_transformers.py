@@ -24,8 +24,9 @@ beside); `--compile off` times eager only, `--compile on` refuses a model that c
 Compiling a batch's bucket takes 10-25 s on 2 cores, before timing. Theirs runs
 `model(next, cache=...)` with the `DynamicCache` its `generate` would build (sliding layers
 keep only their window). Every row of a batch has its own prompt and decodes its own token
-(identical rows would send every token of an MoE layer to the same experts). Before timing, the first decode step's fp32 logits of both are
-compared (within 1e-3), so both sides are known to compute the same model. Trade-off: one step
+(identical rows would send every token of an MoE layer to the same experts). Before timing, the
+first decode step's fp32 logits of both are compared (within 1e-3), so both sides are known to
+compute the same model. Trade-off: one step
 is a few milliseconds, so the figures carry the Python overhead of both sides, which is what a
 decode step costs on a CPU at this size; a larger model would weigh the matmuls more, on both
 sides alike.
@@ -78,7 +79,8 @@ def arch_names(values: Sequence[str]) -> list[str]:
     ok = benchmarkable()
     bad = [v for v in values if v != "all" and v not in ok]
     if bad:
-        why = "has no checkpoint case in tests/family_checkpoints.py" if bad[0] in FAMILIES else "is not in the registry"
+        why = ("has no checkpoint case in tests/family_checkpoints.py" if bad[0] in FAMILIES
+               else "is not in the registry")
         raise ValueError(f"Architecture `{bad[0]}` {why}. Supported: {', '.join(ok)}, all")
     wanted = set(ok) if "all" in values else set(values)
     return [a for a in ok if a in wanted]
@@ -163,12 +165,12 @@ class Ours:
 
     def step(self) -> torch.Tensor:
         if self.decode is not None:
-            chunks = [SimpleNamespace(start_pos=self.pos, token_ids=[next_token(s)], block_table=self.tables[s], samples=True,
-                                      seq=self.seq) for s in range(self.batch)]
+            chunks = [SimpleNamespace(start_pos=self.pos, token_ids=[next_token(s)], block_table=self.tables[s],
+                                      samples=True, seq=self.seq) for s in range(self.batch)]
             logits = self.decode.run(chunks)
         else:
-            items = [(self.chunk(self.pos, 1, self.tables[s], key=s, rope_len=self.rope_len, state_slot=s), [next_token(s)])
-                     for s in range(self.batch)]
+            items = [(self.chunk(self.pos, 1, self.tables[s], key=s, rope_len=self.rope_len, state_slot=s),
+                      [next_token(s)]) for s in range(self.batch)]
             logits = self.model.step(self.build(items, self.bs, mirror=self.mirror, in_place=self.in_place,
                                                 **self.extra), self.kv)
         self.pos += 1

@@ -77,7 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true", help="skip (d), transformers generate")
     p.add_argument("--compile", action="store_true",
-                   help="also (g), (h): the engine with its decode step compiled (Inductor; a minute or more to compile)")
+                   help="also (g), (h): the engine with its decode step compiled "
+                        "(Inductor; a minute or more to compile)")
     return p.parse_args(argv)
 
 

@@ -36,7 +36,8 @@ def simulated(token: str) -> BoundDevice:
 
 
 def prompts(model_dir: Path, tokenizer, n: int, words: int = 4) -> list[list[int]]:
-    lines = [ln.strip() for ln in (model_dir / "heldout_sample.txt").read_text().splitlines() if len(ln.split()) >= words]
+    lines = [ln.strip() for ln in (model_dir / "heldout_sample.txt").read_text().splitlines()
+             if len(ln.split()) >= words]
     return [tokenizer.encode(" ".join(ln.split()[:words])).ids for ln in lines[:n]]
 
 
@@ -69,7 +70,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     bf16 = load_model(args.model, "bfloat16")
-    seqs = [(len(pr), greedy(bf16.model, pr, args.new_tokens)) for pr in prompts(args.model, bf16.tokenizer, args.prompts)]
+    seqs = [(len(pr), greedy(bf16.model, pr, args.new_tokens))
+            for pr in prompts(args.model, bf16.tokenizer, args.prompts)]
     rows = {"fp32 (noise floor)": load_model(args.model, "float32").model}
     for token in ("sm_90", "sm_80"):
         m = copy.deepcopy(bf16.model)

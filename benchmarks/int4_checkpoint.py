@@ -112,9 +112,9 @@ def devices_table(args) -> int:
             ms, base_ms = step_ms(new(lm), new(base_lm), args.steps)
             if q["execution"] != "dequantized" and q["bf16_ratio"] > TARGET:
                 failed.append(device)
-            print(f"{device:7} {q['execution']:11} {q['weight_bytes']:>12} {q['bf16_bytes']:>10} {q['bf16_ratio']:>6.3f} "
-                  f"{whole:>9} {base_bytes:>10} {whole / base_bytes:>6.3f} {ms:>8.2f} {base_ms:>8.2f} "
-                  f"{ms / base_ms:>6.2f}", flush=True)  # fmt: skip
+            print(f"{device:7} {q['execution']:11} {q['weight_bytes']:>12} {q['bf16_bytes']:>10} "
+                  f"{q['bf16_ratio']:>6.3f} {whole:>9} {base_bytes:>10} {whole / base_bytes:>6.3f} "
+                  f"{ms:>8.2f} {base_ms:>8.2f} {ms / base_ms:>6.2f}", flush=True)  # fmt: skip
     print(
         f"target: at most {TARGET}x of bf16 in the 4-bit layers where a 4-bit kernel runs: "
         f"{'met' if not failed else 'missed on ' + ', '.join(failed)}"
@@ -170,8 +170,9 @@ def kernels(args) -> int:
                 t = timed(run)
                 bad += err > 1e-2
                 print(f"w4a16 {name:5} {str(act).removeprefix('torch.'):8} M={m:<4} N={n:<5} K={k:<4} group={group:<3} "
-                      f"act_order={act_order!s:5} scales={str(scale_dtype).removeprefix('torch.'):8}: rel err {err:.1e}  "
-                      f"{t * 1e3:.3f} ms vs 16-bit {t_16 * 1e3:.3f} ms ({t_16 / t:.2f}x)")  # fmt: skip
+                      f"act_order={act_order!s:5} scales={str(scale_dtype).removeprefix('torch.'):8}: "
+                      f"rel err {err:.1e}  {t * 1e3:.3f} ms vs 16-bit {t_16 * 1e3:.3f} ms "
+                      f"({t_16 / t:.2f}x)")  # fmt: skip
     print("int4 checkpoint kernels:", "ok" if not bad else f"{bad} outside tolerance")
     return 1 if bad else 0
 

@@ -112,8 +112,10 @@ def concurrency(lm, block_size: int) -> float:
     lengths = torch.randint(16, 401, (64,), generator=gen).tolist()
     prompts = [text_ids(lm.tokenizer, n, f"m{i}-") for i, n in enumerate(lengths)]
     rows = {}
-    for name, bs in (("contiguous (one 512-token slot each)", CONTEXT), (f"paged ({block_size}-token blocks)", block_size)):
-        engine = engine_bench.make_engine(lm, 64, CONTEXT, bs, num_blocks=budget // (bs * per_token), prefix_cache=False)
+    for name, bs in (("contiguous (one 512-token slot each)", CONTEXT),
+                     (f"paged ({block_size}-token blocks)", block_size)):
+        engine = engine_bench.make_engine(lm, 64, CONTEXT, bs, num_blocks=budget // (bs * per_token),
+                                          prefix_cache=False)
         seconds, out, peak = serve(engine, prompts, 16)
         rows[name] = (peak, engine.scheduler.num_preemptions, seconds, out)
     outs = [r[3] for r in rows.values()]

@@ -12,7 +12,8 @@ router and the workers answered every request within 0.5 s.) After `--warmup` se
 full load, the router's and the workers' resident memory (VmRSS) are read, the measured
 run follows, and memory is read again: growth must stay under 10% (exit code 1 otherwise,
 or on any 5xx / connection error). Reported: requests/s, tokens/s, p50/p99 latency and their
-ratio (target p99 <= 3x p50), errors by status. The target must be a loopback address: this tool never loads another host.
+ratio (target p99 <= 3x p50), errors by status. The target must be a loopback address: this
+tool never loads another host.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@
 The default model is a random Llama of 8 layers, hidden 768 (tests/checkpoints.py): large
 enough that a step's time is its layers' compute, as for the models pipelines are for, not
 the fixed cost of a step (the embedded 4-layer model decodes 16 rows in about a millisecond,
-where two processes' hand-offs cost as much as their layers). Real worker processes (`python -m workers`, tests/pipeline_harness.py), 16 concurrent greedy
-requests of `--new-tokens` tokens each (EOS ignored), all decode eager (a stage cannot compile
-its step; the single worker runs `--compile off` too, so the two compare the same kernels):
+where two processes' hand-offs cost as much as their layers). Real worker processes
+(`python -m workers`, tests/pipeline_harness.py), 16 concurrent greedy requests of
+`--new-tokens` tokens each (EOS ignored), all decode eager (a stage cannot compile its step;
+the single worker runs `--compile off` too, so the two compare the same kernels):
 (a) one worker with two CPU threads serving the whole model;
 (b) a 2-stage pipeline, one CPU thread per stage, split as placement splits it (server/fleet/
     pipelines.py `plan_pipeline`: equal stages, the first charged for its serving work); two
@@ -171,9 +172,11 @@ def run(args, t: Path) -> int:
     print(f"(b) 2-stage pipeline, 1 thread each, split {placed}: {b:8.1f} tokens/s   b/a = {b / a:.2f} "
           f"(target >= 0.8)")
     for m, (one, pipe) in more.items():
-        print(f"    with {m} micro-batches per step:  {pipe:8.1f} tokens/s   ({pipe / one:.2f}x one worker's {one:.1f})")
+        print(f"    with {m} micro-batches per step:  {pipe:8.1f} tokens/s   "
+              f"({pipe / one:.2f}x one worker's {one:.1f})")
     for k, (one, pipe) in landed.items():
-        print(f"    with {k} batches in flight:       {pipe:8.1f} tokens/s   ({pipe / one:.2f}x one worker's {one:.1f})")
+        print(f"    with {k} batches in flight:       {pipe:8.1f} tokens/s   "
+              f"({pipe / one:.2f}x one worker's {one:.1f})")
     for q, (one, pipe) in zip(parts, split, strict=True):
         print(f"    split {q}:                   {pipe:8.1f} tokens/s   ({pipe / one:.2f}x one worker's {one:.1f})")
     how = "estimated" if args.no_measured else f"measured (the first start's estimate: {estimated})"

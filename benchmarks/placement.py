@@ -234,7 +234,8 @@ def main() -> int:
     d = latency["three_minus_one"]
     print(f"  three models - one: added p50 {d['added_p50_ms']:+.3f} ms   (target: at most +0.1 ms)")
     print(f"first token of a model not loaded (one device, --max-loaded-models 1), {args.swaps} swaps")
-    print(f"  cold  {loading['cold_p50_s']:8.2f} s  (each: {', '.join(f'{s:.2f}' for s in loading['cold_first_token_s'])})")
+    print(f"  cold  {loading['cold_p50_s']:8.2f} s  "
+          f"(each: {', '.join(f'{s:.2f}' for s in loading['cold_first_token_s'])})")
     print(f"  load  {loading['load_p50_s']:8.2f} s  (the router's load: unload the other, start, ready)")
     print(f"  warm  {loading['warm_p50_ms']:8.2f} ms")
     return 0

@@ -17,8 +17,9 @@ configuration once, in turn, so the machine's drift falls on all of them alike:
 That comparison runs in a child process with glibc's freed memory kept as a worker keeps it
 (workers/device/host_memory.py); a second child runs the worker's configuration alone with glibc's
 defaults, which cannot be put back in one process once changed (and whose thresholds move with
-what else the process allocates: the torch forms' temporaries would raise them). Prints the median step time of each configuration and its ratio to `torch`,
-then the worker's step with and without its allocator setting.
+what else the process allocates: the torch forms' temporaries would raise them). Prints the median
+step time of each configuration and its ratio to `torch`, then the worker's step with and without
+its allocator setting.
 """
 
 from __future__ import annotations

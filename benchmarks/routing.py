@@ -110,7 +110,8 @@ class Bench:
         for wid in ("gpu0", "gpu1", "gpu2"):
             for n in range(4):
                 r = await self.client.post("/generate", headers={"X-Hetserve-Worker": wid},
-                                           json={"inputs": words(rng, 60 + 20 * n), "parameters": {"max_new_tokens": 24}})
+                                           json={"inputs": words(rng, 60 + 20 * n),
+                                                 "parameters": {"max_new_tokens": 24}})
                 r.raise_for_status()
         await asyncio.sleep(4.5)
 
@@ -172,7 +173,8 @@ class Bench:
 
 
 def start(policy: str, slowdown: str, kv_cache_bytes: int) -> RouterProcess:
-    return RouterProcess(["--simulate", "sm_80,sm_89,sm_90", "--routing", policy, "--kv-cache-bytes", str(kv_cache_bytes)],
+    return RouterProcess(["--simulate", "sm_80,sm_89,sm_90", "--routing", policy,
+                          "--kv-cache-bytes", str(kv_cache_bytes)],
                          env={"HETSERVE_SLOWDOWN": slowdown}, fake=False, ready_timeout=300)
 
 
@@ -211,7 +213,8 @@ def report(results: dict[str, dict[str, dict]], slowdown: str) -> int:
             failed.append(what)
         return "ok" if ok else "MISSED"
 
-    print(f"\nthree simulated workers of the embedded model, HETSERVE_SLOWDOWN={slowdown}; cache-aware vs least-loaded\n")
+    print(f"\nthree simulated workers of the embedded model, HETSERVE_SLOWDOWN={slowdown}; "
+          "cache-aware vs least-loaded\n")
     a, b = ca["conversations"], ll["conversations"]
     hit_ratio = a["hit_rate"] / max(1e-9, b["hit_rate"])
     speedup = b["answering"] / a["answering"]
@@ -230,7 +233,8 @@ def report(results: dict[str, dict[str, dict]], slowdown: str) -> int:
     a, b = ca["unequal"], ll["unequal"]
     print("(c) unequal workers, no shared prefix, 6 at a time")
     print(f"    p50 / p99 latency       {a['p50']:.3f} / {a['p99']:.3f}s vs {b['p50']:.3f} / {b['p99']:.3f}s   "
-          f"p99 {b['p99'] / a['p99']:.2f}x (target >= 1/{P99_NOISE:g}) {check(a['p99'] <= P99_NOISE * b['p99'], 'p99')}")
+          f"p99 {b['p99'] / a['p99']:.2f}x (target >= 1/{P99_NOISE:g}) "
+          f"{check(a['p99'] <= P99_NOISE * b['p99'], 'p99')}")
     factors = {w: slowdown_factor(slowdown, w) for w in a["shares"]}
     fastest, slowest = min(factors, key=factors.get), max(factors, key=factors.get)
     ordered = a["shares"].get(fastest, 0) >= max(a["shares"].values()) and \
@@ -247,7 +251,8 @@ def report(results: dict[str, dict[str, dict]], slowdown: str) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--slowdown", default="gpu0=3,gpu1=1.5", help="HETSERVE_SLOWDOWN for the workers (default %(default)s)")
+    p.add_argument("--slowdown", default="gpu0=3,gpu1=1.5",
+                   help="HETSERVE_SLOWDOWN for the workers (default %(default)s)")
     p.add_argument("--seed", default="0", help="seed of the generated texts")
     p.add_argument("--kv-cache-bytes", type=int, default=KV_CACHE_BYTES,
                    help="each worker's KV cache budget (default %(default)s)")

@@ -44,7 +44,8 @@ RECORDS = {
     "type": "object",
     "properties": {"people": {"type": "array", "minItems": 40, "items": {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "properties": {"name": {"type": "string", "maxLength": 10},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 99},
                        "mood": {"enum": ["happy", "sad", "wise"]}},
         "required": ["name", "age", "mood"], "additionalProperties": False}}},
     "required": ["people"],
@@ -61,7 +62,8 @@ def summary(per_token: dict[str, list[float]]) -> dict:
             "median_ratio": median["json_schema"] / median["unconstrained"]}
 
 
-async def round_(client: httpx.AsyncClient, n: int, tokens: int, eos: int, constrained: bool, seed: int) -> tuple[float, int]:
+async def round_(client: httpx.AsyncClient, n: int, tokens: int, eos: int, constrained: bool,
+                 seed: int) -> tuple[float, int]:
     """(wall seconds, tokens generated) for `n` concurrent requests."""
     def body(i: int) -> dict:
         b = {"messages": [{"role": "user", "content": f"List people, please ({i})."}], "max_tokens": tokens,
@@ -112,8 +114,8 @@ def engine_rounds(model_dir: Path, n: int, tokens: int, rounds: int, eos: int) -
         kv = loaded.model.new_kv_pool(config.num_blocks, config.block_size)
         engine = Engine(ModelRunner(loaded.model, kv, "cpu"), Scheduler(config), loaded.tokenizer, grammars=grammars)
         for i in range(n):
-            params = SamplingParams.create(max_new_tokens=tokens, temperature=1.0, seed=seed + i, logit_bias={eos: -100},
-                                           grammar=spec if constrained else None)
+            params = SamplingParams.create(max_new_tokens=tokens, temperature=1.0, seed=seed + i,
+                                           logit_bias={eos: -100}, grammar=spec if constrained else None)
             engine.submit(prompt, params, grammar=grammars.compile(spec) if constrained else None)
         t0 = time.perf_counter()
         while engine.step():

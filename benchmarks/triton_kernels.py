@@ -152,7 +152,8 @@ def bench_paged(rows: int, length: int, chosen: str, rounds: int, heads: tuple[i
         fns[name + ("*" if name == chosen else "")] = lambda t=t: paged_decode(q, kv, tables, lens, length, t,
                                                                                **options)  # fmt: skip
     shown = f" window {window}" * (window is not None) + f" softcap {softcap}" * (softcap is not None)
-    title = f"PagedAttention{' ' + layer if layer else ''} {rows} rows x {length} tokens, {hq}/{hkv} heads D {d}{shown} bf16"
+    title = (f"PagedAttention{' ' + layer if layer else ''} {rows} rows x {length} tokens, "
+             f"{hq}/{hkv} heads D {d}{shown} bf16")
     _report(title, _time(fns, rounds), "torch", 2 * rows * min(length, window or length) * hkv * d * 2)
 
 
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "benchmarks/triton_kernels.py: skipped, no CUDA device (the kernels need a GPU; CPU runs the torch reference)"
+            "benchmarks/triton_kernels.py: skipped, no CUDA device "
+            "(the kernels need a GPU; CPU runs the torch reference)"
         )
         return 0
     from kernels_local.mapping import select

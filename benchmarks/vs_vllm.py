@@ -194,16 +194,18 @@ def bench(vllm: Path, server: Server, model: Path, concurrency: int, args, stopp
     """One `vllm bench serve` run; its result JSON."""
     name = f"{server.name}-c{concurrency}-{int(time.time() * 1000)}.json"
     prompts = args.num_prompts or max(16, 8 * concurrency)
-    cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
-           "--model", str(model), "--dataset-name", "random", "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
+    cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", server.url,
+           "--endpoint", "/v1/completions", "--model", str(model), "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--num-prompts", str(prompts),
            "--max-concurrency", str(concurrency), "--temperature", "0", "--seed", str(args.seed),
            "--num-warmups", str(min(concurrency, 4)), "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
            "--result-filename", name, *stopping]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     done = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"vllm bench serve against {server.name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"vllm bench serve against {server.name} failed:\n{done.stdout[-3000:]}\n"
+                           f"{done.stderr[-3000:]}")
     result = json.loads((out_dir / name).read_text())
     result["expected_output_tokens"] = prompts * args.output_len
     return result
@@ -240,7 +242,8 @@ def print_table(rounds: list[dict], stopping_how: str, base: str) -> None:
                       f"{v['output_tok_s']:>12.0f} {h['output_tok_s'] / v['output_tok_s']:>5.2f}x | {tokens}")
     if len(rounds) < 2:
         return
-    print(f"medians over {len(rounds)} rounds (each row's pair measured back to back; the machine drifts between rows):")
+    print(f"medians over {len(rounds)} rounds "
+          "(each row's pair measured back to back; the machine drifts between rows):")
     for c in ARGS.concurrency:
         for kind in rounds[0]:
             if kind in (base, "vllm"):

@@ -10,8 +10,8 @@ client work, so the figure is the worker's), and one bare `model.step` prefill o
 token ids + argmax. Prints p50 / p99 of both and the difference, the worker's added latency
 (target: p50 <= 1 ms), and the CPU time each costs per request (the worker process's
 user + system time over the run, and this thread's for the bare step), which stays
-meaningful when other processes make wall times noisy. `--profile FILE` also records the serving worker with `py-spy` (which
-must be installed) into FILE as collapsed stacks.
+meaningful when other processes make wall times noisy. `--profile FILE` also records the
+serving worker with `py-spy` (which must be installed) into FILE as collapsed stacks.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class RawClient:
         while b"\r\n\r\n" not in data:
             data += self.sock.recv(65536)
         head, _, rest = data.partition(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
         while len(rest) < length:
             rest += self.sock.recv(65536)
         if not head.startswith(b"HTTP/1.1 200"):
@@ -103,7 +104,8 @@ def main() -> int:
     p.add_argument("--simulate", default=None, help="simulated device of the worker (default: the CPU)")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--profile", metavar="FILE", help="record the worker with py-spy into FILE (collapsed stacks, idle included)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="record the worker with py-spy into FILE (collapsed stacks, idle included)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(DEFAULT_MODEL_DIR, "auto")  # the worker's own choice on a CPU
