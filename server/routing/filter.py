@@ -1,28 +1,13 @@
 """Routing's first stage: which workers may take a request, or why none can (a pure function).
 
-A request may constrain where it runs, through headers (they work the same for the TGI and
-the OpenAI routes, and every client can set headers):
-
-  X-Hetserve-Worker: gpu1            a worker id (also accepted: device index `1` or its UUID)
-  X-Hetserve-Min-Capability: 8.9     a minimum CUDA capability (`8.9` or `sm_89`)
-  X-Hetserve-Fp8: native_e4m3        an fp8 convention (`native_e4m3` or `emulated`)
-
-A request is for one model (`Constraints.model`: the OpenAI `model` field, TGI's
-`X-Hetserve-Model` header, else the default model; server/fleet/models.py resolves the name):
-only that model's workers may take it, so every later stage (the pick, retries, stream
-migration) stays among them; no worker of it at all (none, or only stopping ones) is
-`unloaded`, which the dispatcher answers by loading the model, or with a 503.
-
-`eligible` filters the workers by their current state and returns a `Filtered`: the workers
-that may take the request now (ready, matching, breaker admitting, not the process that
-already failed this request, room in its queue), or a refusal with its reason (422
-`unsatisfiable`: no worker can ever satisfy the constraints; 429 `overloaded`: every matching
-worker's queue is full; `wait`: matching workers exist but none is ready right now, or every
-ready one has its circuit breaker open; 503 `unavailable`: none left to try). The dispatcher
-then asks the router (server/routing/router.py) to score and pick among the eligible ones, so
-the stages never call back into each other. Trade-off: the router counts the requests it has
-in flight per worker instead of asking workers for their queue depth, which is exact for
-requests that come through this router and costs nothing per request.
+A request may constrain where it runs through headers that work the same on every route
+(`X-Hetserve-Worker`, `X-Hetserve-Min-Capability`, `X-Hetserve-Fp8`; docs/routing.md), and it is
+for one model (server/fleet/models.py resolves the name): only that model's workers may take it,
+so every later stage (the pick, retries, stream migration) stays among them. `eligible` returns
+the workers that may take it now or a refusal with its reason (`Filtered`); the dispatcher then
+asks the router to pick among them, so the stages never call back into each other. Trade-off:
+the router counts the requests it has in flight per worker instead of asking workers for their
+queue depth, which is exact for requests that come through this router and costs nothing.
 """
 
 from __future__ import annotations
@@ -49,7 +34,8 @@ MAX_SESSION_CHARS = 256  # longer session ids are cut: they only need to tell se
 
 _FP8_ALIASES = {"native": NATIVE, NATIVE: NATIVE, "e4m3": NATIVE, EMULATED: EMULATED}
 
-ELIGIBLE, UNSATISFIABLE, OVERLOADED, WAIT, UNAVAILABLE = "eligible", "unsatisfiable", "overloaded", "wait", "unavailable"
+ELIGIBLE, UNSATISFIABLE, OVERLOADED, WAIT, UNAVAILABLE = (
+    "eligible", "unsatisfiable", "overloaded", "wait", "unavailable")
 UNLOADED = "unloaded"  # no worker serves the request's model
 
 
@@ -84,7 +70,14 @@ class Constraints:
 
 @dataclass(frozen=True)
 class Filtered:
-    """The filter's verdict: the workers that may take the request, or why none may."""
+    """The filter's verdict: the workers that may take the request, or why none may.
+
+    ELIGIBLE: ready, matching, breaker admitting, not the process that already failed this
+    request, room in its queue. The refusals: UNSATISFIABLE (422, no worker can ever satisfy the
+    constraints), OVERLOADED (429, every matching worker's queue is full), WAIT (matching workers
+    exist but none is ready right now, or every ready one has its circuit breaker open),
+    UNAVAILABLE (503, none left to try), UNLOADED (no worker of the model at all, or only
+    stopping ones: the dispatcher loads the model, or answers 503)."""
 
     kind: str  # ELIGIBLE | UNSATISFIABLE | OVERLOADED | WAIT | UNAVAILABLE | UNLOADED
     reason: str
@@ -99,7 +92,8 @@ def parse_capability(value: str) -> Capability:
             return Capability.parse(text)
     except CapabilityError:
         pass
-    raise ConstraintError(f"Invalid minimum capability `{shown(value)}`. Accepted: `X.Y` (e.g. 8.9) or `sm_XY` (e.g. sm_89)")
+    raise ConstraintError(
+        f"Invalid minimum capability `{shown(value)}`. Accepted: `X.Y` (e.g. 8.9) or `sm_XY` (e.g. sm_89)")
 
 
 def parse_constraints(headers: Mapping[str, str]) -> Constraints:
@@ -138,7 +132,7 @@ def matches(handle: WorkerHandle, c: Constraints) -> tuple[bool | None, str]:
 
 def eligible(workers: Iterable[WorkerHandle], c: Constraints, capacity: int,
              exclude: Mapping[str, int] | None = None) -> Filtered:
-    """The workers that may take one request now, or the refusal (see the module docstring).
+    """The workers that may take one request now, or the refusal (see `Filtered`).
 
     `exclude` maps worker id -> the generation (process) that already failed this request; a
     worker restarted since then is eligible again.

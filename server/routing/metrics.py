@@ -1,19 +1,10 @@
 """The routing series in the router's `/metrics`, read from the `Router` at scrape time.
 
-Each series of a worker carries `worker_id`, `capability` and `model`:
-- `hetserve_router_route_decisions_total{..., reason}`: requests sent, by why
-  (`prefix`, `session`, `least-loaded`, `pinned`, `imbalance`, `round-robin`; a retry is a decision too);
-- `hetserve_router_session_moves_total{..., why}`: sessions that left this
-  worker (`unavailable`, `overloaded`);
-- `hetserve_router_worker_prefill_tokens_per_second`, `..._decode_tokens_per_second{batch}`:
-  the measured speeds, decode for one sequence and for a batch of 8 (absent until measured: a cost
-  the speed fit still holds at its floor was never measured apart, `speed_view`);
-- `hetserve_router_worker_inflight_tokens{kind="to_prefill"|"new"|"total"}`: the load the router counts there;
-- `hetserve_router_prefix_index_chunks`: prompt chunks the index remembers for that worker;
-- `hetserve_router_chars_per_token`, `hetserve_router_sessions`: fleet-wide.
-
-Design: a collector over the router's plain counters, so routing keeps no Prometheus objects
-and a scrape costs one pass over the workers.
+Each series of a worker carries `worker_id`, `capability` and `model`; the list is in
+docs/routing.md. Design: a collector over the router's plain counters, so routing keeps no
+Prometheus objects and a scrape costs one pass over the workers. The trade-off: a speed is shown
+only once measured (a cost the fit still holds at its floor is left out, `speed_view`), so a new
+worker has no speed series rather than an absurd one.
 """
 
 from __future__ import annotations

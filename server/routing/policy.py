@@ -1,47 +1,16 @@
 """The routing policies' score and pick stages, as pure functions of what the router knows.
 
-The filter stage (ready, breaker closed, not failed before, room in its queue, the request's
-constraints) is server/routing/filter.py; server/routing/router.py turns each worker that passed
-into a `Candidate` and calls one of these.
-
-`cache_aware` decides in this order, as SGLang's cache-aware router does, with the load and
-the speed of unequal workers counted in:
-
-1. **imbalance**: when the loads are uneven (the most loaded worker's exceeds the least
-   loaded one's by more than `balance_abs` tokens and is more than `balance_rel` times as
-   large; a load is the tokens in flight there, scaled by the worker's speed relative to the
-   fleet's median, so a worker twice as fast counts half; a prompt counts whole, cached or
-   not, as it holds KV cache either way) the least loaded worker gets the request, whatever
-   it holds: a hot prefix cannot pile everything onto one worker;
-2. **prefix**: otherwise the workers that hold the longest prefix of the prompt compete,
-   unless that prefix is **hot** there (other requests in flight on it share it: a system
-   prompt many clients send, not a conversation's own history): then every worker competes,
-   as one prefill copies a hot prefix to another worker and pays for itself many times, and
-3. when the request is open to every worker (no worker holds any of it, or it is hot), only
-   the workers within a bounded load compete (`bounded_load`: `load_factor` x the mean
-   requests in flight, plus one, as bounded-load consistent hashing does), so that neither
-   new conversations nor a hot prompt pile onto the fastest worker, whose KV cache holds
-   no more than the others'; and
-4. among them (or among all, when none holds any) the one that would drain soonest wins: the
-   engine-seconds of the work in flight there plus this request's, from the worker's
-   measured speed (server/routing/speed.py: a per prompt token, t per generated token at a
-   batch of 8):
-
-       cost = (prompt tokens in flight there, and this prompt's that it does not hold) x a
-            + (new tokens in flight there, and this request's) x t
-            + (this request's tokens beyond its free KV cache) x t   (when the worker reports it)
-
-   so work spreads in proportion to speed (a worker twice as fast takes twice the tokens) and
-   a held prefix saves exactly the prefill it avoids. Ties go to fewer requests in flight,
-   then to the worker picked least often.
-
-Trade-off: prefix first. A conversation stays on the worker holding its history while the
-loads are within the thresholds, even when another worker would drain a little sooner: the
-cost alone counts only the prefill one request saves, not what the same cache saves the
-turns that follow, nor the cache a move would duplicate elsewhere. The thresholds bound how
-uneven that may make the loads. And a drain time, not a latency: a fast worker with a few
-requests more may still answer a new one sooner than an idle slow one (batching), but
-spreading in proportion to speed keeps every worker's queue short and none idle.
+server/routing/router.py turns each worker that passed the filter (server/routing/filter.py) into
+a `Candidate` and calls one of these. `cache_aware` decides as SGLang's cache-aware router does
+(imbalance, then the longest held prefix, then the soonest drained), with the load and the
+measured speed of unequal workers counted in, so work spreads in proportion to speed and a held
+prefix saves exactly the prefill it avoids. Trade-off: prefix first. A conversation stays on
+the worker holding its history while the loads are within the thresholds, even when another
+would drain a little sooner: the cost counts only the prefill one request saves, not what the
+same cache saves the turns that follow, nor the cache a move would duplicate; the thresholds
+bound how uneven that may make the loads. And a drain time, not a latency: a fast worker with a
+few requests more may answer sooner than an idle slow one (batching), but spreading in
+proportion to speed keeps every worker's queue short and none idle.
 """
 
 from __future__ import annotations
@@ -100,10 +69,18 @@ class Route:
 
 
 def cost_s(c: Candidate, ask: Ask) -> float:
-    """Engine-seconds to drain the work in flight there with this request added (see the module docstring)."""
+    """Engine-seconds to drain the work in flight there with this request added, from the worker's
+    measured speed (server/routing/speed.py: a per prompt token, t per generated token at a batch
+    of 8):
+
+        cost = (prompt tokens in flight there, and this prompt's that it does not hold) x a
+             + (new tokens in flight there, and this request's) x t
+             + (this request's tokens beyond its free KV cache) x t   (when the worker reports it)
+    """
     compute = ask.prompt_tokens - min(c.matched, ask.prompt_tokens)
     wait = max(0, compute + ask.new_tokens - c.kv_free) if c.kv_free is not None else 0
-    return (c.inflight_prompt + compute) * c.speed.prefill_s + (c.inflight_new + ask.new_tokens + wait) * c.speed.token_s
+    return ((c.inflight_prompt + compute) * c.speed.prefill_s
+            + (c.inflight_new + ask.new_tokens + wait) * c.speed.token_s)
 
 
 def loads(cands: Sequence[Candidate]) -> dict[str, float]:
@@ -131,11 +108,28 @@ def _tie(c: Candidate) -> tuple[int, int, str]:
 
 def cache_aware(cands: Sequence[Candidate], ask: Ask, balance_abs: float, balance_rel: float,
                 load_factor: float = DEFAULT_LOAD_FACTOR) -> Route:
-    """Imbalance, then the longest prefix, then the soonest done (see the module docstring)."""
+    """Imbalance, then the longest prefix, then the soonest done, in this order:
+
+    1. **imbalance**: when the loads are uneven (`loads`: the most loaded worker's exceeds the
+       least loaded one's by more than `balance_abs` tokens and is more than `balance_rel` times
+       as large; a prompt counts whole, cached or not, as it holds KV cache either way) the least
+       loaded worker gets the request, whatever it holds: a hot prefix cannot pile everything
+       onto one worker;
+    2. **prefix**: otherwise the workers that hold the longest prefix of the prompt compete,
+       unless that prefix is **hot** there (other requests in flight share it: a system prompt
+       many clients send, not a conversation's own history): then every worker competes, as
+       one prefill copies a hot prefix to another worker and pays for itself many times;
+    3. when the request is open to every worker (no worker holds any of it, or it is hot), only
+       the workers within `bounded_load` compete, so that neither new conversations nor a hot
+       prompt pile onto the fastest worker, whose KV cache holds no more than the others';
+    4. among them the one that would drain soonest wins (`cost_s`). Ties go to fewer requests
+       in flight, then to the worker picked least often.
+    """
     load = loads(cands)
     if len(cands) > 1 and imbalanced(load, balance_abs, balance_rel):
         best = min(cands, key=lambda c: (load[c.id], *_tie(c)))
-        return Route(best.id, IMBALANCE, f"load {load[best.id]:.0f} tokens, the most loaded {max(load.values()):.0f}")
+        most_loaded = max(load.values())
+        return Route(best.id, IMBALANCE, f"load {load[best.id]:.0f} tokens, the most loaded {most_loaded:.0f}")
     most = max(c.matched for c in cands)
     holders = [c for c in cands if c.matched == most] if most > 0 else list(cands)
     hot = any(c.sharing for c in holders)

@@ -1,24 +1,14 @@
 """An approximate, bounded index of the prompt prefixes each worker has recently served.
 
-The router has no tokenizer (it never imports torch or the model's files), so it indexes
-what it has: the prompt as the worker will receive it, rendered chat text or token ids. The
-prompt is cut into fixed chunks (`chunk_chars` characters, or a quarter as many token ids)
-and each chunk gets a key hashed over every chunk before it (k_i = hash(k_{i-1}, chunk_i)),
-as vLLM keys its KV blocks, so one key names a whole prefix and a flat map of keys is a
-radix tree whose edges are chunks. Each worker has its own map, bounded (`max_chunks`) and
-kept in least-recently-used order. A prompt's match on a worker is the number of its leading
-keys that the worker's map holds. Recording a prompt touches its keys deepest first, so a
-prefix's root is always at least as recent as its leaves and eviction trims leaves before
-roots: what is left of a prefix is still a prefix. A worker's map holds at most `max_chunks`
-keys, or fewer when its KV cache is smaller (what it could hold, in chunks), since it evicts
-what does not fit; a restarted worker holds nothing, and its map is dropped.
-
-Trade-off: characters, not tokens. A match has chunk granularity (the last partial chunk of
-a shared prefix goes unseen), its length in tokens is an estimate (characters over the
-learned characters per token), and the index only guesses what a worker's cache holds: it
-is never told of the worker's own evictions and forgets by its own LRU bound, sized like the
-worker's cache. In exchange the router needs no tokenizer, a chunk costs
-one hash, and memory is bounded by workers x `max_chunks` keys (about 100 bytes each).
+The router has no tokenizer, so it indexes the prompt as the worker will receive it (rendered
+chat text or token ids), cut into fixed chunks, each keyed by a hash chained over every chunk
+before it as vLLM keys its KV blocks: one key names a whole prefix, and a flat map of keys per
+worker is a radix tree whose edges are chunks, kept in least-recently-used order and bounded by
+`max_chunks` or the worker's KV cache. Trade-off: characters, not tokens. A match has chunk
+granularity (the last partial chunk of a shared prefix goes unseen), its length in tokens is an
+estimate, and the index only guesses what a worker's cache holds (it is never told of the
+worker's own evictions and forgets by its own LRU bound). In exchange a chunk costs one hash and
+memory is bounded by workers x `max_chunks` keys.
 """
 
 from __future__ import annotations
@@ -46,8 +36,13 @@ def prefix_keys(prompt: str | Sequence[int], chunk_chars: int = DEFAULT_CHUNK_CH
 
 
 class PrefixIndex:
-    """Per worker, the chunk keys of the prompts recently sent there (see the module docstring).
+    """Per worker, the chunk keys of the prompts recently sent there.
 
+    A prompt's chunks are `chunk_chars` characters, or a quarter as many token ids, each keyed
+    k_i = hash(k_{i-1}, chunk_i); its match on a worker is the number of its leading keys the
+    worker's map holds. Recording a prompt touches its keys deepest first, so a prefix's root is
+    always at least as recent as its leaves and eviction trims leaves before roots: what is left
+    of a prefix is still a prefix. A restarted worker holds nothing, and its map is dropped.
     Lives on the router's event loop (no locks)."""
 
     def __init__(self, chunk_chars: int = DEFAULT_CHUNK_CHARS, max_chunks: int = DEFAULT_MAX_CHUNKS):

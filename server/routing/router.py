@@ -1,18 +1,14 @@
 """The router's routing state: the prefix index, speeds, sessions and load in tokens, and
 the decision for each request that the filter let through.
 
-`Router.pick(free, c, req)` is the score-and-pick stage: a request pinned to a worker goes
-there (`pinned`); a request with a session goes where its session lives
-(server/routing/sessions.py: `session`); otherwise the policy decides (server/routing/policy.py).
-Before scoring, workers whose whole KV cache could never hold the request are set aside, as
-long as another can. `Router.begin` records the dispatch (requests and tokens in flight, the
-prompt's prefix on that worker, the decision counters) and returns the `Ticket` that
-`end()`s it once the worker's answer or stream is over. `observe` takes the workers'
-`/metrics` samples (speeds, KV use). Everything lives on the router's event loop (no locks).
-
-Trade-off: tokens are estimated from characters (the router has no tokenizer), and load is
-the sum of what the router sent and has not seen end, counted at each request's
-`max_new_tokens`: requests that stop early weigh too much until they end.
+`Router.pick` is the score-and-pick stage: a pinned request goes to its worker, a request with a
+session where its session lives (server/routing/sessions.py), any other where the policy says
+(server/routing/policy.py), after setting aside workers whose whole KV cache could never hold it.
+`Router.begin` records the dispatch and returns the `Ticket` that `end()`s it; `observe` takes
+the workers' `/metrics` samples. Everything lives on the router's event loop (no locks).
+Trade-off: tokens are estimated from characters (the router has no tokenizer), and load is the
+sum of what the router sent and has not seen end, counted at each request's `max_new_tokens`:
+requests that stop early weigh too much until they end.
 """
 
 from __future__ import annotations
@@ -79,7 +75,9 @@ class Ticket:
 
 
 class Router:
-    """See the module docstring."""
+    """Routing state and the pick for each request: `pick` chooses, `begin` counts the dispatch
+    (requests and tokens in flight, the prompt's prefix on that worker, the decision counters)
+    until its `Ticket` ends, `observe` learns from the workers' `/metrics` samples (speeds, KV use)."""
 
     def __init__(self, config: RoutingConfig | None = None):
         self.config = config or RoutingConfig()
@@ -165,7 +163,9 @@ class Router:
         tokens = _kv_tokens(h)
         if tokens is None:
             return None
-        return int(tokens * self.telemetry.chars_per_token) // req.chunk_units if req.chars else tokens // req.chunk_units
+        if req.chars:
+            return int(tokens * self.telemetry.chars_per_token) // req.chunk_units
+        return tokens // req.chunk_units
 
     def _kv_free(self, h: WorkerHandle) -> int | None:
         """Free KV cache in tokens: `capacity.kv_blocks_free` from the worker's last `/health`

@@ -1,23 +1,14 @@
 """Session affinity: one conversation stays on one worker while that worker can take it.
 
-A client names its conversation with an `X-Session-Id` header (or the OpenAI `user` field).
-The first request of a session is placed by consistent hashing with bounded loads (Mirrokni,
-Thorup and Zadimoghaddam): every worker id has `vnodes` points on a hash ring, the session's
-hash picks a point, and the session goes to the first worker clockwise that can take it and
-whose load (requests in flight, this one included) would stay within `load_factor` times
-the mean load plus one (the one: at light load a request or two more is noise). Later
-requests of the session go back to the worker it was last sent to, while that worker can take
-it and stays within the same bound; otherwise the session **moves** (placed on the ring again,
-skipping the full workers) and the move is counted, with why: `unavailable` (the worker is
-not among those that can take the request: not ready, breaker open, failed it, full) or
-`overloaded` (above the bound).
-
-Trade-off: the router remembers the last worker of up to `max_sessions` sessions (least
-recently used forgotten first) so that a session that moved stays where it went, rather than
-bouncing back to its ring position once the old worker returns and losing the cache it
-built on the new one; a forgotten session is placed by the ring again, which may move it
-without a count. The ring uses a stable hash (blake2b), so placements do not depend on the
-process's hash seed.
+A client names its conversation with `X-Session-Id` (or the OpenAI `user` field). Its first
+request is placed by consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam),
+on a ring with a stable hash (blake2b) so placements do not depend on the process's hash seed;
+later requests go back to the worker it was last sent to while that worker can take it within
+the same bound, else the session moves and the move is counted (`SessionAffinity.place`).
+Trade-off: the router remembers the last worker of up to `max_sessions` sessions (least recently
+used forgotten first) so that a session that moved stays where it went, rather than bouncing
+back to its ring position once the old worker returns and losing the cache it built on the new
+one; a forgotten session is placed by the ring again, which may move it without a count.
 """
 
 from __future__ import annotations
@@ -48,7 +39,15 @@ class Placement:
 
 
 class SessionAffinity:
-    """Where each session goes (see the module docstring). Lives on the router's event loop."""
+    """Where each session goes. Lives on the router's event loop.
+
+    Every worker id has `vnodes` points on a hash ring; a new session's hash picks a point and
+    the session goes to the first worker clockwise that can take it and whose load (requests in
+    flight, this one included) would stay within `load_factor` times the mean load plus one (at
+    light load a request or two more is noise). A session whose last worker cannot take it
+    moves (placed on the ring again, skipping the full workers), counted in `moves` with why:
+    `unavailable` (not among those that can take the request: not ready, breaker open, failed
+    it, full) or `overloaded` (above the bound)."""
 
     def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  vnodes: int = DEFAULT_VNODES):

@@ -1,26 +1,15 @@
 """Each worker's measured speed: what a prompt token, an engine step and a sequence in a
 step cost it, in engine-seconds.
 
-Unequal GPUs are the point of this server, so the router does not assume them equal: it
-learns, per worker, a model of its engine step time. Every few seconds (the status page's
-sampling of the workers' `/metrics`) each worker contributes one interval: the engine steps
-it ran (S), the prompt tokens it computed (P), the tokens it generated (G, one per sequence
-per step) and the seconds its engine spent in steps (y). The fit is
-
-    y = c*S + a*P + b*G        c: fixed cost of a step, a: per prompt token, b: per sequence per step
-
-by least squares over recent intervals (exponentially forgotten, `decay` per interval), damped
-toward the previous estimate (Levenberg-Marquardt style), so a direction the recent intervals
-cannot tell apart (say, the batch never changed, so steps and generated tokens came in one
-proportion) keeps its last value while the others follow the data. From it: prefill
-tokens/s = 1/a, and a sequence decodes at 1/(c + b*B) tokens/s in a batch of B, so the
-router can predict a worker's pace at the batch it would have, rather than at the batch it had.
-
-Trade-off: a linear model of a batched engine: attention's growth with context length and a
-GPU's flat step time up to its compute bound are folded into c and b as the recent traffic
-saw them. A worker with no interval yet has no estimate; the policy gives it the fleet's
-median. Counting the load in the model (the B in c + b*B) instead of in the speed keeps a busy
-worker from looking faster (bigger batches) and so drawing ever more traffic.
+Unequal GPUs are the point of this server, so the router learns, per worker, a linear model of
+its engine step time, y = c*S + a*P + b*G over each sampling interval (`SpeedFit`), and predicts
+a worker's pace at the batch it would have rather than at the batch it had: prefill tokens/s =
+1/a, and a sequence decodes at 1/(c + b*B) tokens/s in a batch of B. Trade-off: a linear model
+of a batched engine: attention's growth with context length and a GPU's flat step time up to its
+compute bound are folded into c and b as the recent traffic saw them. A worker with no interval
+yet has no estimate; the policy gives it the fleet's median. Counting the load in the model (the
+B in c + b*B) instead of in the speed keeps a busy worker from looking faster (bigger batches)
+and so drawing ever more traffic.
 """
 
 from __future__ import annotations
@@ -74,7 +63,19 @@ def _first_guess(x: np.ndarray, busy_s: float) -> np.ndarray:
 
 
 class SpeedFit:
-    """One worker's decayed, damped least-squares fit of engine seconds (see the module docstring)."""
+    """One worker's decayed, damped least-squares fit of engine seconds.
+
+    Every few seconds (the status page's sampling of the workers' `/metrics`) a worker
+    contributes one interval: the engine steps it ran (S), the prompt tokens it computed (P), the
+    tokens it generated (G, one per sequence per step) and the seconds its engine spent in steps
+    (y). The fit is
+
+        y = c*S + a*P + b*G        c: fixed cost of a step, a: per prompt token, b: per sequence per step
+
+    by least squares over recent intervals (exponentially forgotten, `decay` per interval), damped
+    toward the previous estimate (Levenberg-Marquardt style), so a direction the recent intervals
+    cannot tell apart (say, the batch never changed, so steps and generated tokens came in one
+    proportion) keeps its last value while the others follow the data."""
 
     def __init__(self, decay: float = DEFAULT_DECAY):
         if not 0.0 < decay <= 1.0:

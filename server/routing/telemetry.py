@@ -1,20 +1,15 @@
 """What the router learns from the workers' own counters: speeds, KV use, characters per token.
 
-The status page already samples every ready worker's `/metrics` every few seconds
-(server/fleet/history.py); each sample is also handed here. From the change of a worker's
-counters since its previous sample the router gets one interval of work: engine seconds
-and steps (`hetserve_worker_step_seconds_sum`, `_count`), prompt tokens computed and
-generated tokens, which
-feed that worker's `SpeedFit` (server/routing/speed.py), and the prompt tokens it was sent,
-which, set against the characters of the text prompts the router sent it meanwhile, teach
-the router how many characters make a token (it has no tokenizer; the prefix index and the
-load are counted in characters and converted). A new process (another pid) or a counter that
-went down starts the worker's counters afresh; its speed estimate is kept (same device).
-
-Trade-off: samples come every couple of seconds and counters are cumulative, so the
-estimates lag the traffic by an interval or two, and a request's characters are counted when
-it is sent while its tokens are counted when the worker admits it; over several intervals the
-two agree. No extra request is made to the workers.
+Each `/metrics` sample the status page takes (server/fleet/history.py) is also handed here. The
+change of a worker's counters since its previous sample is one interval of work (engine seconds
+and steps, prompt tokens computed, tokens generated) for its `SpeedFit`; the prompt tokens it
+was sent, set against the characters of the text prompts the router sent it meanwhile, teach the
+router how many characters make a token (it has no tokenizer). A new process (another pid) or a
+counter that went down starts the worker's counters afresh; its speed estimate is kept (same
+device). Trade-off: counters are cumulative and sampled every couple of seconds, so the estimates
+lag the traffic by an interval or two, and a request's characters are counted when it is sent
+while its tokens are counted when the worker admits it; over several intervals the two agree.
+No extra request is made to the workers.
 """
 
 from __future__ import annotations
