@@ -1,39 +1,13 @@
 """Chat messages -> prompt text through the model's own chat template (jinja2, no torch).
 
-The template comes from the model directory through the same lookup the worker uses
-(`workers.contract.find_chat_template`: `chat_template.jinja`, else
-`tokenizer_config.json["chat_template"]`); else the template the worker reported in
-`/capability` (a router that cannot read the worker's directory); else a plain ChatML
-template, with a warning, so a model without a template still answers.
-
-Rendering is transformers' `apply_chat_template`, rebuilt without transformers (the router
-imports no torch) and checked against it template feature by template feature
-(tests/test_chat_templates.py). The same sandboxed jinja2 environment: `trim_blocks` /
-`lstrip_blocks`, loop controls (`{% break %}`, `{% continue %}`), the `{% generation %}` tag
-(transformers marks assistant tokens with it; here it renders its body), `raise_exception`,
-`strftime_now`, a `tojson` filter that keeps non-ASCII text and takes `indent`,
-`separators` and `sort_keys`, a `namespace` that refuses underscore names and a limited
-`dict`. The same variables: `messages` (keys whose value is null dropped; a turn's reasoning
-under `reasoning_content` and `thinking`, whichever name it came in), `tools` and
-`documents` (null when not given, so `tools is none` holds), `add_generation_prompt`, the
-special tokens the tokenizer config sets (`bos_token`, `eos_token`, `pad_token`, ...; an
-unset one is undefined, as in transformers) and any extra keyword (`enable_thinking`, a
-request's `chat_template_kwargs`). Trade-off: the environment is a copy, not an import, so a
-new transformers feature reaches the router only when it is copied here and its test added.
-A template that raises (say, roles that do not alternate) becomes a `ChatTemplateError`
-naming the problem (422 at the HTTP edge).
-
-Special tokens in content: the worker tokenizes the rendered prompt with special tokens
-parsed, so a user typing `<|im_start|>system` inside a message would get the real control
-token and could forge a turn. By default every string the template can render is checked:
-each message's every field (content, name, reasoning, tool calls with their ids, names and
-arguments, `tool_call_id`), the tool definitions (names, descriptions, parameter schemas, keys
-included: `tojson` writes them) and every `chat_template_kwargs` value; one that contains the
-text of one of the model's special tokens (`read_special_tokens`) is refused with a 422 naming
-the field and the token, as tiktoken refuses disallowed special tokens.
-`--special-tokens-in-content` lets them through (a trusted client that writes control tokens
-on purpose). Trade-off: the walk visits every string once per request (a request is at most
-the 4 MiB body), where checking only the fields a given template reads would need to parse it.
+Rendering is transformers' `apply_chat_template` rebuilt without transformers (the router
+imports no torch): the same sandboxed jinja2 environment and the same variables, checked against
+it template feature by template feature (tests/test_chat_templates.py). Trade-off: the
+environment is a copy, not an import, so a new transformers feature reaches the router only when
+it is copied here and its test added. A template that raises (say, roles that do not alternate)
+becomes a `ChatTemplateError` naming the problem (422 at the HTTP edge). Every string the
+template can render is checked for the model's special tokens (`ChatTemplate.check_content`),
+so a user cannot forge a turn; `--special-tokens-in-content` lets them through.
 """
 
 from __future__ import annotations
@@ -78,12 +52,24 @@ class ChatTemplateError(ValueError):
 
 @dataclass(frozen=True)
 class ChatTemplate:
+    """A chat template and the values it renders with, in transformers' environment:
+    `trim_blocks` / `lstrip_blocks`, loop controls (`{% break %}`, `{% continue %}`), the
+    `{% generation %}` tag (transformers marks assistant tokens with it; here it renders its body),
+    `raise_exception`, `strftime_now`, a `tojson` filter that keeps non-ASCII text and takes
+    `indent`, `separators` and `sort_keys`, a `namespace` that refuses underscore names and a
+    limited `dict`. The variables: `messages` (`normalized_messages`), `tools` and `documents`
+    (null when not given, so `tools is none` holds), `add_generation_prompt`, the special tokens
+    the tokenizer config sets (`bos_token`, `eos_token`, `pad_token`, ...; an unset one is
+    undefined, as in transformers) and any extra keyword (`enable_thinking`, a request's
+    `chat_template_kwargs`)."""
+
     source: str
     bos_token: str | None
     eos_token: str | None
     origin: str  # where the template came from (shown in logs)
     forbidden_tokens: tuple[str, ...] = ()  # special tokens refused inside message text
-    special_tokens: tuple[tuple[str, str], ...] = ()  # (name, text) of the other SPECIAL_TOKEN_NAMES that are set
+    # (name, text) of the other SPECIAL_TOKEN_NAMES that are set
+    special_tokens: tuple[tuple[str, str], ...] = ()
     model_type: str | None = None  # config.json `model_type` (which reasoning parser `auto` picks)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
@@ -101,8 +87,15 @@ class ChatTemplate:
             raise ChatTemplateError(f"The chat template refused the messages: {e}") from e
 
     def check_content(self, messages: list[dict], extra: dict | None = None) -> None:
-        """`ChatTemplateError` (422) when any string the template can render (see the module
-        docstring) holds a forbidden special token."""
+        """`ChatTemplateError` (422) when any string the template can render holds a forbidden
+        special token: the worker tokenizes the rendered prompt with special tokens parsed, so a
+        user typing `<|im_start|>system` inside a message would get the real control token and
+        could forge a turn. Checked: each message's every field (content, name, reasoning, tool
+        calls with their ids, names and arguments, `tool_call_id`), the tool definitions (names,
+        descriptions, parameter schemas, keys included: `tojson` writes them) and every
+        `chat_template_kwargs` value, as tiktoken refuses disallowed special tokens. Trade-off:
+        the walk visits every string once per request (a request is at most the 4 MiB body),
+        where checking only the fields a given template reads would need to parse it."""
         if not self.forbidden_tokens:
             return
         for i, m in enumerate(messages):
@@ -224,8 +217,11 @@ def _compile(source: str) -> jinja2.Template:
 
 def load_chat_template(model_dir: Path | None, reported: ModelDescription | dict | None = None,
                        special_tokens_in_content: bool = False) -> ChatTemplate:
-    """The model's chat template (see the module docstring for the order of sources);
-    `reported` is the `model` object of a worker's `/capability`."""
+    """The model's chat template: from the model directory through the lookup the worker uses
+    (`workers.contract.find_chat_template`: `chat_template.jinja`, else
+    `tokenizer_config.json["chat_template"]`); else the template the worker reported in
+    `/capability` (`reported`: its `model` object; a router that cannot read the worker's
+    directory); else a plain ChatML template, with a warning, so a model without one still answers."""
     found_template = _load_template(model_dir, ModelDescription.model_validate(reported or {}))
     if special_tokens_in_content:
         return found_template

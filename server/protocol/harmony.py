@@ -1,38 +1,15 @@
 """Harmony, gpt-oss's chat format: the messages a gpt-oss model writes -> `reasoning_content`,
-`content` and OpenAI `tool_calls` (what vLLM answers for gpt-oss).
-
-The model answers in messages: `<|channel|>analysis<|message|>...<|end|>` (its thinking), then
-`<|start|>assistant<|channel|>final<|message|>...<|return|>` (the answer), or a tool call
-`<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
-(the recipient may stand after the role instead: `<|start|>assistant to=functions.NAME<|channel|>...`).
-A message's header (role, channel, recipient, content type) decides where its body goes:
-- recipient `functions.NAME` -> a tool call of NAME, the body its arguments (any channel);
-- channel `analysis`, or another recipient (a built-in tool: `python`, `browser.search`) ->
-  `reasoning_content`;
-- channel `final` or `commentary` (a preamble), no channel, any other channel -> `content`;
-- a header whose role is not the assistant's (a tool's answer the model wrote itself) -> dropped.
-Several messages of one kind are joined with a newline, as vLLM joins them. Headers and the
-special tokens themselves never reach a field. `<|return|>` and `<|call|>` end the output
-(they are gpt-oss's EOS tokens): anything after them is dropped.
+`content` and OpenAI `tool_calls` (what vLLM answers for gpt-oss; the rules: docs/serving.md).
 
 Design: one small state machine, `HarmonySplitter`, fed the output piece by piece as
 `ReasoningSplitter` is (server/protocol/reasoning.py): a stream feeds it each token's text, a
 whole answer the whole text, so a stream's deltas always concatenate to the whole answer's
-fields. It gives out `Part`s in order (reasoning, content, a tool call's start, its argument
-text) and holds back only a header (until `<|message|>`) and what may still become a tag.
-Trade-off: tags are matched as text, not as token ids (vLLM parses ids with openai-harmony);
-gpt-oss's tokenizer marks them special, and the worker streams a special token's text flagged
-`special` and leaves it out of `generated_text`, so the router reads them from the token
-events (`output_text`), and no worker setting changes; the text of ordinary tokens that happen
-to spell a tag is taken as that tag.
-
-Where the output starts: the generation prompt ends inside a header (`<|start|>assistant`), so
-the prompt's text after its last `<|start|>` is fed first and its parts discarded
-(`HarmonyPlan.header`); a template that opened a message (`...<|channel|>analysis<|message|>`)
-starts the output inside it. Output with no header at all (`Hello`: no channel, no recipient)
-is content, given out as soon as it cannot be a header any more. Output cut by the length
-limit gives what it had: the open message's text (a tool call's arguments as far as they
-went); a header cut before `<|message|>` gives nothing.
+fields. It gives out `Part`s in order and holds back only a header (until `<|message|>`) and
+what may still become a tag. Trade-off: tags are matched as text, not as token ids (vLLM parses
+ids with openai-harmony); gpt-oss's tokenizer marks them special, and the worker streams a
+special token's text flagged `special` and leaves it out of `generated_text`, so the router
+reads them from the token events (`output_text`) and no worker setting changes; the text of
+ordinary tokens that happen to spell a tag is taken as that tag.
 """
 
 from __future__ import annotations
@@ -129,7 +106,26 @@ def _read_header(header: str) -> tuple[str, str | None, str | None]:
 
 
 class HarmonySplitter:
-    """Output text in, `Part`s out; see the module docstring."""
+    """Output text in, `Part`s out.
+
+    The model answers in messages: `<|channel|>analysis<|message|>...<|end|>` (its thinking),
+    then `<|start|>assistant<|channel|>final<|message|>...<|return|>` (the answer), or a tool
+    call `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
+    {...}<|call|>` (the recipient may stand after the role instead). A message's header (role,
+    channel, recipient, content type) decides where its body goes:
+    - recipient `functions.NAME` -> a tool call of NAME, the body its arguments (any channel);
+    - channel `analysis`, or another recipient (a built-in tool: `python`, `browser.search`) ->
+      reasoning;
+    - channel `final` or `commentary` (a preamble), no channel, any other channel -> content;
+    - a header whose role is not the assistant's (a tool's answer the model wrote) -> dropped.
+    Several messages of one kind are joined with a newline, as vLLM joins them; headers and the
+    tags never reach a field; `<|return|>` and `<|call|>` (gpt-oss's EOS tokens) end the output.
+
+    The prompt's text after its last `<|start|>` (`HarmonyPlan.header`) is fed first and its
+    parts discarded; a template that opened a message starts the output inside it. Output with
+    no header at all is content, given out as soon as it cannot be a header any more. Output cut
+    by the length limit gives what it had (a tool call's arguments as far as they went); a
+    header cut before `<|message|>` gives nothing."""
 
     def __init__(self, plan: HarmonyPlan):
         self._state, self._header = _HEADER, ""

@@ -1,39 +1,15 @@
 """Reasoning parsers: a thinking model's `<think>...</think>` text -> `reasoning_content`, the
-rest -> `content` (what vLLM's `--reasoning-parser qwen3` returns).
+rest -> `content` (what vLLM's `--reasoning-parser qwen3` returns; the rules: docs/serving.md).
 
-Design: one parser, `ReasoningSplitter`, a small state machine fed the output piece by piece.
-A stream feeds it each token's text; a whole answer feeds it the whole text at once
-(`split_reasoning`), so a stream's deltas always concatenate to the non-streamed fields. It
-holds back only what may still turn out to be a tag (`</th` at the end of a piece) or the
-newlines the split drops, so a tag cut across tokens is found and nothing else waits.
+Design: one parser, `ReasoningSplitter`, a small state machine fed the output piece by piece: a
+stream feeds it each token's text, a whole answer the whole text (`split_reasoning`), so a
+stream's deltas always concatenate to the non-streamed fields; it holds back only what may still
+turn out to be a tag, or the newlines the split drops. Where the reasoning starts comes from the
+rendered prompt (`plan_reasoning`). gpt-oss writes harmony instead (channels, not tags):
+`choose_parser` picks it and `plan_reasoning` hands such a prompt to server/protocol/harmony.py.
 Trade-off: the tags are matched as text, not as token ids (vLLM matches ids), so a tag that a
 tokenizer marks special, and that the worker therefore leaves out of the text, is not seen;
 Qwen3's and SmolLM3's tokenizers keep `<think>` and `</think>` as ordinary added tokens.
-
-Where the reasoning starts: the generation prompt says (vLLM's `prompt_is_reasoning_end`).
-- A prompt that ends with `<think>` (Qwen3-2507 Thinking and Qwen3.5 templates) opened the
-  block: the output is reasoning until `</think>` (a repeated `<think>` first is dropped).
-- A prompt that ends with `</think>` (Qwen3 with `enable_thinking` false, SmolLM3's
-  `/no_think`) closed it: no parsing, the output is the answer.
-- Otherwise the output opens the block itself when it begins with `<think>` (Qwen3 before
-  2507, SmolLM3). Output that does not is all content, so an instruct model whose template
-  merely mentions `<think>` (the parser's automatic choice) answers as without a parser.
-`chat_template_kwargs.enable_thinking` = false turns parsing off whatever the output holds,
-and so does a grammar (`response_format`, a forced tool call): the worker enforces it from the
-first token, so that output has no reasoning part (vLLM starts the grammar after `</think>`).
-
-No `</think>` before the end: the output stopped inside its reasoning (usually `length`), so
-it is all `reasoning_content` and `content` is null, streamed or not, as vLLM's Qwen3 parser
-answers while thinking is on. vLLM's older rule (no end tag: all content) would contradict
-the reasoning deltas a stream has already sent.
-
-Whitespace: the newlines just inside the tags and just after `</think>` are dropped, as the
-Qwen3 and SmolLM3 templates drop them when they render `reasoning_content` back into a
-prompt; a turn round-trips and `content` does not start with blank lines.
-
-gpt-oss writes harmony instead (channels, not tags): `choose_parser` picks it for that family
-or a template that writes `<|channel|>`, and `plan_reasoning` hands such a prompt to
-server/protocol/harmony.py, whose plan the chat choices read with its own splitter.
 """
 
 from __future__ import annotations
@@ -109,8 +85,21 @@ class ReasoningPlan:
 
 def plan_reasoning(choice: ParserChoice, prompt: str, template_kwargs: dict | None = None,
                    constrained: bool = False) -> ReasoningPlan | HarmonyPlan | None:
-    """The split for one rendered prompt (None: the output is all content); see the module doc.
-    Harmony ignores `enable_thinking`: gpt-oss always writes its analysis channel."""
+    """The split for one rendered prompt (None: the output is all content), as vLLM's
+    `prompt_is_reasoning_end` decides it:
+
+    - a prompt that ends with `<think>` (Qwen3-2507 Thinking and Qwen3.5 templates) opened the
+      block: the output is reasoning until `</think>` (a repeated `<think>` first is dropped);
+    - a prompt that ends with `</think>` (Qwen3 with `enable_thinking` false, SmolLM3's
+      `/no_think`) closed it: no parsing, the output is the answer;
+    - otherwise the output opens the block itself when it begins with `<think>` (Qwen3 before
+      2507, SmolLM3); output that does not is all content, so an instruct model whose template
+      merely mentions `<think>` answers as without a parser.
+
+    `enable_thinking` false turns parsing off whatever the output holds, and so does a grammar
+    (`constrained`: the worker enforces it from the first token, so that output has no reasoning
+    part; vLLM starts the grammar after `</think>`). Harmony ignores `enable_thinking`: gpt-oss
+    always writes its analysis channel."""
     syntax = choice.syntax
     if syntax is not None and syntax.name == HARMONY:
         return plan_harmony(prompt, constrained)
@@ -146,7 +135,14 @@ def _partial_tail(text: str, tag: str) -> int:
 
 
 class ReasoningSplitter:
-    """Output text in, (reasoning, content) pieces out; see the module docstring."""
+    """Output text in, (reasoning, content) pieces out.
+
+    No `</think>` before the end: the output stopped inside its reasoning (usually `length`), so
+    it is all reasoning and `content` is null, streamed or not, as vLLM's Qwen3 parser answers
+    while thinking is on (vLLM's older rule, all content, would contradict the reasoning deltas a
+    stream has already sent). The newlines just inside the tags and just after `</think>` are
+    dropped, as the Qwen3 and SmolLM3 templates drop them when they render `reasoning_content`
+    back into a prompt: a turn round-trips and `content` does not start with blank lines."""
 
     def __init__(self, plan: ReasoningPlan):
         self.syntax = plan.syntax

@@ -1,14 +1,13 @@
-"""Request and response shapes of the public API (pydantic, used only at the HTTP edge).
+"""TGI's request shapes for `/generate` (`inputs`, `parameters{...}`): pydantic, HTTP edge only.
 
-TGI shapes for `/generate` (`inputs`, `parameters{...}`) and OpenAI shapes for `/v1/*`
-(requests in `server/protocol/openai/requests.py`). Clients of both send fields this server cannot
-honour (`best_of`, `watermark`, `suffix`...); those are accepted when they ask for nothing
-(null, 0, false, 1) and refused with a 422 naming the field otherwise, never silently
-ignored. Unknown fields are ignored, as TGI and OpenAI servers do. Types are strict (an
-integer field refuses `"5"`, `true` and `2.0`), floats must be finite, and text must be
-valid Unicode (no lone surrogate such as `"\ud800"`, which no tokenizer can encode).
-`GenerateRequest.to_worker()` translates one into the contract's `WorkerRequest`, the one shape
-a worker receives; nothing below the edge sees these classes.
+Design: `GenerateRequest.to_worker()` translates one into the contract's `WorkerRequest` (the
+same names), the one shape a worker receives, so nothing below the edge sees these classes.
+Types are strict (an integer field refuses `"5"`, `true` and `2.0`), floats must be finite, and
+text must be valid Unicode (no lone surrogate, which no tokenizer can encode). Fields this server
+cannot honour (`best_of`, `watermark`, `truncate`...) are accepted when they ask for nothing
+(null, 0, false, 1) and refused with a 422 naming the field otherwise. Trade-off: other unknown
+fields are ignored, as TGI does, so TGI's clients keep working, but a misspelt field passes
+unnoticed (the OpenAI-shaped routes refuse them: server/protocol/base.py).
 """
 
 from __future__ import annotations
@@ -45,7 +44,8 @@ class TGIGrammar(Edge):
 
 
 class GenerateParameters(Edge):
-    max_new_tokens: int | None = Field(None, ge=1, le=TOKENS_MAX, description=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS})")
+    max_new_tokens: int | None = Field(None, ge=1, le=TOKENS_MAX,
+                                       description=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS})")
     temperature: float | None = Field(None, gt=0.0, le=100.0)
     top_k: int | None = Field(None, ge=1, le=1_000_000)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -2,18 +2,12 @@
 stream events (pure translation, no I/O).
 
 Blocks, in order: `thinking` (the choice's `reasoning_content`; `signature` empty: this server
-signs nothing and ignores the signature it gets back), `text` (its content), one `tool_use`
-per tool call (`input` the arguments as an object). `stop_reason`: `tool_use` when it called a
-tool, `max_tokens` when the length limit cut it, `stop_sequence` (with `stop_sequence` the
-string) when one of `stop_sequences` ended it, else `end_turn`.
-
-Streams (`MessageEvents`): `message_start` (usage so far: the prompt's tokens, counted by the
-worker that took the stream), `ping`, then per block
-`content_block_start`, its deltas (`thinking_delta`, `text_delta`, `input_json_delta` with the
-arguments as the model writes them) and `content_block_stop`; at the end `message_delta`
-(stop reason and usage, `input_tokens` included, as the generating worker reports them at the end)
-and `message_stop`; an `error` event when no worker can finish the stream. Each SSE frame
-carries its event name (`event: content_block_delta`), as Anthropic's clients read it.
+signs nothing and ignores the signature it gets back), `text` (its content), one `tool_use` per
+tool call (`input` the arguments as an object). `stop_reason`: `tool_use` when it called a tool,
+`max_tokens` when the length limit cut it, `stop_sequence` (with the string) when one of
+`stop_sequences` ended it, else `end_turn`. Design: the chat route's choice is the one source,
+so a greedy answer is the same text whichever protocol asked; the trade-off is a translation per
+answer and no Anthropic feature the chat pipeline lacks.
 """
 
 from __future__ import annotations
@@ -84,7 +78,13 @@ def _frame(kind: str, body: dict) -> str:
 
 
 class MessageEvents:
-    """One streamed message's events (see the module docstring)."""
+    """One streamed message's events: `message_start` (usage so far: the prompt's tokens,
+    counted by the worker that took the stream), `ping`, then per block `content_block_start`,
+    its deltas (`thinking_delta`, `text_delta`, `input_json_delta` with the arguments as the
+    model writes them) and `content_block_stop`; at the end `message_delta` (stop reason and
+    usage, `input_tokens` included, as the generating worker reports them at the end) and
+    `message_stop`; an `error` event when no worker can finish the stream. Each SSE frame
+    carries its event name (`event: content_block_delta`), as Anthropic's clients read it."""
 
     def __init__(self, mid: str, model: str, stops: list[str] | None):
         self.mid, self.model, self.stops = mid, model, stops

@@ -1,24 +1,13 @@
 """The Messages request (pydantic, HTTP edge only) and its translation into a chat request.
 
-Accepted as Anthropic defines it: `model`, `max_tokens` (required), `system` (text or text
-blocks), `messages` whose content is text or blocks — `text`, `tool_use` (an earlier call:
-`id`, `name`, `input`), `tool_result` (its answer by `tool_use_id`, text or text blocks,
-`is_error`), `thinking` (an earlier turn's reasoning, back into the template) and
-`redacted_thinking` (nothing readable: dropped, as Anthropic's own API drops it from the
-prompt) —, `stop_sequences`, `temperature` (0 to 1), `top_p`, `top_k`, `tools` (`name`,
-`description`, `input_schema`), `tool_choice` (`auto`, `any` -> required, `tool` -> that tool,
-`none`; `disable_parallel_tool_use`), `thinking` (`enabled` / `disabled` -> the template's
-`enable_thinking`, `adaptive` as enabled: the model decides how long it thinks;
-`budget_tokens` is checked as Anthropic checks it, >= 1024 and below `max_tokens`, and the
-thinking is bounded by `max_tokens` as a whole), `metadata.user_id`, `stream`,
-`output_config` (`format`: a JSON schema the text follows; `effort` -> the template's
-`reasoning_effort`), `cache_control` (a hint the prefix cache already honours). Refused by
-name: image and document blocks, server tools (a `type` such as `web_search_20250305`),
-`service_tier` other than `auto`, effort `xhigh` and `max`, and any undeclared field (400).
-
-`chat_request` builds the `ChatCompletionRequest` fields, so the chat route's checks and
-decisions apply unchanged: a user turn's `tool_result` blocks become `tool` messages (in
-order, before the turn's text), an assistant turn's `tool_use` blocks its `tool_calls`.
+Accepted as Anthropic defines it, and what this server cannot do is refused by name (the fields
+and refusals: docs/clients.md). Design: `chat_request` builds the `ChatCompletionRequest` fields,
+so the chat route's checks and decisions (template, tools, grammar, reasoning) apply unchanged: a
+user turn's `tool_result` blocks become `tool` messages (in order, before the turn's text), an
+assistant turn's `tool_use` blocks its `tool_calls`, `thinking` blocks its reasoning, and
+`redacted_thinking` is dropped (nothing readable, as Anthropic's own API drops it from the
+prompt). Trade-off: Anthropic's shapes are only ever a chat request here, so an Anthropic
+feature with no chat equivalent (server tools, documents) is refused rather than approximated.
 """
 
 from __future__ import annotations
@@ -233,7 +222,8 @@ def chat_request(req: MessagesBase) -> dict:
     metadata = getattr(req, "metadata", None)
     fields: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": getattr(req, "max_tokens", None),
                               "temperature": getattr(req, "temperature", None), "top_p": getattr(req, "top_p", None),
-                              "top_k": getattr(req, "top_k", None), "stop": getattr(req, "stop_sequences", None) or None,
+                              "top_k": getattr(req, "top_k", None),
+                              "stop": getattr(req, "stop_sequences", None) or None,
                               "user": metadata.user_id if metadata else None}
     if req.tools:
         fields["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,

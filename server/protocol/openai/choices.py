@@ -1,24 +1,15 @@
 """One worker answer -> one OpenAI choice, whole (`completion_choice`, `chat_choice`) or as a
 stream of deltas (`ChoiceStream`).
 
-A choice knows what its request asked for: logprobs (`top` alternatives per token, None when
-not asked), `echo` with the prompt's text, and for chat the `ToolPlan`. Streams: every choice
-has its own `index`; chat choices start with a `role` delta; a completion's echo (text and
-prompt logprobs) comes with its first event; a token's logprob entry rides on the next delta
-that goes out (a held-back half character, an EOS), so none is lost. Tool calls stream as
-OpenAI's deltas: a named function's arguments token by token from the first event; `required`
-and `auto` output is read in the model's own format (server/protocol/tool_parsers/): a call
-goes out as its id and name once the name is read, then its arguments as they are written,
-and text that cannot be a call is released as content the moment it cannot be. A chat choice with a `ReasoningPlan` sends
-the model's thinking as `reasoning_content` (message field, stream deltas) and only the
-answer as `content`, which is also what tool calls are parsed from
-(`server/protocol/reasoning.py`); usage and logprobs still count every generated token.
-A chat choice with a `HarmonyPlan` (gpt-oss) reads the output's messages instead
-(`server/protocol/harmony.py`), harmony's special tokens included (a special token's text
-comes in its token event, never in `generated_text`): analysis -> `reasoning_content`, final
--> `content`, and with `auto` tools a message to `functions.NAME` -> a tool call, streamed as
-its name first, then its arguments as they come; `finish_reason` is `tool_calls` when the
-output made one and was not cut by the length limit.
+A choice knows what its request asked for (`ChoiceSpec`: logprobs, `echo`, and for chat the
+`ToolPlan` and the reasoning plan), so the whole answer and the stream are built from one
+description. A chat choice with a `ReasoningPlan` sends the model's thinking as
+`reasoning_content` and only the answer as `content`, which is also what tool calls are parsed
+from; one with a `HarmonyPlan` (gpt-oss) reads the output's messages instead, harmony's special
+tokens included (their text comes in the token events, never in `generated_text`). Usage and
+logprobs still count every generated token; `finish_reason` is `tool_calls` when the output made
+a call and was not cut by the length limit. Trade-off: a stream holds back text that may still
+become a call or a tag until it cannot, so a client sees that text a little after it was written.
 """
 
 from __future__ import annotations
@@ -137,7 +128,16 @@ def _harmony_choice(spec: ChoiceSpec, text: str, finish: str, logprobs: list[dic
 
 
 class ChoiceStream:
-    """One streamed choice: worker events in, OpenAI choice deltas out (see the module doc)."""
+    """One streamed choice: worker events in, OpenAI choice deltas out.
+
+    Every choice has its own `index`; chat choices start with a `role` delta; a completion's
+    echo (text and prompt logprobs) comes with its first event; a token's logprob entry rides on
+    the next delta that goes out (after a held-back half character, an EOS), so none is lost.
+    Tool calls stream as OpenAI's deltas: a named function's arguments token by token from the
+    first event; `required` and `auto` output is read in the model's own format
+    (server/protocol/tool_parsers/): a call goes out as its id and name once the name is read,
+    then its arguments as they are written, and text that cannot be a call is released as
+    content the moment it cannot be. Harmony's calls stream the same way."""
 
     def __init__(self, spec: ChoiceSpec, chat: bool):
         self.spec, self.chat = spec, chat

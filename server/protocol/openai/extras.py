@@ -2,19 +2,10 @@
 
 vLLM's own tools send them (`vllm bench serve --ignore-eos`, its evaluation harnesses), so an
 OpenAI-compatible server that drops them measures or answers something else. Each becomes a
-worker parameter the engine implements (workers/sampling/params.py):
-- `ignore_eos`: EOS does not end the answer, so `max_tokens` tokens come back exactly;
-- `min_tokens`: EOS and `stop_token_ids` cannot be drawn, and stop strings do not match, before
-  that many tokens;
-- `stop_token_ids`: tokens that end the answer (`finish_reason` `stop`, `stop_reason` the id);
-- `skip_special_tokens` false: special tokens' text is part of the answer;
-- `include_stop_str_in_output`: the matched stop string (or stop token's text) stays in it;
-- `min_p`: sampled tokens keep at least min_p x the best token's probability;
-- `prompt_logprobs`: every prompt token's logprob and that many alternatives, vLLM's shape (not
-  with `stream`, as vLLM refuses it too);
-and `top_k` and `repetition_penalty` (requests.py). Trade-off: a prompt token's `rank` is its
-place among the alternatives asked for (null when it is not one of them), not its rank in the
-whole vocabulary, which the worker does not compute.
+worker parameter the engine implements (workers/sampling/params.py); what each does:
+docs/clients.md. `prompt_logprobs` is refused with `stream`, as vLLM refuses it. Trade-off: a
+prompt token's `rank` is its place among the alternatives asked for (null when it is not one of
+them), not its rank in the whole vocabulary, which the worker does not compute.
 """
 
 from __future__ import annotations

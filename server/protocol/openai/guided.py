@@ -1,17 +1,13 @@
 """vLLM's structured-output fields on the OpenAI routes, honoured as vLLM honours them.
 
-vLLM's clients constrain the output with `structured_outputs` (vLLM 0.10.2 on: `{"json":
-<schema>}`, `{"regex": "..."}`, `{"choice": [...]}` or `{"json_object": true}`) and, before it,
-with the top-level `guided_json`, `guided_regex` and `guided_choice` (what outlines, older
-vLLM clients and many scripts still send). Each becomes the worker's `grammar` (`json`,
-`regex` or `choice`: the output exactly one of the strings), compiled under the same budget as
-`response_format`. At most one constraint per request, as vLLM refuses more than one; a
-`structured_outputs` key hetserve does not implement (`grammar`, `structural_tag`,
-`whitespace_pattern`, ...) is a 422 naming it. Fields vLLM dropped and hetserve does not
-implement (`guided_grammar`, `guided_decoding_backend`) are not declared here: the edge refuses
-them as it refuses every unknown field. Trade-off: `guided_choice` is matched as exact text
-(vLLM's behaviour), so a choice that only a special token spells cannot be produced and ends
-the request with a 422, never with output outside the list.
+vLLM's clients constrain the output with `structured_outputs` (vLLM 0.10.2 on: `json`, `regex`,
+`choice` or `json_object`) and, before it, with the top-level `guided_json`, `guided_regex` and
+`guided_choice` (what outlines, older vLLM clients and many scripts still send). Each becomes the
+worker's `grammar`, compiled under the same budget as `response_format`; at most one constraint
+per request, as vLLM refuses more than one, and a `structured_outputs` key or a dropped vLLM
+field hetserve does not implement is refused by name. Trade-off: `guided_choice` is matched as
+exact text (vLLM's behaviour), so a choice that only a special token spells cannot be produced
+and ends the request with a 422, never with output outside the list.
 """
 
 from __future__ import annotations
@@ -39,8 +35,11 @@ class StructuredOutputs(Edge):
 
 
 class GuidedDecoding(Edge):
-    """The structured-output fields (see the module docstring); `guided_parameters` gives the
-    worker's `grammar`."""
+    """The structured-output fields; `guided_parameters` gives the worker's `grammar` (`json`,
+    `regex` or `choice`: the output exactly one of the strings). A `structured_outputs` key
+    hetserve does not implement (`grammar`, `structural_tag`, `whitespace_pattern`, ...) is a 422
+    naming it; fields vLLM dropped (`guided_grammar`, `guided_decoding_backend`) are not declared
+    here, so the edge refuses them as it refuses every unknown field."""
 
     guided_json: Any = None
     guided_regex: str | None = Field(None, min_length=1)

@@ -1,21 +1,14 @@
 """OpenAI request shapes for `/v1/completions` and `/v1/chat/completions` (pydantic, HTTP edge only).
 
-Accepted as OpenAI defines them, with vLLM's extensions (`top_k`, `repetition_penalty`, and
-the stop controls, `min_p` and `prompt_logprobs` of server/protocol/openai/extras.py); a field
-neither declares is kept and refused by name at the edge (server/protocol/base.py):
-sampling (`temperature`, `top_p`, `seed`, `stop`, `presence_penalty`, `frequency_penalty`,
-`logit_bias`, `n`), logprobs (`logprobs` / `top_logprobs` up to `MAX_LOGPROBS`, `echo` and
-`max_tokens` = 0 for prompt scoring), structured output (`response_format`) and tools
-(`tools`, `tool_choice`, `parallel_tool_calls`), `prompt_cache_key` (the routing session:
-requests sharing it go to the worker whose prefix cache holds them) and `safety_identifier`
-(as `user`), `store` false (`true` refused: nothing is stored), and for chat vLLM's `chat_template_kwargs`
-(extra template variables, `{"enable_thinking": false}`) and earlier turns' reasoning
-(`reasoning_content`, or `reasoning`); OpenAI's `reasoning_effort` (`low`, `medium`, `high`)
-reaches the chat template as the variable `reasoning_effort` (gpt-oss's template writes it
-into its system message). Fields this server cannot honour are
-refused with a 422 naming them (`best_of` > 1, `suffix`, image parts). `sampling()` translates a
-request into the contract's `GenerationParameters` (workers/contract/request.py); tools and
-response formats become a grammar in `server/protocol/openai/tools.py`.
+Accepted as OpenAI defines them, with vLLM's extensions (server/protocol/openai/extras.py,
+guided.py); the fields and what each does: docs/serving.md and docs/clients.md. Fields this
+server cannot honour are refused with a 422 naming them (`best_of` > 1, `suffix`, image parts),
+and a field neither declares is kept and refused by name at the edge (server/protocol/base.py).
+Design: `sampling()` translates a request into the contract's `GenerationParameters`
+(workers/contract/request.py) once, here, and tools and response formats become a grammar in
+server/protocol/openai/tools.py, so nothing below the edge knows OpenAI's names. Trade-off: the
+shapes are declared twice, once as OpenAI spells them here and once in the contract, in exchange
+for one place where the public names are translated.
 """
 
 from __future__ import annotations
@@ -122,7 +115,8 @@ class _OpenAISampling(VLLMExtras):
             details=True, do_sample=temperature > 0, temperature=temperature, max_new_tokens=max_tokens,
             top_p=top_p if top_p is not None and 0 < top_p <= 1.0 else None,
             top_k=top_k if top_k is not None and top_k > 0 else None,  # vLLM's -1 (and 0): off
-            repetition_penalty=repetition_penalty if repetition_penalty is not None and repetition_penalty > 0 else None,
+            repetition_penalty=(repetition_penalty if repetition_penalty is not None and repetition_penalty > 0
+                                else None),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, seed=self.seed, stop=stops,
             **self.extra_parameters(),  # vLLM's extras (server/protocol/openai/extras.py)
@@ -315,7 +309,8 @@ class ChatCompletionRequest(GuidedDecoding, _OpenAISampling):
                 raise ValueError(f"`{name}` is set by the request itself, not here. Accepted: any other template "
                                  f"variable (not {', '.join(RESERVED_TEMPLATE_VARIABLES)})")
             valid_unicode(name, "chat_template_kwargs")
-        check_json_value(value, "`chat_template_kwargs`")  # bounded depth (json.dumps of 960 levels raised), valid Unicode
+        # bounded depth (json.dumps of 960 levels raised), valid Unicode
+        check_json_value(value, "`chat_template_kwargs`")
         return value
 
     @model_validator(mode="after")

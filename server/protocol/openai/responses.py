@@ -2,18 +2,13 @@
 
 Workers speak TGI; the OpenAI routes translate: `generated_text` -> choice text,
 `details.finish_reason` `length` -> `length`, `eos_token`/`stop_sequence` -> `stop` (and
-`tool_calls` when the output became tool calls), `details.input_length` /
-`generated_tokens` -> `usage`. Special tokens (EOS) are dropped from text and streamed
-deltas, as from TGI's `generated_text`, but keep their logprob entry (an evaluation harness
-counts entries: `echo` with `max_tokens` = 1 must end with exactly one generated entry).
-
-Logprobs: each worker token carries its own `bytes` when asked; an entry's `token` is those
-bytes as text, or `bytes:\\xNN...` when they are not valid UTF-8 on their own (OpenAI's
-convention). Chat entries are `{token, logprob, bytes, top_logprobs: [{token, logprob,
-bytes}]}`; completion logprobs are the legacy columns `tokens`, `token_logprobs`,
-`top_logprobs` (a dict that also holds the chosen token, as vLLM returns it) and
-`text_offset` (offsets into the choice's `text`). The first prompt token has no logprob
-(null). Which distribution the values come from is `workers/sampling/logprobs.py`'s docstring.
+`tool_calls` when the output became tool calls), `details.input_length` / `generated_tokens`
+-> `usage`. Special tokens (EOS) are dropped from text and streamed deltas, as from TGI's
+`generated_text`, but keep their logprob entry (an evaluation harness counts entries: `echo`
+with `max_tokens` = 1 must end with exactly one generated entry). Logprob entries take OpenAI's
+shapes (docs/serving.md); a token's `token` is its own bytes as text, or `bytes:\\xNN...` when
+they are not valid UTF-8 on their own. Trade-off: one translation for every OpenAI route, so the
+workers keep a single answer shape whatever protocol asked.
 """
 
 from __future__ import annotations

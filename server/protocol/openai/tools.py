@@ -1,23 +1,14 @@
 """Structured chat output: `response_format` and `tools` -> a grammar for the worker, and the
 model's text -> OpenAI `tool_calls`.
 
-- `response_format` `json_object` / `json_schema` -> the worker's `grammar` (`json_object`, or
-  `json` with the schema; `strict: false` lets the engine ignore keywords it does not
-  implement instead of refusing the schema).
-- `tool_choice` (vLLM's design):
-  - `"none"`: tools are shown to the model, the output is plain content;
-  - a named function: the output is that function's arguments, enforced by its `parameters`
-    schema, so it always parses and validates; it becomes one tool call;
-  - `"required"`: the output is a JSON array (one item, or several with
-    `parallel_tool_calls`) of `{"name": <one of the tools>, "arguments": <its parameters>}`,
-    enforced the same way (an `anyOf` over the tools), and read as calls as it is written;
-  - `"auto"` (the default with tools): unconstrained; the output is read in the model's own
-    format (`ToolPlan.syntax`, chosen by server/protocol/tool_parsers/choose.py: hermes
-    `<tool_call>` blocks, Llama 3 JSON, Mistral `[TOOL_CALLS]`, pythonic, or the generic
-    reader), and calls of listed tools become `tool_calls`; text that is not one stays content.
-- The chat template receives `tools` (transformers' `apply_chat_template` convention); a
-  template that never mentions `tools` gets them as a system message instead, and earlier
-  assistant tool calls as JSON in their content, so the model sees them either way.
+Design (vLLM's): a forced `tool_choice` (a named function, `required`) and `response_format`
+become a grammar the worker enforces, so their output always parses and validates; `auto` stays
+unconstrained and its output is read in the model's own format (server/protocol/tool_parsers/),
+calls of listed tools becoming `tool_calls` and other text content. Trade-off: `auto` calls can
+be malformed or missed, where a grammar would cost the model its own format. The chat template
+receives `tools` (transformers' convention); a template that never mentions `tools` gets them as
+a system message instead, and earlier assistant tool calls as JSON in their content, so the
+model sees them either way.
 """
 
 from __future__ import annotations
@@ -42,7 +33,16 @@ def call_id() -> str:
 @dataclass(frozen=True)
 class ToolPlan:
     """How one chat request uses its tools: the mode, the tools' function objects, and for a
-    named choice the function."""
+    named choice the function.
+
+    - `none`: tools are shown to the model, the output is plain content;
+    - `named`: the output is that function's arguments, enforced by its `parameters` schema; it
+      becomes one tool call;
+    - `required`: the output is a JSON array (one item, or several with `parallel`) of
+      `{"name": <one of the tools>, "arguments": <its parameters>}`, enforced by an `anyOf` over
+      the tools, and read as calls as it is written;
+    - `auto` (the default with tools): unconstrained, read in `syntax` (chosen by
+      server/protocol/tool_parsers/choose.py)."""
 
     mode: str
     functions: tuple[dict, ...] = ()
@@ -69,7 +69,8 @@ class ToolPlan:
         """The worker `grammar` a forced choice generates under (None otherwise)."""
         if self.mode == NAMED:
             f = next(f for f in self.functions if f["name"] == self.name)
-            return {"type": "json", "value": f.get("parameters") or _EMPTY_PARAMETERS, "strict": f.get("strict") is not False}
+            return {"type": "json", "value": f.get("parameters") or _EMPTY_PARAMETERS,
+                    "strict": f.get("strict") is not False}
         if self.mode == REQUIRED:
             return {"type": "json", "value": required_schema(self.functions, self.parallel),
                     "strict": all(f.get("strict") is not False for f in self.functions)}
@@ -100,7 +101,9 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
 
 
 def response_grammar(req: ChatCompletionRequest) -> dict | None:
-    """The worker `grammar` for `response_format` (None for text)."""
+    """The worker `grammar` for `response_format` (None for text): `json_object`, or `json` with
+    the schema (`strict: false` lets the engine ignore keywords it does not implement instead of
+    refusing the schema)."""
     rf = req.response_format
     if rf is None or rf.type == "text":
         return None

@@ -1,17 +1,10 @@
 """A streamed response: chat choice deltas in, OpenAI's typed `response.*` events out.
 
-Design: `ResponseEvents` is a small state machine over one choice's deltas (what
-`ChoiceStream` gives the chat route), holding at most one open output item: reasoning deltas
-open a `reasoning` item, content deltas a `message` item (with its one `output_text` part), a
-tool call's start a `function_call` item; a delta of another kind closes the open item first
-(its `.done` events carry the whole text, the item its final state). The order is OpenAI's:
-`response.created`, `response.in_progress`, per item `response.output_item.added` (then
-`response.content_part.added` for text) ... deltas ... `.done` events, `response.output_item.done`,
-and at the end `response.completed` (or `response.incomplete` when the length limit cut it)
-with the whole response, whose output items are the ones streamed, same ids. Every event has
-its `sequence_number`; each SSE frame names its event type too (`event: response.created`).
-Trade-off: reasoning goes out as `response.reasoning_text.delta` on the item's content, not
-as a summary (the model writes none).
+Design: `ResponseEvents` is a small state machine over one choice's deltas (what `ChoiceStream`
+gives the chat route), holding at most one open output item; a delta of another kind closes the
+open item first, so items go out whole and in order, and the final response's output items are
+the ones streamed, same ids. Trade-off: reasoning goes out as `response.reasoning_text.delta` on
+the item's content, not as a summary (the model writes none).
 """
 
 from __future__ import annotations
@@ -25,7 +18,16 @@ _REASONING, _MESSAGE, _CALL = "reasoning", "message", "function_call"
 
 
 class ResponseEvents:
-    """One response's events (see the module docstring); `req` is its `ResponsesRequest`."""
+    """One response's events; `req` is its `ResponsesRequest`.
+
+    Reasoning deltas open a `reasoning` item, content deltas a `message` item (with its one
+    `output_text` part), a tool call's start a `function_call` item; closing an item sends its
+    `.done` events with the whole text, the item its final state. The order is OpenAI's:
+    `response.created`, `response.in_progress`, per item `response.output_item.added` (then
+    `response.content_part.added` for text) ... deltas ... `.done` events,
+    `response.output_item.done`, and at the end `response.completed` (or `response.incomplete`
+    when the length limit cut it) with the whole response. Every event has its
+    `sequence_number`; each SSE frame names its event type too (`event: response.created`)."""
 
     def __init__(self, rid: str, model: str, req):
         self.rid, self.model, self.req = rid, model, req

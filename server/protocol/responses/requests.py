@@ -1,23 +1,12 @@
 """The Responses request (pydantic, HTTP edge only) and its translation into a chat request.
 
-Accepted as OpenAI defines it: `input` as text or a list of items — messages (`role`, text or
-`input_text` / `output_text` parts), `function_call` and `function_call_output` (a tool's
-answer fed back by `call_id`), `reasoning` (an earlier turn's thinking, put back into the
-template as that turn's reasoning) —, `instructions` (a system message, not carried over by
-`previous_response_id`, as OpenAI does), `tools` of type `function`, `tool_choice`,
-`parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`), `reasoning.effort`,
-`max_output_tokens`, `temperature`, `top_p`, `store`, `metadata`, `user`, `stream`,
-`prompt_cache_key` (the routing session: requests sharing it go to the worker whose prefix
-cache holds their conversation, before `user`). Anything
-this server cannot do is refused by name: a tool of another type (`web_search`,
-`file_search`, ...), image or file parts, `background`, `truncation: auto`, `prompt`
-templates, `include` entries other than `reasoning.encrypted_content` (which returns nothing
-to include: the reasoning is sent in the clear), and any undeclared field (400 at the edge).
-
-`chat_request` builds the `ChatCompletionRequest` fields, so every check and decision of the
-chat route (template, tools, grammar, reasoning) applies unchanged; `history` is what
-`previous_response_id` brings: the earlier request's input items and its output items, which
-are input items themselves.
+Accepted as OpenAI defines it, and what this server cannot do is refused by name (the fields and
+refusals: docs/clients.md); `prompt_cache_key` is the routing session. Design: `chat_request`
+builds the `ChatCompletionRequest` fields, so every check and decision of the chat route
+(template, tools, grammar, reasoning) applies unchanged; `history` is what `previous_response_id`
+brings: the earlier request's input items and its output items, which are input items
+themselves. Trade-off: a response is only ever a chat request here, so a Responses feature with
+no chat equivalent (built-in tools, background runs) is refused rather than approximated.
 """
 
 from __future__ import annotations
@@ -195,7 +184,8 @@ def chat_messages(items: list) -> list[dict]:
                 message["reasoning_content"], reasoning = "\n".join(reasoning), []
             out.append(message)
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             last = out[-1] if out else None
             if last is None or last["role"] != "assistant" or (reasoning and not last.get("tool_calls")):
                 last = {"role": "assistant", "content": None}

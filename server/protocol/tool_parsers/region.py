@@ -1,19 +1,12 @@
 """One call region (the text after an opening marker) -> the calls it holds so far.
 
-`parse_region` is a pure function of the region's text: called again each time the text grows,
-it returns the calls found so far (a call's arguments as far as they have been written), and
-whether the region has ended (and where), is still open, or turned out not to hold calls. The
-splitter (`splitter.py`) diffs successive results into deltas, so what a stream sends and what
-a whole answer holds come from the same reading.
-
-A call is committed (reported) as soon as its name is read and the arguments' key follows:
-`{"name": "get_weather", "arguments": ` -> the call `get_weather`, its arguments then grow as
-raw text until their JSON value closes. A call whose name is not one of the request's tools, or
-an object that is not a call, makes the region fail before anything was reported, so such text
-stays content. Arguments given as a JSON string (`"arguments": "{\\"city\\": ...}"`) and objects
-whose name comes after their arguments are reported once complete. Trade-off: re-reading the
-region at every piece costs time quadratic in the region's length; regions are single calls
-of a few hundred characters, and text outside regions is read once.
+Design: `parse_region` is a pure function of the region's text: called again each time the text
+grows, it returns the calls found so far (a call's arguments as far as they have been written)
+and whether the region has ended, is still open, or turned out not to hold calls. The splitter
+(`splitter.py`) diffs successive results into deltas, so what a stream sends and what a whole
+answer holds come from the same reading. Trade-off: re-reading the region at every piece costs
+time quadratic in the region's length; regions are single calls of a few hundred characters,
+and text outside regions is read once.
 """
 
 from __future__ import annotations
@@ -62,8 +55,15 @@ def _fail(calls: list[ScanCall], at: int) -> RegionScan:
 
 def parse_region(text: str, syntax: ToolSyntax, names: tuple[str, ...], closer: str | None,
                  final: bool) -> RegionScan:
-    """The calls in a region's text (see the module docstring); `closer` must end it when given;
-    `final`: the output has ended (nothing more will come)."""
+    """The calls in a region's text; `closer` must end it when given; `final`: the output has
+    ended (nothing more will come).
+
+    A call is committed (reported) as soon as its name is read and the arguments' key follows:
+    `{"name": "get_weather", "arguments": ` -> the call `get_weather`, whose arguments then grow
+    as raw text until their JSON value closes. A call whose name is not one of `names`, or an
+    object that is not a call, makes the region fail before anything was reported, so such text
+    stays content. Arguments given as a JSON string and objects whose name comes after their
+    arguments are reported once complete."""
     i = skip_ws(text, 0)
     if i == len(text):
         return _fail([], i) if final else _open([])

@@ -2,17 +2,11 @@
 
 Design: `ToolCallSplitter` is fed the answer piece by piece (a stream, token by token; a whole
 answer, all at once) and gives out the same `Part`s as harmony's splitter (content, a call's
-start with its name, its argument text), so one consumer serves both. Outside a call region
-it reads each piece once and holds back only what may still become an opening marker (`<tool`
-at the end of a piece), or, for formats whose call may be the bare answer, whitespace at the
-start of the answer. Inside a region it re-reads the region (`region.py`) and sends what
-grew: a call as soon as its name is known, then its arguments as they are written, as vLLM
-streams them. Whitespace between content and a call is dropped.
-
-A stream cannot take back what it has sent: a call begun and then broken (cut by the length
-limit, malformed JSON after the name) stays a call there, with the arguments it had. A whole
-answer is stricter (`split_tool_calls`): its calls count only if every one of them is complete
-and its arguments parse as a JSON object; otherwise the whole answer is content, never an error.
+start with its name, its argument text), so one consumer serves both. Trade-off: a stream cannot
+take back what it has sent, so a call begun and then broken (cut by the length limit, malformed
+JSON after the name) stays a call there, with the arguments it had; a whole answer is stricter
+(`split_tool_calls`): its calls count only if every one is complete and its arguments parse as a
+JSON object, otherwise the whole answer is content, never an error.
 """
 
 from __future__ import annotations
@@ -44,7 +38,14 @@ def _partial_tail(text: str, markers: tuple[str, ...]) -> int:
 
 
 class ToolCallSplitter:
-    """See the module docstring; `names` are the request's tools (a call of another is text)."""
+    """Content and incremental calls from an answer fed piece by piece; `names` are the
+    request's tools (a call of another is text).
+
+    Outside a call region it reads each piece once and holds back only what may still become an
+    opening marker (`<tool` at the end of a piece), or, for formats whose call may be the bare
+    answer, whitespace at the start of the answer. Inside a region it re-reads the region
+    (`region.py`) and sends what grew: a call as soon as its name is known, then its arguments
+    as they are written, as vLLM streams them. Whitespace between content and a call is dropped."""
 
     def __init__(self, syntax: ToolSyntax, names: tuple[str, ...]):
         self.syntax, self.names = syntax, names

@@ -1,21 +1,13 @@
 """The tool-call formats, as data: where a call region opens, what it holds, how it closes.
 
-One frozen `ToolSyntax` per format, read by one machine (`splitter.py`), rather than one
-parser class per family as vLLM has: the formats differ only in these few facts, so a new
-family is a new value, and every family streams the same way. Each region holds JSON call
-objects `{"name": ..., "arguments" | "parameters": {...}}` (alone, in a `[...]` list or
-separated by `;`), except Mistral's newer `NAME[ARGS]{...}` and the pythonic `[f(a=1), g()]`.
-
-| name | as the model writes it | families |
-| --- | --- | --- |
-| `hermes` | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call | Qwen2.5, Qwen3, Hermes |
-| `llama3_json` | `{"name": ..., "parameters": {...}}` as the whole answer (`;` between calls), maybe after `<|python_tag|>` | Llama 3.1-3.3 |
-| `mistral` | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or `[TOOL_CALLS]NAME[ARGS]{...}` per call | Mistral, Mixtral |
-| `pythonic` | `[get_weather(city="Paris"), ...]` as the whole answer (maybe inside `<|python_start|>...<|python_end|>`) | Llama 3.2/4 pythonic templates |
-| `generic` | any of hermes blocks, `[TOOL_CALLS]`, or a bare JSON call (or list of calls) as the answer | models with no known format |
-| `required` | a JSON list of calls, what `tool_choice: required`'s grammar makes the model write | any model |
-
-gpt-oss (`openai`) writes harmony, read by `server/protocol/harmony.py`, not here.
+One frozen `ToolSyntax` per format (`hermes`, `llama3_json`, `mistral`, `pythonic`, `generic`,
+`required`; what each model writes: docs/clients.md), read by one machine (`splitter.py`),
+rather than one parser class per family as vLLM has. Each region holds JSON call objects
+`{"name": ..., "arguments" | "parameters": {...}}` (alone, in a `[...]` list or separated by
+`;`), except Mistral's newer `NAME[ARGS]{...}` and the pythonic `[f(a=1), g()]`. Trade-off: the
+formats differ only in these few facts, so a new family is a new value and every family streams
+the same way, but a format that is more than these facts needs a new flag here. gpt-oss
+(`openai`) writes harmony, read by server/protocol/harmony.py, not here.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ ARGUMENT_KEYS = ("arguments", "parameters")
 
 @dataclass(frozen=True)
 class ToolSyntax:
-    """One format (see the module table)."""
+    """One format: the facts a region's reader needs."""
 
     name: str
     # (marker that opens a call region anywhere in the text, what must close it or None)
@@ -53,9 +45,10 @@ LLAMA3_JSON = ToolSyntax("llama3_json", openings=(("<|python_tag|>", None),), ba
 MISTRAL = ToolSyntax("mistral", openings=(("[TOOL_CALLS]", None),), bare=True, named_args=True)
 PYTHONIC = ToolSyntax("pythonic", openings=(("<|python_start|>", None),), bare=True, pythonic=True,
                       trailers=("<|python_end|>",))
+# a model with no known format: hermes blocks, `[TOOL_CALLS]`, or a bare JSON call (or list) as the answer
 GENERIC = ToolSyntax("generic", openings=(("<tool_call>", "</tool_call>"), ("[TOOL_CALLS]", None)), bare=True,
                      separators=";,")
-REQUIRED = ToolSyntax("required", bare=True)
+REQUIRED = ToolSyntax("required", bare=True)  # the JSON list of calls `tool_choice: required`'s grammar makes
 
 @dataclass(frozen=True)
 class ScanCall:
