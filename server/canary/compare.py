@@ -1,28 +1,15 @@
 """What the canary compares, and how a worker's answers become a verdict (pure, no I/O).
 
-The canary (server/canary/monitor.py) scores a fixed set of short sequences on every worker: each
-is a prompt plus the greedy continuation of the *reference*, sent as `input_ids` with
-`max_new_tokens: 0`, `decoder_input_details` and `top_n_tokens`, so the worker returns, at
-every position, the logprob of the token that follows and its best alternatives. This is
-teacher forcing: every position is judged on its own, along the same tokens for every worker
-(the measure of benchmarks/fp8_agreement.py). A free-running comparison would lose every
-position after the first flipped token, so one early flip would read as total disagreement.
-
-- **Agreement**: the fraction of positions where the worker's best token (its greedy choice)
-  equals the reference's. **Largest logprob difference**: over every position, the largest
-  |difference| of the logprob of the token that follows and of each token in both top lists.
-- **Reference**: recorded once per model, from the first round that has a result: each
-  prompt's continuation is the one most workers generated (ties: the first worker in device
-  order), and its scores are those of the first worker that generated it, whose numerics
-  (dtype, kernels, fp8 convention, deterministic mode) are recorded with it. Later rounds, and
-  workers that join or restart later, are compared with that same record, so a worker that
-  drifts over time is caught even when it is alone.
-- **Expected agreement**: exact (agreement 1 and logprob difference 0) when the worker and the
-  reference's worker both run `--deterministic` with the same numerics; otherwise at least
-  `--canary-min-agreement`, whose default comes from measurements (README "Canary").
-Trade-off: a reference recorded from a worker that was already bad at start-up is only
-outvoted where other workers disagree with it; a single worker is compared with itself over
-time.
+Each canary sequence is a prompt plus the reference's greedy continuation, scored by every
+worker teacher-forced (`input_ids`, `max_new_tokens: 0`, `decoder_input_details`,
+`top_n_tokens`): every position is judged on its own, along the same tokens for every worker
+(the measure of benchmarks/fp8_agreement.py), where a free-running comparison would lose every
+position after the first flipped token. `compare` gives the agreement (positions whose best
+token equals the other side's) and the largest logprob difference; `expectation` says whether
+it must be exact (both sides deterministic with the same `Numerics`) or at least
+`--canary-min-agreement` (docs/deterministic-and-canary.md). Trade-off: a reference recorded
+from a worker that was already bad at start-up is only outvoted where other workers disagree
+with it; a single worker is compared with itself over time.
 """
 
 from __future__ import annotations
@@ -104,7 +91,13 @@ class Numerics:
 
 @dataclass(frozen=True)
 class Reference:
-    """The canary sequences of one model and the scores every worker is compared with."""
+    """The canary sequences of one model and the scores every worker is compared with.
+
+    Recorded once per model, from the first round that has a result: each prompt's continuation
+    is the one most workers generated (`consensus`), and the scores are those of the worker that
+    agreed with that consensus on the most prompts, whose numerics are recorded with them. Later
+    rounds, and workers that join or restart later, are compared with that same record, so a
+    worker that drifts over time is caught even when it is alone."""
 
     model: str
     sequences: tuple[tuple[int, ...], ...]  # prompt + reference continuation, per canary prompt
@@ -138,12 +131,16 @@ class Comparison:
 
 
 def compare(mine: Sequence[Scored], theirs: Sequence[Scored]) -> Comparison:
-    """Agreement and largest logprob difference of two workers' scores of the same sequences."""
+    """Agreement and largest logprob difference of two workers' scores of the same sequences:
+    the fraction of positions where the best tokens (the greedy choices) are equal, and over
+    every position the largest |difference| of the logprob of the token that follows and of
+    each token in both top lists."""
     same = total = 0
     worst = 0.0
     for a, b in zip(mine, theirs, strict=True):
         if len(a.positions) != len(b.positions):
-            raise ValueError(f"scored {len(a.positions)} positions against {len(b.positions)}: not the same sequence")
+            raise ValueError(
+                f"scored {len(a.positions)} positions against {len(b.positions)}: not the same sequence")
         for x, y in zip(a.positions, b.positions, strict=True):
             total += 1
             same += x.best == y.best

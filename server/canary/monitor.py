@@ -1,34 +1,16 @@
 """The canary: do the workers still compute the same numbers?
 
 On a mixed host each worker runs other kernels and another fp8 path, and a card can go bad
-silently. The canary checks them continuously: once every worker has started (and when a
-worker process becomes ready later, after a restart), then every `--canary-interval`
-seconds, it has every ready worker score the same few short sequences, teacher-forced, with
-their top logprobs, and compares each worker with the reference recorded for its model and
-with the other workers of that model (what is compared, and when it must be exact:
-server/canary/compare.py). Workers of different models are never compared: each model has its
-own reference, recorded by the first round its workers take part in (at startup, or once a
-model loaded on demand has a ready worker).
-
-Between user requests, without displacing them: a worker gets one canary request at a time
-(a prefill of about 24 tokens, no decode), and only while the router has fewer than
-`--max-batch` requests in flight there, so a user request never waits for a batch slot or
-gets a 429 because of it; canary requests do not count as the worker's load, feed no circuit
-breaker and are not retried (a worker that cannot answer is the probe's business,
-server/fleet/probe.py). The first round also generates the reference: each prompt's greedy
-continuation (16 tokens) from every worker, and the consensus among them. Each worker
-serves once its first check is over (`FIRST_CHECK` keeps it out of rotation until then,
-whatever the verdict in `mark` mode, and also when no verdict could be had), so the
-start-up round competes with no user request; the router's "ready" line waits for it.
-
-A worker whose agreement falls below what is expected is marked `suspect` (`/workers`
-`canary`, `hetserve_canary_suspect`, `/health` degraded). With `--canary-action drain` it is
-also taken out of rotation at once (the filter skips it: `WorkerHandle.routable`) and
-restarted gracefully (its requests in flight finish); when its new process is ready it is
-checked again before it serves: it comes back if it passes, and is restarted again up to
-`MAX_CANARY_RESTARTS` times, then kept out of rotation and checked every interval. The
-verdict stays apart from the circuit breaker and the health probe (a suspect worker answers
-requests fine); they meet in `/health`, which is degraded while any of them is not well.
+silently. Once every worker has started, when a worker process becomes ready, and every
+`--canary-interval` seconds, every ready worker scores the same few short sequences and is
+compared with its model's reference and with that model's other workers (what is compared:
+server/canary/compare.py; the flags, series and verdicts: docs/deterministic-and-canary.md).
+Design: between user requests, without displacing them: one canary request per worker at a
+time, only while it has a free batch slot, not counted as load, fed to no circuit breaker and
+never retried. The verdict stays apart from the breaker and the health probe (a suspect worker
+answers requests fine); they meet in `/health`. Trade-off: each worker serves only once its
+first check is over, so start-up waits for a round, in exchange for a round that competes with
+no user request.
 """
 
 from __future__ import annotations
@@ -87,7 +69,18 @@ class CanaryBusy(Exception):
 
 
 class CanaryMonitor:
-    """Runs the canary for one router (see the module docstring)."""
+    """Runs the canary for one router.
+
+    Workers of different models are never compared: each model has its own reference, recorded
+    by the first round its workers take part in (at startup, or once a model loaded on demand
+    has a ready worker); that round also generates each prompt's greedy continuation on every
+    worker. `FIRST_CHECK` keeps each worker out of rotation until its first check is over
+    (whatever the verdict in `mark` mode, and also when no verdict could be had); the router's
+    "ready" line waits for it. A worker that cannot answer is the probe's business
+    (server/fleet/probe.py). A worker below what is expected is marked `suspect`; with
+    `--canary-action drain` it is also taken out of rotation at once (`WorkerHandle.routable`)
+    and restarted gracefully, checked again before it serves, and restarted up to
+    `MAX_CANARY_RESTARTS` times, then kept out of rotation and checked every interval."""
 
     def __init__(self, supervisor: Supervisor, settings: RouterSettings):
         self.supervisor, self.settings = supervisor, settings
@@ -183,8 +176,8 @@ class CanaryMonitor:
         assert h0.info is not None
         self.references[model] = Reference(model or h0.info.model.id or str(self.settings.model_dir), sequences,
                                            results[origin], h0.id, Numerics.of(h0.info), time.time())
-        logger.info("canary: reference of %s recorded from worker %s (%d sequences, %d positions)", model or "the model",
-                    h0.id, len(sequences), sum(len(s.positions) for s in results[origin]))
+        logger.info("canary: reference of %s recorded from worker %s (%d sequences, %d positions)",
+                    model or "the model", h0.id, len(sequences), sum(len(s.positions) for s in results[origin]))
         for (h, _), result in zip(answered, results, strict=True):
             self._conclude(h, result)
 

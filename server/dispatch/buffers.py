@@ -1,13 +1,12 @@
 """What the router holds between a worker and a client that reads slower than the worker writes.
 
 Design: `ByteQueue` is a FIFO bounded by the bytes of what it holds. `put` waits while the
-queue is over its capacity, so its producer (a task reading a worker stream) stops reading,
-the worker's socket fills and the worker's own stream waits: backpressure, end to end, instead
-of a buffer that grows for as long as a client does not read (20 such clients took a router
-from 99 to 283 MiB, never released). An item always fits into an empty queue, so one event
-larger than the capacity still passes. `get_all` hands over everything there at once, so a
-consumer that wakes up late writes what piled up in one go. Trade-off: one task hop per batch
-of events, for a bound that holds whatever the client does.
+queue is over its capacity, so its producer (a task reading a worker stream) stops reading, the
+worker's socket fills and the worker's own stream waits: backpressure, end to end, instead of a
+buffer that grows for as long as a client does not read (docs/hardening.md). An item always
+fits into an empty queue, so one event larger than the capacity still passes. `get_all` hands
+over everything there at once, so a consumer that wakes up late writes what piled up in one go.
+Trade-off: one task hop per batch of events, for a bound that holds whatever the client does.
 """
 
 from __future__ import annotations

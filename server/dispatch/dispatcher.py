@@ -1,21 +1,15 @@
 """Sends one request to a worker and makes sure it ends in a result or a clear error.
 
-Nothing is lost: a request is retried on another ready worker when its worker fails
-before the client has received anything: the worker is unreachable or dies before
-answering (non-streamed), dies before the first event (streamed), or answers 503 (not ready,
-draining) or 429 (its queue is full); another 5xx is retried once (a worker about to exit
-fatally may answer 500 first), then answered as is. An answer that blames the request (a 422,
-a 500 `request_failed`) is the answer, with no verdict on the worker, and a request in flight
-at a second worker's death is refused rather than sent to a third (server/dispatch/faults.py). A stream whose first event has gone out is
-not retried from the start (the client already has tokens): server/dispatch/migration.py moves it to
-another worker from the token it reached. When every matching worker is busy the answer is 429
-with `Retry-After`; when none is ready, the request waits a bounded time for one (a single
-worker restarting after a crash) and then gets 503. Every outcome feeds the worker's circuit
-breaker (server/fleet/breaker.py): a connection error or a 5xx is a failure, an answer a success,
-a 429 neither. A request is for one model, and only its workers are tried; when none serves it,
-the model manager (server/fleet/models.py) starts loading it (on demand) and the request waits
-for its worker as for one restarting, within the same bound, then gets 503 with `Retry-After`. Trade-off: a stream's headers are sent only with its first event, so the retry
-is invisible to the client at the price of holding the response until the first token exists.
+Nothing is lost: a request is retried on another ready worker when its worker fails before the
+client has received anything (unreachable, dead, 503, 429; another 5xx once), while an answer
+that blames the request is the answer (server/dispatch/faults.py), and a stream whose first
+event has gone out moves instead (server/dispatch/migration.py); what each failure does:
+docs/serving.md. When every matching worker is busy the answer is 429 with `Retry-After`; when
+none is ready (one restarting after a crash, or a model loading on demand through
+server/fleet/models.py) the request waits a bounded time for one, then gets 503. Every outcome
+feeds the worker's circuit breaker (`Dispatcher._judge`). Trade-off: a stream's headers are sent
+only with its first event, so a retry is invisible to the client at the price of holding the
+response until the first token exists.
 """
 
 from __future__ import annotations
@@ -151,7 +145,10 @@ def worker_headers(worker: WorkerHandle, response_headers) -> dict[str, str]:
 
 
 class Dispatcher:
-    """Picks workers (filter, then the router), forwards requests (worker client), retries (see module doc)."""
+    """Picks workers (filter, then the router), forwards requests (worker client), retries.
+
+    A request is for one model, and only its workers are tried; a request in flight at a second
+    worker's death is refused rather than sent to a third (`refuse`)."""
 
     def __init__(self, supervisor: Supervisor, settings: RouterSettings, metrics: RouterMetrics,
                  tracing: Tracing = NO_TRACING, router: Router | None = None, models: ModelManager | None = None):
@@ -191,13 +188,14 @@ class Dispatcher:
             if f.kind == UNSATISFIABLE:
                 raise DispatchError(422, f.reason, "validation", model=c.model)
             if f.kind == OVERLOADED or saw_429:
-                raise DispatchError(429, f"Overloaded: {f.reason if f.kind == OVERLOADED else 'every worker queue is full'}; retry later",
-                                    "overloaded", s.retry_after_s, c.model)
+                full = f.reason if f.kind == OVERLOADED else "every worker queue is full"
+                raise DispatchError(429, f"Overloaded: {full}; retry later", "overloaded", s.retry_after_s, c.model)
             if f.kind == WAIT and left > 0:
                 await self.supervisor.wait_changed(min(left, 0.5))
                 continue
             loading = self.models is not None and c.model is not None and self.models.loading(c.model)
-            why = f"Model `{c.model}` is loading ({f.reason}); retry later" if loading else f"No worker available: {f.reason}"
+            why = (f"Model `{c.model}` is loading ({f.reason}); retry later" if loading
+                   else f"No worker available: {f.reason}")
             raise DispatchError(503, why, "unavailable", s.retry_after_s, c.model)
 
     def _attempts(self) -> int:
@@ -229,7 +227,8 @@ class Dispatcher:
 
         `attempt` returns the worker's reply (retried on 429/503, once on another 5xx) or an open
         stream, and raises `_Lost` when the worker went away before the client got anything; it
-        ends the ticket when the reply is in, a refusal read or the attempt failed (a stream: on close).
+        ends the ticket when the reply is in, a refusal read or the attempt failed (a stream: on
+        close).
         `exclude` (worker id -> generation that failed this request) and `deaths` (workers that
         died under it) may come from earlier tries; `key()` is its quarantine fingerprint."""
         exclude = {} if exclude is None else exclude
@@ -265,7 +264,8 @@ class Dispatcher:
             result.headers[HEADER_ROUTE.lower()] = ticket.route.header
             if isinstance(result, WorkerReply):
                 last = result
-                again, error_retried = _retry(result.status, error_retried, request_fault(result.status, result.content))
+                fault = request_fault(result.status, result.content)
+                again, error_retried = _retry(result.status, error_retried, fault)
                 if again:
                     saw_429 = saw_429 or result.status == 429
                     self._failed(worker, generation, exclude, f"answered {result.status}")
@@ -307,7 +307,8 @@ class Dispatcher:
 
     # --- streamed ----------------------------------------------------------------------
     async def open_stream(self, path: str, body: WireRequest, c: Constraints,
-                          exclude: dict[str, int] | None = None, deaths: Deaths | None = None) -> WorkerStream | WorkerReply:
+                          exclude: dict[str, int] | None = None,
+                          deaths: Deaths | None = None) -> WorkerStream | WorkerReply:
         """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply.
         `exclude`: workers (id -> generation) that already failed this request; `deaths`: those
         that died under it."""

@@ -1,22 +1,15 @@
 """Whose fault a failed request is: the request's, or the worker's; and requests that kill workers.
 
-Design, two rules (workers/contract/errors.py names the error types):
-- **A request fault is not a worker fault.** A worker answer whose `error_type` blames the
-  request (`validation`, or `request_failed`: a 500 for one request that raised while the
-  worker serves on) is the answer: not retried on another worker, which would fail it the
-  same way, and no verdict on the worker's breaker. A stream that ends with such an error event
-  ends there (it does not move). Only what blames the worker (a lost connection, a death, an
-  `internal` 5xx) counts against it.
-- **A request that was in flight when a worker died is retried at most once.** `Deaths` is one
-  request's record of the workers that died (the connection broke under it, or the stream
-  ended with an `internal` error) while it was in flight there; at the second it is refused
-  with a 422 that says so instead of being sent to a third worker, since it may be what kills
-  them (one grammar bomb took down six workers in a row before). `Quarantine` remembers the
-  fingerprints of refused requests (a bounded LRU, by path and body), so the same request sent
-  again is refused at once, before it reaches any worker; it costs nothing while empty.
-Trade-off: a request that happened to be in flight at two unrelated deaths is refused too; its
-client gets a clear 422 that it may resend after `QUARANTINE_S`, where the alternative was a
-request free to kill every worker in turn.
+Two rules (workers/contract/errors.py names the error types). A request fault is not a worker
+fault: an answer whose `error_type` blames the request (`validation`, or `request_failed`: a 500
+for one request that raised while the worker serves on) is the answer, not retried on another
+worker that would fail it the same way, no verdict on the worker's breaker, and a stream that
+ends with one ends there. A request that was in flight when a worker died is retried at most
+once (`Deaths`): at the second death it is refused with a 422 that says so, since it may be
+what kills them, and `Quarantine` refuses the same request again at once. Trade-off: a request
+that happened to be in flight at two unrelated deaths is refused too; its client gets a clear
+422 that it may resend after `QUARANTINE_S`, where the alternative was a request free to kill
+every worker in turn.
 """
 
 from __future__ import annotations
@@ -60,7 +53,8 @@ def fingerprint(path: str, body: WireRequest) -> str:
 
 @dataclass
 class Deaths:
-    """The workers that died while one request was in flight there (see the module docstring)."""
+    """One request's record of the workers that died while it was in flight there: the
+    connection broke under it, or the stream ended with an `internal` error."""
 
     workers: list[str] = field(default_factory=list)
 
@@ -77,7 +71,9 @@ class Deaths:
 
 
 class Quarantine:
-    """Fingerprints of requests refused for killing workers, with why (bounded, expiring)."""
+    """Fingerprints of requests refused for killing workers, with why (a bounded LRU by path and
+    body, expiring), so the same request sent again is refused before it reaches any worker; it
+    costs nothing while empty."""
 
     def __init__(self, size: int = QUARANTINE_SIZE, ttl_s: float = QUARANTINE_S, clock=time.monotonic):
         self.size, self.ttl_s, self._clock = size, ttl_s, clock

@@ -1,32 +1,15 @@
 """A client's stream carried across workers: nothing lost, nothing repeated.
 
-`ClientStream` relays one worker stream's events to the client. When that worker is lost
-before the last event (it dies, its connection breaks, the supervisor finds it hung and
-breaks the connection, or it ends the stream with an error event), the stream moves: the
-same request goes to another worker that meets its constraints, with the token ids the client
-has already received (`resume_ids`); that worker goes on from the next token as the first
-would have (workers/engine/resume.py: same indices, counts, text, seeded draws), and its events
-follow on the same client stream. At most `--migration-limit` moves per stream; when no
-worker can continue (the limit, none left, a refusal) the client gets one error event saying
-why, as before. The last event of a moved stream says how often it moved
-(`details.migrations`); `/metrics` counts moves per worker that lost a stream, and the
-request's span gets a `migrate` event per move.
-
-An error event that blames the request (`validation`: its grammar cannot be completed) is
-its end, not a loss: raised as `StreamRefused` with the worker's message, never moved. A
-connection lost under the stream, or an `internal` error event (the engine failed, the
-worker is about to exit), is a death the stream witnessed: at the second it is not moved
-again (server/dispatch/faults.py), and the request is quarantined.
-
-Design: the relay forwards the workers' bytes untouched and parses nothing on the way (it
-checks whether a batch ends with an error event, a prefix test, and whether its last event
-may be the final one, a substring test); the raw events relayed are kept and parsed for their
-token ids only when a move happens, or folded into token ids once they pass `SEGMENT_BYTES`,
-so a stream holds at most that many raw bytes plus 8 bytes per token it relayed. The worker's
-final event ends the dispatch's ticket at once (its admission slot is free when the worker is
-done, whether or not the client reads the rest). Trade-off: a stream keeps up to
-`SEGMENT_BYTES` of relayed events so that the common case, a short stream that never moves,
-costs no JSON work in the router.
+`ClientStream` relays one worker stream's events to the client; when that worker is lost before
+the last event, the same request goes to another worker that meets its constraints with the
+token ids the client already has (`resume_ids`), and that worker goes on from the next token as
+the first would have (workers/engine/resume.py); what the client sees: docs/serving.md. Design:
+the relay forwards the workers' bytes untouched and parses nothing on the way (a prefix test for
+an error event, a substring test for the final one); the raw events relayed are parsed for their
+token ids only when a move happens, or folded into token ids once they pass `SEGMENT_BYTES`, so
+a stream holds at most that many raw bytes plus 8 bytes per token it relayed. Trade-off: a
+stream keeps up to `SEGMENT_BYTES` of relayed events so that the common case, a short stream
+that never moves, costs no JSON work in the router.
 """
 
 from __future__ import annotations
@@ -82,7 +65,8 @@ def is_final(event: dict | None) -> bool:
     """A worker stream's last event carries `details`/`generated_text`, or is an error."""
     if event is None:
         return False
-    return event.get("error") is not None or event.get("details") is not None or event.get("generated_text") is not None
+    return (event.get("error") is not None or event.get("details") is not None
+            or event.get("generated_text") is not None)
 
 
 def _last_event_start(raw: bytes) -> int:
@@ -113,10 +97,22 @@ async def open_client_stream(dispatcher: Dispatcher, path: str, body: WorkerRequ
 
 
 class ClientStream:
-    """One client stream over one or more worker streams (see the module docstring);
-    `aclose()` always, once."""
+    """One client stream over one or more worker streams; `aclose()` always, once.
 
-    def __init__(self, dispatcher: Dispatcher, path: str, body: WorkerRequest, c: Constraints, first: WorkerStream):
+    A worker is lost when it dies, its connection breaks, the supervisor finds it hung and breaks
+    the connection, or it ends the stream with an error event. At most `--migration-limit` moves
+    per stream; when no worker can continue (the limit, none left, a refusal) the client gets one
+    error event saying why. The last event of a moved stream says how often it moved
+    (`details.migrations`); `/metrics` counts moves per worker that lost a stream, and the
+    request's span gets a `migrate` event per move. An error event that blames the request
+    (`validation`: its grammar cannot be completed) is its end, not a loss: `StreamRefused`,
+    never moved. A lost connection or an `internal` error event is a death the stream witnessed:
+    at the second it is not moved again and the request is quarantined
+    (server/dispatch/faults.py). The worker's final event ends the dispatch's ticket at once (its
+    admission slot is free when the worker is done, whether or not the client reads the rest)."""
+
+    def __init__(self, dispatcher: Dispatcher, path: str, body: WorkerRequest, c: Constraints,
+                 first: WorkerStream):
         self.dispatcher, self.path, self.body, self.constraints = dispatcher, path, body, c
         self.stream = first  # the worker stream serving now
         self.headers = first.headers  # the response's headers: the first worker's
