@@ -91,7 +91,8 @@ def tokenizer_json(vocab_size: int) -> str:
         raise ValueError(f"`vocab_size` {vocab_size} is below the byte alphabet plus specials ({tok.get_vocab_size()})")
     # Pad so every id the model can emit decodes to text.
     tok.add_tokens([f"<|extra_{i}|>" for i in range(vocab_size - tok.get_vocab_size())])
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)])
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                       special_tokens=[(BOS, 0)])
     return tok.to_str()
 
 

@@ -64,7 +64,8 @@ def _input_amax(model) -> dict[str, float]:
 
 
 @torch.no_grad()
-def compressed_tensors_checkpoint(out: Path, preset: str = "FP8_DYNAMIC", ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+def compressed_tensors_checkpoint(out: Path, preset: str = "FP8_DYNAMIC",
+                                  ignore: tuple[str, ...] = ("lm_head",)) -> Path:
     """The embedded model quantized by compressed-tensors with `preset`, saved to `out`."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -77,7 +78,8 @@ def compressed_tensors_checkpoint(out: Path, preset: str = "FP8_DYNAMIC", ignore
     model = embedded_fp32()
     amax = _input_amax(model)
     scheme = preset_name_to_scheme(preset, ["Linear"])
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore), quantization_status="initialized")
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore),
+                                quantization_status="initialized")
     apply_quantization_config(model, config, show_progress=False)
     for name, m in model.named_modules():
         qs = getattr(m, "quantization_scheme", None)
@@ -208,7 +210,8 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str = "block", preset: str = 
                 tensors[name], tensors[module + ".weight_scale_inv"] = block_quantize(t)
             else:
                 tensors |= {f"{module}.{k}": v for k, v in _ct_quantize(t.to(torch.float32), scheme).items()}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     if scheme is None:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

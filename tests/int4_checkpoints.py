@@ -173,7 +173,8 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str, group: int = 32, sym: bo
         refs[module] = ref
         if zero_bias and f"{module}.bias" not in stored:
             tensors[f"{module}.bias"] = torch.zeros(t.shape[0], dtype=torch.float16)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = _config_of(fmt, group, sym, desc_act, not_convert)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,8 +1,8 @@
 """What a `hetserve plan --compile --json` device entry must say for every kernel it selected:
 compiled for its own target, every launch configuration within the architecture's limits and
-without spills, and the fp8 GEMM's tensor-core instruction per architecture. Shared by the preflight matrix (tests/test_preflight.py, this environment's
-triton) and the GPU image's own compile (tests/test_docker_compose.py, the triton torch's CUDA
-wheel pins)."""
+without spills, and the fp8 GEMM's tensor-core instruction per architecture. Shared by the
+preflight matrix (tests/test_preflight.py, this environment's triton) and the GPU image's own
+compile (tests/test_docker_compose.py, the triton torch's CUDA wheel pins)."""
 
 from __future__ import annotations
 

@@ -213,7 +213,8 @@ def build_app(args) -> FastAPI:
                         os._exit(1)
                     if prompt == "__request_failed__" and i == 2:
                         state["request_failed"] += 1
-                        yield f"data: {json.dumps({'error': 'Processing failed (ValueError)', 'error_type': 'request_failed'})}\n\n"
+                        error = {"error": "Processing failed (ValueError)", "error_type": "request_failed"}
+                        yield f"data: {json.dumps(error)}\n\n"
                         return
                     if crashes and prompt == "__stall_mid_stream__" and i == 2:
                         state["stalled_since"] = state["stalled_since"] or time.monotonic()

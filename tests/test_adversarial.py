@@ -245,7 +245,8 @@ def test_clients_that_leave_free_the_router_and_worker_at_once(edge):
             httpx.post(f"{edge.url}{path}", json=body, headers=AUTH, timeout=1.5)
 
     t0 = time.monotonic()
-    threads = [threading.Thread(target=gone_after, args=("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 400}}))
+    threads = [threading.Thread(target=gone_after,
+                                args=("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 400}}))
                for _ in range(6)]
     threads.append(threading.Thread(target=gone_after, args=("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "n": 4})))
@@ -279,7 +280,8 @@ def test_lone_surrogate_in_chat_content_is_422(edge, content):
     """Guards `ChatMessage._unicode` (the worker's tokenizer raised: a 500)."""
     body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 2})
     assert "\\ud800" in body or "\\udc00" in body  # sent as JSON escapes, as a client would
-    r = httpx.post(f"{edge.url}/v1/chat/completions", content=body, headers={**AUTH, "content-type": "application/json"})
+    r = httpx.post(f"{edge.url}/v1/chat/completions", content=body,
+                   headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 422 and "lone surrogate" in r.json()["error"]["message"], r.text
 
 

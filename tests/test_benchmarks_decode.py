@@ -23,7 +23,8 @@ BENCHMARKED = sorted(set(FAMILIES) & set(CASES))
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("decode_vs_transformers", ROOT / "benchmarks/decode_vs_transformers.py")
+    spec = importlib.util.spec_from_file_location("decode_vs_transformers",
+                                                  ROOT / "benchmarks/decode_vs_transformers.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -42,7 +42,8 @@ def test_generated_file_pins_each_gpu_by_uuid(tmp_path):
     assert yaml.safe_load(text) == json.loads(json.dumps(yaml.safe_load(text)))  # plain YAML, no tags
     (svc,) = compose_config(out, tmp_path)["services"].values()
     assert reserved_devices(svc) == [{"driver": "nvidia", "device_ids": SIM_UUIDS, "capabilities": ["gpu"]}]
-    assert svc["command"] == ["--devices", ",".join(SIM_UUIDS)]  # the entry point serves the mount (deploy/entrypoint.sh)
+    # the entry point serves the mount (deploy/entrypoint.sh)
+    assert svc["command"] == ["--devices", ",".join(SIM_UUIDS)]
     # `config` prints the escape back (`$$`); unescaped, `$HOME` would have become the HOME value
     source = str(model).replace("$", "$$")
     assert [(v["source"], v["target"], v["read_only"]) for v in svc["volumes"]] == [(source, "/models", True)]

@@ -73,8 +73,9 @@ def test_an_empty_batch_and_a_bad_pool_are_clear(kernel):
                                         torch.empty(0, dtype=torch.int64), 0, 0.125, 0.0, None)
     assert empty.shape == (0, 4, 64)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        cpu_decode.paged_decode_cpu(torch.randn(1, 4, 64, dtype=torch.bfloat16), kv, torch.zeros(1, 1, dtype=torch.int64),
-                                    torch.ones(1, dtype=torch.int64), 0, 0.125, 0.0, None)
+        cpu_decode.paged_decode_cpu(torch.randn(1, 4, 64, dtype=torch.bfloat16), kv,
+                                    torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0, 0.125,
+                                    0.0, None)
 
 
 @needs_compiler
@@ -129,7 +130,8 @@ def test_the_models_decode_reads_in_place_as_its_mirror_does(kernel, tmp_path, m
     import workers.kv.batch as batch_module
 
     calls = []
-    monkeypatch.setattr(batch_module, "attend_in_place", lambda *a, **k: calls.append(1) or cpu_decode.attend_in_place(*a, **k))
+    monkeypatch.setattr(batch_module, "attend_in_place",
+                        lambda *a, **k: calls.append(1) or cpu_decode.attend_in_place(*a, **k))
     fast = run(True)
     assert len(calls) == 20 * lm.config.num_hidden_layers  # every decode layer of every step, through the kernel
     windows = [w for w in lm.config.layer_windows if w is not None]
@@ -158,8 +160,9 @@ def test_turned_off_the_torch_path_serves_and_says_why(monkeypatch):
         assert not state.available and "off" in state.reason
         assert not cpu_decode.in_place("cpu")
         with pytest.raises(RuntimeError, match="not available"):
-            cpu_decode.paged_decode_cpu(torch.randn(1, 2, 8), torch.randn(2, 1, 4, 4, 8), torch.zeros(1, 1, dtype=torch.int64),
-                                        torch.ones(1, dtype=torch.int64), 0, 0.3, 0.0, None)
+            cpu_decode.paged_decode_cpu(torch.randn(1, 2, 8), torch.randn(2, 1, 4, 4, 8),
+                                        torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0, 0.3,
+                                        0.0, None)
     finally:
         monkeypatch.delenv(cpu_decode.ENV_CPU_DECODE)
         cpu_decode.load.cache_clear()

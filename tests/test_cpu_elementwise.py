@@ -117,7 +117,8 @@ def test_rotary_takes_the_torch_form_for_what_the_kernel_does_not_read():
 
 @pytest.mark.parametrize("module, runs", [(norm_cpu, lambda: norm_cpu.runs_cpp(torch.ones(2, 4), torch.ones(4))),
                                           (act_cpu, lambda: act_cpu.runs_cpp(torch.ones(2, 4))),
-                                          (cpu_rotary, lambda: cpu_rotary.runs(torch.ones(2, 1, 4), torch.ones(2, 1, 2)))],
+                                          (cpu_rotary,
+                                           lambda: cpu_rotary.runs(torch.ones(2, 1, 4), torch.ones(2, 1, 2)))],
                          ids=["rmsnorm", "activation", "rotary"])
 def test_under_torch_compile_every_kernel_leaves_the_torch_form_to_inductor(monkeypatch, module, runs):
     """Guards the `torch.compiler.is_compiling()` term of each `runs` check: the compiled decode step
@@ -129,7 +130,8 @@ def test_under_torch_compile_every_kernel_leaves_the_torch_form_to_inductor(monk
 
 
 @pytest.mark.parametrize("module, env", [(norm_cpu, norm_cpu.ENV_CPU_RMSNORM), (act_cpu, act_cpu.ENV_CPU_ACTIVATION),
-                                         (cpu_rotary, cpu_rotary.ENV_CPU_ROTARY)], ids=["rmsnorm", "activation", "rotary"])
+                                         (cpu_rotary, cpu_rotary.ENV_CPU_ROTARY)],
+                         ids=["rmsnorm", "activation", "rotary"])
 def test_the_switch_keeps_the_torch_form_and_says_so(monkeypatch, module, env):
     monkeypatch.setenv(env, "off")
     module.KERNEL.reset()

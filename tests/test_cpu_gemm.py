@@ -36,7 +36,8 @@ def test_panels_hold_the_transposed_weight_panel_by_panel(dtype):
     for n0 in range(0, n, step):
         w = min(step, n - n0)
         part = flat[at : at + k * w]
-        back.append(part.view(k // 2, w, 2).transpose(1, 2).reshape(k, w) if dtype == torch.bfloat16 else part.view(k, w))
+        back.append(part.view(k // 2, w, 2).transpose(1, 2).reshape(k, w) if dtype == torch.bfloat16
+                    else part.view(k, w))
         at += k * w
     assert torch.equal(torch.cat(back, dim=1), weight.t())
 
@@ -46,8 +47,9 @@ def test_panels_hold_the_transposed_weight_panel_by_panel(dtype):
 @pytest.mark.parametrize("k, n", [(256, 200), (688, 64)])
 def test_the_product_is_torchs_within_rounding_and_the_packs_bit_for_bit_on_short_reductions(dtype, rows, k, n):
     """Against `F.linear` within rounding at every row block (130 rows: three blocks of at most
-    64; 300 rows: five, shared among two threads) and a narrower last panel (200 columns); against the oneDNN pack it replaces, bit for bit
-    where oneDNN does not split the reduction (K = 256), within rounding otherwise."""
+    64; 300 rows: five, shared among two threads) and a narrower last panel (200 columns); against
+    the oneDNN pack it replaces, bit for bit where oneDNN does not split the reduction (K = 256),
+    within rounding otherwise."""
     _needs_gemm(dtype)
     g = torch.Generator().manual_seed(rows + k)
     weight = (torch.randn(n, k, generator=g) * 0.05).to(dtype)

@@ -225,4 +225,5 @@ def test_tail_free_gives_a_value_the_same_bits_in_a_tensor_of_any_size(fn):
     whole = tail_free(fn, x)
     for rows in (1, 7, 33):
         assert torch.equal(tail_free(fn, x[:rows]), whole[:rows])
-    assert whole.shape == x.shape and torch.equal(whole, fn(torch.nn.functional.pad(x.flatten(), (0, 128 - 270 % 128)))[:270].view(90, 3))
+    assert whole.shape == x.shape and torch.equal(
+        whole, fn(torch.nn.functional.pad(x.flatten(), (0, 128 - 270 % 128)))[:270].view(90, 3))

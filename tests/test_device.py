@@ -141,7 +141,8 @@ def test_bind_refuses_a_different_uuid(fake_cuda):
         bind_device(uuid="GPU-00000000-1111-2222-3333-444444444444")
 
 
-@pytest.mark.parametrize("visible", ["GPU-00000000-1111-2222-3333-444444444444", "gpu-00000000-1111-2222-3333-444444444444"])
+@pytest.mark.parametrize("visible", ["GPU-00000000-1111-2222-3333-444444444444",
+                                     "gpu-00000000-1111-2222-3333-444444444444"])
 def test_the_uuid_in_cuda_visible_devices_is_the_one_checked(fake_cuda, monkeypatch, visible):
     """With no explicit UUID, the one the router put in CUDA_VISIBLE_DEVICES (any case) is checked."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)

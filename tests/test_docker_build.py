@@ -21,7 +21,8 @@ def test_dockerfile_uses_only_syntax_both_builders_read():
     allowed = {"COPY": {"from", "chown"}, "ADD": {"chown"}, "RUN": set()}
     for key, args in dockerfile_instructions():
         words = args.split()
-        flags = {w[2:].split("=", 1)[0] for w in words[: next(i for i, w in enumerate(words) if not w.startswith("--"))]}
+        flags = {w[2:].split("=", 1)[0]
+                 for w in words[: next(i for i, w in enumerate(words) if not w.startswith("--"))]}
         assert flags <= allowed.get(key, flags), (key, args)
         if key in allowed:
             assert "<<" not in args, (key, args)

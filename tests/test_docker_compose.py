@@ -336,7 +336,8 @@ def test_the_gpu_image_holds_torchs_cuda_build_and_what_serves_with_it(gpu_image
         if arch.startswith("sm_"):
             cap = (int(arch[3:-1]), int(arch[-1]))
             assert runs_on(archs, "cuda", cap) is (cap >= (7, 5)), (arch, archs)
-    assert 1e9 < gpu_image["bytes"] < 12e9 and f"built {gpu_image['tag']} in {gpu_image['build_s']} s" in gpu_image["log"]
+    assert (1e9 < gpu_image["bytes"] < 12e9
+            and f"built {gpu_image['tag']} in {gpu_image['build_s']} s" in gpu_image["log"])
 
 
 @pytest.mark.docker

@@ -69,7 +69,8 @@ def test_a_message_is_the_chat_answer_of_the_same_conversation(client, chat):
     # content blocks and a system given as blocks: the same prompt
     blocks = client.messages.create(model="m", max_tokens=64, **GREEDY, system=[{"type": "text",
                                                                                       "text": "Be brief."}],
-                                    messages=[{"role": "user", "content": [{"type": "text", "text": ASK[0]["content"]}]}])
+                                    messages=[{"role": "user",
+                                               "content": [{"type": "text", "text": ASK[0]["content"]}]}])
     assert (_text(blocks), blocks.usage.input_tokens) == (_text(m), m.usage.input_tokens)
     counted = client.messages.count_tokens(model="m", messages=ASK, system="Be brief.")
     assert counted.input_tokens == m.usage.input_tokens
@@ -120,7 +121,8 @@ def test_tool_use_streamed_and_not_and_its_result_fed_back(client):
     assert (start.content_block.type, start.content_block.name) == ("tool_use", "get_weather")
     any_tool = client.messages.create(**{**kw, "tool_choice": {"type": "any"}})
     assert [b.type for b in any_tool.content] == ["tool_use"]
-    turns = [*kw["messages"], {"role": "assistant", "content": [use.model_dump(include={"type", "id", "name", "input"})]}]
+    turns = [*kw["messages"],
+             {"role": "assistant", "content": [use.model_dump(include={"type", "id", "name", "input"})]}]
     result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}
     fed = client.messages.count_tokens(model="m", messages=[*turns, result], tools=[WEATHER])
     bare = client.messages.count_tokens(model="m", messages=[*turns, {"role": "user", "content": "ok"}],

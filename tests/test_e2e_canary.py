@@ -26,7 +26,8 @@ def router():
     yield from running_router(
         ["--simulate", "sm_89,sm_89,sm_89", "--deterministic", "--max-batch", "4",
          "--canary-interval", str(INTERVAL_S), "--canary-action", "drain"],
-        env={ENV_PERTURB_LOGITS: "gpu1:4", "HETSERVE_WORKER_CMD": f"{sys.executable} {ROOT / 'tests/perturbed_worker.py'}"},
+        env={ENV_PERTURB_LOGITS: "gpu1:4",
+             "HETSERVE_WORKER_CMD": f"{sys.executable} {ROOT / 'tests/perturbed_worker.py'}"},
         fake=False, ready_timeout=240, expect_ready=2)
 
 

@@ -60,7 +60,8 @@ def test_every_worker_serves_the_4bit_checkpoint_and_says_how(router):
             assert q["widened_bytes"] == q["weight_bytes"] - q["stored_bytes"] > 0 and q["bf16_ratio"] == 2.0, wid
             assert q["packed_modules"] == 0 and q["widened_modules"] == 16, wid
         else:  # the packed bytes kept: a 4-bit kernel runs (the CPU: its packed torch layer)
-            assert ("W4A16" if cap else "packed") in q["reason"] and q["packed_modules"] == 16 and q["widened_modules"] == 0, wid
+            assert (("W4A16" if cap else "packed") in q["reason"] and q["packed_modules"] == 16
+                    and q["widened_modules"] == 0), wid
             assert q["bf16_ratio"] <= 0.3 and q["weight_bytes"] < 1.1 * q["stored_bytes"], wid
         with router.client(timeout=120) as c:
             r = c.post("/generate", headers={"X-Hetserve-Worker": wid},

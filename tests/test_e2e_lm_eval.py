@@ -90,8 +90,8 @@ def test_loglikelihood_task_matches_our_own_logprobs(router, harness):
                 lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
                 cont = slice(len(context), len(whole))
                 total = sum(lp["token_logprobs"][cont])
-                greedy = all(v == max(top.values()) for v, top in zip(lp["token_logprobs"][cont], lp["top_logprobs"][cont],
-                                                                      strict=True))
+                greedy = all(v == max(top.values())
+                             for v, top in zip(lp["token_logprobs"][cont], lp["top_logprobs"][cont], strict=True))
                 loglikelihood, is_greedy = s["resps"][k][0]
                 assert float(loglikelihood) == pytest.approx(total, abs=1e-3), (doc, choice)
                 assert str(is_greedy) == str(greedy)

@@ -83,7 +83,8 @@ class OTLPReceiver:
             if found:
                 return found
             time.sleep(0.1)
-        raise AssertionError(f"no such span within {timeout}s; received: {[(s['service'], s['name']) for s in self.spans]}")
+        raise AssertionError(f"no such span within {timeout}s; "
+                             f"received: {[(s['service'], s['name']) for s in self.spans]}")
 
 
 def _value(v):
@@ -171,7 +172,8 @@ def _future_fields(page) -> None:
                 w["canary"] = {"verdict": "suspect", "reason": "agreement 0.8 < 0.9 over 40 positions",
                                "expected": ">= 0.9", "agreement": 0.8, "max_logprob_diff": 0.5, "positions": 40,
                                "checked_at": round(time.time() - 12, 3),
-                               "reference": {"worker": "gpu0", "model": "tiny", "recorded_at": round(time.time() - 200, 3),
+                               "reference": {"worker": "gpu0", "model": "tiny",
+                                             "recorded_at": round(time.time() - 200, 3),
                                              "deterministic": False, "dtype": "float32", "fp8": "emulated"},
                                "peers": {"gpu0": 0.8, "gpu1": 0.8}}
                 w["capacity"] = {**(w["capacity"] or {}), "kv_blocks_total": 1024, "kv_blocks_free": 256,
@@ -253,7 +255,8 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             tiny = page.locator(".model-group[data-model=tiny]")
             expect(tiny.locator(".card")).to_have_count(3)
             expect(tiny.locator(".model-state")).to_have_text("loaded")
-            assert [cards.nth(i).locator(".cap").get_attribute("data-capability") for i in range(3)] == ["8.0", "8.9", "9.0"]
+            assert [cards.nth(i).locator(".cap").get_attribute("data-capability") for i in range(3)] == [
+                "8.0", "8.9", "9.0"]
             # without --quantize fp8 no layer computes in fp8: the fp8 row says so, and what each device
             # could run is on its capability row
             assert [cards.nth(i).locator(".fp8").get_attribute("data-used") for i in range(3)] == ["false"] * 3
@@ -274,7 +277,8 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             assert "first · needs " in placed and "MiB of 43.2 GiB" in placed and "smallest free device" in placed
             gpu1 = page.locator(".card[data-worker=gpu1]")
             gpu1.locator("details.kernels summary").click()
-            assert gpu1.locator("details.kernels li").count() >= 2 and "8.9" in gpu1.locator(".cap").get_attribute("title")
+            assert (gpu1.locator("details.kernels li").count() >= 2
+                    and "8.9" in gpu1.locator(".cap").get_attribute("title"))
             assert "no `--quantize fp8`" in gpu1.locator(".fp8-reason").inner_text()
             # 3. live figures: tokens/s and KV usage sparklines, the health verdict in the header
             for i in range(3):

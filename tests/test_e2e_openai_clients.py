@@ -31,12 +31,15 @@ PERSON = {
     "required": ["name", "age", "mood"],
     "additionalProperties": False,
 }
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city.", "parameters": {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The forecast for a city.", "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What will the weather be in Paris?"}]
 
 
@@ -58,7 +61,8 @@ def test_chat_logprobs_streamed_and_not(client):
     assert len(content) == r.usage.completion_tokens
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
-        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert (entry.top_logprobs[0].token == entry.token
+                and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob))
         assert bytes(entry.bytes).decode(errors="replace") == entry.token or entry.token.startswith("bytes:")
     stream = list(client.chat.completions.create(**kw, stream=True))
     streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -82,10 +86,12 @@ def test_completion_logprobs_and_prompt_scoring(client, router):
     tgi = router.client().post("/generate", json={"inputs": "Once upon a time", "parameters": {
         "max_new_tokens": 1, "decoder_input_details": True}}).json()["details"]["prefill"]
     assert [p["logprob"] for p in tgi[1:]] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
-    one = client.completions.create(model="m", prompt="Once upon a time", echo=True, max_tokens=1, logprobs=1, temperature=0)
+    one = client.completions.create(model="m", prompt="Once upon a time", echo=True, max_tokens=1, logprobs=1,
+                                    temperature=0)
     assert len(one.choices[0].logprobs.tokens) == len(ids) + 1
     assert one.choices[0].logprobs.token_logprobs[1:-1] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
-    streamed = list(client.completions.create(model="m", prompt=[ids], echo=True, max_tokens=0, logprobs=1, stream=True))
+    streamed = list(client.completions.create(model="m", prompt=[ids], echo=True, max_tokens=0, logprobs=1,
+                                              stream=True))
     assert streamed[0].choices[0].text == "Once upon a time" and streamed[0].choices[0].logprobs.tokens == lp.tokens
 
 
@@ -140,7 +146,8 @@ def test_forced_tool_calls_always_parse_and_validate(client):
     r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=named,
                                        max_tokens=40, temperature=0)
     msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None and msg.tool_calls[0].function.name == "get_weather"
+    assert (r.choices[0].finish_reason == "tool_calls" and msg.content is None
+            and msg.tool_calls[0].function.name == "get_weather")
     _validate_calls(msg.tool_calls)
     r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=60, seed=5, temperature=0.8)
@@ -148,8 +155,9 @@ def test_forced_tool_calls_always_parse_and_validate(client):
     _validate_calls(r.choices[0].message.tool_calls)
     # streamed: the deltas assemble into calls that validate
     for choice in (named, "required"):
-        chunks = list(client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice,
-                                                     parallel_tool_calls=False, max_tokens=60, temperature=0, stream=True))
+        chunks = list(client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, CLOCK],
+                                                     tool_choice=choice, parallel_tool_calls=False, max_tokens=60,
+                                                     temperature=0, stream=True))
         calls: dict[int, dict] = {}
         for c in chunks:
             for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:

@@ -94,7 +94,8 @@ def test_min_tokens_stop_token_ids_and_the_stop_text(client, http):
     cut = client.chat.completions.create(**kw, extra_body={"stop_token_ids": [stop]})
     assert (cut.choices[0].message.content, cut.choices[0].finish_reason, cut.usage.completion_tokens) == (
         before, "stop", 4)
-    kept = client.chat.completions.create(**kw, extra_body={"stop_token_ids": [stop], "include_stop_str_in_output": True})
+    kept = client.chat.completions.create(**kw, extra_body={"stop_token_ids": [stop],
+                                                            "include_stop_str_in_output": True})
     assert kept.choices[0].message.content == http.post("/detokenize", json={"tokens": ids[:4]}).json()["prompt"]
     word = text.split()[2]
     strings = client.chat.completions.create(**kw, stop=[word], extra_body={"include_stop_str_in_output": True})

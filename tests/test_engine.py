@@ -280,7 +280,8 @@ def test_a_constrained_request_ends_when_its_grammar_is_complete():
     (guards the `advance(...)` finish in `Engine._events`)."""
     from workers.sampling.grammar import Grammars, GrammarSpec, json_text
 
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
     spec = GrammarSpec("json_schema", json_text(schema))
     engine, _ = make_engine()
     engine.grammars = Grammars.for_tokenizer(TOK, None, (EOS_ID,))

@@ -65,7 +65,8 @@ def test_lock_refuses_a_second_convention():
     without it a process silently mixes native and emulated buffers."""
     assert lock_convention(NATIVE_E4M3) is NATIVE_E4M3
     assert lock_convention(NATIVE_E4M3) is NATIVE_E4M3  # the same one again is fine
-    with pytest.raises(MixedFp8ConventionError, match="native_e4m3.*refusing `emulated`.*One process serves one device with one convention\\.$"):
+    with pytest.raises(MixedFp8ConventionError,
+                       match="native_e4m3.*refusing `emulated`.*One process serves one device with one convention\\.$"):
         lock_convention(EMULATED_E4M3)
     assert locked_fp8() is NATIVE_E4M3
 

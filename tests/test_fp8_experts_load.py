@@ -180,7 +180,8 @@ def test_deterministic_mode_tiles_the_fp8_layers_so_a_row_ignores_its_batch_mate
     plan = enable_deterministic(lm.model)
     fp8 = sum(type(m).__name__ in ("Fp8CheckpointLinear", "Fp8FusedMoE") for m in lm.model.modules())
     assert plan.projections >= fp8 > 0
-    batch = torch.cat([PROMPTS, torch.randint(3, 4000, (5, PROMPTS.shape[1]), generator=torch.Generator().manual_seed(1))])
+    batch = torch.cat([PROMPTS,
+                       torch.randint(3, 4000, (5, PROMPTS.shape[1]), generator=torch.Generator().manual_seed(1))])
     with torch.no_grad():
         together, alone = lm.model(batch), lm.model(PROMPTS[:1])
     assert torch.equal(together[0], alone[0])

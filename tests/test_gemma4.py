@@ -177,4 +177,5 @@ def test_plan_shows_each_layer_types_head_dim_kv_heads_and_shared_layers(tmp_pat
     assert full["kv_shared_layers"] == {"3": 1} and sliding["kv_shared_layers"] == {"2": 0}
     assert "head_dim 32" in full["decode"]["reason"] and "scale 1" in full["decode"]["reason"]
     lines = render_attention(entry)  # what the text plan prints
-    assert "  attention full: layers [1, 3], head_dim 32, 1 KV heads (values = keys), layer 3 reads layer 1's KV" in lines
+    assert ("  attention full: layers [1, 3], head_dim 32, 1 KV heads (values = keys), layer 3 reads layer 1's KV"
+            in lines)

@@ -78,7 +78,8 @@ def test_a_constrained_row_leaves_its_batch_mates_alone(grammars):
     spec = GrammarSpec("json_schema", json_text(PERSON))
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
     plain = sample_tokens(logits, [Row(SamplingParams()), Row(SamplingParams())], grammars)
-    mixed = sample_tokens(logits, [Row(SamplingParams()), Row(SamplingParams(grammar=spec), grammars.compile(spec).matcher()),
+    mixed = sample_tokens(logits, [Row(SamplingParams()),
+                                   Row(SamplingParams(grammar=spec), grammars.compile(spec).matcher()),
                                    Row(SamplingParams())], grammars)
     assert [mixed.token_ids[0], mixed.token_ids[2]] == [plain.token_ids[0], logits[2].argmax().item()]
     assert mixed.logprobs[0] == pytest.approx(plain.logprobs[0])

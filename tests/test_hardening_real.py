@@ -254,8 +254,8 @@ def _compile_children(worker_pid: int) -> list[int]:
 def test_a_client_that_leaves_cancels_its_compile():
     """Guards the disconnect watch in `WorkerContext._compiled` and `flight.cancel.set()` in
     `Grammars.compile_async` (a client that left after 1 s still cost the full compile)."""
-    r = RouterProcess(["--simulate", "sm_90", "--grammar-compile-timeout", "30", "--grammar-compile-memory-mib", "2048"],
-                      fake=False, ready_timeout=240)
+    r = RouterProcess(["--simulate", "sm_90", "--grammar-compile-timeout", "30",
+                       "--grammar-compile-memory-mib", "2048"], fake=False, ready_timeout=240)
     try:
         worker = r.workers()[0]["pid"]
         assert not _compile_children(worker)

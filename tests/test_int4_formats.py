@@ -172,7 +172,8 @@ def test_configs_read_into_schemes_and_leave_the_not_converted_modules_alone():
     assert (ct.format, s.layout, s.symmetric, s.zero_points) == ("pack-quantized", "pack-quantized", False, True)
     assert ct.scheme_for("model.layers.0.self_attn.o_proj") is None and ct.scheme_for("lm_head") is None
     assert read_quantization({"quantization_config": _ct(strategy="channel")}).scheme_for("x.q_proj").group_size == -1
-    assert ct.describe()["schemes"][0]["symmetric"] is False and "pack-quantized" in ct.describe()["schemes"][0]["scheme"]
+    assert (ct.describe()["schemes"][0]["symmetric"] is False
+            and "pack-quantized" in ct.describe()["schemes"][0]["scheme"])
 
 
 @pytest.mark.parametrize(("qc", "match"), [

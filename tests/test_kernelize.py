@@ -75,7 +75,9 @@ def calls(monkeypatch):
         norm_layers, "rms_norm_reference", counting(lambda a: "RMSNorm:torch", norm_layers.rms_norm_reference)
     )
     monkeypatch.setattr(norm_layers, "rms_norm_cpu", counting(lambda a: "RMSNorm:cpp", norm_layers.rms_norm_cpu))
-    monkeypatch.setattr(act_layers, "silu_and_mul_cpu", counting(lambda a: "SiluAndMul:cpp", act_layers.silu_and_mul_cpu))
+    monkeypatch.setattr(
+        act_layers, "silu_and_mul_cpu", counting(lambda a: "SiluAndMul:cpp", act_layers.silu_and_mul_cpu)
+    )
     monkeypatch.setattr(
         act_layers, "silu_and_mul", counting(lambda a: f"SiluAndMul:{a[1].name}", act_layers.silu_and_mul)
     )

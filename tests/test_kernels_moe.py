@@ -379,7 +379,8 @@ def _launch(monkeypatch, tuning, case):
     monkeypatch.setattr(moe, "runs_triton", lambda x: True)
     moe.fused_moe(**case, tuning=tuning)
     monkeypatch.setattr(moe, "_moe_gemm_kernel", kernel)
-    types = [[_jit_type(kernel, n, v) for n, v in zip(kernel.arg_names, args, strict=False)] for args, _ in rec.launches]
+    types = [[_jit_type(kernel, n, v) for n, v in zip(kernel.arg_names, args, strict=False)]
+             for args, _ in rec.launches]
     return rec, types
 
 
@@ -423,7 +424,8 @@ def test_declared_specs_are_the_launches_of_both_buckets_and_nothing_else(monkey
 
 @pytest.mark.parametrize("device_type,cap,layer", [
     ("cpu", None, "FusedMoE"), ("cuda", (7, 5), "FusedMoE"), ("cuda", (8, 0), "FusedMoETritonSm70"),
-    ("cuda", (8, 9), "FusedMoETritonSm70"), ("cuda", (9, 0), "FusedMoETritonSm90"), ("cuda", (12, 0), "FusedMoETritonSm90"),
+    ("cuda", (8, 9), "FusedMoETritonSm70"), ("cuda", (9, 0), "FusedMoETritonSm90"),
+    ("cuda", (12, 0), "FusedMoETritonSm90"),
     ("rocm", (9, 4), "FusedMoETritonRocm"), ("rocm", (11, 0), "FusedMoETritonRocm"),
 ])  # fmt: skip
 def test_the_mapping_runs_the_kernel_from_sm80_and_says_why_not_below(device_type, cap, layer):

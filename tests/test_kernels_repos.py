@@ -239,7 +239,8 @@ def test_chosen_kernels_on_this_gpu_match_the_references():
     per = [-(-n // 16) for n in lens]
     ids = torch.randperm(64).tolist()  # scattered blocks, none shared
     tables = [ids[sum(per[:i]) : sum(per[: i + 1])] for i in range(len(lens))]
-    decode = ForwardBatch.build([(SeqChunk(n - 1, 1, t), [0]) for n, t in zip(lens, tables, strict=True)], 16, "cuda").decode
+    decode = ForwardBatch.build([(SeqChunk(n - 1, 1, t), [0]) for n, t in zip(lens, tables, strict=True)], 16,
+                                "cuda").decode
     q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
     attn = ModelPagedAttention()
     torch.testing.assert_close(chosen["PagedAttention"].forward(attn, q, kv, decode), attn(q, kv, decode),

@@ -59,7 +59,8 @@ class Harness:
         return tuple(self.slots.get(block * BS + i) for i in range(BS))
 
     def op_admit(self) -> None:
-        tokens = list(self.rng.choice(self.prefixes)) + [self.rng.randrange(50) for _ in range(self.rng.randrange(1, 12))]
+        tokens = list(self.rng.choice(self.prefixes)) + [self.rng.randrange(50)
+                                                         for _ in range(self.rng.randrange(1, 12))]
         seq = FakeSeq(tokens)
         want = self.rng.randrange(1, 16)
         admission = self.kv.admit(seq, want)

@@ -65,7 +65,8 @@ class Harness:
                 assert self.slots[g][table[pos // BS] * BS + pos % BS] == seq.tokens[pos], (g, pos)
 
     def op_admit(self) -> None:
-        tokens = list(self.rng.choice(self.prefixes)) + [self.rng.randrange(50) for _ in range(self.rng.randrange(1, 12))]
+        tokens = list(self.rng.choice(self.prefixes)) + [self.rng.randrange(50)
+                                                         for _ in range(self.rng.randrange(1, 12))]
         seq = FakeSeq(tokens)
         want = self.rng.randrange(1, 16)
         if self.kv.admit(seq, want) is None:

@@ -40,7 +40,8 @@ def test_import_contracts_are_kept():
         ("server/routing/filter.py", "import torch", "never imports torch"),
         ("workers/contract/defaults.py", "import torch", "stays light"),
         ("workers/sampling/params.py", "import server.edge.app", "never import the router"),
-        ("kernels_local/rmsnorm/layers.py", "import workers.quant.fp8_convention", "Kernel repositories import neither"),
+        ("kernels_local/rmsnorm/layers.py", "import workers.quant.fp8_convention",
+         "Kernel repositories import neither"),
         # inside the worker: a lower step importing a higher one
         ("workers/model/transformer.py", "import workers.engine.scheduler", "worker's packages keep their layers"),
         ("workers/kv/pool.py", "import workers.model.config", "worker's packages keep their layers"),

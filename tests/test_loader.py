@@ -97,7 +97,9 @@ def test_unsupported_architecture_listed(tmp_path):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="`GPT2LMHeadModel`.*Gemma3ForCausalLM.*LlamaForCausalLM, MistralForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(ModelLoadError,
+                       match="`GPT2LMHeadModel`.*Gemma3ForCausalLM.*LlamaForCausalLM, "
+                             "MistralForCausalLM.*Qwen3ForCausalLM"):
         load_model(ckpt)
 
 

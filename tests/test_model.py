@@ -290,7 +290,8 @@ def test_config_from_hf_spellings_and_errors():
     assert v5.architecture == "qwen2" and v5.attention_bias and v5.rope_scaling is None and v5.rope_theta == 1e6
     with pytest.raises(ConfigError, match="`GPT2LMHeadModel`.*LlamaForCausalLM"):
         ModelConfig.from_hf_config({**base, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
-    with pytest.raises(ConfigError, match="rope type `su`. Supported: default, linear, dynamic, yarn, longrope, llama3"):
+    with pytest.raises(ConfigError,
+                       match="rope type `su`. Supported: default, linear, dynamic, yarn, longrope, llama3"):
         ModelConfig.from_hf_config({**base, "model_type": "llama", "rope_scaling": {"rope_type": "su", "factor": 2}})
     with pytest.raises(ConfigError, match="Rope type `linear` needs `factor`"):
         ModelConfig.from_hf_config({**base, "model_type": "llama", "rope_scaling": {"rope_type": "linear"}})

@@ -112,7 +112,8 @@ def test_required_schema_hoists_defs_so_refs_resolve():
 @pytest.mark.parametrize(
     ("text", "calls"),
     [
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>', [("get_weather", {"city": "Rome"})]),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+         [("get_weather", {"city": "Rome"})]),
         ('{"name": "get_weather", "parameters": {"city": "Rome"}}', [("get_weather", {"city": "Rome"})]),
         ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "get_weather", "arguments": {}}]',
          [("get_weather", {"city": "A"}), ("get_weather", {})]),
@@ -128,7 +129,9 @@ def test_auto_tool_calls_in_common_formats(text, calls):
 
 def test_templates_without_tools_get_them_as_a_system_message():
     req = chat(tools=[WEATHER], messages=[
-        *USER, {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        *USER,
+        {"role": "assistant",
+         "tool_calls": [{"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
     plain = template_messages(req, native_tools=False)
     assert plain[0]["role"] == "system" and "get_weather" in plain[0]["content"]

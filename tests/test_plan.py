@@ -155,7 +155,8 @@ def test_plan_with_a_model_shows_each_layer_types_attention_per_device(capsys, t
         assert "last 16 positions" in sliding["decode"]["reason"] and "last" not in full["decode"]["reason"]
         assert "soft-capped at 20" in full["decode"]["reason"] and "soft-capped" in full["prefill"]
         assert "freed" in sliding["kv_cache"] and "every block" in full["kv_cache"]
-        assert "(1 + w)" in entry["kernels"]["RMSNorm"]["unused"] and "gelu_tanh" in entry["kernels"]["SiluAndMul"]["unused"]
+        assert ("(1 + w)" in entry["kernels"]["RMSNorm"]["unused"]
+                and "gelu_tanh" in entry["kernels"]["SiluAndMul"]["unused"])
         assert "unused" not in entry["kernels"]["PagedAttention"]
     assert "Triton kernel" in h100["attention"][1]["decode"]["reason"]
     assert main(["plan", "--simulate", "sm_90", "--model", str(path), "--all-kernels"]) == 0  # unused ones too

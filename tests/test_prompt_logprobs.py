@@ -49,7 +49,8 @@ def test_prompt_logprobs_equal_the_full_forward_and_batch_mates_are_unaffected()
         return Engine(runner, Scheduler(config), TOK)
 
     alone = run(engine(), [(plain, SamplingParams.create(max_new_tokens=4))])[0]
-    ev_scored, ev_plain = run(engine(), [(scored, SamplingParams.create(max_new_tokens=4, top_n_tokens=3, decoder_input_details=True)),
+    ev_scored, ev_plain = run(engine(), [(scored, SamplingParams.create(max_new_tokens=4, top_n_tokens=3,
+                                                                        decoder_input_details=True)),
                                           (plain, SamplingParams.create(max_new_tokens=4))])
     prefill = ev_scored[0].prefill
     assert [p[0] for p in prefill] == scored and prefill[0][1:] == (None, None)

@@ -68,7 +68,8 @@ def test_dynamic_per_tensor_activations_run_per_token_and_say_so():
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda q: q.update(quant_method="hqq"), "quantization method `hqq`. Supported: awq; compressed-tensors; fp8; gptq"),
+    (lambda q: q.update(quant_method="hqq"),
+     "quantization method `hqq`. Supported: awq; compressed-tensors; fp8; gptq"),
     (lambda q: q["config_groups"]["group_0"].update(format="pack-quantized"),
      "format of config group `group_0` `pack-quantized`. Supported: float-quantized; naive-quantized"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4),

@@ -109,7 +109,8 @@ def test_which_builds_run_on_which_cards():
     assert not runs_on(PYPI_CU13, "cuda", (7, 0)) and not runs_on(PYPI_CU13, "cuda", (6, 1))
     assert runs_on(["sm_80", "compute_80"], "cuda", (9, 0))  # PTX the driver compiles
     assert not runs_on(["sm_80"], "cuda", (9, 0))
-    assert runs_on(["gfx90a", "gfx942"], "rocm", (9, 4), "gfx942") and not runs_on(["gfx942"], "rocm", (11, 0), "gfx1100")
+    assert (runs_on(["gfx90a", "gfx942"], "rocm", (9, 4), "gfx942")
+            and not runs_on(["gfx942"], "rocm", (11, 0), "gfx1100"))
 
 
 def test_a_volta_card_under_a_cuda_13_torch_gets_the_reason_and_the_build():

@@ -85,7 +85,8 @@ def test_the_prompt_thinking_off_or_a_grammar_decide_whether_anything_is_parsed(
     assert OPENED.opened and not FREE.opened
     assert plan_reasoning(QWEN3, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None  # the template closed it
     assert plan_reasoning(QWEN3, "x<think>\n", {"enable_thinking": False}) is None
-    assert plan_reasoning(QWEN3, "x<think>\n", {"enable_thinking": "false"}).opened  # only false itself, as templates test
+    # only false itself, as templates test
+    assert plan_reasoning(QWEN3, "x<think>\n", {"enable_thinking": "false"}).opened
     assert plan_reasoning(QWEN3, "x<think>\n", constrained=True) is None  # response_format / forced tool call
     assert split_reasoning(None, "abc</think>answer") == (None, "abc</think>answer")
 
@@ -110,7 +111,8 @@ def test_the_family_comes_from_config_json_else_from_the_worker(tmp_path):
     assert load_chat_template(tmp_path / "absent").model_type is None
     # a worker reports its family as `architecture` (workers/engine/describe.py): guards chat.py's
     # `else reported.architecture` fallback
-    assert load_chat_template(tmp_path / "absent", {"chat_template": "plain", "architecture": "qwen3"}).model_type == "qwen3"
+    assert load_chat_template(tmp_path / "absent",
+                              {"chat_template": "plain", "architecture": "qwen3"}).model_type == "qwen3"
 
 
 def test_the_serve_flag_reaches_the_settings():
@@ -168,7 +170,8 @@ def test_without_a_plan_the_message_has_no_reasoning_field():
 def test_tool_calls_are_parsed_from_the_answer_after_the_reasoning():
     plan = ToolPlan(AUTO, ({"name": "get_weather", "parameters": {"type": "object"}},))
     spec = ChoiceSpec(0, tools=plan, reasoning=FREE)
-    text = '<think>\nThe user wants weather.\n</think>\n\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    text = ('<think>\nThe user wants weather.\n</think>\n\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>')
     whole = chat_choice(spec, {"generated_text": text, "details": {"finish_reason": "eos_token"}})
     assert whole["finish_reason"] == "tool_calls" and whole["message"]["reasoning_content"] == "The user wants weather."
     assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}

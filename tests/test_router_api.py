@@ -48,7 +48,8 @@ def test_workers_lists_three_ready_workers_with_their_devices(client):
         assert set(w) >= {"id", "state", "pid", "restarts", "device", "fp8", "kernels", "load"}
         assert set(w["device"]) == {"type", "index", "uuid", "name", "capability", "simulated", "memory_total_bytes",
                                     "fp8"}
-        assert w["device"]["fp8"]["convention"] == w["fp8"]["convention"]  # the device's fp8 capability, not the mode in use
+        # the device's fp8 capability, not the mode in use
+        assert w["device"]["fp8"]["convention"] == w["fp8"]["convention"]
         assert w["device"]["simulated"] is True and w["restarts"] == 0 and isinstance(w["pid"], int)
         assert w["load"] == {"running": 0, "queued": 0}
 
@@ -96,7 +97,8 @@ def test_tgi_compat_root_route_generates_or_streams(client):
 
 def test_requests_spread_over_all_workers(client):
     def one(_):
-        return client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 20}}).headers["x-worker-id"]
+        return client.post("/generate",
+                           json={"inputs": "x", "parameters": {"max_new_tokens": 20}}).headers["x-worker-id"]
 
     with ThreadPoolExecutor(6) as pool:
         seen = list(pool.map(one, range(18)))
@@ -145,7 +147,8 @@ def test_an_unknown_pinned_worker_lists_the_ids_only(client):
     every worker's id, index and UUID."""
     r = client.post("/generate", json={"inputs": "x"}, headers={"X-Hetserve-Worker": "gpu7"})
     assert r.status_code == 422, r.text
-    assert r.json()["error"] == "No worker `gpu7` (X-Hetserve-Worker). Known: gpu0, gpu1, gpu2 (or a device index or UUID)"
+    assert r.json()["error"] == ("No worker `gpu7` (X-Hetserve-Worker). Known: gpu0, gpu1, gpu2 "
+                                 "(or a device index or UUID)")
     r = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}},
                     headers={"X-Hetserve-Worker": "1"})  # a device index still pins
     assert r.status_code == 200 and r.headers["x-worker-id"] == "gpu1", r.text
@@ -239,10 +242,11 @@ def test_router_binds_loopback_only(router):
 
 
 def test_a_client_leaving_mid_stream_releases_its_worker_slot(router, client):
-    """Guards the stream release (`RelayResponse.__call__` and the relays' `finally`): the worker stream is closed and its
-    outstanding count returns to zero when the client disconnects."""
+    """Guards the stream release (`RelayResponse.__call__` and the relays' `finally`): the worker
+    stream is closed and its outstanding count returns to zero when the client disconnects."""
     for _ in range(3):
-        with client.stream("POST", "/generate_stream", json={"inputs": "x", "parameters": {"max_new_tokens": 500}}) as r:
+        with client.stream("POST", "/generate_stream",
+                           json={"inputs": "x", "parameters": {"max_new_tokens": 500}}) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     break  # leave after the first event

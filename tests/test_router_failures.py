@@ -91,7 +91,8 @@ def test_a_stalled_engine_is_replaced_and_its_stream_moves(router, client):
     for _ in range(12):
         router.wait_for(lambda: _worker(router, "gpu0")["state"] == "ready", timeout=30)
         started = time.monotonic()
-        r = client.post("/generate_stream", json={"inputs": "__stall_mid_stream__", "parameters": {"max_new_tokens": 6}})
+        r = client.post("/generate_stream",
+                        json={"inputs": "__stall_mid_stream__", "parameters": {"max_new_tokens": 6}})
         took = time.monotonic() - started
         events = _events(r.text)
         assert r.status_code == 200 and [e["token"]["text"] for e in events] == [f" t{i}" for i in range(6)], events
@@ -119,7 +120,8 @@ def test_a_stream_no_worker_can_continue_ends_with_a_clear_error_event():
         assert error["error_type"] == "incomplete_generation", error
         assert error["error"].startswith("worker gpu0 was lost after 2 tokens (connection lost")
         assert "no worker could continue it: No worker available" in error["error"]
-        errors = metric_value(client.get("/metrics").text, "hetserve_router_worker_stream_errors_total", worker_id="gpu0")
+        errors = metric_value(client.get("/metrics").text, "hetserve_router_worker_stream_errors_total",
+                              worker_id="gpu0")
         assert errors == 1.0
 
 

@@ -111,7 +111,8 @@ def test_stream_under_way_moves_to_another_worker_when_its_worker_dies(router, c
         _wait_ready(router, "gpu0")
         moved_before = _migrations(router, "gpu0")
         if kind == "tgi":
-            r = client.post("/generate_stream", json={"inputs": "__crash_mid_stream__", "parameters": {"max_new_tokens": 6}})
+            r = client.post("/generate_stream",
+                            json={"inputs": "__crash_mid_stream__", "parameters": {"max_new_tokens": 6}})
             events = _events(r.text)
             assert r.status_code == 200 and "error" not in events[-1], events
             assert [e["index"] for e in events] == list(range(6))  # no gap, no repeat

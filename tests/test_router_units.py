@@ -142,12 +142,14 @@ def test_engine_flags_reach_every_worker_and_bad_ones_are_refused_before_spawnin
     assert config.max_num_batched_tokens == 512
     defaults = _specs([REAL_H100])[0].config
     assert not defaults.no_prefix_cache and defaults.kv_block_size == 16
-    # without the flag each device's step budget (`step_token_budget`): a GPU's, or a CPU's where the step computes there
+    # without the flag each device's step budget (`step_token_budget`): a GPU's, or a CPU's where the
+    # step computes there
     assert defaults.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
     on_cpu = _specs([cpu_device()])[0].config
     assert on_cpu.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
     for bad, needle in ((["--kv-block-size", "12"], "`--kv-block-size 12` is not supported. Supported: 1, 2, 4"),
-                        (["--max-num-batched-tokens", "8"], "`--max-num-batched-tokens 8` must be >= `--max-batch 32`")):
+                        (["--max-num-batched-tokens", "8"],
+                         "`--max-num-batched-tokens 8` must be >= `--max-batch 32`")):
         with pytest.raises(UsageError, match=needle):
             RouterSettings.from_args(build_parser().parse_args(["serve", *bad]))
 

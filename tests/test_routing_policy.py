@@ -312,7 +312,8 @@ def test_a_worker_short_of_free_kv_cache_costs_the_wait():
 
 
 def test_least_loaded_and_round_robin():
-    cands = [Candidate("gpu0", outstanding=2), Candidate("gpu1", outstanding=1, picks=9), Candidate("gpu2", outstanding=1)]
+    cands = [Candidate("gpu0", outstanding=2), Candidate("gpu1", outstanding=1, picks=9),
+             Candidate("gpu2", outstanding=1)]
     assert least_loaded(cands).worker == "gpu2"
     turns, last = [], None
     for _ in range(4):

@@ -221,7 +221,8 @@ def test_block_shortage_preempts_the_newest_and_requeues_it_first():
     step(s)  # each decode needs a 2nd block at position 4: 6 blocks in use
     assert s.kv.num_free_blocks == 0
     outs = [step(s)[0] for _ in range(4)]  # positions 5..8: a needs a 3rd block at 8
-    assert [o.preempted for o in outs] == [(), (), (), (c,)] and c.status == WAITING and s.waiting[0] is c  # the newest went
+    # the newest went
+    assert [o.preempted for o in outs] == [(), (), (), (c,)] and c.status == WAITING and s.waiting[0] is c
     assert c.num_computed == 0 and not c.block_ids and len(c.output_ids) == 5  # its tokens stay
     assert a.status == b.status == RUNNING and s.num_preemptions == 1
     run(s)

@@ -105,7 +105,8 @@ def test_a_stream_closed_early_is_aborted_on_the_worker(worker):
     async def run():
         c = WorkerClient(worker["sock"])
         try:
-            async with c.stream("/generate_stream", WorkerRequest.model_validate(_body("Hello", 250, do_sample=True, seed=1))) as response:
+            async with c.stream("/generate_stream",
+                                WorkerRequest.model_validate(_body("Hello", 250, do_sample=True, seed=1))) as response:
                 async for _chunk in response.iter_chunks():
                     break
             await asyncio.sleep(0.3)  # the abort call goes out on the next loop iteration
@@ -122,13 +123,15 @@ def test_a_stream_closed_early_is_aborted_on_the_worker(worker):
 
 
 def test_a_broken_channel_fails_its_streams_and_the_worker_aborts_them(worker):
-    """Guards `self.abort(list(self.streams))` in the worker's `StreamChannel.close`. Closing the channel's connection (what the supervisor does to a hung worker) fails every
-    stream on it with `WorkerConnectionLost`, and the worker aborts their requests."""
+    """Guards `self.abort(list(self.streams))` in the worker's `StreamChannel.close`. Closing the
+    channel's connection (what the supervisor does to a hung worker) fails every stream on it with
+    `WorkerConnectionLost`, and the worker aborts their requests."""
 
     async def run():
         c = WorkerClient(worker["sock"])
         try:
-            async with c.stream("/generate_stream", WorkerRequest.model_validate(_body("Hello", 250, do_sample=True, seed=2))) as response:
+            async with c.stream("/generate_stream",
+                                WorkerRequest.model_validate(_body("Hello", 250, do_sample=True, seed=2))) as response:
                 chunks = response.iter_chunks()
                 await chunks.__anext__()
                 c.abort()

@@ -40,7 +40,8 @@ WELL_FORMED = [
     (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
               '{"name": "get_time", "arguments": {}}]', None, [PARIS, NOW]),
     (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', None, [PARIS, NOW]),
-    (MISTRAL, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, [PARIS]),  # the tag left out as special
+    # the tag left out as special
+    (MISTRAL, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, [PARIS]),
     (PYTHONIC, '[get_weather(city="Paris"), get_time()]', None, [PARIS, NOW]),
     (PYTHONIC, '<|python_start|>[get_weather(city="Paris")]<|python_end|>', None, [PARIS]),
     (GENERIC, '{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [PARIS]),
@@ -148,7 +149,8 @@ def test_value_end_finds_where_a_json_value_stops_in_a_prefix():
 
 
 # the opening of each family's tool-call instructions (what the real templates write)
-QWEN3 = '{%- if tools %}...<tools>...</tools>...<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}'
+QWEN3 = ('{%- if tools %}...<tools>...</tools>...<tool_call>\\n'
+         '{"name": <function-name>, "arguments": <args-json-object>}')
 LLAMA31 = '...Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}'
 MISTRAL_T = "{%- if message.tool_calls %}[TOOL_CALLS][{%- for tool_call in message.tool_calls %}"
 PYTHONIC_T = "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]"

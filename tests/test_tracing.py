@@ -118,7 +118,8 @@ def test_a_stream_moving_to_another_worker_is_recorded_on_the_request_span(trace
     """gpu0 dies after two tokens of this prompt: the stream moves to gpu1 (`note_migration`)."""
     client, exporter, _ = traced_router
     for _ in range(2):  # idle workers take turns: one of the two starts on gpu0
-        r = client.post("/generate_stream", json={"inputs": "__crash_mid_stream__", "parameters": {"max_new_tokens": 4}})
+        r = client.post("/generate_stream",
+                        json={"inputs": "__crash_mid_stream__", "parameters": {"max_new_tokens": 4}})
         assert r.status_code == 200 and r.text.count("data:") == 4 and '"error"' not in r.text, r.text
         span = _spans(exporter, "POST /generate_stream")[-1]
         if r.headers["x-worker-id"] == "gpu0":
@@ -138,8 +139,10 @@ def test_a_stream_moving_to_another_worker_is_recorded_on_the_request_span(trace
 @pytest.fixture
 def traced_worker():
     exporter = InMemorySpanExporter()
-    engine = Engine(FakeRunner(delay=0.001), Scheduler(SchedulerConfig(2, 64, eos_token_ids=(EOS_ID,))), TOK, max_queue=1)
-    app = create_app(INFO, engine, TOK, drain_timeout=1.0, tracing=start_tracing(None, "hetserve-worker", exporter=exporter))
+    engine = Engine(FakeRunner(delay=0.001), Scheduler(SchedulerConfig(2, 64, eos_token_ids=(EOS_ID,))), TOK,
+                    max_queue=1)
+    app = create_app(INFO, engine, TOK, drain_timeout=1.0,
+                     tracing=start_tracing(None, "hetserve-worker", exporter=exporter))
     with TestClient(app) as client:
         yield client, exporter
 

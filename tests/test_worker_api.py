@@ -53,13 +53,15 @@ def test_generate_returns_tgi_shape_with_details_and_worker_headers(setup):
     assert body["generated_text"] == "".join(t["text"] for t in d["tokens"] if not t["special"])
     plain = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5}}).json()
     assert plain == {"generated_text": body["generated_text"]}  # greedy is reproducible
-    full = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5, "return_full_text": True}})
+    full = client.post("/generate",
+                       json={"inputs": "Hello", "parameters": {"max_new_tokens": 5, "return_full_text": True}})
     assert full.json()["generated_text"] == "Hello" + body["generated_text"]
 
 
 def test_generate_stream_events_and_final_details(setup):
     client, _ = setup
-    r = client.post("/generate_stream", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "seed": 3, "do_sample": True}})
+    r = client.post("/generate_stream",
+                    json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "seed": 3, "do_sample": True}})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert r.headers["x-worker-id"] == "gpu1"
     events = sse_events(r.text)
@@ -68,7 +70,8 @@ def test_generate_stream_events_and_final_details(setup):
     last = events[-1]
     assert last["details"] == {"finish_reason": "length", "generated_tokens": 4, "input_length": 2, "seed": 3}
     assert last["generated_text"] == "".join(e["token"]["text"] for e in events if not e["token"]["special"])
-    again = sse_events(client.post("/generate_stream", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "seed": 3, "do_sample": True}}).text)
+    again = sse_events(client.post("/generate_stream", json={
+        "inputs": "Hello", "parameters": {"max_new_tokens": 4, "seed": 3, "do_sample": True}}).text)
     assert [e["token"]["id"] for e in again] == [e["token"]["id"] for e in events]
 
 
@@ -155,7 +158,8 @@ def test_prompt_scoring_with_token_ids_and_no_new_tokens(setup):
     assert d["generated_tokens"] == 0 and d["tokens"] == [] and d["input_length"] == len(ids)
     assert [p["id"] for p in d["prefill"]] == ids and d["prefill"][0]["logprob"] is None
     assert all(p["logprob"] <= 0 and len(p["top_tokens"]) == 1 for p in d["prefill"][1:])
-    r = client.post("/generate_stream", json={"input_ids": ids, "parameters": {"max_new_tokens": 0, "decoder_input_details": True}})
+    r = client.post("/generate_stream",
+                    json={"input_ids": ids, "parameters": {"max_new_tokens": 0, "decoder_input_details": True}})
     assert r.status_code == 422 and "`/generate`" in r.json()["error"]
 
 
@@ -198,7 +202,8 @@ def test_worker_engine_flags_are_checked(argv, needle, capsys):
         parse_args(["--socket", "/tmp/x.sock", *argv])
     assert e.value.code == 2 and needle in capsys.readouterr().err
     args = parse_args(["--socket", "/tmp/x.sock", "--no-prefix-cache", "--kv-block-size", "32"])
-    assert args.no_prefix_cache and args.kv_block_size == 32 and args.max_num_batched_tokens is None  # the device decides
+    # the device decides
+    assert args.no_prefix_cache and args.kv_block_size == 32 and args.max_num_batched_tokens is None
 
 
 def test_a_raise_while_streaming_one_request_ends_its_stream_with_request_failed(setup, monkeypatch):
