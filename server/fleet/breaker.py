@@ -1,19 +1,10 @@
 """A circuit breaker per worker: stop sending requests to a worker that keeps failing them.
 
-States (`/workers` `breaker.state`):
-- `closed`: requests flow; consecutive failures (connection errors, 5xx answers, streams lost
-  mid-way) are counted and any success resets the count;
-- `open`: after `failures` consecutive failures the worker gets no request for `cooldown_s`
-  seconds, while the others serve;
-- `half_open`: once the cool-down is over, exactly one request goes through as a probe: its
-  success closes the breaker, its failure opens it again for another cool-down.
-
-A 429 (queue full) says nothing about the worker's health and counts neither way. The
-breaker sees only requests; the supervisor's health checks (hangs, crashes) are separate and
-take a worker out of rotation whatever its breaker says. Trade-off: a breaker opens on
-request outcomes, so a worker that fails only some prompts (say, one that always crashes
-it) can be opened by one client's bad luck; the cool-down is short and one good probe
-closes it.
+Design: the breaker sees only request outcomes; the supervisor's health checks (hangs, crashes)
+are separate and take a worker out of rotation whatever its breaker says. A 429 (queue full)
+says nothing about the worker's health and counts neither way. Trade-off: a breaker opens on
+request outcomes, so a worker that fails only some prompts (say, one that always crashes it) can
+be opened by one client's bad luck; the cool-down is short and one good probe closes it.
 """
 
 from __future__ import annotations
@@ -25,6 +16,14 @@ from enum import StrEnum
 
 
 class BreakerState(StrEnum):
+    """`/workers` `breaker.state`:
+    - `closed`: requests flow; consecutive failures (connection errors, 5xx answers, streams lost
+      mid-way) are counted and any success resets the count;
+    - `open`: after `failures` consecutive failures the worker gets no request for `cooldown_s`
+      seconds, while the others serve;
+    - `half_open`: once the cool-down is over, exactly one request goes through as a probe: its
+      success closes the breaker, its failure opens it again for another cool-down."""
+
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"

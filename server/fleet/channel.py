@@ -1,18 +1,14 @@
 """The router's end of a worker's stream channel: many streams over one connection.
 
-The worker writes every stream's events of an engine step as one frame on one long
-response (`GET /streams`, workers/serving/channel.py): per stream a record
-`b"<key> <length> <end>\n"` and `length` bytes of the SSE events its `/generate_stream`
-would have sent. One reader task per channel splits the frames into per-stream queues;
-`ChannelStream` reads one queue with the same interface as a streamed response of the
-pool (`status_code`, `headers`, `iter_chunks()`, `read()`, `aclose()`), so the dispatcher,
+The worker writes every stream's events of an engine step as one frame on one long response
+(`GET /streams`, workers/serving/channel.py), so a step costs it one write instead of one per
+stream. One reader task per channel splits the frames into per-stream queues; `ChannelStream`
+reads one queue with the same interface as a streamed response of the pool, so the dispatcher,
 the SSE splitting and stream migration above it do not know the difference. A channel that
-breaks (the worker died, or `abort()` closed its connections) fails every stream on it with
-`WorkerConnectionLost`, as a broken `/generate_stream` connection fails its one stream; a
-stream closed before its last record sends the worker `POST /streams/abort` (the aborts of
-one loop iteration in one call), as closing its connection did. Trade-off: the records of a
-client that reads slowly wait in its queue here rather than in a socket buffer (at most its
-generation's events), since one stream must never hold up the channel for the others.
+breaks fails every stream on it with `WorkerConnectionLost`, as a broken `/generate_stream`
+connection fails its one stream. Trade-off: the records of a client that reads slowly wait in
+its queue here rather than in a socket buffer (at most its generation's events), since one
+stream must never hold up the channel for the others.
 """
 
 from __future__ import annotations
@@ -39,7 +35,13 @@ class ChannelRefused(Exception):
 
 
 class WorkerChannel:
-    """One open channel to a worker; `dead` once it broke or was closed."""
+    """One open channel to a worker; `dead` once it broke (the worker died, or `abort()` closed its
+    connections) or was closed.
+
+    A frame holds, per stream, a record `b"<key> <length> <end>\\n"` and `length` bytes of the
+    SSE events its `/generate_stream` would have sent. A stream closed before its last record
+    sends the worker `POST /streams/abort` (the aborts of one loop iteration in one call), as
+    closing its connection did."""
 
     def __init__(self, pool: UnixHTTPPool, channel_id: str):
         self._pool = pool

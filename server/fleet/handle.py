@@ -1,19 +1,13 @@
 """The router's live view of one worker: state, process, what it reported, its load.
 
-A `WorkerHandle` is mutable and lives on the router's event loop only (no locks): the
-supervisor moves it through its states, the dispatcher counts the requests it has sent
-there. `snapshot()` is the `/workers` entry; everything in it is either what the worker
-reported about itself (`/capability`) or, before it has, what the router knows from the
-inventory.
-
-States: `starting` (first start, not ready yet) -> `ready` <-> `unhealthy` (alive but failing
-health checks, or hung and being replaced: not routed to) ; a crash -> `restarting` (until
-ready again) ; a start that failed at a step (exit code 3) or kept crashing -> `failed` (not
-restarted, `reason` says why) ; its model unloading -> `stopping` (until its process has exited,
-then the handle is gone). Each worker serves one model (`model`, its name). Beside its state, each worker has a circuit breaker fed by the
-outcomes of the requests sent to its current process (server/fleet/breaker.py), the verdict of
-its last health probe (server/fleet/probe.py) and that of its last canary check (server/canary/monitor.py),
-which may hold a ready worker out of rotation (`canary_hold`) until it checks healthy again.
+A `WorkerHandle` is mutable and lives on the router's event loop only (no locks): the supervisor
+moves it through its states, the dispatcher counts the requests it has sent there. `snapshot()`
+is the `/workers` entry; everything in it is either what the worker reported about itself
+(`/capability`) or, before it has, what the router knows from the inventory. Beside its state,
+each worker has a circuit breaker (server/fleet/breaker.py), the verdict of its last health
+probe (server/fleet/probe.py) and that of its last canary check, which may hold a ready worker
+out of rotation (`canary_hold`). Trade-off: one mutable object shared by the supervisor, the
+dispatcher and the canary, kept safe by the single event loop rather than by copies or locks.
 """
 
 from __future__ import annotations
@@ -40,6 +34,12 @@ from workers.contract import (
 
 @dataclass(eq=False)
 class WorkerHandle:
+    """One worker, serving one model (`model`, its name), through its states: `starting` (first
+    start, not ready yet) -> `ready` <-> `unhealthy` (alive but failing health checks, or hung
+    and being replaced: not routed to); a crash -> `restarting` (until ready again); a start that
+    failed at a step (exit code 3) or kept crashing -> `failed` (not restarted, `reason` says
+    why); its model unloading -> `stopping` (until its process has exited, then it is gone)."""
+
     spec: WorkerSpec
     state: WorkerState = WorkerState.STARTING
     reason: str | None = None  # why it is not ready (current step, failure, last exit)

@@ -1,15 +1,14 @@
 """The router's Prometheus series, and the workers' own series relabelled and merged in.
 
-Every per-worker series carries `worker_id`, `capability` and `model` labels (`capability`
-is `9.0` or `cpu`; `model` the name of the model the worker serves), both the router's (requests sent, retries, state, restarts, in flight) and each
-worker's `/metrics`, which the router scrapes at request time and relabels, so one scrape
-of the router sees every device. Families are merged by name across workers, as the text
-format requires each family's samples together under one TYPE line. A worker that does not
-answer its scrape within a second is skipped and counted in
-`hetserve_router_worker_scrape_errors_total`. The inference gateways' gauges (vLLM names,
-see `workers/contract/defaults.py`) also get the pod's totals, as the last sample of their
-family, labelled `worker_id="all"`. Registries are per router (not the global
-default), so several routers in one test process do not collide.
+Every per-worker series carries `worker_id`, `capability` (`9.0` or `cpu`) and `model` labels,
+both the router's (requests sent, retries, state, restarts, in flight) and each worker's
+`/metrics`, which the router scrapes at request time and relabels, so one scrape of the router
+sees every device; families are merged by name across workers, as the text format requires. The
+inference gateways' gauges (vLLM names, `workers/contract/defaults.py`) also get the pod's
+totals, as the last sample of their family (`worker_id="all"`). Registries are per router, so
+several routers in one test process do not collide. Trade-off: a worker that does not answer its
+scrape within a second is skipped (counted in `hetserve_router_worker_scrape_errors_total`)
+rather than holding up the whole scrape.
 """
 
 from __future__ import annotations

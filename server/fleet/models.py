@@ -3,20 +3,12 @@
 `ModelManager` owns the catalog (server/config/models.py: each model's name, directory and
 pins) with each model's sizes (`workers.contract.model_size.read_profile`, read once), the
 placement the workers start with (server/fleet/placement.py: every model; on demand, the
-`--pin-model` ones and the default) and each model's state: `loaded` (a worker serves it),
-`loading`, `unloading`, `unloaded`, `failed` (its last load did not become ready; retried
-after `RETRY_FAILED_S`). With `--models-dir` or `--max-loaded-models`, a request for a model no
-worker serves asks for it (`request_load`); `load` and `unload` also serve `POST
-/models/{name}/load|unload`. Loads run one at a time under a lock: each plans where the model
-goes and what makes room (server/fleet/on_demand.py, from the workers serving now and each
-model's last use), retires the workers that must go (they finish their requests in flight),
-launches the new ones and waits until one is ready. Every transition is logged, shows in
-`/workers` (`models`), the status page and `/metrics` (`hetserve_router_model_*`).
-
-Trade-off: the requests for a loading model wait in the dispatcher (bounded by
-`ready_wait_s`, then 503 with `Retry-After`) rather than in a queue here, so a load that takes
-longer than that turns its first requests away; a directory whose sizes cannot be read is
-placed as if it took nothing, and its worker then says what is wrong with it.
+`--pin-model` ones and the default) and each model's state. Loads run one at a time under a
+lock; every transition is logged and shows in `/workers` (`models`), the status page and
+`/metrics` (`hetserve_router_model_*`). Trade-off: the requests for a loading model wait in the
+dispatcher (bounded by `ready_wait_s`, then 503 with `Retry-After`) rather than in a queue here,
+so a load that takes longer than that turns its first requests away; a directory whose sizes
+cannot be read is placed as if it took nothing, and its worker then says what is wrong with it.
 """
 
 from __future__ import annotations
@@ -95,7 +87,15 @@ def profile_of(entry: ModelEntry) -> ModelProfile:
 
 
 class ModelManager:
-    """See the module docstring."""
+    """The catalog, each model's sizes and state, and the loads and unloads.
+
+    A model's state: `loaded` (a worker serves it), `loading`, `unloading`, `unloaded`, `failed`
+    (its last load did not become ready; retried after `RETRY_FAILED_S`). With `--models-dir` or
+    `--max-loaded-models`, a request for a model no worker serves asks for it (`request_load`);
+    `load` and `unload` also serve `POST /models/{name}/load|unload`. A load plans where the
+    model goes and what makes room (server/fleet/on_demand.py, from the workers serving now and
+    each model's last use), retires the workers that must go (they finish their requests in
+    flight), launches the new ones and waits until one is ready."""
 
     def __init__(self, settings: RouterSettings, devices: list[DeviceInfo]):
         self.settings = settings
@@ -210,7 +210,8 @@ class ModelManager:
             logger.info("loading model %s on %s (%s)", name, ", ".join(s.worker_id for s in plan.start), plan.reason)
             for gone in plan.unload:
                 self.models[gone].state, self.models[gone].reason = ModelState.UNLOADING, f"making room for {name}"
-            await asyncio.gather(*(sup.retire(worker_id(d), f"making room for {name}") for d in self._by_index(plan.stop)))
+            await asyncio.gather(*(sup.retire(worker_id(d), f"making room for {name}")
+                                   for d in self._by_index(plan.stop)))
             for gone in plan.unload:
                 self._unloaded(gone, f"unloaded to make room for {name}")
             for index in plan.stop:

@@ -1,19 +1,14 @@
 """Where a model loaded on demand goes, and what makes room for it: a pure function.
 
-`plan_load(ask, devices, serving, lru, protected, max_loaded)` answers a request for a model
-that no worker serves. In order:
-1. the count: with `--max-loaded-models N`, a new model beyond N unloads the least recently
-   used models first (never a `protected` one: pinned with `--pin-model`, or loading now);
-2. the device: a model pinned with `--place` goes to its pins (the replica or model on each
-   makes way); any other takes, among the devices that hold it, the smallest free one, else
-   the smallest serving a replica (of the model with the most devices: it keeps the others;
-   a device a model is pinned to is never taken from it), else unloads the least recently used
-   models, one at a time, until one of their devices holds it.
-It gets that one device: the devices left free stay free for the next load. A model that fits
-no device, or for which nothing can be freed, is a `PlacementError` naming why (the caller
-answers 503). Trade-off: loading never moves a loaded model, so a sequence of loads can leave
-a large device serving a small model that a fresh `place` would have put elsewhere; moving
-models would stop workers that serve requests.
+`plan_load` answers a request for a model that no worker serves: first the count (with
+`--max-loaded-models N`, the least recently used models beyond N unload, never a protected
+one), then the device (its pins, else the smallest free device that holds it, else a replica's
+device, else what unloading the least recently used models frees). It gets that one device: the
+devices left free stay free for the next load. A model that fits no device, or for which nothing
+can be freed, is a `PlacementError` naming why (the caller answers 503). Trade-off: loading
+never moves a loaded model, so a sequence of loads can leave a large device serving a small model
+that a fresh `place` would have put elsewhere; moving models would stop workers that serve
+requests.
 """
 
 from __future__ import annotations
@@ -53,11 +48,21 @@ class LoadPlan:
 
 
 def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int, str], lru: Sequence[str],
-              protected: Collection[str] = (), max_loaded: int | None = None, pinned_devices: Mapping[int, str] | None
-              = None, dtype: str = "auto", quantize: str = "none", fraction: float | None = None) -> LoadPlan:
-    """See the module docstring. `serving`: device index -> the model its worker serves (or
-    loads); `lru`: the loaded models, least recently used first; `pinned_devices`: device index
-    -> the model `--place` pins there."""
+              protected: Collection[str] = (), max_loaded: int | None = None,
+              pinned_devices: Mapping[int, str] | None = None, dtype: str = "auto", quantize: str = "none",
+              fraction: float | None = None) -> LoadPlan:
+    """Where `ask` goes and what unloads for it, in order:
+
+    1. the count: with `max_loaded`, a new model beyond it unloads the least recently used models
+       first (never a `protected` one: pinned with `--pin-model`, or loading now);
+    2. the device: a model pinned with `--place` goes to its pins (the replica or model on each
+       makes way); any other takes, among the devices that hold it, the smallest free one, else
+       the smallest serving a replica (of the model with the most devices: it keeps the others;
+       a device a model is pinned to is never taken from it), else unloads the least recently
+       used models, one at a time, until one of their devices holds it.
+
+    `serving`: device index -> the model its worker serves (or loads); `lru`: the loaded models,
+    least recently used first; `pinned_devices`: device index -> the model `--place` pins there."""
     pinned_devices = pinned_devices or {}
     serving = dict(serving)
     unload: list[str] = []
@@ -121,7 +126,8 @@ def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int
             chosen = smallest(free)
             break
         counts = Counter(serving.values())
-        replicas = [d for d in fitting if counts[serving[d.index]] > 1 and pinned_devices.get(d.index) != serving[d.index]]
+        replicas = [d for d in fitting
+                    if counts[serving[d.index]] > 1 and pinned_devices.get(d.index) != serving[d.index]]
         if replicas:
             most = max(counts[serving[d.index]] for d in replicas)
             chosen = smallest([d for d in replicas if counts[serving[d.index]] == most])
@@ -137,5 +143,6 @@ def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int
                          f"holds it serves a model that may not be unloaded now ({held})")
         evict(candidates[0], f"least recently used of those on a device that holds {ask.name}")
     slot = Slot(chosen, ask.name, FIRST, f"the smallest device that holds {ask.name}, free "
-                + ("after " + "; ".join(why) if why else "already"), needs[chosen.index], usable_bytes(chosen, fraction))
+                + ("after " + "; ".join(why) if why else "already"), needs[chosen.index],
+                usable_bytes(chosen, fraction))
     return LoadPlan(ask.name, (slot,), tuple(stop), tuple(unload), "; ".join(why) or f"{worker_id(chosen)} was free")

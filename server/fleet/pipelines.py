@@ -1,25 +1,16 @@
 """Pipeline replicas: one model over several devices, split by what each holds and how fast it runs.
 
 A pipeline is one more kind of placement (server/fleet/placement.py): `--place big=gpu0+gpu2`
-joins devices into one replica, `--pipeline N` makes each unpinned model an N-stage replica,
-and `--pipeline auto` (the default) splits only a model that fits no single device, over the
-fewest devices (the roomiest first) that together hold it. The layers follow the contract's
-rule (`workers.contract.pipeline.split_layers`): each stage holds at most its usable memory
-(each layer costing its weights and its share of the KV floor), and gets layers in proportion to its speed, so the slow card gets
-fewer. Once a replica of the model has served on the same devices, its stages' own figures
-give the speeds and charges (workers/contract/stage_timing.py: each device's seconds per layer
-and step, and the time each stage's thread was busy besides its layers, recorded on this host
-by the first stage); the reason then says measured, with the figures. Before that, estimates:
-a simulated device computes on this host's CPU like every other, so they are equal; a real
-GPU's is its memory bandwidth (decoding reads every weight once per step); a simulated device's
-divided by its `$HETSERVE_SLOWDOWN` factor, the knob that makes its worker that much slower on
-purpose (workers/device/slowdown.py). The
-first stage also serves the whole pipeline (schedules, samples, detokenizes, answers HTTP); on
-a device that computes on the host's CPU that work shares the core with its layers, so it is
-charged `SERVING_BYTES` of weight reads, in its layers' units (`serving_charge`); on a GPU the
-layers run on the device while the CPU serves, and nothing is charged. Trade-off: the split is
-made when the replica starts, so what a replica measures serves the next start (a restart
-after a failure keeps its plan); measuring costs two clock reads per step.
+joins devices into one replica, `--pipeline N` makes each unpinned model an N-stage replica, and
+`--pipeline auto` (the default) splits only a model that fits no single device, over the fewest
+devices (the roomiest first) that together hold it. The layers follow the contract's rule
+(`workers.contract.pipeline.split_layers`): each stage holds at most its usable memory and gets
+layers in proportion to its speed, measured by an earlier replica on the same devices where one
+served (workers/contract/stage_timing.py), else estimated (`device_speed`); a first stage that
+serves on the host's CPU is charged for that work (`serving_charge`); the rule in full:
+docs/pipelines.md. Trade-off: the split is made when the replica starts, so what a replica
+measures serves the next start (a restart after a failure keeps its plan); measuring costs two
+clock reads per step.
 """
 
 from __future__ import annotations
@@ -49,9 +40,8 @@ BANDWIDTH_GBS = {"7.0": 900, "7.5": 616, "8.0": 2039, "8.6": 936, "8.9": 864, "9
                  "12.0": 1792, "gfx90a": 1638, "gfx942": 5300, "gfx1100": 960}
 
 
-# On a CPU, the first stage's serving work per step costs about what reading this many bytes of
-# weights does on the same core: measured with benchmarks/pipeline.py on its 8-layer stand-in
-# (14 MiB of bfloat16 weights per layer), whose best split gave the first stage two layers fewer.
+# On a CPU, the first stage's serving work per step is charged as reading this many bytes of
+# weights on the same core; calibrated with benchmarks/pipeline.py (docs/benchmarks.md, "Pipelines").
 SERVING_BYTES = 28 << 20
 
 
@@ -78,7 +68,8 @@ class PipelineGroup:
         return {"model": self.model, "reason": self.reason,
                 "stages": [{"worker_id": worker_id(d), "device": d.name, "capability": d.capability_label,
                             "layers": [s.start, s.end], "weight_bytes": s.bytes, "capacity_bytes": s.capacity,
-                            "speed": s.speed, "reason": s.reason} for d, s in zip(self.devices, self.splits, strict=True)]}
+                            "speed": s.speed, "reason": s.reason}
+                           for d, s in zip(self.devices, self.splits, strict=True)]}
 
     def describe(self) -> str:
         return "; ".join(f"{worker_id(d)} layers {s.start}:{s.end} ({human(s.bytes)})"
@@ -86,7 +77,11 @@ class PipelineGroup:
 
 
 def device_speed(device: DeviceInfo, slowdown: str = "") -> tuple[float, str]:
-    """(relative speed, why) of a device before anything ran on it (see the module docstring)."""
+    """(relative speed, why) of a device before anything ran on it: a simulated device computes on
+    this host's CPU like every other, so they are equal; a real GPU's is its memory bandwidth
+    (decoding reads every weight once per step); a simulated device's divided by its
+    `$HETSERVE_SLOWDOWN` factor, the knob that makes its worker that much slower on purpose
+    (workers/device/slowdown.py)."""
     try:
         factor = device_slowdown(slowdown, worker_id(device), device.simulated)
     except ValueError as e:
@@ -101,7 +96,11 @@ def device_speed(device: DeviceInfo, slowdown: str = "") -> tuple[float, str]:
 
 
 def serving_charge(device: DeviceInfo, per_layer: Sequence[int]) -> tuple[float, str]:
-    """(layer-times, why) charged to a first stage on `device` for serving (the module docstring)."""
+    """(layer-times, why) charged to a first stage on `device` for serving (it schedules, samples,
+    detokenizes and answers HTTP for the whole pipeline): on a device that computes on the host's
+    CPU that work shares the core with its layers, so it is charged `SERVING_BYTES` of weight
+    reads in its layers' units; on a GPU the layers run on the device while the CPU serves, and
+    nothing is charged."""
     if not (device.simulated or device.type == "cpu"):
         return 0.0, ""
     layers = SERVING_BYTES / max(1, sum(per_layer) // max(1, len(per_layer)))

@@ -1,22 +1,14 @@
 """Which model each device serves: a pure function of (models, devices, pins), with a reason per device.
 
-One worker per GPU serves one model. `place(models, devices)` decides, in this order:
-1. pins (`--place chat=gpu0,gpu2`: a worker id, a device index or a UUID): those devices
-   serve that model and no other; a device pinned twice, pinned twice to one model, unknown,
-   or too small for the model pinned to it is a `PinError` with the figures;
-2. every other model, the largest need first, gets the smallest free device that holds it
-   (best fit: the larger devices stay for the larger models); a model that fits no device is a
-   `ModelDoesNotFit` with its need and every device's room, one whose fitting devices are
-   all taken a `NoDeviceLeft` naming who holds them;
-3. with `replicas`, each device left (largest first) serves another replica of the model
-   that fits it with the fewest devices so far (ties: the larger need, then the order given);
-   pinned models get exactly their pins.
-A model's need on a device is `workers.contract.model_size.need_on`: its weights as that
-device loads them (the dtype rule, `--quantize`) plus the KV cache of one sequence; a device
-offers `usable_bytes` of its memory. Loading a model later, on demand, is the same rule over
-the devices free then (server/fleet/on_demand.py). Trade-off: best fit, largest first, is a greedy rule, not
-a search: it can refuse a set of models that some other assignment would fit, and then says
-which device holds what so the user can pin them.
+One worker per GPU serves one model. `place` decides pins first, then every other model, the
+largest need first, on the smallest free device that holds it (best fit: the larger devices stay
+for the larger models), then replicas on the devices left; a model's need on a device is
+`workers.contract.model_size.need_on` (its weights as that device loads them plus the KV cache
+of one sequence) against the device's `usable_bytes`. Loading a model later, on demand, is the
+same rule over the devices free then (server/fleet/on_demand.py); the rule in full:
+docs/placement.md. Trade-off: best fit, largest first, is a greedy rule, not a search: it can
+refuse a set of models that some other assignment would fit, and then says which device holds
+what so the user can pin them.
 """
 
 from __future__ import annotations
@@ -133,7 +125,8 @@ def resolve_device(token: str, devices: Sequence[DeviceInfo]) -> DeviceInfo | No
 
 
 def _room(d: DeviceInfo, fraction: float | None = None) -> str:
-    return f"{worker_id(d)} ({d.capability_label}): {human(usable_bytes(d, fraction))} usable of {human(d.memory_total_bytes)}"
+    return (f"{worker_id(d)} ({d.capability_label}): {human(usable_bytes(d, fraction))} usable of "
+            f"{human(d.memory_total_bytes)}")
 
 
 def _pin_devices(m: ModelAsk, token: str, devices: Sequence[DeviceInfo], taken: dict) -> list[DeviceInfo]:
@@ -190,7 +183,18 @@ def check_pins(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype:
 
 def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str = "auto", quantize: str = "none",
           *, replicas: bool = True, fraction: float | None = None, split: Split = Split()) -> Placement:
-    """See the module docstring."""
+    """Which model each device serves, in this order:
+
+    1. pins (`--place chat=gpu0,gpu2`: a worker id, a device index or a UUID): those devices serve
+       that model and no other; a device pinned twice, pinned twice to one model, unknown, or too
+       small for the model pinned to it is a `PinError` with the figures;
+    2. every other model, the largest need first, gets the smallest free device that holds it; a
+       model that fits no device is a `ModelDoesNotFit` with its need and every device's room, one
+       whose fitting devices are all taken a `NoDeviceLeft` naming who holds them;
+    3. with `replicas`, each device left (largest first) serves another replica of the model that
+       fits it with the fewest devices so far (ties: the larger need, then the order given);
+       pinned models get exactly their pins.
+    """
     needs = {(m.name, d.index): need_on(m.profile, d, dtype, quantize) for m in models for d in devices}
     usable = {d.index: usable_bytes(d, fraction) for d in devices}  # fraction: --gpu-memory-utilization
     order = {d.index: i for i, d in enumerate(devices)}
@@ -236,7 +240,8 @@ def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str 
             except (PipelineError, ModelSizeError) as e:
                 split_why = f" ({e})"
         if not fitting:
-            rooms = "; ".join(f"{_room(d, fraction)}, needs {human(needs[m.name, d.index].total)}" for d in devices) or "no devices"
+            rooms = "; ".join(f"{_room(d, fraction)}, needs {human(needs[m.name, d.index].total)}"
+                              for d in devices) or "no devices"
             biggest = max(devices, key=lambda d: usable[d.index], default=None)
             need = needs[m.name, biggest.index].describe() if biggest is not None else "?"
             raise ModelDoesNotFit(f"Model `{m.name}` fits no device, nor a pipeline over the free ones{split_why}: it "
@@ -245,8 +250,9 @@ def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str 
         free = [d for d in fitting if d.index not in owner]
         if not free:
             holders = tuple(f"{worker_id(d)} serves `{owner[d.index][0]}`" for d in fitting)
-            raise NoDeviceLeft(f"Model `{m.name}` has no free device that holds it ({human(needs[m.name, fitting[0].index].total)}"
-                               f" needed): {'; '.join(holders)}. Serve fewer models at once (--max-loaded-models) or "
+            raise NoDeviceLeft(f"Model `{m.name}` has no free device that holds it "
+                               f"({human(needs[m.name, fitting[0].index].total)} needed): {'; '.join(holders)}. "
+                               "Serve fewer models at once (--max-loaded-models) or "
                                "pin them (--place)", m.name, holders)
         best = min(free, key=lambda d: (usable[d.index], order[d.index]))
         owner[best.index] = (m.name, FIRST, f"the smallest free device that holds {m.name} (largest needs first)")

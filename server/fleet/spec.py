@@ -1,19 +1,15 @@
 """How each worker process is started: its id, configuration, command and environment (pure).
 
 One worker per selected device. Its configuration is one `WorkerConfig` (workers/contract/
-config.py), which the supervisor writes as JSON beside its socket before each start; the
-command is then `python -m workers --config FILE`. What the worker would otherwise read from
-this process's environment is resolved here, once: `$HETSERVE_COMPILE` where `--compile` is
-auto, `$HETSERVE_PREFLIGHT`, and a simulated device's `$HETSERVE_SLOWDOWN` factor. The environment is fixed before the child's Python starts,
-which is what makes "bind first" possible: a real GPU worker sees exactly one device
-(`CUDA_DEVICE_ORDER=PCI_BUS_ID`, `CUDA_VISIBLE_DEVICES=<its UUID>`), a simulated one sees
-none (`CUDA_VISIBLE_DEVICES=""`) and learns its capability from `HETSERVE_SIMULATE`.
-Simulated workers share this host's CPUs: each gets `--threads` = CPUs / workers, so three
-simulated devices on two cores do not oversubscribe them threefold. Workers that compute on
-the CPU leave one core to the router and the HTTP side (`compute_threads`), as vLLM keeps one
-for its API server: a model step whose OpenMP threads fill every core is preempted by each
-streamed token's relay. Each worker compiles into
-its architecture's own Triton cache (`TRITON_CACHE_DIR=<root>/sm_89`).
+config.py), written as JSON beside its socket before each start; the command is then
+`python -m workers --config FILE`. What the worker would otherwise read from this process's
+environment is resolved here, once (`$HETSERVE_COMPILE`, `$HETSERVE_PREFLIGHT`, a simulated
+device's `$HETSERVE_SLOWDOWN`). Design: the environment is fixed before the child's Python
+starts, which is what makes "bind first" possible: a real GPU worker sees exactly one device
+(`CUDA_VISIBLE_DEVICES=<its UUID>`), a simulated one none, and each compiles into its
+architecture's own Triton cache. Trade-off: workers that compute on the CPU share this host's
+cores (`threads_per_worker`) less one for the router (`compute_threads`), so none
+oversubscribes them and each gets fewer threads than the host has.
 """
 
 from __future__ import annotations
@@ -100,9 +96,9 @@ def available_cpus() -> int:
 def compute_threads(settings: RouterSettings, devices: list[DeviceInfo]) -> int:
     """CPU threads for all workers together: the settings' `threads` when given; else this
     process's CPUs, less one for the router and the workers' HTTP side when the workers compute
-    on the CPU (simulated or CPU devices) and there are cores to spare. On the 2-core machine one
-    CPU worker with both cores took 2.2 ms per output token at concurrency 1 and 8.4 ms at 32
-    (streamed completions, 128-token prompts); with one, 1.4 ms and 7.6 ms."""
+    on the CPU (simulated or CPU devices) and there are cores to spare, as vLLM keeps one for its
+    API server: a model step whose OpenMP threads fill every core is preempted by each streamed
+    token's relay (docs/benchmarks.md, "One core for the router and the HTTP side")."""
     if settings.threads:
         return settings.threads
     cpus = available_cpus()

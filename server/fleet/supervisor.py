@@ -1,30 +1,15 @@
 """Starts one worker process per device, tracks readiness, restarts crashes, stops cleanly.
 
-Each worker has one lifecycle task on the router's event loop: spawn -> wait until ready
-(status file says so, `/health` answers 200, `/capability` read) -> health-check every
-second (server/fleet/probe.py) -> on exit, decide (server/fleet/exits.py, a pure function). A worker found hung (its probe unanswered
-within the timeout, or its engine stalled with work pending) is taken out of rotation at
-once, its connections are broken so its requests are retried or migrated elsewhere, and it
-is stopped (SIGTERM, then SIGKILL) and restarted. A worker that *failed to start* (exit code
-3, status file names the step: bind, capability, load, kernelize, fp8) is marked `failed`
-with that reason and is not restarted: the same start would fail the same way. Anything else
-(a crash, `kill -9`, a fatal error while serving, a hung worker) is restarted with
-exponential backoff while the other workers keep serving. Trade-off: a worker that keeps
-crashing before it ever becomes ready is given up on after a few tries instead of retried
-forever.
-
-Which model each worker serves comes from the placement (server/fleet/placement.py): the
-supervisor starts the workers it is given, and `launch`es and `retire`s workers when a model
-loads or unloads (server/fleet/models.py). A retired worker is `stopping`: out of rotation, sent
-SIGTERM (it finishes its requests in flight), SIGKILLed after `worker_stop_timeout_s`, not
-restarted, and its handle is dropped once its process has exited; a later worker on that device
-continues its process generations, so nothing remembered of the old process is taken for the new.
-
-No orphans: workers run in their own session (a Ctrl-C in the terminal reaches only the
-router, which then drains and stops them in order), get `--parent-pid` and, on Linux,
-`PR_SET_PDEATHSIG`, so they exit even when the router is killed with SIGKILL. Sockets and
-status files live in a private temporary directory (mode 0700) removed at stop. Starting and
-killing the process itself: server/fleet/process.py.
+Each worker has one lifecycle task on the router's event loop (`Supervisor._lifecycle`): spawn
+-> wait until ready -> health-check every second (server/fleet/probe.py) -> on exit, decide
+(server/fleet/exits.py, a pure function). A worker that failed to start is marked `failed` with
+the step that failed and not restarted (the same start would fail the same way); a crash, a
+fatal error while serving or a hung worker is restarted with exponential backoff while the
+others keep serving; the placement says which model each serves, and models load and unload
+through `launch` and `retire`. No orphans: workers run in their own session, get `--parent-pid`
+and, on Linux, `PR_SET_PDEATHSIG`, and their sockets and status files live in a private 0700
+run directory removed at stop. Trade-off: a worker that keeps crashing before it ever becomes
+ready is given up on after a few tries instead of retried forever.
 """
 
 from __future__ import annotations
@@ -60,7 +45,11 @@ logger = logging.getLogger(__name__)
 
 
 class Supervisor:
-    """Owns the worker processes of one router (see the module docstring)."""
+    """Owns the worker processes of one router.
+
+    A Ctrl-C in the terminal reaches only the router (workers run in their own session), which
+    then drains and stops them in order (`stop`). Starting and killing a process itself:
+    server/fleet/process.py."""
 
     def __init__(self, devices: list[DeviceInfo], settings: RouterSettings,
                  models: dict[int, tuple[str, Path]] | None = None, pipelines: tuple = ()):
@@ -158,8 +147,10 @@ class Supervisor:
         return handle
 
     async def retire(self, wid: str, why: str) -> None:
-        """Stop worker `wid` for good (`stopping`: SIGTERM, then SIGKILL after the stop timeout)
-        and drop its handle once its process has exited."""
+        """Stop worker `wid` for good (`stopping`: out of rotation, SIGTERM so it finishes its
+        requests in flight, SIGKILL after the stop timeout, not restarted) and drop its handle once
+        its process has exited. A later worker on that device continues its process generations,
+        so nothing remembered of the old process is taken for the new."""
         handle = self.workers.get(wid)
         if handle is None:
             return
@@ -251,6 +242,10 @@ class Supervisor:
 
     # --- lifecycle ---------------------------------------------------------------------
     async def _lifecycle(self, handle: WorkerHandle) -> None:
+        """Spawn -> wait until ready (the status file says so, `/health` answers 200, `/capability`
+        read) -> health-check until it exits -> `decide_exit`, and again until it is retired, failed
+        for good or the router stops. A worker that failed to start (exit code 3) has its status
+        file name the step: bind, capability, load, kernelize, fp8."""
         policy = RestartPolicy.from_settings(self.settings)
         history = ExitHistory.start(policy, handle.restarts)
         while not self._stopping and handle.retiring is None:

@@ -1,24 +1,14 @@
 """A lean HTTP/1.1 client over a Unix socket: keep-alive pool, Content-Length and chunked bodies.
 
-The router's hot path is "forward one request to a worker, relay its answer". A general
-client (httpx) costs more CPU per request and per streamed chunk than the rest of the
-router together, and on a host where the router shares cores with the workers that CPU is
-taken from generation. The workers are ours and speak plain HTTP/1.1 (uvicorn), so this
-client handles exactly that: one request per connection at a time, idle connections reused
-(dropped before the server's keep-alive timeout), bodies by Content-Length or chunked
-transfer encoding. Trade-off: no redirects, TLS, HTTP/2 or proxies, none of which a local
-worker socket needs.
-
-Failures are two exceptions: `WorkerConnectError` (nothing listens: the worker is down)
-and `WorkerConnectionLost` (the connection broke mid-exchange: the worker died or closed
-it). A reused idle connection that turns out closed before any byte of the answer is
-retried once on a fresh connection, as the server may close idle connections at any time;
-when nothing listens any more for that retry, the first failure is what is raised (the
-connection broke under the request: the worker may have died of it, which the dispatcher
-must count as a death under it, not as a worker that was already down).
-`abort()` closes every connection of the pool, those in use included: a read blocked on a
-hung worker then fails at once with `WorkerConnectionLost` (the supervisor's way of taking
-such a worker's requests back).
+The router's hot path is "forward one request to a worker, relay its answer". A general client
+(httpx) costs more CPU per request and per streamed chunk than the rest of the router together,
+and on a host where the router shares cores with the workers that CPU is taken from generation.
+The workers are ours and speak plain HTTP/1.1 (uvicorn), so this client handles exactly that:
+one request per connection at a time, idle connections reused (dropped before the server's
+keep-alive timeout), bodies by Content-Length or chunked transfer encoding. Failures are two
+exceptions: `WorkerConnectError` (nothing listens: the worker is down) and
+`WorkerConnectionLost` (the connection broke mid-exchange). Trade-off: no redirects, TLS,
+HTTP/2 or proxies, none of which a local worker socket needs.
 """
 
 from __future__ import annotations
@@ -153,7 +143,13 @@ class UnixHTTPPool:
     async def send(self, method: str, path: str, body: bytes | None = None,
                    content_type: str = "application/json", headers: Mapping[str, str] | None = None) -> Response:
         """Send a request (with extra `headers`, e.g. the trace context); return once the
-        status line and headers have arrived."""
+        status line and headers have arrived.
+
+        A reused idle connection that turns out closed before any byte of the answer is retried
+        once on a fresh connection, as the server may close idle connections at any time; when
+        nothing listens any more for that retry, the first failure is what is raised (the
+        connection broke under the request: the worker may have died of it, which the dispatcher
+        must count as a death under it, not as a worker that was already down)."""
         head = f"{method} {path} HTTP/1.1\r\nHost: worker\r\n"
         for name, value in (headers or {}).items():
             head += f"{name}: {value}\r\n"
@@ -209,7 +205,8 @@ class UnixHTTPPool:
         return response.status_code, response.headers, content
 
     def abort(self) -> None:
-        """Close every connection, in use or idle: blocked reads fail with `WorkerConnectionLost`."""
+        """Close every connection, in use or idle: blocked reads fail with `WorkerConnectionLost`
+        at once (the supervisor's way of taking a hung worker's requests back)."""
         for conn in list(self._busy):
             conn.close()
         self._busy.clear()
