@@ -49,7 +49,8 @@ class RouterContext:
     def model(self, name: str | None = None) -> ModelContext:
         """The context of a request for model `name` (the default when None); `ModelUnavailable`
         (404) for a model this router does not offer."""
-        return ModelContext(self, self.models.resolve(name) if self.models is not None else self.settings.model_dir.name)
+        resolved = self.models.resolve(name) if self.models is not None else self.settings.model_dir.name
+        return ModelContext(self, resolved)
 
     def model_names(self) -> list[str]:
         return list(self.models.models) if self.models is not None else [self.settings.model_dir.name]

@@ -40,7 +40,8 @@ class DisconnectGuard:
                 pass
             gone.set()
             if not state["started"] and not state["done"]:
-                logger.info("client left %s %s before the answer; cancelling it", scope.get("method"), scope.get("path"))
+                logger.info("client left %s %s before the answer; cancelling it", scope.get("method"),
+                            scope.get("path"))
                 app_task.cancel()
 
         async def guarded_receive():

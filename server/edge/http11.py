@@ -1,29 +1,13 @@
 """The public socket's HTTP/1.1 protocol: head limits, read timeouts, JSON for parser errors.
 
-uvicorn's httptools protocol with what the ASGI app cannot do itself, because it happens
-before (or instead of) a request reaching the app:
-- **Head limits.** The parser buffers a header value whole before handing it over, so the
-  size is counted per received chunk while the head is incomplete: a head (request line and
-  headers) over `max_header_bytes`, or more than `max_headers` headers, is answered 431 and
-  the connection closed, holding at most the limit plus one chunk. A request target longer
-  than `max_url_bytes` is answered 414.
-- **Read timeouts.** The head must arrive within `header_timeout_s` of its first byte (or
-  of the connection opening), else 408 and close (slow-header clients); a body must keep
-  coming: `body_timeout_s` without a byte while the app waits for one (a chunked body with
-  no end, a `Content-Length` larger than what is sent) ends the request with 408 and
-  closes the connection; the app sees the client gone.
-- **Write timeout.** A client that stops reading its answer fills the socket, and then the
-  transport's buffer past its high-water mark (uvicorn pauses the response); if it stays
-  paused for `write_timeout_s` (the client read nothing for that long), the connection is
-  aborted (its buffered bytes dropped, nothing is held for it), `on_write_timeout` counts it,
-  and the app sees the client gone: a stream is cancelled and its worker request aborted,
-  freeing the admission slot and the router's buffers for that response.
-- **Malformed HTTP** (a bad `Content-Length`, both `Content-Length` and
-  `Transfer-Encoding`, an invalid method or header) gets a JSON 400 naming the parser's
-  reason, in the same `{"error", "error_type"}` shape as every other error, then close.
-Trade-off: this subclasses uvicorn's httptools protocol (pinned with uvicorn), which is less
-stable an interface than ASGI, but nothing at the ASGI level can refuse a head that is still
-arriving.
+uvicorn's httptools protocol with what the ASGI app cannot do itself, because it happens before
+(or instead of) a request reaching the app: head and target limits (431, 414), read timeouts
+for the head and inside a body (408), a write timeout for a client that stops reading (the
+connection aborted and the app sees the client gone), and malformed HTTP answered as a JSON 400
+naming the parser's reason, in the same `{"error", "error_type"}` shape as every other error;
+the limits and flags: docs/serving.md and docs/hardening.md. Trade-off: this subclasses
+uvicorn's httptools protocol (pinned with uvicorn), which is less stable an interface than ASGI,
+but nothing at the ASGI level can refuse a head that is still arriving.
 """
 
 from __future__ import annotations
@@ -59,7 +43,8 @@ class EdgeLimits:
     on_write_timeout: Callable[[], None] | None = field(default=None, compare=False)  # counts each one
 
     @classmethod
-    def from_settings(cls, settings: RouterSettings, on_write_timeout: Callable[[], None] | None = None) -> EdgeLimits:
+    def from_settings(cls, settings: RouterSettings,
+                      on_write_timeout: Callable[[], None] | None = None) -> EdgeLimits:
         return cls(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
                    write_timeout_s=settings.budgets.write_timeout_s,
                    on_write_timeout=on_write_timeout)
@@ -79,6 +64,22 @@ def edge_protocol(limits: EdgeLimits) -> type[HttpToolsProtocol]:
 
 
 class EdgeHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol under `limits`:
+
+    - head limits: the parser buffers a header value whole before handing it over, so the size
+      is counted per received chunk while the head is incomplete: a head over
+      `max_header_bytes`, or more than `max_headers` headers, is answered 431 and the connection
+      closed, holding at most the limit plus one chunk; a target over `max_url_bytes`, 414;
+    - read timeouts: the head must arrive within `header_timeout_s` of its first byte (or of the
+      connection opening), else 408 and close; a body must keep coming: `body_timeout_s` without
+      a byte while the app waits for one ends the request with 408 and closes the connection;
+    - write timeout: a client that stops reading fills the socket, then the transport's buffer
+      past its high-water mark (uvicorn pauses the response); paused for `write_timeout_s`, the
+      connection is aborted (its buffered bytes dropped), `on_write_timeout` counts it, and the
+      app sees the client gone: a stream is cancelled and its worker request aborted, freeing
+      the admission slot and the router's buffers for that response;
+    - malformed HTTP: a JSON 400 naming the parser's reason, then close."""
+
     limits = EdgeLimits()
 
     def __init__(self, *args, **kwargs):

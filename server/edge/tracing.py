@@ -28,12 +28,13 @@ class TracingMiddleware:
         if scope["type"] != "http" or scope.get("method") not in TRACED_METHODS:
             await self.app(scope, receive, send)
             return
-        from opentelemetry.trace import Status, StatusCode
+        from opentelemetry.trace import Status, StatusCode  # deferred: imported only when tracing is on
 
         method, path = scope["method"], scope.get("path", "")
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())
                    if k in (b"traceparent", b"tracestate")}
-        span = self.tracing.start_span(f"{method} {path if path in GENERATION_ROUTES else 'other'}", headers=headers, attributes={
+        name = f"{method} {path if path in GENERATION_ROUTES else 'other'}"
+        span = self.tracing.start_span(name, headers=headers, attributes={
             "http.request.method": method, "url.path": path, "hetserve.retries": 0})
         status = [0]
 

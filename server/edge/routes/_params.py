@@ -1,7 +1,8 @@
 """Request fields hetserve does not implement: a 400 naming them, or a `Warning` header.
 
-Every route's request model keeps the fields it does not declare (`EdgeRequest`,
-server/protocol/base.py); `check_fields` looks at them before anything is sent to a worker.
+The request model of every route but TGI's (OpenAI, Responses, Messages, embeddings, the tokenizer
+routes) keeps the fields it does not declare (`EdgeRequest`, server/protocol/base.py);
+`check_fields` looks at them before anything is sent to a worker.
 By default they are refused (400, the field names in backticks), since a client that asked
 for something and got an answer without it is misled; `--lenient-params` turns that into
 `Warning: 299 hetserve "..."` on the answer (and a log line), for clients that cannot be

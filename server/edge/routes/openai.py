@@ -1,23 +1,16 @@
 """OpenAI-compatible routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`.
 
-So the `openai` client works unchanged (`base_url="http://127.0.0.1:8000/v1"`). Each
-choice is one worker `/generate` call (choices of one request may run on different
-workers, concurrently); `n` > 1 with a `seed` gives choice k the seed `seed + k`, so choices
-differ yet stay reproducible. Streams open one worker stream per choice and interleave their
-deltas, each chunk carrying its choice's `index`, then `data: [DONE]`; a choice whose worker is
-lost mid-way moves to another worker (server/dispatch/migration.py) and its finishing chunk carries
-`migrations`. Chat prompts are
-rendered with the model's chat template (with `tools` when given, the request's
-`chat_template_kwargs` and `reasoning_effort`); a reasoning model's thinking comes back as
-`reasoning_content` (`server/protocol/reasoning.py`, gpt-oss's harmony in
-`server/protocol/harmony.py`, `--reasoning-parser`); `response_format` and a
-forced `tool_choice` become the worker's grammar (`server/protocol/openai/tools.py`). Completions take text
-or token-id prompts; `echo` with `logprobs` scores the prompt, and `max_tokens` = 0 scores it
-without generating (answered whole, also when streamed). The `model` field picks the model
-(server/fleet/models.py; absent: the default; an unknown one is a 404 `model_not_found` listing
-those served, except that a router of one model answers whatever it is called), and only its
-workers take the request; `/v1/models` lists every model with its context length, architecture,
-quantization and placement (server/edge/routes/models.py).
+So the `openai` client works unchanged (`base_url="http://127.0.0.1:8000/v1"`). Design: each
+choice is one worker `/generate` call, so choices of one request may run on different workers
+concurrently (`n` > 1 with a `seed` gives choice k the seed `seed + k`: they differ yet stay
+reproducible), and a stream opens one worker stream per choice and interleaves their deltas,
+each chunk carrying its choice's `index`, then `data: [DONE]`; a choice whose worker is lost
+mid-way moves (server/dispatch/migration.py). Chat prompts go through the shared chat pipeline
+(server/edge/routes/_chat.py: template, tools, grammar, reasoning); `max_tokens` = 0 with `echo`
+scores the prompt without generating (answered whole, also when streamed). The `model` field
+picks the model (server/fleet/models.py). Trade-off: `n` choices are `n` worker requests, each
+prefilling the prompt unless its worker's prefix cache holds it, in exchange for choices that
+spread over the workers and fail or move one by one.
 """
 
 from __future__ import annotations
@@ -195,7 +188,8 @@ async def _stream(ctx: RouterContext, c: Constraints, request: Request, bodies: 
             await close_shielded(s)
         if isinstance(problem, BaseException):
             raise problem
-        return _failed(request.url.path, [problem]) or Response(problem.content, problem.status, headers=problem.headers)
+        return (_failed(request.url.path, [problem])
+                or Response(problem.content, problem.status, headers=problem.headers))
     choices = [ChoiceStream(spec, chat) for spec in specs]
     return RelayResponse(_relay(streams, choices, prompt_of, ctx, chat, usage), streams)
 

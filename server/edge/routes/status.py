@@ -1,16 +1,15 @@
 """The status page (`GET /` for a browser, `GET /status`) and its live data (`GET /stats`).
 
 The page is one self-contained file (`server/edge/static/status.html`: inline style and script,
-no font, CDN or framework), so it works on an air-gapped host, and its shell holds no data:
-it is served without the API key, then fetches `/workers` (every second) and `/stats`
-(every two seconds) with the key as a Bearer token, asking for the key once and keeping it
-in the browser's session storage. A Content-Security-Policy allows exactly the page's own
-inline style and script (by hash) and requests to this origin.
-
-`GET /` answers the page to a client that accepts HTML (browsers, `curl`'s `*/*`) and 406
-otherwise; TGI's `POST /` is unchanged. `/stats` is the page's JSON: `/health`'s verdict,
-the default model and every model's state (the page groups the workers by model), and per
-worker the recent tokens/s, KV cache usage and load (`WorkerStats`).
+no font, CDN or framework), so it works on an air-gapped host, and its shell holds no data: it
+is served without the API key, then fetches `/workers` (every second) and `/stats` (every two
+seconds) with the key as a Bearer token, asking for it once and keeping it in the browser's
+session storage; a Content-Security-Policy allows exactly the page's own inline style and script
+(by hash) and requests to this origin. `GET /` answers the page to a client that accepts HTML
+(browsers, `curl`'s `*/*`) and 406 otherwise; TGI's `POST /` is unchanged. `/stats` is the
+page's JSON: `/health`'s verdict, every model's state, and per worker the recent tokens/s, KV
+cache usage and load (`WorkerStats`). Trade-off: the page polls rather than being pushed to,
+so it is a second or two behind, and it needs no connection held open per viewer.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """`GET /workers` and `GET /workers/{id}`: each worker's state, device, fp8, kernels and load.
 
-Each entry ends with `routing`: the worker's measured speed (prefill and decode tokens per
-engine-second; null where not measured yet), the tokens the router has in flight there, the prompt prefix chunks it
-remembers for it and its routing decisions by reason (server/routing/).
-`{id}` is the worker id (`gpu1`); the device index (`1`) and the device UUID are accepted
-too. States: starting, ready, unhealthy, restarting, failed, stopping (its model unloads;
-`reason` says why). Each worker's `model.name` is the model it serves; `/workers` also lists
-`models`: each one's state (loaded, loading, unloading, unloaded, failed), workers, loads and
-unloads, so loading on demand shows there as it happens. Each worker's `placement` says why its
-device serves its model (`role`: pinned, first, replica; `reason` with the bytes it needs there
-of those usable); the top-level `placement` lists every device, the free ones with why they are
-free (no model fits, left for loading on demand, freed by an unload).
+`{id}` is the worker id (`gpu1`); the device index (`1`) and the device UUID are accepted too.
+Each entry is what the worker reported about itself (`WorkerHandle.snapshot`) plus `placement`
+(why its device serves its model) and `routing` (measured speed, tokens in flight, prefix chunks,
+decisions by reason); `/workers` also lists every model's state and every device's placement,
+free ones too (the fields: docs/serving.md). Design: one read of the router's own state, no call
+to a worker, so it answers at once even while a worker hangs; the trade-off is that what it
+shows is as fresh as the last probe and `/metrics` sample.
 """
 
 from __future__ import annotations
@@ -35,7 +31,8 @@ def _entry(ctx: RouterContext, h: WorkerHandle) -> dict:
 
 
 def model_entries(ctx: RouterContext) -> list[dict]:
-    """`models`: each model's state, its workers, its loads and unloads, its size (server/fleet/models.py)."""
+    """`models`: each model's state, its workers, its loads and unloads, its size (server/fleet/models.py);
+    loading on demand shows there as it happens."""
     return [] if ctx.models is None else [ctx.models.describe(name) for name in ctx.model_names()]
 
 
