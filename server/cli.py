@@ -86,8 +86,9 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS} on a GPU, {CPU_MAX_NUM_BATCHED_TOKENS} where the "
                         "step computes on the CPU: a CPU or simulated device)")
     g.add_argument("--kv-cache-bytes", type=int, default=None, metavar="N",
-                   help=f"KV cache budget of each worker in bytes (default: {round(GPU_FREE_FRACTION * 100)}%% of a GPU's "
-                        "free memory after loading; on a CPU or simulated device what --max-batch sequences of "
+                   help="KV cache budget of each worker in bytes "
+                        f"(default: {round(GPU_FREE_FRACTION * 100)}%% of a GPU's free memory after loading; "
+                        "on a CPU or simulated device what --max-batch sequences of "
                         f"the full context need, at most {CPU_KV_MAX_DEFAULT_BYTES >> 20} MiB; with "
                         "--gpu-memory-utilization, a cap on its budget)")
     add_memory_flags(g)

@@ -191,7 +191,8 @@ def _image_lines(image: str, gpu: bool) -> list[str]:
     else:
         lines += [
             f"  docker build -f deploy/Dockerfile -t {image} --build-arg BASE_IMAGE=ubuntu:24.04 \\",
-            "      --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu --build-arg TRITON_LAUNCHER_DEPS= .",
+            "      --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \\",
+            "      --build-arg TRITON_LAUNCHER_DEPS= .",
         ]
     lines.append(f"or pull it from the registry it was pushed to: `docker pull {image}` (`--image` names another).")
     return lines

@@ -87,8 +87,9 @@ def render_preflight(entry: dict) -> list[str]:
     limits = pf.get("limits")
     head = f"  preflight {pf['target'] or 'cpu'}: {'ok' if pf['ok'] else 'REFUSED'}"
     if limits:
-        head += (f"; limits {limits['shared_bytes']} B shared/block, {limits['registers_per_thread']} registers/thread, "
-                 f"{limits['registers_per_block']}/block, warp {limits['warp_size']}")  # fmt: skip
+        head += (f"; limits {limits['shared_bytes']} B shared/block, "
+                 f"{limits['registers_per_thread']} registers/thread, "
+                 f"{limits['registers_per_block']}/block, warp {limits['warp_size']}")
     lines = [head, f"  triton cache {pf.get('triton_cache')}"]
     native = entry["fp8"].get("native_compile")
     if native is not None:

@@ -95,7 +95,8 @@ class RouterSettings:
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     header_timeout_s: float = HEADER_TIMEOUT_S  # a request head must arrive within this (408)
     body_timeout_s: float = BODY_TIMEOUT_S  # longest pause inside a request body (408)
-    budgets: RequestBudgets = field(default_factory=RequestBudgets)  # write timeout, grammar compiles (server/config/budgets.py)
+    # write timeout, grammar compiles (server/config/budgets.py)
+    budgets: RequestBudgets = field(default_factory=RequestBudgets)
     retry_after_s: int = 1  # `Retry-After` on 429 and 503
     ready_wait_s: float = 30.0  # how long a request waits for a ready worker (none ready yet)
     drain_timeout_s: float = DRAIN_TIMEOUT_S  # in-flight requests get this long after SIGTERM
