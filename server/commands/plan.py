@@ -1,26 +1,14 @@
 """`hetserve plan`: which model each device serves, then per device the fp8 convention and the
 kernel each layer of that model gets, with reasons, without loading weights.
 
-Design: the plan runs the workers' own decision functions (`kernels_local.mapping.select`
-and the fp8 rule `workers.contract.fp8_rule`, both pure) on the router's inventory (NVML,
-or `--simulate`), so it shows what each worker will choose, not a copy of the rules. Field
-names match `/workers`: `device{type, index, uuid, name, capability, simulated,
-memory_total_bytes}`, `fp8{convention, reason}`, `kernels{<layer>: {repo, layer, variant,
-reason}}`. The trade-off: `select` reads the mapping through the `kernels` library, which
-imports torch, so this one-shot command pays that import (the serving router never imports
-this module). With `--compile`, each device's preflight (`server.commands.plan_compile`) adds the
-compile record of every kernel under `kernels.<layer>.compiled` and, where fp8 is emulated,
-the native fp8 kernel's verdict under `fp8.native_compile`. With `--model DIR`, the model's
-architecture and, per device, which attention each of its layer types gets and why
-(`server.commands.plan_model`), and the kernel layers it does not run marked `unused`, with why
-(`server.commands.plan_kernels`). Every `--model` (`NAME=DIR`, repeatable) is also placed, as
-`serve` places it (server/fleet/placement.py, with `--place`, `--dtype`, `--quantize`):
-`placement` names per device the model it serves, the bytes it takes there and why; with
-several models each device's attention plan is that of its own model.
-The text reads top-down: the placement, one line per device, then each device's section with
-only the kernels its model runs (every kernel without `--model`; none on a device that serves
-nothing), the others named in one line; `--all-kernels` lists them all, as `--json` always does.
-"""
+Design: the plan runs the workers' own pure decision functions (`kernels_local.mapping.select`,
+the fp8 rule `workers.contract.fp8_rule`) and the fleet's placement on the router's inventory
+(NVML or `--simulate`), so it shows what each worker will choose, not a copy of the rules. Field
+names match `/workers`. It reads top-down: the placement, one line per device, then per device
+only the kernels its model runs (`--all-kernels` and `--json` list them all); `--model` adds the
+attention plan (`plan_model`), `--compile` each device's preflight (`plan_compile`).
+Trade-off: `select` reads the mapping through the `kernels` library, which imports torch, so this
+one-shot command pays that import (the serving router never imports this module)."""
 
 from __future__ import annotations
 

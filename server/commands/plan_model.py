@@ -1,23 +1,12 @@
 """`hetserve plan --model DIR`: per device, which attention each layer type of the model gets, and why.
 
 Design: the model's side comes from the workers' own reading of its config.json
-(`python -m workers.model.describe DIR`, one child: the router holds no torch), the device's
-side from its plan (the `PagedAttention` kernel it selects); this module only joins them.
-Per layer type (full attention; sliding over `W` positions):
-- decode: the device's paged-decode kernel, told the layer's window, soft-cap and scale
-  (a GPU reads only the window's blocks; the CPU's torch path gathers only them);
-- prefill: torch SDPA, causal, with the window's mask on a sliding layer; explicit score
-  matrices where the family soft-caps scores (SDPA has no soft-cap);
-- KV cache: a full layer keeps every block of a sequence, a sliding layer frees the blocks
-  behind its window (workers/kv/groups.py); a layer reading an earlier layer's KV (Gemma 4)
-  keeps none of its own.
-Each layer type shows its head dim and KV heads (Gemma 4's global layers have their own).
-Kernel layers the model does not contain are marked `unused`, with why (Gemma's `(1 + w)`
-norm is its own, not the kernel-swappable RMSNorm; `server.commands.plan_kernels`). With
-several models (`attach_models`), they are placed as `serve` places them and each device's plan
-is that of the model it serves.
-Trade-off: a child process per model described.
-"""
+(`python -m workers.model.describe DIR`, one child: the router holds no torch), the device's side
+from its plan (the `PagedAttention` kernel it selects); this module only joins them, per layer type
+(full or sliding attention): the decode kernel, the prefill path, and which KV blocks the layer
+keeps. Kernel layers the model does not contain are marked `unused`, with why (`plan_kernels`).
+With several models, each device's plan is that of the model placed on it.
+Trade-off: a child process per model described."""
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
-"""How long a sequence may be and how much of each device its worker may take.
+"""How long a sequence may be and how much of each device its worker may take: `--max-model-len`
+and `--gpu-memory-utilization` (as vLLM's flags; docs/serving.md).
 
-`--max-model-len N` caps the context every worker serves (prompt plus output); it is checked
-here against each offered checkpoint's own context length (config.json's
-`max_position_embeddings`, as `workers/contract/model_size.py` reads it), so a value larger
-than what a model was trained for is one named error before any worker starts, not a worker
-that fails at load. Workers then cap their context at it and size their KV cache for it.
-
-`--gpu-memory-utilization F` (0 < F <= 1, as vLLM's flag) is a fraction of each device's *own*
-memory for weights and KV cache together: each worker's KV budget is F x its device's memory
-less what is already taken (workers/kv/sizing.py `kv_budget`), so an 80 GB card and a 16 GB
-card of one host each get their share, which one absolute `--kv-cache-bytes` cannot give. A
-simulated device uses its simulated memory size (`--simulate sm_80:16GiB`). Placement offers
-each model the same share of each device (server/fleet/placement.py; 0.9 without the flag).
-"""
+Design: `--max-model-len` is checked here against each offered checkpoint's own context length
+(`workers/contract/model_size.py`), so a value larger than a model was trained for is one named
+error before any worker starts, not a worker that fails at load. `--gpu-memory-utilization` is a
+fraction of each device's *own* memory (workers/kv/sizing.py `kv_budget`), so an 80 GB card and a
+16 GB card of one host each get their share. Trade-off: one fraction for every device, not a
+budget per device; `--kv-cache-bytes` caps it where a user wants bytes."""
 
 from __future__ import annotations
 

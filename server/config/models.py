@@ -1,24 +1,12 @@
-"""Which models one `hetserve serve` offers, where they are pinned, and which are loaded on demand.
-
-`--model NAME=DIR` (repeatable) names a model; a bare `--model DIR` takes the directory's name;
-`--models-dir DIR` offers every model directory below it (a subdirectory with a config.json,
-named by its directory, after the `--model` ones). Without any, the embedded model is served.
-The first model is the default: TGI routes without `X-Hetserve-Model` and OpenAI requests
-without `model` reach it. `--place NAME=gpu0,gpu2` pins a model's replicas to devices (a
-worker id, an index or a UUID; the placement checks them against the devices,
-server/fleet/placement.py); `--max-loaded-models N` (and `--models-dir`) load models on demand
-and unload the least recently used; `--pin-model NAME` keeps one always loaded.
-`--served-model-name NAME` names the one model given as a bare `--model DIR` (or the embedded
-model without `--model`): the id in `/v1/models`, in responses' `model` and in metrics labels,
-as vLLM's flag of that name; several bare `--model` values, only named ones, or `--models-dir`
-alone leave no single model it could name and are refused.
+"""Which models one `hetserve serve` offers, where they are pinned, and which are loaded on demand:
+`--model [NAME=]DIR`, `--models-dir`, `--place`, `--max-loaded-models`, `--pin-model`,
+`--served-model-name` (docs/serving.md says what each does).
 
 Design: validated once into a frozen `ModelsConfig`, every error naming the bad value and what
-is accepted, so the fleet and the edge read plain values. A name is what clients send as the
-OpenAI `model` and what URLs carry (`/models/{name}/load`): letters, digits and `._:-`.
+is accepted, so the fleet and the edge read plain values. The first model is the default. A name
+is what clients send as the OpenAI `model` and what URLs carry: letters, digits and `._:-`.
 Trade-off: `NAME=DIR` is told from a bare `DIR` by an `=` with no `/` before it, unless the
-whole value is an existing path: a directory whose name holds `=` is found as it is.
-"""
+whole value is an existing path: a directory whose name holds `=` is found as it is."""
 
 from __future__ import annotations
 

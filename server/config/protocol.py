@@ -1,20 +1,11 @@
-"""The public protocols' knobs: `--tool-call-parser`, `--task`, `--lenient-params`.
+"""The public protocols' knobs: `--tool-call-parser` (vLLM's names; `auto` reads the chat template),
+`--task auto|generate|embed` (whether `/v1/embeddings` is served) and `--lenient-params`
+(docs/clients.md says what each does).
 
-- `--tool-call-parser auto|hermes|llama3_json|mistral|pythonic|openai|none` (vLLM's names): how a
-  model's own tool-call text becomes tool calls (server/protocol/tool_parsers/). `auto` (default)
-  reads the chat template: `<tool_call>` -> hermes, `[TOOL_CALLS]` -> mistral, `<|python_tag|>`
-  or Llama 3's `"parameters"` -> llama3_json, a `[func_name(` example -> pythonic, harmony's
-  `<|channel|>` or the gpt_oss family -> openai; anything else gets the generic reader (hermes
-  blocks, `[TOOL_CALLS]`, or a bare JSON call). `none` returns the model's text as content.
-- `--task auto|generate|embed`: whether `/v1/embeddings` is served. `auto` (default) and
-  `embed` serve it beside generation, pooled as the checkpoint's sentence-transformers config
-  says (else the last token, normalised: server/protocol/openai/embeddings.py); `generate`
-  refuses it by name. (Generation is not refused under `embed`: an embedding checkpoint's
-  head, where it has one, still samples.)
-- `--lenient-params`: a request field hetserve does not implement is answered with a
-  `Warning` header naming it instead of a 400, for clients that cannot be told to stop sending
-  it. Off by default: a silently ignored field misleads the client.
-"""
+Design: one frozen value validated at start, each error naming the bad value and the accepted
+ones. Trade-off: `--lenient-params` is off by default: a request field hetserve does not implement
+is a 400 naming it, since a silently ignored field misleads the client; with it, a `Warning`
+header names the field instead, for clients that cannot be told to stop sending it."""
 
 from __future__ import annotations
 
