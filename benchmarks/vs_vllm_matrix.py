@@ -199,7 +199,7 @@ def verdict_lines(cells: list[Cell]) -> list[str]:
                           ("TTFT", "median TTFT <= vLLM's")):
         missed = [f"{c.name} ({misses(c)[target]})" for c in cells if target in misses(c)]
         lines.append(f"{wants}: " + (f"missed in {len(missed)} of {len(cells)} cells: {'; '.join(missed)}"
-                                     if missed else f"met in all {len(cells)} cells"))
+                                     if missed else f"met in every cell ({len(cells)})"))
     unequal = [c.name for c in cells if not equal_tokens(c)]
     if unequal:
         lines.append(f"token counts differ from prompts x new tokens in: {'; '.join(unequal)}")

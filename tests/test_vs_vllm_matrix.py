@@ -62,8 +62,8 @@ def test_cell_verdicts_from_summaries():
     assert lines[1] == "median TTFT <= vLLM's: missed in 1 of 3 cells: qwen3-100m 128/64 c32 (10.2 vs 10.0 ms)"
     assert len(lines) == 2  # every token count equal
     short = matrix.cell("embedded", shape, 1, [_summary(500, 1.0, tokens=1000)], [_summary(400, 2.0)])
-    assert matrix.verdict_lines([short]) == ["output tokens/s >= 1.0x vLLM's: met in all 1 cells",
-                                             "median TTFT <= vLLM's: met in all 1 cells",
+    assert matrix.verdict_lines([short]) == ["output tokens/s >= 1.0x vLLM's: met in every cell (1)",
+                                             "median TTFT <= vLLM's: met in every cell (1)",
                                              "token counts differ from prompts x new tokens in: embedded 128/64 c1"]
 
 
