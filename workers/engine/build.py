@@ -15,11 +15,14 @@ one object's state, so a step's inputs are spelled at each call.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kernels_local.cpp_build import CppKernel
 from kernels_local.paged_attention import cpu as cpu_decode
+from kernels_local.panel_linear import cpu as cpu_gemm
 from workers.contract import WorkerConfig
 from workers.device.bind import BoundDevice
 from workers.engine.compiled import (
@@ -37,7 +40,7 @@ from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
-from workers.model.cpu_projections import install_cpu_projections
+from workers.model.cpu_projections import PACKED_DTYPES, install_cpu_projections
 from workers.model.deterministic import DeterministicPlan, enable_deterministic
 from workers.model.loader import LoadedModel
 from workers.sampling.grammar import CompileBudget, Grammars
@@ -66,6 +69,8 @@ def install_cpu_paths(loaded: LoadedModel, bound: BoundDevice, deterministic: bo
     them: workers/model/cpu_projections.py says why that stays exact), its C++ kernels built and
     loaded now rather than inside the first request (kernels_local/cpp_build.py `CppKernel`), and
     whether its decode rows read the KV pool in place (kernels_local/paged_attention/cpu.py)."""
+    if bound.torch_device.split(":")[0] == "cpu":
+        build_cpu_kernels(loaded.dtype, deterministic)
     done = install_cpu_projections(loaded.model, bound.torch_device, loaded.dtype, experts=not deterministic)
     if done.layers:
         logger.info("CPU %s projections (%d layers): %s", loaded.dtype, done.layers, done.reason)
@@ -79,6 +84,19 @@ def install_cpu_paths(loaded: LoadedModel, bound: BoundDevice, deterministic: bo
     state = cpu_decode.load()
     logger.info("decode attention on the CPU: %s", state.reason)
     return CpuPaths(plan, kernels, state.available, state.reason)
+
+
+def build_cpu_kernels(dtype, deterministic: bool) -> None:
+    """Build (or load) the C++ kernels a CPU worker loads at start side by side, one per core: each
+    build is a compiler child, so a cold host pays about its longest build rather than their sum.
+    The callers' own `load()` then finds each state made (kernels_local/cpp_build.py)."""
+    loaders = [kernel.load for kernel in list(CppKernel.made)]
+    if dtype in PACKED_DTYPES:
+        loaders.append(cpu_gemm.load)
+    if not deterministic:
+        loaders.append(cpu_decode.load)
+    with ThreadPoolExecutor(max(1, min(len(loaders), os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda load: load(), loaders))
 
 
 def decide_compile(config: WorkerConfig, bound: BoundDevice, cpu: CpuPaths, model, pipeline: bool) -> CompileDecision:
