@@ -4,6 +4,7 @@ seeded determinism across batch mates and backpressure — with a fake model."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -225,6 +226,10 @@ def test_a_long_prompt_reaching_an_idle_engine_is_prefilled_on_the_engine_thread
         long = engine.submit(prompt(" ".join(["word"] * 4 * INLINE_MAX_TOKENS))[: INLINE_MAX_TOKENS + 1],
                              SamplingParams.create(max_new_tokens=1), loop)
         first = [e async for e in long]
+        # the long one's last event can arrive while the engine thread still ends its step: wait until idle
+        deadline = time.monotonic() + 5
+        while (engine._step_lock.locked() or engine.scheduler.has_unfinished()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         short = engine.submit(prompt()[:INLINE_MAX_TOKENS], SamplingParams.create(max_new_tokens=1), loop)
         return first, [e async for e in short]
 
