@@ -212,6 +212,14 @@ def test_an_idle_engine_runs_the_first_step_on_the_submitting_thread():
     assert any(rid == "req-3" for step in runner.steps[2:] for rid, *_ in step)
 
 
+def _engine_idle(engine) -> bool:
+    """No thread holds the engine's step lock and nothing is left to step."""
+    if not engine._step_lock.acquire(blocking=False):
+        return False
+    engine._step_lock.release()
+    return not engine.scheduler.has_unfinished()
+
+
 def test_a_long_prompt_reaching_an_idle_engine_is_prefilled_on_the_engine_thread():
     """Guards `seq.num_tokens > INLINE_MAX_TOKENS` in `Engine._first_step_here`: a prompt longer than
     that is not stepped on the caller's thread (its prefill would hold the caller's event loop,
@@ -228,7 +236,7 @@ def test_a_long_prompt_reaching_an_idle_engine_is_prefilled_on_the_engine_thread
         first = [e async for e in long]
         # the long one's last event can arrive while the engine thread still ends its step: wait until idle
         deadline = time.monotonic() + 5
-        while (engine._step_lock.locked() or engine.scheduler.has_unfinished()) and time.monotonic() < deadline:
+        while not _engine_idle(engine) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         short = engine.submit(prompt()[:INLINE_MAX_TOKENS], SamplingParams.create(max_new_tokens=1), loop)
         return first, [e async for e in short]
