@@ -13,10 +13,14 @@ them, nor of the worker. The trade-off: a compiler at first use, which Inductor 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,17 +59,76 @@ def build(stem: str, source: Path, flags: list[str], ops: str | None = None):
     """(module, None) once `source` is built and imported, or (None, why not). `ops`: the source
     registers operators in that `torch.ops` namespace (`TORCH_LIBRARY_FRAGMENT` over ATen's lighter
     headers: a much shorter build than a pybind11 module's `torch/extension.h`; `CppKernel`'s
-    default), and the namespace is returned in place of a module."""
+    default), and the namespace is returned in place of a module.
+
+    A build survives its builder being killed at any instant: builders of one extension take an
+    `flock` on `BUILD_LOCK` in its build directory, which the kernel releases when the holder dies,
+    and under it clear torch's own lock file (`lock`, which a killed builder leaves behind and which
+    would make every later build wait forever). An extension that was built but does not load (a
+    link cut short) is built once more from an empty directory."""
     try:
         import torch
         from torch.utils import cpp_extension
 
         digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-        module = cpp_extension.load(f"{stem}_{digest}", [str(source)], extra_cflags=flags, verbose=False,
-                                    is_python_module=ops is None)
+        name = f"{stem}_{digest}"
+        directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _held(directory / BUILD_LOCK):
+            _clear_stale(directory)
+            try:
+                module = _load(cpp_extension, name, source, flags, ops)
+            except (ImportError, OSError) as e:  # built, but the library does not load: build it again
+                logger.info("C++ kernel %s did not load (%s); building it again", name, e)
+                _empty(directory)
+                module = _load(cpp_extension, name, source, flags, ops)
         return (module if ops is None else getattr(torch.ops, ops)), None
     except Exception as e:  # no compiler, a failed build
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
+
+
+BUILD_LOCK = "hetserve.flock"  # beside torch's `lock`; held with flock while building or loading
+TORCH_LOCK = "lock"  # torch.utils.file_baton.FileBaton's file in the build directory
+
+
+def _load(cpp_extension, name: str, source: Path, flags: list[str], ops: str | None):
+    started = time.monotonic()
+    module = cpp_extension.load(name, [str(source)], extra_cflags=flags, verbose=False, is_python_module=ops is None)
+    if time.monotonic() - started > 5:  # a build, not a load: once per host and source
+        logger.info("built C++ kernel %s in %.0f s (once per host; later starts load it)", name,
+                    time.monotonic() - started)
+    return module
+
+
+@contextlib.contextmanager
+def _held(path: Path):
+    """An exclusive `flock` on `path` for the block; the kernel drops it if this process dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _clear_stale(directory: Path) -> None:
+    """Remove torch's lock file: under `BUILD_LOCK` no live builder holds it, so a builder that was
+    killed left it."""
+    stale = directory / TORCH_LOCK
+    if stale.exists():
+        logger.info("clearing %s, left by a build that was killed; building again", stale)
+        stale.unlink(missing_ok=True)
+
+
+def _empty(directory: Path) -> None:
+    """Everything in the build directory but `BUILD_LOCK` (the outputs of a build cut short)."""
+    for entry in directory.iterdir():
+        if entry.name == BUILD_LOCK:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 OPS = "hetserve_cpu"  # the torch.ops namespace of the CPU kernels `CppKernel` builds

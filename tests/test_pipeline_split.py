@@ -258,3 +258,15 @@ def test_the_last_stage_hands_back_logits_that_make_one_workers_fp32_exactly(tmp
     got = last.model.step(ForwardBatch.build(items, 4), pools[2], hidden)
     assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
     assert torch.equal(got.float(), want)
+
+
+def test_pipeline_auto_tries_one_more_device_when_the_split_needs_it(tmp_path):
+    """Guards the loop over `auto_device_sets` in `place`: a tied-embedding model whose one-device
+    need two devices cover in sum, but whose split does not fit two (the head again on the last
+    stage, each stage's KV floor), is placed over three, and the reason says what was tried."""
+    path = make_checkpoint(tmp_path / "tied", num_hidden_layers=8, tie_word_embeddings=True, vocab_size=2048)
+    devices = parse_topology("sm_80:619KiB,sm_86:619KiB,sm_89:619KiB")
+    placement = place([ModelAsk("tied", read_profile(path))], devices)
+    assert [s.role for s in placement.slots] == [FIRST, STAGE, STAGE]
+    (group,) = placement.pipelines
+    assert "tried first 2 devices" in group.reason and "do not fit these 2 devices" in group.reason

@@ -16,7 +16,7 @@ clock reads per step.
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -176,15 +176,26 @@ def auto_devices(profile: ModelProfile, free: Sequence[DeviceInfo], dtype: str, 
                  fraction: float | None, stages: int | None = None) -> list[DeviceInfo] | None:
     """The devices of a replica: `stages` of them, or the fewest that together hold the model
     (the roomiest first), in device order; None when even all of them do not."""
-    ordered = sorted(free, key=lambda d: -usable_bytes(d, fraction))
     if stages is not None:
+        ordered = sorted(free, key=lambda d: -usable_bytes(d, fraction))
         return sorted(ordered[:stages], key=lambda d: d.index) if len(ordered) >= stages else None
+    return next(auto_device_sets(profile, free, dtype, quantize, fraction), None)
+
+
+def auto_device_sets(profile: ModelProfile, free: Sequence[DeviceInfo], dtype: str, quantize: str,
+                     fraction: float | None) -> Iterator[list[DeviceInfo]]:
+    """`--pipeline auto`'s candidate device sets, fewest first, each in device order: the fewest of
+    the roomiest devices whose memory together covers the model's one-device need, then one more
+    device each time up to all of them. The sum ignores what a split adds (the head again on the
+    last stage, each stage's KV floor), so the placement tries the next set when a split fails."""
+    ordered = sorted(free, key=lambda d: -usable_bytes(d, fraction))
     total = 0
     for k, d in enumerate(ordered, start=1):
         total += usable_bytes(d, fraction)
         if k >= 2 and total >= need_on(profile, d, dtype, quantize).total:
-            return sorted(ordered[:k], key=lambda x: x.index)
-    return None
+            for count in range(k, len(ordered) + 1):
+                yield sorted(ordered[:count], key=lambda x: x.index)
+            return
 
 
 def free_address() -> str:

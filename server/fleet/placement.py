@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from server.errors import UsageError, shown
-from server.fleet.pipelines import PipelineError, PipelineGroup, auto_devices, plan_pipeline
+from server.fleet.pipelines import PipelineError, PipelineGroup, auto_device_sets, auto_devices, plan_pipeline
 from server.fleet.spec import worker_id
 from workers.contract import DeviceInfo, human
 from workers.contract.model_size import ModelProfile, ModelSizeError, Need, need_on, usable_bytes
@@ -232,13 +232,19 @@ def place(models: Sequence[ModelAsk], devices: Sequence[DeviceInfo], dtype: str 
         fitting = [d for d in devices if fits(m, d)]
         split_why = ""
         if not fitting and split.stages is None:  # --pipeline auto: split what no single device holds
-            devs = auto_devices(m.profile, free_now, dtype, quantize, fraction)
-            try:
-                if devs is not None:
-                    pipeline(m, devs, f"fits no single device (needs {human(needs[m.name, devices[0].index].total)})")
-                    continue
-            except (PipelineError, ModelSizeError) as e:
-                split_why = f" ({e})"
+            tried: list[str] = []
+            split_done = False
+            for devs in auto_device_sets(m.profile, free_now, dtype, quantize, fraction):
+                why = f"fits no single device (needs {human(needs[m.name, devices[0].index].total)})"
+                try:
+                    pipeline(m, devs, why + (f"; tried first {'; '.join(tried)}" if tried else ""))
+                    split_done = True
+                    break
+                except (PipelineError, ModelSizeError) as e:  # the split needs more: one more device
+                    tried.append(f"{len(devs)} devices: {e}")
+            if split_done:
+                continue
+            split_why = f" (tried {'; '.join(tried)})" if tried else ""
         if not fitting:
             rooms = "; ".join(f"{_room(d, fraction)}, needs {human(needs[m.name, d.index].total)}"
                               for d in devices) or "no devices"

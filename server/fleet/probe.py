@@ -1,30 +1,36 @@
-"""One health probe of a worker, and its verdict: ok, failing, down or hung.
+"""One health probe of a worker, and its verdict: ok, busy, failing, down or hung.
 
 The supervisor probes every ready worker's `/health` once per interval. A worker is **hung**
-when its probe gets no answer within the probe timeout (a stopped process, a deadlocked
-event loop: the socket accepts, nothing answers), or when it answers but reports work
-pending and no completed engine step for longer than the stall timeout (a stuck kernel, a
-deadlocked engine thread: the HTTP side still runs). A hung worker is replaced at once, since
-waiting cannot help and its requests are stuck. **Down** (nothing listens on the socket) means
-the process is gone or going; **failing** (a non-200 answer, a broken connection) is counted
-and tolerated for a few probes, as a draining or briefly overloaded worker answers so.
-Trade-off: one missed probe is enough to replace a worker, so the timeout must sit well above
-what a healthy worker needs to answer (a few milliseconds); the default is seconds.
+when its probe gets no answer within the probe timeout and the process did not compute meanwhile
+(stopped, or a deadlocked event loop: the socket accepts, nothing answers), or when it answers but
+reports work pending and no completed engine step for longer than the stall timeout (a stuck
+kernel, a deadlocked engine thread). A hung worker is replaced at once. A probe unanswered while
+the process used CPU (its own `/proc/<pid>/stat`) is **busy**: a loaded host, or a first compile
+holding the interpreter; the supervisor tolerates `MAX_BUSY_PROBES` of them in a row. **Down**
+(nothing listens) means the process is gone or going; **failing** (a non-200 answer, a broken
+connection) is counted and tolerated for a few probes. Trade-off: a worker spinning without
+progress is replaced only after the busy probes run out, not at its first slow answer.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 from pydantic import ValidationError
 
 from server.fleet.client import WorkerClient, WorkerDown, WorkerGone
 from workers.contract import EngineLiveness, HealthPayload
 
+BUSY_CPU_SHARE = 0.2  # of one core over an unanswered probe: the worker computes, it is not stopped
+MAX_BUSY_PROBES = 6  # unanswered probes in a row tolerated from a worker that computes
+
 
 class Probe(StrEnum):
     OK = "ok"
+    BUSY = "busy"
     FAILING = "failing"
     DOWN = "down"
     HUNG = "hung"
@@ -62,11 +68,32 @@ def judge(code: int, body: dict, stall_timeout_s: float) -> ProbeVerdict:
     return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine, capacity)
 
 
-async def probe(client: WorkerClient, timeout_s: float, stall_timeout_s: float) -> ProbeVerdict:
-    """Probe the worker's `/health` once (see the module docstring)."""
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user + system, every thread) the process `pid` has used, from `/proc/<pid>/stat`;
+    None where it cannot be read (no such process, no procfs) or the process is stopped."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("T", "t"):  # stopped (SIGSTOP) or traced: not computing whatever its counters say
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def probe(client: WorkerClient, timeout_s: float, stall_timeout_s: float,
+                pid: int | None = None) -> ProbeVerdict:
+    """Probe the worker's `/health` once (see the module docstring); `pid`: the worker's process,
+    whose CPU time tells a busy worker from a stopped one when the probe goes unanswered."""
+    before = cpu_seconds(pid)
     try:
         code, body = await client.health(timeout_s)
     except TimeoutError:
+        after = cpu_seconds(pid)
+        if before is not None and after is not None and after - before >= BUSY_CPU_SHARE * timeout_s:
+            return ProbeVerdict(Probe.BUSY, f"/health did not answer within {timeout_s:g}s while the worker "
+                                            f"computed ({after - before:.1f}s of CPU): busy, not hung")
         return ProbeVerdict(Probe.HUNG, f"/health did not answer within {timeout_s:g}s")
     except WorkerDown as e:
         return ProbeVerdict(Probe.DOWN, f"unreachable: {e!r}")
