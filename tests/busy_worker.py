@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from fastapi import Request
+
 from workers.main import main  # the router puts this checkout on the worker's PYTHONPATH
 from workers.serving.routes import health as health_routes
 
@@ -24,10 +26,10 @@ logger = logging.getLogger("tests.busy_worker")
 def busy_health(probes: int, seconds: float) -> None:
     """The `/health` route computes for `seconds` on the event loop before its first `probes` ready answers."""
     route = next(r for r in health_routes.router.routes if getattr(r, "path", None) == "/health")
-    answer = route.dependant.call
+    answer = route.endpoint  # the app includes this router's routes from their endpoints when it is built
     left = [probes]
 
-    async def slow_health(request):
+    async def slow_health(request: Request):
         if left[0] > 0 and request.app.state.ctx.ready:
             left[0] -= 1
             end = time.process_time() + seconds
@@ -35,7 +37,7 @@ def busy_health(probes: int, seconds: float) -> None:
                 pass
         return await answer(request)
 
-    route.dependant.call = slow_health
+    route.endpoint = slow_health
     logger.warning("TEST-ONLY: the first %d ready /health answers compute %g s first", probes, seconds)
 
 
