@@ -14,8 +14,7 @@ import time
 import pytest
 
 from server.fleet.probe import BUSY_CPU_SHARE, Probe, ProbeVerdict, cpu_seconds, probe
-from tests.busy_worker import __file__ as BUSY_WORKER
-from tests.router_harness import running_router
+from tests.router_harness import ROOT, running_router
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +66,7 @@ def test_a_stopped_process_reads_as_not_computing():
 def router():
     yield from running_router(
         ["--simulate", "sm_90", "--health-timeout", "0.5"],
-        env={"HETSERVE_WORKER_CMD": f"{sys.executable} {BUSY_WORKER}", "BUSY_PROBES": "3",
+        env={"HETSERVE_WORKER_CMD": f"{sys.executable} {ROOT / 'tests/busy_worker.py'}", "BUSY_PROBES": "3",
              "BUSY_SECONDS": "1.5"},
         fake=False, ready_timeout=240)
 

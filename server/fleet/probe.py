@@ -15,6 +15,7 @@ progress is replaced only after the busy probes run out, not at its first slow a
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -100,3 +101,46 @@ async def probe(client: WorkerClient, timeout_s: float, stall_timeout_s: float,
     except WorkerGone as e:
         return ProbeVerdict(Probe.FAILING, f"health check failed: {e!r}")
     return judge(code, body, stall_timeout_s)
+
+
+class Act(StrEnum):
+    """What a probe's verdict calls for, given the ones before it."""
+
+    KEEP = "keep"  # nothing changes
+    RECOVERED = "recovered"  # answered again: back to ready if it was unhealthy
+    UNHEALTHY = "unhealthy"  # failing too often: out of rotation
+    REPLACE = "replace"  # hung, or busy too long: its requests back, then a restart
+    KILL = "kill"  # unhealthy for too long
+
+
+@dataclass
+class Tally:
+    """One worker's run of verdicts: failures in a row, busy probes in a row, and since when it has
+    been unhealthy. `count` turns each verdict into what it calls for, with its reason."""
+
+    unhealthy_after: int  # consecutive failed probes
+    kill_after_s: float  # unhealthy this long: killed
+    failures: int = 0
+    busy: int = 0
+    unhealthy_since: float | None = None
+
+    def count(self, verdict: ProbeVerdict, urgent: bool, ready: bool) -> tuple[Act, str]:
+        """`urgent`: a request saw the worker unreachable; `ready`: it is in rotation now."""
+        why = verdict.why
+        self.busy = self.busy + 1 if verdict.kind == Probe.BUSY else 0
+        if self.busy > MAX_BUSY_PROBES:
+            return Act.REPLACE, f"{why}, {self.busy} probes in a row"
+        if verdict.kind == Probe.HUNG:
+            return Act.REPLACE, why
+        if verdict.kind in (Probe.OK, Probe.BUSY):
+            self.failures, self.unhealthy_since = 0, None
+            return Act.RECOVERED, why
+        if verdict.kind == Probe.DOWN and urgent:
+            self.failures = max(self.failures, self.unhealthy_after - 1)
+        self.failures += 1
+        if self.unhealthy_since is not None and time.monotonic() - self.unhealthy_since > self.kill_after_s:
+            return Act.KILL, why
+        if self.failures >= self.unhealthy_after and ready:
+            self.unhealthy_since = time.monotonic()
+            return Act.UNHEALTHY, why
+        return Act.KEEP, why

@@ -29,7 +29,7 @@ from server.fleet.client import WorkerClient, WorkerGone, WorkerHTTPError
 from server.fleet.exits import ExitHistory, RestartPolicy, decide_exit, describe_failure
 from server.fleet.handle import WorkerHandle, read_status
 from server.fleet.pipelines import with_pipelines
-from server.fleet.probe import MAX_BUSY_PROBES, Probe, probe
+from server.fleet.probe import Act, Probe, Tally, probe
 from server.fleet.process import alive, kill, spawn
 from server.fleet.run_dir import make_run_dir, sweep_stale_run_dirs
 from server.fleet.spec import (
@@ -361,37 +361,26 @@ class Supervisor:
     async def _health_loop(self, handle: WorkerHandle) -> None:
         s, client = self.settings, handle.client
         assert client is not None
-        failures = busy = 0
-        unhealthy_since: float | None = None
+        tally = Tally(s.unhealthy_after_failures, s.unhealthy_kill_after_s)
         while alive(handle):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(handle.check_now.wait(), s.health_interval_s)
             urgent = handle.check_now.is_set()
             handle.check_now.clear()
             verdict = handle.probe = await probe(client, s.health_timeout_s, s.stall_timeout_s, handle.pid)
-            why = verdict.why
             if verdict.capacity is not None:
                 handle.live_capacity = verdict.capacity
-            busy = busy + 1 if verdict.kind == Probe.BUSY else 0
-            if busy == 1:
-                logger.info("worker %s: %s", handle.id, why)
-            if busy > MAX_BUSY_PROBES:
-                why = f"{why}, {busy} probes in a row"
-            if verdict.kind == Probe.HUNG or busy > MAX_BUSY_PROBES:
+            if verdict.kind == Probe.BUSY and tally.busy == 0:
+                logger.info("worker %s: %s", handle.id, verdict.why)
+            act, why = tally.count(verdict, urgent, handle.state == WorkerState.READY)
+            if act == Act.REPLACE:
                 await self._replace_hung(handle, why)
                 return
-            if verdict.kind in (Probe.OK, Probe.BUSY):
-                failures, unhealthy_since = 0, None
-                if handle.state == WorkerState.UNHEALTHY:
-                    self._set(handle, WorkerState.READY)
-                continue
-            if verdict.kind == Probe.DOWN and urgent:
-                failures = max(failures, s.unhealthy_after_failures - 1)
-            failures += 1
-            if failures >= s.unhealthy_after_failures and handle.state == WorkerState.READY:
-                unhealthy_since = time.monotonic()
+            if act == Act.RECOVERED and handle.state == WorkerState.UNHEALTHY:
+                self._set(handle, WorkerState.READY)
+            elif act == Act.UNHEALTHY:
                 self._set(handle, WorkerState.UNHEALTHY, why)
-            if unhealthy_since is not None and time.monotonic() - unhealthy_since > s.unhealthy_kill_after_s:
+            elif act == Act.KILL:
                 logger.error("worker %s unhealthy for %.0fs (%s); killing it", handle.id, s.unhealthy_kill_after_s, why)
                 kill(handle)
                 return
