@@ -210,7 +210,7 @@ def test_a_raise_while_streaming_one_request_ends_its_stream_with_request_failed
     """Guards the `except Exception` in `generate_stream`'s `sse()` (a raise while rendering
     one request's events broke its connection mid-stream, which the router reads as the
     worker's death: a migration, a breaker failure, and the request counted as a killer)."""
-    from workers.serving.render import Render
+    from workers.contract.render import Render
 
     client, engine = setup
     original = Render.event
@@ -233,7 +233,7 @@ def test_a_raise_while_streaming_one_request_ends_its_stream_with_request_failed
 def test_a_raise_in_one_request_is_a_500_request_failed_and_the_worker_serves_on(setup, monkeypatch):
     """Guards `ERROR_REQUEST_FAILED` in `install_error_handlers` (any 5xx blamed the worker:
     the router retried it elsewhere and counted it against the breaker)."""
-    from workers.serving.render import Render
+    from workers.contract.render import Render
 
     client, _ = setup
     original = Render.response

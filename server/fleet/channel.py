@@ -18,12 +18,15 @@ import contextlib
 import itertools
 import logging
 
+from server.fleet.text import StreamText, TextModel, text_model
 from server.fleet.uds_http import UnixHTTPPool, WorkerConnectionLost
-from workers.contract import HEADER_CHANNEL, AbortStreams, wire_bytes
+from workers.contract import HEADER_CHANNEL, HEADER_TEXT, HEADER_VOCAB, TEXT_IDS, AbortStreams, wire_bytes
+from workers.contract.events import decode_batch
 
 logger = logging.getLogger(__name__)
 
 STREAM_PATH = "/generate_stream"  # the worker route that streams on the channel
+_TOKENIZER_TIMEOUT_S = 30.0  # a large vocabulary's JSON, read once per channel
 
 
 class ChannelRefused(Exception):
@@ -43,9 +46,10 @@ class WorkerChannel:
     sends the worker `POST /streams/abort` (the aborts of one loop iteration in one call), as
     closing its connection did."""
 
-    def __init__(self, pool: UnixHTTPPool, channel_id: str):
+    def __init__(self, pool: UnixHTTPPool, channel_id: str, text: TextModel | None = None):
         self._pool = pool
         self.id = channel_id
+        self.text = text  # its records are token ids, rendered here with this tokenizer (None: SSE text)
         self.dead = False
         self._queues: dict[int, asyncio.Queue] = {}
         self._keys = itertools.count(1)
@@ -54,15 +58,19 @@ class WorkerChannel:
         self._tasks: set[asyncio.Task] = set()  # abort calls under way
 
     @classmethod
-    async def open(cls, pool: UnixHTTPPool) -> WorkerChannel:
-        """A channel whose reader runs; `ChannelRefused` when the worker answers other than 200,
-        one of `WorkerGone` when it cannot be reached."""
-        response = await pool.send("GET", "/streams")
+    async def open(cls, pool: UnixHTTPPool, ids: bool = True) -> WorkerChannel:
+        """A channel whose reader runs, carrying token ids when `ids` and the worker gives its
+        tokenizer (else SSE text); `ChannelRefused` when the worker answers other than 200, one of
+        `WorkerGone` when it cannot be reached."""
+        text = await _worker_text(pool) if ids else None
+        response = await pool.send("GET", "/streams", headers={HEADER_TEXT: TEXT_IDS} if text else None)
         channel_id = response.headers.get(HEADER_CHANNEL.lower())
         if response.status_code != 200 or not channel_id:
             await response.read()
             raise ChannelRefused(response.status_code)
-        channel = cls(pool, channel_id)
+        if response.headers.get(HEADER_TEXT.lower()) != TEXT_IDS:
+            text = None  # the worker renders its streams itself
+        channel = cls(pool, channel_id, text)
         channel._reader = asyncio.ensure_future(channel._read(response))
         return channel
 
@@ -146,14 +154,26 @@ class WorkerChannel:
                 await self._reader
 
 
+async def _worker_text(pool: UnixHTTPPool) -> TextModel | None:
+    """The worker's tokenizer (`GET /tokenizer`), None when it gives none (it renders its streams)."""
+    status, headers, content = await asyncio.wait_for(pool.request("GET", "/tokenizer"), _TOKENIZER_TIMEOUT_S)
+    vocab = headers.get(HEADER_VOCAB.lower(), "")
+    if status != 200 or not vocab.isdigit():
+        return None
+    return await text_model(content, int(vocab))
+
+
 class ChannelStream:
     """One stream on a channel, read like the pool's streamed `Response`; a refusal (status other
-    than 200) carries its body instead."""
+    than 200) carries its body instead. On a channel of token ids, `text` renders its records
+    into the SSE events the worker would have sent, and a stop string it finds ends the stream."""
 
     def __init__(self, status: int, headers: dict[str, str], content: bytes = b"",
-                 channel: WorkerChannel | None = None, key: int = 0, queue: asyncio.Queue | None = None):
+                 channel: WorkerChannel | None = None, key: int = 0, queue: asyncio.Queue | None = None,
+                 text: StreamText | None = None):
         self.status_code, self.headers = status, headers
         self._content, self._channel, self._key, self._queue = content, channel, key, queue
+        self._text = text
         self._done = queue is None
 
     async def iter_chunks(self):
@@ -161,7 +181,7 @@ class ChannelStream:
             if self._content:
                 yield self._content
             return
-        queue = self._queue
+        queue, text = self._queue, self._text
         while True:
             item = await queue.get()
             if item is None:
@@ -170,7 +190,17 @@ class ChannelStream:
             if isinstance(item, BaseException):
                 self._done = True  # nothing to abort: the channel is gone
                 raise item
-            yield item
+            if text is None:
+                yield item
+                continue
+            try:
+                rendered, ended = text.feed(*decode_batch(item))
+            except ValueError as e:  # a malformed record: as a broken channel, for this stream
+                raise WorkerConnectionLost(f"malformed stream record: {e!r}") from None
+            if rendered:
+                yield rendered.encode()
+            if ended:  # its finish or error; a stop string found here leaves the worker's to abort
+                return
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.iter_chunks()])

@@ -2,7 +2,8 @@
 
 A request goes out as one of the contract's typed bodies (`WorkerRequest` and the others of
 workers/contract/wire.py, nothing else), and the worker answers in TGI's shapes, so streamed
-bytes are relayed untouched. A worker that dies shows up here as one of `WorkerGone`
+bytes are relayed untouched (on a stream channel of token ids, the router tokenizes the prompt
+and builds those bytes itself: server/fleet/text.py). A worker that dies shows up here as one of `WorkerGone`
 (nothing listens, or the connection broke mid-answer); the dispatcher turns that into a
 retry or a migration. Generation reads have no timeout (a long generation is not a
 failure); a hung worker is caught by the supervisor's health checks instead, which then
@@ -19,6 +20,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from server.fleet.channel import STREAM_PATH, ChannelRefused, ChannelStream, WorkerChannel
+from server.fleet.text import StreamText, with_prompt_ids
 from server.fleet.uds_http import Response, UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
 from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, CapabilityPayload, WireRequest, wire_bytes
 
@@ -89,12 +91,11 @@ class WorkerClient:
                      headers: dict[str, str] | None = None) -> AsyncIterator[Response | ChannelStream]:
         """A streamed call; read `iter_chunks()` inside the block. `/generate_stream` goes on the
         worker's stream channel when it has one (opened on first use)."""
-        payload = wire_bytes(body)
         channel = await self._open_channel() if path == STREAM_PATH else None
         if channel is not None:
-            response = await self._on_channel(channel, path, payload, headers)
+            response = await self._on_channel(channel, path, body, headers)
         else:
-            response = await self._pool.send("POST", path, payload, headers=headers)
+            response = await self._pool.send("POST", path, wire_bytes(body), headers=headers)
         try:
             yield response
         finally:
@@ -115,8 +116,15 @@ class WorkerClient:
                         return None
         return self._channel
 
-    async def _on_channel(self, channel: WorkerChannel, path: str, payload: bytes,
+    async def _on_channel(self, channel: WorkerChannel, path: str, body: WireRequest,
                           headers: dict[str, str] | None) -> ChannelStream:
+        """The stream of `body` on `channel`; on a channel of token ids the prompt goes as ids and
+        the stream's text is built here (server/fleet/text.py)."""
+        text = None
+        if channel.text is not None:
+            text = StreamText(channel.text, body)
+            body = await with_prompt_ids(channel.text, body)
+        payload = wire_bytes(body)
         key, queue = channel.register()
         extra = {**(headers or {}), HEADER_CHANNEL: channel.id, HEADER_STREAM_KEY: str(key)}
         try:
@@ -127,7 +135,7 @@ class WorkerClient:
         if status != 200:
             channel.forget(key)
             return ChannelStream(status, answer_headers, content)
-        return ChannelStream(status, answer_headers, channel=channel, key=key, queue=queue)
+        return ChannelStream(status, answer_headers, channel=channel, key=key, queue=queue, text=text)
 
 
 def _json_or_empty(content: bytes) -> dict:

@@ -1,16 +1,18 @@
 """The torch-free contract between the router and its workers: each fact they share, defined once.
 
-Both processes import this package, and the router imports nothing else from `workers`
-(import-linter enforces it). Its modules: the devices (`capability`, `device`, the simulated
-`catalog` and `topology`, byte `sizes`, the slowed simulated devices' `slowdown`); the rules
-placement and the worker both apply (`fp8_rule`, `int4_rule`, `mxfp4_rule`, `dtypes`,
-`model_size`, `checkpoint_check`); the worker's configuration (`config`: `WorkerConfig`, written
-as JSON by the router, read by the worker), its `lifecycle`, `defaults` and per-architecture
-`triton_cache`; what crosses the socket (`request`: `WorkerRequest`, the one shape of a generation
-request, with its `limits`, `json_schema` and `chat_template`; `wire`: the tokenize, detokenize,
-embed and abort bodies; `payload`: `/capability` and `/health`; `errors`); and the pipelines'
-`pipeline` plan and `stage_timing`. Code outside the contract imports these names from here;
-`tracing`, shared too, is imported as its own module: it loads OpenTelemetry only when asked to."""
+Both processes import this package, and the router imports nothing else from `workers` (import-
+linter enforces it). Its modules: the devices (`capability`, `device`, the simulated `catalog` and
+`topology`, byte `sizes`, the slowed simulated devices' `slowdown`); the rules placement and the
+worker both apply (`fp8_rule`, `int4_rule`, `mxfp4_rule`, `dtypes`, `model_size`,
+`checkpoint_check`); the worker's configuration (`config`: `WorkerConfig`, written as JSON by the
+router, read by the worker), its `lifecycle`, `defaults` and per-architecture `triton_cache`; what
+crosses the socket (`request`: `WorkerRequest`, the one shape of a generation request, with its
+`limits`, `json_schema` and `chat_template`; `wire`: the tokenize, detokenize, embed and abort
+bodies; `payload`: `/capability` and `/health`; `events`: a request's token events and their binary
+form on the stream channel; `detokenize` and `render`: their text, on either side; `errors`); and
+the pipelines' `pipeline` plan and `stage_timing`. Code outside the contract imports these names
+from here; `tracing`, shared too, is imported as its own module: it loads OpenTelemetry only when
+asked to."""
 
 from workers.contract.capability import (
     ACCEPTED_CAPABILITY_SPELLINGS,
@@ -54,6 +56,8 @@ from workers.contract.defaults import (
     HEADER_MODEL,
     HEADER_PIN_WORKER,
     HEADER_STREAM_KEY,
+    HEADER_TEXT,
+    HEADER_VOCAB,
     HEADER_WORKER_CAPABILITY,
     HEADER_WORKER_ID,
     KV_BLOCK_SIZES,
@@ -63,6 +67,7 @@ from workers.contract.defaults import (
     PREFLIGHT_MODES,
     RESUME_IDS,
     RUN_DIR_MARKER,
+    TEXT_IDS,
     WORKER_HEADERS,
     engine_limits_error,
     step_token_budget,
@@ -157,7 +162,7 @@ __all__ = [
     "ENV_DEVICE_INDEX", "ENV_DEVICE_UUID", "ENV_COMPILE", "ENV_PREFLIGHT", "ENV_SIMULATE",
     "GATEWAY_KV_USAGE", "GATEWAY_POD", "GATEWAY_RUNNING", "GATEWAY_WAITING", "HEADER_FP8",
     "HEADER_CHANNEL", "HEADER_FP8_CONVENTION", "HEADER_MIN_CAPABILITY", "HEADER_MODEL", "HEADER_PIN_WORKER",
-    "HEADER_STREAM_KEY", "HEADER_WORKER_CAPABILITY",
+    "HEADER_STREAM_KEY", "HEADER_TEXT", "HEADER_VOCAB", "TEXT_IDS", "HEADER_WORKER_CAPABILITY",
     "HEADER_WORKER_ID", "KV_BLOCK_SIZES", "MAX_HEADER_BYTES", "MAX_HEADER_COUNT", "MAX_URL_BYTES",
     "PREFLIGHT_MODES", "COMPILE_MODES", "WorkerConfig", "WorkerConfigError", "RESUME_IDS", "RUN_DIR_MARKER",
     "WORKER_HEADERS", "engine_limits_error", "step_token_budget",

@@ -75,6 +75,12 @@ RESUME_IDS = "resume_ids"
 # `POST /streams/abort` ends streams whose client left.
 HEADER_CHANNEL = "X-Hetserve-Channel"
 HEADER_STREAM_KEY = "X-Hetserve-Stream"
+# `GET /streams` with `X-Hetserve-Text: ids` opens a channel whose records are token ids
+# (workers/contract/events.py): the router detokenizes, finds stop strings and renders, with the
+# tokenizer `GET /tokenizer` gives (its JSON; the model's vocabulary size in `X-Hetserve-Vocab`).
+HEADER_TEXT = "X-Hetserve-Text"
+TEXT_IDS = "ids"
+HEADER_VOCAB = "X-Hetserve-Vocab"
 # Request headers that constrain routing (matched case-insensitively).
 HEADER_PIN_WORKER = "X-Hetserve-Worker"
 HEADER_MIN_CAPABILITY = "X-Hetserve-Min-Capability"

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from workers.contract import DEFAULT_MAX_QUEUE
-from workers.engine.detokenize import IncrementalDetokenizer, special_token_ids
+from workers.contract.detokenize import IncrementalDetokenizer, NoText, special_token_ids
 from workers.engine.events import ErrorEvent, RequestStream, deliver
 from workers.engine.liveness import Liveness, LivenessClock
 from workers.engine.metrics import WorkerMetrics
@@ -111,9 +111,11 @@ class Engine:
         request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
         resume_ids: SequenceT[int] = (),
+        text: bool = True,
     ) -> RequestStream:
         """Queue a request (`grammar`: its compiled `params.grammar`; `resume_ids`: tokens already
-        generated for it elsewhere); raises `CapacityError` (never fits), `ParameterError` (bad
+        generated for it elsewhere; `text` False: no text and no stop strings here, the router's
+        channel builds them from the token ids); raises `CapacityError` (never fits), `ParameterError` (bad
         `resume_ids`), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
         if (grammar is None) != (params.grammar is None):
             raise ValueError("`grammar` must be the compiled `params.grammar` (both given or neither)")
@@ -139,10 +141,11 @@ class Engine:
             seed = secrets.randbits(53) if seed is None else seed
             seq.generator = make_generator(seed, skip=len(resumed))
         seq.seed = seed
-        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, self._special_ids, params.stop,
-                                           params.include_stop_str_in_output, params.skip_special_tokens,
-                                           params.min_tokens)
+        seq.detok = NoText(self._special_ids) if not text else IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_ids, self._special_ids, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens, params.min_tokens)
         seq.stream = RequestStream(rid, loop)
+        seq.stream.seed = seed
         if grammar is not None:
             seq.grammar = grammar.matcher()
         replay(seq, resumed)

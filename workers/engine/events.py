@@ -1,61 +1,27 @@
-"""What the engine hands the HTTP side for each request: token events, the finish, errors, and
-the per-request stream that carries them across threads.
+"""What the engine hands the HTTP side for each request: token events, the finish, errors, and the
+per-request stream that carries them across threads.
 
-Design: frozen values made on the engine thread and read on the event loop
-(workers/serving/render.py renders them). `deliver` hands one step's events to each event loop
-in one batch, one `call_soon_threadsafe` per step, not one per token; events made on the loop's
-own thread (an idle engine's first step) are pushed at once, and without a loop (tests driving
-`Engine.step()`) they collect in `RequestStream.events`. A stream on the router's channel is
-`redirect`ed to the channel's sink (workers/serving/channel.py). Trade-off: a response reads its
-events in `batches()`, whatever arrived while it was writing, so tokens of one step go out
-together rather than each as soon as it exists."""
+Design: frozen values (workers/contract/events.py) made on the engine thread and read on the event
+loop (workers/contract/render.py renders them, or the channel sends them as token ids). `deliver`
+hands one step's events to each event loop in one batch, one `call_soon_threadsafe` per step, not
+one per token; events made on the loop's own thread (an idle engine's first step) are pushed at
+once, and without a loop (tests driving `Engine.step()`) they collect in `RequestStream.events`. A
+stream on the router's channel is `redirect`ed to the channel's sink (workers/serving/channel.py).
+Trade-off: a response reads its events in `batches()`, whatever arrived while it was writing, so
+tokens of one step go out together rather than each as soon as it exists."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from workers.sampling.logprobs import TopList
-
-
-@dataclass(frozen=True)
-class RequestTimings:
-    """Where one request's time went, in seconds: waiting for the engine, the step that produced
-    its first token (the prefill), and the steps after it (the decode)."""
-
-    queue_s: float
-    prefill_s: float
-    decode_s: float
-
-
-@dataclass(frozen=True)
-class FinishInfo:
-    reason: str  # "length" | "eos_token" | "stop_sequence"
-    generated_text: str
-    generated_tokens: int
-    input_length: int
-    seed: int | None
-    timings: RequestTimings | None = None
-    stop_reason: str | int | None = None  # the stop string matched, or the stop token id (vLLM's name)
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    index: int
-    token_id: int
-    text: str
-    logprob: float
-    special: bool
-    finish: FinishInfo | None = None
-    top: TopList | None = None  # the best alternatives, when the request asked (`top_n_tokens`)
-    prefill: tuple | None = None  # on the first event: (id, logprob, top) per prompt token, when asked
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    message: str
-    error_type: str = "internal"
+from workers.contract.events import (  # noqa: F401 (the engine's event values, defined in the contract)
+    ErrorEvent,
+    FinishInfo,
+    RequestTimings,
+    TokenEvent,
+    is_last,
+)
 
 
 class RequestStream:
@@ -67,6 +33,7 @@ class RequestStream:
         self.loop = loop
         self.prefill_started: float | None = None  # monotonic start of the step that produced the first token
         self.ended = False  # its last event (a finish or an error) has been handed over
+        self.seed: int | None = None  # the seed its sampling uses (drawn when the request gave none)
         self.events: list[TokenEvent | ErrorEvent] = []
         self._queue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self._sink: Callable[[RequestStream, TokenEvent | ErrorEvent], None] | None = None
@@ -109,11 +76,6 @@ class RequestStream:
             yield batch
             if is_last(batch[-1]):
                 return
-
-
-def is_last(event: TokenEvent | ErrorEvent) -> bool:
-    """A stream ends with its finish or an error."""
-    return isinstance(event, ErrorEvent) or event.finish is not None
 
 
 def _push_all(items: list[tuple[RequestStream, TokenEvent | ErrorEvent]]) -> None:

@@ -2,7 +2,7 @@
 
 Design: the second half of the engine's update. The scheduler has appended each token and ended
 sequences on EOS or length (workers/engine/scheduler.py); per token this processor detokenizes
-and finds stop strings (workers/engine/detokenize.py), ends a sequence on a completed stop
+and finds stop strings (workers/contract/detokenize.py), ends a sequence on a completed stop
 string or a complete grammar (a grammar at a dead end, EOS drawn while incomplete, ends the
 request with a `validation` error instead of an answer that violates it), stamps the first
 token's time, builds `FinishInfo` on a finish and makes the `TokenEvent`. Trade-off: stop strings

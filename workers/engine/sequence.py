@@ -15,10 +15,10 @@ from __future__ import annotations
 import itertools
 import time
 
+from workers.contract.events import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, FINISH_STOP  # noqa: F401 (TGI's names)
 from workers.sampling.params import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-FINISH_LENGTH, FINISH_EOS, FINISH_STOP, FINISH_ABORT = "length", "eos_token", "stop_sequence", "aborted"
 _UIDS = itertools.count()
 
 

@@ -11,21 +11,11 @@ it has not scored instead of taking it from the prefix cache."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
-MIN_LOGPROB = -9999.0  # what -inf is reported as (vLLM's value)
-
-TopList = tuple[tuple[int, float], ...]  # (token id, logprob), best first
-
-
-def finite(logprob: float | None) -> float | None:
-    """A logprob JSON can carry: -inf (and NaN) become `MIN_LOGPROB`."""
-    if logprob is None:
-        return None
-    return logprob if math.isfinite(logprob) and logprob > MIN_LOGPROB else MIN_LOGPROB
+from workers.contract.events import MIN_LOGPROB, TopList, finite  # noqa: E402,F401 (defined with the events)
 
 
 def top_alternatives(logprobs: torch.Tensor, counts: Sequence[int | None]) -> list[TopList | None]:
@@ -73,20 +63,3 @@ def record_prompt(chunk, logits: torch.Tensor) -> None:
     seq.prompt_logprobs.extend(zip(targets, chosen, tops, strict=True))
 
 
-class TokenBytes:
-    """Each token's own bytes (not its streamed piece), for logprob entries; cached per id.
-    A special token's bytes are its content (`<|eos|>`)."""
-
-    def __init__(self, decode_bytes, special_ids: frozenset[int] = frozenset()):
-        self._decode = decode_bytes
-        self.special_ids = special_ids
-        self._cache: dict[int, bytes] = {}
-
-    def __call__(self, token_id: int) -> bytes:
-        b = self._cache.get(token_id)
-        if b is None:
-            b = self._cache[token_id] = bytes(self._decode([token_id]))
-        return b
-
-    def text(self, token_id: int) -> str:
-        return self(token_id).decode("utf-8", errors="replace")

@@ -17,11 +17,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from workers.contract import DRAIN_TIMEOUT_S, CapabilityPayload
+from workers.contract.detokenize import TokenBytes, special_token_ids
 from workers.contract.tracing import NO_TRACING, Tracing, fastapi_telemetry_off
 from workers.engine.core import Engine
-from workers.engine.detokenize import special_token_ids
 from workers.sampling.grammar import Grammars
-from workers.sampling.logprobs import TokenBytes
 from workers.serving.context import WorkerContext
 from workers.serving.errors import install_error_handlers
 from workers.serving.headers import WorkerHeaders, identity_headers

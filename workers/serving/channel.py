@@ -2,15 +2,17 @@
 
 Why: a streamed response per request costs the event loop a reader wake-up, an SSE write and a
 socket write per token per request, Python that contends with the engine thread for the GIL.
-Design: the router opens one channel per worker (`GET /streams`, a chunked response); a
-`POST /generate_stream` naming it and a stream key (`X-Hetserve-Channel`, `X-Hetserve-Stream`) is
+Design: the router opens one channel per worker (`GET /streams`, a chunked response); a `POST
+/generate_stream` naming it and a stream key (`X-Hetserve-Channel`, `X-Hetserve-Stream`) is
 admitted as usual, answered at once with an empty 200, and its events go to the channel's sink
 (`RequestStream.redirect`). One task renders whatever the engine delivered since it last woke and
 writes one frame: per stream a record `b"<key> <length> <end>\n"` and the SSE bytes
-`/generate_stream` would have sent. As vLLM's engine core hands its API server one batch of
-outputs per step, per-token HTTP work becomes per-step work. A stream ends with its last event,
-`POST /streams/abort` or the channel's connection. Trade-off: the router must demultiplex, and a
-slow client's bytes wait in the router rather than in the socket (at most its generation's events)."""
+`/generate_stream` would have sent, or, on a channel opened for token ids (`X-Hetserve-Text: ids`),
+the events' binary form (workers/contract/events.py), from which the router builds the text. As
+vLLM's engine core hands its API server one batch of outputs per step, per-token HTTP work becomes
+per-step work. A stream ends with its last event, `POST /streams/abort` or the channel's
+connection. Trade-off: the router must demultiplex, and a slow client's bytes wait in the router
+rather than in the socket (at most its generation's events)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from fastapi.responses import StreamingResponse
 
-from workers.contract import HEADER_CHANNEL
+from workers.contract import HEADER_CHANNEL, HEADER_TEXT, TEXT_IDS
 from workers.contract.errors import ERROR_REQUEST_FAILED, safe_message
+from workers.contract.events import encode_batch
 from workers.engine.events import ErrorEvent, RequestStream, TokenEvent, is_last
 
 logger = logging.getLogger(__name__)
@@ -61,8 +65,9 @@ def render_batch(sub, batch: list, path: str) -> tuple[str, str | None]:
 class StreamChannel:
     """One router connection's streams (see the module docstring); lives on the event loop."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, ids: bool = False):
         self.ctx = ctx
+        self.ids = ids  # records are token ids (workers/contract/events.py), not SSE text
         self.id = f"c{next(_ids)}"
         self.streams: dict[int, object] = {}  # key -> `Submitted`
         self.closed = False
@@ -110,8 +115,13 @@ class StreamChannel:
             sub = self.streams.get(key)
             if sub is None:  # aborted since the engine made these
                 continue
-            text, ended = render_batch(sub, batch, "/generate_stream")
-            data = text.encode()
+            if self.ids:
+                data, ended = encode_batch(batch, sub.start), LAST if is_last(batch[-1]) else None
+                if sub.start is not None:  # sent once, with the stream's first record
+                    self.streams[key] = sub = replace(sub, start=None)
+            else:
+                text, ended = render_batch(sub, batch, "/generate_stream")
+                data = text.encode()
             records.append(b"%d %d %d\n" % (key, len(data), ended is not None))
             records.append(data)
             if ended is not None:
@@ -148,8 +158,10 @@ class ChannelResponse(StreamingResponse):
     """`GET /streams`: the channel's frames as one chunked response (pure ASGI below FastAPI)."""
 
     def __init__(self, channel: StreamChannel):
-        super().__init__(iter(()), media_type="application/octet-stream",
-                         headers={HEADER_CHANNEL: channel.id, "Cache-Control": "no-cache"})
+        headers = {HEADER_CHANNEL: channel.id, "Cache-Control": "no-cache"}
+        if channel.ids:
+            headers[HEADER_TEXT] = TEXT_IDS  # the router knows its records are token ids
+        super().__init__(iter(()), media_type="application/octet-stream", headers=headers)
         self.channel = channel
 
     async def __call__(self, scope, receive, send) -> None:

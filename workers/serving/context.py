@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
 
 from workers.contract import CapabilityPayload, WorkerRequest
+from workers.contract.detokenize import PROMPT_CONTEXT_TOKENS, TokenBytes
+from workers.contract.events import StreamStart
+from workers.contract.render import Render
 from workers.engine.core import Engine, EngineOverloaded, EngineUnavailable
 from workers.engine.events import RequestStream
 from workers.engine.scheduler import CapacityError
 from workers.sampling.grammar import CompiledGrammar, GrammarBusy, GrammarError, Grammars, GrammarSpec
-from workers.sampling.logprobs import TokenBytes
 from workers.sampling.params import ParameterError, SamplingParams
 from workers.serving.errors import APIError
-from workers.serving.render import Render
 from workers.serving.tracing import RequestTracer
 
 CLIENT_GONE = "client_disconnected"  # the error type that ends a request whose client left
@@ -35,12 +36,14 @@ _INLINE_CHARS = 4096  # longer prompt texts are tokenized off the event loop
 
 @dataclass(frozen=True)
 class Submitted:
-    """A queued request: its stream, its parameters, how its answer renders, its span (or None)."""
+    """A queued request: its stream, its parameters, how its answer renders, its span (or None)
+    and, when the router renders it, its `StreamStart`."""
 
     stream: RequestStream
     params: SamplingParams
-    render: Render
+    render: Render | None  # None: the router renders (a stream on an `ids` channel)
     span: Any = None
+    start: StreamStart | None = None  # what the router's renderer needs first (an `ids` channel's stream)
 
 
 @dataclass(eq=False)
@@ -54,28 +57,33 @@ class WorkerContext:
     status: str = field(default="starting")  # starting | ready | draining
     channels: dict = field(default_factory=dict)  # id -> the router's `StreamChannel`s (workers/serving/channel.py)
     stopping: Callable[[], bool] = field(default=lambda: False)  # the HTTP server is shutting down
+    tokenizer_json: bytes | None = None  # `GET /tokenizer`'s answer (made when first asked)
     _max_token_chars: int | None = None  # the most characters one token stands for (found when first needed)
 
     @property
     def ready(self) -> bool:
         return self.status == "ready" and self.engine.accepting
 
-    async def submit(self, req: WorkerRequest, request: Request | None = None) -> Submitted:
+    async def submit(self, req: WorkerRequest, request: Request | None = None, text: bool = True) -> Submitted:
         """Validate, tokenize, compile the grammar and queue (see the module docstring); every
         refusal is an `APIError`. `request`: the HTTP request, watched for the client leaving
-        while its grammar compiles."""
+        while its grammar compiles; `text` False: the router builds the answer's text and frames
+        from its token ids (no text here, no stop strings, no rendering)."""
         if not self.ready:
             raise APIError(503, f"Worker `{self.info.worker_id}` is {self.status}: not accepting requests",
                            "unavailable")
         engine, vocab = self.engine, self.grammars.vocab_size
         try:
             params = SamplingParams.from_request(req.parameters)
-            prompt_ids, input_text = await self._prompt_ids(req, params.context_tokens)
+            prompt_ids, input_text = await self._prompt_ids(req, params.context_tokens, text)
             _check_vocab(params, vocab)
             engine.scheduler.check_fits(len(prompt_ids), params.context_tokens)  # before any compile
             grammar = None if params.grammar is None else await self._compiled(params.grammar, request)
             stream = engine.submit(prompt_ids, params, asyncio.get_running_loop(), grammar=grammar,
-                                   resume_ids=req.resume_ids)
+                                   resume_ids=req.resume_ids, text=text)
+            if not text:
+                start = StreamStart(tuple(prompt_ids[-PROMPT_CONTEXT_TOKENS:]), len(prompt_ids), stream.seed)
+                return Submitted(stream, params, None, start=start)
             prefix = (req.inputs or input_text or "") if req.parameters.return_full_text else ""
             return Submitted(stream, params, Render(self.token_bytes, req.parameters, prefix, input_text))
         except (ParameterError, CapacityError, GrammarError) as e:
@@ -105,9 +113,10 @@ class WorkerContext:
             raise APIError(499, "The client disconnected while its grammar compiled", CLIENT_GONE)
         return compiling.result()
 
-    async def _prompt_ids(self, req: WorkerRequest, new_tokens: int) -> tuple[list[int], str | None]:
-        """The prompt's token ids; a text that cannot fit the context whatever its tokens is
-        refused untokenized (`CapacityError`), a long one tokenized off the event loop."""
+    async def _prompt_ids(self, req: WorkerRequest, new_tokens: int, decode: bool) -> tuple[list[int], str | None]:
+        """The prompt's token ids (and, with `decode`, what given ids decode to); a text that
+        cannot fit the context whatever its tokens is refused untokenized (`CapacityError`), a
+        long one tokenized off the event loop."""
         text = req.inputs
         if req.input_ids is None and text and len(text) > _INLINE_CHARS:
             if self._max_token_chars is None:
@@ -118,18 +127,18 @@ class WorkerContext:
             if least + new_tokens > limit:
                 raise CapacityError(f"`inputs` holds {len(text)} characters, at least {least} tokens: "
                                     f"`inputs` tokens + `max_new_tokens` must be <= {limit} on this worker")
-            return await asyncio.to_thread(_prompt_ids, req, self.tokenizer, self.grammars.vocab_size)
-        return _prompt_ids(req, self.tokenizer, self.grammars.vocab_size)
+            return await asyncio.to_thread(_prompt_ids, req, self.tokenizer, self.grammars.vocab_size, decode)
+        return _prompt_ids(req, self.tokenizer, self.grammars.vocab_size, decode)
 
-    async def submit_traced(self, req: WorkerRequest, request: Request) -> Submitted:
+    async def submit_traced(self, req: WorkerRequest, request: Request, text: bool = True) -> Submitted:
         """`submit` inside the request's span (a child of the router's); a refusal ends the span."""
         span = self.tracer.start(request.url.path, request.headers)
         try:
-            submitted = await self.submit(req, request)
+            submitted = await self.submit(req, request, text)
         except APIError as e:
             self.tracer.end(span, None, refused=e.message)
             raise
-        return Submitted(submitted.stream, submitted.params, submitted.render, span)
+        return replace(submitted, span=span)
 
 
 def get_ctx(request: Request) -> WorkerContext:
@@ -137,8 +146,8 @@ def get_ctx(request: Request) -> WorkerContext:
     return request.app.state.ctx
 
 
-def _prompt_ids(req: WorkerRequest, tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
-    """The prompt's token ids, and the text they decode to when the request gave ids."""
+def _prompt_ids(req: WorkerRequest, tokenizer, vocab_size: int, text: bool = True) -> tuple[list[int], str | None]:
+    """The prompt's token ids, and the text they decode to when the request gave ids (and `text`)."""
     if req.input_ids is None:
         if not req.inputs:
             raise ParameterError("`inputs` must be a non-empty string (or give `input_ids`)")
@@ -147,7 +156,7 @@ def _prompt_ids(req: WorkerRequest, tokenizer, vocab_size: int) -> tuple[list[in
     if not req.input_ids or bad:
         raise ParameterError(f"`input_ids` must be a non-empty list of token ids in [0, {vocab_size - 1}]"
                              + (f", got `{bad[0]}`" if bad else ""))
-    return list(req.input_ids), tokenizer.decode(req.input_ids, skip_special_tokens=True)
+    return list(req.input_ids), tokenizer.decode(req.input_ids, skip_special_tokens=True) if text else None
 
 
 async def _disconnected(request: Request) -> None:

@@ -17,7 +17,15 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, AbortStreams, WorkerRequest
+from workers.contract import (
+    HEADER_CHANNEL,
+    HEADER_STREAM_KEY,
+    HEADER_TEXT,
+    HEADER_VOCAB,
+    TEXT_IDS,
+    AbortStreams,
+    WorkerRequest,
+)
 from workers.contract.errors import ERROR_VALIDATION
 from workers.engine.core import Engine
 from workers.engine.events import ErrorEvent, RequestStream
@@ -73,7 +81,7 @@ async def generate_stream(req: WorkerRequest, request: Request):
                             "(0, prompt scoring, is answered by `/generate`)", "validation")
     ctx = get_ctx(request)
     on_channel = _channel_stream(ctx, request)
-    sub = await ctx.submit_traced(req, request)
+    sub = await ctx.submit_traced(req, request, text=on_channel is None or not on_channel[0].ids)
     if on_channel is not None:
         channel, key = on_channel
         if channel.closed:  # the router's channel went away while this request was admitted
@@ -125,9 +133,19 @@ async def open_channel(request: Request):
     ctx = get_ctx(request)
     if not ctx.ready:
         raise APIError(503, f"Worker `{ctx.info.worker_id}` is {ctx.status}: not accepting streams", "unavailable")
-    channel = StreamChannel(ctx)
+    channel = StreamChannel(ctx, ids=request.headers.get(HEADER_TEXT) == TEXT_IDS)
     ctx.channels[channel.id] = channel
     return ChannelResponse(channel)
+
+
+@router.get("/tokenizer")
+async def tokenizer_json(request: Request):
+    """The tokenizer's JSON, for a router that builds the text of an `ids` channel's streams."""
+    ctx = get_ctx(request)
+    if ctx.tokenizer_json is None:
+        ctx.tokenizer_json = (await asyncio.to_thread(ctx.tokenizer.to_str)).encode()
+    return Response(ctx.tokenizer_json, media_type="application/json",
+                    headers={HEADER_VOCAB: str(ctx.grammars.vocab_size)})
 
 
 @router.post("/streams/abort")

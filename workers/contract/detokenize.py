@@ -132,3 +132,43 @@ class IncrementalDetokenizer:
         out, self._held = buf[: len(buf) - keep], buf[len(buf) - keep :]
         self.text += out
         return out
+
+
+class NoText:
+    """The engine's stand-in for `IncrementalDetokenizer` when the router builds the text (its
+    stream channel carries token ids): no decoding and no stop strings on the engine's thread."""
+
+    __slots__ = ("_special",)
+    text, stopped, stop_hit = "", False, None
+
+    def __init__(self, special_ids: frozenset[int]):
+        self._special = special_ids
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        return "", token_id in self._special
+
+    def flush(self) -> str:
+        return ""
+
+
+class TokenBytes:
+    """Each token's own bytes (not its streamed piece), for logprob entries; cached per id.
+    A special token's bytes are its content (`<|eos|>`). `decode_bytes(ids)`: the tokenizer's
+    raw bytes of `ids` (llguidance's `LLTokenizer.decode_bytes`)."""
+
+    def __init__(self, decode_bytes, special_ids: frozenset[int] = frozenset()):
+        self._decode = decode_bytes
+        self.special_ids = special_ids
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        b = self._cache.get(token_id)
+        if b is None:
+            b = self._cache[token_id] = bytes(self._decode([token_id]))
+        return b
+
+    def text(self, token_id: int) -> str:
+        return self(token_id).decode("utf-8", errors="replace")

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from workers.contract.detokenize import TokenBytes
+from workers.contract.events import FinishInfo, TokenEvent, TopList, finite
 from workers.contract.request import GenerationParameters
-from workers.engine.events import FinishInfo, TokenEvent
-from workers.sampling.logprobs import TokenBytes, TopList, finite
 
 
 class Render:

@@ -1,0 +1,160 @@
+"""The router builds a stream's text (server/fleet/text.py) from the token ids a real worker sends
+on its channel, and the client gets byte for byte what the worker's own `/generate_stream` would
+have sent: stop strings (kept or cut, spanning tokens, after `min_tokens`), special tokens,
+logprobs with bytes, prompt entries, `return_full_text`, prompts given as ids, resumed streams.
+A stop string found in the router ends the stream there and aborts the worker's request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from server.fleet.channel import ChannelStream
+from server.fleet.client import SSEEvents, WorkerClient
+from server.fleet.text import StreamText
+from tests.checkpoints import make_checkpoint
+from tests.test_stream_channel import _generated, _idle
+from tests.test_worker_process import start_worker, wait_state
+from workers.contract import WorkerRequest
+from workers.contract.events import ErrorEvent, FinishInfo, StreamStart, TokenEvent, decode_batch, encode_batch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("text")
+    model = make_checkpoint(tmp / "model")
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    proc, sock, status = start_worker(tmp, model, "--simulate", "sm_89", "--max-batch", "4",
+                                      "--parent-pid", str(parent.pid), "--kv-block-size", "8")
+    try:
+        wait_state(proc, status, {"ready"})
+        yield {"proc": proc, "sock": sock}
+    finally:
+        parent.kill()
+        parent.wait()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+async def _stream(c: WorkerClient, body: dict) -> tuple[bool, list[dict]]:
+    async with c.stream("/generate_stream", WorkerRequest.model_validate(body)) as response:
+        assert response.status_code == 200, await response.read()
+        on_ids = isinstance(response, ChannelStream) and response._text is not None
+        return on_ids, [json.loads(data) async for data in SSEEvents(response.iter_chunks()).events()]
+
+
+def _both(sock, bodies: list[dict]) -> list[tuple[list[dict], list[dict]]]:
+    """Each body streamed through the router's text (an ids channel) and by the worker itself."""
+
+    async def run():
+        routed, alone = WorkerClient(sock), WorkerClient(sock, channel=False)
+        try:
+            out = []
+            for body in bodies:
+                on_ids, mine = await _stream(routed, body)
+                assert on_ids, "the stream did not go on a channel of token ids"
+                _, theirs = await _stream(alone, body)
+                out.append((mine, theirs))
+            return out
+        finally:
+            await routed.aclose()
+            await alone.aclose()
+
+    return asyncio.run(run())
+
+
+def _plain(sock, prompt: str, n: int) -> str:
+    [(events, _)] = _both(sock, [{"inputs": prompt, "parameters": {"max_new_tokens": n, "ignore_eos": True}}])
+    return events[-1]["generated_text"]
+
+
+def test_the_router_renders_what_the_worker_would(worker):
+    """Every parameter that shapes a stream's text gives the same events whichever side renders."""
+    sock = worker["sock"]
+    text = _plain(sock, "Once upon a time", 24)
+    middle = text[len(text) // 3: len(text) // 3 + 3]  # spans tokens more often than not
+    assert middle.strip(), text
+    greedy = {"max_new_tokens": 24, "details": True}
+    bodies = [
+        {"inputs": "Once upon a time", "parameters": {**greedy, "stop": [middle]}},
+        {"inputs": "Once upon a time", "parameters": {**greedy, "stop": [middle], "include_stop_str_in_output": False}},
+        {"inputs": "Once upon a time", "parameters": {**greedy, "stop": [middle], "min_tokens": 20}},
+        {"inputs": "Once upon a time", "parameters": {**greedy, "top_n_tokens": 3, "skip_special_tokens": False}},
+        {"inputs": "The quick brown fox", "parameters": {**greedy, "decoder_input_details": True,
+                                                         "prompt_top_n_tokens": 2, "return_full_text": True}},
+        {"input_ids": [5, 17, 99, 3, 42], "parameters": {**greedy, "return_full_text": True}},
+        {"inputs": "Hello", "parameters": {"max_new_tokens": 12, "details": True, "do_sample": True, "seed": 7,
+                                           "temperature": 0.9}},
+    ]
+    for body, (mine, theirs) in zip(bodies, _both(sock, bodies), strict=True):
+        assert mine == theirs, body
+    # the stop string really ended those streams, in the router
+    first = _both(sock, bodies[:2])
+    for mine, _ in first:
+        assert mine[-1]["details"]["finish_reason"] == "stop_sequence"
+        assert mine[-1]["details"]["stop_reason"] == middle
+    assert first[0][0][-1]["generated_text"].endswith(middle)
+    assert middle not in first[1][0][-1]["generated_text"]
+
+
+def test_a_resumed_stream_goes_on_in_the_same_text(worker):
+    """`resume_ids` replayed through the router's detokenizer: the text after them is the same as
+    the worker's own, which replays them through its engine's."""
+    sock = worker["sock"]
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 16, "details": True}}
+    [(full, _)] = _both(sock, [body])
+    resumed = {**body, "resume_ids": [e["token"]["id"] for e in full[:6]]}
+    [(mine, theirs)] = _both(sock, [resumed])
+    assert mine == theirs
+    assert [e["index"] for e in mine] == list(range(6, 16))
+    assert mine[-1]["generated_text"] == full[-1]["generated_text"]
+
+
+def test_a_stop_string_found_in_the_router_frees_the_worker(worker):
+    """Guards the abort of a stream whose text ended in the router (`ChannelStream._done` stays
+    False, so `aclose` aborts it): the worker would otherwise decode all 200 tokens."""
+    sock = worker["sock"]
+    text = _plain(sock, "Hello", 8)
+    stop = text[2:5]
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 200, "ignore_eos": True, "stop": [stop]}}
+
+    async def run():
+        c = WorkerClient(sock)
+        try:
+            _, events = await _stream(c, body)
+            await asyncio.sleep(0.3)  # the abort goes out on the next loop iteration
+            return events
+        finally:
+            await c.aclose()
+
+    before = _generated(sock)
+    events = asyncio.run(run())
+    assert events[-1]["details"]["finish_reason"] == "stop_sequence"
+    assert _idle(sock)["load"] == {"running": 0, "queued": 0}
+    assert _generated(sock) - before < 100  # stopped after a few tokens, not run to its 200
+
+
+def test_records_round_trip_and_junk_is_a_value_error():
+    """The channel's binary form keeps every field the router renders from."""
+    finish = FinishInfo("stop_sequence", "", 3, 7, 11, None, 2)
+    events = [TokenEvent(0, 5, "", -0.5, False, None, ((5, -0.5), (6, -1.25)), ((1, None, None), (2, -3.0, ((2, -3.0),)))),
+              TokenEvent(1, 2, "", float("-inf"), True, finish), ErrorEvent("boom", "internal")]
+    start, back = decode_batch(encode_batch(events, StreamStart((1, 2), 7, 11)))
+    assert start == StreamStart((1, 2), 7, 11)
+    assert back == events
+    with pytest.raises(ValueError, match="not a stream channel record"):
+        decode_batch(b"\x93junk")
+
+
+def test_a_first_record_without_its_start_is_refused():
+    """A stream's text cannot begin without the prompt's tail: a clear error, not a wrong text."""
+    text = StreamText(model=None, request=WorkerRequest(inputs="x"))
+    with pytest.raises(ValueError, match="no start"):
+        text.feed(None, [TokenEvent(0, 1, "", 0.0, False)])
