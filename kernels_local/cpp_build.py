@@ -75,12 +75,13 @@ def build(stem: str, source: Path, flags: list[str], ops: str | None = None):
         directory = Path(cpp_extension._get_build_directory(name, verbose=False))
         with _held(directory / BUILD_LOCK):
             _clear_stale(directory)
+            built_from = _pinned_source(directory, source)
             try:
-                module = _load(cpp_extension, name, source, flags, ops)
+                module = _load(cpp_extension, name, built_from, flags, ops)
             except (ImportError, OSError) as e:  # built, but the library does not load: build it again
                 logger.info("C++ kernel %s did not load (%s); building it again", name, e)
                 _empty(directory)
-                module = _load(cpp_extension, name, source, flags, ops)
+                module = _load(cpp_extension, name, _pinned_source(directory, source), flags, ops)
         return (module if ops is None else getattr(torch.ops, ops)), None
     except Exception as e:  # no compiler, a failed build
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
@@ -109,6 +110,19 @@ def _held(path: Path):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _pinned_source(directory: Path, source: Path) -> Path:
+    """A copy of `source` in the build directory, which the build reads: ninja rebuilds when the
+    source's path changes, so two checkouts of one tree on a host (whose paths differ) share the
+    built library instead of rebuilding it in turn. The digest in the name already pins the bytes."""
+    pinned = directory / "src" / source.name
+    if not pinned.exists():  # written whole or not at all: a builder may be killed at any instant
+        pinned.parent.mkdir(parents=True, exist_ok=True)
+        partial = pinned.with_name(f"{pinned.name}.{os.getpid()}.partial")
+        shutil.copyfile(source, partial)
+        os.replace(partial, pinned)
+    return pinned
 
 
 def _clear_stale(directory: Path) -> None:
