@@ -144,7 +144,8 @@ def test_a_stop_string_found_in_the_router_frees_the_worker(worker):
 def test_records_round_trip_and_junk_is_a_value_error():
     """The channel's binary form keeps every field the router renders from."""
     finish = FinishInfo("stop_sequence", "", 3, 7, 11, None, 2)
-    events = [TokenEvent(0, 5, "", -0.5, False, None, ((5, -0.5), (6, -1.25)), ((1, None, None), (2, -3.0, ((2, -3.0),)))),
+    prefill = ((1, None, None), (2, -3.0, ((2, -3.0),)))
+    events = [TokenEvent(0, 5, "", -0.5, False, None, ((5, -0.5), (6, -1.25)), prefill),
               TokenEvent(1, 2, "", float("-inf"), True, finish), ErrorEvent("boom", "internal")]
     start, back = decode_batch(encode_batch(events, StreamStart((1, 2), 7, 11)))
     assert start == StreamStart((1, 2), 7, 11)
@@ -158,3 +159,37 @@ def test_a_first_record_without_its_start_is_refused():
     text = StreamText(model=None, request=WorkerRequest(inputs="x"))
     with pytest.raises(ValueError, match="no start"):
         text.feed(None, [TokenEvent(0, 1, "", 0.0, False)])
+
+
+def test_a_non_streamed_answer_is_built_in_the_router_as_the_worker_would(worker):
+    """`/generate` goes on the channel (the router builds its body from token ids) and answers
+    what the worker's own `/generate` does, refusals included; prompt scoring stays the worker's."""
+    sock = worker["sock"]
+    bodies = [
+        {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 12, "details": True, "stop": ["e"]}},
+        {"inputs": "Hello", "parameters": {"max_new_tokens": 6, "details": True, "top_n_tokens": 2,
+                                           "decoder_input_details": True, "return_full_text": True}},
+        {"input_ids": [5, 17, 99], "parameters": {"max_new_tokens": 4}},
+        {"inputs": "Hello", "parameters": {"max_new_tokens": 300}},  # refused: 422 from the worker
+        {"input_ids": [5, 17, 99], "parameters": {"max_new_tokens": 0, "decoder_input_details": True}},
+    ]
+
+    async def run():
+        routed, alone = WorkerClient(sock), WorkerClient(sock, channel=False)
+        try:
+            out = []
+            for body in bodies:
+                request = WorkerRequest.model_validate(body)
+                mine, theirs = await routed.post("/generate", request), await alone.post("/generate", request)
+                out.append((mine, theirs))
+            return out, routed._channel
+        finally:
+            await routed.aclose()
+            await alone.aclose()
+
+    answers, channel = asyncio.run(run())
+    assert channel is not None and channel.text is not None  # the first request opened an ids channel
+    for body, ((status, _, content), (their_status, _, their_content)) in zip(bodies, answers, strict=True):
+        assert status == their_status, body
+        assert json.loads(content) == json.loads(their_content), body
+    assert answers[0][0][0] == 200 and answers[3][0][0] == 422

@@ -26,6 +26,7 @@ from workers.contract.events import decode_batch
 logger = logging.getLogger(__name__)
 
 STREAM_PATH = "/generate_stream"  # the worker route that streams on the channel
+GENERATE_PATH = "/generate"  # answered from a stream on the channel when the router builds the text
 _TOKENIZER_TIMEOUT_S = 30.0  # a large vocabulary's JSON, read once per channel
 
 
@@ -176,12 +177,13 @@ class ChannelStream:
         self._text = text
         self._done = queue is None
 
-    async def iter_chunks(self):
-        if self._queue is None:
-            if self._content:
-                yield self._content
-            return
-        queue, text = self._queue, self._text
+    @property
+    def text(self) -> StreamText | None:
+        return self._text
+
+    async def _records(self):
+        """The worker's records for this stream, until its last."""
+        queue = self._queue
         while True:
             item = await queue.get()
             if item is None:
@@ -190,6 +192,15 @@ class ChannelStream:
             if isinstance(item, BaseException):
                 self._done = True  # nothing to abort: the channel is gone
                 raise item
+            yield item
+
+    async def iter_chunks(self):
+        if self._queue is None:
+            if self._content:
+                yield self._content
+            return
+        text = self._text
+        async for item in self._records():
             if text is None:
                 yield item
                 continue
@@ -200,6 +211,18 @@ class ChannelStream:
             if rendered:
                 yield rendered.encode()
             if ended:  # its finish or error; a stop string found here leaves the worker's to abort
+                return
+
+    async def event_batches(self):
+        """On a channel of token ids: each record's events with their text, up to the last."""
+        text = self._text
+        async for item in self._records():
+            try:
+                events, ended = text.events(*decode_batch(item))
+            except ValueError as e:
+                raise WorkerConnectionLost(f"malformed stream record: {e!r}") from None
+            yield events
+            if ended:
                 return
 
     async def read(self) -> bytes:

@@ -19,10 +19,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from server.fleet.channel import STREAM_PATH, ChannelRefused, ChannelStream, WorkerChannel
+from server.fleet.channel import GENERATE_PATH, STREAM_PATH, ChannelRefused, ChannelStream, WorkerChannel
 from server.fleet.text import StreamText, with_prompt_ids
 from server.fleet.uds_http import Response, UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
-from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, CapabilityPayload, WireRequest, wire_bytes
+from workers.contract import (
+    HEADER_CHANNEL,
+    HEADER_STREAM_KEY,
+    CapabilityPayload,
+    WireRequest,
+    WorkerRequest,
+    wire_bytes,
+)
 
 _CONTROL_TIMEOUT_S = 5.0
 
@@ -83,8 +90,26 @@ class WorkerClient:
                    headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
         """A non-streamed call: (status, headers, body), the whole answer read. `body`: one of the
         contract's requests (`TypeError` for anything else); `headers`: extra request headers
-        (the trace context)."""
+        (the trace context). A generation goes on the stream channel when its text is built here
+        (`/generate` but prompt scoring), so the worker's engine does no text work for it either."""
+        if path == GENERATE_PATH and isinstance(body, WorkerRequest) and not body.parameters.scoring_only:
+            channel = await self._open_channel()
+            if channel is not None and channel.text is not None:
+                return await self._generate_on_channel(channel, body, headers)
         return await self._pool.request("POST", path, wire_bytes(body), headers)
+
+    async def _generate_on_channel(self, channel: WorkerChannel, body: WorkerRequest,
+                                   headers: dict[str, str] | None) -> tuple[int, dict[str, str], bytes]:
+        """`/generate`'s answer, made here from the stream of the same request on `channel`."""
+        stream = await self._on_channel(channel, STREAM_PATH, body, headers)
+        try:
+            if stream.status_code != 200:
+                return stream.status_code, stream.headers, await stream.read()
+            events = [event async for batch in stream.event_batches() for event in batch]
+            status, content = stream.text.answer(events)
+            return status, {**stream.headers, "content-type": "application/json"}, content
+        finally:
+            await stream.aclose()
 
     @asynccontextmanager
     async def stream(self, path: str, body: WireRequest,

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from workers.contract import WorkerRequest
 from workers.contract.detokenize import IncrementalDetokenizer, TokenBytes, special_token_ids
-from workers.contract.errors import safe_message
+from workers.contract.errors import ERROR_VALIDATION, safe_message
 from workers.contract.events import FINISH_EOS, FINISH_STOP, ErrorEvent, FinishInfo, StreamStart, TokenEvent
 from workers.contract.render import Render
 
@@ -116,25 +116,38 @@ class StreamText:
         tokens = model.token_bytes if _wants_bytes(p) else _NoBytes(model.special_ids)
         self.render = Render(tokens, p, prefix, input_text)
 
-    def feed(self, start: StreamStart | None, events: list) -> tuple[str, bool]:
+    def events(self, start: StreamStart | None, events: list) -> tuple[list, bool]:
+        """A record's events with their text (up to the stream's last), and whether it ended."""
         if start is not None and self.detok is None:
             self._begin(start)
         if self.ended:
-            return "", True
+            return [], True
         if self.detok is None:
             raise ValueError("a stream's first record carried no start")
-        frames = []
+        out = []
         for e in events:
-            if isinstance(e, ErrorEvent):
-                frames.append(error_frame(e.message, e.error_type))
+            event = e if isinstance(e, ErrorEvent) else self._text(e)
+            out.append(event)
+            if isinstance(event, ErrorEvent) or event.finish is not None:
                 self.ended = True
                 break
-            event = self._text(e)
-            frames.append(f"data: {json.dumps(self.render.event(event))}\n\n")
-            if event.finish is not None:
-                self.ended = True
-                break
-        return "".join(frames), self.ended
+        return out, self.ended
+
+    def feed(self, start: StreamStart | None, events: list) -> tuple[str, bool]:
+        """A record's events as the SSE text `/generate_stream` sends, and whether it ended."""
+        done, ended = self.events(start, events)
+        render = self.render
+        return "".join(error_frame(e.message, e.error_type) if isinstance(e, ErrorEvent)
+                       else f"data: {json.dumps(render.event(e))}\n\n" for e in done), ended
+
+    def answer(self, events: list) -> tuple[int, bytes]:
+        """`/generate`'s status and body from a whole stream's events (with their text)."""
+        last = events[-1]
+        if isinstance(last, ErrorEvent):  # the request's fault, or the engine's (as the worker answers)
+            status = 422 if last.error_type == ERROR_VALIDATION else 500
+            return status, _json({"error": safe_message(last.message), "error_type": last.error_type})
+        p = self.request.parameters
+        return 200, _json(self.render.response(events, p.details or p.decoder_input_details))
 
     def _text(self, e: TokenEvent) -> TokenEvent:
         """The worker's event with its text, and its finish as the engine would have made it with
@@ -159,6 +172,11 @@ class StreamText:
                 length, seed = worker_finish.input_length, worker_finish.seed
             finish = FinishInfo(reason, detok.text, e.index + 1, length, seed, None, stop_reason)
         return TokenEvent(e.index, e.token_id, text, e.logprob, special, finish, e.top, e.prefill)
+
+
+def _json(value) -> bytes:
+    """As the worker's JSON responses are written (Starlette's `JSONResponse`)."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _wants_bytes(p) -> bool:
