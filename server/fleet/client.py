@@ -101,7 +101,7 @@ class WorkerClient:
     async def _generate_on_channel(self, channel: WorkerChannel, body: WorkerRequest,
                                    headers: dict[str, str] | None) -> tuple[int, dict[str, str], bytes]:
         """`/generate`'s answer, made here from the stream of the same request on `channel`."""
-        stream = await self._on_channel(channel, STREAM_PATH, body, headers)
+        stream = await self._on_channel(channel, GENERATE_PATH, body, headers)
         try:
             if stream.status_code != 200:
                 return stream.status_code, stream.headers, await stream.read()

@@ -7,7 +7,8 @@ blocks before the next step. Each request has one span, ended with what happened
 while rendering a stream's events ends that stream with a `request_failed` error event, never a
 broken connection, which the router would read as the worker's death. A `/generate_stream` that
 names the router's channel is answered at once, its events on the channel
-(workers/serving/channel.py). Trade-off: a disconnect watcher task per non-streamed request."""
+(workers/serving/channel.py); so is a `/generate` naming it, whose answer the router builds from
+the events (a channel of token ids). Trade-off: a disconnect watcher task per non-streamed request."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ async def _abort_on_disconnect(request: Request, engine: Engine, stream: Request
 @router.post("/generate")
 async def generate(req: WorkerRequest, request: Request):
     ctx = get_ctx(request)
+    on_channel = _channel_stream(ctx, request)
+    if on_channel is not None:  # the router builds the answer from the stream's token ids
+        return await _on_channel(ctx, req, request, *on_channel)
     engine = ctx.engine
     sub = await ctx.submit_traced(req, request)
     stream = sub.stream
@@ -81,16 +85,9 @@ async def generate_stream(req: WorkerRequest, request: Request):
                             "(0, prompt scoring, is answered by `/generate`)", "validation")
     ctx = get_ctx(request)
     on_channel = _channel_stream(ctx, request)
-    sub = await ctx.submit_traced(req, request, text=on_channel is None or not on_channel[0].ids)
     if on_channel is not None:
-        channel, key = on_channel
-        if channel.closed:  # the router's channel went away while this request was admitted
-            ctx.engine.abort(sub.stream.request_id)
-            ctx.tracer.end(sub.span, None, sub.stream.request_id, sub.params)
-            raise APIError(503, f"The stream channel `{channel.id}` closed; open another with GET /streams",
-                           "unavailable")
-        channel.add(key, sub)
-        return Response(status_code=200)
+        return await _on_channel(ctx, req, request, *on_channel)
+    sub = await ctx.submit_traced(req, request)
     stream, engine = sub.stream, ctx.engine
 
     async def sse():
@@ -108,6 +105,19 @@ async def generate_stream(req: WorkerRequest, request: Request):
             ctx.tracer.end(sub.span, e if finished else None, stream.request_id, sub.params)
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _on_channel(ctx, req: WorkerRequest, request: Request, channel: StreamChannel, key: int) -> Response:
+    """Admit `req` and carry its events on `channel` under `key`: an empty 200 at once (or the
+    refusal). On a channel of token ids the engine builds no text for it."""
+    sub = await ctx.submit_traced(req, request, text=not channel.ids)
+    if channel.closed:  # the router's channel went away while this request was admitted
+        ctx.engine.abort(sub.stream.request_id)
+        ctx.tracer.end(sub.span, None, sub.stream.request_id, sub.params)
+        raise APIError(503, f"The stream channel `{channel.id}` closed; open another with GET /streams",
+                       "unavailable")
+    channel.add(key, sub)
+    return Response(status_code=200)
 
 
 def _channel_stream(ctx, request: Request) -> tuple[StreamChannel, int] | None:
