@@ -24,6 +24,7 @@ from workers.contract import STARTUP_STEPS, cpu_device
 from workers.engine.compiled import (
     ENV_INDUCTOR_CACHE_DIR,
     CompiledDecode,
+    CompileDecision,
     bucket_for,
     decide,
     decode_buckets,
@@ -55,7 +56,8 @@ NEW_TOKENS = [20, 6, 14, 9, 12, 7]
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def make_engine(lm, compiled: str | None, buckets=None, dynamo_backend="aot_eager", in_place: bool = False):
+def make_engine(lm, compiled: str | None, buckets=None, dynamo_backend="aot_eager", in_place: bool = False,
+                warm: bool = True):
     """An engine of `MAX_BATCH` sequences; `compiled`: None (eager, the CPU mirror as a worker
     with --compile off runs), "inductor" or "cuda-graphs" (then `dynamo_backend` / a stand-in);
     `in_place`: decode rows through the CPU kernel (kernels_local/paged_attention/cpu.py), as a CPU worker runs them."""
@@ -68,7 +70,8 @@ def make_engine(lm, compiled: str | None, buckets=None, dynamo_backend="aot_eage
     if compiled:
         decode = CompiledDecode(lm.model, pool, "cpu", buckets or decode_buckets(MAX_BATCH), compiled,
                                 graphs=StandInGraphs(), dynamo_backend=dynamo_backend, in_place=in_place)
-        decode.warm()
+        if warm:
+            decode.warm()
     config = SchedulerConfig(MAX_BATCH, lm.config.context_length, shapes[0][1], BLOCK, 2048, False,
                              eos_token_ids=(), kv_groups=shapes)
     return Engine(ModelRunner(lm.model, pool, "cpu", compiled=decode, in_place=in_place), Scheduler(config),
@@ -479,6 +482,48 @@ def test_a_failed_compile_serves_eager_under_auto_and_fails_the_start_under_on(l
 def test_a_wrong_backend_is_named():
     with pytest.raises(ValueError, match=r"Unknown compile backend `xla`\. Allowed: inductor, cuda-graphs"):
         CompiledDecode(None, SimpleNamespace(groups=()), "cpu", (1,), "xla")
+
+
+def test_auto_compiles_behind_steps_that_run_eager_meanwhile(lm, eager_tokens):
+    """Guards `if self.background:` in `BuiltEngine.compile` (workers/engine/build.py): under
+    `--compile auto` a CPU worker's compile starts on its own thread and `compile()` returns at
+    once; steps run eager with the same tokens meanwhile, and the compiled decode once it is
+    ready. Without the branch `compile()` would warm first and `seen` would never be "compiling"."""
+    import threading
+
+    from workers.engine.build import BuiltEngine
+
+    engine = make_engine(lm, "inductor", warm=False)
+    decode = engine.runner.compiled
+    built = BuiltEngine(engine, decode.kv, CompileDecision("auto", True, "inductor", "auto, a CPU worker"), decode)
+    changes = []
+    said = built.compile(on_change=lambda: changes.append(decode.state))
+    seen = decode.state
+    assert "compiling in the background" in said and seen in ("compiling", "ready")
+    assert serve(engine, lm, 3) == eager_tokens[3]  # whatever the compile's progress
+    behind = next(t for t in threading.enumerate() if t.name == "hetserve-compile")
+    behind.join(timeout=300)
+    assert decode.ready and changes == ["ready"] and built.decision.enabled
+    spy = StepSpy(engine.runner)
+    assert serve(engine, lm, 3) == eager_tokens[3]
+    assert {"compiled"} in spy.kinds()
+
+
+def test_a_background_compile_that_fails_leaves_the_worker_eager(lm, eager_tokens):
+    """Under `auto` a failed background compile is logged and every step stays eager: the
+    runner keeps the failed compile, which is never run (`ready` is False)."""
+    import threading
+
+    from workers.engine.build import BuiltEngine
+
+    engine = make_engine(lm, "inductor", warm=False, dynamo_backend="no-such-backend")
+    decode = engine.runner.compiled
+    built = BuiltEngine(engine, decode.kv, CompileDecision("auto", True, "inductor", "auto, a CPU worker"), decode)
+    built.compile()
+    next(t for t in threading.enumerate() if t.name == "hetserve-compile").join(timeout=300)
+    assert decode.state == "failed" and not decode.ready
+    assert not built.decision.enabled and "compiling failed" in built.decision.reason and built.compiled is None
+    assert serve(engine, lm, 3) == eager_tokens[3]
 
 
 # -- real Inductor, real workers (slow) ------------------------------------------------------

@@ -209,9 +209,12 @@ def run_worker(config: WorkerConfig) -> int:
             server = WorkerServer(config.socket, built.engine, loaded.tokenizer, info, config.otlp_endpoint)
             if first is not None:  # from here on, a stage that exits stops this replica
                 first.stages.watch(server.stop)
-        with startup_step("compile", status):  # the decode step per batch bucket, before the first request
-            logger.info("decode step: %s", built.compile())
-            info.compile = compile_description(built.decision, built.compiled)
+        with startup_step("compile", status):  # the decode step per batch bucket (`auto` on a CPU: behind)
+            def described() -> None:
+                info.compile = compile_description(built.decision, built.compiled)
+
+            logger.info("decode step: %s", built.compile(on_change=described))
+            described()
         phase["server"] = server.server
         server.run(on_ready=lambda: status.write(WorkerStatus.READY, socket=config.socket))
         if server.fatal_error is not None:

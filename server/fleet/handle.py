@@ -170,7 +170,15 @@ class WorkerHandle:
             "deterministic": (info.deterministic or DeterministicDescription()).model_dump(exclude_none=True),
             "canary": self.canary_snapshot(),
             "pipeline": info.pipeline,  # a pipeline replica's stages: layers, device, kernels, fp8, bytes
+            "compile": self.compile_entry(),
         }
+
+    def compile_entry(self) -> dict | None:
+        """`/workers` `compile`: the decode step's compilation as the last `/health` said (it goes
+        on after ready under `--compile auto`), else as `/capability` said at start."""
+        live = None if self.probe is None else self.probe.compile
+        described = live or (self.info.compile if self.info is not None else None)
+        return None if described is None else described.model_dump(exclude_none=True)
 
     def canary_snapshot(self) -> dict | None:
         """`/workers` `canary`: the last check's verdict, and whether it holds the worker out of rotation."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from server.fleet.client import WorkerClient, WorkerDown, WorkerGone
-from workers.contract import EngineLiveness, HealthPayload
+from workers.contract import CompileDescription, EngineLiveness, HealthPayload
 
 BUSY_CPU_SHARE = 0.2  # of one core over an unanswered probe: the worker computes, it is not stopped
 MAX_BUSY_PROBES = 6  # unanswered probes in a row tolerated from a worker that computes
@@ -43,6 +43,7 @@ class ProbeVerdict:
     why: str
     engine: EngineLiveness | None = None  # what the worker reported about its engine, if it answered
     capacity: dict | None = None  # the worker's changing KV figures (`kv_blocks_free`), if it answered
+    compile: CompileDescription | None = None  # its decode step's compilation, which goes on after ready
 
     def snapshot(self) -> dict:
         """`/workers` `health`: the last probe's verdict and the engine's liveness."""
@@ -60,13 +61,14 @@ def judge(code: int, body: dict, stall_timeout_s: float) -> ProbeVerdict:
         payload = HealthPayload.model_validate(body)
     except ValidationError:
         payload = HealthPayload()
-    engine, capacity = payload.engine, payload.capacity
+    engine, capacity, compiled = payload.engine, payload.capacity, payload.compile
     if engine is not None and engine.pending and engine.last_step_age_s > stall_timeout_s:
         return ProbeVerdict(Probe.HUNG, f"engine stalled: work pending and no step for {engine.last_step_age_s:.1f}s "
-                                        f"(stall timeout {stall_timeout_s:g}s)", engine, capacity)
+                                        f"(stall timeout {stall_timeout_s:g}s)", engine, capacity, compiled)
     if code == 200:
-        return ProbeVerdict(Probe.OK, "ok", engine, capacity)
-    return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine, capacity)
+        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled)
+    return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine, capacity,
+                        compiled)
 
 
 def cpu_seconds(pid: int | None) -> float | None:

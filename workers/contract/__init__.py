@@ -108,6 +108,7 @@ from workers.contract.limits import (
 )
 from workers.contract.payload import (
     CapabilityPayload,
+    CompileDescription,
     DeterministicDescription,
     DeviceDescription,
     EngineLiveness,
@@ -173,7 +174,8 @@ __all__ = [
     "STARTUP_STEPS", "ExitCode",
     "WorkerState", "WorkerStatus", "DEFAULT_MAX_NEW_TOKENS", "GRAMMAR_TYPES", "MAX_LOGIT_BIAS",
     "MAX_LOGIT_BIAS_TOKENS", "MAX_LOGPROBS", "MAX_PENALTY", "MAX_SEED", "MAX_STOP_SEQUENCES", "grammar_value",
-    "valid_unicode", "CapabilityPayload", "DeterministicDescription", "DeviceDescription", "EngineLiveness",
+    "valid_unicode", "CapabilityPayload", "CompileDescription", "DeterministicDescription", "DeviceDescription",
+    "EngineLiveness",
     "Fp8Description", "HealthPayload", "KernelDescription", "Load", "ModelDescription", "ACCEPTED_DEVICES",
     "ACCEPTED_TOKENS", "TopologySpecError", "cpu_device", "parse_simulate", "parse_token", "select_devices",
     "simulated_device", "ACCEPTED_SIZES", "SizeError", "format_size", "human", "parse_size", "ENV_TRITON_CACHE",

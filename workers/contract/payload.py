@@ -84,6 +84,10 @@ class CompileDescription(_Open):
     reason: str | None = None
     buckets: list[int] = Field(default_factory=list)  # batch sizes a decode step is padded to
     seconds: float | None = None  # compile (or capture) time at start
+    # "ready" (in use), "compiling" (in the background: steps run eager meanwhile), "failed"
+    # (eager from then on; `reason` says why); None: not compiled
+    state: str | None = None
+    done: int | None = None  # buckets compiled so far
 
 
 class Load(BaseModel):
@@ -108,6 +112,7 @@ class HealthPayload(_Open):
     load: Load = Field(default_factory=Load)
     engine: EngineLiveness | None = None
     capacity: dict | None = None  # the KV cache's changing figures (`kv_blocks_free`)
+    compile: CompileDescription | None = None  # the decode step's compilation, which goes on after ready
 
 
 class CapabilityPayload(_Open):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -154,18 +155,53 @@ class BuiltEngine:
     decision: CompileDecision
     compiled: CompiledDecode | None = None
 
-    def compile(self) -> str:
+    def compile(self, on_change: Callable[[], None] = lambda: None) -> str:
         """Compile (CPU) or capture (GPU) the decode step of every bucket (the `compile` startup
-        step); what it did, in one line. `auto` and compiling failed: every step eager."""
+        step); what it did, in one line. `auto` and compiling failed: every step eager.
+
+        Under `--compile auto` a CPU worker compiles in the background (`background`): it serves
+        eager at once and its steps take the compiled decode once every bucket is done, so a
+        first start answers in seconds instead of after minutes of Inductor. `on` compiles before
+        ready, as asked, and CUDA/HIP graphs are captured before ready (a capture cannot share its
+        stream with steps; it takes seconds). `on_change` is called when the state changes."""
         if self.compiled is None:
             return self.decision.reason
         if self.compiled.backend == "inductor":  # beside this architecture's Triton cache
             logger.info("Inductor cache %s", use_inductor_cache())
-        self.decision = warm_or_eager(self.decision, self.compiled)
+        if self.background:
+            self.compiled.prepare()
+            self.compiled.state = "compiling"
+            thread = threading.Thread(target=self._compile_behind, args=(on_change,), name="hetserve-compile",
+                                      daemon=True)
+            thread.start()
+            return (f"{self.compiled.backend}, buckets {list(self.compiled.buckets)}: compiling in the background; "
+                    "steps run eager until it is done")
+        self._finish(warm_or_eager(self.decision, self.compiled))
+        on_change()
         if not self.decision.enabled:
-            self.engine.runner.compiled = self.compiled = None
             return self.decision.reason
         return f"{self.compiled.backend}, buckets {list(self.compiled.buckets)} in {self.compiled.seconds:.1f}s"
+
+    @property
+    def background(self) -> bool:
+        return self.compiled is not None and self.compiled.backend == "inductor" and self.decision.mode == "auto"
+
+    def _compile_behind(self, on_change: Callable[[], None]) -> None:
+        """The background compile's thread: the engine's steps go on meanwhile (eager)."""
+        self._finish(warm_or_eager(self.decision, self.compiled))
+        if self.decision.enabled:
+            logger.info("decode step: %s, buckets %s compiled in the background in %.1fs; steps use it from now on",
+                        self.compiled.backend, list(self.compiled.buckets), self.compiled.seconds)
+        on_change()
+
+    def _finish(self, decision: CompileDecision) -> None:
+        """`decision` after the compile; failed (under `auto`): eager from now on. The runner keeps
+        a failed compile it may be reading on the engine thread: one not `ready` is never run."""
+        self.decision = decision
+        if not decision.enabled:
+            if not self.background:
+                self.engine.runner.compiled = None
+            self.compiled = None
 
 
 def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, kv: KVPool,

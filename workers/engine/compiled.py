@@ -282,6 +282,7 @@ class CompiledDecode:
         self._runs: dict[int, object] = {}
         self._graphs, self._dynamo_backend = graphs, dynamo_backend
         self.seconds = 0.0
+        self.state = "waiting"  # -> "compiling" -> "ready" | "failed" (see `describe`)
         # the step's body, without its `@torch.inference_mode()` (Dynamo cannot trace into it):
         # called under the engine's inference mode, over its own copy of the code (`own_code`)
         step = type(model).step
@@ -290,17 +291,31 @@ class CompiledDecode:
     # -- start-up ----------------------------------------------------------------------------
 
     def warm(self) -> float:
-        """Compile (Inductor) or capture (graphs) every bucket, largest first; returns seconds."""
+        """Compile (Inductor) or capture (graphs) every bucket, largest first; returns seconds.
+        Steps may run eager on another thread meanwhile (`ready` stays False until every bucket
+        is done): a compile touches only the pool's scratch blocks, and the rotary tables are
+        grown first (`prepare`)."""
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            self._grow_rotary()
-            if self.backend == "inductor":
-                self._compile_all()
-            else:
-                self._capture_all()
+        self.state = "compiling"
+        try:
+            with torch.inference_mode():
+                self.prepare()
+                if self.backend == "inductor":
+                    self._compile_all()
+                else:
+                    self._capture_all()
+        except BaseException:
+            self.state = "failed"
+            raise
         self.seconds = time.perf_counter() - t0
+        self.state = "ready"
         logger.info("decode step %s for buckets %s in %.1fs", self.backend, list(self.buckets), self.seconds)
         return self.seconds
+
+    def prepare(self) -> None:
+        """What must not change while steps run: the rotary tables at full length."""
+        with torch.inference_mode():
+            self._grow_rotary()
 
     def _grow_rotary(self) -> None:
         """The rotary tables at their full length (LongRoPE's long table too), so no compiled
@@ -340,7 +355,7 @@ class CompiledDecode:
 
     @property
     def ready(self) -> bool:
-        return len(self._runs) == len(self.buckets)
+        return self.state == "ready"
 
     def fits(self, chunks) -> bool:
         """Whether these chunks are one step this decode runs: one-token sampling chunks, at
@@ -360,4 +375,5 @@ class CompiledDecode:
         return self._runs[b]()[: len(chunks)].clone()  # the graph's output is overwritten by its next replay
 
     def describe(self) -> dict:
-        return {"buckets": list(self.buckets), "seconds": round(self.seconds, 3)}
+        return {"buckets": list(self.buckets), "seconds": round(self.seconds, 3), "state": self.state,
+                "done": len(self._runs)}

@@ -1,10 +1,9 @@
-"""What the router probes: `GET /health`, `GET /capability`, `GET /metrics`.
-
-`/health` reports the engine's liveness (pending work, age of its last step) beside the HTTP
-side's state, so the router can tell a hung engine from an idle one, and the KV cache's free
-blocks; it answers 503 unless ready. `/capability` is the worker's fixed description plus what
-changes: its pid, its load and its free KV blocks. `/metrics` is the worker's own Prometheus
-text (the router relabels it).
+"""What the router probes: `GET /health`, `GET /capability`, `GET /metrics`. `/health` reports the
+engine's liveness (pending work, age of its last step) beside the HTTP side's state, so the router
+can tell a hung engine from an idle one, the KV cache's free blocks and the decode step's
+compilation (which may go on after ready); it answers 503 unless ready. `/capability` is the
+worker's fixed description plus what changes: its pid, its load and its free KV blocks. `/metrics`
+is the worker's own Prometheus text (the router relabels it).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ async def health(request: Request):
     body = HealthPayload(status=status, worker_id=ctx.info.worker_id, load=Load(running=running, queued=queued),
                          engine=EngineLiveness(pending=live.pending, last_step_age_s=round(live.last_step_age_s, 3),
                                                steps=live.steps),
-                         capacity=engine.kv_now())
+                         capacity=engine.kv_now(), compile=ctx.info.compile)
     return JSONResponse(body.model_dump(mode="json"), status_code=200 if ok else 503)
 
 
