@@ -16,6 +16,7 @@ from workers.kernelize.selftest import (
     compare_with_reference,
     reference_path,
     self_test,
+    self_test_or_fall_back,
 )
 from workers.model.layers import PagedAttention, RMSNorm
 
@@ -70,6 +71,56 @@ def test_nan_from_a_kernel_is_a_failure():
     norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
     norm.forward = lambda x: x * float("nan")
     assert not compare_with_reference(model, model.config.vocab_size, "cpu").ok
+
+
+def test_a_wrong_kernel_goes_back_to_its_torch_path_and_the_others_stay():
+    """Guards `to_torch_path(model, layer)` in `self_test_or_fall_back`: a norm kernel off by 10%
+    is replaced by its torch path, with the figures as the reason; the activation and attention
+    kernels keep theirs, and the model then agrees with its reference exactly."""
+    model = tiny_model()
+    kernelize_for_device(model, device("sm_90"))
+    norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
+    kernel = norm.forward
+    norm.forward = lambda x: kernel(x) * 1.1
+    result, failed = self_test_or_fall_back(model, model.config, "cpu")
+    assert list(failed) == ["RMSNorm"] and "its self-test failed on this device" in failed["RMSNorm"]
+    assert result.ok and result.max_abs_error == 0.0
+    assert all("forward" not in m.__dict__ for m in model.modules() if isinstance(m, RMSNorm))
+    assert any("forward" in m.__dict__ for m in model.modules() if isinstance(m, PagedAttention))
+
+
+def test_a_kernel_that_raises_goes_back_to_its_torch_path():
+    """A decode attention kernel that raises on the device (as a failing compile does) takes the
+    whole-model test down; the kernel-by-kernel pass names it and the worker serves on."""
+    model = tiny_model()
+    kernelize_for_device(model, device("sm_90"))
+
+    def broken(q, kv, decode):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    for m in model.modules():
+        if isinstance(m, PagedAttention):
+            m.forward = broken
+    result, failed = self_test_or_fall_back(model, model.config, "cpu")
+    assert list(failed) == ["PagedAttention"] and "no kernel image" in failed["PagedAttention"]
+    assert result.ok
+
+
+def test_a_model_whose_torch_path_fails_still_refuses_to_start():
+    """Only when the torch path itself fails (here it gives NaN: no kernel can agree with it, and
+    with every kernel out the model still does not answer) does the worker refuse."""
+    model = tiny_model()
+    kernelize_for_device(model, device("sm_90"))
+    norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
+    kernel = norm.forward  # the kernel forward stays right; the class (torch) forward goes wrong
+    norm.forward = kernel
+    original = type(norm).forward
+    try:
+        type(norm).forward = lambda self, x: original(self, x) * float("nan")
+        with pytest.raises(SelfTestError, match="even with the failing kernels"):
+            self_test_or_fall_back(model, model.config, "cpu")
+    finally:
+        type(norm).forward = original
 
 
 @pytest.mark.gpu

@@ -170,9 +170,11 @@ def run_worker(config: WorkerConfig) -> int:
             conv, fp8_reason, checkpoint = _apply_fp8(config, bound, cap, loaded)
         if bound.is_real_gpu:
             with startup_step("kernelize", status):  # its last check, once fp8 swapped in its layers
-                from workers.kernelize.selftest import self_test
+                from workers.kernelize.selftest import self_test_or_fall_back
 
-                logger.info("self-test: %s", self_test(loaded.model, loaded.config, bound.torch_device))
+                result, failed = self_test_or_fall_back(loaded.model, loaded.config, bound.torch_device)
+                kernels = _torch_paths(kernels, failed)
+                logger.info("self-test: %s", result)
         with startup_step("kernelize", status):  # a CPU model's own paths, over the layers fp8 left
             from workers.engine.build import install_cpu_paths
 
@@ -243,6 +245,16 @@ def run_worker(config: WorkerConfig) -> int:
                 first.close()
         elif stages is not None:  # the first stage failed before serving: its stages go with it
             stages.stop(timeout=0.0)
+
+
+def _torch_paths(kernels: dict, failed: dict[str, str]) -> dict:
+    """The kernel choices with each layer that failed its self-test on this device on its torch
+    path, the reason saying why (`/workers` shows it)."""
+    from dataclasses import replace
+
+    return {layer: replace(choice, variant="torch", reason=f"torch path: the chosen kernel ({choice.variant}) "
+                                                           f"failed on this device: {failed[layer]}")
+            if layer in failed else choice for layer, choice in kernels.items()}
 
 
 def _read_plan(config: WorkerConfig):

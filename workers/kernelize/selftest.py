@@ -114,3 +114,64 @@ def self_test(model: nn.Module, config, device) -> SelfTestResult:
     if not result.ok:
         raise SelfTestError(f"kernelized forward disagrees with the torch reference: {result}")
     return result
+
+
+@contextlib.contextmanager
+def only_kernel(model: nn.Module, layer: str) -> Iterator[int]:
+    """Inside, only the kernel forwards of layer `layer` run; every other kernelized module runs
+    its torch forward. Yields how many modules keep their kernel."""
+    swapped = {}
+    for m in model.modules():
+        name = getattr(type(m), "kernel_layer_name", None)
+        if "forward" in m.__dict__ and name and name != layer:
+            swapped[m] = m.__dict__.pop("forward")
+    try:
+        yield sum(1 for m in model.modules() if "forward" in m.__dict__
+                  and getattr(type(m), "kernel_layer_name", None) == layer)
+    finally:
+        for m, forward in swapped.items():
+            m.forward = forward
+
+
+def to_torch_path(model: nn.Module, layer: str) -> int:
+    """Every module of layer `layer` runs its torch forward from now on; how many changed."""
+    changed = 0
+    for m in model.modules():
+        if "forward" in m.__dict__ and getattr(type(m), "kernel_layer_name", None) == layer:
+            del m.__dict__["forward"]
+            changed += 1
+    return changed
+
+
+def self_test_or_fall_back(model: nn.Module, config, device) -> tuple[SelfTestResult, dict[str, str]]:
+    """The self-test, kernel by kernel where the whole model fails it: each layer whose kernel
+    alone moves the logits past the tolerance (or makes them non-finite, or raises) goes back to
+    its torch path for this worker, with the reason. Returns the final whole-model result and the
+    layers sent back (layer -> why). `SelfTestError` only when the model still disagrees with its
+    reference once every failing kernel is out: the torch path itself fails."""
+    try:
+        result = compare_with_reference(model, config.vocab_size, device)
+        if result.ok:
+            return result, {}
+    except Exception as e:  # a kernel that raises on this device: find which, as for a wrong one
+        logger.warning("self-test of the kernelized model raised (%s: %s); testing each kernel alone",
+                       type(e).__name__, e)
+    layers = sorted({type(m).kernel_layer_name for m in model.modules()
+                     if "forward" in m.__dict__ and getattr(type(m), "kernel_layer_name", None)})
+    failed: dict[str, str] = {}
+    for layer in layers:
+        try:
+            with only_kernel(model, layer):
+                alone = compare_with_reference(model, config.vocab_size, device)
+            why = None if alone.ok else f"its self-test failed on this device: {alone}"
+        except Exception as e:
+            why = f"it raised in its self-test on this device ({type(e).__name__}: {str(e)[:200]})"
+        if why is not None:
+            to_torch_path(model, layer)
+            failed[layer] = why
+            logger.warning("kernel %s replaced by its torch path: %s", layer, why)
+    result = compare_with_reference(model, config.vocab_size, device)
+    if not result.ok:
+        raise SelfTestError(f"the model disagrees with its torch reference even with the failing kernels "
+                            f"({', '.join(failed) or 'none found'}) on their torch paths: {result}")
+    return result, failed
