@@ -15,7 +15,7 @@ from server.fleet.spec import build_worker_specs
 from server.routing.metrics import RoutingCollector, speed_view
 from server.routing.router import Router
 from server.routing.speed import Speed, SpeedFit
-from workers.contract import CapabilityPayload, WorkerState, parse_simulate
+from workers.contract import CapabilityPayload, CompileDescription, WorkerState, parse_simulate
 
 
 def _handle(token: str, fp8: dict, dtype: str = "bfloat16") -> WorkerHandle:
@@ -80,3 +80,20 @@ def test_metrics_leave_out_unmeasured_speeds():
     text = generate_latest(registry).decode()
     assert "hetserve_router_worker_prefill_tokens_per_second{" not in text
     assert 'hetserve_router_worker_decode_tokens_per_second{batch="1"' in text
+
+
+def test_workers_shows_the_compile_as_the_last_health_says_it_goes_on():
+    """Guards `self.probe.compile` in `WorkerHandle.compile_entry`: a worker compiling its decode
+    step behind its serving says so in `/health`, and `/workers` shows that, not what
+    `/capability` said at start."""
+    from server.fleet.probe import judge
+
+    h = _handle("sm_90", {"convention": "native_e4m3"})
+    h.info = h.info.model_copy(update={"compile": CompileDescription(mode="auto", enabled=True, backend="inductor",
+                                                                     state="compiling", done=0, buckets=[1, 2])})
+    assert h.snapshot(8)["compile"]["state"] == "compiling"
+    health = {"status": "ready", "compile": {"mode": "auto", "enabled": True, "backend": "inductor",
+                                             "state": "ready", "done": 2, "buckets": [1, 2], "seconds": 41.5}}
+    h.probe = judge(200, health, 30.0)
+    entry = h.snapshot(8)["compile"]
+    assert (entry["state"], entry["done"], entry["seconds"]) == ("ready", 2, 41.5)
