@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from workers.gguf.files import GGUFError
+
 QK_K = 256  # elements of a K-block (and an IQ4_XS block)
 
 # (elements, bytes) per block, as ggml's GGML_QUANT_SIZES
@@ -29,7 +31,7 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled
 
 
-class UnsupportedTensorType(ValueError):
+class UnsupportedTensorType(GGUFError):
     """A GGUF tensor type this server does not dequantize."""
 
 

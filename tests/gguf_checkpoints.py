@@ -1,0 +1,106 @@
+"""Tiny random GGUF files written by gguf-py's own `GGUFWriter`, as llama.cpp's converter lays them out.
+
+A case is a family and a tensor type: transformers builds the model at random (dims like the
+embedded model's, 2 layers), and each tensor is written under its GGUF name (gguf-py's
+`TensorNameMap`), Llama's q/k rows interleaved as llama.cpp's converter does, matrices quantized
+by gguf-py's quantizers (norms and biases stay F32, as llama.cpp keeps them), with the embedded
+model's tokenizer as `tokenizer.ggml.*` keys and its chat template. Files are written into the
+directory the caller gives (a tmp dir); nothing is downloaded or committed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from workers.contract import DEFAULT_MODEL_DIR
+
+VOCAB = 4096
+DIMS = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.05)
+# GGUF architecture -> (transformers model_type, options)
+FAMILIES = {
+    "llama": ("llama", dict(tie_word_embeddings=True)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
+    # transformers' GGUF reader leaves Qwen3's head_dim at its default (128) whatever `key_length` says:
+    # a head wider than hidden/heads, as real Qwen3 checkpoints have
+    "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=128)),
+}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order: each head's rotary halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tokenizer(writer) -> None:
+    tok = json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
+    cfg = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+    vocab = {i: t for t, i in tok["model"]["vocab"].items()}
+    special = {a["id"] for a in tok["added_tokens"] if a["special"]}
+    for a in tok["added_tokens"]:
+        vocab[a["id"]] = a["content"]
+    tokens = [vocab[i] for i in range(VOCAB)]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(VOCAB)])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(cfg["chat_template"])
+
+
+def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0) -> Path:
+    """Write `out/<arch>-<qtype>.gguf` and return its path."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, options = FAMILIES[arch]
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, **{**DIMS, **options})
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{arch}-{qtype}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(VOCAB)
+    _tokenizer(writer)
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
+    kind = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        name = names.get_name(base) + "." + suffix
+        data = tensor.detach().numpy().astype(np.float32)
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            data = _permute(data, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
+        if data.ndim >= 2 and qtype != "F32" and data.shape[-1] % block == 0:
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

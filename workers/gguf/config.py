@@ -1,0 +1,104 @@
+"""A GGUF's metadata as the Hugging Face config.json our loader reads.
+
+Design: llama.cpp writes each architecture's hyper-parameters under `{arch}.*` keys
+(`llama.block_count`, `qwen3.attention.head_count_kv`, ...); `hf_config` maps them to
+config.json's fields for the families we serve from GGUF (`ARCHITECTURES`), and reads what the
+format leaves implicit from the tensor table: a tied head (no `output.weight`), biases (an
+`attn_q.bias`). The checkpoint dtype it reports is the file's float type where its matrices are
+floats, else bfloat16 (a quantized file's weights are dequantized into the compute dtype, which
+`--dtype auto` then picks per device as for any checkpoint). Trade-off: only keys that change the
+computation are read; one the format can carry and we do not serve (a rope scaling other than
+linear/yarn, a `rope_freqs` tensor) is refused by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.gguf.files import GGUFError, TensorInfo
+
+# GGUF `general.architecture` -> (config.json `architectures[0]`, `model_type`)
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+# llama.cpp's converter interleaves the rotary halves of q and k rows for these (its `LlamaModel.permute`)
+PERMUTED_QK = ("llama",)
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+ROPE_SCALINGS = ("none", "linear", "yarn")
+
+
+def architecture(meta: dict[str, Any]) -> str:
+    """The file's architecture when we serve it; a `GGUFError` listing those we serve otherwise."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"Unsupported GGUF architecture `{arch}`. Supported: {', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def _dtype(tensors: dict[str, TensorInfo]) -> str:
+    matrices = {t.type_name for t in tensors.values() if len(t.shape) >= 2}
+    if len(matrices) == 1 and (only := next(iter(matrices))) in FLOAT_TYPES:
+        return FLOAT_TYPES[only]
+    return "bfloat16"
+
+
+def _rope(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind not in ROPE_SCALINGS:
+        raise GGUFError(f"Unsupported GGUF rope scaling `{kind}`. Supported: {', '.join(ROPE_SCALINGS)}")
+    params: dict[str, Any] = {"rope_theta": theta, "rope_type": "default" if kind == "none" else kind}
+    if kind != "none":
+        params["factor"] = float(meta[f"{arch}.rope.scaling.factor"])
+        if kind == "yarn":
+            params["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
+    return params
+
+
+def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str, Any]:
+    """config.json's fields for the GGUF model of `meta` (first file's keys) and `tensors` (all files')."""
+    arch = architecture(meta)
+    hf_class, model_type = ARCHITECTURES[arch]
+    if "rope_freqs.weight" in tensors:
+        raise GGUFError("Unsupported GGUF tensor `rope_freqs.weight` (per-frequency rope factors). "
+                        "Supported: rope scaling from metadata (" + ", ".join(ROPE_SCALINGS) + ")")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise GGUFError(f"GGUF metadata lacks `{arch}.{name}`")
+        return value
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    rope = _rope(meta, arch)
+    out: dict[str, Any] = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens) or tensors["token_embd.weight"].shape[0]),
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length", 0)),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope["rope_theta"],
+        "rope_parameters": rope,
+        "rope_scaling": rope if rope["rope_type"] != "default" else None,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "hidden_act": "silu",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": _dtype(tensors),
+    }
+    if meta.get("tokenizer.ggml.padding_token_id") is not None:
+        out["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
+    if arch in ("llama", "qwen3"):
+        out["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "llama":
+        out["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    return out

@@ -1,0 +1,76 @@
+"""A GGUF model's tensors under Hugging Face names, dequantized, as the loader reads a checkpoint.
+
+Design: the loader asks for the Hugging Face tensors its family expects (workers/model/weights.py);
+gguf-py's own `TensorNameMap` for the file's architecture names each of them in GGUF
+(`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`), so the map is llama.cpp's,
+not a second copy. Each tensor is yielded as (file, GGUF name, HF name, shape, read): `read()`
+dequantizes its bytes in torch (workers/gguf/dequant.py) to float32 and, for the architectures
+llama.cpp's converter permutes (`PERMUTED_QK`), puts q and k rows back in Hugging Face's rotary
+order. A tensor no expected name maps to comes back under its GGUF name, for the loader to report
+as unexpected; a type we do not dequantize is a named error before anything is read. Trade-off:
+the weights are unpacked at load (the model's dtype), so a quantized file takes its dense size in
+memory; packed execution builds on the same names and bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from workers.gguf.config import PERMUTED_QK
+from workers.gguf.dequant import check_type, dequantize
+from workers.gguf.files import GGUFError, metadata, open_readers
+
+
+def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k interleave: each head's rows (2, half) back from (half, 2)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_names(arch: str, num_layers: int, hf_names: list[str]) -> dict[str, str]:
+    """GGUF name -> HF name for each of `hf_names` that llama.cpp's table for `arch` names."""
+    import gguf
+
+    arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_id is None:
+        raise GGUFError(f"gguf-py knows no architecture `{arch}`")
+    table = gguf.get_tensor_name_map(arch_id, num_layers)
+    out = {}
+    for hf in hf_names:
+        base, _, suffix = hf.rpartition(".")
+        name = table.get_name(base)
+        if name is not None:
+            out[f"{name}.{suffix}"] = hf
+    return out
+
+
+def _reader(t, type_name: str, shape: tuple[int, ...], permute_heads: int | None) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        raw = torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8))
+        values = dequantize(raw, type_name, shape)
+        return unpermute_rows(values, permute_heads) if permute_heads else values
+    return read
+
+
+def gguf_tensors(files: list[Path], expected: Mapping[str, tuple[int, ...]], num_heads: int,
+                 num_kv_heads: int) -> Iterator[tuple[str, str, str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    """(file name, GGUF name, HF name, shape, read) of every tensor of the GGUF model in `files`."""
+    readers = open_readers(files)
+    meta = metadata(readers[0])
+    arch = meta["general.architecture"]
+    layers = int(meta.get(f"{arch}.block_count", 0))
+    names = gguf_names(arch, layers, list(expected))
+    for reader in readers:
+        for t in reader.tensors:
+            check_type(t.tensor_type.name, t.name)
+    for path, reader in zip(files, readers, strict=True):
+        for t in reader.tensors:
+            hf = names.get(t.name, t.name)
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            heads = None
+            if arch in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
+                heads = num_heads if ".attn_q." in t.name else num_kv_heads
+            yield path.name, t.name, hf, shape, _reader(t, t.tensor_type.name, shape, heads)
