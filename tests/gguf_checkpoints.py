@@ -104,3 +104,28 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def cached_gguf(arch: str, qtype: str, seed: int = 0) -> Path:
+    """`make_gguf`'s file kept under `~/.cache/hetserve/test-gguf/<key>/`, `key` the hash of this module's
+    source, the case and the writer's versions: a served file keeps its path from run to run, so its
+    prepared directory (workers/gguf/prepare.py) is made once, not once per run."""
+    import hashlib
+    import importlib.metadata
+    import os
+    import shutil
+    import tempfile
+
+    versions = [importlib.metadata.version(p) for p in ("gguf", "transformers", "torch")]
+    key = hashlib.sha256("\0".join([Path(__file__).read_text(), arch, qtype, str(seed), *versions]).encode())
+    target = Path("~/.cache/hetserve/test-gguf").expanduser() / key.hexdigest()[:24]
+    path = target / f"{arch}-{qtype}.gguf"
+    if not path.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent))
+        make_gguf(arch, qtype, tmp, seed)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # written by another process meanwhile: the same bytes
+            shutil.rmtree(tmp)
+    return path

@@ -5,10 +5,11 @@ loader, `hetserve plan`) reads a Hugging Face directory, so `prepare(path)` make
 `config.json`, `tokenizer.json`, `tokenizer_config.json` (with `tokenizer.chat_template`),
 `generation_config.json`, and `gguf.json`, which lists the GGUF files whose tensors the loader
 reads in place of safetensors (workers/gguf/weights.py). The rule: the directory lives under
-`~/.cache/hetserve/gguf/<key>/`, `key` the SHA-256 of each file's resolved path, size and header
-(its metadata and tensor table: everything the conversion reads), so it is written the first time
-a file is opened and reused after; a changed or moved file gets a new one. It is written into a
-temporary directory and renamed, so two processes preparing the same file never see half of it.
+`~/.cache/hetserve/gguf/<key>/` (`$XDG_CACHE_HOME` where set), `key` the SHA-256 of each file's
+resolved path, size and header (its metadata and tensor table: everything the conversion reads),
+so it is written the first time a file is opened and reused after; a changed or moved file gets a
+new one. It is written into a temporary directory and renamed, so two processes preparing the
+same file never see half of it.
 Torch-free: the router runs `python -m workers.gguf PATH` (prints the directory) before any
 worker starts. Trade-off: the weights are never copied; the cache holds only the small files.
 """
@@ -25,9 +26,13 @@ from workers.gguf.config import hf_config
 from workers.gguf.files import gguf_files, metadata, model_name, open_readers, tensor_infos
 from workers.gguf.tokenizer import build_tokenizer, tokenizer_config
 
-CACHE_ROOT = Path("~/.cache/hetserve/gguf")
 POINTER = "gguf.json"  # the GGUF files a prepared directory stands for
 FORMAT = 1  # bump when the converted files change, so old cache entries are not reused
+
+
+def cache_root() -> Path:
+    """`$XDG_CACHE_HOME/hetserve/gguf` (`~/.cache/hetserve/gguf` where unset), as other user caches live."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "hetserve" / "gguf"
 
 
 def cache_key(files: list[Path], readers: list) -> str:
@@ -60,11 +65,11 @@ def _write(target: Path, files: list[Path], readers: list) -> None:
         tmp.rmdir()
 
 
-def prepare(path: str | Path, cache_root: str | Path = CACHE_ROOT) -> Path:
+def prepare(path: str | Path, root: str | Path | None = None) -> Path:
     """The model directory standing for the GGUF model at `path` (a file, a split part or a directory)."""
     files = gguf_files(path)
     readers = open_readers(files)
-    root = Path(cache_root).expanduser()
+    root = Path(root).expanduser() if root is not None else cache_root()
     root.mkdir(parents=True, exist_ok=True)
     target = root / cache_key(files, readers)
     if not (target / POINTER).is_file():
