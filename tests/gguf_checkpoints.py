@@ -29,6 +29,9 @@ FAMILIES = {
     # transformers' GGUF reader leaves Qwen3's head_dim at its default (128) whatever `key_length` says:
     # a head wider than hidden/heads, as real Qwen3 checkpoints have
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=128)),
+    # and Qwen3-MoE's moe_intermediate_size at its default (768, Qwen3-30B-A3B's) whatever the file says
+    "qwen3moe": ("qwen3_moe", dict(tie_word_embeddings=False, head_dim=128, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=768, norm_topk_prob=True)),
 }
 
 
@@ -58,8 +61,28 @@ def _tokenizer(writer) -> None:
     writer.add_chat_template(cfg["chat_template"])
 
 
-def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0) -> Path:
-    """Write `out/<arch>-<qtype>.gguf` and return its path."""
+def _gguf_tensors(model, cfg, names):
+    """(GGUF name, float32 array) of each tensor, as llama.cpp's converter names them; transformers'
+    fused experts [E, 2I, H] (gate then up) become GGUF's stacked `ffn_gate_exps` and `ffn_up_exps`."""
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = tensor.detach().numpy().astype(np.float32)
+        if hf_name.endswith("experts.gate_up_proj"):
+            base = hf_name.removesuffix("gate_up_proj")
+            gate, up = np.split(data, 2, axis=1)
+            yield names.get_name(base + "gate_proj") + ".weight", np.ascontiguousarray(gate)
+            yield names.get_name(base + "up_proj") + ".weight", np.ascontiguousarray(up)
+        elif hf_name.endswith("experts.down_proj"):
+            yield names.get_name(hf_name) + ".weight", data
+        else:
+            base, suffix = hf_name.rsplit(".", 1)
+            yield names.get_name(base) + "." + suffix, data
+
+
+def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: int = 0) -> Path:
+    """Write `out/<arch>-<qtype>.gguf` and return its path; with `split_tensors`, as split files of at
+    most that many tensors each (`<arch>-<qtype>-0000i-of-0000n.gguf`), returning the first part."""
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -69,7 +92,7 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{arch}-{qtype}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_tensors)
     writer.add_name(f"tiny-{arch}")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -82,17 +105,16 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0) -> Path:
     writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(VOCAB)
+    if getattr(cfg, "num_experts", None):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     _tokenizer(writer)
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
     kind = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[kind][0]
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        base, suffix = hf_name.rsplit(".", 1)
-        name = names.get_name(base) + "." + suffix
-        data = tensor.detach().numpy().astype(np.float32)
+    for name, data in _gguf_tensors(model, cfg, names):
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             data = _permute(data, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
         if data.ndim >= 2 and qtype != "F32" and data.shape[-1] % block == 0:
@@ -103,7 +125,7 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return sorted(out.glob(f"{arch}-{qtype}-*-of-*.gguf"))[0] if split_tensors else path
 
 
 def cached_gguf(arch: str, qtype: str, seed: int = 0) -> Path:

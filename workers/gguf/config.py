@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 # llama.cpp's converter interleaves the rotary halves of q and k rows for these (its `LlamaModel.permute`)
 PERMUTED_QK = ("llama",)
@@ -97,8 +98,11 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str,
     }
     if meta.get("tokenizer.ggml.padding_token_id") is not None:
         out["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3moe"):
         out["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama":
         out["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if arch == "qwen3moe":  # every layer has experts; llama.cpp's graph renormalizes the top-k weights
+        out.update(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+                   moe_intermediate_size=int(key("expert_feed_forward_length")), norm_topk_prob=True)
     return out

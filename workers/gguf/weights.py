@@ -6,7 +6,9 @@ gguf-py's own `TensorNameMap` for the file's architecture names each of them in 
 not a second copy. Each tensor is yielded as (file, GGUF name, HF name, shape, read): `read()`
 dequantizes its bytes in torch (workers/gguf/dequant.py) to float32 and, for the architectures
 llama.cpp's converter permutes (`PERMUTED_QK`), puts q and k rows back in Hugging Face's rotary
-order. A tensor no expected name maps to comes back under its GGUF name, for the loader to report
+order; a stacked experts tensor (`blk.N.ffn_gate_exps.weight`, [experts, ...]) comes back as one
+entry per expert under that expert's HF name, dequantized once. A tensor no expected name maps
+to comes back under its GGUF name, for the loader to report
 as unexpected; a type we do not dequantize is a named error before anything is read. Trade-off:
 the weights are unpacked at load (the model's dtype), so a quantized file takes its dense size in
 memory; packed execution builds on the same names and bytes.
@@ -14,6 +16,8 @@ memory; packed execution builds on the same names and bytes.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -30,16 +34,27 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_names(arch: str, num_layers: int, hf_names: list[str]) -> dict[str, str]:
-    """GGUF name -> HF name for each of `hf_names` that llama.cpp's table for `arch` names."""
+_EXPERT = re.compile(r"^(?P<head>.+\.experts)\.(?P<e>\d+)\.(?P<tail>[^.]+)\.(?P<suffix>weight|bias)$")
+
+
+def gguf_names(arch: str, num_layers: int, hf_names: list[str]) -> dict[str, str | dict[int, str]]:
+    """GGUF name -> HF name for each of `hf_names` that llama.cpp's table for `arch` names; a stacked
+    experts tensor (`blk.0.ffn_gate_exps.weight`) -> {expert: HF name of that expert's tensor}."""
     import gguf
 
     arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
     if arch_id is None:
         raise GGUFError(f"gguf-py knows no architecture `{arch}`")
     table = gguf.get_tensor_name_map(arch_id, num_layers)
-    out = {}
+    out: dict[str, str | dict[int, str]] = {}
     for hf in hf_names:
+        if m := _EXPERT.match(hf):  # one expert's tensor: GGUF stacks every expert's in one
+            name = table.get_name(f"{m['head']}.{m['tail']}")
+            if name is not None:
+                stacked = out.setdefault(f"{name}.{m['suffix']}", {})
+                assert isinstance(stacked, dict)
+                stacked[int(m["e"])] = hf
+            continue
         base, _, suffix = hf.rpartition(".")
         name = table.get_name(base)
         if name is not None:
@@ -53,6 +68,10 @@ def _reader(t, type_name: str, shape: tuple[int, ...], permute_heads: int | None
         values = dequantize(raw, type_name, shape)
         return unpermute_rows(values, permute_heads) if permute_heads else values
     return read
+
+
+def _expert(whole: Callable[[], torch.Tensor], e: int) -> torch.Tensor:
+    return whole()[e]
 
 
 def gguf_tensors(files: list[Path], expected: Mapping[str, tuple[int, ...]], num_heads: int,
@@ -73,4 +92,10 @@ def gguf_tensors(files: list[Path], expected: Mapping[str, tuple[int, ...]], num
             heads = None
             if arch in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
                 heads = num_heads if ".attn_q." in t.name else num_kv_heads
-            yield path.name, t.name, hf, shape, _reader(t, t.tensor_type.name, shape, heads)
+            read = _reader(t, t.tensor_type.name, shape, heads)
+            if isinstance(hf, dict):  # stacked experts [E, ...]: one entry per expert, dequantized once
+                whole = functools.cache(read)
+                for e, name in sorted(hf.items()):
+                    yield path.name, t.name, name, shape[1:], functools.partial(_expert, whole, e)
+                continue
+            yield path.name, t.name, hf, shape, read
