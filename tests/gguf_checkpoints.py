@@ -3,7 +3,8 @@
 A case is a family and a tensor type: transformers builds the model at random (dims like the
 embedded model's, 2 layers), and each tensor is written under its GGUF name (gguf-py's
 `TensorNameMap`), Llama's q/k rows interleaved as llama.cpp's converter does, matrices quantized
-by gguf-py's quantizers (norms and biases stay F32, as llama.cpp keeps them), with the embedded
+by gguf-py's quantizers (norms and biases stay F32, as llama.cpp keeps them); the type "mixed"
+gives every matrix another type, the K- and IQ-types as random blocks (`MIXED`), with the embedded
 model's tokenizer as `tokenizer.ggml.*` keys and its chat template. Files are written into the
 directory the caller gives (a tmp dir); nothing is downloaded or committed.
 """
@@ -33,6 +34,41 @@ FAMILIES = {
     "qwen3moe": ("qwen3_moe", dict(tie_word_embeddings=False, head_dim=128, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=768, norm_topk_prob=True)),
 }
+
+
+# "mixed": one file of many types, as Q4_K_M mixes Q4_K and Q6_K; a matrix's type by its position.
+# The K- and IQ-types, which gguf-py cannot quantize, are random blocks with small fp16 scales
+# (offsets of each block's fp16 scales below): values both dequantizers read alike.
+MIXED = ("Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "Q8_0", "Q5_0", "Q5_1", "Q4_1", "Q4_0", "BF16",
+         "F16", "MXFP4")
+FP16_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+               "IQ4_XS": (0,)}
+
+
+def _random_blocks(gguf, kind, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random `kind` blocks for a tensor of `shape`, each fp16 scale small (about 1e-4) and finite."""
+    elements, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // elements, size), dtype=np.uint8)
+    for offset in FP16_SCALES[kind.name]:
+        scales = (rng.choice([-1, 1], size=raw.shape[:-1]) * rng.uniform(2e-5, 2e-4, size=raw.shape[:-1]))
+        raw[..., offset:offset + 2] = scales.astype(np.float16).view(np.uint8).reshape(*raw.shape[:-1], 2)
+    return raw.reshape(*shape[:-1], -1)
+
+
+def _add(writer, gguf, name: str, data: np.ndarray, qtype: str, index: int, rng: np.random.Generator) -> None:
+    """Write one tensor as `qtype` (in "mixed", the type of its position) where its rows are whole
+    blocks; norms, biases and rows of another length stay F32, as llama.cpp keeps them."""
+    if qtype == "mixed":
+        qtype = MIXED[index % len(MIXED)]
+    kind = gguf.GGMLQuantizationType[qtype]
+    if data.ndim < 2 or qtype == "F32" or data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
+        writer.add_tensor(name, data)
+    elif qtype == "F16":
+        writer.add_tensor(name, data.astype(np.float16))
+    elif qtype in FP16_SCALES:
+        writer.add_tensor(name, _random_blocks(gguf, kind, data.shape, rng), raw_dtype=kind)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -112,15 +148,11 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: in
     _tokenizer(writer)
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
-    kind = gguf.GGMLQuantizationType[qtype]
-    block = gguf.GGML_QUANT_SIZES[kind][0]
-    for name, data in _gguf_tensors(model, cfg, names):
+    rng = np.random.default_rng(seed)
+    for index, (name, data) in enumerate(_gguf_tensors(model, cfg, names)):
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             data = _permute(data, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
-        if data.ndim >= 2 and qtype != "F32" and data.shape[-1] % block == 0:
-            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, data)
+        _add(writer, gguf, name, data, qtype, index, rng)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

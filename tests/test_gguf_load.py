@@ -1,6 +1,7 @@
 """GGUF files load through our loader as transformers loads them, for each family and tensor type.
 
-Each case is a tiny random model written by gguf-py's `GGUFWriter` (tests/gguf_checkpoints.py):
+Each case is a tiny random model written by gguf-py's `GGUFWriter` (tests/gguf_checkpoints.py), in
+one type or in "mixed" (every matrix another type: the K-blocks, IQ4, MXFP4, BF16, F16, ...):
 our fp32 logits are within 1e-4 of transformers loading the same file
 (`from_pretrained(dir, gguf_file=...)`), greedy tokens are identical, and our tokenizer
 (`tokenizer.json` converted from `tokenizer.ggml.*`) gives transformers' GGUF tokenizer's ids on
@@ -23,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 TYPES = ("F32", "Q8_0", "Q4_0")
-CASES = [(a, q) for a in sorted(FAMILIES) for q in TYPES]
+CASES = [(a, q) for a in sorted(FAMILIES) for q in TYPES] + [("llama", "mixed"), ("qwen3", "mixed")]
 NEW_TOKENS = 16
 TEXT = "Once upon a time there was a little fox who lived near the river, and every morning it went down."
 
@@ -78,6 +79,15 @@ def test_tokenizer_ids_match_transformers_gguf_tokenizer(case):
         assert ours.tokenizer.encode(line, add_special_tokens=False).ids == ref.encode(line, add_special_tokens=False)
         assert ours.tokenizer.decode(ours.tokenizer.encode(line).ids, skip_special_tokens=True) == \
             ref.decode(ref.encode(line), skip_special_tokens=True)
+
+
+def test_a_mixed_file_holds_every_type_we_dequantize(files):
+    """The "mixed" cases hold every type of workers/gguf/dequant.py, so the parity above covers each."""
+    from workers.gguf.dequant import TYPES as SERVED
+
+    paths, _ = files
+    held = {t.tensor_type.name for a in ("llama", "qwen3") for t in gguf.GGUFReader(paths[(a, "mixed")]).tensors}
+    assert held == set(SERVED)
 
 
 def test_config_template_and_eos_come_from_the_metadata(case):
