@@ -27,6 +27,7 @@ DIMS = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden
 FAMILIES = {
     "llama": ("llama", dict(tie_word_embeddings=True)),
     "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
+    "phi3": ("phi3", dict(tie_word_embeddings=False)),  # q/k/v and gate/up fused in the file as in the checkpoint
     # transformers' GGUF reader leaves Qwen3's head_dim at its default (128) whatever `key_length` says:
     # a head wider than hidden/heads, as real Qwen3 checkpoints have
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=128)),
@@ -138,6 +139,7 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: in
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(VOCAB)

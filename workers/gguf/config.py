@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 # llama.cpp's converter interleaves the rotary halves of q and k rows for these (its `LlamaModel.permute`)
 PERMUTED_QK = ("llama",)
@@ -102,6 +103,11 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str,
         out["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama":
         out["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    head_dim, rotary = out["head_dim"], meta.get(f"{arch}.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:  # only the first dims of each head rotate (Phi-4-mini)
+        out["rope_parameters"]["partial_rotary_factor"] = int(rotary) / head_dim
+    if (w := meta.get(f"{arch}.attention.sliding_window")) and arch == "phi3":  # every layer slides
+        out["sliding_window"] = int(w)
     if arch == "qwen3moe":  # every layer has experts; llama.cpp's graph renormalizes the top-k weights
         out.update(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
                    moe_intermediate_size=int(key("expert_feed_forward_length")), norm_topk_prob=True)
