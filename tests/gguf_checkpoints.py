@@ -28,6 +28,10 @@ FAMILIES = {
     "llama": ("llama", dict(tie_word_embeddings=True)),
     "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
     "phi3": ("phi3", dict(tie_word_embeddings=False)),  # q/k/v and gate/up fused in the file as in the checkpoint
+    # Gemma: a head of 256 (the scale transformers' GGUF reader leaves at its default), a window shorter than
+    # the prompts; Gemma 3 with 6 layers, so that one is global
+    "gemma2": ("gemma2", dict(head_dim=256, sliding_window=8, initializer_range=0.02)),
+    "gemma3": ("gemma3_text", dict(head_dim=256, sliding_window=8, num_hidden_layers=6, initializer_range=0.02)),
     # transformers' GGUF reader leaves Qwen3's head_dim at its default (128) whatever `key_length` says:
     # a head wider than hidden/heads, as real Qwen3 checkpoints have
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=128)),
@@ -140,9 +144,15 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: in
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers'
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(VOCAB)
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if getattr(cfg, "num_experts", None):
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
@@ -152,6 +162,8 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: in
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
     for index, (name, data) in enumerate(_gguf_tensors(model, cfg, names)):
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             data = _permute(data, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
         _add(writer, gguf, name, data, qtype, index, rng)

@@ -24,9 +24,16 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 # llama.cpp's converter interleaves the rotary halves of q and k rows for these (its `LlamaModel.permute`)
 PERMUTED_QK = ("llama",)
+# llama.cpp's converter stores these families' RMSNorm weights as 1 + w (its norm multiplies by the weight)
+NORM_PLUS_ONE = ("gemma2", "gemma3")
+# llama.cpp's own Gemma rules, which the metadata does not carry: the 27B models (by layer count)
+# scale queries by hidden/heads, the others by the head dim; Gemma 3's sliding layers rotate with base 10,000
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 ROPE_SCALINGS = ("none", "linear", "yarn")
 
@@ -108,6 +115,16 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str,
         out["rope_parameters"]["partial_rotary_factor"] = int(rotary) / head_dim
     if (w := meta.get(f"{arch}.attention.sliding_window")) and arch == "phi3":  # every layer slides
         out["sliding_window"] = int(w)
+    if arch in NORM_PLUS_ONE:
+        del out["hidden_act"]
+        wide = int(key("block_count")) == GEMMA_27B_LAYERS[arch]
+        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=hidden // heads if wide else
+                   out["head_dim"], sliding_window=int(key("attention.sliding_window")))
+        if arch == "gemma2":
+            out.update(attn_logit_softcapping=meta.get("gemma2.attn_logit_softcapping"),
+                       final_logit_softcapping=meta.get("gemma2.final_logit_softcapping"))
+        else:
+            out.update(rope_local_base_freq=10_000.0, sliding_window_pattern=6)
     if arch == "qwen3moe":  # every layer has experts; llama.cpp's graph renormalizes the top-k weights
         out.update(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
                    moe_intermediate_size=int(key("expert_feed_forward_length")), norm_topk_prob=True)

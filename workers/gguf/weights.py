@@ -4,14 +4,14 @@ Design: the loader asks for the Hugging Face tensors its family expects (workers
 gguf-py's own `TensorNameMap` for the file's architecture names each of them in GGUF
 (`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`), so the map is llama.cpp's,
 not a second copy. Each tensor is yielded as (file, GGUF name, HF name, shape, read): `read()`
-dequantizes its bytes in torch (workers/gguf/dequant.py) to float32 and, for the architectures
-llama.cpp's converter permutes (`PERMUTED_QK`), puts q and k rows back in Hugging Face's rotary
-order; a stacked experts tensor (`blk.N.ffn_gate_exps.weight`, [experts, ...]) comes back as one
-entry per expert under that expert's HF name, dequantized once. A tensor no expected name maps
-to comes back under its GGUF name, for the loader to report
-as unexpected; a type we do not dequantize is a named error before anything is read. Trade-off:
-the weights are unpacked at load (the model's dtype), so a quantized file takes its dense size in
-memory; packed execution builds on the same names and bytes.
+dequantizes its bytes in torch (workers/gguf/dequant.py) to float32 and undoes what llama.cpp's
+converter changed: q and k rows back in Hugging Face's rotary order (`PERMUTED_QK`), Gemma's
+norms stored as 1 + w back to w (`NORM_PLUS_ONE`). A stacked experts tensor
+(`blk.N.ffn_gate_exps.weight`, [experts, ...]) comes back as one entry per expert under that
+expert's HF name, dequantized once. A tensor no expected name maps to comes back under its GGUF
+name, for the loader to report as unexpected; a type we do not dequantize is a named error before
+anything is read. Trade-off: the weights are unpacked at load (the model's dtype), so a quantized
+file takes its dense size in memory; packed execution builds on the same names and bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.gguf.config import PERMUTED_QK
+from workers.gguf.config import NORM_PLUS_ONE, PERMUTED_QK
 from workers.gguf.dequant import check_type, dequantize
 from workers.gguf.files import GGUFError, metadata, open_readers
 
@@ -62,10 +62,13 @@ def gguf_names(arch: str, num_layers: int, hf_names: list[str]) -> dict[str, str
     return out
 
 
-def _reader(t, type_name: str, shape: tuple[int, ...], permute_heads: int | None) -> Callable[[], torch.Tensor]:
+def _reader(t, type_name: str, shape: tuple[int, ...], permute_heads: int | None,
+            minus_one: bool) -> Callable[[], torch.Tensor]:
     def read() -> torch.Tensor:
         raw = torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8))
         values = dequantize(raw, type_name, shape)
+        if minus_one:  # a Gemma norm stored as 1 + w
+            values = values - 1
         return unpermute_rows(values, permute_heads) if permute_heads else values
     return read
 
@@ -92,7 +95,8 @@ def gguf_tensors(files: list[Path], expected: Mapping[str, tuple[int, ...]], num
             heads = None
             if arch in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
                 heads = num_heads if ".attn_q." in t.name else num_kv_heads
-            read = _reader(t, t.tensor_type.name, shape, heads)
+            minus_one = arch in NORM_PLUS_ONE and t.name.endswith("norm.weight")
+            read = _reader(t, t.tensor_type.name, shape, heads, minus_one)
             if isinstance(hf, dict):  # stacked experts [E, ...]: one entry per expert, dequantized once
                 whole = functools.cache(read)
                 for e, name in sorted(hf.items()):
