@@ -71,3 +71,13 @@ def test_an_unserved_gguf_architecture_stops_serve_with_one_line(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "Unsupported GGUF architecture `mamba`. Supported: llama, qwen2, qwen3" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_plan_reads_a_gguf_file_as_a_model():
+    """`hetserve plan --model FILE.gguf` describes the model from its prepared directory (the line in
+    server/commands/plan_model.py that hands the child that directory, not the file)."""
+    path = cached_gguf("llama", "Q8_0")
+    done = subprocess.run([sys.executable, "-m", "server.cli", "plan", "--model", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"placement: {path.stem} on cpu0" in done.stdout and ": llama (rope default)" in done.stdout
