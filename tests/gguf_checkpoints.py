@@ -32,6 +32,9 @@ FAMILIES = {
     # the prompts; Gemma 3 with 6 layers, so that one is global
     "gemma2": ("gemma2", dict(head_dim=256, sliding_window=8, initializer_range=0.02)),
     "gemma3": ("gemma3_text", dict(head_dim=256, sliding_window=8, num_hidden_layers=6, initializer_range=0.02)),
+    # Mixtral: llama.cpp writes it as `llama` with experts (transformers' GGUF reader makes a Llama of it,
+    # so its reference is the transformers model the file was written from: `reference_model`)
+    "mixtral": ("mixtral", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
     # transformers' GGUF reader leaves Qwen3's head_dim at its default (128) whatever `key_length` says:
     # a head wider than hidden/heads, as real Qwen3 checkpoints have
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=128)),
@@ -74,6 +77,9 @@ def _add(writer, gguf, name: str, data: np.ndarray, qtype: str, index: int, rng:
         writer.add_tensor(name, _random_blocks(gguf, kind, data.shape, rng), raw_dtype=kind)
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+
+
+GGUF_ARCH = {"mixtral": "llama"}  # our case name -> the file's `general.architecture`, where they differ
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -121,19 +127,27 @@ def _gguf_tensors(model, cfg, names):
             yield names.get_name(base) + "." + suffix, data
 
 
-def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: int = 0) -> Path:
-    """Write `out/<arch>-<qtype>.gguf` and return its path; with `split_tensors`, as split files of at
-    most that many tensors each (`<arch>-<qtype>-0000i-of-0000n.gguf`), returning the first part."""
-    import gguf
+def reference_model(arch: str, seed: int = 0):
+    """The transformers model (fp32, eval) that `make_gguf(arch, ..., seed)` writes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, options = FAMILIES[arch]
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(model_type, **{**DIMS, **options})
-    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    return AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
+def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: int = 0) -> Path:
+    """Write `out/<arch>-<qtype>.gguf` and return its path; with `split_tensors`, as split files of at
+    most that many tensors each (`<arch>-<qtype>-0000i-of-0000n.gguf`), returning the first part."""
+    import gguf
+
+    model = reference_model(arch, seed)
+    cfg = model.config
+    gguf_arch = GGUF_ARCH.get(arch, arch)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{arch}-{qtype}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_tensors)
+    writer = gguf.GGUFWriter(str(path), gguf_arch, split_max_tensors=split_tensors)
     writer.add_name(f"tiny-{arch}")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -153,18 +167,19 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: in
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if getattr(cfg, "num_experts", None):
-        writer.add_expert_count(cfg.num_experts)
+    if getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None):
+        writer.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if hasattr(cfg, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     _tokenizer(writer)
-    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == gguf_arch)
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
     for index, (name, data) in enumerate(_gguf_tensors(model, cfg, names)):
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if gguf_arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             data = _permute(data, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
         _add(writer, gguf, name, data, qtype, index, rng)
     writer.write_header_to_file()

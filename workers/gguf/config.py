@@ -70,6 +70,8 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str,
     """config.json's fields for the GGUF model of `meta` (first file's keys) and `tensors` (all files')."""
     arch = architecture(meta)
     hf_class, model_type = ARCHITECTURES[arch]
+    if arch == "llama" and meta.get("llama.expert_count"):  # llama.cpp writes Mixtral as a Llama with experts
+        hf_class, model_type = "MixtralForCausalLM", "mixtral"
     if "rope_freqs.weight" in tensors:
         raise GGUFError("Unsupported GGUF tensor `rope_freqs.weight` (per-frequency rope factors). "
                         "Supported: rope scaling from metadata (" + ", ".join(ROPE_SCALINGS) + ")")
@@ -108,8 +110,11 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str,
         out["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
     if arch in ("llama", "qwen3", "qwen3moe"):
         out["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if arch == "llama":
+    if model_type == "llama":
         out["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if model_type == "mixtral":  # every layer has experts of feed_forward_length
+        del out["attention_bias"]
+        out.update(num_local_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")))
     head_dim, rotary = out["head_dim"], meta.get(f"{arch}.rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:  # only the first dims of each head rotate (Phi-4-mini)
         out["rope_parameters"]["partial_rotary_factor"] = int(rotary) / head_dim
