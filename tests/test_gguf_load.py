@@ -177,6 +177,13 @@ def _rewrite(src, dst, arch: str | None = None, f64_first: bool = False):
     return dst
 
 
+def test_a_file_that_is_no_gguf_is_named(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_bytes(b"not a gguf file at all, just text" * 4)
+    with pytest.raises(GGUFError, match=r"`\S*notes.gguf` cannot be read as GGUF"):
+        prepare(bad, tmp_path / "c")
+
+
 def test_unserved_architecture_is_named_with_the_supported_list(files, tmp_path):
     paths, _ = files
     bad = _rewrite(paths[("llama", "F32")], tmp_path / "x.gguf", arch="mamba")

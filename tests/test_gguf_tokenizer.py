@@ -75,3 +75,13 @@ def test_merges_come_from_the_scores_best_first(meta):
 def test_gemma_sentencepiece_is_refused_by_name(meta):
     with pytest.raises(GGUFError, match=r"tokenizer model `llama` for architecture `gemma3`"):
         build_tokenizer({**meta, "general.architecture": "gemma3"})
+
+
+@pytest.mark.parametrize(("meta", "error"), [
+    ({"tokenizer.ggml.model": "gpt2"}, r"no tokenizer \(no `tokenizer.ggml.tokens`\)"),
+    ({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]},
+     r"tokenizer model `bert`. Supported: gpt2, llama"),
+])
+def test_a_missing_or_unknown_tokenizer_is_named(meta, error):
+    with pytest.raises(GGUFError, match=error):
+        build_tokenizer(meta)

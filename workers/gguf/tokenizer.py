@@ -110,6 +110,9 @@ def build_tokenizer(meta: dict[str, Any]):
     from tokenizers import AddedToken, processors
 
     kind = meta.get("tokenizer.ggml.model")
+    if not meta.get("tokenizer.ggml.tokens"):
+        raise GGUFError("GGUF file has no tokenizer (no `tokenizer.ggml.tokens`); a file llama.cpp's converter "
+                        "wrote carries one")
     if kind not in TOKENIZER_MODELS:
         raise GGUFError(f"Unsupported GGUF tokenizer model `{kind}`. Supported: {', '.join(TOKENIZER_MODELS)}")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
