@@ -35,6 +35,10 @@ FAMILIES = {
     # Mixtral: llama.cpp writes it as `llama` with experts (transformers' GGUF reader makes a Llama of it,
     # so its reference is the transformers model the file was written from: `reference_model`)
     "mixtral": ("mixtral", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
+    # OLMo 2 and Granite, which transformers' GGUF reader does not read: the same reference
+    "olmo2": ("olmo2", dict(tie_word_embeddings=False)),
+    "granite": ("granite", dict(tie_word_embeddings=True, attention_multiplier=0.1, embedding_multiplier=2.0,
+                                residual_multiplier=0.5, logits_scaling=4.0)),
     # transformers' GGUF reader leaves Qwen3's head_dim at its default (128) whatever `key_length` says:
     # a head wider than hidden/heads, as real Qwen3 checkpoints have
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=128)),
@@ -80,6 +84,7 @@ def _add(writer, gguf, name: str, data: np.ndarray, qtype: str, index: int, rng:
 
 
 GGUF_ARCH = {"mixtral": "llama"}  # our case name -> the file's `general.architecture`, where they differ
+IN_MEMORY_REFERENCE = ("granite", "mixtral", "olmo2")  # compared with `reference_model`, not transformers' GGUF load
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -164,6 +169,11 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: in
     writer.add_vocab_size(VOCAB)
     if arch.startswith("gemma"):
         writer.add_sliding_window(cfg.sliding_window)
+    if arch == "granite":
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -179,7 +189,7 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: in
     for index, (name, data) in enumerate(_gguf_tensors(model, cfg, names)):
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
-        if gguf_arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if gguf_arch in ("llama", "granite") and (".attn_q." in name or ".attn_k." in name):
             data = _permute(data, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
         _add(writer, gguf, name, data, qtype, index, rng)
     writer.write_header_to_file()

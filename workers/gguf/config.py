@@ -26,9 +26,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+    "granite": ("GraniteForCausalLM", "granite"),
 }
 # llama.cpp's converter interleaves the rotary halves of q and k rows for these (its `LlamaModel.permute`)
-PERMUTED_QK = ("llama",)
+PERMUTED_QK = ("llama", "granite")
 # llama.cpp's converter stores these families' RMSNorm weights as 1 + w (its norm multiplies by the weight)
 NORM_PLUS_ONE = ("gemma2", "gemma3")
 # llama.cpp's own Gemma rules, which the metadata does not carry: the 27B models (by layer count)
@@ -108,9 +110,9 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str,
     }
     if meta.get("tokenizer.ggml.padding_token_id") is not None:
         out["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
-    if arch in ("llama", "qwen3", "qwen3moe"):
+    if arch in ("llama", "qwen3", "qwen3moe", "granite"):
         out["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if model_type == "llama":
+    if model_type in ("llama", "granite"):
         out["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     if model_type == "mixtral":  # every layer has experts of feed_forward_length
         del out["attention_bias"]
@@ -120,6 +122,10 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str,
         out["rope_parameters"]["partial_rotary_factor"] = int(rotary) / head_dim
     if (w := meta.get(f"{arch}.attention.sliding_window")) and arch == "phi3":  # every layer slides
         out["sliding_window"] = int(w)
+    if arch == "granite":  # its four multipliers
+        out.update(attention_multiplier=float(key("attention.scale")),
+                   embedding_multiplier=float(key("embedding_scale")),
+                   residual_multiplier=float(key("residual_scale")), logits_scaling=float(key("logit_scale")))
     if arch in NORM_PLUS_ONE:
         del out["hidden_act"]
         wide = int(key("block_count")) == GEMMA_27B_LAYERS[arch]
