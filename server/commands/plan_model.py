@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from server.commands.plan_kernels import unused_layers
 from server.errors import UsageError
@@ -130,7 +131,8 @@ def attach_models(plan: dict, devices: list, raw_models: list[str], raw_place: l
     check_models(config)  # one line naming what is unsupported, before any child reads the model
     described, asks = {}, []
     for entry, raw in zip(config.entries, raw_models, strict=True):
-        described[entry.name] = describe_model(raw if "=" not in raw else str(entry.path))
+        bare = "=" not in raw and Path(raw).expanduser().resolve() == entry.path  # not a GGUF's prepared directory
+        described[entry.name] = describe_model(raw if bare else str(entry.path))
         try:
             profile = read_profile(entry.path)
         except ModelSizeError as e:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.config.gguf import is_gguf_path, prepare_gguf
 from server.errors import UsageError, shown
 from workers.contract import DEFAULT_MODEL_DIR
 
@@ -60,8 +61,9 @@ def add_model_flags(serve: argparse.ArgumentParser) -> None:
     g = serve.add_argument_group("model", "what is served: the checkpoints, their names and dtype, their placement "
                                           "on the devices, loading on demand")
     g.add_argument("--model", metavar="[NAME=]DIR", action="append", default=None,
-                   help="a Hugging Face model directory, optionally named (repeatable; a bare DIR takes the "
-                        "directory's name; the first is the default; none: the embedded model)")
+                   help="a Hugging Face model directory or a GGUF file (split parts: any part; or their directory), "
+                        "optionally named (repeatable; a bare DIR takes the directory's name, a GGUF its file's; the "
+                        "first is the default; none: the embedded model)")
     g.add_argument("--models-dir", metavar="DIR", default=None,
                    help="offer every model directory below DIR (each named by its directory) and load them on "
                         "demand")
@@ -107,9 +109,15 @@ def parse_model_arg(value: str) -> ModelEntry:
         if not NAME_RE.match(name):
             raise UsageError(f"`--model {shown(value)}`: the directory's name `{shown(name)}` is no model name "
                              f"({ACCEPTED_NAMES}); name it: `--model NAME={shown(value)}`")
+    if is_gguf_path(path):  # a GGUF file, split part or directory: served from its prepared directory
+        directory, stem = prepare_gguf(path)
+        if not _is_named(value) and not NAME_RE.match(stem):
+            raise UsageError(f"`--model {shown(value)}`: the file's name `{shown(stem)}` is no model name "
+                             f"({ACCEPTED_NAMES}); name it: `--model NAME={shown(value)}`")
+        return ModelEntry(name if _is_named(value) else stem, directory)
     if not path.is_dir():
         raise UsageError(f"Model directory `{shown(str(path))}` does not exist. Pass a Hugging Face model directory "
-                         "or omit --model")
+                         "or a GGUF file, or omit --model")
     return ModelEntry(name, path.resolve())
 
 

@@ -8,6 +8,8 @@ checked against the shapes the config implies, converted to the chosen dtype and
 into a meta-built model (no double allocation). The dtype choice returns its reason. A
 pre-quantized checkpoint is read through `workers.quant` (its registry picks the reader; the loader
 hands it the family's weight map as a `ModelMap` and names the device the layers are laid out for).
+A GGUF file is first prepared as a directory (workers/gguf/: config and tokenizer converted once)
+whose tensors are read from the GGUF files, dequantized, under the same Hugging Face names.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,6 +27,9 @@ import torch
 
 from workers.contract import DEFAULT_MODEL_DIR, find_chat_template, token_text
 from workers.contract.dtypes import DtypeError, dtype_rule
+from workers.gguf.files import GGUFError, is_gguf
+from workers.gguf.prepare import pointed_files, prepare
+from workers.gguf.weights import gguf_tensors
 from workers.model.config import ConfigError, ModelConfig
 from workers.model.moe import FusedMoE
 from workers.model.transformer import Transformer
@@ -128,10 +134,28 @@ def _model_map(config: ModelConfig) -> ModelMap:
                     partial(to_ours, config=config), FusedMoE)
 
 
-def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, device: str,
-                  quant: CheckpointReader | None = None) -> dict[str, torch.Tensor]:
+def _stored_tensors(model_dir: Path, config: ModelConfig, expected: dict) -> Iterator[tuple]:
+    """(file name, stored name, HF name, shape, read) of each tensor of the checkpoint: its safetensors
+    files', or the GGUF files' a prepared GGUF directory stands for (workers/gguf/), dequantized."""
     from safetensors import safe_open
 
+    files = pointed_files(model_dir)
+    if files is not None:
+        try:
+            yield from gguf_tensors(files, expected, config.num_attention_heads, config.num_key_value_heads)
+        except GGUFError as e:
+            raise ModelLoadError(str(e)) from e
+        return
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                # a multimodal checkpoint's text model, as a text checkpoint names it
+                yield (path.name, stored, text_name(stored), tuple(f.get_slice(stored).get_shape()),
+                       partial(f.get_tensor, stored))
+
+
+def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, device: str,
+                  quant: CheckpointReader | None = None) -> dict[str, torch.Tensor]:
     config = model.config
     expected = hf_shapes(config, {k: v.shape for k, v in model.state_dict().items()})
     if quant is not None:
@@ -140,29 +164,24 @@ def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, devic
     as_stored: dict[str, torch.Tensor] = {}  # a quantized layer's bytes and scales, never converted
     unexpected: list[str] = []
     skips: dict[str, int] = {}  # pattern of the family's `skipped` tensors -> how many
-    for path in _weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                name = text_name(stored)  # a multimodal checkpoint's text model, as a text checkpoint names it
-                if IGNORED_HF.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
-                    continue
-                if model.stage is not None and _other_stage(name, model.stage, expected):
-                    continue  # another stage's layer (workers/pipeline/)
-                if (pattern := skipped(name, config)) is not None:
-                    skips[pattern] = skips.get(pattern, 0) + 1
-                    continue
-                if quant is not None and quant.claims(name):
-                    as_stored[name] = f.get_tensor(stored).to(device=device)
-                    continue
-                if name not in expected or map_name(name, config) is None:
-                    unexpected.append(name)
-                    continue
-                shape = tuple(f.get_slice(stored).get_shape())
-                if shape != expected[name]:
-                    raise ModelLoadError(
-                        f"Tensor `{stored}` in `{path.name}` has shape {shape}; the config expects {expected[name]}"
-                    )
-                found[name] = f.get_tensor(stored).to(device=device, dtype=dtype)
+    for file, stored, name, shape, read in _stored_tensors(model_dir, config, expected):
+        if IGNORED_HF.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        if model.stage is not None and _other_stage(name, model.stage, expected):
+            continue  # another stage's layer (workers/pipeline/)
+        if (pattern := skipped(name, config)) is not None:
+            skips[pattern] = skips.get(pattern, 0) + 1
+            continue
+        if quant is not None and quant.claims(name):
+            as_stored[name] = read().to(device=device)
+            continue
+        if name not in expected or map_name(name, config) is None:
+            unexpected.append(name)
+            continue
+        if shape != expected[name]:
+            raise ModelLoadError(
+                f"Tensor `{stored}` in `{file}` has shape {shape}; the config expects {expected[name]}")
+        found[name] = read().to(device=device, dtype=dtype)
     for pattern, count in skips.items():  # a vision tower, a multi-token prediction head: not the text model
         logger.info("Skipped %d tensors matching `%s`: not part of the text model served", count, pattern)
     missing = [n for n in expected if n not in found and n not in as_stored
@@ -195,6 +214,11 @@ def load_model(
     to `device`'s own type."""
     model_dir = Path(model_dir).expanduser().resolve()
     device = torch.device(device)
+    if is_gguf(model_dir):  # a GGUF file, split part or directory: its converted directory (workers/gguf/)
+        try:
+            model_dir = prepare(model_dir)
+        except GGUFError as e:
+            raise ModelLoadError(str(e)) from e
     if model_dir == DEFAULT_MODEL_DIR and not (model_dir / "config.json").is_file():
         raise ModelLoadError(
             f"The embedded model is absent: `config.json` not found in `{model_dir}`; pass a model directory"
@@ -229,7 +253,7 @@ def load_model(
     eos_token = token_text(tok_cfg.get("eos_token"))
     template = find_chat_template(model_dir, tok_cfg)
     eos_ids = _eos_ids(generation_config, config, tokenizer, eos_token)
-    model_id = hf_config.get("_name_or_path") or model_dir.name
+    model_id = hf_config.get("_name_or_path") or _gguf_name(model_dir) or model_dir.name
     logger.info("Loaded %s (%s, %s params) as %s: %s", model_id, config.architecture, config.num_parameters,
                 torch_dtype, reason)
     return LoadedModel(
@@ -238,6 +262,12 @@ def load_model(
         eos_token_ids=eos_ids, dtype=torch_dtype, dtype_reason=reason, model_dir=model_dir, model_id=str(model_id),
         quantization=None if quant is None else quant.describe(),
     )
+
+
+def _gguf_name(model_dir: Path) -> str | None:
+    """A prepared GGUF directory's model name (its file's stem), not its cache key."""
+    pointer = model_dir / "gguf.json"
+    return json.loads(pointer.read_text()).get("name") if pointer.is_file() else None
 
 
 # Tokens that end an answer in a family's own chat format, whatever generation_config.json lists:
