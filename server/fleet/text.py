@@ -30,7 +30,7 @@ from workers.contract import WorkerRequest
 from workers.contract.detokenize import IncrementalDetokenizer, TokenBytes, special_token_ids
 from workers.contract.errors import ERROR_VALIDATION, safe_message
 from workers.contract.events import FINISH_EOS, FINISH_STOP, ErrorEvent, FinishInfo, StreamStart, TokenEvent
-from workers.contract.render import Render
+from workers.contract.render import Render, error_frame
 
 INLINE_PROMPT_CHARS = 4096  # longer prompts are tokenized off the event loop
 MAX_ROUTER_PROMPT_CHARS = 1 << 20  # longer ones go as text: the worker refuses them before tokenizing
@@ -84,11 +84,6 @@ async def with_prompt_ids(model: TextModel, req: WorkerRequest) -> WorkerRequest
     if not ids:
         return req  # the worker says why an empty prompt is refused
     return req.model_copy(update={"inputs": "", "input_ids": tuple(ids)})
-
-
-def error_frame(message: str, error_type: str) -> str:
-    """A stream's error event, as the worker writes it."""
-    return f"data: {json.dumps({'error': safe_message(message), 'error_type': error_type})}\n\n"
 
 
 @dataclass

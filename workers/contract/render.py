@@ -11,9 +11,11 @@ back half a character), so the router can build OpenAI logprobs.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 from workers.contract.detokenize import TokenBytes
+from workers.contract.errors import safe_message
 from workers.contract.events import FinishInfo, TokenEvent, TopList, finite
 from workers.contract.request import GenerationParameters
 
@@ -94,3 +96,8 @@ class Render:
             if self.input_text is not None:
                 out["input_text"] = self.input_text
         return out
+
+
+def error_frame(message: str, error_type: str) -> str:
+    """A stream's error event, as either side writes it."""
+    return f"data: {json.dumps({'error': safe_message(message), 'error_type': error_type})}\n\n"

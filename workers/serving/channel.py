@@ -26,18 +26,15 @@ from dataclasses import replace
 from fastapi.responses import StreamingResponse
 
 from workers.contract import HEADER_CHANNEL, HEADER_TEXT, TEXT_IDS
-from workers.contract.errors import ERROR_REQUEST_FAILED, safe_message
+from workers.contract.errors import ERROR_REQUEST_FAILED
 from workers.contract.events import encode_batch
+from workers.contract.render import error_frame
 from workers.engine.events import ErrorEvent, RequestStream, TokenEvent, is_last
 
 logger = logging.getLogger(__name__)
 
 _IDLE_CHECK_S = 0.25  # how often an idle channel looks whether the server is stopping
 _ids = itertools.count(1)
-
-
-def error_frame(message: str, error_type: str) -> str:
-    return f"data: {json.dumps({'error': safe_message(message), 'error_type': error_type})}\n\n"
 
 
 LAST, FAILED = "last", "failed"  # how a rendered batch ended its stream
