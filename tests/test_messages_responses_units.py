@@ -176,3 +176,40 @@ def test_a_streamed_response_gives_each_parallel_call_its_own_item():
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2]
     assert events[-1]["type"] == "response.completed" and events[-1]["response"]["output"] == done
     assert events[-1]["response"]["usage"]["output_tokens"] == 9
+
+
+def test_a_stream_whose_output_cannot_be_read_ends_with_an_error_event():
+    """Guards the `except Exception` in `relay_choice` (server/edge/routes/_chat.py): an error
+    while reading a choice's output (a RecursionError in the tool-call splitter did it) ended
+    the stream with no finish and no error event."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from server.edge.routes._chat import UNREADABLE, relay_choice
+    from server.protocol.responses.events import ResponseEvents
+    from server.protocol.responses.requests import ResponsesRequest
+
+    class Stream:
+        worker, closed = None, False
+
+        async def events(self):
+            yield json.dumps({"token": {"id": 5, "text": "a", "special": False}})
+
+        async def aclose(self):
+            self.closed = True
+
+    class Broken:
+        done = False
+
+        def on_event(self, event):
+            raise RecursionError("maximum recursion depth exceeded")
+
+    stream, writer = Stream(), ResponseEvents("resp_1", "m", ResponsesRequest.model_validate({"input": "x"}))
+    writer.start()
+
+    async def frames():
+        ctx = SimpleNamespace(metrics=SimpleNamespace(stream_error=lambda worker: None))
+        return [f async for f in relay_choice(stream, Broken(), writer, ctx)]
+
+    (last,) = asyncio.run(frames())
+    assert "event: error" in last and UNREADABLE in last and stream.closed
