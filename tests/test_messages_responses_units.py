@@ -11,7 +11,15 @@ from pydantic import ValidationError
 from server.protocol.anthropic.messages import MessageEvents, message_object, stop_of
 from server.protocol.anthropic.requests import MessagesRequest
 from server.protocol.anthropic.requests import chat_request as messages_chat
-from server.protocol.responses.store import ResponseStore
+from server.protocol.responses.store import (
+    ENTRY_BYTES,
+    MAX_CONVERSATION_BYTES,
+    ResponseStore,
+    Stored,
+    check_conversation,
+    items_json,
+    join_items,
+)
 
 BASE = {"model": "m", "max_tokens": 64}
 
@@ -104,15 +112,46 @@ def test_a_stream_starts_with_the_prompts_tokens_and_closes_each_block():
                      "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
 
 
+def _entry(items: list[dict], response: dict) -> Stored:
+    return Stored(items_json(items), len(items), json.dumps(response).encode())
+
+
 def test_the_response_store_keeps_the_latest_within_its_bounds():
-    store = ResponseStore(max_responses=2, max_chars=10_000)
+    store = ResponseStore(max_responses=2, max_bytes=10_000)
     for k in range(3):
-        store.put(f"resp_{k}", [{"type": "message", "k": k}], {"id": f"resp_{k}"})
-    assert store.get("resp_0") is None and store.get("resp_2").response == {"id": "resp_2"} and len(store) == 2
-    small = ResponseStore(max_responses=10, max_chars=200)
-    small.put("a", [{"text": "x" * 150}], {})
-    small.put("b", [{"text": "y" * 150}], {})  # over the characters: the older goes
+        store.put(f"resp_{k}", _entry([{"type": "message", "k": k}], {"id": f"resp_{k}"}))
+    assert store.get("resp_0") is None and json.loads(store.get("resp_2").response) == {"id": "resp_2"}
+    assert len(store) == 2
+    small = ResponseStore(max_responses=10, max_bytes=ENTRY_BYTES + 200)
+    assert small.put("a", _entry([{"text": "x" * 150}], {}))
+    small.put("b", _entry([{"text": "y" * 150}], {}))  # over the bytes: the older goes
     assert small.get("a") is None and small.get("b") is not None
+    assert not small.put("c", _entry([{"text": "z" * 300}], {})) and small.get("c") is None  # larger than it all
+
+
+def test_the_store_counts_the_bytes_it_holds():
+    """Guards `Stored.size` (len of the stored bytes): the store counted characters of JSON
+    while it held parsed items, 8 times as large."""
+    store = ResponseStore()
+    entries = [_entry([{"type": "reasoning", "summary": []}] * 1000, {"id": f"r{k}"}) for k in range(3)]
+    for k, entry in enumerate(entries):
+        store.put(f"r{k}", entry)
+    held = sum(len(e.items) + len(e.response) for e in entries)
+    assert store.bytes == held + 3 * ENTRY_BYTES
+    assert "hetserve_router_responses_stored_bytes " + f"{store.bytes}.0" in store.metrics()
+
+
+def test_a_conversation_is_joined_without_parsing_and_bounded_by_name():
+    a, b = items_json([{"k": 1}]), items_json([{"k": 2}, {"k": 3}])
+    assert json.loads(join_items(a, b)) == [{"k": 1}, {"k": 2}, {"k": 3}]
+    assert join_items(b"[]", b) == b and join_items(a, b"[]") == a
+    held = Stored(items_json([{"type": "reasoning"}] * 9_999), 9_999, b"{}")
+    check_conversation(held, "resp_1", 1, 10)
+    with pytest.raises(ValueError, match="`resp_1` holds 9999 items and `input` 2: more than the 10000 items"):
+        check_conversation(held, "resp_1", 2, 10)
+    with pytest.raises(ValueError, match=f"and `input` {MAX_CONVERSATION_BYTES}: more than the "
+                                         f"{MAX_CONVERSATION_BYTES} bytes"):
+        check_conversation(held, "resp_1", 1, MAX_CONVERSATION_BYTES)
 
 
 def test_a_streamed_response_gives_each_parallel_call_its_own_item():
@@ -137,3 +176,40 @@ def test_a_streamed_response_gives_each_parallel_call_its_own_item():
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2]
     assert events[-1]["type"] == "response.completed" and events[-1]["response"]["output"] == done
     assert events[-1]["response"]["usage"]["output_tokens"] == 9
+
+
+def test_a_stream_whose_output_cannot_be_read_ends_with_an_error_event():
+    """Guards the `except Exception` in `relay_choice` (server/edge/routes/_chat.py): an error
+    while reading a choice's output (a RecursionError in the tool-call splitter did it) ended
+    the stream with no finish and no error event."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from server.edge.routes._chat import UNREADABLE, relay_choice
+    from server.protocol.responses.events import ResponseEvents
+    from server.protocol.responses.requests import ResponsesRequest
+
+    class Stream:
+        worker, closed = None, False
+
+        async def events(self):
+            yield json.dumps({"token": {"id": 5, "text": "a", "special": False}})
+
+        async def aclose(self):
+            self.closed = True
+
+    class Broken:
+        done = False
+
+        def on_event(self, event):
+            raise RecursionError("maximum recursion depth exceeded")
+
+    stream, writer = Stream(), ResponseEvents("resp_1", "m", ResponsesRequest.model_validate({"input": "x"}))
+    writer.start()
+
+    async def frames():
+        ctx = SimpleNamespace(metrics=SimpleNamespace(stream_error=lambda worker: None))
+        return [f async for f in relay_choice(stream, Broken(), writer, ctx)]
+
+    (last,) = asyncio.run(frames())
+    assert "event: error" in last and UNREADABLE in last and stream.closed

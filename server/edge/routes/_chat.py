@@ -33,6 +33,7 @@ from server.protocol.tool_parsers.choose import choose_tool_parser
 from workers.contract import MAX_SEED, GenerationParameters, WorkerRequest
 
 logger = logging.getLogger(__name__)
+UNREADABLE = "the server could not read the model's output (see its log)"
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,16 @@ class EventWriter(Protocol):
 
 async def relay_choice(stream: ClientStream, choice: ChoiceStream, writer: EventWriter, ctx: ModelContext):
     """One choice's worker events -> the writer's frames, as they come; the writer's error
-    frame when no worker can finish the stream."""
+    frame when no worker can finish the stream, or when its output cannot be read (a fault of
+    the router's, not the worker's: the stream still ends with an error event, never cut)."""
     try:
         async for data in stream.events():
-            frames = writer.deltas(choice.on_event(parse_event(data) or {}), choice)
+            try:
+                frames = writer.deltas(choice.on_event(parse_event(data) or {}), choice)
+            except Exception:
+                logger.exception("reading a streamed choice's output failed")
+                yield writer.failed(UNREADABLE)
+                return
             if frames:
                 yield frames
             if choice.done:

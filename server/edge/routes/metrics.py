@@ -1,4 +1,5 @@
-"""`GET /metrics`: Prometheus text, the router's series and every ready worker's, labelled."""
+"""`GET /metrics`: Prometheus text, the router's series and every ready worker's, labelled, and the
+Responses store's (how many responses it keeps and the bytes they hold)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from server.edge.context import get_ctx
+from server.edge.routes.responses import response_store
 from server.fleet.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["metrics"])
@@ -13,5 +15,5 @@ router = APIRouter(tags=["metrics"])
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> PlainTextResponse:
-    text = await get_ctx(request).metrics.render()
+    text = await get_ctx(request).metrics.render() + response_store(request).metrics()
     return PlainTextResponse(text, media_type=CONTENT_TYPE)

@@ -34,7 +34,7 @@ from server.dispatch.migration import (
 )
 from server.edge.context import RouterContext, get_ctx
 from server.edge.errors import error_response
-from server.edge.routes._chat import choice_request, prepare_chat
+from server.edge.routes._chat import UNREADABLE, choice_request, prepare_chat
 from server.edge.routes._common import (
     RelayResponse,
     check_new_tokens,
@@ -247,6 +247,7 @@ async def _relay(streams: list[ClientStream], choices: list[ChoiceStream], promp
     pumps: list[asyncio.Task] = []
     merged = _merged(streams, pumps)
     live, lost, why, refused = len(streams), None, "the stream ended before its last event", None
+    unreadable = False
     try:
         async for items in merged:
             out = []
@@ -261,7 +262,13 @@ async def _relay(streams: list[ClientStream], choices: list[ChoiceStream], promp
                     continue
                 event = parse_event(data) or {}
                 moves = (event.get("details") or {}).get("migrations")
-                for delta in choices[k].on_event(event):
+                try:
+                    deltas = choices[k].on_event(event)
+                except Exception:  # the router's fault: the stream still ends with an error event
+                    logger.exception("reading streamed choice %d's output failed", k)
+                    lost, why, unreadable = k, UNREADABLE, True
+                    break
+                for delta in deltas:
                     if moves and delta.get("finish_reason"):
                         out.append(fmt.sse({**chunk(cid, created, model, delta), "migrations": moves}))
                     else:
@@ -283,7 +290,7 @@ async def _relay(streams: list[ClientStream], choices: list[ChoiceStream], promp
             p.cancel()
         for s in streams:
             await close_shielded(s)
-    if refused is None:  # a refusal of the request (its grammar cannot end) is no stream error of the worker's
+    if refused is None and not unreadable:  # a refusal (its grammar cannot end) is no stream error of the worker's
         ctx.metrics.stream_error(streams[lost].worker)
-    kind = "incomplete_generation" if refused is None else refused.error_type
+    kind = "internal" if unreadable else "incomplete_generation" if refused is None else refused.error_type
     yield fmt.sse({"error": {"message": why, "type": kind, "param": None, "code": None}})

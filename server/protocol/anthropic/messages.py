@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import uuid
 
+from server.protocol.tool_parsers.jsonscan import loads
+
 _THINKING, _TEXT, _TOOL = "thinking", "text", "tool_use"
 
 
@@ -40,7 +42,7 @@ def stop_of(finish: str | None, called: bool, matched, stops: list[str] | None) 
 
 def _input(arguments: str) -> dict | None:
     try:
-        value = json.loads(arguments or "{}")
+        value = loads(arguments or "{}")  # model output: its nesting bounded, never a RecursionError
     except ValueError:
         return None
     return value if isinstance(value, dict) else None

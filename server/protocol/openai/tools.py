@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from server.protocol.openai.requests import ChatCompletionRequest, NamedToolChoice
+from server.protocol.tool_parsers.jsonscan import loads
 from server.protocol.tool_parsers.splitter import split_tool_calls
 from server.protocol.tool_parsers.syntax import GENERIC, ToolSyntax
 from server.protocol.tool_parsers.syntax import REQUIRED as REQUIRED_SYNTAX
@@ -81,7 +82,7 @@ class ToolPlan:
         as JSON text); None when the output is content (or a forced call cut short)."""
         if self.mode == NAMED:
             try:
-                json.loads(text)
+                loads(text)  # nesting bounded: a model can be made to write a thousand brackets
             except ValueError:
                 return None
             return [{"name": self.name, "arguments": text}]

@@ -15,34 +15,15 @@ from __future__ import annotations
 import ast
 import json
 
-from server.protocol.tool_parsers.jsonscan import INCOMPLETE, MALFORMED
+from server.protocol.tool_parsers.jsonscan import INCOMPLETE, MALFORMED, PYTHON, Scans, too_deep
 from server.protocol.tool_parsers.syntax import ScanCall
+from workers.contract.json_schema import MAX_JSON_DEPTH
 
 
-def list_end(text: str, at: int) -> int | None:
-    """Just past the Python list that opens at `text[at]`; `INCOMPLETE` or `MALFORMED`."""
-    closing = {"[": "]", "(": ")", "{": "}"}
-    stack: list[str] = []
-    i, n = at, len(text)
-    while i < n:
-        c = text[i]
-        if c in "'\"":
-            j = i + 1
-            while j < n and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            if j >= n:
-                return INCOMPLETE
-            i = j + 1
-            continue
-        if c in closing:
-            stack.append(closing[c])
-        elif c in ")]}":
-            if not stack or c != stack.pop():
-                return MALFORMED
-            if not stack:
-                return i + 1
-        i += 1
-    return INCOMPLETE
+def list_end(text: str, at: int, scans: Scans | None = None) -> int | None:
+    """Just past the Python list that opens at `text[at]`; `INCOMPLETE` or `MALFORMED`. `scans`:
+    the earlier scans of the same growing text, resumed where they stopped."""
+    return (scans if scans is not None else Scans(PYTHON)).value_end(text, at)
 
 
 def _call(node: ast.expr, names: tuple[str, ...]) -> tuple[str, str] | None:
@@ -53,23 +34,27 @@ def _call(node: ast.expr, names: tuple[str, ...]) -> tuple[str, str] | None:
         return None
     try:
         arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+        text = json.dumps(arguments, ensure_ascii=False)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return None
     if len(arguments) != len(node.keywords):  # `**kwargs`
         return None
-    return name, json.dumps(arguments, ensure_ascii=False)
+    return name, text
 
 
-def parse_pythonic(text: str, at: int, names: tuple[str, ...], final: bool):
+def parse_pythonic(text: str, at: int, names: tuple[str, ...], final: bool, scans: Scans | None = None):
     """(calls as `ScanCall`s, the list's end) once the list at `text[at]` is complete; ((), None)
-    while it may still be one; (None, None) when it is not a list of listed calls."""
+    while it may still be one; (None, None) when it is not a list of listed calls (or nests
+    deeper than any call's arguments may)."""
     if text[at] != "[":
         return None, None
-    end = list_end(text, at)
+    end = list_end(text, at, scans)
     if end == MALFORMED or (end is INCOMPLETE and final):
         return None, None
     if end is INCOMPLETE:
         return (), None
+    if too_deep(text[at:end], MAX_JSON_DEPTH + 2, PYTHON):  # the list and a call's parentheses, then arguments
+        return None, None
     try:
         tree = ast.parse(text[at:end], mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError):

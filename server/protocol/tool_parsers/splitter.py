@@ -2,7 +2,10 @@
 
 Design: `ToolCallSplitter` is fed the answer piece by piece (a stream, token by token; a whole
 answer, all at once) and gives out the same `Part`s as harmony's splitter (content, a call's
-start with its name, its argument text), so one consumer serves both. Trade-off: a stream cannot
+start with its name, its argument text), so one consumer serves both. A piece costs time in
+proportion to its own length, not to the answer's so far (the router reads every stream on its
+event loop): text outside a region is read once, and a region is re-read through its
+`RegionMemo`, which resumes where the last reading stopped. Trade-off: a stream cannot
 take back what it has sent, so a call begun and then broken (cut by the length limit, malformed
 JSON after the name) stays a call there, with the arguments it had; a whole answer is stricter
 (`split_tool_calls`): its calls count only if every one is complete and its arguments parse as a
@@ -14,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from server.protocol.harmony import ARGUMENTS, CONTENT, TOOL_CALL, Part, gather
-from server.protocol.tool_parsers.region import RegionScan, json_object, parse_region
+from server.protocol.tool_parsers.region import RegionMemo, RegionScan, json_object, parse_region
 from server.protocol.tool_parsers.syntax import ToolSyntax
 
 
@@ -44,8 +47,9 @@ class ToolCallSplitter:
     Outside a call region it reads each piece once and holds back only what may still become an
     opening marker (`<tool` at the end of a piece), or, for formats whose call may be the bare
     answer, whitespace at the start of the answer. Inside a region it re-reads the region
-    (`region.py`) and sends what grew: a call as soon as its name is known, then its arguments
-    as they are written, as vLLM streams them. Whitespace between content and a call is dropped."""
+    (`region.py`, resuming through the region's memo) and sends what grew: a call as soon as
+    its name is known, then its arguments as they are written, as vLLM streams them. Whitespace
+    between content and a call is dropped."""
 
     def __init__(self, syntax: ToolSyntax, names: tuple[str, ...]):
         self.syntax, self.names = syntax, names
@@ -53,6 +57,7 @@ class ToolCallSplitter:
         self._held = ""  # text outside a region not given out yet
         self._started = False  # the answer has begun (a bare `{` opens a region only at its start)
         self._region: tuple[str, str | None, str] | None = None  # (marker, closer, text) of the open region
+        self._memo = RegionMemo()  # the open region's earlier readings
         self._sent: list[int] = []  # per call of the open region: argument characters sent
         self._first = 0  # the open region's first call's number
         self._space = ""  # whitespace held: dropped next to a call, else sent with what follows
@@ -65,7 +70,12 @@ class ToolCallSplitter:
         out: list[Part] = []
         if self._region is not None:
             marker, closer, text = self._region
-            self._region = (marker, closer, text + piece)
+            self._region = None  # the text's only reference is then `text`: it grows in place, not copied
+            text += piece
+            self._region = (marker, closer, text)
+        elif self.syntax.bare and not self._started and not piece.strip():
+            self._held += piece  # whitespace before the answer: nothing to read yet
+            return out
         else:
             self._held += piece
         self._advance(False, out)
@@ -115,7 +125,7 @@ class ToolCallSplitter:
 
     def _enter(self, marker: str, closer: str | None, text: str) -> None:
         self._region, self._held, self._started = (marker, closer, text), "", True
-        self._sent, self._first, self._space = [], self.calls, ""
+        self._sent, self._first, self._space, self._memo = [], self.calls, "", RegionMemo()
 
     def _content(self, text: str, out: list[Part]) -> None:
         if not text:
@@ -134,8 +144,9 @@ class ToolCallSplitter:
     def _in_region(self, final: bool, out: list[Part]) -> bool:
         """Read the open region; True when it has closed (the text after it is held again)."""
         marker, closer, text = self._region
-        scan = parse_region(text, self.syntax, self.names, closer, final)
+        scan = parse_region(text, self.syntax, self.names, closer, final, self._memo)
         self._send(scan, out)
+        self._memo.release()
         if scan.failed:
             if not self._sent:  # nothing of it went out: it was text after all
                 self._region = None
@@ -160,16 +171,18 @@ class ToolCallSplitter:
         return False
 
     def _send(self, scan: RegionScan, out: list[Part]) -> None:
-        for k, call in enumerate(scan.calls):
+        """Parts for what grew: calls before the last one sent were complete when sent."""
+        start = max(len(self._sent) - 1, 0)
+        for k, call in enumerate(scan.calls[start:], start):
             number = self._first + k
             if k == len(self._sent):
                 out.append(Part(TOOL_CALL, call.name, number))
                 self._sent.append(0)
                 self.calls += 1
-            grown = call.arguments[self._sent[k]:]
+            grown = call.arguments_from(self._sent[k])
             if grown:
                 out.append(Part(ARGUMENTS, grown, number))
-                self._sent[k] = len(call.arguments)
+                self._sent[k] += len(grown)
 
     def _leave(self, rest: str) -> None:
         self._region, self._held = None, rest

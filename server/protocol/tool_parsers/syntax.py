@@ -12,7 +12,7 @@ the same way, but a format that is more than these facts needs a new flag here. 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -52,11 +52,19 @@ REQUIRED = ToolSyntax("required", bare=True)  # the JSON list of calls `tool_cho
 
 @dataclass(frozen=True)
 class ScanCall:
-    """A call read so far: its name, its arguments' text, whether that text is complete."""
+    """A call read so far: its name, its arguments' text, whether that text is complete. A call
+    still being written has its arguments as the end of `source` (the region's text) from `start`,
+    so that a reading does not copy them each time the region grows."""
 
     name: str
     arguments: str
     complete: bool
+    source: str | None = field(default=None, repr=False, compare=False)
+    start: int = 0
+
+    def arguments_from(self, k: int) -> str:
+        """The arguments' text from its character `k` on."""
+        return self.arguments[k:] if self.source is None else self.source[self.start + k:]
 
 
 SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, GENERIC)}
