@@ -183,7 +183,8 @@ class ModelManager:
                 and time.monotonic() - m.failed_at < RETRY_FAILED_S:
             raise ModelUnavailable(503, f"The model `{name}` failed to load: {m.reason}")
         try:  # what it would unload may still be inside its minimum residence: refused before any start
-            self._plan(name)
+            if self.supervisor is not None:
+                self._plan(name)
         except Resident as e:
             raise ModelUnavailable(503, str(e), e.retry_after) from e
         except PlacementError:

@@ -98,7 +98,7 @@ def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int
                 del serving[index]
         why.append(f"unloads {model} ({because})")
 
-    def held_back() -> list[str]:  # may go once their residence is over
+    def held_back() -> list[str]:  # not protected: may go, once any residence of theirs is over
         return [m for m in lru if m not in protected and m not in unload and m != ask.name]
 
     def evictable() -> list[str]:
