@@ -17,7 +17,7 @@ Three measurements, each side by side in one run (the machine is shared and nois
      router minus direct; the figure to watch is the three-model router's added p50 minus the
      one-model router's (target: at most 0.1 ms);
   2. time to first token of a model that is not loaded: one device, `--max-loaded-models 1`,
-     models `a` and `b`; each swap streams one `/v1/completions` request (OpenAI `model`
+     `--model-min-residence-s 0`, models `a` and `b`; each swap streams one `/v1/completions` request (OpenAI `model`
      field) for the model not loaded, which the router holds while it unloads the other and
      starts a worker for this one; then the same request warm. Shown: cold and warm time to
      first token, and the router's own load time of that model (`/workers` `models[].last_load_s`,
@@ -211,7 +211,8 @@ def main() -> int:
         latency = asyncio.run(added_latency(one, three, args.requests))
         for r in routers:
             r.stop()
-        routers = [RouterProcess(["--simulate", "sm_90", *models[:4], "--max-loaded-models", "1"], **kw)]
+        routers = [RouterProcess(["--simulate", "sm_90", *models[:4], "--max-loaded-models", "1",
+                                  "--model-min-residence-s", "0"], **kw)]  # every swap a load, as measured
         loading = asyncio.run(on_demand(routers[0], args.swaps, args.warm))
     finally:
         for r in routers:

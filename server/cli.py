@@ -57,6 +57,9 @@ def _add_network_flags(serve: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file or "
                         "$HETSERVE_API_KEY)")
     g.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file's first line")
+    g.add_argument("--allow-unauthenticated-control", action="store_true",
+                   help="without an API key, let anyone who reaches the server load and unload models (`POST "
+                        "/models/NAME/load|unload`; default: refused with 403 unless --api-key is set)")
     g.add_argument("--header-timeout", type=float, default=None, metavar="S",
                    help="seconds a request's headers may take to arrive (default 10); then 408")
     g.add_argument("--body-timeout", type=float, default=None, metavar="S",

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 
-from tests.router_harness import free_port
 from workers.contract import WorkerConfig
 from workers.contract.pipeline import PipelinePlan, StagePlan
 from workers.contract.slowdown import ENV_SLOWDOWN, slowdown_factor
@@ -65,7 +64,7 @@ class Served:
                                                  str(tmp / f"{name}-{r}.json"), *argv, *slowed(f"{name}-{r}")],
                                                 environ={})
                 stages.append(StagePlan(bounds[r], bounds[r + 1], config, (), f"{name}-{r}", keys[r]))
-            PipelinePlan(f"127.0.0.1:{free_port()}", tuple(stages), 60.0,
+            PipelinePlan("127.0.0.1", tuple(stages), 60.0,
                          timing_model=model_key).write(tmp / f"{name}.plan.json")
             plan_args = ["--pipeline-plan", str(tmp / f"{name}.plan.json")]
         self.log = open(tmp / f"{name}.log", "w")

@@ -167,7 +167,8 @@ def _workers(router) -> list[dict]:
 def on_demand(tmp_path_factory):
     root = _model_dirs(tmp_path_factory.mktemp("od"), ("a", "b", "c"))
     r = RouterProcess(["--simulate", "sm_80,sm_89,sm_90", "--models-dir", str(root), "--max-loaded-models", "2",
-                       "--pin-model", "a", "--api-key", KEY], env={"FAKE_STARTUP_S": "0.3", "FAKE_TOKEN_S": "0.01"})
+                       "--pin-model", "a", "--api-key", KEY, "--model-min-residence-s", "0"],
+                      env={"FAKE_STARTUP_S": "0.3", "FAKE_TOKEN_S": "0.01"})
     yield r
     r.stop()
     assert not r.orphans
@@ -239,7 +240,8 @@ def test_a_request_held_longer_than_the_bound_gets_503_with_retry_after(tmp_path
     from server.config.models import ModelEntry, ModelsConfig
 
     root = _model_dirs(tmp_path, ("a", "b"))
-    models = ModelsConfig((ModelEntry("a", root / "a"), ModelEntry("b", root / "b")), max_loaded=1)
+    models = ModelsConfig((ModelEntry("a", root / "a"), ModelEntry("b", root / "b")), max_loaded=1,
+                          min_residence_s=0)
     with inprocess_router("sm_80,sm_90", env={"FAKE_STARTUP_S": "1.5"}, models=models, model_dir=root / "a",
                           ready_wait_s=0.5) as client:
         t0 = time.monotonic()

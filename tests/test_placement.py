@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.fleet.on_demand import NoRoom, plan_load
+from server.fleet.on_demand import NoRoom, Resident, plan_load
 from server.fleet.placement import (
     FIRST,
     FREE,
@@ -156,6 +156,22 @@ def test_the_least_recently_used_model_makes_room_under_max_loaded_models():
     with pytest.raises(NoRoom) as e:
         plan_load(ask("c", 1), devices, serving, ["b", "a"], protected={"a", "b"}, max_loaded=2)
     assert "--max-loaded-models 2" in str(e.value) and "none may be unloaded" in str(e.value)
+
+
+def test_a_model_inside_its_residence_is_not_unloaded_and_the_answer_says_how_long():
+    """Guards `resident` in server/fleet/on_demand.py `plan_load`: a model loaded less than
+    `--model-min-residence-s` ago is passed over; when only such models stand in the way the
+    answer is `Resident`, with the seconds until the first may go."""
+    devices = parse_simulate("sm_80,sm_80,sm_80")
+    serving = {0: "a", 1: "b", 2: "b"}
+    plan = plan_load(ask("c", 1), devices, serving, ["b", "a"], max_loaded=2, resident={"b": 10.0, "a": 0.0})
+    assert plan.unload == ("a",)  # `b` is the least recently used but resident; `a`'s residence is over
+    with pytest.raises(Resident) as e:
+        plan_load(ask("c", 1), devices, serving, ["b", "a"], max_loaded=2, resident={"b": 10.0, "a": 2.5})
+    assert e.value.retry_after == 3 and "`a`" in str(e.value) and "--model-min-residence-s" in str(e.value)
+    one = parse_simulate("sm_80")
+    with pytest.raises(Resident):  # the device loop: the only device holds a resident model
+        plan_load(ask("c", 1), one, {0: "a"}, ["a"], resident={"a": 5.0})
 
 
 def test_without_a_free_device_that_holds_it_the_lru_holder_unloads():

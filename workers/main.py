@@ -182,7 +182,7 @@ def run_worker(config: WorkerConfig) -> int:
             cpu = install_cpu_paths(loaded, bound, config.deterministic and config.pipeline_rank == 0)
         if plan is not None:  # every stage joins the replica's process group
             with startup_step("pipeline", status):
-                link = _join_pipeline(plan, config.pipeline_rank, bound, loaded, stages)
+                link = _join_pipeline(plan, config, bound, loaded, stages)
         with startup_step("kv_cache", status):  # sized on this device; a pipeline's stages agree on the blocks
             from workers.engine.build import build_kv, context_length, decide_compile
 
@@ -302,14 +302,18 @@ def _apply_fp8(config: WorkerConfig, bound, cap, loaded):
     return conv, reason, checkpoint
 
 
-def _join_pipeline(plan, rank: int, bound, loaded, stages):
-    """This stage's link in the replica's process group (the first stage fails as soon as a stage exits)."""
+def _join_pipeline(plan, config: WorkerConfig, bound, loaded, stages):
+    """This stage's link in the replica's process group, through the rendezvous the first stage made
+    for this start (the first stage fails as soon as a stage exits)."""
     import torch
 
+    from workers.pipeline.rendezvous import Rendezvous
     from workers.pipeline.transport import StageLink
 
+    rendezvous = stages.rendezvous if stages is not None else Rendezvous.read(config.pipeline_plan)
+
     def join():
-        return StageLink.join(plan, rank, torch.device(bound.torch_device), loaded.dtype)
+        return StageLink.join(plan, config.pipeline_rank, torch.device(bound.torch_device), loaded.dtype, rendezvous)
 
     return join() if stages is None else stages.wait_for(join)
 

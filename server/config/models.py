@@ -1,6 +1,6 @@
 """Which models one `hetserve serve` offers, where they are pinned, and which are loaded on demand:
 `--model [NAME=]DIR`, `--models-dir`, `--place`, `--max-loaded-models`, `--pin-model`,
-`--served-model-name` (docs/serving.md says what each does).
+`--model-min-residence-s`, `--served-model-name` (docs/serving.md says what each does).
 
 Design: validated once into a frozen `ModelsConfig`, every error naming the bad value and what
 is accepted, so the fleet and the edge read plain values. The first model is the default. A name
@@ -22,6 +22,9 @@ from workers.contract import DEFAULT_MODEL_DIR
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 ACCEPTED_NAMES = "1-128 letters, digits and `._:-`, starting with a letter or digit"
 CONFIG_FILE = "config.json"
+# A model loaded (on demand or at start) is not unloaded to make room for another before this many
+# seconds: alternating requests for two models then cost one worker start per residence, not per request.
+DEFAULT_MIN_RESIDENCE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class ModelsConfig:
     models_dir: Path | None = None
     pipeline: int | None = None  # --pipeline N: stages per replica; None: auto (only a model no device holds)
     partition: tuple[int, ...] | None = None  # --pipeline-partition: layers per stage
+    min_residence_s: float = DEFAULT_MIN_RESIDENCE_S  # --model-min-residence-s: no eviction before this
 
     @property
     def on_demand(self) -> bool:
@@ -78,6 +82,9 @@ def add_model_flags(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
                    help="load at most N models at once: a request for another loads it, unloading the least "
                         "recently used")
+    g.add_argument("--model-min-residence-s", type=float, default=None, metavar="S",
+                   help=f"a loaded model is not unloaded to make room for another before S seconds (default "
+                        f"{DEFAULT_MIN_RESIDENCE_S:g}); a request that would need it gets 503 with Retry-After")
     g.add_argument("--pin-model", metavar="NAME", action="append", default=None,
                    help="keep this model always loaded (repeatable)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -182,9 +189,15 @@ def models_from_args(args) -> ModelsConfig:
     if max_loaded is not None and max_loaded < max(1, len(pinned)):
         raise UsageError(f"`--max-loaded-models {max_loaded}` must be at least 1 and at least the "
                          f"{len(pinned)} pinned models (--pin-model)")
+    residence = getattr(args, "model_min_residence_s", None)
+    residence = DEFAULT_MIN_RESIDENCE_S if residence is None else residence
+    if not 0 <= residence < float("inf"):
+        raise UsageError(f"`--model-min-residence-s {residence}` is no duration. Accepted: seconds >= 0 (0: a model "
+                         f"may be unloaded as soon as it is loaded)")
     stages, partition = _pipeline_flags(getattr(args, "pipeline", "auto"), getattr(args, "pipeline_partition", None))
     return ModelsConfig(tuple(entries), _parse_place(getattr(args, "place", None) or [], names), pinned, max_loaded,
-                        None if models_dir is None else Path(models_dir).expanduser().resolve(), stages, partition)
+                        None if models_dir is None else Path(models_dir).expanduser().resolve(), stages, partition,
+                        float(residence))
 
 
 def _pipeline_flags(pipeline: str | None, partition: str | None) -> tuple[int | None, tuple[int, ...] | None]:

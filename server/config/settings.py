@@ -87,6 +87,8 @@ class RouterSettings:
     max_num_batched_tokens: int | None = None  # tokens per engine step (None: each device's, `step_token_budget`)
     api_key: str | None = None
     api_key_source: str = "none"  # --api-key, --api-key-file PATH, $HETSERVE_API_KEY or none
+    # `POST /models/NAME/load|unload` without an API key: refused (403) unless this is set
+    allow_unauthenticated_control: bool = False
     log_level: str = "info"
     special_tokens_in_content: bool = False  # chat content may hold the model's special tokens
     reasoning_parser: str = AUTO_REASONING  # auto | qwen3 | none (server/config/reasoning.py)
@@ -180,6 +182,7 @@ class RouterSettings:
             **engine,
             "api_key": api_key,
             "api_key_source": api_key_source,
+            "allow_unauthenticated_control": bool(getattr(args, "allow_unauthenticated_control", False)),
             "log_level": getattr(args, "log_level", "info"),
             "special_tokens_in_content": bool(getattr(args, "special_tokens_in_content", False)),
             "deterministic": bool(getattr(args, "deterministic", False)),

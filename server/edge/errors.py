@@ -147,7 +147,7 @@ def install_error_handlers(app: FastAPI) -> None:
                 return JSONResponse({"error": {"message": exc.message, "type": "invalid_request_error",
                                                "param": "model", "code": "model_not_found"}}, status_code=404)
             return error_response(request.url.path, 404, exc.message, "model_not_found")
-        retry_after = request.app.state.ctx.settings.retry_after_s
+        retry_after = exc.retry_after or request.app.state.ctx.settings.retry_after_s
         headers = {"Retry-After": str(retry_after)} if exc.status == 503 else None
         return error_response(request.url.path, exc.status, exc.message, _KINDS.get(exc.status), headers)
 

@@ -22,7 +22,7 @@ from enum import StrEnum
 from server.config.models import ModelEntry
 from server.config.settings import RouterSettings
 from server.errors import shown
-from server.fleet.on_demand import plan_load
+from server.fleet.on_demand import Resident, plan_load
 from server.fleet.placement import (
     FREE,
     STAGE,
@@ -56,9 +56,9 @@ class ModelState(StrEnum):
 class ModelUnavailable(Exception):
     """A model that cannot serve now: unknown (404), pinned (409) or unable to load (503)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.retry_after = status, message, retry_after
 
 
 @dataclass
@@ -182,6 +182,14 @@ class ModelManager:
         if m.state == ModelState.FAILED and m.failed_at is not None \
                 and time.monotonic() - m.failed_at < RETRY_FAILED_S:
             raise ModelUnavailable(503, f"The model `{name}` failed to load: {m.reason}")
+        try:  # what it would unload may still be inside its minimum residence: refused before any start
+            if self.supervisor is not None:
+                self._plan(name)
+        except Resident as e:
+            raise ModelUnavailable(503, str(e), e.retry_after) from e
+        except PlacementError:
+            pass  # the load says why, and marks the model failed
+        self._tasks = {n: t for n, t in self._tasks.items() if not t.done()}  # the finished loads' tasks go
         self._tasks[name] = asyncio.create_task(self._load_logged(name), name=f"load-{name}")
         return f"`{name}` is loading"
 
@@ -201,9 +209,13 @@ class ModelManager:
                 return m
             assert self.supervisor is not None
             sup, started = self.supervisor, time.monotonic()
+            before = m.state, m.reason
             m.state, m.reason = ModelState.LOADING, "planning"
             try:
                 plan = self._plan(name)
+            except Resident as e:  # not the model's failure: it may load once the residence is over
+                m.state, m.reason = before
+                raise ModelUnavailable(503, str(e), e.retry_after) from e
             except PlacementError as e:
                 m.state, m.reason, m.failed_at = ModelState.FAILED, str(e), time.monotonic()
                 raise ModelUnavailable(503, str(e)) from e
@@ -237,7 +249,16 @@ class ModelManager:
         protected = {n for n, x in self.models.items() if x.pinned or x.state == ModelState.LOADING and n != name}
         return plan_load(m.ask, self.devices, serving, sorted(loaded, key=idle_first), protected,
                          self.settings.models.max_loaded, pinned_devices, self.settings.dtype, self.settings.quantize,
-                         self.settings.gpu_memory_utilization)
+                         self.settings.gpu_memory_utilization, self._residence(loaded))
+
+    def _residence(self, loaded) -> dict[str, float]:
+        """Each loaded model's seconds left of its minimum residence, counted from its oldest worker's ready."""
+        now, out = time.monotonic(), {}
+        for n in loaded:
+            since = [h.ready_since for h in self.serving(n) if h.ready_since is not None]
+            if since:
+                out[n] = self.settings.models.min_residence_s - (now - min(since))
+        return out
 
     def _by_index(self, indices) -> list[DeviceInfo]:
         return [d for d in self.devices if d.index in set(indices)]

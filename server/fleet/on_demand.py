@@ -3,7 +3,10 @@
 `plan_load` answers a request for a model that no worker serves: first the count (with
 `--max-loaded-models N`, the least recently used models beyond N unload, never a protected
 one), then the device (its pins, else the smallest free device that holds it, else a replica's
-device, else what unloading the least recently used models frees). It gets that one device: the
+device, else what unloading the least recently used models frees). A model inside its minimum
+residence (`--model-min-residence-s`) is not unloaded: when only such models stand in the way, the
+answer is `Resident`, with the seconds until one may go, so that alternating requests for two
+models cost one worker start per residence, not one per request. It gets that one device: the
 devices left free stay free for the next load. A model that fits no device, or for which nothing
 can be freed, is a `PlacementError` naming why (the caller answers 503). Trade-off: loading
 never moves a loaded model, so a sequence of loads can leave a large device serving a small model
@@ -13,6 +16,7 @@ requests.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +39,21 @@ class NoRoom(PlacementError):
     """Every device that could hold the model serves one that may not be unloaded now."""
 
 
+class Resident(NoRoom):
+    """Only models inside their minimum residence stand in the way; `retry_after`: seconds until one may go."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def _resident(name: str, waiting: Sequence[str], resident: Mapping[str, float]) -> Resident:
+    first = min(waiting, key=lambda m: resident[m])
+    left = max(1, math.ceil(resident[first]))
+    return Resident(f"Cannot load `{name}` now: it would unload `{first}`, which stays loaded for its minimum "
+                    f"residence (--model-min-residence-s), {left} s more; retry after {left} s", left)
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     """Start `start`; before that, stop the workers on `stop` (device indices), which unloads
@@ -50,7 +69,7 @@ class LoadPlan:
 def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int, str], lru: Sequence[str],
               protected: Collection[str] = (), max_loaded: int | None = None,
               pinned_devices: Mapping[int, str] | None = None, dtype: str = "auto", quantize: str = "none",
-              fraction: float | None = None) -> LoadPlan:
+              fraction: float | None = None, resident: Mapping[str, float] | None = None) -> LoadPlan:
     """Where `ask` goes and what unloads for it, in order:
 
     1. the count: with `max_loaded`, a new model beyond it unloads the least recently used models
@@ -62,8 +81,10 @@ def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int
        used models, one at a time, until one of their devices holds it.
 
     `serving`: device index -> the model its worker serves (or loads); `lru`: the loaded models,
-    least recently used first; `pinned_devices`: device index -> the model `--place` pins there."""
+    least recently used first; `pinned_devices`: device index -> the model `--place` pins there;
+    `resident`: model -> seconds left of its minimum residence (never unloaded before; `Resident`)."""
     pinned_devices = pinned_devices or {}
+    resident = {m: left for m, left in (resident or {}).items() if left > 0}
     serving = dict(serving)
     unload: list[str] = []
     stop: list[int] = []
@@ -77,13 +98,18 @@ def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int
                 del serving[index]
         why.append(f"unloads {model} ({because})")
 
-    def evictable() -> list[str]:
+    def held_back() -> list[str]:  # not protected: may go, once any residence of theirs is over
         return [m for m in lru if m not in protected and m not in unload and m != ask.name]
+
+    def evictable() -> list[str]:
+        return [m for m in held_back() if m not in resident]
 
     # 1. the count of loaded models
     loaded = set(serving.values())
     while max_loaded is not None and len(loaded - set(unload)) + 1 > max_loaded:
         candidates = evictable()
+        if not candidates and held_back():
+            raise _resident(ask.name, held_back(), resident)
         if not candidates:
             raise NoRoom(f"Cannot load `{ask.name}`: {len(loaded)} models are loaded (--max-loaded-models "
                          f"{max_loaded}) and none may be unloaded now ({', '.join(sorted(loaded)) or 'none'} are "
@@ -100,7 +126,10 @@ def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int
                 if holder in protected:
                     raise NoRoom(f"Cannot load `{ask.name}` on its pinned {worker_id(d)}: it serves `{holder}`, "
                                  "which may not be unloaded now")
-                if sum(1 for m in serving.values() if m == holder) > 1:
+                alone = sum(1 for m in serving.values() if m == holder) == 1
+                if alone and holder in resident:
+                    raise _resident(ask.name, [holder], resident)
+                if not alone:
                     stop.append(d.index)
                     del serving[d.index]
                     why.append(f"takes {worker_id(d)} from a replica of {holder}")
@@ -137,6 +166,8 @@ def plan_load(ask: ModelAsk, devices: Sequence[DeviceInfo], serving: Mapping[int
             break
         holders = {serving[d.index] for d in fitting}
         candidates = [m for m in evictable() if m in holders]
+        if not candidates and (waiting := [m for m in held_back() if m in holders]):
+            raise _resident(ask.name, waiting, resident)
         if not candidates:
             held = ", ".join(f"{worker_id(d)} serves `{serving[d.index]}`" for d in fitting)
             raise NoRoom(f"Cannot load `{ask.name}` ({human(needs[fitting[0].index].total)}): every device that "

@@ -15,7 +15,6 @@ clock reads per step.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -198,11 +197,9 @@ def auto_device_sets(profile: ModelProfile, free: Sequence[DeviceInfo], dtype: s
             return
 
 
-def free_address() -> str:
-    """`127.0.0.1:<a free port>` where a replica's stages meet (its first stage listens there)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+# The host a replica's stages bind their sockets to: loopback, since they are workers of this host
+# (each start meets through a fresh rendezvous in the run directory: workers/pipeline/rendezvous.py).
+STAGE_HOST = "127.0.0.1"
 
 
 def backend_for(devices: Sequence[DeviceInfo]) -> str:
@@ -225,7 +222,7 @@ def pipeline_spec(group: PipelineGroup, model_dir: Path, settings, run_dir: Path
                              f"{spec.id} ({spec.device.capability_label})", key)
                    for i, (s, spec, key) in enumerate(zip(group.splits, specs, keys, strict=True)))
     path = run_dir / f"{specs[0].id}.pipeline.json"
-    PipelinePlan(free_address(), stages, backend=backend_for(group.devices),
+    PipelinePlan(STAGE_HOST, stages, backend=backend_for(group.devices),
                  notes={"reason": group.reason}, timing_model=group.timing_model).write(path)
     first = specs[0]
     return replace(first, config=replace(first.config, pipeline_plan=str(path)))

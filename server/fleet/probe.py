@@ -22,8 +22,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from server.fleet.client import WorkerClient, WorkerDown, WorkerGone
-from workers.contract import CompileDescription, EngineLiveness, HealthPayload
+from server.fleet.client import WorkerClient, WorkerDown, WorkerGone, WorkerHTTPError
+from workers.contract import CapabilityPayload, CompileDescription, EngineLiveness, HealthPayload
 
 BUSY_CPU_SHARE = 0.2  # of one core over an unanswered probe: the worker computes, it is not stopped
 MAX_BUSY_PROBES = 6  # unanswered probes in a row tolerated from a worker that computes
@@ -83,6 +83,17 @@ def cpu_seconds(pid: int | None) -> float | None:
     if fields[0] in ("T", "t"):  # stopped (SIGSTOP) or traced: not computing whatever its counters say
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def ready_capability(client: WorkerClient) -> CapabilityPayload | None:
+    """A starting worker's `/capability` once its `/health` says ready; None if not yet."""
+    try:
+        code, _ = await client.health()
+        if code != 200:
+            return None
+        return await client.capability()
+    except (*WorkerGone, WorkerHTTPError, ValueError):
+        return None
 
 
 async def probe(client: WorkerClient, timeout_s: float, stall_timeout_s: float,

@@ -25,11 +25,11 @@ from pathlib import Path
 
 from server.config.settings import RouterSettings
 from server.fleet.breaker import BreakerPolicy, CircuitBreaker
-from server.fleet.client import WorkerClient, WorkerGone, WorkerHTTPError
+from server.fleet.client import WorkerClient
 from server.fleet.exits import ExitHistory, RestartPolicy, decide_exit, describe_failure
 from server.fleet.handle import WorkerHandle, read_status
 from server.fleet.pipelines import with_pipelines
-from server.fleet.probe import Act, Probe, Tally, probe
+from server.fleet.probe import Act, Probe, Tally, probe, ready_capability
 from server.fleet.process import alive, kill, spawn
 from server.fleet.run_dir import make_run_dir, sweep_stale_run_dirs
 from server.fleet.spec import (
@@ -39,7 +39,7 @@ from server.fleet.spec import (
     threads_per_worker,
     worker_id,
 )
-from workers.contract import CapabilityPayload, DeviceInfo, WorkerState, WorkerStatus, cpu_device
+from workers.contract import DeviceInfo, WorkerState, WorkerStatus, cpu_device
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Supervisor:
         self._generations: dict[str, int] = {}  # worker id -> the last generation of a retired worker there
         self.workers: dict[str, WorkerHandle] = {}
         self.run_dir: Path | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()  # the live workers' lifecycles: each leaves once it ends
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
@@ -77,7 +77,7 @@ class Supervisor:
         self._stop_event = asyncio.Event()
         self._changed = asyncio.Event()
         for handle in self.workers.values():
-            self._tasks.append(asyncio.create_task(self._lifecycle(handle), name=f"worker-{handle.id}"))
+            self._start_lifecycle(handle)
 
     def ready(self) -> list[WorkerHandle]:
         return [h for h in self.workers.values() if h.routable]
@@ -142,9 +142,14 @@ class Supervisor:
         handle = self._handle(spec)
         order = {worker_id(d): i for i, d in enumerate(self._devices)}
         self.workers = dict(sorted({**self.workers, spec.id: handle}.items(), key=lambda kv: order.get(kv[0], 0)))
-        self._tasks.append(asyncio.create_task(self._lifecycle(handle), name=f"worker-{spec.id}"))
+        self._start_lifecycle(handle)
         self._notify()
         return handle
+
+    def _start_lifecycle(self, handle: WorkerHandle) -> None:
+        task = asyncio.create_task(self._lifecycle(handle), name=f"worker-{handle.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)  # a retired worker's task is not kept for the router's life
 
     async def retire(self, wid: str, why: str) -> None:
         """Stop worker `wid` for good (`stopping`: out of rotation, SIGTERM so it finishes its
@@ -184,9 +189,9 @@ class Supervisor:
         self._stopping = True
         if self._stop_event is not None:
             self._stop_event.set()
-        for task in self._tasks:
+        for task in (tasks := list(self._tasks)):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         procs = [h.process for h in self.workers.values() if h.process and h.process.returncode is None]
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -234,8 +239,7 @@ class Supervisor:
             handle.ready_since = None
         self._notify()
 
-    def _notify(self) -> None:
-        """Wake whoever waits in `wait_changed`."""
+    def _notify(self) -> None:  # wakes whoever waits in `wait_changed`
         if self._changed is not None:
             self._changed.set()
             self._changed = asyncio.Event()
@@ -303,8 +307,8 @@ class Supervisor:
         logger.info("worker %s: started pid %s (%s)", handle.id, handle.pid, spec.device.name)
 
     async def _drop_client(self, handle: WorkerHandle) -> None:
-        client, handle.client = handle.client, None
-        if client is not None:
+        if (client := handle.client) is not None:
+            handle.client = None
             await client.aclose()
 
     async def _sleep_unless_stopping(self, seconds: float) -> None:
@@ -332,7 +336,7 @@ class Supervisor:
                 handle.step = status["step"]
                 handle.reason = f"step: {handle.step}"
             if spec.socket_path.exists() and status.get("state") in (None, WorkerStatus.READY):
-                info = await self._probe(client)
+                info = await ready_capability(client)
                 if info is not None:
                     handle.info = info
                     handle.ready_since = time.monotonic()
@@ -346,17 +350,6 @@ class Supervisor:
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.5)
         return False
-
-    @staticmethod
-    async def _probe(client: WorkerClient) -> CapabilityPayload | None:
-        """The worker's /capability once its /health says ready; None if not yet."""
-        try:
-            code, _ = await client.health()
-            if code != 200:
-                return None
-            return await client.capability()
-        except (*WorkerGone, WorkerHTTPError, ValueError):
-            return None
 
     async def _health_loop(self, handle: WorkerHandle) -> None:
         s, client = self.settings, handle.client

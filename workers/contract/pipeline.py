@@ -174,7 +174,9 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """The stages of one replica, in order, and where the process group meets (`host:port`)."""
+    """The stages of one replica, in order, and the host their sockets bind to (`address`: a host,
+    or `host:port` whose port is not used: the first stage meets the others through a fresh
+    rendezvous at each start, workers/pipeline/rendezvous.py)."""
 
     address: str
     stages: tuple[StagePlan, ...]
@@ -186,6 +188,13 @@ class PipelinePlan:
     @property
     def world_size(self) -> int:
         return len(self.stages)
+
+    @property
+    def host(self) -> str:
+        """The address the stages' sockets bind to (`address` without a port)."""
+        if self.address.startswith("["):  # [v6]:port
+            return self.address[1:].partition("]")[0]
+        return self.address.partition(":")[0] if self.address.count(":") == 1 else self.address
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))

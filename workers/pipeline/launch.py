@@ -4,7 +4,8 @@ Design: the router writes the replica's plan (workers/contract/pipeline.py: each
 `WorkerConfig` and environment, built as for any worker on that device) and starts only the first
 stage; the first stage starts the others at once (so every stage loads its layers at the same
 time), each from its configuration written beside the plan with its rank and told to exit with
-it (`parent_pid`), and then waits for all of them in the process group. A stage that exits takes
+it (`parent_pid`), after a fresh rendezvous for this start (workers/pipeline/rendezvous.py),
+and then waits for all of them in the process group. A stage that exits takes
 the first stage down with it (`watch`): before serving a start failure naming the stage and its
 reason (from its status file), while serving a fatal error, so the router restarts the whole
 replica. The trade-off: the router supervises one process per replica, and a stage's own restart
@@ -24,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from workers.contract.pipeline import PipelinePlan
+from workers.pipeline.rendezvous import Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ class Stages:
 
     def __init__(self, plan: PipelinePlan, plan_path: str):
         self.plan, self.procs = plan, {}
+        self.rendezvous = Rendezvous.fresh(plan_path)  # before any stage starts: each reads it to join
         for rank, stage in enumerate(plan.stages[1:], start=1):
             config = replace(stage.config, pipeline_plan=plan_path, pipeline_rank=rank, parent_pid=os.getpid())
             path = config.write(Path(plan_path).with_name(f"{Path(plan_path).stem}.stage{rank}.json"))
@@ -110,3 +113,4 @@ class Stages:
                 proc.wait(2.0)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        self.rendezvous.remove()

@@ -1,30 +1,32 @@
 """The pipeline's wire: one `torch.distributed` process group per replica, stage to stage.
 
-Design: stage `r` sends stage `r + 1` each step a header (`[kind, meta bytes, rows]` int64), the
-step's chunks (pickled `(SeqChunk, token ids)` pairs, so every stage builds the same batch) and
-the hidden states `[T, H]` in the compute dtype; the last stage sends the logits back in its
-compute dtype, which the first makes fp32 (the cast a single worker makes, at half the bytes).
-Sends do not wait for the receiver (`isend`); no fp8 and no sampling state crosses. The backend is
-the plan's (server/fleet/pipelines.py `backend_for`): NCCL (RCCL) when every stage is a real GPU of
-one vendor, gloo through host memory otherwise. Trade-off: a step's chunks are pickled on every
-hop rather than kept as state on each stage, so a stage holds no scheduler state and a restarted
-pipeline has nothing to reconcile."""
+Design: stage `r` sends stage `r + 1` each step a header and the step's chunks as int64 values
+(workers/pipeline/wire.py: a fixed layout of the `(SeqChunk, token ids)` pairs, so every stage
+builds the same batch; a message in any other layout is refused, nothing is unpickled) and the
+hidden states `[T, H]` in the compute dtype; the last stage sends the logits back in its compute
+dtype, which the first makes fp32 (the cast a single worker makes, at half the bytes). Sends do
+not wait for the receiver (`isend`); no fp8 and no sampling state crosses. The stages meet through
+a file store of this start and bind their sockets to the plan's host
+(workers/pipeline/rendezvous.py). The backend is the plan's (server/fleet/pipelines.py
+`backend_for`): NCCL (RCCL) when every stage is a real GPU of one vendor, gloo through host memory
+otherwise. Trade-off: a step's chunks are encoded on every hop rather than kept as state on each
+stage, so a stage holds no scheduler state and a restarted pipeline has nothing to reconcile."""
 
 from __future__ import annotations
 
 import datetime
 import logging
-import pickle
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from workers.contract.pipeline import PipelinePlan
+from workers.pipeline import wire as layout
+from workers.pipeline.rendezvous import Rendezvous, bind_interface
+from workers.pipeline.wire import STEP, STOP
 
 logger = logging.getLogger(__name__)
-
-STEP, STOP = 0, 1
 
 
 @dataclass
@@ -47,17 +49,21 @@ class StageLink:
 
     # ---- setup ----------------------------------------------------------------------------
     @classmethod
-    def join(cls, plan: PipelinePlan, rank: int, device: torch.device, dtype: torch.dtype) -> StageLink:
-        """Join the replica's process group (blocks until every stage has joined)."""
+    def join(cls, plan: PipelinePlan, rank: int, device: torch.device, dtype: torch.dtype,
+             rendezvous: Rendezvous) -> StageLink:
+        """Join the replica's process group through this start's `rendezvous`, the backend's sockets
+        on the plan's host (blocks until every stage has joined)."""
         backend = plan.backend
-        dist.init_process_group(backend, init_method=f"tcp://{plan.address}", rank=rank, world_size=plan.world_size,
-                                timeout=datetime.timedelta(seconds=plan.timeout_s))
+        interface = bind_interface(plan.host, backend)
+        dist.init_process_group(backend, store=rendezvous.open(plan.world_size), rank=rank,
+                                world_size=plan.world_size, timeout=datetime.timedelta(seconds=plan.timeout_s))
         # NCCL sends from the device bind made current (workers/device/bind.py); gloo through host memory
-        wire = device if backend == "nccl" else torch.device("cpu")
-        names: list = [None] * plan.world_size
-        dist.all_gather_object(names, str(dtype).removeprefix("torch."))
-        logger.info("pipeline stage %d of %d joined (%s)", rank, plan.world_size, backend)
-        return cls(rank, plan.world_size, device, wire, [getattr(torch, n) for n in names])
+        on = device if backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor([layout.dtype_index(str(dtype).removeprefix("torch."))], dtype=torch.int64, device=on)
+        every = [torch.empty_like(mine) for _ in range(plan.world_size)]
+        dist.all_gather(every, mine)
+        logger.info("pipeline stage %d of %d joined (%s on %s)", rank, plan.world_size, backend, interface)
+        return cls(rank, plan.world_size, device, on, [getattr(torch, layout.dtype_name(int(t))) for t in every])
 
     def agree_blocks(self, blocks: list[int]) -> list[int]:
         """Each KV group's blocks: the fewest any stage can hold."""
@@ -66,10 +72,20 @@ class StageLink:
         return [int(x) for x in t.tolist()]
 
     def gather(self, obj) -> list | None:
-        """Every stage's `obj` at the first stage (None elsewhere)."""
-        out = [None] * self.world if self.first else None
-        dist.gather_object(obj, out, dst=0)
-        return out
+        """Every stage's `obj` (plain JSON values) at the first stage (None elsewhere)."""
+        data = layout.encode_json(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.wire)
+        sizes = [torch.empty_like(size) for _ in range(self.world)]
+        dist.all_gather(sizes, size)
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        mine = mine.to(self.wire)
+        out = [torch.empty_like(mine) for _ in range(self.world)] if self.first else None
+        dist.gather(mine, out, dst=0)
+        if out is None:
+            return None
+        return [layout.decode_json(t[:int(n)].cpu().numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -79,12 +95,12 @@ class StageLink:
     def send_step(self, items, hidden: torch.Tensor) -> list:
         """To the next stage: the step's chunks and the hidden states [T, H]. Returns the sends
         under way (wait on them, `wait`, before the tensors may change): the caller computes on."""
-        meta = torch.frombuffer(bytearray(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-        header = torch.tensor([STEP, meta.numel(), hidden.shape[0]], dtype=torch.int64, device=self.wire)
-        return [dist.isend(t, self.rank + 1) for t in (header, meta.to(self.wire), hidden.to(self.wire).contiguous())]
+        meta = torch.tensor(layout.encode_items(items), dtype=torch.int64, device=self.wire)
+        header = torch.tensor(layout.header(STEP, meta.numel(), hidden.shape[0]), dtype=torch.int64, device=self.wire)
+        return [dist.isend(t, self.rank + 1) for t in (header, meta, hidden.to(self.wire).contiguous())]
 
     def send_stop(self) -> None:
-        dist.send(torch.tensor([STOP, 0, 0], dtype=torch.int64, device=self.wire), self.rank + 1)
+        dist.send(torch.tensor(layout.header(STOP, 0, 0), dtype=torch.int64, device=self.wire), self.rank + 1)
 
     @staticmethod
     def wait(sends: list) -> None:
@@ -92,17 +108,18 @@ class StageLink:
             work.wait()
 
     def recv_step(self, hidden_size: int):
-        """From the previous stage: (items, hidden [T, H] in this stage's dtype), or None to stop."""
-        header = torch.empty(3, dtype=torch.int64, device=self.wire)
+        """From the previous stage: (items, hidden [T, H] in this stage's dtype), or None to stop;
+        `layout.WireError` for a message in any other layout (workers/pipeline/wire.py)."""
+        header = torch.empty(layout.HEADER, dtype=torch.int64, device=self.wire)
         dist.recv(header, self.rank - 1)
-        kind, n_meta, rows = (int(x) for x in header.tolist())
+        kind, n_meta, rows = layout.read_header(header.tolist())
         if kind == STOP:
             return None
-        meta = torch.empty(n_meta, dtype=torch.uint8, device=self.wire)
+        meta = torch.empty(n_meta, dtype=torch.int64, device=self.wire)
         dist.recv(meta, self.rank - 1)
+        items = layout.decode_items(meta.tolist())  # before the hidden states: a bad message goes no further
         hidden = torch.empty(rows, hidden_size, dtype=self.dtypes[self.rank - 1], device=self.wire)
         dist.recv(hidden, self.rank - 1)
-        items = pickle.loads(meta.cpu().numpy().tobytes())  # noqa: S301 (our own stages, in one process group)
         return items, hidden.to(self.device, self.dtypes[self.rank])
 
     def send_logits(self, logits: torch.Tensor) -> list:

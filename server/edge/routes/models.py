@@ -1,14 +1,18 @@
 """The models: `GET /v1/models` (OpenAI's list, with where each model is placed) and, with the
-API key, `POST /models/{name}/load` and `POST /models/{name}/unload`.
+API key, `POST /models/{name}/load` and `POST /models/{name}/unload`: without `--api-key` these
+two answer 403 naming the flags (`--allow-unauthenticated-control` opens them), since starting
+and stopping workers is the operator's, not any client's who reaches the port.
 
 A model's entry: `id` (its name), `context_length` and `architecture` (what its worker reports
 once loaded, else what its config.json says), `quantization` (`--quantize fp8`, or the
 checkpoint's own method), `state` (loaded, loading, unloading, unloaded, failed) and
 `placement`: per worker serving it, the device, the worker's state and why placement gave it
 that device (with the bytes it needs there). `load` answers 200 once a
-worker of the model is ready, 202 while it still starts after `ready_wait_s`; `unload` 200 once
-its workers have stopped (each finishes its requests in flight), 409 for a `--pin-model` one; a
-model this router does not offer is a 404 naming those it does (server/fleet/models.py).
+worker of the model is ready, 202 while it still starts after `ready_wait_s`, 503 with
+`Retry-After` while the model it would unload is inside its minimum residence
+(`--model-min-residence-s`); `unload` 200 once its workers have stopped (each finishes its
+requests in flight), 409 for a `--pin-model` one; a model this router does not offer is a 404
+naming those it does (server/fleet/models.py).
 """
 
 from __future__ import annotations
@@ -17,10 +21,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from server.edge.context import RouterContext, get_ctx
+from server.edge.errors import error_response
 from server.fleet.models import ModelManager, ModelState
 from workers.contract import HEADER_MODEL
 
 router = APIRouter(tags=["models"])
+_CONTROL_ERRORS = {401: {"description": "missing or wrong API key"},
+                   403: {"description": "no API key set and --allow-unauthenticated-control not given"},
+                   404: {"description": "no such model"}, 409: {"description": "a pinned model (unload)"},
+                   503: {"description": "no room, or the model to unload is inside its minimum residence"}}
 
 
 def model_entry(ctx: RouterContext, name: str) -> dict:
@@ -46,6 +55,19 @@ def _reason(ctx: RouterContext, index: int) -> str | None:
     return None if placed is None else placed["reason"]
 
 
+CONTROL_REFUSED = ("Loading and unloading models needs an API key: start the server with `--api-key` (or "
+                   "`--api-key-file`, `$HETSERVE_API_KEY`) and send it, or open these routes to every client with "
+                   "`--allow-unauthenticated-control`")
+
+
+def _refused(request: Request) -> JSONResponse | None:
+    """403 for a control route of a server without an API key, unless the operator opened them."""
+    settings = get_ctx(request).settings
+    if settings.api_key is None and not settings.allow_unauthenticated_control:
+        return error_response(request.url.path, 403, CONTROL_REFUSED, "forbidden")
+    return None
+
+
 def _manager(request: Request, name: str) -> ModelManager:
     """The model manager, once `name` is known to be one of its models (else 404)."""
     models = get_ctx(request).models
@@ -59,18 +81,22 @@ def model_list(ctx: RouterContext) -> dict:
     return {"object": "list", "data": [model_entry(ctx, name) for name in ctx.model_names()]}
 
 
-@router.post("/models/{name}/load")
+@router.post("/models/{name}/load", responses=_CONTROL_ERRORS)
 async def load(name: str, request: Request) -> JSONResponse:
     """Load `name` where placement puts it (making room as a request for it would)."""
+    if (refused := _refused(request)) is not None:
+        return refused
     models = _manager(request, name)
     model = await models.load(name, get_ctx(request).settings.ready_wait_s)
     code = 200 if model.state == ModelState.LOADED else 202
     return JSONResponse(models.describe(name), status_code=code, headers={HEADER_MODEL: name})
 
 
-@router.post("/models/{name}/unload")
+@router.post("/models/{name}/unload", responses=_CONTROL_ERRORS)
 async def unload(name: str, request: Request) -> JSONResponse:
     """Stop every worker of `name`; its requests in flight finish first."""
+    if (refused := _refused(request)) is not None:
+        return refused
     models = _manager(request, name)
     await models.unload(name)
     return JSONResponse(models.describe(name), headers={HEADER_MODEL: name})
