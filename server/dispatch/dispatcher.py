@@ -179,7 +179,7 @@ class Dispatcher:
                 try:
                     under_way = self.models.request_load(c.model) if self.models is not None else f.reason
                 except ModelUnavailable as e:
-                    raise DispatchError(503, e.message, "unavailable", s.retry_after_s, c.model) from e
+                    raise DispatchError(503, e.message, "unavailable", e.retry_after or s.retry_after_s, c.model) from e
                 if left <= 0:
                     raise DispatchError(503, f"{f.reason}: {under_way}; retry later", "unavailable", s.retry_after_s,
                                         c.model)
