@@ -76,6 +76,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _compiled(sock: Path) -> bool:
+    """Whether the worker's decode step is no longer compiling (a CPU worker compiles it behind
+    its serving under `--compile auto`)."""
+    import httpx
+
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=5) as c:
+            return (c.get("http://w/capability").json().get("compile") or {}).get("state") != "compiling"
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
 def start_worker(tmp: Path, args) -> tuple[subprocess.Popen, str]:
     sock, status = tmp / "w.sock", tmp / "status.json"
     cmd = [sys.executable, "-m", "workers", "--socket", str(sock), "--status-file", str(status),
@@ -85,18 +97,18 @@ def start_worker(tmp: Path, args) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSERVE_")}
     env.update(OMP_NUM_THREADS=str(args.threads), CUDA_VISIBLE_DEVICES="", HETSERVE_LOG_LEVEL="WARNING")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
-            if json.loads(status.read_text()).get("state") == "ready":
-                return proc, str(sock)
+            if json.loads(status.read_text()).get("state") == "ready" and _compiled(sock):
+                return proc, str(sock)  # measured as it serves from now on, not while it compiles behind
         except (OSError, ValueError):
             pass
         if proc.poll() is not None:
             raise RuntimeError("the worker exited before it was ready")
         time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("the worker was not ready within 180 s")
+    raise RuntimeError("the worker was not ready (its decode step compiled) within 600 s")
 
 
 def main() -> int:
