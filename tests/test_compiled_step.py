@@ -489,8 +489,6 @@ def test_auto_compiles_behind_steps_that_run_eager_meanwhile(lm, eager_tokens):
     `--compile auto` a CPU worker's compile starts on its own thread and `compile()` returns at
     once; steps run eager with the same tokens meanwhile, and the compiled decode once it is
     ready. Without the branch `compile()` would warm first and `seen` would never be "compiling"."""
-    import threading
-
     from workers.engine.build import BuiltEngine
 
     engine = make_engine(lm, "inductor", warm=False)
@@ -501,8 +499,7 @@ def test_auto_compiles_behind_steps_that_run_eager_meanwhile(lm, eager_tokens):
     seen = decode.state
     assert "compiling in the background" in said and seen in ("compiling", "ready")
     assert serve(engine, lm, 3) == eager_tokens[3]  # whatever the compile's progress
-    behind = next(t for t in threading.enumerate() if t.name == "hetserve-compile")
-    behind.join(timeout=300)
+    built.behind.join(timeout=300)
     assert decode.ready and changes == ["ready"] and built.decision.enabled
     spy = StepSpy(engine.runner)
     assert serve(engine, lm, 3) == eager_tokens[3]
@@ -512,15 +509,13 @@ def test_auto_compiles_behind_steps_that_run_eager_meanwhile(lm, eager_tokens):
 def test_a_background_compile_that_fails_leaves_the_worker_eager(lm, eager_tokens):
     """Under `auto` a failed background compile is logged and every step stays eager: the
     runner keeps the failed compile, which is never run (`ready` is False)."""
-    import threading
-
     from workers.engine.build import BuiltEngine
 
     engine = make_engine(lm, "inductor", warm=False, dynamo_backend="no-such-backend")
     decode = engine.runner.compiled
     built = BuiltEngine(engine, decode.kv, CompileDecision("auto", True, "inductor", "auto, a CPU worker"), decode)
     built.compile()
-    next(t for t in threading.enumerate() if t.name == "hetserve-compile").join(timeout=300)
+    built.behind.join(timeout=300)
     assert decode.state == "failed" and not decode.ready
     assert not built.decision.enabled and "compiling failed" in built.decision.reason and built.compiled is None
     assert serve(engine, lm, 3) == eager_tokens[3]

@@ -154,6 +154,7 @@ class BuiltEngine:
     kv: KVPool
     decision: CompileDecision
     compiled: CompiledDecode | None = None
+    behind: threading.Thread | None = None  # the compile running behind the serving, if any
 
     def compile(self, on_change: Callable[[], None] = lambda: None) -> str:
         """Compile (CPU) or capture (GPU) the decode step of every bucket (the `compile` startup
@@ -171,9 +172,9 @@ class BuiltEngine:
         if self.background:
             self.compiled.prepare()
             self.compiled.state = "compiling"
-            thread = threading.Thread(target=self._compile_behind, args=(on_change,), name="hetserve-compile",
-                                      daemon=True)
-            thread.start()
+            self.behind = threading.Thread(target=self._compile_behind, args=(on_change,), name="hetserve-compile",
+                                           daemon=True)
+            self.behind.start()
             return (f"{self.compiled.backend}, buckets {list(self.compiled.buckets)}: compiling in the background; "
                     "steps run eager until it is done")
         self._finish(warm_or_eager(self.decision, self.compiled))
