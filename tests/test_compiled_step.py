@@ -484,13 +484,17 @@ def test_a_wrong_backend_is_named():
         CompiledDecode(None, SimpleNamespace(groups=()), "cpu", (1,), "xla")
 
 
-def test_auto_compiles_behind_steps_that_run_eager_meanwhile(lm, eager_tokens):
+def test_auto_compiles_behind_steps_that_run_eager_meanwhile():
     """Guards `if self.background:` in `BuiltEngine.compile` (workers/engine/build.py): under
     `--compile auto` a CPU worker's compile starts on its own thread and `compile()` returns at
     once; steps run eager with the same tokens meanwhile, and the compiled decode once it is
-    ready. Without the branch `compile()` would warm first and `seen` would never be "compiling"."""
+    ready. Without the branch `compile()` would warm first and `seen` would never be "compiling".
+    The steps wait while a bucket compiles (`Engine.steps_held`): run beside it, with the
+    compile's warm caches of the module's earlier tests, the eager tokens came out different."""
     from workers.engine.build import BuiltEngine
 
+    lm = load_model(default_model_dir(), "float32")
+    eager_tokens = {3: serve(make_engine(lm, None), lm, 3)}
     engine = make_engine(lm, "inductor", warm=False)
     decode = engine.runner.compiled
     built = BuiltEngine(engine, decode.kv, CompileDecision("auto", True, "inductor", "auto, a CPU worker"), decode)

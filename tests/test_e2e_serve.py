@@ -111,7 +111,8 @@ def test_metrics_carry_every_worker_series_with_id_and_capability(client):
     families = list(text_string_to_metric_families(client.get("/metrics").text))
     fleet_wide = ("hetserve_router_requests", "hetserve_router_request_duration", "hetserve_router_chars_per_token",
                   "hetserve_router_sessions", "hetserve_router_model_",  # per model, not per worker
-                  "hetserve_router_client_")  # the relay's writes to clients (server/dispatch/buffers.py)
+                  "hetserve_router_client_",  # the relay's writes to clients (server/dispatch/buffers.py)
+                  "hetserve_router_responses_")  # the Responses store the router holds (server/protocol/responses/)
     worker_samples = [s for f in families if not f.name.startswith(fleet_wide) for s in f.samples]
     assert worker_samples
     labels = {(s.labels.get("worker_id"), s.labels.get("capability"), s.labels.get("model")) for s in worker_samples}

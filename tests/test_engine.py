@@ -9,8 +9,8 @@ import time
 import pytest
 
 from tests.engine_fakes import EOS_ID, FakeRunner, tokenizer
-from workers.engine.core import Engine, EngineOverloaded, EngineUnavailable
 from workers.contract.detokenize import IncrementalDetokenizer, special_token_ids
+from workers.engine.core import Engine, EngineOverloaded, EngineUnavailable
 from workers.engine.events import ErrorEvent
 from workers.engine.scheduler import CapacityError, Scheduler, SchedulerConfig
 from workers.sampling.params import SamplingParams

@@ -158,3 +158,20 @@ def test_a_constrained_stream_resumes_inside_its_grammar():
     assert [e.token_id for e in resumed] == ids[5:]
     assert resumed[-1].finish.generated_text == original[-1].finish.generated_text
     assert set(json.loads(original[-1].finish.generated_text)) == {"name", "n"}
+
+
+def test_steps_held_on_purpose_are_no_stall():
+    """Guards `and not self.held` in `LivenessClock.read`: while a compile behind the serving
+    holds the steps (`Engine.steps_held`), pending work with no step is no stall; once resumed,
+    the age counts from the resumption, not from the last step before the hold."""
+    import time
+
+    from workers.engine.liveness import LivenessClock
+
+    clock = LivenessClock()
+    clock.work_arrived()
+    clock.held = True
+    time.sleep(0.05)
+    assert clock.read(pending=True).last_step_age_s == 0.0
+    clock.resumed()
+    assert not clock.held and clock.read(pending=True).last_step_age_s < 0.05

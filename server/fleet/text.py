@@ -33,7 +33,9 @@ from workers.contract.events import FINISH_EOS, FINISH_STOP, ErrorEvent, FinishI
 from workers.contract.render import Render, error_frame
 
 INLINE_PROMPT_CHARS = 4096  # longer prompts are tokenized off the event loop
-MAX_ROUTER_PROMPT_CHARS = 1 << 20  # longer ones go as text: the worker refuses them before tokenizing
+# longer prompts go as text: the worker, which knows its context, refuses one that cannot fit
+# before tokenizing it (workers/serving/context.py), and tokenizes the others off its event loop
+MAX_ROUTER_PROMPT_CHARS = 1 << 16
 
 
 class TextModel:
@@ -74,8 +76,8 @@ async def text_model(tokenizer_json: bytes, vocab_size: int) -> TextModel:
 
 async def with_prompt_ids(model: TextModel, req: WorkerRequest) -> WorkerRequest:
     """`req` with its text prompt as token ids, tokenized as the worker would (special tokens
-    added); unchanged when it gives ids already, has no text, or a text too long to tokenize here
-    (the worker refuses one that cannot fit before tokenizing it)."""
+    added); unchanged when it gives ids already, has no text, or a text longer than
+    `MAX_ROUTER_PROMPT_CHARS` (the worker refuses one that cannot fit before tokenizing it)."""
     text = req.inputs
     if req.input_ids is not None or not text or len(text) > MAX_ROUTER_PROMPT_CHARS:
         return req

@@ -161,8 +161,10 @@ class BuiltEngine:
         step); what it did, in one line. `auto` and compiling failed: every step eager.
 
         Under `--compile auto` a CPU worker compiles in the background (`background`): it serves
-        eager at once and its steps take the compiled decode once every bucket is done, so a
-        first start answers in seconds instead of after minutes of Inductor. `on` compiles before
+        eager at once, its steps wait only while a bucket compiles and runs (the model's layers
+        are not safe to run from two threads at once: `Engine.steps_held`), and they take the
+        compiled decode once every bucket is done, so a first start answers in seconds instead of
+        after minutes of Inductor. `on` compiles before
         ready, as asked, and CUDA/HIP graphs are captured before ready (a capture cannot share its
         stream with steps; it takes seconds). `on_change` is called when the state changes."""
         if self.compiled is None:
@@ -189,7 +191,7 @@ class BuiltEngine:
 
     def _compile_behind(self, on_change: Callable[[], None]) -> None:
         """The background compile's thread: the engine's steps go on meanwhile (eager)."""
-        self._finish(warm_or_eager(self.decision, self.compiled))
+        self._finish(warm_or_eager(self.decision, self.compiled, self.engine.steps_held))
         if self.decision.enabled:
             logger.info("decode step: %s, buckets %s compiled in the background in %.1fs; steps use it from now on",
                         self.compiled.backend, list(self.compiled.buckets), self.compiled.seconds)

@@ -16,6 +16,7 @@ compiling costs time at start (docs/benchmarks.md, "Compiled decode step")."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -108,11 +109,11 @@ def decide(mode: str, device_type: str, simulated: bool, deterministic: bool, mo
                                               "per start of workers that share few cores; --compile on forces it)")
 
 
-def warm_or_eager(decision: CompileDecision, compiled: CompiledDecode) -> CompileDecision:
+def warm_or_eager(decision: CompileDecision, compiled: CompiledDecode, held=contextlib.nullcontext) -> CompileDecision:
     """Warm `compiled` (the `compile` startup step). Under `--compile on` a failure fails the
     start; under `auto` it is logged and the worker serves eager: the decision returned says so."""
     try:
-        compiled.warm()
+        compiled.warm(held)
         return decision
     except Exception as e:
         if decision.mode == "on":
@@ -290,18 +291,19 @@ class CompiledDecode:
 
     # -- start-up ----------------------------------------------------------------------------
 
-    def warm(self) -> float:
+    def warm(self, held=contextlib.nullcontext) -> float:
         """Compile (Inductor) or capture (graphs) every bucket, largest first; returns seconds.
-        Steps may run eager on another thread meanwhile (`ready` stays False until every bucket
-        is done): a compile touches only the pool's scratch blocks, and the rotary tables are
-        grown first (`prepare`)."""
+        Steps may run eager on another thread between buckets (`ready` stays False until every
+        bucket is done): `held()` holds them while a bucket compiles and runs, which touches the
+        pool's scratch blocks only, but the model's layers too; the rotary tables are grown
+        first (`prepare`)."""
         t0 = time.perf_counter()
         self.state = "compiling"
         try:
             with torch.inference_mode():
                 self.prepare()
                 if self.backend == "inductor":
-                    self._compile_all()
+                    self._compile_all(held)
                 else:
                     self._capture_all()
         except BaseException:
@@ -326,7 +328,7 @@ class CompiledDecode:
             past = None if spec.threshold is None else torch.full_like(positions, spec.threshold + 1)
             rope.lookup(spec, positions, self.max_pos, self.model.dtype, past)
 
-    def _compile_all(self) -> None:
+    def _compile_all(self, held=contextlib.nullcontext) -> None:
         import torch._dynamo
 
         # one graph per bucket, all entries of this decode's own code object (`own_code`); the
@@ -341,7 +343,8 @@ class CompiledDecode:
             batch = bucket.batch(width)
             for t in (r.block_tables for r in (batch.decode, *(g.decode for g in batch.groups))):
                 torch._dynamo.mark_dynamic(t, 1, min=self.min_width, max=max(self.max_width, self.min_width + 1))
-            compiled(batch, self.kv)
+            with held():
+                compiled(batch, self.kv)
             self._runs[b] = compiled
 
     def _capture_all(self) -> None:

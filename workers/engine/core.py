@@ -17,6 +17,7 @@ shares the GIL with the HTTP side, so it is kept to a few list operations per se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import secrets
@@ -170,6 +171,17 @@ class Engine:
             return True
         finally:
             self._step_lock.release()
+
+    @contextlib.contextmanager
+    def steps_held(self):
+        """No step runs inside (a compile behind the serving runs the model meanwhile); the
+        liveness clock does not count the wait as a stall."""
+        with self._step_lock:
+            self._liveness.held = True
+            try:
+                yield
+            finally:
+                self._liveness.resumed()
 
     def abort(self, request_id: str) -> None:
         """The client went away: free the request's KV blocks before the next step."""

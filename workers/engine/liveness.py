@@ -29,6 +29,7 @@ class LivenessClock:
         self._last_step = time.monotonic()
         self._work_since = 0.0
         self.steps = 0
+        self.held = False  # the steps wait on purpose (a compile behind the serving holds them)
 
     def work_arrived(self) -> None:
         """Call when an idle engine gets its first request."""
@@ -38,6 +39,10 @@ class LivenessClock:
         self._last_step = time.monotonic()
         self.steps += 1
 
+    def resumed(self) -> None:
+        """The steps waited on purpose until now: the age counts from here."""
+        self.held, self._last_step = False, time.monotonic()
+
     def read(self, pending: bool) -> Liveness:
-        age = time.monotonic() - max(self._last_step, self._work_since) if pending else 0.0
+        age = time.monotonic() - max(self._last_step, self._work_since) if pending and not self.held else 0.0
         return Liveness(pending, max(0.0, age), self.steps)
