@@ -30,8 +30,10 @@ def worker(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("text")
     model = make_checkpoint(tmp / "model")
     parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    # no prefix cache: each request of a pair computes its prompt alike (a cached prefix may move a
+    # near-tie of the random model's logits), so the pair differs only in who renders it
     proc, sock, status = start_worker(tmp, model, "--simulate", "sm_89", "--max-batch", "4",
-                                      "--parent-pid", str(parent.pid), "--kv-block-size", "8")
+                                      "--parent-pid", str(parent.pid), "--kv-block-size", "8", "--no-prefix-cache")
     try:
         wait_state(proc, status, {"ready"})
         yield {"proc": proc, "sock": sock}
