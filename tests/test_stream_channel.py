@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -18,8 +16,7 @@ import pytest
 from server.fleet.channel import ChannelStream, WorkerChannel
 from server.fleet.client import SSEEvents, WorkerClient
 from server.fleet.uds_http import WorkerConnectionLost
-from tests.checkpoints import make_checkpoint
-from tests.test_worker_process import client, start_worker, wait_state
+from tests.test_worker_process import client, ready_worker
 from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, WorkerRequest
 
 pytestmark = pytest.mark.slow
@@ -29,20 +26,8 @@ PROMPTS = ["Hello", "The quick brown fox", "Once upon a time there was", "def ma
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("channel")
-    model = make_checkpoint(tmp / "model")
-    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    proc, sock, status = start_worker(tmp, model, "--simulate", "sm_89", "--max-batch", "4",
-                                      "--parent-pid", str(parent.pid), "--kv-block-size", "8")
-    try:
-        wait_state(proc, status, {"ready"})
-        yield {"proc": proc, "sock": sock, "status": status}
-    finally:
-        parent.kill()
-        parent.wait()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    with ready_worker(tmp_path_factory.mktemp("channel"), "--max-batch", "4", "--kv-block-size", "8") as w:
+        yield w
 
 
 def _body(prompt: str, n: int = 10, **params) -> dict:

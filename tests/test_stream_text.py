@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
 
 from server.fleet.channel import ChannelStream
 from server.fleet.client import SSEEvents, WorkerClient
 from server.fleet.text import StreamText
-from tests.checkpoints import make_checkpoint
 from tests.test_stream_channel import _generated, _idle
-from tests.test_worker_process import start_worker, wait_state
+from tests.test_worker_process import ready_worker
 from workers.contract import WorkerRequest
 from workers.contract.events import ErrorEvent, FinishInfo, StreamStart, TokenEvent, decode_batch, encode_batch
 
@@ -27,22 +24,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("text")
-    model = make_checkpoint(tmp / "model")
-    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     # no prefix cache: each request of a pair computes its prompt alike (a cached prefix may move a
     # near-tie of the random model's logits), so the pair differs only in who renders it
-    proc, sock, status = start_worker(tmp, model, "--simulate", "sm_89", "--max-batch", "4",
-                                      "--parent-pid", str(parent.pid), "--kv-block-size", "8", "--no-prefix-cache")
-    try:
-        wait_state(proc, status, {"ready"})
-        yield {"proc": proc, "sock": sock}
-    finally:
-        parent.kill()
-        parent.wait()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    with ready_worker(tmp_path_factory.mktemp("text"), "--max-batch", "4", "--kv-block-size", "8",
+                      "--no-prefix-cache") as w:
+        yield w
 
 
 async def _stream(c: WorkerClient, body: dict) -> tuple[bool, list[dict]]:

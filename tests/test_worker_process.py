@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -56,15 +57,13 @@ def client(sock: Path) -> httpx.Client:
     return httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://worker", timeout=60)
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("worker")
+@contextlib.contextmanager
+def ready_worker(tmp: Path, *flags: str):
+    """A worker of a fresh tiny checkpoint under a stand-in parent, ready: {proc, sock, status,
+    model, parent}; both processes are gone after the block."""
     model = make_checkpoint(tmp / "model")
     parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    proc, sock, status = start_worker(
-        tmp, model, "--simulate", "sm_89", "--max-batch", "4", "--max-queue", "2", "--parent-pid", str(parent.pid),
-        "--kv-block-size", "8", "--max-num-batched-tokens", "16",  # prompts longer than 16 tokens are chunked
-    )
+    proc, sock, status = start_worker(tmp, model, "--simulate", "sm_89", "--parent-pid", str(parent.pid), *flags)
     try:
         wait_state(proc, status, {"ready"})
         yield {"proc": proc, "sock": sock, "status": status, "model": model, "parent": parent}
@@ -74,6 +73,13 @@ def worker(tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    with ready_worker(tmp_path_factory.mktemp("worker"), "--max-batch", "4", "--max-queue", "2",
+                      "--kv-block-size", "8", "--max-num-batched-tokens", "16") as w:  # longer prompts are chunked
+        yield w
 
 
 @functools.lru_cache(maxsize=1)
