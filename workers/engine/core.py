@@ -89,6 +89,7 @@ class Engine:
         self._special_ids = special_token_ids(self.tokenizer)
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._side_running = 0  # side work (embeddings) in flight, counted in `_in_flight` too
         self._accepting = True
         self._next_id = 0
         self._liveness = LivenessClock()
@@ -123,17 +124,7 @@ class Engine:
         self.scheduler.check_fits(len(prompt_ids), params.context_tokens)
         resumed = check_resume_ids(resume_ids, params, getattr(self.runner, "vocab_size", None))
         with self._lock:
-            if not self._accepting or self.fatal_error is not None:
-                raise EngineUnavailable("The worker is not accepting requests (draining or stopped)")
-            if self._in_flight >= self.max_in_flight:
-                self.metrics.rejected.labels("overloaded").inc()
-                raise EngineOverloaded(
-                    f"Worker queue is full: {self._in_flight} requests in flight, limit "
-                    f"{self.max_in_flight} ({self.scheduler.config.max_sequences} running + {self.max_queue} queued)"
-                )
-            if self._in_flight == 0:
-                self._liveness.work_arrived()
-            self._in_flight += 1
+            self._admit_locked()
             self._next_id += 1
             rid = request_id or f"req-{self._next_id}"
         seq = Sequence(rid, prompt_ids, params)
@@ -153,6 +144,41 @@ class Engine:
         if not self._first_step_here(seq):
             self._inbox.put((_ADD, seq))
         return seq.stream
+
+    def _admit_locked(self) -> None:
+        """Count one more request in flight, or raise `EngineUnavailable` / `EngineOverloaded` (under `_lock`)."""
+        if not self._accepting or self.fatal_error is not None:
+            raise EngineUnavailable("The worker is not accepting requests (draining or stopped)")
+        if self._in_flight >= self.max_in_flight:
+            self.metrics.rejected.labels("overloaded").inc()
+            raise EngineOverloaded(
+                f"Worker queue is full: {self._in_flight} requests in flight, limit "
+                f"{self.max_in_flight} ({self.scheduler.config.max_sequences} running + {self.max_queue} queued)"
+            )
+        if self._in_flight == 0:
+            self._liveness.work_arrived()
+        self._in_flight += 1
+
+    @contextlib.contextmanager
+    def side_work(self):
+        """Work beside the scheduler (a request's embeddings) admitted and counted as one request:
+        refused like one when the worker is full or draining, shown running in `load` meanwhile,
+        and waited for by a drain. Its forwards stamp the liveness clock (`progress`)."""
+        with self._lock:
+            self._admit_locked()
+            self._side_running += 1
+        self._publish_load()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._side_running -= 1
+            self._publish_load()
+
+    def progress(self) -> None:
+        """Side work finished a forward: the engine is not stalled."""
+        self._liveness.progress()
 
     def _first_step_here(self, seq: Sequence) -> bool:
         """When the engine thread is idle and `seq` is short, add it and run its first step on this
@@ -189,7 +215,7 @@ class Engine:
 
     def load(self) -> tuple[int, int]:
         """(running, queued) right now."""
-        running = self.scheduler.num_running
+        running = self.scheduler.num_running + self._side_running
         return running, max(0, self._in_flight - running)
 
     def kv_usage(self) -> float:

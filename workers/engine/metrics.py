@@ -70,6 +70,8 @@ class WorkerMetrics:
         )
         self.generated_tokens = Counter(f"{PREFIX}_generated_tokens", "Tokens generated", registry=r)
         self.steps = Counter(f"{PREFIX}_engine_steps", "Engine steps run", registry=r)
+        self.embedded = Counter(f"{PREFIX}_embedding_inputs", "Texts embedded (each a forward beside the steps)",
+                                registry=r)
         self.running = Gauge(f"{PREFIX}_running_requests", "Sequences in the running batch", registry=r)
         self.queued = Gauge(f"{PREFIX}_queued_requests", "Requests accepted and waiting", registry=r)
         self.ttft = Histogram(

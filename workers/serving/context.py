@@ -102,7 +102,7 @@ class WorkerContext:
         if hit is not None or request is None:
             return hit or await self.grammars.compile_async(spec)
         compiling = asyncio.ensure_future(self.grammars.compile_async(spec))
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(client_gone(request))
         try:
             await asyncio.wait((compiling, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -159,7 +159,7 @@ def _prompt_ids(req: WorkerRequest, tokenizer, vocab_size: int, text: bool = Tru
     return list(req.input_ids), tokenizer.decode(req.input_ids, skip_special_tokens=True) if text else None
 
 
-async def _disconnected(request: Request) -> None:
+async def client_gone(request: Request) -> None:
     """Returns once the client has gone away (the body has already been read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
