@@ -254,7 +254,7 @@ class Dispatcher:
             except _Lost as e:
                 worker.request_outcome(generation, False, e.why)
                 self._failed(worker, generation, exclude, e.why)
-                if e.died and deaths.witnessed(worker.id):
+                if e.died and worker.crashed_under(generation) and deaths.witnessed(worker.id):
                     self.refuse(key, deaths)
                 continue
             except BaseException:  # cancelled (the client left): no verdict on the worker
