@@ -30,6 +30,7 @@ from workers.contract import (
     DEFAULT_MODEL_DIR,
     ENV_DEVICE_INDEX,
     ExitCode,
+    KernelDescription,
     WorkerConfig,
     WorkerStatus,
     step_token_budget,
@@ -179,7 +180,10 @@ def run_worker(config: WorkerConfig) -> int:
             from workers.engine.build import install_cpu_paths
 
             # deterministic numerics are the first stage's (a later stage runs its layers as before)
-            cpu = install_cpu_paths(loaded, bound, config.deterministic and config.pipeline_rank == 0)
+            # a CPU worker under `--compile auto` serves first: C++ kernels not built on this host yet
+            # build behind the serving (a simulated device is a GPU's stand-in: it builds them first)
+            cpu = install_cpu_paths(loaded, bound, config.deterministic and config.pipeline_rank == 0,
+                                    behind=config.compile == "auto" and plan is None and not bound.simulated)
         if plan is not None:  # every stage joins the replica's process group
             with startup_step("pipeline", status):
                 link = _join_pipeline(plan, config, bound, loaded, stages)
@@ -189,7 +193,12 @@ def run_worker(config: WorkerConfig) -> int:
             context = context_length(config, loaded)
             decision = decide_compile(config, bound, cpu, loaded.model, pipeline=link is not None)
             kv = build_kv(config, bound, loaded, context, decision.enabled, None if link is None else link.agree_blocks)
-        from workers.engine.describe import compile_description, describe_worker, fp8_description
+        from workers.engine.describe import (
+            compile_description,
+            describe_worker,
+            fp8_description,
+            kernel_description,
+        )
 
         fp8 = fp8_description(conv, fp8_reason, config.quantize, checkpoint, loaded, preflight)
         if link is not None and not link.first:
@@ -214,6 +223,9 @@ def run_worker(config: WorkerConfig) -> int:
         with startup_step("compile", status):  # the decode step per batch bucket (`auto` on a CPU: behind)
             def described() -> None:
                 info.compile = compile_description(built.decision, built.compiled)
+                if built.reinstall is not None:  # C++ kernels built behind the serving, then swapped in
+                    info.kernels = {name: KernelDescription.model_validate(entry)
+                                    for name, entry in kernel_description(kernels, built.cpu, preflight).items()}
 
             logger.info("decode step: %s", built.compile(on_change=described))
             described()
