@@ -133,6 +133,9 @@ def test_a_worker_with_no_kernels_built_serves_first_on_its_torch_paths(tmp_path
             ids = c.post("/generate", json={"inputs": "hello world", "parameters": {
                 "max_new_tokens": 6, "details": True}}).json()["details"]["tokens"]
         assert [t["id"] for t in ids] == want
+        said = proc.log_path.read_text()  # a first start is news, not trouble: INFO lines saying how long
+        assert "build behind the serving (a minute or two" in said, said[-3000:]
+        assert not [ln for ln in said.splitlines() if " WARNING " in ln or " ERROR " in ln], said[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
