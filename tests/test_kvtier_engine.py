@@ -126,3 +126,25 @@ def test_a_pool_the_tier_cannot_serve_says_why(lm, tmp_path):
     assert not tier.enabled and "--no-prefix-cache" in tier.reason
     assert HostTier.open(pool, b"r", None, 1 << 20).describe() == {
         "enabled": False, "reason": "no tier directory (the router makes one; `--kv-host-dir`)"}
+
+
+def test_a_corrupted_tier_block_is_refused_and_its_tokens_recomputed_alike(lm, tmp_path):
+    """Guards the store's checksum on the engine's path: a flipped byte in a block another worker
+    wrote is refused (and deleted); the chain stops there and the rest is recomputed, giving the
+    same tokens as a worker without the tier."""
+    first = Counted(lm, tmp_path)
+    ids = lm.tokenizer.encode(TOPICS[0] + " " + TOPICS[2]).ids
+    first.generate(ids)
+    files = sorted(first.tier.store.dir.glob("*.kvb"), key=lambda p: p.stat().st_mtime)
+    assert len(files) >= 3
+    victim = files[1]  # the second block written: the second block of the chain
+    raw = bytearray(victim.read_bytes())
+    raw[-5] ^= 0x40
+    victim.write_bytes(bytes(raw))
+    second, alone = Counted(lm, tmp_path), Counted(lm)
+    assert second.generate(ids) == alone.generate(ids)
+    d = second.tier.describe()
+    assert d["blocks_refused"] == 1 and "checksum" in d["last_refused"]
+    assert victim.read_bytes() != bytes(raw), "deleted, recomputed and written through again"
+    assert d["blocks_loaded"] == 1, "only the block before the refused one"
+    assert second.prefill == len(ids) - BLOCK
