@@ -148,3 +148,29 @@ def test_a_corrupted_tier_block_is_refused_and_its_tokens_recomputed_alike(lm, t
     assert victim.read_bytes() != bytes(raw), "deleted, recomputed and written through again"
     assert d["blocks_loaded"] == 1, "only the block before the refused one"
     assert second.prefill == len(ids) - BLOCK
+
+
+def test_checkpoints_sharing_a_name_or_other_numerics_get_other_keys(lm, tmp_path):
+    """Guards `model_fingerprint` and the numerics in `HostTier.for_worker`'s key: two checkpoints
+    both called `model` (the same `model_id`, the same shapes) never share blocks, nor do a
+    `--deterministic` worker and a default one."""
+    from workers.contract import WorkerConfig
+
+    pool = KVPool.for_config(lm.config, 8, BLOCK, torch.float32, "cpu")
+    dirs = []
+    for name, size in (("a", 10), ("b", 11)):
+        d = tmp_path / name / "model"
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x" * size)
+        dirs.append(d)
+    config = WorkerConfig(socket="s", kv_host_dir=str(tmp_path / "tier"), kv_host_bytes=1 << 20)
+
+    def key(model_dir, cfg=config):
+        tier = HostTier.for_worker(cfg, pool, b"root", True, model_dir)
+        assert tier.enabled, tier.reason
+        return tier.describe()["format_key"]
+
+    assert key(dirs[0]) == key(dirs[0])
+    assert key(dirs[0]) != key(dirs[1])
+    assert key(dirs[0]) != key(dirs[0], WorkerConfig(socket="s", kv_host_dir=config.kv_host_dir,
+                                                     kv_host_bytes=1 << 20, deterministic=True))

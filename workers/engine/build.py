@@ -224,5 +224,5 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
     engine = Engine(runner, Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots)), loaded.tokenizer,
                     max_queue=config.max_queue, grammars=grammars_for(config, loaded))
     sched = engine.scheduler.config
-    engine.attach_tier(HostTier.for_worker(config, kv, sched.cache_root, sched.prefix_caching))
+    engine.attach_tier(HostTier.for_worker(config, kv, sched.cache_root, sched.prefix_caching, loaded.model_dir))
     return BuiltEngine(engine, kv, decision, compiled)

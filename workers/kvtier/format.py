@@ -1,8 +1,10 @@
 """A worker's KV format: what must match for one worker to read another's blocks, as one key.
 
-Design: the key is a digest of the prefix cache's hash root (the model's identity, its dtype,
-the quantization and the block size: workers/engine/build.py `scheduler_config`), the pool's
-layout and every group's shape (layers, KV heads, head dim) and the KV dtype. Two workers of
+Design: the key is a digest of the prefix cache's hash root (the model's name, its dtype, the
+quantization and the block size: workers/engine/build.py `scheduler_config`) extended by the
+checkpoint's fingerprint (`model_fingerprint`) and the numerics (`--deterministic` computes its
+K/V in other tiles), the pool's layout, every group's shape (layers, KV heads, head dim) and the
+KV dtype. Two workers of
 the same model and format compute the same key and so share the tier's blocks; any difference
 gives another key, whose blocks are invisible to the first (another directory) and refused if
 met anyway (the store checks the key in each block's header). No conversion between formats:
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 LAYOUT = "hetserve-kv-v1:[layers,2,kv_heads,block,head_dim]"  # workers/kv/pool.py, per block
 
@@ -46,6 +49,29 @@ class KVFormat:
     def describe(self) -> str:
         layers, _, heads, block, dim = self.block_shape
         return f"{self.dtype}, {layers} layers x {heads} KV heads x {dim}, blocks of {block} tokens"
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """The model's identity beyond its name: its directory, resolved, and each weight file's name,
+    size and modification time. Two checkpoints that share a name (`_name_or_path`, a directory
+    called `model`) but not their weights never share blocks; stat calls only, no hashing of
+    gigabytes at start. Trade-off: a checkpoint copied elsewhere, or touched, is another model."""
+    root = Path(model_dir).resolve()
+    parts = [str(root)]
+    try:
+        for f in sorted(root.iterdir()):
+            if f.suffix in WEIGHT_SUFFIXES and f.is_file():
+                st = f.stat()
+                parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    except OSError:
+        pass  # a single-file checkpoint (a .gguf path): its own stat below
+    if root.is_file():
+        st = root.stat()
+        parts.append(f"{st.st_size}:{st.st_mtime_ns}")
+    return "\x1f".join(parts)
 
 
 def unsupported(pool, prefix_caching: bool) -> str | None:

@@ -16,13 +16,14 @@ would be that block's prefill."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
 import torch
 
 from workers.contract import KV_HOST_SHARE, WorkerConfig
-from workers.kvtier.format import KVFormat, format_of, unsupported
+from workers.kvtier.format import KVFormat, format_of, model_fingerprint, unsupported
 from workers.kvtier.store import TierStore, default_budget
 from workers.kvtier.writer import TierWriter
 
@@ -59,11 +60,16 @@ class HostTier:
         return cls(pool, fmt, store, None)
 
     @classmethod
-    def for_worker(cls, config: WorkerConfig, pool, root: bytes, prefix_caching: bool) -> HostTier:
+    def for_worker(cls, config: WorkerConfig, pool, root: bytes, prefix_caching: bool,
+                   model_dir: str | Path) -> HostTier:
         """The tier `config` asks for (`--kv-host-dir`, `--kv-host-bytes`; default budget: a share of
-        MemAvailable now)."""
+        MemAvailable now), keyed by the prefix cache's `root`, the checkpoint in `model_dir` and the
+        numerics (workers/kvtier/format.py)."""
         budget = config.kv_host_bytes if config.kv_host_bytes is not None else default_budget(KV_HOST_SHARE)
-        return cls.open(pool, root, config.kv_host_dir, budget, prefix_caching)
+        numerics = "deterministic" if config.deterministic else "default"
+        identity = hashlib.sha256(b"\x1f".join((root, model_fingerprint(model_dir).encode(),
+                                                 numerics.encode()))).digest()
+        return cls.open(pool, identity, config.kv_host_dir, budget, prefix_caching)
 
     # -- the block manager's hooks (workers/kv/manager.py) --------------------------------------
 
