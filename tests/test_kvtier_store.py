@@ -126,3 +126,24 @@ def test_the_default_budget_is_a_share_of_mem_available(tmp_path):
     meminfo.write_text("MemTotal: 2000 kB\nMemAvailable:    1000 kB\n")
     assert default_budget(0.1, meminfo) == 102400
     assert default_budget(0.1, tmp_path / "absent") == 0
+
+
+def test_a_failing_write_is_counted_and_shown_and_nothing_half_written_stays(tmp_path, monkeypatch):
+    """A full /dev/shm (ENOSPC) loses the block, not the worker: the reason is on `/capability`."""
+    import builtins
+    import errno
+
+    store = TierStore(tmp_path, 1 << 20, KEY_A)
+    real_open = builtins.open
+
+    def full(path, mode="r", *a, **k):
+        if "w" in mode and str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", full)
+    assert not store.put(h(1), b"x")
+    monkeypatch.undo()
+    d = store.describe()
+    assert d["write_failures"] == 1 and "No space left" in d["last_error"]
+    assert not list(store.dir.iterdir()) and store.get(h(1)) is None

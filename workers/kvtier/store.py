@@ -64,6 +64,7 @@ class TierStore:
         self.writes_since_scan, self.scanned_at = 0, time.monotonic()
         self.written = self.hits = self.misses = self.evicted = 0
         self.refused: list[Refusal] = []
+        self.write_failures, self.last_error = 0, None
         self.reason = self._open()
         self.enabled = self.reason is None
 
@@ -106,8 +107,11 @@ class TierStore:
                 f.write(header)
                 f.write(payload)
             os.replace(tmp, path)
-        except OSError as e:
-            logger.warning("host KV tier: writing `%s` failed: %s", path, e)
+        except OSError as e:  # a full /dev/shm: the block is recomputed when needed, as without a tier
+            self.write_failures += 1
+            self.last_error = f"writing a block failed: {e.strerror or e}"
+            (logger.warning if self.write_failures == 1 else logger.debug)("host KV tier: writing `%s` failed: %s",
+                                                                          path, e)
             tmp.unlink(missing_ok=True)
             return False
         with self._lock:
@@ -227,6 +231,8 @@ class TierStore:
             out["reason"] = self.reason
         if self.refused:
             out["last_refused"] = self.refused[-1].reason
+        if self.write_failures:
+            out.update(write_failures=self.write_failures, last_error=self.last_error)
         return out
 
 
