@@ -11,7 +11,8 @@ killed with -9 would take every block it had not evicted yet with it; written th
 worker continues a conversation the first still holds, and a dead worker's blocks stay reusable.
 Trade-off: every full block is copied once and written once, whether or not it is ever evicted
 (a block already in the tier is not written again); the copy is on the step's path, its checksum
-and file are not. `fetch` reads on the engine thread: a hit is a file read and a copy, where a miss
+and file are not. On a GPU that copy is a synchronous device-to-host copy here (pinned buffers
+and a copy stream are the next step), correct but on the step's path. `fetch` reads on the engine thread: a hit is a file read and a copy, where a miss
 would be that block's prefill."""
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class HostTier:
         """A block became full and indexed on the device: copy it out now, store it behind."""
         if self.store.contains(chain_hash):
             return
-        data = self.pool.tensors[0][:, :, :, block].contiguous()  # [L, 2, Hkv, B, D]: a copy
+        data = torch.empty(self.format.block_shape, dtype=self.pool.dtype)  # [L, 2, Hkv, B, D] in host memory
+        data.copy_(self.pool.tensors[0][:, :, :, block])  # always a copy: the device block is reused later
         self.writer.submit(chain_hash, memoryview(data.reshape(-1).view(torch.uint8).numpy()))
 
     def fetch(self, hashes: list[bytes]) -> list[bytes | memoryview]:
