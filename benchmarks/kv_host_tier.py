@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     lm = load_model(DEFAULT_MODEL_DIR, "float32")
     bs = args.block_size
     last = args.first_tokens + (args.turns - 1) * (args.user_tokens + args.new_tokens) + args.new_tokens
-    blocks = max(-(-(last + args.user_tokens) // bs) + 1, args.conversations * last // bs // 4)  # a quarter of the live contexts
+    # a quarter of the live contexts, and at least one conversation's longest turn
+    blocks = max(-(-(last + args.user_tokens) // bs) + 1, args.conversations * last // bs // 4)
     tier_dir = tempfile.mkdtemp(prefix="hetserve-kv-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     plain, tiered = Side(lm, blocks, bs, None), Side(lm, blocks, bs, tier_dir)
     print(f"{args.conversations} conversations x {args.turns} turns, prompts {args.first_tokens}..{last} tokens; "

@@ -12,8 +12,8 @@ worker continues a conversation the first still holds, and a dead worker's block
 Trade-off: every full block is copied once and written once, whether or not it is ever evicted
 (a block already in the tier is not written again); the copy is on the step's path, its checksum
 and file are not. On a GPU that copy is a synchronous device-to-host copy here (pinned buffers
-and a copy stream are the next step), correct but on the step's path. `fetch` reads on the engine thread: a hit is a file read and a copy, where a miss
-would be that block's prefill."""
+and a copy stream are the next step), correct but on the step's path. `fetch` reads on the
+engine thread: a hit is a file read and a copy, where a miss would be that block's prefill."""
 
 from __future__ import annotations
 
