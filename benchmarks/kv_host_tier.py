@@ -108,13 +108,20 @@ def pct(values: list[float], q: float) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    tier_dir = tempfile.mkdtemp(prefix="hetserve-kv-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    try:
+        return run(args, tier_dir)
+    finally:
+        shutil.rmtree(tier_dir, ignore_errors=True)
+
+
+def run(args, tier_dir: str) -> int:
     torch.set_num_threads(args.threads)
     lm = load_model(DEFAULT_MODEL_DIR, "float32")
     bs = args.block_size
     last = args.first_tokens + (args.turns - 1) * (args.user_tokens + args.new_tokens) + args.new_tokens
     # a quarter of the live contexts, and at least one conversation's longest turn
     blocks = max(-(-(last + args.user_tokens) // bs) + 1, args.conversations * last // bs // 4)
-    tier_dir = tempfile.mkdtemp(prefix="hetserve-kv-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     plain, tiered = Side(lm, blocks, bs, None), Side(lm, blocks, bs, tier_dir)
     print(f"{args.conversations} conversations x {args.turns} turns, prompts {args.first_tokens}..{last} tokens; "
           f"device pool {blocks} blocks x {bs} tokens ({blocks * bs} of {args.conversations * last} live tokens); "
@@ -158,7 +165,6 @@ def main(argv=None) -> int:
           "every request's tokens equal on both sides")
     for side in (tiered, second):
         side.tier.close()
-    shutil.rmtree(tier_dir, ignore_errors=True)
     return 0
 
 
