@@ -27,6 +27,7 @@ from workers.contract import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_QUEUE,
     KV_BLOCK_SIZES,
+    KV_HOST_SHARE,
     TopologySpecError,
 )
 from workers.contract.defaults import CPU_KV_MAX_DEFAULT_BYTES, GPU_FREE_FRACTION
@@ -94,6 +95,10 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
                         "on a CPU or simulated device what --max-batch sequences of "
                         f"the full context need, at most {CPU_KV_MAX_DEFAULT_BYTES >> 20} MiB; with "
                         "--gpu-memory-utilization, a cap on its budget)")
+    g.add_argument("--kv-host-bytes", type=int, default=None, metavar="N",
+                   help="host-memory KV tier shared by the workers of the same model and KV format, in bytes: "
+                        "prefixes evicted from a device are copied back instead of recomputed "
+                        f"(default: {round(KV_HOST_SHARE * 100)}%% of MemAvailable at a worker's start; 0: off)")
     add_memory_flags(g)
 
 

@@ -116,6 +116,7 @@ class RouterSettings:
     restart_backoff_max_s: float = 30.0
     max_startup_crashes: int = 5  # crashes in a row before ever becoming ready -> `failed`
     kv_cache_bytes: int | None = None
+    kv_host_bytes: int | None = None  # --kv-host-bytes: the host KV tier's budget (None: the workers' default; 0: off)
     max_model_len: int | None = None  # --max-model-len: workers cap their context at it (server/config/memory.py)
     gpu_memory_utilization: float | None = None  # --gpu-memory-utilization: of each device's own memory
     threads: int | None = None  # CPU threads for all workers together (default: this process's CPUs)
@@ -203,7 +204,10 @@ class RouterSettings:
         kwargs["routing"] = routing_from_args(args)
         kwargs.update(_canary_knobs(args))
         # Optional knobs a future CLI may add; absent means the defaults above.
-        for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "threads"):
+        kv_host = getattr(args, "kv_host_bytes", None)
+        if kv_host is not None and kv_host < 0:
+            raise UsageError(f"`--kv-host-bytes {kv_host}` must be >= 0 (0: no host KV tier)")
+        for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "kv_host_bytes", "threads"):
             value = getattr(args, name, None)
             if value is not None:
                 kwargs[name] = value

@@ -35,6 +35,7 @@ from workers.contract.defaults import (
     DEFAULT_MAX_QUEUE,
     ENV_COMPILE,
     ENV_PREFLIGHT,
+    KV_HOST_SHARE,
     PREFLIGHT_MODES,
     engine_limits_error,
 )
@@ -87,6 +88,13 @@ class WorkerConfig:
     gpu_memory_utilization: float | None = field(default=None, metadata=_flag(
         "fraction of the device's own memory for weights and KV cache (0 < F <= 1; on a simulated device, of "
         "its simulated memory); see workers/kv/sizing.py"))
+    kv_host_bytes: int | None = field(default=None, metadata=_flag(
+        f"host-memory KV tier budget in bytes, shared by the host's workers of the same model and KV format "
+        f"(default: {KV_HOST_SHARE:.0%} of MemAvailable at start; 0: no tier); see workers/kvtier/",
+        metavar="N"))
+    kv_host_dir: str | None = field(default=None, metadata=_flag(
+        "the host KV tier's directory (the router makes one under /dev/shm per run; none: no tier)",
+        metavar="DIR"))
     kv_block_size: int = field(default=DEFAULT_KV_BLOCK_SIZE, metadata=_flag(
         f"tokens per KV cache block (default {DEFAULT_KV_BLOCK_SIZE})"))
     no_prefix_cache: bool = field(default=False, metadata=_flag(
@@ -153,6 +161,8 @@ class WorkerConfig:
         fraction = self.gpu_memory_utilization
         if fraction is not None and not 0 < fraction <= 1:
             return f"`--gpu-memory-utilization {fraction}` is no fraction. Accepted: 0 < F <= 1"
+        if self.kv_host_bytes is not None and self.kv_host_bytes < 0:
+            return f"`--kv-host-bytes` must be >= 0 (0: no host tier), got `{self.kv_host_bytes}`"
         if self.max_queue < 0:
             return f"`--max-queue` must be >= 0, got `{self.max_queue}`"
         if self.pipeline_rank < 0:

@@ -107,6 +107,10 @@ MAX_URL_BYTES = 8 * 1024  # request target (path and query); longer is a 414
 # The file the router writes first into each run directory (worker sockets and status
 # files): a start-up sweep removes only directories that hold it.
 RUN_DIR_MARKER = ".hetserve-run"
+# the host KV tier (workers/kvtier/): its default budget, a share of the host's MemAvailable at a
+# worker's start, and the prefix of the per-run directory the router makes under /dev/shm
+KV_HOST_SHARE = 0.10
+KV_TIER_PREFIX = "hetserve-kv-"
 
 # KV cache sizing defaults (workers/kv/sizing.py), here so `hetserve serve --help` can say them:
 # a GPU worker takes this fraction of its free memory after loading; a CPU worker at most this.

@@ -43,6 +43,7 @@ from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
+from workers.kvtier.tier import HostTier
 from workers.model.cpu_projections import PACKED_DTYPES, install_cpu_projections
 from workers.model.deterministic import DeterministicPlan, enable_deterministic
 from workers.model.loader import LoadedModel
@@ -274,6 +275,8 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
     slots = kv.states.num_slots if kv.states is not None else 0
     engine = Engine(runner, Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots)), loaded.tokenizer,
                     max_queue=config.max_queue, grammars=grammars_for(config, loaded))
+    sched = engine.scheduler.config
+    engine.attach_tier(HostTier.for_worker(config, kv, sched.cache_root, sched.prefix_caching, loaded.model_dir))
     reinstall = None
     if cpu.pending:
         def reinstall() -> CpuPaths:

@@ -102,6 +102,7 @@ class Engine:
         self._num_threads = torch.get_num_threads()
         self._stopping = False
         self.fatal_error: BaseException | None = None
+        self.host_tier = None  # the host KV tier (workers/kvtier/), set by `attach_tier`
 
     # -- called from the HTTP side (any thread) --------------------------------------------
 
@@ -223,8 +224,17 @@ class Engine:
         return self.scheduler.kv.usage
 
     def kv_now(self) -> dict:
-        """The KV cache's changing figures right now (`/capability` `capacity`)."""
-        return {"kv_blocks_free": self.scheduler.kv.num_free_blocks}
+        """The KV cache's changing figures right now (`/capability` `capacity`), the host tier's too."""
+        tier = self.host_tier
+        return {"kv_blocks_free": self.scheduler.kv.num_free_blocks,
+                **({"kv_host_tier": tier.describe()} if tier is not None else {})}
+
+    def attach_tier(self, tier) -> None:
+        """Serve prefixes past the device cache from the host tier (workers/kvtier/tier.py); a tier
+        that is off is only described, with its reason."""
+        self.host_tier = tier
+        if tier.enabled:
+            self.scheduler.kv.tier = tier
 
     def liveness(self) -> Liveness:
         """Pending work and the age of the engine's last completed step (any thread)."""
@@ -254,6 +264,8 @@ class Engine:
             self._thread.join(timeout=10)
         if self._masker is not None:
             self._masker.shutdown(wait=False)
+        if self.host_tier is not None:
+            self.host_tier.close()  # what is queued is written: the next worker may read it
 
     # -- the engine thread -----------------------------------------------------------------
 
