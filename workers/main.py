@@ -169,6 +169,7 @@ def run_worker(config: WorkerConfig) -> int:
                 preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
         with startup_step("fp8", status):
             conv, fp8_reason, checkpoint = _apply_fp8(config, bound, cap, loaded)
+        failed: dict[str, str] = {}  # layers whose kernel failed on this device: their torch path serves
         if bound.is_real_gpu:
             with startup_step("kernelize", status):  # its last check, once fp8 swapped in its layers
                 from workers.kernelize.selftest import self_test_or_fall_back
@@ -212,6 +213,7 @@ def run_worker(config: WorkerConfig) -> int:
                 from workers.pipeline.first import build_first_stage
 
                 built, first = build_first_stage(config, bound, loaded, kv, decision, cpu, context, link, stages)
+            built.engine.metrics.fell_back(failed)  # `/metrics` says which kernels fell back, and why
         with startup_step("serve", status):  # the `/capability` description, the app, the socket
             from workers.serving.server import WorkerServer
 
