@@ -38,6 +38,9 @@ from workers.engine.output import OutputProcessor
 from workers.engine.resume import check_resume_ids, replay
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
+from workers.kv.hashing import root_hash
+from workers.lora.apply import lora_key
+from workers.lora.table import acquire
 from workers.sampling.grammar import CompiledGrammar, Grammars
 from workers.sampling.logprobs import prompt_chunks, record_prompt
 from workers.sampling.params import SamplingParams
@@ -91,6 +94,7 @@ class Engine:
         self._in_flight = 0
         self._accepting = True
         self._next_id = 0
+        self.loras = None  # the worker's LoRA adapters (workers/lora/table.py), when it serves any
         self._liveness = LivenessClock()
 
     def _init_thread(self) -> None:
@@ -113,10 +117,12 @@ class Engine:
         grammar: CompiledGrammar | None = None,
         resume_ids: SequenceT[int] = (),
         text: bool = True,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue a request (`grammar`: its compiled `params.grammar`; `resume_ids`: tokens already
         generated for it elsewhere; `text` False: no text and no stop strings here, the router's
-        channel builds them from the token ids); raises `CapacityError` (never fits), `ParameterError` (bad
+        channel builds them from the token ids; `lora`: the adapter it runs with, None the base);
+        raises `CapacityError` (never fits), `ParameterError` (bad
         `resume_ids`), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
         if (grammar is None) != (params.grammar is None):
             raise ValueError("`grammar` must be the compiled `params.grammar` (both given or neither)")
@@ -136,7 +142,14 @@ class Engine:
             self._in_flight += 1
             self._next_id += 1
             rid = request_id or f"req-{self._next_id}"
+            try:
+                adapter = None if lora is None else acquire(self.loras, lora)
+            except BaseException:
+                self._in_flight -= 1
+                raise
         seq = Sequence(rid, prompt_ids, params)
+        if adapter is not None:
+            seq.lora, seq.cache_root = adapter, root_hash(self.scheduler.config.cache_root, *lora_key(adapter))
         seed = params.seed
         if params.do_sample:
             seed = secrets.randbits(53) if seed is None else seed
@@ -338,6 +351,8 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         with self._lock:
             self._in_flight -= 1
+            if seq.lora is not None:
+                self.loras.release(seq.lora.name)
 
     def _abort_all(self, message: str) -> None:
         items = []
