@@ -13,6 +13,7 @@ import sys
 
 from server.config.budgets import add_budget_flags
 from server.config.compile import add_compile_flags
+from server.config.loras import add_lora_flags
 from server.config.memory import add_memory_flags
 from server.config.models import add_model_flags
 from server.config.protocol import add_protocol_flags
@@ -95,6 +96,7 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
                         f"the full context need, at most {CPU_KV_MAX_DEFAULT_BYTES >> 20} MiB; with "
                         "--gpu-memory-utilization, a cap on its budget)")
     add_memory_flags(g)
+    add_lora_flags(serve)
 
 
 def _add_failure_flags(serve: argparse.ArgumentParser) -> None:
