@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import Request
 
@@ -46,12 +47,17 @@ class RouterContext:
     models: ModelManager | None = None  # the models offered, where each is loaded
     started_at: float = field(default_factory=time.time)
     _chats: dict[str, ChatTemplate] = field(default_factory=dict)
+    # LoRA adapters over the default model, name -> directory: `--lora`, then loads at run time
+    loras: dict[str, Path] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.loras.update(self.settings.loras.adapters)
 
     def model(self, name: str | None = None) -> ModelContext:
         """The context of a request for model `name` (the default when None; a LoRA adapter's name:
         the default model with that adapter); `ModelUnavailable` (404) for a model this router does
         not offer (with adapters, an unknown name is never taken for the one model served)."""
-        loras = self.settings.loras.names
+        loras = list(self.loras)
         if name is not None and name in loras:
             return ModelContext(self, self.model().name, lora=name)
         if loras and name is not None and name not in self.model_names():

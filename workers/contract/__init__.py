@@ -149,6 +149,7 @@ from workers.contract.wire import (
     AbortStreams,
     DetokenizeRequest,
     EmbedRequest,
+    LoraAdapterRequest,
     TokenizeRequest,
     WireRequest,
     wire_bytes,
@@ -181,6 +182,6 @@ __all__ = [
     "simulated_device", "ACCEPTED_SIZES", "SizeError", "format_size", "human", "parse_size", "ENV_TRITON_CACHE",
     "ENV_TRITON_CACHE_DIR", "triton_cache_dir", "triton_cache_root",
     "use_triton_cache", "MIN_TEMPERATURE", "GenerationParameters", "Grammar", "WorkerRequest", "request_error",
-    "MAX_EMBED_INPUTS", "POOLINGS", "AbortStreams", "DetokenizeRequest", "EmbedRequest",
+    "MAX_EMBED_INPUTS", "POOLINGS", "AbortStreams", "LoraAdapterRequest", "DetokenizeRequest", "EmbedRequest",
     "TokenizeRequest", "WireRequest", "wire_bytes",
 ]

@@ -12,6 +12,7 @@ yet), and the slots count adapters, not bytes: ranks up to `max_lora_rank` bound
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,10 @@ class LoraSlotsFull(LoraError):
 
 class UnknownLora(LoraError):
     """A name this worker does not serve."""
+
+
+class LoraInUse(LoraError):
+    """An adapter that requests still run with (unload it when they end)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class LoraTable:
         self._paths: dict[str, Path] = {}
         self._held: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
         self._users: dict[str, int] = {}
+        self._lock = threading.RLock()  # the HTTP side registers and acquires, the engine thread releases
 
     # ---- names ----------------------------------------------------------------------------
     def register(self, name: str, path: str | Path, load: bool = True) -> LoraAdapter | None:
@@ -60,19 +66,23 @@ class LoraTable:
         if name in self._paths:
             raise LoraError(f"LoRA adapter `{name}` is already loaded. Accepted: a new name, or unload it first")
         path = Path(path)
-        adapter = self._read(name, path) if load else None
-        self._paths[name] = path
-        if adapter is not None:
-            self._hold(name, adapter)
-        return adapter
+        with self._lock:
+            adapter = self._read(name, path) if load else None
+            self._paths[name] = path
+            if adapter is not None:
+                self._hold(name, adapter)
+            return adapter
 
     def unregister(self, name: str) -> None:
-        if name not in self._paths:
-            raise UnknownLora(self._unknown(name))
-        if self._users.get(name):
-            raise LoraSlotsFull(f"LoRA adapter `{name}` is in use by {self._users[name]} requests; retry when they end")
-        del self._paths[name]
-        self._held.pop(name, None)
+        with self._lock:
+            if name not in self._paths:
+                raise UnknownLora(self._unknown(name))
+            if self._users.get(name):
+                raise LoraInUse(f"LoRA adapter `{name}` is in use by {self._users[name]} requests; unload it when "
+                                f"they end")
+            del self._paths[name]
+            self._held.pop(name, None)
+            self._users.pop(name, None)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -82,25 +92,28 @@ class LoraTable:
         return name in self._paths
 
     def describe(self) -> list[LoraInfo]:
-        return [LoraInfo(n, str(p), n in self._held, self._users.get(n, 0)) for n, p in self._paths.items()]
+        with self._lock:
+            return [LoraInfo(n, str(p), n in self._held, self._users.get(n, 0)) for n, p in self._paths.items()]
 
     # ---- use -------------------------------------------------------------------------------
     def acquire(self, name: str) -> LoraAdapter:
         """The adapter `name`, held in memory and counted as used until `release(name)`."""
-        if name not in self._paths:
-            raise UnknownLora(self._unknown(name))
-        adapter = self._held.get(name)
-        if adapter is None:
-            adapter = self._hold(name, self._read(name, self._paths[name]))
-        else:
-            self._held.move_to_end(name)
-        self._users[name] = self._users.get(name, 0) + 1
-        return adapter
+        with self._lock:
+            if name not in self._paths:
+                raise UnknownLora(self._unknown(name))
+            adapter = self._held.get(name)
+            if adapter is None:
+                adapter = self._hold(name, self._read(name, self._paths[name]))
+            else:
+                self._held.move_to_end(name)
+            self._users[name] = self._users.get(name, 0) + 1
+            return adapter
 
     def release(self, name: str) -> None:
-        left = self._users.get(name, 0) - 1
-        assert left >= 0, f"LoRA adapter {name} released more often than acquired"
-        self._users[name] = left
+        with self._lock:
+            left = self._users.get(name, 0) - 1
+            assert left >= 0, f"LoRA adapter {name} released more often than acquired"
+            self._users[name] = left
 
     def _hold(self, name: str, adapter: LoraAdapter) -> LoraAdapter:
         while len(self._held) >= self.max_loras:

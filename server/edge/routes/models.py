@@ -83,7 +83,7 @@ def model_list(ctx: RouterContext) -> dict:
     models = [model_entry(ctx, name) for name in ctx.model_names()]
     base = ctx.model().name
     adapters = [{"id": name, "object": "model", "created": int(ctx.started_at), "owned_by": "hetserve",
-                 "root": str(path), "parent": base} for name, path in ctx.settings.loras.adapters]
+                 "root": str(path), "parent": base} for name, path in ctx.loras.items()]
     return {"object": "list", "data": models + adapters}
 
 
