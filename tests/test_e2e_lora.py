@@ -91,6 +91,21 @@ def test_concurrent_requests_of_adapters_and_base_each_get_their_own(served):
     assert together == [alone[n] for n in names]
 
 
+def test_workers_and_metrics_show_each_workers_adapters(served):
+    _, dirs, router = served
+    with router.client(headers=AUTH) as c:
+        _generate(c, "coder")
+        c.get("/health")
+        loras = c.get("/workers").json()["workers"][0]["loras"]
+        text = c.get("/metrics").text
+    assert loras["max_loras"] == 2
+    assert {a["name"]: a["path"] for a in loras["adapters"]} == {n: str(p.resolve()) for n, p in dirs.items()}
+    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:lora_requests_info{")]
+    assert any('worker_id="all"' in ln for ln in lines) and len(lines) == 2, lines  # the worker's and the pod's
+    assert all('max_lora="2"' in ln and "running_lora_adapters=" in ln and "waiting_lora_adapters=" in ln
+               for ln in lines)
+
+
 def test_an_unknown_adapter_is_openais_404(served):
     _, _, router = served
     with router.client(headers=AUTH) as c:

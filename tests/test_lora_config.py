@@ -75,3 +75,11 @@ def test_the_dispatcher_puts_the_adapter_in_the_worker_request():
     assert sent.lora == "coder" and sent.inputs == "hi"
     assert WorkerRequest.model_validate_json(sent.model_dump_json()).lora == "coder"
     assert "LoRA adapter `coder`" in Constraints(model="m", lora="coder").describe()
+
+
+def test_the_pods_lora_gauge_joins_its_workers():
+    from server.fleet.metrics import lora_pod
+
+    labels, value = lora_pod([({"running_lora_adapters": "a,b", "waiting_lora_adapters": "", "max_lora": "4"}, 5.0),
+                              ({"running_lora_adapters": "b", "waiting_lora_adapters": "c", "max_lora": "2"}, 7.0)])
+    assert labels == {"running_lora_adapters": "a,b", "waiting_lora_adapters": "c", "max_lora": "2"} and value == 7.0

@@ -139,3 +139,23 @@ def test_prefixes_are_never_shared_across_adapters(served):
     assert hits._value.get() > first, "the same adapter's prefix was not reused"
     with torch.no_grad():
         assert base_tokens == _reference(peft_model(served[0]), ids, ours.eos_token_ids)
+
+
+def test_the_lora_gauge_names_the_adapters_running_and_waiting(served):
+    """vLLM's `vllm:lora_requests_info` after a step: the adapter of the running request, the one
+    of the request that waits (one sequence at a time), `max_lora` the table's slots."""
+    from prometheus_client import generate_latest
+
+    from workers.lora.metrics import LoraGauge
+
+    _, _, ours, table = served
+    engine = _engine(ours, table, max_sequences=1)
+    engine.metrics.registry.register(LoraGauge(engine))
+    ids = _ids(ours)[0].tolist()
+    streams = [engine.submit(ids, SamplingParams.create(max_new_tokens=2), lora=name) for name in ("all", "rs")]
+    engine.step()
+    text = generate_latest(engine.metrics.registry).decode()
+    assert 'vllm:lora_requests_info{max_lora="8",running_lora_adapters="all",waiting_lora_adapters="rs"}' in text
+    while engine.step():
+        pass
+    assert all(s.events for s in streams)

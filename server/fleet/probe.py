@@ -44,6 +44,7 @@ class ProbeVerdict:
     engine: EngineLiveness | None = None  # what the worker reported about its engine, if it answered
     capacity: dict | None = None  # the worker's changing KV figures (`kv_blocks_free`), if it answered
     compile: CompileDescription | None = None  # its decode step's compilation, which goes on after ready
+    loras: dict | None = None  # its LoRA adapters (workers/lora/metrics.py `describe_loras`), if it has a table
 
     def snapshot(self) -> dict:
         """`/workers` `health`: the last probe's verdict and the engine's liveness."""
@@ -66,7 +67,7 @@ def judge(code: int, body: dict, stall_timeout_s: float) -> ProbeVerdict:
         return ProbeVerdict(Probe.HUNG, f"engine stalled: work pending and no step for {engine.last_step_age_s:.1f}s "
                                         f"(stall timeout {stall_timeout_s:g}s)", engine, capacity, compiled)
     if code == 200:
-        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled)
+        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled, payload.loras)
     return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine, capacity,
                         compiled)
 

@@ -40,6 +40,7 @@ from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 from workers.kv.hashing import root_hash
 from workers.lora.apply import lora_key
+from workers.lora.metrics import LoraLoad, lora_load
 from workers.lora.table import acquire
 from workers.sampling.grammar import CompiledGrammar, Grammars
 from workers.sampling.logprobs import prompt_chunks, record_prompt
@@ -95,6 +96,7 @@ class Engine:
         self._accepting = True
         self._next_id = 0
         self.loras = None  # the worker's LoRA adapters (workers/lora/table.py), when it serves any
+        self.lora_load = LoraLoad()  # their running and waiting requests after the last step
         self._liveness = LivenessClock()
 
     def _init_thread(self) -> None:
@@ -347,6 +349,8 @@ class Engine:
 
     def _publish_load(self) -> None:
         self.metrics.set_load(*self.load())
+        if self.loras is not None:  # which adapters run and wait (workers/lora/metrics.py)
+            self.lora_load = lora_load(self.scheduler)
 
     def _release(self, seq: Sequence) -> None:
         with self._lock:

@@ -17,9 +17,18 @@ from pathlib import Path
 from workers.contract.config import WorkerConfig, parse_loras
 from workers.lora.adapter import read_adapter
 from workers.lora.apply import install_lora
+from workers.lora.metrics import LoraGauge
 from workers.lora.table import LoraTable
 
 logger = logging.getLogger(__name__)
+
+
+def install_loras(engine, config: WorkerConfig, loaded, device) -> LoraTable:
+    """`engine.loras`: the table of `config.lora`'s adapters (read now) over `loaded` (a
+    `LoadedModel`) on `device`, its gauge beside the engine's (workers/lora/metrics.py)."""
+    engine.loras = build_loras(config, loaded, device)
+    engine.metrics.registry.register(LoraGauge(engine))
+    return engine.loras
 
 
 def build_loras(config: WorkerConfig, loaded, device) -> LoraTable:
