@@ -1,6 +1,6 @@
 """LoRA adapters written by PEFT, served as PEFT computes them: fp32 logits within 1e-4 of PEFT's
-model with the adapter, identical greedy tokens, each row of a batch mixing adapters and the base
-model with its own output, and prefixes never shared across adapters."""
+model with the adapter (unmerged and merged), identical greedy tokens, each row of a batch mixing
+four adapters and the base model with its own output, and prefixes never shared across adapters."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ ADAPTERS = {
     "all": (1, 4, 8.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
     "rs": (2, 8, 4.0, ("q_proj", "v_proj", "down_proj"), True),
     "mlp": (3, 2, 16.0, ("gate_proj", "up_proj"), False),
+    "kv": (4, 6, 12.0, ("k_proj", "v_proj", "o_proj"), True),
 }
 
 
@@ -66,6 +67,9 @@ def test_logits_match_peft(served, name):
             got = ours.model(ids).float()
     assert (plain - want).abs().max() > 1e-2, "the adapter changes nothing: the test proves nothing"
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    with torch.no_grad():  # and PEFT's merged model (B @ A * scale folded into the base weights)
+        merged = peft_model(base, dirs[name]).merge_and_unload()(ids).logits
+    torch.testing.assert_close(got, merged, atol=1e-4, rtol=0)
 
 
 def test_rows_of_one_forward_take_each_their_own_adapter(served):
@@ -111,7 +115,8 @@ def _reference(model, prompt: list[int], eos) -> list[int]:
 def test_a_batch_mixing_adapters_and_the_base_gives_each_row_peft_greedy_tokens(served):
     base, dirs, ours, table = served
     ids = _ids(ours)[0].tolist()
-    jobs = [(ids, "all"), (ids, None), (ids[2:], "rs"), (ids, "mlp"), (ids[:9], "all"), (ids[1:], None)]
+    jobs = [(ids, "all"), (ids, None), (ids[2:], "rs"), (ids, "mlp"), (ids[:9], "all"), (ids[1:], None),
+            (ids[4:], "kv")]
     with torch.no_grad():
         models = {None: peft_model(base), **{n: peft_model(base, d) for n, d in dirs.items()}}
         want = [_reference(models[lora], p, ours.eos_token_ids) for p, lora in jobs]
