@@ -13,6 +13,7 @@ import sys
 
 from server.config.budgets import add_budget_flags
 from server.config.compile import add_compile_flags
+from server.config.loras import add_lora_flags
 from server.config.memory import add_memory_flags
 from server.config.models import add_model_flags
 from server.config.protocol import add_protocol_flags
@@ -100,6 +101,7 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
                         "prefixes evicted from a device are copied back instead of recomputed "
                         f"(default: {round(KV_HOST_SHARE * 100)}%% of MemAvailable at a worker's start; 0: off)")
     add_memory_flags(g)
+    add_lora_flags(serve)
 
 
 def _add_failure_flags(serve: argparse.ArgumentParser) -> None:

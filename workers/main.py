@@ -209,6 +209,10 @@ def run_worker(config: WorkerConfig) -> int:
                 from workers.engine.build import build_engine
 
                 built = build_engine(config, bound, loaded, kv, decision, cpu, context)
+                from workers.lora.worker import install_loras
+
+                # LoRA adapters over the model (workers/lora/): `--lora` ones read and checked now
+                install_loras(built.engine, config, loaded, bound.torch_device)
             else:
                 from workers.pipeline.first import build_first_stage
 

@@ -18,6 +18,7 @@ from server.config.api_key import resolve_api_key
 from server.config.budgets import RequestBudgets, budgets_from_args
 from server.config.compile import AUTO as AUTO_COMPILE
 from server.config.compile import compile_from_args
+from server.config.loras import LorasConfig, loras_from_args
 from server.config.memory import gpu_memory_utilization_from_args, max_model_len_from_args
 from server.config.models import ModelsConfig, models_from_args
 from server.config.protocol import ProtocolConfig, protocol_from_args
@@ -76,6 +77,7 @@ class RouterSettings:
 
     model_dir: Path = DEFAULT_MODEL_DIR  # the default model's (the first of `models`)
     models: ModelsConfig = field(default_factory=ModelsConfig)  # every model offered, pins, on demand
+    loras: LorasConfig = field(default_factory=LorasConfig)  # LoRA adapters over the default model
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
@@ -174,6 +176,7 @@ class RouterSettings:
         kwargs = {
             "model_dir": model_dir,
             "models": models,
+            "loras": loras_from_args(args, models),
             "host": getattr(args, "host", "127.0.0.1"),
             "port": port,
             "dtype": getattr(args, "dtype", "auto"),

@@ -181,6 +181,7 @@ class WorkerHandle:
             "canary": self.canary_snapshot(),
             "pipeline": info.pipeline,  # a pipeline replica's stages: layers, device, kernels, fp8, bytes
             "compile": self.compile_entry(),
+            "loras": None if self.probe is None else self.probe.loras,  # its LoRA adapters, as its last /health said
         }
 
     def compile_entry(self) -> dict | None:

@@ -49,6 +49,7 @@ class ProbeVerdict:
     engine: EngineLiveness | None = None  # what the worker reported about its engine, if it answered
     capacity: dict | None = None  # the worker's changing KV figures (`kv_blocks_free`), if it answered
     compile: CompileDescription | None = None  # its decode step's compilation, which goes on after ready
+    loras: dict | None = None  # its LoRA adapters (workers/lora/metrics.py `describe_loras`), if it has a table
 
     def snapshot(self) -> dict:
         """`/workers` `health`: the last probe's verdict and the engine's liveness."""
@@ -78,7 +79,7 @@ def judge(code: int, body: dict, stall_timeout_s: float, computing: float | None
                                         + (f", {computing:.2f} of a core used" if computing is not None else "")
                                         + ")", engine, capacity, compiled)
     if code == 200:
-        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled)
+        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled, payload.loras)
     return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine, capacity,
                         compiled)
 

@@ -169,6 +169,7 @@ def worker_config(spec_id: str, device: DeviceInfo, settings: RouterSettings, so
             threads=threads, status_file=str(status_path), parent_pid=parent_pid,
             otlp_endpoint=settings.otlp_endpoint, preflight=environ.get(ENV_PREFLIGHT) or AUTO_COMPILE,
             slowdown=device_slowdown(environ.get(ENV_SLOWDOWN, ""), spec_id, device.simulated),
+            **_lora_fields(settings, model_dir),
             **worker_budget(settings.budgets),
         )
     except ValueError as e:  # a `WorkerConfigError`, a bad `$HETSERVE_SLOWDOWN`
@@ -204,3 +205,11 @@ def build_worker_specs(devices: list[DeviceInfo], settings: RouterSettings, run_
         models = {d.index: (settings.model_name, settings.model_dir) for d in devices}
     return [build_worker_spec(d, *models[d.index], settings, run_dir, parent_pid, threads, base)
             for d in devices if d.index in models]
+
+
+def _lora_fields(settings: RouterSettings, model_dir: Path | None) -> dict:
+    """The LoRA adapters of a worker of the default model (server/config/loras.py); none for another model's."""
+    loras = settings.loras
+    if not loras.adapters or (model_dir is not None and Path(model_dir) != Path(settings.model_dir)):
+        return {}
+    return {"lora": loras.worker_value(), "max_loras": loras.max_loras, "max_lora_rank": loras.max_lora_rank}

@@ -94,6 +94,8 @@ HEADER_MODEL = "X-Hetserve-Model"
 # under the vLLM names its endpoint picker reads by default. `vllm:gpu_cache_usage_perc` is the
 # KV name of older endpoint pickers. Each worker serves them; the router adds the pod's totals.
 GATEWAY_WAITING = "vllm:num_requests_waiting"
+# which LoRA adapters run and wait (labels), the gateway's LoRA affinity reads it (workers/lora/metrics.py)
+GATEWAY_LORA_INFO = "vllm:lora_requests_info"
 GATEWAY_RUNNING = "vllm:num_requests_running"
 GATEWAY_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 GATEWAY_POD = "all"  # `worker_id` and `capability` of the pod's total samples

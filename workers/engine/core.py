@@ -38,6 +38,10 @@ from workers.engine.output import OutputProcessor
 from workers.engine.resume import check_resume_ids, replay
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
+from workers.kv.hashing import root_hash
+from workers.lora.apply import lora_key
+from workers.lora.metrics import LoraLoad, lora_load
+from workers.lora.table import acquire
 from workers.sampling.grammar import CompiledGrammar, Grammars
 from workers.sampling.logprobs import prompt_chunks, record_prompt
 from workers.sampling.params import SamplingParams
@@ -92,6 +96,8 @@ class Engine:
         self._side_running = 0  # side work (embeddings) in flight, counted in `_in_flight` too
         self._accepting = True
         self._next_id = 0
+        self.loras = None  # the worker's LoRA adapters (workers/lora/table.py), when it serves any
+        self.lora_load = LoraLoad()  # their running and waiting requests after the last step
         self._liveness = LivenessClock()
 
     def _init_thread(self) -> None:
@@ -115,10 +121,12 @@ class Engine:
         grammar: CompiledGrammar | None = None,
         resume_ids: SequenceT[int] = (),
         text: bool = True,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue a request (`grammar`: its compiled `params.grammar`; `resume_ids`: tokens already
         generated for it elsewhere; `text` False: no text and no stop strings here, the router's
-        channel builds them from the token ids); raises `CapacityError` (never fits), `ParameterError` (bad
+        channel builds them from the token ids; `lora`: the adapter it runs with, None the base);
+        raises `CapacityError` (never fits), `ParameterError` (bad
         `resume_ids`), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
         if (grammar is None) != (params.grammar is None):
             raise ValueError("`grammar` must be the compiled `params.grammar` (both given or neither)")
@@ -128,7 +136,14 @@ class Engine:
             self._admit_locked()
             self._next_id += 1
             rid = request_id or f"req-{self._next_id}"
+            try:
+                adapter = None if lora is None else acquire(self.loras, lora)
+            except BaseException:
+                self._in_flight -= 1
+                raise
         seq = Sequence(rid, prompt_ids, params)
+        if adapter is not None:
+            seq.lora, seq.cache_root = adapter, root_hash(self.scheduler.config.cache_root, *lora_key(adapter))
         seed = params.seed
         if params.do_sample:
             seed = secrets.randbits(53) if seed is None else seed
@@ -372,10 +387,14 @@ class Engine:
 
     def _publish_load(self) -> None:
         self.metrics.set_load(*self.load())
+        if self.loras is not None:  # which adapters run and wait (workers/lora/metrics.py)
+            self.lora_load = lora_load(self.scheduler)
 
     def _release(self, seq: Sequence) -> None:
         with self._lock:
             self._in_flight -= 1
+            if seq.lora is not None:
+                self.loras.release(seq.lora.name)
 
     def _abort_all(self, message: str) -> None:
         items = []
