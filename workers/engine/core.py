@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -30,12 +29,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from workers.contract import DEFAULT_MAX_QUEUE
-from workers.contract.detokenize import IncrementalDetokenizer, NoText, special_token_ids
+from workers.contract.detokenize import special_token_ids
+from workers.engine.admission import new_sequence
 from workers.engine.events import ErrorEvent, RequestStream, deliver
 from workers.engine.liveness import Liveness, LivenessClock
 from workers.engine.metrics import WorkerMetrics
 from workers.engine.output import OutputProcessor
-from workers.engine.resume import check_resume_ids, replay
+from workers.engine.resume import check_resume_ids
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 from workers.kv.hashing import root_hash
@@ -45,7 +45,7 @@ from workers.lora.table import acquire
 from workers.sampling.grammar import CompiledGrammar, Grammars
 from workers.sampling.logprobs import prompt_chunks, record_prompt
 from workers.sampling.params import SamplingParams
-from workers.sampling.sampler import grammar_bitmask, make_generator, sample_tokens
+from workers.sampling.sampler import grammar_bitmask, sample_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -141,22 +141,9 @@ class Engine:
             except BaseException:
                 self._in_flight -= 1
                 raise
-        seq = Sequence(rid, prompt_ids, params)
+        seq = new_sequence(rid, prompt_ids, params, loop, grammar, resumed, text, self.tokenizer, self._special_ids)
         if adapter is not None:
             seq.lora, seq.cache_root = adapter, root_hash(self.scheduler.config.cache_root, *lora_key(adapter))
-        seed = params.seed
-        if params.do_sample:
-            seed = secrets.randbits(53) if seed is None else seed
-            seq.generator = make_generator(seed, skip=len(resumed))
-        seq.seed = seed
-        seq.detok = NoText(self._special_ids) if not text else IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_ids, self._special_ids, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens, params.min_tokens)
-        seq.stream = RequestStream(rid, loop)
-        seq.stream.seed = seed
-        if grammar is not None:
-            seq.grammar = grammar.matcher()
-        replay(seq, resumed)
         if not self._first_step_here(seq):
             self._inbox.put((_ADD, seq))
         return seq.stream
