@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from server.fleet.run_dir import RUN_DIR_PREFIX, sweep_stale_run_dirs
+from server.fleet.run_dir import RUN_DIR_PREFIX, make_run_dir, sweep_stale_run_dirs
 from workers.contract import KV_TIER_PREFIX, RUN_DIR_MARKER
 
 SHM = Path("/dev/shm")
@@ -50,3 +50,20 @@ def remove_tier_dir(run_dir: Path, parent: Path | None = None) -> None:
 def sweep_stale_tier_dirs(parent: Path | None = None) -> list[Path]:
     """Remove the tiers of routers that died without cleaning up (the run directory's rule)."""
     return sweep_stale_run_dirs(parent or tier_parent(), prefix=f"{KV_TIER_PREFIX}{RUN_DIR_PREFIX}")
+
+
+def open_run(tier: bool) -> Path:
+    """This router's run directory (and, with `tier`, its host KV tier), once the ones routers
+    killed with -9 left behind are swept."""
+    sweep_stale_run_dirs()
+    sweep_stale_tier_dirs()
+    run_dir = make_run_dir()
+    if tier:
+        make_tier_dir(run_dir)
+    return run_dir
+
+
+def close_run(run_dir: Path) -> None:
+    """The run directory and its tier, removed at the router's stop."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    remove_tier_dir(run_dir)

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -28,11 +27,10 @@ from server.fleet.breaker import BreakerPolicy, CircuitBreaker
 from server.fleet.client import WorkerClient
 from server.fleet.exits import ExitHistory, RestartPolicy, decide_exit, describe_failure
 from server.fleet.handle import WorkerHandle, read_status
-from server.fleet.kv_tier_dir import make_tier_dir, remove_tier_dir, sweep_stale_tier_dirs
+from server.fleet.kv_tier_dir import close_run, open_run
 from server.fleet.pipelines import with_pipelines
 from server.fleet.probe import Act, CpuWatch, Probe, Tally, probe, ready_capability
 from server.fleet.process import alive, kill, spawn
-from server.fleet.run_dir import make_run_dir, sweep_stale_run_dirs
 from server.fleet.spec import (
     build_worker_spec,
     build_worker_specs,
@@ -212,16 +210,11 @@ class Supervisor:
         for handle in self.workers.values():
             await self._drop_client(handle)
         if self.run_dir is not None:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-            remove_tier_dir(self.run_dir)
+            close_run(self.run_dir)
 
     # --- setup -------------------------------------------------------------------------
     def _init_run_dir(self) -> None:
-        sweep_stale_run_dirs()
-        sweep_stale_tier_dirs()
-        self.run_dir = make_run_dir()
-        if self.settings.kv_host_bytes != 0:
-            make_tier_dir(self.run_dir)
+        self.run_dir = open_run(tier=self.settings.kv_host_bytes != 0)
 
     def _init_handles(self) -> None:
         assert self.run_dir is not None
