@@ -121,7 +121,7 @@ def test_metrics_carry_every_worker_series_with_id_and_capability(client):
                       ("all", "all", "all")}, labels
     pod = {f.name for f in families for s in f.samples if s.labels.get("worker_id") == "all"}
     assert pod == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                   "vllm:gpu_cache_usage_perc"}, pod
+                   "vllm:gpu_cache_usage_perc", "vllm:lora_requests_info"}, pod  # the last: LoRA affinity
     own = {f.name for f in families if not f.name.startswith("hetserve_router_")}
     assert own, "no series scraped from the workers"
 
