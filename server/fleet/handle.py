@@ -171,6 +171,8 @@ class WorkerHandle:
             "canary": self.canary_snapshot(),
             "pipeline": info.pipeline,  # a pipeline replica's stages: layers, device, kernels, fp8, bytes
             "compile": self.compile_entry(),
+            # speculative decoding as the last `/health` said, else as `/capability` said at start
+            "speculative": (self.probe.speculative if self.probe is not None else None) or info.speculative,
         }
 
     def compile_entry(self) -> dict | None:

@@ -44,6 +44,7 @@ class ProbeVerdict:
     engine: EngineLiveness | None = None  # what the worker reported about its engine, if it answered
     capacity: dict | None = None  # the worker's changing KV figures (`kv_blocks_free`), if it answered
     compile: CompileDescription | None = None  # its decode step's compilation, which goes on after ready
+    speculative: dict | None = None  # its speculative decoding now (method, k, acceptance, reason)
 
     def snapshot(self) -> dict:
         """`/workers` `health`: the last probe's verdict and the engine's liveness."""
@@ -61,14 +62,14 @@ def judge(code: int, body: dict, stall_timeout_s: float) -> ProbeVerdict:
         payload = HealthPayload.model_validate(body)
     except ValidationError:
         payload = HealthPayload()
-    engine, capacity, compiled = payload.engine, payload.capacity, payload.compile
+    engine, capacity, compiled, spec = payload.engine, payload.capacity, payload.compile, payload.speculative
     if engine is not None and engine.pending and engine.last_step_age_s > stall_timeout_s:
         return ProbeVerdict(Probe.HUNG, f"engine stalled: work pending and no step for {engine.last_step_age_s:.1f}s "
-                                        f"(stall timeout {stall_timeout_s:g}s)", engine, capacity, compiled)
+                                        f"(stall timeout {stall_timeout_s:g}s)", engine, capacity, compiled, spec)
     if code == 200:
-        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled)
+        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled, spec)
     return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine, capacity,
-                        compiled)
+                        compiled, spec)
 
 
 def cpu_seconds(pid: int | None) -> float | None:

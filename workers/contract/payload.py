@@ -113,6 +113,7 @@ class HealthPayload(_Open):
     engine: EngineLiveness | None = None
     capacity: dict | None = None  # the KV cache's changing figures (`kv_blocks_free`)
     compile: CompileDescription | None = None  # the decode step's compilation, which goes on after ready
+    speculative: dict | None = None  # speculative decoding now: method, k, acceptance, reason (None: not said)
 
 
 class CapabilityPayload(_Open):
@@ -131,4 +132,6 @@ class CapabilityPayload(_Open):
     triton_cache: str | None = None  # this architecture's Triton cache directory
     deterministic: DeterministicDescription | None = None  # set (and shown) only with --deterministic
     compile: CompileDescription | None = None  # the decode step's compilation (None: a worker that does not say)
+    # speculative decoding: method, k, acceptance rate and the latest decision's reason (workers/engine/speculate.py)
+    speculative: dict | None = None
     pipeline: dict | None = None  # a pipeline's first stage: {stages: [each stage's layers, device, kernels, fp8]}

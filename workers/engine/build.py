@@ -39,6 +39,7 @@ from workers.engine.core import Engine
 from workers.engine.kv_cache import build_kv_cache
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.speculate import speculator_for
 from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
 from workers.model.cpu_projections import PACKED_DTYPES, install_cpu_projections
@@ -220,6 +221,8 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
     runner = ModelRunner(loaded.model, kv, bound.torch_device, mirror=cpu.deterministic is None, compiled=compiled,
                          in_place=cpu.in_place)
     slots = kv.states.num_slots if kv.states is not None else 0
-    engine = Engine(runner, Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots)), loaded.tokenizer,
-                    max_queue=config.max_queue, grammars=grammars_for(config, loaded))
+    scheduler = Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots))
+    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler.kv)
+    engine = Engine(runner, scheduler, loaded.tokenizer, max_queue=config.max_queue,
+                    grammars=grammars_for(config, loaded), speculator=speculator)
     return BuiltEngine(engine, kv, decision, compiled)
