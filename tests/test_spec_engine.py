@@ -167,9 +167,38 @@ def test_max_new_tokens_and_stop_strings_cut_an_accepted_draft(lm, echoes):
         assert engine.scheduler.kv.usage == 0
 
 
-def test_grammar_rows_and_sliding_models_do_not_speculate(lm):
+def test_engines_that_cannot_roll_back_do_not_speculate_and_say_why(lm):
     engine = make(lm, True)
-    off = speculator_for("ngram", 4, engine.scheduler.kv, pipeline=True)
+    off = speculator_for("ngram", 4, engine.scheduler, pipeline=True)
     assert not off.enabled and "pipeline" in off.describe()["reason"]
-    assert speculator_for("auto", 4, engine.scheduler.kv).describe()["method"] == "off"
-    assert speculator_for("ngram", 4, engine.scheduler.kv).enabled
+    assert speculator_for("auto", 4, engine.scheduler).describe()["method"] == "off"
+    assert speculator_for("ngram", 4, engine.scheduler).enabled
+    roped = Scheduler(SchedulerConfig(4, 512, 64, 16, rope=(256, "longrope")))
+    assert "rotary" in speculator_for("ngram", 4, roped).describe()["reason"]
+    sliding = Scheduler(SchedulerConfig(4, 512, 64, 16, kv_groups=((None, 64), (32, 64))))
+    assert "sliding" in speculator_for("ngram", 4, sliding).describe()["reason"]
+
+
+def test_greedy_bfloat16_identical_in_deterministic_mode():
+    """Deterministic mode (fixed row tiles and attention splits): a drafted row's logits from the
+    prompt path round as the decode step's, so bfloat16 greedy outputs are plain decoding's too."""
+    from tests.test_deterministic import PREFIX, QUESTIONS, _load
+
+    lm = _load(True)
+
+    def serve(prompts, spec: bool):
+        pool = KVPool.for_config(lm.config, 512, 16, lm.dtype)
+        config = SchedulerConfig(8, lm.config.max_position_embeddings, 512, 16, 2048, True, eos_token_ids=(),
+                                 cache_root=root_hash("embedded", lm.dtype), kv_groups=pool.group_shapes)
+        speculator = Speculator("ngram", SpecPolicy(4, 8)) if spec else None
+        engine = Engine(ModelRunner(lm.model, pool, "cpu", mirror=False), Scheduler(config), lm.tokenizer,
+                        max_queue=64, speculator=speculator)
+        return run(engine, lm, prompts, SamplingParams.create(max_new_tokens=24))[0], engine
+
+    seeds = [lm.tokenizer.encode(PREFIX + q).ids for q in QUESTIONS[:6]]
+    continued, _ = serve(seeds, False)
+    echoes = [s + c + s for s, c in zip(seeds, continued, strict=True)]
+    plain, _ = serve(echoes, False)
+    spec, engine = serve(echoes, True)
+    assert spec == plain
+    assert metric(engine, "vllm:spec_decode_num_accepted_tokens_total") > 0

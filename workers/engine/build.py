@@ -222,7 +222,7 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
                          in_place=cpu.in_place)
     slots = kv.states.num_slots if kv.states is not None else 0
     scheduler = Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots))
-    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler.kv)
+    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler)
     engine = Engine(runner, scheduler, loaded.tokenizer, max_queue=config.max_queue,
                     grammars=grammars_for(config, loaded), speculator=speculator)
     return BuiltEngine(engine, kv, decision, compiled)

@@ -15,7 +15,8 @@ sits past `num_computed` and is overwritten by the next token. Trade-off: a draf
 prompt chunk (eager, reading the pool), giving up the compiled decode step and the decode mirror for
 that row in that step; GPU kernels need no change for that, but a multi-query decode kernel would be
 faster. Rows under a grammar or asking for `top_n_tokens` never draft (workers/spec/policy.py);
-models with sliding-window groups or linear-attention state do not speculate (no rollback yet).
+models with sliding-window groups, linear-attention state or a length-dependent rotary do not
+speculate (no rollback yet).
 """
 
 from __future__ import annotations
@@ -49,28 +50,32 @@ def _is_draft(chunk) -> bool:
 
 
 AUTO_OFF = ("`auto` is off in this build: a drafted row's logits come from the prompt path, whose rounding "
-            "can differ from the decode step's outside fp32, so greedy identity is proven in fp32 only; "
+            "can differ from the decode step's (greedy identity is proven in fp32 and under --deterministic); "
             "`--speculative ngram` turns n-gram drafts on")
 
 
-def speculator_for(mode: str, num_tokens: int, kv, pipeline: bool = False) -> Speculator:
-    """The engine's `Speculator` for `--speculative mode` (the worker's configuration): n-gram drafts
-    where asked and the engine can verify them, else one that only says why it is off."""
+def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False) -> Speculator:
+    """The engine's `Speculator` for `--speculative mode` (the worker's configuration) over `scheduler`:
+    n-gram drafts where asked and the engine can verify them, else one that only says why it is off."""
     policy = SpecPolicy(num_tokens)
     if mode == "off":
         return Speculator("off", policy, off_reason="`--speculative off`")
     if mode == "auto":
         return Speculator("off", policy, off_reason=AUTO_OFF)
-    reason = engine_reason(kv, pipeline)
+    reason = engine_reason(scheduler, pipeline)
     if reason is not None:
         return Speculator("off", policy, off_reason=reason)
     return Speculator("ngram", policy)
 
 
-def engine_reason(kv, pipeline: bool) -> str | None:
-    """Why this engine cannot speculate at all, or None (`kv`: the scheduler's KV manager)."""
+def engine_reason(scheduler, pipeline: bool) -> str | None:
+    """Why this engine cannot speculate at all, or None."""
+    kv = scheduler.kv
     if pipeline:
         return "a pipeline's stages do not verify drafts yet"
+    if scheduler.config.rope is not None:
+        return ("a rotary that depends on the sequence's length would rotate drafts past its threshold "
+                "unlike plain decoding")
     if kv.sliding:
         return "sliding-window KV groups do not roll back rejected drafts yet"
     if kv.states is not None:

@@ -67,7 +67,7 @@ def build_first_stage(config: WorkerConfig, bound: BoundDevice, loaded: LoadedMo
                             cpu.in_place)
     slots = config.max_batch if loaded.config.state_layers else 0  # any stage may hold linear layers
     scheduler = Scheduler(scheduler_config(config, loaded, kv, context, kv.group_shapes, slots))
-    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler.kv, pipeline=True)
+    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler, pipeline=True)
     engine = PipelineEngine(runner, scheduler, loaded.tokenizer, max_queue=config.max_queue,
                             grammars=grammars_for(config, loaded), batches=config.pipeline_batches or link.world,
                             speculator=speculator)  # off, with the reason (`/workers` says why)
