@@ -12,9 +12,11 @@ its `Speculator` swapped), so the machine's drift falls on both alike:
       of it again, as an edit request gets its file back with small changes; requests one by one;
   (b) random prompts at concurrency 16: random token ids, all submitted at once (the policy's
       batch rule should keep speculation from costing anything there).
-Prints output tokens/s of each side, their ratio (speculative / plain; the median over rounds) and
-the acceptance rate. Trade-off: the engine is driven on this thread (no HTTP, no engine thread), so
-the figures are the engine's own; `benchmarks/engine.py` and `load_test.py` measure the rest.
+Every request generates `--new-tokens` tokens (EOS ignored: the embedded model ends a bare prompt
+at once, and equal lengths keep both sides' work alike). Prints output tokens/s of each side, their
+ratio (speculative / plain; the median over rounds) and the acceptance rate. Trade-off: the engine
+is driven on this thread (no HTTP, no engine thread), so the figures are the engine's own;
+`benchmarks/engine.py` and `load_test.py` measure the rest.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def serve(engine, prompts: list[list[int]], new_tokens: int, concurrency: int) -
     """Output tokens, seconds and token ids of `prompts` served `concurrency` at a time."""
     from workers.sampling.params import SamplingParams
 
-    params = SamplingParams.create(max_new_tokens=new_tokens)
+    params = SamplingParams.create(max_new_tokens=new_tokens, ignore_eos=True)
     tokens, outputs, t0 = 0, [], time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         streams = [engine.submit(p, params) for p in prompts[i:i + concurrency]]
@@ -103,7 +105,7 @@ def main(argv=None) -> None:
     on, off = engine.speculator, Speculator("off", SpecPolicy(args.k), off_reason="benchmark: off")
     engine.speculator = off
     seeds = [tokenizer.encode(s).ids for s in SEEDS]
-    continued = serve(engine, seeds, args.new_tokens, len(seeds))[2]
+    continued = serve(engine, seeds, args.new_tokens, 1)[2]  # alone, as the edits will be served
     edits = [s + c + s for s, c in zip(seeds, continued, strict=True)]
     rng = random.Random(0)
     vocab = engine.runner.vocab_size or 1000
