@@ -73,6 +73,9 @@ def build(stem: str, source: Path, flags: list[str], ops: str | None = None):
         digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
         name = f"{stem}_{digest}"
         directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+        if _deferred is not None and not (directory / f"{name}.so").exists():
+            _deferred[name] = (stem, source, list(flags), ops)
+            return None, DEFERRED
         with _held(directory / BUILD_LOCK):
             _clear_stale(directory)
             built_from = _pinned_source(directory, source)
@@ -85,6 +88,60 @@ def build(stem: str, source: Path, flags: list[str], ops: str | None = None):
         return (module if ops is None else getattr(torch.ops, ops)), None
     except Exception as e:  # no compiler, a failed build
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
+
+
+DEFERRED = "deferred: building behind the serving"  # `build`'s reason for a build left for later
+_deferred: dict[str, tuple] | None = None  # inside `deferring()`: the builds left for later, by name
+
+
+@contextlib.contextmanager
+def deferring():
+    """Inside, a `build` whose library is not in the cache yet is not built: it answers (None,
+    `DEFERRED`) at once, so its caller keeps its torch path, and is listed for `build_deferred`. A
+    cached library loads as usual. A worker serves first this way and builds behind its serving."""
+    global _deferred
+    previous, _deferred = _deferred, {}
+    try:
+        yield _deferred
+    finally:
+        _deferred = previous
+
+
+_FORGET: list = []  # each deferrable `load()`'s way to forget a deferred answer (`deferrable`)
+
+
+def deferrable(load):
+    """Mark a module's `functools.cache`d `load()` (answering a state with `reason`) as one whose
+    deferred answer `forget_deferred` drops; every copy of a module registers its own."""
+    def forget() -> None:
+        if load.cache_info().currsize and load().reason.startswith(DEFERRED):
+            load.cache_clear()
+
+    _FORGET.append(forget)
+    return load
+
+
+def forget_deferred() -> None:
+    """Drop every state answered while deferring, so the next `load()` of each finds its library
+    built (`build_deferred`) and loads it. Call it where no kernel runs (between engine steps)."""
+    for forget in _FORGET:
+        forget()
+    for kernel in CppKernel.made:
+        if kernel._state is not None and DEFERRED in kernel._state.reason:
+            kernel.reset()
+
+
+def build_deferred(pending: dict[str, tuple], workers: int) -> dict[str, str | None]:
+    """Build each of `pending` (from `deferring()`), `workers` at a time (each build is a compiler
+    child: the caller's interpreter stays free), into the cache; by name, None or why it failed.
+    Callers load them afterwards as usual (their `load()` finds them built)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item: tuple) -> str | None:
+        return build(*item)[1]
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return dict(zip(pending, pool.map(one, pending.values()), strict=True))
 
 
 BUILD_LOCK = "hetserve.flock"  # beside torch's `lock`; held with flock while building or loading
@@ -192,6 +249,8 @@ class CppKernel:
             return CppState(False, f"${self.env}=off: the torch reference")
         flags, isa = vector_flags()
         self.module, why = build(self.stem, self.source, [*flags, *self.extra_flags], self.ops)
+        if why == DEFERRED:
+            return CppState(False, f"{self.what}: {DEFERRED}; the torch reference meanwhile")
         if self.module is None:  # no compiler, a failed build: the torch reference serves
             logger.warning("%s unavailable (%s); the torch reference serves", self.what, why)
             return CppState(False, f"{self.what} unavailable ({why.split(':')[0]}): the torch reference")

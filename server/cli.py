@@ -13,6 +13,7 @@ import sys
 
 from server.config.budgets import add_budget_flags
 from server.config.compile import add_compile_flags
+from server.config.loras import add_lora_flags
 from server.config.memory import add_memory_flags
 from server.config.models import add_model_flags
 from server.config.protocol import add_protocol_flags
@@ -28,6 +29,7 @@ from workers.contract import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_QUEUE,
     KV_BLOCK_SIZES,
+    KV_HOST_SHARE,
     TopologySpecError,
 )
 from workers.contract.defaults import CPU_KV_MAX_DEFAULT_BYTES, GPU_FREE_FRACTION
@@ -96,7 +98,12 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
                         "on a CPU or simulated device what --max-batch sequences of "
                         f"the full context need, at most {CPU_KV_MAX_DEFAULT_BYTES >> 20} MiB; with "
                         "--gpu-memory-utilization, a cap on its budget)")
+    g.add_argument("--kv-host-bytes", type=int, default=None, metavar="N",
+                   help="host-memory KV tier shared by the workers of the same model and KV format, in bytes: "
+                        "prefixes evicted from a device are copied back instead of recomputed "
+                        f"(default: {round(KV_HOST_SHARE * 100)}%% of MemAvailable at a worker's start; 0: off)")
     add_memory_flags(g)
+    add_lora_flags(serve)
 
 
 def _add_failure_flags(serve: argparse.ArgumentParser) -> None:

@@ -100,3 +100,33 @@ def test_a_build_killed_half_way_leaves_a_host_that_builds_and_serves(source, tm
     os.killpg(child.pid, signal.SIGKILL)
     child.wait()
     _serves(source, ext_dir)
+
+
+DEFERRING_CHILD = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import torch
+    from kernels_local.cpp_build import DEFERRED, build, build_deferred, deferring
+
+    source = Path(sys.argv[1])
+    args = ("hetserve_build_test", source, ["-O0"], "hetserve_build_test")
+    with deferring() as pending:
+        ops, why = build(*args)
+    assert ops is None and why == DEFERRED and len(pending) == 1, (ops, why, pending)
+    assert not list(Path(sys.argv[2]).rglob("*.so")), "a deferred build ran"
+    assert set(build_deferred(pending, 1).values()) == {None}
+    with deferring() as pending:  # built now: it loads even while deferring
+        ops, why = build(*args)
+    assert why is None and not pending, (why, pending)
+    print(ops.twice(torch.ones(2)).tolist())
+""")
+
+
+def test_a_deferred_build_answers_at_once_and_builds_when_asked(source, tmp_path):
+    """Guards the `_deferred` branch of `build` (kernels_local/cpp_build.py): a worker serving first
+    gets its torch path at once for a kernel not built on the host, and `build_deferred` builds it."""
+    ext_dir = tmp_path / "ext"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", DEFERRING_CHILD, str(source), str(ext_dir)], cwd=ROOT, env=env,
+                       text=True, capture_output=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[2.0, 2.0]", r.stderr[-3000:]

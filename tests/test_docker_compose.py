@@ -15,6 +15,8 @@ test, and the tests of a stack share one running container; `down` is each stack
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import os
 import re
@@ -310,16 +312,46 @@ def test_compose_down_drains_and_stops_every_worker_within_the_grace_period(stac
 # ------------------------------------------------------------------- the GPU image
 
 
+GPU_RECORD = ROOT / "tests" / "gpu_image_record.json.gz"
+# what the GPU image's checks depend on beyond the preflight's sources: its build, pins and script
+GPU_DEPENDS = ("deploy/Dockerfile", "deploy/constraints.txt", "pyproject.toml", "scripts/docker_check.sh")
+
+
+def gpu_image_digest() -> str:
+    """sha256 over the preflight's digest (Triton, torch, every source the kernels' compile plan
+    reads) and the files the image is built and pinned from."""
+    from tests.test_preflight import matrix_digest
+
+    h = hashlib.sha256(matrix_digest().encode())
+    for name in GPU_DEPENDS:
+        h.update(name.encode() + b"\0" + (ROOT / name).read_bytes())
+    return h.hexdigest()
+
+
 @pytest.fixture(scope="module")
 def gpu_image(docker_image) -> dict:
     """The GPU variant (`docker_check.sh gpu-image`) on the CPU image's engine and base, removed
-    with them by `docker_image`'s clean: what it printed and what it found inside the image."""
+    with them by `docker_image`'s clean: what it printed and what it found inside the image.
+
+    Built when `GPU_RECORD`'s digest is not today's (`gpu_image_digest`), then recorded; else what
+    the last build found is read back. Trade-off: the image takes torch's CUDA wheel (gigabytes,
+    minutes) and its checks only change with the pins, the build and the kernels' sources, so a
+    commit that touches none of them is not built again; a change to any of them is."""
+    digest = gpu_image_digest()
+    if GPU_RECORD.exists():
+        doc = json.loads(gzip.decompress(GPU_RECORD.read_bytes()))
+        if doc.get("digest") == digest:
+            return doc["image"]
     r = _script("gpu-image", timeout=2100)
     assert r.returncode == 0, r.stderr[-6000:]
     tag, secs, size = r.stdout.split()[-3:]
-    return {"tag": tag, "build_s": int(secs), "bytes": int(size), "log": r.stderr,
-            "imports": json.loads((STATE / "gpu-imports.json").read_text()),
-            "plan": json.loads((STATE / "gpu-plan.json").read_text())}
+    built = next(ln for ln in r.stderr.splitlines() if f"built {tag} in {secs} s" in ln)
+    image = {"tag": tag, "build_s": int(secs), "bytes": int(size), "log": built,
+             "imports": json.loads((STATE / "gpu-imports.json").read_text()),
+             "plan": json.loads((STATE / "gpu-plan.json").read_text())}
+    text = json.dumps({"digest": digest, "image": image}, separators=(",", ":"), sort_keys=True)
+    GPU_RECORD.write_bytes(gzip.compress(text.encode(), mtime=0))
+    return image
 
 
 @pytest.mark.docker

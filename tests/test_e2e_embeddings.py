@@ -108,6 +108,36 @@ def test_bad_input_is_refused_in_openais_shape_naming_it(client, router):
         assert needle in e.value.message, (kw, e.value.message)
 
 
+def test_embeddings_count_as_running_and_stop_when_their_client_leaves(router):
+    """Guards `engine.side_work()` and `stop.set()` in workers/serving/routes/embed.py: a request of
+    many inputs shows as running in `/workers` while it runs, and once its client has gone the
+    worker stops embedding (before, it ran all 2,048 inputs to the end, unseen in `/workers`)."""
+    import threading
+    import time
+
+    counted = "hetserve_worker_embedding_inputs_total"
+    before = router.metric(counted) or 0.0
+    body = {"model": "m", "input": [list(range(10, 310))] * 2048, "encoding_format": "float"}
+    seen_running = []
+
+    def leave_early():
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{router.url}/v1/embeddings", json=body, timeout=httpx.Timeout(30, read=1.5))
+
+    client = threading.Thread(target=leave_early)
+    client.start()
+    while client.is_alive():
+        seen_running.append(router.metric("hetserve_worker_running_requests"))
+        time.sleep(0.1)
+    client.join()
+    assert max(seen_running) == 1, seen_running  # the worker's own count of what it runs
+    router.wait_for(lambda: router.metric("hetserve_worker_running_requests") == 0, timeout=10)
+    stopped_at = router.metric(counted)
+    time.sleep(1.0)
+    assert router.metric(counted) == stopped_at, "the worker kept embedding after its client left"
+    assert stopped_at - before < 2048, (before, stopped_at)
+
+
 def test_task_generate_refuses_embeddings_by_name():
     r = RouterProcess(["--simulate", "sm_80", "--task", "generate"])
     try:

@@ -1,10 +1,12 @@
 """End to end: `hetserve serve --model FILE.gguf` answers /generate with transformers' greedy tokens.
 
 A tiny random Llama written by gguf-py's `GGUFWriter` in Q8_0 (tests/gguf_checkpoints.py) is
-served by a real router with one real CPU worker in float32: the router prepares the file
+served in float32 by a real router over a simulated mixed host (Volta to Hopper beside a CPU):
+the router prepares the file
 (config, tokenizer and template converted into its cache directory; the file is kept under
 `~/.cache/hetserve/test-gguf/`, so that directory is made once), the worker dequantizes its
-tensors, and a greedy `/generate` gives the tokens transformers generates loading the same file.
+tensors, and a greedy `/generate` on each worker gives the tokens transformers generates loading
+the same file.
 The model is named by its file; a file whose architecture we do not serve stops `serve` with one
 line before any worker starts.
 """
@@ -29,29 +31,46 @@ pytest.importorskip("gguf")
 
 PROMPT = "Once upon a time there was a little fox who lived near the river, and every morning it went down"
 NEW_TOKENS = 24
+MIXED = "sm_70,sm_75,sm_86,sm_90,cpu"  # one GGUF file on every kind of device a mixed host holds
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def served():
     path = cached_gguf("llama", "Q8_0")
-    router = RouterProcess(["--model", str(path), "--dtype", "float32", "--max-batch", "4"], fake=False,
-                           ready_timeout=300)
+    router = RouterProcess(["--model", str(path), "--dtype", "float32", "--max-batch", "4", "--simulate", MIXED],
+                           fake=False, ready_timeout=300)
     yield path, router
     router.stop()
     assert not router.orphans, f"workers left running: {router.orphans}"
 
 
-def test_a_gguf_file_over_http_generates_transformers_greedy_tokens(served):
+def test_a_gguf_file_over_http_generates_transformers_greedy_tokens_on_every_device_of_a_mixed_host(served):
+    """Every worker of a host mixing Volta, Turing, Ampere, Hopper and a CPU serves the one file,
+    says how it runs its blocks and why (`model.gguf`, workers/gguf/execution.py), and answers
+    transformers' greedy tokens."""
     path, router = served
+    workers = router.workers()
+    assert len(workers) == len(MIXED.split(","))
+    answers = {}
     with router.client(timeout=120) as c:
-        r = c.post("/generate", json={"inputs": PROMPT, "parameters": {
-            "max_new_tokens": NEW_TOKENS, "details": True, "decoder_input_details": True}})
-        assert r.status_code == 200, r.text
-        details = r.json()["details"]
+        for w in workers:
+            gguf = w["model"]["gguf"]
+            assert gguf["types"] == {"F32": gguf["types"]["F32"], "Q8_0": gguf["types"]["Q8_0"]}, gguf
+            assert gguf["execution"] == "dequantized at load to float32", gguf
+            cap = w["device"].get("capability")
+            device = f"sm_{str(cap).replace('.', '')}" if cap else "cpu"
+            assert f"no packed GGUF kernel on {device} yet" in gguf["reason"], (w["device"], gguf)
+            assert 0 < gguf["packed_bytes"] < gguf["resident_bytes"], gguf
+            r = c.post("/generate", headers={"X-Hetserve-Worker": w["id"]}, json={"inputs": PROMPT, "parameters": {
+                "max_new_tokens": NEW_TOKENS, "details": True, "decoder_input_details": True}})
+            assert r.status_code == 200 and r.headers["x-worker-id"] == w["id"], r.text
+            answers[w["id"]] = r.json()["details"]
         models = c.get("/v1/models").json()["data"]
+    details = answers[workers[0]["id"]]
     prompt = [t["id"] for t in details["prefill"]]
     got = [t["id"] for t in details["tokens"]]
+    assert all([t["id"] for t in d["tokens"]] == got for d in answers.values()), answers
     ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                             attn_implementation="eager").eval()
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

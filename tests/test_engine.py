@@ -150,6 +150,23 @@ def test_bounded_queue_refuses_beyond_running_plus_queued():
     engine.submit(prompt(), SamplingParams.create(max_new_tokens=2))  # room again
 
 
+def test_side_work_is_admitted_and_counted_as_a_running_request():
+    """Guards `_admit_locked()` and `_side_running` in `Engine.side_work`: a request's embeddings
+    take a place of the worker's in flight (refused with the others when full) and show as running."""
+    engine, _ = make_engine(max_sequences=2, max_queue=1)
+    with engine.side_work():
+        assert engine.load() == (1, 0)
+        for _ in range(2):
+            engine.submit(prompt(), SamplingParams.create(max_new_tokens=2))
+        with pytest.raises(EngineOverloaded, match="limit 3"):
+            engine.submit(prompt(), SamplingParams.create(max_new_tokens=2))
+        with pytest.raises(EngineOverloaded), engine.side_work():
+            pass
+    assert engine.load() == (0, 2)
+    run_until_idle(engine)
+    assert engine.load() == (0, 0)
+
+
 def test_request_over_capacity_is_refused_before_queueing():
     engine, _ = make_engine(max_seq_len=16)
     with pytest.raises(CapacityError, match="<= 16"):

@@ -122,6 +122,27 @@ def test_a_request_in_flight_at_two_deaths_is_refused_then_quarantined(tmp_path)
         r.stop()
 
 
+def test_workers_the_router_stopped_for_a_stall_do_not_mark_their_requests(tmp_path):
+    """Guards `worker.crashed_under(...)` in `ClientStream._move` (and `Dispatcher._with_retries`):
+    a stream in flight on workers the router replaced for stalling (as a loaded host makes them
+    seem) was refused and quarantined as a killer of workers at the second replacement."""
+    r = RouterProcess(["--simulate", "sm_90,sm_80,sm_89", "--stall-timeout", "1", "--migration-limit", "2"],
+                      env={"FAKE_CRASH_IDS": "gpu0,gpu1,gpu2"})
+    try:
+        stream = {"inputs": "__stall_mid_stream__", "parameters": {"max_new_tokens": 6}}
+        with r.client() as c:
+            events = sse_events(c.post("/generate_stream", json=stream).text)
+            assert events[-1]["error_type"] == "incomplete_generation", events[-1]
+            assert "may be what kills them" not in events[-1]["error"], events[-1]
+            r.wait_for(lambda: all(w["state"] == "ready" for w in r.workers()), timeout=60)
+            hung = [w["last_exit"] for w in r.workers() if w["restarts"]]
+            assert len(hung) >= 2 and all(e.startswith("hung: engine stalled") for e in hung), hung
+            again = c.post("/generate_stream", json=stream)  # not quarantined: it reaches a worker again
+            assert again.status_code == 200 and "may be what kills them" not in again.text, again.text
+    finally:
+        r.stop()
+
+
 _DEEP_FIELDS = {  # where free-form JSON rides in a request -> (path, body with %s for the value)
     "chat_template_kwargs": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
                              '"max_tokens": 2, "chat_template_kwargs": {"x": %s}}'),

@@ -12,7 +12,7 @@ from server.cli import build_parser
 from server.config.settings import RouterSettings
 from server.errors import UsageError
 from server.fleet.breaker import BreakerPolicy, BreakerState, CircuitBreaker
-from server.fleet.probe import Probe, judge
+from server.fleet.probe import Act, Probe, Tally, judge
 from server.fleet.uds_http import UnixHTTPPool, WorkerConnectionLost
 from server.routing.filter import WAIT, Constraints
 from tests.routing_helpers import PICK, choose
@@ -102,6 +102,23 @@ def test_the_filter_skips_open_breakers_and_waits_when_all_are_open():
 def test_probe_verdicts(code, body, kind, why):
     verdict = judge(code, body, stall_timeout_s=30)
     assert (verdict.kind, verdict.why) == (kind, why)
+
+
+@pytest.mark.parametrize(("age", "computing", "kind"), [
+    (45.0, 0.9, Probe.SLOW),  # a long step on a loaded host: left running
+    (45.0, 0.01, Probe.HUNG),  # no CPU used: a deadlocked engine
+    (125.0, 0.9, Probe.HUNG),  # computing, but past COMPUTING_STALL_FACTOR stall timeouts
+    (45.0, None, Probe.HUNG),  # CPU unknown: the stall timeout alone decides
+])
+def test_a_stall_while_the_worker_computes_is_slow_not_hung(age, computing, kind):
+    """Guards the `computing >= STALL_CPU_SHARE` branch of `judge` in server/fleet/probe.py: a step
+    longer than the stall timeout on a host loaded by other work was taken for a hung engine, its
+    worker restarted and its requests counted as witnesses of a death."""
+    body = {"status": "ready", "engine": {"pending": True, "last_step_age_s": age}}
+    verdict = judge(200, body, stall_timeout_s=30, computing=computing)
+    assert verdict.kind == kind, verdict.why
+    act, _ = Tally(3, 60).count(verdict, urgent=False, ready=True)
+    assert (act == Act.REPLACE) == (kind == Probe.HUNG)
 
 
 def test_abort_fails_a_read_blocked_on_a_silent_worker_at_once(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.test_kernelize import device, tiny_model
+from workers.engine.metrics import WorkerMetrics
 from workers.kernelize.apply import kernelize_for_device
 from workers.kernelize.selftest import (
     TOLERANCE,
@@ -87,6 +88,10 @@ def test_a_wrong_kernel_goes_back_to_its_torch_path_and_the_others_stay():
     assert result.ok and result.max_abs_error == 0.0
     assert all("forward" not in m.__dict__ for m in model.modules() if isinstance(m, RMSNorm))
     assert any("forward" in m.__dict__ for m in model.modules() if isinstance(m, PagedAttention))
+    metrics = WorkerMetrics()
+    metrics.fell_back(failed)  # what workers/main.py hands the worker's metrics
+    text = metrics.render().decode()
+    assert 'hetserve_worker_kernel_fallback{layer="RMSNorm",reason="' in text, text
 
 
 def test_a_kernel_that_raises_goes_back_to_its_torch_path():

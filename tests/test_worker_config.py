@@ -28,12 +28,14 @@ from workers.main import parse_args
 EVERY_FIELD = WorkerConfig(
     socket="/tmp/w.sock", worker_id="gpu3", model="/models/m", simulate="sm_89", device_index=3,
     device_uuid="GPU-aaaa", dtype="bfloat16", quantize="fp8", max_batch=8, max_queue=0, kv_cache_bytes=1 << 20,
+    kv_host_bytes=1 << 24, kv_host_dir="/dev/shm/hetserve-kv-x",
     max_model_len=256, gpu_memory_utilization=0.5, kv_block_size=32, no_prefix_cache=True,
     max_num_batched_tokens=64, deterministic=True, compile="off", speculative="ngram", num_speculative_tokens=3,
     threads=2, status_file="/tmp/w.json",
     parent_pid=42, otlp_endpoint="http://collector:4318", grammar_compile_timeout=0.5, grammar_compile_memory_mib=64,
     grammar_compile_workers=3, grammar_cache_mib=0, pipeline_plan="/tmp/p.json", pipeline_rank=1,
-    pipeline_batches=2, pipeline_microbatches=4, preflight="on", slowdown=3.0,
+    pipeline_batches=2, pipeline_microbatches=4, preflight="on", slowdown=3.0, lora="a=/tmp/a,b=/tmp/b", max_loras=2,
+    max_lora_rank=32,
 )
 
 

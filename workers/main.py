@@ -30,6 +30,7 @@ from workers.contract import (
     DEFAULT_MODEL_DIR,
     ENV_DEVICE_INDEX,
     ExitCode,
+    KernelDescription,
     WorkerConfig,
     WorkerStatus,
     step_token_budget,
@@ -168,6 +169,7 @@ def run_worker(config: WorkerConfig) -> int:
                 preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
         with startup_step("fp8", status):
             conv, fp8_reason, checkpoint = _apply_fp8(config, bound, cap, loaded)
+        failed: dict[str, str] = {}  # layers whose kernel failed on this device: their torch path serves
         if bound.is_real_gpu:
             with startup_step("kernelize", status):  # its last check, once fp8 swapped in its layers
                 from workers.kernelize.selftest import self_test_or_fall_back
@@ -179,7 +181,10 @@ def run_worker(config: WorkerConfig) -> int:
             from workers.engine.build import install_cpu_paths
 
             # deterministic numerics are the first stage's (a later stage runs its layers as before)
-            cpu = install_cpu_paths(loaded, bound, config.deterministic and config.pipeline_rank == 0)
+            # a CPU worker under `--compile auto` serves first: C++ kernels not built on this host yet
+            # build behind the serving (a simulated device is a GPU's stand-in: it builds them first)
+            cpu = install_cpu_paths(loaded, bound, config.deterministic and config.pipeline_rank == 0,
+                                    behind=config.compile == "auto" and plan is None and not bound.simulated)
         if plan is not None:  # every stage joins the replica's process group
             with startup_step("pipeline", status):
                 link = _join_pipeline(plan, config, bound, loaded, stages)
@@ -189,7 +194,12 @@ def run_worker(config: WorkerConfig) -> int:
             context = context_length(config, loaded)
             decision = decide_compile(config, bound, cpu, loaded.model, pipeline=link is not None)
             kv = build_kv(config, bound, loaded, context, decision.enabled, None if link is None else link.agree_blocks)
-        from workers.engine.describe import compile_description, describe_worker, fp8_description
+        from workers.engine.describe import (
+            compile_description,
+            describe_worker,
+            fp8_description,
+            kernel_description,
+        )
 
         fp8 = fp8_description(conv, fp8_reason, config.quantize, checkpoint, loaded, preflight)
         if link is not None and not link.first:
@@ -199,10 +209,15 @@ def run_worker(config: WorkerConfig) -> int:
                 from workers.engine.build import build_engine
 
                 built = build_engine(config, bound, loaded, kv, decision, cpu, context)
+                from workers.lora.worker import install_loras
+
+                # LoRA adapters over the model (workers/lora/): `--lora` ones read and checked now
+                install_loras(built.engine, config, loaded, bound.torch_device)
             else:
                 from workers.pipeline.first import build_first_stage
 
                 built, first = build_first_stage(config, bound, loaded, kv, decision, cpu, context, link, stages)
+            built.engine.metrics.fell_back(failed)  # `/metrics` says which kernels fell back, and why
         with startup_step("serve", status):  # the `/capability` description, the app, the socket
             from workers.serving.server import WorkerServer
 
@@ -214,6 +229,9 @@ def run_worker(config: WorkerConfig) -> int:
         with startup_step("compile", status):  # the decode step per batch bucket (`auto` on a CPU: behind)
             def described() -> None:
                 info.compile = compile_description(built.decision, built.compiled)
+                if built.reinstall is not None:  # C++ kernels built behind the serving, then swapped in
+                    info.kernels = {name: KernelDescription.model_validate(entry)
+                                    for name, entry in kernel_description(kernels, built.cpu, preflight).items()}
 
             logger.info("decode step: %s", built.compile(on_change=described))
             described()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kernels_local.cpp_build import build
+from kernels_local.cpp_build import DEFERRED, build, deferrable
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class CpuExperts:
 _module = None
 
 
+@deferrable
 @functools.cache
 def load() -> CpuExperts:
     """Build (once per host) and load the C++ loop; its state and reason. Never raises.
@@ -55,6 +56,8 @@ def load() -> CpuExperts:
     if os.environ.get(ENV_CPU_EXPERTS, "").lower() in ("off", "0", "false"):
         return CpuExperts(False, f"${ENV_CPU_EXPERTS}=off: the packed experts run from a Python loop")
     _module, why = build("hetserve_cpu_experts", SOURCE, list(FLAGS))
+    if why == DEFERRED:  # a worker serving first: built behind it, then loaded again
+        return CpuExperts(False, f"{DEFERRED}; the packed experts run from Python meanwhile")
     if _module is None:  # no compiler, a failed build: the Python loop serves
         logger.warning("CPU experts loop unavailable (%s); the packed experts run from Python", why)
         return CpuExperts(False, f"C++ loop unavailable ({why.split(':')[0]}): the packed experts run from Python")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels_local.cpp_build import build, cpu_flags, vector_flags
+from kernels_local.cpp_build import DEFERRED, build, cpu_flags, deferrable, vector_flags
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ def _flags() -> tuple[list[str], str]:
     return vector_flags(cpu_flags() or frozenset())
 
 
+@deferrable
 @functools.cache
 def load() -> CpuDecode:
     """Build (once per host) and load the kernel; its state and reason. Never raises.
@@ -61,6 +62,8 @@ def load() -> CpuDecode:
         return CpuDecode(False, f"${ENV_CPU_DECODE}=off: decode attention gathers the rows' K/V in torch")
     flags, isa = _flags()
     _module, why = build("hetserve_cpu_decode", SOURCE, flags)
+    if why == DEFERRED:  # a worker serving first: built behind it, then loaded again
+        return CpuDecode(False, f"{DEFERRED}; decode attention gathers in torch meanwhile")
     if _module is None:  # no compiler, a failed build: the torch path serves
         logger.warning("CPU decode kernel unavailable (%s); decode attention gathers in torch", why)
         return CpuDecode(False, f"C++ kernel unavailable ({why.split(':')[0]}): decode attention gathers in torch")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels_local.cpp_build import build, cpu_flags, vector_flags
+from kernels_local.cpp_build import DEFERRED, build, cpu_flags, deferrable, vector_flags
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class CpuGemm:
 _module = None
 
 
+@deferrable
 @functools.cache
 def load() -> CpuGemm:
     """Build (once per host) and load the panel GEMM; its state and reason. Never raises."""
@@ -52,6 +53,8 @@ def load() -> CpuGemm:
         return CpuGemm(False, f"${ENV_CPU_GEMM}=off: projections through the oneDNN packs")
     flags = [*vector_flags(cpu_flags() or frozenset())[0], "-fopenmp"]  # at::parallel_for over OpenMP, as torch is
     _module, why = build("hetserve_cpu_gemm", SOURCE, flags)
+    if why == DEFERRED:  # a worker serving first: built behind it, then loaded again
+        return CpuGemm(False, f"{DEFERRED}; projections through the oneDNN packs meanwhile")
     if _module is None:
         logger.warning("CPU panel GEMM unavailable (%s); projections through the oneDNN packs", why)
         return CpuGemm(False, f"panel GEMM unavailable ({why.split(':')[0]}): projections through the oneDNN packs")

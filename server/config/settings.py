@@ -18,6 +18,7 @@ from server.config.api_key import resolve_api_key
 from server.config.budgets import RequestBudgets, budgets_from_args
 from server.config.compile import AUTO as AUTO_COMPILE
 from server.config.compile import compile_from_args
+from server.config.loras import LorasConfig, loras_from_args
 from server.config.memory import gpu_memory_utilization_from_args, max_model_len_from_args
 from server.config.models import ModelsConfig, models_from_args
 from server.config.protocol import ProtocolConfig, protocol_from_args
@@ -77,6 +78,7 @@ class RouterSettings:
 
     model_dir: Path = DEFAULT_MODEL_DIR  # the default model's (the first of `models`)
     models: ModelsConfig = field(default_factory=ModelsConfig)  # every model offered, pins, on demand
+    loras: LorasConfig = field(default_factory=LorasConfig)  # LoRA adapters over the default model
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
@@ -117,6 +119,7 @@ class RouterSettings:
     restart_backoff_max_s: float = 30.0
     max_startup_crashes: int = 5  # crashes in a row before ever becoming ready -> `failed`
     kv_cache_bytes: int | None = None
+    kv_host_bytes: int | None = None  # --kv-host-bytes: the host KV tier's budget (None: the workers' default; 0: off)
     max_model_len: int | None = None  # --max-model-len: workers cap their context at it (server/config/memory.py)
     gpu_memory_utilization: float | None = None  # --gpu-memory-utilization: of each device's own memory
     threads: int | None = None  # CPU threads for all workers together (default: this process's CPUs)
@@ -175,6 +178,7 @@ class RouterSettings:
         kwargs = {
             "model_dir": model_dir,
             "models": models,
+            "loras": loras_from_args(args, models),
             "host": getattr(args, "host", "127.0.0.1"),
             "port": port,
             "dtype": getattr(args, "dtype", "auto"),
@@ -206,7 +210,10 @@ class RouterSettings:
         kwargs["routing"] = routing_from_args(args)
         kwargs.update(_canary_knobs(args))
         # Optional knobs a future CLI may add; absent means the defaults above.
-        for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "threads"):
+        kv_host = getattr(args, "kv_host_bytes", None)
+        if kv_host is not None and kv_host < 0:
+            raise UsageError(f"`--kv-host-bytes {kv_host}` must be >= 0 (0: no host KV tier)")
+        for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "kv_host_bytes", "threads"):
             value = getattr(args, name, None)
             if value is not None:
                 kwargs[name] = value

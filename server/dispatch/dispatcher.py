@@ -38,6 +38,7 @@ from workers.contract import (
     HEADER_WORKER_ID,
     WORKER_HEADERS,
     WireRequest,
+    WorkerRequest,
 )
 from workers.contract.tracing import NO_TRACING, Tracing
 
@@ -254,7 +255,7 @@ class Dispatcher:
             except _Lost as e:
                 worker.request_outcome(generation, False, e.why)
                 self._failed(worker, generation, exclude, e.why)
-                if e.died and deaths.witnessed(worker.id):
+                if e.died and worker.crashed_under(generation) and deaths.witnessed(worker.id):
                     self.refuse(key, deaths)
                 continue
             except BaseException:  # cancelled (the client left): no verdict on the worker
@@ -291,6 +292,7 @@ class Dispatcher:
     # --- non-streamed ------------------------------------------------------------------
     async def generate(self, path: str, body: WireRequest, c: Constraints) -> WorkerReply:
         """The worker's whole answer (any status but 429/503, which are retried elsewhere)."""
+        body = with_lora(body, c)
         self.check_quarantine(path, body)
 
         async def attempt(worker: WorkerHandle, ticket: Ticket) -> WorkerReply:
@@ -312,6 +314,7 @@ class Dispatcher:
         """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply.
         `exclude`: workers (id -> generation) that already failed this request; `deaths`: those
         that died under it."""
+        body = with_lora(body, c)
         self.check_quarantine(path, body)
 
         async def attempt(worker: WorkerHandle, ticket: Ticket) -> WorkerStream | WorkerReply:
@@ -341,3 +344,10 @@ class Dispatcher:
 
         return await self._with_retries(c, self.router.request(body, c), attempt, exclude, deaths,
                                         key=lambda: fingerprint(path, body))
+
+
+def with_lora(body: WireRequest, c: Constraints) -> WireRequest:
+    """`body` with the LoRA adapter the request's model names (server/config/loras.py), once."""
+    if c.lora is None or not isinstance(body, WorkerRequest) or body.lora == c.lora:
+        return body
+    return body.model_copy(update={"lora": c.lora})

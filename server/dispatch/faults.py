@@ -6,7 +6,10 @@ for one request that raised while the worker serves on) is the answer, not retri
 worker that would fail it the same way, no verdict on the worker's breaker, and a stream that
 ends with one ends there. A request that was in flight when a worker died is retried at most
 once (`Deaths`): at the second death it is refused with a 422 that says so, since it may be
-what kills them, and `Quarantine` refuses the same request again at once. Trade-off: a request
+what kills them, and `Quarantine` refuses the same request again at once. Only a process that
+died on its own counts: one the router stopped itself (hung, unhealthy too long, a canary's
+restart) was not killed by its requests, which are moved without a mark (a request that hangs
+workers is still bounded by the retries and the migration limit). Trade-off: a request
 that happened to be in flight at two unrelated deaths is refused too; its client gets a clear
 422 that it may resend after `QUARANTINE_S`, where the alternative was a request free to kill
 every worker in turn.

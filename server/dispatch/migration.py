@@ -240,7 +240,7 @@ class ClientStream:
             await lost.aclose()
         sent = len(self._delivered)
         lost_msg = f"worker {lost.worker.id} was lost after {sent} tokens ({why}); the generation is incomplete"
-        if died and self._deaths.witnessed(lost.worker.id):
+        if died and lost.worker.crashed_under(lost.generation) and self._deaths.witnessed(lost.worker.id):
             try:
                 self.dispatcher.refuse(lambda: fingerprint(self.path, self.body), self._deaths)
             except DispatchError as e:

@@ -26,6 +26,7 @@ from server.edge.errors import install_error_handlers
 from server.edge.middleware import EdgeMiddleware
 from server.edge.routes import anthropic, docs, generate, health, openai, responses, status, tokenize, workers
 from server.edge.routes import embeddings as embedding_routes
+from server.edge.routes import lora as lora_routes
 from server.edge.routes import metrics as metrics_routes
 from server.edge.routes import models as model_routes
 from server.edge.tracing import TracingMiddleware
@@ -115,8 +116,8 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
                        metrics=metrics)
     if tracing.enabled:  # outermost: the span covers the whole request, refusals included
         app.add_middleware(TracingMiddleware, tracing=tracing)
-    for module in (generate, openai, responses, anthropic, tokenize, embedding_routes, model_routes, workers, health,
-                   metrics_routes, status, docs):
+    for module in (generate, openai, responses, anthropic, tokenize, embedding_routes, model_routes, lora_routes,
+                   workers, health, metrics_routes, status, docs):
         app.include_router(module.router)
     docs.mount_assets(app)
     return app

@@ -14,15 +14,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import Request
 
 from server.canary.monitor import CanaryMonitor
 from server.config.settings import RouterSettings
 from server.dispatch.dispatcher import Dispatcher
+from server.errors import shown
 from server.fleet.history import WorkerStats
 from server.fleet.metrics import RouterMetrics
-from server.fleet.models import ModelManager
+from server.fleet.models import ModelManager, ModelUnavailable
 from server.fleet.supervisor import Supervisor
 from server.protocol.chat import ChatTemplate, load_chat_template
 from workers.contract import ModelDescription
@@ -45,10 +47,22 @@ class RouterContext:
     models: ModelManager | None = None  # the models offered, where each is loaded
     started_at: float = field(default_factory=time.time)
     _chats: dict[str, ChatTemplate] = field(default_factory=dict)
+    # LoRA adapters over the default model, name -> directory: `--lora`, then loads at run time
+    loras: dict[str, Path] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.loras.update(self.settings.loras.adapters)
 
     def model(self, name: str | None = None) -> ModelContext:
-        """The context of a request for model `name` (the default when None); `ModelUnavailable`
-        (404) for a model this router does not offer."""
+        """The context of a request for model `name` (the default when None; a LoRA adapter's name:
+        the default model with that adapter); `ModelUnavailable` (404) for a model this router does
+        not offer (with adapters, an unknown name is never taken for the one model served)."""
+        loras = list(self.loras)
+        if name is not None and name in loras:
+            return ModelContext(self, self.model().name, lora=name)
+        if loras and name is not None and name not in self.model_names():
+            raise ModelUnavailable(404, f"The model `{shown(name)}` does not exist. Models: "
+                                        f"{', '.join(self.model_names())}; LoRA adapters: {', '.join(loras)}")
         resolved = self.models.resolve(name) if self.models is not None else self.settings.model_dir.name
         return ModelContext(self, resolved)
 
@@ -69,6 +83,7 @@ class ModelContext:
 
     ctx: RouterContext
     name: str
+    lora: str | None = None  # the LoRA adapter the request runs with over model `name`
 
     @property
     def settings(self) -> RouterSettings:
@@ -102,8 +117,8 @@ class ModelContext:
         return models.models[self.name].entry.path if models is not None else self.ctx.settings.model_dir
 
     def model_id(self) -> str:
-        """The name clients ask for and every answer carries."""
-        return self.name
+        """The name clients ask for and every answer carries (an adapter's own, as vLLM answers)."""
+        return self.lora or self.name
 
     def context_length(self) -> int | None:
         value = self.reported().context_length

@@ -59,6 +59,7 @@ class WorkerHandle:
     breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(BreakerPolicy()))
     probe: ProbeVerdict | None = None  # the last health probe's verdict
     exit_cause: str | None = None  # why the router stopped this process itself (a hang), for `last_exit`
+    stopped_generation: int = -1  # the last process the router stopped itself (`stopping`)
     canary: CanaryRecord | None = None  # the last canary check's verdict
     canary_hold: str | None = None  # why the canary keeps the worker out of rotation (kept across restarts)
     retiring: str | None = None  # why it is stopping for good (its model unloads): not restarted
@@ -116,6 +117,15 @@ class WorkerHandle:
         """The canary found this worker suspect, or keeps it out of rotation for that."""
         return (self.canary is not None and self.canary.suspect) or self.canary_hold not in (None, FIRST_CHECK)
 
+    def stopping(self, why: str) -> None:
+        """The router stops this process itself (hung, unhealthy too long, a canary's restart):
+        `why` becomes its exit's cause, and requests that lose it did not witness a crash."""
+        self.exit_cause, self.stopped_generation = why, self.generation
+
+    def crashed_under(self, generation: int) -> bool:
+        """Did process `generation` die on its own (not stopped by the router) with a request on it?"""
+        return generation != self.stopped_generation
+
     def request_outcome(self, generation: int, ok: bool | None, why: str = "") -> None:
         """Feed the breaker: a request sent to process `generation` succeeded (True), failed
         (False: `why`) or ended without a verdict (None). Outcomes of an earlier process are ignored."""
@@ -171,6 +181,7 @@ class WorkerHandle:
             "canary": self.canary_snapshot(),
             "pipeline": info.pipeline,  # a pipeline replica's stages: layers, device, kernels, fp8, bytes
             "compile": self.compile_entry(),
+            "loras": None if self.probe is None else self.probe.loras,  # its LoRA adapters, as its last /health said
             # speculative decoding as the last `/health` said, else as `/capability` said at start
             "speculative": (self.probe.speculative if self.probe is not None else None) or info.speculative,
         }

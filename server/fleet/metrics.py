@@ -24,7 +24,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.fleet.breaker import BreakerState
 from server.fleet.canary_record import CanaryCollector
 from server.fleet.handle import WorkerHandle
-from workers.contract import GATEWAY_KV_USAGE, GATEWAY_POD, GATEWAY_RUNNING, GATEWAY_WAITING, WorkerState
+from workers.contract import (
+    GATEWAY_KV_USAGE,
+    GATEWAY_LORA_INFO,
+    GATEWAY_POD,
+    GATEWAY_RUNNING,
+    GATEWAY_WAITING,
+    WorkerState,
+)
+
+LORA_INFO = GATEWAY_LORA_INFO
 
 logger = logging.getLogger(__name__)
 
@@ -163,12 +172,25 @@ def pod_totals(values: dict[str, list[tuple[WorkerHandle, float]]]) -> dict[str,
     return totals
 
 
+def lora_pod(samples: list[tuple[dict, float]]) -> tuple[dict[str, str], float]:
+    """The pod's `vllm:lora_requests_info` from its workers': the adapters running (and waiting)
+    on any of them, the smallest `max_lora` (what every worker can hold), the latest time."""
+    def union(key: str) -> str:
+        return ",".join(sorted({n for labels, _ in samples for n in labels.get(key, "").split(",") if n}))
+
+    limits = [int(labels["max_lora"]) for labels, _ in samples if labels.get("max_lora", "").isdigit()]
+    return ({"running_lora_adapters": union("running_lora_adapters"),
+             "waiting_lora_adapters": union("waiting_lora_adapters"), "max_lora": str(min(limits, default=0))},
+            max(value for _, value in samples))
+
+
 def merge_worker_metrics(scrapes: list[tuple[WorkerHandle, str]]) -> str:
     """Prometheus text of the workers' families, each sample labelled with its worker; the
     gateway gauges end with the pod's total (`worker_id="all"`), which an inference
     gateway's endpoint picker reads for this pod."""
     families: dict[str, tuple[str, str, list[str]]] = {}
     gateway: dict[str, list[tuple[WorkerHandle, float]]] = {}
+    lora_samples: list[tuple[dict, float]] = []
     for h, text in scrapes:
         try:
             parsed = list(text_string_to_metric_families(text))
@@ -183,9 +205,15 @@ def merge_worker_metrics(scrapes: list[tuple[WorkerHandle, str]]) -> str:
                 entry[2].append(f"{sample.name}{{{rendered}}} {_format_value(sample.value)}")
                 if sample.name in _GATEWAY_NAMES:
                     gateway.setdefault(sample.name, []).append((h, sample.value))
+                elif sample.name == LORA_INFO:
+                    lora_samples.append((sample.labels, sample.value))
     pod = ",".join(f'{label}="{GATEWAY_POD}"' for label in _LABELS)
     for name, value in pod_totals(gateway).items():
         families[name][2].append(f"{name}{{{pod}}} {_format_value(value)}")
+    if lora_samples:
+        labels, value = lora_pod(lora_samples)
+        rendered = ",".join(f'{k}="{_escape(v)}"' for k, v in {**labels, **dict.fromkeys(_LABELS, GATEWAY_POD)}.items())
+        families[LORA_INFO][2].append(f"{LORA_INFO}{{{rendered}}} {_format_value(value)}")
     lines = []
     for name, (kind, doc, samples) in families.items():
         # The parser drops `_total` from counter family names; text format 0.0.4 wants it back.

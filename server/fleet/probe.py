@@ -4,7 +4,9 @@ The supervisor probes every ready worker's `/health` once per interval. A worker
 when its probe gets no answer within the probe timeout and the process did not compute meanwhile
 (stopped, or a deadlocked event loop: the socket accepts, nothing answers), or when it answers but
 reports work pending and no completed engine step for longer than the stall timeout (a stuck
-kernel, a deadlocked engine thread). A hung worker is replaced at once. A probe unanswered while
+kernel, a deadlocked engine thread), unless the process computed since the last probe: a step
+slowed by a loaded host is left running up to `COMPUTING_STALL_FACTOR` stall timeouts. A hung
+worker is replaced at once. A probe unanswered while
 the process used CPU (its own `/proc/<pid>/stat`) is **busy**: a loaded host, or a first compile
 holding the interpreter; the supervisor tolerates `MAX_BUSY_PROBES` of them in a row. **Down**
 (nothing listens) means the process is gone or going; **failing** (a non-200 answer, a broken
@@ -27,10 +29,13 @@ from workers.contract import CapabilityPayload, CompileDescription, EngineLivene
 
 BUSY_CPU_SHARE = 0.2  # of one core over an unanswered probe: the worker computes, it is not stopped
 MAX_BUSY_PROBES = 6  # unanswered probes in a row tolerated from a worker that computes
+STALL_CPU_SHARE = 0.05  # of one core since the last probe: a step is computing (a deadlock uses ~0)
+COMPUTING_STALL_FACTOR = 4  # a computing step is taken for hung only past this many stall timeouts
 
 
 class Probe(StrEnum):
     OK = "ok"
+    SLOW = "slow"  # a step past the stall timeout while the worker computes: left running
     BUSY = "busy"
     FAILING = "failing"
     DOWN = "down"
@@ -44,6 +49,7 @@ class ProbeVerdict:
     engine: EngineLiveness | None = None  # what the worker reported about its engine, if it answered
     capacity: dict | None = None  # the worker's changing KV figures (`kv_blocks_free`), if it answered
     compile: CompileDescription | None = None  # its decode step's compilation, which goes on after ready
+    loras: dict | None = None  # its LoRA adapters (workers/lora/metrics.py `describe_loras`), if it has a table
     speculative: dict | None = None  # its speculative decoding now (method, k, acceptance, reason)
 
     def snapshot(self) -> dict:
@@ -56,20 +62,27 @@ class ProbeVerdict:
         return out
 
 
-def judge(code: int, body: dict, stall_timeout_s: float) -> ProbeVerdict:
-    """The verdict on an answered probe (`code`, parsed `body`)."""
+def judge(code: int, body: dict, stall_timeout_s: float, computing: float | None = None) -> ProbeVerdict:
+    """The verdict on an answered probe (`code`, parsed `body`); `computing`: the worker's share of
+    a core since its last probe (None: unknown), which tells a long step from a stuck engine."""
     try:
         payload = HealthPayload.model_validate(body)
     except ValidationError:
         payload = HealthPayload()
     engine, capacity, compiled, spec = payload.engine, payload.capacity, payload.compile, payload.speculative
     if engine is not None and engine.pending and engine.last_step_age_s > stall_timeout_s:
-        return ProbeVerdict(Probe.HUNG, f"engine stalled: work pending and no step for {engine.last_step_age_s:.1f}s "
-                                        f"(stall timeout {stall_timeout_s:g}s)", engine, capacity, compiled, spec)
+        age = engine.last_step_age_s
+        if computing is not None and computing >= STALL_CPU_SHARE and age <= COMPUTING_STALL_FACTOR * stall_timeout_s:
+            return ProbeVerdict(Probe.SLOW, f"a step running for {age:.1f}s while the worker computed "
+                                          f"({computing:.2f} of a core): slow, not stalled", engine, capacity, compiled)
+        return ProbeVerdict(Probe.HUNG, f"engine stalled: work pending and no step for {age:.1f}s "
+                                        f"(stall timeout {stall_timeout_s:g}s"
+                                        + (f", {computing:.2f} of a core used" if computing is not None else "")
+                                        + ")", engine, capacity, compiled)
     if code == 200:
-        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled, spec)
+        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled, payload.loras, speculative=spec)
     return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine, capacity,
-                        compiled, spec)
+                        compiled, speculative=spec)
 
 
 def cpu_seconds(pid: int | None) -> float | None:
@@ -97,10 +110,27 @@ async def ready_capability(client: WorkerClient) -> CapabilityPayload | None:
         return None
 
 
+class CpuWatch:
+    """A worker process's share of one core between two readings (`share`)."""
+
+    def __init__(self, pid: int | None):
+        self.pid = pid
+        self._last: tuple[float, float] | None = None
+
+    def share(self) -> float | None:
+        """Its CPU seconds per second since the last call (None at the first or unreadable)."""
+        now, cpu = time.monotonic(), cpu_seconds(self.pid)
+        last, self._last = self._last, None if cpu is None else (now, cpu)
+        if last is None or cpu is None or now <= last[0]:
+            return None
+        return (cpu - last[1]) / (now - last[0])
+
+
 async def probe(client: WorkerClient, timeout_s: float, stall_timeout_s: float,
-                pid: int | None = None) -> ProbeVerdict:
+                pid: int | None = None, watch: CpuWatch | None = None) -> ProbeVerdict:
     """Probe the worker's `/health` once (see the module docstring); `pid`: the worker's process,
-    whose CPU time tells a busy worker from a stopped one when the probe goes unanswered."""
+    whose CPU time tells a busy worker from a stopped one when the probe goes unanswered; `watch`:
+    its CPU share since the last probe, which tells a long step from a stalled engine."""
     before = cpu_seconds(pid)
     try:
         code, body = await client.health(timeout_s)
@@ -114,7 +144,7 @@ async def probe(client: WorkerClient, timeout_s: float, stall_timeout_s: float,
         return ProbeVerdict(Probe.DOWN, f"unreachable: {e!r}")
     except WorkerGone as e:
         return ProbeVerdict(Probe.FAILING, f"health check failed: {e!r}")
-    return judge(code, body, stall_timeout_s)
+    return judge(code, body, stall_timeout_s, None if watch is None else watch.share())
 
 
 class Act(StrEnum):
@@ -146,7 +176,7 @@ class Tally:
             return Act.REPLACE, f"{why}, {self.busy} probes in a row"
         if verdict.kind == Probe.HUNG:
             return Act.REPLACE, why
-        if verdict.kind in (Probe.OK, Probe.BUSY):
+        if verdict.kind in (Probe.OK, Probe.SLOW, Probe.BUSY):
             self.failures, self.unhealthy_since = 0, None
             return Act.RECOVERED, why
         if verdict.kind == Probe.DOWN and urgent:

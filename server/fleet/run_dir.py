@@ -41,13 +41,14 @@ def _is_run_dir(d: Path) -> bool:
             and stat.S_ISREG(marker.st_mode) and marker.st_uid == uid)
 
 
-def sweep_stale_run_dirs(tmp: Path | None = None) -> list[Path]:
+def sweep_stale_run_dirs(tmp: Path | None = None, prefix: str = RUN_DIR_PREFIX) -> list[Path]:
     """Remove run directories left by routers that died without cleaning up (SIGKILL): named
-    `hetserve-<pid>-*`, holding the marker file, owned by this user, whose router pid is gone.
-    Anything else with a matching name (another program's folder, a link) is left alone."""
+    `hetserve-<pid>-*` (`prefix`: the host KV tier's name them alike, server/fleet/kv_tier_dir.py),
+    holding the marker file, owned by this user, whose router pid is gone. Anything else with a
+    matching name (another program's folder, a link) is left alone."""
     removed = []
-    for d in Path(tmp or tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*-*"):
-        pid = d.name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
+    for d in Path(tmp or tempfile.gettempdir()).glob(f"{prefix}*-*"):
+        pid = d.name[len(prefix):].split("-", 1)[0]
         if not pid.isdigit() or not _is_run_dir(d):
             continue
         try:

@@ -23,6 +23,7 @@ from server.config.budgets import worker_budget
 from server.config.compile import AUTO as AUTO_COMPILE
 from server.config.settings import RouterSettings
 from server.errors import UsageError
+from server.fleet.kv_tier_dir import tier_dir_for
 from workers.contract import (
     ENV_COMPILE,
     ENV_DEVICE_INDEX,
@@ -144,11 +145,12 @@ def worker_environment(device: DeviceInfo, threads: int, base: dict[str, str]) -
 
 def worker_config(spec_id: str, device: DeviceInfo, settings: RouterSettings, socket_path: Path,
                   status_path: Path, threads: int, parent_pid: int, model_dir: Path | None = None,
-                  environ: dict[str, str] | None = None) -> WorkerConfig:
+                  environ: dict[str, str] | None = None, kv_host_dir: Path | None = None) -> WorkerConfig:
     """The configuration of the worker `spec_id` on `device` (`model_dir`: the model it serves,
     default the settings' default model); `environ`: this process's environment, whose
     `$HETSERVE_COMPILE`, `$HETSERVE_PREFLIGHT` and `$HETSERVE_SLOWDOWN` it carries (the module
-    docstring). `UsageError` names a bad value."""
+    docstring); `kv_host_dir`: the run's host KV tier (server/fleet/kv_tier_dir.py). `UsageError`
+    names a bad value."""
     environ = os.environ if environ is None else environ
     try:
         return WorkerConfig(
@@ -158,6 +160,8 @@ def worker_config(spec_id: str, device: DeviceInfo, settings: RouterSettings, so
             max_queue=settings.max_queue, kv_cache_bytes=settings.kv_cache_bytes,
             max_model_len=settings.max_model_len, gpu_memory_utilization=settings.gpu_memory_utilization,
             kv_block_size=settings.kv_block_size, no_prefix_cache=not settings.prefix_cache,
+            kv_host_bytes=settings.kv_host_bytes,
+            kv_host_dir=str(kv_host_dir) if kv_host_dir is not None and settings.kv_host_bytes != 0 else None,
             max_num_batched_tokens=settings.max_num_batched_tokens
             or step_token_budget(device.computes_on_cpu, settings.max_batch),
             deterministic=settings.deterministic,
@@ -166,6 +170,7 @@ def worker_config(spec_id: str, device: DeviceInfo, settings: RouterSettings, so
             threads=threads, status_file=str(status_path), parent_pid=parent_pid,
             otlp_endpoint=settings.otlp_endpoint, preflight=environ.get(ENV_PREFLIGHT) or AUTO_COMPILE,
             slowdown=device_slowdown(environ.get(ENV_SLOWDOWN, ""), spec_id, device.simulated),
+            **_lora_fields(settings, model_dir),
             **worker_budget(settings.budgets),
         )
     except ValueError as e:  # a `WorkerConfigError`, a bad `$HETSERVE_SLOWDOWN`
@@ -182,7 +187,8 @@ def build_worker_spec(device: DeviceInfo, model: str, model_dir: Path, settings:
     # torch's compile cache, else an empty /tmp/torchinductor_<user> outlives every run
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_dir / f"{wid}.inductor"))
     env.pop(ENV_API_KEY, None)  # workers have no use for the router's key
-    config = worker_config(wid, device, settings, socket_path, status_path, threads, parent_pid, model_dir, base)
+    config = worker_config(wid, device, settings, socket_path, status_path, threads, parent_pid, model_dir, base,
+                           tier_dir_for(run_dir))
     return WorkerSpec(wid, device, socket_path, status_path, config, tuple(settings.worker_command),
                       tuple(sorted(env.items())), threads, model, model_dir)
 
@@ -200,3 +206,11 @@ def build_worker_specs(devices: list[DeviceInfo], settings: RouterSettings, run_
         models = {d.index: (settings.model_name, settings.model_dir) for d in devices}
     return [build_worker_spec(d, *models[d.index], settings, run_dir, parent_pid, threads, base)
             for d in devices if d.index in models]
+
+
+def _lora_fields(settings: RouterSettings, model_dir: Path | None) -> dict:
+    """The LoRA adapters of a worker of the default model (server/config/loras.py); none for another model's."""
+    loras = settings.loras
+    if not loras.adapters or (model_dir is not None and Path(model_dir) != Path(settings.model_dir)):
+        return {}
+    return {"lora": loras.worker_value(), "max_loras": loras.max_loras, "max_lora_rank": loras.max_lora_rank}

@@ -28,8 +28,9 @@ from server.fleet.breaker import BreakerPolicy, CircuitBreaker
 from server.fleet.client import WorkerClient
 from server.fleet.exits import ExitHistory, RestartPolicy, decide_exit, describe_failure
 from server.fleet.handle import WorkerHandle, read_status
+from server.fleet.kv_tier_dir import make_tier_dir, remove_tier_dir, sweep_stale_tier_dirs
 from server.fleet.pipelines import with_pipelines
-from server.fleet.probe import Act, Probe, Tally, probe, ready_capability
+from server.fleet.probe import Act, CpuWatch, Probe, Tally, probe, ready_capability
 from server.fleet.process import alive, kill, spawn
 from server.fleet.run_dir import make_run_dir, sweep_stale_run_dirs
 from server.fleet.spec import (
@@ -122,7 +123,7 @@ class Supervisor:
         if not restart or handle.process is None or handle.process.returncode is not None:
             return
         logger.error("worker %s (pid %s) out of rotation and restarting: %s", handle.id, handle.pid, why)
-        handle.exit_cause = why
+        handle.stopping(why)
         with contextlib.suppress(ProcessLookupError):
             handle.process.send_signal(signal.SIGTERM)
 
@@ -212,11 +213,15 @@ class Supervisor:
             await self._drop_client(handle)
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            remove_tier_dir(self.run_dir)
 
     # --- setup -------------------------------------------------------------------------
     def _init_run_dir(self) -> None:
         sweep_stale_run_dirs()
+        sweep_stale_tier_dirs()
         self.run_dir = make_run_dir()
+        if self.settings.kv_host_bytes != 0:
+            make_tier_dir(self.run_dir)
 
     def _init_handles(self) -> None:
         assert self.run_dir is not None
@@ -354,16 +359,16 @@ class Supervisor:
     async def _health_loop(self, handle: WorkerHandle) -> None:
         s, client = self.settings, handle.client
         assert client is not None
-        tally = Tally(s.unhealthy_after_failures, s.unhealthy_kill_after_s)
+        tally, watch = Tally(s.unhealthy_after_failures, s.unhealthy_kill_after_s), CpuWatch(handle.pid)
         while alive(handle):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(handle.check_now.wait(), s.health_interval_s)
             urgent = handle.check_now.is_set()
             handle.check_now.clear()
-            verdict = handle.probe = await probe(client, s.health_timeout_s, s.stall_timeout_s, handle.pid)
+            verdict = handle.probe = await probe(client, s.health_timeout_s, s.stall_timeout_s, handle.pid, watch)
             if verdict.capacity is not None:
                 handle.live_capacity = verdict.capacity
-            if verdict.kind == Probe.BUSY and tally.busy == 0:
+            if verdict.kind in (Probe.BUSY, Probe.SLOW) and tally.busy == 0:
                 logger.info("worker %s: %s", handle.id, verdict.why)
             act, why = tally.count(verdict, urgent, handle.state == WorkerState.READY)
             if act == Act.REPLACE:
@@ -375,6 +380,7 @@ class Supervisor:
                 self._set(handle, WorkerState.UNHEALTHY, why)
             elif act == Act.KILL:
                 logger.error("worker %s unhealthy for %.0fs (%s); killing it", handle.id, s.unhealthy_kill_after_s, why)
+                handle.stopping(f"unhealthy: {why}")
                 kill(handle)
                 return
 
@@ -383,7 +389,7 @@ class Supervisor:
         the dispatcher), then SIGTERM and, after a grace period, SIGKILL; the lifecycle restarts it."""
         logger.error("worker %s (pid %s) is hung (%s): moving its requests and restarting it", handle.id,
                      handle.pid, why)
-        handle.exit_cause = f"hung: {why}"
+        handle.stopping(f"hung: {why}")
         self._set(handle, WorkerState.UNHEALTHY, handle.exit_cause)
         if handle.client is not None:
             handle.client.abort()

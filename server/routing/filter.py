@@ -50,6 +50,7 @@ class Constraints:
     fp8: str | None = None
     session: str | None = None  # a preference, not a constraint: the conversation's worker while it can serve
     model: str | None = None  # the model's name; None: any worker (a router of one model, tests)
+    lora: str | None = None  # the LoRA adapter the request runs with (its model's workers hold it)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "min_capability", Capability.parse_optional(self.min_capability))
@@ -59,6 +60,8 @@ class Constraints:
 
     def describe(self) -> str:
         parts = [] if self.model is None else [f"model `{shown(self.model)}`"]
+        if self.lora is not None:
+            parts.append(f"LoRA adapter `{shown(self.lora)}`")
         if self.worker is not None:
             parts.append(f"worker `{shown(self.worker)}`")
         if self.min_capability is not None:

@@ -35,6 +35,7 @@ from workers.contract.defaults import (
     DEFAULT_MAX_QUEUE,
     ENV_COMPILE,
     ENV_PREFLIGHT,
+    KV_HOST_SHARE,
     PREFLIGHT_MODES,
     engine_limits_error,
 )
@@ -55,6 +56,24 @@ from workers.contract.speculative import (
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZE = ("none", "fp8")
 PROG = "python -m workers"
+DEFAULT_MAX_LORAS, DEFAULT_MAX_LORA_RANK = 8, 16  # SGLang's adapters per batch; vLLM's rank limit
+
+
+def parse_loras(spec: str | Sequence[str] | None) -> tuple[tuple[str, str], ...]:
+    """`NAME=DIR` entries (a `,`-separated string, or each `--lora` given) as (name, directory)
+    pairs; `ValueError` names a malformed or repeated entry."""
+    items = [] if not spec else spec.split(",") if isinstance(spec, str) else list(spec)
+    pairs: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path or any(c in name for c in " \t/,"):
+            raise ValueError(f"`--lora {item}` is not `NAME=DIR`. Accepted: a name without spaces, `/` or `,`, "
+                             f"`=`, and the adapter's directory (no `,` in it)")
+        if name in pairs:
+            raise ValueError(f"`--lora {name}=...` is given twice. Accepted: one directory per adapter name")
+        pairs[name] = path
+    return tuple(pairs.items())
 
 
 class WorkerConfigError(ValueError):
@@ -93,6 +112,13 @@ class WorkerConfig:
     gpu_memory_utilization: float | None = field(default=None, metadata=_flag(
         "fraction of the device's own memory for weights and KV cache (0 < F <= 1; on a simulated device, of "
         "its simulated memory); see workers/kv/sizing.py"))
+    kv_host_bytes: int | None = field(default=None, metadata=_flag(
+        f"host-memory KV tier budget in bytes, shared by the host's workers of the same model and KV format "
+        f"(default: {KV_HOST_SHARE:.0%} of MemAvailable at start; 0: no tier); see workers/kvtier/",
+        metavar="N"))
+    kv_host_dir: str | None = field(default=None, metadata=_flag(
+        "the host KV tier's directory (the router makes one under /dev/shm per run; none: no tier)",
+        metavar="DIR"))
     kv_block_size: int = field(default=DEFAULT_KV_BLOCK_SIZE, metadata=_flag(
         f"tokens per KV cache block (default {DEFAULT_KV_BLOCK_SIZE})"))
     no_prefix_cache: bool = field(default=False, metadata=_flag(
@@ -139,6 +165,11 @@ class WorkerConfig:
     preflight: str = field(default="auto", metadata=_flag(
         f"compile and check the selected kernels before ready: auto (real GPUs), on (simulated GPUs too), off "
         f"(default: ${ENV_PREFLIGHT} or auto)", choices=PREFLIGHT_MODES, env=ENV_PREFLIGHT, what="preflight mode"))
+    lora: str | None = field(default=None, metadata=_flag(
+        "LoRA adapters over the model, `NAME=DIR` as PEFT writes them, several separated by `,`", metavar="NAME=DIR"))
+    max_loras: int = field(default=DEFAULT_MAX_LORAS, metadata=_flag(
+        "LoRA adapters held in memory at once (the least recently used idle one leaves for another)"))
+    max_lora_rank: int = field(default=DEFAULT_MAX_LORA_RANK, metadata=_flag("the highest LoRA rank accepted"))
     slowdown: float = field(default=1.0, metadata=_flag(
         "a simulated device only: every forward pass takes this many times as long (benchmarks and tests; the "
         "router sets it from $HETSERVE_SLOWDOWN, workers/device/slowdown.py)", metavar="F"))
@@ -164,8 +195,17 @@ class WorkerConfig:
         fraction = self.gpu_memory_utilization
         if fraction is not None and not 0 < fraction <= 1:
             return f"`--gpu-memory-utilization {fraction}` is no fraction. Accepted: 0 < F <= 1"
+        if self.kv_host_bytes is not None and self.kv_host_bytes < 0:
+            return f"`--kv-host-bytes` must be >= 0 (0: no host tier), got `{self.kv_host_bytes}`"
         if self.max_queue < 0:
             return f"`--max-queue` must be >= 0, got `{self.max_queue}`"
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                return f"`{_flag_name(name)}` must be >= 1, got `{getattr(self, name)}`"
+        try:
+            parse_loras(self.lora)
+        except ValueError as e:
+            return str(e)
         if self.pipeline_rank < 0:
             return f"`--pipeline-rank` must be >= 0, got `{self.pipeline_rank}`"
         if not (self.slowdown >= 1.0 and math.isfinite(self.slowdown)):

@@ -94,6 +94,8 @@ HEADER_MODEL = "X-Hetserve-Model"
 # under the vLLM names its endpoint picker reads by default. `vllm:gpu_cache_usage_perc` is the
 # KV name of older endpoint pickers. Each worker serves them; the router adds the pod's totals.
 GATEWAY_WAITING = "vllm:num_requests_waiting"
+# which LoRA adapters run and wait (labels), the gateway's LoRA affinity reads it (workers/lora/metrics.py)
+GATEWAY_LORA_INFO = "vllm:lora_requests_info"
 GATEWAY_RUNNING = "vllm:num_requests_running"
 GATEWAY_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 GATEWAY_POD = "all"  # `worker_id` and `capability` of the pod's total samples
@@ -107,6 +109,10 @@ MAX_URL_BYTES = 8 * 1024  # request target (path and query); longer is a 414
 # The file the router writes first into each run directory (worker sockets and status
 # files): a start-up sweep removes only directories that hold it.
 RUN_DIR_MARKER = ".hetserve-run"
+# the host KV tier (workers/kvtier/): its default budget, a share of the host's MemAvailable at a
+# worker's start, and the prefix of the per-run directory the router makes under /dev/shm
+KV_HOST_SHARE = 0.10
+KV_TIER_PREFIX = "hetserve-kv-"
 
 # KV cache sizing defaults (workers/kv/sizing.py), here so `hetserve serve --help` can say them:
 # a GPU worker takes this fraction of its free memory after loading; a CPU worker at most this.

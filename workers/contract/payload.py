@@ -113,6 +113,8 @@ class HealthPayload(_Open):
     engine: EngineLiveness | None = None
     capacity: dict | None = None  # the KV cache's changing figures (`kv_blocks_free`)
     compile: CompileDescription | None = None  # the decode step's compilation, which goes on after ready
+    # LoRA adapters: {max_loras, running, waiting, adapters: [{name, path, loaded, requests}]}; None: no table
+    loras: dict | None = None
     speculative: dict | None = None  # speculative decoding now: method, k, acceptance, reason (None: not said)
 
 

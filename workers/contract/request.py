@@ -127,8 +127,8 @@ class GenerationParameters(BaseModel):
 
 class WorkerRequest(BaseModel):
     """One generation request: the prompt as text (`inputs`) or token ids (`input_ids`), its
-    parameters, and the token ids already generated for it elsewhere (`resume_ids`: a migrated
-    stream goes on after them, workers/engine/resume.py)."""
+    parameters, the token ids already generated for it elsewhere (`resume_ids`: a migrated
+    stream goes on after them, workers/engine/resume.py), and the LoRA adapter it runs with (`lora`)."""
 
     model_config = _WIRE
 
@@ -136,6 +136,7 @@ class WorkerRequest(BaseModel):
     input_ids: tuple[StrictInt, ...] | None = None
     parameters: GenerationParameters = Field(default_factory=GenerationParameters)
     resume_ids: tuple[StrictInt, ...] = ()
+    lora: StrictStr | None = None  # the LoRA adapter it runs with (`--lora NAME=DIR`); None: the base model
 
     @model_validator(mode="after")
     def _prompt(self):

@@ -76,7 +76,17 @@ class AbortStreams(BaseModel):
     streams: tuple[StrictInt, ...]
 
 
-WireRequest = WorkerRequest | TokenizeRequest | DetokenizeRequest | EmbedRequest | AbortStreams
+class LoraAdapterRequest(BaseModel):
+    """`POST /lora/load` and `/lora/unload` (vLLM's `/v1/load_lora_adapter` body): the adapter's
+    name and, to load it, its PEFT directory (workers/lora/)."""
+
+    model_config = _BODY
+
+    lora_name: StrictStr
+    lora_path: StrictStr | None = None
+
+
+WireRequest = WorkerRequest | TokenizeRequest | DetokenizeRequest | EmbedRequest | AbortStreams | LoraAdapterRequest
 
 
 def wire_bytes(body: WireRequest) -> bytes:

@@ -14,14 +14,16 @@ one object's state, so a step's inputs are spelled at each call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kernels_local.cpp_build import CppKernel
+from kernels_local.cpp_build import CppKernel, build_deferred, deferring, forget_deferred
 from kernels_local.paged_attention import cpu as cpu_decode
 from kernels_local.panel_linear import cpu as cpu_gemm
 from workers.contract import WorkerConfig
@@ -42,6 +44,7 @@ from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.speculate import speculator_for
 from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
+from workers.kvtier.tier import HostTier
 from workers.model.cpu_projections import PACKED_DTYPES, install_cpu_projections
 from workers.model.deterministic import DeterministicPlan, enable_deterministic
 from workers.model.loader import LoadedModel
@@ -58,6 +61,8 @@ class CpuPaths:
     kernels: dict[str, str] = field(default_factory=dict)  # each C++ kernel's state, by its stem
     in_place: bool = False  # decode rows attend through the C++ kernel, reading the pool in place
     decode_attention: str | None = None  # why (None: not a CPU model, or deterministic mode)
+    # C++ kernels not in the cache yet, left to build behind the serving (`install_cpu_paths(behind=True)`)
+    pending: dict[str, tuple] = field(default_factory=dict, compare=False)
 
 
 def context_length(config: WorkerConfig, loaded: LoadedModel) -> int:
@@ -66,11 +71,23 @@ def context_length(config: WorkerConfig, loaded: LoadedModel) -> int:
     return min(context, config.max_model_len) if config.max_model_len else context
 
 
-def install_cpu_paths(loaded: LoadedModel, bound: BoundDevice, deterministic: bool) -> CpuPaths:
+def install_cpu_paths(loaded: LoadedModel, bound: BoundDevice, deterministic: bool,
+                      behind: bool = False) -> CpuPaths:
     """A CPU model's projections through their packs (then, `deterministic`, in fixed row tiles over
     them: workers/model/cpu_projections.py says why that stays exact), its C++ kernels built and
     loaded now rather than inside the first request (kernels_local/cpp_build.py `CppKernel`), and
-    whether its decode rows read the KV pool in place (kernels_local/paged_attention/cpu.py)."""
+    whether its decode rows read the KV pool in place (kernels_local/paged_attention/cpu.py).
+    `behind` (a CPU worker serving first): the kernels not in the cache yet are not built now: their
+    torch paths serve, and `CpuPaths.pending` lists them for `BuiltEngine` to build behind the serving
+    and swap in between two steps (the same call again, without `behind`)."""
+    if behind and not deterministic and bound.torch_device.split(":")[0] == "cpu":
+        with deferring() as pending:
+            paths = install_cpu_paths(loaded, bound, deterministic)
+        if pending:
+            logger.info("C++ kernels %s are not built on this host yet: serving on their torch paths first; they "
+                        "build behind the serving (a minute or two on a small host, once per host) and join "
+                        "between two steps", ", ".join(sorted(k[0] for k in pending.values())))
+        return CpuPaths(paths.deterministic, paths.kernels, paths.in_place, paths.decode_attention, dict(pending))
     if bound.torch_device.split(":")[0] == "cpu":
         build_cpu_kernels(loaded.dtype, deterministic)
     done = install_cpu_projections(loaded.model, bound.torch_device, loaded.dtype, experts=not deterministic)
@@ -156,6 +173,8 @@ class BuiltEngine:
     decision: CompileDecision
     compiled: CompiledDecode | None = None
     behind: threading.Thread | None = None  # the compile running behind the serving, if any
+    cpu: CpuPaths = field(default_factory=CpuPaths)  # the CPU paths in use (swapped once kernels built behind)
+    reinstall: Callable[[], CpuPaths] | None = None  # installs the CPU paths again (kernels built behind)
 
     def compile(self, on_change: Callable[[], None] = lambda: None) -> str:
         """Compile (CPU) or capture (GPU) the decode step of every bucket (the `compile` startup
@@ -168,6 +187,17 @@ class BuiltEngine:
         after minutes of Inductor. `on` compiles before
         ready, as asked, and CUDA/HIP graphs are captured before ready (a capture cannot share its
         stream with steps; it takes seconds). `on_change` is called when the state changes."""
+        if self.cpu.pending:  # the C++ kernels build first, then the compile (if any) runs behind too
+            if self.compiled is not None and self.background:
+                logger.info("Inductor cache %s", use_inductor_cache())
+                self.compiled.prepare()
+                self.compiled.state = "compiling"
+            self.behind = threading.Thread(target=self._kernels_behind, args=(on_change,), name="hetserve-compile",
+                                           daemon=True)
+            self.behind.start()
+            return (f"C++ kernels ({len(self.cpu.pending)}) building in the background, then "
+                    + (f"{self.compiled.backend}, buckets {list(self.compiled.buckets)}" if self.background
+                       else "no compile: " + self.decision.reason) + "; steps run eager until it is done")
         if self.compiled is None:
             return self.decision.reason
         if self.compiled.backend == "inductor":  # beside this architecture's Triton cache
@@ -189,6 +219,29 @@ class BuiltEngine:
     @property
     def background(self) -> bool:
         return self.compiled is not None and self.compiled.backend == "inductor" and self.decision.mode == "auto"
+
+    def _kernels_behind(self, on_change: Callable[[], None]) -> None:
+        """The background thread of a worker that serves first: build the C++ kernels left for
+        later (compiler children: this interpreter stays free), swap them in while no step runs
+        (`Engine.steps_held`: the projections laid out again for the panel GEMM, decode rows read
+        the pool in place), then compile the decode step behind the serving as usual."""
+        started = time.monotonic()
+        failed = {k: why for k, why in build_deferred(self.cpu.pending, os.cpu_count() or 1).items() if why}
+        held = self.engine.steps_held() if self.reinstall is not None else contextlib.nullcontext()
+        with held:
+            forget_deferred()
+            if self.reinstall is not None:
+                self.cpu = self.reinstall()
+                runner = self.engine.runner
+                if runner.mirror is None:  # no decode mirror to keep in step: rows may read the pool in place
+                    runner.in_place = self.cpu.in_place
+                    if self.compiled is not None:
+                        self.compiled.attend_in_place(self.cpu.in_place)
+        logger.info("C++ kernels built behind the serving in %.0f s%s; steps use them from now on",
+                    time.monotonic() - started, f" ({len(failed)} failed: {failed})" if failed else "")
+        on_change()
+        if self.compiled is not None and self.background:
+            self._compile_behind(on_change)
 
     def _compile_behind(self, on_change: Callable[[], None]) -> None:
         """The background compile's thread: the engine's steps go on meanwhile (eager)."""
@@ -225,4 +278,10 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
     speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler)
     engine = Engine(runner, scheduler, loaded.tokenizer, max_queue=config.max_queue,
                     grammars=grammars_for(config, loaded), speculator=speculator)
-    return BuiltEngine(engine, kv, decision, compiled)
+    sched = engine.scheduler.config
+    engine.attach_tier(HostTier.for_worker(config, kv, sched.cache_root, sched.prefix_caching, loaded.model_dir))
+    reinstall = None
+    if cpu.pending:
+        def reinstall() -> CpuPaths:
+            return install_cpu_paths(loaded, bound, False)
+    return BuiltEngine(engine, kv, decision, compiled, cpu=cpu, reinstall=reinstall)

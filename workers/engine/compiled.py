@@ -186,6 +186,13 @@ class _Bucket:
     def slots(self, g: int) -> torch.Tensor:
         return self.data[(3 + g) * self.size : (4 + g) * self.size]
 
+    def attend_in_place(self, in_place: bool) -> None:
+        """Its batches made again, their rows attending in place (`in_place`) or by a gather."""
+        if in_place != self.in_place:
+            self.in_place = in_place
+            self._batches.clear()
+            self.full = self.batch(self.tables[0].shape[1])
+
     def batch(self, width: int) -> ForwardBatch:
         """The step over the first `width` columns of the block tables (made once per width)."""
         if width not in self._batches:
@@ -288,6 +295,15 @@ class CompiledDecode:
         # called under the engine's inference mode, over its own copy of the code (`own_code`)
         step = type(model).step
         self._step = types.MethodType(own_code(getattr(step, "__wrapped__", step)), model)
+
+    def attend_in_place(self, in_place: bool) -> None:
+        """Rows attend through the C++ kernel (`in_place`) or by a gather from now on; only before
+        `warm()` (the C++ kernel built behind the serving, before the compile)."""
+        if self._runs:
+            raise RuntimeError("`attend_in_place` after buckets compiled: they keep how they attend")
+        self.in_place = in_place
+        for bucket in self._buckets.values():
+            bucket.attend_in_place(in_place)
 
     # -- start-up ----------------------------------------------------------------------------
 

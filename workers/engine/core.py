@@ -39,6 +39,10 @@ from workers.engine.resume import check_resume_ids, replay
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 from workers.engine.speculate import Speculator
+from workers.kv.hashing import root_hash
+from workers.lora.apply import lora_key
+from workers.lora.metrics import LoraLoad, lora_load
+from workers.lora.table import acquire
 from workers.sampling.grammar import CompiledGrammar, Grammars
 from workers.sampling.logprobs import prompt_chunks, record_prompt
 from workers.sampling.params import SamplingParams
@@ -92,8 +96,11 @@ class Engine:
         self._special_ids = special_token_ids(self.tokenizer)
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._side_running = 0  # side work (embeddings) in flight, counted in `_in_flight` too
         self._accepting = True
         self._next_id = 0
+        self.loras = None  # the worker's LoRA adapters (workers/lora/table.py), when it serves any
+        self.lora_load = LoraLoad()  # their running and waiting requests after the last step
         self._liveness = LivenessClock()
 
     def _init_thread(self) -> None:
@@ -104,6 +111,7 @@ class Engine:
         self._num_threads = torch.get_num_threads()
         self._stopping = False
         self.fatal_error: BaseException | None = None
+        self.host_tier = None  # the host KV tier (workers/kvtier/), set by `attach_tier`
 
     # -- called from the HTTP side (any thread) --------------------------------------------
 
@@ -116,30 +124,29 @@ class Engine:
         grammar: CompiledGrammar | None = None,
         resume_ids: SequenceT[int] = (),
         text: bool = True,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue a request (`grammar`: its compiled `params.grammar`; `resume_ids`: tokens already
         generated for it elsewhere; `text` False: no text and no stop strings here, the router's
-        channel builds them from the token ids); raises `CapacityError` (never fits), `ParameterError` (bad
+        channel builds them from the token ids; `lora`: the adapter it runs with, None the base);
+        raises `CapacityError` (never fits), `ParameterError` (bad
         `resume_ids`), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
         if (grammar is None) != (params.grammar is None):
             raise ValueError("`grammar` must be the compiled `params.grammar` (both given or neither)")
         self.scheduler.check_fits(len(prompt_ids), params.context_tokens)
         resumed = check_resume_ids(resume_ids, params, getattr(self.runner, "vocab_size", None))
         with self._lock:
-            if not self._accepting or self.fatal_error is not None:
-                raise EngineUnavailable("The worker is not accepting requests (draining or stopped)")
-            if self._in_flight >= self.max_in_flight:
-                self.metrics.rejected.labels("overloaded").inc()
-                raise EngineOverloaded(
-                    f"Worker queue is full: {self._in_flight} requests in flight, limit "
-                    f"{self.max_in_flight} ({self.scheduler.config.max_sequences} running + {self.max_queue} queued)"
-                )
-            if self._in_flight == 0:
-                self._liveness.work_arrived()
-            self._in_flight += 1
+            self._admit_locked()
             self._next_id += 1
             rid = request_id or f"req-{self._next_id}"
+            try:
+                adapter = None if lora is None else acquire(self.loras, lora)
+            except BaseException:
+                self._in_flight -= 1
+                raise
         seq = Sequence(rid, prompt_ids, params)
+        if adapter is not None:
+            seq.lora, seq.cache_root = adapter, root_hash(self.scheduler.config.cache_root, *lora_key(adapter))
         seed = params.seed
         if params.do_sample:
             seed = secrets.randbits(53) if seed is None else seed
@@ -156,6 +163,41 @@ class Engine:
         if not self._first_step_here(seq):
             self._inbox.put((_ADD, seq))
         return seq.stream
+
+    def _admit_locked(self) -> None:
+        """Count one more request in flight, or raise `EngineUnavailable` / `EngineOverloaded` (under `_lock`)."""
+        if not self._accepting or self.fatal_error is not None:
+            raise EngineUnavailable("The worker is not accepting requests (draining or stopped)")
+        if self._in_flight >= self.max_in_flight:
+            self.metrics.rejected.labels("overloaded").inc()
+            raise EngineOverloaded(
+                f"Worker queue is full: {self._in_flight} requests in flight, limit "
+                f"{self.max_in_flight} ({self.scheduler.config.max_sequences} running + {self.max_queue} queued)"
+            )
+        if self._in_flight == 0:
+            self._liveness.work_arrived()
+        self._in_flight += 1
+
+    @contextlib.contextmanager
+    def side_work(self):
+        """Work beside the scheduler (a request's embeddings) admitted and counted as one request:
+        refused like one when the worker is full or draining, shown running in `load` meanwhile,
+        and waited for by a drain. Its forwards stamp the liveness clock (`progress`)."""
+        with self._lock:
+            self._admit_locked()
+            self._side_running += 1
+        self._publish_load()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._side_running -= 1
+            self._publish_load()
+
+    def progress(self) -> None:
+        """Side work finished a forward: the engine is not stalled."""
+        self._liveness.progress()
 
     def _first_step_here(self, seq: Sequence) -> bool:
         """When the engine thread is idle and `seq` is short, add it and run its first step on this
@@ -192,7 +234,7 @@ class Engine:
 
     def load(self) -> tuple[int, int]:
         """(running, queued) right now."""
-        running = self.scheduler.num_running
+        running = self.scheduler.num_running + self._side_running
         return running, max(0, self._in_flight - running)
 
     def kv_usage(self) -> float:
@@ -200,8 +242,17 @@ class Engine:
         return self.scheduler.kv.usage
 
     def kv_now(self) -> dict:
-        """The KV cache's changing figures right now (`/capability` `capacity`)."""
-        return {"kv_blocks_free": self.scheduler.kv.num_free_blocks}
+        """The KV cache's changing figures right now (`/capability` `capacity`), the host tier's too."""
+        tier = self.host_tier
+        return {"kv_blocks_free": self.scheduler.kv.num_free_blocks,
+                **({"kv_host_tier": tier.describe()} if tier is not None else {})}
+
+    def attach_tier(self, tier) -> None:
+        """Serve prefixes past the device cache from the host tier (workers/kvtier/tier.py); a tier
+        that is off is only described, with its reason."""
+        self.host_tier = tier
+        if tier.enabled:
+            self.scheduler.kv.tier = tier
 
     def speculation(self) -> dict | None:
         """`/capability` and `/health` `speculative`: method, k, acceptance so far, the reason (None: not built)."""
@@ -235,6 +286,8 @@ class Engine:
             self._thread.join(timeout=10)
         if self._masker is not None:
             self._masker.shutdown(wait=False)
+        if self.host_tier is not None:
+            self.host_tier.close()  # what is queued is written: the next worker may read it
 
     # -- the engine thread -----------------------------------------------------------------
 
@@ -349,10 +402,14 @@ class Engine:
 
     def _publish_load(self) -> None:
         self.metrics.set_load(*self.load())
+        if self.loras is not None:  # which adapters run and wait (workers/lora/metrics.py)
+            self.lora_load = lora_load(self.scheduler)
 
     def _release(self, seq: Sequence) -> None:
         with self._lock:
             self._in_flight -= 1
+            if seq.lora is not None:
+                self.loras.release(seq.lora.name)
 
     def _abort_all(self, message: str) -> None:
         items = []

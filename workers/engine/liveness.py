@@ -39,6 +39,10 @@ class LivenessClock:
         self._last_step = time.monotonic()
         self.steps += 1
 
+    def progress(self) -> None:
+        """Work beside the steps (an embedding's forward) completed: the engine is not stalled."""
+        self._last_step = time.monotonic()
+
     def resumed(self) -> None:
         """The steps waited on purpose until now: the age counts from here."""
         self.held, self._last_step = False, time.monotonic()

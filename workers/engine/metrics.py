@@ -70,8 +70,14 @@ class WorkerMetrics:
         )
         self.generated_tokens = Counter(f"{PREFIX}_generated_tokens", "Tokens generated", registry=r)
         self.steps = Counter(f"{PREFIX}_engine_steps", "Engine steps run", registry=r)
+        self.embedded = Counter(f"{PREFIX}_embedding_inputs", "Texts embedded (each a forward beside the steps)",
+                                registry=r)
         self.running = Gauge(f"{PREFIX}_running_requests", "Sequences in the running batch", registry=r)
         self.queued = Gauge(f"{PREFIX}_queued_requests", "Requests accepted and waiting", registry=r)
+        self.kernel_fallbacks = Gauge(
+            f"{PREFIX}_kernel_fallback", "Layers whose chosen kernel failed its self-test on this device and run "
+            "their torch path instead (1), with the reason", ["layer", "reason"], registry=r,
+        )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -106,6 +112,11 @@ class WorkerMetrics:
         if out.preempted:
             self.preemptions.inc(len(out.preempted))
         self.generated_tokens.inc(new_tokens)
+
+    def fell_back(self, failed: dict[str, str]) -> None:
+        """Each layer (-> why) whose kernel failed on this device, now on its torch path."""
+        for layer, why in failed.items():
+            self.kernel_fallbacks.labels(layer, why[:200]).set(1)
 
     def set_load(self, running: int, queued: int) -> None:
         self.running.set(running)

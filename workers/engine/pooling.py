@@ -7,9 +7,13 @@ matryoshka cut to `dimensions` and L2 normalisation, in that order, as vLLM does
 Design: each text runs the model's full causal forward on its own, without a KV cache and under
 the engine's step lock, so no padding enters a state and nothing is shared with generation; the
 trunk mirrors `Transformer.forward` without its head. Trade-off: a forward per text instead of a
-batch through the scheduler: exact and simple, slower than a batched prefill for many short texts."""
+batch through the scheduler: exact and simple, slower than a batched prefill for many short texts.
+A request's texts are admitted and counted as one request of the engine (`Engine.side_work`), and
+stop between two texts once their client has gone."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -52,12 +56,19 @@ def pool(states: torch.Tensor, pooling: str, dimensions: int | None, normalize: 
     return vector.tolist()
 
 
-def embed(engine, texts: list[list[int]], pooling: str, dimensions: int | None, normalize: bool) -> list[list[float]]:
-    """Each token sequence's vector, in the order given (run on a thread: it holds the step lock)."""
+def embed(engine, texts: list[list[int]], pooling: str, dimensions: int | None, normalize: bool,
+          stop: threading.Event | None = None) -> list[list[float]] | None:
+    """Each token sequence's vector, in the order given, or None when `stop` was set (the client
+    left): checked before each text, so at most one forward outlives it. Run on a thread inside
+    `engine.side_work()`: each forward holds the step lock and stamps the liveness clock."""
     model = engine.runner.model
-    out: list[list[float] | None] = [None] * len(texts)
-    for k, ids in enumerate(texts):
+    out: list[list[float]] = []
+    for ids in texts:
+        if stop is not None and stop.is_set():
+            return None
         with engine._step_lock:  # one forward on the device at a time, between engine steps
             states = last_hidden(model, ids)
-        out[k] = pool(states, pooling, dimensions, normalize)
+        engine.progress()
+        engine.metrics.embedded.inc()
+        out.append(pool(states, pooling, dimensions, normalize))
     return out

@@ -9,6 +9,8 @@ there is one (workers/engine/compiled.py). A step that also computes prompt chun
 eager forward where decode rows read the pool in place: the prompt's forward reads every weight
 anyway and the decode rows ride along. Elsewhere (the torch path, GPUs) its decode rows still run
 compiled and the prompt chunks eager in a second forward, the logits put back in chunk order.
+A step holding a LoRA adapter's row runs eager whole: the compiled step does not trace the
+adapters' hooks (workers/lora/apply.py).
 Trade-off: the split walks one chunk list twice per step and reads the weights twice; the merged
 forward gives up the compiled step for that step's decode rows."""
 
@@ -19,6 +21,7 @@ import torch
 from workers.engine.compiled import CompiledDecode
 from workers.kv.batch import ForwardBatch, SeqChunk
 from workers.kv.mirror import DecodeMirror
+from workers.lora.apply import lora_rows, step_lora
 
 
 class ModelRunner:
@@ -45,7 +48,8 @@ class ModelRunner:
                 self.mirror.release(seq.uid)
         batch = ForwardBatch.build(self._items(chunks, rows_of), self.kv.block_size, self.device, self.mirror,
                                    self.windows, self.in_place)
-        return self.model.step(batch, self.kv)
+        with lora_rows(self.model, step_lora(chunks, self.device)):
+            return self.model.step(batch, self.kv)
 
     def _items(self, chunks, rows_of) -> list[tuple[SeqChunk, list[int]]]:
         """The `(SeqChunk, token ids)` pairs a `ForwardBatch` packs, chunk `i` projecting `rows_of(i, chunk)` rows."""
@@ -67,7 +71,7 @@ class ModelRunner:
         a second forward; None when the compiled decode cannot take them."""
         one = [c.samples and len(c.token_ids) == 1 for c in chunks]
         decodes = [c for c, d in zip(chunks, one, strict=True) if d]
-        if not decodes or not self.compiled.fits(decodes):
+        if not decodes or not self.compiled.fits(decodes) or any(c.seq.lora is not None for c in chunks):
             return None
         if self.in_place and len(decodes) != len(chunks):  # a mixed step: one eager forward (module docstring)
             return None

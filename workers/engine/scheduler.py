@@ -32,6 +32,7 @@ from workers.engine.sequence import (
 )
 from workers.kv.hashing import root_hash
 from workers.kv.manager import KVCacheManager
+from workers.lora.apply import lora_key
 
 WATERMARK = 0.01  # of the blocks, kept free when admitting, so running sequences can grow a while
 
@@ -149,7 +150,7 @@ class Scheduler:
             seq.rope_len = max(seq.rope_len, seq.num_tokens)
         if seq.rope_len > threshold:
             key = f"rope:{seq.rope_len}" if kind == "dynamic" else "rope:long"
-            seq.cache_root = root_hash(self.config.cache_root, key)
+            seq.cache_root = root_hash(self.config.cache_root, key, *lora_key(seq.lora))
 
     def _switch_to_long(self, seq: Sequence, preempted: list[Sequence]) -> None:
         """LongRoPE: the sequence grows past the threshold, so it is computed again from its first

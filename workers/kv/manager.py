@@ -23,6 +23,14 @@ from workers.kv.hashing import chain_hashes
 from workers.kv.state import StateSlots
 
 
+class HostTierHooks(Protocol):
+    """The host tier's side of a prefix lookup (workers/kvtier/tier.py `HostTier`)."""
+
+    def cached(self, block: int, chain_hash: bytes) -> None: ...
+    def fetch(self, hashes: list[bytes]) -> list: ...
+    def load(self, blocks: list[int], payloads: list) -> None: ...
+
+
 class KVSequence(Protocol):
     """What the manager keeps on a sequence (the scheduler's `Sequence` has these slots)."""
 
@@ -58,6 +66,7 @@ class KVCacheManager:
         self.prefix_caching = prefix_caching
         self.root = root  # the hash chain's start: model, dtype, quantization, block size
         self.states = StateSlots(state_slots) if state_slots else None  # linear layers' state slots
+        self.tier: HostTierHooks | None = None  # host tier past the device cache (one full group only)
         if self.states is not None and prefix_caching:
             raise ValueError("A prefix cache cannot serve linear layers' state (workers/kv/state.py): "
                              "`prefix_caching` must be False with `state_slots`")
@@ -106,7 +115,8 @@ class KVCacheManager:
             return None
         tokens = seq.token_ids()
         hits = self._prefix_hits(seq, tokens, max_cached)
-        cached = len(hits[0]) * self.block_size
+        host = self._host_hits(seq, tokens, max_cached, len(hits[0]))  # the chain's next blocks, from the host
+        cached = (len(hits[0]) + len(host)) * self.block_size
         num_new = min(num_new, len(tokens) - cached)
         fresh = self.blocks_for(cached + num_new) - len(hits[0])
         for g, pool in enumerate(self.pools):
@@ -119,9 +129,14 @@ class KVCacheManager:
             held = [b for b in hits[g] if b is not None]
             pool.share(held)
             tables.append([0] * (len(hits[g]) - len(held)) + held + pool.allocate(fresh))
+        if host:  # copied in rather than computed, then indexed like any computed block
+            loaded = tables[0][len(hits[0]) : len(hits[0]) + len(host)]
+            self.tier.load(loaded, host)
+            for block, h in zip(loaded, seq.block_hashes[len(hits[0]):], strict=False):
+                self.pool.register(block, h)
         seq.block_ids, seq.group_tables = tables[0], tables[1:]
         seq.held_from = [len(h) - sum(b is not None for b in h) for h in hits]
-        seq.num_cached_blocks = len(hits[0])
+        seq.num_cached_blocks = len(hits[0]) + len(host)
         seq.num_computed = cached
         if self.states is not None:
             seq.state_slot = self.states.take()
@@ -184,7 +199,8 @@ class KVCacheManager:
         for g, pool in enumerate(self.pools):
             table = self._table(seq, g)
             for i in range(max(seq.num_cached_blocks, seq.held_from[g] if g else 0), full):
-                pool.register(table[i], seq.block_hashes[i])
+                if pool.register(table[i], seq.block_hashes[i]) and self.tier is not None:
+                    self.tier.cached(table[i], seq.block_hashes[i])  # written through to the host tier
         seq.num_cached_blocks = full
 
     def _table(self, seq: KVSequence, group: int) -> list[int]:
@@ -194,6 +210,13 @@ class KVCacheManager:
         """The sequence's own hash root where its blocks' contents depend on more than the model and
         its tokens (a prompt whose length changes its rotation: workers/model/rope.py)."""
         return getattr(seq, "cache_root", None) or self.root
+
+    def _host_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None, start: int) -> list:
+        """The host tier's payloads of the blocks after the device's `start` cached ones (one group only)."""
+        if self.tier is None or not self.prefix_caching:
+            return []
+        limit = (len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)) // self.block_size
+        return self.tier.fetch(seq.block_hashes[start:limit]) if limit > start else []
 
     def _prefix_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None) -> list[list[int | None]]:
         """Per group, the cached blocks holding the sequence's leading full blocks, before its last

@@ -24,7 +24,7 @@ from workers.sampling.grammar import Grammars
 from workers.serving.context import WorkerContext
 from workers.serving.errors import install_error_handlers
 from workers.serving.headers import WorkerHeaders, identity_headers
-from workers.serving.routes import embed, generate, health, tokens
+from workers.serving.routes import embed, generate, health, lora, tokens
 from workers.serving.tracing import RequestTracer
 
 
@@ -57,6 +57,6 @@ def create_app(info: CapabilityPayload, engine: Engine, tokenizer, *, drain_time
     app.add_middleware(WorkerHeaders, headers=identity_headers(info))
     app.state.ctx = ctx
     install_error_handlers(app)
-    for module in (generate, health, tokens, embed):
+    for module in (generate, health, tokens, embed, lora):
         app.include_router(module.router)
     return app

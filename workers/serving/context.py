@@ -26,6 +26,8 @@ from workers.contract.render import Render
 from workers.engine.core import Engine, EngineOverloaded, EngineUnavailable
 from workers.engine.events import RequestStream
 from workers.engine.scheduler import CapacityError
+from workers.lora.adapter import LoraError
+from workers.lora.table import LoraSlotsFull, UnknownLora
 from workers.sampling.grammar import CompiledGrammar, GrammarBusy, GrammarError, Grammars, GrammarSpec
 from workers.sampling.params import ParameterError, SamplingParams
 from workers.serving.errors import APIError
@@ -80,7 +82,7 @@ class WorkerContext:
             engine.scheduler.check_fits(len(prompt_ids), params.context_tokens)  # before any compile
             grammar = None if params.grammar is None else await self._compiled(params.grammar, request)
             stream = engine.submit(prompt_ids, params, asyncio.get_running_loop(), grammar=grammar,
-                                   resume_ids=req.resume_ids, text=text)
+                                   resume_ids=req.resume_ids, text=text, lora=req.lora)
             if not text:
                 start = StreamStart(tuple(prompt_ids[-PROMPT_CONTEXT_TOKENS:]), len(prompt_ids), stream.seed)
                 return Submitted(stream, params, None, start=start)
@@ -94,6 +96,8 @@ class WorkerContext:
             raise APIError(429, str(e), "overloaded", {"Retry-After": retry}) from e
         except EngineUnavailable as e:
             raise APIError(503, str(e), "unavailable") from e
+        except LoraError as e:  # an adapter not served here (404), its slots all in use (429), unreadable (422)
+            raise lora_error(e) from e
 
     async def _compiled(self, spec: GrammarSpec, request: Request | None) -> CompiledGrammar:
         """The compiled grammar, or `APIError` 499 when the client left while it compiled (the
@@ -102,7 +106,7 @@ class WorkerContext:
         if hit is not None or request is None:
             return hit or await self.grammars.compile_async(spec)
         compiling = asyncio.ensure_future(self.grammars.compile_async(spec))
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(client_gone(request))
         try:
             await asyncio.wait((compiling, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -159,7 +163,7 @@ def _prompt_ids(req: WorkerRequest, tokenizer, vocab_size: int, text: bool = Tru
     return list(req.input_ids), tokenizer.decode(req.input_ids, skip_special_tokens=True) if text else None
 
 
-async def _disconnected(request: Request) -> None:
+async def client_gone(request: Request) -> None:
     """Returns once the client has gone away (the body has already been read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -177,3 +181,13 @@ def _check_vocab(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ParameterError(f"`stop_token_ids` token id `{bad[0]}` is outside the vocabulary (0 to {vocab_size - 1})")
+
+
+def lora_error(e: LoraError) -> APIError:
+    """The answer to a request whose adapter cannot run: not served here (404, OpenAI's
+    `model_not_found`), every slot in use (429, retry), or unreadable now (422)."""
+    if isinstance(e, UnknownLora):
+        return APIError(404, str(e), "model_not_found")
+    if isinstance(e, LoraSlotsFull):
+        return APIError(429, str(e), "overloaded", {"Retry-After": "1"})
+    return APIError(422, str(e), "validation")

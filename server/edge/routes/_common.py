@@ -23,9 +23,14 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 T = TypeVar("T")
 
 
-def constraints(request: Request, user: str | None = None, model: str | None = None) -> Constraints:
+def constraints(request: Request, user: str | None = None, model: str | ModelContext | None = None) -> Constraints:
     """Routing constraints from the `X-Hetserve-*` headers (`ConstraintError` -> 422), the
-    session from `X-Session-Id` or else the OpenAI `user` field, and the request's model."""
+    session from `X-Session-Id` or else the OpenAI `user` field, and the request's model (a
+    `ModelContext` brings its LoRA adapter too, which the dispatcher puts in the worker request)."""
+    if isinstance(model, ModelContext):
+        lora, model = model.lora, model.name
+        if lora is not None:
+            return replace(constraints(request, user, model), lora=lora)
     c = parse_constraints(request.headers)
     if c.worker is not None:
         _check_pinned(get_ctx(request), c.worker)

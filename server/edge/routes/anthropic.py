@@ -61,7 +61,7 @@ async def create_message(req: MessagesRequest, request: Request) -> Response:
 async def _message(req: MessagesRequest, request: Request) -> Response:
     ctx = get_ctx(request).model(req.model)
     job = _job(ctx, req)
-    c = constraints(request, req.metadata.user_id if req.metadata else None, ctx.name)
+    c = constraints(request, req.metadata.user_id if req.metadata else None, ctx)
     spec, body, mid = job.specs[0], job.bodies[0], message_id()
     if req.stream:
         opened = await open_client_stream(ctx.dispatcher, "/generate_stream", body, c)

@@ -51,14 +51,14 @@ def _worker_request(req: GenerateRequest, ctx: ModelContext) -> WorkerRequest:
 
 async def _generate(req: GenerateRequest, request: Request) -> Response:
     ctx = tgi_model(request)
-    reply = await ctx.dispatcher.generate("/generate", _worker_request(req, ctx), constraints(request, model=ctx.name))
+    reply = await ctx.dispatcher.generate("/generate", _worker_request(req, ctx), constraints(request, model=ctx))
     return _reply(reply)
 
 
 async def _generate_stream(req: GenerateRequest, request: Request) -> Response:
     ctx = tgi_model(request)
     opened = await open_client_stream(ctx.dispatcher, "/generate_stream", _worker_request(req, ctx),
-                                      constraints(request, model=ctx.name))
+                                      constraints(request, model=ctx))
     if isinstance(opened, WorkerReply):
         return _reply(opened)
     return RelayResponse(relay_tgi(opened, ctx), opened)

@@ -12,7 +12,8 @@ worker of the model is ready, 202 while it still starts after `ready_wait_s`, 50
 `Retry-After` while the model it would unload is inside its minimum residence
 (`--model-min-residence-s`); `unload` 200 once its workers have stopped (each finishes its
 requests in flight), 409 for a `--pin-model` one; a model this router does not offer is a 404
-naming those it does (server/fleet/models.py).
+naming those it does (server/fleet/models.py). A LoRA adapter (`--lora NAME=DIR`) is listed
+after the models with `parent` (its base) and `root` (its directory), as vLLM lists them.
 """
 
 from __future__ import annotations
@@ -77,8 +78,13 @@ def _manager(request: Request, name: str) -> ModelManager:
 
 
 def model_list(ctx: RouterContext) -> dict:
-    """`GET /v1/models`: every model offered, the default first."""
-    return {"object": "list", "data": [model_entry(ctx, name) for name in ctx.model_names()]}
+    """`GET /v1/models`: every model offered, the default first, then each LoRA adapter with its
+    base model as `parent` and its directory as `root` (vLLM's shape)."""
+    models = [model_entry(ctx, name) for name in ctx.model_names()]
+    base = ctx.model().name
+    adapters = [{"id": name, "object": "model", "created": int(ctx.started_at), "owned_by": "hetserve",
+                 "root": str(path), "parent": base} for name, path in ctx.loras.items()]
+    return {"object": "list", "data": models + adapters}
 
 
 @router.post("/models/{name}/load", responses=_CONTROL_ERRORS)

@@ -106,7 +106,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 
 async def _completions(req: CompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request).model(req.model)
-    c = constraints(request, req.session_key(), ctx.name)
+    c = constraints(request, req.session_key(), ctx)
     check_new_tokens(ctx, req.max_tokens, "max_tokens")
     scored = req.scoring_only or (req.echo and req.logprobs is not None)  # the prompt's own logprobs
     params = to_worker(lambda: req.sampling(req.max_tokens, ctx.sampling_defaults(), top_n_tokens=req.logprobs,
@@ -143,7 +143,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 
 async def _chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request).model(req.model)
-    c = constraints(request, req.session_key(), ctx.name)
+    c = constraints(request, req.session_key(), ctx)
     check_new_tokens(ctx, req.max_new_tokens, "max_tokens")
     job = prepare_chat(ctx, req)  # template, tools, grammar, reasoning (server/edge/routes/_chat.py)
     specs, bodies = list(job.specs), list(job.bodies)

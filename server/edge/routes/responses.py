@@ -122,7 +122,7 @@ async def _respond(req: ResponsesRequest, request: Request) -> Response:
     ctx.chat_template()  # loaded here (once per model), not raced for by threads
     prepared = await anyio.to_thread.run_sync(_prepare, ctx, req, stored)
     check_new_tokens(ctx, prepared.chat.max_new_tokens, "max_output_tokens")
-    c = constraints(request, req.prompt_cache_key or req.user, ctx.name)  # X-Session-Id first
+    c = constraints(request, req.prompt_cache_key or req.user, ctx)  # X-Session-Id first
     spec, body = prepared.job.specs[0], prepared.job.bodies[0]
     rid = item_id("resp")
     if req.stream:

@@ -4,18 +4,22 @@ The router's `/v1/embeddings` (server/edge/routes/embeddings.py) sends texts or 
 the pooling its checkpoint's sentence-transformers config names; this route encodes the texts
 as generation would (`add_special_tokens` true), checks the lengths against the context and
 the ids against the vocabulary (422 naming the first bad one), all on a thread, and runs
-`workers/engine/pooling.py` `embed` on a thread, between engine steps.
+`workers/engine/pooling.py` `embed` on a thread, between engine steps. The request counts as one
+of the engine's in flight while it runs (refused 429 when the worker is full), and a client that
+goes away stops it after the text being embedded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from fastapi import APIRouter, Request
 
 from workers.contract import EmbedRequest
+from workers.engine.core import EngineOverloaded, EngineUnavailable
 from workers.engine.pooling import embed
-from workers.serving.context import get_ctx
+from workers.serving.context import CLIENT_GONE, client_gone, get_ctx
 from workers.serving.errors import APIError
 
 router = APIRouter()
@@ -47,5 +51,29 @@ async def embed_texts(req: EmbedRequest, request: Request) -> dict:
         return texts
 
     texts = await asyncio.to_thread(encode)  # long texts are encoded off the event loop
-    vectors = await asyncio.to_thread(embed, ctx.engine, texts, req.pooling, req.dimensions, req.normalize)
+    try:
+        with ctx.engine.side_work():
+            vectors = await _until_gone(request, lambda stop: embed(ctx.engine, texts, req.pooling, req.dimensions,
+                                                                    req.normalize, stop))
+    except EngineOverloaded as e:
+        raise APIError(429, str(e), "overloaded", {"Retry-After": "1"}) from e
+    except EngineUnavailable as e:
+        raise APIError(503, str(e), "unavailable") from e
+    if vectors is None:
+        raise APIError(499, "The client disconnected while its embeddings ran", CLIENT_GONE)
     return {"embeddings": vectors, "tokens": [len(t) for t in texts]}
+
+
+async def _until_gone(request: Request, work):
+    """`work(stop)` on a thread; when the client goes away first, `stop` is set and the work's own
+    None answer (it stops between two forwards) is awaited, so nothing outlives the request."""
+    stop = threading.Event()
+    running = asyncio.ensure_future(asyncio.to_thread(work, stop))
+    gone = asyncio.ensure_future(client_gone(request))
+    try:
+        await asyncio.wait((running, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not running.done():
+            stop.set()
+    return await asyncio.shield(running)

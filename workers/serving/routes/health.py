@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from workers.contract import EngineLiveness, HealthPayload, Load
 from workers.engine.metrics import CONTENT_TYPE
+from workers.lora.metrics import describe_loras
 from workers.serving.context import get_ctx
 
 router = APIRouter()
@@ -31,7 +32,8 @@ async def health(request: Request):
     body = HealthPayload(status=status, worker_id=ctx.info.worker_id, load=Load(running=running, queued=queued),
                          engine=EngineLiveness(pending=live.pending, last_step_age_s=round(live.last_step_age_s, 3),
                                                steps=live.steps),
-                         capacity=engine.kv_now(), compile=ctx.info.compile, speculative=engine.speculation())
+                         capacity=engine.kv_now(), compile=ctx.info.compile,
+                         loras=describe_loras(engine.loras, engine.lora_load), speculative=engine.speculation())
     return JSONResponse(body.model_dump(mode="json"), status_code=200 if ok else 503)
 
 

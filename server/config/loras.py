@@ -1,0 +1,75 @@
+"""The LoRA adapters one `hetserve serve` offers over its default model: `--lora NAME=DIR`
+(repeatable), `--max-loras`, `--max-lora-rank`.
+
+Design: validated once into a frozen `LorasConfig` before any worker starts (a malformed entry,
+a name that clashes with a model's, a directory without PEFT's `adapter_config.json` is a
+`UsageError` naming it); every worker of the default model is configured with all of them and
+reads and checks the weights itself (workers/lora/). The OpenAI `model` field (or
+`X-Hetserve-Model`) naming an adapter picks the default model's workers and the adapter.
+Trade-off: adapters belong to the default model only, and every one of its workers holds all of
+them (no per-worker placement yet)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.config.models import ACCEPTED_NAMES, NAME_RE, ModelsConfig
+from server.errors import UsageError, shown
+from workers.contract.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, parse_loras
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class LorasConfig:
+    adapters: tuple[tuple[str, Path], ...] = ()  # (name, directory), in the order given
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.adapters)
+
+    def worker_value(self) -> str | None:
+        """The worker's `--lora` value (`NAME=DIR,...`), None without adapters."""
+        return ",".join(f"{name}={path}" for name, path in self.adapters) or None
+
+
+def add_lora_flags(serve) -> None:
+    g = serve.add_argument_group("LoRA adapters", "PEFT adapters over the default model, picked by the `model` field")
+    g.add_argument("--lora", action="append", default=None, metavar="NAME=DIR",
+                   help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable)")
+    g.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help=f"adapters each worker holds in memory at once (default {DEFAULT_MAX_LORAS})")
+    g.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
+                   help=f"the highest adapter rank accepted (default {DEFAULT_MAX_LORA_RANK})")
+
+
+def loras_from_args(args, models: ModelsConfig) -> LorasConfig:
+    """`--lora`, `--max-loras`, `--max-lora-rank` checked (`UsageError` names the bad value)."""
+    given = getattr(args, "lora", None) or []
+    try:
+        pairs = parse_loras(given)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    model_names = {entry.name for entry in models.entries}
+    adapters = []
+    for name, raw in pairs:
+        if not NAME_RE.match(name):
+            raise UsageError(f"`--lora {shown(name)}=...`: the name is not accepted. Accepted: {ACCEPTED_NAMES}")
+        if name in model_names:
+            raise UsageError(f"`--lora {name}=...` has a model's name. Accepted: a name no `--model` uses")
+        path = Path(raw).expanduser().resolve()
+        if ("," in str(path)) or not (path / ADAPTER_CONFIG).is_file():
+            raise UsageError(f"`--lora {name}={raw}`: no `{ADAPTER_CONFIG}` in `{path}`. Accepted: a directory as "
+                             f"PEFT's `save_pretrained` writes it (no `,` in its path)")
+        adapters.append((name, path))
+    limits = {}
+    for flag in ("max_loras", "max_lora_rank"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            if value < 1:
+                raise UsageError(f"`--{flag.replace('_', '-')} {value}` must be at least 1")
+            limits[flag] = value
+    return LorasConfig(tuple(adapters), **limits)

@@ -1,0 +1,176 @@
+"""The host KV tier through the real engine on the embedded model (workers/kvtier/, the block
+manager's hooks in workers/kv/manager.py): the same greedy tokens with and without it, fewer
+prefill tokens computed once the device pool has evicted a conversation's prefix, a second
+engine continuing another's conversation, and a different KV format sharing nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.checkpoints import default_model_dir
+from workers.engine.core import Engine
+from workers.engine.runner import ModelRunner
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.kv.hashing import root_hash
+from workers.kv.pool import KVPool
+from workers.kvtier.tier import HostTier
+from workers.model.loader import load_model
+from workers.sampling.params import SamplingParams
+
+BLOCK, BLOCKS = 8, 12  # 96 token positions: one conversation's longest turn fits, three do not
+NEW = 8
+TOPICS = ["The history of the river valley and the towns along its banks, told from the first settlers",
+          "A recipe for bread: flour, water, salt and yeast, mixed and left to rise overnight in a warm room",
+          "Notes on the weather this spring: rain in the mornings, sun after noon, and cold clear nights"]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(default_model_dir(), "float32")
+
+
+class Counted:
+    """An engine whose steps' computed prefill tokens are summed (`prefill`)."""
+
+    def __init__(self, lm, tier_dir=None, block=BLOCK, dtype=torch.float32, budget=64 << 20):
+        pool = KVPool.for_config(lm.config, BLOCKS * BLOCK // block, block, dtype, "cpu")
+        root = root_hash(lm.model_id, dtype, "none", block)
+        config = SchedulerConfig(2, lm.config.context_length, pool.num_blocks, block, 2048, True, cache_root=root)
+        self.engine = Engine(ModelRunner(lm.model, pool, "cpu"), Scheduler(config), lm.tokenizer, max_queue=8)
+        self.tier = HostTier.open(pool, root, tier_dir, budget) if tier_dir is not None else None
+        if self.tier is not None:
+            assert self.tier.enabled, self.tier.reason
+            self.engine.attach_tier(self.tier)
+        self.prefill = 0
+        schedule = self.engine.scheduler.schedule
+
+        def counting(*a, **k):
+            out = schedule(*a, **k)
+            self.prefill += out.num_prefill_tokens
+            return out
+
+        self.engine.scheduler.schedule = counting
+
+    def generate(self, ids: list[int]) -> list[int]:
+        stream = self.engine.submit(ids, SamplingParams.create(max_new_tokens=NEW))
+        while self.engine.step():
+            pass
+        if self.tier is not None:
+            self.tier.flush()
+        return [e.token_id for e in stream.events]
+
+
+def conversations(lm, engine: Counted, turns: int = 3) -> tuple[list[list[int]], list[int]]:
+    """Three conversations taking turns (each turn evicts the others' prefixes from the device
+    pool); every turn's output, and the prefill tokens computed in each round of turns."""
+    history = [lm.tokenizer.encode(t).ids for t in TOPICS]
+    outputs, per_round = [], []
+    for turn in range(turns):
+        before = engine.prefill
+        for c in range(len(history)):
+            out = engine.generate(history[c])
+            outputs.append(out)
+            history[c] = history[c] + out + lm.tokenizer.encode(f" and then, turn {turn}:").ids
+        per_round.append(engine.prefill - before)
+    return outputs, per_round
+
+
+def test_the_tier_gives_the_same_greedy_tokens_and_computes_fewer_prefill_tokens(lm, tmp_path):
+    """Guards `admit`'s host hits (workers/kv/manager.py `_host_hits`): without them the later
+    rounds recompute every evicted prefix."""
+    plain, plain_rounds = conversations(lm, Counted(lm))
+    tiered_engine = Counted(lm, tmp_path)
+    tiered, tier_rounds = conversations(lm, tiered_engine)
+    assert tiered == plain
+    assert plain_rounds[0] == tier_rounds[0], "the first round has nothing to reuse"
+    assert sum(tier_rounds[1:]) * 3 < sum(plain_rounds[1:]), (plain_rounds, tier_rounds)
+    d = tiered_engine.tier.describe()
+    assert d["hits"] > 0 and d["blocks_loaded"] > 0 and d["blocks_written"] > 0
+    assert tiered_engine.engine.kv_now()["kv_host_tier"]["blocks_loaded"] == d["blocks_loaded"]
+
+
+def test_a_second_engine_continues_anothers_conversation_from_the_tier(lm, tmp_path):
+    """A second worker of the same model and KV format reads the first's blocks: its turn computes
+    only what the first never computed, with the tokens a worker without the tier gives."""
+    first, second, alone = Counted(lm, tmp_path), Counted(lm, tmp_path), Counted(lm)
+    ids = lm.tokenizer.encode(TOPICS[0] + " " + TOPICS[1]).ids
+    out = first.generate(ids)
+    turn = ids + out + lm.tokenizer.encode(" and so the story goes on").ids
+    assert second.generate(turn) == alone.generate(turn)
+    assert alone.prefill == len(turn)
+    full = (len(ids) + len(out)) // BLOCK * BLOCK  # blocks the first worker filled (its last token never computed)
+    assert second.prefill <= len(turn) - (len(ids) - 1) // BLOCK * BLOCK
+    assert second.prefill < len(turn) // 2, (second.prefill, len(turn), full)
+    assert second.tier.describe()["blocks_loaded"] >= len(ids) // BLOCK - 1
+
+
+@pytest.mark.parametrize("other", ["block size", "dtype"])
+def test_a_different_kv_format_shares_nothing(lm, tmp_path, other):
+    """A worker whose KV format differs (block size or dtype) reads none of the first's blocks."""
+    first = Counted(lm, tmp_path)
+    ids = lm.tokenizer.encode(TOPICS[2]).ids
+    first.generate(ids)
+    kw = {"block": 4} if other == "block size" else {"dtype": torch.bfloat16}
+    second = Counted(lm, tmp_path, **kw)
+    second.generate(ids)
+    assert second.prefill == len(ids)
+    d = second.tier.describe()
+    assert d["hits"] == 0 and d["blocks_loaded"] == 0 and d["blocks_refused"] == 0
+    assert d["format_key"] != first.tier.describe()["format_key"]
+
+
+def test_a_pool_the_tier_cannot_serve_says_why(lm, tmp_path):
+    pool = KVPool.for_config(lm.config, 8, BLOCK, torch.float32, "cpu")
+    tier = HostTier.open(pool, b"r", tmp_path, 1 << 20, prefix_caching=False)
+    assert not tier.enabled and "--no-prefix-cache" in tier.reason
+    assert HostTier.open(pool, b"r", None, 1 << 20).describe() == {
+        "enabled": False, "reason": "no tier directory (the router makes one; `--kv-host-dir`)"}
+
+
+def test_a_corrupted_tier_block_is_refused_and_its_tokens_recomputed_alike(lm, tmp_path):
+    """Guards the store's checksum on the engine's path: a flipped byte in a block another worker
+    wrote is refused (and deleted); the chain stops there and the rest is recomputed, giving the
+    same tokens as a worker without the tier."""
+    first = Counted(lm, tmp_path)
+    ids = lm.tokenizer.encode(TOPICS[0] + " " + TOPICS[2]).ids
+    first.generate(ids)
+    files = sorted(first.tier.store.dir.glob("*.kvb"), key=lambda p: p.stat().st_mtime)
+    assert len(files) >= 3
+    victim = files[1]  # the second block written: the second block of the chain
+    raw = bytearray(victim.read_bytes())
+    raw[-5] ^= 0x40
+    victim.write_bytes(bytes(raw))
+    second, alone = Counted(lm, tmp_path), Counted(lm)
+    assert second.generate(ids) == alone.generate(ids)
+    d = second.tier.describe()
+    assert d["blocks_refused"] == 1 and "checksum" in d["last_refused"]
+    assert victim.read_bytes() != bytes(raw), "deleted, recomputed and written through again"
+    assert d["blocks_loaded"] == 1, "only the block before the refused one"
+    assert second.prefill == len(ids) - BLOCK
+
+
+def test_checkpoints_sharing_a_name_or_other_numerics_get_other_keys(lm, tmp_path):
+    """Guards `model_fingerprint` and the numerics in `HostTier.for_worker`'s key: two checkpoints
+    both called `model` (the same `model_id`, the same shapes) never share blocks, nor do a
+    `--deterministic` worker and a default one."""
+    from workers.contract import WorkerConfig
+
+    pool = KVPool.for_config(lm.config, 8, BLOCK, torch.float32, "cpu")
+    dirs = []
+    for name, size in (("a", 10), ("b", 11)):
+        d = tmp_path / name / "model"
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x" * size)
+        dirs.append(d)
+    config = WorkerConfig(socket="s", kv_host_dir=str(tmp_path / "tier"), kv_host_bytes=1 << 20)
+
+    def key(model_dir, cfg=config):
+        tier = HostTier.for_worker(cfg, pool, b"root", True, model_dir)
+        assert tier.enabled, tier.reason
+        return tier.describe()["format_key"]
+
+    assert key(dirs[0]) == key(dirs[0])
+    assert key(dirs[0]) != key(dirs[1])
+    assert key(dirs[0]) != key(dirs[0], WorkerConfig(socket="s", kv_host_dir=config.kv_host_dir,
+                                                     kv_host_bytes=1 << 20, deterministic=True))

@@ -1,0 +1,85 @@
+"""`--lora NAME=DIR`, `--max-loras`, `--max-lora-rank` from the router's command line to each
+worker's configuration, every bad value a one-line error naming it; the dispatcher puts the
+adapter a request's model names into its `WorkerRequest`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from server.cli import build_parser
+from server.config.settings import RouterSettings
+from server.dispatch.dispatcher import with_lora
+from server.errors import UsageError
+from server.fleet.spec import build_worker_specs
+from server.routing.filter import Constraints
+from workers.contract import DEFAULT_MODEL_DIR, WorkerConfig, WorkerConfigError, WorkerRequest, parse_simulate
+from workers.contract.config import parse_loras
+
+
+def _settings(*argv: str) -> RouterSettings:
+    return RouterSettings.from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def _adapter(path):
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    return path
+
+
+def test_every_worker_of_the_default_model_gets_the_adapters(tmp_path):
+    a, b = _adapter(tmp_path / "a"), _adapter(tmp_path / "b")
+    settings = _settings("--lora", f"coder={a}", "--lora", f"tone={b}", "--max-loras", "3", "--max-lora-rank", "32")
+    assert settings.loras.names == ("coder", "tone")
+    settings = RouterSettings(**{**settings.__dict__, "worker_command": (sys.executable, "-m", "workers")})
+    for spec in build_worker_specs(parse_simulate("sm_80,sm_90"), settings, tmp_path, parent_pid=7):
+        config = spec.config
+        assert (config.lora, config.max_loras, config.max_lora_rank) == (f"coder={a},tone={b}", 3, 32)
+        assert parse_loras(config.lora) == (("coder", str(a)), ("tone", str(b)))
+    assert build_worker_specs(parse_simulate("sm_80"), _settings(), tmp_path, 7)[0].config.lora is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--lora", "coder"], r"`--lora coder` is not `NAME=DIR`"),
+    (["--lora", "has space=/x"], r"is not `NAME=DIR`"),
+    (["--lora", "a=/x", "--lora", "a=/y"], r"`--lora a=...` is given twice"),
+    (["--lora", "coder=/nowhere"], r"no `adapter_config.json` in `/nowhere`"),
+    (["--max-loras", "0"], r"`--max-loras 0` must be at least 1"),
+    (["--max-lora-rank", "0"], r"`--max-lora-rank 0` must be at least 1"),
+])
+def test_bad_lora_flags_are_named(argv, message):
+    with pytest.raises(UsageError, match=message):
+        _settings(*argv)
+
+
+def test_an_adapter_may_not_take_a_models_name(tmp_path):
+    a = _adapter(tmp_path / "a")
+    with pytest.raises(UsageError, match=r"`--lora m=...` has a model's name"):
+        _settings("--model", f"m={DEFAULT_MODEL_DIR}", "--lora", f"m={a}")
+
+
+def test_the_worker_config_refuses_a_bad_lora_value():
+    with pytest.raises(WorkerConfigError, match=r"`--lora x` is not `NAME=DIR`"):
+        WorkerConfig(socket="/tmp/s", lora="x")
+    with pytest.raises(WorkerConfigError, match=r"`--max-loras` must be >= 1"):
+        WorkerConfig(socket="/tmp/s", max_loras=0)
+
+
+def test_the_dispatcher_puts_the_adapter_in_the_worker_request():
+    """Guards `with_lora` in `Dispatcher.generate` / `open_stream`: the worker learns the adapter only from it."""
+    body = WorkerRequest(inputs="hi")
+    assert with_lora(body, Constraints(model="m")) is body
+    sent = with_lora(body, Constraints(model="m", lora="coder"))
+    assert sent.lora == "coder" and sent.inputs == "hi"
+    assert WorkerRequest.model_validate_json(sent.model_dump_json()).lora == "coder"
+    assert "LoRA adapter `coder`" in Constraints(model="m", lora="coder").describe()
+
+
+def test_the_pods_lora_gauge_joins_its_workers():
+    from server.fleet.metrics import lora_pod
+
+    labels, value = lora_pod([({"running_lora_adapters": "a,b", "waiting_lora_adapters": "", "max_lora": "4"}, 5.0),
+                              ({"running_lora_adapters": "b", "waiting_lora_adapters": "c", "max_lora": "2"}, 7.0)])
+    assert labels == {"running_lora_adapters": "a,b", "waiting_lora_adapters": "c", "max_lora": "2"} and value == 7.0

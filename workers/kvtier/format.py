@@ -1,0 +1,94 @@
+"""A worker's KV format: what must match for one worker to read another's blocks, as one key.
+
+Design: the key is a digest of the prefix cache's hash root (the model's name, its dtype, the
+quantization and the block size: workers/engine/build.py `scheduler_config`) extended by the
+checkpoint's fingerprint (`model_fingerprint`) and the numerics (`--deterministic` computes its
+K/V in other tiles), the pool's layout, every group's shape (layers, KV heads, head dim) and the
+KV dtype. Two workers of
+the same model and format compute the same key and so share the tier's blocks; any difference
+gives another key, whose blocks are invisible to the first (another directory) and refused if
+met anyway (the store checks the key in each block's header). No conversion between formats:
+a block is read only by a worker that would have computed the same bytes. Trade-off: a bf16
+worker cannot use an fp16 worker's blocks even where the conversion would be exact; that saves
+a conversion path and its tests in this first tier.
+Which pools the tier serves: one full-attention group without linear layers' state. A sliding
+group's blocks and a linear layer's per-sequence state are not chained per block here, so such a
+model gets no tier, with the reason."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+LAYOUT = "hetserve-kv-v1:[layers,2,kv_heads,block,head_dim]"  # workers/kv/pool.py, per block
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """The format of one worker's KV blocks and the shape of one block's payload."""
+
+    root: bytes  # the prefix cache's hash root (model identity, dtype, quantization, block size)
+    dtype: str
+    block_size: int
+    block_shape: tuple[int, ...]  # one block's payload: [layers, 2, kv_heads, block_size, head_dim]
+    element_size: int
+
+    @property
+    def key(self) -> bytes:
+        text = "\x1f".join((self.root.hex(), self.dtype, str(self.block_size), LAYOUT, repr(self.block_shape)))
+        return hashlib.sha256(text.encode()).digest()
+
+    @property
+    def block_bytes(self) -> int:
+        n = self.element_size
+        for s in self.block_shape:
+            n *= s
+        return n
+
+    def describe(self) -> str:
+        layers, _, heads, block, dim = self.block_shape
+        return f"{self.dtype}, {layers} layers x {heads} KV heads x {dim}, blocks of {block} tokens"
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """The model's identity beyond its name: its directory, resolved, and each weight file's name,
+    size and modification time. Two checkpoints that share a name (`_name_or_path`, a directory
+    called `model`) but not their weights never share blocks; stat calls only, no hashing of
+    gigabytes at start. Trade-off: a checkpoint copied elsewhere, or touched, is another model."""
+    root = Path(model_dir).resolve()
+    parts = [str(root)]
+    try:
+        for f in sorted(root.iterdir()):
+            if f.suffix in WEIGHT_SUFFIXES and f.is_file():
+                st = f.stat()
+                parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    except OSError:
+        pass  # a single-file checkpoint (a .gguf path): its own stat below
+    if root.is_file():
+        st = root.stat()
+        parts.append(f"{st.st_size}:{st.st_mtime_ns}")
+    return "\x1f".join(parts)
+
+
+def unsupported(pool, prefix_caching: bool) -> str | None:
+    """Why the tier cannot serve this pool (None: it can)."""
+    if not prefix_caching:
+        return "the prefix cache is off (`--no-prefix-cache`): blocks have no chain hashes to key them"
+    if pool.states is not None:
+        return "linear layers' state has no per-block snapshots (workers/kv/state.py): no host tier"
+    if len(pool.groups) != 1 or pool.groups[0].window is not None:
+        return "sliding-window or several KV groups: this tier serves one full-attention group only"
+    if any(s != i for i, s in enumerate(pool.sources)):
+        return "layers that share another layer's KV: this tier serves one full-attention group only"
+    return None
+
+
+def format_of(pool, root: bytes) -> KVFormat:
+    """The format of `pool`'s blocks (a `KVPool` with one group) under the hash `root`."""
+    layers, two, heads, _, block, dim = pool.tensors[0].shape
+    return KVFormat(root, str(pool.dtype).removeprefix("torch."), pool.block_size, (layers, two, heads, block, dim),
+                    pool.tensors[0].element_size())

@@ -1,0 +1,136 @@
+"""A worker's host tier: its blocks copied out of the device pool when cached, and back in on a hit.
+
+Design: write-through. When the block manager indexes a full block (workers/kv/manager.py
+`cache_full_blocks`), `cached` copies it out of the pool synchronously (one strided copy per block)
+and the writer thread stores it (workers/kvtier/writer.py); when a prefix lookup has taken what
+the device cache holds, `fetch` reads the chain's following blocks from the tier (checked by the
+store) and `load` copies them into freshly allocated device blocks, so the scheduler starts the
+sequence past them. The alternative, writing a block only when the device pool evicts it, writes
+less, but a block held on one worker's device would be invisible to the others, and a worker
+killed with -9 would take every block it had not evicted yet with it; written through, a second
+worker continues a conversation the first still holds, and a dead worker's blocks stay reusable.
+Trade-off: every full block is copied once and written once, whether or not it is ever evicted
+(a block already in the tier is not written again); the copy is on the step's path, its checksum
+and file are not. On a GPU that copy is a synchronous device-to-host copy here (pinned buffers
+and a copy stream are the next step), correct but on the step's path. `fetch` reads on the
+engine thread: a hit is a file read and a copy, where a miss would be that block's prefill."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from workers.contract import KV_HOST_SHARE, WorkerConfig
+from workers.kvtier.format import KVFormat, format_of, model_fingerprint, unsupported
+from workers.kvtier.store import TierStore, default_budget
+from workers.kvtier.writer import TierWriter
+
+logger = logging.getLogger(__name__)
+
+
+class HostTier:
+    """The tier one worker reads and writes (`enabled`), or why it has none (`reason`)."""
+
+    def __init__(self, pool, fmt: KVFormat | None, store: TierStore | None, reason: str | None) -> None:
+        self.pool, self.format, self.store = pool, fmt, store
+        self.reason = reason if reason is not None else (store.reason if store is not None else None)
+        self.enabled = store is not None and store.enabled and self.reason is None
+        self.writer = TierWriter(store.put) if self.enabled else None
+        self.blocks_loaded = 0
+        self._last: tuple[tuple[bytes, ...], list] = ((), [])  # the last fetch, for its retry
+
+    @classmethod
+    def open(cls, pool, root: bytes, directory: str | Path | None, budget: int,
+             prefix_caching: bool = True) -> HostTier:
+        """The tier of `pool`'s format (hash `root`) under `directory` within `budget` bytes; one
+        that is off, with the reason, when there is no directory, no budget, or a pool it cannot serve."""
+        if directory is None:
+            return cls(pool, None, None, "no tier directory (the router makes one; `--kv-host-dir`)")
+        why = unsupported(pool, prefix_caching)
+        if why is not None:
+            return cls(pool, None, None, why)
+        fmt = format_of(pool, root)
+        store = TierStore(directory, budget, fmt.key)
+        if store.enabled:
+            logger.info("host KV tier at %s: %s bytes budget, format %s", store.dir, budget, fmt.describe())
+        else:
+            logger.warning("host KV tier off: %s", store.reason)
+        return cls(pool, fmt, store, None)
+
+    @classmethod
+    def for_worker(cls, config: WorkerConfig, pool, root: bytes, prefix_caching: bool,
+                   model_dir: str | Path) -> HostTier:
+        """The tier `config` asks for (`--kv-host-dir`, `--kv-host-bytes`; default budget: a share of
+        MemAvailable now), keyed by the prefix cache's `root`, the checkpoint in `model_dir` and the
+        numerics (workers/kvtier/format.py)."""
+        budget = config.kv_host_bytes if config.kv_host_bytes is not None else default_budget(KV_HOST_SHARE)
+        numerics = "deterministic" if config.deterministic else "default"
+        identity = hashlib.sha256(b"\x1f".join((root, model_fingerprint(model_dir).encode(),
+                                                 numerics.encode()))).digest()
+        return cls.open(pool, identity, config.kv_host_dir, budget, prefix_caching)
+
+    # -- the block manager's hooks (workers/kv/manager.py) --------------------------------------
+
+    def cached(self, block: int, chain_hash: bytes) -> None:
+        """A block became full and indexed on the device: copy it out now, store it behind."""
+        if self.store.contains(chain_hash):
+            return
+        data = torch.empty(self.format.block_shape, dtype=self.pool.dtype)  # [L, 2, Hkv, B, D] in host memory
+        data.copy_(self.pool.tensors[0][:, :, :, block])  # always a copy: the device block is reused later
+        self.writer.submit(chain_hash, memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+
+    def fetch(self, hashes: list[bytes]) -> list[bytes | memoryview]:
+        """The payloads of the leading blocks of `hashes` the tier holds (stopping at the first it
+        does not: a block past a gap is useless without the one before). A sequence that did not
+        fit waits at the head of the queue and asks again each step: its last answer is kept."""
+        if tuple(hashes) == self._last[0]:
+            return self._last[1]
+        out = []
+        for h in hashes:
+            payload = self.writer.peek(h)
+            if payload is None:
+                payload = self.store.get(h)
+            if payload is None or len(payload) != self.format.block_bytes:
+                break
+            out.append(payload)
+        self._last = (tuple(hashes), out)
+        return out
+
+    def load(self, blocks: list[int], payloads: list[bytes | memoryview]) -> None:
+        """Copy fetched payloads into the device blocks `blocks` (one indexed copy)."""
+        self._last = ((), [])
+        if not blocks:
+            return
+        raw = torch.frombuffer(bytearray(b"".join(bytes(p) for p in payloads)), dtype=torch.uint8)
+        data = raw.view(self.pool.dtype).view(len(blocks), *self.format.block_shape)  # [K, L, 2, Hkv, B, D]
+        index = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
+        self.pool.tensors[0].index_copy_(3, index, data.permute(1, 2, 3, 0, 4, 5).to(self.pool.device))
+        self.blocks_loaded += len(blocks)
+
+    # -- life and description -------------------------------------------------------------------
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def describe(self) -> dict:
+        """`/capability` `kv_host_tier`: directory, bytes used of the budget, hits, blocks written and
+        loaded, or the reason it is off."""
+        if self.store is None:
+            return {"enabled": False, "reason": self.reason}
+        out = self.store.describe()
+        out.update(enabled=self.enabled, blocks_loaded=self.blocks_loaded,
+                   blocks_dropped=self.writer.dropped if self.writer else 0)
+        if self.format is not None:
+            out["format"] = self.format.describe()
+            out["format_key"] = self.format.key.hex()[:16]
+        if self.reason:
+            out["reason"] = self.reason
+        return out
