@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -55,9 +56,13 @@ def test_ngram_speculation_gives_the_plain_greedy_text():
         assert [_generate(spec, e, 32) for e in echoes] == expected
         assert [_stream(spec, e, 32) for e in echoes] == streamed
         with spec.client(timeout=30) as c:
-            worker = c.get("/workers").json()["workers"][0]
             metrics = c.get("/metrics").text
-        described = worker["speculative"]
+            deadline = time.monotonic() + 30
+            while True:  # /workers shows what the router's last /health probe of the worker said
+                described = c.get("/workers").json()["workers"][0]["speculative"]
+                if described.get("drafts") or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
         assert described["method"] == "ngram" and described["num_speculative_tokens"] == 4
         assert described["drafts"] > 0 and 0 < described["acceptance_rate"] <= 1
         accepted = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens")]
