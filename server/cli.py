@@ -20,6 +20,7 @@ from server.config.protocol import add_protocol_flags
 from server.config.reasoning import add_reasoning_flags
 from server.config.routing import add_routing_flags
 from server.config.settings import CANARY_ACTIONS, RouterSettings
+from server.config.speculative import add_speculative_flags
 from server.errors import UsageError
 from workers.contract import (
     CPU_MAX_NUM_BATCHED_TOKENS,
@@ -77,6 +78,7 @@ def _add_device_flags(serve: argparse.ArgumentParser) -> None:
 
 def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
     g = serve.add_argument_group("engine and memory", "each worker's batch, queue, KV cache and context")
+    add_speculative_flags(g)
     g.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
                    help=f"running sequences per worker (default {DEFAULT_MAX_BATCH})")
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",

@@ -25,6 +25,7 @@ from server.config.protocol import ProtocolConfig, protocol_from_args
 from server.config.reasoning import AUTO as AUTO_REASONING
 from server.config.reasoning import reasoning_parser_from_args
 from server.config.routing import RoutingConfig, routing_from_args
+from server.config.speculative import SpeculativeConfig, speculative_from_args
 from server.errors import UsageError
 from workers.contract import (
     DEFAULT_KV_BLOCK_SIZE,
@@ -132,6 +133,7 @@ class RouterSettings:
     # numerics
     deterministic: bool = False  # workers run batch-invariant numerics (workers/model/deterministic.py)
     compile: str = AUTO_COMPILE  # auto | on | off: workers' decode step compiled (server/config/compile.py)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # server/config/speculative.py
     canary_interval_s: float = 300.0  # seconds between canary rounds; 0 turns the canary off
     canary_min_agreement: float = CANARY_MIN_AGREEMENT  # below it (where not exact), a worker is suspect
     canary_action: str = "mark"  # mark | drain (out of rotation, restarted, checked again)
@@ -191,6 +193,7 @@ class RouterSettings:
             "special_tokens_in_content": bool(getattr(args, "special_tokens_in_content", False)),
             "deterministic": bool(getattr(args, "deterministic", False)),
             "compile": compile_from_args(args),
+            "speculative": speculative_from_args(args),
             "reasoning_parser": reasoning_parser_from_args(args),
             "protocol": protocol_from_args(args),
             "max_model_len": max_model_len_from_args(args, models),

@@ -182,6 +182,8 @@ class WorkerHandle:
             "pipeline": info.pipeline,  # a pipeline replica's stages: layers, device, kernels, fp8, bytes
             "compile": self.compile_entry(),
             "loras": None if self.probe is None else self.probe.loras,  # its LoRA adapters, as its last /health said
+            # speculative decoding as the last `/health` said, else as `/capability` said at start
+            "speculative": (self.probe.speculative if self.probe is not None else None) or info.speculative,
         }
 
     def compile_entry(self) -> dict | None:

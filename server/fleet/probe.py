@@ -50,6 +50,7 @@ class ProbeVerdict:
     capacity: dict | None = None  # the worker's changing KV figures (`kv_blocks_free`), if it answered
     compile: CompileDescription | None = None  # its decode step's compilation, which goes on after ready
     loras: dict | None = None  # its LoRA adapters (workers/lora/metrics.py `describe_loras`), if it has a table
+    speculative: dict | None = None  # its speculative decoding now (method, k, acceptance, reason)
 
     def snapshot(self) -> dict:
         """`/workers` `health`: the last probe's verdict and the engine's liveness."""
@@ -68,7 +69,7 @@ def judge(code: int, body: dict, stall_timeout_s: float, computing: float | None
         payload = HealthPayload.model_validate(body)
     except ValidationError:
         payload = HealthPayload()
-    engine, capacity, compiled = payload.engine, payload.capacity, payload.compile
+    engine, capacity, compiled, spec = payload.engine, payload.capacity, payload.compile, payload.speculative
     if engine is not None and engine.pending and engine.last_step_age_s > stall_timeout_s:
         age = engine.last_step_age_s
         if computing is not None and computing >= STALL_CPU_SHARE and age <= COMPUTING_STALL_FACTOR * stall_timeout_s:
@@ -79,9 +80,9 @@ def judge(code: int, body: dict, stall_timeout_s: float, computing: float | None
                                         + (f", {computing:.2f} of a core used" if computing is not None else "")
                                         + ")", engine, capacity, compiled)
     if code == 200:
-        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled, payload.loras)
+        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled, payload.loras, speculative=spec)
     return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine, capacity,
-                        compiled)
+                        compiled, speculative=spec)
 
 
 def cpu_seconds(pid: int | None) -> float | None:

@@ -166,6 +166,7 @@ def worker_config(spec_id: str, device: DeviceInfo, settings: RouterSettings, so
             or step_token_budget(device.computes_on_cpu, settings.max_batch),
             deterministic=settings.deterministic,
             compile=settings.compile if settings.compile != AUTO_COMPILE else environ.get(ENV_COMPILE) or AUTO_COMPILE,
+            speculative=settings.speculative.mode, num_speculative_tokens=settings.speculative.num_tokens,
             threads=threads, status_file=str(status_path), parent_pid=parent_pid,
             otlp_endpoint=settings.otlp_endpoint, preflight=environ.get(ENV_PREFLIGHT) or AUTO_COMPILE,
             slowdown=device_slowdown(environ.get(ENV_SLOWDOWN, ""), spec_id, device.simulated),

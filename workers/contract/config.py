@@ -46,6 +46,12 @@ from workers.contract.limits import (
     GRAMMAR_COMPILE_WORKERS,
     grammar_budget_error,
 )
+from workers.contract.speculative import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_SPECULATIVE,
+    SPECULATIVE_MODES,
+    speculative_error,
+)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZE = ("none", "fp8")
@@ -128,6 +134,11 @@ class WorkerConfig:
         f"the decode step compiled per batch bucket (Inductor on CPU, CUDA/HIP graphs on GPUs): auto (real GPUs "
         f"and CPU workers, not simulated GPUs), on, off (default: ${ENV_COMPILE} or auto); see "
         f"workers/engine/compiled.py", env=ENV_COMPILE))
+    speculative: str = field(default=DEFAULT_SPECULATIVE, metadata=_flag(
+        f"speculative decoding: {', '.join(SPECULATIVE_MODES)} (auto: n-gram drafts where the engine can verify "
+        f"them, with k chosen per step; see workers/engine/speculate.py)", metavar="|".join(SPECULATIVE_MODES)))
+    num_speculative_tokens: int = field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, metadata=_flag(
+        "most draft tokens a decode row carries per step", metavar="N"))
     threads: int | None = field(default=None, metadata=_flag("torch intra-op threads (default: torch's choice)"))
     status_file: str | None = field(default=None, metadata=_flag(
         "JSON status file, rewritten atomically at each step"))
@@ -205,6 +216,9 @@ class WorkerConfig:
         if self.compile not in COMPILE_MODES:
             return (f"`--compile {self.compile}` is not a mode (or `${ENV_COMPILE}`). "
                     f"Accepted: {', '.join(COMPILE_MODES)}")
+        error = speculative_error(self.speculative, self.num_speculative_tokens)
+        if error:
+            return error
         return grammar_budget_error(self.grammar_compile_timeout, self.grammar_compile_memory_mib,
                                     self.grammar_compile_workers, self.grammar_cache_mib)
 

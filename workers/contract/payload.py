@@ -115,6 +115,7 @@ class HealthPayload(_Open):
     compile: CompileDescription | None = None  # the decode step's compilation, which goes on after ready
     # LoRA adapters: {max_loras, running, waiting, adapters: [{name, path, loaded, requests}]}; None: no table
     loras: dict | None = None
+    speculative: dict | None = None  # speculative decoding now: method, k, acceptance, reason (None: not said)
 
 
 class CapabilityPayload(_Open):
@@ -133,4 +134,6 @@ class CapabilityPayload(_Open):
     triton_cache: str | None = None  # this architecture's Triton cache directory
     deterministic: DeterministicDescription | None = None  # set (and shown) only with --deterministic
     compile: CompileDescription | None = None  # the decode step's compilation (None: a worker that does not say)
+    # speculative decoding: method, k, acceptance rate and the latest decision's reason (workers/engine/speculate.py)
+    speculative: dict | None = None
     pipeline: dict | None = None  # a pipeline's first stage: {stages: [each stage's layers, device, kernels, fp8]}

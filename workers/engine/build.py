@@ -41,6 +41,7 @@ from workers.engine.core import Engine
 from workers.engine.kv_cache import build_kv_cache
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.speculate import speculator_for
 from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
 from workers.kvtier.tier import HostTier
@@ -273,8 +274,10 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
     runner = ModelRunner(loaded.model, kv, bound.torch_device, mirror=cpu.deterministic is None, compiled=compiled,
                          in_place=cpu.in_place)
     slots = kv.states.num_slots if kv.states is not None else 0
-    engine = Engine(runner, Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots)), loaded.tokenizer,
-                    max_queue=config.max_queue, grammars=grammars_for(config, loaded))
+    scheduler = Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots))
+    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler)
+    engine = Engine(runner, scheduler, loaded.tokenizer, max_queue=config.max_queue,
+                    grammars=grammars_for(config, loaded), speculator=speculator)
     sched = engine.scheduler.config
     engine.attach_tier(HostTier.for_worker(config, kv, sched.cache_root, sched.prefix_caching, loaded.model_dir))
     reinstall = None

@@ -38,6 +38,7 @@ from workers.engine.output import OutputProcessor
 from workers.engine.resume import check_resume_ids
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
+from workers.engine.speculate import Speculator
 from workers.kv.hashing import root_hash
 from workers.lora.apply import lora_key
 from workers.lora.metrics import LoraLoad, lora_load
@@ -77,8 +78,10 @@ class Engine:
         metrics: WorkerMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         grammars: Grammars | None = None,
+        speculator: Speculator | None = None,
     ):
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.speculator = speculator  # draft tokens verified in the step (workers/engine/speculate.py)
         self.grammars = grammars  # the grammar engine constrained requests use
         self.metrics = metrics or WorkerMetrics()
         self.on_fatal = on_fatal
@@ -238,6 +241,10 @@ class Engine:
         if tier.enabled:
             self.scheduler.kv.tier = tier
 
+    def speculation(self) -> dict | None:
+        """`/capability` and `/health` `speculative`: method, k, acceptance so far, the reason (None: not built)."""
+        return None if self.speculator is None else self.speculator.describe()
+
     def liveness(self) -> Liveness:
         """Pending work and the age of the engine's last completed step (any thread)."""
         return self._liveness.read(self._in_flight > 0)
@@ -332,10 +339,14 @@ class Engine:
         self._drain_inbox()
         if self._stopping:
             return 0
-        # 1. schedule
+        # 1. schedule (decode rows may carry draft tokens, verified in this step's forward)
+        if self.speculator is not None and self.speculator.enabled:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.is_empty:
             return 0
+        if self.speculator is not None and self.speculator.drafted(out):
+            return self.speculator.step(self, out, t0)
         # 2. execute: one batched forward, one token per sampling chunk (plus prompt rows some
         #    asked for); the grammar masks are computed meanwhile (llguidance releases the GIL)
         seqs = [c.seq for c in out.chunks if c.samples]
@@ -357,13 +368,17 @@ class Engine:
         updates = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs)
         tops = {id(s): t for s, t in zip(seqs, sampled.top, strict=True) if t is not None}
         outputs = self.output.process(updates, tops, t0)
-        for seq in outputs.finished:
-            self._release(seq)
-        deliver(outputs.events)
-        self._liveness.step_done()
-        self.metrics.on_step(time.perf_counter() - t0, len(out.chunks), out, len(updates))
-        self._publish_load()
+        self._end_step(out, outputs.events, outputs.finished, len(updates), t0)
         return len(out.chunks)
+
+    def _end_step(self, out, events: list, finished: list[Sequence], new_tokens: int, t0: float) -> None:
+        """Release the finished, deliver the step's events, count the step."""
+        for seq in finished:
+            self._release(seq)
+        deliver(events)
+        self._liveness.step_done()
+        self.metrics.on_step(time.perf_counter() - t0, len(out.chunks), out, new_tokens)
+        self._publish_load()
 
     def _start_masks(self, seqs: list[Sequence]) -> Future | None:
         if all(s.grammar is None for s in seqs):

@@ -111,6 +111,7 @@ def describe_worker(config: WorkerConfig, bound: BoundDevice, loaded: LoadedMode
         versions=_versions(),
         deterministic=cpu.deterministic.to_dict() if cpu.deterministic else None,
         compile=compile_description(built.decision, built.compiled),
+        speculative=built.engine.speculation(),
         pipeline=pipeline,
     )
 

@@ -87,6 +87,12 @@ class WorkerMetrics:
         self.step_seconds = Histogram(
             f"{PREFIX}_step_seconds", "Duration of one engine step", buckets=_STEP_BUCKETS, registry=r
         )
+        # vLLM's speculative decoding counters (names as vLLM exports them)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Decode rows that carried draft tokens",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            registry=r)
         self.batch_size = Histogram(
             f"{PREFIX}_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
         )

@@ -203,6 +203,11 @@ class Scheduler:
                 continue
             if seq.num_tokens - seq.num_computed != 1:
                 prompting.append(seq)
+            elif seq.draft_ids and self._fits_drafts(seq, budget):  # its drafts verified with it
+                chunks.append(ScheduledChunk(seq, seq.num_computed, [seq.output_ids[-1], *seq.draft_ids],
+                                             seq.block_ids, True, False))
+                scheduled.add(id(seq))
+                budget -= 1 + len(seq.draft_ids)
             elif self._grow_or_preempt(seq, 1, scheduled, preempted):  # else it preempted itself
                 chunks.append(self._chunk(seq, 1))
                 scheduled.add(id(seq))
@@ -245,6 +250,15 @@ class Scheduler:
             tokens = seq.token_ids()[start:end]
         return ScheduledChunk(seq, start, tokens, seq.block_ids, end == seq.num_tokens,
                               n > 1 or start < prompt)
+
+    def _fits_drafts(self, seq: Sequence, budget: int) -> bool:
+        """Blocks and budget for a decode row and its draft tokens, never preempting for drafts:
+        when they do not fit now, the drafts are dropped and the row decodes one token."""
+        n = 1 + len(seq.draft_ids)
+        if n <= budget and self.kv.grow(seq, seq.num_computed + n):
+            return True
+        seq.draft_ids = []
+        return False
 
     def _grow_or_preempt(self, seq: Sequence, n: int, scheduled: set[int], preempted: list[Sequence]) -> bool:
         """Blocks for `seq`'s next `n` tokens, preempting newer unscheduled sequences (newest
@@ -292,7 +306,7 @@ class Scheduler:
         """Advance every chunk's sequence; append the sampled token to each sampling chunk (in
         chunk order) and finish on EOS (unless `ignore_eos`), a stop token id (both only from
         `min_tokens` on) or length; index the blocks that became full."""
-        eos, bs, sliding = self.config.eos_token_ids, self.config.block_size, self.kv.sliding
+        bs, sliding = self.config.block_size, self.kv.sliding
         updates = []
         sampled = iter(zip(token_ids, logprobs, strict=True))
         for chunk in output.chunks:
@@ -305,22 +319,26 @@ class Scheduler:
                 self.kv.cache_full_blocks(seq)
             if sliding:  # a sliding group frees what its window left behind
                 self.kv.slide(seq)
-            if tid is None:
-                continue
-            seq.output_ids.append(tid)
-            seq.logprobs.append(lp)
-            reason, p = None, seq.params
-            ended = len(seq.output_ids) >= p.min_tokens  # before `min_tokens`, neither EOS nor a stop id ends it
-            if tid in eos and ended and not p.ignore_eos:
-                reason = FINISH_EOS
-            elif tid in p.stop_token_ids and ended:
-                reason = FINISH_STOP
-            elif len(seq.output_ids) >= p.max_new_tokens:
-                reason = FINISH_LENGTH
-            if reason is not None:
-                self.finish(seq, reason)
-            updates.append(TokenUpdate(seq, tid, lp, reason))
+            if tid is not None:
+                updates.append(self.append_token(seq, tid, lp))
         return updates
+
+    def append_token(self, seq: Sequence, tid: int, lp: float) -> TokenUpdate:
+        """Append one generated token to a running sequence and finish it on EOS (unless
+        `ignore_eos`), a stop token id (both only from `min_tokens` on) or length."""
+        seq.output_ids.append(tid)
+        seq.logprobs.append(lp)
+        reason, p = None, seq.params
+        ended = len(seq.output_ids) >= p.min_tokens  # before `min_tokens`, neither EOS nor a stop id ends it
+        if tid in self.config.eos_token_ids and ended and not p.ignore_eos:
+            reason = FINISH_EOS
+        elif tid in p.stop_token_ids and ended:
+            reason = FINISH_STOP
+        elif len(seq.output_ids) >= p.max_new_tokens:
+            reason = FINISH_LENGTH
+        if reason is not None:
+            self.finish(seq, reason)
+        return TokenUpdate(seq, tid, lp, reason)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running sequence and free its blocks (idempotent)."""

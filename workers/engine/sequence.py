@@ -30,7 +30,7 @@ class Sequence:
         "finish_reason", "generator", "seed", "arrival_time", "first_token_time", "detok", "stream",
         "block_ids", "group_tables", "held_from", "block_hashes", "num_cached_blocks", "num_preemptions", "grammar",
         "prompt_logprobs",
-        "cache_root", "rope_len", "state_slot", "lora",
+        "cache_root", "rope_len", "state_slot", "lora", "draft_ids", "spec_drafted", "spec_accepted",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, generator=None):
@@ -61,6 +61,8 @@ class Sequence:
         self.rope_len = len(self.prompt_ids)  # the length its rotary is computed for (workers/model/rope.py)
         self.lora = None  # its LoRA adapter (workers/lora/adapter.py); None: the base model
         self.state_slot = -1  # its slot of the linear layers' state while it holds KV blocks (workers/kv/state.py)
+        self.draft_ids: list[int] = []  # draft tokens its next decode verifies (workers/engine/speculate.py)
+        self.spec_drafted = self.spec_accepted = 0  # its draft tokens verified and accepted so far
 
     @property
     def num_tokens(self) -> int:

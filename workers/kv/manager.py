@@ -153,6 +153,19 @@ class KVCacheManager:
             self._table(seq, g).extend(pool.allocate(need))
         return True
 
+    def trim(self, seq: KVSequence, end: int) -> int:
+        """Release the blocks past those holding positions `< end` in every group (tokens computed
+        and then rejected, workers/engine/speculate.py); returns how many blocks of the first group
+        were released. Blocks past `num_computed` were never indexed, so none is cached."""
+        keep = self.blocks_for(end)
+        released = max(0, len(seq.block_ids) - keep)
+        for g, pool in enumerate(self.pools):
+            table = self._table(seq, g)
+            if len(table) > keep:
+                pool.release(reversed(table[keep:]))
+                del table[keep:]
+        return released
+
     def slide(self, seq: KVSequence) -> None:
         """Free the blocks that a sliding group's window has left behind: those no query from
         position `num_computed` on reads (after `cache_full_blocks`, so they stay cached)."""

@@ -21,6 +21,7 @@ from workers.device.bind import BoundDevice
 from workers.engine.build import BuiltEngine, CpuPaths, grammars_for, scheduler_config
 from workers.engine.compiled import CompileDecision
 from workers.engine.scheduler import Scheduler
+from workers.engine.speculate import speculator_for
 from workers.kv.pool import KVPool
 from workers.model.loader import LoadedModel
 from workers.pipeline.engine import PipelineEngine
@@ -65,8 +66,10 @@ def build_first_stage(config: WorkerConfig, bound: BoundDevice, loaded: LoadedMo
     runner = PipelineRunner(loaded.model, kv, bound.torch_device, link, config.pipeline_microbatches, clock,
                             cpu.in_place)
     slots = config.max_batch if loaded.config.state_layers else 0  # any stage may hold linear layers
-    engine = PipelineEngine(runner, Scheduler(scheduler_config(config, loaded, kv, context, kv.group_shapes, slots)),
-                            loaded.tokenizer, max_queue=config.max_queue, grammars=grammars_for(config, loaded),
-                            batches=config.pipeline_batches or link.world)
+    scheduler = Scheduler(scheduler_config(config, loaded, kv, context, kv.group_shapes, slots))
+    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler, pipeline=True)
+    engine = PipelineEngine(runner, scheduler, loaded.tokenizer, max_queue=config.max_queue,
+                            grammars=grammars_for(config, loaded), batches=config.pipeline_batches or link.world,
+                            speculator=speculator)  # off, with the reason (`/workers` says why)
     engine.metrics.registry.register(StageMetrics(runner.clock, stages.status_files()))  # each stage's own steps
     return BuiltEngine(engine, kv, decision), FirstStage(link, stages, runner, recorder)

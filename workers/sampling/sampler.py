@@ -69,11 +69,11 @@ def grammar_bitmask(rows: Sequence[SampleRow], grammars: Grammars | None) -> tor
     return fill_bitmasks(grammars.executor, constrained, len(rows), grammars.vocab_size)
 
 
-def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Grammars | None = None,
-                  bitmask: torch.Tensor | None = None, eos_ids: Sequence[int] = ()) -> SampleOutput:
-    """One token per row of `logits` [N, V], its logprob and the asked-for alternatives
-    (`bitmask`: this step's `grammar_bitmask`, when the caller computed it already; `eos_ids`:
-    the model's EOS tokens, banned with `stop_token_ids` from rows short of their `min_tokens`)."""
+def processed_logits(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Grammars | None = None,
+                     bitmask: torch.Tensor | None = None, eos_ids: Sequence[int] = ()) -> torch.Tensor:
+    """`logits` [N, V] after every processor and warper its row asks for (steps 1 and 2 of
+    `sample_tokens`), the distribution a sampled row draws from; speculative verification
+    (workers/engine/speculate.py) draws from it position by position."""
     params = [r.params for r in rows]
     # 1. Processors that change the argmax, on the rows that ask for them (bias, penalties, grammar).
     biased = [i for i, p in enumerate(params) if p.logit_bias]
@@ -105,6 +105,17 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Gra
         top_p = [p.top_p if p.do_sample else 1.0 for p in params]
         if any(top_k) or any(p < 1.0 for p in top_p):
             logits = apply_top_k_top_p(logits, top_k, top_p)
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow], grammars: Grammars | None = None,
+                  bitmask: torch.Tensor | None = None, eos_ids: Sequence[int] = ()) -> SampleOutput:
+    """One token per row of `logits` [N, V], its logprob and the asked-for alternatives
+    (`bitmask`: this step's `grammar_bitmask`, when the caller computed it already; `eos_ids`:
+    the model's EOS tokens, banned with `stop_token_ids` from rows short of their `min_tokens`)."""
+    params = [r.params for r in rows]
+    sampled = [i for i, p in enumerate(params) if p.do_sample]
+    logits = processed_logits(logits, rows, grammars, bitmask, eos_ids)
     counts = [p.top_n_tokens for p in params]
     if not sampled and not any(counts) and cpu_greedy.runs(logits):  # the same ids and logprobs, no [N, V] pass
         ids, chosen = cpu_greedy.greedy(logits)

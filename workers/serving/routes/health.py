@@ -33,7 +33,7 @@ async def health(request: Request):
                          engine=EngineLiveness(pending=live.pending, last_step_age_s=round(live.last_step_age_s, 3),
                                                steps=live.steps),
                          capacity=engine.kv_now(), compile=ctx.info.compile,
-                         loras=describe_loras(engine.loras, engine.lora_load))
+                         loras=describe_loras(engine.loras, engine.lora_load), speculative=engine.speculation())
     return JSONResponse(body.model_dump(mode="json"), status_code=200 if ok else 503)
 
 
@@ -43,8 +43,9 @@ async def capability(request: Request):
     info, engine = ctx.info, ctx.engine
     running, queued = engine.load()
     now = info.model_copy(update={"pid": os.getpid(), "load": Load(running=running, queued=queued),
-                                  "capacity": {**info.capacity, **engine.kv_now()}})
-    absent = {name for name in ("deterministic", "pipeline") if getattr(info, name) is None}  # shown only when set
+                                  "capacity": {**info.capacity, **engine.kv_now()},
+                                  "speculative": engine.speculation()})
+    absent = {name for name in ("deterministic", "pipeline", "speculative") if getattr(now, name) is None}
     return now.model_dump(mode="json", exclude=absent or None)
 
 

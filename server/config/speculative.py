@@ -1,0 +1,45 @@
+"""`--speculative auto|off|ngram` and `--num-speculative-tokens N`: workers' speculative decoding.
+
+The router validates both flags against the contract's names (workers/contract/speculative.py) and
+forwards them in each worker's configuration (server/fleet/spec.py); each worker then decides for
+its own engine (workers/engine/speculate.py `speculator_for`) and reports method, k, acceptance
+and the reason on `/workers`. `suffix` and `mtp` are refused here with what this build accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from server.errors import UsageError
+from workers.contract.speculative import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_SPECULATIVE,
+    SPECULATIVE_MODES,
+    speculative_error,
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    mode: str = DEFAULT_SPECULATIVE
+    num_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+
+
+def add_speculative_flags(g: argparse._ActionsContainer) -> None:
+    """The two flags, in `g` (the serve command's engine group)."""
+    g.add_argument("--speculative", default=None, metavar="|".join(SPECULATIVE_MODES),
+                   help="draft tokens each decode row verifies per step: ngram (n-gram lookup in the prompt and "
+                        "output, k chosen per step), off, or auto (default; off in this build)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
+                   help=f"most draft tokens per decode row and step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
+
+
+def speculative_from_args(args) -> SpeculativeConfig:
+    """The flags' value; `UsageError` names a bad method or count and lists what is accepted."""
+    mode = getattr(args, "speculative", None) or DEFAULT_SPECULATIVE
+    num = getattr(args, "num_speculative_tokens", None)
+    error = speculative_error(mode, num)
+    if error:
+        raise UsageError(error)
+    return SpeculativeConfig(mode, DEFAULT_NUM_SPECULATIVE_TOKENS if num is None else num)

@@ -1,0 +1,33 @@
+"""`--speculative` and `--num-speculative-tokens`: the names, the default and what each resolves to.
+
+Design: one declaration both processes read (the router validates the flags, the worker's
+configuration carries them). `auto` resolves per worker (workers/engine/build.py): n-gram drafts
+with the adaptive k where the engine can verify drafts, else off with the reason. `suffix` and
+`mtp` are names the interface reserves; this build refuses them naming what it accepts, rather
+than silently serving without speculation. Trade-off: a refusal at start instead of a fallback, so
+a deployment that asked for a method knows it is not getting it.
+"""
+
+from __future__ import annotations
+
+SPECULATIVE_MODES = ("auto", "off", "ngram")
+SPECULATIVE_RESERVED = {
+    "suffix": "suffix-tree drafts are not available in this build",
+    "mtp": "the checkpoint's MTP head is not loaded in this build",
+}
+DEFAULT_SPECULATIVE = "auto"
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+MAX_NUM_SPECULATIVE_TOKENS = 16
+
+
+def speculative_error(mode: str, num_tokens: int | None) -> str | None:
+    """Why `--speculative mode` with `--num-speculative-tokens num_tokens` cannot run, or None."""
+    accepted = ", ".join(SPECULATIVE_MODES)
+    if mode in SPECULATIVE_RESERVED:
+        return f"`--speculative {mode}` is not available: {SPECULATIVE_RESERVED[mode]}. Accepted: {accepted}"
+    if mode not in SPECULATIVE_MODES:
+        return f"`--speculative {mode}` is not a method. Accepted: {accepted}"
+    if num_tokens is not None and not 1 <= num_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
+        return (f"`--num-speculative-tokens {num_tokens}` is out of range. "
+                f"Accepted: 1..{MAX_NUM_SPECULATIVE_TOKENS}")
+    return None

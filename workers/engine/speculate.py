@@ -1,0 +1,228 @@
+"""Speculative decoding in the engine: decode rows carry draft tokens, verified in the same step.
+
+Design: before each schedule, `Speculator.propose` gives every eligible running decode row up to k
+draft tokens (workers/spec: n-gram lookup, k from the policy). The scheduler runs such a row as a
+chunk of k+1 tokens (its last token and the drafts) over its cached context, the same path a prompt
+chunk takes, and the forward projects logits at all k+1 positions. `Speculator.step` then verifies
+(greedy: argmax; sampled: the request's generator, workers/spec/rejection.py) position by position,
+each position's logits processed as if the drafts before it were already output (penalties, bias,
+`min_tokens`), and feeds the emitted tokens one at a time through the scheduler's `append_token`
+and the output processor, round by round, so EOS, stop ids, stop strings, `max_tokens`, logprobs and
+streams see exactly the tokens plain decoding would have produced, and nothing after a finish.
+Then `num_computed` covers the last token and the accepted drafts only, and the blocks holding only
+rejected positions go back to the pool (`KVCacheManager.trim`); rejected K/V left in a kept block
+sits past `num_computed` and is overwritten by the next token. Trade-off: a drafted row runs as a
+prompt chunk (eager, reading the pool), giving up the compiled decode step and the decode mirror for
+that row in that step; GPU kernels need no change for that, but a multi-query decode kernel would be
+faster. Rows under a grammar or asking for `top_n_tokens` never draft (workers/spec/policy.py);
+models with sliding-window groups, linear-attention state or a length-dependent rotary do not
+speculate (no rollback yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from workers.engine.sequence import RUNNING
+from workers.sampling.logprobs import prompt_chunks, record_prompt
+from workers.sampling.sampler import processed_logits, sample_tokens
+from workers.spec.ngram import NgramProposer
+from workers.spec.policy import SpecDecision, SpecPolicy, ineligible
+from workers.spec.rejection import accept_greedy, accept_sampled
+
+
+class _Position:
+    """A sequence as the sampler sees it at one draft position: its drafts before it output."""
+
+    __slots__ = ("params", "generator", "prompt_ids", "output_ids", "grammar")
+
+    def __init__(self, seq, drafts: list[int]):
+        self.params, self.generator, self.prompt_ids = seq.params, seq.generator, seq.prompt_ids
+        self.output_ids = seq.output_ids + drafts if drafts else seq.output_ids
+        self.grammar = None
+
+
+def _is_draft(chunk) -> bool:
+    """A decode row carrying draft tokens (the scheduler's `_fits_drafts` chunk)."""
+    return not chunk.is_prefill and len(chunk.token_ids) > 1
+
+
+AUTO_OFF = ("`auto` is off in this build: a drafted row's logits come from the prompt path, whose rounding "
+            "can differ from the decode step's (greedy identity is proven in fp32 and under --deterministic); "
+            "`--speculative ngram` turns n-gram drafts on")
+
+
+def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False) -> Speculator:
+    """The engine's `Speculator` for `--speculative mode` (the worker's configuration) over `scheduler`:
+    n-gram drafts where asked and the engine can verify them, else one that only says why it is off."""
+    policy = SpecPolicy(num_tokens)
+    if mode == "off":
+        return Speculator("off", policy, off_reason="`--speculative off`")
+    if mode == "auto":
+        return Speculator("off", policy, off_reason=AUTO_OFF)
+    reason = engine_reason(scheduler, pipeline)
+    if reason is not None:
+        return Speculator("off", policy, off_reason=reason)
+    return Speculator("ngram", policy)
+
+
+def engine_reason(scheduler, pipeline: bool) -> str | None:
+    """Why this engine cannot speculate at all, or None."""
+    kv = scheduler.kv
+    if pipeline:
+        return "a pipeline's stages do not verify drafts yet"
+    if scheduler.config.rope is not None:
+        return ("a rotary that depends on the sequence's length would rotate drafts past its threshold "
+                "unlike plain decoding")
+    if kv.sliding:
+        return "sliding-window KV groups do not roll back rejected drafts yet"
+    if kv.states is not None:
+        return "linear-attention state does not roll back to the last accepted token yet"
+    return None
+
+
+class Speculator:
+    """The engine's speculative decoding (see the module docstring); engine thread only."""
+
+    def __init__(self, method: str, policy: SpecPolicy, proposer: NgramProposer | None = None,
+                 off_reason: str | None = None):
+        """`method` "ngram" drafts; "off" (with `off_reason`) proposes nothing and only describes why."""
+        if method not in ("ngram", "off"):
+            raise ValueError(f"Speculative method `{method}` is not available in this engine. Accepted: ngram, off")
+        self.method, self.policy = method, policy
+        self.enabled = method != "off"
+        self.proposer = proposer or NgramProposer()
+        self.last = SpecDecision(policy.max_k if self.enabled else 0, off_reason or "speculating")  # the latest
+        self.drafts = self.draft_tokens = self.accepted = 0
+
+    # -- before the schedule -------------------------------------------------------------------
+
+    def propose(self, running) -> None:
+        """Drafts for this step's decode rows (every other row's are cleared)."""
+        if not self.enabled:
+            return
+        decode = []
+        for seq in running:
+            seq.draft_ids = []
+            if seq.status == RUNNING and seq.output_ids and seq.num_tokens - seq.num_computed == 1:
+                decode.append(seq)
+        for seq in decode:
+            if ineligible(seq.params, seq.grammar is not None) is not None:
+                continue
+            p = seq.params
+            decision = self.policy.choose(len(decode), seq.spec_drafted, seq.spec_accepted,
+                                          p.max_new_tokens - len(seq.output_ids), len(seq.output_ids))
+            self.last = decision
+            if decision.k:
+                seq.draft_ids = self.proposer.propose(seq.token_ids(), decision.k)
+
+    def drafted(self, out) -> bool:
+        return self.enabled and any(_is_draft(c) for c in out.chunks)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, engine, out, t0: float) -> int:
+        """Execute, verify and update a step with drafted rows (the engine's `_step` after schedule)."""
+        chunks = out.chunks
+        drafted = [i for i, c in enumerate(chunks) if _is_draft(c)]
+        plain = [c.seq for c in chunks if c.samples and not _is_draft(c)]
+        masks = engine._start_masks(plain)
+        # 1. one forward: logits at every row of drafted and scored chunks, the last row of the others
+        scored = prompt_chunks(chunks)
+        wanted = sorted(set(scored) | set(drafted))
+        logits, spans = engine.runner.execute_with_prompt_logits(out, wanted)
+        span_of = dict(zip(wanted, spans, strict=True))
+        for i in scored:
+            record_prompt(chunks[i], span_of[i])
+        # 2. plain rows sample as in any step; drafted rows verify
+        sched, eos = engine.scheduler, engine.scheduler.config.eos_token_ids
+        rows = [j for j, c in enumerate(c for c in chunks if c.samples) if not _is_draft(c)]
+        sampled = None
+        if plain:
+            sampled = sample_tokens(logits[rows], plain, engine.grammars,
+                                    None if masks is None else masks.result(), eos)
+        emitted = self._verify([chunks[i] for i in drafted], [span_of[i] for i in drafted], eos, engine.metrics)
+        # 3. update: the plain chunks as in any step, then the drafted rows' tokens round by round
+        rest = replace(out, chunks=tuple(c for c in chunks if not _is_draft(c)))
+        updates = sched.update_from_output(rest, sampled.token_ids if sampled else [],
+                                           sampled.logprobs if sampled else [])
+        tops = {} if sampled is None else {id(s): t for s, t in zip(plain, sampled.top, strict=True) if t is not None}
+        for i, (tokens, _) in zip(drafted, emitted, strict=True):
+            chunks[i].seq.num_computed = chunks[i].start_pos + len(tokens)  # its last token and accepted drafts
+        events, finished, count = [], [], 0
+        for j in range(max(len(tokens) for tokens, _ in emitted)):
+            updates += [sched.append_token(chunks[i].seq, tokens[j], lps[j])
+                        for i, (tokens, lps) in zip(drafted, emitted, strict=True)
+                        if j < len(tokens) and chunks[i].seq.status == RUNNING]
+            if not updates:
+                break
+            outputs = engine.output.process(updates, tops if j == 0 else {}, t0)
+            events += outputs.events
+            finished += outputs.finished
+            count += len(updates)
+            updates = []
+        for i in drafted:
+            self._settle(sched, chunks[i].seq)
+        engine._end_step(out, events, finished, count, t0)
+        return len(chunks)
+
+    def _verify(self, chunks, spans, eos, metrics) -> list[tuple[list[int], list[float]]]:
+        """Per drafted chunk, the tokens it emits and their logprobs (accepted drafts, then one more)."""
+        result: list[tuple[list[int], list[float]] | None] = [None] * len(chunks)
+        greedy = [n for n, c in enumerate(chunks) if not c.seq.params.do_sample]
+        if greedy:  # every position of every greedy row in one sampler call, as plain greedy rows
+            views = [_Position(chunks[n].seq, chunks[n].token_ids[1:j + 1])
+                     for n in greedy for j in range(len(chunks[n].token_ids))]
+            out = sample_tokens(torch.cat([spans[n] for n in greedy]), views, eos_ids=eos)
+            row = 0
+            for n in greedy:
+                width = len(chunks[n].token_ids)
+                ids, lps = out.token_ids[row:row + width], out.logprobs[row:row + width]
+                kept = accept_greedy(ids, chunks[n].token_ids[1:]) + 1
+                result[n] = (ids[:kept], lps[:kept])
+                row += width
+        for n, c in enumerate(chunks):
+            if result[n] is None:  # sampled: the request's generator, one uniform per token
+                drafts = c.token_ids[1:]
+                views = [_Position(c.seq, drafts[:j]) for j in range(len(c.token_ids))]
+                logprobs = torch.log_softmax(processed_logits(spans[n], views, eos_ids=eos), dim=-1)
+                tokens = accept_sampled(logprobs, drafts, c.seq.generator)
+                result[n] = (tokens, [float(logprobs[j, t]) for j, t in enumerate(tokens)])
+        for c, (tokens, _) in zip(chunks, result, strict=True):
+            self._count(c.seq, len(c.token_ids) - 1, len(tokens) - 1, metrics)
+        return result
+
+    def _count(self, seq, drafted: int, accepted: int, metrics) -> None:
+        seq.spec_drafted += drafted
+        seq.spec_accepted += accepted
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted += accepted
+        metrics.spec_drafts.inc()
+        metrics.spec_draft_tokens.inc(drafted)
+        metrics.spec_accepted_tokens.inc(accepted)
+
+    @staticmethod
+    def _settle(sched, seq) -> None:
+        """A drafted row still running: index its blocks that became full, free the rejected ones."""
+        seq.draft_ids = []
+        if seq.status != RUNNING:
+            return
+        if seq.num_computed // sched.config.block_size > seq.num_cached_blocks:
+            sched.kv.cache_full_blocks(seq)
+        sched.kv.trim(seq, seq.num_computed)
+
+    # -- description -----------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """`/capability` `speculative`: method, k, acceptance so far and the latest decision's reason."""
+        rate = self.accepted / self.draft_tokens if self.draft_tokens else None
+        if not self.enabled:
+            return {"method": "off", "k": 0, "reason": self.last.reason}
+        return {"method": self.method, "num_speculative_tokens": self.policy.max_k, "k": self.last.k,
+                "reason": self.last.reason, "acceptance_rate": rate, "drafts": self.drafts,
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted,
+                "tokens_per_draft_step": (self.accepted + self.drafts) / self.drafts if self.drafts else None}
+
