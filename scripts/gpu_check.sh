@@ -9,8 +9,10 @@
 # Design: each step runs under coreutils `timeout` with its own budget, clamped to what is left of the
 # run (GPU_CHECK_SECONDS, default 470), so one hung step costs its budget, never the lease, and a step
 # that no longer fits is reported as skipped. The correctness checks run side by side first; the timed
-# ones (kernel benchmarks, eager against CUDA graphs) run one at a time afterwards, so nothing else
-# shares the GPU while they are timed. What runs:
+# ones (eager against CUDA graphs, kernel benchmarks) run one at a time afterwards, so nothing else
+# shares the GPU while they are timed. The embedded model's worker starts first and alone among the
+# workers: its preflight fills the Triton cache that the later ones read. Exit status: 0 when every
+# row of the summary is fine. What runs:
 #  - the gpu-marked tests (the files that hold the marker; the real kernels' self-tests, the W4A16
 #    and MXFP4 kernels' gpu tests, ...);
 #  - the preflight on the real device compared record by record with `hetserve plan --compile
@@ -35,7 +37,7 @@
 #   scripts/gpu_check.sh                          # OUT=/tmp/gpu-check
 #   OUT=/some/dir GPU_CHECK_SECONDS=560 scripts/gpu_check.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 SELF="$PWD/scripts/gpu_check.sh"
 export PY="${PYTHON:-python3}"
 export WORK="${GPU_CHECK_WORK:-/tmp/gpu-check-work}"
@@ -136,6 +138,16 @@ def generate(i, out):
     c.request("POST", "/generate", json.dumps(body), {"content-type": "application/json"})
     out[i] = [t["id"] for t in json.loads(c.getresponse().read())["details"]["tokens"]]
 
+def compile_state():
+    c = Unix("w", timeout=30)
+    c.request("GET", "/capability")
+    return (json.loads(c.getresponse().read()).get("compile") or {}).get("state")
+
+# a step compiled behind the serving is measured once it is in use (or has failed): not while still eager
+t0 = time.perf_counter()
+while (state := compile_state()) in ("waiting", "compiling") and time.perf_counter() - t0 < 60:
+    time.sleep(1)
+print(f"compile {mode}: step {state} after {time.perf_counter() - t0:.0f}s of waiting", flush=True)
 tokens = {}
 for batch in (1, 32):
     generate(0, {})  # warm-up
@@ -214,6 +226,11 @@ PY
     start)  # start NAME [FLAGS...]: a worker left serving for a later step (stopped by the run's end)
       start_worker "$@"
       ;;
+    probe)  # probe NAME: a running worker probed, then stopped
+      probe "$1"; local rc=$?
+      stop_worker "$1"
+      return "$rc"
+      ;;
     throughput)  # throughput NAME MODE: measured on a running worker, then probed and stopped
       throughput "$1" "$2"; local rc=$?
       probe "$1"
@@ -249,6 +266,7 @@ rm -rf "$WORK"
 mkdir -p "$OUT" "$WORK"
 : >"$WORK/steps.tsv"
 trap 'for f in "$WORK"/*.pid; do [ -e "$f" ] && kill "$(cat "$f")" 2>/dev/null; done' EXIT
+trap 'exit 143' TERM INT  # the workers left serving are stopped by the EXIT trap then too
 
 # step NAME BUDGET_S UNTIL [--as LABEL] ARGS...: `run_step NAME ARGS` within BUDGET_S seconds and before UNTIL
 # (epoch seconds; the run's deadline less the reserve at most); output in $WORK/LABEL.txt (LABEL: NAME), a
@@ -287,14 +305,18 @@ export PYTHONUNBUFFERED=1
 step env 60 "$DEADLINE"
 cat "$WORK/env.txt"
 # 1. correctness, side by side: tests, preflight, workers (the two compiled-step workers start here too)
-phase_a=$((START + 230))
+phase_a=$((START + 240))
 step gpu-tests 220 "$phase_a" &
 step preflight 180 "$phase_a" &
-step serve 180 "$phase_a" --as serve-embedded embedded &
-step start 180 "$phase_a" --as start-compile-off compile-off --compile off --max-batch 32 &
-step start 180 "$phase_a" --as start-compile-on compile-on --compile on --max-batch 32 &
 (
-  step checkpoints 120 "$phase_a"
+  step checkpoints 120 "$phase_a" &
+  checkpoints=$!
+  # the embedded model first, alone: its preflight fills the Triton cache the later workers read
+  step start 180 "$phase_a" --as start-embedded embedded
+  step probe 90 "$phase_a" --as serve-embedded embedded &
+  step start 150 "$phase_a" --as start-compile-off compile-off --compile off --max-batch 32 &
+  step start 150 "$phase_a" --as start-compile-on compile-on --compile on --max-batch 32 &
+  wait "$checkpoints"
   step serve 150 "$phase_a" --as serve-int4 int4 --model "$WORK/int4-awq" &
   step serve 150 "$phase_a" --as serve-fp8 fp8 --model "$WORK/fp8-block" &
   if [ -d "$WORK/mxfp4/mx" ]; then step serve 150 "$phase_a" --as serve-mxfp4 mxfp4 --model "$WORK/mxfp4/mx" & fi
@@ -318,5 +340,7 @@ step int4-kernels 60 "$DEADLINE"
 # 3. the summary, and every log in one tarball
 for f in "$WORK"/*.pid; do [ -e "$f" ] && stop_worker "$(basename "$f" .pid)"; done
 "$PY" scripts/gpu_summary.py "$WORK" | tee "$OUT/summary.txt"
+fine=${PIPESTATUS[0]}
 tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude='*.sock' --exclude=int4-awq --exclude=fp8-block --exclude=mxfp4 .
 echo "gpu_check: $(($(date +%s) - START))s; summary $OUT/summary.txt, logs $OUT/logs.tar.gz"
+exit "$fine"

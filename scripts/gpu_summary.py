@@ -181,6 +181,16 @@ def throughput_rows(work: Path, done: dict) -> list[Row]:
         if eager and graphs:
             figures += f" ({graphs / eager:.2f}x)"
         rows.append(Row(f"batch {batch}", figures, same, bool(eager and graphs and off and equal == len(off))))
+    try:
+        compiled = json.loads(read(work, "compile-on.probe.json"))["capability"]["body"]["compile"] or {}
+    except (ValueError, KeyError, TypeError):
+        compiled = None
+    if compiled is not None:  # what the graphs worker ran: its compiled step in use, or why not
+        state = compiled.get("state", "in use" if compiled.get("enabled") else "off")
+        rows.append(Row("graphs worker", f"compiled step {state}", f"{compiled.get('backend')}: "
+                        f"{compiled.get('done', '?')} of {len(compiled.get('buckets') or [])} buckets, "
+                        f"{compiled.get('seconds', '?')}s; {compiled.get('reason', '')}"[:160],
+                        bool(compiled.get("enabled")) and state in ("ready", "in use")))  # fmt: skip
     for mode in ("off", "on"):
         step = done.get(f"throughput-{mode}")
         if step is None or step["rc"] != "0":

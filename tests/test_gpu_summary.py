@@ -109,7 +109,12 @@ def work(tmp_path, capsys):
         "int4 checkpoint /w/int4-awq\nfp8 checkpoint /w/fp8-block\nmxfp4 checkpoint /w/mx\n")
     for name, cap in CAPS.items():
         (w / f"{name}.probe.json").write_text(json.dumps(_probe(cap=cap)))
+    (w / "compile-on.probe.json").write_text(json.dumps(_probe(cap={"compile": GRAPHS})))
     return w
+
+
+GRAPHS = {"mode": "on", "enabled": True, "backend": "cudagraphs", "reason": "on: CUDA graphs per batch bucket",
+          "buckets": [1, 2, 4, 8, 16, 32], "seconds": 2.5, "state": "ready", "done": 6}  # fmt: skip
 
 
 def _row(text: str, name: str) -> str:
@@ -135,6 +140,8 @@ def test_a_run_where_everything_passed_reads_all_fine(work):
         "int4 W4A16 sm80 ok (2 cases, worst rel err 2.0e-03) 0.50x..2.00x torch speed")
     assert _row(text, "batch 1") == "batch 1 eager 400, graphs 1200 tokens/s (3.00x) greedy tokens equal in 1/1"
     assert _row(text, "batch 32") == "batch 32 eager 3000, graphs 9000 tokens/s (3.00x) greedy tokens equal in 32/32"
+    assert _row(text, "graphs worker") == (
+        "graphs worker compiled step ready cudagraphs: 6 of 6 buckets, 2.5s; on: CUDA graphs per batch bucket")
     assert _row(text, "embedded model").endswith(
         "ready, answered ' to be happy.' fp8 not used (bfloat16); kernels triton-sm90")
     assert _row(text, "AWQ 4-bit checkpoint").endswith("int4 w4a16 (triton-w4a16)")
@@ -227,3 +234,12 @@ def test_a_benchmark_without_cuda_says_not_run(work):
     out, _ = gpu_summary.summarize(work)
     assert _row(out, "RMSNorm") == "RMSNorm not run: no CUDA device -"
     assert _row(out, "fp8 checkpoint kernels") == "fp8 checkpoint kernels not run: no CUDA device -"
+
+
+def test_graphs_still_compiling_when_measured_is_a_problem(work):
+    """The graphs figures count only once the compiled step is in use: a worker still compiling says so."""
+    (work / "compile-on.probe.json").write_text(json.dumps(_probe(cap={"compile": GRAPHS | {"state": "compiling",
+                                                                                            "done": 2}})))
+    out, _ = gpu_summary.summarize(work)
+    assert _row(out, "graphs worker").startswith("graphs worker compiled step compiling cudagraphs: 2 of 6 buckets")
+    assert _problems(work).startswith("1 problems: graphs worker: compiled step compiling")
