@@ -303,7 +303,7 @@ fi
 export PYTHONUNBUFFERED=1
 
 step env 60 "$DEADLINE"
-cat "$WORK/env.txt"
+grep -q "^env	0	" "$WORK/steps.tsv" && cat "$WORK/env.txt"  # a failed step printed its tail
 # 1. correctness, side by side: tests, preflight, workers (the two compiled-step workers start here too)
 phase_a=$((START + 240))
 step gpu-tests 220 "$phase_a" &
