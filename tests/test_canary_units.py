@@ -149,3 +149,25 @@ def test_drain_restarts_a_suspect_twice_then_holds_it_until_it_passes():
     marking._conclude(h2 := SimpleNamespace(id="gpu2", generation=1, info=info, canary=None, canary_hold=None,
                                             model="m"), tuple(wrong))
     assert h2.canary.suspect and h2.canary_hold is None and marking.supervisor.calls == []
+
+
+def test_a_models_only_worker_is_not_held_for_the_first_check():
+    """Guards `serving[_model(h)] > 1` in `CanaryMonitor.run`: a model's only worker was held out of
+    rotation until the first round recorded its own reference, so a single-worker server answered
+    its first request only after that round (which waits on a background compile's held steps)."""
+
+    class Settled(Exception):
+        pass
+
+    sup = _Supervisor()
+    sup.workers = {wid: SimpleNamespace(id=wid, model=model, canary_hold=None)
+                   for wid, model in (("gpu0", "a"), ("gpu1", "b"), ("gpu2", "b"))}
+
+    async def wait_settled(timeout):
+        raise Settled
+
+    sup.wait_settled = wait_settled
+    with pytest.raises(Settled):
+        asyncio.run(CanaryMonitor(sup, RouterSettings(canary_interval_s=60)).run())
+    assert {wid: h.canary_hold is not None for wid, h in sup.workers.items()} == {
+        "gpu0": False, "gpu1": True, "gpu2": True}

@@ -10,7 +10,8 @@ time, only while it has a free batch slot, not counted as load, fed to no circui
 never retried. The verdict stays apart from the breaker and the health probe (a suspect worker
 answers requests fine); they meet in `/health`. Trade-off: each worker serves only once its
 first check is over, so start-up waits for a round, in exchange for a round that competes with
-no user request.
+no user request; a model's only worker serves at once, since the reference it records in that
+round is its own and judges nothing yet.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import Counter
 
 from server.canary.compare import (
     Numerics,
@@ -100,8 +102,10 @@ class CanaryMonitor:
         if not self.enabled:
             self.first_round.set()
             return
-        for h in self.supervisor.workers.values():  # none is ready yet: each serves after its first check
-            self.supervisor.hold(h, FIRST_CHECK)
+        serving = Counter(_model(h) for h in self.supervisor.workers.values())
+        for h in self.supervisor.workers.values():  # none is ready yet: each serves after its first check,
+            if serving[_model(h)] > 1:  # but a model's only worker: a reference of its own judges nothing
+                self.supervisor.hold(h, FIRST_CHECK)
         await self.supervisor.wait_settled(self.settings.startup_timeout_s)
         next_round = time.monotonic()
         while True:
