@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import engine as engine_bench  # noqa: E402
+from kv_cache import text_ids  # noqa: E402  (the KV benchmark's English-like prompts)
 
 from workers.contract import DEFAULT_MODEL_DIR  # noqa: E402
 from workers.engine.core import Engine  # noqa: E402
@@ -54,15 +54,6 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
     return p.parse_args(argv)
-
-
-def text_ids(tokenizer, n: int, salt: str) -> list[int]:
-    ids: list[int] = []
-    i = 0
-    while len(ids) < n:
-        ids += tokenizer.encode(f"{engine_bench.SENTENCES[i % len(engine_bench.SENTENCES)]} {salt}{i}. ").ids
-        i += 1
-    return ids[:n]
 
 
 class Side:

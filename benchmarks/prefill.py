@@ -54,22 +54,29 @@ def parse_args(argv=None):
 
 def build_engine(args):
     """The worker's engine for this process's CPU, as `run_worker` assembles it (no socket)."""
+    from workers.contract import WorkerConfig
+
+    config = WorkerConfig(socket=str(ROOT / ".prefill-bench.sock"), compile="off", threads=args.threads,
+                          dtype=args.dtype, max_batch=max(args.prompts, 1),
+                          max_num_batched_tokens=args.prompts * args.tokens, no_prefix_cache=True)
+    return worker_engine(config, args.model)[0].engine
+
+
+def worker_engine(config, model):
+    """(`BuiltEngine`, loaded model) of a worker with `config` serving `model` on this process's
+    device, as `run_worker` assembles them (no socket, no compile yet)."""
     import torch
 
-    from workers.contract import WorkerConfig
     from workers.device.bind import bind_device, capability
     from workers.engine.build import build_engine, build_kv, context_length, decide_compile, install_cpu_paths
     from workers.kernelize.apply import kernelize_for_device
     from workers.model.loader import load_model
     from workers.quant.fp8_convention import choose_fp8, lock_convention
 
-    config = WorkerConfig(socket=str(ROOT / ".prefill-bench.sock"), compile="off", threads=args.threads,
-                          dtype=args.dtype, max_batch=max(args.prompts, 1),
-                          max_num_batched_tokens=args.prompts * args.tokens, no_prefix_cache=True)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(config.threads)
     bound = bind_device(None)
     cap = capability()
-    loaded = load_model(args.model, config.dtype, bound.torch_device, cap, None, device_type=bound.type)
+    loaded = load_model(model, config.dtype, bound.torch_device, cap, None, device_type=bound.type)
     kernelize_for_device(loaded.model, bound)
     conv, _ = choose_fp8(bound.type, cap)
     lock_convention(conv)
@@ -77,7 +84,7 @@ def build_engine(args):
     decision = decide_compile(config, bound, cpu, loaded.model, pipeline=False)
     context = context_length(config, loaded)
     kv = build_kv(config, bound, loaded, context, decision.enabled)
-    return build_engine(config, bound, loaded, kv, decision, cpu, context).engine
+    return build_engine(config, bound, loaded, kv, decision, cpu, context), loaded
 
 
 def configure(name: str) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # prefill.py's worker assembly
 
 SEEDS = ["Tell me about grass.", "Name a fruit.", "Why is the sky blue?", "Tell me a joke.",
          "What is a good day?", "Give me a number.", "Say something wise.", "Hello!"]
@@ -50,32 +51,16 @@ def parse_args(argv=None):
 
 def build_engine(args):
     """The worker's engine for this process's CPU, as `run_worker` assembles it (no socket)."""
-    import torch
+    from prefill import worker_engine
 
     from workers.contract import WorkerConfig
     from workers.contract.defaults import step_token_budget
-    from workers.device.bind import bind_device, capability
-    from workers.engine.build import build_engine, build_kv, context_length, decide_compile, install_cpu_paths
-    from workers.kernelize.apply import kernelize_for_device
-    from workers.model.loader import load_model
-    from workers.quant.fp8_convention import choose_fp8, lock_convention
 
     config = WorkerConfig(socket=str(ROOT / ".speculative-bench.sock"), compile=args.compile, threads=args.threads,
                           dtype=args.dtype, max_batch=max(16, args.random_prompts), no_prefix_cache=True,
                           max_num_batched_tokens=step_token_budget(True, max(16, args.random_prompts)),
                           speculative="ngram", num_speculative_tokens=args.k)
-    torch.set_num_threads(args.threads)
-    bound = bind_device(None)
-    cap = capability()
-    loaded = load_model(args.model, config.dtype, bound.torch_device, cap, None, device_type=bound.type)
-    kernelize_for_device(loaded.model, bound)
-    conv, _ = choose_fp8(bound.type, cap)
-    lock_convention(conv)
-    cpu = install_cpu_paths(loaded, bound, config.deterministic)
-    decision = decide_compile(config, bound, cpu, loaded.model, pipeline=False)
-    context = context_length(config, loaded)
-    kv = build_kv(config, bound, loaded, context, decision.enabled)
-    built = build_engine(config, bound, loaded, kv, decision, cpu, context)
+    built, loaded = worker_engine(config, args.model)
     built.compile()
     return built.engine, loaded.tokenizer
 

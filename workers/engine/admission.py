@@ -1,4 +1,4 @@
-"""A submitted request made into the engine's `Sequence`: its seed, text side, stream and grammar.
+"""A submitted request made into the engine's `Sequence`, and the engine's two refusals of one.
 
 Design: `Engine.submit` admits (counts the request in flight, or refuses it) under its lock and
 hands the rest here, outside the lock: the seeded generator (skipping the draws of resumed
@@ -19,6 +19,18 @@ from workers.engine.sequence import Sequence
 from workers.sampling.grammar import CompiledGrammar
 from workers.sampling.params import SamplingParams
 from workers.sampling.sampler import make_generator
+
+
+class EngineOverloaded(RuntimeError):
+    """The bounded queue is full (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is draining, stopped or dead (HTTP 503)."""
 
 
 def new_sequence(rid: str, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop | None,

@@ -30,7 +30,7 @@ import torch
 
 from workers.contract import DEFAULT_MAX_QUEUE
 from workers.contract.detokenize import special_token_ids
-from workers.engine.admission import new_sequence
+from workers.engine.admission import EngineOverloaded, EngineUnavailable, new_sequence
 from workers.engine.events import ErrorEvent, RequestStream, deliver
 from workers.engine.liveness import Liveness, LivenessClock
 from workers.engine.metrics import WorkerMetrics
@@ -53,18 +53,6 @@ logger = logging.getLogger(__name__)
 
 _ADD, _ABORT, _WAKE, _STOP = "add", "abort", "wake", "stop"
 INLINE_MAX_TOKENS = 32  # an idle engine's first step runs on the submitting thread up to this many tokens
-
-
-class EngineOverloaded(RuntimeError):
-    """The bounded queue is full (HTTP 429)."""
-
-    def __init__(self, message: str, retry_after: int = 1):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine is draining, stopped or dead (HTTP 503)."""
 
 
 class Engine:
