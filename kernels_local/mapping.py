@@ -38,7 +38,7 @@ from workers.contract import (
 
 REPO_ROOT = Path(__file__).resolve().parent
 LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE", "Fp8CheckpointLinear", "GatedDeltaRule",
-          "Fp8FusedMoE", "Int4CheckpointLinear", "Mxfp4FusedMoE")
+          "Fp8FusedMoE", "Int4CheckpointLinear", "Mxfp4FusedMoE", "LoraDelta")
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
@@ -281,6 +281,16 @@ _ENTRIES: tuple[_Entry, ...] = (
            "for CDNA's 64-lane wavefronts"),
     _Entry("Mxfp4FusedMoE", _rocm(100, _ANY), "fused_moe", "Mxfp4FusedMoETritonRocm", "w4a16-triton-rocm",
            f"MXFP4 experts kept packed, Triton grouped GEMM; {_RDNA}"),
+    # -- LoraDelta: the LoRA adapters of a mixed batch, every adapter of a step in one launch pair -----
+    *_triton_family(
+        "LoraDelta", "lora_sgmv", "LoraDelta",
+        "CPU: torch, one gather, two thin matmuls and a scatter per adapter present (Triton needs a GPU)",
+        _BELOW_SM70,
+        "pre-Hopper (sm_70..sm_89): Triton segmented shrink/expand over the step's stacked adapters (SGMV tiles "
+        "up to 32 rows, one row per program for short decode segments), 4 warps",
+        "Hopper (sm_90): Triton segmented shrink/expand over the step's stacked adapters, 64-wide K blocks, 128 "
+        "columns, SGMV tiles up to 64 rows over 8 warps",
+        "Triton segmented shrink/expand over the step's stacked adapters, tuned for CDNA's 64 KiB of LDS"),
 )
 # fmt: on
 

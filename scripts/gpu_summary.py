@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 TIMED_OUT = {"124", "137"}  # coreutils `timeout`: the budget ran out (137: killed after the grace period)
 KERNEL_RUNS = {"rmsnorm": "RMSNorm", "silu": "SiluAndMul", "fp8": "Fp8Linear", "paged": "PagedAttention",
-               "moe": "FusedMoE"}  # fmt: skip
+               "moe": "FusedMoE", "lora": "LoraDelta"}  # fmt: skip
 _ENTRY = re.compile(r"^(?P<name>.+?) (?P<us>[\d.]+) us(?:, \d+ GB/s)?(?:, x(?P<ratio>[\d.]+))?$")
 _FP8_LINEAR = re.compile(r"^(?P<name>w8a16|w8a8 block)\s+M=.*: rel err (?P<err>\S+)\s+[\d.]+ ms vs bf16 [\d.]+ ms "
                          r"\((?P<ratio>[\d.]+)x\)$")  # fmt: skip

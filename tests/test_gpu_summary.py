@@ -21,7 +21,8 @@ import gpu_summary  # noqa: E402  (scripts/ is no package)
 
 STEPS = ["env", "gpu-tests", "preflight", "serve-embedded", "start-compile-off", "start-compile-on", "checkpoints",
          "serve-int4", "serve-fp8", "serve-mxfp4", "throughput-off", "throughput-on", "kernels-rmsnorm",
-         "kernels-silu", "kernels-fp8", "kernels-paged", "kernels-moe", "fp8-kernels", "int4-kernels"]  # fmt: skip
+         "kernels-silu", "kernels-fp8", "kernels-paged", "kernels-moe", "kernels-lora", "fp8-kernels",
+         "int4-kernels"]  # fmt: skip
 
 
 def _kernel_lines(capsys, title: str, times: dict, baseline: str = "torch") -> str:
@@ -86,6 +87,9 @@ def work(tmp_path, capsys):
     (w / "kernels-paged.txt").write_text(header + _kernel_lines(
         capsys, "PagedAttention Gemma 2 local 32 rows x 8192 tokens, 16/8 heads D 256 window 4096 softcap 50.0 bf16",
         {"torch": 500.0, "sm90*": 100.0}))  # fmt: skip
+    (w / "kernels-lora.txt").write_text(header + _kernel_lines(
+        capsys, "LoraDelta 0 prefill + 32 decode rows, 4 adapters r 8..64, q/k/v 4096->6144 bf16",
+        {"torch": 60.0, "sm70": 30.0, "sm90*": 20.0, "rocm": 30.0}))
     (w / "kernels-moe.txt").write_text(header + _kernel_lines(
         capsys, "FusedMoE gpt-oss-20b 32 tokens, E 32 top-4, H 2880 I 2880 (30 experts touched) bf16",
         {"torch": 900.0, "sm90*": 300.0}))  # fmt: skip
@@ -134,6 +138,7 @@ def test_a_run_where_everything_passed_reads_all_fine(work):
     assert _row(text, "Fp8Linear") == "Fp8Linear ok (1 shapes) 2.00x torch speed"  # vs F.linear, not the dequant
     assert _row(text, "PagedAttention") == "PagedAttention ok (1 shapes) 5.00x torch speed"
     assert _row(text, "FusedMoE") == "FusedMoE ok (1 shapes) 3.00x torch speed"
+    assert _row(text, "LoraDelta") == "LoraDelta ok (1 shapes) 3.00x torch speed"
     assert _row(text, "fp8 w8a16") == "fp8 w8a16 ok (1 cases, worst rel err 3.0e-03) 1.50x torch speed"
     assert _row(text, "fp8 MoE native").startswith("fp8 MoE native ok (1 cases, worst rel err 2.0e-02) 0.300 ms")
     assert _row(text, "int4 W4A16 sm80") == (
@@ -221,7 +226,7 @@ def test_nothing_ran_gives_every_row_a_problem_and_no_traceback(tmp_path, capsys
     assert not fine
     assert "device: unknown" in text
     rows = [ln for ln in text.splitlines() if ln.startswith("  ")]
-    assert len(rows) == 5 + 2 + 2 + 2 + 4 + 2  # kernels, fp8/int4 runs, batches, compile modes, workers, tests
+    assert len(rows) == 6 + 2 + 2 + 2 + 4 + 2  # kernels, fp8/int4 runs, batches, compile modes, workers, tests
     assert gpu_summary.main([str(tmp_path / "missing")]) == 2
     assert "usage" in capsys.readouterr().out
 

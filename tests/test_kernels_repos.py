@@ -38,6 +38,7 @@ REPO_LAYERS = {
     "rotary": ["Rotary", "RotaryCpu"],
     "panel_linear": ["Linear", "PanelLinearCpu"],
     "sampling": ["GreedyRows", "GreedyRowsCpu"],
+    "lora_sgmv": ["LoraDelta", "LoraDeltaTritonSm70", "LoraDeltaTritonSm90", "LoraDeltaTritonRocm"],
 }
 
 
@@ -53,6 +54,7 @@ def test_metadata_follows_the_kernels_layout(repo):
 def test_layers_load_and_are_stateless(repo):
     """`kernels` refuses layers with a constructor or extra members; check every layer the
     way it does, against the model layer it replaces."""
+    from workers.lora.apply import LoraDelta as ModelLoraDelta
     from workers.model.moe import FusedMoE as ModelFusedMoE
     from workers.quant.quantize_model import Fp8Linear as ModelFp8Linear
 
@@ -61,7 +63,7 @@ def test_layers_load_and_are_stateless(repo):
            for r in ("rotary", "sampling")}  # fmt: skip
     replaced = {"rmsnorm": ModelRMSNorm, "activation": ModelSiluAndMul, "fp8_linear": ModelFp8Linear,
                 "paged_attention": ModelPagedAttention, "fused_moe": ModelFusedMoE, "panel_linear": torch.nn.Linear,
-                **own}[repo]
+                "lora_sgmv": ModelLoraDelta, **own}[repo]
     for name in REPO_LAYERS[repo]:
         lrepo = LocalLayerRepository(repo_path=REPOS / repo, layer_name=name)
         cls = lrepo.load()

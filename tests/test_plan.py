@@ -248,7 +248,7 @@ def test_an_unused_kernel_is_left_out_without_the_flag_and_listed_with_it(tiny_p
     assert "not used: a dense model: no experts" in full and "not used:" not in text
     assert "not used: no `--quantize fp8`" in full
     assert ("  not listed (its model does not run them; --all-kernels lists them): Fp8Linear, FusedMoE, "
-            "Fp8CheckpointLinear, GatedDeltaRule, Fp8FusedMoE, Int4CheckpointLinear, Mxfp4FusedMoE") in text
+            "Fp8CheckpointLinear, GatedDeltaRule, Fp8FusedMoE, Int4CheckpointLinear, Mxfp4FusedMoE, LoraDelta") in text
     assert "not listed" not in full
     for entry in tiny_plan["devices"]:  # the JSON keeps every kernel; the ones not run say why
         assert list(entry["kernels"]) == list(LAYERS)
