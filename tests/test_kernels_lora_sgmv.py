@@ -253,3 +253,17 @@ def test_the_worker_kernelizes_its_lora_delta_with_the_models_plan():
         with lora_rows(model, batch):
             got = model.wqkv(x)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_one_adapter_on_every_row_adds_without_a_gather_the_same_delta():
+    """Guards the `whole` branch of `add_lora`: a batch of one adapter skips the gather and scatter
+    and adds exactly what the gathered path (the repository's reference) adds."""
+    a = _adapter("a", 8, PARTS, 1)
+    batch = LoraBatch.from_rows([a] * 6)
+    gen = torch.Generator().manual_seed(5)
+    x, base = torch.randn(6, K, generator=gen), torch.randn(6, 80, generator=gen)
+    want, got = base.clone(), base.clone()
+    lora_sgmv_reference(x, want, build_stack(batch.adapters, "wqkv", "cpu"), batch.segments)
+    add_lora("wqkv", x, got, batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, base)

@@ -138,18 +138,23 @@ def add_lora(name: str, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) ->
         pairs = adapter.targets.get(name)
         if not pairs:
             continue
-        xs = x2.index_select(0, rows)  # [n, K]
+        whole = len(rows) == x2.shape[0]  # one adapter on every row: no gather, no scatter
+        xs = x2 if whole else x2.index_select(0, rows)  # [n, K]
         for t in pairs:
             xs_t = xs.to(t.a.dtype)
             delta = ((xs_t @ t.a.T) @ t.b.T) * adapter.scale  # [n, r] -> [n, size]
-            out2.narrow(1, t.offset, t.size).index_add_(0, rows, delta.to(out2.dtype))
+            part = out2.narrow(1, t.offset, t.size)
+            if whole:
+                part.add_(delta.to(out2.dtype))
+            else:
+                part.index_add_(0, rows, delta.to(out2.dtype))
 
 
 def _hook(name: str, state: _State):
     def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         batch = state.batch
         if batch is not None:
-            state.delta(name, args[0], out, batch)
+            state.delta.forward(name, args[0], out, batch)  # the chosen forward, without Module.__call__
 
     return hook
 
