@@ -267,3 +267,24 @@ def test_one_adapter_on_every_row_adds_without_a_gather_the_same_delta():
     add_lora("wqkv", x, got, batch)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.equal(got, base)
+
+
+def test_a_lora_kernel_that_fails_or_disagrees_is_named_and_the_torch_path_serves():
+    """Guards `check_delta` and its `to_torch_path` fallback in workers/lora/worker.py `build_loras`: a
+    chosen kernel that raises or adds another delta is reported with the reason; one that agrees (the
+    Triton layer, on CPU tensors its torch path or the interpreter's kernel) is not."""
+    from kernels_local.mapping import select
+    from workers.kernelize.apply import KernelPlan
+    from workers.kernelize.selftest import to_torch_path
+    from workers.lora.worker import check_delta
+
+    a = _adapter("a", 8, PARTS, 1)
+    delta = LoraDelta()
+    assert check_delta(delta, a, "cpu") is None  # the torch path itself
+    KernelPlan("cpu", select("cuda", (8, 0))).apply(delta)
+    assert "forward" in delta.__dict__ and check_delta(delta, a, "cpu") is None
+    delta.forward = lambda name, x, out, batch: 1 / 0
+    assert check_delta(delta, a, "cpu").startswith("ZeroDivisionError")
+    delta.forward = lambda name, x, out, batch: out.add_(1.0)
+    assert "differs from the torch path by" in check_delta(delta, a, "cpu")
+    assert to_torch_path(delta, "LoraDelta") == 1 and check_delta(delta, a, "cpu") is None
