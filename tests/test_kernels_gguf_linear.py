@@ -204,16 +204,17 @@ def test_the_declared_launches_compile_and_fit_on_every_architecture_they_are_fo
             assert record.spill_bytes == 0, (arch, spec.config, record.spill_bytes)
 
 
-# -- the compiled kernels on a real GPU (scripts/gpu_check.sh runs these where one is lent) ---------
-GPU_SHAPES = [(1, 4096, 4096), (4, 4096, 4096), (32, 4096, 4096), (300, 1000, 2048)]
+# -- the compiled kernels on a real GPU (scripts/gpu_check.sh runs these where one is lent; every type is
+#    checked and timed there by benchmarks/gguf_kernels.py, so these stay few: each launch compiles) -------
+GPU_SHAPES = [(1, 4096, 4096), (300, 1000, 2048)]  # decode (the GEMV), prefill with outputs that fill no tile
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "n", "k"), GPU_SHAPES)
-@pytest.mark.parametrize("name", list(BLOCKS))
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"])  # Q4_K_M's two types, Q8_0, IQ4's grid
 def test_compiled_kernel_matches_the_reference_on_real_shapes(name, m, n, k):
-    """The tuning `select()` picks for this GPU, compiled, against the torch reference in bf16 and fp16
-    (the same weights, another summation order) and in fp32 tightly."""
+    """The tuning `select()` picks for this GPU, compiled, against the torch reference in bf16 (the same
+    weights, another summation order) and in fp32 tightly, with a bias."""
     from kernels_local.mapping import select
 
     kind = "rocm" if torch.version.hip else "cuda"
@@ -223,7 +224,7 @@ def test_compiled_kernel_matches_the_reference_on_real_shapes(name, m, n, k):
     tuning = TUNINGS[layer.removeprefix("GGUFLinearTriton").lower()]
     w = _weight(name, n, k).cuda()
     bias = torch.randn(n, device="cuda")
-    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3), (torch.float32, 1e-5)):
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
         x = torch.randn(m, k, device="cuda").to(dtype)
         got = gguf_linear(x, w, name, bias.to(dtype), tuning=tuning)
         want = gguf_linear_reference(x, w, name, bias.to(dtype))
