@@ -113,8 +113,8 @@ def test_the_kernel_equals_the_reference(name, m, dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", list(layers.COMPILE_SPECS))
-def test_each_triton_layer_runs_a_packed_module_and_a_dequantized_one(name):
+@pytest.mark.parametrize("name", ["GGUFLinear", *layers.COMPILE_SPECS])
+def test_each_layer_runs_a_packed_module_and_a_dequantized_one(name):
     w = _weight("Q4_K", 8, 256)
     module = torch.nn.Module()
     module.execution, module.qweight, module.gguf_type, module.bias = "packed", w, "Q4_K", None
@@ -126,6 +126,18 @@ def test_each_triton_layer_runs_a_packed_module_and_a_dequantized_one(name):
     module.execution = "w4a16"
     with pytest.raises(TypeError, match="`w4a16`"):
         layer.forward(module, x)
+
+
+@pytest.mark.parametrize("name", list(layers.COMPILE_SPECS))
+def test_each_layer_passes_the_tuning_its_specs_declare(monkeypatch, name):
+    """Guards `COMPILE_SPECS`: a layer whose forward passed another tuning than its entry would be
+    preflighted with the wrong tile shapes."""
+    seen = {}
+    monkeypatch.setattr(layers, "gguf_linear", lambda *a, **kw: seen.update(tuning=kw["tuning"]))
+    module = torch.nn.Module()
+    module.execution, module.qweight, module.gguf_type, module.bias = "packed", _weight("Q8_0", 4, 64), "Q8_0", None
+    getattr(layers, name).forward(module, torch.ones(2, 64))
+    assert seen["tuning"] is layers.COMPILE_SPECS[name].args[0]
 
 
 def test_a_weight_of_the_wrong_layout_is_a_named_error():
