@@ -34,6 +34,8 @@ REPO_LAYERS = {
     "paged_attention": ["PagedAttention", "PagedAttentionTritonSm70", "PagedAttentionTritonSm90",
                         "PagedAttentionTritonRocm"],
     "fused_moe": ["FusedMoE", "FusedMoETritonSm70", "FusedMoETritonSm90", "FusedMoETritonRocm"],
+    "gguf_linear": ["GGUFLinear", "GGUFLinearTritonSm70", "GGUFLinearTritonSm80", "GGUFLinearTritonSm90",
+                    "GGUFLinearTritonRocm"],
     # CPU kernels the worker calls directly; their layers keep each repository loadable through `kernels`
     "rotary": ["Rotary", "RotaryCpu"],
     "panel_linear": ["Linear", "PanelLinearCpu"],
@@ -58,9 +60,10 @@ def test_layers_load_and_are_stateless(repo):
     from workers.model.moe import FusedMoE as ModelFusedMoE
     from workers.quant.quantize_model import Fp8Linear as ModelFp8Linear
 
-    # no model module applies the rotary or picks greedy rows: their layers keep the reference's forward
+    # no model module applies the rotary, picks greedy rows or holds GGUF blocks yet: their layers keep the
+    # reference's forward
     own = {r: LocalLayerRepository(repo_path=REPOS / r, layer_name=REPO_LAYERS[r][0]).load()
-           for r in ("rotary", "sampling")}  # fmt: skip
+           for r in ("rotary", "sampling", "gguf_linear")}  # fmt: skip
     replaced = {"rmsnorm": ModelRMSNorm, "activation": ModelSiluAndMul, "fp8_linear": ModelFp8Linear,
                 "paged_attention": ModelPagedAttention, "fused_moe": ModelFusedMoE, "panel_linear": torch.nn.Linear,
                 "lora_sgmv": ModelLoraDelta, **own}[repo]
