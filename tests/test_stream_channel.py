@@ -18,6 +18,7 @@ from server.fleet.client import SSEEvents, WorkerClient
 from server.fleet.uds_http import WorkerConnectionLost
 from tests.test_worker_process import client, ready_worker
 from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, WorkerRequest
+from workers.contract.channel import Rejected, Step, Submit, frame, to_worker
 
 pytestmark = pytest.mark.slow
 
@@ -150,29 +151,26 @@ def test_bad_channel_headers_are_clear_errors(worker):
         assert r.status_code == 422
 
 
+def _fed(data: bytes, step: int = 4) -> asyncio.StreamReader:
+    """A reader that holds `data` cut every `step` bytes, then its end."""
+    reader = asyncio.StreamReader()
+    for i in range(0, len(data), step):
+        reader.feed_data(data[i:i + step])
+    reader.feed_eof()
+    return reader
+
+
 def test_records_split_anywhere_reach_their_streams():
-    """The router's reader takes records whole however the frames are cut, and a channel that
+    """The router's reader takes frames whole however the bytes are cut, and a channel that
     ends fails the streams still open on it."""
 
-    class Frames:
-        def __init__(self, chunks):
-            self.chunks = chunks
-
-        async def iter_chunks(self):
-            for chunk in self.chunks:
-                yield chunk
-
-        async def aclose(self):
-            pass
-
     async def run():
-        channel = WorkerChannel(None, "c1")
+        wire = frame(Step([(1, b"hello", False), (2, b"bye", True)])) + frame(Step([(1, b" world", True)]))
+        channel = WorkerChannel(_fed(wire), None, "c1")
         (k1, q1), (k2, q2) = channel.register(), channel.register()
-        wire = b"1 5 0\nhello2 3 1\nbye1 6 1\n world"
-        await channel._read(Frames([wire[i:i + 4] for i in range(0, len(wire), 4)]))
+        await channel._read()
         first = [q1.get_nowait() for _ in range(q1.qsize())]
         second = [q2.get_nowait() for _ in range(q2.qsize())]
-        (k3, q3) = channel.register()
         return (k1, first), (k2, second), channel.dead
 
     (k1, first), (k2, second), dead = asyncio.run(run())
@@ -180,22 +178,52 @@ def test_records_split_anywhere_reach_their_streams():
     assert first == [b"hello", b" world", None] and second == [b"bye", None] and dead
 
 
-def test_a_channel_cut_mid_record_fails_the_open_streams():
-    class Frames:
-        async def iter_chunks(self):
-            yield b"1 5 0\nhel"
-
-        async def aclose(self):
-            pass
-
+def test_a_channel_cut_mid_frame_fails_the_open_streams():
     async def run():
-        channel = WorkerChannel(None, "c1")
+        channel = WorkerChannel(_fed(frame(Step([(1, b"hello", False)]))[:-3]), None, "c1")
         _, queue = channel.register()
-        await channel._read(Frames())
+        await channel._read()
         return [queue.get_nowait() for _ in range(queue.qsize())]
 
     items = asyncio.run(run())
     assert len(items) == 1 and isinstance(items[0], WorkerConnectionLost)
+
+
+class _Writer:
+    def __init__(self):
+        self.sent = b""
+
+    def write(self, data: bytes) -> None:
+        self.sent += data
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_refused_submission_answers_as_the_workers_http_route():
+    """A `Rejected` record becomes the status, `Retry-After` and `{"error", "error_type"}` body that
+    `POST /generate_stream` answers, so the router's client-facing response is the one it was; the
+    request crossed as a typed `Submit` carrying the fields its sender set."""
+
+    async def run():
+        reader, writer = asyncio.StreamReader(), _Writer()
+        channel = WorkerChannel(reader, writer, "c1", {"x-worker-id": "gpu7"})
+        reading = asyncio.ensure_future(channel._read())
+        body = WorkerRequest.model_validate({"inputs": "Hi", "parameters": {"max_new_tokens": 3}})
+        submitting = asyncio.ensure_future(channel.submit(body, {"traceparent": "00-x"}))
+        await asyncio.sleep(0)
+        reader.feed_data(frame(Rejected(1, 429, "The queue is full", "overloaded", "2")))
+        stream = await submitting
+        reader.feed_eof()
+        await reading
+        return stream, writer.sent
+
+    stream, sent = asyncio.run(run())
+    assert (stream.status_code, stream.headers["retry-after"], stream.headers["x-worker-id"]) == (429, "2", "gpu7")
+    assert json.loads(asyncio.run(stream.read())) == {"error": "The queue is full", "error_type": "overloaded"}
+    submit = to_worker(sent[4:])
+    assert isinstance(submit, Submit) and submit.key == 1 and submit.trace == {"traceparent": "00-x"}
+    assert submit.request == {"inputs": "Hi", "parameters": {"max_new_tokens": 3}}
 
 
 def test_a_worker_with_an_idle_channel_stops_at_once(worker):
