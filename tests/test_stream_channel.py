@@ -18,7 +18,20 @@ from server.fleet.client import SSEEvents, WorkerClient
 from server.fleet.uds_http import WorkerConnectionLost
 from tests.test_worker_process import client, ready_worker
 from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, WorkerRequest
-from workers.contract.channel import Rejected, Step, Submit, frame, to_worker
+from workers.contract.channel import (
+    Abort,
+    Admitted,
+    Open,
+    Opened,
+    Rejected,
+    Step,
+    Submit,
+    channel_socket_path,
+    frame,
+    frame_length,
+    to_router,
+    to_worker,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -224,6 +237,75 @@ def test_a_refused_submission_answers_as_the_workers_http_route():
     submit = to_worker(sent[4:])
     assert isinstance(submit, Submit) and submit.key == 1 and submit.trace == {"traceparent": "00-x"}
     assert submit.request == {"inputs": "Hi", "parameters": {"max_new_tokens": 3}}
+
+
+class _Raw:
+    """The engine channel over a blocking socket, as a tool would speak it."""
+
+    def __init__(self, sock):
+        import socket
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(channel_socket_path(sock))
+
+    def send(self, message) -> None:
+        self.sock.sendall(frame(message))
+
+    def receive(self):
+        def exactly(n: int) -> bytes:
+            data = b""
+            while len(data) < n:
+                chunk = self.sock.recv(n - len(data))
+                if not chunk:
+                    return b""
+                data += chunk
+            return data
+
+        head = exactly(4)
+        return to_router(exactly(frame_length(head))) if head else None
+
+    def answer(self, key: int):
+        """The admission answer for `key` (step frames of other keys skipped)."""
+        while True:
+            message = self.receive()
+            if not isinstance(message, Step) and getattr(message, "key", key) == key:
+                return message
+
+
+def test_the_engine_channel_refuses_as_the_http_route_and_aborts_before_admission(worker):
+    """A bad request is a typed `Rejected` with the HTTP route's status and message; a key in use
+    is refused; a stream aborted in the same breath as its submission never runs (guards
+    `self._admitting.add(message.key)` in `_Connection._read`: without it the abort finds no
+    such stream and the 250-token request runs to its end). A first message other than `open`
+    closes the connection."""
+    stray = _Raw(worker["sock"])
+    stray.send(Abort([1]))
+    assert stray.receive() is None  # closed, nothing answered
+    raw = _Raw(worker["sock"])
+    raw.send(Open(ids=True))
+    opened = raw.receive()
+    assert isinstance(opened, Opened) and opened.headers["X-Worker-Id"] == "gpu7"
+    raw.send(Submit(1, {"inputs": "Hello", "parameters": {"max_new_tokens": -1}}))
+    refused = raw.answer(1)
+    with client(worker["sock"]) as c:
+        http = c.post("/generate_stream", json={"inputs": "Hello", "parameters": {"max_new_tokens": -1}})
+    assert isinstance(refused, Rejected) and (refused.status, refused.error_type) == (422, "validation")
+    assert refused.error == http.json()["error"] and "`max_new_tokens`" in refused.error
+    raw.send(Submit(2, {"inputs": "Hello", "parameters": {"max_new_tokens": 0, "decoder_input_details": True}}))
+    assert raw.answer(2).status == 422  # prompt scoring is `/generate`'s, not a stream's
+    before = _generated(worker["sock"])
+    raw.send(Submit(3, {"inputs": "Hello", "parameters": {"max_new_tokens": 250, "do_sample": True, "seed": 3}}))
+    raw.send(Abort([3]))
+    raw.send(Submit(4, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}))
+    raw.send(Submit(4, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}))
+    answers = [raw.answer(4), raw.answer(4)]  # the second is refused at once, the first then admitted
+    assert isinstance(answers[0], Rejected) and "`4` is in use" in answers[0].error
+    assert isinstance(answers[1], Admitted)
+    health = _idle(worker["sock"])
+    assert health["load"] == {"running": 0, "queued": 0}
+    assert _generated(worker["sock"]) - before < 200  # stream 3 never ran to its end
+    raw.sock.close()
 
 
 def test_a_worker_with_an_idle_channel_stops_at_once(worker):

@@ -133,6 +133,11 @@ class _Connection:
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
             if isinstance(message, Submit):
+                if message.key in self.channel.streams or message.key in self._admitting:
+                    self._send(Rejected(message.key, 422, f"stream key `{message.key}` is in use on this channel",
+                                        "validation"))
+                    continue
+                self._admitting.add(message.key)  # now: an abort read before the task runs must find it
                 task = asyncio.ensure_future(self._admit(message))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -163,17 +168,15 @@ class _Connection:
     async def _admit(self, message: Submit) -> None:
         """Admit one submission as `POST /generate_stream` would, answering `Admitted` or `Rejected`."""
         key, ctx, channel = message.key, self.ctx, self.channel
-        if key in channel.streams or key in self._admitting:
-            self._send(Rejected(key, 422, f"stream key `{key}` is in use on this channel", "validation"))
-            return
-        self._admitting.add(key)
         try:
             sub = await self._submitted(message)
         except APIError as e:
+            self._cancelled.discard(key)
             self._send(Rejected(key, e.status, safe_message(e.message), e.error_type,
                                 (e.headers or {}).get("Retry-After")))
             return
         except Exception as e:  # this request only: the worker serves on
+            self._cancelled.discard(key)
             logger.exception("Admitting a request from the engine channel failed (this request only)")
             self._send(Rejected(key, 500, f"Processing the request failed on the worker ({type(e).__name__}); "
                                           "see its log", ERROR_REQUEST_FAILED))
