@@ -57,27 +57,28 @@ class EngineChannelServer:
     def __init__(self, ctx, sock: socket.socket, headers: dict[str, str]):
         self.ctx, self.sock, self.headers = ctx, sock, headers
         self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections: dict[asyncio.Task, _Connection] = {}
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, sock=self.sock)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        self._connections.add(task)
+        self._connections[task] = connection = _Connection(self.ctx, reader, writer, self.headers)
         try:
-            await _Connection(self.ctx, reader, writer, self.headers).run()
+            await connection.run()
         finally:
-            self._connections.discard(task)
+            self._connections.pop(task, None)
 
     async def close(self) -> None:
+        """Stop listening and cut every connection (each ends its streams as a router that left)."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        for task in list(self._connections):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        tasks = list(self._connections)
+        for connection in self._connections.values():
+            connection.writer.transport.abort()  # its reader sees the end; cancelling it would be logged
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
 
 
 class _Connection:
