@@ -1,7 +1,9 @@
-"""The router's stream channel to a real worker process (workers/serving/channel.py,
-server/fleet/channel.py): streams multiplexed on one connection carry what a stream of its
-own would, a stream closed early or a channel that breaks aborts the worker's requests, bad
-channel headers get a clear error, and a worker with an idle channel stops at once."""
+"""The router's engine channel to a real worker process (workers/serving/engine_channel.py,
+workers/serving/channel.py, server/fleet/channel.py): streams multiplexed on one connection
+carry what a stream of its own would, a stream closed early or a channel that breaks aborts
+the worker's requests, refusals come back typed with the HTTP route's status and message,
+frames are read whole however they are cut, the HTTP form's bad channel headers get a clear
+error, and a worker with an idle channel stops at once."""
 
 from __future__ import annotations
 
