@@ -46,8 +46,9 @@ def _get(url: str, body: dict | None = None) -> dict | None:
         return None
 
 
-def one_start(caches: Path, model: str | None, dtype: str, log: Path) -> tuple[float, float]:
-    """(seconds to the first answer, seconds until no decode step compiles) of one start."""
+def one_start(caches: Path, model: str | None, dtype: str, log: Path) -> tuple[float, float, float]:
+    """(seconds to the first answer, seconds until no decode step compiles, the longest the steps
+    waited on the compile of one bucket) of one start."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSERVE_")}
     env.update(TORCH_EXTENSIONS_DIR=str(caches / "torch_extensions"), HETSERVE_TRITON_CACHE=str(caches / "triton"))
@@ -67,11 +68,12 @@ def one_start(caches: Path, model: str | None, dtype: str, log: Path) -> tuple[f
                 workers = (_get(url + "/workers") or {}).get("workers") or []
                 if workers and all((w.get("compile") or {}).get("state") != "compiling" for w in workers):
                     compiled = time.monotonic() - t0
+                    held = max((w.get("compile") or {}).get("held_max_s") or 0.0 for w in workers)
                     break
             time.sleep(0.5)
         if first is None or compiled is None:
             raise RuntimeError(f"the server did not answer and settle within {TIMEOUT_S} s; its log: {log}")
-        return first, compiled
+        return first, compiled, held
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -90,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     caches = Path(tempfile.mkdtemp(prefix="hetserve-first-start-"))
     try:
         for name in ("empty caches", "warm caches"):
-            first, compiled = one_start(caches, args.model, args.dtype, caches / f"{name.split()[0]}.log")
-            print(f"{name}: first answer {first:.1f} s after spawn, decode step compiled {compiled:.1f} s after spawn",
-                  flush=True)
+            first, compiled, held = one_start(caches, args.model, args.dtype, caches / f"{name.split()[0]}.log")
+            print(f"{name}: first answer {first:.1f} s after spawn, decode step compiled {compiled:.1f} s after spawn, "
+                  f"steps held at most {held:.1f} s by the compile", flush=True)
     finally:
         shutil.rmtree(caches, ignore_errors=True)
     return 0

@@ -88,6 +88,7 @@ class CompileDescription(_Open):
     # (eager from then on; `reason` says why); None: not compiled
     state: str | None = None
     done: int | None = None  # buckets compiled so far
+    held_max_s: float | None = None  # the longest the engine's steps waited on the compile of one bucket
 
 
 class Load(BaseModel):

@@ -290,6 +290,7 @@ class CompiledDecode:
         self._runs: dict[int, object] = {}
         self._graphs, self._dynamo_backend = graphs, dynamo_backend
         self.seconds = 0.0
+        self.held_max = 0.0  # the longest the steps waited on one bucket (`warm(held)`)
         self.state = "waiting"  # -> "compiling" -> "ready" | "failed" (see `describe`)
         # the step's body, without its `@torch.inference_mode()` (Dynamo cannot trace into it):
         # called under the engine's inference mode, over its own copy of the code (`own_code`)
@@ -360,7 +361,9 @@ class CompiledDecode:
             for t in (r.block_tables for r in (batch.decode, *(g.decode for g in batch.groups))):
                 torch._dynamo.mark_dynamic(t, 1, min=self.min_width, max=max(self.max_width, self.min_width + 1))
             with held():
+                t0 = time.perf_counter()
                 compiled(batch, self.kv)
+                self.held_max = max(self.held_max, time.perf_counter() - t0)
             self._runs[b] = compiled
 
     def _capture_all(self) -> None:
@@ -395,4 +398,4 @@ class CompiledDecode:
 
     def describe(self) -> dict:
         return {"buckets": list(self.buckets), "seconds": round(self.seconds, 3), "state": self.state,
-                "done": len(self._runs)}
+                "done": len(self._runs), "held_max_s": round(self.held_max, 3)}
