@@ -504,7 +504,7 @@ def test_auto_compiles_behind_steps_that_run_eager_meanwhile():
     assert "compiling in the background" in said and seen in ("compiling", "ready")
     assert serve(engine, lm, 3) == eager_tokens[3]  # whatever the compile's progress
     built.behind.join(timeout=300)
-    assert decode.ready and changes == ["ready"] and built.decision.enabled
+    assert decode.ready and changes[-1] == "ready" and set(changes[:-1]) <= {"compiling"} and built.decision.enabled
     spy = StepSpy(engine.runner)
     assert serve(engine, lm, 3) == eager_tokens[3]
     assert {"compiled"} in spy.kinds()

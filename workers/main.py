@@ -217,7 +217,7 @@ def run_worker(config: WorkerConfig) -> int:
                 from workers.pipeline.first import build_first_stage
 
                 built, first = build_first_stage(config, bound, loaded, kv, decision, cpu, context, link, stages)
-            built.engine.metrics.fell_back(failed)  # `/metrics` says which kernels fell back, and why
+            built.fell_back(failed)  # `/workers` and `/metrics` say which kernels fell back, and why
         with startup_step("serve", status):  # the `/capability` description, the app, the socket
             from workers.serving.server import WorkerServer
 
@@ -229,6 +229,7 @@ def run_worker(config: WorkerConfig) -> int:
         with startup_step("compile", status):  # the decode step per batch bucket (`auto` on a CPU: behind)
             def described() -> None:
                 info.compile = compile_description(built.decision, built.compiled)
+                info.preparing, info.fallbacks = built.preparing(), dict(built.fallbacks)
                 if built.reinstall is not None:  # C++ kernels built behind the serving, then swapped in
                     info.kernels = {name: KernelDescription.model_validate(entry)
                                     for name, entry in kernel_description(kernels, built.cpu, preflight).items()}

@@ -175,6 +175,25 @@ class BuiltEngine:
     behind: threading.Thread | None = None  # the compile running behind the serving, if any
     cpu: CpuPaths = field(default_factory=CpuPaths)  # the CPU paths in use (swapped once kernels built behind)
     reinstall: Callable[[], CpuPaths] | None = None  # installs the CPU paths again (kernels built behind)
+    # each layer (C++ kernel, "decode step") whose kernel failed on this device -> why its torch path serves
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    building: tuple[str, ...] = ()  # the C++ kernels building behind the serving right now
+
+    def preparing(self) -> list[str]:
+        """What still builds or compiles behind the serving, one line each (`/capability` `preparing`)."""
+        lines = [f"C++ kernels: torch paths, building {', '.join(self.building)}"] if self.building else []
+        c = self.compiled
+        if c is not None and self.behind is not None and c.state in ("waiting", "compiling"):
+            lines.append(f"decode step: eager, {len(c.buckets)} buckets compile once the C++ kernels are built"
+                         if self.building else
+                         f"decode step: eager, compiling {min(c.done + 1, len(c.buckets))} of {len(c.buckets)} buckets")
+        return lines
+
+    def fell_back(self, failed: dict[str, str]) -> None:
+        """`failed` (layer -> why) now run their torch paths: `fallbacks`, and `/metrics`."""
+        if failed:
+            self.fallbacks.update(failed)
+            self.engine.metrics.fell_back(failed)
 
     def compile(self, on_change: Callable[[], None] = lambda: None) -> str:
         """Compile (CPU) or capture (GPU) the decode step of every bucket (the `compile` startup
@@ -192,6 +211,7 @@ class BuiltEngine:
                 logger.info("Inductor cache %s", use_inductor_cache())
                 self.compiled.prepare()
                 self.compiled.state = "compiling"
+            self.building = tuple(sorted(k[0] for k in self.cpu.pending.values()))
             self.behind = threading.Thread(target=self._kernels_behind, args=(on_change,), name="hetserve-compile",
                                            daemon=True)
             self.behind.start()
@@ -225,8 +245,8 @@ class BuiltEngine:
         later (compiler children: this interpreter stays free), swap them in while no step runs
         (`Engine.steps_held`: the projections laid out again for the panel GEMM, decode rows read
         the pool in place), then compile the decode step behind the serving as usual."""
-        started = time.monotonic()
-        failed = {k: why for k, why in build_deferred(self.cpu.pending, os.cpu_count() or 1).items() if why}
+        started, pending = time.monotonic(), self.cpu.pending
+        failed = {pending[k][0]: why for k, why in build_deferred(pending, os.cpu_count() or 1).items() if why}
         held = self.engine.steps_held() if self.reinstall is not None else contextlib.nullcontext()
         with held:
             forget_deferred()
@@ -237,6 +257,8 @@ class BuiltEngine:
                     runner.in_place = self.cpu.in_place
                     if self.compiled is not None:
                         self.compiled.attend_in_place(self.cpu.in_place)
+        self.building = ()
+        self.fell_back({name: f"its C++ build failed: {why}" for name, why in failed.items()})
         logger.info("C++ kernels built behind the serving in %.0f s%s; steps use them from now on",
                     time.monotonic() - started, f" ({len(failed)} failed: {failed})" if failed else "")
         on_change()
@@ -245,7 +267,7 @@ class BuiltEngine:
 
     def _compile_behind(self, on_change: Callable[[], None]) -> None:
         """The background compile's thread: the engine's steps go on meanwhile (eager)."""
-        self._finish(warm_or_eager(self.decision, self.compiled, self.engine.steps_held))
+        self._finish(warm_or_eager(self.decision, self.compiled, self.engine.steps_held, on_bucket=on_change))
         if self.decision.enabled:
             logger.info("decode step: %s, buckets %s compiled in the background in %.1fs; steps use it from now on",
                         self.compiled.backend, list(self.compiled.buckets), self.compiled.seconds)
@@ -254,6 +276,8 @@ class BuiltEngine:
     def _finish(self, decision: CompileDecision) -> None:
         """`decision` after the compile; failed (under `auto`): eager from now on. The runner keeps
         a failed compile it may be reading on the engine thread: one not `ready` is never run."""
+        if self.decision.enabled and not decision.enabled:  # the compile (or capture) failed: eager steps
+            self.fell_back({"decode step": decision.reason})
         self.decision = decision
         if not decision.enabled:
             if not self.background:

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -109,11 +110,12 @@ def decide(mode: str, device_type: str, simulated: bool, deterministic: bool, mo
                                               "per start of workers that share few cores; --compile on forces it)")
 
 
-def warm_or_eager(decision: CompileDecision, compiled: CompiledDecode, held=contextlib.nullcontext) -> CompileDecision:
+def warm_or_eager(decision: CompileDecision, compiled: CompiledDecode, held=contextlib.nullcontext,
+                  on_bucket: Callable[[], None] = lambda: None) -> CompileDecision:
     """Warm `compiled` (the `compile` startup step). Under `--compile on` a failure fails the
     start; under `auto` it is logged and the worker serves eager: the decision returned says so."""
     try:
-        compiled.warm(held)
+        compiled.warm(held, on_bucket)
         return decision
     except Exception as e:
         if decision.mode == "on":
@@ -308,19 +310,19 @@ class CompiledDecode:
 
     # -- start-up ----------------------------------------------------------------------------
 
-    def warm(self, held=contextlib.nullcontext) -> float:
+    def warm(self, held=contextlib.nullcontext, on_bucket: Callable[[], None] = lambda: None) -> float:
         """Compile (Inductor) or capture (graphs) every bucket, largest first; returns seconds.
         Steps may run eager on another thread between buckets (`ready` stays False until every
         bucket is done): `held()` holds them while a bucket compiles and runs, which touches the
         pool's scratch blocks only, but the model's layers too; the rotary tables are grown
-        first (`prepare`)."""
+        first (`prepare`). `on_bucket` is called after each bucket."""
         t0 = time.perf_counter()
         self.state = "compiling"
         try:
             with torch.inference_mode():
                 self.prepare()
                 if self.backend == "inductor":
-                    self._compile_all(held)
+                    self._compile_all(held, on_bucket)
                 else:
                     self._capture_all()
         except BaseException:
@@ -345,7 +347,7 @@ class CompiledDecode:
             past = None if spec.threshold is None else torch.full_like(positions, spec.threshold + 1)
             rope.lookup(spec, positions, self.max_pos, self.model.dtype, past)
 
-    def _compile_all(self, held=contextlib.nullcontext) -> None:
+    def _compile_all(self, held=contextlib.nullcontext, on_bucket: Callable[[], None] = lambda: None) -> None:
         import torch._dynamo
 
         # one graph per bucket, all entries of this decode's own code object (`own_code`); the
@@ -365,6 +367,7 @@ class CompiledDecode:
                 compiled(batch, self.kv)
                 self.held_max = max(self.held_max, time.perf_counter() - t0)
             self._runs[b] = compiled
+            on_bucket()
 
     def _capture_all(self) -> None:
         graphs = self._graphs if self._graphs is not None else CudaGraphs(self.device)
@@ -378,6 +381,11 @@ class CompiledDecode:
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    @property
+    def done(self) -> int:
+        """Buckets compiled (or captured) so far."""
+        return len(self._runs)
 
     def fits(self, chunks) -> bool:
         """Whether these chunks are one step this decode runs: one-token sampling chunks, at

@@ -33,7 +33,8 @@ async def health(request: Request):
                          engine=EngineLiveness(pending=live.pending, last_step_age_s=round(live.last_step_age_s, 3),
                                                steps=live.steps),
                          capacity=engine.kv_now(), compile=ctx.info.compile,
-                         loras=describe_loras(engine.loras, engine.lora_load), speculative=engine.speculation())
+                         loras=describe_loras(engine.loras, engine.lora_load), speculative=engine.speculation(),
+                         preparing=ctx.info.preparing, fallbacks=ctx.info.fallbacks)
     return JSONResponse(body.model_dump(mode="json"), status_code=200 if ok else 503)
 
 
