@@ -22,7 +22,6 @@ from server.errors import UsageError
 from tests.checkpoints import default_model_dir
 from workers.contract import STARTUP_STEPS, cpu_device
 from workers.engine.compiled import (
-    ENV_INDUCTOR_CACHE_DIR,
     CompiledDecode,
     CompileDecision,
     bucket_for,
@@ -31,12 +30,12 @@ from workers.engine.compiled import (
     scheduler_shapes,
     scratch_groups,
     unfit_reason,
-    use_inductor_cache,
     warm_or_eager,
 )
 from workers.engine.core import Engine
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.warm_caches import ENV_INDUCTOR_CACHE_DIR, use_inductor_cache
 from workers.kv.batch import ForwardBatch, SeqChunk
 from workers.kv.groups import same_blocks
 from workers.kv.pool import KVPool, layer_shapes

@@ -89,6 +89,7 @@ class CompileDescription(_Open):
     state: str | None = None
     done: int | None = None  # buckets compiled so far
     held_max_s: float | None = None  # the longest the engine's steps waited on the compile of one bucket
+    cache_hits: int | None = None  # buckets found compiled in the on-disk caches (a child process filled them)
 
 
 class Load(BaseModel):

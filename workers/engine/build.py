@@ -34,7 +34,6 @@ from workers.engine.compiled import (
     decide,
     decode_buckets,
     scheduler_shapes,
-    use_inductor_cache,
     warm_or_eager,
 )
 from workers.engine.core import Engine
@@ -42,6 +41,7 @@ from workers.engine.kv_cache import build_kv_cache
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.speculate import speculator_for
+from workers.engine.warm_caches import ChildCompile, fill_caches, use_inductor_cache
 from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
 from workers.kvtier.tier import HostTier
@@ -178,15 +178,22 @@ class BuiltEngine:
     # each layer (C++ kernel, "decode step") whose kernel failed on this device -> why its torch path serves
     fallbacks: dict[str, str] = field(default_factory=dict)
     building: tuple[str, ...] = ()  # the C++ kernels building behind the serving right now
+    child: ChildCompile | None = None  # compiles the buckets into the caches first (workers/engine/warm_caches.py)
+    child_done: int | None = None  # buckets the child compiled (None: no child running)
 
     def preparing(self) -> list[str]:
         """What still builds or compiles behind the serving, one line each (`/capability` `preparing`)."""
         lines = [f"C++ kernels: torch paths, building {', '.join(self.building)}"] if self.building else []
         c = self.compiled
         if c is not None and self.behind is not None and c.state in ("waiting", "compiling"):
-            lines.append(f"decode step: eager, {len(c.buckets)} buckets compile once the C++ kernels are built"
-                         if self.building else
-                         f"decode step: eager, compiling {min(c.done + 1, len(c.buckets))} of {len(c.buckets)} buckets")
+            n = len(c.buckets)
+            if self.building:
+                lines.append(f"decode step: eager, {n} buckets compile once the C++ kernels are built")
+            elif self.child_done is not None:
+                lines.append(f"decode step: eager, compiling {min(self.child_done + 1, n)} of {n} buckets "
+                             "(in a child process)")
+            else:
+                lines.append(f"decode step: eager, compiling {min(c.done + 1, n)} of {n} buckets")
         return lines
 
     def fell_back(self, failed: dict[str, str]) -> None:
@@ -200,10 +207,12 @@ class BuiltEngine:
         step); what it did, in one line. `auto` and compiling failed: every step eager.
 
         Under `--compile auto` a CPU worker compiles in the background (`background`): it serves
-        eager at once, its steps wait only while a bucket compiles and runs (the model's layers
-        are not safe to run from two threads at once: `Engine.steps_held`), and they take the
-        compiled decode once every bucket is done, so a first start answers in seconds instead of
-        after minutes of Inductor. `on` compiles before
+        eager at once; a child process compiles every bucket into the on-disk caches (`child`,
+        workers/engine/warm_caches.py), then the worker compiles each, finding it there, and its
+        steps wait only while one bucket loads and runs (the model's layers are not safe to run
+        from two threads at once: `Engine.steps_held`); they take the compiled decode once every
+        bucket is done, so a first start answers in seconds instead of after minutes of
+        Inductor. `on` compiles before
         ready, as asked, and CUDA/HIP graphs are captured before ready (a capture cannot share its
         stream with steps; it takes seconds). `on_change` is called when the state changes."""
         if self.cpu.pending:  # the C++ kernels build first, then the compile (if any) runs behind too
@@ -266,7 +275,21 @@ class BuiltEngine:
             self._compile_behind(on_change)
 
     def _compile_behind(self, on_change: Callable[[], None]) -> None:
-        """The background compile's thread: the engine's steps go on meanwhile (eager)."""
+        """The background compile's thread: the engine's steps go on meanwhile (eager). With a
+        `child`, it compiles every bucket into the on-disk caches first, with no step held; the
+        worker's own compile of each bucket is then a cache hit (a child that fails: a full
+        compile here, as without one)."""
+        if self.child is not None:
+            def progress(done: int) -> None:
+                self.child_done = done
+                on_change()
+
+            self.child_done = 0
+            on_change()
+            why = fill_caches(self.child, self.compiled.in_place, progress)
+            self.child_done = None
+            if why is not None:
+                logger.info("decode step: %s; compiling in the worker instead", why)
         self._finish(warm_or_eager(self.decision, self.compiled, self.engine.steps_held, on_bucket=on_change))
         if self.decision.enabled:
             logger.info("decode step: %s, buckets %s compiled in the background in %.1fs; steps use it from now on",
@@ -308,4 +331,7 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
     if cpu.pending:
         def reinstall() -> CpuPaths:
             return install_cpu_paths(loaded, bound, False)
-    return BuiltEngine(engine, kv, decision, compiled, cpu=cpu, reinstall=reinstall)
+    child = None  # under `auto` a CPU worker's buckets compile in a child process first (not with LoRA hooks)
+    if compiled is not None and decision.backend == "inductor" and decision.mode == "auto" and not config.lora:
+        child = ChildCompile(config, kv.groups, kv.block_size, compiled.buckets)
+    return BuiltEngine(engine, kv, decision, compiled, cpu=cpu, reinstall=reinstall, child=child)

@@ -18,23 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from workers.contract import COMPILE_MODES, ENV_TRITON_CACHE_DIR
+from workers.contract import COMPILE_MODES
 from workers.engine.cuda_graphs import CudaGraphs
 from workers.kv.batch import ForwardBatch, GroupBatch
 from workers.kv.paged import PagedRows
 
 logger = logging.getLogger(__name__)
 
-ENV_INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 MIN_WIDTH = 2  # the CPU graph's table width is dynamic from 2 blocks (Dynamo specializes a width of 1)
 
 
@@ -52,18 +49,6 @@ def decode_buckets(max_batch: int) -> tuple[int, ...]:
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding `rows` rows, or None when none does."""
     return next((b for b in buckets if b >= rows), None)
-
-
-def use_inductor_cache(env: dict | None = None) -> Path | None:
-    """Point Inductor's on-disk cache beside this architecture's Triton cache
-    (`<root>/<arch>` -> `<root>/<arch>-inductor`); None (and nothing set) without one."""
-    env = os.environ if env is None else env
-    triton = env.get(ENV_TRITON_CACHE_DIR)
-    if not triton:
-        return None
-    path = Path(triton).with_name(Path(triton).name + "-inductor")
-    env[ENV_INDUCTOR_CACHE_DIR] = str(path)
-    return path
 
 
 @dataclass(frozen=True)
@@ -252,6 +237,13 @@ def own_code(fn: types.FunctionType) -> types.FunctionType:
     return out
 
 
+def _cache_misses() -> int:
+    """Graphs Inductor compiled (or could not cache) so far in this process, not loaded from its caches."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"]
+
+
 def skip_model_state_guards(entries) -> list[bool]:
     """Dynamo's guards to keep: all but those on the model's submodules and their weights (about
     four in five of a step's, each evaluated on every call; their cost: benchmarks/compiled_guards.py).
@@ -293,6 +285,7 @@ class CompiledDecode:
         self._graphs, self._dynamo_backend = graphs, dynamo_backend
         self.seconds = 0.0
         self.held_max = 0.0  # the longest the steps waited on one bucket (`warm(held)`)
+        self.cache_hits = 0  # buckets Inductor found compiled in its on-disk caches (workers/engine/warm_caches.py)
         self.state = "waiting"  # -> "compiling" -> "ready" | "failed" (see `describe`)
         # the step's body, without its `@torch.inference_mode()` (Dynamo cannot trace into it):
         # called under the engine's inference mode, over its own copy of the code (`own_code`)
@@ -362,10 +355,12 @@ class CompiledDecode:
             batch = bucket.batch(width)
             for t in (r.block_tables for r in (batch.decode, *(g.decode for g in batch.groups))):
                 torch._dynamo.mark_dynamic(t, 1, min=self.min_width, max=max(self.max_width, self.min_width + 1))
+            misses = _cache_misses()
             with held():
                 t0 = time.perf_counter()
                 compiled(batch, self.kv)
                 self.held_max = max(self.held_max, time.perf_counter() - t0)
+            self.cache_hits += self._dynamo_backend == "inductor" and _cache_misses() == misses
             self._runs[b] = compiled
             on_bucket()
 
@@ -406,4 +401,4 @@ class CompiledDecode:
 
     def describe(self) -> dict:
         return {"buckets": list(self.buckets), "seconds": round(self.seconds, 3), "state": self.state,
-                "done": len(self._runs), "held_max_s": round(self.held_max, 3)}
+                "done": len(self._runs), "held_max_s": round(self.held_max, 3), "cache_hits": self.cache_hits}
