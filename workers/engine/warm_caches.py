@@ -10,7 +10,9 @@ the worker's on-disk caches (`TORCHINDUCTOR_CACHE_DIR`: the AOT autograd and FX 
 the compiled C++), and exits. The worker then compiles each bucket itself, as before, and finds
 its graph in those caches: a Dynamo trace and a load instead of a compile. Nothing crosses but a
 JSON spec and files; the child rebuilds everything from the configuration.
-Trade-off: the child holds a second copy of the weights while it runs, and a graph it does not
+Trade-off: the child holds a second copy of the weights and of the KV pool (a CPU worker's is at
+most 512 MiB by default) while it runs, a warm start runs it too (it then finds every bucket in
+the caches, seconds of a low-priority process), and a graph it does not
 reproduce (a cache miss: say a LoRA hook on the worker's model) is compiled in the worker as
 before, correct but holding the steps as long as before; a child that fails costs only its time."""
 
