@@ -50,9 +50,9 @@ def _get(url: str, body: dict | None = None) -> dict | None:
 
 
 def one_start(caches: Path, model: str | None, dtype: str, log: Path,
-              extensions: Path | None = None, timeout: float = TIMEOUT_S) -> tuple[float, float, float]:
+              extensions: Path | None = None, timeout: float = TIMEOUT_S) -> tuple[float, float, float, str]:
     """(seconds to the first answer, seconds until no decode step compiles, the longest the steps
-    waited on the compile of one bucket) of one start."""
+    waited on the compile of one bucket, how many buckets the worker found compiled) of one start."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSERVE_")}
     env = {k: v for k, v in env.items() if not k.startswith("TORCHINDUCTOR")}
@@ -75,11 +75,13 @@ def one_start(caches: Path, model: str | None, dtype: str, log: Path,
                 if workers and all((w.get("compile") or {}).get("state") != "compiling" for w in workers):
                     compiled = time.monotonic() - t0
                     held = max((w.get("compile") or {}).get("held_max_s") or 0.0 for w in workers)
+                    hits = sum((w.get("compile") or {}).get("cache_hits") or 0 for w in workers)
+                    buckets = sum(len((w.get("compile") or {}).get("buckets") or ()) for w in workers)
                     break
             time.sleep(0.5)
         if first is None or compiled is None:
             raise RuntimeError(f"the server did not answer and settle within {timeout:.0f} s; its log: {log}")
-        return first, compiled, held
+        return first, compiled, held, f"{hits} of {buckets} buckets found in the Inductor cache"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -104,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     caches = Path(tempfile.mkdtemp(prefix="hetserve-first-start-"))
     try:
         for name in ("empty caches", "warm caches"):
-            first, compiled, held = one_start(caches, args.model, args.dtype, caches / f"{name.split()[0]}.log",
+            first, compiled, held, hits = one_start(caches, args.model, args.dtype, caches / f"{name.split()[0]}.log",
                                               args.extensions, args.timeout)
             print(f"{name}: first answer {first:.1f} s after spawn, decode step compiled {compiled:.1f} s after spawn, "
-                  f"steps held at most {held:.1f} s by the compile", flush=True)
+                  f"steps held at most {held:.1f} s by the compile ({hits})", flush=True)
     except RuntimeError:
         for log in sorted(caches.glob("*.log")):  # the server's own words, before its directory goes
             print(f"--- the last lines of {log.name}:", *log.read_text(errors="replace").splitlines()[-30:], sep="\n")
