@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from workers.contract import DEFAULT_MODEL_DIR, WorkerConfig, use_triton_cache
+from workers.engine.warm_caches import first_use
 from workers.model.row_buckets import cap_native_caches
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     _exit_with_parent(os.getppid())
     spec = json.loads(Path(argv[0]).read_text())
     compiled = build_decode(spec)
+    first_use("inductor")  # into the caches too: the worker's own first use is then a load
     compiled.warm(on_bucket=lambda: print(json.dumps({"done": compiled.done}), flush=True))
     return 0
 

@@ -27,6 +27,7 @@ import torch
 
 from workers.contract import COMPILE_MODES
 from workers.engine.cuda_graphs import CudaGraphs
+from workers.engine.warm_caches import cache_misses, first_use
 from workers.kv.batch import ForwardBatch, GroupBatch
 from workers.kv.paged import PagedRows
 
@@ -237,13 +238,6 @@ def own_code(fn: types.FunctionType) -> types.FunctionType:
     return out
 
 
-def _cache_misses() -> int:
-    """Graphs Inductor compiled (or could not cache) so far in this process, not loaded from its caches."""
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"]
-
-
 def skip_model_state_guards(entries) -> list[bool]:
     """Dynamo's guards to keep: all but those on the model's submodules and their weights (about
     four in five of a step's, each evaluated on every call; their cost: benchmarks/compiled_guards.py).
@@ -349,18 +343,20 @@ class CompiledDecode:
         torch._dynamo.config.recompile_limit = max(limit, 2 * len(self.buckets) + 2)
         compiled = torch.compile(self._step, backend=self._dynamo_backend, dynamic=False, fullgraph=True,
                                  options={"guard_filter_fn": skip_model_state_guards})
+        if held is not contextlib.nullcontext:  # steps run beside: the compiler's own set-up outside their wait
+            first_use(self._dynamo_backend)
         for b in reversed(self.buckets):
             bucket = self._buckets[b]
             width = bucket.fill((), self.scratch, self.min_width)
             batch = bucket.batch(width)
             for t in (r.block_tables for r in (batch.decode, *(g.decode for g in batch.groups))):
                 torch._dynamo.mark_dynamic(t, 1, min=self.min_width, max=max(self.max_width, self.min_width + 1))
-            misses = _cache_misses()
+            misses = cache_misses()
             with held():
                 t0 = time.perf_counter()
                 compiled(batch, self.kv)
                 self.held_max = max(self.held_max, time.perf_counter() - t0)
-            self.cache_hits += self._dynamo_backend == "inductor" and _cache_misses() == misses
+            self.cache_hits += self._dynamo_backend == "inductor" and cache_misses() == misses
             self._runs[b] = compiled
             on_bucket()
 

@@ -92,3 +92,19 @@ def fill_caches(child: ChildCompile, in_place: bool, on_bucket: Callable[[int], 
     logger.info("decode step: a child process compiled buckets %s into the Inductor cache in %.0f s",
                 list(child.buckets), time.monotonic() - started)
     return None
+
+
+def cache_misses() -> int:
+    """Graphs Inductor compiled (or could not cache) so far in this process, not loaded from its caches."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"]
+
+
+def first_use(backend: str) -> None:
+    """Compile and run a one-op function with `backend`: the compiler's imports and set-up (Dynamo,
+    AOT autograd, Inductor's code cache and C++ loader, seconds on a loaded host) happen here rather
+    than inside the first bucket, whose compile holds the engine's steps."""
+    import torch
+
+    torch.compile(lambda x: x * 2 + 1, backend=backend, dynamic=False, fullgraph=True)(torch.ones(8))
