@@ -229,7 +229,7 @@ def run_worker(config: WorkerConfig) -> int:
         with startup_step("compile", status):  # the decode step per batch bucket (`auto` on a CPU: behind)
             def described() -> None:
                 info.compile = compile_description(built.decision, built.compiled)
-                info.preparing, info.fallbacks = built.preparing(), dict(built.fallbacks)
+                info.preparing, info.fallbacks = built.preparing() or None, dict(built.fallbacks) or None
                 if built.reinstall is not None:  # C++ kernels built behind the serving, then swapped in
                     info.kernels = {name: KernelDescription.model_validate(entry)
                                     for name, entry in kernel_description(kernels, built.cpu, preflight).items()}

@@ -139,11 +139,11 @@ class CapabilityPayload(_Open):
     deterministic: DeterministicDescription | None = None  # set (and shown) only with --deterministic
     compile: CompileDescription | None = None  # the decode step's compilation (None: a worker that does not say)
     # what still builds or compiles behind the serving, one line each ("decode step: eager, compiling 4
-    # of 6 buckets"); empty once everything is in use
-    preparing: list[str] = Field(default_factory=list)
+    # of 6 buckets"); None (absent) once everything is in use
+    preparing: list[str] | None = None
     # each layer (a C++ kernel, the decode step) whose kernel failed on this device -> why its torch path
-    # serves instead (self-test, build, compile or capture)
-    fallbacks: dict[str, str] = Field(default_factory=dict)
+    # serves instead (self-test, build, compile or capture); None (absent): none
+    fallbacks: dict[str, str] | None = None
     # speculative decoding: method, k, acceptance rate and the latest decision's reason (workers/engine/speculate.py)
     speculative: dict | None = None
     pipeline: dict | None = None  # a pipeline's first stage: {stages: [each stage's layers, device, kernels, fp8]}
