@@ -1,9 +1,9 @@
 """The decode step's Inductor compile in a child process, which fills the caches the worker loads from.
 
-Design: Inductor compiling one bucket is tens of seconds of Python (Dynamo, AOT autograd, the
+Design: Inductor compiling one bucket is a long stretch of Python (Dynamo, AOT autograd, the
 lowering) and of C++ compiler; in the worker that shares the interpreter with the serving, and a
 bucket's first call holds the engine's steps (`Engine.steps_held`: the model's layers are not safe
-on two threads), so on a loaded host a step waited about a minute per bucket. Here a child process
+on two threads), so a step waited out each bucket's whole compile. Here a child process
 (`python -m workers.compile_child SPEC`, started at low priority) builds the same model from the
 worker's configuration and the same KV pool from its groups' shapes, compiles every bucket into
 the worker's on-disk caches (`TORCHINDUCTOR_CACHE_DIR`: the AOT autograd and FX graph caches, and
@@ -12,9 +12,9 @@ its graph in those caches: a Dynamo trace and a load instead of a compile. Nothi
 JSON spec and files; the child rebuilds everything from the configuration.
 Trade-off: the child holds a second copy of the weights and of the KV pool (a CPU worker's is at
 most 512 MiB by default) while it runs, a warm start runs it too (it then finds every bucket in
-the caches, seconds of a low-priority process), and a graph it does not
-reproduce (a cache miss: say a LoRA hook on the worker's model) is compiled in the worker as
-before, correct but holding the steps as long as before; a child that fails costs only its time."""
+the caches), and a graph it does not reproduce (a cache miss: say a LoRA hook on the worker's
+model) is compiled in the worker as before, correct but holding the steps as long as before; a
+child that fails costs only its time."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def cache_misses() -> int:
 
 def first_use(backend: str) -> None:
     """Compile and run a one-op function with `backend`: the compiler's imports and set-up (Dynamo,
-    AOT autograd, Inductor's code cache and C++ loader, seconds on a loaded host) happen here rather
+    AOT autograd, Inductor's code cache and C++ loader) happen here rather
     than inside the first bucket, whose compile holds the engine's steps."""
     import torch
 
