@@ -75,8 +75,8 @@ class WorkerMetrics:
         self.running = Gauge(f"{PREFIX}_running_requests", "Sequences in the running batch", registry=r)
         self.queued = Gauge(f"{PREFIX}_queued_requests", "Requests accepted and waiting", registry=r)
         self.kernel_fallbacks = Gauge(
-            f"{PREFIX}_kernel_fallback", "Layers whose chosen kernel failed its self-test on this device and run "
-            "their torch path instead (1), with the reason", ["layer", "reason"], registry=r,
+            f"{PREFIX}_kernel_fallback", "Layers whose chosen kernel failed on this device (self-test, build or "
+            "compile) and run their torch path instead (1), with the reason", ["layer", "reason"], registry=r,
         )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
