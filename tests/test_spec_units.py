@@ -129,7 +129,7 @@ def test_flags_reach_the_worker_config_and_bad_values_are_named():
     assert _parse().mode == "auto"
     value = _parse("--speculative", "ngram", "--num-speculative-tokens", "3")
     assert (value.mode, value.num_tokens) == ("ngram", 3)
-    with pytest.raises(UsageError, match=r"`--speculative eagle` is not a method. Accepted: auto, off, ngram"):
+    with pytest.raises(UsageError, match=r"`--speculative eagle` is not a method. Accepted: auto, off, ngram, suffix"):
         _parse("--speculative", "eagle")
     with pytest.raises(UsageError, match=r"`--speculative mtp` is not available.*Accepted: auto, off, ngram"):
         _parse("--speculative", "mtp")
@@ -137,5 +137,6 @@ def test_flags_reach_the_worker_config_and_bad_values_are_named():
         _parse("--num-speculative-tokens", "0")
     config = WorkerConfig.from_json(WorkerConfig(socket="s", speculative="ngram", num_speculative_tokens=2).to_json())
     assert (config.speculative, config.num_speculative_tokens) == ("ngram", 2)
-    with pytest.raises(WorkerConfigError, match="`--speculative suffix`"):
-        WorkerConfig(socket="s", speculative="suffix")
+    assert WorkerConfig(socket="s", speculative="suffix").speculative == "suffix"
+    with pytest.raises(WorkerConfigError, match="`--speculative mtp`"):
+        WorkerConfig(socket="s", speculative="mtp")

@@ -31,6 +31,7 @@ from workers.sampling.sampler import processed_logits, sample_tokens
 from workers.spec.ngram import NgramProposer
 from workers.spec.policy import SpecDecision, SpecPolicy, ineligible
 from workers.spec.rejection import accept_greedy, accept_sampled
+from workers.spec.suffix import SuffixProposer
 
 
 class _Position:
@@ -56,7 +57,7 @@ AUTO_OFF = ("`auto` is off in this build: a drafted row's logits come from the p
 
 def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False) -> Speculator:
     """The engine's `Speculator` for `--speculative mode` (the worker's configuration) over `scheduler`:
-    n-gram drafts where asked and the engine can verify them, else one that only says why it is off."""
+    n-gram or suffix-tree drafts where asked and the engine can verify them, else one that only says why it is off."""
     policy = SpecPolicy(num_tokens)
     if mode == "off":
         return Speculator("off", policy, off_reason="`--speculative off`")
@@ -65,7 +66,7 @@ def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False
     reason = engine_reason(scheduler, pipeline)
     if reason is not None:
         return Speculator("off", policy, off_reason=reason)
-    return Speculator("ngram", policy)
+    return Speculator(mode, policy)
 
 
 def engine_reason(scheduler, pipeline: bool) -> str | None:
@@ -87,13 +88,15 @@ class Speculator:
     """The engine's speculative decoding (see the module docstring); engine thread only."""
 
     def __init__(self, method: str, policy: SpecPolicy, proposer: NgramProposer | None = None,
-                 off_reason: str | None = None):
-        """`method` "ngram" drafts; "off" (with `off_reason`) proposes nothing and only describes why."""
-        if method not in ("ngram", "off"):
-            raise ValueError(f"Speculative method `{method}` is not available in this engine. Accepted: ngram, off")
+                 off_reason: str | None = None, suffix: SuffixProposer | None = None):
+        """`method` "ngram" or "suffix" drafts; "off" (with `off_reason`) proposes nothing and only describes why."""
+        if method not in ("ngram", "suffix", "off"):
+            raise ValueError(f"Speculative method `{method}` is not available in this engine. "
+                             f"Accepted: ngram, suffix, off")
         self.method, self.policy = method, policy
         self.enabled = method != "off"
         self.proposer = proposer or NgramProposer()
+        self.suffix = (suffix or SuffixProposer()) if method == "suffix" else None
         self.last = SpecDecision(policy.max_k if self.enabled else 0, off_reason or "speculating")  # the latest
         self.drafts = self.draft_tokens = self.accepted = 0
 
@@ -115,8 +118,12 @@ class Speculator:
             decision = self.policy.choose(len(decode), seq.spec_drafted, seq.spec_accepted,
                                           p.max_new_tokens - len(seq.output_ids), len(seq.output_ids))
             self.last = decision
-            if decision.k:
+            if self.suffix is not None:  # fed every step, so its trees follow the output
+                seq.draft_ids = self.suffix.propose(seq.uid, seq.prompt_ids, seq.output_ids, decision.k)
+            elif decision.k:
                 seq.draft_ids = self.proposer.propose(seq.token_ids(), decision.k)
+        if self.suffix is not None:
+            self.suffix.retire({seq.uid for seq in running})
 
     def drafted(self, out) -> bool:
         return self.enabled and any(_is_draft(c) for c in out.chunks)
