@@ -61,6 +61,48 @@ def test_a_draft_follows_the_most_frequent_continuation_within_its_limits():
     assert tree.speculate([7, 7], 4).token_ids == ()  # nothing matches
 
 
+def _tied(tree: SuffixTree, context: list[int], k: int) -> bool:
+    """Whether any path a draft of `context` may follow meets two children of equal count."""
+    for m in range(1, len(context)):
+        node = tree.root
+        for token in context[len(context) - m:]:
+            node = node.children.get(token)
+            if node is None:
+                return False
+        for _ in range(k + 1):
+            counts = sorted((c.count for c in node.children.values()), reverse=True)
+            if len(counts) > 1 and counts[0] == counts[1]:
+                return True
+            if not counts:
+                break
+            node = max(node.children.values(), key=lambda c: c.count)
+    return False
+
+
+def test_drafts_match_arctic_inferences_tree_where_no_counts_tie():
+    """The reference: SuffixDecoding's own compiled tree, where it is installed (it is not a dependency)."""
+    native = pytest.importorskip("arctic_inference.suffix_decoding._C")
+    rng = random.Random(0)
+    compared = 0
+    for _ in range(200):
+        depth, vocab = rng.choice([4, 8, 24]), rng.choice([3, 5, 20])
+        theirs, ours = native.SuffixTree(depth), SuffixTree(depth)
+        for i in range(rng.randrange(1, 4)):
+            seq = [rng.randrange(vocab) for _ in range(rng.randrange(5, 80))]
+            for tree in (theirs, ours):
+                tree.extend(i, seq)
+        for _ in range(10):
+            context, k = [rng.randrange(vocab) for _ in range(rng.randrange(2, 30))], rng.randrange(1, 8)
+            if _tied(ours, context[-depth:], k):
+                continue
+            expected = theirs.speculate(context, k, 1.0, 0.0, 0.1, False)
+            got = ours.speculate(context, k)
+            assert list(got.token_ids) == list(expected.token_ids)
+            assert got.score == pytest.approx(expected.score, abs=1e-5)
+            compared += 1
+    assert compared > 100
+
+
 def _serve_loop(draft, truth: list[int], k: int) -> tuple[float, float]:
     """Greedy verification of `truth` as the model's output: (acceptance rate, tokens per step)."""
     pos = drafted = accepted = steps = 0
@@ -115,3 +157,20 @@ def test_greedy_outputs_unchanged_with_suffix_drafts(lm, echoes):  # noqa: F811
     assert metric(engine, "vllm:spec_decode_num_accepted_tokens_total") > 0
     assert engine.speculation()["method"] == "suffix"
     assert speculator_for("suffix", 4, engine.scheduler).suffix is not None
+
+
+def test_the_measured_choice_keeps_greedy_outputs_and_shows_its_costs(lm, echoes):  # noqa: F811
+    """`auto`'s policy (no fixed row limit): it measures both paths, speculates where its measured
+    costs say so, and the greedy outputs stay plain decoding's."""
+    params = SamplingParams.create(max_new_tokens=48)
+    plain, _, _ = run(make(lm, False), lm, echoes[:2], params)
+    engine = make(lm, True)
+    engine.speculator = Speculator("suffix", SpecPolicy(4))
+    out = [run(engine, lm, [p], params)[0][0] for p in echoes[:2]]  # one at a time
+    assert out == plain
+    described = engine.speculation()
+    assert described["step_ms"]["plain"] and described["step_ms"]["spec"]  # both paths measured
+    assert described["drafts"] > 0 and described["reason"]
+    rendered = engine.metrics.render().decode()
+    assert "hetserve_worker_spec_decode_k " in rendered
+    assert 'hetserve_worker_spec_decode_decisions_total{cause="measuring"}' in rendered

@@ -2,7 +2,8 @@
 
 Design: one declaration both processes read (the router validates the flags, the worker's
 configuration carries them). `auto` resolves per worker (workers/engine/speculate.py
-`speculator_for`); `ngram` and `suffix` name the drafts' source. `mtp` is a name the interface
+`speculator_for`: suffix-tree drafts with k chosen per step where greedy output stays exact,
+else off with the reason); `ngram` and `suffix` name the drafts' source. `mtp` is a name the interface
 reserves; this build refuses it naming what it accepts, rather than silently serving without
 speculation. Trade-off: a refusal at start instead of a fallback, so
 a deployment that asked for a method knows it is not getting it.

@@ -13,13 +13,17 @@ match on a tie) wins. Two trees are asked: the request's own (prompt + output, d
 leaves the running set) and a global one over the outputs of the last `max_cached_requests`
 requests (at most `max_cached_tokens` tokens, evicted oldest first), the better score winning;
 the global tree is what makes an agent loop's repeated tool calls and answers draftable across
-requests. Memory is bounded by `max_depth` nodes per token held. Trade-off: a plain Python trie
+requests. Memory is bounded by `max_depth` nodes per token held. The trees are fed only when a
+request drafts (catching up then), so a saturated worker that does not speculate pays nothing for
+them, and the outputs it wrote meanwhile are not learned. Trade-off: a plain Python trie
 without path compression, fed lazily from the sequence's tokens at each proposal: O(max_depth)
 dict operations per token and no native extension. `arctic-inference` ships this tree as a C++
 extension, but on PyPI only as a source distribution whose build needs CMake, a C++20 compiler,
-nanobind and torch in an isolated build environment (its other modules target vLLM), too heavy
-a dependency for a CPU worker's install; this module follows its path-speculation rules (the
-same drafts where no two children tie on their count) without its code.
+nanobind, Python's development files and torch in an isolated build environment (its other modules
+target vLLM); `pip install arctic-inference` fails here at that build (CMake finds no Python
+development module), so it cannot be a CPU worker's dependency. This module follows its path rules
+without its code; its compiled tree, built by hand, gives the same drafts wherever no two children
+tie on their count (tests/test_spec_suffix.py compares them when it is importable).
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ DEFAULT_MAX_SPEC_FACTOR = 1.0
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    __slots__ = ("count", "children", "top", "top_token")
 
     def __init__(self) -> None:
         self.count = 0
         self.children: dict[int, _Node] = {}
+        self.top: _Node | None = None  # its most frequent child (the first to reach that count), None: unknown
+        self.top_token = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,8 @@ class SuffixTree:
                     child = node.children[token] = _Node()
                     self.nodes += 1
                 child.count += 1
+                if node.top is None or child.count > node.top.count:
+                    node.top, node.top_token = child, token
                 window[i] = child
             root.count += 1
             if len(window) >= depth:  # the oldest suffix reached max_depth tokens
@@ -100,6 +108,8 @@ class SuffixTree:
             for token in seq[start:start + self.max_depth]:
                 child = node.children[token]
                 child.count -= 1
+                if node.top is child:
+                    node.top = None  # found again when a draft needs it
                 if child.count == 0:  # nothing below it is held either
                     del node.children[token]
                     self.nodes -= _size(child)
@@ -117,10 +127,13 @@ class SuffixTree:
                 node = node.children.get(token)
                 if node is None:
                     return best
+            node_count = node.count
             limit = max(0, min(max_tokens, int(m * max_spec_factor + max_spec_offset + 1e-6)))
             tokens, probs, prob = [], [], 1.0
             while len(tokens) < limit and node.children:
-                token, child = max(node.children.items(), key=_count)
+                if node.top is None:
+                    node.top_token, node.top = max(node.children.items(), key=_count)
+                token, child = node.top_token, node.top
                 prob *= child.count / node.count
                 if prob < min_token_prob:
                     break
@@ -130,6 +143,10 @@ class SuffixTree:
             score = sum(probs)
             if score >= best.score:
                 best = Draft(tuple(tokens), tuple(probs), score, m)
+                if score >= max_tokens:  # a certain draft of full length: longer matches draft the same
+                    break
+            if node_count <= 1 and limit >= max_tokens:  # one occurrence left: longer matches draft the same
+                break
         return best
 
 
@@ -166,10 +183,12 @@ class SuffixProposer:
         self._local: dict[Hashable, tuple[SuffixTree, int]] = {}  # request -> (its tree, output tokens fed)
 
     def propose(self, key: Hashable, prompt_ids: Sequence[int], output_ids: Sequence[int], k: int) -> list[int]:
-        """Up to `k` draft tokens continuing `prompt_ids + output_ids` of request `key`."""
-        self._feed(key, prompt_ids, output_ids)
+        """Up to `k` draft tokens continuing `prompt_ids + output_ids` of request `key`. With `k` 0
+        nothing is fed either: a step that will not speculate pays nothing, and the trees catch up
+        with the tokens they missed at the request's next draft."""
         if k < 1:
             return []
+        self._feed(key, prompt_ids, output_ids)
         context = (list(prompt_ids[-self.max_depth:]) + list(output_ids[-self.max_depth:]))[-self.max_depth:]
         args = (context, k, self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
         local = self._local[key][0].speculate(*args)
