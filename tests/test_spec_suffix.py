@@ -144,6 +144,12 @@ def test_the_global_tree_keeps_the_latest_outputs_within_its_bounds():
     assert list(proposer._cached) == [4]
     proposer.retire({4})
     assert list(proposer._local) == [4]
+    # a new request's indexing is counted apart (the step cost leaves it out), a next token's is not
+    spent = proposer.indexing_seconds
+    assert spent > 0
+    proposer.propose(4, [1], list(range(100, 121)), 2)
+    assert proposer.indexing_seconds == spent
+    assert proposer.propose(5, [1, 2, 3], [], 0) == [] and 5 not in proposer._local  # k 0: nothing indexed
 
 
 def test_greedy_outputs_unchanged_with_suffix_drafts(lm, echoes):  # noqa: F811

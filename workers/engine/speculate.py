@@ -150,13 +150,17 @@ class Speculator:
 
     def observe(self, out, seconds: float, metrics) -> None:
         """A finished step's duration, kept as this device's cost of its path and size (steps with a
-        prompt chunk are not: their prefill dominates), and the latest choice on `/metrics`."""
+        prompt chunk are not: their prefill dominates; the suffix trees' one-off indexing of a new
+        request's prompt is taken out), and the latest choice on `/metrics`."""
         if not self.enabled:
             return
         metrics.spec_k.set(self.last.k)
         for cause, n in self.causes.items():
             metrics.spec_decisions.labels(cause).inc(n)
         self.causes.clear()
+        if self.suffix is not None:  # indexing a prompt is paid once per request, not per step of its path
+            seconds -= self.suffix.indexing_seconds
+            self.suffix.indexing_seconds = 0.0
         if not out.chunks or any(c.is_prefill for c in out.chunks):
             return
         if any(_is_draft(c) for c in out.chunks):

@@ -28,6 +28,7 @@ tie on their count (tests/test_spec_suffix.py compares them when it is importabl
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -181,6 +182,7 @@ class SuffixProposer:
         self._cached: dict[Hashable, int] = {}  # request -> its output tokens in the global tree, oldest first
         self._cached_tokens = 0
         self._local: dict[Hashable, tuple[SuffixTree, int]] = {}  # request -> (its tree, output tokens fed)
+        self.indexing_seconds = 0.0  # spent indexing requests' prompts (once per request, not per step)
 
     def propose(self, key: Hashable, prompt_ids: Sequence[int], output_ids: Sequence[int], k: int) -> list[int]:
         """Up to `k` draft tokens continuing `prompt_ids + output_ids` of request `key`. With `k` 0
@@ -203,6 +205,7 @@ class SuffixProposer:
     def _feed(self, key: Hashable, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         entry = self._local.get(key)
         if entry is None:  # a new request (or one back from preemption): its tree, a fresh global slot
+            started = time.perf_counter()
             tree = SuffixTree(self.max_depth)
             tree.extend(0, list(prompt_ids) + list(output_ids))
             self._local[key] = (tree, len(output_ids))
@@ -210,6 +213,7 @@ class SuffixProposer:
             if self.max_cached_requests and self.max_cached_tokens:
                 self._cached[key] = 0
                 self._add_output(key, output_ids)
+            self.indexing_seconds += time.perf_counter() - started
             return
         tree, fed = entry
         new = list(output_ids[fed:])
