@@ -135,8 +135,9 @@ class WorkerConfig:
         f"and CPU workers, not simulated GPUs), on, off (default: ${ENV_COMPILE} or auto); see "
         f"workers/engine/compiled.py", env=ENV_COMPILE))
     speculative: str = field(default=DEFAULT_SPECULATIVE, metadata=_flag(
-        f"speculative decoding: {', '.join(SPECULATIVE_MODES)} (auto: n-gram drafts where the engine can verify "
-        f"them, with k chosen per step; see workers/engine/speculate.py)", metavar="|".join(SPECULATIVE_MODES)))
+        f"speculative decoding: {', '.join(SPECULATIVE_MODES)} (auto: suffix-tree drafts where the engine can "
+        f"verify them and greedy output stays exact, k chosen per step from the measured step costs; see "
+        f"workers/engine/speculate.py)", metavar="|".join(SPECULATIVE_MODES)))
     num_speculative_tokens: int = field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, metadata=_flag(
         "most draft tokens a decode row carries per step", metavar="N"))
     threads: int | None = field(default=None, metadata=_flag("torch intra-op threads (default: torch's choice)"))

@@ -93,6 +93,10 @@ class WorkerMetrics:
         self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
         self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                             registry=r)
+        self.spec_k = Gauge(f"{PREFIX}_spec_decode_k", "Draft tokens per decode row chosen at the latest "
+                            "speculative choice (0: plain decoding)", registry=r)
+        self.spec_decisions = Counter(f"{PREFIX}_spec_decode_decisions", "Steps by the cause of their speculative "
+                                      "choice (workers/spec/policy.py)", ["cause"], registry=r)
         self.batch_size = Histogram(
             f"{PREFIX}_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
         )
