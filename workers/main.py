@@ -166,7 +166,7 @@ def run_worker(config: WorkerConfig) -> int:
             kernels = kernelize_for_device(loaded.model, bound)
             preflight = None
             if wants_preflight(config.preflight, bound):  # every selected kernel compiled and fitting
-                preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
+                preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype), _never_run(loaded))
         with startup_step("fp8", status):
             conv, fp8_reason, checkpoint = _apply_fp8(config, bound, cap, loaded)
         failed: dict[str, str] = {}  # layers whose kernel failed on this device: their torch path serves
@@ -287,6 +287,14 @@ def _read_plan(config: WorkerConfig):
     from workers.pipeline.launch import Stages
 
     return plan, Stages(plan, config.pipeline_plan)
+
+
+def _never_run(loaded) -> dict[str, str]:
+    """The kernel layers this model never runs, each with why: its preflight does not compile them."""
+    from workers.contract.defaults import NO_GGUF_LAYER
+    from workers.model.describe import describe
+
+    return {**describe(loaded.config)["kernel_layers_unused"], "GGUFLinear": NO_GGUF_LAYER}
 
 
 def _for_device(config: WorkerConfig, bound) -> WorkerConfig:
