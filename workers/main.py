@@ -158,7 +158,7 @@ def run_worker(config: WorkerConfig) -> int:
                                                 plan.stages[config.pipeline_rank].end)
             loaded = load_model(config.model or DEFAULT_MODEL_DIR, config.dtype, bound.torch_device, cap, layers,
                                 device_type=bound.type)
-            apply_slowdown(loaded.model, config.slowdown)  # a simulated device only (`_for_device`)
+            apply_slowdown(loaded.model, config.slowdowns)  # a simulated device only (`_for_device`)
         with startup_step("kernelize", status):  # also checks `kernels`' own capability lookup
             from workers.kernelize.apply import kernelize_for_device
             from workers.kernelize.preflight import model_workload, preflight_or_refuse, wants_preflight
@@ -166,7 +166,7 @@ def run_worker(config: WorkerConfig) -> int:
             kernels = kernelize_for_device(loaded.model, bound)
             preflight = None
             if wants_preflight(config.preflight, bound):  # every selected kernel compiled and fitting
-                preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
+                preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype), _never_run(loaded))
         with startup_step("fp8", status):
             conv, fp8_reason, checkpoint = apply_fp8(config, bound, cap, loaded)
         failed: dict[str, str] = {}  # layers whose kernel failed on this device: their torch path serves
@@ -290,12 +290,20 @@ def _read_plan(config: WorkerConfig):
     return plan, Stages(plan, config.pipeline_plan)
 
 
+def _never_run(loaded) -> dict[str, str]:
+    """The kernel layers this model never runs, each with why: its preflight does not compile them."""
+    from workers.contract.defaults import NO_GGUF_LAYER
+    from workers.model.describe import describe
+
+    return {**describe(loaded.config)["kernel_layers_unused"], "GGUFLinear": NO_GGUF_LAYER}
+
+
 def _for_device(config: WorkerConfig, bound) -> WorkerConfig:
     """`config` with what the bound device decides: its step budget (workers/contract/defaults.py
     `step_token_budget`) where none was given; a slowdown only where the device is simulated."""
-    if config.slowdown != 1.0 and not bound.simulated:
-        raise ValueError(f"`--slowdown {config.slowdown:g}` slows a simulated device only; this worker is bound to "
-                         f"{bound.type} device {bound.index}. Accepted: --slowdown 1 (or leave it out)")
+    if config.slowdowns.slowed and not bound.simulated:
+        raise ValueError(f"`--slowdown {config.slowdowns.describe()}` slows a simulated device only; this worker is "
+                         f"bound to {bound.type} device {bound.index}. Accepted: --slowdown 1 (or leave it out)")
     if config.max_num_batched_tokens is not None:
         return config
     return replace(config, max_num_batched_tokens=step_token_budget(bound.computes_on_cpu, config.max_batch))

@@ -13,14 +13,13 @@ in a few lines, as the router cannot import the loader.
 
 from __future__ import annotations
 
+from workers.contract.defaults import NO_GGUF_LAYER
 from workers.contract.mxfp4_rule import MXFP4_DEQUANTIZED, mxfp4_kind
 
 NO_QUANTIZE = "no `--quantize fp8`: the projections keep the checkpoint's dtype"
 NO_LORA = "LoRA adapters (`hetserve serve --lora`) are not part of a plan: the delta runs only with adapters"
 NOT_STORED = {"fp8": "the checkpoint stores no fp8 weights", "int4": "the checkpoint stores no 4-bit weights",
               "mxfp4": "the checkpoint stores no MXFP4 experts"}
-# no model layer holds GGUF blocks yet (workers/gguf/execution.py): a GGUF file's weights are widened at load
-NO_GGUF_LAYER = "no model layer holds GGUF blocks yet: a GGUF file's weights are dequantized at load"
 
 
 def stored_kind(quantization: dict | None) -> str | None:
