@@ -20,7 +20,6 @@ import importlib
 import numpy as np
 import pytest
 import torch
-import triton.language as tl
 
 from kernels_local.compile_spec import Workload
 from kernels_local.gguf_linear import (
@@ -36,6 +35,8 @@ from tests.interpreter import INTERPRETED, needs_interpreter, rerun_under_interp
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from tests.preflight_checks import assert_recorded_launches  # noqa: E402
 
 KERNEL = importlib.import_module("kernels_local.gguf_linear.gguf_linear")
 QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -194,26 +195,13 @@ def test_the_device_rule_and_the_kernel_mapping_agree():
         assert rule.reason
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(type(tl.sum).__name__ == "InterpretedFunction", reason="TRITON_INTERPRET=1: nothing compiles")
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_the_declared_launches_compile_and_fit_on_every_architecture_they_are_for(name):
-    from workers.kernelize.aot import Target, compile_spec
-    from workers.kernelize.arch_limits import arch_limits
-    from workers.kernelize.preflight import check
-
+    """Every launch this tuning declares, in the dtype each of its architectures runs, is in the
+    preflight matrix for that architecture: compiled for it, fitting, without spills."""
     for arch in ARCHS[name]:
         dtype = "fp16" if arch in ("sm_70", "sm_75") else "bf16"  # no bf16 below sm_80: such a device runs fp16
-        specs = layers.COMPILE_SPECS[name](Workload(dtype=dtype))
-        # each type's GEMV and its widest GEMM tile, with a bias: the launches that need the most
-        top = max(dict(s.constexprs).get("BLOCK_M", 0) for s in specs)
-        chosen = [s for s in specs if dict(s.constexprs)["HAS_BIAS"] and dict(s.constexprs).get("BLOCK_M", top) == top]
-        assert len(chosen) == 2 * len(BLOCKS)
-        target = Target("hip", arch, 64) if arch.startswith("gfx") else Target("cuda", arch, 32)
-        for spec in chosen:
-            record = check(spec, compile_spec(spec, target), target, arch_limits(arch))
-            assert record.ok, (arch, spec.config, record.error)
-            assert record.spill_bytes == 0, (arch, spec.config, record.spill_bytes)
+        assert_recorded_launches("GGUFLinear", name, arch, layers.COMPILE_SPECS[name](Workload(dtype=dtype)))
 
 
 # -- the compiled kernels on a real GPU (scripts/gpu_check.sh runs these where one is lent; every type is

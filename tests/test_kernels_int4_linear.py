@@ -18,18 +18,19 @@ import importlib
 
 import pytest
 import torch
-import triton.language as tl
 
 from kernels_local.compile_spec import Workload
 from kernels_local.int4_linear import TUNINGS, int4_linear, int4_linear_reference, layers, unpack_weight
 from tests.int4_checkpoints import _words
 from tests.interpreter import INTERPRETED, needs_interpreter, rerun_under_interpreter
+from tests.preflight_checks import assert_recorded_launches
 from workers.quant.int4_pack import dequantize_gptq
 
 GEMM = importlib.import_module("kernels_local.int4_linear.int4_linear")
 # the architectures each tuning is for (sm_70: no 4-bit kernel, the weights are dequantized at load)
-ARCHS = {"Int4LinearTritonSm75": ("sm_75",), "Int4LinearTritonSm80": ("sm_80", "sm_86", "sm_87", "sm_89", "sm_120"),
-         "Int4LinearTritonSm90": ("sm_90", "sm_100", "sm_103"), "Int4LinearTritonRocm": ("gfx90a", "gfx942", "gfx950")}
+ARCHS = {"Int4LinearTritonSm75": ("sm_75",), "Int4LinearTritonSm80": ("sm_80", "sm_86", "sm_87", "sm_89"),
+         "Int4LinearTritonSm90": ("sm_90", "sm_100", "sm_103", "sm_120"),
+         "Int4LinearTritonRocm": ("gfx90a", "gfx942", "gfx950")}
 
 
 def _layer(k: int, n: int, group: int, act_order: bool, scale_dtype=torch.float16, seed: int = 0):
@@ -124,27 +125,14 @@ def test_the_wrappers_launches_are_declared(monkeypatch, name, tokens):
         assert (kw["BLOCK_M"], tuple(kw.items()), warps, stages) in declared
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(type(tl.sum).__name__ == "InterpretedFunction", reason="TRITON_INTERPRET=1: nothing compiles")
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_the_declared_launches_compile_and_fit_on_every_architecture_they_are_for(name):
-    from workers.kernelize.aot import Target, compile_spec
-    from workers.kernelize.arch_limits import arch_limits
-    from workers.kernelize.preflight import check
-
+    """Every launch this tuning declares, in the dtype each of its architectures runs, is in the
+    preflight matrix for that architecture: compiled for it, fitting, without spills."""
     for arch in ARCHS[name]:
-        dtype = "fp16" if arch == "sm_75" else "bf16"  # no bf16 below sm_80: such a device runs fp16
-        specs = layers.COMPILE_SPECS[name](Workload(dtype=dtype))
-        # the widest tile with a bias, act-order or not, each scale dtype: the launches that need the most
-        top = max(dict(s.constexprs)["BLOCK_M"] for s in specs)
-        chosen = [s for s in specs if dict(s.constexprs)["BLOCK_M"] == top and dict(s.constexprs)["HAS_BIAS"]]
-        assert len(chosen) == 6
-        target = Target("hip", arch, 64) if arch.startswith("gfx") else Target("cuda", arch, 32)
-        for spec in chosen:
-            record = check(spec, compile_spec(spec, target), target, arch_limits(arch))
-            assert record.ok, (arch, spec.config, record.error)
-            assert record.instruction_ok is True, (arch, record.instruction)
-            assert record.spill_bytes == 0, (arch, spec.config, record.spill_bytes)  # the preflight matrix's rule
+        dtype = "fp16" if arch in ("sm_70", "sm_75") else "bf16"  # no bf16 below sm_80: such a device runs fp16
+        assert_recorded_launches("Int4CheckpointLinear", name, arch, layers.COMPILE_SPECS[name](Workload(dtype=dtype)),
+                                 tensor_cores=True)
 
 
 # -- the compiled kernel on a real GPU (scripts/gpu_check.sh runs these where one is lent) -----------

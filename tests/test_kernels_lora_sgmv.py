@@ -19,11 +19,11 @@ import importlib
 
 import pytest
 import torch
-import triton.language as tl
 
 from kernels_local.compile_spec import Workload
 from kernels_local.lora_sgmv import TUNINGS, layers, lora_sgmv, lora_sgmv_reference
 from tests.interpreter import INTERPRETED, needs_interpreter, rerun_under_interpreter
+from tests.preflight_checks import assert_recorded_launches
 from workers.lora.adapter import LoraAdapter, LoraTarget
 from workers.lora.apply import LoraBatch, LoraDelta, add_lora
 from workers.lora.stack import build_stack
@@ -160,22 +160,13 @@ def test_a_stack_of_another_width_is_refused_by_name():
                   batch.segments)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(type(tl.sum).__name__ == "InterpretedFunction", reason="TRITON_INTERPRET=1: nothing compiles")
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_the_declared_launches_compile_and_fit_on_every_architecture_they_are_for(name):
-    from workers.kernelize.aot import Target, compile_spec
-    from workers.kernelize.arch_limits import arch_limits
-    from workers.kernelize.preflight import check
-
+    """Every launch this tuning declares, in the dtype each of its architectures runs, is in the
+    preflight matrix for that architecture: compiled for it, fitting, without spills."""
     for arch in ARCHS[name]:
         dtype = "fp16" if arch in ("sm_70", "sm_75") else "bf16"  # no bf16 below sm_80: such a device runs fp16
-        specs = layers.COMPILE_SPECS[name](Workload(dtype=dtype, widths=(4096,)))
-        target = Target("hip", arch, 64) if arch.startswith("gfx") else Target("cuda", arch, 32)
-        for spec in specs:
-            record = check(spec, compile_spec(spec, target), target, arch_limits(arch))
-            assert record.ok, (arch, spec.config, record.error)
-            assert record.spill_bytes == 0, (arch, spec.config, record.spill_bytes)
+        assert_recorded_launches("LoraDelta", name, arch, layers.COMPILE_SPECS[name](Workload(dtype=dtype)))
 
 
 # -- the compiled kernel on a real GPU (scripts/gpu_check.sh runs these where one is lent) -----------
