@@ -14,6 +14,7 @@ to one dictionary lookup per block."""
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,8 +28,8 @@ class HostTierHooks(Protocol):
     """The host tier's side of a prefix lookup (workers/kvtier/tier.py `HostTier`)."""
 
     def cached(self, block: int, chain_hash: bytes) -> None: ...
-    def fetch(self, hashes: list[bytes]) -> list: ...
-    def load(self, blocks: list[int], payloads: list) -> None: ...
+    def fetch(self, hashes: list[bytes]) -> Sized: ...  # one payload per leading hit
+    def load(self, blocks: list[int], payloads: Sized) -> None: ...
 
 
 class KVSequence(Protocol):
@@ -129,7 +130,7 @@ class KVCacheManager:
             held = [b for b in hits[g] if b is not None]
             pool.share(held)
             tables.append([0] * (len(hits[g]) - len(held)) + held + pool.allocate(fresh))
-        if host:  # copied in rather than computed, then indexed like any computed block
+        if len(host):  # copied in rather than computed, then indexed like any computed block
             loaded = tables[0][len(hits[0]) : len(hits[0]) + len(host)]
             self.tier.load(loaded, host)
             for block, h in zip(loaded, seq.block_hashes[len(hits[0]):], strict=False):

@@ -40,7 +40,8 @@ class HostTier:
         self.enabled = store is not None and store.enabled and self.reason is None
         self.writer = TierWriter(store.put) if self.enabled else None
         self.blocks_loaded = 0
-        self._last: tuple[tuple[bytes, ...], list] = ((), [])  # the last fetch, for its retry
+        self._pinned = torch.device(getattr(pool, "device", "cpu")).type == "cuda" and torch.cuda.is_available()
+        self._last: tuple[tuple[bytes, ...], torch.Tensor] = ((), torch.empty(0, dtype=torch.uint8))  # for a retry
 
     @classmethod
     def open(cls, pool, root: bytes, directory: str | Path | None, budget: int,
@@ -82,32 +83,40 @@ class HostTier:
         data.copy_(self.pool.tensors[0][:, :, :, block])  # always a copy: the device block is reused later
         self.writer.submit(chain_hash, memoryview(data.reshape(-1).view(torch.uint8).numpy()))
 
-    def fetch(self, hashes: list[bytes]) -> list[bytes | memoryview]:
+    def fetch(self, hashes: list[bytes]) -> torch.Tensor:
         """The payloads of the leading blocks of `hashes` the tier holds (stopping at the first it
-        does not: a block past a gap is useless without the one before). A sequence that did not
-        fit waits at the head of the queue and asks again each step: its last answer is kept."""
+        does not: a block past a gap is useless without the one before), as one uint8 staging
+        buffer `[K, block bytes]` (pinned on a GPU) that each file is read straight into. A sequence
+        that did not fit waits at the head of the queue and asks again each step: its last answer
+        is kept."""
         if tuple(hashes) == self._last[0]:
             return self._last[1]
-        out = []
+        n = self.format.block_bytes
+        buf = torch.empty((len(hashes), n), dtype=torch.uint8, pin_memory=self._pinned)
+        flat = memoryview(buf.numpy()).cast("B") if hashes else memoryview(b"")
+        k = 0
         for h in hashes:
+            row = flat[k * n : (k + 1) * n]
             payload = self.writer.peek(h)
-            if payload is None:
-                payload = self.store.get(h)
-            if payload is None or len(payload) != self.format.block_bytes:
+            if payload is not None and len(payload) == n:
+                row[:] = payload  # still queued for writing: served from memory
+            elif not self.store.read_into(h, row):
                 break
-            out.append(payload)
+            k += 1
+        out = buf[:k]
         self._last = (tuple(hashes), out)
         return out
 
-    def load(self, blocks: list[int], payloads: list[bytes | memoryview]) -> None:
-        """Copy fetched payloads into the device blocks `blocks` (one indexed copy)."""
-        self._last = ((), [])
+    def load(self, blocks: list[int], payloads: torch.Tensor) -> None:
+        """Copy fetched payloads (`fetch`'s buffer) into the device blocks `blocks`: one indexed copy."""
+        self._last = ((), torch.empty(0, dtype=torch.uint8))
         if not blocks:
             return
-        raw = torch.frombuffer(bytearray(b"".join(bytes(p) for p in payloads)), dtype=torch.uint8)
-        data = raw.view(self.pool.dtype).view(len(blocks), *self.format.block_shape)  # [K, L, 2, Hkv, B, D]
+        data = payloads[: len(blocks)].view(self.pool.dtype)
+        data = data.view(len(blocks), *self.format.block_shape)  # [K, L, 2, Hkv, B, D]
         index = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
-        self.pool.tensors[0].index_copy_(3, index, data.permute(1, 2, 3, 0, 4, 5).to(self.pool.device))
+        src = data.permute(1, 2, 3, 0, 4, 5).to(self.pool.device, non_blocking=True)  # from pinned memory on a GPU
+        self.pool.tensors[0].index_copy_(3, index, src)
         self.blocks_loaded += len(blocks)
 
     # -- life and description -------------------------------------------------------------------
