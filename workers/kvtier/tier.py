@@ -76,12 +76,19 @@ class HostTier:
     # -- the block manager's hooks (workers/kv/manager.py) --------------------------------------
 
     def cached(self, block: int, chain_hash: bytes) -> None:
-        """A block became full and indexed on the device: copy it out now, store it behind."""
+        """A block became full and indexed on the device: copy it out now, store it after the step."""
         if self.store.contains(chain_hash):
             return
         data = torch.empty(self.format.block_shape, dtype=self.pool.dtype)  # [L, 2, Hkv, B, D] in host memory
         data.copy_(self.pool.tensors[0][:, :, :, block])  # always a copy: the device block is reused later
-        self.writer.submit(chain_hash, memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        self.writer.submit(chain_hash, memoryview(data.reshape(-1).view(torch.uint8).numpy()), wake=False)
+
+    def write_behind(self) -> None:
+        """Called once a step is scheduled: the writer writes what earlier steps cached while this
+        one computes (its forward releases the interpreter lock) or the engine idles
+        (workers/kvtier/writer.py)."""
+        if self.writer is not None:
+            self.writer.wake()
 
     def fetch(self, hashes: list[bytes]) -> torch.Tensor:
         """The payloads of the leading blocks of `hashes` the tier holds (stopping at the first it
