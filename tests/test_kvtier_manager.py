@@ -16,12 +16,14 @@ class FakeTier:
     def cached(self, block: int, h: bytes) -> None:
         self.held.setdefault(h, f"block {block}")
 
-    def fetch(self, hashes):
+    def fetch(self, hashes, tail=None):
         out = []
         for h in hashes:
             if h not in self.held:
-                break
+                return out
             out.append(self.held[h])
+        if tail is not None and tail in self.held:
+            out.append(self.held[tail])
         return out
 
     def load(self, blocks, payloads) -> None:
@@ -83,3 +85,36 @@ def test_a_sequence_that_does_not_fit_loads_nothing():
     assert kv.admit(hog, 12) is not None  # holds 3 of 4 blocks
     assert kv.admit(FakeSeq(tokens + [1, 2, 3]), 12) is None
     assert tier.loaded == []
+
+
+def test_a_preempted_sequence_is_swapped_out_whole_and_resumes_past_every_computed_token():
+    """Guards `swap_out`'s partly filled block and `_host_hits`' tail: without them a resumed
+    sequence recomputes the tokens of its last, partly filled block."""
+    tier = FakeTier()
+    kv = manager(4, tier)
+    seq = FakeSeq(list(range(11)))  # two full blocks and three tokens computed, the 11th not yet
+    assert kv.admit(seq, 11) is not None
+    seq.num_computed = 10
+    kv.cache_full_blocks(seq)
+    assert len(tier.held) == 2
+    assert kv.swap_out(seq)
+    assert len(tier.held) == 3, "the partly filled block too"
+    kv.free(seq)
+    run(kv, FakeSeq([99] * 16))  # every block of the sequence evicted from the device
+    resumed = FakeSeq(seq.tokens)
+    assert kv.admit(resumed, 11).cached_tokens == 10, "everything but the token it has not computed"
+    assert resumed.num_computed == 10 and resumed.num_cached_blocks == 2, "the partial block is not indexed"
+    assert [b for b, _ in tier.loaded] == resumed.block_ids[:3]
+    assert kv.pool.lookup(kv._tail_hash(resumed, resumed.tokens, 2, 10)) is None
+
+
+def test_a_tail_of_other_tokens_is_not_taken():
+    tier = FakeTier()
+    kv = manager(4, tier)
+    seq = FakeSeq(list(range(11)))
+    assert kv.admit(seq, 11) is not None
+    seq.num_computed = 10
+    kv.swap_out(seq)
+    kv.free(seq)
+    other = FakeSeq(list(range(9)) + [77, 78])  # the same two full blocks, another tail
+    assert kv.admit(other, 11).cached_tokens == 8

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from workers.kv.blocks import BlockPool
 from workers.kv.groups import first_needed
-from workers.kv.hashing import chain_hashes
+from workers.kv.hashing import block_hash, chain_hashes
 from workers.kv.state import StateSlots
 
 
@@ -28,7 +28,7 @@ class HostTierHooks(Protocol):
     """The host tier's side of a prefix lookup (workers/kvtier/tier.py `HostTier`)."""
 
     def cached(self, block: int, chain_hash: bytes) -> None: ...
-    def fetch(self, hashes: list[bytes]) -> Sized: ...  # one payload per leading hit
+    def fetch(self, hashes: list[bytes], tail: bytes | None = None) -> Sized: ...  # one payload per leading hit
     def load(self, blocks: list[int], payloads: Sized) -> None: ...
 
 
@@ -116,8 +116,9 @@ class KVCacheManager:
             return None
         tokens = seq.token_ids()
         hits = self._prefix_hits(seq, tokens, max_cached)
-        host = self._host_hits(seq, tokens, max_cached, len(hits[0]))  # the chain's next blocks, from the host
-        cached = (len(hits[0]) + len(host)) * self.block_size
+        host, tail = self._host_hits(seq, tokens, max_cached, len(hits[0]))  # the chain's next blocks, from the host
+        full = len(host) - (tail > 0)  # host payloads holding full blocks (a swapped tail comes last)
+        cached = (len(hits[0]) + full) * self.block_size + tail
         num_new = min(num_new, len(tokens) - cached)
         fresh = self.blocks_for(cached + num_new) - len(hits[0])
         for g, pool in enumerate(self.pools):
@@ -130,14 +131,14 @@ class KVCacheManager:
             held = [b for b in hits[g] if b is not None]
             pool.share(held)
             tables.append([0] * (len(hits[g]) - len(held)) + held + pool.allocate(fresh))
-        if len(host):  # copied in rather than computed, then indexed like any computed block
+        if len(host):  # copied in rather than computed, full blocks indexed like any computed block
             loaded = tables[0][len(hits[0]) : len(hits[0]) + len(host)]
             self.tier.load(loaded, host)
-            for block, h in zip(loaded, seq.block_hashes[len(hits[0]):], strict=False):
+            for block, h in zip(loaded[:full], seq.block_hashes[len(hits[0]):], strict=False):
                 self.pool.register(block, h)
         seq.block_ids, seq.group_tables = tables[0], tables[1:]
         seq.held_from = [len(h) - sum(b is not None for b in h) for h in hits]
-        seq.num_cached_blocks = len(hits[0]) + len(host)
+        seq.num_cached_blocks = len(hits[0]) + full
         seq.num_computed = cached
         if self.states is not None:
             seq.state_slot = self.states.take()
@@ -179,6 +180,20 @@ class KVCacheManager:
                 self.pools[g].release(table[start:end])
                 seq.held_from[g] = end
 
+    def swap_out(self, seq: KVSequence) -> bool:
+        """Before a preemption frees `seq`'s blocks: every computed block in the host tier, the
+        last, partly filled one too (keyed by the hash of the tokens it holds, `_tail_hash`), so
+        that its resume reads them back instead of recomputing them. False without a tier."""
+        if self.tier is None or not self.prefix_caching or seq.num_computed == 0:
+            return False
+        full = seq.num_computed // self.block_size
+        chain_hashes(self._root(seq), seq.token_ids()[: full * self.block_size], self.block_size, seq.block_hashes)
+        for i in range(full):  # written through when they filled, unless the writer dropped them
+            self.tier.cached(seq.block_ids[i], seq.block_hashes[i])
+        if seq.num_computed > full * self.block_size:
+            self.tier.cached(seq.block_ids[full], self._tail_hash(seq, seq.token_ids(), full, seq.num_computed))
+        return True
+
     def free(self, seq: KVSequence) -> None:
         """Drop the sequence's blocks, last first: its cached prefix outlives its tail."""
         for g, pool in enumerate(self.pools):
@@ -212,12 +227,28 @@ class KVCacheManager:
         its tokens (a prompt whose length changes its rotation: workers/model/rope.py)."""
         return getattr(seq, "cache_root", None) or self.root
 
-    def _host_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None, start: int) -> list:
-        """The host tier's payloads of the blocks after the device's `start` cached ones (one group only)."""
+    def _host_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None, start: int) -> tuple:
+        """The host tier's payloads of the blocks after the device's `start` cached ones (one group
+        only), and how many tokens the last of them holds when it is a swapped-out sequence's
+        partly filled block (0: every payload is a full block)."""
         if self.tier is None or not self.prefix_caching:
-            return []
-        limit = (len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)) // self.block_size
-        return self.tier.fetch(seq.block_hashes[start:limit]) if limit > start else []
+            return [], 0
+        end = len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)
+        limit = end // self.block_size
+        tail = self._tail_hash(seq, tokens, limit, end) if max_cached is None and end % self.block_size else None
+        if limit <= start and tail is None:
+            return [], 0
+        hashes = seq.block_hashes[start:limit]
+        host = self.tier.fetch(hashes, tail)
+        return host, (end % self.block_size if len(host) > len(hashes) else 0)
+
+    def _tail_hash(self, seq: KVSequence, tokens: list[int], full: int, end: int) -> bytes:
+        """The key of a partly filled block: the chain's hash over tokens `full * B .. end - 1`
+        (fewer than a block, so it never equals a full block's hash)."""
+        if len(seq.block_hashes) < full:
+            chain_hashes(self._root(seq), tokens[: full * self.block_size], self.block_size, seq.block_hashes)
+        parent = seq.block_hashes[full - 1] if full else self._root(seq)
+        return block_hash(parent, tokens[full * self.block_size : end])
 
     def _prefix_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None) -> list[list[int | None]]:
         """Per group, the cached blocks holding the sequence's leading full blocks, before its last

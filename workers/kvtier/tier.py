@@ -39,7 +39,7 @@ class HostTier:
         self.reason = reason if reason is not None else (store.reason if store is not None else None)
         self.enabled = store is not None and store.enabled and self.reason is None
         self.writer = TierWriter(store.put) if self.enabled else None
-        self.blocks_loaded = 0
+        self.blocks_loaded = self.tails_loaded = 0
         self._pinned = torch.device(getattr(pool, "device", "cpu")).type == "cuda" and torch.cuda.is_available()
         self._last: tuple[tuple[bytes, ...], torch.Tensor] = ((), torch.empty(0, dtype=torch.uint8))  # for a retry
 
@@ -77,7 +77,7 @@ class HostTier:
 
     def cached(self, block: int, chain_hash: bytes) -> None:
         """A block became full and indexed on the device: copy it out now, store it after the step."""
-        if self.store.contains(chain_hash):
+        if self.store.contains(chain_hash) or self.writer.peek(chain_hash) is not None:
             return
         data = torch.empty(self.format.block_shape, dtype=self.pool.dtype)  # [L, 2, Hkv, B, D] in host memory
         data.copy_(self.pool.tensors[0][:, :, :, block])  # always a copy: the device block is reused later
@@ -90,35 +90,41 @@ class HostTier:
         if self.writer is not None:
             self.writer.wake()
 
-    def fetch(self, hashes: list[bytes]) -> torch.Tensor:
+    def fetch(self, hashes: list[bytes], tail: bytes | None = None) -> torch.Tensor:
         """The payloads of the leading blocks of `hashes` the tier holds (stopping at the first it
-        does not: a block past a gap is useless without the one before), as one uint8 staging
-        buffer `[K, block bytes]` (pinned on a GPU) that each file is read straight into. A sequence
-        that did not fit waits at the head of the queue and asks again each step: its last answer
-        is kept."""
-        if tuple(hashes) == self._last[0]:
+        does not: a block past a gap is useless without the one before), then, when every one was
+        there, the partly filled block keyed `tail` if held (a preempted sequence's, written by
+        `swap_out`), as one uint8 staging buffer `[K, block bytes]` (pinned on a GPU) that each
+        file is read straight into. A sequence that did not fit waits at the head of the queue and
+        asks again each step: its last answer is kept."""
+        key = (*hashes, tail)
+        if key == self._last[0]:
             return self._last[1]
         n = self.format.block_bytes
-        buf = torch.empty((len(hashes), n), dtype=torch.uint8, pin_memory=self._pinned)
-        flat = memoryview(buf.numpy()).cast("B") if hashes else memoryview(b"")
+        wanted = list(hashes) + ([tail] if tail is not None else [])
+        buf = torch.empty((len(wanted), n), dtype=torch.uint8, pin_memory=self._pinned)
+        flat = memoryview(buf.numpy()).cast("B") if wanted else memoryview(b"")
         k = 0
-        for h in hashes:
+        for h in wanted:
             row = flat[k * n : (k + 1) * n]
             payload = self.writer.peek(h)
             if payload is not None and len(payload) == n:
                 row[:] = payload  # still queued for writing: served from memory
-            elif not self.store.read_into(h, row):
-                break
+            elif (h is tail and not self.store.contains(h)) or not self.store.read_into(h, row):
+                break  # (a tail is looked for on most lookups: its absence is not counted as a miss)
             k += 1
         out = buf[:k]
-        self._last = (tuple(hashes), out)
+        self._last = (key, out)
         return out
 
     def load(self, blocks: list[int], payloads: torch.Tensor) -> None:
         """Copy fetched payloads (`fetch`'s buffer) into the device blocks `blocks`: one indexed copy."""
+        key = self._last[0]
         self._last = ((), torch.empty(0, dtype=torch.uint8))
         if not blocks:
             return
+        if key and key[-1] is not None and len(blocks) == len(key):  # the fetch's tail came too
+            self.tails_loaded += 1
         data = payloads[: len(blocks)].view(self.pool.dtype)
         data = data.view(len(blocks), *self.format.block_shape)  # [K, L, 2, Hkv, B, D]
         index = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
@@ -142,7 +148,7 @@ class HostTier:
         if self.store is None:
             return {"enabled": False, "reason": self.reason}
         out = self.store.describe()
-        out.update(enabled=self.enabled, blocks_loaded=self.blocks_loaded,
+        out.update(enabled=self.enabled, blocks_loaded=self.blocks_loaded, partial_blocks_loaded=self.tails_loaded,
                    blocks_dropped=self.writer.dropped if self.writer else 0)
         if self.format is not None:
             out["format"] = self.format.describe()
