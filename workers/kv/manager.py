@@ -20,7 +20,7 @@ from typing import Protocol
 
 from workers.kv.blocks import BlockPool
 from workers.kv.groups import first_needed
-from workers.kv.hashing import block_hash, chain_hashes
+from workers.kv.hashing import chain_hashes
 from workers.kv.state import StateSlots
 
 
@@ -28,8 +28,9 @@ class HostTierHooks(Protocol):
     """The host tier's side of a prefix lookup (workers/kvtier/tier.py `HostTier`)."""
 
     def cached(self, block: int, chain_hash: bytes) -> None: ...
-    def fetch(self, hashes: list[bytes], tail: bytes | None = None) -> Sized: ...  # one payload per leading hit
+    def fetch(self, hashes: list[bytes], parent: bytes | None = None) -> tuple[Sized, list[int]]: ...
     def load(self, blocks: list[int], payloads: Sized) -> None: ...
+    def partial(self, block: int, parent: bytes, tokens: list[int]) -> None: ...
 
 
 class KVSequence(Protocol):
@@ -117,7 +118,7 @@ class KVCacheManager:
         tokens = seq.token_ids()
         hits = self._prefix_hits(seq, tokens, max_cached)
         host, tail = self._host_hits(seq, tokens, max_cached, len(hits[0]))  # the chain's next blocks, from the host
-        full = len(host) - (tail > 0)  # host payloads holding full blocks (a swapped tail comes last)
+        full = len(host) - (tail > 0)  # host payloads holding full blocks (a partial block comes last)
         cached = (len(hits[0]) + full) * self.block_size + tail
         num_new = min(num_new, len(tokens) - cached)
         fresh = self.blocks_for(cached + num_new) - len(hits[0])
@@ -181,21 +182,33 @@ class KVCacheManager:
                 seq.held_from[g] = end
 
     def swap_out(self, seq: KVSequence) -> bool:
-        """Before a preemption frees `seq`'s blocks: every computed block in the host tier, the
-        last, partly filled one too (keyed by the hash of the tokens it holds, `_tail_hash`), so
-        that its resume reads them back instead of recomputing them. False without a tier."""
+        """Before a preemption frees `seq`'s blocks: every computed full block in the host tier (they
+        were written through as they filled, unless the writer dropped one); `free` then writes the
+        last, partly filled one, so that the resume reads them all back instead of recomputing
+        them. False without a tier."""
         if self.tier is None or not self.prefix_caching or seq.num_computed == 0:
             return False
         full = seq.num_computed // self.block_size
         chain_hashes(self._root(seq), seq.token_ids()[: full * self.block_size], self.block_size, seq.block_hashes)
-        for i in range(full):  # written through when they filled, unless the writer dropped them
+        for i in range(full):
             self.tier.cached(seq.block_ids[i], seq.block_hashes[i])
-        if seq.num_computed > full * self.block_size:
-            self.tier.cached(seq.block_ids[full], self._tail_hash(seq, seq.token_ids(), full, seq.num_computed))
         return True
+
+    def _write_partial(self, seq: KVSequence) -> None:
+        """The sequence's last, partly filled block to the host tier, with the tokens it holds
+        (a finished turn's last generated tokens, a preempted sequence's last ones): the next turn
+        of the conversation, or the resume, reads it back instead of recomputing them."""
+        full, n = divmod(seq.num_computed, self.block_size)
+        if self.tier is None or not self.prefix_caching or n == 0 or len(seq.block_ids) <= full:
+            return
+        tokens = seq.token_ids()
+        chain_hashes(self._root(seq), tokens[: full * self.block_size], self.block_size, seq.block_hashes)
+        parent = seq.block_hashes[full - 1] if full else self._root(seq)
+        self.tier.partial(seq.block_ids[full], parent, tokens[full * self.block_size : seq.num_computed])
 
     def free(self, seq: KVSequence) -> None:
         """Drop the sequence's blocks, last first: its cached prefix outlives its tail."""
+        self._write_partial(seq)
         for g, pool in enumerate(self.pools):
             table = self._table(seq, g)
             start = seq.held_from[g] if g < len(seq.held_from) else 0
@@ -229,26 +242,25 @@ class KVCacheManager:
 
     def _host_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None, start: int) -> tuple:
         """The host tier's payloads of the blocks after the device's `start` cached ones (one group
-        only), and how many tokens the last of them holds when it is a swapped-out sequence's
-        partly filled block (0: every payload is a full block)."""
+        only), the last of them possibly the partly filled block after the last full hit; and how
+        many of the prompt's tokens that partial block gives (0: every payload is a full block)."""
         if self.tier is None or not self.prefix_caching:
             return [], 0
         end = len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)
         limit = end // self.block_size
-        tail = self._tail_hash(seq, tokens, limit, end) if max_cached is None and end % self.block_size else None
-        if limit <= start and tail is None:
-            return [], 0
-        hashes = seq.block_hashes[start:limit]
-        host = self.tier.fetch(hashes, tail)
-        return host, (end % self.block_size if len(host) > len(hashes) else 0)
-
-    def _tail_hash(self, seq: KVSequence, tokens: list[int], full: int, end: int) -> bytes:
-        """The key of a partly filled block: the chain's hash over tokens `full * B .. end - 1`
-        (fewer than a block, so it never equals a full block's hash)."""
-        if len(seq.block_hashes) < full:
-            chain_hashes(self._root(seq), tokens[: full * self.block_size], self.block_size, seq.block_hashes)
-        parent = seq.block_hashes[full - 1] if full else self._root(seq)
-        return block_hash(parent, tokens[full * self.block_size : end])
+        hashes = seq.block_hashes[start:limit] if limit > start else []
+        parent = (seq.block_hashes[start - 1] if start else self._root(seq)) if max_cached is None else None
+        host, held = self.tier.fetch(hashes, parent)
+        if not held:
+            return host, 0
+        k = len(host) - 1  # full blocks found before the partial one
+        pos = (start + k) * self.block_size
+        n = 0
+        for a, b in zip(held, tokens[pos:end], strict=False):  # the tokens it holds that this prompt shares
+            if a != b:
+                break
+            n += 1
+        return (host, n) if n else (host[:k], 0)
 
     def _prefix_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None) -> list[list[int | None]]:
         """Per group, the cached blocks holding the sequence's leading full blocks, before its last

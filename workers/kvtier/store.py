@@ -94,13 +94,14 @@ class TierStore:
     def contains(self, chain_hash: bytes) -> bool:
         return self.enabled and self.path(chain_hash).exists()
 
-    def put(self, chain_hash: bytes, payload: bytes | memoryview) -> bool:
-        """Store one block (atomically); False when the tier is off, the block is already there,
-        it is larger than the whole budget, or the write failed (logged)."""
+    def put(self, chain_hash: bytes, payload: bytes | memoryview, replace: bool = False) -> bool:
+        """Store one block (atomically); False when the tier is off, the block is already there
+        (unless `replace`: a partly filled block's newer contents), it is larger than the whole
+        budget, or the write failed (logged)."""
         if not self.enabled or len(payload) + _HEADER.size > self.budget:
             return False
         path = self.path(chain_hash)
-        if path.exists():
+        if path.exists() and not replace:
             return False
         size = len(payload) + _HEADER.size
         self._make_room(size)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from array import array
 from pathlib import Path
 
 import torch
 
 from workers.contract import KV_HOST_SHARE, WorkerConfig
+from workers.kv.hashing import partial_key
 from workers.kvtier.format import KVFormat, format_of, model_fingerprint, unsupported
 from workers.kvtier.store import TierStore, default_budget
 from workers.kvtier.writer import TierWriter
@@ -38,10 +40,11 @@ class HostTier:
         self.pool, self.format, self.store = pool, fmt, store
         self.reason = reason if reason is not None else (store.reason if store is not None else None)
         self.enabled = store is not None and store.enabled and self.reason is None
-        self.writer = TierWriter(store.put) if self.enabled else None
+        self.writer = TierWriter(self._put) if self.enabled else None
+        self._partials: set[bytes] = set()  # keys of partly filled blocks queued: written over older ones
         self.blocks_loaded = self.tails_loaded = 0
         self._pinned = torch.device(getattr(pool, "device", "cpu")).type == "cuda" and torch.cuda.is_available()
-        self._last: tuple[tuple[bytes, ...], torch.Tensor] = ((), torch.empty(0, dtype=torch.uint8))  # for a retry
+        self._last: tuple[tuple, tuple] = ((), (torch.empty(0, dtype=torch.uint8), []))  # for a retry
 
     @classmethod
     def open(cls, pool, root: bytes, directory: str | Path | None, budget: int,
@@ -83,6 +86,24 @@ class HostTier:
         data.copy_(self.pool.tensors[0][:, :, :, block])  # always a copy: the device block is reused later
         self.writer.submit(chain_hash, memoryview(data.reshape(-1).view(torch.uint8).numpy()), wake=False)
 
+    def partial(self, block: int, parent: bytes, tokens: list[int]) -> None:
+        """A sequence stops holding a partly filled block (it finished or was preempted): copy it
+        out with the `tokens` it holds, keyed by the full block before it (`partial_key`); a
+        newer one after the same block replaces it."""
+        key = partial_key(parent)
+        data = torch.empty(self.format.block_shape, dtype=self.pool.dtype)  # [L, 2, Hkv, B, D] in host memory
+        data.copy_(self.pool.tensors[0][:, :, :, block])
+        payload = bytearray(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        payload += array("q", tokens).tobytes()
+        self._partials.add(key)  # kept if the writer refuses it: a later write of this key replaces too
+        self.writer.submit(key, memoryview(payload), wake=False)
+
+    def _put(self, chain_hash: bytes, payload) -> bool:
+        """The writer's store: a partly filled block replaces an older one under its key."""
+        replace = chain_hash in self._partials
+        self._partials.discard(chain_hash)
+        return self.store.put(chain_hash, payload, replace=replace)
+
     def write_behind(self) -> None:
         """Called once a step is scheduled: the writer writes what earlier steps cached while this
         one computes (its forward releases the interpreter lock) or the engine idles
@@ -90,40 +111,49 @@ class HostTier:
         if self.writer is not None:
             self.writer.wake()
 
-    def fetch(self, hashes: list[bytes], tail: bytes | None = None) -> torch.Tensor:
+    def fetch(self, hashes: list[bytes], parent: bytes | None = None) -> tuple[torch.Tensor, list[int]]:
         """The payloads of the leading blocks of `hashes` the tier holds (stopping at the first it
-        does not: a block past a gap is useless without the one before), then, when every one was
-        there, the partly filled block keyed `tail` if held (a preempted sequence's, written by
-        `swap_out`), as one uint8 staging buffer `[K, block bytes]` (pinned on a GPU) that each
-        file is read straight into. A sequence that did not fit waits at the head of the queue and
-        asks again each step: its last answer is kept."""
-        key = (*hashes, tail)
+        does not: a block past a gap is useless without the one before), then, with `parent` (the
+        hash before `hashes[0]`), the partly filled block written after the last of them, if any
+        (`partial`), as one uint8 staging buffer `[K, block bytes]` (pinned on a GPU) that each
+        file is read straight into; and the tokens that partial block holds ([] without one). A
+        sequence that did not fit waits at the head of the queue and asks again each step: its
+        last answer is kept."""
+        key = (*hashes, parent)
         if key == self._last[0]:
             return self._last[1]
         n = self.format.block_bytes
-        wanted = list(hashes) + ([tail] if tail is not None else [])
-        buf = torch.empty((len(wanted), n), dtype=torch.uint8, pin_memory=self._pinned)
-        flat = memoryview(buf.numpy()).cast("B") if wanted else memoryview(b"")
+        buf = torch.empty((len(hashes) + 1, n), dtype=torch.uint8, pin_memory=self._pinned)
+        flat = memoryview(buf.numpy()).cast("B")
         k = 0
-        for h in wanted:
+        for h in hashes:
             row = flat[k * n : (k + 1) * n]
             payload = self.writer.peek(h)
             if payload is not None and len(payload) == n:
                 row[:] = payload  # still queued for writing: served from memory
-            elif (h is tail and not self.store.contains(h)) or not self.store.read_into(h, row):
-                break  # (a tail is looked for on most lookups: its absence is not counted as a miss)
+            elif not self.store.read_into(h, row):
+                break
             k += 1
-        out = buf[:k]
+        held: list[int] = []
+        if parent is not None:
+            pkey = partial_key(hashes[k - 1] if k else parent)
+            payload = self.writer.peek(pkey)
+            if payload is None and self.store.contains(pkey):  # (its absence is not counted as a miss)
+                payload = self.store.get(pkey)
+            if payload is not None and len(payload) > n and (len(payload) - n) % 8 == 0:
+                flat[k * n : (k + 1) * n] = memoryview(payload)[:n]
+                held = array("q", bytes(memoryview(payload)[n:])).tolist()
+        out = (buf[: k + (1 if held else 0)], held)
         self._last = (key, out)
         return out
 
     def load(self, blocks: list[int], payloads: torch.Tensor) -> None:
         """Copy fetched payloads (`fetch`'s buffer) into the device blocks `blocks`: one indexed copy."""
-        key = self._last[0]
-        self._last = ((), torch.empty(0, dtype=torch.uint8))
+        fetched, held = self._last[1]
+        self._last = ((), (torch.empty(0, dtype=torch.uint8), []))
         if not blocks:
             return
-        if key and key[-1] is not None and len(blocks) == len(key):  # the fetch's tail came too
+        if held and len(blocks) == len(fetched):  # the fetch's partial block is loaded too
             self.tails_loaded += 1
         data = payloads[: len(blocks)].view(self.pool.dtype)
         data = data.view(len(blocks), *self.format.block_shape)  # [K, L, 2, Hkv, B, D]
