@@ -9,11 +9,16 @@ sequence past them. The alternative, writing a block only when the device pool e
 less, but a block held on one worker's device would be invisible to the others, and a worker
 killed with -9 would take every block it had not evicted yet with it; written through, a second
 worker continues a conversation the first still holds, and a dead worker's blocks stay reusable.
-Trade-off: every full block is copied once and written once, whether or not it is ever evicted
-(a block already in the tier is not written again); the copy is on the step's path, its checksum
-and file are not. On a GPU that copy is a synchronous device-to-host copy here (pinned buffers
-and a copy stream are the next step), correct but on the step's path. `fetch` reads on the
-engine thread: a hit is a file read and a copy, where a miss would be that block's prefill."""
+A sequence's last, partly filled block is written when it stops holding it (`partial`: finished
+or preempted) with the tokens it holds, keyed by the block before it, and a lookup takes it as far
+as the new prompt shares those tokens: a conversation's next turn and a preempted sequence's
+resume compute only what no one computed. Trade-off: every full block is copied once and
+written once, whether or not it is ever evicted (a block already in the tier is not written
+again); the copy is on the step's path, its checksum and file are not. On a GPU that copy is a
+synchronous device-to-host copy here (a copy stream is the next step), correct but on the step's
+path. `fetch` reads on the engine thread, each file straight into one staging buffer (pinned on
+a GPU) copied into the pool at once: a hit is a file read and a copy, where a miss would be that
+block's prefill."""
 
 from __future__ import annotations
 
