@@ -49,7 +49,7 @@ class TierWriter:
                 return False
             self.pending[chain_hash] = payload
             self._queue.append(chain_hash)
-            if wake:
+            if wake or len(self._queue) * 2 >= self.capacity:  # half full: no longer wait for `wake`
                 self._cond.notify_all()
         return True
 
