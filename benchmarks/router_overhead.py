@@ -6,7 +6,10 @@
 Starts `hetserve serve` with one worker, finds that worker's Unix socket (from its command
 line) and then measures, alternating router and direct calls so machine noise hits both:
   1. latency of a one-token `/generate` (sequential): p50 / p99 and the difference
-     (added latency; target p50 <= 2 ms);
+     (added latency; target p50 <= 2 ms), and the CPU time the router's and the worker's
+     processes spend per request on each side (user + system, read around each call), which
+     stays meaningful when other jobs make wall times noisy: through the router the worker is
+     reached on its engine channel, directly on its HTTP socket;
   2. throughput with 32 concurrent `/generate_stream` clients, each streaming `--tokens`
      tokens, for `--seconds` per side, in alternating rounds (target >= 0.9x direct).
 Both sides use the same client library (httpx, asyncio): TCP to the router, the Unix
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -56,21 +60,32 @@ def worker_socket(pid: int) -> str:
     return WorkerConfig.read(argv[argv.index(b"--config") + 1].decode()).socket
 
 
-async def latency(router: httpx.AsyncClient, direct: httpx.AsyncClient, n: int) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def latency(router: httpx.AsyncClient, direct: httpx.AsyncClient, n: int, pids: dict[str, int]) -> dict:
     body = {"inputs": "Hello", "parameters": {"max_new_tokens": 1}}
     times: dict[str, list[float]] = {"router": [], "direct": []}
+    cpu = {side: dict.fromkeys(pids, 0.0) for side in times}  # side -> process -> seconds
     for i in range(n + 20):
         order = (("router", router), ("direct", direct)) if i % 2 else (("direct", direct), ("router", router))
         for name, client in order:
+            before = {proc: cpu_seconds(pid) for proc, pid in pids.items()}
             t0 = time.perf_counter()
             r = await client.post("/generate", json=body)
             dt = time.perf_counter() - t0
             assert r.status_code == 200, r.text
             if i >= 20:  # warm-up
                 times[name].append(dt * 1e3)
-    out = {name: {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "mean_ms": statistics.fmean(v)}
+                for proc, pid in pids.items():
+                    cpu[name][proc] += cpu_seconds(pid) - before[proc]
+    out = {name: {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "mean_ms": statistics.fmean(v),
+                  **{f"{proc}_cpu_ms": cpu[name][proc] * 1e3 / n for proc in pids}}
            for name, v in times.items()}
-    out["added"] = {k: out["router"][k] - out["direct"][k] for k in ("p50_ms", "p99_ms", "mean_ms")}
+    out["added"] = {k: out["router"][k] - out["direct"][k] for k in out["router"]}
     return out
 
 
@@ -114,12 +129,12 @@ async def throughput(router, direct, streams: int, tokens: int, seconds: float, 
     return out
 
 
-async def measure(url: str, socket_path: str, args) -> dict:
+async def measure(url: str, socket_path: str, args, pids: dict[str, int]) -> dict:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as router, \
             httpx.AsyncClient(base_url="http://worker", timeout=120,
                               transport=httpx.AsyncHTTPTransport(uds=socket_path, limits=limits)) as direct:
-        lat = await latency(router, direct, args.requests)
+        lat = await latency(router, direct, args.requests, pids)
         thr = await throughput(router, direct, args.streams, args.tokens, args.seconds, args.rounds)
     return {"latency_one_token": lat, "throughput_streams": thr}
 
@@ -143,7 +158,8 @@ def main() -> int:
     router = RouterProcess(serve_args, env=env, fake=args.fake, ready_timeout=300)
     try:
         (worker,) = router.workers()
-        result = asyncio.run(measure(router.url, worker_socket(worker["pid"]), args))
+        pids = {"router": router.proc.pid, "worker": worker["pid"]}
+        result = asyncio.run(measure(router.url, worker_socket(worker["pid"]), args, pids))
     finally:
         router.stop()
     result["setup"] = {"worker": "fake" if args.fake else "real", "simulate": args.simulate,
@@ -153,9 +169,11 @@ def main() -> int:
         return 0
     lat, thr = result["latency_one_token"], result["throughput_streams"]
     print(f"one-token /generate, {args.requests} sequential requests per side ({result['setup']['worker']} worker)")
-    print(f"  {'':8} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"  {'':8} {'p50 ms':>8} {'p99 ms':>8} {'router CPU ms':>14} {'worker CPU ms':>14}")
     for name in ("direct", "router", "added"):
-        print(f"  {name:8} {lat[name]['p50_ms']:8.2f} {lat[name]['p99_ms']:8.2f}")
+        row = lat[name]
+        print(f"  {name:8} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['router_cpu_ms']:14.2f} "
+              f"{row['worker_cpu_ms']:14.2f}")
     print(f"{args.streams} concurrent /generate_stream clients, {args.tokens} tokens each")
     for name in ("direct", "router"):
         t = thr[name]

@@ -12,9 +12,11 @@ windows: the kernel reads only the window's positions, the torch path gathers ev
 masks). Paged attention's GB/s counts the K/V bytes the rows attend. For the fused MoE, the
 torch path (one matmul pair per active expert) on Qwen3-30B-A3B and gpt-oss-20b shaped
 experts (bf16, random routing), at decode and prefill token counts; its GB/s counts the
-weight bytes of the experts the step touches.
+weight bytes of the experts the step touches. For the LoRA delta, the torch path (a gather, two
+matmuls and a scatter per adapter) on a Llama-8B-shaped q/k/v with four adapters of ranks 8 to 64
+and base rows mixed in one batch, decode rows only and a prefill chunk beside them.
 
-    python benchmarks/triton_kernels.py [--rounds 50] [--only rmsnorm silu fp8 paged moe]
+    python benchmarks/triton_kernels.py [--rounds 50] [--only rmsnorm silu fp8 paged moe lora]
 
 Without CUDA it prints one skip line and exits 0.
 """
@@ -45,6 +47,8 @@ MOE_CASES = [  # (model, experts, top-k, hidden, intermediate, bias, activation)
     ("gpt-oss-20b", 32, 4, 2880, 2880, True, "swiglu_oai"),
 ]
 MOE_TOKENS = (1, 32, 512)
+LORA_CASES = [(0, 32), (0, 256), (512, 32)]  # (prefill rows of one adapter, decode rows over 4 adapters and base)
+KERNELS = ["rmsnorm", "silu", "fp8", "paged", "moe", "lora"]
 
 
 def _time(fns: dict, rounds: int) -> dict[str, float]:
@@ -178,12 +182,41 @@ def bench_moe(case: tuple, tokens: int, chosen: str, rounds: int) -> None:
             _time(fns, rounds), "torch", touched * 3 * h * i * 2)  # fmt: skip
 
 
+def bench_lora(prefill: int, decode: int, chosen: str, rounds: int) -> None:
+    from kernels_local.lora_sgmv import TUNINGS, lora_sgmv
+    from workers.lora.adapter import LoraAdapter, LoraTarget
+    from workers.lora.apply import LoraBatch, add_lora
+    from workers.lora.stack import build_stack
+
+    k, parts = 4096, ((0, 4096), (4096, 1024), (5120, 1024))  # Llama 3 8B's q/k/v
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    def pairs(r: int) -> tuple:
+        return tuple(LoraTarget(off, size, torch.randn(r, k, **bf16) / 64, torch.randn(size, r, **bf16) / 8)
+                     for off, size in parts)
+
+    adapters = [LoraAdapter(f"a{r}", None, r, r, False, 1.0, {"wqkv": pairs(r)}) for r in (8, 16, 32, 64)]
+    rows = [adapters[0]] * prefill + [adapters[i % 4] if i % 5 else None for i in range(decode)]
+    batch = LoraBatch.from_rows(rows, "cuda")
+    x, out = torch.randn(len(rows), k, **bf16), torch.randn(len(rows), 6144, **bf16)
+    ref = out.clone()
+    add_lora("wqkv", x, ref, batch)
+    stack = build_stack(batch.adapters, "wqkv", "cuda")
+    fns = {"torch": lambda: add_lora("wqkv", x, out.clone(), batch)}
+    for name, t in TUNINGS.items():
+        got = out.clone()
+        lora_sgmv(x, got, stack, batch.segments, tuning=t)
+        torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+        fns[name + ("*" if name == chosen else "")] = lambda t=t: lora_sgmv(x, out.clone(), stack, batch.segments,
+                                                                            tuning=t)
+    _report(f"LoraDelta {prefill} prefill + {decode} decode rows, 4 adapters r 8..64, q/k/v 4096->6144 bf16",
+            _time(fns, rounds), "torch")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument(
-        "--only", nargs="*", default=["rmsnorm", "silu", "fp8", "paged", "moe"],
-        choices=["rmsnorm", "silu", "fp8", "paged", "moe"],
+        "--only", nargs="*", default=KERNELS, choices=KERNELS,
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -222,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         for case in MOE_CASES:
             for tokens in MOE_TOKENS:
                 bench_moe(case, tokens, chosen, args.rounds)
+    if "lora" in args.only:
+        chosen = tuning.get(choices["LoraDelta"].variant, "")
+        for prefill, decode in LORA_CASES:
+            bench_lora(prefill, decode, chosen, args.rounds)
     return 0
 
 

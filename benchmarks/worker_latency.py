@@ -1,15 +1,17 @@
-"""What the worker adds to a request: a one-token `/generate` over its Unix socket vs the bare
-prefill + argmax of the same prompt, side by side in one run.
+"""What the worker adds to a request: a one-token generation over its engine channel and over its
+HTTP socket vs the bare prefill + argmax of the same prompt, side by side in one run.
 
     python benchmarks/worker_latency.py [--simulate sm_90] [--requests 300] [--threads 1]
 
 Starts `python -m workers` (the embedded model, `--threads 1`) and, in this process, the same
-model in the same dtype. Then alternates, request by request: one `/generate` with
-`max_new_tokens: 1` on the socket (a raw keep-alive HTTP/1.1 client: a few microseconds of
-client work, so the figure is the worker's), and one bare `model.step` prefill of the same
-token ids + argmax. Prints p50 / p99 of both and the difference, the worker's added latency
-(target: p50 <= 1 ms), and the CPU time each costs per request (the worker process's
-user + system time over the run, and this thread's for the bare step), which stays
+model in the same dtype. Then alternates, request by request: one `Submit` with the prompt's
+token ids and `max_new_tokens: 1` on the engine channel (workers/contract/channel.py: what the
+router sends), until the stream's last record; one `/generate` on the HTTP socket (a raw
+keep-alive HTTP/1.1 client); and one bare `model.step` prefill of the same token ids + argmax.
+Both clients cost a few microseconds, so the figures are the worker's. Prints p50 / p99 of each
+and the difference to the bare step, the worker's added latency (target: p50 <= 1 ms on the
+channel, the router's path), and the CPU time each costs per request (the worker process's
+user + system time around its calls, and this thread's for the bare step), which stays
 meaningful when other processes make wall times noisy. `--profile FILE` also records the
 serving worker with `py-spy` (which must be installed) into FILE as collapsed stacks.
 """
@@ -33,6 +35,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workers.contract import DEFAULT_MODEL_DIR  # noqa: E402
+from workers.contract.channel import (  # noqa: E402
+    Open,
+    Opened,
+    Step,
+    Submit,
+    channel_socket_path,
+    frame,
+    frame_length,
+    to_router,
+)
 from workers.kv.batch import ForwardBatch, SeqChunk  # noqa: E402
 from workers.kv.pool import KVPool  # noqa: E402
 from workers.model.loader import load_model  # noqa: E402
@@ -68,6 +80,43 @@ class RawClient:
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(head.decode() + rest.decode())
         return rest
+
+
+class ChannelClient:
+    """The engine channel over a blocking Unix socket: one `Submit`, then frames until its last record."""
+
+    def __init__(self, path: str, request: dict):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(channel_socket_path(path))
+        self.request, self.key = request, 0
+        self.sock.sendall(frame(Open(ids=True)))
+        opened = self._message()
+        if not isinstance(opened, Opened):
+            raise RuntimeError(f"the engine channel did not open: {opened}")
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise RuntimeError("the engine channel closed")
+            data += chunk
+        return data
+
+    def _message(self):
+        return to_router(self._exactly(frame_length(self._exactly(4))))
+
+    def generate(self) -> bytes:
+        self.key += 1
+        self.sock.sendall(frame(Submit(self.key, self.request)))
+        while True:
+            message = self._message()
+            if isinstance(message, Step):
+                for key, data, end in message.records:
+                    if key == self.key and end:
+                        return data
+            elif getattr(message, "status", 200) != 200:
+                raise RuntimeError(str(message))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -138,21 +187,20 @@ def main() -> int:
                                     "--threads", "--rate", "1000"], stdout=subprocess.DEVNULL)
             time.sleep(2)
         try:
-            client = RawClient(sock, {"inputs": PROMPT, "parameters": {"max_new_tokens": 1}})
-            times: dict[str, list[float]] = {"worker": [], "bare": []}
-            cpu = {"worker": 0.0, "bare": 0.0}
+            http = RawClient(sock, {"inputs": PROMPT, "parameters": {"max_new_tokens": 1}})
+            channel = ChannelClient(sock, {"input_ids": ids, "parameters": {"max_new_tokens": 1}})
+            sides = [("channel", channel.generate), ("http", http.generate), ("bare", bare)]
+            times: dict[str, list[float]] = {name: [] for name, _ in sides}
+            cpu = dict.fromkeys(times, 0.0)
             for i in range(args.requests + 30):
-                if i == 30:  # after the warm-up
-                    cpu["worker"] = -cpu_seconds(proc.pid)
-                for name, fn in ((("worker", client.generate), ("bare", bare)) if i % 2
-                                 else (("bare", bare), ("worker", client.generate))):
+                for name, fn in sides[i % 3:] + sides[:i % 3]:  # each side first in turn
+                    w0 = cpu_seconds(proc.pid)
                     t0, c0 = time.perf_counter(), time.thread_time()
                     fn()
-                    if i >= 30:
-                        times[name].append((time.perf_counter() - t0) * 1e3)
-                        if name == "bare":
-                            cpu["bare"] += time.thread_time() - c0
-            cpu["worker"] += cpu_seconds(proc.pid)
+                    t1, c1 = time.perf_counter(), time.thread_time()
+                    if i >= 30:  # after the warm-up
+                        times[name].append((t1 - t0) * 1e3)
+                        cpu[name] += (c1 - c0) if name == "bare" else cpu_seconds(proc.pid) - w0
         finally:
             if spy is not None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
@@ -162,16 +210,19 @@ def main() -> int:
     if args.profile:
         print(f"profile written to {args.profile}")
     where = args.simulate or "cpu"
-    print(f"one-token /generate on the worker's socket vs bare prefill + argmax, {len(ids)}-token prompt, "
-          f"{args.requests} each, alternated, {args.threads} thread(s), worker on {where}, {lm.dtype}")
+    print(f"one-token generation on the worker (engine channel, HTTP /generate) vs bare prefill + argmax, "
+          f"{len(ids)}-token prompt, {args.requests} each, alternated, {args.threads} thread(s), worker on {where}, "
+          f"{lm.dtype}")
     per = {name: cpu[name] * 1e3 / args.requests for name in cpu}
-    print(f"  {'':22}{'p50 ms':>8}{'p99 ms':>8}{'CPU ms':>8}")
-    for name, label in (("worker", "worker /generate"), ("bare", "bare prefill + argmax")):
-        print(f"  {label:22}{percentile(times[name], 50):8.2f}{percentile(times[name], 99):8.2f}{per[name]:8.2f}")
-    added50 = percentile(times["worker"], 50) - percentile(times["bare"], 50)
-    added99 = percentile(times["worker"], 99) - percentile(times["bare"], 99)
-    print(f"  {'added by the worker':22}{added50:8.2f}{added99:8.2f}{per['worker'] - per['bare']:8.2f}"
-          "   (target: p50 <= 1 ms)")
+    print(f"  {'':26}{'p50 ms':>8}{'p99 ms':>8}{'CPU ms':>8}")
+    for name, label in (("channel", "worker, engine channel"), ("http", "worker, HTTP /generate"),
+                        ("bare", "bare prefill + argmax")):
+        print(f"  {label:26}{percentile(times[name], 50):8.2f}{percentile(times[name], 99):8.2f}{per[name]:8.2f}")
+    for name, label in (("channel", "added, engine channel"), ("http", "added, HTTP /generate")):
+        added50 = percentile(times[name], 50) - percentile(times["bare"], 50)
+        added99 = percentile(times[name], 99) - percentile(times["bare"], 99)
+        print(f"  {label:26}{added50:8.2f}{added99:8.2f}{per[name] - per['bare']:8.2f}"
+              "   (target: p50 <= 1 ms on the channel)")
     return 0
 
 

@@ -38,7 +38,7 @@ from workers.contract import (
 
 REPO_ROOT = Path(__file__).resolve().parent
 LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE", "Fp8CheckpointLinear", "GatedDeltaRule",
-          "Fp8FusedMoE", "Int4CheckpointLinear", "Mxfp4FusedMoE")
+          "Fp8FusedMoE", "Int4CheckpointLinear", "Mxfp4FusedMoE", "LoraDelta", "GGUFLinear")
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
@@ -260,6 +260,27 @@ _ENTRIES: tuple[_Entry, ...] = (
            "Triton W4A16, nibbles unpacked in registers, 16-bit MFMA, tuned for CDNA's 64-lane wavefronts"),
     _Entry("Int4CheckpointLinear", _rocm(100, _ANY), "int4_linear", "Int4LinearTritonRocm", "w4a16-triton-rocm",
            f"Triton W4A16; {_RDNA}"),
+    # -- GGUFLinear: a GGUF file's blocks, the ranges of the GGUF rule (workers/gguf/execution.py `gguf_rule`) ----
+    _Entry("GGUFLinear", Device(type="cpu"), "gguf_linear", "GGUFLinear", "torch",
+           "CPU: GGUF blocks dequantized at load into the model dtype, torch matmul (no measured CPU kernel on the "
+           "blocks beats it yet)"),
+    _Entry("GGUFLinear", Device(type="cuda"), "gguf_linear", "GGUFLinear", "torch",
+           "below sm_70, which Triton does not target: GGUF blocks dequantized at load, cuBLAS matmul"),
+    _Entry("GGUFLinear", _cuda(70, 79), "gguf_linear", "GGUFLinearTritonSm70", "triton-sm70",
+           "Volta/Turing (sm_70..sm_79): GGUF blocks kept packed, decoded in registers; Triton GEMV (decode) and "
+           "GEMM (prefill, tiles of at most 32 rows), 2 stages"),
+    _Entry("GGUFLinear", _cuda(80, 89), "gguf_linear", "GGUFLinearTritonSm80", "triton-sm80",
+           "Ampere/Ada (sm_80..sm_89): GGUF blocks kept packed, decoded in registers; Triton GEMV (decode) and "
+           "GEMM (prefill, 16-bit mma, 64-row tiles), 2 stages"),
+    _Entry("GGUFLinear", _cuda(90, 99), "gguf_linear", "GGUFLinearTritonSm90", "triton-sm90",
+           "Hopper (sm_90): GGUF blocks kept packed, decoded in registers; Triton GEMV (decode) and GEMM (prefill, "
+           "128-wide tiles over 8 warps)"),
+    _Entry("GGUFLinear", _cuda(100, _ANY), "gguf_linear", "GGUFLinearTritonSm90", "triton-sm90",
+           f"GGUF blocks kept packed, Triton GEMV and GEMM; {_NEWER}"),
+    _Entry("GGUFLinear", Device(type="rocm"), "gguf_linear", "GGUFLinearTritonRocm", "triton-rocm",
+           "GGUF blocks kept packed, decoded in registers; Triton GEMV and GEMM tuned for CDNA's 64-lane wavefronts"),
+    _Entry("GGUFLinear", _rocm(100, _ANY), "gguf_linear", "GGUFLinearTritonRocm", "triton-rocm",
+           f"GGUF blocks kept packed, Triton GEMV and GEMM; {_RDNA}"),
     # -- Mxfp4FusedMoE: gpt-oss's MXFP4 experts, the ranges of the MXFP4 rule (workers/contract/mxfp4_rule.py
     #    `mxfp4_kind`, held equal by a test; the variant's first word is the execution; a dequantizing device
     #    holds no such module: its experts were widened at load into FusedMoE) ---------------------------
@@ -281,6 +302,16 @@ _ENTRIES: tuple[_Entry, ...] = (
            "for CDNA's 64-lane wavefronts"),
     _Entry("Mxfp4FusedMoE", _rocm(100, _ANY), "fused_moe", "Mxfp4FusedMoETritonRocm", "w4a16-triton-rocm",
            f"MXFP4 experts kept packed, Triton grouped GEMM; {_RDNA}"),
+    # -- LoraDelta: the LoRA adapters of a mixed batch, every adapter of a step in one launch pair -----
+    *_triton_family(
+        "LoraDelta", "lora_sgmv", "LoraDelta",
+        "CPU: torch, one gather, two thin matmuls and a scatter per adapter present (Triton needs a GPU)",
+        _BELOW_SM70,
+        "pre-Hopper (sm_70..sm_89): Triton segmented shrink/expand over the step's stacked adapters (SGMV tiles "
+        "up to 32 rows, one row per program for short decode segments), 4 warps",
+        "Hopper (sm_90): Triton segmented shrink/expand over the step's stacked adapters, 64-wide K blocks, 128 "
+        "columns, SGMV tiles up to 64 rows over 8 warps",
+        "Triton segmented shrink/expand over the step's stacked adapters, tuned for CDNA's 64 KiB of LDS"),
 )
 # fmt: on
 

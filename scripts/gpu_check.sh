@@ -24,12 +24,14 @@
 #    Mxfp4FusedMoE Triton layer) — /capability names each execution;
 #  - benchmarks/triton_kernels.py, one run per kernel (RMSNorm, SiluAndMul, Fp8Linear, the paged
 #    decode kernel with each layer option the families set: head dim 256, soft-capped scores, sliding
-#    windows; the fused MoE on Qwen3-30B-A3B and gpt-oss-20b expert shapes): every tuning checked
+#    windows; the fused MoE on Qwen3-30B-A3B and gpt-oss-20b expert shapes; the LoRA delta of a batch
+#    mixing four adapters and base rows, decode and prefill): every tuning checked
 #    against torch, then timed against it; a kernel that disagrees stops only its own run;
 #  - the fp8 checkpoint kernels (W8A16, block-scaled W8A8, the fp8 experts' grouped GEMM weight-only
 #    and native: benchmarks/fp8_checkpoint.py --kernels) and the W4A16 kernel in every tuning this GPU
-#    runs (benchmarks/int4_checkpoint.py --kernels) against their torch references, timed against
-#    the 16-bit matmul;
+#    runs (benchmarks/int4_checkpoint.py --kernels) and the GGUF GEMV and GEMM in the tuning this GPU
+#    selects, every block type (benchmarks/gguf_kernels.py) against their torch references, timed
+#    against the 16-bit matmul;
 #  - the decode step eager (--compile off) and as CUDA graphs captured per batch bucket (--compile on):
 #    tokens/s at batch 1 and 32 and whether their greedy tokens agree (both workers start with the
 #    correctness checks; only their measurements wait for the quiet GPU).
@@ -246,6 +248,9 @@ PY
     int4-kernels)
       "$PY" benchmarks/int4_checkpoint.py --kernels
       ;;
+    gguf-kernels)
+      "$PY" benchmarks/gguf_kernels.py
+      ;;
     *) echo "unknown step \`$name\`"; return 2 ;;
   esac
 }
@@ -331,11 +336,12 @@ for mode in off on; do
     printf 'throughput-%s\tnot ready\t0\t0\n' "$mode" >>"$WORK/steps.tsv"
   fi
 done
-for kernel in rmsnorm silu fp8 paged moe; do
+for kernel in rmsnorm silu fp8 paged moe lora; do
   step triton-kernels 60 "$DEADLINE" --as "kernels-$kernel" "$kernel"
 done
 step fp8-kernels 60 "$DEADLINE"
 step int4-kernels 60 "$DEADLINE"
+step gguf-kernels 90 "$DEADLINE"
 
 # 3. the summary, and every log in one tarball
 for f in "$WORK"/*.pid; do [ -e "$f" ] && stop_worker "$(basename "$f" .pid)"; done

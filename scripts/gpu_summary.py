@@ -21,13 +21,15 @@ from typing import NamedTuple
 
 TIMED_OUT = {"124", "137"}  # coreutils `timeout`: the budget ran out (137: killed after the grace period)
 KERNEL_RUNS = {"rmsnorm": "RMSNorm", "silu": "SiluAndMul", "fp8": "Fp8Linear", "paged": "PagedAttention",
-               "moe": "FusedMoE"}  # fmt: skip
+               "moe": "FusedMoE", "lora": "LoraDelta"}  # fmt: skip
 _ENTRY = re.compile(r"^(?P<name>.+?) (?P<us>[\d.]+) us(?:, \d+ GB/s)?(?:, x(?P<ratio>[\d.]+))?$")
 _FP8_LINEAR = re.compile(r"^(?P<name>w8a16|w8a8 block)\s+M=.*: rel err (?P<err>\S+)\s+[\d.]+ ms vs bf16 [\d.]+ ms "
                          r"\((?P<ratio>[\d.]+)x\)$")  # fmt: skip
 _FP8_MOE = re.compile(r"^fp8 MoE (?P<name>\S+)\s+T=.*: rel err (?P<err>\S+)\s+(?P<ms>[\d.]+) ms$")
 _INT4 = re.compile(r"^w4a16 (?P<name>\S+)\s+\S+\s+M=.*: rel err (?P<err>\S+)\s+[\d.]+ ms vs 16-bit [\d.]+ ms "
                    r"\((?P<ratio>[\d.]+)x\)$")  # fmt: skip
+_GGUF = re.compile(r"^gguf (?P<name>\S+\s+\S+)\s+M=.*: rel err (?P<err>\S+)\s+bytes [\d.]+x bf16\s+[\d.]+ ms vs "
+                   r"16-bit [\d.]+ ms \((?P<ratio>[\d.]+)x\)$")  # fmt: skip
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)\b")
 _TOKENS_PER_S = re.compile(r"^compile (on|off): batch (\d+): (\d+) tokens/s$")
 
@@ -139,7 +141,7 @@ def _checked_rows(text: str, step: dict | None, patterns: list[tuple[re.Pattern,
         ok = "ok" if not r["bad"] else f"WRONG in {r['bad']}"
         time = _range(r["ratios"]) if r["ratios"] else f"{max(r['ms']):.3f} ms (not timed against torch)"
         out.append(Row(name, f"{ok} ({r['n']} cases, worst rel err {r['worst']:.1e})", time, not r["bad"]))
-    if "--kernels needs" in text:
+    if "--kernels needs" in text or "kernels need a CUDA" in text:
         return out + [Row(label, "not run: no CUDA device", "-", False)]
     problem = step_problem(step) or error_line(text)
     if problem or not out or (step and step["rc"] not in ("0", "1")):
@@ -154,6 +156,8 @@ def kernel_rows(work: Path, done: dict) -> list[Row]:
                           [(_FP8_LINEAR, "fp8", 2e-2), (_FP8_MOE, "fp8 MoE", 3e-2)], "fp8 checkpoint kernels")
     rows += _checked_rows(read(work, "int4-kernels.txt"), done.get("int4-kernels"),
                           [(_INT4, "int4 W4A16", 1e-2)], "int4 checkpoint kernels")
+    rows += _checked_rows(read(work, "gguf-kernels.txt"), done.get("gguf-kernels"),
+                          [(_GGUF, "gguf", 2e-2)], "gguf kernels")
     return rows
 
 

@@ -22,7 +22,6 @@ from server.errors import UsageError
 from tests.checkpoints import default_model_dir
 from workers.contract import STARTUP_STEPS, cpu_device
 from workers.engine.compiled import (
-    ENV_INDUCTOR_CACHE_DIR,
     CompiledDecode,
     CompileDecision,
     bucket_for,
@@ -31,12 +30,12 @@ from workers.engine.compiled import (
     scheduler_shapes,
     scratch_groups,
     unfit_reason,
-    use_inductor_cache,
     warm_or_eager,
 )
 from workers.engine.core import Engine
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.warm_caches import ENV_INDUCTOR_CACHE_DIR, use_inductor_cache
 from workers.kv.batch import ForwardBatch, SeqChunk
 from workers.kv.groups import same_blocks
 from workers.kv.pool import KVPool, layer_shapes
@@ -504,7 +503,7 @@ def test_auto_compiles_behind_steps_that_run_eager_meanwhile():
     assert "compiling in the background" in said and seen in ("compiling", "ready")
     assert serve(engine, lm, 3) == eager_tokens[3]  # whatever the compile's progress
     built.behind.join(timeout=300)
-    assert decode.ready and changes == ["ready"] and built.decision.enabled
+    assert decode.ready and changes[-1] == "ready" and set(changes[:-1]) <= {"compiling"} and built.decision.enabled
     spy = StepSpy(engine.runner)
     assert serve(engine, lm, 3) == eager_tokens[3]
     assert {"compiled"} in spy.kinds()

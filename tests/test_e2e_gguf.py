@@ -47,7 +47,7 @@ def served():
 
 def test_a_gguf_file_over_http_generates_transformers_greedy_tokens_on_every_device_of_a_mixed_host(served):
     """Every worker of a host mixing Volta, Turing, Ampere, Hopper and a CPU serves the one file,
-    says how it runs its blocks and why (`model.gguf`, workers/gguf/execution.py), and answers
+    says how it runs its blocks and why, and its device's rule (`model.gguf`, workers/gguf/execution.py), and answers
     transformers' greedy tokens."""
     path, router = served
     workers = router.workers()
@@ -60,7 +60,10 @@ def test_a_gguf_file_over_http_generates_transformers_greedy_tokens_on_every_dev
             assert gguf["execution"] == "dequantized at load to float32", gguf
             cap = w["device"].get("capability")
             device = f"sm_{str(cap).replace('.', '')}" if cap else "cpu"
-            assert f"no packed GGUF kernel on {device} yet" in gguf["reason"], (w["device"], gguf)
+            packed = device != "cpu"  # the device's rule: CUDA from sm_70 keeps the blocks packed, the CPU not
+            assert gguf["rule"]["execution"] == ("packed" if packed else "dequantized"), (w["device"], gguf)
+            assert gguf["rule"]["reason"].startswith(device if packed else "CPU"), (w["device"], gguf)
+            assert ("the loader does not hold GGUF blocks" in gguf["reason"]) == packed, (w["device"], gguf)
             assert 0 < gguf["packed_bytes"] < gguf["resident_bytes"], gguf
             r = c.post("/generate", headers={"X-Hetserve-Worker": w["id"]}, json={"inputs": PROMPT, "parameters": {
                 "max_new_tokens": NEW_TOKENS, "details": True, "decoder_input_details": True}})

@@ -178,6 +178,10 @@ def _future_fields(page) -> None:
                                "peers": {"gpu0": 0.8, "gpu1": 0.8}}
                 w["capacity"] = {**(w["capacity"] or {}), "kv_blocks_total": 1024, "kv_blocks_free": 256,
                                  "kv_block_size": 16}
+                w["preparing"] = ["C++ kernels: torch paths, building hetserve_cpu_greedy",
+                                  "decode step: eager, compiling 4 of 6 buckets"]
+                w["fallbacks"] = {"RMSNorm": "torch path: the chosen kernel (triton) failed on this device: "
+                                             "self-test: max abs diff 0.5 > 0.01"}
         route.fulfill(json=body)
 
     def stats(route):
@@ -280,6 +284,11 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             assert (gpu1.locator("details.kernels li").count() >= 2
                     and "8.9" in gpu1.locator(".cap").get_attribute("title"))
             assert "no `--quantize fp8`" in gpu1.locator(".fp8-reason").inner_text()
+            # nothing is prepared behind the serving of a simulated device and no kernel fell back: both rows
+            # hidden, and /workers says so rather than leaving the fields out
+            assert not gpu1.locator("dd.preparing").is_visible() and not gpu1.locator("dd.fallbacks").is_visible()
+            listed = client.get("/workers").json()["workers"]
+            assert [(w["preparing"], w["fallbacks"]) for w in listed] == [([], {})] * 3
             # 3. live figures: tokens/s and KV usage sparklines, the health verdict in the header
             for i in range(3):
                 expect(cards.nth(i).locator("svg.spark.tps-spark polyline").first).to_be_attached(timeout=30_000)
@@ -311,6 +320,14 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
             expect(gpu2_health.locator(".v.bad")).to_have_count(2)
             expect(gpu2).to_have_class(re.compile(r"\balert\b"))
             expect(gpu2.locator(".kv-text")).to_have_text("75.0% of 1024 blocks × 16 tokens")
+            # what it still prepares behind its serving, and the kernel that failed on its device, with why
+            expect(gpu2.locator("dd.preparing .v")).to_have_text([
+                "C++ kernels: torch paths, building hetserve_cpu_greedy",
+                "decode step: eager, compiling 4 of 6 buckets"])
+            expect(gpu2.locator("dd.fallbacks .v.warn")).to_have_text([
+                "RMSNorm: torch path: the chosen kernel (triton) failed on this device: self-test: max abs diff 0.5 "
+                "> 0.01"])
+            expect(gpu2.locator("dd.fallbacks")).to_have_attribute("data-layers", "RMSNorm")
             gpu2.locator("details.numbers summary").click()
             numbers = gpu2.locator("details.numbers .raw")
             expect(numbers).to_contain_text("max logprob diff")

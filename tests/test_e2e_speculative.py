@@ -1,6 +1,6 @@
-"""End to end: `hetserve serve --speculative ngram` on the embedded model (fp32, one CPU worker)
-answers greedy requests with the text of a server without it, and `/workers` and `/metrics` show
-the drafts it verified."""
+"""End to end: `hetserve serve --speculative ngram`, and the default `auto` (suffix-tree drafts in
+fp32 on a CPU), on the embedded model (one CPU worker) answer greedy requests with the text of a
+server without speculation, and `/workers` and `/metrics` show the drafts verified and the choice."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _stream(router: RouterProcess, text: str, n: int) -> str:
         return "".join(p["choices"][0]["text"] for p in parts if p.get("choices"))
 
 
-def test_ngram_speculation_gives_the_plain_greedy_text():
+def test_ngram_and_auto_speculation_give_the_plain_greedy_text():
     plain = RouterProcess(BASE + ["--speculative", "off"], fake=False, ready_timeout=240)
     try:
         # prompts that hold a text and end where it began: much of it is written again
@@ -50,26 +50,31 @@ def test_ngram_speculation_gives_the_plain_greedy_text():
             assert c.get("/workers").json()["workers"][0]["speculative"]["method"] == "off"
     finally:
         plain.stop()
-    spec = RouterProcess(BASE + ["--speculative", "ngram", "--num-speculative-tokens", "4"], fake=False,
-                         ready_timeout=240)
-    try:
-        assert [_generate(spec, e, 32) for e in echoes] == expected
-        assert [_stream(spec, e, 32) for e in echoes] == streamed
-        with spec.client(timeout=30) as c:
-            metrics = c.get("/metrics").text
-            deadline = time.monotonic() + 30
-            while True:  # /workers shows what the router's last /health probe of the worker said
-                described = c.get("/workers").json()["workers"][0]["speculative"]
-                if described.get("drafts") or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-        assert described["method"] == "ngram" and described["num_speculative_tokens"] == 4
-        assert described["drafts"] > 0 and 0 < described["acceptance_rate"] <= 1
-        accepted = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens")]
-        assert accepted and float(accepted[0].split()[-1]) > 0
-    finally:
-        spec.stop()
-    assert not plain.orphans and not spec.orphans
+    servers = []
+    for flags, method in ((["--speculative", "ngram"], "ngram"), ([], "suffix")):  # [] : `auto`, fp32 on a CPU
+        spec = RouterProcess(BASE + flags + ["--num-speculative-tokens", "4"], fake=False, ready_timeout=240)
+        servers.append(spec)
+        try:
+            assert [_generate(spec, e, 32) for e in echoes] == expected
+            assert [_stream(spec, e, 32) for e in echoes] == streamed
+            with spec.client(timeout=30) as c:
+                metrics = c.get("/metrics").text
+                deadline = time.monotonic() + 30
+                while True:  # /workers shows what the router's last /health probe of the worker said
+                    described = c.get("/workers").json()["workers"][0]["speculative"]
+                    if described.get("drafts") or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.5)
+            assert described["method"] == method and described["num_speculative_tokens"] == 4
+            assert described["drafts"] > 0 and 0 < described["acceptance_rate"] <= 1
+            assert described["reason"] and described["step_ms"]["plain"]  # the measured choice, with its costs
+            accepted = [line for line in metrics.splitlines()
+                        if line.startswith("vllm:spec_decode_num_accepted_tokens")]
+            assert accepted and float(accepted[0].split()[-1]) > 0
+            assert any(line.startswith("hetserve_worker_spec_decode_k") for line in metrics.splitlines())
+        finally:
+            spec.stop()
+    assert not plain.orphans and not any(s.orphans for s in servers)
 
 
 def test_a_reserved_method_is_refused_naming_what_is_accepted():

@@ -21,7 +21,8 @@ import gpu_summary  # noqa: E402  (scripts/ is no package)
 
 STEPS = ["env", "gpu-tests", "preflight", "serve-embedded", "start-compile-off", "start-compile-on", "checkpoints",
          "serve-int4", "serve-fp8", "serve-mxfp4", "throughput-off", "throughput-on", "kernels-rmsnorm",
-         "kernels-silu", "kernels-fp8", "kernels-paged", "kernels-moe", "fp8-kernels", "int4-kernels"]  # fmt: skip
+         "kernels-silu", "kernels-fp8", "kernels-paged", "kernels-moe", "kernels-lora", "fp8-kernels",
+         "int4-kernels", "gguf-kernels"]  # fmt: skip
 
 
 def _kernel_lines(capsys, title: str, times: dict, baseline: str = "torch") -> str:
@@ -46,6 +47,12 @@ def _int4_line(name, err, t, t_16):  # benchmarks/int4_checkpoint.py kernels()
             f"act_order={act_order!s:5} scales={scale_dtype:8}: "
             f"rel err {err:.1e}  {t * 1e3:.3f} ms vs 16-bit {t_16 * 1e3:.3f} ms "
             f"({t_16 / t:.2f}x)")  # fmt: skip
+
+
+def _gguf_line(type_name, err, t, t_16):  # benchmarks/gguf_kernels.py kernels()
+    m, n, k = 1, 4096, 4096
+    return (f"gguf sm90 {type_name:6} M={m:<4} N={n:<5} K={k:<5}: rel err {err:.1e}  bytes 0.281x bf16  "
+            f"{t * 1e3:.3f} ms vs 16-bit {t_16 * 1e3:.3f} ms ({t_16 / t:.2f}x)")  # fmt: skip
 
 
 def _probe(state="ready", text=" to be happy.", cap=None, reason=""):
@@ -86,6 +93,9 @@ def work(tmp_path, capsys):
     (w / "kernels-paged.txt").write_text(header + _kernel_lines(
         capsys, "PagedAttention Gemma 2 local 32 rows x 8192 tokens, 16/8 heads D 256 window 4096 softcap 50.0 bf16",
         {"torch": 500.0, "sm90*": 100.0}))  # fmt: skip
+    (w / "kernels-lora.txt").write_text(header + _kernel_lines(
+        capsys, "LoraDelta 0 prefill + 32 decode rows, 4 adapters r 8..64, q/k/v 4096->6144 bf16",
+        {"torch": 60.0, "sm70": 30.0, "sm90*": 20.0, "rocm": 30.0}))
     (w / "kernels-moe.txt").write_text(header + _kernel_lines(
         capsys, "FusedMoE gpt-oss-20b 32 tokens, E 32 top-4, H 2880 I 2880 (30 experts touched) bf16",
         {"torch": 900.0, "sm90*": 300.0}))  # fmt: skip
@@ -97,6 +107,10 @@ def work(tmp_path, capsys):
         _int4_line("sm80", 1e-3, 1e-5, 2e-5), _int4_line("sm80", 2e-3, 4e-5, 2e-5),
         _int4_line("sm90", 1e-3, 1e-5, 3e-5),
         "int4 checkpoint kernels: ok"]) + "\n")  # fmt: skip
+    (w / "gguf-kernels.txt").write_text("\n".join([
+        _gguf_line("Q4_K", 1e-3, 1e-5, 2e-5), _gguf_line("Q4_K", 3e-3, 4e-5, 2e-5),
+        _gguf_line("IQ4_XS", 2e-3, 1e-5, 1e-5),
+        "gguf kernels: ok"]) + "\n")  # fmt: skip
     for mode, speeds in (("off", (400, 3000)), ("on", (1200, 9000))):
         (w / f"throughput-{mode}.txt").write_text(
             f"compile {mode}: batch 1: {speeds[0]} tokens/s\ncompile {mode}: batch 32: {speeds[1]} tokens/s\n")
@@ -134,10 +148,12 @@ def test_a_run_where_everything_passed_reads_all_fine(work):
     assert _row(text, "Fp8Linear") == "Fp8Linear ok (1 shapes) 2.00x torch speed"  # vs F.linear, not the dequant
     assert _row(text, "PagedAttention") == "PagedAttention ok (1 shapes) 5.00x torch speed"
     assert _row(text, "FusedMoE") == "FusedMoE ok (1 shapes) 3.00x torch speed"
+    assert _row(text, "LoraDelta") == "LoraDelta ok (1 shapes) 3.00x torch speed"
     assert _row(text, "fp8 w8a16") == "fp8 w8a16 ok (1 cases, worst rel err 3.0e-03) 1.50x torch speed"
     assert _row(text, "fp8 MoE native").startswith("fp8 MoE native ok (1 cases, worst rel err 2.0e-02) 0.300 ms")
     assert _row(text, "int4 W4A16 sm80") == (
         "int4 W4A16 sm80 ok (2 cases, worst rel err 2.0e-03) 0.50x..2.00x torch speed")
+    assert _row(text, "gguf sm90 Q4_K") == "gguf sm90 Q4_K ok (2 cases, worst rel err 3.0e-03) 0.50x..2.00x torch speed"
     assert _row(text, "batch 1") == "batch 1 eager 400, graphs 1200 tokens/s (3.00x) greedy tokens equal in 1/1"
     assert _row(text, "batch 32") == "batch 32 eager 3000, graphs 9000 tokens/s (3.00x) greedy tokens equal in 32/32"
     assert _row(text, "graphs worker") == (
@@ -221,7 +237,7 @@ def test_nothing_ran_gives_every_row_a_problem_and_no_traceback(tmp_path, capsys
     assert not fine
     assert "device: unknown" in text
     rows = [ln for ln in text.splitlines() if ln.startswith("  ")]
-    assert len(rows) == 5 + 2 + 2 + 2 + 4 + 2  # kernels, fp8/int4 runs, batches, compile modes, workers, tests
+    assert len(rows) == 6 + 3 + 2 + 2 + 4 + 2  # kernels, fp8/int4/gguf runs, batches, compile modes, workers, tests
     assert gpu_summary.main([str(tmp_path / "missing")]) == 2
     assert "usage" in capsys.readouterr().out
 
@@ -231,7 +247,9 @@ def test_a_benchmark_without_cuda_says_not_run(work):
         "benchmarks/triton_kernels.py: skipped, no CUDA device "
         "(the kernels need a GPU; CPU runs the torch reference)\n")
     (work / "fp8-kernels.txt").write_text("--kernels needs a CUDA or ROCm device\n")
+    (work / "gguf-kernels.txt").write_text("gguf kernels need a CUDA or ROCm device\n")
     out, _ = gpu_summary.summarize(work)
+    assert _row(out, "gguf kernels") == "gguf kernels not run: no CUDA device -"
     assert _row(out, "RMSNorm") == "RMSNorm not run: no CUDA device -"
     assert _row(out, "fp8 checkpoint kernels") == "fp8 checkpoint kernels not run: no CUDA device -"
 

@@ -97,3 +97,28 @@ def test_workers_shows_the_compile_as_the_last_health_says_it_goes_on():
     h.probe = judge(200, health, 30.0)
     entry = h.snapshot(8)["compile"]
     assert (entry["state"], entry["done"], entry["seconds"]) == ("ready", 2, 41.5)
+
+
+def test_workers_shows_what_is_still_prepared_and_each_fallback_as_the_last_health_says():
+    """Guards `self.live(...)` in `WorkerHandle.snapshot`: what a worker still prepares behind its
+    serving and the kernels on their torch paths are what its last `/health` said (the build and
+    the compile go on after ready; a C++ build may fail behind the serving), else what
+    `/capability` said at start."""
+    from server.fleet.probe import judge
+
+    h = _handle("sm_90", {"convention": "native_e4m3"})
+    h.info = h.info.model_copy(update={"preparing": ["decode step: eager, compiling 1 of 6 buckets"],
+                                       "fallbacks": {"RMSNorm": "self-test: max abs diff 0.5"}})
+    entry = h.snapshot(8)
+    assert entry["preparing"] == ["decode step: eager, compiling 1 of 6 buckets"]
+    assert entry["fallbacks"] == {"RMSNorm": "self-test: max abs diff 0.5"}
+    h.probe = judge(200, {"status": "ready", "preparing": ["decode step: eager, compiling 4 of 6 buckets"],
+                          "fallbacks": {"RMSNorm": "self-test: max abs diff 0.5",
+                                        "hetserve_cpu_greedy": "its C++ build failed: g++ exited 1"}}, 30.0)
+    entry = h.snapshot(8)
+    assert entry["preparing"] == ["decode step: eager, compiling 4 of 6 buckets"]
+    assert entry["fallbacks"]["hetserve_cpu_greedy"] == "its C++ build failed: g++ exited 1"
+    h.probe = judge(200, {"status": "ready", "preparing": [], "fallbacks": {}}, 30.0)  # all in use now
+    assert h.snapshot(8)["preparing"] == [] and h.snapshot(8)["fallbacks"] == {}
+    h.probe = judge(200, {"status": "ready"}, 30.0)  # a worker that does not say: what it said at start
+    assert h.snapshot(8)["preparing"] == ["decode step: eager, compiling 1 of 6 buckets"]

@@ -34,10 +34,13 @@ REPO_LAYERS = {
     "paged_attention": ["PagedAttention", "PagedAttentionTritonSm70", "PagedAttentionTritonSm90",
                         "PagedAttentionTritonRocm"],
     "fused_moe": ["FusedMoE", "FusedMoETritonSm70", "FusedMoETritonSm90", "FusedMoETritonRocm"],
+    "gguf_linear": ["GGUFLinear", "GGUFLinearTritonSm70", "GGUFLinearTritonSm80", "GGUFLinearTritonSm90",
+                    "GGUFLinearTritonRocm"],
     # CPU kernels the worker calls directly; their layers keep each repository loadable through `kernels`
     "rotary": ["Rotary", "RotaryCpu"],
     "panel_linear": ["Linear", "PanelLinearCpu"],
     "sampling": ["GreedyRows", "GreedyRowsCpu"],
+    "lora_sgmv": ["LoraDelta", "LoraDeltaTritonSm70", "LoraDeltaTritonSm90", "LoraDeltaTritonRocm"],
 }
 
 
@@ -53,15 +56,17 @@ def test_metadata_follows_the_kernels_layout(repo):
 def test_layers_load_and_are_stateless(repo):
     """`kernels` refuses layers with a constructor or extra members; check every layer the
     way it does, against the model layer it replaces."""
+    from workers.lora.apply import LoraDelta as ModelLoraDelta
     from workers.model.moe import FusedMoE as ModelFusedMoE
     from workers.quant.quantize_model import Fp8Linear as ModelFp8Linear
 
-    # no model module applies the rotary or picks greedy rows: their layers keep the reference's forward
+    # no model module applies the rotary, picks greedy rows or holds GGUF blocks yet: their layers keep the
+    # reference's forward
     own = {r: LocalLayerRepository(repo_path=REPOS / r, layer_name=REPO_LAYERS[r][0]).load()
-           for r in ("rotary", "sampling")}  # fmt: skip
+           for r in ("rotary", "sampling", "gguf_linear")}  # fmt: skip
     replaced = {"rmsnorm": ModelRMSNorm, "activation": ModelSiluAndMul, "fp8_linear": ModelFp8Linear,
                 "paged_attention": ModelPagedAttention, "fused_moe": ModelFusedMoE, "panel_linear": torch.nn.Linear,
-                **own}[repo]
+                "lora_sgmv": ModelLoraDelta, **own}[repo]
     for name in REPO_LAYERS[repo]:
         lrepo = LocalLayerRepository(repo_path=REPOS / repo, layer_name=name)
         cls = lrepo.load()

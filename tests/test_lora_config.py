@@ -83,3 +83,44 @@ def test_the_pods_lora_gauge_joins_its_workers():
     labels, value = lora_pod([({"running_lora_adapters": "a,b", "waiting_lora_adapters": "", "max_lora": "4"}, 5.0),
                               ({"running_lora_adapters": "b", "waiting_lora_adapters": "c", "max_lora": "2"}, 7.0)])
     assert labels == {"running_lora_adapters": "a,b", "waiting_lora_adapters": "c", "max_lora": "2"} and value == 7.0
+
+
+def test_lora_modules_dir_serves_each_adapter_subdirectory_by_its_name(tmp_path):
+    """Guards `scan_lora_modules_dir` in `loras_from_args`: every subdirectory with an adapter_config.json
+    is an adapter named after it; others are skipped; an explicit `--lora` of the same name wins."""
+    root = tmp_path / "adapters"
+    root.mkdir()
+    coder, tone = _adapter(root / "coder"), _adapter(root / "tone")
+    (root / "notes").mkdir()  # no adapter_config.json: not an adapter
+    (root / "README").write_text("x")
+    settings = _settings("--lora-modules-dir", str(root))
+    assert settings.loras.adapters == (("coder", coder.resolve()), ("tone", tone.resolve()))
+    other = _adapter(tmp_path / "other")
+    settings = _settings("--lora", f"tone={other}", "--lora-modules-dir", str(root))
+    assert dict(settings.loras.adapters) == {"tone": other.resolve(), "coder": coder.resolve()}
+
+
+def test_bad_lora_modules_dirs_are_named_with_what_was_found(tmp_path):
+    with pytest.raises(UsageError, match=r"`--lora-modules-dir .*` is not a directory"):
+        _settings("--lora-modules-dir", str(tmp_path / "nowhere"))
+    root = tmp_path / "adapters"
+    root.mkdir()
+    (root / "notes").mkdir()
+    with pytest.raises(UsageError, match=r"holds no adapter .* Found: `notes`"):
+        _settings("--lora-modules-dir", str(root))
+    _adapter(root / "coder")
+    _adapter(root / "bad name")
+    with pytest.raises(UsageError, match=r"`bad name` is no adapter name .* Adapters found: `bad name`, `coder`"):
+        _settings("--lora-modules-dir", str(root))
+    (root / "bad name" / "adapter_config.json").unlink()
+    (root / "prefix").mkdir()
+    (root / "prefix" / "adapter_config.json").write_text(json.dumps({"peft_type": "PREFIX_TUNING"}))
+    with pytest.raises(UsageError, match=r"`prefix` is of PEFT type `PREFIX_TUNING`. Accepted: `LORA`. "
+                                         r"Adapters found: `coder`, `prefix`"):
+        _settings("--lora-modules-dir", str(root))
+    (root / "prefix" / "adapter_config.json").write_text("{not json")
+    with pytest.raises(UsageError, match=r"`prefix` has an `adapter_config.json` that is not JSON"):
+        _settings("--lora-modules-dir", str(root))
+    (root / "prefix" / "adapter_config.json").unlink()
+    with pytest.raises(UsageError, match=r"`--lora coder=...` has a model's name"):
+        _settings("--model", f"coder={DEFAULT_MODEL_DIR}", "--lora-modules-dir", str(root))

@@ -243,12 +243,14 @@ def test_an_unused_kernel_is_left_out_without_the_flag_and_listed_with_it(tiny_p
     text, full = _render(tiny_plan), _render(tiny_plan, all_kernels=True)
     for layer in ("RMSNorm", "SiluAndMul", "PagedAttention"):  # what a dense Llama runs, on the two serving devices
         assert text.count(f"\n  {layer} ") == 2 and full.count(f"\n  {layer} ") == 3
-    for layer in ("FusedMoE", "GatedDeltaRule", "Fp8Linear", "Fp8CheckpointLinear", "Int4CheckpointLinear"):
+    for layer in ("FusedMoE", "GatedDeltaRule", "Fp8Linear", "Fp8CheckpointLinear", "Int4CheckpointLinear",
+                  "GGUFLinear"):
         assert f"\n  {layer} " not in text and full.count(f"\n  {layer} ") == 3
     assert "not used: a dense model: no experts" in full and "not used:" not in text
     assert "not used: no `--quantize fp8`" in full
     assert ("  not listed (its model does not run them; --all-kernels lists them): Fp8Linear, FusedMoE, "
-            "Fp8CheckpointLinear, GatedDeltaRule, Fp8FusedMoE, Int4CheckpointLinear, Mxfp4FusedMoE") in text
+            "Fp8CheckpointLinear, GatedDeltaRule, Fp8FusedMoE, Int4CheckpointLinear, Mxfp4FusedMoE, LoraDelta, "
+            "GGUFLinear") in text
     assert "not listed" not in full
     for entry in tiny_plan["devices"]:  # the JSON keeps every kernel; the ones not run say why
         assert list(entry["kernels"]) == list(LAYERS)

@@ -207,8 +207,9 @@ def test_a_devices_own_preflight_agrees_with_the_plan_for_its_architecture(matri
     for record, and `--compare` names any difference."""
     from workers.kernelize.cli import main
 
-    own = subprocess.run([sys.executable, "-m", "workers.kernelize", "--arch", "sm_90"], cwd=ROOT, capture_output=True,
-                         text=True, env=preflight_env(TRITON_CACHE_DIR=str(CACHE / "sm_90")), timeout=600)  # fmt: skip
+    own = subprocess.run([sys.executable, "-m", "workers.kernelize", "--arch", "sm_90", "--jobs", "2"], cwd=ROOT,
+                         capture_output=True, text=True, env=preflight_env(TRITON_CACHE_DIR=str(CACHE / "sm_90")),
+                         timeout=600)  # fmt: skip
     assert own.returncode == 0, own.stderr[-2000:]
     a, b = tmp_path / "own.json", tmp_path / "plan.json"
     a.write_text(own.stdout)

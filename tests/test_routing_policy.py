@@ -482,8 +482,8 @@ def test_slowdown_makes_each_forward_take_longer():
         return x + 1
 
     model = SimpleNamespace(step=step)
-    assert apply_slowdown(model, device_slowdown("gpu0=3", "gpu1", True)) == 1.0 and model.step is step
-    assert apply_slowdown(model, device_slowdown("gpu0=3", "gpu0", True)) == 3.0
+    assert not apply_slowdown(model, device_slowdown("gpu0=3", "gpu1", True)).slowed and model.step is step
+    assert apply_slowdown(model, device_slowdown("gpu0=3", "gpu0", True)).decode == 3.0
     t0 = time.perf_counter()
     assert model.step(1) == 2
     assert time.perf_counter() - t0 >= 0.055

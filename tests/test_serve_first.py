@@ -84,6 +84,7 @@ def test_kernels_built_behind_are_swapped_in_between_two_steps(monkeypatch):
 
     def build_deferred(pending, workers):
         built_with_steps_free.append(not engine._liveness.held)
+        seen["preparing"] = built.preparing()
         return {name: None for name in pending}
 
     def reinstall():
@@ -93,16 +94,39 @@ def test_kernels_built_behind_are_swapped_in_between_two_steps(monkeypatch):
     monkeypatch.setattr(engine_build, "build_deferred", build_deferred)
     changes = []
     built = BuiltEngine(engine, None, CompileDecision("auto", False, None, "a test: no compile"),
-                        cpu=CpuPaths(pending={"hetserve_cpu_rmsnorm_x": ()}), reinstall=reinstall)
+                        cpu=CpuPaths(pending={"hetserve_cpu_rmsnorm_x": ("hetserve_cpu_rmsnorm",)}),
+                        reinstall=reinstall)
     said = built.compile(on_change=lambda: changes.append(built.cpu))
     assert "building in the background" in said
     stream = engine.submit(prompt(), SamplingParams.create(max_new_tokens=3))
     run_until_idle(engine)  # steps run while the kernels build
     built.behind.join(timeout=30)
     assert stream.events[-1].finish is not None
-    assert built_with_steps_free == [True] and seen == {"held": True}
+    assert built_with_steps_free == [True] and seen == {
+        "held": True, "preparing": ["C++ kernels: torch paths, building hetserve_cpu_rmsnorm"]}
+    assert built.preparing() == [] and built.fallbacks == {}
     assert engine.runner.in_place and built.cpu.kernels == {"hetserve_cpu_rmsnorm": "built"}
     assert changes and changes[-1] is built.cpu
+
+
+def test_a_kernel_whose_build_fails_behind_the_serving_is_a_fallback_with_its_reason(monkeypatch):
+    """Guards `self.fell_back(...)` in `BuiltEngine._kernels_behind`: a C++ kernel that fails to
+    build behind the serving leaves its torch path in use, and `/capability` `fallbacks` and
+    `/metrics` say which and why (before, only a log line did)."""
+    engine, _ = make_engine()
+    engine.runner.mirror, engine.runner.in_place = None, False
+    monkeypatch.setattr(engine_build, "build_deferred", lambda pending, workers: {
+        "hetserve_cpu_greedy_x": "g++ exited 1: no such header", "hetserve_cpu_rmsnorm_x": None})
+    built = BuiltEngine(engine, None, CompileDecision("auto", False, None, "a test: no compile"),
+                        cpu=CpuPaths(pending={"hetserve_cpu_greedy_x": ("hetserve_cpu_greedy",),
+                                              "hetserve_cpu_rmsnorm_x": ("hetserve_cpu_rmsnorm",)}),
+                        reinstall=lambda: CpuPaths(kernels={"hetserve_cpu_rmsnorm": "built"}))
+    assert built.compile() and built.preparing() in (
+        [], ["C++ kernels: torch paths, building hetserve_cpu_greedy, hetserve_cpu_rmsnorm"])
+    built.behind.join(timeout=30)
+    assert built.fallbacks == {"hetserve_cpu_greedy": "its C++ build failed: g++ exited 1: no such header"}
+    assert built.preparing() == []
+    assert 'layer="hetserve_cpu_greedy"' in engine.metrics.render().decode()
 
 
 @pytest.mark.slow
@@ -123,8 +147,13 @@ def test_a_worker_with_no_kernels_built_serves_first_on_its_torch_paths(tmp_path
     try:
         wait_state(proc, status, {"ready"}, timeout=120)
         with client(sock) as c:
-            kernels = c.get("/capability").json()["kernels"]
+            described = c.get("/capability").json()
+            kernels = described["kernels"]
             assert cpp_build.DEFERRED in kernels["RMSNorm"]["cpu_kernel"], kernels["RMSNorm"]
+            # what builds behind the serving is said in words, in /capability and in /health
+            assert any(line.startswith("C++ kernels: torch paths, building ") and "hetserve_cpu_rmsnorm" in line
+                       for line in described["preparing"]), described["preparing"]
+            assert c.get("/health").json()["preparing"], "no longer preparing right after ready?"
             assert cpp_build.DEFERRED in kernels["PagedAttention"]["cpu_decode"], kernels["PagedAttention"]
             r = c.post("/generate", json={"inputs": "hello world", "parameters": {"max_new_tokens": 6}})
             assert r.status_code == 200, r.text

@@ -12,8 +12,9 @@ from server.config.speculative import add_speculative_flags, speculative_from_ar
 from server.errors import UsageError
 from workers.contract import WorkerConfig, WorkerConfigError
 from workers.sampling.params import SamplingParams
+from workers.spec.cost import StepCosts
 from workers.spec.ngram import NgramProposer
-from workers.spec.policy import SpecPolicy, ineligible
+from workers.spec.policy import PLAIN_SAMPLES, REFRESH, Row, SpecPolicy, expected_tokens, ineligible, row_rate
 from workers.spec.rejection import accept_greedy, accept_sampled, draw
 
 # -- n-gram drafts -------------------------------------------------------------------------------
@@ -99,16 +100,89 @@ def test_plain_sampling_and_verification_draw_the_same_token_from_the_same_seed(
 
 # -- policy --------------------------------------------------------------------------------------
 
-def test_policy_turns_speculation_off_in_a_full_batch_and_for_poor_acceptance():
-    policy = SpecPolicy(max_k=4, max_rows=4)
-    assert policy.choose(rows=1, drafted=0, accepted=0, remaining=100, generated=1).k == 4
-    assert policy.choose(rows=1, drafted=0, accepted=0, remaining=3, generated=1).k == 2  # never past max_tokens
-    full = policy.choose(rows=5, drafted=0, accepted=0, remaining=100, generated=1)
-    assert full.k == 0 and "5 decode rows" in full.reason
-    poor = policy.choose(rows=1, drafted=40, accepted=2, remaining=100, generated=33)
+def test_a_rows_limit_stops_at_max_tokens_and_for_poor_acceptance():
+    policy = SpecPolicy(max_k=4)
+    assert policy.row_limit(drafted=0, accepted=0, remaining=100, generated=1).k == 4
+    assert policy.row_limit(drafted=0, accepted=0, remaining=3, generated=1).k == 2  # never past max_tokens
+    poor = policy.row_limit(drafted=40, accepted=2, remaining=100, generated=33)
     assert poor.k == 0 and "acceptance 0.05" in poor.reason
-    assert policy.choose(rows=1, drafted=40, accepted=2, remaining=100, generated=32).k == 4  # a probe
-    assert policy.choose(rows=1, drafted=0, accepted=0, remaining=1, generated=1).k == 0
+    assert policy.row_limit(drafted=40, accepted=2, remaining=100, generated=32).k == 4  # a probe
+    assert policy.row_limit(drafted=0, accepted=0, remaining=1, generated=1).k == 0
+
+
+def test_the_fixed_rule_turns_speculation_off_above_its_rows():
+    policy = SpecPolicy(max_k=4, max_rows=4)
+    costs = StepCosts()
+    assert policy.choose(1, [Row(3, 0.5)], costs, 1).k == 4
+    full = policy.choose(5, [Row(3, 0.5)], costs, 1)
+    assert full.k == 0 and "5 decode rows" in full.reason
+    assert policy.choose(1, [], costs, 1).k == 0
+
+
+def _device(per_row: float, per_token: float, rows=range(1, 33), tokens=(1, 2, 4, 8, 32, 128, 256)) -> StepCosts:
+    """Costs of a device whose plain step is 10 ms + `per_row` a row and speculative step 12 ms +
+    `per_token` a query token, measured at a few sizes."""
+    costs = StepCosts()
+    for b in rows:
+        for _ in range(PLAIN_SAMPLES):
+            costs.record("plain", b, 0.010 + per_row * b)
+    for n in tokens:
+        costs.record("spec", n, 0.012 + per_token * n)
+    return costs
+
+
+def test_k_is_chosen_from_the_devices_measured_costs_and_off_under_load():
+    """A memory-bound device (a query token nearly free) drafts the most; a compute-bound one,
+    whose every query token costs as much as a row, drafts less; both stop in a full batch."""
+    policy = SpecPolicy(max_k=6)
+    rows = [Row(6, 0.8)]
+    gpu, cpu = _device(0.0002, 0.0002), _device(0.004, 0.004)
+    on_gpu, on_cpu = policy.choose(1, rows, gpu, 1), policy.choose(1, rows, cpu, 1)
+    assert on_gpu.k == 6 and on_gpu.cause == "measured" and "tokens/s" in on_gpu.reason
+    assert 0 < on_cpu.k < on_gpu.k
+    full = [Row(6, 0.8)] * 32
+    assert policy.choose(32, full, gpu, 1).k > 0  # nearly free tokens pay even in a full batch
+    off = policy.choose(32, full, cpu, 1)
+    assert off.k == 0 and off.cause == "cost" and "32 decode rows" in off.reason
+    poor = policy.choose(1, [Row(6, 0.05)], cpu, 1)  # drafts that are rarely right never pay
+    assert poor.k == 0
+    assert policy.choose(32, full, cpu, REFRESH).k == 0  # no probe in a full batch
+    probe = policy.choose(1, [Row(6, 0.05)], cpu, REFRESH)  # a small one is probed now and then
+    assert (probe.k, probe.cause) == (6, "measuring")
+
+
+def test_the_line_is_trusted_only_near_the_sizes_measured():
+    """A batch far larger than any speculative step measured does not speculate on an extrapolation,
+    not even to measure it (a probe in a full batch is what a saturated worker cannot afford)."""
+    policy = SpecPolicy(max_k=4)
+    costs = _device(0.0002, 0.0002, tokens=(2, 4, 8))
+    assert policy.choose(2, [Row(4, 0.8)] * 2, costs, 1).k == 4  # 10 query tokens: near enough
+    far = policy.choose(32, [Row(4, 0.8)] * 32, costs, 1)
+    assert far.k == 0 and "not near 64" in far.reason
+    assert policy.choose(32, [Row(4, 0.8)] * 32, costs, REFRESH).k == 0
+    assert policy.choose(8, [Row(4, 0.8)] * 8, costs, 1).k > 0  # 8 + 8 query tokens: near enough
+
+
+def test_unmeasured_paths_are_measured_first():
+    policy = SpecPolicy(max_k=4)
+    costs = StepCosts()
+    assert policy.choose(2, [Row(4, 0.5)], costs, 1).cause == "measuring"  # the plain step at 2 rows first
+    for _ in range(PLAIN_SAMPLES):
+        costs.record("plain", 2, 0.01)
+        costs.record("plain", 16, 0.02)
+    explore = policy.choose(2, [Row(3, 0.5)], costs, 1)
+    assert (explore.k, explore.cause) == (3, "measuring")
+    assert policy.choose(16, [Row(3, 0.5)], costs, 1).k == 0  # a large batch waits for the measurement
+    costs.record("spec", 3, 0.012)
+    costs.record("spec", 9, 0.016)
+    assert costs.estimate("spec", 6).seconds == pytest.approx(0.014) and not costs.estimate("spec", 6).measured
+    assert policy.choose(2, [Row(3, 0.9)], costs, 1).cause == "measured"
+
+
+def test_expected_tokens_and_row_rates():
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 3) == 4
+    assert row_rate(0, 0, 0.6) == pytest.approx(0.6)  # no drafts of its own: the method's rate
+    assert row_rate(100, 10, 0.6) < 0.15
 
 
 def test_grammar_and_alternatives_never_speculate():
@@ -129,7 +203,7 @@ def test_flags_reach_the_worker_config_and_bad_values_are_named():
     assert _parse().mode == "auto"
     value = _parse("--speculative", "ngram", "--num-speculative-tokens", "3")
     assert (value.mode, value.num_tokens) == ("ngram", 3)
-    with pytest.raises(UsageError, match=r"`--speculative eagle` is not a method. Accepted: auto, off, ngram"):
+    with pytest.raises(UsageError, match=r"`--speculative eagle` is not a method. Accepted: auto, off, ngram, suffix"):
         _parse("--speculative", "eagle")
     with pytest.raises(UsageError, match=r"`--speculative mtp` is not available.*Accepted: auto, off, ngram"):
         _parse("--speculative", "mtp")
@@ -137,5 +211,6 @@ def test_flags_reach_the_worker_config_and_bad_values_are_named():
         _parse("--num-speculative-tokens", "0")
     config = WorkerConfig.from_json(WorkerConfig(socket="s", speculative="ngram", num_speculative_tokens=2).to_json())
     assert (config.speculative, config.num_speculative_tokens) == ("ngram", 2)
-    with pytest.raises(WorkerConfigError, match="`--speculative suffix`"):
-        WorkerConfig(socket="s", speculative="suffix")
+    assert WorkerConfig(socket="s", speculative="suffix").speculative == "suffix"
+    with pytest.raises(WorkerConfigError, match="`--speculative mtp`"):
+        WorkerConfig(socket="s", speculative="mtp")

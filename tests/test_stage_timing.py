@@ -19,6 +19,7 @@ from server.fleet.placement import ModelAsk, Split, place, split_of
 from tests.checkpoints import make_checkpoint
 from workers.contract.model_size import read_config, read_profile
 from workers.contract.pipeline import PipelinePlan, StagePlan, split_layers
+from workers.contract.slowdown import Slowdown
 from workers.contract.stage_timing import (
     ENV_STAGE_TIMINGS,
     MIN_STEPS,
@@ -107,7 +108,9 @@ def test_keys_name_the_model_as_computed_and_each_device_across_runs():
     assert model_key('{"a": 1}', "auto", "none") != model_key('{"a": 1}', "bfloat16", "none")
     assert device_key("GPU-1234", False, 0, "sm_80") == "GPU-1234"  # a real GPU: its UUID, whatever its index
     assert device_key("sim-0", True, 0, "sm_80") == "simulated 0 sm_80"
-    assert device_key("sim-0", True, 0, "sm_80", 3.0) == "simulated 0 sm_80 slowed 3x"  # another device
+    assert device_key("sim-0", True, 0, "sm_80", Slowdown(3.0, 3.0)) == "simulated 0 sm_80 slowed 3x"  # another device
+    assert device_key("sim-0", True, 0, "sm_80", Slowdown(4.0, 1.5)) == \
+        "simulated 0 sm_80 slowed prefill 4x, decode 1.5x"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
-"""The router's stream channel to a real worker process (workers/serving/channel.py,
-server/fleet/channel.py): streams multiplexed on one connection carry what a stream of its
-own would, a stream closed early or a channel that breaks aborts the worker's requests, bad
-channel headers get a clear error, and a worker with an idle channel stops at once."""
+"""The router's engine channel to a real worker process (workers/serving/engine_channel.py,
+workers/serving/channel.py, server/fleet/channel.py): streams multiplexed on one connection
+carry what a stream of its own would, a stream closed early or a channel that breaks aborts
+the worker's requests, refusals come back typed with the HTTP route's status and message,
+frames are read whole however they are cut, the HTTP form's bad channel headers get a clear
+error, and a worker with an idle channel stops at once."""
 
 from __future__ import annotations
 
@@ -18,6 +20,20 @@ from server.fleet.client import SSEEvents, WorkerClient
 from server.fleet.uds_http import WorkerConnectionLost
 from tests.test_worker_process import client, ready_worker
 from workers.contract import HEADER_CHANNEL, HEADER_STREAM_KEY, WorkerRequest
+from workers.contract.channel import (
+    Abort,
+    Admitted,
+    Open,
+    Opened,
+    Rejected,
+    Step,
+    Submit,
+    channel_socket_path,
+    frame,
+    frame_length,
+    to_router,
+    to_worker,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -150,29 +166,26 @@ def test_bad_channel_headers_are_clear_errors(worker):
         assert r.status_code == 422
 
 
+def _fed(data: bytes, step: int = 4) -> asyncio.StreamReader:
+    """A reader that holds `data` cut every `step` bytes, then its end."""
+    reader = asyncio.StreamReader()
+    for i in range(0, len(data), step):
+        reader.feed_data(data[i:i + step])
+    reader.feed_eof()
+    return reader
+
+
 def test_records_split_anywhere_reach_their_streams():
-    """The router's reader takes records whole however the frames are cut, and a channel that
+    """The router's reader takes frames whole however the bytes are cut, and a channel that
     ends fails the streams still open on it."""
 
-    class Frames:
-        def __init__(self, chunks):
-            self.chunks = chunks
-
-        async def iter_chunks(self):
-            for chunk in self.chunks:
-                yield chunk
-
-        async def aclose(self):
-            pass
-
     async def run():
-        channel = WorkerChannel(None, "c1")
+        wire = frame(Step([(1, b"hello", False), (2, b"bye", True)])) + frame(Step([(1, b" world", True)]))
+        channel = WorkerChannel(_fed(wire), None, "c1")
         (k1, q1), (k2, q2) = channel.register(), channel.register()
-        wire = b"1 5 0\nhello2 3 1\nbye1 6 1\n world"
-        await channel._read(Frames([wire[i:i + 4] for i in range(0, len(wire), 4)]))
+        await channel._read()
         first = [q1.get_nowait() for _ in range(q1.qsize())]
         second = [q2.get_nowait() for _ in range(q2.qsize())]
-        (k3, q3) = channel.register()
         return (k1, first), (k2, second), channel.dead
 
     (k1, first), (k2, second), dead = asyncio.run(run())
@@ -180,22 +193,121 @@ def test_records_split_anywhere_reach_their_streams():
     assert first == [b"hello", b" world", None] and second == [b"bye", None] and dead
 
 
-def test_a_channel_cut_mid_record_fails_the_open_streams():
-    class Frames:
-        async def iter_chunks(self):
-            yield b"1 5 0\nhel"
-
-        async def aclose(self):
-            pass
-
+def test_a_channel_cut_mid_frame_fails_the_open_streams():
     async def run():
-        channel = WorkerChannel(None, "c1")
+        channel = WorkerChannel(_fed(frame(Step([(1, b"hello", False)]))[:-3]), None, "c1")
         _, queue = channel.register()
-        await channel._read(Frames())
+        await channel._read()
         return [queue.get_nowait() for _ in range(queue.qsize())]
 
     items = asyncio.run(run())
     assert len(items) == 1 and isinstance(items[0], WorkerConnectionLost)
+
+
+class _Writer:
+    def __init__(self):
+        self.sent = b""
+
+    def write(self, data: bytes) -> None:
+        self.sent += data
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_refused_submission_answers_as_the_workers_http_route():
+    """A `Rejected` record becomes the status, `Retry-After` and `{"error", "error_type"}` body that
+    `POST /generate_stream` answers, so the router's client-facing response is the one it was; the
+    request crossed as a typed `Submit` carrying the fields its sender set."""
+
+    async def run():
+        reader, writer = asyncio.StreamReader(), _Writer()
+        channel = WorkerChannel(reader, writer, "c1", {"x-worker-id": "gpu7"})
+        reading = asyncio.ensure_future(channel._read())
+        body = WorkerRequest.model_validate({"inputs": "Hi", "parameters": {"max_new_tokens": 3}})
+        submitting = asyncio.ensure_future(channel.submit(body, {"traceparent": "00-x"}))
+        await asyncio.sleep(0)
+        reader.feed_data(frame(Rejected(1, 429, "The queue is full", "overloaded", "2")))
+        stream = await submitting
+        reader.feed_eof()
+        await reading
+        return stream, writer.sent
+
+    stream, sent = asyncio.run(run())
+    assert (stream.status_code, stream.headers["retry-after"], stream.headers["x-worker-id"]) == (429, "2", "gpu7")
+    assert json.loads(asyncio.run(stream.read())) == {"error": "The queue is full", "error_type": "overloaded"}
+    submit = to_worker(sent[4:])
+    assert isinstance(submit, Submit) and submit.key == 1 and submit.trace == {"traceparent": "00-x"}
+    assert submit.request == {"inputs": "Hi", "parameters": {"max_new_tokens": 3}}
+
+
+class _Raw:
+    """The engine channel over a blocking socket, as a tool would speak it."""
+
+    def __init__(self, sock):
+        import socket
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(channel_socket_path(sock))
+
+    def send(self, message) -> None:
+        self.sock.sendall(frame(message))
+
+    def receive(self):
+        def exactly(n: int) -> bytes:
+            data = b""
+            while len(data) < n:
+                chunk = self.sock.recv(n - len(data))
+                if not chunk:
+                    return b""
+                data += chunk
+            return data
+
+        head = exactly(4)
+        return to_router(exactly(frame_length(head))) if head else None
+
+    def answer(self, key: int):
+        """The admission answer for `key` (step frames of other keys skipped)."""
+        while True:
+            message = self.receive()
+            if not isinstance(message, Step) and getattr(message, "key", key) == key:
+                return message
+
+
+def test_the_engine_channel_refuses_as_the_http_route_and_aborts_before_admission(worker):
+    """A bad request is a typed `Rejected` with the HTTP route's status and message; a key in use
+    is refused; a stream aborted in the same breath as its submission never runs (guards
+    `self._admitting.add(message.key)` in `_Connection._read`: without it the abort finds no
+    such stream and the 250-token request runs to its end). A first message other than `open`
+    closes the connection."""
+    stray = _Raw(worker["sock"])
+    stray.send(Abort([1]))
+    assert stray.receive() is None  # closed, nothing answered
+    raw = _Raw(worker["sock"])
+    raw.send(Open(ids=True))
+    opened = raw.receive()
+    assert isinstance(opened, Opened) and opened.headers["X-Worker-Id"] == "gpu7"
+    raw.send(Submit(1, {"inputs": "Hello", "parameters": {"max_new_tokens": -1}}))
+    refused = raw.answer(1)
+    with client(worker["sock"]) as c:
+        http = c.post("/generate_stream", json={"inputs": "Hello", "parameters": {"max_new_tokens": -1}})
+    assert isinstance(refused, Rejected) and (refused.status, refused.error_type) == (422, "validation")
+    assert refused.error == http.json()["error"] and "`max_new_tokens`" in refused.error
+    raw.send(Submit(2, {"inputs": "Hello", "parameters": {"max_new_tokens": 0, "decoder_input_details": True}}))
+    assert raw.answer(2).status == 422  # prompt scoring is `/generate`'s, not a stream's
+    before = _generated(worker["sock"])
+    raw.send(Submit(3, {"inputs": "Hello", "parameters": {"max_new_tokens": 250, "do_sample": True, "seed": 3}}))
+    raw.send(Abort([3]))
+    raw.send(Submit(4, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}))
+    raw.send(Submit(4, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}))
+    answers = [raw.answer(4), raw.answer(4)]  # the second is refused at once, the first then admitted
+    assert isinstance(answers[0], Rejected) and "`4` is in use" in answers[0].error
+    assert isinstance(answers[1], Admitted)
+    health = _idle(worker["sock"])
+    assert health["load"] == {"running": 0, "queued": 0}
+    assert _generated(worker["sock"]) - before < 200  # stream 3 never ran to its end
+    raw.sock.close()
 
 
 def test_a_worker_with_an_idle_channel_stops_at_once(worker):

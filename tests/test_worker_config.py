@@ -34,7 +34,8 @@ EVERY_FIELD = WorkerConfig(
     threads=2, status_file="/tmp/w.json",
     parent_pid=42, otlp_endpoint="http://collector:4318", grammar_compile_timeout=0.5, grammar_compile_memory_mib=64,
     grammar_compile_workers=3, grammar_cache_mib=0, pipeline_plan="/tmp/p.json", pipeline_rank=1,
-    pipeline_batches=2, pipeline_microbatches=4, preflight="on", slowdown=3.0, lora="a=/tmp/a,b=/tmp/b", max_loras=2,
+    pipeline_batches=2, pipeline_microbatches=4, preflight="on", slowdown=3.0, prefill_slowdown=4.5,
+    lora="a=/tmp/a,b=/tmp/b", max_loras=2,
     max_lora_rank=32,
 )
 

@@ -158,7 +158,7 @@ def run_worker(config: WorkerConfig) -> int:
                                                 plan.stages[config.pipeline_rank].end)
             loaded = load_model(config.model or DEFAULT_MODEL_DIR, config.dtype, bound.torch_device, cap, layers,
                                 device_type=bound.type)
-            apply_slowdown(loaded.model, config.slowdown)  # a simulated device only (`_for_device`)
+            apply_slowdown(loaded.model, config.slowdowns)  # a simulated device only (`_for_device`)
         with startup_step("kernelize", status):  # also checks `kernels`' own capability lookup
             from workers.kernelize.apply import kernelize_for_device
             from workers.kernelize.preflight import model_workload, preflight_or_refuse, wants_preflight
@@ -166,9 +166,9 @@ def run_worker(config: WorkerConfig) -> int:
             kernels = kernelize_for_device(loaded.model, bound)
             preflight = None
             if wants_preflight(config.preflight, bound):  # every selected kernel compiled and fitting
-                preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype))
+                preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype), _never_run(loaded))
         with startup_step("fp8", status):
-            conv, fp8_reason, checkpoint = _apply_fp8(config, bound, cap, loaded)
+            conv, fp8_reason, checkpoint = apply_fp8(config, bound, cap, loaded)
         failed: dict[str, str] = {}  # layers whose kernel failed on this device: their torch path serves
         if bound.is_real_gpu:
             with startup_step("kernelize", status):  # its last check, once fp8 swapped in its layers
@@ -217,7 +217,7 @@ def run_worker(config: WorkerConfig) -> int:
                 from workers.pipeline.first import build_first_stage
 
                 built, first = build_first_stage(config, bound, loaded, kv, decision, cpu, context, link, stages)
-            built.engine.metrics.fell_back(failed)  # `/metrics` says which kernels fell back, and why
+            built.fell_back(failed)  # `/workers` and `/metrics` say which kernels fell back, and why
         with startup_step("serve", status):  # the `/capability` description, the app, the socket
             from workers.serving.server import WorkerServer
 
@@ -229,6 +229,7 @@ def run_worker(config: WorkerConfig) -> int:
         with startup_step("compile", status):  # the decode step per batch bucket (`auto` on a CPU: behind)
             def described() -> None:
                 info.compile = compile_description(built.decision, built.compiled)
+                info.preparing, info.fallbacks = built.preparing() or None, dict(built.fallbacks) or None
                 if built.reinstall is not None:  # C++ kernels built behind the serving, then swapped in
                     info.kernels = {name: KernelDescription.model_validate(entry)
                                     for name, entry in kernel_description(kernels, built.cpu, preflight).items()}
@@ -289,18 +290,26 @@ def _read_plan(config: WorkerConfig):
     return plan, Stages(plan, config.pipeline_plan)
 
 
+def _never_run(loaded) -> dict[str, str]:
+    """The kernel layers this model never runs, each with why: its preflight does not compile them."""
+    from workers.contract.defaults import NO_GGUF_LAYER
+    from workers.model.describe import describe
+
+    return {**describe(loaded.config)["kernel_layers_unused"], "GGUFLinear": NO_GGUF_LAYER}
+
+
 def _for_device(config: WorkerConfig, bound) -> WorkerConfig:
     """`config` with what the bound device decides: its step budget (workers/contract/defaults.py
     `step_token_budget`) where none was given; a slowdown only where the device is simulated."""
-    if config.slowdown != 1.0 and not bound.simulated:
-        raise ValueError(f"`--slowdown {config.slowdown:g}` slows a simulated device only; this worker is bound to "
-                         f"{bound.type} device {bound.index}. Accepted: --slowdown 1 (or leave it out)")
+    if config.slowdowns.slowed and not bound.simulated:
+        raise ValueError(f"`--slowdown {config.slowdowns.describe()}` slows a simulated device only; this worker is "
+                         f"bound to {bound.type} device {bound.index}. Accepted: --slowdown 1 (or leave it out)")
     if config.max_num_batched_tokens is not None:
         return config
     return replace(config, max_num_batched_tokens=step_token_budget(bound.computes_on_cpu, config.max_batch))
 
 
-def _apply_fp8(config: WorkerConfig, bound, cap, loaded):
+def apply_fp8(config: WorkerConfig, bound, cap, loaded):
     """(the device's fp8 convention, why, how a pre-quantized checkpoint runs here or None), with
     the convention locked for this process and `--quantize fp8`'s layers swapped in."""
     from workers.quant.fp8_convention import choose_fp8, lock_convention

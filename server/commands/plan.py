@@ -30,6 +30,19 @@ def _devices(simulate: str | None, devices: str | None) -> list[DeviceInfo]:
         raise UsageError(str(e)) from e
 
 
+def speed_estimate(dev: DeviceInfo) -> dict | None:
+    """What bounds the device's prefill (compute) and decode (bandwidth) before anything ran on it:
+    its architecture's catalog card (workers/contract/catalog.py); None for a CPU or an
+    architecture the catalog has no card for."""
+    from workers.contract.catalog import card
+
+    known = card(dev.arch or (dev.capability.sm if dev.capability is not None else "cpu"))
+    if known is None:
+        return None
+    return {"card": known.name, "prefill_tflops": known.tflops, "decode_gbs": known.gbs,
+            "reason": f"published figures of {known.name}, the catalog's card for {known.arch} (nothing measured yet)"}
+
+
 def plan_device(dev: DeviceInfo) -> dict:
     """One device's plan: its description, fp8 convention and kernel per layer."""
     from kernels_local.mapping import select
@@ -47,14 +60,17 @@ def build_plan(simulate: str | None = None, devices: str | None = "all", compile
                quantize: str = "none", pipeline: str = "auto", partition: str | None = None) -> dict:
     """`{"devices": [plan_device(d), ...]}` for the inventory (or one CPU device); with
     `compile`, each entry carries its preflight; with `model` (a directory, or several
-    `[NAME=]DIR`), each model's architecture, its placement (`placement`, pinned by `place`)
-    and each device's attention per layer type for its model (`server.commands.plan_model`)."""
+    `[NAME=]DIR`), each model's architecture, its placement (`placement`, pinned by `place`),
+    each device's `speed_estimate` and its attention per layer type for its model
+    (`server.commands.plan_model`)."""
     found = _devices(simulate, devices)
     plan = {"devices": [plan_device(d) for d in found]}
     models = [model] if isinstance(model, str) else list(model or [])
-    if models:
+    if models:  # what its placement weighs each device by (before anything ran on it)
         from server.commands import plan_model
 
+        for entry, dev in zip(plan["devices"], found, strict=True):
+            entry["speed"] = speed_estimate(dev)
         plan_model.attach_models(plan, found, models, place or [], dtype, quantize, pipeline, partition)
     if compile:
         from server.commands.plan_compile import attach, preflight_reports
@@ -100,10 +116,13 @@ def render_device(entry: dict, all_kernels: bool = False, serves: bool = True, m
              + (f" serves {model}" if model else "" if serves else " serves no model")]
     shown, hidden = split_kernels(entry, serves, all_kernels)
     rows = [("fp8", entry["fp8"]["convention"], "", entry["fp8"]["reason"])]
+    if entry.get("speed"):
+        sp = entry["speed"]
+        rows.append(("speed", f"{sp['prefill_tflops']:g} TFLOPS", f"{sp['decode_gbs']:g} GB/s", sp["reason"]))
     rows += [(layer, k["variant"], f"{k['repo']}:{k['layer']}",
               k["reason"] if "unused" not in k else f"not used: {k['unused']}") for layer, k in shown.items()]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    for r, kernel in zip(rows, [None, *shown.values()], strict=True):
+    for r, kernel in zip(rows, [None] * (len(rows) - len(shown)) + list(shown.values()), strict=True):
         lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
         lines += [] if kernel is None else render_layer(kernel)
     lines += _left_out(hidden, serves)

@@ -13,9 +13,11 @@ in a few lines, as the router cannot import the loader.
 
 from __future__ import annotations
 
+from workers.contract.defaults import NO_GGUF_LAYER
 from workers.contract.mxfp4_rule import MXFP4_DEQUANTIZED, mxfp4_kind
 
 NO_QUANTIZE = "no `--quantize fp8`: the projections keep the checkpoint's dtype"
+NO_LORA = "LoRA adapters (`hetserve serve --lora`) are not part of a plan: the delta runs only with adapters"
 NOT_STORED = {"fp8": "the checkpoint stores no fp8 weights", "int4": "the checkpoint stores no 4-bit weights",
               "mxfp4": "the checkpoint stores no MXFP4 experts"}
 
@@ -42,6 +44,8 @@ def unused_layers(described: dict, device_type: str, capability: str | None, qua
         unused["Fp8FusedMoE"] = unused["FusedMoE"]
     if kind != "int4":
         unused["Int4CheckpointLinear"] = NOT_STORED["int4"]
+    unused["LoraDelta"] = NO_LORA
+    unused["GGUFLinear"] = NO_GGUF_LAYER
     if kind != "mxfp4":
         unused["Mxfp4FusedMoE"] = NOT_STORED["mxfp4"]
     elif mxfp4_kind(device_type, capability) == MXFP4_DEQUANTIZED:

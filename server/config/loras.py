@@ -1,16 +1,20 @@
 """The LoRA adapters one `hetserve serve` offers over its default model: `--lora NAME=DIR`
-(repeatable), `--max-loras`, `--max-lora-rank`.
+(repeatable), `--lora-modules-dir DIR` (each subdirectory with PEFT's `adapter_config.json` is an
+adapter named after it), `--max-loras`, `--max-lora-rank`.
 
 Design: validated once into a frozen `LorasConfig` before any worker starts (a malformed entry,
 a name that clashes with a model's, a directory without PEFT's `adapter_config.json` is a
-`UsageError` naming it); every worker of the default model is configured with all of them and
-reads and checks the weights itself (workers/lora/). The OpenAI `model` field (or
+`UsageError` naming it; a bad entry of `--lora-modules-dir` is named with the adapters found beside
+it, and an explicit `--lora` of the same name wins over the scanned one); every worker of the
+default model is configured with all of them and reads and checks the weights itself
+(workers/lora/). The OpenAI `model` field (or
 `X-Hetserve-Model`) naming an adapter picks the default model's workers and the adapter.
 Trade-off: adapters belong to the default model only, and every one of its workers holds all of
 them (no per-worker placement yet)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,19 +44,59 @@ def add_lora_flags(serve) -> None:
     g = serve.add_argument_group("LoRA adapters", "PEFT adapters over the default model, picked by the `model` field")
     g.add_argument("--lora", action="append", default=None, metavar="NAME=DIR",
                    help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable)")
+    g.add_argument("--lora-modules-dir", default=None, metavar="DIR",
+                   help="serve every subdirectory of DIR holding an adapter_config.json as an adapter named after it")
     g.add_argument("--max-loras", type=int, default=None, metavar="N",
                    help=f"adapters each worker holds in memory at once (default {DEFAULT_MAX_LORAS})")
     g.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
                    help=f"the highest adapter rank accepted (default {DEFAULT_MAX_LORA_RANK})")
 
 
+def scan_lora_modules_dir(root: str) -> tuple[tuple[str, str], ...]:
+    """(name, directory) of every subdirectory of `root` holding an `adapter_config.json` that reads as a
+    PEFT LoRA config, in name order; a bad one is a `UsageError` naming it and listing what was found."""
+    base = Path(root).expanduser()
+    if not base.is_dir():
+        raise UsageError(f"`--lora-modules-dir {shown(root)}` is not a directory. Accepted: a directory whose "
+                         f"subdirectories are PEFT adapters (each with an `{ADAPTER_CONFIG}`)")
+    subs = sorted(p for p in base.iterdir() if p.is_dir())
+    found = [p for p in subs if (p / ADAPTER_CONFIG).is_file()]
+    listed = ", ".join(f"`{shown(p.name)}`" for p in found) or "none"
+    if not found:
+        others = ", ".join(f"`{shown(p.name)}`" for p in subs) or "no subdirectory"
+        raise UsageError(f"`--lora-modules-dir {shown(root)}` holds no adapter (a subdirectory with an "
+                         f"`{ADAPTER_CONFIG}`). Found: {others}")
+    out = []
+    for sub in found:
+        where = f"`--lora-modules-dir {shown(root)}`: `{shown(sub.name)}`"
+        if not NAME_RE.match(sub.name) or "," in str(sub.resolve()):
+            raise UsageError(f"{where} is no adapter name ({ACCEPTED_NAMES}; no `,` in its path); rename the "
+                             f"directory. Adapters found: {listed}")
+        try:
+            cfg = json.loads((sub / ADAPTER_CONFIG).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UsageError(f"{where} has an `{ADAPTER_CONFIG}` that is not JSON ({e}). Adapters found: "
+                             f"{listed}") from None
+        peft_type = cfg.get("peft_type", "LORA") if isinstance(cfg, dict) else None
+        if peft_type != "LORA":
+            raise UsageError(f"{where} is of PEFT type `{shown(str(peft_type))}`. Accepted: `LORA`. Adapters "
+                             f"found: {listed}")
+        out.append((sub.name, str(sub)))
+    return tuple(out)
+
+
 def loras_from_args(args, models: ModelsConfig) -> LorasConfig:
-    """`--lora`, `--max-loras`, `--max-lora-rank` checked (`UsageError` names the bad value)."""
+    """`--lora`, `--lora-modules-dir`, `--max-loras`, `--max-lora-rank` checked (`UsageError` names the
+    bad value)."""
     given = getattr(args, "lora", None) or []
     try:
         pairs = parse_loras(given)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    modules_dir = getattr(args, "lora_modules_dir", None)
+    if modules_dir is not None:
+        explicit = {name for name, _ in pairs}
+        pairs += tuple(p for p in scan_lora_modules_dir(modules_dir) if p[0] not in explicit)
     model_names = {entry.name for entry in models.entries}
     adapters = []
     for name, raw in pairs:

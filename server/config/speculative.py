@@ -1,9 +1,9 @@
-"""`--speculative auto|off|ngram` and `--num-speculative-tokens N`: workers' speculative decoding.
+"""`--speculative auto|off|ngram|suffix` and `--num-speculative-tokens N`: workers' speculative decoding.
 
 The router validates both flags against the contract's names (workers/contract/speculative.py) and
 forwards them in each worker's configuration (server/fleet/spec.py); each worker then decides for
 its own engine (workers/engine/speculate.py `speculator_for`) and reports method, k, acceptance
-and the reason on `/workers`. `suffix` and `mtp` are refused here with what this build accepts.
+and the reason on `/workers`. `mtp` is refused here with what this build accepts.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def add_speculative_flags(g: argparse._ActionsContainer) -> None:
     """The two flags, in `g` (the serve command's engine group)."""
     g.add_argument("--speculative", default=None, metavar="|".join(SPECULATIVE_MODES),
                    help="draft tokens each decode row verifies per step: ngram (n-gram lookup in the prompt and "
-                        "output, k chosen per step), off, or auto (default; off in this build)")
+                        "output), suffix (suffix trees over the request and recent outputs), k chosen per "
+                        "step from the worker's measured step costs, off, or auto (default: suffix where greedy "
+                        "output stays exact, fp32 on a CPU or --deterministic; else off, with the reason)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
                    help=f"most draft tokens per decode row and step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
 

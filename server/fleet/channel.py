@@ -1,14 +1,19 @@
-"""The router's end of a worker's stream channel: many streams over one connection.
+"""The router's end of a worker's engine channel: every generation over one connection.
 
-The worker writes every stream's events of an engine step as one frame on one long response
-(`GET /streams`, workers/serving/channel.py), so a step costs it one write instead of one per
-stream. One reader task per channel splits the frames into per-stream queues; `ChannelStream`
-reads one queue with the same interface as a streamed response of the pool, so the dispatcher,
-the SSE splitting and stream migration above it do not know the difference. A channel that
-breaks fails every stream on it with `WorkerConnectionLost`, as a broken `/generate_stream`
-connection fails its one stream. Trade-off: the records of a client that reads slowly wait in
-its queue here rather than in a socket buffer (at most its generation's events), since one
-stream must never hold up the channel for the others.
+The router submits each request to the worker as a typed `Submit` frame and receives every
+stream's events of an engine step as one `Step` frame, all on one raw Unix socket beside the
+worker's HTTP socket (workers/contract/channel.py, workers/serving/engine_channel.py), so a
+request costs the worker no HTTP exchange and a step costs it one write instead of one per
+stream. One reader task per channel splits the frames: admissions (`Admitted`, or `Rejected` with
+the status and body the worker's HTTP route would have answered) resolve the submitter's wait,
+records go to per-stream queues. `ChannelStream` reads one queue with the same interface as a
+streamed response of the pool, so the dispatcher, the SSE splitting and stream migration above it
+do not know the difference. A channel that breaks fails every stream on it with
+`WorkerConnectionLost`, as a broken `/generate_stream` connection fails its one stream. A worker
+without the channel's socket (`ChannelRefused`) is served over HTTP, one request per connection.
+Trade-off: the records of a client that reads slowly wait in its queue here rather than in a
+socket buffer (at most its generation's events), since one stream must never hold up the channel
+for the others.
 """
 
 from __future__ import annotations
@@ -16,63 +21,91 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 
 from server.fleet.text import StreamText, TextModel, text_model
 from server.fleet.uds_http import UnixHTTPPool, WorkerConnectionLost
-from workers.contract import HEADER_CHANNEL, HEADER_TEXT, HEADER_VOCAB, TEXT_IDS, AbortStreams, wire_bytes
+from workers.contract import HEADER_VOCAB, WorkerRequest
+from workers.contract.channel import (
+    Abort,
+    Admitted,
+    Open,
+    Opened,
+    OpenRefused,
+    Rejected,
+    Step,
+    Submit,
+    channel_socket_path,
+    frame,
+    frame_length,
+    to_router,
+)
 from workers.contract.events import decode_batch
 
 logger = logging.getLogger(__name__)
 
-STREAM_PATH = "/generate_stream"  # the worker route that streams on the channel
+STREAM_PATH = "/generate_stream"  # the worker route whose requests go on the channel
 GENERATE_PATH = "/generate"  # answered from a stream on the channel when the router builds the text
 _TOKENIZER_TIMEOUT_S = 30.0  # a large vocabulary's JSON, read once per channel
+_OPEN_TIMEOUT_S = 5.0
 
 
 class ChannelRefused(Exception):
-    """The worker did not open a channel (its status says why); streams go one per connection."""
+    """The worker did not open a channel (its status says why: 404 when it has no channel socket);
+    its generations go over HTTP, one per connection."""
 
-    def __init__(self, status: int):
-        super().__init__(f"GET /streams answered {status}")
+    def __init__(self, status: int, why: str = ""):
+        super().__init__(f"the engine channel was refused ({status}){': ' + why if why else ''}")
         self.status = status
 
 
 class WorkerChannel:
-    """One open channel to a worker; `dead` once it broke (the worker died, or `abort()` closed its
-    connections) or was closed.
+    """One open channel to a worker; `dead` once it broke (the worker died, or `close_now()` cut
+    it) or was closed. A stream closed before its last record sends the worker an `Abort` (the
+    aborts of one loop iteration in one frame)."""
 
-    A frame holds, per stream, a record `b"<key> <length> <end>\\n"` and `length` bytes of the
-    SSE events its `/generate_stream` would have sent. A stream closed before its last record
-    sends the worker `POST /streams/abort` (the aborts of one loop iteration in one call), as
-    closing its connection did."""
-
-    def __init__(self, pool: UnixHTTPPool, channel_id: str, text: TextModel | None = None):
-        self._pool = pool
+    def __init__(self, reader: asyncio.StreamReader | None, writer: asyncio.StreamWriter | None, channel_id: str,
+                 headers: dict[str, str] | None = None, text: TextModel | None = None):
+        self._reader_stream, self._writer = reader, writer
         self.id = channel_id
+        self.headers = headers or {}  # the worker's identity headers, as its HTTP answers carry them
         self.text = text  # its records are token ids, rendered here with this tokenizer (None: SSE text)
         self.dead = False
         self._queues: dict[int, asyncio.Queue] = {}
+        self._admissions: dict[int, asyncio.Future] = {}
         self._keys = itertools.count(1)
         self._reader: asyncio.Task | None = None
         self._aborts: list[int] = []
-        self._tasks: set[asyncio.Task] = set()  # abort calls under way
 
     @classmethod
     async def open(cls, pool: UnixHTTPPool, ids: bool = True) -> WorkerChannel:
         """A channel whose reader runs, carrying token ids when `ids` and the worker gives its
-        tokenizer (else SSE text); `ChannelRefused` when the worker answers other than 200, one of
-        `WorkerGone` when it cannot be reached."""
+        tokenizer (else SSE text); `ChannelRefused` when the worker has no channel socket or does
+        not open it, one of `WorkerGone` when it cannot be reached."""
         text = await _worker_text(pool) if ids else None
-        response = await pool.send("GET", "/streams", headers={HEADER_TEXT: TEXT_IDS} if text else None)
-        channel_id = response.headers.get(HEADER_CHANNEL.lower())
-        if response.status_code != 200 or not channel_id:
-            await response.read()
-            raise ChannelRefused(response.status_code)
-        if response.headers.get(HEADER_TEXT.lower()) != TEXT_IDS:
-            text = None  # the worker renders its streams itself
-        channel = cls(pool, channel_id, text)
-        channel._reader = asyncio.ensure_future(channel._read(response))
+        try:
+            reader, writer = await asyncio.open_unix_connection(channel_socket_path(pool.path))
+        except FileNotFoundError:
+            raise ChannelRefused(404, "no channel socket") from None
+        except OSError as e:  # a stale socket file: nothing listens
+            raise ChannelRefused(503, e.strerror or repr(e)) from None
+        try:
+            writer.write(frame(Open(ids=text is not None)))
+            head = await asyncio.wait_for(reader.readexactly(4), _OPEN_TIMEOUT_S)
+            answer = to_router(await asyncio.wait_for(reader.readexactly(frame_length(head)), _OPEN_TIMEOUT_S))
+            if not isinstance(answer, Opened):
+                raise ChannelRefused(answer.status if isinstance(answer, OpenRefused) else 502,
+                                     getattr(answer, "error", type(answer).__name__))
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as e:
+            writer.close()
+            raise ChannelRefused(503, repr(e)) from None
+        except BaseException:
+            writer.close()
+            raise
+        headers = {name.lower(): value for name, value in answer.headers.items()}  # as the pool's answers
+        channel = cls(reader, writer, answer.channel, headers, text if answer.ids else None)
+        channel._reader = asyncio.ensure_future(channel._read())
         return channel
 
     def register(self) -> tuple[int, asyncio.Queue]:
@@ -82,13 +115,36 @@ class WorkerChannel:
         self._queues[key] = queue
         return key, queue
 
-    def forget(self, key: int) -> None:
-        """Stop carrying stream `key`, which the worker refused (nothing to end there)."""
+    async def submit(self, body: WorkerRequest, trace: dict[str, str] | None, generate: bool = False,
+                     text: StreamText | None = None) -> ChannelStream:
+        """Send `body` and wait for the worker's admission: the stream (its text built with
+        `text`), or the refusal as a `ChannelStream` with its status, headers and body.
+        `WorkerConnectionLost` when the channel breaks first."""
+        if self.dead:
+            raise WorkerConnectionLost("the engine channel is closed")
+        key, queue = self.register()
+        admitted = asyncio.get_running_loop().create_future()
+        self._admissions[key] = admitted
+        self._writer.write(frame(Submit(key, body.model_dump(exclude_unset=True), trace or {}, generate)))
+        try:
+            answer = await admitted
+        except BaseException:  # lost or cancelled: the worker may admit it still
+            self.abort(key)
+            raise
+        if isinstance(answer, Admitted):
+            return ChannelStream(200, self.headers, channel=self, key=key, queue=queue, text=text)
         self._queues.pop(key, None)
+        headers = {**self.headers, "content-type": "application/json"}
+        if answer.retry_after is not None:
+            headers["retry-after"] = answer.retry_after
+        content = json.dumps({"error": answer.error, "error_type": answer.error_type}, ensure_ascii=False,
+                             separators=(",", ":")).encode()
+        return ChannelStream(answer.status, headers, content)
 
     def abort(self, key: int) -> None:
-        """Stop carrying stream `key`; the worker ends it (one call for this iteration's aborts)."""
+        """Stop carrying stream `key`; the worker ends it (one frame for this iteration's aborts)."""
         self._queues.pop(key, None)
+        self._admissions.pop(key, None)
         if self.dead:
             return
         self._aborts.append(key)
@@ -98,54 +154,52 @@ class WorkerChannel:
     def _send_aborts(self) -> None:
         keys, self._aborts = self._aborts, []
         if keys and not self.dead:
-            task = asyncio.ensure_future(self._post_abort(keys))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._writer.write(frame(Abort(keys)))
 
-    async def _post_abort(self, keys: list[int]) -> None:
-        body = wire_bytes(AbortStreams(channel=self.id, streams=tuple(keys)))
+    async def _read(self) -> None:
+        """Frames into admissions and the streams' queues until the channel ends; then every
+        stream left fails."""
+        error: BaseException = WorkerConnectionLost("the worker closed its engine channel")
+        reader, queues, admissions = self._reader_stream, self._queues, self._admissions
         try:
-            await asyncio.wait_for(self._pool.request("POST", "/streams/abort", body), 5.0)
-        except (OSError, TimeoutError) as e:  # the worker is gone (its streams with it) or hangs
-            logger.debug("aborting streams %s on channel %s failed: %r", keys, self.id, e)
-
-    async def _read(self, response) -> None:
-        """Frames into the streams' queues until the channel ends; then every stream left fails."""
-        error: BaseException = WorkerConnectionLost("the worker closed its stream channel")
-        buffer = b""
-        queues = self._queues
-        try:
-            async for chunk in response.iter_chunks():
-                buffer = buffer + chunk if buffer else chunk
-                at, size = 0, len(buffer)
-                while at < size:
-                    nl = buffer.find(b"\n", at)
-                    if nl < 0:
-                        break
-                    key, length, end = buffer[at:nl].split(b" ")
-                    start = nl + 1
-                    stop = start + int(length)
-                    if stop > size:
-                        break
-                    queue = queues.get(int(key))
-                    if queue is not None:
-                        queue.put_nowait(buffer[start:stop])
-                        if end == b"1":
-                            queue.put_nowait(None)
-                            del queues[int(key)]
-                    at = stop
-                buffer = buffer[at:]
-        except WorkerConnectionLost as e:
-            error = e
-        except ValueError as e:  # a malformed record: nothing after it can be trusted
-            error = WorkerConnectionLost(f"malformed stream channel record: {e!r}")
+            while True:
+                head = await reader.readexactly(4)
+                message = to_router(await reader.readexactly(frame_length(head)))
+                if type(message) is Step:
+                    for key, data, end in message.records:
+                        queue = queues.get(key)
+                        if queue is not None:
+                            queue.put_nowait(data)
+                            if end:
+                                queue.put_nowait(None)
+                                del queues[key]
+                elif isinstance(message, Admitted | Rejected):
+                    waiter = admissions.pop(message.key, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(message)
+                else:
+                    raise ValueError(f"`{type(message).__name__}` after the channel opened")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except ValueError as e:  # a malformed frame: nothing after it can be trusted
+            error = WorkerConnectionLost(f"malformed engine channel frame: {e!r}")
         finally:
             self.dead = True
             for queue in queues.values():
                 queue.put_nowait(error)
             queues.clear()
-            with contextlib.suppress(Exception):
-                await response.aclose()
+            for waiter in admissions.values():
+                if not waiter.done():
+                    waiter.set_exception(error)
+            admissions.clear()
+            if self._writer is not None:
+                self._writer.close()
+
+    def close_now(self) -> None:
+        """Cut the connection (the worker hangs): every stream on it fails at once."""
+        self.dead = True
+        if self._writer is not None:
+            self._writer.transport.abort()
 
     async def aclose(self) -> None:
         self.dead = True
@@ -153,6 +207,8 @@ class WorkerChannel:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
+        if self._writer is not None:
+            self._writer.close()
 
 
 async def _worker_text(pool: UnixHTTPPool) -> TextModel | None:

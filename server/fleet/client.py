@@ -2,13 +2,14 @@
 
 A request goes out as one of the contract's typed bodies (`WorkerRequest` and the others of
 workers/contract/wire.py, nothing else), and the worker answers in TGI's shapes, so streamed
-bytes are relayed untouched (on a stream channel of token ids, the router tokenizes the prompt
-and builds those bytes itself: server/fleet/text.py). A worker that dies shows up here as one of `WorkerGone`
-(nothing listens, or the connection broke mid-answer); the dispatcher turns that into a
-retry or a migration. Generation reads have no timeout (a long generation is not a
-failure); a hung worker is caught by the supervisor's health checks instead, which then
-`abort()` its connections so that every read blocked on it fails at once. Control calls
-(health, capability, metrics) time out after a few seconds.
+bytes are relayed untouched. Generations go on the worker's engine channel instead when it has
+one (server/fleet/channel.py: typed frames on one connection; on a channel of token ids the
+router tokenizes the prompt and builds those bytes itself: server/fleet/text.py). A worker that
+dies shows up here as one of `WorkerGone` (nothing listens, or the connection broke
+mid-answer); the dispatcher turns that into a retry or a migration. Generation reads have no
+timeout (a long generation is not a failure); a hung worker is caught by the supervisor's
+health checks instead, which then `abort()` its connections so that every read blocked on it
+fails at once. Control calls (health, capability, metrics) time out after a few seconds.
 """
 
 from __future__ import annotations
@@ -22,14 +23,7 @@ from pathlib import Path
 from server.fleet.channel import GENERATE_PATH, STREAM_PATH, ChannelRefused, ChannelStream, WorkerChannel
 from server.fleet.text import StreamText, with_prompt_ids
 from server.fleet.uds_http import Response, UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
-from workers.contract import (
-    HEADER_CHANNEL,
-    HEADER_STREAM_KEY,
-    CapabilityPayload,
-    WireRequest,
-    WorkerRequest,
-    wire_bytes,
-)
+from workers.contract import CapabilityPayload, WireRequest, WorkerRequest, wire_bytes
 
 _CONTROL_TIMEOUT_S = 5.0
 
@@ -60,6 +54,8 @@ class WorkerClient:
     def abort(self) -> None:
         """Break every connection to the worker (it hangs): requests under way fail at once."""
         self._pool.abort()
+        if self._channel is not None:
+            self._channel.close_now()
 
     # --- control -----------------------------------------------------------------------
     async def _get(self, path: str, timeout: float = _CONTROL_TIMEOUT_S) -> tuple[int, bytes]:
@@ -145,22 +141,13 @@ class WorkerClient:
                           headers: dict[str, str] | None) -> ChannelStream:
         """The stream of `body` on `channel`; on a channel of token ids the prompt goes as ids and
         the stream's text is built here (server/fleet/text.py)."""
+        if not isinstance(body, WorkerRequest):
+            raise TypeError(f"`{type(body).__name__}` cannot go on the engine channel. Accepted: WorkerRequest")
         text = None
         if channel.text is not None:
             text = StreamText(channel.text, body)
             body = await with_prompt_ids(channel.text, body)
-        payload = wire_bytes(body)
-        key, queue = channel.register()
-        extra = {**(headers or {}), HEADER_CHANNEL: channel.id, HEADER_STREAM_KEY: str(key)}
-        try:
-            status, answer_headers, content = await self._pool.request("POST", path, payload, extra)
-        except BaseException:  # lost or cancelled: the worker may have admitted it
-            channel.abort(key)
-            raise
-        if status != 200:
-            channel.forget(key)
-            return ChannelStream(status, answer_headers, content)
-        return ChannelStream(status, answer_headers, channel=channel, key=key, queue=queue, text=text)
+        return await channel.submit(body, headers, generate=path == GENERATE_PATH, text=text)
 
 
 def _json_or_empty(content: bytes) -> dict:

@@ -181,10 +181,19 @@ class WorkerHandle:
             "canary": self.canary_snapshot(),
             "pipeline": info.pipeline,  # a pipeline replica's stages: layers, device, kernels, fp8, bytes
             "compile": self.compile_entry(),
+            # what it still builds or compiles behind its serving, and each kernel on its torch path (why),
+            # as the last `/health` said, else as `/capability` said at start
+            "preparing": self.live("preparing", info.preparing),
+            "fallbacks": self.live("fallbacks", info.fallbacks),
             "loras": None if self.probe is None else self.probe.loras,  # its LoRA adapters, as its last /health said
             # speculative decoding as the last `/health` said, else as `/capability` said at start
             "speculative": (self.probe.speculative if self.probe is not None else None) or info.speculative,
         }
+
+    def live(self, name: str, described):
+        """`name` as the last `/health` said, else `described` (from `/capability` at start)."""
+        said = None if self.probe is None else getattr(self.probe, name)
+        return described if said is None else said
 
     def compile_entry(self) -> dict | None:
         """`/workers` `compile`: the decode step's compilation as the last `/health` said (it goes

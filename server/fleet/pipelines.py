@@ -22,6 +22,7 @@ from pathlib import Path
 from server.errors import UsageError
 from server.fleet.spec import WorkerSpec, build_worker_spec, worker_id
 from workers.contract import DeviceInfo, human
+from workers.contract.catalog import card
 from workers.contract.model_size import ModelProfile, need_on, read_config, usable_bytes
 from workers.contract.pipeline import (
     PipelinePlan,
@@ -35,8 +36,7 @@ from workers.contract.slowdown import device_slowdown
 from workers.contract.stage_timing import PipelineTiming, device_key, measured_inputs, model_key, record_key
 
 # Memory bandwidth (GB/s) by compute capability or gfx name: decode speed follows it. Unlisted: 1000.
-BANDWIDTH_GBS = {"7.0": 900, "7.5": 616, "8.0": 2039, "8.6": 936, "8.9": 864, "9.0": 3350, "10.0": 8000,
-                 "12.0": 1792, "gfx90a": 1638, "gfx942": 5300, "gfx1100": 960}
+UNKNOWN_GBS = 1000.0  # a real GPU whose architecture the catalog has no card for
 
 
 # On a CPU, the first stage's serving work per step is charged as reading this many bytes of
@@ -76,21 +76,21 @@ class PipelineGroup:
 
 
 def device_speed(device: DeviceInfo, slowdown: str = "") -> tuple[float, str]:
-    """(relative speed, why) of a device before anything ran on it: a simulated device computes on
-    this host's CPU like every other, so they are equal; a real GPU's is its memory bandwidth
-    (decoding reads every weight once per step); a simulated device's divided by its
-    `$HETSERVE_SLOWDOWN` factor, the knob that makes its worker that much slower on purpose
-    (workers/device/slowdown.py)."""
+    """(relative decode speed, why) of a device before anything ran on it: a simulated device
+    computes on this host's CPU like every other, so they are equal; a real GPU's is its catalog
+    card's memory bandwidth (decoding reads every weight once per step: workers/contract/catalog.py);
+    a simulated device's divided by its `$HETSERVE_SLOWDOWN` decode factor, the knob that makes its
+    worker that much slower on purpose (workers/device/slowdown.py)."""
     try:
-        factor = device_slowdown(slowdown, worker_id(device), device.simulated)
+        factor = device_slowdown(slowdown, worker_id(device), device.simulated, device.arch).decode
     except ValueError as e:
         raise PipelineError(str(e)) from e
     if device.simulated or device.type == "cpu":
         base, why = 1.0, "this host's CPU"
     else:
-        key = device.capability_label if device.type == "cuda" else (device.arch_name or "")
-        base = BANDWIDTH_GBS.get(key, 1000) / 1000
-        why = f"{BANDWIDTH_GBS.get(key, 1000)} GB/s"
+        known = card(device.capability_label if device.type == "cuda" else (device.arch_name or ""))
+        gbs = known.gbs if known is not None else UNKNOWN_GBS
+        base, why = gbs / 1000, f"{gbs:g} GB/s"
     return base / factor, why + (f", slowed {factor:g}x" if factor != 1.0 else "")
 
 
@@ -129,7 +129,7 @@ def timing_keys(hf: dict, devices: Sequence[DeviceInfo], dtype: str, quantize: s
     keys = []
     for d in devices:
         try:
-            factor = device_slowdown(slowdown, worker_id(d), d.simulated)
+            factor = device_slowdown(slowdown, worker_id(d), d.simulated, d.arch)
         except ValueError as e:
             raise PipelineError(str(e)) from e
         keys.append(device_key(d.uuid, d.simulated, d.index, d.simulate_token or d.capability_label, factor))

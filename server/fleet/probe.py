@@ -51,6 +51,8 @@ class ProbeVerdict:
     compile: CompileDescription | None = None  # its decode step's compilation, which goes on after ready
     loras: dict | None = None  # its LoRA adapters (workers/lora/metrics.py `describe_loras`), if it has a table
     speculative: dict | None = None  # its speculative decoding now (method, k, acceptance, reason)
+    preparing: list[str] | None = None  # what it still builds or compiles behind its serving, in words
+    fallbacks: dict[str, str] | None = None  # each of its kernels on its torch path -> why
 
     def snapshot(self) -> dict:
         """`/workers` `health`: the last probe's verdict and the engine's liveness."""
@@ -70,19 +72,21 @@ def judge(code: int, body: dict, stall_timeout_s: float, computing: float | None
     except ValidationError:
         payload = HealthPayload()
     engine, capacity, compiled, spec = payload.engine, payload.capacity, payload.compile, payload.speculative
+    said = {"preparing": payload.preparing, "fallbacks": payload.fallbacks}  # what is in use on the worker now
     if engine is not None and engine.pending and engine.last_step_age_s > stall_timeout_s:
         age = engine.last_step_age_s
         if computing is not None and computing >= STALL_CPU_SHARE and age <= COMPUTING_STALL_FACTOR * stall_timeout_s:
             return ProbeVerdict(Probe.SLOW, f"a step running for {age:.1f}s while the worker computed "
-                                          f"({computing:.2f} of a core): slow, not stalled", engine, capacity, compiled)
+                                          f"({computing:.2f} of a core): slow, not stalled", engine, capacity, compiled,
+                                **said)
         return ProbeVerdict(Probe.HUNG, f"engine stalled: work pending and no step for {age:.1f}s "
                                         f"(stall timeout {stall_timeout_s:g}s"
                                         + (f", {computing:.2f} of a core used" if computing is not None else "")
-                                        + ")", engine, capacity, compiled)
+                                        + ")", engine, capacity, compiled, **said)
     if code == 200:
-        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled, payload.loras, speculative=spec)
+        return ProbeVerdict(Probe.OK, "ok", engine, capacity, compiled, payload.loras, speculative=spec, **said)
     return ProbeVerdict(Probe.FAILING, f"/health answered {code} {payload.status or ''}".strip(), engine, capacity,
-                        compiled, speculative=spec)
+                        compiled, speculative=spec, **said)
 
 
 def cpu_seconds(pid: int | None) -> float | None:

@@ -143,6 +143,12 @@ def worker_environment(device: DeviceInfo, threads: int, base: dict[str, str]) -
     return env
 
 
+def _slowdown_fields(spec: str, spec_id: str, device: DeviceInfo) -> dict:
+    """`slowdown` and `prefill_slowdown` of a worker from `$HETSERVE_SLOWDOWN` (workers/contract/slowdown.py)."""
+    found = device_slowdown(spec, spec_id, device.simulated, device.arch)
+    return {"slowdown": found.decode, "prefill_slowdown": None if found.prefill == found.decode else found.prefill}
+
+
 def worker_config(spec_id: str, device: DeviceInfo, settings: RouterSettings, socket_path: Path,
                   status_path: Path, threads: int, parent_pid: int, model_dir: Path | None = None,
                   environ: dict[str, str] | None = None, kv_host_dir: Path | None = None) -> WorkerConfig:
@@ -169,7 +175,7 @@ def worker_config(spec_id: str, device: DeviceInfo, settings: RouterSettings, so
             speculative=settings.speculative.mode, num_speculative_tokens=settings.speculative.num_tokens,
             threads=threads, status_file=str(status_path), parent_pid=parent_pid,
             otlp_endpoint=settings.otlp_endpoint, preflight=environ.get(ENV_PREFLIGHT) or AUTO_COMPILE,
-            slowdown=device_slowdown(environ.get(ENV_SLOWDOWN, ""), spec_id, device.simulated),
+            **_slowdown_fields(environ.get(ENV_SLOWDOWN, ""), spec_id, device),
             **_lora_fields(settings, model_dir),
             **worker_budget(settings.budgets),
         )

@@ -25,9 +25,9 @@ from server.routing.speed import Speed
 
 HEADER_ROUTE = "X-Hetserve-Route"  # on every answer a worker gave: why that worker (`Route.header`)
 
-PREFIX, SESSION, LEAST_LOADED, PINNED, IMBALANCE, ROUND_ROBIN = (
-    "prefix", "session", "least-loaded", "pinned", "imbalance", "round-robin")
-REASONS = (PREFIX, SESSION, LEAST_LOADED, PINNED, IMBALANCE, ROUND_ROBIN)
+PREFIX, SESSION, LEAST_LOADED, PINNED, IMBALANCE, ROUND_ROBIN, LORA = (
+    "prefix", "session", "least-loaded", "pinned", "imbalance", "round-robin", "lora")
+REASONS = (PREFIX, SESSION, LEAST_LOADED, PINNED, IMBALANCE, ROUND_ROBIN, LORA)
 
 
 @dataclass(frozen=True)
@@ -56,15 +56,19 @@ class Ask:
 
 @dataclass(frozen=True)
 class Route:
-    """A pick and why: `reason` one of REASONS; `header` what `X-Hetserve-Route` says."""
+    """A pick and why: `reason` one of REASONS; `header` what `X-Hetserve-Route` says (`prefix:N`
+    with the tokens held, `lora:TIER` with server/routing/lora_affinity.py's tier)."""
 
     worker: str
     reason: str
     detail: str = ""
     matched: int = 0
+    tier: str = ""  # LORA: the adapter tier that narrowed the pick
 
     @property
     def header(self) -> str:
+        if self.reason == LORA:
+            return f"{LORA}:{self.tier}"
         return f"{PREFIX}:{self.matched}" if self.reason == PREFIX else self.reason
 
 

@@ -3,7 +3,9 @@ the decision for each request that the filter let through.
 
 `Router.pick` is the score-and-pick stage: a pinned request goes to its worker, a request with a
 session where its session lives (server/routing/sessions.py), any other where the policy says
-(server/routing/policy.py), after setting aside workers whose whole KV cache could never hold it.
+(server/routing/policy.py), after setting aside workers whose whole KV cache could never hold it
+and, for a request with a LoRA adapter, those the adapter's affinity passes over
+(server/routing/lora_affinity.py).
 `Router.begin` records the dispatch and returns the `Ticket` that `end()`s it; `observe` takes
 the workers' `/metrics` samples. Everything lives on the router's event loop (no locks).
 Trade-off: tokens are estimated from characters (the router has no tokenizer), and load is the
@@ -21,7 +23,9 @@ from dataclasses import dataclass, field
 from server.config.routing import CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN, TIER_HIT_WEIGHT, RoutingConfig
 from server.fleet.handle import WorkerHandle
 from server.routing.filter import Constraints
+from server.routing.lora_affinity import AdapterSlots, adapter_pool
 from server.routing.policy import (
+    LORA,
     PINNED,
     SESSION,
     Ask,
@@ -52,6 +56,7 @@ class RouteRequest:
     ids: int  # token ids: an id prompt, and tokens a resumed stream already has
     new_tokens: int  # tokens still to generate, at most
     session: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs with
 
 
 @dataclass
@@ -65,6 +70,7 @@ class Ticket:
     prompt_tokens: float  # to compute there (what its cache did not hold, as estimated)
     new_tokens: float  # its max_new_tokens
     tokens: float  # the whole prompt and its max_new_tokens: what it holds in KV cache
+    lora: str | None = None  # its LoRA adapter, in use there until it ends
     ended: bool = field(default=False)
 
     def end(self) -> None:
@@ -89,6 +95,7 @@ class Router:
         self._inflight_keys: dict[str, Counter[int]] = {}  # worker id -> prefix keys of its requests in flight
         self._generation: dict[str, int] = {}  # the process whose cache the index describes
         self._tier_of: dict[str, str] = {}  # worker id -> its host KV tier (an index entry of its own)
+        self._lora_inflight: dict[str, Counter[str]] = {}  # worker id -> requests in flight per LoRA adapter
         self._last_turn: str | None = None  # round-robin
 
     # --- the request ---------------------------------------------------------------------
@@ -96,12 +103,12 @@ class Router:
         """Routing facts of a request for a worker: a generation's prompt (text or token ids), its
         `max_new_tokens` and `resume_ids`; any other body (a count, an embedding) caches nothing."""
         if not isinstance(body, WorkerRequest):
-            return RouteRequest(self.index.keys(""), self.index.chunk_units(""), 0, 0, 0, c.session)
+            return RouteRequest(self.index.keys(""), self.index.chunk_units(""), 0, 0, 0, c.session, c.lora)
         prompt, resumed = body.prompt, len(body.resume_ids)
         text = isinstance(prompt, str)
         return RouteRequest(self.index.keys(prompt), self.index.chunk_units(prompt), len(prompt) if text else 0,
                             (0 if text else len(prompt)) + resumed,
-                            max(0, body.parameters.max_new_tokens - resumed), c.session)
+                            max(0, body.parameters.max_new_tokens - resumed), c.session, c.lora)
 
     def _prompt_tokens(self, req: RouteRequest) -> int:
         return self.telemetry.tokens(req.chars) + req.ids
@@ -128,6 +135,12 @@ class Router:
             if placed.moved_from:
                 logger.info("session moved from worker %s (%s) to %s", placed.moved_from, placed.why, placed.worker)
             return by_id[placed.worker], Route(placed.worker, SESSION, detail)
+        pool = None
+        if req.lora is not None:
+            slots = {h.id: AdapterSlots.from_report(h.probe.loras if h.probe is not None else None,
+                                                    self._lora_inflight.get(h.id, {})) for h in free}
+            pool = adapter_pool(cands, req.lora, slots, self.config.load_factor)
+            cands = list(pool.candidates)
         policy = self.config.policy
         if policy == ROUND_ROBIN:
             route = round_robin(cands, self._last_turn)
@@ -137,6 +150,9 @@ class Router:
         else:
             assert policy == CACHE_AWARE
             route = cache_aware(cands, ask, self.config.balance_abs, self.config.balance_rel, self.config.load_factor)
+        if pool is not None:
+            detail = f"{pool.detail}; {route.reason}: {route.detail}"
+            route = Route(route.worker, LORA, detail, route.matched, pool.tier)
         return by_id[route.worker], route
 
     def _candidates(self, free: list[WorkerHandle], req: RouteRequest) -> list[Candidate]:
@@ -210,7 +226,10 @@ class Router:
         self._check_generation(worker)
         prompt = self._prompt_tokens(req)
         held = min(self._held_tokens(req, worker, self.index.match(req.keys, worker.id)), prompt)
-        ticket = Ticket(self, worker, route, req.keys, prompt - held, req.new_tokens, prompt + req.new_tokens)
+        ticket = Ticket(self, worker, route, req.keys, prompt - held, req.new_tokens, prompt + req.new_tokens,
+                        req.lora)
+        if req.lora is not None:
+            self._lora_inflight.setdefault(worker.id, Counter())[req.lora] += 1
         worker.outstanding += 1
         worker.picks += 1
         load = self._inflight.setdefault(worker.id, [0.0, 0.0, 0.0])
@@ -228,6 +247,11 @@ class Router:
         return ticket
 
     def _release(self, ticket: Ticket) -> None:
+        adapters = self._lora_inflight.get(ticket.worker.id)
+        if ticket.lora is not None and adapters is not None:
+            adapters[ticket.lora] -= 1
+            if adapters[ticket.lora] <= 0:
+                del adapters[ticket.lora]
         load = self._inflight.get(ticket.worker.id)
         if load is not None:
             load[0] = max(0.0, load[0] - ticket.prompt_tokens)

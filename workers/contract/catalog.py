@@ -4,13 +4,18 @@ Design: a `--simulate` token names an architecture (`sm_89`, `gfx942`, `cpu`); t
 turns it into a capability, a representative product's name and its memory, and refuses an
 architecture that does not exist (`sm_99`) rather than showing it as some product. The device
 description (workers/contract/device.py) and the topology (workers/contract/topology.py) both
-read it, and it reads neither. Trade-off: one product per capability, so two cards of one
-architecture differ only by the memory a token gives them (`sm_86:24GiB`).
+read it, and it reads neither. Each product also carries its published dense fp16/bf16 tensor
+TFLOPS (fp32 accumulate) and memory bandwidth (`Card`): prefill is bound by the one, decode by the
+other, so a simulated card can be slowed like the real one (workers/contract/slowdown.py) and a
+plan can estimate a device's speed before anything ran on it. Trade-off: one product per
+capability, so two cards of one architecture differ only by the memory a token gives them
+(`sm_86:24GiB`), and a real card of that architecture is estimated as its catalog product.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from workers.contract.capability import Capability
 
@@ -20,23 +25,25 @@ ACCEPTED_TOKENS = ("sm_XY (e.g. sm_75, sm_80, sm_89, sm_90, sm_100, sm_120), gfx
 _SM_RE = re.compile(r"^sm_(\d{1,2})(\d)$")
 _GFX_RE = re.compile(r"^gfx(\d{1,2})([0-9a-f])([0-9a-f])$")
 
-# Representative product per CUDA capability, for names and memory of simulated devices.
-_CUDA_CATALOG: dict[tuple[int, int], tuple[str, int]] = {
-    (7, 0): ("Tesla V100-SXM2-32GB", 32),
-    (7, 5): ("Tesla T4", 16),
-    (8, 0): ("NVIDIA A100-SXM4-80GB", 80),
-    (8, 6): ("NVIDIA A10", 24),
-    (8, 7): ("NVIDIA Jetson AGX Orin", 32),
-    (8, 9): ("NVIDIA L40S", 48),
-    (9, 0): ("NVIDIA H100 80GB HBM3", 80),
-    (10, 0): ("NVIDIA B200", 180),
-    (12, 0): ("NVIDIA GeForce RTX 5090", 32),
+# Representative product per CUDA capability: name, memory (GiB), dense fp16/bf16 tensor TFLOPS
+# with fp32 accumulate, memory GB/s, as published by the vendor.
+_CUDA_CATALOG: dict[tuple[int, int], tuple[str, int, float, float]] = {
+    (7, 0): ("Tesla V100-SXM2-32GB", 32, 125.0, 900.0),
+    (7, 5): ("Tesla T4", 16, 65.0, 320.0),
+    (8, 0): ("NVIDIA A100-SXM4-80GB", 80, 312.0, 2039.0),
+    (8, 6): ("NVIDIA A10", 24, 125.0, 600.0),
+    (8, 7): ("NVIDIA Jetson AGX Orin", 32, 27.0, 204.8),
+    (8, 9): ("NVIDIA L40S", 48, 362.0, 864.0),
+    (9, 0): ("NVIDIA H100 80GB HBM3", 80, 989.0, 3350.0),
+    (10, 0): ("NVIDIA B200", 180, 2250.0, 8000.0),
+    (12, 0): ("NVIDIA GeForce RTX 5090", 32, 209.5, 1792.0),
 }
-_ROCM_CATALOG: dict[str, tuple[str, int]] = {
-    "gfx90a": ("AMD Instinct MI250X", 64),
-    "gfx942": ("AMD Instinct MI300X", 192),
-    "gfx950": ("AMD Instinct MI355X", 288),
-    "gfx1100": ("AMD Radeon RX 7900 XTX", 24),
+# ROCm: one device is one GCD (an MI250X shows as two devices of 64 GiB, each with half its figures).
+_ROCM_CATALOG: dict[str, tuple[str, int, float, float]] = {
+    "gfx90a": ("AMD Instinct MI250X", 64, 191.5, 1638.0),
+    "gfx942": ("AMD Instinct MI300X", 192, 1307.0, 5300.0),
+    "gfx950": ("AMD Instinct MI355X", 288, 2516.0, 8000.0),
+    "gfx1100": ("AMD Radeon RX 7900 XTX", 24, 122.8, 960.0),
 }
 _GIB = 1024**3
 # Architectures a simulated device may have: the CUDA capabilities and ROCm targets that exist, so
@@ -70,6 +77,34 @@ def parse_token(token: str) -> tuple[str, Capability | None]:
     raise TopologySpecError(f"Unknown simulated device `{token}`. Accepted: {ACCEPTED_TOKENS}")
 
 
+@dataclass(frozen=True)
+class Card:
+    """The catalog's product for an architecture and its published speeds."""
+
+    arch: str  # `sm_80`, `gfx942`
+    name: str
+    tflops: float  # dense fp16/bf16 tensor, fp32 accumulate: what bounds a prefill
+    gbs: float  # memory bandwidth: what bounds a decode step (it reads every weight once)
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.tflops:g} TFLOPS, {self.gbs:g} GB/s"
+
+
+def card(arch: str) -> Card | None:
+    """The catalog's card for an architecture token (`sm_80`, `gfx942`, or a capability label
+    `8.0`); None for the CPU and for an architecture the catalog has no product for."""
+    t = arch.strip().lower()
+    if re.fullmatch(r"\d{1,2}\.\d", t):
+        t = "sm_" + t.replace(".", "")
+    t = t.split(":", 1)[0]
+    try:
+        dtype, cap = parse_token(t)
+    except TopologySpecError:
+        return None
+    row = _CUDA_CATALOG.get(cap) if dtype == "cuda" else _ROCM_CATALOG.get(t) if dtype == "rocm" else None
+    return None if row is None else Card(t, row[0], row[2], row[3])
+
+
 def catalog_memory(arch: str) -> tuple[str, int]:
     """(product name, memory in bytes) of a simulated device's architecture token."""
     dtype, cap = parse_token(arch)
@@ -78,9 +113,9 @@ def catalog_memory(arch: str) -> tuple[str, int]:
         return "CPU (simulated)", 16 * _GIB
     if dtype == "cuda":
         assert cap is not None
-        base, mem_gib = _CUDA_CATALOG.get(cap, (f"NVIDIA GPU {cap.sm}", 24))
+        base, mem_gib, *_ = _CUDA_CATALOG.get(cap, (f"NVIDIA GPU {cap.sm}", 24))
     else:
-        base, mem_gib = _ROCM_CATALOG.get(t, (f"AMD GPU {t}", 64))
+        base, mem_gib, *_ = _ROCM_CATALOG.get(t, (f"AMD GPU {t}", 64))
     return f"{base} (simulated)", mem_gib * _GIB
 
 

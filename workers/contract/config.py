@@ -46,6 +46,7 @@ from workers.contract.limits import (
     GRAMMAR_COMPILE_WORKERS,
     grammar_budget_error,
 )
+from workers.contract.slowdown import Slowdown
 from workers.contract.speculative import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     DEFAULT_SPECULATIVE,
@@ -135,8 +136,9 @@ class WorkerConfig:
         f"and CPU workers, not simulated GPUs), on, off (default: ${ENV_COMPILE} or auto); see "
         f"workers/engine/compiled.py", env=ENV_COMPILE))
     speculative: str = field(default=DEFAULT_SPECULATIVE, metadata=_flag(
-        f"speculative decoding: {', '.join(SPECULATIVE_MODES)} (auto: n-gram drafts where the engine can verify "
-        f"them, with k chosen per step; see workers/engine/speculate.py)", metavar="|".join(SPECULATIVE_MODES)))
+        f"speculative decoding: {', '.join(SPECULATIVE_MODES)} (auto: suffix-tree drafts where the engine can "
+        f"verify them and greedy output stays exact, k chosen per step from the measured step costs; see "
+        f"workers/engine/speculate.py)", metavar="|".join(SPECULATIVE_MODES)))
     num_speculative_tokens: int = field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, metadata=_flag(
         "most draft tokens a decode row carries per step", metavar="N"))
     threads: int | None = field(default=None, metadata=_flag("torch intra-op threads (default: torch's choice)"))
@@ -173,6 +175,15 @@ class WorkerConfig:
     slowdown: float = field(default=1.0, metadata=_flag(
         "a simulated device only: every forward pass takes this many times as long (benchmarks and tests; the "
         "router sets it from $HETSERVE_SLOWDOWN, workers/device/slowdown.py)", metavar="F"))
+    prefill_slowdown: float | None = field(default=None, metadata=_flag(
+        "a simulated device only: its prefill tokens take this many times as long instead (a card slower at "
+        "compute than at bandwidth; default: --slowdown)", metavar="F"))
+
+    @property
+    def slowdowns(self) -> Slowdown:
+        """The simulated device's factors per phase (workers/device/slowdown.py)."""
+        prefill = self.slowdown if self.prefill_slowdown is None else self.prefill_slowdown
+        return Slowdown(prefill, self.slowdown, "its configuration")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -208,8 +219,9 @@ class WorkerConfig:
             return str(e)
         if self.pipeline_rank < 0:
             return f"`--pipeline-rank` must be >= 0, got `{self.pipeline_rank}`"
-        if not (self.slowdown >= 1.0 and math.isfinite(self.slowdown)):
-            return f"`--slowdown {self.slowdown}` is no slowdown factor. Accepted: a number >= 1"
+        for flag, factor in (("--slowdown", self.slowdown), ("--prefill-slowdown", self.prefill_slowdown)):
+            if factor is not None and not (factor >= 1.0 and math.isfinite(factor)):
+                return f"`{flag} {factor}` is no slowdown factor. Accepted: a number >= 1"
         error = engine_limits_error(self.kv_block_size, self.max_num_batched_tokens, self.max_batch)
         if error:
             return error

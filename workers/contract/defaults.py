@@ -118,3 +118,7 @@ KV_TIER_PREFIX = "hetserve-kv-"
 # a GPU worker takes this fraction of its free memory after loading; a CPU worker at most this.
 GPU_FREE_FRACTION = 0.85
 CPU_KV_MAX_DEFAULT_BYTES = 512 << 20
+
+# Why no device compiles or runs the GGUF kernel layer yet (the plan's and the worker's preflight's
+# note): a GGUF file's weights are widened at load (workers/gguf/execution.py).
+NO_GGUF_LAYER = "no model layer holds GGUF blocks yet: a GGUF file's weights are dequantized at load"

@@ -88,6 +88,8 @@ class CompileDescription(_Open):
     # (eager from then on; `reason` says why); None: not compiled
     state: str | None = None
     done: int | None = None  # buckets compiled so far
+    held_max_s: float | None = None  # the longest the engine's steps waited on the compile of one bucket
+    cache_hits: int | None = None  # buckets found compiled in the on-disk caches (a child process filled them)
 
 
 class Load(BaseModel):
@@ -116,6 +118,8 @@ class HealthPayload(_Open):
     # LoRA adapters: {max_loras, running, waiting, adapters: [{name, path, loaded, requests}]}; None: no table
     loras: dict | None = None
     speculative: dict | None = None  # speculative decoding now: method, k, acceptance, reason (None: not said)
+    preparing: list[str] | None = None  # what still builds or compiles behind the serving, in words
+    fallbacks: dict[str, str] | None = None  # each kernel on its torch path on this device -> why
 
 
 class CapabilityPayload(_Open):
@@ -134,6 +138,12 @@ class CapabilityPayload(_Open):
     triton_cache: str | None = None  # this architecture's Triton cache directory
     deterministic: DeterministicDescription | None = None  # set (and shown) only with --deterministic
     compile: CompileDescription | None = None  # the decode step's compilation (None: a worker that does not say)
+    # what still builds or compiles behind the serving, one line each ("decode step: eager, compiling 4
+    # of 6 buckets"); None (absent) once everything is in use
+    preparing: list[str] | None = None
+    # each layer (a C++ kernel, the decode step) whose kernel failed on this device -> why its torch path
+    # serves instead (self-test, build, compile or capture); None (absent): none
+    fallbacks: dict[str, str] | None = None
     # speculative decoding: method, k, acceptance rate and the latest decision's reason (workers/engine/speculate.py)
     speculative: dict | None = None
     pipeline: dict | None = None  # a pipeline's first stage: {stages: [each stage's layers, device, kernels, fp8]}

@@ -1,18 +1,18 @@
 """`--speculative` and `--num-speculative-tokens`: the names, the default and what each resolves to.
 
 Design: one declaration both processes read (the router validates the flags, the worker's
-configuration carries them). `auto` resolves per worker (workers/engine/build.py): n-gram drafts
-with the adaptive k where the engine can verify drafts, else off with the reason. `suffix` and
-`mtp` are names the interface reserves; this build refuses them naming what it accepts, rather
-than silently serving without speculation. Trade-off: a refusal at start instead of a fallback, so
+configuration carries them). `auto` resolves per worker (workers/engine/speculate.py
+`speculator_for`: suffix-tree drafts with k chosen per step where greedy output stays exact,
+else off with the reason); `ngram` and `suffix` name the drafts' source. `mtp` is a name the interface
+reserves; this build refuses it naming what it accepts, rather than silently serving without
+speculation. Trade-off: a refusal at start instead of a fallback, so
 a deployment that asked for a method knows it is not getting it.
 """
 
 from __future__ import annotations
 
-SPECULATIVE_MODES = ("auto", "off", "ngram")
+SPECULATIVE_MODES = ("auto", "off", "ngram", "suffix")
 SPECULATIVE_RESERVED = {
-    "suffix": "suffix-tree drafts are not available in this build",
     "mtp": "the checkpoint's MTP head is not loaded in this build",
 }
 DEFAULT_SPECULATIVE = "auto"

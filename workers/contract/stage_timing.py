@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from workers.contract.slowdown import NONE, Slowdown
+
 ENV_STAGE_TIMINGS = "HETSERVE_STAGE_TIMINGS"  # the file's path (default: ~/.cache/hetserve/stage_timings.json)
 MIN_STEPS = 32  # a stage's figures count from this many steps on
 RECORD_S = 30.0  # the first stage rewrites its record at most this often while serving
@@ -93,12 +95,12 @@ def record_key(model: str, devices: Sequence[str]) -> str:
     return f"{model} on {' + '.join(sorted(devices))}"
 
 
-def device_key(uuid: str, simulated: bool, index: int, arch: str, slowdown: float = 1.0) -> str:
+def device_key(uuid: str, simulated: bool, index: int, arch: str, slowdown: Slowdown = NONE) -> str:
     """A device's identity across runs: a real one's UUID; a simulated one's index and architecture,
-    with its `$HETSERVE_SLOWDOWN` factor where it is slowed (then it is another device)."""
+    with its `$HETSERVE_SLOWDOWN` factors where it is slowed (then it is another device)."""
     if not simulated:
         return uuid
-    return f"simulated {index} {arch}" + (f" slowed {slowdown:g}x" if slowdown != 1.0 else "")
+    return f"simulated {index} {arch}" + (f" slowed {slowdown.describe()}" if slowdown.slowed else "")
 
 
 def timings_path(environ: Mapping[str, str] | None = None) -> Path:

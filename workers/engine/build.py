@@ -34,7 +34,6 @@ from workers.engine.compiled import (
     decide,
     decode_buckets,
     scheduler_shapes,
-    use_inductor_cache,
     warm_or_eager,
 )
 from workers.engine.core import Engine
@@ -42,6 +41,7 @@ from workers.engine.kv_cache import build_kv_cache
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.speculate import speculator_for
+from workers.engine.warm_caches import ChildCompile, fill_caches, use_inductor_cache
 from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
 from workers.kvtier.tier import HostTier
@@ -175,16 +175,44 @@ class BuiltEngine:
     behind: threading.Thread | None = None  # the compile running behind the serving, if any
     cpu: CpuPaths = field(default_factory=CpuPaths)  # the CPU paths in use (swapped once kernels built behind)
     reinstall: Callable[[], CpuPaths] | None = None  # installs the CPU paths again (kernels built behind)
+    # each layer (C++ kernel, "decode step") whose kernel failed on this device -> why its torch path serves
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    building: tuple[str, ...] = ()  # the C++ kernels building behind the serving right now
+    child: ChildCompile | None = None  # compiles the buckets into the caches first (workers/engine/warm_caches.py)
+    child_done: int | None = None  # buckets the child compiled (None: no child running)
+
+    def preparing(self) -> list[str]:
+        """What still builds or compiles behind the serving, one line each (`/capability` `preparing`)."""
+        lines = [f"C++ kernels: torch paths, building {', '.join(self.building)}"] if self.building else []
+        c = self.compiled
+        if c is not None and self.behind is not None and c.state in ("waiting", "compiling"):
+            n = len(c.buckets)
+            if self.building:
+                lines.append(f"decode step: eager, {n} buckets compile once the C++ kernels are built")
+            elif self.child_done is not None:
+                lines.append(f"decode step: eager, compiling {min(self.child_done + 1, n)} of {n} buckets "
+                             "(in a child process)")
+            else:
+                lines.append(f"decode step: eager, compiling {min(c.done + 1, n)} of {n} buckets")
+        return lines
+
+    def fell_back(self, failed: dict[str, str]) -> None:
+        """`failed` (layer -> why) now run their torch paths: `fallbacks`, and `/metrics`."""
+        if failed:
+            self.fallbacks.update(failed)
+            self.engine.metrics.fell_back(failed)
 
     def compile(self, on_change: Callable[[], None] = lambda: None) -> str:
         """Compile (CPU) or capture (GPU) the decode step of every bucket (the `compile` startup
         step); what it did, in one line. `auto` and compiling failed: every step eager.
 
         Under `--compile auto` a CPU worker compiles in the background (`background`): it serves
-        eager at once, its steps wait only while a bucket compiles and runs (the model's layers
-        are not safe to run from two threads at once: `Engine.steps_held`), and they take the
-        compiled decode once every bucket is done, so a first start answers in seconds instead of
-        after minutes of Inductor. `on` compiles before
+        eager at once; a child process compiles every bucket into the on-disk caches (`child`,
+        workers/engine/warm_caches.py), then the worker compiles each, finding it there, and its
+        steps wait only while one bucket loads and runs (the model's layers are not safe to run
+        from two threads at once: `Engine.steps_held`); they take the compiled decode once every
+        bucket is done, so a first start answers in seconds instead of after minutes of
+        Inductor. `on` compiles before
         ready, as asked, and CUDA/HIP graphs are captured before ready (a capture cannot share its
         stream with steps; it takes seconds). `on_change` is called when the state changes."""
         if self.cpu.pending:  # the C++ kernels build first, then the compile (if any) runs behind too
@@ -192,6 +220,7 @@ class BuiltEngine:
                 logger.info("Inductor cache %s", use_inductor_cache())
                 self.compiled.prepare()
                 self.compiled.state = "compiling"
+            self.building = tuple(sorted(k[0] for k in self.cpu.pending.values()))
             self.behind = threading.Thread(target=self._kernels_behind, args=(on_change,), name="hetserve-compile",
                                            daemon=True)
             self.behind.start()
@@ -225,8 +254,8 @@ class BuiltEngine:
         later (compiler children: this interpreter stays free), swap them in while no step runs
         (`Engine.steps_held`: the projections laid out again for the panel GEMM, decode rows read
         the pool in place), then compile the decode step behind the serving as usual."""
-        started = time.monotonic()
-        failed = {k: why for k, why in build_deferred(self.cpu.pending, os.cpu_count() or 1).items() if why}
+        started, pending = time.monotonic(), self.cpu.pending
+        failed = {pending[k][0]: why for k, why in build_deferred(pending, os.cpu_count() or 1).items() if why}
         held = self.engine.steps_held() if self.reinstall is not None else contextlib.nullcontext()
         with held:
             forget_deferred()
@@ -237,6 +266,8 @@ class BuiltEngine:
                     runner.in_place = self.cpu.in_place
                     if self.compiled is not None:
                         self.compiled.attend_in_place(self.cpu.in_place)
+        self.building = ()
+        self.fell_back({name: f"its C++ build failed: {why}" for name, why in failed.items()})
         logger.info("C++ kernels built behind the serving in %.0f s%s; steps use them from now on",
                     time.monotonic() - started, f" ({len(failed)} failed: {failed})" if failed else "")
         on_change()
@@ -244,8 +275,22 @@ class BuiltEngine:
             self._compile_behind(on_change)
 
     def _compile_behind(self, on_change: Callable[[], None]) -> None:
-        """The background compile's thread: the engine's steps go on meanwhile (eager)."""
-        self._finish(warm_or_eager(self.decision, self.compiled, self.engine.steps_held))
+        """The background compile's thread: the engine's steps go on meanwhile (eager). With a
+        `child`, it compiles every bucket into the on-disk caches first, with no step held; the
+        worker's own compile of each bucket is then a cache hit (a child that fails: a full
+        compile here, as without one)."""
+        if self.child is not None:
+            def progress(done: int) -> None:
+                self.child_done = done
+                on_change()
+
+            self.child_done = 0
+            on_change()
+            why = fill_caches(self.child, self.compiled.in_place, progress)
+            self.child_done = None
+            if why is not None:
+                logger.info("decode step: %s; compiling in the worker instead", why)
+        self._finish(warm_or_eager(self.decision, self.compiled, self.engine.steps_held, on_bucket=on_change))
         if self.decision.enabled:
             logger.info("decode step: %s, buckets %s compiled in the background in %.1fs; steps use it from now on",
                         self.compiled.backend, list(self.compiled.buckets), self.compiled.seconds)
@@ -254,6 +299,8 @@ class BuiltEngine:
     def _finish(self, decision: CompileDecision) -> None:
         """`decision` after the compile; failed (under `auto`): eager from now on. The runner keeps
         a failed compile it may be reading on the engine thread: one not `ready` is never run."""
+        if self.decision.enabled and not decision.enabled:  # the compile (or capture) failed: eager steps
+            self.fell_back({"decode step": decision.reason})
         self.decision = decision
         if not decision.enabled:
             if not self.background:
@@ -275,7 +322,9 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
                          in_place=cpu.in_place)
     slots = kv.states.num_slots if kv.states is not None else 0
     scheduler = Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots))
-    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler)
+    exact = cpu.deterministic is not None or (str(loaded.dtype) == "torch.float32"
+                                              and bound.torch_device.split(":")[0] == "cpu")
+    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler, exact=exact)
     engine = Engine(runner, scheduler, loaded.tokenizer, max_queue=config.max_queue,
                     grammars=grammars_for(config, loaded), speculator=speculator)
     sched = engine.scheduler.config
@@ -284,4 +333,7 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
     if cpu.pending:
         def reinstall() -> CpuPaths:
             return install_cpu_paths(loaded, bound, False)
-    return BuiltEngine(engine, kv, decision, compiled, cpu=cpu, reinstall=reinstall)
+    child = None  # under `auto` a CPU worker's buckets compile in a child process first (not with LoRA hooks)
+    if compiled is not None and decision.backend == "inductor" and decision.mode == "auto" and not config.lora:
+        child = ChildCompile(config, kv.groups, kv.block_size, compiled.buckets)
+    return BuiltEngine(engine, kv, decision, compiled, cpu=cpu, reinstall=reinstall, child=child)

@@ -18,22 +18,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from workers.contract import COMPILE_MODES, ENV_TRITON_CACHE_DIR
+from workers.contract import COMPILE_MODES
 from workers.engine.cuda_graphs import CudaGraphs
+from workers.engine.warm_caches import cache_misses, first_use
 from workers.kv.batch import ForwardBatch, GroupBatch
 from workers.kv.paged import PagedRows
 
 logger = logging.getLogger(__name__)
 
-ENV_INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 MIN_WIDTH = 2  # the CPU graph's table width is dynamic from 2 blocks (Dynamo specializes a width of 1)
 
 
@@ -51,18 +50,6 @@ def decode_buckets(max_batch: int) -> tuple[int, ...]:
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding `rows` rows, or None when none does."""
     return next((b for b in buckets if b >= rows), None)
-
-
-def use_inductor_cache(env: dict | None = None) -> Path | None:
-    """Point Inductor's on-disk cache beside this architecture's Triton cache
-    (`<root>/<arch>` -> `<root>/<arch>-inductor`); None (and nothing set) without one."""
-    env = os.environ if env is None else env
-    triton = env.get(ENV_TRITON_CACHE_DIR)
-    if not triton:
-        return None
-    path = Path(triton).with_name(Path(triton).name + "-inductor")
-    env[ENV_INDUCTOR_CACHE_DIR] = str(path)
-    return path
 
 
 @dataclass(frozen=True)
@@ -109,11 +96,12 @@ def decide(mode: str, device_type: str, simulated: bool, deterministic: bool, mo
                                               "per start of workers that share few cores; --compile on forces it)")
 
 
-def warm_or_eager(decision: CompileDecision, compiled: CompiledDecode, held=contextlib.nullcontext) -> CompileDecision:
+def warm_or_eager(decision: CompileDecision, compiled: CompiledDecode, held=contextlib.nullcontext,
+                  on_bucket: Callable[[], None] = lambda: None) -> CompileDecision:
     """Warm `compiled` (the `compile` startup step). Under `--compile on` a failure fails the
     start; under `auto` it is logged and the worker serves eager: the decision returned says so."""
     try:
-        compiled.warm(held)
+        compiled.warm(held, on_bucket)
         return decision
     except Exception as e:
         if decision.mode == "on":
@@ -290,6 +278,8 @@ class CompiledDecode:
         self._runs: dict[int, object] = {}
         self._graphs, self._dynamo_backend = graphs, dynamo_backend
         self.seconds = 0.0
+        self.held_max = 0.0  # the longest the steps waited on one bucket (`warm(held)`)
+        self.cache_hits = 0  # buckets Inductor found compiled in its on-disk caches (workers/engine/warm_caches.py)
         self.state = "waiting"  # -> "compiling" -> "ready" | "failed" (see `describe`)
         # the step's body, without its `@torch.inference_mode()` (Dynamo cannot trace into it):
         # called under the engine's inference mode, over its own copy of the code (`own_code`)
@@ -307,19 +297,19 @@ class CompiledDecode:
 
     # -- start-up ----------------------------------------------------------------------------
 
-    def warm(self, held=contextlib.nullcontext) -> float:
+    def warm(self, held=contextlib.nullcontext, on_bucket: Callable[[], None] = lambda: None) -> float:
         """Compile (Inductor) or capture (graphs) every bucket, largest first; returns seconds.
         Steps may run eager on another thread between buckets (`ready` stays False until every
         bucket is done): `held()` holds them while a bucket compiles and runs, which touches the
         pool's scratch blocks only, but the model's layers too; the rotary tables are grown
-        first (`prepare`)."""
+        first (`prepare`). `on_bucket` is called after each bucket."""
         t0 = time.perf_counter()
         self.state = "compiling"
         try:
             with torch.inference_mode():
                 self.prepare()
                 if self.backend == "inductor":
-                    self._compile_all(held)
+                    self._compile_all(held, on_bucket)
                 else:
                     self._capture_all()
         except BaseException:
@@ -344,7 +334,7 @@ class CompiledDecode:
             past = None if spec.threshold is None else torch.full_like(positions, spec.threshold + 1)
             rope.lookup(spec, positions, self.max_pos, self.model.dtype, past)
 
-    def _compile_all(self, held=contextlib.nullcontext) -> None:
+    def _compile_all(self, held=contextlib.nullcontext, on_bucket: Callable[[], None] = lambda: None) -> None:
         import torch._dynamo
 
         # one graph per bucket, all entries of this decode's own code object (`own_code`); the
@@ -353,15 +343,22 @@ class CompiledDecode:
         torch._dynamo.config.recompile_limit = max(limit, 2 * len(self.buckets) + 2)
         compiled = torch.compile(self._step, backend=self._dynamo_backend, dynamic=False, fullgraph=True,
                                  options={"guard_filter_fn": skip_model_state_guards})
+        if held is not contextlib.nullcontext:  # steps run beside: the compiler's own set-up outside their wait
+            first_use(self._dynamo_backend)
         for b in reversed(self.buckets):
             bucket = self._buckets[b]
             width = bucket.fill((), self.scratch, self.min_width)
             batch = bucket.batch(width)
             for t in (r.block_tables for r in (batch.decode, *(g.decode for g in batch.groups))):
                 torch._dynamo.mark_dynamic(t, 1, min=self.min_width, max=max(self.max_width, self.min_width + 1))
+            misses = cache_misses()
             with held():
+                t0 = time.perf_counter()
                 compiled(batch, self.kv)
+                self.held_max = max(self.held_max, time.perf_counter() - t0)
+            self.cache_hits += self._dynamo_backend == "inductor" and cache_misses() == misses
             self._runs[b] = compiled
+            on_bucket()
 
     def _capture_all(self) -> None:
         graphs = self._graphs if self._graphs is not None else CudaGraphs(self.device)
@@ -375,6 +372,11 @@ class CompiledDecode:
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    @property
+    def done(self) -> int:
+        """Buckets compiled (or captured) so far."""
+        return len(self._runs)
 
     def fits(self, chunks) -> bool:
         """Whether these chunks are one step this decode runs: one-token sampling chunks, at
@@ -395,4 +397,4 @@ class CompiledDecode:
 
     def describe(self) -> dict:
         return {"buckets": list(self.buckets), "seconds": round(self.seconds, 3), "state": self.state,
-                "done": len(self._runs)}
+                "done": len(self._runs), "held_max_s": round(self.held_max, 3), "cache_hits": self.cache_hits}

@@ -367,7 +367,10 @@ class Engine:
             self._release(seq)
         deliver(events)
         self._liveness.step_done()
-        self.metrics.on_step(time.perf_counter() - t0, len(out.chunks), out, new_tokens)
+        seconds = time.perf_counter() - t0
+        self.metrics.on_step(seconds, len(out.chunks), out, new_tokens)
+        if self.speculator is not None:  # the device's measured step costs (workers/spec/cost.py)
+            self.speculator.observe(out, seconds, self.metrics)
         self._publish_load()
 
     def _start_masks(self, seqs: list[Sequence]) -> Future | None:

@@ -66,7 +66,7 @@ def kernel_description(kernels: dict[str, KernelChoice], cpu: CpuPaths, prefligh
     return out
 
 
-def model_description(loaded: LoadedModel, context: int, device_type: str = "cpu") -> dict:
+def model_description(loaded: LoadedModel, context: int, device_type: str = "cpu", capability=None) -> dict:
     """The model as served: id, dtype, context, family, features, attention per layer type, its
     template and special tokens, and its recommended sampling (generation_config.json, which the
     OpenAI routes apply to fields a request leaves out, as vLLM does)."""
@@ -80,7 +80,7 @@ def model_description(loaded: LoadedModel, context: int, device_type: str = "cpu
     model["sampling_defaults"] = {k: loaded.generation_config[k]
                                   for k in ("temperature", "top_p", "top_k", "repetition_penalty")
                                   if isinstance(loaded.generation_config.get(k), (int, float))}
-    gguf = gguf_execution(loaded.model_dir, loaded.dtype, device_type)
+    gguf = gguf_execution(loaded.model_dir, loaded.dtype, device_type, capability)
     if gguf is not None:  # a GGUF file: how this device runs its blocks, and why
         model["gguf"] = gguf
     return model
@@ -107,7 +107,7 @@ def describe_worker(config: WorkerConfig, bound: BoundDevice, loaded: LoadedMode
         kernels=kernel_description(kernels, cpu, preflight),
         triton_cache=os.environ.get(ENV_TRITON_CACHE_DIR),
         capacity=capacity,
-        model=model_description(loaded, context, bound.arch or bound.type),
+        model=model_description(loaded, context, bound.arch or bound.type, bound.capability),
         versions=_versions(),
         deterministic=cpu.deterministic.to_dict() if cpu.deterministic else None,
         compile=compile_description(built.decision, built.compiled),

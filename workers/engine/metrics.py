@@ -75,8 +75,8 @@ class WorkerMetrics:
         self.running = Gauge(f"{PREFIX}_running_requests", "Sequences in the running batch", registry=r)
         self.queued = Gauge(f"{PREFIX}_queued_requests", "Requests accepted and waiting", registry=r)
         self.kernel_fallbacks = Gauge(
-            f"{PREFIX}_kernel_fallback", "Layers whose chosen kernel failed its self-test on this device and run "
-            "their torch path instead (1), with the reason", ["layer", "reason"], registry=r,
+            f"{PREFIX}_kernel_fallback", "Layers whose chosen kernel failed on this device (self-test, build or "
+            "compile) and run their torch path instead (1), with the reason", ["layer", "reason"], registry=r,
         )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
@@ -93,6 +93,10 @@ class WorkerMetrics:
         self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
         self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                             registry=r)
+        self.spec_k = Gauge(f"{PREFIX}_spec_decode_k", "Draft tokens per decode row chosen at the latest "
+                            "speculative choice (0: plain decoding)", registry=r)
+        self.spec_decisions = Counter(f"{PREFIX}_spec_decode_decisions", "Steps by the cause of their speculative "
+                                      "choice (workers/spec/policy.py)", ["cause"], registry=r)
         self.batch_size = Histogram(
             f"{PREFIX}_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
         )

@@ -1,22 +1,24 @@
 """Speculative decoding in the engine: decode rows carry draft tokens, verified in the same step.
 
 Design: before each schedule, `Speculator.propose` gives every eligible running decode row up to k
-draft tokens (workers/spec: n-gram lookup, k from the policy). The scheduler runs such a row as a
-chunk of k+1 tokens (its last token and the drafts) over its cached context, the same path a prompt
-chunk takes, and the forward projects logits at all k+1 positions. `Speculator.step` then verifies
-(greedy: argmax; sampled: the request's generator, workers/spec/rejection.py) position by position,
-each position's logits processed as if the drafts before it were already output (penalties, bias,
-`min_tokens`), and feeds the emitted tokens one at a time through the scheduler's `append_token`
-and the output processor, round by round, so EOS, stop ids, stop strings, `max_tokens`, logprobs and
-streams see exactly the tokens plain decoding would have produced, and nothing after a finish.
-Then `num_computed` covers the last token and the accepted drafts only, and the blocks holding only
-rejected positions go back to the pool (`KVCacheManager.trim`); rejected K/V left in a kept block
-sits past `num_computed` and is overwritten by the next token. Trade-off: a drafted row runs as a
-prompt chunk (eager, reading the pool), giving up the compiled decode step and the decode mirror for
-that row in that step; GPU kernels need no change for that, but a multi-query decode kernel would be
-faster. Rows under a grammar or asking for `top_n_tokens` never draft (workers/spec/policy.py);
-models with sliding-window groups, linear-attention state or a length-dependent rotary do not
-speculate (no rollback yet).
+draft tokens (workers/spec: n-gram lookup or suffix trees; k from the policy, which weighs this
+device's step costs, measured by `Speculator.observe` after every step, against the rows'
+acceptance). The scheduler runs such a row as a chunk of k+1 tokens (its last token and the drafts)
+over its cached context, the same path a prompt chunk takes, and the forward projects logits at all
+k+1 positions. `Speculator.step` then verifies (greedy: argmax; sampled: the request's generator,
+workers/spec/rejection.py) position by position, each position's logits processed as if the drafts
+before it were already output (penalties, bias, `min_tokens`), and feeds the emitted tokens one at a
+time through the scheduler's `append_token` and the output processor, round by round, so EOS, stop
+ids, stop strings, `max_tokens`, logprobs and streams see exactly the tokens plain decoding would
+have produced, and nothing after a finish. Then `num_computed` covers the last token and the
+accepted drafts only, and the blocks holding only rejected positions go back to the pool
+(`KVCacheManager.trim`); rejected K/V left in a kept block sits past `num_computed` and is
+overwritten by the next token. Trade-off: a drafted row runs as a prompt chunk (eager, reading the
+pool), giving up the compiled decode step and the decode mirror for that row in that step; GPU
+kernels need no change for that, but a multi-query decode kernel would be faster. Rows under a
+grammar or asking for `top_n_tokens` never draft (workers/spec/policy.py); models with
+sliding-window groups, linear-attention state or a length-dependent rotary do not speculate (no
+rollback yet).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ import torch
 from workers.engine.sequence import RUNNING
 from workers.sampling.logprobs import prompt_chunks, record_prompt
 from workers.sampling.sampler import processed_logits, sample_tokens
+from workers.spec.cost import StepCosts
 from workers.spec.ngram import NgramProposer
-from workers.spec.policy import SpecDecision, SpecPolicy, ineligible
+from workers.spec.policy import PRIOR_RATE, PRIOR_WEIGHT, Row, SpecDecision, SpecPolicy, ineligible, row_rate
 from workers.spec.rejection import accept_greedy, accept_sampled
+from workers.spec.suffix import SuffixProposer
 
 
 class _Position:
@@ -49,23 +53,26 @@ def _is_draft(chunk) -> bool:
     return not chunk.is_prefill and len(chunk.token_ids) > 1
 
 
-AUTO_OFF = ("`auto` is off in this build: a drafted row's logits come from the prompt path, whose rounding "
-            "can differ from the decode step's (greedy identity is proven in fp32 and under --deterministic); "
-            "`--speculative ngram` turns n-gram drafts on")
+AUTO_METHOD = "suffix"  # what `auto` drafts with where it speculates
+AUTO_INEXACT = ("`auto` speculates only where greedy output is exact (fp32 on a CPU, or --deterministic): here a "
+                "drafted row's logits come from the prompt path, whose rounding can differ from the decode step's; "
+                "`--speculative suffix` or `ngram` turns drafts on anyway")
 
 
-def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False) -> Speculator:
+def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False, exact: bool = False) -> Speculator:
     """The engine's `Speculator` for `--speculative mode` (the worker's configuration) over `scheduler`:
-    n-gram drafts where asked and the engine can verify them, else one that only says why it is off."""
+    n-gram or suffix-tree drafts where asked and the engine can verify them, else one that only says why it
+    is off. `auto` drafts with `AUTO_METHOD` where the forward is `exact` (a drafted row's logits equal the
+    decode step's: fp32 on a CPU, or deterministic mode), k chosen per step from the measured costs."""
     policy = SpecPolicy(num_tokens)
     if mode == "off":
         return Speculator("off", policy, off_reason="`--speculative off`")
-    if mode == "auto":
-        return Speculator("off", policy, off_reason=AUTO_OFF)
     reason = engine_reason(scheduler, pipeline)
     if reason is not None:
         return Speculator("off", policy, off_reason=reason)
-    return Speculator("ngram", policy)
+    if mode == "auto":
+        return Speculator(AUTO_METHOD, policy) if exact else Speculator("off", policy, off_reason=AUTO_INEXACT)
+    return Speculator(mode, policy)
 
 
 def engine_reason(scheduler, pipeline: bool) -> str | None:
@@ -87,36 +94,79 @@ class Speculator:
     """The engine's speculative decoding (see the module docstring); engine thread only."""
 
     def __init__(self, method: str, policy: SpecPolicy, proposer: NgramProposer | None = None,
-                 off_reason: str | None = None):
-        """`method` "ngram" drafts; "off" (with `off_reason`) proposes nothing and only describes why."""
-        if method not in ("ngram", "off"):
-            raise ValueError(f"Speculative method `{method}` is not available in this engine. Accepted: ngram, off")
+                 off_reason: str | None = None, suffix: SuffixProposer | None = None):
+        """`method` "ngram" or "suffix" drafts; "off" (with `off_reason`) proposes nothing and only describes why."""
+        if method not in ("ngram", "suffix", "off"):
+            raise ValueError(f"Speculative method `{method}` is not available in this engine. "
+                             f"Accepted: ngram, suffix, off")
         self.method, self.policy = method, policy
         self.enabled = method != "off"
         self.proposer = proposer or NgramProposer()
+        self.suffix = (suffix or SuffixProposer()) if method == "suffix" else None
+        self.costs = StepCosts()  # this device's measured step costs (workers/spec/cost.py)
+        self.steps = 0
+        self.causes: dict[str, int] = {}  # decisions by cause since the last step's metrics
+        self.chosen: dict[int, int] = {}  # steps with drafts proposed, by the k chosen
         self.last = SpecDecision(policy.max_k if self.enabled else 0, off_reason or "speculating")  # the latest
         self.drafts = self.draft_tokens = self.accepted = 0
 
     # -- before the schedule -------------------------------------------------------------------
 
     def propose(self, running) -> None:
-        """Drafts for this step's decode rows (every other row's are cleared)."""
+        """Drafts for this step's decode rows (every other row's are cleared), k from the policy."""
         if not self.enabled:
             return
+        self.steps += 1
         decode = []
         for seq in running:
             seq.draft_ids = []
             if seq.status == RUNNING and seq.output_ids and seq.num_tokens - seq.num_computed == 1:
                 decode.append(seq)
+        limits = []  # (row, the most drafts it may carry)
         for seq in decode:
             if ineligible(seq.params, seq.grammar is not None) is not None:
                 continue
-            p = seq.params
-            decision = self.policy.choose(len(decode), seq.spec_drafted, seq.spec_accepted,
-                                          p.max_new_tokens - len(seq.output_ids), len(seq.output_ids))
-            self.last = decision
-            if decision.k:
-                seq.draft_ids = self.proposer.propose(seq.token_ids(), decision.k)
+            generated = len(seq.output_ids)
+            limit = self.policy.row_limit(seq.spec_drafted, seq.spec_accepted,
+                                          seq.params.max_new_tokens - generated, generated)
+            limits.append((seq, limit.k))
+        if decode:  # k first, so that a step which will not speculate proposes nothing
+            prior = self.accepted / self.draft_tokens if self.draft_tokens >= PRIOR_WEIGHT else PRIOR_RATE
+            rows = [Row(n, row_rate(seq.spec_drafted, seq.spec_accepted, prior)) for seq, n in limits if n]
+            decision = self.policy.choose(len(decode), rows, self.costs, self.steps)
+            self.causes[decision.cause] = self.causes.get(decision.cause, 0) + 1
+            if rows:
+                self.last = decision
+                self.chosen[decision.k] = self.chosen.get(decision.k, 0) + 1
+            for seq, n in limits:
+                seq.draft_ids = self._draft(seq, min(n, decision.k))
+        if self.suffix is not None:
+            self.suffix.retire({seq.uid for seq in running})
+
+    def _draft(self, seq, k: int) -> list[int]:
+        if self.suffix is not None:  # fed every step, so its trees follow the output
+            return self.suffix.propose(seq.uid, seq.prompt_ids, seq.output_ids, k)
+        return self.proposer.propose(seq.token_ids(), k) if k else []
+
+    def observe(self, out, seconds: float, metrics) -> None:
+        """A finished step's duration, kept as this device's cost of its path and size (steps with a
+        prompt chunk are not: their prefill dominates; the suffix trees' one-off indexing of a new
+        request's prompt is taken out), and the latest choice on `/metrics`."""
+        if not self.enabled:
+            return
+        metrics.spec_k.set(self.last.k)
+        for cause, n in self.causes.items():
+            metrics.spec_decisions.labels(cause).inc(n)
+        self.causes.clear()
+        if self.suffix is not None:  # indexing a prompt is paid once per request, not per step of its path
+            seconds -= self.suffix.indexing_seconds
+            self.suffix.indexing_seconds = 0.0
+        if not out.chunks or any(c.is_prefill for c in out.chunks):
+            return
+        if any(_is_draft(c) for c in out.chunks):
+            self.costs.record("spec", sum(len(c.token_ids) for c in out.chunks), seconds)
+        else:
+            self.costs.record("plain", len(out.chunks), seconds)
 
     def drafted(self, out) -> bool:
         return self.enabled and any(_is_draft(c) for c in out.chunks)
@@ -222,7 +272,9 @@ class Speculator:
         if not self.enabled:
             return {"method": "off", "k": 0, "reason": self.last.reason}
         return {"method": self.method, "num_speculative_tokens": self.policy.max_k, "k": self.last.k,
-                "reason": self.last.reason, "acceptance_rate": rate, "drafts": self.drafts,
+                "reason": self.last.reason, "cause": self.last.cause, "step_ms": self.costs.describe(),
+                "k_steps": {str(k): n for k, n in sorted(self.chosen.items())},
+                "acceptance_rate": rate, "drafts": self.drafts,
                 "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted,
                 "tokens_per_draft_step": (self.accepted + self.drafts) / self.drafts if self.drafts else None}
 

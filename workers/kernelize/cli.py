@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", help="compile for this architecture (sm_89, gfx942, ...) without touching a device; "
                                   "default: the device this process binds")  # fmt: skip
     p.add_argument("--dtype", choices=tuple(TRITON_DTYPES), help="model dtype (default: a bfloat16 checkpoint's)")
+    p.add_argument("--jobs", type=int, default=1, help="processes compiling layers at once (default 1: `hetserve "
+                                                       "plan --compile` already runs one child per device)")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="report where two preflights disagree")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except TopologySpecError as e:
         p.error(str(e))
     dtype, _ = choose_dtype(args.dtype or "auto", "bfloat16", bound.type, bound.capability)
-    report = preflight_bound(bound, Workload(dtype=TRITON_DTYPES[str(dtype).removeprefix("torch.")]))
+    if args.jobs < 1:
+        p.error(f"`--jobs {args.jobs}`: at least 1")
+    report = preflight_bound(bound, Workload(dtype=TRITON_DTYPES[str(dtype).removeprefix("torch.")]), jobs=args.jobs)
     print(json.dumps(report.to_dict(), indent=2))
     return 0

@@ -10,13 +10,17 @@ and a dot records the instruction it compiled to. Where the fp8 rule says "emula
 compiles the native fp8 kernel, whose compiler verdict is the recorded reason for emulation. One
 function serves a real GPU's worker (before ready), `hetserve plan --compile` (a child per device:
 `cli`) and CI (the whole matrix). Trade-off: a cold preflight costs seconds of compilation per
-device; Triton's per-architecture cache makes later ones cheap."""
+device; Triton's per-architecture cache makes later ones cheap. With `jobs` > 1 the layers are
+compiled in that many spawned children (each re-selects its layer from the description, so no
+kernel object crosses a process), for a lone preflight on an otherwise idle host; the report is
+the same record for record."""
 
 from __future__ import annotations
 
 import importlib
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,9 +41,12 @@ class PreflightError(RuntimeError):
 
 
 def preflight(device_type: str, capability, arch: str | None = None, workload: Workload | None = None, *,
-              target: Target | None = None, limits: ArchLimits | None = None) -> Preflight:  # fmt: skip
+              target: Target | None = None, limits: ArchLimits | None = None, jobs: int = 1,
+              skip: Mapping[str, str] | None = None) -> Preflight:  # fmt: skip
     """Compile and check every Triton kernel `select()` picks for this device. Pure given the
-    description; `target` and `limits` override the ones derived from it (a real GPU's)."""
+    description; `target` and `limits` override the ones derived from it (a real GPU's); `jobs`:
+    processes compiling layers at once; `skip`: layers the model never runs, each with why (noted,
+    not compiled)."""
     # 1. the device's target, limits and the workload in its fp8 flavour
     decision = fp8_rule(device_type, capability)
     workload = replace(workload or Workload(), fp8_fmt=decision.fmt)
@@ -48,9 +55,16 @@ def preflight(device_type: str, capability, arch: str | None = None, workload: W
     if limits is None and target is not None:
         limits = arch_limits(target.arch)
     # 2. every chosen layer's launches, compiled and checked
-    layers = {}
-    for layer, choice in select(device_type, capability).items():
-        layers[layer] = _layer(layer, choice, workload, target, limits)
+    skip = skip or {}
+    chosen = {layer: c for layer, c in select(device_type, capability).items() if layer not in skip}
+    if jobs > 1 and target is not None:
+        layers = _layers_in_children(device_type, capability, list(chosen), workload, target, limits, jobs)
+    else:
+        layers = {layer: _layer(layer, choice, workload, target, limits) for layer, choice in chosen.items()}
+    for layer, c in select(device_type, capability).items():
+        if layer in skip:
+            layers[layer] = LayerPreflight(layer, c.variant, None if target is None else target.name,
+                                           note=f"not compiled: {skip[layer]}")
     # 3. where fp8 is emulated on a GPU: the native kernel's verdict on this target
     native = None
     if target is not None and not decision.native:
@@ -80,6 +94,23 @@ def _layer(layer: str, choice: KernelChoice, workload: Workload, target: Target 
         return LayerPreflight(layer, choice.variant, None if target is None else target.name, note=note)
     records = tuple(check(spec, compile_spec(spec, target), target, limits) for spec in specs(workload))
     return LayerPreflight(layer, choice.variant, target.name, records)
+
+
+def _layer_job(device_type: str, capability, layer: str, workload: Workload, target: Target,
+               limits: ArchLimits | None) -> LayerPreflight:  # fmt: skip
+    """One layer's preflight in a child: its choice selected again from the description."""
+    return _layer(layer, select(device_type, capability)[layer], workload, target, limits)
+
+
+def _layers_in_children(device_type: str, capability, layers: list[str], workload: Workload, target: Target,
+                        limits: ArchLimits | None, jobs: int) -> dict[str, LayerPreflight]:  # fmt: skip
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=min(jobs, len(layers)), mp_context=multiprocessing.get_context("spawn")) as ex:
+        futures = {layer: ex.submit(_layer_job, device_type, capability, layer, workload, target, limits)
+                   for layer in layers}
+        return {layer: f.result() for layer, f in futures.items()}
 
 
 def _native_fp8_proof(device_type: str, workload: Workload, target: Target,
@@ -163,18 +194,19 @@ def device_limits(bound) -> ArchLimits | None:
                    source=f"device properties of {props.name}")  # fmt: skip
 
 
-def preflight_bound(bound, workload: Workload) -> Preflight:
+def preflight_bound(bound, workload: Workload, jobs: int = 1, skip: Mapping[str, str] | None = None) -> Preflight:
     """The preflight of the device this process is bound to: a real GPU compiles for the target
     its driver reports, checked against its own limits; a simulated one as its description."""
     if bound.is_real_gpu:
         return preflight(bound.type, bound.capability, bound.arch, workload, target=Target.current(),
-                         limits=device_limits(bound))  # fmt: skip
-    return preflight(bound.type, bound.capability, bound.arch, workload)
+                         limits=device_limits(bound), jobs=jobs, skip=skip)  # fmt: skip
+    return preflight(bound.type, bound.capability, bound.arch, workload, jobs=jobs, skip=skip)
 
 
-def preflight_or_refuse(bound, workload: Workload) -> Preflight:
-    """The worker's check before ready: `PreflightError` naming every refused launch."""
-    report = preflight_bound(bound, workload)
+def preflight_or_refuse(bound, workload: Workload, skip: Mapping[str, str] | None = None) -> Preflight:
+    """The worker's check before ready (`skip`: the layers its model never runs): `PreflightError`
+    naming every refused launch."""
+    report = preflight_bound(bound, workload, skip=skip)
     if not report.ok:
         raise PreflightError(f"{len(report.refusals())} kernel launch(es) refused on {report.target}: "
                              + "; ".join(report.refusals()))  # fmt: skip

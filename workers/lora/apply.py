@@ -4,25 +4,31 @@ targeted projection adds its adapter's low-rank product to that row's output.
 Design: `install_lora` puts one forward hook on each projection an adapter may target (q/k/v in
 `wqkv`, `wo`, `w_gate_up`, `w_down`); a hook runs after whatever forward the layer has (torch, a
 kernel, an fp8 or packed CPU projection), so the base path is untouched. A step announces its rows
-with `lora_rows(model, batch)`, a `LoraBatch` of (adapter, row indices) groups; the hook loops over
-the adapters present, gathers their rows (`index_select`), multiplies `(x @ A^T) @ B^T * scale`
-and adds it back in place (`index_add_` on the columns of the target's part). Outside `lora_rows`
-the hook returns at once. Trade-off: one gather, two thin matmuls and a scatter per adapter and
-projection, in Python: fine for a few adapters per step on the CPU torch path and the reference
-for a segmented kernel (SGMV/BGMV) that would do it in one launch per projection; the compiled
-decode step does not trace the hooks, so a step holding any adapter row runs eager
-(workers/engine/runner.py)."""
+with `lora_rows(model, batch)`, a `LoraBatch` of (adapter, row indices) groups; the hook hands the
+projection's input and output to the model's one `LoraDelta` module, a kernel layer like the
+others (kernelized with the model's plan): its torch forward, `add_lora`, loops over the adapters
+present, gathers their rows (`index_select`), multiplies `(x @ A^T) @ B^T * scale` and adds it back
+in place (`index_add_` on the columns of the target's part): the CPU path and the reference. On a
+GPU the chosen Triton layer (kernels_local/lora_sgmv/) does the same for every adapter of the step
+in one shrink and one expand launch, over the adapters stacked per projection (workers/lora/
+stack.py) and the batch's rows gathered into one segment per adapter. Outside `lora_rows` the hook
+returns at once. Trade-off: the compiled decode step does not trace the hooks, so a step holding
+any adapter row runs eager (workers/engine/runner.py)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+from kernels import use_kernel_forward_from_hub
 from torch import nn
 
+from kernels_local.lora_sgmv.lora_sgmv import LoraSegments, LoraStack
 from workers.lora.adapter import TARGETS, LoraAdapter
+from workers.lora.stack import StackCache
 
 HOOKED = frozenset(TARGETS.values())
 
@@ -48,18 +54,57 @@ class LoraBatch:
     def names(self) -> tuple[str, ...]:
         return tuple(a.name for a, _ in self.groups)
 
+    @property
+    def adapters(self) -> tuple[LoraAdapter, ...]:
+        return tuple(a for a, _ in self.groups)
+
+    @cached_property
+    def segments(self) -> LoraSegments:
+        """The rows gathered into one segment per adapter (slot = the adapter's group), for the kernel."""
+        return LoraSegments.from_groups([rows for _, rows in self.groups], list(range(len(self.groups))))
+
+
+@use_kernel_forward_from_hub("LoraDelta")
+class LoraDelta(nn.Module):
+    """`forward(name, x, out, batch)`: `out += ` the LoRA delta of `batch`'s adapters on projection
+    `name`, in place; the torch path here, a kernel where the model's plan chose one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stacks = StackCache()
+
+    def forward(self, name: str, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
+        return self.torch_delta(name, x, out, batch)
+
+    def torch_delta(self, name: str, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
+        add_lora(name, x, out, batch)
+
+    def stacked(self, name: str, batch: LoraBatch, device) -> tuple[LoraStack, LoraSegments] | None:
+        """Projection `name`'s stack of the batch's adapters and the batch's segments (None: no adapter
+        of the batch targets it): what a kernel layer launches on."""
+        stack = self.stacks.get(batch.adapters, name, device)
+        return None if stack is None else (stack, batch.segments)
+
 
 class _State:
-    """The batch the hooks read: set by `lora_rows` for the length of one forward."""
+    """The batch the hooks read (set by `lora_rows` for the length of one forward) and the delta."""
 
     batch: LoraBatch | None = None
 
+    def __init__(self, delta: LoraDelta) -> None:
+        self.delta = delta
+
 
 def install_lora(model: nn.Module) -> int:
-    """Hook every projection an adapter may target (once per model); the number hooked."""
+    """Hook every projection an adapter may target (once per model); the number hooked. The delta
+    gets the model's kernel plan when it has one (workers/kernelize/apply.py `model.kernel_plan`)."""
     if getattr(model, "lora_state", None) is not None:
         return 0
-    state = _State()
+    delta = LoraDelta()
+    plan = getattr(model, "kernel_plan", None)
+    if plan is not None:
+        plan.apply(delta)
+    state = _State(delta)
     model.lora_state = state
     count = 0
     for name, module in model.named_modules():
@@ -93,18 +138,23 @@ def add_lora(name: str, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) ->
         pairs = adapter.targets.get(name)
         if not pairs:
             continue
-        xs = x2.index_select(0, rows)  # [n, K]
+        whole = len(rows) == x2.shape[0]  # one adapter on every row: no gather, no scatter
+        xs = x2 if whole else x2.index_select(0, rows)  # [n, K]
         for t in pairs:
             xs_t = xs.to(t.a.dtype)
             delta = ((xs_t @ t.a.T) @ t.b.T) * adapter.scale  # [n, r] -> [n, size]
-            out2.narrow(1, t.offset, t.size).index_add_(0, rows, delta.to(out2.dtype))
+            part = out2.narrow(1, t.offset, t.size)
+            if whole:
+                part.add_(delta.to(out2.dtype))
+            else:
+                part.index_add_(0, rows, delta.to(out2.dtype))
 
 
 def _hook(name: str, state: _State):
     def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         batch = state.batch
         if batch is not None:
-            add_lora(name, args[0], out, batch)
+            state.delta.forward(name, args[0], out, batch)  # the chosen forward, without Module.__call__
 
     return hook
 

@@ -5,8 +5,12 @@ when the first adapter is read (at start with `--lora`, or at run time through `
 worker that never serves one runs exactly the model it did. Each `--lora` adapter is read and
 checked at start, so a bad one fails the worker's start naming it (the `engine` step), not a
 request later; beyond `--max-loras` the table keeps the last ones read and drops the others until
-asked for. Trade-off: the adapters serve the worker's one model, in its dtype on its device, and
-hooks installed at run time must wait for a step boundary (`Engine.steps_held`).
+asked for. With the first adapter the model's `LoraDelta` runs the kernel its device chose; that
+kernel is checked once against its torch path on a small mixed batch of that adapter (a kernel that
+fails or disagrees is replaced by the torch path, with the reason in the log), as the worker's
+self-test checks the model's other kernels at start. Trade-off: the adapters serve the worker's one
+model, in its dtype on its device, and hooks installed at run time must wait for a step boundary
+(`Engine.steps_held`).
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
 from workers.contract.config import WorkerConfig, parse_loras
-from workers.lora.adapter import read_adapter
-from workers.lora.apply import install_lora
+from workers.kernelize.selftest import to_torch_path
+from workers.lora.adapter import LoraAdapter, read_adapter
+from workers.lora.apply import LoraBatch, LoraDelta, install_lora
 from workers.lora.metrics import LoraGauge
 from workers.lora.table import LoraTable
 
@@ -41,6 +48,11 @@ def build_loras(config: WorkerConfig, loaded, device) -> LoraTable:
         hooked = install_lora(model)  # once, with the first adapter
         if hooked:
             logger.info("LoRA: %s projections hooked", hooked)
+            delta = model.lora_state.delta
+            why = check_delta(delta, adapter, device)
+            if why is not None:
+                to_torch_path(delta, "LoraDelta")
+                logger.warning("LoRA kernel replaced by its torch path: %s", why)
         return adapter
 
     table = LoraTable(read, config.max_loras)
@@ -49,3 +61,26 @@ def build_loras(config: WorkerConfig, loaded, device) -> LoraTable:
         logger.info("LoRA adapter %s: rank %s, scale %.4g, %s projections, %s bytes (%s)", name, adapter.rank,
                     adapter.scale, len(adapter.targets), adapter.nbytes, path)
     return table
+
+
+def check_delta(delta: LoraDelta, adapter: LoraAdapter, device) -> str | None:
+    """Why `delta`'s chosen forward is not its torch path's on a small batch of `adapter` (two of its
+    rows around a base row, its first projection); None when it agrees, or is the torch path."""
+    if "forward" not in delta.__dict__:
+        return None  # not kernelized: the torch path itself
+    name, pairs = next(iter(adapter.targets.items()))
+    dtype = pairs[0].a.dtype
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, pairs[0].a.shape[1], generator=gen).to(device, dtype)
+    out = torch.randn(3, max(t.offset + t.size for t in pairs), generator=gen).to(device, dtype)
+    batch = LoraBatch.from_rows([adapter, None, adapter], device)
+    want, got = out.clone(), out.clone()
+    delta.torch_delta(name, x, want, batch)
+    try:
+        delta.forward(name, x, got, batch)
+    except Exception as e:  # a kernel that cannot run here: the torch path serves instead
+        return f"{type(e).__name__}: {e}"
+    err = float((got.float() - want.float()).abs().max())
+    scale = max(1.0, float(want.float().abs().max()))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    return None if err <= tol * scale else f"differs from the torch path by {err:.3g} (tolerance {tol * scale:.3g})"

@@ -103,7 +103,8 @@ class StreamChannel:
             self.ctx.engine.abort(sub.stream.request_id)
         self.ctx.tracer.end(sub.span, last, sub.stream.request_id, sub.params)
 
-    def _render(self, pending: list) -> bytes:
+    def _render(self, pending: list) -> list[tuple[int, bytes, bool]]:
+        """Per stream with events: (key, its record's bytes, whether that ends it)."""
         by_key: dict[int, list] = {}
         for key, event in pending:
             by_key.setdefault(key, []).append(event)
@@ -119,15 +120,14 @@ class StreamChannel:
             else:
                 text, ended = render_batch(sub, batch, "/generate_stream")
                 data = text.encode()
-            records.append(b"%d %d %d\n" % (key, len(data), ended is not None))
-            records.append(data)
+            records.append((key, data, ended is not None))
             if ended is not None:
                 del self.streams[key]
                 self._end(sub, batch[-1] if ended == LAST else None, abort=ended == FAILED)
-        return b"".join(records)
+        return records
 
-    async def frames(self, gone: Callable[[], bool]) -> AsyncIterator[bytes]:
-        """Each wake-up's records as one frame, until the router is `gone()` or the server stops
+    async def frames(self, gone: Callable[[], bool]) -> AsyncIterator[list[tuple[int, bytes, bool]]]:
+        """Each wake-up's records (one frame's), until the router is `gone()` or the server stops
         with no stream left."""
         while not gone():
             if self._pending:
@@ -167,7 +167,8 @@ class ChannelResponse(StreamingResponse):
         gone.add_done_callback(lambda _: channel.wake_up())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for frame in channel.frames(gone.done):
+            async for records in channel.frames(gone.done):
+                frame = b"".join(b"%d %d %d\n%s" % (key, len(data), end, data) for key, data, end in records)
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
             if not gone.done():
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

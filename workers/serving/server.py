@@ -3,8 +3,10 @@
 Design: `WorkerServer` receives what the earlier steps built (workers/main.py: the engine over its
 KV cache, workers/engine/build.py; the `/capability` description, workers/engine/describe.py) and
 only serves it: tracing, the app (workers/serving/app.py), the socket, created 0600 so that only
-the router, as the same user, reaches it. `run()` serves until SIGTERM, a fatal engine error or
-`stop()` (a pipeline stage gone), and `close()` stops the engine and frees the socket. Trade-off:
+the router, as the same user, reaches it, and beside it the engine channel's socket
+(workers/serving/engine_channel.py), which carries every generation the router sends. `run()`
+serves until SIGTERM, a fatal engine error or `stop()` (a pipeline stage gone), and `close()`
+stops the engine and frees the sockets. Trade-off:
 nothing here knows how the engine was built, so a pipeline's own shutdown (its stages, their
 timings) is its first stage's, closed by workers/main.py after this server.
 """
@@ -21,9 +23,12 @@ from pathlib import Path
 import uvicorn
 
 from workers.contract import DRAIN_TIMEOUT_S, CapabilityPayload
+from workers.contract.channel import channel_socket_path
 from workers.contract.tracing import start_tracing
 from workers.engine.core import Engine
 from workers.serving.app import create_app
+from workers.serving.engine_channel import EngineChannelServer
+from workers.serving.headers import identity_headers
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,9 @@ class WorkerServer:
         self.tracing = start_tracing(otlp_endpoint, "hetserve-worker", {"service.instance.id": info.worker_id or ""})
         self.app = create_app(info, engine, tokenizer, tracing=self.tracing)
         self.sock = bind_unix_socket(socket_path)
+        self.channel_path = channel_socket_path(socket_path)
+        self.channel = EngineChannelServer(self.app.state.ctx, bind_unix_socket(self.channel_path),
+                                           identity_headers(info))
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on", proxy_headers=False,
                                 timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
         self.server = uvicorn.Server(config)
@@ -89,13 +97,17 @@ class WorkerServer:
 
     def run(self, on_ready) -> None:
         async def serve():
+            await self.channel.start()  # refuses to open until the app is ready
             task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
-            while not self.server.started and not task.done():
-                await asyncio.sleep(0.01)
-            if self.server.started:
-                on_ready()
-                logger.info("ready on %s", self.socket_path)
-            await task
+            try:
+                while not self.server.started and not task.done():
+                    await asyncio.sleep(0.01)
+                if self.server.started:
+                    on_ready()
+                    logger.info("ready on %s", self.socket_path)
+                await task  # its shutdown drains the engine, whose streams the channel still carries
+            finally:
+                await self.channel.close()
 
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(serve())
@@ -105,5 +117,7 @@ class WorkerServer:
         self.engine.shutdown(0.0)
         self.tracing.shutdown()
         self.sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        self.channel.sock.close()
+        for path in (self.socket_path, self.channel_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

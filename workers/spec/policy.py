@@ -1,54 +1,133 @@
-"""How many draft tokens a decode row carries this step (k, 0 included), with the reason.
+"""How many draft tokens the decode rows carry this step (k, 0 included), with the reason.
 
-Design: a verified draft costs a forward row per draft token whether it is accepted or not. On a
-memory-bound device those rows are nearly free at small batches; on a compute-bound one (a CPU) or
-in a full batch they are not. So k is the configured maximum while the step's batch is small and
-the request's drafts pay, and 0 when the batch already has more than `max_rows` decode rows, when
-the request's running acceptance rate has fallen below `min_acceptance` (rechecked with one probe
-every `probe_every` tokens, so a request whose text turns repetitive recovers), when its grammar or
-reported alternatives need the state of each token before the next is chosen, or when fewer than
-two tokens remain to generate. Trade-off: fixed thresholds instead of the step costs measured per
-device (the issue's full aim): simple and predictable, but a fast GPU would afford more rows.
+Design: a verified draft costs a query token whether it is accepted or not, and what a query token
+costs depends on the device and its load: nearly nothing on a memory-bound GPU at a small batch, its
+full share on a compute-bound CPU or in a full batch. So each step, from the worker's own measured
+step costs (workers/spec/cost.py) and each row's acceptance rate (its own, shrunk toward the
+method's rate while it has few draft tokens), k is the value in 0..max_k that maximizes the expected
+tokens per second: a row accepting each draft with probability a emits 1 + a + ... + a^k tokens in a
+step whose cost is the measured (or extrapolated) cost of its query tokens, against B tokens for the
+plain step's cost. Speculation thus turns itself off in a batch large enough that the extra query
+tokens cost more than they return, and on a device where they are dear. Per row, as before: no
+drafts when at most one token is left, and none while its running acceptance is below
+`min_acceptance` after `WARMUP` draft tokens (one probe every `PROBE_EVERY` tokens, so a request
+whose text turns repetitive recovers). Before a path is measured the policy measures it: a few plain
+steps at each batch size, then speculative steps while the batch has at most `EXPLORE_ROWS` rows,
+and it weighs k only up to twice the query tokens measured, so the measured range grows with the
+batches where speculation is taken; every `REFRESH` steps it takes the path it has not been taking
+(the speculative one only in a batch of at most `EXPLORE_ROWS` rows, where the probe is cheap), so
+both stay current as the load changes. `max_rows` (tests and benchmarks) replaces the measured
+choice with a fixed rule: k = max_k up to `max_rows` decode rows, else 0. Trade-off: one k per step
+for every drafting row (not one per row) and a geometric model of acceptance: a handful of candidate
+values to evaluate per step, at the price of rows whose acceptance differs sharing a k.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from workers.spec.cost import StepCosts
+
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
-DEFAULT_MAX_ROWS = 4  # decode rows above which a step speculates on none
 MIN_ACCEPTANCE = 0.25  # below this running rate (after `WARMUP` draft tokens) a request stops drafting
 WARMUP = 16
 PROBE_EVERY = 16
+EXPLORE_ROWS = 4  # before the speculative path is measured, batches up to this many rows try it
+PLAIN_SAMPLES = 3  # plain steps measured at a batch size before speculating at it
+REFRESH = 64  # every this many steps, the path not taken is measured again
+MIN_GAIN = 1.05  # speculate when the expected tokens/s are at least this many times the plain step's
+PRIOR_RATE, PRIOR_WEIGHT = 0.5, 8  # a row's acceptance before it has draft tokens of its own
 
 
 @dataclass(frozen=True)
 class SpecDecision:
     k: int
     reason: str
+    cause: str = "measured"  # a short name for `/metrics`: measured, measuring, cost, batch, acceptance, length
+
+
+@dataclass(frozen=True)
+class Row:
+    """A decode row as the step's choice sees it: its draft's length and its acceptance estimate."""
+
+    drafts: int  # the most draft tokens it may carry (its own limit)
+    rate: float
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a row emits with k drafts, each accepted with probability `rate` while the ones before were."""
+    return float(k + 1) if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+def row_rate(drafted: int, accepted: int, prior: float) -> float:
+    """A row's acceptance estimate: its own rate, shrunk toward `prior` while it has few draft tokens."""
+    return min(0.99, (accepted + prior * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT))
 
 
 @dataclass(frozen=True)
 class SpecPolicy:
     max_k: int = DEFAULT_NUM_SPECULATIVE_TOKENS
-    max_rows: int = DEFAULT_MAX_ROWS
+    max_rows: int | None = None  # a fixed rule instead of the measured choice (see the module docstring)
     min_acceptance: float = MIN_ACCEPTANCE
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
             raise ValueError(f"`num_speculative_tokens` must be >= 1, got `{self.max_k}`")
 
-    def choose(self, rows: int, drafted: int, accepted: int, remaining: int, generated: int) -> SpecDecision:
-        """k for one decode row: `rows` decode rows in this step, the request's `drafted` and
-        `accepted` draft tokens so far, `remaining` tokens it may still generate, `generated` so far."""
-        if rows > self.max_rows:
-            return SpecDecision(0, f"batch of {rows} decode rows is above {self.max_rows}: verification rows "
-                                   f"would cost more than they save")
+    def row_limit(self, drafted: int, accepted: int, remaining: int, generated: int) -> SpecDecision:
+        """The most drafts one decode row may carry: its `drafted` and `accepted` draft tokens so far,
+        `remaining` tokens it may still generate, `generated` so far."""
         if remaining < 2:
-            return SpecDecision(0, "at most one token left to generate")
+            return SpecDecision(0, "at most one token left to generate", "length")
         if drafted >= WARMUP and accepted < self.min_acceptance * drafted and generated % PROBE_EVERY:
-            return SpecDecision(0, f"acceptance {accepted / drafted:.2f} is below {self.min_acceptance}")
+            return SpecDecision(0, f"acceptance {accepted / drafted:.2f} is below {self.min_acceptance}", "acceptance")
         return SpecDecision(min(self.max_k, remaining - 1), "speculating")
+
+    def choose(self, rows: int, drafting: Sequence[Row], costs: StepCosts, step: int) -> SpecDecision:
+        """k for this step: `rows` decode rows, `drafting` those with drafts proposed, `step` the
+        engine's step count (for the periodic refresh)."""
+        if not drafting:
+            return SpecDecision(0, "no decode row may draft", "acceptance")
+        if self.max_rows is not None:
+            if rows > self.max_rows:
+                return SpecDecision(0, f"batch of {rows} decode rows is above {self.max_rows}", "batch")
+            return SpecDecision(self.max_k, f"at most {self.max_rows} decode rows: k = {self.max_k}")
+        if costs.samples("plain", rows) < PLAIN_SAMPLES:
+            return SpecDecision(0, f"measuring the plain step at {rows} decode rows", "measuring")
+        top = max(r.drafts for r in drafting)
+        refresh = step % REFRESH == 0
+        if costs.sizes("spec") < 2:
+            if rows <= EXPLORE_ROWS:
+                return SpecDecision(top, f"measuring the speculative step at {rows} decode rows", "measuring")
+            return SpecDecision(0, f"speculative step not measured yet and {rows} decode rows are above "
+                                   f"{EXPLORE_ROWS}", "batch")
+        reach = 2 * costs.largest("spec")  # the line is trusted up to here
+        sizes = {k: rows + sum(min(k, r.drafts) for r in drafting) for k in range(1, top + 1)}
+        if sizes[1] > reach:
+            return SpecDecision(0, f"speculative step measured up to {reach // 2} query tokens, not near "
+                                   f"{sizes[1]}", "batch")
+        plain = costs.estimate("plain", rows).seconds
+        best_k, best_gain, best = 0, 1.0, None
+        for k in (k for k in sizes if sizes[k] <= reach):
+            ks = [min(k, r.drafts) for r in drafting]
+            spec = costs.estimate("spec", sizes[k]).seconds
+            tokens = rows - len(drafting) + sum(expected_tokens(r.rate, n) for r, n in zip(drafting, ks, strict=True))
+            gain = (tokens / spec) / (rows / plain)
+            if gain > best_gain:
+                best_k, best_gain, best = k, gain, (tokens, spec)
+        if best_k and best_gain >= MIN_GAIN:
+            if refresh:
+                return SpecDecision(0, "refreshing the plain step's cost", "measuring")
+            tokens, spec = best
+            return SpecDecision(best_k, f"k={best_k}: {tokens:.2f} tokens expected from {rows} decode rows in "
+                                        f"{spec * 1e3:.2f} ms against {rows} in {plain * 1e3:.2f} ms plain "
+                                        f"({best_gain:.2f}x tokens/s)")
+        if refresh and rows <= EXPLORE_ROWS:  # a small batch: the probe costs little
+            return SpecDecision(top, "refreshing the speculative step's cost", "measuring")
+        mean = sum(r.rate for r in drafting) / len(drafting)
+        return SpecDecision(0, f"no k pays {MIN_GAIN}x at {rows} decode rows (acceptance {mean:.2f}, plain step "
+                               f"{plain * 1e3:.2f} ms; best {best_gain:.2f}x)", "cost")
 
 
 def ineligible(params, has_grammar: bool) -> str | None:

@@ -33,7 +33,8 @@ async def health(request: Request):
                          engine=EngineLiveness(pending=live.pending, last_step_age_s=round(live.last_step_age_s, 3),
                                                steps=live.steps),
                          capacity=engine.kv_now(), compile=ctx.info.compile,
-                         loras=describe_loras(engine.loras, engine.lora_load), speculative=engine.speculation())
+                         loras=describe_loras(engine.loras, engine.lora_load), speculative=engine.speculation(),
+                         preparing=ctx.info.preparing or [], fallbacks=ctx.info.fallbacks or {})
     return JSONResponse(body.model_dump(mode="json"), status_code=200 if ok else 503)
 
 
@@ -45,7 +46,8 @@ async def capability(request: Request):
     now = info.model_copy(update={"pid": os.getpid(), "load": Load(running=running, queued=queued),
                                   "capacity": {**info.capacity, **engine.kv_now()},
                                   "speculative": engine.speculation()})
-    absent = {name for name in ("deterministic", "pipeline", "speculative") if getattr(now, name) is None}
+    absent = {name for name in ("deterministic", "pipeline", "speculative", "preparing", "fallbacks")
+              if getattr(now, name) is None}
     return now.model_dump(mode="json", exclude=absent or None)
 
 

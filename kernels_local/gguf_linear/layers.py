@@ -1,0 +1,86 @@
+"""Kernel layers for a GGUF linear layer: the blocks' GEMV / GEMM with each architecture's tuning.
+
+Stateless (`kernels` layer rules): only `forward(self, x)`, reading from the module it replaces:
+`execution` ("packed" | "dequantized", set at load from the device's GGUF rule), and for packed
+the GGUF tensor's bytes `qweight` (uint8 [N, K / QK * TYPE_SIZE]) with their type `gguf_type`, or
+`weight` [N, K] when dequantized, and `bias`. The Triton layers refuse a module loaded for another
+execution, except a module dequantized at load (the named fallback of a tensor no kernel reads, on
+any device), which every layer runs as a plain matmul. On CPU tensors the Triton layers take the
+torch reference. `COMPILE_SPECS` names, per Triton layer, the launches its forward can make with the
+tuning its forward passes. The trade-off: one decoder and four tunings; a layer per tuning keeps
+the choice a kernel mapping entry, as for the 4-bit layers.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from .gguf_linear import ROCM, SM70, SM80, SM90, GGUFLinearTuning, compile_specs, gguf_linear
+from .reference import gguf_linear_reference
+
+
+def _run(module: nn.Module, x: torch.Tensor, tuning: GGUFLinearTuning | None) -> torch.Tensor:
+    execution = getattr(module, "execution", None)
+    if execution == "dequantized":
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    if execution != "packed":
+        raise TypeError(f"GGUF layer got a module loaded for `{execution}`; it runs `packed` or `dequantized`")
+    if tuning is None:
+        return gguf_linear_reference(x, module.qweight, module.gguf_type, module.bias)
+    return gguf_linear(x, module.qweight, module.gguf_type, module.bias, tuning=tuning)
+
+
+class GGUFLinear(nn.Module):
+    """Torch (CPU, CUDA below sm_70): a plain matmul on weights dequantized at load; packed blocks
+    (where a module holds them) are decoded per call by the reference."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self, x, None)
+
+
+class GGUFLinearTritonSm70(nn.Module):
+    """Volta and Turing (sm_70..sm_79): blocks decoded in registers, GEMM tiles of at most 32 rows."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self, x, SM70)
+
+
+class GGUFLinearTritonSm80(nn.Module):
+    """Ampere and Ada (sm_80..sm_89): blocks decoded in registers, 64-row GEMM tiles."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self, x, SM80)
+
+
+class GGUFLinearTritonSm90(nn.Module):
+    """Hopper and Blackwell (sm_90, sm_100, sm_103, sm_120): wider GEMM tiles, eight warps."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self, x, SM90)
+
+
+class GGUFLinearTritonRocm(nn.Module):
+    """CDNA (gfx90a, gfx942, gfx950): 64-lane wavefronts, two stages."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self, x, ROCM)
+
+
+# Ahead-of-time compile specs of each Triton layer: `spec(workload) -> (CompileSpec, ...)`.
+COMPILE_SPECS = {
+    "GGUFLinearTritonSm70": partial(compile_specs, SM70),
+    "GGUFLinearTritonSm80": partial(compile_specs, SM80),
+    "GGUFLinearTritonSm90": partial(compile_specs, SM90),
+    "GGUFLinearTritonRocm": partial(compile_specs, ROCM),
+}

@@ -1,0 +1,45 @@
+"""The GGUF rule per device and what a worker says it does with a file's blocks (workers/gguf/execution.py).
+
+The rule keeps the blocks packed on CUDA from sm_70 and on ROCm (kernels_local/gguf_linear) and
+dequantizes them at load below sm_70 and on the CPU, each with its reason; the description of a
+served file names what the loader did (today: dequantized at load on every device) beside the rule,
+and counts the file's bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.gguf.execution import DEQUANTIZED, KERNEL, PACKED, gguf_execution, gguf_rule
+
+pytest.importorskip("gguf")
+
+
+@pytest.mark.parametrize(("device", "cap", "execution", "where"), [
+    ("cpu", None, DEQUANTIZED, "CPU"), ("cuda", (6, 1), DEQUANTIZED, "sm_61"), ("cuda", (7, 0), PACKED, "sm_70"),
+    ("cuda", (8, 6), PACKED, "sm_86"), ("cuda", (12, 0), PACKED, "sm_120"), ("rocm", (9, 4), PACKED, "ROCm"),
+])  # fmt: skip
+def test_the_rule_per_device_with_its_reason(device, cap, execution, where):
+    """Guards the rule's threshold (`FIRST_PACKED_CUDA`) and its ROCm branch: sm_61 dequantizes, sm_70 keeps
+    the blocks packed, ROCm too."""
+    rule = gguf_rule(device, cap)
+    assert rule.execution == execution and rule.reason.startswith(f"{where}: ")
+    assert rule.kernel == (KERNEL if execution == PACKED else None)
+    if device == "cpu":
+        assert "no measured CPU kernel" in rule.reason
+
+
+def test_a_served_file_says_what_the_loader_did_beside_its_devices_rule(tmp_path):
+    from tests.gguf_checkpoints import make_gguf
+    from workers.gguf.prepare import prepare
+
+    directory = prepare(make_gguf("llama", "Q8_0", tmp_path), tmp_path / "cache")
+    for device, cap, execution in (("cpu", None, DEQUANTIZED), ("sm_86", None, PACKED), ("cuda", (6, 1), DEQUANTIZED),
+                                   ("gfx942", None, PACKED), ("cuda", (9, 0), PACKED)):  # fmt: skip
+        described = gguf_execution(directory, torch.float32, device, cap)
+        assert described["execution"] == "dequantized at load to float32", described
+        assert described["rule"]["execution"] == execution, (device, described)
+        assert ("the loader does not hold GGUF blocks" in described["reason"]) == (execution == PACKED)
+        assert set(described["types"]) == {"F32", "Q8_0"}
+        assert 0 < described["packed_bytes"] < described["resident_bytes"]
+    assert gguf_execution(tmp_path, torch.float32, "cpu") is None  # no prepared GGUF directory
