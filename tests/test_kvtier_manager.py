@@ -4,8 +4,9 @@ fake tier holding blocks by hash stands for workers/kvtier/tier.py `HostTier`.""
 from __future__ import annotations
 
 from tests.test_kv_cache import BS, FakeSeq
-from workers.kv.hashing import partial_key, root_hash
+from workers.kv.hashing import root_hash
 from workers.kv.manager import KVCacheManager
+from workers.kvtier.format import partial_key
 
 
 class FakeTier:

@@ -30,10 +30,3 @@ def chain_hashes(root: bytes, token_ids: Sequence[int], block_size: int, known: 
     for i in range(len(known), len(token_ids) // block_size):
         known.append(block_hash(known[-1] if known else root, token_ids[i * block_size : (i + 1) * block_size]))
     return known
-
-
-def partial_key(parent: bytes) -> bytes:
-    """The key of the partly filled block that follows the full block `parent` (the root for a
-    first block) in the host tier (workers/kvtier/tier.py): one per parent, the tokens it holds
-    stored with it, since a lookup does not know how many a sequence had computed there."""
-    return hashlib.sha256(b"partial block after\x1f" + parent).digest()

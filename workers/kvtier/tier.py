@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 
 from workers.contract import KV_HOST_SHARE, WorkerConfig
-from workers.kv.hashing import partial_key
-from workers.kvtier.format import KVFormat, format_of, model_fingerprint, unsupported
+from workers.kvtier.format import KVFormat, format_of, model_fingerprint, partial_key, unsupported
 from workers.kvtier.store import TierStore, default_budget
 from workers.kvtier.writer import TierWriter
 
