@@ -12,6 +12,9 @@ same requests alternately, one request at a time, and print side by side:
   (b) prompt tokens computed over the later turns;
   (c) a conversation continued on a second engine of the same format (another worker): prompt
       tokens it computes, with the tier and without.
+  (d) two requests of `--first-tokens` + 128 generated tokens on an engine holding one and a half
+      of them: the step that resumes a preempted one, by recompute (no tier) and by swap (the
+      tier), and the tokens each recomputes.
 Every request's tokens are checked equal on both sides.
 """
 
@@ -59,10 +62,10 @@ def parse_args(argv=None):
 class Side:
     """One engine (with or without the tier) and what it computed."""
 
-    def __init__(self, lm, blocks: int, block: int, tier_dir: str | None):
+    def __init__(self, lm, blocks: int, block: int, tier_dir: str | None, sequences: int = 1):
         pool = KVPool.for_config(lm.config, blocks, block, lm.dtype, "cpu")
         root = root_hash(lm.model_id, lm.dtype, "none", block)
-        config = SchedulerConfig(1, lm.config.context_length, blocks, block, 1024, True, cache_root=root)
+        config = SchedulerConfig(sequences, lm.config.context_length, blocks, block, 1024, True, cache_root=root)
         self.engine = Engine(ModelRunner(lm.model, pool, "cpu"), Scheduler(config), lm.tokenizer, max_queue=4)
         self.tier = None
         if tier_dir is not None:
@@ -90,6 +93,26 @@ class Side:
         if self.tier is not None:
             self.tier.flush()  # the writer's work: off the request's path, not timed
         return ttft, [e.token_id for e in stream.events]
+
+
+def resume_times(side: Side, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], list[list[int]]]:
+    """Serve `prompts` together on an engine too small for all of them (preemptions follow): the
+    duration of each step that took a preempted sequence back, and every request's tokens."""
+    engine, sched = side.engine, side.engine.scheduler
+    streams = [engine.submit(ids, SamplingParams.create(max_new_tokens=new_tokens, ignore_eos=True)) for ids in prompts]
+    times = []
+    while True:
+        resuming = bool(sched.waiting) and sched.waiting[0].computed_at_preemption > 0
+        t0 = time.perf_counter()
+        if not engine.step():
+            break
+        if resuming and sched.waiting and sched.waiting[0].computed_at_preemption > 0:
+            resuming = False  # it did not fit yet
+        if resuming:
+            times.append(time.perf_counter() - t0)
+    if side.tier is not None:
+        side.tier.flush()
+    return times, [[e.token_id for e in s.events] for s in streams]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -140,6 +163,19 @@ def run(args, tier_dir: str) -> int:
     _, out_a = alone.serve(turn_ids, args.new_tokens)
     if out_s != out_a:
         raise SystemExit("the second engine's tokens differ with the tier")
+    # (d) two long requests on a pool that holds one and a half of them: one is preempted and resumed
+    swap_blocks = 3 * -(-(args.first_tokens + 128) // bs) // 2
+    swap_ids = [text_ids(lm.tokenizer, args.first_tokens, f"swap{i}") for i in range(2)]
+    by_recompute, by_swap = Side(lm, swap_blocks, bs, None, 2), Side(lm, swap_blocks, bs, tier_dir, 2)
+    t_rec, out_r = resume_times(by_recompute, swap_ids, 128)
+    t_swap, out_s = resume_times(by_swap, swap_ids, 128)
+    if out_r != out_s:
+        raise SystemExit("a sequence resumed by swap gave other tokens than one resumed by recompute")
+    swap_row = (f"| (d) a preempted sequence's resume step, median of {len(t_rec)} / {len(t_swap)} | "
+                f"{statistics.median(t_rec) * 1e3:.1f} ms | {statistics.median(t_swap) * 1e3:.1f} ms | "
+                f"{statistics.median(t_rec) / statistics.median(t_swap):.2f}x lower | |" if t_rec and t_swap
+                else "| (d) no preemption happened | | | | |")
+    recomputed = (by_recompute.engine.scheduler.num_recomputed_tokens, by_swap.engine.scheduler.num_recomputed_tokens)
     p50 = (statistics.median(ttft["plain"]), statistics.median(ttft["tier"]))
     p99 = (pct(ttft["plain"], 0.99), pct(ttft["tier"], 0.99))
     print("| measure | without tier | with tier | ratio | target |")
@@ -151,10 +187,12 @@ def run(args, tier_dir: str) -> int:
           f"{later['plain'] / max(1, later['tier']):.1f}x fewer | |")
     print(f"| (c) a conversation continued on a second engine ({len(turn_ids)} tokens): prompt tokens computed | "
           f"{alone.prefill} | {second.prefill} | {alone.prefill / max(1, second.prefill):.1f}x fewer | |")
+    print(swap_row)
+    print(f"| (d) the same: tokens recomputed on resume | {recomputed[0]} | {recomputed[1]} | | |")
     d = tiered.tier.describe()
     print(f"tier: {d['blocks_written']} blocks written, {d['blocks_loaded']} loaded, {d['used_bytes']} bytes; "
           "every request's tokens equal on both sides")
-    for side in (tiered, second):
+    for side in (tiered, second, by_swap):
         side.tier.close()
     return 0
 

@@ -60,6 +60,8 @@ def test_the_workers_share_one_tier_and_the_second_continues_the_firsts_conversa
     assert on_second == on_first
     loaded = router.wait_for(lambda: _tier(router, "gpu1")["blocks_loaded"], timeout=20)
     assert loaded >= 4, _tier(router, "gpu1")
+    for wid, other in (("gpu0", "gpu1"), ("gpu1", "gpu0")):  # the router knows who shares a tier
+        assert router.worker(wid)["routing"]["host_tier"]["shared_with"] == [other]
 
 
 def test_a_stopped_server_removes_its_tier_and_a_killed_ones_is_swept_at_the_next_start():

@@ -174,3 +174,31 @@ def test_checkpoints_sharing_a_name_or_other_numerics_get_other_keys(lm, tmp_pat
     assert key(dirs[0]) != key(dirs[1])
     assert key(dirs[0]) != key(dirs[0], WorkerConfig(socket="s", kv_host_dir=config.kv_host_dir,
                                                      kv_host_bytes=1 << 20, deterministic=True))
+
+
+def run_together(engine: Counted, prompts: list[list[int]], new: int) -> list[list[int]]:
+    streams = [engine.engine.submit(ids, SamplingParams.create(max_new_tokens=new, ignore_eos=True)) for ids in prompts]
+    while engine.engine.step():
+        pass
+    return [[e.token_id for e in s.events] for s in streams]
+
+
+def test_a_preempted_sequence_is_swapped_to_the_tier_and_resumed_without_recompute(lm, tmp_path):
+    """Guards the scheduler's `swap_out` before a preemption's `free`: two sequences outgrow the
+    device pool together, the newer one is preempted, and it resumes from the tier with every
+    computed token (the last, partly filled block too) instead of recomputing them."""
+    ids = lm.tokenizer.encode(" ".join(TOPICS)).ids
+    prompts = [ids[:30], ids[30:58]]  # the older one needs a block while the newer's last is part full
+    new = 40  # 30 + 40 and 28 + 40 positions > the pool's 96
+    alone = Counted(lm)
+    reference = [run_together(alone, [p], new)[0] for p in prompts]
+    plain, tiered = Counted(lm), Counted(lm, tmp_path)
+    assert run_together(plain, prompts, new) == reference
+    assert run_together(tiered, prompts, new) == reference
+    for side in (plain, tiered):
+        assert side.engine.scheduler.num_preemptions > 0
+    assert plain.engine.scheduler.num_recomputed_tokens > 0, "without the tier the resume recomputes"
+    s = tiered.engine.scheduler
+    assert s.num_swapped_out == s.num_preemptions
+    assert s.num_recomputed_tokens == 0, "every token it had computed came back from the device or the tier"
+    assert tiered.tier.describe()["partial_blocks_loaded"] > 0

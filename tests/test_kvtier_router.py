@@ -80,3 +80,28 @@ def test_kv_host_bytes_reaches_every_worker_with_the_runs_tier(tmp_path):
 def test_a_negative_budget_is_refused_naming_the_flag():
     with pytest.raises(UsageError, match=r"`--kv-host-bytes -1` must be >= 0"):
         _settings("--kv-host-bytes", "-1")
+
+
+def test_a_conversation_continues_on_a_worker_sharing_the_host_tier_of_the_one_that_held_it():
+    """Guards `Router._held_tokens`' tier term: when the worker holding a conversation cannot take
+    its next turn, the worker that shares its host KV tier counts the prefix as held (at
+    `TIER_HIT_WEIGHT`) and wins over a worker that would recompute it; `/workers` says who shares."""
+    from server.config.routing import TIER_HIT_WEIGHT
+    from server.routing.router import Router
+    from tests.test_routing_policy import CHUNK, _handles, _send, _text
+    from workers.contract import WorkerState
+
+    router, hs = Router(), _handles()
+    tier = {"enabled": True, "directory": "/dev/shm/hetserve-kv-x/abc", "format_key": "abc"}
+    for h in (hs[0], hs[2]):  # gpu0 and gpu2 share a tier; gpu1 has none
+        h.info.capacity["kv_host_tier"] = dict(tier)
+    history = _text(6, "conversation")
+    first = _send(router, hs, {"inputs": history})
+    assert first.worker is hs[0]
+    first.end()
+    hs[0].state = WorkerState.UNHEALTHY
+    later = _send(router, hs, {"inputs": history + _text(2, "turn2")})
+    assert later.worker is hs[2], "without the tier gpu1 would win the tie (fewer picks, lower id)"
+    assert later.route.header == f"prefix:{int(TIER_HIT_WEIGHT * 6 * CHUNK / 4.0)}"
+    assert router.snapshot(hs[2])["host_tier"] == {"shared_with": ["gpu0"], "prefix_chunks": 8}
+    assert "host_tier" not in router.snapshot(hs[1])

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from workers.kvtier.store import TierStore, default_budget
+from workers.kvtier.store import HEADER_BYTES, TierStore, default_budget
 
 KEY_A, KEY_B = b"a" * 32, b"b" * 32
 
@@ -30,7 +30,7 @@ def test_a_block_written_is_read_back_and_counted(tmp_path):
 
 
 def test_a_corrupted_block_is_refused_and_deleted(tmp_path):
-    """Guards the checksum check in `TierStore._check`: a flipped payload byte must not be served."""
+    """Guards the checksum check in `TierStore._read`: a flipped payload byte must not be served."""
     store = TierStore(tmp_path, 1 << 20, KEY_A)
     store.put(h(1), b"0123456789")
     path = store.path(h(1))
@@ -72,7 +72,7 @@ def test_a_block_under_another_chains_name_is_refused(tmp_path):
 def test_the_budget_evicts_the_least_recently_used_blocks_across_stores(tmp_path):
     """Two stores (two workers) share one budget; a block read recently outlives older ones."""
     payload = b"x" * 1000
-    size = len(payload) + 112  # the header
+    size = len(payload) + HEADER_BYTES
     a = TierStore(tmp_path, 4 * size, KEY_A)
     for i in range(3):
         assert a.put(h(i), payload)

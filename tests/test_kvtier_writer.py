@@ -8,7 +8,7 @@ from workers.kvtier.writer import TierWriter
 
 
 def test_a_full_queue_drops_the_block_instead_of_waiting_and_a_queued_one_is_readable():
-    """Guards `put_nowait` in `TierWriter.submit`: a blocking put would stall the engine step."""
+    """Guards the capacity check in `TierWriter.submit`: a blocking put would stall the engine step."""
     gate, taken, stored = threading.Event(), threading.Event(), {}
 
     def put(h, payload):
@@ -43,3 +43,17 @@ def test_a_failing_write_loses_one_block_not_the_writer():
     writer.submit(b"good", b"y")
     writer.close()
     assert calls == [b"bad", b"good"]
+
+
+def test_blocks_queued_during_a_step_wait_for_its_end():
+    """Guards `if wake:` in `TierWriter.submit`: blocks cached mid-step are written only once the
+    step ends (`wake`), so the thread does not contend with the step for the interpreter."""
+    stored = []
+    writer = TierWriter(lambda h, payload: stored.append(h) or True)
+    assert writer.submit(b"a", b"1", wake=False)
+    threading.Event().wait(0.3)
+    assert stored == [] and writer.peek(b"a") == b"1", "queued, readable, not written yet"
+    writer.wake()
+    writer.flush()
+    assert stored == [b"a"] and writer.peek(b"a") is None
+    writer.close()

@@ -24,6 +24,9 @@ POLICIES = (CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN)
 DEFAULT_LOAD_FACTOR = 1.1  # bounded loads (server/routing/policy.py `bounded_load`)
 DEFAULT_CHUNK_CHARS = 64  # characters per prefix chunk of text (a few tokens short of a KV block of 16)
 DEFAULT_MAX_CHUNKS = 8192  # prefix chunks remembered per worker: 512 Ki characters, about 150 Ki tokens
+# A prefix held in the host KV tier a worker shares (workers/kvtier/) counts this share of its
+# tokens as held: copied in, not recomputed, but read and copied rather than found in place.
+TIER_HIT_WEIGHT = 0.8
 
 
 @dataclass(frozen=True)

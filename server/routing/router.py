@@ -20,7 +20,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-from server.config.routing import CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN, RoutingConfig
+from server.config.routing import CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN, TIER_HIT_WEIGHT, RoutingConfig
 from server.fleet.handle import WorkerHandle
 from server.routing.filter import Constraints
 from server.routing.lora_affinity import AdapterSlots, adapter_pool
@@ -94,6 +94,7 @@ class Router:
         self._inflight: dict[str, list[float]] = {}  # worker id -> [prompt tokens to compute, new tokens, all tokens]
         self._inflight_keys: dict[str, Counter[int]] = {}  # worker id -> prefix keys of its requests in flight
         self._generation: dict[str, int] = {}  # the process whose cache the index describes
+        self._tier_of: dict[str, str] = {}  # worker id -> its host KV tier (an index entry of its own)
         self._lora_inflight: dict[str, Counter[str]] = {}  # worker id -> requests in flight per LoRA adapter
         self._last_turn: str | None = None  # round-robin
 
@@ -163,8 +164,28 @@ class Router:
             chunks = self.index.match(req.keys, h.id)
             sharing = self._inflight_keys.get(h.id, {}).get(req.keys[chunks - 1], 0) if chunks else 0
             out.append(Candidate(h.id, h.outstanding, h.picks, prompt, new, tokens, speeds[h.id] or fallback,
-                                 self._matched_tokens(req, chunks), self._kv_free(h), sharing))
+                                 self._held_tokens(req, h, chunks), self._kv_free(h), sharing))
         return out
+
+    def _held_tokens(self, req: RouteRequest, h: WorkerHandle, chunks: int) -> int:
+        """Prompt tokens the worker likely holds: the `chunks` on its device, and past them what its
+        host KV tier holds (sent to any worker sharing it), at `TIER_HIT_WEIGHT`."""
+        device = self._matched_tokens(req, chunks)
+        tier = self._tier(h)
+        beyond = self._matched_tokens(req, self.index.match(req.keys, tier)) - device if tier else 0
+        return device + int(TIER_HIT_WEIGHT * beyond) if beyond > 0 else device
+
+    def _tier(self, h: WorkerHandle) -> str | None:
+        """The index entry of the host KV tier the worker reads (`capacity.kv_host_tier`: its
+        directory, one per model and KV format), None without one."""
+        capacity = {**(h.info.capacity if h.info is not None else {}), **h.live_capacity}
+        t = capacity.get("kv_host_tier")
+        tier = f"tier:{t['directory']}" if isinstance(t, dict) and t.get("enabled") and t.get("directory") else None
+        if tier is None:
+            self._tier_of.pop(h.id, None)
+        else:
+            self._tier_of[h.id] = tier
+        return tier
 
     def _fitting(self, free: list[WorkerHandle], req: RouteRequest) -> list[WorkerHandle]:
         """Those whose longest request (`capacity.max_seq_len`: the context, or a smaller KV
@@ -204,7 +225,7 @@ class Router:
         """The request goes to `worker`: count it, record its prefix there, and return its ticket."""
         self._check_generation(worker)
         prompt = self._prompt_tokens(req)
-        held = min(self._matched_tokens(req, self.index.match(req.keys, worker.id)), prompt)
+        held = min(self._held_tokens(req, worker, self.index.match(req.keys, worker.id)), prompt)
         ticket = Ticket(self, worker, route, req.keys, prompt - held, req.new_tokens, prompt + req.new_tokens,
                         req.lora)
         if req.lora is not None:
@@ -217,6 +238,9 @@ class Router:
         load[2] += ticket.tokens
         self._inflight_keys.setdefault(worker.id, Counter()).update(req.keys)
         self.index.record(req.keys, worker.id, self._chunks_held(worker, req))
+        tier = self._tier(worker)
+        if tier is not None:  # its blocks are written through to the tier every worker of the group reads
+            self.index.record(req.keys, tier)
         self.telemetry.sent(worker.id, req.chars, req.ids)
         key = (worker.id, route.reason)
         self.decisions[key] = self.decisions.get(key, 0) + 1
@@ -251,6 +275,7 @@ class Router:
     def observe(self, h: WorkerHandle, text: str | None) -> None:
         """One `/metrics` sample of a worker (None when it did not answer)."""
         self.telemetry.observe(h.id, h.pid, text)
+        self._tier(h)  # which workers share a host KV tier, as `/workers` shows it
 
     def inflight(self, worker_id: str) -> tuple[float, float, float]:
         """(prompt tokens to compute, new tokens, all tokens) in flight on the worker."""
@@ -265,9 +290,20 @@ class Router:
             "speed": None if speed is None else speed_entry(speed),
             "inflight_tokens": {"to_prefill": round(prompt), "new": round(new), "total": round(tokens)},
             "prefix_chunks": self.index.size(h.id),
+            **self._tier_entry(h),
             "kv_free_tokens": self._kv_free(h),
             "decisions": {reason: n for (wid, reason), n in sorted(self.decisions.items()) if wid == h.id},
         }
+
+
+    def _tier_entry(self, h: WorkerHandle) -> dict:
+        """`/workers` `routing.host_tier`: the workers sharing its host KV tier, the prefix chunks
+        the router counts there."""
+        tier = self._tier(h)
+        if tier is None:
+            return {}
+        return {"host_tier": {"shared_with": sorted(w for w, t in self._tier_of.items() if t == tier and w != h.id),
+                              "prefix_chunks": self.index.size(tier)}}
 
 
 def _kv_tokens(h: WorkerHandle) -> int | None:

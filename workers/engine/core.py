@@ -331,6 +331,8 @@ class Engine:
         if self.speculator is not None and self.speculator.enabled:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.host_tier is not None:  # the blocks cached so far are written while this step computes or idles
+            self.host_tier.write_behind()
         if out.is_empty:
             return 0
         if self.speculator is not None and self.speculator.drafted(out):

@@ -8,9 +8,10 @@ newly admitted sequences (FCFS) from their cached prefix; a prompt longer than t
 cut into chunks, so it never holds the others' decodes back for more than one step. A sequence
 that needs a block when none is free preempts the newest running sequences (or itself): their
 blocks are freed, full ones left cached, and they are recomputed later from the front of the
-queue. Trade-off: recomputation instead of refusal or swapping costs compute under memory
-pressure, but the oldest sequence always progresses and only a request that could never fit is
-refused."""
+queue; with a host KV tier (workers/kvtier/) their blocks, the partly filled last one too, are
+swapped out to it first and read back on resume instead of recomputed. Trade-off: recomputation
+instead of refusal costs compute under memory pressure where no tier is, but the oldest sequence
+always progresses and only a request that could never fit is refused."""
 
 from __future__ import annotations
 
@@ -106,6 +107,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: oldest first
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_swapped_out = 0  # preemptions whose blocks went to the host tier (workers/kvtier/)
+        self.num_recomputed_tokens = 0  # tokens preempted sequences had computed and computed again
 
     def _init_kv(self) -> None:
         c = self.config
@@ -235,6 +238,9 @@ class Scheduler:
             self.running.append(seq)
             cached += admission.cached_tokens
             queried += admission.queried_tokens
+            if seq.computed_at_preemption:  # a resume: what neither the device nor the host tier held
+                self.num_recomputed_tokens += max(0, seq.computed_at_preemption - admission.cached_tokens)
+                seq.computed_at_preemption = 0
             n = min(seq.num_tokens - seq.num_computed, budget)
             chunks.append(self._chunk(seq, n))
             budget -= n
@@ -291,7 +297,10 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
-        """Free a running sequence's blocks and requeue it first; it keeps its tokens."""
+        """Free a running sequence's blocks (swapped to the host tier first, where there is one) and
+        requeue it first; it keeps its tokens."""
+        self.num_swapped_out += self.kv.swap_out(seq)
+        seq.computed_at_preemption = seq.num_computed
         self.kv.free(seq)
         self.running.remove(seq)
         seq.num_computed, seq.status = 0, WAITING

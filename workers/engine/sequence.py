@@ -29,7 +29,7 @@ class Sequence:
         "uid", "request_id", "prompt_ids", "params", "output_ids", "logprobs", "num_computed", "status",
         "finish_reason", "generator", "seed", "arrival_time", "first_token_time", "detok", "stream",
         "block_ids", "group_tables", "held_from", "block_hashes", "num_cached_blocks", "num_preemptions", "grammar",
-        "prompt_logprobs",
+        "prompt_logprobs", "computed_at_preemption",
         "cache_root", "rope_len", "state_slot", "lora", "draft_ids", "spec_drafted", "spec_accepted",
     )
 
@@ -55,6 +55,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks, computed once
         self.num_cached_blocks = 0
         self.num_preemptions = 0
+        self.computed_at_preemption = 0  # tokens it had in the cache when last preempted (until resumed)
         self.grammar = None  # this request's grammar matcher (structured output), advanced per token
         self.prompt_logprobs: list | None = None  # (token id, logprob, top) per prompt token, when asked
         self.cache_root: bytes | None = None  # its blocks' hash root when it differs from the model's

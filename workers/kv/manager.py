@@ -14,6 +14,7 @@ to one dictionary lookup per block."""
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,8 +28,9 @@ class HostTierHooks(Protocol):
     """The host tier's side of a prefix lookup (workers/kvtier/tier.py `HostTier`)."""
 
     def cached(self, block: int, chain_hash: bytes) -> None: ...
-    def fetch(self, hashes: list[bytes]) -> list: ...
-    def load(self, blocks: list[int], payloads: list) -> None: ...
+    def fetch(self, hashes: list[bytes], parent: bytes | None = None) -> tuple[Sized, list[int]]: ...
+    def load(self, blocks: list[int], payloads: Sized) -> None: ...
+    def partial(self, block: int, parent: bytes, tokens: list[int]) -> None: ...
 
 
 class KVSequence(Protocol):
@@ -115,8 +117,9 @@ class KVCacheManager:
             return None
         tokens = seq.token_ids()
         hits = self._prefix_hits(seq, tokens, max_cached)
-        host = self._host_hits(seq, tokens, max_cached, len(hits[0]))  # the chain's next blocks, from the host
-        cached = (len(hits[0]) + len(host)) * self.block_size
+        host, tail = self._host_hits(seq, tokens, max_cached, len(hits[0]))  # the chain's next blocks, from the host
+        full = len(host) - (tail > 0)  # host payloads holding full blocks (a partial block comes last)
+        cached = (len(hits[0]) + full) * self.block_size + tail
         num_new = min(num_new, len(tokens) - cached)
         fresh = self.blocks_for(cached + num_new) - len(hits[0])
         for g, pool in enumerate(self.pools):
@@ -129,14 +132,14 @@ class KVCacheManager:
             held = [b for b in hits[g] if b is not None]
             pool.share(held)
             tables.append([0] * (len(hits[g]) - len(held)) + held + pool.allocate(fresh))
-        if host:  # copied in rather than computed, then indexed like any computed block
+        if len(host):  # copied in rather than computed, full blocks indexed like any computed block
             loaded = tables[0][len(hits[0]) : len(hits[0]) + len(host)]
             self.tier.load(loaded, host)
-            for block, h in zip(loaded, seq.block_hashes[len(hits[0]):], strict=False):
+            for block, h in zip(loaded[:full], seq.block_hashes[len(hits[0]):], strict=False):
                 self.pool.register(block, h)
         seq.block_ids, seq.group_tables = tables[0], tables[1:]
         seq.held_from = [len(h) - sum(b is not None for b in h) for h in hits]
-        seq.num_cached_blocks = len(hits[0]) + len(host)
+        seq.num_cached_blocks = len(hits[0]) + full
         seq.num_computed = cached
         if self.states is not None:
             seq.state_slot = self.states.take()
@@ -178,8 +181,34 @@ class KVCacheManager:
                 self.pools[g].release(table[start:end])
                 seq.held_from[g] = end
 
+    def swap_out(self, seq: KVSequence) -> bool:
+        """Before a preemption frees `seq`'s blocks: every computed full block in the host tier (they
+        were written through as they filled, unless the writer dropped one); `free` then writes the
+        last, partly filled one, so that the resume reads them all back instead of recomputing
+        them. False without a tier."""
+        if self.tier is None or not self.prefix_caching or seq.num_computed == 0:
+            return False
+        full = seq.num_computed // self.block_size
+        chain_hashes(self._root(seq), seq.token_ids()[: full * self.block_size], self.block_size, seq.block_hashes)
+        for i in range(full):
+            self.tier.cached(seq.block_ids[i], seq.block_hashes[i])
+        return True
+
+    def _write_partial(self, seq: KVSequence) -> None:
+        """The sequence's last, partly filled block to the host tier, with the tokens it holds
+        (a finished turn's last generated tokens, a preempted sequence's last ones): the next turn
+        of the conversation, or the resume, reads it back instead of recomputing them."""
+        full, n = divmod(seq.num_computed, self.block_size)
+        if self.tier is None or not self.prefix_caching or n == 0 or len(seq.block_ids) <= full:
+            return
+        tokens = seq.token_ids()
+        chain_hashes(self._root(seq), tokens[: full * self.block_size], self.block_size, seq.block_hashes)
+        parent = seq.block_hashes[full - 1] if full else self._root(seq)
+        self.tier.partial(seq.block_ids[full], parent, tokens[full * self.block_size : seq.num_computed])
+
     def free(self, seq: KVSequence) -> None:
         """Drop the sequence's blocks, last first: its cached prefix outlives its tail."""
+        self._write_partial(seq)
         for g, pool in enumerate(self.pools):
             table = self._table(seq, g)
             start = seq.held_from[g] if g < len(seq.held_from) else 0
@@ -211,12 +240,27 @@ class KVCacheManager:
         its tokens (a prompt whose length changes its rotation: workers/model/rope.py)."""
         return getattr(seq, "cache_root", None) or self.root
 
-    def _host_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None, start: int) -> list:
-        """The host tier's payloads of the blocks after the device's `start` cached ones (one group only)."""
+    def _host_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None, start: int) -> tuple:
+        """The host tier's payloads of the blocks after the device's `start` cached ones (one group
+        only), the last of them possibly the partly filled block after the last full hit; and how
+        many of the prompt's tokens that partial block gives (0: every payload is a full block)."""
         if self.tier is None or not self.prefix_caching:
-            return []
-        limit = (len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)) // self.block_size
-        return self.tier.fetch(seq.block_hashes[start:limit]) if limit > start else []
+            return [], 0
+        end = len(tokens) - 1 if max_cached is None else min(len(tokens) - 1, max_cached)
+        limit = end // self.block_size
+        hashes = seq.block_hashes[start:limit] if limit > start else []
+        parent = (seq.block_hashes[start - 1] if start else self._root(seq)) if max_cached is None else None
+        host, held = self.tier.fetch(hashes, parent)
+        if not held:
+            return host, 0
+        k = len(host) - 1  # full blocks found before the partial one
+        pos = (start + k) * self.block_size
+        n = 0
+        for a, b in zip(held, tokens[pos:end], strict=False):  # the tokens it holds that this prompt shares
+            if a != b:
+                break
+            n += 1
+        return (host, n) if n else (host[:k], 0)
 
     def _prefix_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None) -> list[list[int | None]]:
         """Per group, the cached blocks holding the sequence's leading full blocks, before its last

@@ -92,3 +92,10 @@ def format_of(pool, root: bytes) -> KVFormat:
     layers, two, heads, _, block, dim = pool.tensors[0].shape
     return KVFormat(root, str(pool.dtype).removeprefix("torch."), pool.block_size, (layers, two, heads, block, dim),
                     pool.tensors[0].element_size())
+
+
+def partial_key(parent: bytes) -> bytes:
+    """The key of the partly filled block that follows the full block whose chain hash is `parent`
+    (the hash root for a first block): one per parent, the tokens it holds stored with it, since
+    a lookup does not know how many a sequence had computed there (workers/kvtier/tier.py)."""
+    return hashlib.sha256(b"partial block after\x1f" + parent).digest()

@@ -1,8 +1,10 @@
 """Block files in one directory: the host tier's storage, shared by processes through the file system.
 
 Design: a block is one file `<root>/<format>/<chain hash>.kvb`: a fixed header (magic, the KV
-format's key, the block's chain hash, the payload's length and its blake2b digest) then the
-payload, the block's K/V bytes. A file is written under a temporary name and renamed, so a reader
+format's key, the block's chain hash, the payload's length and its XXH3-128 checksum) then the
+payload, the block's K/V bytes. The checksum is non-cryptographic: it guards against corruption and
+truncation (a foreign block is caught by its key and hash fields), at a fraction of a cryptographic
+digest's cost, which dominated a hit's read. A file is written under a temporary name and renamed, so a reader
 in another process sees a whole block or none; a read checks every header field and the digest,
 and a block that fails (corrupted, truncated, another format's or another chain's) is refused and
 deleted. The budget covers the whole root (every format): a write that would pass it evicts the
@@ -20,7 +22,6 @@ torch, and it pins numpy<=2.2.6 and opentelemetry-api<=1.40, older than ours."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import struct
@@ -29,17 +30,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
+
 logger = logging.getLogger(__name__)
 
-MAGIC = b"HSKVBLK1"
-_HEADER = struct.Struct("<8s32s32sQ32s")  # magic, format key, chain hash, payload bytes, blake2b-256
+MAGIC = b"HSKVBLK2"
+_HEADER = struct.Struct("<8s32s32sQ16s")  # magic, format key, chain hash, payload bytes, XXH3-128
+HEADER_BYTES = _HEADER.size
 SUFFIX = ".kvb"
 LOW_WATER = 0.9  # an eviction frees down to this share of the budget
 RESCAN_WRITES, RESCAN_S = 64, 1.0  # the root is rescanned after this many own writes or seconds
 
 
 def digest(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=32).digest()
+    return xxhash.xxh3_128_digest(payload)
 
 
 @dataclass(frozen=True)
@@ -90,13 +94,14 @@ class TierStore:
     def contains(self, chain_hash: bytes) -> bool:
         return self.enabled and self.path(chain_hash).exists()
 
-    def put(self, chain_hash: bytes, payload: bytes | memoryview) -> bool:
-        """Store one block (atomically); False when the tier is off, the block is already there,
-        it is larger than the whole budget, or the write failed (logged)."""
+    def put(self, chain_hash: bytes, payload: bytes | memoryview, replace: bool = False) -> bool:
+        """Store one block (atomically); False when the tier is off, the block is already there
+        (unless `replace`: a partly filled block's newer contents), it is larger than the whole
+        budget, or the write failed (logged)."""
         if not self.enabled or len(payload) + _HEADER.size > self.budget:
             return False
         path = self.path(chain_hash)
-        if path.exists():
+        if path.exists() and not replace:
             return False
         size = len(payload) + _HEADER.size
         self._make_room(size)
@@ -123,43 +128,69 @@ class TierStore:
     def get(self, chain_hash: bytes) -> bytes | None:
         """The block's payload, checked against its header; None when absent or refused (a refused
         file is deleted and recorded in `refused`)."""
+        payload = self._read(chain_hash, None)
+        return None if payload is None else bytes(payload)
+
+    def read_into(self, chain_hash: bytes, out: memoryview) -> bool:
+        """Read the block's payload straight into `out` (a writable buffer of exactly the payload's
+        length: a row of the tier's staging buffer), checked as `get` checks it; False when absent
+        or refused (`out` then holds garbage)."""
+        return self._read(chain_hash, out) is not None
+
+    def _read(self, chain_hash: bytes, out) -> bytes | bytearray | memoryview | None:
+        """One open, a header read, one read into the payload's buffer, a checksum, and the recency
+        bump on the same descriptor."""
         if not self.enabled:
             return None
         path = self.path(chain_hash)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            fd = os.open(path, os.O_RDONLY)
         except OSError:
             self.misses += 1
             return None
-        why = self._check(raw, chain_hash)
+        try:
+            size = os.fstat(fd).st_size
+            head = os.read(fd, _HEADER.size)
+            why, check = self._check_header(head, chain_hash, size)
+            if why is None:
+                out = bytearray(size - _HEADER.size) if out is None else out
+                if len(out) != size - _HEADER.size:
+                    why = f"payload of {size - _HEADER.size} bytes, this format's blocks hold {len(out)}"
+                elif os.readv(fd, [out]) != len(out):
+                    why = "truncated while reading"
+                elif digest(out) != check:
+                    why = "checksum mismatch: the payload was corrupted"
+            if why is None:
+                try:
+                    os.utime(fd)  # recency, seen by every process sharing the root
+                except OSError:
+                    pass
+        except OSError as e:
+            why = f"unreadable: {e.strerror or e}"
+        finally:
+            os.close(fd)
         if why is not None:
             self._refuse(path, why)
             self.misses += 1
             return None
-        try:
-            os.utime(path)  # recency, seen by every process sharing the root
-        except OSError:
-            pass
         self.hits += 1
-        return raw[_HEADER.size:]
+        return out
 
-    def _check(self, raw: bytes, chain_hash: bytes) -> str | None:
-        if len(raw) < _HEADER.size:
-            return f"truncated: {len(raw)} bytes, shorter than the {_HEADER.size}-byte header"
-        magic, key, h, n, check = _HEADER.unpack_from(raw)
+    def _check_header(self, head: bytes, chain_hash: bytes, size: int) -> tuple[str | None, bytes]:
+        """(why the file is refused or None, the payload's checksum) from its header and size."""
+        if len(head) < _HEADER.size:
+            return f"truncated: {size} bytes, shorter than the {_HEADER.size}-byte header", b""
+        magic, key, h, n, check = _HEADER.unpack(head)
         if magic != MAGIC:
-            return f"not a block file (magic `{magic!r}`)"
+            return f"not a block file (magic `{magic!r}`)", b""
         if key != self.format_key:
-            return f"another KV format's block (key `{key.hex()[:16]}`, this worker's `{self.format_key.hex()[:16]}`)"
+            mine = self.format_key.hex()[:16]
+            return f"another KV format's block (key `{key.hex()[:16]}`, this worker's `{mine}`)", b""
         if h != chain_hash:
-            return f"another chain's block (hash `{h.hex()[:16]}`)"
-        payload = memoryview(raw)[_HEADER.size:]
-        if len(payload) != n:
-            return f"payload of {len(payload)} bytes, the header says {n}"
-        if digest(payload) != check:
-            return "checksum mismatch: the payload was corrupted"
-        return None
+            return f"another chain's block (hash `{h.hex()[:16]}`)", b""
+        if size - _HEADER.size != n:
+            return f"payload of {size - _HEADER.size} bytes, the header says {n}", b""
+        return None, check
 
     def _refuse(self, path: Path, why: str) -> None:
         logger.warning("host KV tier: refused `%s`: %s; deleted", path, why)

@@ -9,22 +9,28 @@ sequence past them. The alternative, writing a block only when the device pool e
 less, but a block held on one worker's device would be invisible to the others, and a worker
 killed with -9 would take every block it had not evicted yet with it; written through, a second
 worker continues a conversation the first still holds, and a dead worker's blocks stay reusable.
-Trade-off: every full block is copied once and written once, whether or not it is ever evicted
-(a block already in the tier is not written again); the copy is on the step's path, its checksum
-and file are not. On a GPU that copy is a synchronous device-to-host copy here (pinned buffers
-and a copy stream are the next step), correct but on the step's path. `fetch` reads on the
-engine thread: a hit is a file read and a copy, where a miss would be that block's prefill."""
+A sequence's last, partly filled block is written when it stops holding it (`partial`: finished
+or preempted) with the tokens it holds, keyed by the block before it, and a lookup takes it as far
+as the new prompt shares those tokens: a conversation's next turn and a preempted sequence's
+resume compute only what no one computed. Trade-off: every full block is copied once and
+written once, whether or not it is ever evicted (a block already in the tier is not written
+again); the copy is on the step's path, its checksum and file are not. On a GPU that copy is a
+synchronous device-to-host copy here (a copy stream is the next step), correct but on the step's
+path. `fetch` reads on the engine thread, each file straight into one staging buffer (pinned on
+a GPU) copied into the pool at once: a hit is a file read and a copy, where a miss would be that
+block's prefill."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from array import array
 from pathlib import Path
 
 import torch
 
 from workers.contract import KV_HOST_SHARE, WorkerConfig
-from workers.kvtier.format import KVFormat, format_of, model_fingerprint, unsupported
+from workers.kvtier.format import KVFormat, format_of, model_fingerprint, partial_key, unsupported
 from workers.kvtier.store import TierStore, default_budget
 from workers.kvtier.writer import TierWriter
 
@@ -38,9 +44,11 @@ class HostTier:
         self.pool, self.format, self.store = pool, fmt, store
         self.reason = reason if reason is not None else (store.reason if store is not None else None)
         self.enabled = store is not None and store.enabled and self.reason is None
-        self.writer = TierWriter(store.put) if self.enabled else None
-        self.blocks_loaded = 0
-        self._last: tuple[tuple[bytes, ...], list] = ((), [])  # the last fetch, for its retry
+        self.writer = TierWriter(self._put) if self.enabled else None
+        self._partials: set[bytes] = set()  # keys of partly filled blocks queued: written over older ones
+        self.blocks_loaded = self.tails_loaded = 0
+        self._pinned = torch.device(getattr(pool, "device", "cpu")).type == "cuda" and torch.cuda.is_available()
+        self._last: tuple[tuple, tuple] = ((), (torch.empty(0, dtype=torch.uint8), []))  # for a retry
 
     @classmethod
     def open(cls, pool, root: bytes, directory: str | Path | None, budget: int,
@@ -75,39 +83,87 @@ class HostTier:
     # -- the block manager's hooks (workers/kv/manager.py) --------------------------------------
 
     def cached(self, block: int, chain_hash: bytes) -> None:
-        """A block became full and indexed on the device: copy it out now, store it behind."""
-        if self.store.contains(chain_hash):
+        """A block became full and indexed on the device: copy it out now, store it after the step."""
+        if self.store.contains(chain_hash) or self.writer.peek(chain_hash) is not None:
             return
         data = torch.empty(self.format.block_shape, dtype=self.pool.dtype)  # [L, 2, Hkv, B, D] in host memory
         data.copy_(self.pool.tensors[0][:, :, :, block])  # always a copy: the device block is reused later
-        self.writer.submit(chain_hash, memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        self.writer.submit(chain_hash, memoryview(data.reshape(-1).view(torch.uint8).numpy()), wake=False)
 
-    def fetch(self, hashes: list[bytes]) -> list[bytes | memoryview]:
+    def partial(self, block: int, parent: bytes, tokens: list[int]) -> None:
+        """A sequence stops holding a partly filled block (it finished or was preempted): copy it
+        out with the `tokens` it holds, keyed by the full block before it (`partial_key`); a
+        newer one after the same block replaces it."""
+        key = partial_key(parent)
+        data = torch.empty(self.format.block_shape, dtype=self.pool.dtype)  # [L, 2, Hkv, B, D] in host memory
+        data.copy_(self.pool.tensors[0][:, :, :, block])
+        payload = bytearray(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        payload += array("q", tokens).tobytes()
+        self._partials.add(key)  # kept if the writer refuses it: a later write of this key replaces too
+        self.writer.submit(key, memoryview(payload), wake=False)
+
+    def _put(self, chain_hash: bytes, payload) -> bool:
+        """The writer's store: a partly filled block replaces an older one under its key."""
+        replace = chain_hash in self._partials
+        self._partials.discard(chain_hash)
+        return self.store.put(chain_hash, payload, replace=replace)
+
+    def write_behind(self) -> None:
+        """Called once a step is scheduled: the writer writes what earlier steps cached while this
+        one computes (its forward releases the interpreter lock) or the engine idles
+        (workers/kvtier/writer.py)."""
+        if self.writer is not None:
+            self.writer.wake()
+
+    def fetch(self, hashes: list[bytes], parent: bytes | None = None) -> tuple[torch.Tensor, list[int]]:
         """The payloads of the leading blocks of `hashes` the tier holds (stopping at the first it
-        does not: a block past a gap is useless without the one before). A sequence that did not
-        fit waits at the head of the queue and asks again each step: its last answer is kept."""
-        if tuple(hashes) == self._last[0]:
+        does not: a block past a gap is useless without the one before), then, with `parent` (the
+        hash before `hashes[0]`), the partly filled block written after the last of them, if any
+        (`partial`), as one uint8 staging buffer `[K, block bytes]` (pinned on a GPU) that each
+        file is read straight into; and the tokens that partial block holds ([] without one). A
+        sequence that did not fit waits at the head of the queue and asks again each step: its
+        last answer is kept."""
+        key = (*hashes, parent)
+        if key == self._last[0]:
             return self._last[1]
-        out = []
+        n = self.format.block_bytes
+        buf = torch.empty((len(hashes) + 1, n), dtype=torch.uint8, pin_memory=self._pinned)
+        flat = memoryview(buf.numpy()).cast("B")
+        k = 0
         for h in hashes:
+            row = flat[k * n : (k + 1) * n]
             payload = self.writer.peek(h)
-            if payload is None:
-                payload = self.store.get(h)
-            if payload is None or len(payload) != self.format.block_bytes:
+            if payload is not None and len(payload) == n:
+                row[:] = payload  # still queued for writing: served from memory
+            elif not self.store.read_into(h, row):
                 break
-            out.append(payload)
-        self._last = (tuple(hashes), out)
+            k += 1
+        held: list[int] = []
+        if parent is not None:
+            pkey = partial_key(hashes[k - 1] if k else parent)
+            payload = self.writer.peek(pkey)
+            if payload is None and self.store.contains(pkey):  # (its absence is not counted as a miss)
+                payload = self.store.get(pkey)
+            if payload is not None and len(payload) > n and (len(payload) - n) % 8 == 0:
+                flat[k * n : (k + 1) * n] = memoryview(payload)[:n]
+                held = array("q", bytes(memoryview(payload)[n:])).tolist()
+        out = (buf[: k + (1 if held else 0)], held)
+        self._last = (key, out)
         return out
 
-    def load(self, blocks: list[int], payloads: list[bytes | memoryview]) -> None:
-        """Copy fetched payloads into the device blocks `blocks` (one indexed copy)."""
-        self._last = ((), [])
+    def load(self, blocks: list[int], payloads: torch.Tensor) -> None:
+        """Copy fetched payloads (`fetch`'s buffer) into the device blocks `blocks`: one indexed copy."""
+        fetched, held = self._last[1]
+        self._last = ((), (torch.empty(0, dtype=torch.uint8), []))
         if not blocks:
             return
-        raw = torch.frombuffer(bytearray(b"".join(bytes(p) for p in payloads)), dtype=torch.uint8)
-        data = raw.view(self.pool.dtype).view(len(blocks), *self.format.block_shape)  # [K, L, 2, Hkv, B, D]
+        if held and len(blocks) == len(fetched):  # the fetch's partial block is loaded too
+            self.tails_loaded += 1
+        data = payloads[: len(blocks)].view(self.pool.dtype)
+        data = data.view(len(blocks), *self.format.block_shape)  # [K, L, 2, Hkv, B, D]
         index = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
-        self.pool.tensors[0].index_copy_(3, index, data.permute(1, 2, 3, 0, 4, 5).to(self.pool.device))
+        src = data.permute(1, 2, 3, 0, 4, 5).to(self.pool.device, non_blocking=True)  # from pinned memory on a GPU
+        self.pool.tensors[0].index_copy_(3, index, src)
         self.blocks_loaded += len(blocks)
 
     # -- life and description -------------------------------------------------------------------
@@ -126,7 +182,7 @@ class HostTier:
         if self.store is None:
             return {"enabled": False, "reason": self.reason}
         out = self.store.describe()
-        out.update(enabled=self.enabled, blocks_loaded=self.blocks_loaded,
+        out.update(enabled=self.enabled, blocks_loaded=self.blocks_loaded, partial_blocks_loaded=self.tails_loaded,
                    blocks_dropped=self.writer.dropped if self.writer else 0)
         if self.format is not None:
             out["format"] = self.format.describe()
