@@ -252,8 +252,10 @@ def _compile_children(worker_pid: int) -> list[int]:
 
 
 def test_a_client_that_leaves_cancels_its_compile():
-    """Guards the disconnect watch in `WorkerContext._compiled` and `flight.cancel.set()` in
-    `Grammars.compile_async` (a client that left after 1 s still cost the full compile)."""
+    """Guards the abort of an admission in `_Connection._read` (`self._admitting[key].cancel()`,
+    workers/serving/engine_channel.py: the router's abort of a request still compiling its grammar)
+    and `flight.cancel.set()` in `Grammars.compile_async` (a client that left after 1 s still cost
+    the full compile)."""
     r = RouterProcess(["--simulate", "sm_90", "--grammar-compile-timeout", "30",
                        "--grammar-compile-memory-mib", "2048"], fake=False, ready_timeout=240)
     try:

@@ -43,6 +43,7 @@ from workers.contract.channel import (
 from workers.contract.errors import ERROR_REQUEST_FAILED, safe_message
 from workers.contract.request import request_error
 from workers.serving.channel import StreamChannel
+from workers.serving.context import CLIENT_GONE
 from workers.serving.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class _Connection:
     def __init__(self, ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, headers: dict[str, str]):
         self.ctx, self.reader, self.writer, self.headers = ctx, reader, writer, headers
         self.channel: StreamChannel | None = None
-        self._admitting: set[int] = set()  # keys whose admission is under way
+        self._admitting: dict[int, asyncio.Task] = {}  # keys whose admission is under way, and its task
         self._cancelled: set[int] = set()  # of those, the ones the router aborted meanwhile
         self._tasks: set[asyncio.Task] = set()
         self._gone = False
@@ -138,14 +139,15 @@ class _Connection:
                     self._send(Rejected(message.key, 422, f"stream key `{message.key}` is in use on this channel",
                                         "validation"))
                     continue
-                self._admitting.add(message.key)  # now: an abort read before the task runs must find it
                 task = asyncio.ensure_future(self._admit(message))
+                self._admitting[message.key] = task  # now: an abort read before the task runs must find it
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             elif isinstance(message, Abort):
                 for key in message.keys:
-                    if key in self._admitting:
+                    if key in self._admitting:  # its grammar compile or tokenization stops with it
                         self._cancelled.add(key)
+                        self._admitting[key].cancel()
                 self.channel.abort(message.keys)
             else:
                 raise ValueError(f"`{type(message).__name__}` after the channel opened")
@@ -171,6 +173,10 @@ class _Connection:
         key, ctx, channel = message.key, self.ctx, self.channel
         try:
             sub = await self._submitted(message)
+        except asyncio.CancelledError:  # the router aborted it before it was admitted
+            self._cancelled.discard(key)
+            self._send(Rejected(key, 499, "The request was aborted while it was admitted", CLIENT_GONE))
+            return
         except APIError as e:
             self._cancelled.discard(key)
             self._send(Rejected(key, e.status, safe_message(e.message), e.error_type,
@@ -183,7 +189,7 @@ class _Connection:
                                           "see its log", ERROR_REQUEST_FAILED))
             return
         finally:
-            self._admitting.discard(key)
+            self._admitting.pop(key, None)
         if channel.closed or key in self._cancelled:  # the router left, or aborted it meanwhile
             self._cancelled.discard(key)
             ctx.engine.abort(sub.stream.request_id)
