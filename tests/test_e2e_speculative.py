@@ -1,5 +1,5 @@
-"""End to end: `hetserve serve --speculative ngram`, and the default `auto` (suffix-tree drafts in
-fp32 on a CPU), on the embedded model (one CPU worker) answer greedy requests with the text of a
+"""End to end: `hetserve serve --speculative ngram` and `--speculative suffix` (k chosen per step
+from the measured costs), on the embedded model (one CPU worker) answer greedy requests with the text of a
 server without speculation, and `/workers` and `/metrics` show the drafts verified and the choice."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _stream(router: RouterProcess, text: str, n: int) -> str:
         return "".join(p["choices"][0]["text"] for p in parts if p.get("choices"))
 
 
-def test_ngram_and_auto_speculation_give_the_plain_greedy_text():
+def test_ngram_and_suffix_speculation_give_the_plain_greedy_text():
     plain = RouterProcess(BASE + ["--speculative", "off"], fake=False, ready_timeout=240)
     try:
         # prompts that hold a text and end where it began: much of it is written again
@@ -51,7 +51,7 @@ def test_ngram_and_auto_speculation_give_the_plain_greedy_text():
     finally:
         plain.stop()
     servers = []
-    for flags, method in ((["--speculative", "ngram"], "ngram"), ([], "suffix")):  # [] : `auto`, fp32 on a CPU
+    for flags, method in ((["--speculative", "ngram"], "ngram"), (["--speculative", "suffix"], "suffix")):
         spec = RouterProcess(BASE + flags + ["--num-speculative-tokens", "4"], fake=False, ready_timeout=240)
         servers.append(spec)
         try:

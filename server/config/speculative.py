@@ -31,8 +31,8 @@ def add_speculative_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--speculative", default=None, metavar="|".join(SPECULATIVE_MODES),
                    help="draft tokens each decode row verifies per step: ngram (n-gram lookup in the prompt and "
                         "output), suffix (suffix trees over the request and recent outputs), k chosen per "
-                        "step from the worker's measured step costs, off, or auto (default: suffix where greedy "
-                        "output stays exact, fp32 on a CPU or --deterministic; else off, with the reason)")
+                        "step from the worker's measured step costs, off, or auto (default: suffix where output "
+                        "stays exact, under --deterministic; else off, with the reason)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
                    help=f"most draft tokens per decode row and step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
 

@@ -322,8 +322,7 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
                          in_place=cpu.in_place)
     slots = kv.states.num_slots if kv.states is not None else 0
     scheduler = Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots))
-    exact = cpu.deterministic is not None or (str(loaded.dtype) == "torch.float32"
-                                              and bound.torch_device.split(":")[0] == "cpu")
+    exact = cpu.deterministic is not None  # the only mode whose verify step rounds as the decode step does
     speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler, exact=exact)
     engine = Engine(runner, scheduler, loaded.tokenizer, max_queue=config.max_queue,
                     grammars=grammars_for(config, loaded), speculator=speculator)

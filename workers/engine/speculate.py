@@ -54,16 +54,17 @@ def _is_draft(chunk) -> bool:
 
 
 AUTO_METHOD = "suffix"  # what `auto` drafts with where it speculates
-AUTO_INEXACT = ("`auto` speculates only where greedy output is exact (fp32 on a CPU, or --deterministic): here a "
-                "drafted row's logits come from the prompt path, whose rounding can differ from the decode step's; "
-                "`--speculative suffix` or `ngram` turns drafts on anyway")
+AUTO_INEXACT = ("`auto` speculates only under --deterministic, where a drafted row's logits equal the decode "
+                "step's bit for bit: here they come from the prompt path, whose rounding can differ (greedy tokens "
+                "in bf16, logprobs in their last bits even in fp32); `--speculative suffix` or `ngram` turns drafts "
+                "on anyway")
 
 
 def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False, exact: bool = False) -> Speculator:
     """The engine's `Speculator` for `--speculative mode` (the worker's configuration) over `scheduler`:
     n-gram or suffix-tree drafts where asked and the engine can verify them, else one that only says why it
     is off. `auto` drafts with `AUTO_METHOD` where the forward is `exact` (a drafted row's logits equal the
-    decode step's: fp32 on a CPU, or deterministic mode), k chosen per step from the measured costs."""
+    decode step's: deterministic mode), k chosen per step from the measured costs."""
     policy = SpecPolicy(num_tokens)
     if mode == "off":
         return Speculator("off", policy, off_reason="`--speculative off`")
