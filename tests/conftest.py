@@ -36,3 +36,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_collection_finish(session):
+    """The Triton interpreter runs of the collected kernel files start in the background
+    (tests/interpreter.py): they use the core the rest of the suite leaves idle."""
+    from tests.interpreter import RERUN_TEST, start_in_background
+
+    files = sorted({str(item.path) for item in session.items if item.name == RERUN_TEST})
+    if len(files) > 1:  # one file alone gains nothing from starting early
+        start_in_background(files)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.interpreter import stop_background
+
+    stop_background()
