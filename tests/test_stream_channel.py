@@ -301,9 +301,10 @@ def test_the_engine_channel_refuses_as_the_http_route_and_aborts_before_admissio
     raw.send(Abort([3]))
     raw.send(Submit(4, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}))
     raw.send(Submit(4, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}))
-    answers = [raw.answer(4), raw.answer(4)]  # the second is refused at once, the first then admitted
-    assert isinstance(answers[0], Rejected) and "`4` is in use" in answers[0].error
-    assert isinstance(answers[1], Admitted)
+    answers = [raw.answer(4), raw.answer(4)]  # one admitted, the other refused (in whichever order they end)
+    refused = [a for a in answers if isinstance(a, Rejected)]
+    assert len(refused) == 1 and "`4` is in use" in refused[0].error
+    assert sum(isinstance(a, Admitted) for a in answers) == 1
     health = _idle(worker["sock"])
     assert health["load"] == {"running": 0, "queued": 0}
     assert _generated(worker["sock"]) - before < 200  # stream 3 never ran to its end
