@@ -10,6 +10,7 @@ import torch
 
 from tests.checkpoints import default_model_dir
 from workers.engine.core import Engine
+from workers.engine.events import ErrorEvent
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.kv.hashing import root_hash
@@ -202,3 +203,42 @@ def test_a_preempted_sequence_is_swapped_to_the_tier_and_resumed_without_recompu
     assert s.num_swapped_out == s.num_preemptions
     assert s.num_recomputed_tokens == 0, "every token it had computed came back from the device or the tier"
     assert tiered.tier.describe()["partial_blocks_loaded"] > 0
+
+
+def test_a_stream_ended_by_a_shutdown_moves_with_its_kv_and_its_resume_computes_nothing(lm, tmp_path):
+    """Guards `publish_kv` in `Engine._abort_all` (workers/engine/core.py): when a shutdown ends a
+    running stream (which the router then moves), every token it computed, the partly filled last
+    block too, is already written to the tier when the error is sent; the worker that continues
+    it (`resume_ids`) loads them all, computes no prompt token again, and goes on with the tokens
+    of an undisturbed run."""
+    ids = lm.tokenizer.encode(TOPICS[1]).ids
+    new = 28
+    reference = run_together(Counted(lm), [ids], new)[0]
+    first, second = Counted(lm, tmp_path), Counted(lm, tmp_path)
+    stream = first.engine.submit(ids, SamplingParams.create(max_new_tokens=new, ignore_eos=True))
+    for _ in range(11):  # the prompt, then ten decodes: 11 tokens sent, the last one not computed yet
+        first.engine.step()
+    events, written_at_error = [], []  # `redirect` hands the events so far to the sink first
+
+    def sink(_stream, event):  # on the engine thread, as the channel's sink is
+        events.append(event)
+        if isinstance(event, ErrorEvent):
+            written_at_error.append(len(list(first.tier.store.dir.glob("*.kvb"))))
+
+    stream.redirect(sink)
+    first.engine.start()
+    first.engine.shutdown(0.0)
+    error = events[-1]
+    assert isinstance(error, ErrorEvent), error
+    sent = [e.token_id for e in events[:-1]]
+    assert 11 <= len(sent) < new and sent == reference[: len(sent)]
+    computed = len(ids) + len(sent) - 1
+    assert error.message.endswith(f"(its KV cache, {computed} tokens, is in the host KV tier)"), error.message
+    assert written_at_error == [computed // BLOCK + 1], "every full block and the partial one, before the error"
+    resumed = second.engine.submit(ids, SamplingParams.create(max_new_tokens=new, ignore_eos=True), resume_ids=sent)
+    while second.engine.step():
+        pass
+    assert sent + [e.token_id for e in resumed.events] == reference
+    assert second.prefill == 0, "the resume computes only its next decode token"
+    d = second.tier.describe()
+    assert d["blocks_loaded"] == computed // BLOCK + 1 and d["partial_blocks_loaded"] == 1, d

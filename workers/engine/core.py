@@ -40,6 +40,7 @@ from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 from workers.engine.speculate import Speculator
 from workers.kv.hashing import root_hash
+from workers.kvtier.publish import publish as publish_kv
 from workers.lora.apply import lora_key
 from workers.lora.metrics import LoraLoad, lora_load
 from workers.lora.table import acquire
@@ -315,7 +316,7 @@ class Engine:
                 self._publish_load()  # no step may follow: the gauges must not wait for one
         elif kind == _STOP:
             self._stopping = True
-            self._abort_all("The worker shut down before the request finished")
+            self._abort_all("The worker shut down before the request finished", publish=True)
 
     def step(self) -> int:
         """One engine step; returns the number of sequences it ran (0 when idle)."""
@@ -391,12 +392,20 @@ class Engine:
             if seq.lora is not None:
                 self.loras.release(seq.lora.name)
 
-    def _abort_all(self, message: str) -> None:
+    def _abort_all(self, message: str, publish: bool = False) -> None:
+        """End every request with an error `message`; with `publish` (a shutdown: their streams
+        move to other workers), the running ones' KV goes to the host tier first and is written
+        before any error is sent, so the next worker reads it rather than recomputing it."""
         items = []
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+        running = list(self.scheduler.running)
+        kv_tokens = dict(zip(map(id, running), publish_kv(self.scheduler.kv, running).tokens, strict=True)) \
+            if publish and self.host_tier is not None and self.host_tier.enabled else {}
+        for seq in running + list(self.scheduler.waiting):
             self.scheduler.abort_request(seq.request_id)
             self._release(seq)
-            items.append((seq.stream, ErrorEvent(message)))
+            held = kv_tokens.get(id(seq), 0)
+            note = f" (its KV cache, {held} tokens, is in the host KV tier)" if held else ""
+            items.append((seq.stream, ErrorEvent(message + note)))
         while True:  # requests submitted but never seen by the scheduler
             try:
                 kind, value = self._inbox.get_nowait()

@@ -5,8 +5,9 @@ token ids the client already received (`resume_ids`). The sequence starts with t
 output, so every count (positions, `generated_tokens`, `max_new_tokens`, repetition penalties)
 sees them as the original did; the detokenizer replays them, a grammar consumes them and a
 seeded generator skips the original's draws, so the answer goes on exactly where it stopped.
-Trade-off: the resumed tokens are computed again (one prefill) instead of moving the KV cache
-between processes: a little compute, and nothing but token ids crosses."""
+Trade-off: nothing but token ids crosses; the KV comes from the host KV tier where the first worker
+put it (written through as blocks filled, and all of it before a shutdown ends the stream:
+workers/kvtier/publish.py), and what the tier lacks is computed again (one prefill)."""
 
 from __future__ import annotations
 

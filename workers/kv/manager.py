@@ -194,6 +194,15 @@ class KVCacheManager:
             self.tier.cached(seq.block_ids[i], seq.block_hashes[i])
         return True
 
+    def publish(self, seq: KVSequence) -> int:
+        """Every computed block of a sequence that keeps running (or is about to move), the partly
+        filled last one too, queued for the host tier now (workers/kvtier/publish.py waits for
+        them); the tokens they hold, 0 without a tier."""
+        if not self.swap_out(seq):
+            return 0
+        self._write_partial(seq)
+        return seq.num_computed
+
     def _write_partial(self, seq: KVSequence) -> None:
         """The sequence's last, partly filled block to the host tier, with the tokens it holds
         (a finished turn's last generated tokens, a preempted sequence's last ones): the next turn
