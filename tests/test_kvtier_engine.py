@@ -122,9 +122,18 @@ def test_a_different_kv_format_shares_nothing(lm, tmp_path, other):
 
 
 def test_a_pool_the_tier_cannot_serve_says_why(lm, tmp_path):
+    """A hybrid's reason (`hybrid_reason`, workers/kvtier/format.py) is its state, with the bytes of
+    the snapshot it lacks, not the prefix cache its state turned off."""
+    from workers.kv.state import StatePool
+
     pool = KVPool.for_config(lm.config, 8, BLOCK, torch.float32, "cpu")
     tier = HostTier.open(pool, b"r", tmp_path, 1 << 20, prefix_caching=False)
     assert not tier.enabled and "--no-prefix-cache" in tier.reason
+    pool.states = StatePool((1, 3), 2, 8, 4, 2, 4, 4)  # conv 8 x 3 and recurrent 2 x 4 x 4 fp32, two layers
+    hybrid = HostTier.open(pool, b"r", tmp_path, 1 << 20, prefix_caching=False)
+    assert not hybrid.enabled and "--no-prefix-cache" not in hybrid.reason, hybrid.reason
+    assert "one snapshot is 448 bytes" in hybrid.reason and "not snapshotted" in hybrid.reason
+    assert hybrid.describe()["reason"] == hybrid.reason
     assert HostTier.open(pool, b"r", None, 1 << 20).describe() == {
         "enabled": False, "reason": "no tier directory (the router makes one; `--kv-host-dir`)"}
 

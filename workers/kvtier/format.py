@@ -13,7 +13,8 @@ worker cannot use an fp16 worker's blocks even where the conversion would be exa
 a conversion path and its tests in this first tier.
 Which pools the tier serves: one full-attention group without linear layers' state. A sliding
 group's blocks and a linear layer's per-sequence state are not chained per block here, so such a
-model gets no tier, with the reason."""
+model gets no tier, with the reason; a hybrid's reason states the bytes of the state snapshot that
+its prefix would need at each reused boundary."""
 
 from __future__ import annotations
 
@@ -75,16 +76,31 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 
 def unsupported(pool, prefix_caching: bool) -> str | None:
-    """Why the tier cannot serve this pool (None: it can)."""
+    """Why the tier cannot serve this pool (None: it can). A hybrid's reason comes first (its prefix
+    cache is off because of its state, not a flag) and states the size of the snapshot it lacks."""
+    if pool.states is not None:
+        return hybrid_reason(pool)
     if not prefix_caching:
         return "the prefix cache is off (`--no-prefix-cache`): blocks have no chain hashes to key them"
-    if pool.states is not None:
-        return "linear layers' state has no per-block snapshots (workers/kv/state.py): no host tier"
     if len(pool.groups) != 1 or pool.groups[0].window is not None:
         return "sliding-window or several KV groups: this tier serves one full-attention group only"
     if any(s != i for i, s in enumerate(pool.sources)):
         return "layers that share another layer's KV: this tier serves one full-attention group only"
     return None
+
+
+def hybrid_reason(pool) -> str:
+    """Why a model with linear-attention layers gets no tier, with the bytes of the snapshot that
+    reusing a prefix would need at each boundary (one sequence's whole state: conv and recurrent
+    state of every linear layer) against one KV block of its attention layers."""
+    states = pool.states
+    snapshot = states.nbytes // states.num_slots
+    kv = pool.tensors[0]  # [L, 2, Hkv, blocks, B, D]
+    block = kv[:, :, :, 0].numel() * kv.element_size() if kv.dim() == 6 else 0
+    per = f", {snapshot / block:.0f}x one KV block ({block} bytes)" if block else ""
+    return (f"linear-attention state is not snapshotted (one snapshot is {snapshot} bytes{per}; the chunked "
+            "kernels give the state only at a chunk's end, not at block boundaries): a hybrid's prefix is "
+            "recomputed and it has no host tier (workers/kv/state.py)")
 
 
 def format_of(pool, root: bytes) -> KVFormat:
