@@ -15,6 +15,10 @@ same requests alternately, one request at a time, and print side by side:
   (d) two requests of `--first-tokens` + 128 generated tokens on an engine holding one and a half
       of them: the step that resumes a preempted one, by recompute (no tier) and by swap (the
       tier), and the tokens each recomputes.
+  (e) a stream that moves to another engine after `--moved-after` of its 128 tokens, as when its
+      worker shuts down: the time the old engine takes to publish its KV to the tier (and know it
+      written), the new engine's time to its first resumed token, and the prompt tokens it
+      computes, by recompute (no tier) and from the tier.
 Every request's tokens are checked equal on both sides.
 """
 
@@ -42,6 +46,7 @@ from workers.engine.runner import ModelRunner  # noqa: E402
 from workers.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from workers.kv.hashing import root_hash  # noqa: E402
 from workers.kv.pool import KVPool  # noqa: E402
+from workers.kvtier.publish import publish  # noqa: E402
 from workers.kvtier.tier import HostTier  # noqa: E402
 from workers.model.loader import load_model  # noqa: E402
 from workers.sampling.params import SamplingParams  # noqa: E402
@@ -56,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--user-tokens", type=int, default=48)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--moved-after", type=int, default=64)
     return p.parse_args(argv)
 
 
@@ -113,6 +119,34 @@ def resume_times(side: Side, prompts: list[list[int]], new_tokens: int) -> tuple
     if side.tier is not None:
         side.tier.flush()
     return times, [[e.token_id for e in s.events] for s in streams]
+
+
+def moved_stream(lm, blocks: int, bs: int, tier_dir: str | None, ids: list[int], after: int,
+                 total: int) -> tuple[float, float, int, list[int]]:
+    """A stream served by one engine for `after` tokens, then continued on a second (`resume_ids`)
+    as the router moves it: (the first engine's publish time, 0 without a tier; the second's time
+    to its first token; the prompt tokens the second computes; every token of the stream)."""
+    first, second = Side(lm, blocks, bs, tier_dir), Side(lm, blocks, bs, tier_dir)
+    params = SamplingParams.create(max_new_tokens=total, ignore_eos=True)
+    stream = first.engine.submit(ids, params)
+    while len(stream.events) < after:
+        first.engine.step()
+    sent = [e.token_id for e in stream.events]
+    t_pub = 0.0
+    if tier_dir is not None:
+        t0 = time.perf_counter()
+        publish(first.engine.scheduler.kv, list(first.engine.scheduler.running))
+        t_pub = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    resumed = second.engine.submit(ids, params, resume_ids=sent)
+    ttft = None
+    while second.engine.step():
+        if ttft is None and resumed.events:
+            ttft = time.perf_counter() - t0
+    for side in (first, second):
+        if side.tier is not None:
+            side.tier.close()
+    return t_pub, ttft, second.prefill, sent + [e.token_id for e in resumed.events]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -176,6 +210,13 @@ def run(args, tier_dir: str) -> int:
                 f"{statistics.median(t_rec) / statistics.median(t_swap):.2f}x lower | |" if t_rec and t_swap
                 else "| (d) no preemption happened | | | | |")
     recomputed = (by_recompute.engine.scheduler.num_recomputed_tokens, by_swap.engine.scheduler.num_recomputed_tokens)
+    # (e) a stream moved to a second engine after --moved-after tokens: by recompute, and with its KV published
+    moved_ids = text_ids(lm.tokenizer, args.first_tokens, "moved")
+    _, undisturbed = Side(lm, blocks, bs, None).serve(moved_ids, 128)
+    _, m_ttft_r, m_prefill_r, m_out_r = moved_stream(lm, blocks, bs, None, moved_ids, args.moved_after, 128)
+    m_pub, m_ttft_t, m_prefill_t, m_out_t = moved_stream(lm, blocks, bs, tier_dir, moved_ids, args.moved_after, 128)
+    if not m_out_r == m_out_t == undisturbed:
+        raise SystemExit("a moved stream's tokens differ from the undisturbed run's")
     p50 = (statistics.median(ttft["plain"]), statistics.median(ttft["tier"]))
     p99 = (pct(ttft["plain"], 0.99), pct(ttft["tier"], 0.99))
     print("| measure | without tier | with tier | ratio | target |")
@@ -189,6 +230,10 @@ def run(args, tier_dir: str) -> int:
           f"{alone.prefill} | {second.prefill} | {alone.prefill / max(1, second.prefill):.1f}x fewer | |")
     print(swap_row)
     print(f"| (d) the same: tokens recomputed on resume | {recomputed[0]} | {recomputed[1]} | | |")
+    print(f"| (e) a stream moved after {args.moved_after} tokens: the new engine's first token | "
+          f"{m_ttft_r * 1e3:.1f} ms | {m_ttft_t * 1e3:.1f} ms | {m_ttft_r / m_ttft_t:.2f}x lower | |")
+    print(f"| (e) the same: prompt tokens the new engine computes | {m_prefill_r} | {m_prefill_t} | | |")
+    print(f"| (e) the same: the old engine publishing its KV (written, acknowledged) | | {m_pub * 1e3:.1f} ms | | |")
     d = tiered.tier.describe()
     print(f"tier: {d['blocks_written']} blocks written, {d['blocks_loaded']} loaded, {d['used_bytes']} bytes; "
           "every request's tokens equal on both sides")
