@@ -251,3 +251,31 @@ def test_a_stream_ended_by_a_shutdown_moves_with_its_kv_and_its_resume_computes_
     assert second.prefill == 0, "the resume computes only its next decode token"
     d = second.tier.describe()
     assert d["blocks_loaded"] == computed // BLOCK + 1 and d["partial_blocks_loaded"] == 1, d
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_blocks_go_out_on_the_tiers_copy_stream_and_are_never_read_half_copied(lm, tmp_path):
+    """Guards `HostTier._copy_out` and the fence in `write_behind` (workers/kvtier/tier.py): a
+    block copied out on the copy stream into pinned memory is stored with the values it held when
+    it was cached, although the compute stream rewrites it right after the next `write_behind`;
+    a lookup served from the writer's queue reads the same values, and loading them back into
+    another device block gives that block exactly."""
+    pool = KVPool.for_config(lm.config, 8, BLOCK, torch.float32, "cuda")
+    tier = HostTier.open(pool, b"root", tmp_path, 64 << 20)
+    assert tier.enabled and tier._copy_stream is not None, tier.reason
+    kv = pool.tensors[0]  # [L, 2, Hkv, blocks, B, D]
+    original = torch.randn_like(kv[:, :, :, 1])
+    kv[:, :, :, 1].copy_(original)
+    tier.cached(1, b"h" * 32)
+    queued = tier.writer.peek(b"h" * 32)
+    assert isinstance(queued, tuple) and queued[0].obj is not None, "a pinned buffer and its event"
+    tier.write_behind()
+    kv[:, :, :, 1].fill_(7.0)  # the next step reuses the block, on the compute stream
+    host, held = tier.fetch([b"h" * 32])
+    assert held == [] and len(host) == 1
+    tier.load([2], host)
+    torch.testing.assert_close(kv[:, :, :, 2], original, rtol=0, atol=0)
+    tier.flush()
+    stored = torch.frombuffer(bytearray(tier.store.get(b"h" * 32)), dtype=torch.float32)
+    torch.testing.assert_close(stored.view_as(original), original.cpu(), rtol=0, atol=0)
+    tier.close()

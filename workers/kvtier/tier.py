@@ -1,9 +1,9 @@
 """A worker's host tier: its blocks copied out of the device pool when cached, and back in on a hit.
 
 Design: write-through. When the block manager indexes a full block (workers/kv/manager.py
-`cache_full_blocks`), `cached` copies it out of the pool synchronously (one strided copy per block)
-and the writer thread stores it (workers/kvtier/writer.py); when a prefix lookup has taken what
-the device cache holds, `fetch` reads the chain's following blocks from the tier (checked by the
+`cache_full_blocks`), `cached` copies it out of the pool (one strided copy per block) and the
+writer thread stores it (workers/kvtier/writer.py); when a prefix lookup has taken what the
+device cache holds, `fetch` reads the chain's following blocks from the tier (checked by the
 store) and `load` copies them into freshly allocated device blocks, so the scheduler starts the
 sequence past them. The alternative, writing a block only when the device pool evicts it, writes
 less, but a block held on one worker's device would be invisible to the others, and a worker
@@ -14,10 +14,13 @@ or preempted) with the tokens it holds, keyed by the block before it, and a look
 as the new prompt shares those tokens: a conversation's next turn and a preempted sequence's
 resume compute only what no one computed. Trade-off: every full block is copied once and
 written once, whether or not it is ever evicted (a block already in the tier is not written
-again); the copy is on the step's path, its checksum and file are not. On a GPU that copy is a
-synchronous device-to-host copy here (a copy stream is the next step), correct but on the step's
-path. `fetch` reads on the engine thread, each file straight into one staging buffer (pinned on
-a GPU) copied into the pool at once: a hit is a file read and a copy, where a miss would be that
+again); the copy is on the step's path, its checksum and file are not. On the CPU the copy is a
+plain copy. On a GPU it runs on the tier's own CUDA stream into pinned memory and the engine
+thread does not wait for it: the writer thread waits for its event, and the compute stream
+waits for the last copy before the next step's forward, so a block is never rewritten while it
+is copied (`_copy_out`); a partly filled block, once per sequence, is copied synchronously.
+`fetch` reads on the engine thread, each file straight into one staging buffer (pinned on a GPU)
+copied into the pool at once: a hit is a file read and a copy, where a miss would be that
 block's prefill."""
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class HostTier:
         self._partials: set[bytes] = set()  # keys of partly filled blocks queued: written over older ones
         self.blocks_loaded = self.tails_loaded = 0
         self._pinned = torch.device(getattr(pool, "device", "cpu")).type == "cuda" and torch.cuda.is_available()
+        # a GPU's blocks go out on their own stream into pinned memory (`_copy_out`); None on the CPU
+        self._copy_stream = torch.cuda.Stream(device=pool.device) if self._pinned and self.enabled else None
+        self._fence = None  # the copy stream's last event: the compute stream waits for it before the next step
         self._last: tuple[tuple, tuple] = ((), (torch.empty(0, dtype=torch.uint8), []))  # for a retry
 
     @classmethod
@@ -86,9 +92,39 @@ class HostTier:
         """A block became full and indexed on the device: copy it out now, store it after the step."""
         if self.store.contains(chain_hash) or self.writer.peek(chain_hash) is not None:
             return
-        data = torch.empty(self.format.block_shape, dtype=self.pool.dtype)  # [L, 2, Hkv, B, D] in host memory
-        data.copy_(self.pool.tensors[0][:, :, :, block])  # always a copy: the device block is reused later
-        self.writer.submit(chain_hash, memoryview(data.reshape(-1).view(torch.uint8).numpy()), wake=False)
+        data, done = self._copy_out(block)
+        view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+        self.writer.submit(chain_hash, view if done is None else (view, done), wake=False)
+
+    def _copy_out(self, block: int) -> tuple[torch.Tensor, object]:
+        """Device block `block` in host memory, always a copy (the device block is reused later), and
+        the event that says it is there (None: it is). On the CPU a plain copy. On a GPU the copy
+        runs on the tier's own stream, after the compute stream's work so far (which wrote the
+        block), into pinned memory, without waiting: the writer thread (or a lookup served from
+        the queue) waits for the event before reading it, and the compute stream waits for the
+        last one at the next `write_behind`, before any later step may write into the block."""
+        src = self.pool.tensors[0][:, :, :, block]  # [L, 2, Hkv, B, D] on the device
+        if self._copy_stream is None:
+            data = torch.empty(self.format.block_shape, dtype=self.pool.dtype)
+            data.copy_(src)
+            return data, None
+        data = torch.empty(self.format.block_shape, dtype=self.pool.dtype, pin_memory=True)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        with torch.cuda.stream(self._copy_stream):
+            data.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._fence = done
+        return data, done
+
+    @staticmethod
+    def _on_host(payload):
+        """A queued payload readable on the host: a GPU copy's event waited for first."""
+        if isinstance(payload, tuple):
+            view, done = payload
+            done.synchronize()
+            return view
+        return payload
 
     def partial(self, block: int, parent: bytes, tokens: list[int]) -> None:
         """A sequence stops holding a partly filled block (it finished or was preempted): copy it
@@ -106,12 +142,15 @@ class HostTier:
         """The writer's store: a partly filled block replaces an older one under its key."""
         replace = chain_hash in self._partials
         self._partials.discard(chain_hash)
-        return self.store.put(chain_hash, payload, replace=replace)
+        return self.store.put(chain_hash, self._on_host(payload), replace=replace)
 
     def write_behind(self) -> None:
         """Called once a step is scheduled: the writer writes what earlier steps cached while this
         one computes (its forward releases the interpreter lock) or the engine idles
         (workers/kvtier/writer.py)."""
+        if self._fence is not None:  # no step writes a device block before its copy out is done
+            torch.cuda.current_stream(self.pool.device).wait_event(self._fence)
+            self._fence = None
         if self.writer is not None:
             self.writer.wake()
 
@@ -132,7 +171,7 @@ class HostTier:
         k = 0
         for h in hashes:
             row = flat[k * n : (k + 1) * n]
-            payload = self.writer.peek(h)
+            payload = self._on_host(self.writer.peek(h))
             if payload is not None and len(payload) == n:
                 row[:] = payload  # still queued for writing: served from memory
             elif not self.store.read_into(h, row):
