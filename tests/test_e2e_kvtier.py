@@ -136,7 +136,7 @@ def test_a_stream_that_loses_its_worker_continues_from_the_tier(router, sig):
     assert loaded >= prompt_tokens // 16, (before[taken][0], tier)
     if sig == signal.SIGTERM:
         assert computed == 0, f"the resume computed {computed} prompt tokens again"
-        assert tier["partial_blocks_loaded"] - before[taken][0]["partial_blocks_loaded"] == 1, tier
+        assert loaded > prompt_tokens // 16 + STOP_AFTER // 16, (before[taken][0], tier)  # generated ones too
     else:
         assert computed < prompt_tokens, f"the resume computed {computed} tokens, the prompt alone is {prompt_tokens}"
     _all_ready(router)

@@ -158,6 +158,17 @@ for i in range(10_000):
 """
 
 
+def _writing(store_dir) -> bool:
+    """A temporary file past its header exists (a block is being written)."""
+    for p in store_dir.glob(".*.tmp"):
+        try:
+            if p.stat().st_size > HEADER_BYTES:
+                return True
+        except FileNotFoundError:  # renamed meanwhile
+            pass
+    return False
+
+
 def test_a_writer_killed_with_9_leaves_whole_blocks_or_none(tmp_path):
     """Guards the temporary name and the rename in `TierStore.put` and the stale sweep in
     `TierStore._scan`: a process killed with -9 while it writes blocks of 8 MiB leaves every block
@@ -177,9 +188,8 @@ def test_a_writer_killed_with_9_leaves_whole_blocks_or_none(tmp_path):
         while len(list(store_dir.glob("*.kvb"))) < 3:
             assert child.poll() is None and time.monotonic() < deadline, "the writer never wrote three blocks"
             time.sleep(0.005)
-        tmp = []
-        while not tmp and time.monotonic() < deadline:  # kill it while a write is under way
-            tmp = [p for p in store_dir.glob(".*.tmp") if p.stat().st_size > HEADER_BYTES]
+        while not _writing(store_dir) and time.monotonic() < deadline:  # kill it while a write is under way
+            pass
         child.send_signal(signal.SIGKILL)
     finally:
         child.kill()
