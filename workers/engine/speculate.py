@@ -16,9 +16,10 @@ accepted drafts only, and the blocks holding only rejected positions go back to 
 overwritten by the next token. Trade-off: a drafted row runs as a prompt chunk (eager, reading the
 pool), giving up the compiled decode step and the decode mirror for that row in that step; GPU
 kernels need no change for that, but a multi-query decode kernel would be faster. Rows under a
-grammar or asking for `top_n_tokens` never draft (workers/spec/policy.py); models with
-sliding-window groups, linear-attention state or a length-dependent rotary do not speculate (no
-rollback yet).
+grammar or asking for `top_n_tokens` never draft (workers/spec/policy.py). A hybrid's
+linear-attention state is rolled back to the last accepted token (workers/model/state_rollback.py);
+a sliding group frees what its window left behind after the trim. Models with a length-dependent
+rotary do not speculate (a draft past its threshold would be rotated otherwise).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import replace
 import torch
 
 from workers.engine.sequence import RUNNING
+from workers.model.state_rollback import StateRollback
 from workers.sampling.logprobs import prompt_chunks, record_prompt
 from workers.sampling.sampler import processed_logits, sample_tokens
 from workers.spec.cost import StepCosts
@@ -78,16 +80,11 @@ def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False
 
 def engine_reason(scheduler, pipeline: bool) -> str | None:
     """Why this engine cannot speculate at all, or None."""
-    kv = scheduler.kv
     if pipeline:
         return "a pipeline's stages do not verify drafts yet"
     if scheduler.config.rope is not None:
         return ("a rotary that depends on the sequence's length would rotate drafts past its threshold "
                 "unlike plain decoding")
-    if kv.sliding:
-        return "sliding-window KV groups do not roll back rejected drafts yet"
-    if kv.states is not None:
-        return "linear-attention state does not roll back to the last accepted token yet"
     return None
 
 
@@ -183,7 +180,15 @@ class Speculator:
         # 1. one forward: logits at every row of drafted and scored chunks, the last row of the others
         scored = prompt_chunks(chunks)
         wanted = sorted(set(scored) | set(drafted))
-        logits, spans = engine.runner.execute_with_prompt_logits(out, wanted)
+        states = getattr(engine.runner.kv, "states", None)  # linear layers' state: rolled back on rejection
+        if states is not None:
+            states.recorder = StateRollback(chunks[i].seq.state_slot for i in drafted)
+        try:
+            logits, spans = engine.runner.execute_with_prompt_logits(out, wanted)
+        finally:
+            recorder = None if states is None else states.recorder
+            if states is not None:
+                states.recorder = None
         span_of = dict(zip(wanted, spans, strict=True))
         for i in scored:
             record_prompt(chunks[i], span_of[i])
@@ -195,6 +200,9 @@ class Speculator:
             sampled = sample_tokens(logits[rows], plain, engine.grammars,
                                     None if masks is None else masks.result(), eos)
         emitted = self._verify([chunks[i] for i in drafted], [span_of[i] for i in drafted], eos, engine.metrics)
+        if recorder is not None:  # each row's state as after its last token and accepted drafts
+            for i, (tokens, _) in zip(drafted, emitted, strict=True):
+                recorder.rollback(states, chunks[i].seq.state_slot, len(tokens))
         # 3. update: the plain chunks as in any step, then the drafted rows' tokens round by round
         rest = replace(out, chunks=tuple(c for c in chunks if not _is_draft(c)))
         updates = sched.update_from_output(rest, sampled.token_ids if sampled else [],
@@ -257,13 +265,16 @@ class Speculator:
 
     @staticmethod
     def _settle(sched, seq) -> None:
-        """A drafted row still running: index its blocks that became full, free the rejected ones."""
+        """A drafted row still running: index its blocks that became full, free the rejected ones
+        and, in a sliding group, those its window left behind (as `update_from_output` does)."""
         seq.draft_ids = []
         if seq.status != RUNNING:
             return
         if seq.num_computed // sched.config.block_size > seq.num_cached_blocks:
             sched.kv.cache_full_blocks(seq)
         sched.kv.trim(seq, seq.num_computed)
+        if sched.kv.sliding:
+            sched.kv.slide(seq)
 
     # -- description -----------------------------------------------------------------------------
 
