@@ -151,6 +151,18 @@ def test_k_is_chosen_from_the_devices_measured_costs_and_off_under_load():
     assert (probe.k, probe.cause) == (6, "measuring")
 
 
+def test_each_row_drafts_as_far_as_its_own_acceptance_pays():
+    """Rows that accept well draft further than rows that rarely do, in the same step; the step's
+    k is the largest. Guards the per-row `ks` of `SpecPolicy.choose`."""
+    policy = SpecPolicy(max_k=6)
+    cpu = _device(0.004, 0.004)
+    decision = policy.choose(2, [Row(6, 0.95), Row(6, 0.3)], cpu, 1)
+    good, poor = decision.ks
+    assert good > poor and decision.k == good and "tokens/s" in decision.reason
+    alone = policy.choose(1, [Row(6, 0.95)], cpu, 1)
+    assert alone.ks == (alone.k,) and alone.k >= good
+
+
 def test_the_line_is_trusted_only_near_the_sizes_measured():
     """A batch far larger than any speculative step measured does not speculate on an extrapolation,
     not even to measure it (a probe in a full batch is what a saturated worker cannot afford)."""
@@ -158,7 +170,7 @@ def test_the_line_is_trusted_only_near_the_sizes_measured():
     costs = _device(0.0002, 0.0002, tokens=(2, 4, 8))
     assert policy.choose(2, [Row(4, 0.8)] * 2, costs, 1).k == 4  # 10 query tokens: near enough
     far = policy.choose(32, [Row(4, 0.8)] * 32, costs, 1)
-    assert far.k == 0 and "not near 64" in far.reason
+    assert far.k == 0 and "not near 33" in far.reason  # even one draft in the whole batch
     assert policy.choose(32, [Row(4, 0.8)] * 32, costs, REFRESH).k == 0
     assert policy.choose(8, [Row(4, 0.8)] * 8, costs, 1).k > 0  # 8 + 8 query tokens: near enough
 

@@ -136,8 +136,9 @@ class Speculator:
             if rows:
                 self.last = decision
                 self.chosen[decision.k] = self.chosen.get(decision.k, 0) + 1
+            own = iter(decision.ks or [decision.k] * len(rows))  # each drafting row's own k
             for seq, n in limits:
-                seq.draft_ids = self._draft(seq, min(n, decision.k))
+                seq.draft_ids = self._draft(seq, min(n, next(own)) if n else 0)
         if self.suffix is not None:
             self.suffix.retire({seq.uid for seq in running})
 
