@@ -10,7 +10,7 @@ import torch
 
 from server.config.speculative import add_speculative_flags, speculative_from_args
 from server.errors import UsageError
-from workers.contract import WorkerConfig, WorkerConfigError
+from workers.contract import DEFAULT_MODEL_DIR, WorkerConfig
 from workers.sampling.params import SamplingParams
 from workers.spec.cost import StepCosts
 from workers.spec.ngram import NgramProposer
@@ -205,10 +205,10 @@ def test_grammar_and_alternatives_never_speculate():
 
 # -- configuration -------------------------------------------------------------------------------
 
-def _parse(*argv: str):
+def _parse(*argv: str, model_dirs=()):
     parser = argparse.ArgumentParser()
     add_speculative_flags(parser)
-    return speculative_from_args(parser.parse_args(list(argv)))
+    return speculative_from_args(parser.parse_args(list(argv)), model_dirs)
 
 
 def test_flags_reach_the_worker_config_and_bad_values_are_named():
@@ -217,12 +217,12 @@ def test_flags_reach_the_worker_config_and_bad_values_are_named():
     assert (value.mode, value.num_tokens) == ("ngram", 3)
     with pytest.raises(UsageError, match=r"`--speculative eagle` is not a method. Accepted: auto, off, ngram, suffix"):
         _parse("--speculative", "eagle")
-    with pytest.raises(UsageError, match=r"`--speculative mtp` is not available.*Accepted: auto, off, ngram"):
-        _parse("--speculative", "mtp")
+    with pytest.raises(UsageError, match=r"`--speculative mtp` needs a checkpoint that ships an MTP head.*"
+                                         r"Accepted for it: auto, off, ngram, suffix"):
+        _parse("--speculative", "mtp", model_dirs=[DEFAULT_MODEL_DIR])  # the embedded model has none
     with pytest.raises(UsageError, match=r"`--num-speculative-tokens 0` is out of range"):
         _parse("--num-speculative-tokens", "0")
     config = WorkerConfig.from_json(WorkerConfig(socket="s", speculative="ngram", num_speculative_tokens=2).to_json())
     assert (config.speculative, config.num_speculative_tokens) == ("ngram", 2)
     assert WorkerConfig(socket="s", speculative="suffix").speculative == "suffix"
-    with pytest.raises(WorkerConfigError, match="`--speculative mtp`"):
-        WorkerConfig(socket="s", speculative="mtp")
+    assert WorkerConfig(socket="s", speculative="mtp").speculative == "mtp"  # the worker checks its checkpoint

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import torch
 
+from workers.engine.mtp import MtpDrafter
 from workers.engine.sequence import RUNNING
 from workers.model.state_rollback import StateRollback
 from workers.sampling.logprobs import prompt_chunks, record_prompt
@@ -62,12 +63,17 @@ AUTO_INEXACT = ("`auto` speculates only under --deterministic, where a drafted r
                 "on anyway")
 
 
-def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False, exact: bool = False) -> Speculator:
+def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False, exact: bool = False,
+                   mtp: MtpDrafter | None = None) -> Speculator:
     """The engine's `Speculator` for `--speculative mode` (the worker's configuration) over `scheduler`:
-    n-gram or suffix-tree drafts where asked and the engine can verify them, else one that only says why it
-    is off. `auto` drafts with `AUTO_METHOD` where the forward is `exact` (a drafted row's logits equal the
-    decode step's: deterministic mode), k chosen per step from the measured costs."""
+    n-gram, suffix-tree or MTP drafts (`mtp`: the checkpoint's head, workers/engine/mtp.py) where asked and
+    the engine can verify them, else one that only says why it is off. `auto` drafts with `AUTO_METHOD`
+    where the forward is `exact` (a drafted row's logits equal the decode step's: deterministic mode), k
+    chosen per step from the measured costs. Raises `ValueError` for `mtp` without a head."""
     policy = SpecPolicy(num_tokens)
+    if mode == "mtp" and mtp is None:
+        raise ValueError("`--speculative mtp` needs a checkpoint that ships an MTP head (`mtp.*` tensors); this "
+                         "one has none. Accepted here: auto, off, ngram, suffix")
     if mode == "off":
         return Speculator("off", policy, off_reason="`--speculative off`")
     reason = engine_reason(scheduler, pipeline)
@@ -75,7 +81,7 @@ def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False
         return Speculator("off", policy, off_reason=reason)
     if mode == "auto":
         return Speculator(AUTO_METHOD, policy) if exact else Speculator("off", policy, off_reason=AUTO_INEXACT)
-    return Speculator(mode, policy)
+    return Speculator(mode, policy, mtp=mtp)
 
 
 def engine_reason(scheduler, pipeline: bool) -> str | None:
@@ -92,11 +98,13 @@ class Speculator:
     """The engine's speculative decoding (see the module docstring); engine thread only."""
 
     def __init__(self, method: str, policy: SpecPolicy, proposer: NgramProposer | None = None,
-                 off_reason: str | None = None, suffix: SuffixProposer | None = None):
-        """`method` "ngram" or "suffix" drafts; "off" (with `off_reason`) proposes nothing and only describes why."""
-        if method not in ("ngram", "suffix", "off"):
+                 off_reason: str | None = None, suffix: SuffixProposer | None = None, mtp: MtpDrafter | None = None):
+        """`method` "ngram", "suffix" or "mtp" (with `mtp`) drafts; "off" (with `off_reason`) proposes nothing
+        and only describes why."""
+        if method not in ("ngram", "suffix", "mtp", "off") or (method == "mtp") != (mtp is not None):
             raise ValueError(f"Speculative method `{method}` is not available in this engine. "
-                             f"Accepted: ngram, suffix, off")
+                             f"Accepted: ngram, suffix, off, and mtp with the checkpoint's MTP head")
+        self.mtp = mtp
         self.method, self.policy = method, policy
         self.enabled = method != "off"
         self.proposer = proposer or NgramProposer()
@@ -141,8 +149,12 @@ class Speculator:
                 seq.draft_ids = self._draft(seq, min(n, next(own)) if n else 0)
         if self.suffix is not None:
             self.suffix.retire({seq.uid for seq in running})
+        if self.mtp is not None:
+            self.mtp.retire({seq.uid for seq in running})
 
     def _draft(self, seq, k: int) -> list[int]:
+        if self.mtp is not None:
+            return self.mtp.propose(seq, k)
         if self.suffix is not None:  # fed every step, so its trees follow the output
             return self.suffix.propose(seq.uid, seq.prompt_ids, seq.output_ids, k)
         return self.proposer.propose(seq.token_ids(), k) if k else []
@@ -153,6 +165,8 @@ class Speculator:
         request's prompt is taken out), and the latest choice on `/metrics`."""
         if not self.enabled:
             return
+        if self.mtp is not None:  # the hidden states the head drafts from
+            self.mtp.capture(out.chunks)
         metrics.spec_k.set(self.last.k)
         for cause, n in self.causes.items():
             metrics.spec_decisions.labels(cause).inc(n)
