@@ -1,26 +1,26 @@
 """Speculative decoding in the engine: decode rows carry draft tokens, verified in the same step.
 
 Design: before each schedule, `Speculator.propose` gives every eligible running decode row up to k
-draft tokens (workers/spec: n-gram lookup or suffix trees; k from the policy, which weighs this
-device's step costs, measured by `Speculator.observe` after every step, against the rows'
-acceptance). The scheduler runs such a row as a chunk of k+1 tokens (its last token and the drafts)
-over its cached context, the same path a prompt chunk takes, and the forward projects logits at all
-k+1 positions. `Speculator.step` then verifies (greedy: argmax; sampled: the request's generator,
-workers/spec/rejection.py) position by position, each position's logits processed as if the drafts
-before it were already output (penalties, bias, `min_tokens`), and feeds the emitted tokens one at a
-time through the scheduler's `append_token` and the output processor, round by round, so EOS, stop
-ids, stop strings, `max_tokens`, logprobs and streams see exactly the tokens plain decoding would
-have produced, and nothing after a finish. Then `num_computed` covers the last token and the
-accepted drafts only, and the blocks holding only rejected positions go back to the pool
-(`KVCacheManager.trim`); rejected K/V left in a kept block sits past `num_computed` and is
-overwritten by the next token. Trade-off: a drafted row runs as a prompt chunk (eager, reading the
-pool), giving up the compiled decode step and the decode mirror for that row in that step; GPU
-kernels need no change for that, but a multi-query decode kernel would be faster. Rows under a
-grammar or asking for `top_n_tokens` never draft (workers/spec/policy.py). A hybrid's
-linear-attention state is rolled back to the last accepted token (workers/model/state_rollback.py);
-a sliding group frees what its window left behind after the trim. Models with a length-dependent
-rotary do not speculate (a draft past its threshold would be rotated otherwise).
-"""
+draft tokens (workers/spec: n-gram lookup or suffix trees; or the checkpoint's MTP head,
+workers/engine/mtp.py; k per row from the policy, which weighs this device's step costs, measured by
+`Speculator.observe` after every step, against the rows' acceptance). The scheduler runs such a row
+as a chunk of k+1 tokens (its last token and the drafts) over its cached context, the same path a
+prompt chunk takes, and the forward projects logits at all k+1 positions. `Speculator.step` then
+verifies (greedy: argmax; sampled: the request's generator, workers/spec/rejection.py) position by
+position, each position's logits processed as if the drafts before it were already output
+(penalties, bias, `min_tokens`), and feeds the emitted tokens one at a time through the scheduler's
+`append_token` and the output processor, round by round, so EOS, stop ids, stop strings,
+`max_tokens`, logprobs and streams see exactly the tokens plain decoding would have produced, and
+nothing after a finish. Then `num_computed` covers the last token and the accepted drafts only, and
+the blocks holding only rejected positions go back to the pool (`KVCacheManager.trim`); rejected K/V
+left in a kept block sits past `num_computed` and is overwritten by the next token. Trade-off: a
+drafted row runs as a prompt chunk (eager, reading the pool), giving up the compiled decode step and
+the decode mirror for that row in that step; GPU kernels need no change for that, but a multi-query
+decode kernel would be faster. Rows under a grammar or asking for `top_n_tokens` never draft
+(workers/spec/policy.py). A hybrid's linear-attention state is rolled back to the last accepted
+token (workers/model/state_rollback.py); a sliding group frees what its window left behind after the
+trim. Models with a length-dependent rotary do not speculate (a draft past its threshold would be
+rotated otherwise)."""
 
 from __future__ import annotations
 
@@ -71,14 +71,14 @@ def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False
     where the forward is `exact` (a drafted row's logits equal the decode step's: deterministic mode), k
     chosen per step from the measured costs. Raises `ValueError` for `mtp` without a head."""
     policy = SpecPolicy(num_tokens)
-    if mode == "mtp" and mtp is None:
-        raise ValueError("`--speculative mtp` needs a checkpoint that ships an MTP head (`mtp.*` tensors); this "
-                         "one has none. Accepted here: auto, off, ngram, suffix")
     if mode == "off":
         return Speculator("off", policy, off_reason="`--speculative off`")
     reason = engine_reason(scheduler, pipeline)
     if reason is not None:
         return Speculator("off", policy, off_reason=reason)
+    if mode == "mtp" and mtp is None:
+        raise ValueError("`--speculative mtp` needs a checkpoint that ships an MTP head (`mtp.*` tensors); this "
+                         "one has none. Accepted here: auto, off, ngram, suffix")
     if mode == "auto":
         return Speculator(AUTO_METHOD, policy) if exact else Speculator("off", policy, off_reason=AUTO_INEXACT)
     return Speculator(mode, policy, mtp=mtp)
