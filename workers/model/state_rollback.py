@@ -6,7 +6,7 @@ state over all k+1 tokens, in place, whatever the rule's kernel. When drafts are
 state must be the one after the accepted tokens only. Design: while such a step runs, the pool
 carries a `StateRollback` (`StatePool.recorder`); each layer hands it, for the drafted rows'
 slots, the state before the step (a copy) and the step's own inputs to the rule (mixed conv
-inputs, q, k, v, g, beta: views of that step's tensors). `rollback` then rebuilds a slot's
+inputs, q, k, v, g, beta: copies of the drafted rows only). `rollback` then rebuilds a slot's
 state from those: the conv state is the last `K - 1` of the saved inputs up to the accepted one,
 and the recurrent state replays the accepted tokens token by token (`recurrent_delta_rule`, the
 form deterministic mode and the decode rows use, so in deterministic mode the state has exactly
@@ -44,7 +44,7 @@ class StateRollback:
         for _, _, slot in self._spans:
             saved = self._saved[(layer, slot)]
             rows = saved[2]
-            saved.append(tuple(t[rows] for t in (mixed, q, k, v, g, beta)))
+            saved.append(tuple(t[rows].clone() for t in (mixed, q, k, v, g, beta)))  # not the whole step's
 
     def rollback(self, states, slot: int, kept: int) -> None:
         """Slot `slot`'s state in every linear layer of `states` (a `StatePool`) as after the first
