@@ -165,6 +165,7 @@ def mtp_rounds(args) -> list[dict]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from workers.contract.slowdown import Slowdown
     from workers.device.slowdown import apply_slowdown
 
     engine, loaded = build_engine(args)
@@ -182,7 +183,7 @@ def main(argv=None) -> None:
     devices = {"this CPU": engine} if "d" in args.only else {}
     if devices:
         slowed, slowed_loaded = build_engine(args)
-        apply_slowdown(slowed_loaded.model, args.slowdown)
+        apply_slowdown(slowed_loaded.model, Slowdown(args.slowdown, args.slowdown, "benchmark"))
         devices[f"slowed x{args.slowdown:g}"] = slowed
         bound, bound_loaded = build_engine(args)
         memory_bound(bound_loaded.model, args.memory_ms / 1e3)
