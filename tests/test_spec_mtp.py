@@ -31,7 +31,7 @@ FULL_LAYER = 3  # the tiny hybrid's full-attention layer, whose tensors the MTP 
 
 def with_mtp(model_dir: Path, seed: int = 0) -> Path:
     """Add an MTP head to a checkpoint: its layer the full-attention layer's tensors perturbed, a random
-    `fc`, and norms near Qwen3.5's `(1 + w)` identity."""
+    `fc`, and norms (the model's final one too) near Qwen3.5's `(1 + w)` identity."""
     sd = load_file(model_dir / "model.safetensors")
     gen = torch.Generator().manual_seed(seed)
     h = sd["model.embed_tokens.weight"].shape[1]
@@ -40,8 +40,8 @@ def with_mtp(model_dir: Path, seed: int = 0) -> Path:
         t = sd[name]
         sd["mtp.layers.0." + name[len(prefix):]] = t + 0.02 * torch.randn(t.shape, generator=gen)
     sd["mtp.fc.weight"] = 0.1 * torch.randn(h, 2 * h, generator=gen)
-    for norm in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
-        sd[f"mtp.{norm}.weight"] = 0.1 * torch.randn(h, generator=gen)
+    for norm in ("mtp.norm", "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "model.norm"):
+        sd[f"{norm}.weight"] = 0.1 * torch.randn(h, generator=gen)  # the model's final norm not 1 either
     save_file(sd, model_dir / "model.safetensors", metadata={"format": "pt"})
     return model_dir
 
@@ -112,6 +112,40 @@ def test_mtp_drafts_keep_greedy_output_bit_for_bit_and_report_acceptance(lm, che
     described = engine.speculation()
     assert described["method"] == "mtp" and described["drafts"] > 0 and described["draft_tokens"] > 0
     assert 0 <= described["acceptance_rate"] <= 1
+
+
+def test_drafts_come_from_the_models_own_hidden_states(lm, checkpoint):
+    """The drafter's hidden states (tapped from the engine's steps, prompt chunk and decode rows) are
+    the full forward's after the final norm, and its first draft is the head's over those. Guards the
+    tap and `capture` (the final norm, rows in chunk order)."""
+    drafter = MtpDrafter(lm.model, load_mtp(lm.model, checkpoint), window=8)
+    seen = []
+    propose = drafter.propose
+
+    def record(seq, k):
+        drafts = propose(seq, k)
+        if k:
+            t = seq.num_computed
+            seen.append((seq.token_ids()[: t + 1], drafts, drafter._hidden[seq.uid][:t].clone()))
+        return drafts
+
+    drafter.propose = record
+    serve(lm, ["Once upon a time there was a little fox"], drafter)
+    taken = []
+    hook = lm.model.norm.register_forward_hook(lambda m, a, out: taken.append(out))
+    try:
+        for ids, drafts, kept in seen[:3]:
+            taken.clear()
+            with torch.no_grad():
+                lm.model(torch.tensor([ids]))
+            t = len(ids) - 1
+            h, start = taken[0][0], max(0, t - 8)
+            torch.testing.assert_close(kept, h[:t], atol=1e-4, rtol=1e-4)  # every position, prompt and output
+            logits, _ = drafter.head(h[start:t], torch.tensor(ids[start + 1:]), torch.arange(start, t))
+            assert drafts and drafts[0] == int(logits.argmax())
+    finally:
+        hook.remove()
+    assert len(seen) >= 3
 
 
 def test_a_checkpoint_without_mtp_tensors_is_refused_by_name(tmp_path):

@@ -1,4 +1,4 @@
-"""`--speculative auto|off|ngram|suffix` and `--num-speculative-tokens N`: workers' speculative decoding.
+"""`--speculative auto|off|ngram|suffix|mtp` and `--num-speculative-tokens N`: workers' speculative decoding.
 
 The router validates both flags against the contract's names (workers/contract/speculative.py) and
 forwards them in each worker's configuration (server/fleet/spec.py); each worker then decides for
