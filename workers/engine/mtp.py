@@ -44,7 +44,7 @@ class MtpDrafter:
     def capture(self, chunks) -> None:
         """After a step over `chunks` (rows packed in chunk order): keep each chunk's hidden states."""
         x, self._last = self._last, None
-        if x is None:  # the step did not run through the tap: what it computed has no hidden state here
+        if x is None or x.shape[0] != sum(len(c.token_ids) for c in chunks):  # not this step's forward through the tap
             for c in chunks:
                 uid = c.seq.uid
                 self._valid[uid] = min(self._valid.get(uid, 0), c.start_pos)
