@@ -14,7 +14,9 @@ drift falls on both alike:
       of it again, as an edit request gets its file back with small changes; requests one by one;
   (b) random prompts at concurrency 16: random token ids, all submitted at once (the measured
       choice should keep speculation from costing anything there);
-  (c) an MTP checkpoint at concurrency 1: printed as not run while this build loads no MTP head;
+  (c) an MTP checkpoint at concurrency 1 (`--mtp-model DIR`, a checkpoint shipping `mtp.*` tensors, served
+      with `--speculative mtp` on an engine of its own; the code edits made from its own continuations);
+      printed as not run without one;
   (d) devices of different costs, each its own engine and policy serving the code edits
       `--d-concurrency` at a time: this CPU, the same slowed `--slowdown` times (the simulated slow
       device, workers/device/slowdown.py) and a memory-bound one (a fixed `--memory-ms` added to each
@@ -56,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--method", default="suffix", choices=("suffix", "ngram"), help="--speculative")
     p.add_argument("--random-prompts", type=int, default=16)
     p.add_argument("--only", default="abcd", help="the scenarios to run, e.g. `b` or `ad`")
+    p.add_argument("--mtp-model", type=Path, default=None, help="(c): a checkpoint with an MTP head")
     p.add_argument("--d-concurrency", type=int, default=4, help="(d): code edits served this many at a time")
     p.add_argument("--slowdown", type=float, default=4.0, help="(d): the slowed device's factor")
     p.add_argument("--memory-ms", type=float, default=20.0, help="(d): the memory-bound device's ms per forward")
@@ -145,8 +148,24 @@ def median(results: list[dict]) -> dict:
     return out | {"same": sum(r["same"] for r in results), "n": sum(r["n"] for r in results), "k": ks}
 
 
+def mtp_rounds(args) -> list[dict]:
+    """(c): `--mtp-model` served with its MTP head against plain decoding, code edits one at a time."""
+    mtp_args = argparse.Namespace(**{**vars(args), "model": args.mtp_model, "method": "mtp"})
+    engine, loaded = build_engine(mtp_args)
+    on, off = pair(engine, args.k)
+    engine.speculator = off
+    seeds = [loaded.tokenizer.encode(s).ids for s in SEEDS]
+    edits = [s + c + s for s, c in zip(seeds, serve(engine, seeds, args.new_tokens, 1)[2], strict=True)]
+    results = []
+    for round_ in range(args.rounds):
+        results.append(side_by_side(engine, on, off, edits, 1, args.new_tokens, round_ % 2 == 1))
+        print("  " + show("(c) MTP checkpoint", results[-1]), flush=True)
+    return results
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from workers.contract.slowdown import Slowdown
     from workers.device.slowdown import apply_slowdown
 
     engine, loaded = build_engine(args)
@@ -164,7 +183,7 @@ def main(argv=None) -> None:
     devices = {"this CPU": engine} if "d" in args.only else {}
     if devices:
         slowed, slowed_loaded = build_engine(args)
-        apply_slowdown(slowed_loaded.model, args.slowdown)
+        apply_slowdown(slowed_loaded.model, Slowdown(args.slowdown, args.slowdown, "benchmark"))
         devices[f"slowed x{args.slowdown:g}"] = slowed
         bound, bound_loaded = build_engine(args)
         memory_bound(bound_loaded.model, args.memory_ms / 1e3)
@@ -189,9 +208,10 @@ def main(argv=None) -> None:
           f"{args.method}, k <= {args.k}, {args.new_tokens} new tokens, {args.rounds} rounds (median):")
     for name in workloads:
         print(show(name, median(results[name])))
-    if "c" in args.only:
-        print("(c) MTP checkpoint, concurrency 1: not run: this build loads no checkpoint's MTP head "
-              "(`--speculative mtp` is refused)")
+    if "c" in args.only and args.mtp_model is None:
+        print("(c) MTP checkpoint, concurrency 1: not run: no checkpoint with an MTP head given (`--mtp-model DIR`)")
+    elif "c" in args.only:
+        print(show(f"(c) MTP checkpoint {args.mtp_model.name}, concurrency 1", median(mtp_rounds(args))))
     if devices:
         print(f"(d) code edits, concurrency {args.d_concurrency}, one engine per device:")
     for name in devices:

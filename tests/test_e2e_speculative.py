@@ -77,9 +77,10 @@ def test_ngram_and_suffix_speculation_give_the_plain_greedy_text():
     assert not plain.orphans and not any(s.orphans for s in servers)
 
 
-def test_a_reserved_method_is_refused_naming_what_is_accepted():
+def test_mtp_without_an_mtp_head_is_refused_naming_what_is_accepted():
     out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--speculative", "mtp"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
-    assert "`--speculative mtp` is not available" in out.stderr and "Accepted: auto, off, ngram" in out.stderr
+    assert "`--speculative mtp` needs a checkpoint that ships an MTP head" in out.stderr
+    assert "Accepted for it: auto, off, ngram, suffix" in out.stderr
     assert "Traceback" not in out.stderr

@@ -10,7 +10,7 @@ import torch
 
 from server.config.speculative import add_speculative_flags, speculative_from_args
 from server.errors import UsageError
-from workers.contract import WorkerConfig, WorkerConfigError
+from workers.contract import DEFAULT_MODEL_DIR, WorkerConfig
 from workers.sampling.params import SamplingParams
 from workers.spec.cost import StepCosts
 from workers.spec.ngram import NgramProposer
@@ -151,6 +151,18 @@ def test_k_is_chosen_from_the_devices_measured_costs_and_off_under_load():
     assert (probe.k, probe.cause) == (6, "measuring")
 
 
+def test_each_row_drafts_as_far_as_its_own_acceptance_pays():
+    """Rows that accept well draft further than rows that rarely do, in the same step; the step's
+    k is the largest. Guards the per-row `ks` of `SpecPolicy.choose`."""
+    policy = SpecPolicy(max_k=6)
+    cpu = _device(0.004, 0.004)
+    decision = policy.choose(2, [Row(6, 0.95), Row(6, 0.3)], cpu, 1)
+    good, poor = decision.ks
+    assert good > poor and decision.k == good and "tokens/s" in decision.reason
+    alone = policy.choose(1, [Row(6, 0.95)], cpu, 1)
+    assert alone.ks == (alone.k,) and alone.k >= good
+
+
 def test_the_line_is_trusted_only_near_the_sizes_measured():
     """A batch far larger than any speculative step measured does not speculate on an extrapolation,
     not even to measure it (a probe in a full batch is what a saturated worker cannot afford)."""
@@ -158,7 +170,7 @@ def test_the_line_is_trusted_only_near_the_sizes_measured():
     costs = _device(0.0002, 0.0002, tokens=(2, 4, 8))
     assert policy.choose(2, [Row(4, 0.8)] * 2, costs, 1).k == 4  # 10 query tokens: near enough
     far = policy.choose(32, [Row(4, 0.8)] * 32, costs, 1)
-    assert far.k == 0 and "not near 64" in far.reason
+    assert far.k == 0 and "not near 33" in far.reason  # even one draft in the whole batch
     assert policy.choose(32, [Row(4, 0.8)] * 32, costs, REFRESH).k == 0
     assert policy.choose(8, [Row(4, 0.8)] * 8, costs, 1).k > 0  # 8 + 8 query tokens: near enough
 
@@ -193,10 +205,10 @@ def test_grammar_and_alternatives_never_speculate():
 
 # -- configuration -------------------------------------------------------------------------------
 
-def _parse(*argv: str):
+def _parse(*argv: str, model_dirs=()):
     parser = argparse.ArgumentParser()
     add_speculative_flags(parser)
-    return speculative_from_args(parser.parse_args(list(argv)))
+    return speculative_from_args(parser.parse_args(list(argv)), model_dirs)
 
 
 def test_flags_reach_the_worker_config_and_bad_values_are_named():
@@ -205,12 +217,12 @@ def test_flags_reach_the_worker_config_and_bad_values_are_named():
     assert (value.mode, value.num_tokens) == ("ngram", 3)
     with pytest.raises(UsageError, match=r"`--speculative eagle` is not a method. Accepted: auto, off, ngram, suffix"):
         _parse("--speculative", "eagle")
-    with pytest.raises(UsageError, match=r"`--speculative mtp` is not available.*Accepted: auto, off, ngram"):
-        _parse("--speculative", "mtp")
+    with pytest.raises(UsageError, match=r"`--speculative mtp` needs a checkpoint that ships an MTP head.*"
+                                         r"Accepted for it: auto, off, ngram, suffix"):
+        _parse("--speculative", "mtp", model_dirs=[DEFAULT_MODEL_DIR])  # the embedded model has none
     with pytest.raises(UsageError, match=r"`--num-speculative-tokens 0` is out of range"):
         _parse("--num-speculative-tokens", "0")
     config = WorkerConfig.from_json(WorkerConfig(socket="s", speculative="ngram", num_speculative_tokens=2).to_json())
     assert (config.speculative, config.num_speculative_tokens) == ("ngram", 2)
     assert WorkerConfig(socket="s", speculative="suffix").speculative == "suffix"
-    with pytest.raises(WorkerConfigError, match="`--speculative mtp`"):
-        WorkerConfig(socket="s", speculative="mtp")
+    assert WorkerConfig(socket="s", speculative="mtp").speculative == "mtp"  # the worker checks its checkpoint

@@ -193,7 +193,7 @@ class RouterSettings:
             "special_tokens_in_content": bool(getattr(args, "special_tokens_in_content", False)),
             "deterministic": bool(getattr(args, "deterministic", False)),
             "compile": compile_from_args(args),
-            "speculative": speculative_from_args(args),
+            "speculative": speculative_from_args(args, [e.path for e in models.catalog()]),
             "reasoning_parser": reasoning_parser_from_args(args),
             "protocol": protocol_from_args(args),
             "max_model_len": max_model_len_from_args(args, models),

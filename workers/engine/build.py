@@ -38,6 +38,7 @@ from workers.engine.compiled import (
 )
 from workers.engine.core import Engine
 from workers.engine.kv_cache import build_kv_cache
+from workers.engine.mtp import mtp_drafter
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.speculate import speculator_for
@@ -124,6 +125,9 @@ def decide_compile(config: WorkerConfig, bound: BoundDevice, cpu: CpuPaths, mode
     if pipeline:
         decision = CompileDecision(config.compile, False, None, "a pipeline stage: every step eager (each step is "
                                                                 "sent on to the next stage)")
+    elif config.speculative == "mtp":
+        decision = CompileDecision(config.compile, False, None, "--speculative mtp: every step eager (the MTP head "
+                                                                "drafts from each step's hidden states)")
     else:
         decision = decide(config.compile, bound.torch_device.split(":")[0], bound.simulated,
                           cpu.deterministic is not None, model)
@@ -323,7 +327,8 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
     slots = kv.states.num_slots if kv.states is not None else 0
     scheduler = Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots))
     exact = cpu.deterministic is not None  # the only mode whose verify step rounds as the decode step does
-    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler, exact=exact)
+    speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler, exact=exact,
+                                mtp=mtp_drafter(loaded) if config.speculative == "mtp" else None)
     engine = Engine(runner, scheduler, loaded.tokenizer, max_queue=config.max_queue,
                     grammars=grammars_for(config, loaded), speculator=speculator)
     sched = engine.scheduler.config

@@ -1,25 +1,26 @@
 """Speculative decoding in the engine: decode rows carry draft tokens, verified in the same step.
 
 Design: before each schedule, `Speculator.propose` gives every eligible running decode row up to k
-draft tokens (workers/spec: n-gram lookup or suffix trees; k from the policy, which weighs this
-device's step costs, measured by `Speculator.observe` after every step, against the rows'
-acceptance). The scheduler runs such a row as a chunk of k+1 tokens (its last token and the drafts)
-over its cached context, the same path a prompt chunk takes, and the forward projects logits at all
-k+1 positions. `Speculator.step` then verifies (greedy: argmax; sampled: the request's generator,
-workers/spec/rejection.py) position by position, each position's logits processed as if the drafts
-before it were already output (penalties, bias, `min_tokens`), and feeds the emitted tokens one at a
-time through the scheduler's `append_token` and the output processor, round by round, so EOS, stop
-ids, stop strings, `max_tokens`, logprobs and streams see exactly the tokens plain decoding would
-have produced, and nothing after a finish. Then `num_computed` covers the last token and the
-accepted drafts only, and the blocks holding only rejected positions go back to the pool
-(`KVCacheManager.trim`); rejected K/V left in a kept block sits past `num_computed` and is
-overwritten by the next token. Trade-off: a drafted row runs as a prompt chunk (eager, reading the
-pool), giving up the compiled decode step and the decode mirror for that row in that step; GPU
-kernels need no change for that, but a multi-query decode kernel would be faster. Rows under a
-grammar or asking for `top_n_tokens` never draft (workers/spec/policy.py); models with
-sliding-window groups, linear-attention state or a length-dependent rotary do not speculate (no
-rollback yet).
-"""
+draft tokens (workers/spec: n-gram lookup or suffix trees; or the checkpoint's MTP head,
+workers/engine/mtp.py; k per row from the policy, which weighs this device's step costs, measured by
+`Speculator.observe` after every step, against the rows' acceptance). The scheduler runs such a row
+as a chunk of k+1 tokens (its last token and the drafts) over its cached context, the same path a
+prompt chunk takes, and the forward projects logits at all k+1 positions. `Speculator.step` then
+verifies (greedy: argmax; sampled: the request's generator, workers/spec/rejection.py) position by
+position, each position's logits processed as if the drafts before it were already output
+(penalties, bias, `min_tokens`), and feeds the emitted tokens one at a time through the scheduler's
+`append_token` and the output processor, round by round, so EOS, stop ids, stop strings,
+`max_tokens`, logprobs and streams see exactly the tokens plain decoding would have produced, and
+nothing after a finish. Then `num_computed` covers the last token and the accepted drafts only, and
+the blocks holding only rejected positions go back to the pool (`KVCacheManager.trim`); rejected K/V
+left in a kept block sits past `num_computed` and is overwritten by the next token. Trade-off: a
+drafted row runs as a prompt chunk (eager, reading the pool), giving up the compiled decode step and
+the decode mirror for that row in that step; GPU kernels need no change for that, but a multi-query
+decode kernel would be faster. Rows under a grammar or asking for `top_n_tokens` never draft
+(workers/spec/policy.py). A hybrid's linear-attention state is rolled back to the last accepted
+token (workers/model/state_rollback.py); a sliding group frees what its window left behind after the
+trim. Models with a length-dependent rotary do not speculate (a draft past its threshold would be
+rotated otherwise)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ from dataclasses import replace
 
 import torch
 
+from workers.engine.mtp import MtpDrafter
 from workers.engine.sequence import RUNNING
+from workers.model.state_rollback import StateRollback
 from workers.sampling.logprobs import prompt_chunks, record_prompt
 from workers.sampling.sampler import processed_logits, sample_tokens
 from workers.spec.cost import StepCosts
@@ -60,34 +63,34 @@ AUTO_INEXACT = ("`auto` speculates only under --deterministic, where a drafted r
                 "on anyway")
 
 
-def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False, exact: bool = False) -> Speculator:
+def speculator_for(mode: str, num_tokens: int, scheduler, pipeline: bool = False, exact: bool = False,
+                   mtp: MtpDrafter | None = None) -> Speculator:
     """The engine's `Speculator` for `--speculative mode` (the worker's configuration) over `scheduler`:
-    n-gram or suffix-tree drafts where asked and the engine can verify them, else one that only says why it
-    is off. `auto` drafts with `AUTO_METHOD` where the forward is `exact` (a drafted row's logits equal the
-    decode step's: deterministic mode), k chosen per step from the measured costs."""
+    n-gram, suffix-tree or MTP drafts (`mtp`: the checkpoint's head, workers/engine/mtp.py) where asked and
+    the engine can verify them, else one that only says why it is off. `auto` drafts with `AUTO_METHOD`
+    where the forward is `exact` (a drafted row's logits equal the decode step's: deterministic mode), k
+    chosen per step from the measured costs. Raises `ValueError` for `mtp` without a head."""
     policy = SpecPolicy(num_tokens)
     if mode == "off":
         return Speculator("off", policy, off_reason="`--speculative off`")
     reason = engine_reason(scheduler, pipeline)
     if reason is not None:
         return Speculator("off", policy, off_reason=reason)
+    if mode == "mtp" and mtp is None:
+        raise ValueError("`--speculative mtp` needs a checkpoint that ships an MTP head (`mtp.*` tensors); this "
+                         "one has none. Accepted here: auto, off, ngram, suffix")
     if mode == "auto":
         return Speculator(AUTO_METHOD, policy) if exact else Speculator("off", policy, off_reason=AUTO_INEXACT)
-    return Speculator(mode, policy)
+    return Speculator(mode, policy, mtp=mtp)
 
 
 def engine_reason(scheduler, pipeline: bool) -> str | None:
     """Why this engine cannot speculate at all, or None."""
-    kv = scheduler.kv
     if pipeline:
         return "a pipeline's stages do not verify drafts yet"
     if scheduler.config.rope is not None:
         return ("a rotary that depends on the sequence's length would rotate drafts past its threshold "
                 "unlike plain decoding")
-    if kv.sliding:
-        return "sliding-window KV groups do not roll back rejected drafts yet"
-    if kv.states is not None:
-        return "linear-attention state does not roll back to the last accepted token yet"
     return None
 
 
@@ -95,11 +98,13 @@ class Speculator:
     """The engine's speculative decoding (see the module docstring); engine thread only."""
 
     def __init__(self, method: str, policy: SpecPolicy, proposer: NgramProposer | None = None,
-                 off_reason: str | None = None, suffix: SuffixProposer | None = None):
-        """`method` "ngram" or "suffix" drafts; "off" (with `off_reason`) proposes nothing and only describes why."""
-        if method not in ("ngram", "suffix", "off"):
+                 off_reason: str | None = None, suffix: SuffixProposer | None = None, mtp: MtpDrafter | None = None):
+        """`method` "ngram", "suffix" or "mtp" (with `mtp`) drafts; "off" (with `off_reason`) proposes nothing
+        and only describes why."""
+        if method not in ("ngram", "suffix", "mtp", "off") or (method == "mtp") != (mtp is not None):
             raise ValueError(f"Speculative method `{method}` is not available in this engine. "
-                             f"Accepted: ngram, suffix, off")
+                             f"Accepted: ngram, suffix, off, and mtp with the checkpoint's MTP head")
+        self.mtp = mtp
         self.method, self.policy = method, policy
         self.enabled = method != "off"
         self.proposer = proposer or NgramProposer()
@@ -139,12 +144,17 @@ class Speculator:
             if rows:
                 self.last = decision
                 self.chosen[decision.k] = self.chosen.get(decision.k, 0) + 1
+            own = iter(decision.ks or [decision.k] * len(rows))  # each drafting row's own k
             for seq, n in limits:
-                seq.draft_ids = self._draft(seq, min(n, decision.k))
+                seq.draft_ids = self._draft(seq, min(n, next(own)) if n else 0)
         if self.suffix is not None:
             self.suffix.retire({seq.uid for seq in running})
+        if self.mtp is not None:
+            self.mtp.retire({seq.uid for seq in running})
 
     def _draft(self, seq, k: int) -> list[int]:
+        if self.mtp is not None:
+            return self.mtp.propose(seq, k)
         if self.suffix is not None:  # fed every step, so its trees follow the output
             return self.suffix.propose(seq.uid, seq.prompt_ids, seq.output_ids, k)
         return self.proposer.propose(seq.token_ids(), k) if k else []
@@ -155,6 +165,8 @@ class Speculator:
         request's prompt is taken out), and the latest choice on `/metrics`."""
         if not self.enabled:
             return
+        if self.mtp is not None:  # the hidden states the head drafts from
+            self.mtp.capture(out.chunks)
         metrics.spec_k.set(self.last.k)
         for cause, n in self.causes.items():
             metrics.spec_decisions.labels(cause).inc(n)
@@ -183,7 +195,15 @@ class Speculator:
         # 1. one forward: logits at every row of drafted and scored chunks, the last row of the others
         scored = prompt_chunks(chunks)
         wanted = sorted(set(scored) | set(drafted))
-        logits, spans = engine.runner.execute_with_prompt_logits(out, wanted)
+        states = getattr(engine.runner.kv, "states", None)  # linear layers' state: rolled back on rejection
+        if states is not None:
+            states.recorder = StateRollback(chunks[i].seq.state_slot for i in drafted)
+        try:
+            logits, spans = engine.runner.execute_with_prompt_logits(out, wanted)
+        finally:
+            recorder = None if states is None else states.recorder
+            if states is not None:
+                states.recorder = None
         span_of = dict(zip(wanted, spans, strict=True))
         for i in scored:
             record_prompt(chunks[i], span_of[i])
@@ -195,6 +215,9 @@ class Speculator:
             sampled = sample_tokens(logits[rows], plain, engine.grammars,
                                     None if masks is None else masks.result(), eos)
         emitted = self._verify([chunks[i] for i in drafted], [span_of[i] for i in drafted], eos, engine.metrics)
+        if recorder is not None:  # each row's state as after its last token and accepted drafts
+            for i, (tokens, _) in zip(drafted, emitted, strict=True):
+                recorder.rollback(states, chunks[i].seq.state_slot, len(tokens))
         # 3. update: the plain chunks as in any step, then the drafted rows' tokens round by round
         rest = replace(out, chunks=tuple(c for c in chunks if not _is_draft(c)))
         updates = sched.update_from_output(rest, sampled.token_ids if sampled else [],
@@ -257,13 +280,16 @@ class Speculator:
 
     @staticmethod
     def _settle(sched, seq) -> None:
-        """A drafted row still running: index its blocks that became full, free the rejected ones."""
+        """A drafted row still running: index its blocks that became full, free the rejected ones
+        and, in a sliding group, those its window left behind (as `update_from_output` does)."""
         seq.draft_ids = []
         if seq.status != RUNNING:
             return
         if seq.num_computed // sched.config.block_size > seq.num_cached_blocks:
             sched.kv.cache_full_blocks(seq)
         sched.kv.trim(seq, seq.num_computed)
+        if sched.kv.sliding:
+            sched.kv.slide(seq)
 
     # -- description -----------------------------------------------------------------------------
 

@@ -42,6 +42,8 @@ class StatePool:
     """Conv and recurrent state of every linear layer for `num_slots` sequences: `conv`
     `[L, S, C, K-1]` in the model's dtype, `recurrent` `[L, S, Hv, Dk, Dv]` fp32."""
 
+    recorder = None  # during a step with drafted rows: what rolls their state back (workers/model/state_rollback.py)
+
     def __init__(self, layers: Sequence[int], num_slots: int, conv_dim: int, conv_kernel: int, heads: int,
                  key_dim: int, value_dim: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:  # fmt: skip

@@ -236,5 +236,10 @@ class GatedDeltaNet(nn.Module):
         if batch.states.fresh is not None:  # sequences starting now begin from a zero state
             ctx.kv.states.clear(self.layer_index, batch.states.fresh)
         mixed, z, beta, g = self._project(x)
+        recorder = ctx.kv.states.recorder  # drafted rows' rollback (workers/model/state_rollback.py)
+        recorded = recorder is not None and bool(batch.prefills) and \
+            recorder.snapshot(self.layer_index, batch, conv_state, recurrent)
         q, k, v = self._split(self._convolve(mixed, conv_state, batch))
+        if recorded:
+            recorder.inputs(self.layer_index, mixed, q, k, v, g, beta)
         return self._out(self.rule(q, k, v, g, beta, recurrent, batch), z)

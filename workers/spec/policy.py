@@ -17,9 +17,11 @@ and it weighs k only up to twice the query tokens measured, so the measured rang
 batches where speculation is taken; every `REFRESH` steps it takes the path it has not been taking
 (the speculative one only in a batch of at most `EXPLORE_ROWS` rows, where the probe is cheap), so
 both stay current as the load changes. `max_rows` (tests and benchmarks) replaces the measured
-choice with a fixed rule: k = max_k up to `max_rows` decode rows, else 0. Trade-off: one k per step
-for every drafting row (not one per row) and a geometric model of acceptance: a handful of candidate
-values to evaluate per step, at the price of rows whose acceptance differs sharing a k.
+choice with a fixed rule: k = max_k up to `max_rows` decode rows, else 0. Each row gets its own k:
+its j-th draft is worth rate^j expected tokens, so the step takes the m most valuable drafts over all
+rows, for the m whose step (rows + m query tokens) gives the most tokens/s; a row that accepts well
+drafts further than one that does not. Trade-off: a geometric model of acceptance and one cost line
+per path (not per row's context): at most rows x max_k candidates evaluated per step.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class SpecDecision:
     k: int
     reason: str
     cause: str = "measured"  # a short name for `/metrics`: measured, measuring, cost, batch, acceptance, length
+    ks: tuple[int, ...] = ()  # each drafting row's own k, in `choose`'s order (empty: `k`, capped by its limit)
 
 
 @dataclass(frozen=True)
@@ -103,26 +106,32 @@ class SpecPolicy:
             return SpecDecision(0, f"speculative step not measured yet and {rows} decode rows are above "
                                    f"{EXPLORE_ROWS}", "batch")
         reach = 2 * costs.largest("spec")  # the line is trusted up to here
-        sizes = {k: rows + sum(min(k, r.drafts) for r in drafting) for k in range(1, top + 1)}
-        if sizes[1] > reach:
+        if rows + 1 > reach:
             return SpecDecision(0, f"speculative step measured up to {reach // 2} query tokens, not near "
-                                   f"{sizes[1]}", "batch")
+                                   f"{rows + 1}", "batch")
         plain = costs.estimate("plain", rows).seconds
-        best_k, best_gain, best = 0, 1.0, None
-        for k in (k for k in sizes if sizes[k] <= reach):
-            ks = [min(k, r.drafts) for r in drafting]
-            spec = costs.estimate("spec", sizes[k]).seconds
-            tokens = rows - len(drafting) + sum(expected_tokens(r.rate, n) for r, n in zip(drafting, ks, strict=True))
+        # per row: its j-th draft adds rate^j expected tokens; the m most valuable drafts of the step, for the
+        # m that maximizes tokens/s, give each row its own k (a row's values fall with j, so it gets a prefix)
+        gains = sorted(((r.rate ** (j + 1), i) for i, r in enumerate(drafting) for j in range(r.drafts)),
+                       key=lambda g: -g[0])
+        best_m, best_gain, best, tokens = 0, 1.0, None, float(rows)
+        for m, (value, _) in enumerate(gains[: reach - rows], 1):
+            tokens += value
+            spec = costs.estimate("spec", rows + m).seconds
             gain = (tokens / spec) / (rows / plain)
             if gain > best_gain:
-                best_k, best_gain, best = k, gain, (tokens, spec)
-        if best_k and best_gain >= MIN_GAIN:
+                best_m, best_gain, best = m, gain, (tokens, spec)
+        if best_m and best_gain >= MIN_GAIN:
             if refresh:
                 return SpecDecision(0, "refreshing the plain step's cost", "measuring")
             tokens, spec = best
-            return SpecDecision(best_k, f"k={best_k}: {tokens:.2f} tokens expected from {rows} decode rows in "
-                                        f"{spec * 1e3:.2f} ms against {rows} in {plain * 1e3:.2f} ms plain "
-                                        f"({best_gain:.2f}x tokens/s)")
+            ks = [0] * len(drafting)
+            for _, i in gains[:best_m]:
+                ks[i] += 1
+            k = max(ks)
+            return SpecDecision(k, f"k={k} ({best_m} drafts over {sum(n > 0 for n in ks)} rows): {tokens:.2f} "
+                                   f"tokens expected from {rows} decode rows in {spec * 1e3:.2f} ms against {rows} "
+                                   f"in {plain * 1e3:.2f} ms plain ({best_gain:.2f}x tokens/s)", ks=tuple(ks))
         if refresh and rows <= EXPLORE_ROWS:  # a small batch: the probe costs little
             return SpecDecision(top, "refreshing the speculative step's cost", "measuring")
         mean = sum(r.rate for r in drafting) / len(drafting)

@@ -6,9 +6,10 @@ gate that `q_proj` computes beside each head's query, and a rotary over the firs
 head. Norms scale by `(1 + w)` in fp32; the MoE variants add a shared expert gated by
 `sigmoid(x w)`. Qwen3-Next's fused, key-head-grouped DeltaNet projections are turned into Qwen3.5's
 order (`layouts`). A `*ForConditionalGeneration` checkpoint is read for its text model (its vision
-tower and multi-token prediction head skipped at load with a log line), whose multi-axis rotary is
-the plain rotary for text. Trade-off: an image in a prompt is refused upstream (the tokenizer's
-vision placeholders are plain tokens here), not approximated."""
+tower and multi-token prediction head skipped at load with a log line; the head is read on its own
+for `--speculative mtp`, workers/model/mtp.py), whose multi-axis rotary is the plain rotary for
+text. Trade-off: an image in a prompt is refused upstream (the tokenizer's vision placeholders are
+plain tokens here), not approximated."""
 
 from __future__ import annotations
 
