@@ -1,0 +1,93 @@
+"""The worker's adapter pool: `--max-loras` slots of preallocated memory per projection on the model's
+device, which the segmented LoRA kernel (kernels_local/lora_sgmv/) reads in place.
+
+Design: each projection an adapter targets gets, on first use, one `LoraStack` of `slots` slots in
+the kernel's layout (A [L, P*R, K], B [L, N, R], fp32 scales [L]), with P the projection's fixed
+parts (q, k, v of `wqkv`; gate, up of `w_gate_up`; the whole output of `wo` and `w_down`) and R
+`--max-lora-rank` rounded up to the kernel's rank alignment. `write(slot, adapter)` zeroes the slot
+in every projection and copies the adapter's pairs into it (the only copy of adapter weights on the
+device), and returns the adapter as the step reads it: its pairs are views into the slot and it
+carries the slot, so a step's segments index the pool directly and no step gathers or copies
+adapter weights, whatever the mix. A part or rank an adapter lacks stays zeros, which add exact
+zeros. Trade-off: every slot pays for the highest accepted rank and for every part of each
+projection it may target (vLLM's layout); in exchange a mix of adapters costs nothing to set up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from kernels_local.lora_sgmv.lora_sgmv import RANK_ALIGN, LoraStack
+from workers.lora.adapter import LoraAdapter, LoraTarget
+from workers.model.config import ModelConfig
+from workers.model.weights import _part_sizes
+
+
+def pool_rank(max_rank: int) -> int:
+    """A slot's rank band: `max_rank` rounded up to the kernel's alignment."""
+    return -(-max_rank // RANK_ALIGN) * RANK_ALIGN
+
+
+class LoraPool:
+    """`slots` adapters' pairs per projection of `model` (built for `config`), in `dtype` on `device`."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig, slots: int, max_rank: int, dtype: torch.dtype,
+                 device: str | torch.device) -> None:
+        self.slots, self.rank, self.dtype, self.device = slots, pool_rank(max_rank), dtype, torch.device(device)
+        self._config = config
+        self._layers = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self._stacks: dict[str, LoraStack] = {}
+        self._scales = torch.zeros(slots, dtype=torch.float32, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the allocated projections hold."""
+        return sum(s.a.nbytes + s.b.nbytes for s in self._stacks.values()) + self._scales.nbytes
+
+    def stack(self, name: str) -> LoraStack | None:
+        """Projection `name`'s stack of every slot (None: no adapter written here targets it yet)."""
+        return self._stacks.get(name)
+
+    def write(self, slot: int, adapter: LoraAdapter) -> LoraAdapter:
+        """Copy `adapter` (any device) into `slot`, over whatever it held; the adapter as steps read it."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"LoRA pool slot `{slot}` does not exist. Accepted: 0..{self.slots - 1}")
+        for stack in self._stacks.values():
+            stack.a[slot].zero_()
+            stack.b[slot].zero_()
+        views: dict[str, tuple[LoraTarget, ...]] = {}
+        for name, pairs in adapter.targets.items():
+            stack = self._stacks.get(name) or self._allocate(name)
+            band = {int(off): p for p, off in enumerate(stack.part_offsets.tolist())}
+            placed = []
+            for t in pairs:
+                p, rank = band[t.offset], t.a.shape[0]
+                a = stack.a[slot, p * self.rank:p * self.rank + rank]  # [r, K], contiguous
+                b = stack.b[slot, t.offset:t.offset + t.size, :rank]  # [size, r], a strided view
+                a.copy_(t.a, non_blocking=True)
+                b.copy_(t.b, non_blocking=True)
+                placed.append(LoraTarget(t.offset, t.size, a, b))
+            views[name] = tuple(placed)
+        self._scales[slot] = adapter.scale
+        return replace(adapter, targets=views, slot=slot)
+
+    def _allocate(self, name: str) -> LoraStack:
+        layer = self._layers[name]
+        try:
+            sizes = _part_sizes(self._config, f"{name}.weight")
+        except KeyError:  # an unfused projection: one part, its whole output
+            sizes = (layer.out_features,)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        r, k, n = self.rank, layer.in_features, layer.out_features
+        stack = LoraStack(
+            torch.zeros((self.slots, len(sizes) * r, k), dtype=self.dtype, device=self.device),
+            torch.zeros((self.slots, n, r), dtype=self.dtype, device=self.device),
+            self._scales,
+            torch.tensor(offsets, dtype=torch.int32, device=self.device),
+            torch.tensor(sizes, dtype=torch.int32, device=self.device),
+            r, max(sizes))
+        self._stacks[name] = stack
+        return stack
