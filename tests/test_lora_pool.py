@@ -178,3 +178,20 @@ def test_an_adapter_without_a_slot_still_gets_a_stack_of_its_own():
     batch = LoraBatch.from_rows([placed, loose])
     stack, segments = delta.stacked(QKV, batch, "cpu")
     assert stack is not pool.stack(QKV) and segments.loras.tolist() == [0, 1]
+
+
+def test_a_pool_that_does_not_fit_is_a_named_error_and_its_slot_stays_free(monkeypatch):
+    """A projection's slots that find no device memory: the load fails naming what to lower, and
+    the table gives the slot back (the next adapter takes slot 0)."""
+    from workers.lora import pool as pool_module
+    from workers.lora.adapter import LoraError
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    table, _, pool = _table(slots=2, host=4)
+    with monkeypatch.context() as m:
+        m.setattr(pool_module.torch, "zeros", no_memory)
+        with pytest.raises(LoraError, match=r"no device memory for the 2 slots of `attn.wqkv`.*`--max-loras`"):
+            table.acquire("a")
+    assert table.acquire("b").slot == 0 and table.stats().on_device == 1

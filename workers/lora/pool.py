@@ -10,7 +10,8 @@ device), and returns the adapter as the step reads it: its pairs are views into 
 carries the slot, so a step's segments index the pool directly and no step gathers or copies
 adapter weights, whatever the mix. A part or rank an adapter lacks stays zeros, which add exact
 zeros. Trade-off: every slot pays for the highest accepted rank and for every part of each
-projection it may target (vLLM's layout); in exchange a mix of adapters costs nothing to set up.
+projection it may target (vLLM's layout), taken after the KV cache (a projection's slots that do not fit
+are a named `LoraError` at load); in exchange a mix of adapters costs nothing to set up.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from kernels_local.lora_sgmv.lora_sgmv import RANK_ALIGN, LoraStack
-from workers.lora.adapter import LoraAdapter, LoraTarget
+from workers.lora.adapter import LoraAdapter, LoraError, LoraTarget
 from workers.model.config import ModelConfig
 from workers.model.weights import _part_sizes
 
@@ -82,9 +83,16 @@ class LoraPool:
             sizes = (layer.out_features,)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         r, k, n = self.rank, layer.in_features, layer.out_features
+        try:
+            a = torch.zeros((self.slots, len(sizes) * r, k), dtype=self.dtype, device=self.device)
+            b = torch.zeros((self.slots, n, r), dtype=self.dtype, device=self.device)
+        except torch.OutOfMemoryError:
+            need = self.slots * r * (len(sizes) * k + n) * self.dtype.itemsize
+            raise LoraError(f"LoRA pool: no device memory for the {self.slots} slots of `{name}` ({need} bytes at "
+                            f"rank {r}). Accepted: fewer `--max-loras`, a lower `--max-lora-rank`, or a lower "
+                            f"`--gpu-memory-utilization`") from None
         stack = LoraStack(
-            torch.zeros((self.slots, len(sizes) * r, k), dtype=self.dtype, device=self.device),
-            torch.zeros((self.slots, n, r), dtype=self.dtype, device=self.device),
+            a, b,
             self._scales,
             torch.tensor(offsets, dtype=torch.int32, device=self.device),
             torch.tensor(sizes, dtype=torch.int32, device=self.device),
