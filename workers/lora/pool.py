@@ -9,9 +9,10 @@ in every projection and copies the adapter's pairs into it (the only copy of ada
 device), and returns the adapter as the step reads it: its pairs are views into the slot and it
 carries the slot, so a step's segments index the pool directly and no step gathers or copies
 adapter weights, whatever the mix. A part or rank an adapter lacks stays zeros, which add exact
-zeros. Trade-off: every slot pays for the highest accepted rank and for every part of each
-projection it may target (vLLM's layout), taken after the KV cache (a projection's slots that do not fit
-are a named `LoraError` at load); in exchange a mix of adapters costs nothing to set up.
+zeros, and each projection's `ranks` gives the kernel the slot's own rank there (0: not targeted),
+so it computes no band past it. Trade-off: every slot's memory is sized for the highest accepted
+rank and every part of each projection (vLLM's layout), taken after the KV cache (slots that do not
+fit are a named `LoraError` at load); in exchange a mix of adapters costs nothing to set up.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class LoraPool:
         for stack in self._stacks.values():
             stack.a[slot].zero_()
             stack.b[slot].zero_()
+            stack.ranks[slot] = 0
         views: dict[str, tuple[LoraTarget, ...]] = {}
         for name, pairs in adapter.targets.items():
             stack = self._stacks.get(name) or self._allocate(name)
@@ -72,6 +74,7 @@ class LoraPool:
                 b.copy_(t.b, non_blocking=True)
                 placed.append(LoraTarget(t.offset, t.size, a, b))
             views[name] = tuple(placed)
+            stack.ranks[slot] = pool_rank(max(t.a.shape[0] for t in pairs))
         self._scales[slot] = adapter.scale
         return replace(adapter, targets=views, slot=slot)
 
@@ -96,6 +99,6 @@ class LoraPool:
             self._scales,
             torch.tensor(offsets, dtype=torch.int32, device=self.device),
             torch.tensor(sizes, dtype=torch.int32, device=self.device),
-            r, max(sizes))
+            r, max(sizes), torch.zeros(self.slots, dtype=torch.int32, device=self.device))
         self._stacks[name] = stack
         return stack
