@@ -195,3 +195,34 @@ def test_a_pool_that_does_not_fit_is_a_named_error_and_its_slot_stays_free(monke
         with pytest.raises(LoraError, match=r"no device memory for the 2 slots of `attn.wqkv`.*`--max-loras`"):
             table.acquire("a")
     assert table.acquire("b").slot == 0 and table.stats().on_device == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_spread_over_adapters_take_the_pooled_torch_path(monkeypatch, dtype):
+    """Guards the `add_pooled` branch of `LoraDelta.torch_delta`: a step of three adapters with a few
+    rows each is computed from the pool in one pass (the per-adapter path is not called) and adds
+    what the per-adapter path adds; a step of one adapter keeps the per-adapter path."""
+    from workers.lora import apply as apply_module
+
+    model, config = _model()
+    delta = LoraDelta()
+    pool = delta.pool = LoraPool(model, config, 4, 32, dtype, "cpu")
+    read = [_adapter(n, r, p, i) for n, r, p, i in (("a", 8, (PARTS[0], PARTS[2]), 1), ("b", 24, PARTS, 2),
+                                                    ("c", 4, (PARTS[1],), 3))]
+    read = [replace(a, targets={k: tuple(replace(t, a=t.a.to(dtype), b=t.b.to(dtype)) for t in v)
+                                for k, v in a.targets.items()}) for a in read]
+    a, b, c = (pool.write(s, ad) for s, ad in zip((3, 0, 2), read, strict=True))
+    rows = [a, None, b, c, a, b, None, c]
+    x, base = (t.to(dtype) for t in _deltas(rows))
+    want = base.clone()
+    add_lora(QKV, x, want, LoraBatch.from_rows(rows))
+    calls = []
+    monkeypatch.setattr(apply_module, "add_lora", lambda *args: calls.append(args))
+    got = base.clone()
+    delta.torch_delta(QKV, x, got, LoraBatch.from_rows(rows))
+    assert calls == []
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.float().abs().max()))
+    assert torch.equal(got[[1, 6]], base[[1, 6]])  # base rows untouched
+    delta.torch_delta(QKV, x, base.clone(), LoraBatch.from_rows([a, a, None]))
+    assert len(calls) == 1  # one adapter: the per-adapter path, without a gather

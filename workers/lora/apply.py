@@ -28,7 +28,7 @@ from torch import nn
 
 from kernels_local.lora_sgmv.lora_sgmv import LoraSegments, LoraStack
 from workers.lora.adapter import TARGETS, LoraAdapter
-from workers.lora.pool import LoraPool
+from workers.lora.pool import LoraPool, add_pooled, pooled_fits
 from workers.lora.stack import StackCache
 
 HOOKED = frozenset(TARGETS.values())
@@ -65,6 +65,12 @@ class LoraBatch:
         return all(a.slot is not None for a, _ in self.groups)
 
     @cached_property
+    def row_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The segments' rows (int64) and each one's pool slot (int64), for the pooled torch path."""
+        seg = self.segments
+        return seg.rows.long(), torch.repeat_interleave(seg.loras.long(), seg.starts.diff().long())
+
+    @cached_property
     def segments(self) -> LoraSegments:
         """The rows gathered into one segment per adapter, for the kernel: each segment's slot is its
         adapter's pool slot when every adapter has one, else its group (a stack of this batch's)."""
@@ -86,6 +92,13 @@ class LoraDelta(nn.Module):
         return self.torch_delta(name, x, out, batch)
 
     def torch_delta(self, name: str, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
+        if self.pool is not None and batch.pooled and len(batch.groups) > 1:
+            packed = self.stacked(name, batch, x.device)
+            if packed is None:
+                return  # no adapter of the step targets this projection
+            if pooled_fits(*packed):
+                add_pooled(packed[0], *batch.row_slots, x, out)
+                return
         add_lora(name, x, out, batch)
 
     def stacked(self, name: str, batch: LoraBatch, device) -> tuple[LoraStack, LoraSegments] | None:

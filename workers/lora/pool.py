@@ -10,9 +10,14 @@ device), and returns the adapter as the step reads it: its pairs are views into 
 carries the slot, so a step's segments index the pool directly and no step gathers or copies
 adapter weights, whatever the mix. A part or rank an adapter lacks stays zeros, which add exact
 zeros, and each projection's `ranks` gives the kernel the slot's own rank there (0: not targeted),
-so it computes no band past it. Trade-off: every slot's memory is sized for the highest accepted
-rank and every part of each projection (vLLM's layout), taken after the KV cache (slots that do not
-fit are a named `LoraError` at load); in exchange a mix of adapters costs nothing to set up.
+so it computes no band past it. On the torch path (a CPU worker) a step of several adapters whose
+rows are few each (decode rows spread over adapters) is computed from the pool in a handful of ops
+for all of them (`add_pooled`: one shrink over every slot, each row's own band taken, one batched
+expand), rather than a gather, matmuls and a scatter per adapter and part. Trade-off: every slot's
+memory is sized for the highest accepted rank and every part of each projection (vLLM's layout),
+taken after the KV cache (slots that do not fit are a named `LoraError` at load), and `add_pooled`
+multiplies every slot (zeros included) for every row; in exchange a mix of adapters costs nothing
+to set up.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from kernels_local.lora_sgmv.lora_sgmv import RANK_ALIGN, LoraStack
+from kernels_local.lora_sgmv.lora_sgmv import RANK_ALIGN, LoraSegments, LoraStack
 from workers.lora.adapter import LoraAdapter, LoraError, LoraTarget
 from workers.model.config import ModelConfig
 from workers.model.weights import _part_sizes
@@ -102,3 +107,34 @@ class LoraPool:
             r, max(sizes), torch.zeros(self.slots, dtype=torch.int32, device=self.device))
         self._stacks[name] = stack
         return stack
+
+
+POOLED_MAX_ROWS = 16  # per adapter: a step whose segments are all this short takes `add_pooled` on the torch path
+
+
+def pooled_fits(stack: LoraStack, segments: LoraSegments) -> bool:
+    """Whether `add_pooled` serves this step: several adapters, each with few rows (its extra work, a
+    shrink and an expand over every slot, stays below the per-adapter path's op count)."""
+    return segments.loras.numel() > 1 and segments.max_rows <= POOLED_MAX_ROWS and stack.a.device.type == "cpu"
+
+
+def add_pooled(stack: LoraStack, rows: torch.Tensor, slot: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+    """`out[row, part] += scale[slot] * (x[row] @ A[slot]^T) @ B[slot]^T` for each of `rows` (int64)
+    with its `slot` (int64), in place, from the pool's stack: T over every slot in one matmul, each
+    row's own slot's band taken, the expand as one batched matmul over slots (zeros for the slots a
+    row does not use)."""
+    x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+    n, (slots, width, k) = rows.numel(), stack.a.shape
+    xs = x2.index_select(0, rows).to(stack.a.dtype)  # [n, K]
+    every = (xs @ stack.a.view(slots * width, k).T).view(n, slots, width)  # [n, L, P*R]
+    own = torch.arange(n, device=rows.device)
+    wide = torch.zeros((slots, n, width), dtype=every.dtype, device=every.device)
+    wide[slot, own] = every[own, slot]  # each row's T in its own slot's plane, zeros in the others
+    scale = stack.scales.index_select(0, slot).to(stack.b.dtype)[:, None]  # [n, 1]
+    r = stack.rank
+    for p, (off, size) in enumerate(zip(stack.part_offsets.tolist(), stack.part_sizes.tolist(), strict=True)):
+        if size == 0:
+            continue
+        b = stack.b[:, off:off + size, :].transpose(1, 2)  # [L, R, size], a view
+        delta = torch.bmm(wide[:, :, p * r:(p + 1) * r], b).sum(0) * scale  # [n, size]
+        out2.narrow(1, off, size).index_add_(0, rows, delta.to(out2.dtype))
