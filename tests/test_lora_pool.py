@@ -226,3 +226,15 @@ def test_decode_rows_spread_over_adapters_take_the_pooled_torch_path(monkeypatch
     assert torch.equal(got[[1, 6]], base[[1, 6]])  # base rows untouched
     delta.torch_delta(QKV, x, base.clone(), LoraBatch.from_rows([a, a, None]))
     assert len(calls) == 1  # one adapter: the per-adapter path, without a gather
+
+
+def test_an_adapter_registered_while_every_slot_is_in_use_waits_in_host_memory():
+    """Guards the `LoraSlotsFull` catch in `LoraTable.register`: a run-time load while both slots run
+    requests is read and checked, kept as a host copy, and placed by its first request later."""
+    table, reads, _ = _table(slots=2, host=4)
+    table.acquire("a"), table.acquire("b")  # both slots in use
+    table.unregister("c")
+    assert table.register("c", "/adapters/c").slot is None and reads[-1] == "c"
+    assert {i.name: (i.loaded, i.on_host) for i in table.describe()}["c"] == (False, True)
+    table.release("a")
+    assert table.acquire("c").slot is not None and table.stats().loads_from_host == 1

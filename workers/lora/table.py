@@ -90,7 +90,8 @@ class LoraTable:
 
     # ---- names ----------------------------------------------------------------------------
     def register(self, name: str, path: str | Path, load: bool = True) -> LoraAdapter | None:
-        """Serve `name` from `path`; with `load`, read it now (a bad adapter fails here, by name)."""
+        """Serve `name` from `path`; with `load`, read it now (a bad adapter fails here, by name) and place
+        it in a slot when one can be had (with every slot in use it waits in host memory)."""
         if not name or any(c in name for c in "= \t\n"):
             raise LoraError(f"LoRA name `{name}` is not a plain name. Accepted: `--lora NAME=DIR`, NAME without "
                             f"spaces or `=`")
@@ -103,7 +104,10 @@ class LoraTable:
                 return None
             adapter = self._from_disk(name, path)
             self._paths[name] = path
-            return self._hold(name, adapter)
+            try:
+                return self._hold(name, adapter)
+            except LoraSlotsFull:  # read and checked; it takes a slot when a request asks for it
+                return adapter
 
     def unregister(self, name: str) -> None:
         with self._lock:
