@@ -7,10 +7,15 @@ tokens for that adapter, concurrent requests of both adapters and the base each 
 unknown name is OpenAI's 404 `model_not_found`. At run time `/v1/load_lora_adapter` adds a third
 (past `--max-loras 2`: the least recently used idle one leaves memory and is read again when asked
 for) and `/v1/unload_lora_adapter` removes it, with the API key; a bad adapter is refused by name.
+An adapter loaded at run time outlives its worker: killed, the worker's replacement serves it with
+the same tokens, `/v1/models` still lists it, and `/workers` shows the replacement's pool bringing
+an evicted adapter back from host memory rather than disk.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -144,3 +149,29 @@ def test_adapters_load_and_unload_at_run_time(served, tmp_path):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                              eos_token_id=model.generation_config.eos_token_id)
     assert got == out[0, len(prompt):].tolist()
+
+
+def test_an_adapter_loaded_at_run_time_is_served_by_a_restarted_worker(served, tmp_path):
+    """Guards `ctx.supervisor.runtime_loras[name] = path` (server/edge/routes/lora.py) and its use in
+    `Supervisor._spawn`: without them the restarted worker knows only `--lora`'s adapters and the
+    request for `kept` fails, while `/v1/models` still lists it."""
+    base, _, router = served
+    kept = make_adapter(base, tmp_path / "kept", 5, r=4, targets=("v_proj", "up_proj"))
+    with router.client(timeout=120, headers=AUTH) as c:
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "kept", "lora_path": str(kept)})
+        assert r.status_code == 200, r.text
+        _, before, _ = _generate(c, "kept")
+        victim = c.get("/workers").json()["workers"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        back = router.wait_for(lambda: c.get("/health") and (w := c.get("/workers").json()["workers"][0])["state"]
+                               == "ready" and w["pid"] != victim["pid"] and w["loras"] and w, 180, interval=0.5)
+        assert "kept" in {a["name"] for a in back["loras"]["adapters"]}
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "coder", "tone", "kept"]
+        _, after, _ = _generate(c, "kept")
+        for name in ("coder", "tone", "kept", "coder"):  # three adapters over two slots
+            _generate(c, name)
+        c.get("/health")
+        pool = c.get("/workers").json()["workers"][0]["loras"]["pool"]
+    assert after == before
+    assert pool["slots"] == 2 and pool["on_device"] == 2 and pool["loads_from_host"] >= 1, pool
+    assert pool["loads_from_disk"] == 3, pool  # each adapter read once, at the worker's start

@@ -7,6 +7,8 @@ What must hold:
   (this file reruns itself in a child with it) adds exactly the torch path's delta in fp32 and
   within rounding in bf16 / fp16, for each tuning, and leaves base-only rows bit for bit;
 - the repository's own torch reference equals the worker's torch path;
+- the kernel reads the worker's pool of slots in place (workers/lora/pool.py), adapters in any slots,
+  as it reads a stack of the step's adapters;
 - a kernel layer called as the worker calls it (`LoraDelta.forward(name, x, out, batch)`) launches on
   the worker's stacks, and a projection no adapter targets is left alone;
 - the launches the wrapper makes are among the declared `COMPILE_SPECS`, and those compile ahead of
@@ -26,6 +28,7 @@ from tests.interpreter import INTERPRETED, needs_interpreter, rerun_under_interp
 from tests.preflight_checks import assert_recorded_launches
 from workers.lora.adapter import LoraAdapter, LoraTarget
 from workers.lora.apply import LoraBatch, LoraDelta, add_lora
+from workers.lora.pool import LoraPool
 from workers.lora.stack import build_stack
 
 SGMV = importlib.import_module("kernels_local.lora_sgmv.lora_sgmv")
@@ -106,6 +109,30 @@ def test_the_kernel_adds_the_torch_paths_delta_on_a_mixed_batch(prefill, dtype, 
     scale = float(want.float().abs().max())
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
     assert not torch.equal(want, base)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("prefill", [3, 20])
+def test_the_kernel_reads_the_pool_in_place(prefill):
+    """The step's adapters in slots 3, 0 and 2 of a pool of rank 32 (wider than any of them): the
+    kernel indexes the slots and adds the torch path's delta of the adapters as read."""
+    from dataclasses import replace
+
+    from tests.test_lora_pool import _model
+
+    model, config = _model()
+    pool = LoraPool(model, config, 4, 32, torch.float32, "cpu")
+    rows, adapters = _mixed(torch.float32, prefill)
+    placed = {id(ad): pool.write(slot, replace(ad, targets={"attn.wqkv": ad.targets["wqkv"]}))
+              for slot, ad in zip((3, 0, 2), adapters, strict=True)}
+    gen = torch.Generator().manual_seed(7)
+    x, base = torch.randn(len(rows), K, generator=gen), torch.randn(len(rows), 80, generator=gen)
+    want, got = base.clone(), base.clone()
+    add_lora("wqkv", x, want, LoraBatch.from_rows(rows))
+    batch = LoraBatch.from_rows([None if r is None else placed[id(r)] for r in rows])
+    assert batch.segments.loras.tolist() == [3, 0, 2]
+    lora_sgmv(x, got, pool.stack("attn.wqkv"), batch.segments, tuning=TUNINGS["sm90"])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 @needs_interpreter

@@ -13,7 +13,7 @@ from server.cli import build_parser
 from server.config.settings import RouterSettings
 from server.dispatch.dispatcher import with_lora
 from server.errors import UsageError
-from server.fleet.spec import build_worker_specs
+from server.fleet.spec import build_worker_specs, with_runtime_loras
 from server.routing.filter import Constraints
 from workers.contract import DEFAULT_MODEL_DIR, WorkerConfig, WorkerConfigError, WorkerRequest, parse_simulate
 from workers.contract.config import parse_loras
@@ -41,6 +41,25 @@ def test_every_worker_of_the_default_model_gets_the_adapters(tmp_path):
     assert build_worker_specs(parse_simulate("sm_80"), _settings(), tmp_path, 7)[0].config.lora is None
 
 
+def test_a_worker_restarted_reads_the_adapters_loaded_at_run_time(tmp_path):
+    """`with_runtime_loras`, which the supervisor applies before each start: the adapters loaded at run
+    time join `--lora`'s (with the limits), an unload leaves them, another model's worker is untouched."""
+    a, late = _adapter(tmp_path / "a"), _adapter(tmp_path / "late")
+    settings = _settings("--lora", f"coder={a}", "--max-loras", "2", "--max-cpu-loras", "5")
+    settings = RouterSettings(**{**settings.__dict__, "worker_command": (sys.executable, "-m", "workers")})
+    spec = build_worker_specs(parse_simulate("sm_80"), settings, tmp_path, parent_pid=7)[0]
+    assert spec.config.max_cpu_loras == 5
+    grown = with_runtime_loras(spec, settings, {"late": late})
+    assert grown.config.lora == f"coder={a},late={late}" and grown.config.max_loras == 2
+    assert with_runtime_loras(grown, settings, {}).config.lora == f"coder={a}"
+    bare = build_worker_specs(parse_simulate("sm_80"), _settings(), tmp_path, 7)[0]
+    assert with_runtime_loras(bare, _settings(), {"late": late}).config.lora == f"late={late}"
+    assert with_runtime_loras(with_runtime_loras(bare, _settings(), {"late": late}), _settings(), {}).config.lora \
+        is None
+    other = bare.__class__(**{**bare.__dict__, "model_dir": tmp_path / "other"})
+    assert with_runtime_loras(other, _settings(), {"late": late}) is other
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--lora", "coder"], r"`--lora coder` is not `NAME=DIR`"),
     (["--lora", "has space=/x"], r"is not `NAME=DIR`"),
@@ -48,6 +67,7 @@ def test_every_worker_of_the_default_model_gets_the_adapters(tmp_path):
     (["--lora", "coder=/nowhere"], r"no `adapter_config.json` in `/nowhere`"),
     (["--max-loras", "0"], r"`--max-loras 0` must be at least 1"),
     (["--max-lora-rank", "0"], r"`--max-lora-rank 0` must be at least 1"),
+    (["--max-loras", "4", "--max-cpu-loras", "3"], r"`--max-cpu-loras 3` must be at least `--max-loras` \(4\)"),
 ])
 def test_bad_lora_flags_are_named(argv, message):
     with pytest.raises(UsageError, match=message):

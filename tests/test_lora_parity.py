@@ -16,6 +16,7 @@ from workers.kv.hashing import root_hash
 from workers.kv.pool import KVPool
 from workers.lora.adapter import read_adapter
 from workers.lora.apply import LoraBatch, install_lora, lora_rows
+from workers.lora.pool import LoraPool
 from workers.lora.table import LoraTable
 from workers.model.loader import load_model
 from workers.sampling.params import SamplingParams
@@ -40,8 +41,10 @@ def served(request, tmp_path_factory):
     dirs = {name: make_adapter(base, root / name, seed, r, alpha, targets, rs)
             for name, (seed, r, alpha, targets, rs) in ADAPTERS.items()}
     ours = load_model(base, "float32")
-    install_lora(ours.model)
-    table = LoraTable(lambda name, path: read_adapter(name, path, ours.config, ours.model, 16, ours.dtype), 8)
+    install_lora(ours.model)  # the adapters in the pool's slots, as a worker serves them (workers/lora/worker.py)
+    pool = ours.model.lora_state.delta.pool = LoraPool(ours.model, ours.config, 8, 16, ours.dtype, "cpu")
+    table = LoraTable(lambda name, path: read_adapter(name, path, ours.config, ours.model, 16, ours.dtype), 8,
+                      lambda adapter, slot: pool.write(slot, adapter))
     for name, path in dirs.items():
         table.register(name, path)
     return base, dirs, ours, table

@@ -37,6 +37,7 @@ EVERY_FIELD = WorkerConfig(
     pipeline_batches=2, pipeline_microbatches=4, preflight="on", slowdown=3.0, prefill_slowdown=4.5,
     lora="a=/tmp/a,b=/tmp/b", max_loras=2,
     max_lora_rank=32,
+    max_cpu_loras=12,
 )
 
 

@@ -11,9 +11,12 @@ T [rows, P*R] = x @ A^T per segment tile, the expand launch adds (T_part @ B^T) 
 columns of each part of `out`, in place. A segment tile of 16 rows or more runs `tl.dot` (SGMV: a
 prefill chunk, or many decode rows of one adapter); when every segment is a few rows (decode rows
 spread over adapters) each program takes one row and reduces in registers (BGMV), since a 16-row
-tensor-core tile would be mostly padding. The trade-off: ranks pad to the largest of the step (a
-multiple of 16) and parts to the stack's band, so an adapter of rank 4 beside one of rank 64 pays
-for 64; in exchange one launch pair serves every adapter of the step, whatever it mixes. T keeps
+tensor-core tile would be mostly padding. Each slot's own rank in the projection (`ranks`, rounded
+up to 16) bounds the bands it computes: the shrink skips bands past it and the expand stops there,
+so a slot sized for rank 64 holding a rank-8 adapter pays for 16. The trade-off: ranks pad to a
+multiple of 16, and every segment's tile runs the stack's band width in its grid (skipped bands
+are launched programs that return at once); in exchange one launch pair serves every adapter of
+the step, whatever it mixes. T keeps
 the adapters' dtype between the two launches, as the reference rounds `x @ A^T`.
 """
 
@@ -69,8 +72,10 @@ def _lora_shrink_kernel(
     ROWS,
     SEG_START,
     SEG_LORA,
+    RANKS,
     K,
     R,
+    RANK,
     stride_xm,
     stride_al,
     stride_ar,
@@ -79,9 +84,12 @@ def _lora_shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # 1. this tile's rows, their adapter and the band of ranks [BLOCK_R] it computes
+    # 1. this tile's rows, their adapter and the band of ranks [BLOCK_R] it computes: none past the
+    # adapter's own (padded) rank in its part, whose T the expand never reads
     seg, rows, row_ok = _segment_rows(ROWS, SEG_START, BLOCK_M)
     lora = tl.load(SEG_LORA + seg).to(tl.int64)
+    if (tl.program_id(2) * BLOCK_R) % RANK >= tl.load(RANKS + lora):
+        return
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
     offs_k = tl.arange(0, BLOCK_K)
@@ -106,6 +114,7 @@ def _lora_expand_kernel(
     ROWS,
     SEG_START,
     SEG_LORA,
+    RANKS,
     SCALES,
     PART_OFF,
     PART_SIZE,
@@ -129,7 +138,7 @@ def _lora_expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # 2. T's band of this part [BLOCK_M, R] @ B_l's rows of this part's columns [R, BLOCK_N]
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in range(0, tl.load(RANKS + lora), BLOCK_R):
         r = r0 + offs_r
         t = tl.load(T + rows[:, None] * stride_tm + (part * R + r)[None, :], mask=row_ok[:, None], other=0.0)
         b = tl.load(B + lora * stride_bl + (off + cols)[None, :] * stride_bn + r[:, None], mask=col_ok[None, :],
@@ -155,6 +164,7 @@ class LoraStack:
     part_sizes: torch.Tensor  # [P] int32
     rank: int  # R, a multiple of RANK_ALIGN
     max_part: int  # the widest part's size
+    ranks: torch.Tensor  # [L] int32: each slot's rank here, rounded up to RANK_ALIGN (0: it targets nothing here)
 
 
 @dataclass(frozen=True, eq=False)
@@ -253,7 +263,7 @@ def lora_sgmv(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, segments: Lo
     t = torch.empty((x2.shape[0], parts * r), dtype=stack.a.dtype, device=x.device)  # [M, P*R]
     # 1. shrink: T = x @ A^T, one program per (segment, row tile, rank band)
     _lora_shrink_kernel[(n_segments, m_blocks, triton.cdiv(parts * r, tuning.block_r))](
-        x2, stack.a, t, segments.rows, segments.starts, segments.loras, k, parts * r, x2.stride(0),
+        x2, stack.a, t, segments.rows, segments.starts, segments.loras, stack.ranks, k, parts * r, r, x2.stride(0),
         stack.a.stride(0), stack.a.stride(1), t.stride(0),
         BLOCK_M=block_m, BLOCK_R=tuning.block_r, BLOCK_K=tuning.block_k,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
@@ -261,7 +271,7 @@ def lora_sgmv(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, segments: Lo
     # 2. expand: out[:, part] += (T_part @ B^T) * scale, one program per (segment, row tile, part x column block)
     n_blocks = triton.cdiv(stack.max_part, tuning.block_n)
     _lora_expand_kernel[(n_segments, m_blocks, parts * n_blocks)](
-        t, stack.b, out2, segments.rows, segments.starts, segments.loras, stack.scales, stack.part_offsets,
+        t, stack.b, out2, segments.rows, segments.starts, segments.loras, stack.ranks, stack.scales, stack.part_offsets,
         stack.part_sizes, r, n_blocks, t.stride(0), stack.b.stride(0), stack.b.stride(1), out2.stride(0),
         BLOCK_M=block_m, BLOCK_N=tuning.block_n, BLOCK_R=tuning.block_r,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
@@ -279,15 +289,15 @@ def compile_specs(tuning: LoraTuning, workload: Workload) -> tuple[CompileSpec, 
         for block_m in tuning.block_ms():
             launch_dot = dot if block_m >= 16 else None
             shrink = (("X", ptr), ("A", ptr), ("T", ptr), ("ROWS", idx), ("SEG_START", idx), ("SEG_LORA", idx),
-                      ("K", dim), ("R", "i32:16"), ("stride_xm", dim), ("stride_al", "i32:16"), ("stride_ar", dim),
-                      ("stride_tm", "i32:16"))
+                      ("RANKS", idx), ("K", dim), ("R", "i32:16"), ("RANK", "i32:16"), ("stride_xm", dim),
+                      ("stride_al", "i32:16"), ("stride_ar", dim), ("stride_tm", "i32:16"))
             specs.append(CompileSpec(_lora_shrink_kernel, shrink, (("BLOCK_M", block_m), ("BLOCK_R", tuning.block_r),
                                                                    ("BLOCK_K", tuning.block_k)),
                                      tuning.num_warps, tuning.num_stages, dot=launch_dot))
             expand = (("T", ptr), ("B", ptr), ("OUT", ptr), ("ROWS", idx), ("SEG_START", idx), ("SEG_LORA", idx),
-                      ("SCALES", pointer("fp32")), ("PART_OFF", idx), ("PART_SIZE", idx), ("R", "i32:16"),
-                      ("N_BLOCKS", "i32"), ("stride_tm", "i32:16"), ("stride_bl", "i32:16"), ("stride_bn", "i32:16"),
-                      ("stride_om", dim))
+                      ("RANKS", idx), ("SCALES", pointer("fp32")), ("PART_OFF", idx), ("PART_SIZE", idx),
+                      ("R", "i32:16"), ("N_BLOCKS", "i32"), ("stride_tm", "i32:16"), ("stride_bl", "i32:16"),
+                      ("stride_bn", "i32:16"), ("stride_om", dim))
             specs.append(CompileSpec(_lora_expand_kernel, expand, (("BLOCK_M", block_m), ("BLOCK_N", tuning.block_n),
                                                                    ("BLOCK_R", tuning.block_r)),
                                      tuning.num_warps, tuning.num_stages, dot=launch_dot))

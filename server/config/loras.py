@@ -1,6 +1,6 @@
 """The LoRA adapters one `hetserve serve` offers over its default model: `--lora NAME=DIR`
 (repeatable), `--lora-modules-dir DIR` (each subdirectory with PEFT's `adapter_config.json` is an
-adapter named after it), `--max-loras`, `--max-lora-rank`.
+adapter named after it), `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`.
 
 Design: validated once into a frozen `LorasConfig` before any worker starts (a malformed entry,
 a name that clashes with a model's, a directory without PEFT's `adapter_config.json` is a
@@ -30,6 +30,7 @@ class LorasConfig:
     adapters: tuple[tuple[str, Path], ...] = ()  # (name, directory), in the order given
     max_loras: int = DEFAULT_MAX_LORAS
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: int | None = None  # host copies kept per worker (None: the worker's default)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -50,6 +51,9 @@ def add_lora_flags(serve) -> None:
                    help=f"adapters each worker holds in memory at once (default {DEFAULT_MAX_LORAS})")
     g.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
                    help=f"the highest adapter rank accepted (default {DEFAULT_MAX_LORA_RANK})")
+    g.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="adapters each worker keeps in host memory, so one evicted from the device comes back "
+                        "without a disk read (at least --max-loras; default 4x --max-loras)")
 
 
 def scan_lora_modules_dir(root: str) -> tuple[tuple[str, str], ...]:
@@ -110,10 +114,13 @@ def loras_from_args(args, models: ModelsConfig) -> LorasConfig:
                              f"PEFT's `save_pretrained` writes it (no `,` in its path)")
         adapters.append((name, path))
     limits = {}
-    for flag in ("max_loras", "max_lora_rank"):
+    for flag in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         value = getattr(args, flag, None)
         if value is not None:
             if value < 1:
                 raise UsageError(f"`--{flag.replace('_', '-')} {value}` must be at least 1")
             limits[flag] = value
+    host, slots = limits.get("max_cpu_loras"), limits.get("max_loras", DEFAULT_MAX_LORAS)
+    if host is not None and host < slots:
+        raise UsageError(f"`--max-cpu-loras {host}` must be at least `--max-loras` ({slots})")
     return LorasConfig(tuple(adapters), **limits)

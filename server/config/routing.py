@@ -23,6 +23,7 @@ POLICIES = (CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN)
 
 DEFAULT_LOAD_FACTOR = 1.1  # bounded loads (server/routing/policy.py `bounded_load`)
 DEFAULT_CHUNK_CHARS = 64  # characters per prefix chunk of text (a few tokens short of a KV block of 16)
+DEFAULT_LORA_MAX_REPLICAS = 2  # workers an adapter is placed on before only its heat replicates it
 DEFAULT_MAX_CHUNKS = 8192  # prefix chunks remembered per worker: 512 Ki characters, about 150 Ki tokens
 # A prefix held in the host KV tier a worker shares (workers/kvtier/) counts this share of its
 # tokens as held: copied in, not recomputed, but read and copied rather than found in place.
@@ -42,6 +43,9 @@ class RoutingConfig:
     load_factor: float = DEFAULT_LOAD_FACTOR
     tree_size: int = DEFAULT_MAX_CHUNKS  # prefix chunks remembered per worker
     chunk_chars: int = DEFAULT_CHUNK_CHARS
+    # A LoRA adapter is placed on at most this many workers unless it is hot (server/routing/
+    # lora_affinity.py); 0: no cap.
+    lora_max_replicas: int = DEFAULT_LORA_MAX_REPLICAS
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -50,7 +54,9 @@ class RoutingConfig:
                   ("--routing-balance-rel", self.balance_rel, self.balance_rel >= 1.0, ">= 1.0"),
                   ("--routing-load-factor", self.load_factor, self.load_factor >= 1.0,
                    ">= 1.0"),
-                  ("--routing-tree-size", self.tree_size, self.tree_size >= 1, ">= 1 chunk"))
+                  ("--routing-tree-size", self.tree_size, self.tree_size >= 1, ">= 1 chunk"),
+                  ("--lora-max-replicas", self.lora_max_replicas, self.lora_max_replicas >= 0,
+                   ">= 0 workers (0: no cap)"))
         for flag, value, ok, bound in checks:
             if not ok:
                 raise UsageError(f"`{flag} {value}` must be {bound}")
@@ -75,10 +81,15 @@ def add_routing_flags(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-tree-size", type=int, default=None, metavar="CHUNKS",
                    help=f"prompt prefix chunks of {d.chunk_chars} characters remembered per worker, least recently "
                         f"used forgotten first (default {d.tree_size})")
+    g.add_argument("--lora-max-replicas", type=int, default=None, metavar="N",
+                   help="a LoRA adapter is placed on at most N workers; beyond, only while it is hot (its own "
+                        "requests in flight on each holder past the bounded load) does it get another (0: no cap; "
+                        f"default {d.lora_max_replicas})")
 
 
 _FLAGS = {"routing": "policy", "routing_balance_abs": "balance_abs", "routing_balance_rel": "balance_rel",
-          "routing_load_factor": "load_factor", "routing_tree_size": "tree_size"}
+          "routing_load_factor": "load_factor", "routing_tree_size": "tree_size",
+          "lora_max_replicas": "lora_max_replicas"}
 
 
 def routing_from_args(args) -> RoutingConfig:

@@ -15,7 +15,8 @@ oversubscribes them and each gets fewer threads than the host has.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from server.config.api_key import ENV_API_KEY
@@ -214,9 +215,24 @@ def build_worker_specs(devices: list[DeviceInfo], settings: RouterSettings, run_
             for d in devices if d.index in models]
 
 
-def _lora_fields(settings: RouterSettings, model_dir: Path | None) -> dict:
-    """The LoRA adapters of a worker of the default model (server/config/loras.py); none for another model's."""
+def _lora_fields(settings: RouterSettings, model_dir: Path | None,
+                 runtime: Mapping[str, Path] | None = None) -> dict:  # fmt: skip
+    """The LoRA adapters of a worker of the default model (server/config/loras.py), `--lora`'s then those
+    loaded at run time (`runtime`), and its limits (which adapters loaded at run time meet too); none
+    for another model's."""
     loras = settings.loras
-    if not loras.adapters or (model_dir is not None and Path(model_dir) != Path(settings.model_dir)):
+    if model_dir is not None and Path(model_dir) != Path(settings.model_dir):
         return {}
-    return {"lora": loras.worker_value(), "max_loras": loras.max_loras, "max_lora_rank": loras.max_lora_rank}
+    adapters = {**dict(loras.adapters), **(runtime or {})}
+    lora = ",".join(f"{name}={path}" for name, path in adapters.items()) or None
+    return {"lora": lora, "max_loras": loras.max_loras, "max_lora_rank": loras.max_lora_rank,
+            "max_cpu_loras": loras.max_cpu_loras}
+
+
+def with_runtime_loras(spec: WorkerSpec, settings: RouterSettings, runtime: Mapping[str, Path]) -> WorkerSpec:
+    """`spec` whose worker, when it (re)starts, reads the adapters loaded at run time besides `--lora`'s
+    (the supervisor calls it before each start); another model's worker is left as is."""
+    fields = _lora_fields(settings, spec.model_dir, runtime)
+    if not fields or spec.config.lora == fields["lora"]:
+        return spec
+    return replace(spec, config=replace(spec.config, **fields))

@@ -36,6 +36,7 @@ from server.fleet.spec import (
     build_worker_specs,
     compute_threads,
     threads_per_worker,
+    with_runtime_loras,
     worker_id,
 )
 from workers.contract import DeviceInfo, WorkerState, WorkerStatus, cpu_device
@@ -67,6 +68,8 @@ class Supervisor:
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
+        # LoRA adapters loaded at run time (server/edge/routes/lora.py): a worker (re)started reads them too
+        self.runtime_loras: dict[str, Path] = {}
 
     # --- public ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -287,7 +290,7 @@ class Supervisor:
             await self._sleep_unless_stopping(decision.wait_s)
 
     async def _spawn(self, handle: WorkerHandle) -> None:
-        spec = handle.spec
+        spec = handle.spec = with_runtime_loras(handle.spec, self.settings, self.runtime_loras)
         for stale in (spec.socket_path, spec.status_path):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()

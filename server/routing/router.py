@@ -139,7 +139,9 @@ class Router:
         if req.lora is not None:
             slots = {h.id: AdapterSlots.from_report(h.probe.loras if h.probe is not None else None,
                                                     self._lora_inflight.get(h.id, {})) for h in free}
-            pool = adapter_pool(cands, req.lora, slots, self.config.load_factor)
+            inflight = {h.id: self._lora_inflight.get(h.id, {}).get(req.lora, 0) for h in free}
+            pool = adapter_pool(cands, req.lora, slots, self.config.load_factor, self.config.lora_max_replicas,
+                                inflight)
             cands = list(pool.candidates)
         policy = self.config.policy
         if policy == ROUND_ROBIN:

@@ -58,6 +58,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZE = ("none", "fp8")
 PROG = "python -m workers"
 DEFAULT_MAX_LORAS, DEFAULT_MAX_LORA_RANK = 8, 16  # SGLang's adapters per batch; vLLM's rank limit
+CPU_LORAS_PER_SLOT = 4  # host copies kept per device slot unless --max-cpu-loras says otherwise
 
 
 def parse_loras(spec: str | Sequence[str] | None) -> tuple[tuple[str, str], ...]:
@@ -172,6 +173,9 @@ class WorkerConfig:
     max_loras: int = field(default=DEFAULT_MAX_LORAS, metadata=_flag(
         "LoRA adapters held in memory at once (the least recently used idle one leaves for another)"))
     max_lora_rank: int = field(default=DEFAULT_MAX_LORA_RANK, metadata=_flag("the highest LoRA rank accepted"))
+    max_cpu_loras: int | None = field(default=None, metadata=_flag(
+        "LoRA adapters whose host-memory copies are kept (an evicted one comes back from there, not from disk); "
+        "at least --max-loras, default 4x it", metavar="N"))
     slowdown: float = field(default=1.0, metadata=_flag(
         "a simulated device only: every forward pass takes this many times as long (benchmarks and tests; the "
         "router sets it from $HETSERVE_SLOWDOWN, workers/device/slowdown.py)", metavar="F"))
@@ -213,6 +217,8 @@ class WorkerConfig:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 return f"`{_flag_name(name)}` must be >= 1, got `{getattr(self, name)}`"
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            return f"`--max-cpu-loras` must be >= `--max-loras` ({self.max_loras}), got `{self.max_cpu_loras}`"
         try:
             parse_loras(self.lora)
         except ValueError as e:

@@ -115,7 +115,8 @@ class HealthPayload(_Open):
     engine: EngineLiveness | None = None
     capacity: dict | None = None  # the KV cache's changing figures (`kv_blocks_free`)
     compile: CompileDescription | None = None  # the decode step's compilation, which goes on after ready
-    # LoRA adapters: {max_loras, running, waiting, adapters: [{name, path, loaded, requests}]}; None: no table
+    # LoRA adapters: {max_loras, running, waiting, pool, adapters: [{name, path, loaded, slot, on_host, requests}]};
+    # None: no table (workers/lora/metrics.py `describe_loras`)
     loras: dict | None = None
     speculative: dict | None = None  # speculative decoding now: method, k, acceptance, reason (None: not said)
     preparing: list[str] | None = None  # what still builds or compiles behind the serving, in words

@@ -65,6 +65,7 @@ class LoraAdapter:
     targets: dict[str, tuple[LoraTarget, ...]]
     identity: str = ""  # the files it was read from (path, size, mtime): a reloaded name is another adapter
     base: str | None = None  # `base_model_name_or_path` as PEFT recorded it (informational)
+    slot: int | None = None  # its slot in the worker's pool (workers/lora/pool.py); None: read, not placed
 
     @property
     def nbytes(self) -> int:

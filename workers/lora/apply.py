@@ -11,9 +11,9 @@ present, gathers their rows (`index_select`), multiplies `(x @ A^T) @ B^T * scal
 in place (`index_add_` on the columns of the target's part): the CPU path and the reference. On a
 GPU the chosen Triton layer (kernels_local/lora_sgmv/) does the same for every adapter of the step
 in one shrink and one expand launch, over the adapters stacked per projection (workers/lora/
-stack.py) and the batch's rows gathered into one segment per adapter. Outside `lora_rows` the hook
-returns at once. Trade-off: the compiled decode step does not trace the hooks, so a step holding
-any adapter row runs eager (workers/engine/runner.py)."""
+pool.py: the worker's slots, read in place) and the batch's rows gathered into one segment per
+adapter. Outside `lora_rows` the hook returns at once. Trade-off: the compiled decode step does
+not trace the hooks, so a step holding any adapter row runs eager (workers/engine/runner.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from torch import nn
 
 from kernels_local.lora_sgmv.lora_sgmv import LoraSegments, LoraStack
 from workers.lora.adapter import TARGETS, LoraAdapter
+from workers.lora.pool import LoraPool, add_pooled, pooled_fits
 from workers.lora.stack import StackCache
 
 HOOKED = frozenset(TARGETS.values())
@@ -58,10 +59,23 @@ class LoraBatch:
     def adapters(self) -> tuple[LoraAdapter, ...]:
         return tuple(a for a, _ in self.groups)
 
+    @property
+    def pooled(self) -> bool:
+        """Whether every adapter sits in a pool slot (the kernel reads the pool, not a stack of the step)."""
+        return all(a.slot is not None for a, _ in self.groups)
+
+    @cached_property
+    def row_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The segments' rows (int64) and each one's pool slot (int64), for the pooled torch path."""
+        seg = self.segments
+        return seg.rows.long(), torch.repeat_interleave(seg.loras.long(), seg.starts.diff().long())
+
     @cached_property
     def segments(self) -> LoraSegments:
-        """The rows gathered into one segment per adapter (slot = the adapter's group), for the kernel."""
-        return LoraSegments.from_groups([rows for _, rows in self.groups], list(range(len(self.groups))))
+        """The rows gathered into one segment per adapter, for the kernel: each segment's slot is its
+        adapter's pool slot when every adapter has one, else its group (a stack of this batch's)."""
+        slots = [a.slot for a, _ in self.groups] if self.pooled else list(range(len(self.groups)))
+        return LoraSegments.from_groups([rows for _, rows in self.groups], slots)
 
 
 @use_kernel_forward_from_hub("LoraDelta")
@@ -72,16 +86,30 @@ class LoraDelta(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stacks = StackCache()
+        self.pool: LoraPool | None = None  # the worker's slots (workers/lora/pool.py), set with its table
 
     def forward(self, name: str, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
         return self.torch_delta(name, x, out, batch)
 
     def torch_delta(self, name: str, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
+        if self.pool is not None and batch.pooled and len(batch.groups) > 1:
+            packed = self.stacked(name, batch, x.device)
+            if packed is None:
+                return  # no adapter of the step targets this projection
+            if pooled_fits(*packed):
+                add_pooled(packed[0], *batch.row_slots, x, out)
+                return
         add_lora(name, x, out, batch)
 
     def stacked(self, name: str, batch: LoraBatch, device) -> tuple[LoraStack, LoraSegments] | None:
         """Projection `name`'s stack of the batch's adapters and the batch's segments (None: no adapter
-        of the batch targets it): what a kernel layer launches on."""
+        of the batch targets it): what a kernel layer launches on. Adapters in the pool are read there
+        in place; others (read, not placed: a check before the pool holds them) get a stack built."""
+        if self.pool is not None and batch.pooled:
+            if not any(name in a.targets for a in batch.adapters):
+                return None
+            stack = self.pool.stack(name)
+            return None if stack is None else (stack, batch.segments)
         stack = self.stacks.get(batch.adapters, name, device)
         return None if stack is None else (stack, batch.segments)
 

@@ -46,7 +46,9 @@ def build_stack(adapters: Sequence[LoraAdapter], name: str, device: str | torch.
     scales = torch.tensor([ad.scale for ad in adapters], dtype=torch.float32, device=device)
     offsets = torch.tensor([off for off, _ in parts], dtype=torch.int32, device=device)
     sizes = torch.tensor([size for _, size in parts], dtype=torch.int32, device=device)
-    return LoraStack(a, b, scales, offsets, sizes, r, max(size for _, size in parts))
+    ranks = torch.tensor([-(-max((t.a.shape[0] for t in ps), default=0) // RANK_ALIGN) * RANK_ALIGN
+                          for ps in pairs], dtype=torch.int32, device=device)
+    return LoraStack(a, b, scales, offsets, sizes, r, max(size for _, size in parts), ranks)
 
 
 class StackCache:

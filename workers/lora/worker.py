@@ -1,14 +1,15 @@
 """A worker's adapters from its configuration: hooks on the model, every `--lora NAME=DIR` read.
 
-Design: every worker that runs the whole model gets a table; the projections are hooked only
+Design: every worker that runs the whole model gets a table; the projections are hooked (and the
+model's `LoraPool` of `--max-loras` slots made, each projection's memory taken on first use) only
 when the first adapter is read (at start with `--lora`, or at run time through `/lora/load`), so a
 worker that never serves one runs exactly the model it did. Each `--lora` adapter is read and
 checked at start, so a bad one fails the worker's start naming it (the `engine` step), not a
 request later; beyond `--max-loras` the table keeps the last ones read and drops the others until
 asked for. With the first adapter the model's `LoraDelta` runs the kernel its device chose; that
-kernel is checked once against its torch path on a small mixed batch of that adapter (a kernel that
-fails or disagrees is replaced by the torch path, with the reason in the log), as the worker's
-self-test checks the model's other kernels at start. Trade-off: the adapters serve the worker's one
+kernel is checked once against its torch path on a small mixed batch of that adapter in its slot (a
+kernel that fails or disagrees is replaced by the torch path, with the reason in the log), as the
+worker's self-test checks the model's other kernels at start. Trade-off: the adapters serve the worker's one
 model, in its dtype on its device, and hooks installed at run time must wait for a step boundary
 (`Engine.steps_held`).
 """
@@ -16,15 +17,17 @@ model, in its dtype on its device, and hooks installed at run time must wait for
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from workers.contract.config import WorkerConfig, parse_loras
+from workers.contract.config import CPU_LORAS_PER_SLOT, WorkerConfig, parse_loras
 from workers.kernelize.selftest import to_torch_path
 from workers.lora.adapter import LoraAdapter, read_adapter
 from workers.lora.apply import LoraBatch, LoraDelta, install_lora
 from workers.lora.metrics import LoraGauge
+from workers.lora.pool import LoraPool
 from workers.lora.table import LoraTable
 
 logger = logging.getLogger(__name__)
@@ -39,28 +42,49 @@ def install_loras(engine, config: WorkerConfig, loaded, device) -> LoraTable:
 
 
 def build_loras(config: WorkerConfig, loaded, device) -> LoraTable:
-    """The table of `config.lora`'s adapters (read now) over `loaded` (a `LoadedModel`) on `device`."""
+    """The table of `config.lora`'s adapters (read now) over `loaded` (a `LoadedModel`) on `device`:
+    host copies read onto the CPU (pinned for a CUDA device), slots in the model's `LoraPool`."""
     pairs = parse_loras(config.lora)
     model = loaded.model
+    pin = torch.device(device).type == "cuda"
 
-    def read(name: str, path: Path):
-        adapter = read_adapter(name, path, loaded.config, model, config.max_lora_rank, loaded.dtype, device)
+    def read(name: str, path: Path) -> LoraAdapter:
+        adapter = read_adapter(name, path, loaded.config, model, config.max_lora_rank, loaded.dtype, "cpu")
+        if pin:
+            adapter = pinned(adapter)
         hooked = install_lora(model)  # once, with the first adapter
         if hooked:
             logger.info("LoRA: %s projections hooked", hooked)
-            delta = model.lora_state.delta
-            why = check_delta(delta, adapter, device)
+            model.lora_state.delta.pool = LoraPool(model, loaded.config, config.max_loras, config.max_lora_rank,
+                                                   loaded.dtype, device)
+        return adapter
+
+    def place(adapter: LoraAdapter, slot: int) -> LoraAdapter:
+        delta = model.lora_state.delta
+        placed = delta.pool.write(slot, adapter)
+        if not checked:  # the chosen kernel against its torch path, once, on the first adapter placed
+            checked.append(True)
+            why = check_delta(delta, placed, device)
             if why is not None:
                 to_torch_path(delta, "LoraDelta")
                 logger.warning("LoRA kernel replaced by its torch path: %s", why)
-        return adapter
+        return placed
 
-    table = LoraTable(read, config.max_loras)
+    checked: list[bool] = []
+    host = config.max_cpu_loras or CPU_LORAS_PER_SLOT * config.max_loras
+    table = LoraTable(read, config.max_loras, place, host)
     for name, path in pairs:
         adapter = table.register(name, path)
         logger.info("LoRA adapter %s: rank %s, scale %.4g, %s projections, %s bytes (%s)", name, adapter.rank,
                     adapter.scale, len(adapter.targets), adapter.nbytes, path)
     return table
+
+
+def pinned(adapter: LoraAdapter) -> LoraAdapter:
+    """`adapter` with its host tensors in page-locked memory (copies into a slot run asynchronously)."""
+    targets = {name: tuple(replace(t, a=t.a.pin_memory(), b=t.b.pin_memory()) for t in pairs)
+               for name, pairs in adapter.targets.items()}
+    return replace(adapter, targets=targets)
 
 
 def check_delta(delta: LoraDelta, adapter: LoraAdapter, device) -> str | None:
@@ -71,8 +95,11 @@ def check_delta(delta: LoraDelta, adapter: LoraAdapter, device) -> str | None:
     name, pairs = next(iter(adapter.targets.items()))
     dtype = pairs[0].a.dtype
     gen = torch.Generator().manual_seed(0)
+    width = max(t.offset + t.size for t in pairs)
+    if delta.pool is not None and adapter.slot is not None:
+        width = delta.pool.stack(name).b.shape[1]  # the kernel writes the pool's parts: the whole output
     x = torch.randn(3, pairs[0].a.shape[1], generator=gen).to(device, dtype)
-    out = torch.randn(3, max(t.offset + t.size for t in pairs), generator=gen).to(device, dtype)
+    out = torch.randn(3, width, generator=gen).to(device, dtype)
     batch = LoraBatch.from_rows([adapter, None, adapter], device)
     want, got = out.clone(), out.clone()
     delta.torch_delta(name, x, want, batch)

@@ -5,9 +5,11 @@ A load checks the name and directory here, then asks every routable worker of th
 to read it (`/lora/load`, workers/serving/routes/lora.py); if one refuses (an adapter of another
 base, a rank above the limit), those that took it drop it again and the worker's named error is the
 answer, so an adapter is served by all of the model's workers or by none. Success answers vLLM's
-sentence as plain text. Trade-off: a worker that starts or restarts afterwards knows only the
-`--lora` adapters of its configuration, not those loaded at run time (load them again after a
-restart); without an API key the routes answer 403 as `/models/{name}/load` does.
+sentence as plain text. The supervisor remembers the adapters loaded (`runtime_loras`), and a
+worker that restarts, or starts later, reads them at its start with the `--lora` ones, so
+`/v1/models` (the router's list) and the workers agree across a restart. Trade-off: a worker
+spawned while a load is under way (not yet ready, so not asked) misses that adapter until its next
+start; without an API key the routes answer 403 as `/models/{name}/load` does.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ async def load_lora_adapter(req: LoadLoraAdapter, request: Request):
             return error_response(url, status if status < 500 else 502, message, "validation")
         done.append(h)
     ctx.loras[name] = path
+    ctx.supervisor.runtime_loras[name] = path  # a worker that restarts reads it again
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -107,5 +110,6 @@ async def unload_lora_adapter(req: UnloadLoraAdapter, request: Request):
         if status not in (200, 404):
             return error_response(url, status, message, "conflict" if status == 409 else None)
     del ctx.loras[name]
+    ctx.supervisor.runtime_loras.pop(name, None)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
