@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.kv.hashing import chain_hashes
 from workers.kvtier.convert import exact_cast
 from workers.kvtier.format import KVFormat, partial_key
 from workers.kvtier.store import TierStore
@@ -68,14 +67,16 @@ class ForeignReader:
         self.blocks_converted = self.casts_refused = 0
         self.last_refusal: str | None = None
 
-    def fetch(self, tokens: Sequence[int], limit: int) -> tuple[torch.Tensor, list[int]] | None:
+    def fetch(self, tokens: Sequence[int], limit: int,
+              chain: Callable[[bytes, list[int]], list[bytes]]) -> tuple[torch.Tensor, list[int]] | None:
         """The leading blocks of `tokens` (at most `limit` full ones, then the partly filled one
         after them) that another format holds, converted exactly into this worker's dtype, as one
         uint8 buffer `[K, block bytes]`, and the tokens the partial block holds ([] without one);
-        None when no other format holds the prompt's first block."""
+        None when no other format holds the prompt's first block. `chain(root, ids)`: the hashes
+        of the full blocks of `ids` under `root` (the prefix cache's, workers/kv/hashing.py)."""
         bs = self.own.block_size
         for f in self.formats:
-            hashes = chain_hashes(f.chain_root, list(tokens[: limit * bs]), bs, [])
+            hashes = chain(f.chain_root, list(tokens[: limit * bs]))
             payloads = []
             for h in hashes:
                 payload = f.store.get(h)

@@ -163,14 +163,15 @@ class HostTier:
         self._last = (key, out)
         return out
 
-    def fetch_foreign(self, tokens: list[int], limit: int) -> tuple[torch.Tensor, list[int]]:
+    def fetch_foreign(self, tokens: list[int], limit: int, chain) -> tuple[torch.Tensor, list[int]]:
         """As `fetch`, from the formats that differ from this one only by dtype, when this one holds
         nothing of the prompt (workers/kvtier/foreign.py): `tokens` the prompt, `limit` its full
-        blocks that may be read; empty without such formats or blocks."""
+        blocks that may be read, `chain(root, ids)` their hashes under another root; empty without
+        such formats or blocks."""
         key = ("foreign", tuple(tokens[: (limit + 1) * self.format.block_size]))
         if key == self._last[0]:
             return self._last[1]
-        found = self.foreign.fetch(tokens, limit) if self.foreign is not None else None
+        found = self.foreign.fetch(tokens, limit, chain) if self.foreign is not None else None
         out = found if found is not None else (torch.empty(0, dtype=torch.uint8), [])
         self._last = (key, out)
         return out
