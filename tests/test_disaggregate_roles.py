@@ -120,3 +120,11 @@ def test_an_ordinary_request_leaves_the_prefill_only_workers_out_while_another_c
     assert d.held_back(workers, Constraints(worker="gpu0")) == {}  # the client named its worker
     down = [_handle("gpu0"), _handle("gpu1", routable=False), _handle("gpu2", routable=False)]
     assert d.held_back(down, Constraints()) == {}  # no decode worker is up: the prefill worker serves
+
+
+def test_a_worker_that_does_both_beside_a_decode_worker_still_hands_long_prompts_off():
+    """Guards `Roles.active` counting a decode-only worker: the fast card prefills and decodes,
+    the slow one only decodes (long prompts are never prefilled there)."""
+    roles = resolve_roles(_config("--prefill", "gpu0", "--decode", "gpu0,gpu1"), _workers("sm_90,sm_75"))
+    assert roles.by_worker == {"gpu0": BOTH, "gpu1": DECODE} and roles.active
+    assert not resolve_roles(_config("--prefill", "gpu0,gpu1", "--decode", "gpu0,gpu1"), _workers("sm_90,sm_75")).active

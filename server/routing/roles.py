@@ -40,8 +40,9 @@ class Roles:
 
     @property
     def active(self) -> bool:
-        """Some worker only prefills: long prompts are handed off."""
-        return any(r == PREFILL for r in self.by_worker.values())
+        """Some worker has a role of its own: long prompts are handed off (prefilled where prefill
+        may run, decoded where decode may, which can be the same worker when it does both)."""
+        return any(r != BOTH for r in self.by_worker.values())
 
     def describe(self) -> dict:
         return {"active": self.active, "roles": dict(self.by_worker), "reason": self.reason}
