@@ -61,7 +61,8 @@ async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first, tokens = None, 0
     async with client.stream("POST", "/generate_stream", json=body) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread()).decode(errors='replace')}")
         async for line in r.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -102,7 +103,7 @@ def main() -> int:
     ap.add_argument("--min-prompt", type=int, default=128)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
-    ap.add_argument("--long-words", type=int, default=300)
+    ap.add_argument("--long-words", type=int, default=130)  # about 390 tokens of the 512-token context
     ap.add_argument("--short-words", type=int, default=12)
     ap.add_argument("--long-answer", type=int, default=48)
     ap.add_argument("--short-answer", type=int, default=4)
