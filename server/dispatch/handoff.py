@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily
 
 from server.config.settings import RouterSettings
 from server.dispatch.dispatcher import Dispatcher, DispatchError, WorkerReply, WorkerStream
@@ -219,6 +220,26 @@ class HandoffStream(ClientStream):
                                    f"({opened.status}: {detail or 'no message'})")
         self.handoff.requests.labels("handed_off").inc()
         return opened
+
+
+class ForeignCastCollector:
+    """`hetserve_kv_tier_foreign_casts_refused_total` per worker: the blocks of another KV dtype
+    whose cast was not exact, so the rest of their prompt was recomputed there (the workers count
+    them, workers/kvtier/foreign.py; their `/health` reports the count)."""
+
+    def __init__(self, workers_fn: Callable[[], Iterable[WorkerHandle]]):
+        self._workers_fn = workers_fn
+
+    def collect(self):
+        refused = CounterMetricFamily("hetserve_kv_tier_foreign_casts_refused", "Blocks of another KV dtype read "
+                                      "from the host tier whose cast was not exact: the rest of that prompt was "
+                                      "recomputed.", labels=["worker_id", "reason"])
+        for h in self._workers_fn():
+            capacity = {**(h.info.capacity if h.info is not None else {}), **h.live_capacity}
+            foreign = (capacity.get("kv_host_tier") or {}).get("foreign") or {}
+            if "casts_refused" in foreign:
+                refused.add_metric([h.id, "kv_cast_not_exact"], foreign["casts_refused"])
+        yield refused
 
 
 def disaggregation(settings: RouterSettings, devices: Sequence[DeviceInfo], assignment: Mapping[int, object],
