@@ -92,9 +92,9 @@ class Disaggregation:
     async def _prompt_tokens(self, workers: list[WorkerHandle], body: WorkerRequest) -> int | None:
         """The prompt's length in tokens, as the workers tokenize it; None when it cannot reach
         the threshold (its UTF-8 bytes are too few) or no worker gives its tokenizer."""
-        if body.input_ids is not None:
-            return len(body.input_ids)
-        if len(body.inputs.encode()) + _SPECIAL_TOKENS_SLACK < self.min_prompt_tokens:
+        if body.input_ids is not None and len(body.input_ids) < self.min_prompt_tokens:
+            return None
+        if body.input_ids is None and len(body.inputs.encode()) + _SPECIAL_TOKENS_SLACK < self.min_prompt_tokens:
             return None
         for h in workers:
             if not h.routable or h.client is None:
@@ -104,12 +104,14 @@ class Disaggregation:
             except WorkerGone:
                 continue
             if model is None:
-                return -1
+                return -1  # the worker renders its streams: its one-token prefill would end the answer
+            if body.input_ids is not None:
+                return len(body.input_ids)
             text = body.inputs
             encode = model.tokenizer.encode
             ids = (await asyncio.to_thread(encode, text) if len(text) > INLINE_PROMPT_CHARS else encode(text)).ids
             return len(ids)
-        return -1
+        return None  # no worker is up to ask: the request waits for one as any other
 
     async def _plan(self, workers: list[WorkerHandle], path: str, body, c: Constraints) -> int | None:
         """The prompt's tokens when this request is handed off, else None (counted as a fallback
