@@ -13,6 +13,7 @@ import sys
 
 from server.config.budgets import add_budget_flags
 from server.config.compile import add_compile_flags
+from server.config.disaggregate import add_disaggregate_flags
 from server.config.loras import add_lora_flags
 from server.config.memory import add_memory_flags
 from server.config.models import add_model_flags
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_flags(serve)
     _add_engine_flags(serve)
     add_routing_flags(serve)
+    add_disaggregate_flags(serve.add_argument_group(
+        "disaggregation", "prefill long prompts on one worker, decode them on another"))
     _add_failure_flags(serve)
     add_budget_flags(serve)
     add_reasoning_flags(serve)

@@ -13,7 +13,7 @@ from tests.router_harness import ROOT
 from workers.contract import TopologySpecError, parse_simulate
 
 GROUPS = {"model", "network and auth", "devices", "engine and memory", "routing", "failures", "numerics",
-          "observability", "budgets", "chat", "protocols", "compile", "LoRA adapters"}
+          "observability", "budgets", "chat", "protocols", "compile", "LoRA adapters", "disaggregation"}
 
 
 def _serve_parser():

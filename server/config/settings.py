@@ -18,6 +18,7 @@ from server.config.api_key import resolve_api_key
 from server.config.budgets import RequestBudgets, budgets_from_args
 from server.config.compile import AUTO as AUTO_COMPILE
 from server.config.compile import compile_from_args
+from server.config.disaggregate import DisaggregateConfig, disaggregate_from_args
 from server.config.loras import LorasConfig, loras_from_args
 from server.config.memory import gpu_memory_utilization_from_args, max_model_len_from_args
 from server.config.models import ModelsConfig, models_from_args
@@ -130,6 +131,8 @@ class RouterSettings:
     breaker_failures: int = 5  # consecutive failed requests that open a worker's circuit breaker
     breaker_cooldown_s: float = 10.0  # an open breaker lets one probe request through after this
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # --routing and its parameters
+    # --disaggregate, --prefill, --decode: prefill and decode roles (server/config/disaggregate.py)
+    disaggregate: DisaggregateConfig = field(default_factory=DisaggregateConfig)
     # numerics
     deterministic: bool = False  # workers run batch-invariant numerics (workers/model/deterministic.py)
     compile: str = AUTO_COMPILE  # auto | on | off: workers' decode step compiled (server/config/compile.py)
@@ -208,11 +211,16 @@ class RouterSettings:
         kwargs.update(_failure_knobs(args))
         kwargs["budgets"] = budgets_from_args(args)
         kwargs["routing"] = routing_from_args(args)
+        kwargs["disaggregate"] = disaggregate_from_args(args)
         kwargs.update(_canary_knobs(args))
         # Optional knobs a future CLI may add; absent means the defaults above.
         kv_host = getattr(args, "kv_host_bytes", None)
         if kv_host is not None and kv_host < 0:
             raise UsageError(f"`--kv-host-bytes {kv_host}` must be >= 0 (0: no host KV tier)")
+        if kwargs["disaggregate"].enabled and (kv_host == 0 or not engine["prefix_cache"]):
+            off = "--kv-host-bytes 0" if kv_host == 0 else "--no-prefix-cache"
+            raise UsageError(f"`{off}` turns off the host KV tier that disaggregated prefill moves KV through. "
+                             "Accepted: one of them (--disaggregate off, or the tier on)")
         for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "kv_host_bytes", "threads"):
             value = getattr(args, name, None)
             if value is not None:

@@ -160,6 +160,7 @@ class Dispatcher:
         self.router = router or Router(settings.routing)  # scores and picks among the workers that pass
         self.quarantine = Quarantine()  # requests refused for killing workers (server/dispatch/faults.py)
         self.models = models  # loads a model no worker serves (on demand)
+        self.disagg = None  # prefill/decode roles and the handoff (server/dispatch/handoff.py), set by the app
 
     # --- choosing ----------------------------------------------------------------------
     async def _acquire(self, c: Constraints, req: RouteRequest, exclude: dict[str, int], deadline: float,
@@ -223,7 +224,7 @@ class Dispatcher:
     async def _with_retries(self, c: Constraints, req: RouteRequest,
                             attempt: Callable[[WorkerHandle, Ticket], Awaitable[WorkerReply | WorkerStream]],
                             exclude: dict[str, int] | None = None, deaths: Deaths | None = None,
-                            key: Callable[[], str] | None = None):
+                            key: Callable[[], str] | None = None, wait: bool = True):
         """Runs `attempt` on chosen workers until one gives an answer that is not retried.
 
         `attempt` returns the worker's reply (retried on 429/503, once on another 5xx) or an open
@@ -231,10 +232,12 @@ class Dispatcher:
         ends the ticket when the reply is in, a refusal read or the attempt failed (a stream: on
         close).
         `exclude` (worker id -> generation that failed this request) and `deaths` (workers that
-        died under it) may come from earlier tries; `key()` is its quarantine fingerprint."""
-        exclude = {} if exclude is None else exclude
+        died under it) may come from earlier tries (none: the prefill-only workers are left out);
+        `key()` is its quarantine fingerprint; `wait` False: no waiting for a worker to be ready."""
+        if exclude is None:
+            exclude = self.disagg.held_back(self.supervisor.workers.values(), c) if self.disagg is not None else {}
         deaths = Deaths() if deaths is None else deaths
-        deadline = time.monotonic() + self.settings.ready_wait_s
+        deadline = time.monotonic() + (self.settings.ready_wait_s if wait else 0.0)
         if self.models is not None and c.model is not None:
             self.models.touch(c.model)
         saw_429 = error_retried = False
@@ -310,10 +313,10 @@ class Dispatcher:
     # --- streamed ----------------------------------------------------------------------
     async def open_stream(self, path: str, body: WireRequest, c: Constraints,
                           exclude: dict[str, int] | None = None,
-                          deaths: Deaths | None = None) -> WorkerStream | WorkerReply:
+                          deaths: Deaths | None = None, wait: bool = True) -> WorkerStream | WorkerReply:
         """A stream whose first event exists, or the worker's refusal (e.g. 422) as a reply.
         `exclude`: workers (id -> generation) that already failed this request; `deaths`: those
-        that died under it."""
+        that died under it; `wait` False: a 503 rather than waiting for a worker to be ready."""
         body = with_lora(body, c)
         self.check_quarantine(path, body)
 
@@ -343,7 +346,7 @@ class Dispatcher:
             return WorkerStream(worker, headers, first[0], first[1], sse, stack, generation=generation, ticket=ticket)
 
         return await self._with_retries(c, self.router.request(body, c), attempt, exclude, deaths,
-                                        key=lambda: fingerprint(path, body))
+                                        key=lambda: fingerprint(path, body), wait=wait)
 
 
 def with_lora(body: WireRequest, c: Constraints) -> WireRequest:

@@ -89,7 +89,10 @@ def token_ids(raws: list[bytes]) -> list[int]:
 
 async def open_client_stream(dispatcher: Dispatcher, path: str, body: WorkerRequest,
                              c: Constraints) -> ClientStream | WorkerReply:
-    """A client stream whose first event exists, or the worker's refusal (e.g. 422) as a reply."""
+    """A client stream whose first event exists, or the worker's refusal (e.g. 422) as a reply; a
+    long prompt's is prefilled on a prefill worker where roles are set (server/dispatch/handoff.py)."""
+    if dispatcher.disagg is not None and (handed := await dispatcher.disagg.open(dispatcher, path, body, c)):
+        return handed
     opened = await dispatcher.open_stream(path, body, c)
     if isinstance(opened, WorkerReply):
         return opened

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from server.canary.monitor import CanaryMonitor, run_canary
 from server.config.settings import RouterSettings
 from server.dispatch.dispatcher import Dispatcher
+from server.dispatch.handoff import ForeignCastCollector, disaggregation
 from server.edge.context import VERSION, RouterContext
 from server.edge.disconnect import DisconnectGuard
 from server.edge.errors import install_error_handlers
@@ -78,7 +79,10 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
     metrics.registry.register(RoutingCollector(router, handles))
     metrics.registry.register(ModelCollector(models))
     tracing = tracing or start_tracing(settings.otlp_endpoint, "hetserve-router")
-    ctx = RouterContext(settings, supervisor, Dispatcher(supervisor, settings, metrics, tracing, router, models),
+    dispatcher = Dispatcher(supervisor, settings, metrics, tracing, router, models)
+    dispatcher.disagg = disaggregation(settings, devices, models.assignment(), metrics.registry)
+    metrics.registry.register(ForeignCastCollector(handles))
+    ctx = RouterContext(settings, supervisor, dispatcher,
                         metrics, WorkerStats(handles, settings.stats_interval_s, observers=[router.observe]),
                         CanaryMonitor(supervisor, settings), models)
 

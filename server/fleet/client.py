@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from server.fleet.channel import GENERATE_PATH, STREAM_PATH, ChannelRefused, ChannelStream, WorkerChannel
-from server.fleet.text import StreamText, with_prompt_ids
+from server.fleet.text import StreamText, TextModel, with_prompt_ids
 from server.fleet.uds_http import Response, UnixHTTPPool, WorkerConnectError, WorkerConnectionLost
 from workers.contract import CapabilityPayload, WireRequest, WorkerRequest, wire_bytes
 
@@ -121,6 +121,11 @@ class WorkerClient:
             yield response
         finally:
             await response.aclose()
+
+    async def text_model(self) -> TextModel | None:
+        """The tokenizer this worker's streams are rendered with here; None when it renders its own."""
+        channel = await self._open_channel()
+        return None if channel is None else channel.text
 
     async def _open_channel(self) -> WorkerChannel | None:
         """The open channel, opened now if needed; None when the worker has none to give (streams

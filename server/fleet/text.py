@@ -29,7 +29,15 @@ from tokenizers import Tokenizer
 from workers.contract import WorkerRequest
 from workers.contract.detokenize import IncrementalDetokenizer, TokenBytes, special_token_ids
 from workers.contract.errors import ERROR_VALIDATION, safe_message
-from workers.contract.events import FINISH_EOS, FINISH_STOP, ErrorEvent, FinishInfo, StreamStart, TokenEvent
+from workers.contract.events import (
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    ErrorEvent,
+    FinishInfo,
+    StreamStart,
+    TokenEvent,
+)
 from workers.contract.render import Render, error_frame
 
 INLINE_PROMPT_CHARS = 4096  # longer prompts are tokenized off the event loop
@@ -156,6 +164,8 @@ class StreamText:
             text, special = "", False  # the EOS or stop token id that ends it, left out of the text
         else:
             text, special = detok.add(e.token_id)
+        if reason == FINISH_LENGTH and self.request.publish_kv:
+            reason = None  # a prefill handed off after its first token: another worker goes on (no end here)
         if detok.stopped:
             reason = FINISH_STOP
         finish = None

@@ -128,7 +128,8 @@ class GenerationParameters(BaseModel):
 class WorkerRequest(BaseModel):
     """One generation request: the prompt as text (`inputs`) or token ids (`input_ids`), its
     parameters, the token ids already generated for it elsewhere (`resume_ids`: a migrated
-    stream goes on after them, workers/engine/resume.py), and the LoRA adapter it runs with (`lora`)."""
+    stream goes on after them, workers/engine/resume.py), the LoRA adapter it runs with (`lora`), and
+    whether its prompt's KV must be in the host tier before it reports (`publish_kv`)."""
 
     model_config = _WIRE
 
@@ -137,6 +138,9 @@ class WorkerRequest(BaseModel):
     parameters: GenerationParameters = Field(default_factory=GenerationParameters)
     resume_ids: tuple[StrictInt, ...] = ()
     lora: StrictStr | None = None  # the LoRA adapter it runs with (`--lora NAME=DIR`); None: the base model
+    # a prefill for another worker: every block of its prompt (the partly filled last one too) is in
+    # the host KV tier before its last event goes out (server/dispatch/disaggregate.py)
+    publish_kv: StrictBool = False
 
     @model_validator(mode="after")
     def _prompt(self):

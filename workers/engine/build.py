@@ -332,7 +332,12 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
     engine = Engine(runner, scheduler, loaded.tokenizer, max_queue=config.max_queue,
                     grammars=grammars_for(config, loaded), speculator=speculator)
     sched = engine.scheduler.config
-    engine.attach_tier(HostTier.for_worker(config, kv, sched.cache_root, sched.prefix_caching, loaded.model_dir))
+
+    def chain_root_for(dtype) -> bytes:  # the prefix cache's root, had the KV been of `dtype` (as above)
+        return root_hash(loaded.model_id, dtype, config.quantize, config.kv_block_size)
+
+    engine.attach_tier(HostTier.for_worker(config, kv, sched.cache_root, sched.prefix_caching, loaded.model_dir,
+                                           chain_root_for))
     reinstall = None
     if cpu.pending:
         def reinstall() -> CpuPaths:

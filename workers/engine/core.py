@@ -114,10 +114,12 @@ class Engine:
         resume_ids: SequenceT[int] = (),
         text: bool = True,
         lora: str | None = None,
+        publish_kv: bool = False,
     ) -> RequestStream:
         """Queue a request (`grammar`: its compiled `params.grammar`; `resume_ids`: tokens already
         generated for it elsewhere; `text` False: no text and no stop strings here, the router's
-        channel builds them from the token ids; `lora`: the adapter it runs with, None the base);
+        channel builds them from the token ids; `lora`: the adapter it runs with, None the base;
+        `publish_kv`: its prompt's KV blocks are written to the host tier before its last event);
         raises `CapacityError` (never fits), `ParameterError` (bad
         `resume_ids`), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
         if (grammar is None) != (params.grammar is None):
@@ -134,6 +136,7 @@ class Engine:
                 self._in_flight -= 1
                 raise
         seq = new_sequence(rid, prompt_ids, params, loop, grammar, resumed, text, self.tokenizer, self._special_ids)
+        seq.publish_kv = publish_kv
         if adapter is not None:
             seq.lora, seq.cache_root = adapter, root_hash(self.scheduler.config.cache_root, *lora_key(adapter))
         if not self._first_step_here(seq):
@@ -366,6 +369,8 @@ class Engine:
         """Release the finished, deliver the step's events, count the step."""
         for seq in finished:
             self._release(seq)
+        if self.host_tier is not None and any(seq.publish_kv for seq in finished):
+            self.host_tier.flush()  # a prefill for another worker: its blocks are readable before it reports
         deliver(events)
         self._liveness.step_done()
         seconds = time.perf_counter() - t0

@@ -343,7 +343,7 @@ class Scheduler:
             reason = FINISH_EOS
         elif tid in p.stop_token_ids and ended:
             reason = FINISH_STOP
-        elif len(seq.output_ids) >= p.max_new_tokens:
+        elif len(seq.output_ids) >= p.max_new_tokens or seq.publish_kv:  # a prefill for another worker: one token
             reason = FINISH_LENGTH
         if reason is not None:
             self.finish(seq, reason)

@@ -31,6 +31,7 @@ class HostTierHooks(Protocol):
     def fetch(self, hashes: list[bytes], parent: bytes | None = None) -> tuple[Sized, list[int]]: ...
     def load(self, blocks: list[int], payloads: Sized) -> None: ...
     def partial(self, block: int, parent: bytes, tokens: list[int]) -> None: ...
+    def fetch_foreign(self, tokens: list[int], limit: int, chain) -> tuple[Sized, list[int]]: ...
 
 
 class KVSequence(Protocol):
@@ -260,6 +261,9 @@ class KVCacheManager:
         hashes = seq.block_hashes[start:limit] if limit > start else []
         parent = (seq.block_hashes[start - 1] if start else self._root(seq)) if max_cached is None else None
         host, held = self.tier.fetch(hashes, parent)
+        foreign = getattr(self.tier, "fetch_foreign", None)  # another KV dtype's blocks, cast exactly
+        if foreign is not None and not len(host) and start == 0 and parent is not None and self._root(seq) == self.root:
+            host, held = foreign(tokens, limit, lambda root, ids: chain_hashes(root, ids, self.block_size, []))
         if not held:
             return host, 0
         k = len(host) - 1  # full blocks found before the partial one

@@ -7,10 +7,10 @@ K/V in other tiles), the pool's layout, every group's shape (layers, KV heads, h
 KV dtype. Two workers of
 the same model and format compute the same key and so share the tier's blocks; any difference
 gives another key, whose blocks are invisible to the first (another directory) and refused if
-met anyway (the store checks the key in each block's header). No conversion between formats:
-a block is read only by a worker that would have computed the same bytes. Trade-off: a bf16
-worker cannot use an fp16 worker's blocks even where the conversion would be exact; that saves
-a conversion path and its tests in this first tier.
+met anyway (the store checks the key in each block's header). No silent conversion between
+formats: a block is read as it is only by a worker that would have computed the same bytes; a
+format that differs only by KV dtype is read through an exact cast or not at all
+(workers/kvtier/foreign.py).
 Which pools the tier serves: one full-attention group without linear layers' state. A sliding
 group's blocks and a linear layer's per-sequence state are not chained per block here, so such a
 model gets no tier, with the reason; a hybrid's reason states the bytes of the state snapshot that

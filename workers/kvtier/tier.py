@@ -28,11 +28,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from workers.contract import KV_HOST_SHARE, WorkerConfig
+from workers.kvtier.foreign import ForeignReader, foreign_formats
 from workers.kvtier.format import KVFormat, format_of, model_fingerprint, partial_key, unsupported
 from workers.kvtier.store import TierStore, default_budget
 from workers.kvtier.writer import TierWriter
@@ -55,6 +57,7 @@ class HostTier:
         self._copy_stream = torch.cuda.Stream(device=pool.device) if self._pinned and self.enabled else None
         self._fence = None  # the copy stream's last event: the compute stream waits for it before the next step
         self._last: tuple[tuple, tuple] = ((), (torch.empty(0, dtype=torch.uint8), []))  # for a retry
+        self.foreign: ForeignReader | None = None  # other dtypes' blocks, converted exactly (workers/kvtier/foreign.py)
 
     @classmethod
     def open(cls, pool, root: bytes, directory: str | Path | None, budget: int,
@@ -76,15 +79,24 @@ class HostTier:
 
     @classmethod
     def for_worker(cls, config: WorkerConfig, pool, root: bytes, prefix_caching: bool,
-                   model_dir: str | Path) -> HostTier:
+                   model_dir: str | Path, chain_root_for: Callable[[torch.dtype], bytes] | None = None) -> HostTier:
         """The tier `config` asks for (`--kv-host-dir`, `--kv-host-bytes`; default budget: a share of
         MemAvailable now), keyed by the prefix cache's `root`, the checkpoint in `model_dir` and the
-        numerics (workers/kvtier/format.py)."""
+        numerics (workers/kvtier/format.py); with `chain_root_for` (the prefix cache's root had the
+        KV been of another dtype) it also reads the formats that differ only by dtype, converted
+        exactly (workers/kvtier/foreign.py)."""
         budget = config.kv_host_bytes if config.kv_host_bytes is not None else default_budget(KV_HOST_SHARE)
         numerics = "deterministic" if config.deterministic else "default"
-        identity = hashlib.sha256(b"\x1f".join((root, model_fingerprint(model_dir).encode(),
-                                                 numerics.encode()))).digest()
-        return cls.open(pool, identity, config.kv_host_dir, budget, prefix_caching)
+
+        def identity_for(chain_root: bytes) -> bytes:
+            return hashlib.sha256(b"\x1f".join((chain_root, model_fingerprint(model_dir).encode(),
+                                                numerics.encode()))).digest()
+
+        tier = cls.open(pool, identity_for(root), config.kv_host_dir, budget, prefix_caching)
+        if tier.enabled and chain_root_for is not None:
+            formats = foreign_formats(tier.format, pool.dtype, config.kv_host_dir, chain_root_for, identity_for)
+            tier.foreign = ForeignReader(tier.format, pool.dtype, formats) if formats else None
+        return tier
 
     # -- the block manager's hooks (workers/kv/manager.py) --------------------------------------
 
@@ -190,6 +202,19 @@ class HostTier:
         self._last = (key, out)
         return out
 
+    def fetch_foreign(self, tokens: list[int], limit: int, chain) -> tuple[torch.Tensor, list[int]]:
+        """As `fetch`, from the formats that differ from this one only by dtype, when this one holds
+        nothing of the prompt (workers/kvtier/foreign.py): `tokens` the prompt, `limit` its full
+        blocks that may be read, `chain(root, ids)` their hashes under another root; empty without
+        such formats or blocks."""
+        key = ("foreign", tuple(tokens[: (limit + 1) * self.format.block_size]))
+        if key == self._last[0]:
+            return self._last[1]
+        found = self.foreign.fetch(tokens, limit, chain) if self.foreign is not None else None
+        out = found if found is not None else (torch.empty(0, dtype=torch.uint8), [])
+        self._last = (key, out)
+        return out
+
     def load(self, blocks: list[int], payloads: torch.Tensor) -> None:
         """Copy fetched payloads (`fetch`'s buffer) into the device blocks `blocks`: one indexed copy."""
         fetched, held = self._last[1]
@@ -228,4 +253,6 @@ class HostTier:
             out["format_key"] = self.format.key.hex()[:16]
         if self.reason:
             out["reason"] = self.reason
+        if self.foreign is not None:
+            out["foreign"] = self.foreign.describe()
         return out

@@ -82,7 +82,8 @@ class WorkerContext:
             engine.scheduler.check_fits(len(prompt_ids), params.context_tokens)  # before any compile
             grammar = None if params.grammar is None else await self._compiled(params.grammar, request)
             stream = engine.submit(prompt_ids, params, asyncio.get_running_loop(), grammar=grammar,
-                                   resume_ids=req.resume_ids, text=text, lora=req.lora)
+                                   resume_ids=req.resume_ids, text=text, lora=req.lora,
+                                   publish_kv=req.publish_kv)
             if not text:
                 start = StreamStart(tuple(prompt_ids[-PROMPT_CONTEXT_TOKENS:]), len(prompt_ids), stream.seed)
                 return Submitted(stream, params, None, start=start)

@@ -27,7 +27,9 @@ def _entry(ctx: RouterContext, h: WorkerHandle) -> dict:
     placed = None if ctx.models is None else ctx.models.placed(h.spec.device.index)
     router = ctx.dispatcher.router
     routing = {**router.snapshot(h), "speed": speed_view(router.telemetry.speed(h.id))}  # unmeasured: None
-    return {**h.snapshot(ctx.settings.max_batch), "placement": placed, "routing": routing}
+    disagg = ctx.dispatcher.disagg  # its disaggregation role: prefill, decode or both (server/routing/roles.py)
+    role = {"role": "both", "reason": None} if disagg is None else disagg.describe(h.id)
+    return {**h.snapshot(ctx.settings.max_batch), "placement": placed, "routing": routing, "disaggregation": role}
 
 
 def model_entries(ctx: RouterContext) -> list[dict]:

@@ -1,0 +1,259 @@
+"""Disaggregated prefill: a long prompt computed on a prefill worker, its decode on another.
+
+Design: a stream whose prompt has at least `--disaggregate-min-prompt` tokens goes first to a
+worker of role `prefill` (server/routing/roles.py) with `publish_kv` set: that worker computes the
+prompt, samples the first token, writes every block of the prompt (the partly filled last one
+too) to the host KV tier (workers/kvtier/), and only then reports that token, as a token event
+that does not end the answer (server/fleet/text.py), and ends its stream. The router relays the
+token to the client at once, then sends the same request to a decode worker with that token as
+`resume_ids`, exactly as a migrated stream continues (server/dispatch/migration.py): its prefix
+lookup finds the prompt's blocks in the tier and copies them in instead of recomputing them, and
+its seeded generator, stop strings, logprobs and `max_new_tokens` go on from the second token.
+A first token that ends the answer (EOS, a stop) ends it on the prefill worker. Faults: no prefill
+worker ready, busy, refusing (5xx) or lost before its token -> the request runs as without
+disaggregation (its prompt recomputed on a decode worker), named in the log and in
+`hetserve_disagg_fallback_total{reason}`; a lost decode worker migrates as any stream. Only
+streams are handed off: a non-streamed answer has no first token to send early. Trade-off: the
+prompt is tokenized once more here to measure it (the prefill worker's channel tokenizes it
+again), a cost paid only by prompts whose UTF-8 bytes could reach the threshold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import anyio
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily
+
+from server.config.settings import RouterSettings
+from server.dispatch.dispatcher import Dispatcher, DispatchError, WorkerReply, WorkerStream
+from server.dispatch.migration import ClientStream, StreamIncomplete, is_final, parse_event, token_ids
+from server.fleet.channel import STREAM_PATH
+from server.fleet.client import WorkerGone
+from server.fleet.handle import WorkerHandle
+from server.fleet.spec import worker_id
+from server.fleet.text import INLINE_PROMPT_CHARS
+from server.routing.filter import ELIGIBLE, Constraints, eligible
+from server.routing.policy import HEADER_ROUTE
+from server.routing.roles import DECODE, PREFILL, Roles, resolve_roles
+from workers.contract import RESUME_IDS, DeviceInfo, WorkerRequest, cpu_device
+from workers.contract.errors import is_request_fault
+
+logger = logging.getLogger(__name__)
+
+_ERROR_PREFIX = '{"error"'
+_SPECIAL_TOKENS_SLACK = 8  # tokens a tokenizer may add to a text (BOS, a template's own)
+# why a request that qualified was not handed off (`hetserve_disagg_fallback_total{reason}`)
+FALLBACK_REASONS = ("no_prefill_worker", "no_decode_worker", "no_token_channel", "prefill_unavailable",
+                    "prefill_refused", "prefill_lost")
+
+
+class Disaggregation:
+    """The roles, the threshold and the handoff's counters; `open` runs one stream's handoff."""
+
+    def __init__(self, roles: Roles, min_prompt_tokens: int, capacity: int,
+                 registry: CollectorRegistry | None = None):
+        self.roles, self.min_prompt_tokens, self.capacity = roles, min_prompt_tokens, capacity
+        self.requests = Counter("hetserve_disagg_requests", "Long-prompt streams prefilled on a prefill worker, by "
+                                "outcome (handed_off to a decode worker, ended_on_prefill by its first token).",
+                                ["outcome"], registry=registry)
+        self.fallbacks = Counter("hetserve_disagg_fallback", "Long-prompt streams that were not handed off and "
+                                 "were prefilled on a decode worker instead, by reason.", ["reason"], registry=registry)
+
+    def describe(self, worker_id: str) -> dict:
+        """`/workers` `disaggregation`: this worker's role and why the roles are what they are."""
+        return {"role": self.roles.role(worker_id), "reason": self.roles.reason,
+                "min_prompt_tokens": self.min_prompt_tokens}
+
+    # --- who may take what -------------------------------------------------------------
+    def _only(self, role: str, workers: Iterable[WorkerHandle]) -> dict[str, int]:
+        """Workers of exactly `role`, as an exclusion (id -> generation)."""
+        return {h.id: h.generation for h in workers if self.roles.role(h.id) == role}
+
+    def held_back(self, workers: Iterable[WorkerHandle], c: Constraints) -> dict[str, int]:
+        """What an ordinary request excludes: the prefill-only workers, while another is routable
+        (none for a request that names its worker)."""
+        if c.worker is not None:
+            return {}
+        workers = list(workers)
+        prefill = self._only(PREFILL, workers)
+        if prefill and any(h.routable and h.id not in prefill for h in workers):
+            return prefill
+        return {}
+
+    def _fallback(self, reason: str, detail: str) -> None:
+        self.fallbacks.labels(reason).inc()
+        logger.warning("disaggregated prefill fell back to a decode worker (%s): %s", reason, detail)
+
+    # --- the decision --------------------------------------------------------------------
+    async def _prompt_tokens(self, workers: list[WorkerHandle], body: WorkerRequest) -> int | None:
+        """The prompt's length in tokens, as the workers tokenize it; None when it cannot reach
+        the threshold (its UTF-8 bytes are too few) or no worker gives its tokenizer."""
+        if body.input_ids is not None and len(body.input_ids) < self.min_prompt_tokens:
+            return None
+        if body.input_ids is None and len(body.inputs.encode()) + _SPECIAL_TOKENS_SLACK < self.min_prompt_tokens:
+            return None
+        for h in workers:
+            if not h.routable or h.client is None:
+                continue
+            try:
+                model = await h.client.text_model()
+            except WorkerGone:
+                continue
+            if model is None:
+                return -1  # the worker renders its streams: its one-token prefill would end the answer
+            if body.input_ids is not None:
+                return len(body.input_ids)
+            text = body.inputs
+            encode = model.tokenizer.encode
+            ids = (await asyncio.to_thread(encode, text) if len(text) > INLINE_PROMPT_CHARS else encode(text)).ids
+            return len(ids)
+        return None  # no worker is up to ask: the request waits for one as any other
+
+    async def _plan(self, workers: list[WorkerHandle], path: str, body, c: Constraints) -> int | None:
+        """The prompt's tokens when this request is handed off, else None (counted as a fallback
+        when it was long enough)."""
+        if not self.roles.active or path != STREAM_PATH or not isinstance(body, WorkerRequest) or c.worker:
+            return None
+        p = body.parameters
+        if body.resume_ids or body.publish_kv or p.max_new_tokens <= 1 or p.decoder_input_details:
+            return None
+        mine = [h for h in workers if c.model is None or h.model == c.model]
+        n = await self._prompt_tokens(mine, body)
+        if n is None or 0 <= n < self.min_prompt_tokens:
+            return None
+        if n < 0:
+            self._fallback("no_token_channel", "no worker renders its streams in the router")
+            return None
+        for reason, exclude in (("no_prefill_worker", self._only(DECODE, mine)),
+                                ("no_decode_worker", self._only(PREFILL, mine))):
+            f = eligible(mine, c, self.capacity, exclude)
+            if f.kind != ELIGIBLE:
+                self._fallback(reason, f.reason)
+                return None
+        return n
+
+    # --- the handoff -----------------------------------------------------------------------
+    async def open(self, dispatcher: Dispatcher, path: str, body, c: Constraints) -> ClientStream | WorkerReply | None:
+        """The client stream of a handed-off request (its first event from the prefill worker),
+        the prefill worker's answer when it blames the request, or None: not handed off."""
+        workers = list(dispatcher.supervisor.workers.values())
+        n = await self._plan(workers, path, body, c)
+        if n is None:
+            return None
+        prefill_body = body.model_copy(update={"publish_kv": True})
+        try:
+            opened = await dispatcher.open_stream(path, prefill_body, c, self._only(DECODE, workers), wait=False)
+        except DispatchError as e:
+            self._fallback("prefill_unavailable", e.message)
+            return None
+        if isinstance(opened, WorkerReply):
+            if opened.status < 500:
+                return opened  # the request's own fault (422, an unknown adapter): a decode worker says the same
+            self._fallback("prefill_refused", f"worker {opened.worker.id} answered {opened.status}")
+            return None
+        last = opened.first_data
+        if last.startswith(_ERROR_PREFIX) and not is_request_fault((parse_event(last) or {}).get("error_type")):
+            self._fallback("prefill_lost", f"worker {opened.worker.id}: {last[:200]}")
+            opened.worker.request_outcome(opened.generation, False, "error event on a prefill")
+            with anyio.CancelScope(shield=True):
+                await opened.aclose()
+            return None
+        opened.headers[HEADER_ROUTE.lower()] = (f"disaggregated: prefill on {opened.worker.id} ({n} prompt tokens "
+                                                f">= {self.min_prompt_tokens}), decode on a decode worker")
+        if last.startswith(_ERROR_PREFIX) or is_final(parse_event(last)):
+            self.requests.labels("ended_on_prefill").inc()  # its first token ended it (or it was refused)
+            return ClientStream(dispatcher, path, body, c, opened)
+        return HandoffStream(dispatcher, path, body, c, opened, self)
+
+
+class HandoffStream(ClientStream):
+    """A client stream whose first token came from a prefill worker and whose rest comes from a
+    decode worker; afterwards a stream like any other (it migrates when its worker is lost)."""
+
+    def __init__(self, dispatcher: Dispatcher, path: str, body: WorkerRequest, c: Constraints,
+                 first: WorkerStream, handoff: Disaggregation):
+        super().__init__(dispatcher, path, body, c, first)
+        self.handoff = handoff
+
+    async def _relayed(self):
+        prefill = self.stream
+        self._keep(prefill.first_raw)
+        yield prefill.first_raw  # the first token, to the client at once
+        try:
+            more = await prefill.sse.next_batch()
+        except WorkerGone:
+            more = None  # it reported its token after publishing the blocks: its end is not needed
+        if more is not None:  # it went on generating (it does not know `publish_kv`): an ordinary stream
+            prefill.first_raw, prefill.first_data = more
+            async for raw in super()._relayed():
+                yield raw
+            return
+        prefill.finish()
+        with anyio.CancelScope(shield=True):
+            await prefill.aclose()
+        self.stream = await self._decode_stream(prefill)
+        async for raw in super()._relayed():
+            yield raw
+
+    async def _decode_stream(self, prefill: WorkerStream) -> WorkerStream:
+        """The continuation on a decode worker (a worker that also prefills when none can)."""
+        self._delivered.extend(token_ids(self._segment))
+        self._segment, self._segment_bytes = [], 0
+        body = self.body.model_copy(update={RESUME_IDS: tuple(self._delivered)})
+        workers = self.dispatcher.supervisor.workers.values()
+        lost = f"the prefill on worker {prefill.worker.id} sent {len(self._delivered)} token(s)"
+        opened = None
+        for exclude in (self.handoff._only(PREFILL, workers), {}):
+            try:
+                opened = await self.dispatcher.open_stream(self.path, body, self.constraints,
+                                                           {**exclude, **self._exclude}, self._deaths)
+                break
+            except DispatchError as e:
+                why = e.message
+        if opened is None:
+            raise StreamIncomplete(f"{lost}; no worker could continue it: {why}")
+        if isinstance(opened, WorkerReply):
+            detail = (parse_event(opened.content.decode("utf-8", errors="replace")) or {}).get("error")
+            raise StreamIncomplete(f"{lost}; worker {opened.worker.id} refused to continue it "
+                                   f"({opened.status}: {detail or 'no message'})")
+        self.handoff.requests.labels("handed_off").inc()
+        return opened
+
+
+class ForeignCastCollector:
+    """`hetserve_kv_tier_foreign_casts_refused_total` per worker: the blocks of another KV dtype
+    whose cast was not exact, so the rest of their prompt was recomputed there (the workers count
+    them, workers/kvtier/foreign.py; their `/health` reports the count)."""
+
+    def __init__(self, workers_fn: Callable[[], Iterable[WorkerHandle]]):
+        self._workers_fn = workers_fn
+
+    def collect(self):
+        refused = CounterMetricFamily("hetserve_kv_tier_foreign_casts_refused", "Blocks of another KV dtype read "
+                                      "from the host tier whose cast was not exact: the rest of that prompt was "
+                                      "recomputed.", labels=["worker_id", "reason"])
+        for h in self._workers_fn():
+            capacity = {**(h.info.capacity if h.info is not None else {}), **h.live_capacity}
+            foreign = (capacity.get("kv_host_tier") or {}).get("foreign") or {}
+            if "casts_refused" in foreign:
+                refused.add_metric([h.id, "kv_cast_not_exact"], foreign["casts_refused"])
+        yield refused
+
+
+def disaggregation(settings: RouterSettings, devices: Sequence[DeviceInfo], assignment: Mapping[int, object],
+                   registry: CollectorRegistry | None = None) -> Disaggregation | None:
+    """The handoff for `settings.disaggregate` over the workers `assignment` starts (device index
+    -> model), or None when it is off; `UsageError` for roles that name no worker. The roles
+    are logged once with their reason."""
+    config = settings.disaggregate
+    if not config.enabled:
+        return None
+    workers = {worker_id(d): d for d in (devices or [cpu_device()]) if not assignment or d.index in assignment}
+    roles = resolve_roles(config, workers)
+    logger.info("disaggregated prefill: %s; prompts from %d tokens are handed off", roles.reason,
+                config.min_prompt_tokens)
+    return Disaggregation(roles, config.min_prompt_tokens, settings.worker_capacity, registry)
