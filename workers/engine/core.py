@@ -31,7 +31,8 @@ import torch
 from workers.contract import DEFAULT_MAX_QUEUE
 from workers.contract.detokenize import special_token_ids
 from workers.engine.admission import EngineOverloaded, EngineUnavailable, new_sequence
-from workers.engine.events import ErrorEvent, RequestStream, deliver
+from workers.engine.ending import end_every_request
+from workers.engine.events import RequestStream, deliver
 from workers.engine.liveness import Liveness, LivenessClock
 from workers.engine.metrics import WorkerMetrics
 from workers.engine.output import OutputProcessor
@@ -40,7 +41,6 @@ from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 from workers.engine.speculate import Speculator
 from workers.kv.hashing import root_hash
-from workers.kvtier.publish import publish as publish_kv
 from workers.lora.apply import lora_key
 from workers.lora.metrics import LoraLoad, lora_load
 from workers.lora.table import acquire
@@ -399,25 +399,7 @@ class Engine:
 
     def _abort_all(self, message: str, publish: bool = False) -> None:
         """End every request with an error `message`; with `publish` (a shutdown: their streams
-        move to other workers), the running ones' KV goes to the host tier first and is written
-        before any error is sent, so the next worker reads it rather than recomputing it."""
-        items = []
-        running = list(self.scheduler.running)
-        kv_tokens = dict(zip(map(id, running), publish_kv(self.scheduler.kv, running).tokens, strict=True)) \
-            if publish and self.host_tier is not None and self.host_tier.enabled else {}
-        for seq in running + list(self.scheduler.waiting):
-            self.scheduler.abort_request(seq.request_id)
-            self._release(seq)
-            held = kv_tokens.get(id(seq), 0)
-            note = f" (its KV cache, {held} tokens, is in the host KV tier)" if held else ""
-            items.append((seq.stream, ErrorEvent(message + note)))
-        while True:  # requests submitted but never seen by the scheduler
-            try:
-                kind, value = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == _ADD:
-                self._release(value)
-                items.append((value.stream, ErrorEvent(message)))
+        move to other workers) the running ones' KV is in the host tier first (workers/engine/ending.py)."""
+        items = end_every_request(self.scheduler, self.host_tier, self._inbox, _ADD, self._release, message, publish)
         self._publish_load()
         deliver(items)
