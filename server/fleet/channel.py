@@ -144,10 +144,11 @@ class WorkerChannel:
         return ChannelStream(answer.status, headers, content)
 
     def abort(self, key: int) -> None:
-        """Stop carrying stream `key`; the worker ends it (one frame for this iteration's aborts)."""
-        self._queues.pop(key, None)
-        self._admissions.pop(key, None)
-        if self.dead:
+        """Stop carrying stream `key`; the worker ends it (one frame for this iteration's aborts).
+        Nothing to send for a stream whose last record came (the worker has ended it)."""
+        carried = self._queues.pop(key, None) is not None
+        carried = self._admissions.pop(key, None) is not None or carried
+        if self.dead or not carried:
             return
         self._aborts.append(key)
         if len(self._aborts) == 1:
