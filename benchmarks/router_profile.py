@@ -8,6 +8,8 @@ sends warm-up requests, then profiles `--requests` sequential one-token requests
 `/generate`, or `--path /v1/chat/completions`) and prints:
   - the router's CPU time per request without the profiler (user + system from /proc, read
     around the same number of requests), the number that matters;
+  - the profile's own CPU time and function calls per request by component (HTTP server, ASGI
+    app, request validation, routing, dispatch, engine channel and text, metrics, asyncio);
   - the profile's per-request CPU time for each stage (the functions below, cumulative; a
     coroutine's cumulative time is its CPU time across its awaits), and the top functions by
     own time. The profiler counts CPU time, not wall time: on shared cores a write that wakes
@@ -50,6 +52,34 @@ STAGES = [
     ("channel frames in (reader task, or socket protocol)", ("channel.py:_read", "channel.py:data_received")),
     ("metrics observe", ("metrics.py:observe",)),
 ]
+
+
+# (component, substrings of a profiled function's file or name), first match wins: own time only
+COMPONENTS = [
+    ("HTTP server (uvicorn, httptools, the edge's protocol)", ("uvicorn/", "httptools", "edge/http11.py")),
+    ("metrics", ("prometheus_client/", "fleet/metrics.py")),
+    ("routing (filter, policy, prefix index, speeds)", ("server/routing/", "fleet/handle.py")),
+    ("dispatch (retries, breaker, tickets)", ("server/dispatch/", "fleet/breaker.py")),
+    ("request translation and validation (pydantic, contract)", ("pydantic", "workers/contract/request.py",
+                                                                 "server/protocol/", "routes/_common.py")),
+    ("engine channel and text (tokenize, frames, detokenize, JSON)", (
+        "fleet/channel.py", "fleet/client.py", "fleet/text.py", "workers/contract/", "tokenizers", "msgspec",
+        "json/")),
+    ("ASGI app (FastAPI, Starlette, middleware, routes)", ("fastapi/", "starlette/", "server/edge/", "email/")),
+    ("asyncio (tasks, futures, queues, streams)", ("asyncio/", "_weakrefset", "contextlib")),
+    ("built-ins called from all of the above (len, dict.get, isinstance, ...)", ("~:",)),
+]
+
+
+def component_table(stats: pstats.Stats, n: int) -> list[tuple[str, float, float]]:
+    """(component, own CPU ms per request, function calls per request), the rest last."""
+    sums = {name: [0.0, 0.0] for name, _ in COMPONENTS} | {"everything else": [0.0, 0.0]}
+    for (file, _, func), (_, nc, tt, _, _) in stats.stats.items():
+        where = f"{file}:{func}"
+        name = next((c for c, needles in COMPONENTS if any(x in where for x in needles)), "everything else")
+        sums[name][0] += tt
+        sums[name][1] += nc
+    return [(name, tt * 1e3 / n, nc / n) for name, (tt, nc) in sums.items()]
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -160,6 +190,9 @@ def main() -> int:
           "per request in the profiler")
     for label, ms, calls in stage_table(stats, args.requests):
         print(f"    {label:56} {ms:7.3f} ms  ({calls:.1f} calls)")
+    print("  own time by component (profiled CPU ms per request, share, function calls per request):")
+    for name, ms, calls in component_table(stats, args.requests):
+        print(f"    {name:62} {ms:6.3f} ms {100 * ms * args.requests / stats.total_tt / 1e3:5.1f}% {calls:6.0f}")
     stats.sort_stats("tottime").print_stats(args.top)
     return 0
 
