@@ -4,7 +4,8 @@ A case is a family and a tensor type: transformers builds the model at random (d
 embedded model's, 2 layers), and each tensor is written under its GGUF name (gguf-py's
 `TensorNameMap`), Llama's q/k rows interleaved as llama.cpp's converter does, matrices quantized
 by gguf-py's quantizers (norms and biases stay F32, as llama.cpp keeps them); the type "mixed"
-gives every matrix another type, the K- and IQ-types as random blocks (`MIXED`), with the embedded
+gives every matrix another type, the K- and IQ-types as random blocks (`MIXED`), "Q4_K_M" mixes
+Q4_K, Q6_K and Q8_0 so (a fused q/k/v of two types among them), with the embedded
 model's tokenizer as `tokenizer.ggml.*` keys and its chat template. Files are written into the
 directory the caller gives (a tmp dir); nothing is downloaded or committed.
 """
@@ -53,6 +54,8 @@ FAMILIES = {
 # (offsets of each block's fp16 scales below): values both dequantizers read alike.
 MIXED = ("Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "Q8_0", "Q5_0", "Q5_1", "Q4_1", "Q4_0", "BF16",
          "F16", "MXFP4")
+# "Q4_K_M": llama.cpp's most used mix, a matrix's type by its position among these three
+Q4_K_M = ("Q4_K", "Q6_K", "Q8_0")
 FP16_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
                "IQ4_XS": (0,)}
 
@@ -72,6 +75,8 @@ def _add(writer, gguf, name: str, data: np.ndarray, qtype: str, index: int, rng:
     blocks; norms, biases and rows of another length stay F32, as llama.cpp keeps them."""
     if qtype == "mixed":
         qtype = MIXED[index % len(MIXED)]
+    elif qtype == "Q4_K_M":
+        qtype = Q4_K_M[index % len(Q4_K_M)]
     kind = gguf.GGMLQuantizationType[qtype]
     if data.ndim < 2 or qtype == "F32" or data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
         writer.add_tensor(name, data)
