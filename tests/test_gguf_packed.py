@@ -131,3 +131,18 @@ def test_a_packed_kernel_failing_its_self_test_falls_back_to_dequantized_weights
     described = gguf_execution(loaded.model_dir, loaded.dtype, "sm_80", None, loaded.model)
     assert described["execution"] == "dequantized at load to float32"
     assert "failed its self-test on this device" in described["reason"] and described["dequantized_layers"] > 0
+
+
+@pytest.mark.parametrize("token", ["sm_80", "sm_61", "cpu"])
+def test_placement_counts_the_bytes_each_device_holds(files, token):
+    """Guards the GGUF lines of workers/contract/model_size.py `need_on`: the plan's weight bytes for a device
+    are what its worker holds: the blocks where its rule keeps them packed, the dequantized size elsewhere."""
+    from workers.contract.model_size import need_on, read_profile
+    from workers.contract.topology import parse_simulate
+
+    device = parse_simulate(token)[0]
+    loaded = _load(files["qwen2"], "sm_80" if token == "sm_80" else "cpu")
+    need = need_on(read_profile(loaded.model_dir), device, "float32")
+    described = gguf_execution(loaded.model_dir, loaded.dtype, token, None, loaded.model)
+    assert need.weight_bytes == described["resident_bytes"]
+    assert need.gguf == ("packed" if token == "sm_80" else "dequantized")

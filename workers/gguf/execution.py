@@ -23,6 +23,7 @@ import torch
 
 from workers.contract import Capability, parse_token
 from workers.contract.defaults import NO_GGUF_LAYER
+from workers.contract.gguf_rule import GGUF_PACKED, PACKED_TYPES, gguf_kind
 from workers.gguf.files import open_readers
 from workers.gguf.linear import GGUFLinear
 from workers.gguf.prepare import pointed_files
@@ -30,9 +31,6 @@ from workers.gguf.prepare import pointed_files
 PACKED = "packed"
 DEQUANTIZED = "dequantized"
 KERNEL = "kernels_local/gguf_linear"
-FIRST_PACKED_CUDA = Capability(7, 0)  # Triton's oldest CUDA target
-# the types kernels_local/gguf_linear decodes (its `TYPES`; a test holds the two equal)
-PACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 @dataclass(frozen=True)
@@ -57,11 +55,11 @@ def gguf_rule(device_type: str, capability=None) -> GGUFRule:
     """The GGUF rule for a device (`cuda` | `rocm` | `cpu`, its capability where it has one)."""
     cap = Capability.parse_optional(capability)
     where = _where(device_type, cap)
-    if device_type == "rocm" or (device_type == "cuda" and cap is not None and cap >= FIRST_PACKED_CUDA):
+    if gguf_kind(device_type, cap) == GGUF_PACKED:
         return GGUFRule(PACKED, f"{where}: blocks kept packed, decoded in registers by {KERNEL}'s Triton GEMV "
                                 "(decode) and GEMM (prefill) for the 32-element, K- and IQ4 block families",
                         KERNEL)
-    if device_type == "cuda":
+    if device_type == "cuda":  # below FIRST_PACKED_CUDA
         return GGUFRule(DEQUANTIZED, f"{where}: Triton does not target CUDA below sm_70; blocks dequantized at "
                                      "load, a cuBLAS matmul")
     return GGUFRule(DEQUANTIZED, f"{where}: blocks dequantized at load: no measured CPU kernel on GGUF blocks "
