@@ -3,8 +3,9 @@
 What must hold:
 - on a device whose GGUF rule keeps the blocks packed (a GPU from sm_70, named to the loader as a
   simulated one is), every projection of a Q4_K_M-like file (Q4_K, Q6_K, Q8_0 per tensor) holds its
-  file's bytes, a fused q/k/v of three types as one `GGUFLinear` per type; the tied head and the
-  embeddings stay dense; the CPU loads the same file dequantized; the logits agree in fp32;
+  file's bytes, a fused q/k/v of three types as one `GGUFLinear` per type, a Qwen3-MoE's stacked
+  experts as `GGUFExperts` (one GEMV/GEMM per active expert); the tied head, the F32 routers and
+  the embeddings stay dense; the CPU loads the same file dequantized; the logits agree in fp32;
 - the bytes held: each packed layer at its file's bits per weight (Q4_K's 4.5: 0.28x bf16), the
   description's resident bytes smaller than the dequantized model's by exactly the difference;
 - under `TRITON_INTERPRET=1` (this file reruns itself in a child with it) the model kernelized for
@@ -29,6 +30,7 @@ from kernels_local.gguf_linear import TYPES  # noqa: E402
 from kernels_local.mapping import select  # noqa: E402
 from tests.gguf_checkpoints import make_gguf  # noqa: E402
 from workers.gguf.execution import PACKED_TYPES, gguf_execution, gguf_layer_unused  # noqa: E402
+from workers.gguf.experts import GGUFExperts  # noqa: E402
 from workers.gguf.linear import GGUFFusedLinear, GGUFLinear  # noqa: E402
 from workers.kernelize.apply import KernelPlan, apply_plan  # noqa: E402
 from workers.model.loader import load_model  # noqa: E402
@@ -40,7 +42,7 @@ BITS = {"Q4_K": 4.5, "Q6_K": 6.5625, "Q8_0": 8.5}
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     out = tmp_path_factory.mktemp("gguf-packed")
-    return {arch: make_gguf(arch, "Q4_K_M", out) for arch in ("llama", "qwen2")}
+    return {arch: make_gguf(arch, "Q4_K_M", out) for arch in ("llama", "qwen2", "qwen3moe")}
 
 
 def _load(path, where: str):
@@ -63,7 +65,7 @@ def test_the_kernel_decodes_every_type_the_loader_keeps_packed():
     assert set(PACKED_TYPES) == set(TYPES)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3moe"])
 def test_a_packed_device_holds_the_files_blocks_and_the_cpu_its_dequantized_weights(files, arch):
     """Guards the loader's reader (`reader = quant or packed_gguf(...)`): without it every layer is a dense
     `nn.Linear` on sm_80 too."""
@@ -73,7 +75,10 @@ def test_a_packed_device_holds_the_files_blocks_and_the_cpu_its_dequantized_weig
     assert all(m.qweight.dtype == torch.uint8 and m.weight is None for m in layers)
     assert any(isinstance(m, GGUFFusedLinear) for m in packed.model.modules())  # q/k/v of several types
     linears = [n for n, m in packed.model.named_modules() if type(m) is nn.Linear]
-    assert linears == (["output"] if arch == "llama" else [])  # llama's head is tied to its embeddings
+    routers = [n for n in linears if n.endswith(".router")]  # F32 in the file, as llama.cpp keeps them
+    assert [n for n in linears if n not in routers] == (["output"] if arch == "llama" else [])  # llama's head: tied
+    experts = [m for m in packed.model.modules() if isinstance(m, GGUFExperts)]
+    assert len(experts) == (2 if arch == "qwen3moe" else 0)  # every MoE layer's experts hold their stacked blocks
     assert not any(isinstance(m, (GGUFLinear, GGUFFusedLinear)) for m in dense.model.modules())
     with torch.no_grad():
         torch.testing.assert_close(packed.model(_ids()), dense.model(_ids()), rtol=1e-5, atol=1e-5)
@@ -95,7 +100,7 @@ def test_the_description_counts_the_packed_layers_and_the_bytes_they_hold(files)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3moe"])
 def test_the_sm80_kernel_layers_give_the_torch_paths_logits_for_a_prompt_and_a_decode_row(files, arch):
     from workers.kernelize.selftest import reference_path
 
@@ -133,15 +138,16 @@ def test_a_packed_kernel_failing_its_self_test_falls_back_to_dequantized_weights
     assert "failed its self-test on this device" in described["reason"] and described["dequantized_layers"] > 0
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3moe"])
 @pytest.mark.parametrize("token", ["sm_80", "sm_61", "cpu"])
-def test_placement_counts_the_bytes_each_device_holds(files, token):
+def test_placement_counts_the_bytes_each_device_holds(files, token, arch):
     """Guards the GGUF lines of workers/contract/model_size.py `need_on`: the plan's weight bytes for a device
     are what its worker holds: the blocks where its rule keeps them packed, the dequantized size elsewhere."""
     from workers.contract.model_size import need_on, read_profile
     from workers.contract.topology import parse_simulate
 
     device = parse_simulate(token)[0]
-    loaded = _load(files["qwen2"], "sm_80" if token == "sm_80" else "cpu")
+    loaded = _load(files[arch], "sm_80" if token == "sm_80" else "cpu")
     need = need_on(read_profile(loaded.model_dir), device, "float32")
     described = gguf_execution(loaded.model_dir, loaded.dtype, token, None, loaded.model)
     assert need.weight_bytes == described["resident_bytes"]

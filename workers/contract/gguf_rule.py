@@ -5,8 +5,9 @@ sizing of a GGUF model per device (workers/contract/model_size.py) read the same
 plan counts the bytes a worker will hold. CUDA from sm_70 (Triton's oldest target) and ROCm keep the
 blocks of the types kernels_local/gguf_linear decodes; the CPU and older CUDA dequantize at load.
 `PACKED_TENSOR` names the tensors a packed device holds as blocks: the projections of attention and
-MLP (shared experts too) and an untied head, as the loader's GGUF layers take them. Trade-off: the
-router judges by GGUF names, not by the model's modules it cannot import.
+MLP (experts, stacked, shared experts and routers too) and an untied head, as the loader's GGUF
+layers take them. Trade-off: the router judges by GGUF names, not by the model's modules it cannot
+import.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ GGUF_PACKED, GGUF_DEQUANTIZED = "packed", "dequantized"
 FIRST_PACKED_CUDA = Capability(7, 0)  # Triton's oldest CUDA target
 # the types kernels_local/gguf_linear decodes (its `TYPES`; a test holds the two equal)
 PACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
-PACKED_TENSOR = re.compile(r"^(output|blk\.\d+\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down)(_shexp)?))\.weight$")
+PACKED_TENSOR = re.compile(
+    r"^(output|blk\.\d+\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down)(_shexp|_exps)?|ffn_gate_inp(_shexp)?))\.weight$")
 
 
 def gguf_kind(device_type: str, capability=None) -> str:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from workers.gguf.execution import PACKED_TYPES, gguf_rule
+from workers.gguf.experts import ACTIVATIONS, GGUFExperts
 from workers.gguf.files import GGUFError, metadata, open_readers, tensor_infos
 from workers.gguf.linear import GGUFFusedLinear, GGUFLinear, row_bytes, type_runs
 from workers.gguf.weights import gguf_names
@@ -39,7 +40,9 @@ class PackedGGUF:
         self.packed: dict[str, tuple[str, int]] = {}  # HF tensor kept packed -> (our module, its part)
         self.modules: dict[str, list[tuple[int, str]]] = {}  # our module -> [(part, HF tensor)] kept packed
         self.expected: dict[str, tuple[int, ...]] = {}
-        self.specs: dict[str, tuple[int, list[tuple[str, int]]]] = {}  # module -> (K, runs, bias), to_ours
+        self.specs: dict[str, tuple[int, list[tuple[str, int]]]] = {}  # module -> (K, runs), to_ours
+        self.experts: dict[str, dict[tuple[int, int], str]] = {}  # experts kept packed: {(e, 0 gate|1 up|2 down)}
+        self.expert_specs: dict[str, tuple[int, list[tuple[str, int]], str]] = {}  # (H, gate/up runs, down type)
 
     def bind(self, model: nn.Module, expected: dict[str, tuple[int, ...]]) -> None:
         """Decide, module by module, which of `model`'s linear layers keep their GGUF blocks."""
@@ -49,11 +52,19 @@ class PackedGGUF:
         arch = meta["general.architecture"]
         names = gguf_names(arch, int(meta.get(f"{arch}.block_count", 0)), list(expected))
         infos = tensor_infos(readers)
-        self.types = {hf: infos[g].type_name for g, hf in names.items() if isinstance(hf, str) and g in infos}
+        for g, hf in names.items():
+            if g in infos:  # a stacked experts tensor: each expert's HF tensor has its type
+                self.types |= {h: infos[g].type_name for h in (hf.values() if isinstance(hf, dict) else (hf,))}
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         candidates: dict[str, list[tuple[int, str]]] = {}
+        experts: dict[str, dict[tuple[int, int], str]] = {}  # experts module -> {(expert, piece): HF tensor}
         for hf, shape in expected.items():
             mapped = self.map_name(hf) if hf.endswith(".weight") and len(shape) == 2 else None
+            if mapped is not None and isinstance(mapped[1], tuple) and len(mapped[1]) == 3:  # one expert's piece
+                head, _, leaf = mapped[0].rpartition(".")
+                piece = 2 if leaf == "w_down" else (mapped[1][2] or 0)
+                experts.setdefault(head, {})[(mapped[1][1], piece)] = hf
+                continue
             if mapped is None or not mapped[0].endswith(".weight") or not (mapped[1] is None
                                                                           or isinstance(mapped[1], int)):
                 continue  # not a linear weight of ours (experts, layouts)
@@ -65,6 +76,13 @@ class PackedGGUF:
             if all(self.types.get(hf) in PACKED_TYPES for _, hf in parts):
                 self.modules[ours] = sorted(parts)
                 self.packed |= {hf: (ours, part) for part, hf in parts}
+        for head, pieces in experts.items():
+            m = model.get_submodule(head)
+            whole = {(e, p) for e in range(getattr(m, "num_experts", 0)) for p in range(3)}
+            if (type(m).__name__ == "FusedMoE" and m.b_gate_up is None and m.activation in ACTIVATIONS
+                    and set(pieces) == whole and all(self.types.get(hf) in PACKED_TYPES for hf in pieces.values())):
+                self.experts[head] = pieces
+                self.packed |= {hf: (head, e) for (e, _), hf in pieces.items()}
 
     def claims(self, name: str) -> bool:
         """Whether HF tensor `name` is read as its GGUF bytes (handed to `to_ours` as stored)."""
@@ -101,6 +119,19 @@ class PackedGGUF:
             for i, (_, run) in enumerate(groups):
                 key = f"{ours}.qweight" if len(groups) == 1 else f"{ours}.parts.{i}.qweight"
                 out[key] = torch.cat(run) if len(run) > 1 else run[0]
+        for head, pieces in self.experts.items():
+            if not all(hf in stored for hf in pieces.values()):
+                continue  # another pipeline stage's layer
+            gate, up, down = (self.types[pieces[(0, p)]] for p in range(3))
+            runs = type_runs([(gate, self.expected[pieces[(0, 0)]][0]), (up, self.expected[pieces[(0, 1)]][0])])
+            for e in range(len(pieces) // 3):
+                g, u = stored[pieces[(e, 0)]], stored[pieces[(e, 1)]]
+                if len(runs) == 1:
+                    out[f"{head}.gate_up.{e}.qweight"] = torch.cat((g, u))
+                else:
+                    out[f"{head}.gate_up.{e}.parts.0.qweight"], out[f"{head}.gate_up.{e}.parts.1.qweight"] = g, u
+                out[f"{head}.down.{e}.qweight"] = stored[pieces[(e, 2)]]
+            self.expert_specs[head] = (self.expected[pieces[(0, 0)]][1], runs, down)
         return out
 
     def install(self, model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> int:
@@ -115,8 +146,14 @@ class PackedGGUF:
             else:
                 layer = GGUFFusedLinear(k, runs, bias=bias, dtype=dtype, device="meta")
             setattr(parent, attr, layer)
-        logger.info("GGUF blocks kept packed in %d layers", len(self.specs))
-        return len(self.specs)
+        for head, (hidden, runs, down) in self.expert_specs.items():
+            parent_name, _, attr = head.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            old = getattr(parent, attr)
+            setattr(parent, attr, GGUFExperts(old.num_experts, hidden, runs, down, old.activation, device="meta"))
+        logger.info("GGUF blocks kept packed in %d layers and %d experts layers", len(self.specs),
+                    len(self.expert_specs))
+        return len(self.specs) + len(self.expert_specs)
 
 
 def packed_gguf(files: list[Path] | None, map_name, device_type: str, capability) -> PackedGGUF | None:

@@ -28,7 +28,7 @@ from workers.gguf.files import gguf_files, metadata, model_name, open_readers, t
 from workers.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 POINTER = "gguf.json"  # the GGUF files a prepared directory stands for
-FORMAT = 2  # bump when the converted files change, so old cache entries are not reused
+FORMAT = 4  # bump when the converted files change, so old cache entries are not reused
 
 
 def cache_root() -> Path:

@@ -81,6 +81,12 @@ def _raw_reader(t, shape: tuple[int, ...], permute_heads: int | None) -> Callabl
     return read
 
 
+def _raw_stacked(t, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:  # uint8 [E, rows, bytes per row]
+        return torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8)).reshape(shape[0], shape[1], -1)
+    return read
+
+
 def _expert(whole: Callable[[], torch.Tensor], e: int) -> torch.Tensor:
     return whole()[e]
 
@@ -110,6 +116,11 @@ def gguf_tensors(files: list[Path], expected: Mapping[str, tuple[int, ...]], num
                 yield path.name, t.name, hf, shape, _raw_reader(t, shape, heads)
                 continue
             read = _reader(t, t.tensor_type.name, shape, heads, minus_one)
+            if isinstance(hf, dict) and packed is not None and packed(next(iter(hf.values()))):  # kept packed
+                whole = functools.cache(_raw_stacked(t, shape))
+                for e, name in sorted(hf.items()):
+                    yield path.name, t.name, name, shape[1:], functools.partial(_expert, whole, e)
+                continue
             if isinstance(hf, dict):  # stacked experts [E, ...]: one entry per expert, dequantized once
                 whole = functools.cache(read)
                 for e, name in sorted(hf.items()):
