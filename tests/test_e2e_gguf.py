@@ -136,3 +136,20 @@ def test_plan_reads_a_gguf_file_as_a_model():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"placement: {path.stem} on cpu0" in done.stdout and ": llama (rope default)" in done.stdout
+
+
+def test_plan_counts_a_gguf_files_packed_blocks_where_the_device_keeps_them():
+    """`hetserve plan` sizes a Q4_K_M-like file per device: its blocks on sm_80 (which lists the GGUF kernel
+    layer), the dequantized size on the CPU (workers/contract/model_size.py `need_on`'s GGUF lines)."""
+    import json
+
+    path = cached_gguf("llama", "Q4_K_M")
+    done = subprocess.run([sys.executable, "-m", "server.cli", "plan", "--model", str(path), "--simulate",
+                           "sm_80,cpu", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    needs = {d["device"]["type"]: d["need"] for d in json.loads(done.stdout)["placement"]["devices"]}
+    assert needs["cuda"]["gguf"] == "packed" and needs["cpu"]["gguf"] == "dequantized"
+    assert needs["cuda"]["weight_bytes"] < 0.75 * needs["cpu"]["weight_bytes"]
+    text = subprocess.run([sys.executable, "-m", "server.cli", "plan", "--model", str(path), "--simulate", "sm_80"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    assert "GGUF blocks packed" in text and "\n  GGUFLinear      triton-sm80" in text, text
