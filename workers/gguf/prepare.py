@@ -22,13 +22,15 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from workers.contract.gguf_rule import PACKED_TENSOR, PACKED_TYPES
 from workers.gguf.config import hf_config
 from workers.gguf.files import gguf_files, metadata, model_name, open_readers, tensor_infos
 from workers.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 POINTER = "gguf.json"  # the GGUF files a prepared directory stands for
-FORMAT = 4  # bump when the converted files change, so old cache entries are not reused
+FORMAT = 5  # bump when the converted files change, so old cache entries are not reused
 
 
 def cache_root() -> Path:
@@ -47,7 +49,8 @@ def cache_key(files: list[Path], readers: list) -> str:
 def _write(target: Path, files: list[Path], readers: list) -> None:
     meta = metadata(readers[0])
     tensors = tensor_infos(readers)
-    config = hf_config(meta, tensors)
+    freqs = [t for r in readers for t in r.tensors if t.name == "rope_freqs.weight"]
+    config = hf_config(meta, tensors, np.array(freqs[0].data, dtype=np.float32) if freqs else None)
     tokenizer = build_tokenizer(meta)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))

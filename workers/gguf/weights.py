@@ -106,6 +106,8 @@ def gguf_tensors(files: list[Path], expected: Mapping[str, tuple[int, ...]], num
             check_type(t.tensor_type.name, t.name)
     for path, reader in zip(files, readers, strict=True):
         for t in reader.tensors:
+            if t.name == "rope_freqs.weight":  # read into the config's rope scaling when prepared (rope_freqs.py)
+                continue
             hf = names.get(t.name, t.name)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             heads = None
