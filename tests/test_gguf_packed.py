@@ -175,3 +175,18 @@ def test_placement_counts_the_bytes_each_device_holds(files, token, arch):
     described = gguf_execution(loaded.model_dir, loaded.dtype, token, None, loaded.model)
     assert need.weight_bytes == described["resident_bytes"]
     assert need.gguf == ("packed" if token == "sm_80" else "dequantized")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
+def test_deterministic_mode_tiles_the_rows_of_every_packed_projection(files):
+    """Guards "GGUFLinear" in workers/model/deterministic.py `_is_projection`: without it a packed layer's
+    rows are not tiled, and a row's result may depend on its batch mates under `--deterministic`."""
+    from workers.model.deterministic import enable_deterministic
+
+    loaded = _load(files["qwen3moe"], "sm_80")
+    layers = [m for m in loaded.model.modules() if isinstance(m, GGUFLinear)]
+    with torch.no_grad():
+        want = loaded.model(_ids())
+        enable_deterministic(loaded.model)
+        assert all("forward" in m.__dict__ for m in layers)  # each wrapped in fixed row tiles
+        torch.testing.assert_close(loaded.model(_ids()), want, rtol=1e-5, atol=1e-5)
