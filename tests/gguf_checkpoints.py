@@ -4,7 +4,8 @@ A case is a family and a tensor type: transformers builds the model at random (d
 embedded model's, 2 layers), and each tensor is written under its GGUF name (gguf-py's
 `TensorNameMap`), Llama's q/k rows interleaved as llama.cpp's converter does, matrices quantized
 by gguf-py's quantizers (norms and biases stay F32, as llama.cpp keeps them); the type "mixed"
-gives every matrix another type, the K- and IQ-types as random blocks (`MIXED`), with the embedded
+gives every matrix another type, the K- and IQ-types as random blocks (`MIXED`), "Q4_K_M" mixes
+Q4_K, Q6_K and Q8_0 so (a fused q/k/v of two types among them), with the embedded
 model's tokenizer as `tokenizer.ggml.*` keys and its chat template. Files are written into the
 directory the caller gives (a tmp dir); nothing is downloaded or committed.
 """
@@ -53,6 +54,8 @@ FAMILIES = {
 # (offsets of each block's fp16 scales below): values both dequantizers read alike.
 MIXED = ("Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "Q8_0", "Q5_0", "Q5_1", "Q4_1", "Q4_0", "BF16",
          "F16", "MXFP4")
+# "Q4_K_M": llama.cpp's most used mix, a matrix's type by its position among these three
+Q4_K_M = ("Q4_K", "Q6_K", "Q8_0")
 FP16_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
                "IQ4_XS": (0,)}
 
@@ -72,6 +75,8 @@ def _add(writer, gguf, name: str, data: np.ndarray, qtype: str, index: int, rng:
     blocks; norms, biases and rows of another length stay F32, as llama.cpp keeps them."""
     if qtype == "mixed":
         qtype = MIXED[index % len(MIXED)]
+    elif qtype == "Q4_K_M":
+        qtype = Q4_K_M[index % len(Q4_K_M)]
     kind = gguf.GGMLQuantizationType[qtype]
     if data.ndim < 2 or qtype == "F32" or data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
         writer.add_tensor(name, data)
@@ -132,22 +137,45 @@ def _gguf_tensors(model, cfg, names):
             yield names.get_name(base) + "." + suffix, data
 
 
-def reference_model(arch: str, seed: int = 0):
-    """The transformers model (fp32, eval) that `make_gguf(arch, ..., seed)` writes."""
+def reference_model(arch: str, seed: int = 0, options: dict | None = None):
+    """The transformers model (fp32, eval) that `make_gguf(arch, ..., seed, options=options)` writes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, options = FAMILIES[arch]
+    model_type, family = FAMILIES[arch]
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(model_type, **{**DIMS, **options})
+    cfg = AutoConfig.for_model(model_type, **{**DIMS, **family, **(options or {})})
     return AutoModelForCausalLM.from_config(cfg).float().eval()
 
 
-def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: int = 0) -> Path:
+def _rope_freqs(rope: dict, dim: int) -> np.ndarray:
+    """The divisors llama.cpp's converter writes as `rope_freqs.weight` for a Llama 3 rope scaling."""
+    import math
+
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: int = 0,
+              options: dict | None = None) -> Path:
     """Write `out/<arch>-<qtype>.gguf` and return its path; with `split_tensors`, as split files of at
-    most that many tensors each (`<arch>-<qtype>-0000i-of-0000n.gguf`), returning the first part."""
+    most that many tensors each (`<arch>-<qtype>-0000i-of-0000n.gguf`), returning the first part;
+    `options` override the family's config (a Llama 3 rope scaling is written as `rope_freqs`, as
+    llama.cpp's converter writes it)."""
     import gguf
 
-    model = reference_model(arch, seed)
+    model = reference_model(arch, seed, options)
     cfg = model.config
     gguf_arch = GGUF_ARCH.get(arch, arch)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,6 +211,8 @@ def make_gguf(arch: str, qtype: str, out: Path, seed: int = 0, split_tensors: in
         if hasattr(cfg, "moe_intermediate_size"):
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     _tokenizer(writer)
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _rope_freqs(rope, cfg.head_dim))
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == gguf_arch)
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)

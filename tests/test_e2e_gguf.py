@@ -4,9 +4,11 @@ A tiny random Llama written by gguf-py's `GGUFWriter` in Q8_0 (tests/gguf_checkp
 served in float32 by a real router over a simulated mixed host (Volta to Hopper beside a CPU):
 the router prepares the file
 (config, tokenizer and template converted into its cache directory; the file is kept under
-`~/.cache/hetserve/test-gguf/`, so that directory is made once), the worker dequantizes its
-tensors, and a greedy `/generate` on each worker gives the tokens transformers generates loading
-the same file.
+`~/.cache/hetserve/test-gguf/`, so that directory is made once), the GPU workers keep the blocks
+packed and the CPU dequantizes them, and a greedy `/generate` on each worker gives the tokens
+transformers generates loading the same file. A Q4_K_M-like file (Q4_K, Q6_K, Q8_0 per tensor)
+served under `TRITON_INTERPRET=1` runs the sm_80 worker's packed layers through the Triton kernels
+themselves: its greedy tokens are the dequantizing CPU worker's, its logprobs within fp32 rounding.
 The model is named by its file; a file whose architecture we do not serve stops `serve` with one
 line before any worker starts.
 """
@@ -57,13 +59,16 @@ def test_a_gguf_file_over_http_generates_transformers_greedy_tokens_on_every_dev
         for w in workers:
             gguf = w["model"]["gguf"]
             assert gguf["types"] == {"F32": gguf["types"]["F32"], "Q8_0": gguf["types"]["Q8_0"]}, gguf
-            assert gguf["execution"] == "dequantized at load to float32", gguf
             cap = w["device"].get("capability")
             device = f"sm_{str(cap).replace('.', '')}" if cap else "cpu"
             packed = device != "cpu"  # the device's rule: CUDA from sm_70 keeps the blocks packed, the CPU not
             assert gguf["rule"]["execution"] == ("packed" if packed else "dequantized"), (w["device"], gguf)
             assert gguf["rule"]["reason"].startswith(device if packed else "CPU"), (w["device"], gguf)
-            assert ("the loader does not hold GGUF blocks" in gguf["reason"]) == packed, (w["device"], gguf)
+            if packed:  # every projection holds its Q8_0 blocks; the tied embeddings stay dense
+                assert gguf["execution"].startswith("packed (8 layers: Q8_0 8)"), gguf  # 2 x (wqkv, wo, gate/up, down)
+                assert w["kernels"]["GGUFLinear"]["variant"].startswith("triton-sm"), w["kernels"]["GGUFLinear"]
+            else:
+                assert gguf["execution"] == "dequantized at load to float32", gguf
             assert 0 < gguf["packed_bytes"] < gguf["resident_bytes"], gguf
             r = c.post("/generate", headers={"X-Hetserve-Worker": w["id"]}, json={"inputs": PROMPT, "parameters": {
                 "max_new_tokens": NEW_TOKENS, "details": True, "decoder_input_details": True}})
@@ -86,6 +91,34 @@ def test_a_gguf_file_over_http_generates_transformers_greedy_tokens_on_every_dev
     assert prepare(path) == prepare(path)  # the directory the router prepared, reused
 
 
+def test_packed_blocks_through_the_triton_kernels_answer_the_dequantized_workers_tokens():
+    """The sm_80 worker's GGUF layers hold the blocks and run kernels_local/gguf_linear's GEMM (prompt) and
+    GEMV (decode) in Triton's interpreter; the CPU worker dequantized the same file at load."""
+    path = cached_gguf("llama", "Q4_K_M")
+    router = RouterProcess(["--model", str(path), "--dtype", "float32", "--max-batch", "2", "--compile", "off",
+                            "--simulate", "sm_80,cpu"], env={"TRITON_INTERPRET": "1"}, fake=False,
+                           ready_timeout=300)
+    try:
+        workers = {("cpu" if w["device"]["type"] == "cpu" else "gpu"): w for w in router.workers()}
+        assert workers["gpu"]["model"]["gguf"]["execution"].startswith("packed ("), workers["gpu"]["model"]["gguf"]
+        assert workers["cpu"]["model"]["gguf"]["execution"] == "dequantized at load to float32"
+        answers = {}
+        with router.client(timeout=600) as c:
+            for kind, w in workers.items():
+                r = c.post("/generate", headers={"X-Hetserve-Worker": w["id"]}, json={
+                    "inputs": "Once upon a time there was a fox", "parameters": {  # the interpreter is slow
+                        "max_new_tokens": 4, "details": True, "decoder_input_details": True}})
+                assert r.status_code == 200 and r.headers["x-worker-id"] == w["id"], r.text
+                answers[kind] = r.json()["details"]
+    finally:
+        router.stop()
+    assert not router.orphans, f"workers left running: {router.orphans}"
+    gpu, cpu = answers["gpu"], answers["cpu"]
+    assert [t["id"] for t in gpu["tokens"]] == [t["id"] for t in cpu["tokens"]]
+    for got, want in zip(gpu["prefill"][1:] + gpu["tokens"], cpu["prefill"][1:] + cpu["tokens"], strict=True):
+        assert abs(got["logprob"] - want["logprob"]) < 1e-4, (got, want)
+
+
 def test_an_unserved_gguf_architecture_stops_serve_with_one_line(tmp_path):
     bad = _rewrite(make_gguf("llama", "F32", tmp_path / "files"), tmp_path / "mamba.gguf", arch="mamba")
     done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(bad)], cwd=ROOT,
@@ -103,3 +136,20 @@ def test_plan_reads_a_gguf_file_as_a_model():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"placement: {path.stem} on cpu0" in done.stdout and ": llama (rope default)" in done.stdout
+
+
+def test_plan_counts_a_gguf_files_packed_blocks_where_the_device_keeps_them():
+    """`hetserve plan` sizes a Q4_K_M-like file per device: its blocks on sm_80 (which lists the GGUF kernel
+    layer), the dequantized size on the CPU (workers/contract/model_size.py `need_on`'s GGUF lines)."""
+    import json
+
+    path = cached_gguf("llama", "Q4_K_M")
+    done = subprocess.run([sys.executable, "-m", "server.cli", "plan", "--model", str(path), "--simulate",
+                           "sm_80,cpu", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    needs = {d["device"]["type"]: d["need"] for d in json.loads(done.stdout)["placement"]["devices"]}
+    assert needs["cuda"]["gguf"] == "packed" and needs["cpu"]["gguf"] == "dequantized"
+    assert needs["cuda"]["weight_bytes"] < 0.75 * needs["cpu"]["weight_bytes"]
+    text = subprocess.run([sys.executable, "-m", "server.cli", "plan", "--model", str(path), "--simulate", "sm_80"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    assert "GGUF blocks packed" in text and "\n  GGUFLinear      triton-sm80" in text, text

@@ -47,6 +47,6 @@ def test_a_dense_model_never_runs_experts_linear_attention_or_gguf_blocks():
     from workers.contract.defaults import DEFAULT_MODEL_DIR
 
     config = ModelConfig.from_hf_config(json.loads((DEFAULT_MODEL_DIR / "config.json").read_text()))
-    never = _never_run(SimpleNamespace(config=config))
+    never = _never_run(SimpleNamespace(config=config, model=None))
     assert never["GGUFLinear"] == NO_GGUF_LAYER
     assert "FusedMoE" in never and "GatedDeltaRule" in never and "PagedAttention" not in never

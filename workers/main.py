@@ -292,10 +292,10 @@ def _read_plan(config: WorkerConfig):
 
 def _never_run(loaded) -> dict[str, str]:
     """The kernel layers this model never runs, each with why: its preflight does not compile them."""
-    from workers.contract.defaults import NO_GGUF_LAYER
+    from workers.gguf.execution import gguf_layer_unused
     from workers.model.describe import describe
 
-    return {**describe(loaded.config)["kernel_layers_unused"], "GGUFLinear": NO_GGUF_LAYER}
+    return {**describe(loaded.config)["kernel_layers_unused"], **gguf_layer_unused(loaded.model)}
 
 
 def _for_device(config: WorkerConfig, bound) -> WorkerConfig:

@@ -14,6 +14,7 @@ in a few lines, as the router cannot import the loader.
 from __future__ import annotations
 
 from workers.contract.defaults import NO_GGUF_LAYER
+from workers.contract.gguf_rule import GGUF_PACKED, gguf_kind
 from workers.contract.mxfp4_rule import MXFP4_DEQUANTIZED, mxfp4_kind
 
 NO_QUANTIZE = "no `--quantize fp8`: the projections keep the checkpoint's dtype"
@@ -45,7 +46,8 @@ def unused_layers(described: dict, device_type: str, capability: str | None, qua
     if kind != "int4":
         unused["Int4CheckpointLinear"] = NOT_STORED["int4"]
     unused["LoraDelta"] = NO_LORA
-    unused["GGUFLinear"] = NO_GGUF_LAYER
+    if not (described.get("gguf") and gguf_kind(device_type, capability) == GGUF_PACKED):
+        unused["GGUFLinear"] = NO_GGUF_LAYER  # no GGUF file, or one this device dequantizes at load
     if kind != "mxfp4":
         unused["Mxfp4FusedMoE"] = NOT_STORED["mxfp4"]
     elif mxfp4_kind(device_type, capability) == MXFP4_DEQUANTIZED:

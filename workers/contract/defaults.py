@@ -119,6 +119,7 @@ KV_TIER_PREFIX = "hetserve-kv-"
 GPU_FREE_FRACTION = 0.85
 CPU_KV_MAX_DEFAULT_BYTES = 512 << 20
 
-# Why no device compiles or runs the GGUF kernel layer yet (the plan's and the worker's preflight's
-# note): a GGUF file's weights are widened at load (workers/gguf/execution.py).
-NO_GGUF_LAYER = "no model layer holds GGUF blocks yet: a GGUF file's weights are dequantized at load"
+# Why a device neither compiles nor runs the GGUF kernel layer (the plan's and the worker's preflight's
+# note): its model holds no GGUF blocks (workers/gguf/execution.py).
+NO_GGUF_LAYER = ("the model holds no GGUF blocks on this device: no GGUF file, or one this device dequantizes "
+                 "at load")

@@ -23,6 +23,7 @@ from pathlib import Path
 from workers.contract.device import DeviceInfo
 from workers.contract.dtypes import DTYPE_BYTES, SAFETENSORS_BYTES, SAFETENSORS_FLOATS, dtype_rule
 from workers.contract.fp8_rule import FP8_DEQUANTIZED, fp8_execution
+from workers.contract.gguf_rule import GGUF_PACKED, gguf_kind
 from workers.contract.int4_rule import INT4_DEQUANTIZED, int4_kind
 from workers.contract.mxfp4_rule import MXFP4_DEQUANTIZED, mxfp4_kind
 from workers.contract.sizes import human
@@ -63,6 +64,8 @@ class ModelProfile:
     packed4_expert_params: int = 0  # of those, the experts' (widened at load on every device)
     mxfp4_params: int = 0  # MXFP4 experts' e2m1 values, two per byte of `*_blocks`
     mxfp4_bytes: int = 0  # their blocks and e8m0 `*_scales` as stored
+    gguf_params: int = 0  # a GGUF file's projections of a type the kernels decode (workers/contract/gguf_rule.py)
+    gguf_bytes: int = 0  # their blocks as stored: held so where the device keeps them packed
 
     @property
     def num_parameters(self) -> int:
@@ -80,6 +83,7 @@ class Need:
     kv_bytes: int
     kv_tokens: int
     packed4: str = ""  # how this device holds a 4-bit checkpoint's layers: "packed" | "widened" ("": none)
+    gguf: str = ""  # how this device holds a GGUF file's projections: "packed" | "dequantized" ("": none)
 
     @property
     def total(self) -> int:
@@ -89,6 +93,7 @@ class Need:
         """`weights 7.5 GiB (bfloat16) + KV 512 MiB (4096 tokens) = 8 GiB`."""
         how = self.dtype + (", fp8 projections" if self.quantize == "fp8" else "")
         how += {"packed": ", 4-bit layers packed", "widened": ", 4-bit layers widened at load"}.get(self.packed4, "")
+        how += {"packed": ", GGUF blocks packed", "dequantized": ", GGUF blocks dequantized at load"}.get(self.gguf, "")
         return (f"weights {human(self.weight_bytes)} ({how}) + KV {human(self.kv_bytes)} ({self.kv_tokens} tokens) "
                 f"= {human(self.total)}")
 
@@ -122,12 +127,16 @@ def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quan
     packed4 = "" if not profile.packed4_params else "widened" if widens else "packed"
     if profile.mxfp4_params and mxfp4_kind(device.type, cap) == MXFP4_DEQUANTIZED:  # widened at load there
         weights += profile.mxfp4_params * size - profile.mxfp4_bytes  # (workers/quant/mxfp4_reader.py)
+    gguf = ""
+    if profile.gguf_params:  # a GGUF file's projections: its blocks where the device keeps them packed
+        gguf = gguf_kind(device.type, cap)
+        weights += profile.gguf_bytes if gguf == GGUF_PACKED else profile.gguf_params * size
     if quantize == "fp8":
         weights += profile.projection_params + profile.projection_rows * FP8_SCALE_BYTES
         floats -= profile.projection_params
     weights += floats * size
     tokens = min(KV_TOKENS, profile.context_length)
-    return Need(name, reason, quantize, weights, profile.kv_elements_per_token * size * tokens, tokens, packed4)
+    return Need(name, reason, quantize, weights, profile.kv_elements_per_token * size * tokens, tokens, packed4, gguf)
 
 
 # --- reading a model directory ------------------------------------------------------------
@@ -223,6 +232,12 @@ def read_profile(model_dir: str | Path) -> ModelProfile:
         "checkpoint_dtype": hf.get("torch_dtype") or hf.get("dtype"), "quantization": quantization,
         "kv_elements_per_token": 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"],
     }
+    gguf = _gguf_sizes(model_dir)
+    if gguf is not None:  # a prepared GGUF directory (workers/gguf/prepare.py): its tensor table's figures
+        packable = gguf["packable_elements"]
+        return ModelProfile(**common, float_params=gguf["elements"] - packable, projection_params=0,
+                            projection_rows=0, stored_params=0, stored_bytes=0, gguf_params=packable,
+                            gguf_bytes=gguf["packable_bytes"], source="GGUF tensor table")
     files = _weight_files(model_dir)
     if not files:
         return ModelProfile(**common, **_count_from_config(hf, shape),
@@ -257,6 +272,15 @@ def read_profile(model_dir: str | Path) -> ModelProfile:
                         packed4_expert_params=packed4_experts,
                         mxfp4_params=mxfp4, mxfp4_bytes=mxfp4_bytes,
                         source=f"safetensors headers ({tensors} tensors in {len(files)} file(s))")
+
+
+def _gguf_sizes(model_dir: Path) -> dict | None:
+    """The sizes a prepared GGUF directory's `gguf.json` records; None for any other directory."""
+    try:
+        sizes = json.loads((model_dir / "gguf.json").read_text()).get("sizes")
+    except (OSError, ValueError):
+        return None
+    return sizes if isinstance(sizes, dict) else None
 
 
 def _count_from_config(hf: dict, s: dict) -> dict:

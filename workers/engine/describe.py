@@ -80,7 +80,7 @@ def model_description(loaded: LoadedModel, context: int, device_type: str = "cpu
     model["sampling_defaults"] = {k: loaded.generation_config[k]
                                   for k in ("temperature", "top_p", "top_k", "repetition_penalty")
                                   if isinstance(loaded.generation_config.get(k), (int, float))}
-    gguf = gguf_execution(loaded.model_dir, loaded.dtype, device_type, capability)
+    gguf = gguf_execution(loaded.model_dir, loaded.dtype, device_type, capability, loaded.model)
     if gguf is not None:  # a GGUF file: how this device runs its blocks, and why
         model["gguf"] = gguf
     return model

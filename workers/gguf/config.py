@@ -8,7 +8,7 @@ format leaves implicit from the tensor table: a tied head (no `output.weight`), 
 floats, else bfloat16 (a quantized file's weights are dequantized into the compute dtype, which
 `--dtype auto` then picks per device as for any checkpoint). Trade-off: only keys that change the
 computation are read; one the format can carry and we do not serve (a rope scaling other than
-linear/yarn, a `rope_freqs` tensor) is refused by name rather than ignored.
+linear/yarn, a `rope_freqs` tensor that is no Llama 3 scaling) is refused by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from workers.gguf.files import GGUFError, TensorInfo
+from workers.gguf.rope_freqs import llama3_from_rope_freqs
 
 # GGUF `general.architecture` -> (config.json `architectures[0]`, `model_type`)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -68,13 +69,14 @@ def _rope(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     return params
 
 
-def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str, Any]:
-    """config.json's fields for the GGUF model of `meta` (first file's keys) and `tensors` (all files')."""
+def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo], rope_freqs=None) -> dict[str, Any]:
+    """config.json's fields for the GGUF model of `meta` (first file's keys) and `tensors` (all files'), with
+    `rope_freqs` the values of that tensor where the file has one (Llama 3's rope scaling: rope_freqs.py)."""
     arch = architecture(meta)
     hf_class, model_type = ARCHITECTURES[arch]
     if arch == "llama" and meta.get("llama.expert_count"):  # llama.cpp writes Mixtral as a Llama with experts
         hf_class, model_type = "MixtralForCausalLM", "mixtral"
-    if "rope_freqs.weight" in tensors:
+    if "rope_freqs.weight" in tensors and rope_freqs is None:
         raise GGUFError("Unsupported GGUF tensor `rope_freqs.weight` (per-frequency rope factors). "
                         "Supported: rope scaling from metadata (" + ", ".join(ROPE_SCALINGS) + ")")
 
@@ -87,6 +89,13 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str,
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
     rope = _rope(meta, arch)
+    if rope_freqs is not None:
+        dim = int(meta.get(f"{arch}.rope.dimension_count") or key("attention.key_length", hidden // heads))
+        llama3 = llama3_from_rope_freqs(rope_freqs, rope["rope_theta"], dim)
+        if llama3 is not None and rope["rope_type"] != "default":
+            raise GGUFError(f"Unsupported GGUF rope: `rope_freqs.weight` beside the scaling `{rope['rope_type']}`. "
+                            "Supported: one of them")
+        rope |= llama3 or {}
     out: dict[str, Any] = {
         "architectures": [hf_class],
         "model_type": model_type,

@@ -1,15 +1,15 @@
 """How a worker runs a GGUF file's tensors, and why (`/capability` `model.gguf`, `/workers`).
 
 Design: the per-device rule of the format (`gguf_rule`), one answer with its reason, as for the
-other quantized formats. CUDA from sm_70 and ROCm keep the blocks packed: the Triton GEMV (decode)
-and GEMM (prefill) of kernels_local/gguf_linear decode each block in registers, so a layer holds
-its file's bytes instead of 16-bit weights. Below sm_70 Triton does not target the device, and the
-CPU has no GGUF kernel measured against the dequantized bf16 matmul (llama.cpp's CPU path is the
-bar): both dequantize at load. The description reports the rule and what the loader did: today the
-loader dequantizes every block at load (workers/gguf/weights.py, exact against gguf-py), on every
-device, since no model layer holds GGUF blocks yet; the rule says which devices a packed layer will
-run on. It counts the file's tensors by type and gives their packed bytes beside the bytes the
-worker holds. Trade-off: reading the tensor table costs a header parse per start (memory-mapped, no
+other quantized formats. CUDA from sm_70 and ROCm keep the blocks packed: the loader holds each
+linear layer's tensors of a `PACKED_TYPES` type as the file's bytes (workers/gguf/packed.py) and the
+Triton GEMV (decode) and GEMM (prefill) of kernels_local/gguf_linear decode them in registers.
+Below sm_70 Triton does not target the device, and the CPU has no GGUF kernel measured against the
+dequantized bf16 matmul (llama.cpp's CPU path is the bar): both dequantize at load (workers/gguf/
+weights.py, exact against gguf-py). The description reads the model as loaded: how many layers hold
+blocks, which were dequantized and why (embeddings, norms, a tied head, types no kernel decodes, a
+kernel that failed its self-test here), the file's tensors by type and the bytes held beside the
+file's. Trade-off: reading the tensor table costs a header parse per description (memory-mapped, no
 tensor data read), for a description that never goes stale.
 """
 
@@ -22,13 +22,15 @@ from pathlib import Path
 import torch
 
 from workers.contract import Capability, parse_token
+from workers.contract.defaults import NO_GGUF_LAYER
+from workers.contract.gguf_rule import GGUF_PACKED, PACKED_TYPES, gguf_kind
 from workers.gguf.files import open_readers
+from workers.gguf.linear import GGUFLinear
 from workers.gguf.prepare import pointed_files
 
 PACKED = "packed"
 DEQUANTIZED = "dequantized"
 KERNEL = "kernels_local/gguf_linear"
-FIRST_PACKED_CUDA = Capability(7, 0)  # Triton's oldest CUDA target
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,11 @@ def gguf_rule(device_type: str, capability=None) -> GGUFRule:
     """The GGUF rule for a device (`cuda` | `rocm` | `cpu`, its capability where it has one)."""
     cap = Capability.parse_optional(capability)
     where = _where(device_type, cap)
-    if device_type == "rocm" or (device_type == "cuda" and cap is not None and cap >= FIRST_PACKED_CUDA):
+    if gguf_kind(device_type, cap) == GGUF_PACKED:
         return GGUFRule(PACKED, f"{where}: blocks kept packed, decoded in registers by {KERNEL}'s Triton GEMV "
                                 "(decode) and GEMM (prefill) for the 32-element, K- and IQ4 block families",
                         KERNEL)
-    if device_type == "cuda":
+    if device_type == "cuda":  # below FIRST_PACKED_CUDA
         return GGUFRule(DEQUANTIZED, f"{where}: Triton does not target CUDA below sm_70; blocks dequantized at "
                                      "load, a cuBLAS matmul")
     return GGUFRule(DEQUANTIZED, f"{where}: blocks dequantized at load: no measured CPU kernel on GGUF blocks "
@@ -75,22 +77,49 @@ def _device(device: str, capability) -> tuple[str, Capability | None]:
     return kind, cap if cap is not None else Capability.parse_optional(capability)
 
 
-def gguf_execution(model_dir: Path, dtype: torch.dtype, device: str, capability=None) -> dict | None:
-    """What a worker on `device` (its arch token or type) holding the model in `dtype` does with the GGUF
-    file(s) `model_dir` stands for, and the device's rule; None when `model_dir` is no prepared GGUF directory."""
+def _held(model) -> tuple[list, list]:
+    """(GGUF layers holding blocks, GGUF layers dequantized after their kernel failed) of a loaded model."""
+    layers = [m for m in model.modules() if isinstance(m, GGUFLinear)] if model is not None else []
+    return [m for m in layers if m.execution == PACKED], [m for m in layers if m.execution != PACKED]
+
+
+def gguf_execution(model_dir: Path, dtype: torch.dtype, device: str, capability=None, model=None) -> dict | None:
+    """What a worker on `device` (its arch token or type) holding `model` in `dtype` does with the GGUF
+    file(s) `model_dir` stands for, and the device's rule; None when `model_dir` is no prepared GGUF directory.
+    Without `model`, what the loader does on that device before any kernel ran."""
     files = pointed_files(model_dir)
     if files is None:
         return None
     tensors = [t for reader in open_readers(files) for t in reader.tensors]
     types = Counter(t.tensor_type.name for t in tensors)
     packed = sum(int(t.n_bytes) for t in tensors)
-    resident = sum(int(t.n_elements) for t in tensors) * torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=dtype).element_size()
     name = str(dtype).removeprefix("torch.")
     rule = gguf_rule(*_device(device, capability))
-    if rule.execution == PACKED:
-        reason = (f"{rule.reason}; the loader does not hold GGUF blocks in the model's layers yet, so each block "
-                  f"is dequantized once at load, exactly as gguf-py does, and the layers run in {name}")
+    holding, fell_back = _held(model)
+    elements = sum(int(t.n_elements) for t in tensors)
+    resident = (elements - sum(m.in_features * m.out_features for m in holding)) * size
+    resident += sum(m.nbytes() for m in holding)
+    out = {"types": dict(sorted(types.items())), "rule": rule.to_dict(), "packed_bytes": packed,
+           "resident_bytes": resident, "packed_layers": len(holding), "dequantized_layers": len(fell_back)}
+    if holding:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(Counter(m.gguf_type for m in holding).items()))
+        return {**out, "execution": f"packed ({len(holding)} layers: {kinds}); the rest dequantized at load to "
+                                    f"{name}",
+                "reason": f"{rule.reason}; embeddings, norms, a tied head and tensors of types the kernels do not "
+                          f"decode are dequantized at load, exactly as gguf-py does"}
+    if fell_back:
+        why = next((m.fallback_reason for m in fell_back if m.fallback_reason), "its kernel failed on this device")
+        reason = (f"{rule.reason}; but the packed layers' kernel failed its self-test on this device, so their "
+                  f"blocks were dequantized to {name}: {why}")
+    elif rule.execution == PACKED and model is not None:
+        reason = (f"{rule.reason}; no linear layer of this file is stored in a type the kernels decode "
+                  f"({', '.join(PACKED_TYPES)}), so each tensor is dequantized at load, exactly as gguf-py does")
     else:
         reason = f"{rule.reason}; exactly as gguf-py does, and the layers run in {name}"
-    return {"types": dict(sorted(types.items())), "execution": f"dequantized at load to {name}", "reason": reason,
-            "rule": rule.to_dict(), "packed_bytes": packed, "resident_bytes": resident}
+    return {**out, "execution": f"dequantized at load to {name}", "reason": reason}
+
+
+def gguf_layer_unused(model) -> dict[str, str]:
+    """{"GGUFLinear": why} when `model` holds no GGUF blocks (its preflight compiles no GGUF kernel), else {}."""
+    return {} if _held(model)[0] else {"GGUFLinear": NO_GGUF_LAYER}

@@ -22,12 +22,15 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
+from workers.contract.gguf_rule import PACKED_TENSOR, PACKED_TYPES
 from workers.gguf.config import hf_config
 from workers.gguf.files import gguf_files, metadata, model_name, open_readers, tensor_infos
 from workers.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 POINTER = "gguf.json"  # the GGUF files a prepared directory stands for
-FORMAT = 1  # bump when the converted files change, so old cache entries are not reused
+FORMAT = 5  # bump when the converted files change, so old cache entries are not reused
 
 
 def cache_root() -> Path:
@@ -46,7 +49,8 @@ def cache_key(files: list[Path], readers: list) -> str:
 def _write(target: Path, files: list[Path], readers: list) -> None:
     meta = metadata(readers[0])
     tensors = tensor_infos(readers)
-    config = hf_config(meta, tensors)
+    freqs = [t for r in readers for t in r.tensors if t.name == "rope_freqs.weight"]
+    config = hf_config(meta, tensors, np.array(freqs[0].data, dtype=np.float32) if freqs else None)
     tokenizer = build_tokenizer(meta)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -55,7 +59,7 @@ def _write(target: Path, files: list[Path], readers: list) -> None:
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
     pointer = {"files": [str(f) for f in files], "name": model_name(files[0]),
-               "architecture": meta.get("general.architecture")}
+               "architecture": meta.get("general.architecture"), "sizes": sizes(readers)}
     (tmp / POINTER).write_text(json.dumps(pointer, indent=2))
     try:
         os.rename(tmp, target)
@@ -63,6 +67,21 @@ def _write(target: Path, files: list[Path], readers: list) -> None:
         for f in tmp.iterdir():
             f.unlink()
         tmp.rmdir()
+
+
+def sizes(readers: list) -> dict:
+    """The tensors' elements and bytes, those a packed device holds as blocks (`packable`) apart: what
+    the router's placement counts per device (workers/contract/model_size.py)."""
+    out = {"elements": 0, "bytes": 0, "packable_elements": 0, "packable_bytes": 0}
+    for reader in readers:
+        for t in reader.tensors:
+            n, b = int(t.n_elements), int(t.n_bytes)
+            out["elements"] += n
+            out["bytes"] += b
+            if t.tensor_type.name in PACKED_TYPES and PACKED_TENSOR.match(t.name):
+                out["packable_elements"] += n
+                out["packable_bytes"] += b
+    return out
 
 
 def prepare(path: str | Path, root: str | Path | None = None) -> Path:

@@ -10,8 +10,9 @@ norms stored as 1 + w back to w (`NORM_PLUS_ONE`). A stacked experts tensor
 (`blk.N.ffn_gate_exps.weight`, [experts, ...]) comes back as one entry per expert under that
 expert's HF name, dequantized once. A tensor no expected name maps to comes back under its GGUF
 name, for the loader to report as unexpected; a type we do not dequantize is a named error before
-anything is read. Trade-off: the weights are unpacked at load (the model's dtype), so a quantized
-file takes its dense size in memory; packed execution builds on the same names and bytes.
+anything is read. A tensor the device keeps packed (workers/gguf/packed.py) is read as its bytes
+instead, whole rows of blocks, its q/k rows moved as its values would be. Trade-off: the rest is
+unpacked at load (the model's dtype), taking its dense size in memory.
 """
 
 from __future__ import annotations
@@ -73,13 +74,28 @@ def _reader(t, type_name: str, shape: tuple[int, ...], permute_heads: int | None
     return read
 
 
+def _raw_reader(t, shape: tuple[int, ...], permute_heads: int | None) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:  # uint8 [rows, bytes per row]: whole rows of blocks, moved as the values would be
+        raw = torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8)).reshape(shape[0], -1)
+        return unpermute_rows(raw, permute_heads) if permute_heads else raw
+    return read
+
+
+def _raw_stacked(t, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:  # uint8 [E, rows, bytes per row]
+        return torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8)).reshape(shape[0], shape[1], -1)
+    return read
+
+
 def _expert(whole: Callable[[], torch.Tensor], e: int) -> torch.Tensor:
     return whole()[e]
 
 
-def gguf_tensors(files: list[Path], expected: Mapping[str, tuple[int, ...]], num_heads: int,
-                 num_kv_heads: int) -> Iterator[tuple[str, str, str, tuple[int, ...], Callable[[], torch.Tensor]]]:
-    """(file name, GGUF name, HF name, shape, read) of every tensor of the GGUF model in `files`."""
+def gguf_tensors(files: list[Path], expected: Mapping[str, tuple[int, ...]], num_heads: int, num_kv_heads: int,
+                 packed: Callable[[str], bool] | None = None,
+                 ) -> Iterator[tuple[str, str, str, tuple[int, ...], Callable[[], torch.Tensor]]]:  # fmt: skip
+    """(file name, GGUF name, HF name, shape, read) of every tensor of the GGUF model in `files`; `read()`
+    gives the HF names `packed` picks as their GGUF bytes (uint8 [rows, bytes per row]), not dequantized."""
     readers = open_readers(files)
     meta = metadata(readers[0])
     arch = meta["general.architecture"]
@@ -90,13 +106,23 @@ def gguf_tensors(files: list[Path], expected: Mapping[str, tuple[int, ...]], num
             check_type(t.tensor_type.name, t.name)
     for path, reader in zip(files, readers, strict=True):
         for t in reader.tensors:
+            if t.name == "rope_freqs.weight":  # read into the config's rope scaling when prepared (rope_freqs.py)
+                continue
             hf = names.get(t.name, t.name)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             heads = None
             if arch in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
                 heads = num_heads if ".attn_q." in t.name else num_kv_heads
             minus_one = arch in NORM_PLUS_ONE and t.name.endswith("norm.weight")
+            if isinstance(hf, str) and packed is not None and packed(hf):  # kept packed (workers/gguf/packed.py)
+                yield path.name, t.name, hf, shape, _raw_reader(t, shape, heads)
+                continue
             read = _reader(t, t.tensor_type.name, shape, heads, minus_one)
+            if isinstance(hf, dict) and packed is not None and packed(next(iter(hf.values()))):  # kept packed
+                whole = functools.cache(_raw_stacked(t, shape))
+                for e, name in sorted(hf.items()):
+                    yield path.name, t.name, name, shape[1:], functools.partial(_expert, whole, e)
+                continue
             if isinstance(hf, dict):  # stacked experts [E, ...]: one entry per expert, dequantized once
                 whole = functools.cache(read)
                 for e, name in sorted(hf.items()):

@@ -133,13 +133,19 @@ def only_kernel(model: nn.Module, layer: str) -> Iterator[int]:
             m.forward = forward
 
 
-def to_torch_path(model: nn.Module, layer: str) -> int:
-    """Every module of layer `layer` runs its torch forward from now on; how many changed."""
+def to_torch_path(model: nn.Module, layer: str, why: str = "its kernel failed on this device") -> int:
+    """Every module of layer `layer` runs its torch forward from now on; how many changed. A module
+    whose torch path wants its weights otherwise (a GGUF layer's blocks, dequantized once: its
+    `fall_back(why)`) is converted too."""
     changed = 0
     for m in model.modules():
-        if "forward" in m.__dict__ and getattr(type(m), "kernel_layer_name", None) == layer:
+        if getattr(type(m), "kernel_layer_name", None) != layer:
+            continue
+        if "forward" in m.__dict__:
             del m.__dict__["forward"]
             changed += 1
+        if callable(getattr(m, "fall_back", None)):
+            m.fall_back(why)
     return changed
 
 
@@ -167,7 +173,7 @@ def self_test_or_fall_back(model: nn.Module, config, device) -> tuple[SelfTestRe
         except Exception as e:
             why = f"it raised in its self-test on this device ({type(e).__name__}: {str(e)[:200]})"
         if why is not None:
-            to_torch_path(model, layer)
+            to_torch_path(model, layer, why)
             failed[layer] = why
             logger.warning("kernel %s replaced by its torch path: %s", layer, why)
     result = compare_with_reference(model, config.vocab_size, device)

@@ -111,6 +111,8 @@ def describe_dir(model_dir: str | Path) -> dict[str, Any]:
         out["quantization"] = quantization  # rule holds for every device (MXFP4: dequantized at load)
         how = f" {quantization['execution']} ({quantization['reason']})" if quantization.get("execution") else ""
         out["features"]["quantization"] = f"{quantization['method']} {quantization['format']}{how}"
+    if (Path(model_dir) / "gguf.json").is_file():  # a prepared GGUF directory: its blocks run per device's GGUF rule
+        out["gguf"] = True
     return out
 
 

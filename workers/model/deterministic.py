@@ -52,7 +52,7 @@ class DeterministicPlan:
 
 def _is_projection(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ in ("Fp8Linear", "Fp8CheckpointLinear",
-                                                                     "Int4CheckpointLinear")
+                                                                     "Int4CheckpointLinear", "GGUFLinear")
 
 
 def tail_free(fn, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ into a meta-built model (no double allocation). The dtype choice returns its rea
 pre-quantized checkpoint is read through `workers.quant` (its registry picks the reader; the loader
 hands it the family's weight map as a `ModelMap` and names the device the layers are laid out for).
 A GGUF file is first prepared as a directory (workers/gguf/: config and tokenizer converted once)
-whose tensors are read from the GGUF files, dequantized, under the same Hugging Face names.
+whose tensors are read from the GGUF files under the same Hugging Face names: dequantized, or kept
+as their blocks in GGUF layers on a device whose GGUF rule keeps them packed (workers/gguf/packed.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from workers.contract import DEFAULT_MODEL_DIR, find_chat_template, token_text
 from workers.contract.dtypes import DtypeError, dtype_rule
 from workers.gguf.files import GGUFError, is_gguf
+from workers.gguf.packed import PackedGGUF, packed_gguf
 from workers.gguf.prepare import pointed_files, prepare
 from workers.gguf.weights import gguf_tensors
 from workers.model.config import ConfigError, ModelConfig
@@ -134,15 +136,16 @@ def _model_map(config: ModelConfig) -> ModelMap:
                     partial(to_ours, config=config), FusedMoE)
 
 
-def _stored_tensors(model_dir: Path, config: ModelConfig, expected: dict) -> Iterator[tuple]:
+def _stored_tensors(model_dir: Path, config: ModelConfig, expected: dict, packed=None) -> Iterator[tuple]:
     """(file name, stored name, HF name, shape, read) of each tensor of the checkpoint: its safetensors
-    files', or the GGUF files' a prepared GGUF directory stands for (workers/gguf/), dequantized."""
+    files', or the GGUF files' a prepared GGUF directory stands for (workers/gguf/), dequantized but for
+    those `packed` names (read as their blocks)."""
     from safetensors import safe_open
 
     files = pointed_files(model_dir)
     if files is not None:
         try:
-            yield from gguf_tensors(files, expected, config.num_attention_heads, config.num_key_value_heads)
+            yield from gguf_tensors(files, expected, config.num_attention_heads, config.num_key_value_heads, packed)
         except GGUFError as e:
             raise ModelLoadError(str(e)) from e
         return
@@ -155,7 +158,7 @@ def _stored_tensors(model_dir: Path, config: ModelConfig, expected: dict) -> Ite
 
 
 def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, device: str,
-                  quant: CheckpointReader | None = None) -> dict[str, torch.Tensor]:
+                  quant: CheckpointReader | PackedGGUF | None = None) -> dict[str, torch.Tensor]:
     config = model.config
     expected = hf_shapes(config, {k: v.shape for k, v in model.state_dict().items()})
     if quant is not None:
@@ -164,7 +167,8 @@ def _read_weights(model_dir: Path, model: Transformer, dtype: torch.dtype, devic
     as_stored: dict[str, torch.Tensor] = {}  # a quantized layer's bytes and scales, never converted
     unexpected: list[str] = []
     skips: dict[str, int] = {}  # pattern of the family's `skipped` tensors -> how many
-    for file, stored, name, shape, read in _stored_tensors(model_dir, config, expected):
+    packed = quant.claims if isinstance(quant, PackedGGUF) else None
+    for file, stored, name, shape, read in _stored_tensors(model_dir, config, expected, packed):
         if IGNORED_HF.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         if model.stage is not None and _other_stage(name, model.stage, expected):
@@ -235,6 +239,9 @@ def load_model(
     torch_dtype, reason = choose_dtype(dtype, config.torch_dtype, device.type, capability)
     quant = quantized_checkpoint(hf_config, _model_map(config), device_type or device.type,
                                  capability)  # None unless config.json has a quantization_config
+    # a GGUF file on a device that keeps its blocks packed (workers/gguf/execution.py `gguf_rule`)
+    reader = quant or packed_gguf(pointed_files(model_dir), partial(map_name, config=config),
+                                  device_type or device.type, capability)
     tokenizer = _load_tokenizer(model_dir)
     tok_cfg = _read_json(model_dir, "tokenizer_config.json", required=False)
     generation_config = _read_json(model_dir, "generation_config.json", required=False)
@@ -244,9 +251,12 @@ def load_model(
             model.keep_stage(*stage)
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
-    state_dict = _read_weights(model_dir, model, torch_dtype, str(device), quant)
-    if quant is not None:
-        quant.install(model, state_dict)  # fp8 layers as stored; the fp8 step prepares them for the device
+    try:
+        state_dict = _read_weights(model_dir, model, torch_dtype, str(device), reader)
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from e
+    if reader is not None:
+        reader.install(model, state_dict)  # fp8 layers as stored (the fp8 step prepares them); GGUF blocks
     model.load_weights(state_dict)
     model.eval()
     bos_token = token_text(tok_cfg.get("bos_token"))

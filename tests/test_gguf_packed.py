@@ -1,0 +1,192 @@
+"""GGUF blocks kept packed in the model's layers (workers/gguf/packed.py, workers/gguf/linear.py).
+
+What must hold:
+- on a device whose GGUF rule keeps the blocks packed (a GPU from sm_70, named to the loader as a
+  simulated one is), every projection of a Q4_K_M-like file (Q4_K, Q6_K, Q8_0 per tensor) holds its
+  file's bytes, a fused q/k/v of three types as one `GGUFLinear` per type, a Qwen3-MoE's stacked
+  experts as `GGUFExperts` (one GEMV/GEMM per active expert); the tied head, the F32 routers and
+  the embeddings stay dense; the CPU loads the same file dequantized; the logits agree in fp32;
+- the bytes held: each packed layer at its file's bits per weight (Q4_K's 4.5: 0.28x bf16), the
+  description's resident bytes smaller than the dequantized model's by exactly the difference;
+- under `TRITON_INTERPRET=1` (this file reruns itself in a child with it) the model kernelized for
+  sm_80 (the GEMM for a prompt, the GEMV for a decode row) gives the torch path's logits within fp32
+  rounding;
+- a packed kernel that fails its self-test sends its layers back to dense weights, dequantized from
+  the blocks, and the worker's description says so with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.interpreter import INTERPRETED, needs_interpreter, rerun_under_interpreter
+from workers.contract import Capability
+
+gguf = pytest.importorskip("gguf")
+
+from kernels_local.gguf_linear import TYPES  # noqa: E402
+from kernels_local.mapping import select  # noqa: E402
+from tests.gguf_checkpoints import make_gguf  # noqa: E402
+from workers.gguf.execution import PACKED_TYPES, gguf_execution, gguf_layer_unused  # noqa: E402
+from workers.gguf.experts import GGUFExperts  # noqa: E402
+from workers.gguf.linear import GGUFFusedLinear, GGUFLinear  # noqa: E402
+from workers.kernelize.apply import KernelPlan, apply_plan  # noqa: E402
+from workers.model.loader import load_model  # noqa: E402
+
+SM80 = Capability(8, 0)
+BITS = {"Q4_K": 4.5, "Q6_K": 6.5625, "Q8_0": 8.5}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf-packed")
+    return {arch: make_gguf(arch, "Q4_K_M", out) for arch in ("llama", "qwen2", "qwen3moe")}
+
+
+def _load(path, where: str):
+    if where == "cpu":
+        return load_model(path, "float32", "cpu")
+    return load_model(path, "float32", "cpu", SM80, device_type="cuda")  # a simulated sm_80: CPU tensors
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="already running under the interpreter")
+def test_kernels_run_under_the_interpreter():
+    rerun_under_interpreter(__file__)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
+def test_the_kernel_decodes_every_type_the_loader_keeps_packed():
+    """Guards `PACKED_TYPES`: the loader keeps packed exactly the types the kernel repository decodes."""
+    assert set(PACKED_TYPES) == set(TYPES)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3moe"])
+def test_a_packed_device_holds_the_files_blocks_and_the_cpu_its_dequantized_weights(files, arch):
+    """Guards the loader's reader (`reader = quant or packed_gguf(...)`): without it every layer is a dense
+    `nn.Linear` on sm_80 too."""
+    packed, dense = _load(files[arch], "sm_80"), _load(files[arch], "cpu")
+    layers = [m for m in packed.model.modules() if isinstance(m, GGUFLinear)]
+    assert {m.gguf_type for m in layers} == {"Q4_K", "Q6_K", "Q8_0"}
+    assert all(m.qweight.dtype == torch.uint8 and m.weight is None for m in layers)
+    assert any(isinstance(m, GGUFFusedLinear) for m in packed.model.modules())  # q/k/v of several types
+    linears = [n for n, m in packed.model.named_modules() if type(m) is nn.Linear]
+    routers = [n for n in linears if n.endswith(".router")]  # F32 in the file, as llama.cpp keeps them
+    assert [n for n in linears if n not in routers] == (["output"] if arch == "llama" else [])  # llama's head: tied
+    experts = [m for m in packed.model.modules() if isinstance(m, GGUFExperts)]
+    assert len(experts) == (2 if arch == "qwen3moe" else 0)  # every MoE layer's experts hold their stacked blocks
+    assert not any(isinstance(m, (GGUFLinear, GGUFFusedLinear)) for m in dense.model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(packed.model(_ids()), dense.model(_ids()), rtol=1e-5, atol=1e-5)
+    assert gguf_layer_unused(packed.model) == {} and "GGUFLinear" in gguf_layer_unused(dense.model)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
+def test_the_description_counts_the_packed_layers_and_the_bytes_they_hold(files):
+    loaded = _load(files["qwen2"], "sm_80")
+    described = gguf_execution(loaded.model_dir, loaded.dtype, "sm_80", None, loaded.model)
+    assert described["execution"].startswith("packed (") and described["packed_layers"] > 0
+    assert described["reason"].startswith("sm_80: blocks kept packed")
+    layers = [m for m in loaded.model.modules() if isinstance(m, GGUFLinear)]
+    for m in layers:  # the file's bits per weight, exactly: Q4_K 4.5 (0.28x bf16), Q6_K 6.5625, Q8_0 8.5
+        assert m.nbytes() * 8 == m.in_features * m.out_features * BITS[m.gguf_type], m
+    dense = gguf_execution(loaded.model_dir, loaded.dtype, "cpu", None, _load(files["qwen2"], "cpu").model)
+    assert described["resident_bytes"] < dense["resident_bytes"]
+    assert dense["resident_bytes"] - described["resident_bytes"] == sum(
+        m.in_features * m.out_features * 4 - m.nbytes() for m in layers)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch", ["qwen2"])  # biases, an untied head, q/k/v of several types (the interpreter is slow)
+def test_the_sm80_kernel_layers_give_the_torch_paths_logits_for_a_prompt_and_a_decode_row(files, arch):
+    from workers.kernelize.selftest import reference_path
+
+    loaded = _load(files[arch], "sm_80")
+    choice = select("cuda", SM80)["GGUFLinear"]
+    assert choice.layer == "GGUFLinearTritonSm80"
+    assert apply_plan(loaded.model, KernelPlan("cpu", {"GGUFLinear": choice})) > 0
+    ids = _ids(1)
+    with torch.no_grad():
+        for x in (ids, ids[:, :1]):  # 18 rows: the GEMM; 2 rows: the GEMV
+            got = loaded.model(x)
+            with reference_path(loaded.model):
+                want = loaded.model(x)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_interpreter
+def test_the_sm80_kernel_layers_run_a_moe_layers_experts_as_their_torch_path(files):
+    """Each active expert's packed projections through the GEMV (a decode row) and the GEMM (a prompt's rows)."""
+    from workers.kernelize.selftest import reference_path
+
+    experts = next(m for m in _load(files["qwen3moe"], "sm_80").model.modules() if isinstance(m, GGUFExperts))
+    assert apply_plan(experts, KernelPlan("cpu", {"GGUFLinear": select("cuda", SM80)["GGUFLinear"]})) > 0
+    g = torch.Generator().manual_seed(2)
+    for tokens in (1, 6):
+        x = torch.randn(tokens, 256, generator=g)
+        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])  # [T, 2] of 4 experts
+        weights = torch.rand(tokens, 2, generator=g)
+        got = experts(x, ids, weights)
+        with reference_path(experts):
+            want = experts(x, ids, weights)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
+def test_a_packed_kernel_failing_its_self_test_falls_back_to_dequantized_weights(files):
+    """Guards `m.fall_back(why)` in workers/kernelize/selftest.py `to_torch_path`: without it the layers keep
+    their blocks and the description says nothing of the failure."""
+    from workers.kernelize.selftest import self_test_or_fall_back
+
+    loaded, dense = _load(files["qwen2"], "sm_80"), _load(files["qwen2"], "cpu")
+    apply_plan(loaded.model, KernelPlan("cpu", {"GGUFLinear": select("cuda", SM80)["GGUFLinear"]}))
+    for m in loaded.model.modules():  # the kernel as a device that computes nonsense would run it
+        if isinstance(m, GGUFLinear):
+            m.forward = lambda x, m=m: torch.ones(*x.shape[:-1], m.out_features, dtype=x.dtype)
+    result, failed = self_test_or_fall_back(loaded.model, loaded.config, torch.device("cpu"))
+    assert result.ok and set(failed) == {"GGUFLinear"}
+    layers = [m for m in loaded.model.modules() if isinstance(m, GGUFLinear)]
+    assert layers and all(m.execution == "dequantized" and m.qweight is None for m in layers)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(_ids()), dense.model(_ids()), rtol=1e-5, atol=1e-5)
+    described = gguf_execution(loaded.model_dir, loaded.dtype, "sm_80", None, loaded.model)
+    assert described["execution"] == "dequantized at load to float32"
+    assert "failed its self-test on this device" in described["reason"] and described["dequantized_layers"] > 0
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3moe"])
+@pytest.mark.parametrize("token", ["sm_80", "sm_61", "cpu"])
+def test_placement_counts_the_bytes_each_device_holds(files, token, arch):
+    """Guards the GGUF lines of workers/contract/model_size.py `need_on`: the plan's weight bytes for a device
+    are what its worker holds: the blocks where its rule keeps them packed, the dequantized size elsewhere."""
+    from workers.contract.model_size import need_on, read_profile
+    from workers.contract.topology import parse_simulate
+
+    device = parse_simulate(token)[0]
+    loaded = _load(files[arch], "sm_80" if token == "sm_80" else "cpu")
+    need = need_on(read_profile(loaded.model_dir), device, "float32")
+    described = gguf_execution(loaded.model_dir, loaded.dtype, token, None, loaded.model)
+    assert need.weight_bytes == described["resident_bytes"]
+    assert need.gguf == ("packed" if token == "sm_80" else "dequantized")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
+def test_deterministic_mode_tiles_the_rows_of_every_packed_projection(files):
+    """Guards "GGUFLinear" in workers/model/deterministic.py `_is_projection`: without it a packed layer's
+    rows are not tiled, and a row's result may depend on its batch mates under `--deterministic`."""
+    from workers.model.deterministic import enable_deterministic
+
+    loaded = _load(files["qwen3moe"], "sm_80")
+    layers = [m for m in loaded.model.modules() if isinstance(m, GGUFLinear)]
+    with torch.no_grad():
+        want = loaded.model(_ids())
+        enable_deterministic(loaded.model)
+        assert all("forward" in m.__dict__ for m in layers)  # each wrapped in fixed row tiles
+        torch.testing.assert_close(loaded.model(_ids()), want, rtol=1e-5, atol=1e-5)
