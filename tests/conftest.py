@@ -18,6 +18,7 @@ if "HETSERVE_STAGE_TIMINGS" not in os.environ:
 
     os.environ["HETSERVE_STAGE_TIMINGS"] = os.path.join(tempfile.mkdtemp(prefix="hetserve-timings-"), "timings.json")
 
+DOCKER_TESTS = "test_docker_compose.py"  # the module whose image builds in the background
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,6 +31,9 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    """The docker tests run last, their image built meanwhile (tests/docker_background.py); the
+    `gpu` ones skip on a host without CUDA."""
+    items.sort(key=lambda item: item.path.name == DOCKER_TESTS)  # stable: the rest keep their order
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none on this host)")
@@ -39,16 +43,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """The Triton interpreter runs of the collected kernel files start in the background
-    (tests/interpreter.py): they use the core the rest of the suite leaves idle."""
+    """The Triton interpreter runs of the collected kernel files (tests/interpreter.py) and the docker
+    tests' image (tests/docker_background.py) start in the background: they use the core the rest
+    of the suite leaves idle."""
     from tests.interpreter import RERUN_TEST, start_in_background
 
     files = sorted({str(item.path) for item in session.items if item.name == RERUN_TEST})
     if len(files) > 1:  # one file alone gains nothing from starting early
         start_in_background(files)
+    docker = [item for item in session.items if "docker" in item.keywords]
+    if docker and len(session.items) > len(docker) + 50:  # the image builds while the rest of the suite runs
+        from tests.docker_background import start_image_build
+
+        start_image_build()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests.interpreter import stop_background
+    from tests import docker_background, interpreter
 
-    stop_background()
+    interpreter.stop_background()
+    docker_background.stop_background()

@@ -36,6 +36,7 @@ from deploy_tools import DEPLOY, DOCKERFILE, ROOT
 
 from server.cli import main as hetserve_main
 from tests.checkpoints import make_checkpoint
+from tests.docker_background import image_build
 from tests.preflight_checks import EXPECTED_GEMM, assert_every_kernel_compiled_and_fits
 from workers.contract import parse_simulate
 from workers.device.build import runs_on
@@ -84,7 +85,7 @@ def docker_image() -> str:
     """The CPU image, built once; after this module everything the script made is removed
     (engine included), so the rest of the suite runs without it."""
     try:
-        r = _script("image", timeout=2100)
+        r = image_build()  # started in the background once the suite was collected (tests/docker_background.py)
         if r.returncode == 2:  # no engine can be had here
             reason = r.stderr.strip().splitlines()[-1]
             if os.geteuid() == 0 and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
