@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -170,8 +171,12 @@ def test_an_adapter_loaded_at_run_time_is_served_by_a_restarted_worker(served, t
         _, after, _ = _generate(c, "kept")
         for name in ("coder", "tone", "kept", "coder"):  # three adapters over two slots
             _generate(c, name)
-        c.get("/health")
-        pool = c.get("/workers").json()["workers"][0]["loras"]["pool"]
+        # /workers shows each worker's last /health probe: wait for the one after these requests
+        for _ in range(60):
+            pool = c.get("/workers").json()["workers"][0]["loras"]["pool"]
+            if pool["loads_from_host"] >= 1:
+                break
+            time.sleep(0.5)
     assert after == before
     assert pool["slots"] == 2 and pool["on_device"] == 2 and pool["loads_from_host"] >= 1, pool
     assert pool["loads_from_disk"] == 3, pool  # each adapter read once, at the worker's start
