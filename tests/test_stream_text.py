@@ -58,6 +58,19 @@ def _both(sock, bodies: list[dict]) -> list[tuple[list[dict], list[dict]]]:
     return asyncio.run(run())
 
 
+def _same(mine, theirs) -> bool:
+    """`mine` equals `theirs` field for field, a float within 1e-5: the text, ids, finish and every
+    other field exactly, while a logprob may differ in its last bits when the two requests' first
+    steps ran on different threads of the worker (an idle engine's first step runs inline)."""
+    if isinstance(mine, float) and isinstance(theirs, float):
+        return abs(mine - theirs) <= 1e-5
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        return mine.keys() == theirs.keys() and all(_same(mine[k], theirs[k]) for k in mine)
+    if isinstance(mine, list) and isinstance(theirs, list):
+        return len(mine) == len(theirs) and all(_same(a, b) for a, b in zip(mine, theirs, strict=True))
+    return mine == theirs
+
+
 def _plain(sock, prompt: str, n: int) -> str:
     [(events, _)] = _both(sock, [{"inputs": prompt, "parameters": {"max_new_tokens": n, "ignore_eos": True}}])
     return events[-1]["generated_text"]
@@ -82,7 +95,7 @@ def test_the_router_renders_what_the_worker_would(worker):
                                            "temperature": 0.9}},
     ]
     for body, (mine, theirs) in zip(bodies, _both(sock, bodies), strict=True):
-        assert mine == theirs, body
+        assert _same(mine, theirs), (body, mine, theirs)
     # the stop string really ended those streams, in the router
     first = _both(sock, bodies[:2])
     for mine, _ in first:
@@ -100,7 +113,7 @@ def test_a_resumed_stream_goes_on_in_the_same_text(worker):
     [(full, _)] = _both(sock, [body])
     resumed = {**body, "resume_ids": [e["token"]["id"] for e in full[:6]]}
     [(mine, theirs)] = _both(sock, [resumed])
-    assert mine == theirs
+    assert _same(mine, theirs), (mine, theirs)
     assert [e["index"] for e in mine] == list(range(6, 16))
     assert mine[-1]["generated_text"] == full[-1]["generated_text"]
 
