@@ -19,8 +19,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
-import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -38,11 +36,9 @@ from workers.contract import (
 )
 from workers.device.host_memory import keep_freed_memory
 from workers.model.row_buckets import cap_native_caches
+from workers.signals import ShutdownRequested, install_sigterm, watch_parent
 
 logger = logging.getLogger(__name__)
-
-PARENT_POLL_S = 0.5
-
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     """The worker's configuration from its command line: `--config FILE` (what the router writes)
@@ -56,10 +52,6 @@ class StartupError(RuntimeError):
     def __init__(self, step: str, reason: str):
         super().__init__(f"{step}: {reason}")
         self.step, self.reason = step, reason
-
-
-class _ShutdownRequested(BaseException):
-    """SIGTERM (or the parent's death) before serving started."""
 
 
 class StatusFile:
@@ -90,7 +82,7 @@ def startup_step(name: str, status: StatusFile) -> Iterator[None]:
     t0 = time.perf_counter()
     try:
         yield
-    except (StartupError, _ShutdownRequested):
+    except (StartupError, ShutdownRequested):
         raise
     except Exception as e:
         raise StartupError(name, f"{type(e).__name__}: {e}") from e
@@ -128,8 +120,8 @@ def run_worker(config: WorkerConfig) -> int:
     """bind -> capability -> load -> kernelize -> fp8 -> serve."""
     status = StatusFile(config.status_file, config.worker_id)
     phase: dict = {"server": None}  # the uvicorn server once serving
-    _install_sigterm(phase)
-    _watch_parent(config.parent_pid)
+    install_sigterm(phase)
+    watch_parent(config.parent_pid)
     server = stages = plan = link = first = None
     try:
         if config.pipeline_plan:  # one stage of a pipeline: the first starts the others now, so all load at once
@@ -249,7 +241,7 @@ def run_worker(config: WorkerConfig) -> int:
         logger.debug("failed to start at step %s", e.step, exc_info=True)
         status.write(WorkerStatus.FAILED, step=e.step, reason=e.reason, traceback=startup_traceback(e))
         return ExitCode.FAILED_TO_START
-    except _ShutdownRequested:
+    except ShutdownRequested:
         logger.info("shutdown requested before serving; exiting")
         status.write(WorkerStatus.STOPPED)
         return ExitCode.OK
@@ -359,48 +351,3 @@ def _serve_stage(status: StatusFile, bound, loaded, kernels, fp8: dict, cpu, lin
     serve_stage(bound, loaded, kernels, fp8, link, kv, cpu.in_place, clock)
     status.write(WorkerStatus.STOPPED, stage=link.rank, **clock.figures())  # its last figures, for the records
     return ExitCode.OK
-
-
-def _install_sigterm(phase: dict) -> None:
-    """Before serving, SIGTERM ends startup at once; while serving, uvicorn owns SIGTERM (graceful
-    drain) and afterwards re-raises it into this handler, which then has nothing left to do."""
-
-    def on_sigterm(signum, frame):
-        server = phase.get("server")
-        if server is not None:
-            server.should_exit = True  # between the serve step and uvicorn taking over SIGTERM
-        elif not phase.get("stopping"):
-            # Once only: the parent's death may signal twice (PR_SET_PDEATHSIG and the parent
-            # watch); a second raise would interrupt the shutdown that the first one started.
-            phase["stopping"] = True
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already, through exit
-            raise _ShutdownRequested()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def _watch_parent(parent_pid: int | None) -> None:
-    """A daemon thread that sends this process SIGTERM once `parent_pid` is gone."""
-    if not parent_pid:
-        return
-    was_parent = os.getppid() == parent_pid
-
-    def alive() -> bool:
-        if was_parent and os.getppid() != parent_pid:  # re-parented: our parent exited
-            return False
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-
-    def watch():
-        while alive():
-            time.sleep(PARENT_POLL_S)
-        logger.warning("parent process %s is gone; shutting down", parent_pid)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
