@@ -131,16 +131,19 @@ def test_a_worker_that_does_both_beside_a_decode_worker_still_hands_long_prompts
 
 
 def test_refused_casts_of_another_dtypes_blocks_are_a_metric_per_worker():
-    """Guards `ForeignCastCollector`: the workers' `/health` counts become a router series."""
+    """Guards `ForeignCastCollector`: the workers' `/health` counts become a router series, with
+    every per-worker series' labels (worker, capability, model)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     from server.dispatch.handoff import ForeignCastCollector
 
     tier = {"kv_host_tier": {"foreign": {"casts_refused": 3, "blocks_converted": 5}}}
-    workers = [SimpleNamespace(id="gpu1", info=None, live_capacity=tier),
-               SimpleNamespace(id="gpu0", info=None, live_capacity={"kv_host_tier": {"enabled": True}})]
+    workers = [SimpleNamespace(id="gpu1", capability_label="7.5", model="tiny", info=None, live_capacity=tier),
+               SimpleNamespace(id="gpu0", capability_label="9.0", model="tiny", info=None,
+                               live_capacity={"kv_host_tier": {"enabled": True}})]
     registry = CollectorRegistry()
     registry.register(ForeignCastCollector(lambda: workers))
     text = generate_latest(registry).decode()
-    assert 'hetserve_kv_tier_foreign_casts_refused_total{reason="kv_cast_not_exact",worker_id="gpu1"} 3.0' in text
+    series = 'capability="7.5",model="tiny",reason="kv_cast_not_exact",worker_id="gpu1"'
+    assert f"hetserve_kv_tier_foreign_casts_refused_total{{{series}}} 3.0" in text
     assert 'worker_id="gpu0"' not in text

@@ -34,6 +34,7 @@ from server.dispatch.migration import ClientStream, StreamIncomplete, is_final, 
 from server.fleet.channel import STREAM_PATH
 from server.fleet.client import WorkerGone
 from server.fleet.handle import WorkerHandle
+from server.fleet.metrics import WORKER_LABELS, worker_labels
 from server.fleet.spec import worker_id
 from server.fleet.text import INLINE_PROMPT_CHARS
 from server.routing.filter import ELIGIBLE, Constraints, eligible
@@ -235,12 +236,12 @@ class ForeignCastCollector:
     def collect(self):
         refused = CounterMetricFamily("hetserve_kv_tier_foreign_casts_refused", "Blocks of another KV dtype read "
                                       "from the host tier whose cast was not exact: the rest of that prompt was "
-                                      "recomputed.", labels=["worker_id", "reason"])
+                                      "recomputed.", labels=[*WORKER_LABELS, "reason"])
         for h in self._workers_fn():
             capacity = {**(h.info.capacity if h.info is not None else {}), **h.live_capacity}
             foreign = (capacity.get("kv_host_tier") or {}).get("foreign") or {}
             if "casts_refused" in foreign:
-                refused.add_metric([h.id, "kv_cast_not_exact"], foreign["casts_refused"])
+                refused.add_metric([*worker_labels(h), "kv_cast_not_exact"], foreign["casts_refused"])
         yield refused
 
 

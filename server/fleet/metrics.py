@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LABELS = ("worker_id", "capability", "model")
+WORKER_LABELS = _LABELS  # the labels of every per-worker series
 _GATEWAY_NAMES = frozenset({GATEWAY_WAITING, GATEWAY_RUNNING, *GATEWAY_KV_USAGE})
 
 
