@@ -48,6 +48,8 @@ def pytest_collection_finish(session):
     of the suite leaves idle."""
     from tests.interpreter import RERUN_TEST, start_in_background
 
+    if session.config.option.collectonly:
+        return
     files = sorted({str(item.path) for item in session.items if item.name == RERUN_TEST})
     if len(files) > 1:  # one file alone gains nothing from starting early
         start_in_background(files)
