@@ -225,12 +225,13 @@ class BuiltEngine:
                 self.compiled.prepare()
                 self.compiled.state = "compiling"
             self.building = tuple(sorted(k[0] for k in self.cpu.pending.values()))
-            self.behind = threading.Thread(target=self._kernels_behind, args=(on_change,), name="hetserve-compile",
-                                           daemon=True)
-            self.behind.start()
-            return (f"C++ kernels ({len(self.cpu.pending)}) building in the background, then "
+            said = (f"C++ kernels ({len(self.cpu.pending)}) building in the background, then "
                     + (f"{self.compiled.backend}, buckets {list(self.compiled.buckets)}" if self.background
                        else "no compile: " + self.decision.reason) + "; steps run eager until it is done")
+            self.behind = threading.Thread(target=self._kernels_behind, args=(on_change,), name="hetserve-compile",
+                                           daemon=True)
+            self.behind.start()  # it may drop `compiled` at once (a failed compile): said before
+            return said
         if self.compiled is None:
             return self.decision.reason
         if self.compiled.backend == "inductor":  # beside this architecture's Triton cache
@@ -238,11 +239,12 @@ class BuiltEngine:
         if self.background:
             self.compiled.prepare()
             self.compiled.state = "compiling"
+            said = (f"{self.compiled.backend}, buckets {list(self.compiled.buckets)}: compiling in the background; "
+                    "steps run eager until it is done")
             self.behind = threading.Thread(target=self._compile_behind, args=(on_change,), name="hetserve-compile",
                                            daemon=True)
-            self.behind.start()
-            return (f"{self.compiled.backend}, buckets {list(self.compiled.buckets)}: compiling in the background; "
-                    "steps run eager until it is done")
+            self.behind.start()  # a failed compile drops `compiled` in that thread, maybe before this returns
+            return said
         self._finish(warm_or_eager(self.decision, self.compiled))
         on_change()
         if not self.decision.enabled:
