@@ -332,3 +332,59 @@ def test_a_worker_with_an_idle_channel_stops_at_once(worker):
         loop.close()
     with pytest.raises(httpx.TransportError):
         client(worker["sock"]).get("/health")
+
+
+def _frames(sent: bytes, decode=to_worker) -> list:
+    out = []
+    while sent:
+        n = frame_length(sent[:4])
+        out.append(decode(sent[4:4 + n]))
+        sent = sent[4 + n:]
+    return out
+
+
+def test_only_a_stream_the_worker_has_not_ended_is_aborted():
+    """Guards `carried` in `WorkerChannel.abort`: every `/generate` sent the worker an `Abort` for
+    the stream it had just ended (its last record read, its end marker not yet)."""
+
+    async def run():
+        reader, writer = asyncio.StreamReader(), _Writer()
+        channel = WorkerChannel(reader, writer, "c1")
+        reading = asyncio.ensure_future(channel._read())
+        body = WorkerRequest.model_validate({"inputs": "Hi", "parameters": {"max_new_tokens": 3}})
+        submits = [asyncio.ensure_future(channel.submit(body, None)) for _ in range(2)]
+        await asyncio.sleep(0)
+        reader.feed_data(frame(Admitted(1)) + frame(Admitted(2)) + frame(Step([(1, b"x", True), (2, b"y", False)])))
+        ended, open_ = [await s for s in submits]
+        async for _ in ended.iter_chunks():
+            break  # its last record, as a relay stops after the finish event
+        await ended.aclose()
+        await open_.aclose()
+        await asyncio.sleep(0)  # the iteration's aborts leave at its end
+        reader.feed_eof()
+        await reading
+        return _frames(writer.sent)
+
+    sent = asyncio.run(run())
+    assert [type(m) for m in sent] == [Submit, Submit, Abort] and sent[2].keys == [2]
+
+
+def test_an_admission_answer_leaves_with_the_next_step_frame():
+    """Guards `_Connection._defer_admitted`: `Admitted` went out in its own write, a wake-up of the
+    router of its own, just before the step frame that carries the stream's first event."""
+    from workers.serving.engine_channel import ADMIT_DEFER_S, _Connection
+
+    async def run():
+        writer = _Writer()
+        writer.is_closing = lambda: False
+        connection = _Connection(None, None, writer, {})
+        connection._defer_admitted(1)
+        connection._defer_admitted(2)
+        before = writer.sent
+        taken = connection._take_admitted()  # what the next step frame carries in front of it
+        connection._defer_admitted(3)
+        await asyncio.sleep(ADMIT_DEFER_S * 2)  # no step frame came: it leaves on its own
+        return before, _frames(taken, to_router), _frames(writer.sent, to_router)
+
+    before, taken, alone = asyncio.run(run())
+    assert before == b"" and taken == [Admitted(1), Admitted(2)] and alone == [Admitted(3)]

@@ -197,7 +197,7 @@ def test_tracing_off_imports_no_opentelemetry_and_adds_no_middleware():
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report == {"otel": [], "middleware": ["EdgeMiddleware", "DisconnectGuard"]}, report
+    assert report == {"otel": [], "middleware": ["EdgeMiddleware", "DisconnectGuard", "DirectRoutes"]}, report
     assert NO_TRACING.inject() is None and not NO_TRACING.enabled
 
 

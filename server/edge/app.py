@@ -22,6 +22,7 @@ from server.config.settings import RouterSettings
 from server.dispatch.dispatcher import Dispatcher
 from server.dispatch.handoff import ForeignCastCollector, disaggregation
 from server.edge.context import VERSION, RouterContext
+from server.edge.direct import DirectRoutes
 from server.edge.disconnect import DisconnectGuard
 from server.edge.errors import install_error_handlers
 from server.edge.middleware import EdgeMiddleware
@@ -115,6 +116,7 @@ def create_app(settings: RouterSettings, devices: list[DeviceInfo],
     )
     app.state.ctx = ctx
     install_error_handlers(app)
+    app.add_middleware(DirectRoutes, fastapi=app)  # innermost: valid generation requests skip FastAPI's routing
     app.add_middleware(DisconnectGuard)  # inside the edge: runs for requests the edge let through
     app.add_middleware(EdgeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        metrics=metrics)

@@ -23,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from server.config.budgets import WRITE_TIMEOUT_S
 from server.config.settings import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, RouterSettings
+from server.edge.disconnect import CLIENT_GONE_EXTENSION, ClientGone
 from server.edge.errors import error_body
 from server.errors import shown
 from workers.contract import MAX_HEADER_BYTES, MAX_HEADER_COUNT, MAX_URL_BYTES
@@ -48,6 +49,56 @@ class EdgeLimits:
         return cls(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
                    write_timeout_s=settings.budgets.write_timeout_s,
                    on_write_timeout=on_write_timeout)
+
+
+class CoalescingTransport:
+    """A connection's transport whose writes of one event loop iteration leave as one: uvicorn
+    writes a response's head and its body separately, which would cost a send and a segment (and
+    a wake-up of the client) each. The first write of an iteration schedules the flush at the end
+    of it, so nothing waits longer than the iteration that wrote it; `close()` flushes first,
+    `abort()` drops what is pending, as it drops what the transport buffers. Everything else is
+    the transport's own."""
+
+    __slots__ = ("_transport", "_loop", "_pending")
+
+    def __init__(self, transport, loop: asyncio.AbstractEventLoop):
+        self._transport, self._loop = transport, loop
+        self._pending: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._pending is None:
+            self._pending = [data]
+            self._loop.call_soon(self.flush)
+        else:
+            self._pending.append(data)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending = None
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending or ()))
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+def _client_gone(cycle) -> None:
+    """Run the request's client-gone callbacks (server/edge/disconnect.py `ClientGone`)."""
+    gone = (cycle.scope.get("extensions") or {}).get(CLIENT_GONE_EXTENSION)
+    if gone is not None:
+        gone.fire()
 
 
 class _Reject(Exception):
@@ -97,11 +148,15 @@ class EdgeHttpProtocol(HttpToolsProtocol):
     # --- connection -----------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self.transport = CoalescingTransport(transport, self.loop)  # what the request cycles write to
         self._arm_head_timer()
 
     def connection_lost(self, exc) -> None:
         self._cancel_timers()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:
+            _client_gone(cycle)
 
     def data_received(self, data: bytes) -> None:
         if self._closed_by_us:
@@ -131,6 +186,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
     # --- parser callbacks -----------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = {CLIENT_GONE_EXTENSION: ClientGone()}  # server/edge/disconnect.py
         self._head_begun, self._head_bytes, self._exact_bytes, self._header_count = True, 0, 0, 0
         self._arm_head_timer()
 
@@ -254,6 +310,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app, if still reading, sees the client gone
             cycle.message_event.set()
+            _client_gone(cycle)
         logger.info("answered %d to %s on %s: %s", status, self.client, shown(self._path()), message)
         self.transport.close()
 

@@ -4,13 +4,15 @@ The router submits each request to the worker as a typed `Submit` frame and rece
 stream's events of an engine step as one `Step` frame, all on one raw Unix socket beside the
 worker's HTTP socket (workers/contract/channel.py, workers/serving/engine_channel.py), so a
 request costs the worker no HTTP exchange and a step costs it one write instead of one per
-stream. One reader task per channel splits the frames: admissions (`Admitted`, or `Rejected` with
-the status and body the worker's HTTP route would have answered) resolve the submitter's wait,
-records go to per-stream queues. `ChannelStream` reads one queue with the same interface as a
-streamed response of the pool, so the dispatcher, the SSE splitting and stream migration above it
-do not know the difference. A channel that breaks fails every stream on it with
-`WorkerConnectionLost`, as a broken `/generate_stream` connection fails its one stream. A worker
-without the channel's socket (`ChannelRefused`) is served over HTTP, one request per connection.
+stream. The channel's socket protocol splits the frames in the callback that brings their bytes
+(no reader task to wake per frame): admissions (`Admitted`, or `Rejected` with the status and
+body the worker's HTTP route would have answered) resolve the submitter's wait, records go to
+per-stream queues (`_read` does the same from a `StreamReader`). `ChannelStream` reads one queue
+with the same interface as a streamed response of the pool, so the dispatcher, the SSE splitting
+and stream migration above it do not know the difference. A channel that breaks fails every
+stream on it with `WorkerConnectionLost`, as a broken `/generate_stream` connection fails its one
+stream. A worker without the channel's socket (`ChannelRefused`) is served over HTTP, one request
+per connection.
 Trade-off: the records of a client that reads slowly wait in its queue here rather than in a
 socket buffer (at most its generation's events), since one stream must never hold up the channel
 for the others.
@@ -85,27 +87,27 @@ class WorkerChannel:
         not open it, one of `WorkerGone` when it cannot be reached."""
         text = await _worker_text(pool) if ids else None
         try:
-            reader, writer = await asyncio.open_unix_connection(channel_socket_path(pool.path))
+            transport, frames = await asyncio.get_running_loop().create_unix_connection(
+                _FrameProtocol, channel_socket_path(pool.path))
         except FileNotFoundError:
             raise ChannelRefused(404, "no channel socket") from None
         except OSError as e:  # a stale socket file: nothing listens
             raise ChannelRefused(503, e.strerror or repr(e)) from None
         try:
-            writer.write(frame(Open(ids=text is not None)))
-            head = await asyncio.wait_for(reader.readexactly(4), _OPEN_TIMEOUT_S)
-            answer = to_router(await asyncio.wait_for(reader.readexactly(frame_length(head)), _OPEN_TIMEOUT_S))
+            transport.write(frame(Open(ids=text is not None)))
+            answer = to_router(await asyncio.wait_for(frames.first(), _OPEN_TIMEOUT_S))
             if not isinstance(answer, Opened):
                 raise ChannelRefused(answer.status if isinstance(answer, OpenRefused) else 502,
                                      getattr(answer, "error", type(answer).__name__))
-        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as e:
-            writer.close()
+        except (OSError, TimeoutError, ValueError) as e:
+            transport.close()
             raise ChannelRefused(503, repr(e)) from None
         except BaseException:
-            writer.close()
+            transport.close()
             raise
         headers = {name.lower(): value for name, value in answer.headers.items()}  # as the pool's answers
-        channel = cls(reader, writer, answer.channel, headers, text if answer.ids else None)
-        channel._reader = asyncio.ensure_future(channel._read())
+        channel = cls(None, transport, answer.channel, headers, text if answer.ids else None)
+        frames.attach(channel)
         return channel
 
     def register(self) -> tuple[int, asyncio.Queue]:
@@ -142,10 +144,11 @@ class WorkerChannel:
         return ChannelStream(answer.status, headers, content)
 
     def abort(self, key: int) -> None:
-        """Stop carrying stream `key`; the worker ends it (one frame for this iteration's aborts)."""
-        self._queues.pop(key, None)
-        self._admissions.pop(key, None)
-        if self.dead:
+        """Stop carrying stream `key`; the worker ends it (one frame for this iteration's aborts).
+        Nothing to send for a stream whose last record came (the worker has ended it)."""
+        carried = self._queues.pop(key, None) is not None
+        carried = self._admissions.pop(key, None) is not None or carried
+        if self.dead or not carried:
             return
         self._aborts.append(key)
         if len(self._aborts) == 1:
@@ -156,50 +159,60 @@ class WorkerChannel:
         if keys and not self.dead:
             self._writer.write(frame(Abort(keys)))
 
+    def _frame(self, body: bytes) -> None:
+        """One frame from the worker: a step's records into their streams' queues, an admission
+        to its submitter; `ValueError` for one that is no message of an open channel."""
+        message = to_router(body)
+        if type(message) is Step:
+            queues = self._queues
+            for key, data, end in message.records:
+                queue = queues.get(key)
+                if queue is not None:
+                    queue.put_nowait(data)
+                    if end:
+                        queue.put_nowait(None)
+                        del queues[key]
+        elif isinstance(message, Admitted | Rejected):
+            waiter = self._admissions.pop(message.key, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
+        else:
+            raise ValueError(f"`{type(message).__name__}` after the channel opened")
+
+    def _end(self, error: BaseException) -> None:
+        """The channel is over: every stream and admission left fails with `error`."""
+        self.dead = True
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+        for waiter in self._admissions.values():
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._admissions.clear()
+        if self._writer is not None:
+            self._writer.close()
+
     async def _read(self) -> None:
-        """Frames into admissions and the streams' queues until the channel ends; then every
-        stream left fails."""
-        error: BaseException = WorkerConnectionLost("the worker closed its engine channel")
-        reader, queues, admissions = self._reader_stream, self._queues, self._admissions
+        """Frames from a `StreamReader` into admissions and the streams' queues until the channel
+        ends; then every stream left fails."""
+        error: BaseException = WorkerConnectionLost(_CLOSED)
+        reader = self._reader_stream
         try:
             while True:
                 head = await reader.readexactly(4)
-                message = to_router(await reader.readexactly(frame_length(head)))
-                if type(message) is Step:
-                    for key, data, end in message.records:
-                        queue = queues.get(key)
-                        if queue is not None:
-                            queue.put_nowait(data)
-                            if end:
-                                queue.put_nowait(None)
-                                del queues[key]
-                elif isinstance(message, Admitted | Rejected):
-                    waiter = admissions.pop(message.key, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(message)
-                else:
-                    raise ValueError(f"`{type(message).__name__}` after the channel opened")
+                self._frame(await reader.readexactly(frame_length(head)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except ValueError as e:  # a malformed frame: nothing after it can be trusted
-            error = WorkerConnectionLost(f"malformed engine channel frame: {e!r}")
+            error = _malformed(e)
         finally:
-            self.dead = True
-            for queue in queues.values():
-                queue.put_nowait(error)
-            queues.clear()
-            for waiter in admissions.values():
-                if not waiter.done():
-                    waiter.set_exception(error)
-            admissions.clear()
-            if self._writer is not None:
-                self._writer.close()
+            self._end(error)
 
     def close_now(self) -> None:
         """Cut the connection (the worker hangs): every stream on it fails at once."""
         self.dead = True
         if self._writer is not None:
-            self._writer.transport.abort()
+            getattr(self._writer, "transport", self._writer).abort()
 
     async def aclose(self) -> None:
         self.dead = True
@@ -207,8 +220,87 @@ class WorkerChannel:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
+        if self._reader_stream is None:
+            self._end(WorkerConnectionLost(_CLOSED))  # as the reader's end would
         if self._writer is not None:
             self._writer.close()
+
+
+_CLOSED = "the worker closed its engine channel"
+
+
+def _malformed(e: ValueError) -> WorkerConnectionLost:
+    return WorkerConnectionLost(f"malformed engine channel frame: {e!r}")
+
+
+class _FrameProtocol(asyncio.Protocol):
+    """The channel's socket: whole frames out of the bytes as they come, the first one (the
+    answer to `Open`) to `first()`, every later one to the attached channel in the same callback."""
+
+    def __init__(self):
+        self._buffer = bytearray()
+        self._channel: WorkerChannel | None = None
+        self._early: list[bytes] = []  # frames before a channel is attached
+        self._first: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._over = False
+
+    def first(self) -> asyncio.Future:
+        """The first frame's body; `ConnectionError` when the socket ends before it, `ValueError`
+        for a malformed length."""
+        return self._first
+
+    def attach(self, channel: WorkerChannel) -> None:
+        self._channel = channel
+        early, self._early = self._early, []
+        for body in early:
+            self._deliver(body)
+        if self._over:  # it ended while the channel was being made
+            channel._end(WorkerConnectionLost(_CLOSED))
+
+    def data_received(self, data: bytes) -> None:
+        if self._over:
+            return
+        buffer = self._buffer
+        buffer += data
+        try:
+            while len(buffer) >= 4:
+                end = 4 + frame_length(bytes(buffer[:4]))
+                if len(buffer) < end:
+                    return
+                body = bytes(buffer[4:end])
+                del buffer[:end]
+                self._deliver(body)
+                if self._over:
+                    return
+        except ValueError as e:
+            self._fail(e)
+
+    def _deliver(self, body: bytes) -> None:
+        if not self._first.done():
+            self._first.set_result(body)
+        elif self._channel is None:
+            self._early.append(body)
+        else:
+            try:
+                self._channel._frame(body)
+            except ValueError as e:  # a malformed frame: nothing after it can be trusted
+                self._fail(e)
+
+    def _fail(self, e: ValueError) -> None:
+        self._over = True
+        if not self._first.done():
+            self._first.set_exception(e)
+        elif self._channel is not None:
+            self._channel._end(_malformed(e))
+
+    def connection_lost(self, exc) -> None:
+        if self._over:
+            return
+        self._over = True
+        if not self._first.done():
+            self._first.set_exception(ConnectionError("the engine channel closed before it opened"))
+        elif self._channel is not None:
+            self._channel._end(WorkerConnectionLost(_CLOSED))
 
 
 async def _worker_text(pool: UnixHTTPPool) -> TextModel | None:

@@ -105,16 +105,27 @@ class RouterMetrics:
                                              registry=self.registry)
         self.registry.register(_WorkerStateCollector(workers_fn))
         self.registry.register(CanaryCollector(workers_fn))
+        # each labelled child, found once: `labels()` checks and hashes its values on every call
+        self._request_children: dict[tuple[str, int], tuple] = {}
+        self._worker_children: dict[tuple[str, ...], object] = {}
 
     def client_write_timeout(self) -> None:
         self.client_write_timeouts.inc()
 
     def observe(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route, str(status)).inc()
-        self.latency.labels(route).observe(seconds)
+        children = self._request_children.get((route, status))
+        if children is None:  # `route` is one of a bounded set (server/edge/middleware.py `route_label`)
+            children = self.requests.labels(route, str(status)), self.latency.labels(route)
+            self._request_children[(route, status)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def worker_request(self, h: WorkerHandle) -> None:
-        self.worker_requests.labels(*worker_labels(h)).inc()
+        labels = (h.id, h.capability_label, h.model)  # as `worker_labels`, which they may change with a restart
+        child = self._worker_children.get(labels)
+        if child is None:
+            child = self._worker_children[labels] = self.worker_requests.labels(*labels)
+        child.inc()
 
     def worker_retry(self, h: WorkerHandle) -> None:
         self.worker_retries.labels(*worker_labels(h)).inc()

@@ -159,7 +159,9 @@ class Router:
 
     def _candidates(self, free: list[WorkerHandle], req: RouteRequest) -> list[Candidate]:
         speeds = {h.id: self.telemetry.speed(h.id) for h in free}
-        fallback = _median_speed([s for s in speeds.values() if s is not None])
+        fallback = None
+        if None in speeds.values():  # a worker not measured yet: the fleet's median stands in for it
+            fallback = _median_speed([s for s in speeds.values() if s is not None])
         out = []
         for h in free:
             prompt, new, tokens = self.inflight(h.id)
@@ -180,8 +182,9 @@ class Router:
     def _tier(self, h: WorkerHandle) -> str | None:
         """The index entry of the host KV tier the worker reads (`capacity.kv_host_tier`: its
         directory, one per model and KV format), None without one."""
-        capacity = {**(h.info.capacity if h.info is not None else {}), **h.live_capacity}
-        t = capacity.get("kv_host_tier")
+        live = h.live_capacity  # the last probe's capacity over the one reported at start
+        t = live["kv_host_tier"] if "kv_host_tier" in live else (
+            h.info.capacity.get("kv_host_tier") if h.info is not None else None)
         tier = f"tier:{t['directory']}" if isinstance(t, dict) and t.get("enabled") and t.get("directory") else None
         if tier is None:
             self._tier_of.pop(h.id, None)

@@ -85,6 +85,7 @@ class SpeedFit:
         self._m = np.zeros((3, 3))  # sum of w * x x^T, x = (S, P, G)
         self._v = np.zeros(3)  # sum of w * x y
         self._theta: np.ndarray | None = None  # (c, a, b)
+        self._estimate: Speed | None = None  # of `_theta`, made once per new fit: routing asks per request
 
     def observe(self, steps: float, prompt_tokens: float, generated_tokens: float, busy_s: float) -> None:
         """One interval's work and engine time (skipped when the engine was nearly idle)."""
@@ -97,6 +98,7 @@ class SpeedFit:
         if self._theta is None:
             self._theta = _first_guess(x, busy_s)
         self._theta = self._solve(self._theta)
+        self._estimate = None
 
     def _solve(self, prior: np.ndarray) -> np.ndarray:
         damping = DAMPING * np.diag(np.maximum(np.diag(self._m), 1.0))
@@ -106,5 +108,7 @@ class SpeedFit:
     def estimate(self) -> Speed | None:
         if self._theta is None:
             return None
-        c, a, b = (float(v) for v in self._theta)
-        return Speed(step_s=c, prefill_s=a, sequence_s=b, samples=self.samples)
+        if self._estimate is None:
+            c, a, b = (float(v) for v in self._theta)
+            self._estimate = Speed(step_s=c, prefill_s=a, sequence_s=b, samples=self.samples)
+        return self._estimate

@@ -13,7 +13,9 @@ a second layer over ours, while a socket beside the HTTP one needs nothing but `
 stream server on the same event loop, and a router that finds no such socket keeps today's HTTP
 path. Trade-off: a second socket file per worker, and admissions that wait (a long prompt, a
 grammar compiling) run as tasks, so an abort can come before its submission is admitted: the
-key is remembered and the request aborted as soon as it is.
+key is remembered and the request aborted as soon as it is. An `Admitted` answer leaves with the
+next `Step` frame (or after `ADMIT_DEFER_S` when none comes first): the router waits for the
+stream's first event anyway, and one write wakes it once for both; a refusal leaves at once.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from workers.serving.errors import APIError
 
 logger = logging.getLogger(__name__)
 
+ADMIT_DEFER_S = 0.05  # the longest an admission answer waits for a step frame to go with
 SCORING_ON_STREAM = ("`max_new_tokens` must be an integer >= 1 on `/generate_stream` "
                      "(0, prompt scoring, is answered by `/generate`)")
 
@@ -92,6 +95,8 @@ class _Connection:
         self._cancelled: set[int] = set()  # of those, the ones the router aborted meanwhile
         self._tasks: set[asyncio.Task] = set()
         self._gone = False
+        self._admitted: list[bytes] = []  # `Admitted` frames waiting for the next step frame
+        self._admitted_timer: asyncio.TimerHandle | None = None
 
     async def run(self) -> None:
         try:
@@ -157,7 +162,7 @@ class _Connection:
         server stops with no stream left)."""
         try:
             async for records in self.channel.frames(lambda: self._gone):
-                self.writer.write(frame(Step(records)))
+                self.writer.write(self._take_admitted() + frame(Step(records)))
                 await self.writer.drain()
         except ConnectionError:
             pass
@@ -167,6 +172,25 @@ class _Connection:
     def _send(self, message) -> None:
         if not self.writer.is_closing():
             self.writer.write(frame(message))
+
+    def _defer_admitted(self, key: int) -> None:
+        """`Admitted(key)`, sent with the next step frame, at the latest after `ADMIT_DEFER_S`."""
+        self._admitted.append(frame(Admitted(key)))
+        if self._admitted_timer is None:
+            self._admitted_timer = asyncio.get_running_loop().call_later(ADMIT_DEFER_S, self._flush_admitted)
+
+    def _take_admitted(self) -> bytes:
+        if self._admitted_timer is not None:
+            self._admitted_timer.cancel()
+            self._admitted_timer = None
+        pending, self._admitted = self._admitted, []
+        return b"".join(pending)
+
+    def _flush_admitted(self) -> None:
+        self._admitted_timer = None
+        pending = self._take_admitted()
+        if pending and not self.writer.is_closing():
+            self.writer.write(pending)
 
     async def _admit(self, message: Submit) -> None:
         """Admit one submission as `POST /generate_stream` would, answering `Admitted` or `Rejected`."""
@@ -195,7 +219,7 @@ class _Connection:
             ctx.engine.abort(sub.stream.request_id)
             ctx.tracer.end(sub.span, None, sub.stream.request_id, sub.params)
             return
-        self._send(Admitted(key))
+        self._defer_admitted(key)
         channel.add(key, sub)
 
     async def _submitted(self, message: Submit):
