@@ -68,3 +68,68 @@ def test_client_gone_runs_each_callback_once_and_late_ones_at_once():
     gone.fire()
     gone.add(lambda: calls.append("late"))
     assert calls == ["a", "late"]
+
+
+def test_a_client_that_leaves_after_a_large_body_cancels_the_request():
+    """Guards `self.flow.resume_reading()` in `EdgeHttpProtocol.on_message_complete`: uvicorn
+    pauses reading when one read brings more body than its high-water mark, so without it a
+    client that left after such a body was never seen (no `connection_lost`, no `ClientGone`),
+    and the request (an embeddings batch on its worker) ran to its end."""
+    import socket
+
+    import uvicorn
+
+    from server.edge.disconnect import DisconnectGuard
+    from server.edge.http11 import EdgeLimits, edge_protocol
+
+    body = b"x" * 100_000  # over uvicorn's 64 KiB high-water mark, in one read
+    outcome: dict[str, object] = {}
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        received = 0
+        while True:
+            message = await receive()
+            received += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        outcome["received"] = received
+        try:
+            await asyncio.sleep(10)  # the request's long work, never reading `receive` again
+            outcome["ended"] = "ran to its end"
+        except asyncio.CancelledError:
+            outcome["ended"] = "cancelled"
+            raise
+
+    async def run():
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(DisconnectGuard(app), http=edge_protocol(EdgeLimits()), log_level="warning",
+                                lifespan="off")
+        server = uvicorn.Server(config)
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection(*sock.getsockname())
+        writer.write(b"POST /embed HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\n"
+                     + f"content-length: {len(body)}\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the app waits in `receive()` (reading resumed) when the body comes
+        writer.write(body)
+        await writer.drain()
+        for _ in range(500):
+            if "received" in outcome:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()  # the client leaves without reading an answer
+        for _ in range(300):
+            if "ended" in outcome:
+                break
+            await asyncio.sleep(0.01)
+        server.should_exit = True
+        await serving
+
+    asyncio.run(run())
+    assert outcome.get("received") == len(body)
+    assert outcome.get("ended") == "cancelled", outcome

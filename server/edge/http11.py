@@ -216,6 +216,11 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._cancel(self._body_timer)
         self._body_timer = None
         super().on_message_complete()
+        # uvicorn pauses reading while a large body waits for the app and resumes only in the
+        # app's next `receive()`: with the body whole, read on, so a client that leaves reaches
+        # `connection_lost` (its `ClientGone` callbacks) without a task parked in `receive()`.
+        # What comes next is a pipelined request, which uvicorn queues and pauses for.
+        self.flow.resume_reading()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
