@@ -43,13 +43,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """The Triton interpreter runs of the collected kernel files (tests/interpreter.py) and the docker
-    tests' image (tests/docker_background.py) start in the background: they use the core the rest
-    of the suite leaves idle."""
+    """The C++ kernels (tests/cpp_background.py), the Triton interpreter runs of the collected kernel
+    files (tests/interpreter.py) and the docker tests' image (tests/docker_background.py) start in
+    the background: they use the core the rest of the suite leaves idle."""
     from tests.interpreter import RERUN_TEST, start_in_background
 
     if session.config.option.collectonly:
         return
+    if len(session.items) > 50:  # a run of many files: some start real workers (tests/cpp_background.py)
+        from tests.cpp_background import start_kernel_build
+
+        start_kernel_build()
     files = sorted({str(item.path) for item in session.items if item.name == RERUN_TEST})
     if len(files) > 1:  # one file alone gains nothing from starting early
         start_in_background(files)
@@ -61,7 +65,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests import docker_background, interpreter
+    from tests import cpp_background, docker_background, interpreter
 
     interpreter.stop_background()
     docker_background.stop_background()
+    cpp_background.stop_background()
