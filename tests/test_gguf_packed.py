@@ -26,7 +26,7 @@ from workers.contract import Capability
 
 gguf = pytest.importorskip("gguf")
 
-from kernels_local.gguf_linear import TYPES  # noqa: E402
+from kernels_local.gguf_linear import GEMV_MAX_M, TYPES  # noqa: E402
 from kernels_local.mapping import select  # noqa: E402
 from tests.gguf_checkpoints import make_gguf  # noqa: E402
 from workers.gguf.execution import PACKED_TYPES, gguf_execution, gguf_layer_unused  # noqa: E402
@@ -128,9 +128,11 @@ def test_the_sm80_kernel_layers_run_a_moe_layers_experts_as_their_torch_path(fil
     experts = next(m for m in _load(files["qwen3moe"], "sm_80").model.modules() if isinstance(m, GGUFExperts))
     assert apply_plan(experts, KernelPlan("cpu", {"GGUFLinear": select("cuda", SM80)["GGUFLinear"]})) > 0
     g = torch.Generator().manual_seed(2)
-    for tokens in (1, 6):
+    decode = torch.randperm(4, generator=g)[:2][None]  # [1, 2] of 4 experts: each a row, the GEMV
+    prompt = torch.tensor([[1, 3]] * (GEMV_MAX_M + 1))  # two experts of GEMV_MAX_M + 1 rows each: the GEMM
+    for ids in (decode, prompt):
+        tokens = ids.shape[0]
         x = torch.randn(tokens, 256, generator=g)
-        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])  # [T, 2] of 4 experts
         weights = torch.rand(tokens, 2, generator=g)
         got = experts(x, ids, weights)
         with reference_path(experts):
