@@ -228,10 +228,7 @@ class BuiltEngine:
             said = (f"C++ kernels ({len(self.cpu.pending)}) building in the background, then "
                     + (f"{self.compiled.backend}, buckets {list(self.compiled.buckets)}" if self.background
                        else "no compile: " + self.decision.reason) + "; steps run eager until it is done")
-            self.behind = threading.Thread(target=self._kernels_behind, args=(on_change,), name="hetserve-compile",
-                                           daemon=True)
-            self.behind.start()  # it may drop `compiled` at once (a failed compile): said before
-            return said
+            return self._start_behind(self._kernels_behind, on_change, said)
         if self.compiled is None:
             return self.decision.reason
         if self.compiled.backend == "inductor":  # beside this architecture's Triton cache
@@ -241,15 +238,20 @@ class BuiltEngine:
             self.compiled.state = "compiling"
             said = (f"{self.compiled.backend}, buckets {list(self.compiled.buckets)}: compiling in the background; "
                     "steps run eager until it is done")
-            self.behind = threading.Thread(target=self._compile_behind, args=(on_change,), name="hetserve-compile",
-                                           daemon=True)
-            self.behind.start()  # a failed compile drops `compiled` in that thread, maybe before this returns
-            return said
+            return self._start_behind(self._compile_behind, on_change, said)
         self._finish(warm_or_eager(self.decision, self.compiled))
         on_change()
         if not self.decision.enabled:
             return self.decision.reason
         return f"{self.compiled.backend}, buckets {list(self.compiled.buckets)} in {self.compiled.seconds:.1f}s"
+
+    def _start_behind(self, target: Callable[[Callable[[], None]], None], on_change: Callable[[], None],
+                      said: str) -> str:
+        """Start `target` behind the serving; `said`, formed before: a compile that fails at once drops
+        `compiled` in that thread, at times before this returns."""
+        self.behind = threading.Thread(target=target, args=(on_change,), name="hetserve-compile", daemon=True)
+        self.behind.start()
+        return said
 
     @property
     def background(self) -> bool:
