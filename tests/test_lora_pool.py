@@ -238,3 +238,41 @@ def test_an_adapter_registered_while_every_slot_is_in_use_waits_in_host_memory()
     assert {i.name: (i.loaded, i.on_host) for i in table.describe()}["c"] == (False, True)
     table.release("a")
     assert table.acquire("c").slot is not None and table.stats().loads_from_host == 1
+
+
+def test_a_cpu_worker_keeps_its_adapters_in_float32_under_a_bfloat16_model(tmp_path):
+    """Guards the float32 return of `adapter_dtype` in workers/lora/worker.py (`build_loras` reads the
+    adapters and makes the pool in its dtype): a bfloat16 CPU worker's adapters and slots are float32,
+    and the delta added to a bfloat16 output is the float32 product rounded once. Without that line
+    the slots hold bfloat16 weights (PEFT's float32 file rounded), whose thin matmuls take the CPU's
+    slow bfloat16 path, and the delta differs."""
+    pytest.importorskip("peft")
+    from tests.family_checkpoints import make_family_checkpoint
+    from tests.lora_adapters import make_adapter
+    from workers.contract import WorkerConfig
+    from workers.lora.worker import build_loras
+    from workers.model.loader import load_model
+
+    base = make_family_checkpoint("llama", tmp_path / "base")
+    path = make_adapter(base, tmp_path / "coder", 3, std=0.3)
+    lm = load_model(base, "bfloat16")
+    table = build_loras(WorkerConfig(socket="/tmp/unused.sock", lora=f"coder={path}"), lm, "cpu")
+    adapter = table.acquire("coder")
+    pool = lm.model.lora_state.delta.pool
+    assert pool.dtype == torch.float32 and adapter.slot is not None
+    name, pairs = next(iter(adapter.targets.items()))
+    assert all(t.a.dtype == t.b.dtype == torch.float32 for t in pairs)
+    from safetensors.torch import load_file
+
+    a_file = next(v for k, v in load_file(str(path / "adapter_model.safetensors")).items() if "lora_A" in k)
+    assert any(torch.equal(t.a, a_file) for ps in adapter.targets.values() for t in ps)  # PEFT's floats, unrounded
+    gen = torch.Generator().manual_seed(0)
+    width = pool.stack(name).b.shape[1]
+    x = torch.randn(3, pairs[0].a.shape[1], generator=gen).to(torch.bfloat16)
+    out = torch.randn(3, width, generator=gen).to(torch.bfloat16)
+    want = out.clone()
+    for t in pairs:
+        delta = ((x[[0, 2]].float() @ t.a.T) @ t.b.T) * adapter.scale
+        want[[0, 2], t.offset:t.offset + t.size] += delta.to(torch.bfloat16)
+    lm.model.lora_state.delta.forward(name, x, out, LoraBatch.from_rows([adapter, None, adapter]))
+    assert torch.equal(out, want)

@@ -9,9 +9,9 @@ request later; beyond `--max-loras` the table keeps the last ones read and drops
 asked for. With the first adapter the model's `LoraDelta` runs the kernel its device chose; that
 kernel is checked once against its torch path on a small mixed batch of that adapter in its slot (a
 kernel that fails or disagrees is replaced by the torch path, with the reason in the log), as the
-worker's self-test checks the model's other kernels at start. Trade-off: the adapters serve the worker's one
-model, in its dtype on its device, and hooks installed at run time must wait for a step boundary
-(`Engine.steps_held`).
+worker's self-test checks the model's other kernels at start. Trade-off: the adapters serve the
+worker's one model on its device, in its dtype (float32 on a CPU: `adapter_dtype`), and hooks
+installed at run time wait for a step boundary (`Engine.steps_held`).
 """
 
 from __future__ import annotations
@@ -47,16 +47,18 @@ def build_loras(config: WorkerConfig, loaded, device) -> LoraTable:
     pairs = parse_loras(config.lora)
     model = loaded.model
     pin = torch.device(device).type == "cuda"
+    dtype, why = adapter_dtype(loaded.dtype, device)
+    logger.info("LoRA adapters in %s: %s", str(dtype).removeprefix("torch."), why)
 
     def read(name: str, path: Path) -> LoraAdapter:
-        adapter = read_adapter(name, path, loaded.config, model, config.max_lora_rank, loaded.dtype, "cpu")
+        adapter = read_adapter(name, path, loaded.config, model, config.max_lora_rank, dtype, "cpu")
         if pin:
             adapter = pinned(adapter)
         hooked = install_lora(model)  # once, with the first adapter
         if hooked:
             logger.info("LoRA: %s projections hooked", hooked)
             model.lora_state.delta.pool = LoraPool(model, loaded.config, config.max_loras, config.max_lora_rank,
-                                                   loaded.dtype, device)
+                                                   dtype, device)
         return adapter
 
     def place(adapter: LoraAdapter, slot: int) -> LoraAdapter:
@@ -78,6 +80,17 @@ def build_loras(config: WorkerConfig, loaded, device) -> LoraTable:
         logger.info("LoRA adapter %s: rank %s, scale %.4g, %s projections, %s bytes (%s)", name, adapter.rank,
                     adapter.scale, len(adapter.targets), adapter.nbytes, path)
     return table
+
+
+def adapter_dtype(model_dtype: torch.dtype, device) -> tuple[torch.dtype, str]:
+    """The dtype a worker keeps its adapters' weights in on `device`, with the reason: float32 on a CPU,
+    whose bfloat16 and float16 matmuls of the adapters' thin shapes (a rank of 8-64 against the hidden
+    size) take a slow path there, and whose float32 ones are MKL's; the model's dtype elsewhere, the
+    segmented kernel's. The delta is added to the projection's output in the model's dtype either way."""
+    if torch.device(device).type == "cpu" and model_dtype != torch.float32:
+        return torch.float32, (f"a CPU multiplies the adapters' thin matrices in float32 far faster than in "
+                               f"{str(model_dtype).removeprefix('torch.')}; the delta is added in the model's dtype")
+    return model_dtype, "the model's dtype, which the LoRA kernel reads"
 
 
 def pinned(adapter: LoraAdapter) -> LoraAdapter:
