@@ -32,7 +32,7 @@ from workers.contract import DEFAULT_MAX_QUEUE
 from workers.contract.detokenize import special_token_ids
 from workers.engine.admission import EngineOverloaded, EngineUnavailable, new_sequence
 from workers.engine.ending import end_every_request
-from workers.engine.events import RequestStream, deliver
+from workers.engine.events import ErrorEvent, RequestStream, deliver
 from workers.engine.liveness import Liveness, LivenessClock
 from workers.engine.metrics import WorkerMetrics
 from workers.engine.output import OutputProcessor
@@ -40,10 +40,8 @@ from workers.engine.resume import check_resume_ids
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 from workers.engine.speculate import Speculator
-from workers.kv.hashing import root_hash
-from workers.lora.apply import lora_key
 from workers.lora.metrics import LoraLoad, lora_load
-from workers.lora.table import acquire
+from workers.lora.waiting import acquire_or_wait, attach, take_slot
 from workers.sampling.grammar import CompiledGrammar, Grammars
 from workers.sampling.logprobs import prompt_chunks, record_prompt
 from workers.sampling.params import SamplingParams
@@ -90,6 +88,8 @@ class Engine:
         self._next_id = 0
         self.loras = None  # the worker's LoRA adapters (workers/lora/table.py), when it serves any
         self.lora_load = LoraLoad()  # their running and waiting requests after the last step
+        self.scheduler.lora_slot = lambda seq: take_slot(self.loras, seq, self.scheduler.config.cache_root,
+                                                         self._refuse)
         self._liveness = LivenessClock()
 
     def _init_thread(self) -> None:
@@ -120,8 +120,8 @@ class Engine:
         generated for it elsewhere; `text` False: no text and no stop strings here, the router's
         channel builds them from the token ids; `lora`: the adapter it runs with, None the base;
         `publish_kv`: its prompt's KV blocks are written to the host tier before its last event);
-        raises `CapacityError` (never fits), `ParameterError` (bad
-        `resume_ids`), `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
+        raises `CapacityError` (never fits), `ParameterError` (bad `resume_ids`), `UnknownLora`,
+        `EngineOverloaded` (queue full) or `EngineUnavailable` (draining / dead)."""
         if (grammar is None) != (params.grammar is None):
             raise ValueError("`grammar` must be the compiled `params.grammar` (both given or neither)")
         self.scheduler.check_fits(len(prompt_ids), params.context_tokens)
@@ -131,14 +131,14 @@ class Engine:
             self._next_id += 1
             rid = request_id or f"req-{self._next_id}"
             try:
-                adapter = None if lora is None else acquire(self.loras, lora)
+                adapter = None if lora is None else acquire_or_wait(self.loras, lora)
             except BaseException:
                 self._in_flight -= 1
                 raise
         seq = new_sequence(rid, prompt_ids, params, loop, grammar, resumed, text, self.tokenizer, self._special_ids)
         seq.publish_kv = publish_kv
-        if adapter is not None:
-            seq.lora, seq.cache_root = adapter, root_hash(self.scheduler.config.cache_root, *lora_key(adapter))
+        if lora is not None:  # its adapter, or the wait for a slot (workers/lora/waiting.py)
+            attach(seq, lora, adapter, self.scheduler.config.cache_root)
         if not self._first_step_here(seq):
             self._inbox.put((_ADD, seq))
         return seq.stream
@@ -390,6 +390,11 @@ class Engine:
         self.metrics.set_load(*self.load())
         if self.loras is not None:  # which adapters run and wait (workers/lora/metrics.py)
             self.lora_load = lora_load(self.scheduler)
+
+    def _refuse(self, seq: Sequence, message: str) -> None:
+        """End waiting `seq` with an error `message` (its abort, queued, frees it before the next step)."""
+        deliver([(seq.stream, ErrorEvent(message))])
+        self._inbox.put((_ABORT, seq.request_id))
 
     def _release(self, seq: Sequence) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ always progresses and only a request that could never fit is refused."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
@@ -109,6 +110,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out = 0  # preemptions whose blocks went to the host tier (workers/kvtier/)
         self.num_recomputed_tokens = 0  # tokens preempted sequences had computed and computed again
+        self.lora_slot: Callable[[Sequence], bool] = lambda seq: False  # the engine's, once it serves adapters
 
     def _init_kv(self) -> None:
         c = self.config
@@ -227,9 +229,14 @@ class Scheduler:
                 scheduled.add(id(seq))
                 budget -= n
         # 3. Admit waiting sequences (FCFS) from their cached prefix while batch, budget and blocks allow.
+        #    A sequence waiting for a LoRA slot that none frees yet keeps its place (workers/lora/waiting.py).
         cached = queried = 0
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_sequences and len(chunks) < limit:
             seq = self.waiting[0]
+            if seq.lora_wait is not None and not self.lora_slot(seq):
+                skipped.append(self.waiting.popleft())
+                continue
             admission = self.kv.admit(seq, budget, self._reserve if self.running else 0, _cacheable(seq))
             if admission is None:
                 break
@@ -244,6 +251,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             chunks.append(self._chunk(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         prefill = sum(len(c.token_ids) for c in chunks if c.is_prefill)
         return SchedulerOutput(tuple(chunks), prefill, cached, queried, tuple(preempted))
 

@@ -31,7 +31,7 @@ class Sequence:
         "block_ids", "group_tables", "held_from", "block_hashes", "num_cached_blocks", "num_preemptions", "grammar",
         "prompt_logprobs", "computed_at_preemption",
         "cache_root", "rope_len", "state_slot", "lora", "draft_ids", "spec_drafted", "spec_accepted",
-        "publish_kv",
+        "publish_kv", "lora_wait",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, generator=None):
@@ -62,6 +62,7 @@ class Sequence:
         self.cache_root: bytes | None = None  # its blocks' hash root when it differs from the model's
         self.rope_len = len(self.prompt_ids)  # the length its rotary is computed for (workers/model/rope.py)
         self.lora = None  # its LoRA adapter (workers/lora/adapter.py); None: the base model
+        self.lora_wait: str | None = None  # the adapter it waits for a slot of (workers/lora/waiting.py)
         self.state_slot = -1  # its slot of the linear layers' state while it holds KV blocks (workers/kv/state.py)
         self.draft_ids: list[int] = []  # draft tokens its next decode verifies (workers/engine/speculate.py)
         self.spec_drafted = self.spec_accepted = 0  # its draft tokens verified and accepted so far

@@ -33,7 +33,8 @@ class LoraLoad:
 def lora_load(scheduler) -> LoraLoad:
     """The adapters (distinct, sorted) of the scheduler's running and waiting sequences, now."""
     def names(seqs) -> tuple[str, ...]:
-        return tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
+        return tuple(sorted({s.lora.name if s.lora is not None else s.lora_wait for s in seqs
+                             if s.lora is not None or s.lora_wait is not None}))
 
     return LoraLoad(names(scheduler.running), names(scheduler.waiting), time.time())
 

@@ -27,7 +27,7 @@ from workers.engine.core import Engine, EngineOverloaded, EngineUnavailable
 from workers.engine.events import RequestStream
 from workers.engine.scheduler import CapacityError
 from workers.lora.adapter import LoraError
-from workers.lora.table import LoraSlotsFull, UnknownLora
+from workers.lora.table import UnknownLora
 from workers.sampling.grammar import CompiledGrammar, GrammarBusy, GrammarError, Grammars, GrammarSpec
 from workers.sampling.params import ParameterError, SamplingParams
 from workers.serving.errors import APIError
@@ -97,7 +97,7 @@ class WorkerContext:
             raise APIError(429, str(e), "overloaded", {"Retry-After": retry}) from e
         except EngineUnavailable as e:
             raise APIError(503, str(e), "unavailable") from e
-        except LoraError as e:  # an adapter not served here (404), its slots all in use (429), unreadable (422)
+        except LoraError as e:  # an adapter not served here (404) or unreadable (422)
             raise lora_error(e) from e
 
     async def _compiled(self, spec: GrammarSpec, request: Request | None) -> CompiledGrammar:
@@ -186,9 +186,8 @@ def _check_vocab(params: SamplingParams, vocab_size: int) -> None:
 
 def lora_error(e: LoraError) -> APIError:
     """The answer to a request whose adapter cannot run: not served here (404, OpenAI's
-    `model_not_found`), every slot in use (429, retry), or unreadable now (422)."""
+    `model_not_found`) or unreadable now (422). With every slot in use it is not refused: it waits
+    in the worker's queue for one (workers/lora/waiting.py)."""
     if isinstance(e, UnknownLora):
         return APIError(404, str(e), "model_not_found")
-    if isinstance(e, LoraSlotsFull):
-        return APIError(429, str(e), "overloaded", {"Retry-After": "1"})
     return APIError(422, str(e), "validation")
