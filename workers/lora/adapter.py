@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from workers.lora.experts import ExpertLora, check_target_parameters, read_experts
 from workers.model.config import ModelConfig
 from workers.model.weights import _part_sizes, map_name
 
@@ -34,7 +35,7 @@ PREFIX = "base_model.model."
 # PEFT options that change what the adapter computes, with the value that means "off"
 _OFF = {"use_dora": (False, None), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
         "modules_to_save": (None, [], ()), "bias": ("none",), "lora_bias": (False, None), "fan_in_fan_out": (False,),
-        "layer_replication": (None, []), "trainable_token_indices": (None, [], {}), "target_parameters": (None, []),
+        "layer_replication": (None, []), "trainable_token_indices": (None, [], {}),
         "use_qalora": (False, None)}
 
 
@@ -66,10 +67,12 @@ class LoraAdapter:
     identity: str = ""  # the files it was read from (path, size, mtime): a reloaded name is another adapter
     base: str | None = None  # `base_model_name_or_path` as PEFT recorded it (informational)
     slot: int | None = None  # its slot in the worker's pool (workers/lora/pool.py); None: read, not placed
+    experts: dict[str, ExpertLora] = field(default_factory=dict)  # our FusedMoE name -> its pairs (experts.py)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.a.nbytes + t.b.nbytes for pairs in self.targets.values() for t in pairs)
+        return sum(t.a.nbytes + t.b.nbytes for pairs in self.targets.values() for t in pairs) + \
+            sum(x.nbytes for x in self.experts.values())
 
 
 def read_config(path: Path) -> dict:
@@ -89,6 +92,7 @@ def read_config(path: Path) -> dict:
         if key in cfg and cfg[key] not in off:
             raise LoraError(f"LoRA adapter `{path}` sets `{key}` = `{cfg[key]}`, which this server does not "
                             f"compute. Accepted: `{key}` = `{off[0]}` (plain LoRA, optionally rsLoRA)")
+    check_target_parameters(path, cfg.get("target_parameters"))
     for key in ("r", "lora_alpha"):
         if not isinstance(cfg.get(key), int | float) or cfg[key] <= 0:
             raise LoraError(f"LoRA adapter `{path}`: `{key}` must be a positive number, got `{cfg.get(key)}`")
@@ -112,6 +116,7 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, model: torch.
         raise LoraError(f"LoRA adapter `{path}` has no `{WEIGHTS_FILE}` (PEFT's `save_pretrained` writes it)")
     tensors = load_file(str(path / WEIGHTS_FILE))
     pairs = _pairs(name, tensors)
+    experts = read_experts(name, pairs, model, config.architecture, dtype, device)  # taken out of `pairs`
     modules = dict(model.named_modules())
     targets: dict[str, list[LoraTarget]] = {}
     for module_name, (a, b) in sorted(pairs.items()):
@@ -131,7 +136,7 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, model: torch.
     stat = (path / WEIGHTS_FILE).stat()
     ordered = {k: tuple(sorted(v, key=lambda t: t.offset)) for k, v in targets.items()}
     return LoraAdapter(name, path, rank, alpha, rslora, scale, ordered,
-                       f"{path}:{stat.st_size}:{stat.st_mtime_ns}", cfg.get("base_model_name_or_path"))
+                       f"{path}:{stat.st_size}:{stat.st_mtime_ns}", cfg.get("base_model_name_or_path"), None, experts)
 
 
 def _pairs(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -163,7 +168,8 @@ def _locate(name: str, module_name: str, config: ModelConfig) -> tuple[str, int,
     if mapped is None or isinstance(mapped[1], tuple | str) or not mapped[0].endswith(f".{TARGETS[leaf]}.weight"):
         raise LoraError(f"LoRA adapter `{name}` targets `{module_name}`, which this server cannot apply to a "
                         f"`{config.architecture}` model. Accepted target modules: {', '.join(TARGETS)} "
-                        f"(attention and dense MLP projections; not experts, embeddings or the LM head)")
+                        f"(attention and dense MLP projections, and experts through `target_parameters`; "
+                        f"not embeddings or the LM head)")
     ours, part = mapped
     ours = ours.removesuffix(".weight")
     if part is None:

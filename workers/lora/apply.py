@@ -28,6 +28,7 @@ from torch import nn
 
 from kernels_local.lora_sgmv.lora_sgmv import LoraSegments, LoraStack
 from workers.lora.adapter import TARGETS, LoraAdapter
+from workers.lora.experts import hook_experts
 from workers.lora.pool import LoraPool, add_pooled, pooled_fits
 from workers.lora.stack import StackCache
 
@@ -139,7 +140,7 @@ def install_lora(model: nn.Module) -> int:
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HOOKED:
             module.register_forward_hook(_hook(name, state))
             count += 1
-    return count
+    return count + hook_experts(model, state)
 
 
 @contextlib.contextmanager

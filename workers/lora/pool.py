@@ -81,7 +81,8 @@ class LoraPool:
             views[name] = tuple(placed)
             stack.ranks[slot] = pool_rank(max(t.a.shape[0] for t in pairs))
         self._scales[slot] = adapter.scale
-        return replace(adapter, targets=views, slot=slot)
+        experts = {name: x.to(self.device) for name, x in adapter.experts.items()}  # beside the slots
+        return replace(adapter, targets=views, slot=slot, experts=experts)
 
     def _allocate(self, name: str) -> LoraStack:
         layer = self._layers[name]

@@ -103,8 +103,8 @@ def pinned(adapter: LoraAdapter) -> LoraAdapter:
 def check_delta(delta: LoraDelta, adapter: LoraAdapter, device) -> str | None:
     """Why `delta`'s chosen forward is not its torch path's on a small batch of `adapter` (two of its
     rows around a base row, its first projection); None when it agrees, or is the torch path."""
-    if "forward" not in delta.__dict__:
-        return None  # not kernelized: the torch path itself
+    if "forward" not in delta.__dict__ or not adapter.targets:
+        return None  # not kernelized (the torch path itself), or nothing for the kernel (experts only)
     name, pairs = next(iter(adapter.targets.items()))
     dtype = pairs[0].a.dtype
     gen = torch.Generator().manual_seed(0)
