@@ -1,7 +1,7 @@
 """LoRA on a mixture-of-experts model's experts, as PEFT writes it with `target_parameters`
 (workers/lora/experts.py): fp32 logits within 1e-4 of PEFT's model with the adapter (unmerged and
-merged), PEFT's greedy tokens through the engine beside a base row, and experts this server cannot
-add an adapter to refused at load by name."""
+merged), PEFT's greedy tokens through the engine beside a base row, on Qwen3-MoE and Mixtral, and
+experts this server cannot add an adapter to refused at load by name."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ pytest.importorskip("peft")
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """Qwen3-MoE's case with an adapter on its attention and every layer's experts, and one on the experts only."""
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe(request, tmp_path_factory):
+    """The family's case with an adapter on its attention and every layer's experts, and one on the experts only."""
     torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("lora-moe")
-    base = make_family_checkpoint("qwen3_moe", root / "base")
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = make_family_checkpoint(request.param, root / "base")
     both = make_adapter(base, root / "both", 5, r=4, alpha=8.0, targets=("q_proj", "v_proj"),
                         target_parameters=EXPERTS, std=0.2)
     experts = make_adapter(base, root / "experts", 6, r=2, alpha=4.0, targets=(), target_parameters=EXPERTS[1:],
