@@ -131,6 +131,23 @@ def _last_logits(lm, ids, mates) -> torch.Tensor:
     return lm.model.step(ForwardBatch.build(second, 16), pool)[0]
 
 
+def test_a_prompt_row_of_a_soft_capped_layer_attends_as_the_same_row_decoding():
+    """Guards the stride-0 branch of `_partial` in workers/model/deterministic.py: the rows of a prompt
+    chunk (or of a decode row's verified drafts) share one sequence's K/V, expanded with stride 0; in
+    the matmul path (soft-capped layers on the CPU, every layer on a GPU) MKL on AVX2 multiplies such
+    a batch in another order than a decode row's own copy (7.6e-6 apart on an AMD EPYC with AVX2), so
+    a speculated greedy run's logprobs were not plain decoding's. Without the branch this fails on
+    such CPUs; on others both paths happen to agree."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 2, 2, 64, generator=gen)  # [R, Hkv, G, D]: five positions of one prompt
+    k, v = torch.randn(1, 2, 130, 64, generator=gen), torch.randn(1, 2, 130, 64, generator=gen)
+    lens = [126, 127, 128, 129, 130]
+    shared = split_attention(q, k, v, lens, KV_SPLIT, softcap=20.0)
+    for r, n in enumerate(lens):  # as a decode step: the row alone, its own gathered copy of the sequence
+        own = split_attention(q[r:r + 1], k.clone(), v.clone(), [n], KV_SPLIT, softcap=20.0)
+        assert torch.equal(shared[r], own[0]), r
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_batch_mates_change_nothing_only_in_deterministic_mode(monkeypatch, deterministic):
     """Regression: guards `if self.kv_split is not None` in `Attention.step` (workers/model/attention.py),

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 ROW_TILE = 32  # rows per projection GEMM (CPU and GPU alike: a batch of 32 is one tile)
 KV_SPLIT = 64  # cached positions per attention split
+SHARED_ROWS = 64  # prompt rows whose K/V split is copied at once (the matmul path: 64 x split x D per KV head)
 TAIL_FREE = 128  # elements: a tensor padded to a multiple of this has no scalar tail in ATen's loops
 ATTENTION = "fixed splits over the paged cache (torch)"  # `/capability` `deterministic.attention`
 
@@ -185,6 +186,12 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
                                                                               scale=scale)
         return out.float(), lse
+    if k.shape[0] > 1 and k.stride(0) == 0:  # a prompt's rows share one sequence's K/V (expanded, stride 0)
+        # multiplied as decode rows are, each row its own copy: a stride-0 batch takes another GEMM path
+        # whose sums differ in the last bits (MKL on AVX2), so a verified draft would not be a decode's
+        parts = [_partial(q[i:i + SHARED_ROWS], k[i:i + SHARED_ROWS].contiguous(), v[i:i + SHARED_ROWS].contiguous(),
+                          mask[i:i + SHARED_ROWS], scale, softcap) for i in range(0, q.shape[0], SHARED_ROWS)]
+        return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [R, Hkv, G, S]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
