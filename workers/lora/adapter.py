@@ -39,6 +39,12 @@ _OFF = {"use_dora": (False, None), "rank_pattern": ({}, None), "alpha_pattern": 
         "use_qalora": (False, None)}
 
 
+def is_projection(module: torch.nn.Module) -> bool:
+    """A layer `y = x W^T (+ b)` whatever its weights' storage (`nn.Linear`, fp8, int4 or GGUF blocks):
+    what a pair's product can be added after (its `in_features` and `out_features` are ints)."""
+    return all(isinstance(getattr(module, f, None), int) for f in ("in_features", "out_features"))
+
+
 class LoraError(ValueError):
     """An adapter that does not fit this worker's base model or limits (a 4xx at load)."""
 
@@ -122,7 +128,7 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, model: torch.
     for module_name, (a, b) in sorted(pairs.items()):
         ours, offset, size = _locate(name, module_name, config)
         layer = modules.get(ours)
-        if layer is None:
+        if layer is None or not is_projection(layer):
             raise LoraError(f"LoRA adapter `{name}` targets `{module_name}`, which this base model does not have "
                             f"({config.num_hidden_layers} layers): an adapter of another base")
         size = layer.out_features if size < 0 else size

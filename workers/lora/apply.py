@@ -27,7 +27,7 @@ from kernels import use_kernel_forward_from_hub
 from torch import nn
 
 from kernels_local.lora_sgmv.lora_sgmv import LoraSegments, LoraStack
-from workers.lora.adapter import TARGETS, LoraAdapter
+from workers.lora.adapter import TARGETS, LoraAdapter, is_projection
 from workers.lora.experts import hook_experts
 from workers.lora.pool import LoraPool, add_pooled, pooled_fits
 from workers.lora.stack import StackCache
@@ -137,7 +137,7 @@ def install_lora(model: nn.Module) -> int:
     model.lora_state = state
     count = 0
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HOOKED:
+        if is_projection(module) and name.rsplit(".", 1)[-1] in HOOKED:  # fp8, int4 and GGUF layers too
             module.register_forward_hook(_hook(name, state))
             count += 1
     return count + hook_experts(model, state)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kernels_local.lora_sgmv.lora_sgmv import RANK_ALIGN, LoraSegments, LoraStack
-from workers.lora.adapter import LoraAdapter, LoraError, LoraTarget
+from workers.lora.adapter import LoraAdapter, LoraError, LoraTarget, is_projection
 from workers.model.config import ModelConfig
 from workers.model.weights import _part_sizes
 
@@ -45,7 +45,7 @@ class LoraPool:
                  device: str | torch.device) -> None:
         self.slots, self.rank, self.dtype, self.device = slots, pool_rank(max_rank), dtype, torch.device(device)
         self._config = config
-        self._layers = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self._layers = {n: m for n, m in model.named_modules() if is_projection(m)}
         self._stacks: dict[str, LoraStack] = {}
         self._scales = torch.zeros(slots, dtype=torch.float32, device=self.device)
 
