@@ -66,8 +66,8 @@ def test_a_request_waits_for_a_slot_and_the_ones_behind_it_start(one_slot):
 
 
 def test_a_waiting_request_whose_adapter_is_unloaded_ends_with_an_error(one_slot):
-    """Guards `take_slot`'s `except LoraError` -> `refuse` (without it an unloaded adapter's waiting
-    request raises inside the step, a fatal engine error for every request)."""
+    """Guards `take_slot`'s `except LoraError` (the error and the abort): without it an unloaded
+    adapter's waiting request raises inside the step, a fatal engine error for every request."""
     engine, prompt, paths = one_slot
     params = SamplingParams.create(max_new_tokens=NEW)
     first = engine.submit(prompt, params, lora="a")

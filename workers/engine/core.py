@@ -32,7 +32,7 @@ from workers.contract import DEFAULT_MAX_QUEUE
 from workers.contract.detokenize import special_token_ids
 from workers.engine.admission import EngineOverloaded, EngineUnavailable, new_sequence
 from workers.engine.ending import end_every_request
-from workers.engine.events import ErrorEvent, RequestStream, deliver
+from workers.engine.events import RequestStream, deliver
 from workers.engine.liveness import Liveness, LivenessClock
 from workers.engine.metrics import WorkerMetrics
 from workers.engine.output import OutputProcessor
@@ -88,8 +88,7 @@ class Engine:
         self._next_id = 0
         self.loras = None  # the worker's LoRA adapters (workers/lora/table.py), when it serves any
         self.lora_load = LoraLoad()  # their running and waiting requests after the last step
-        self.scheduler.lora_slot = lambda seq: take_slot(self.loras, seq, self.scheduler.config.cache_root,
-                                                         self._refuse)
+        self.scheduler.lora_slot = lambda seq: take_slot(self, seq)  # a waiting adapter's slot (workers/lora/)
         self._liveness = LivenessClock()
 
     def _init_thread(self) -> None:
@@ -390,11 +389,6 @@ class Engine:
         self.metrics.set_load(*self.load())
         if self.loras is not None:  # which adapters run and wait (workers/lora/metrics.py)
             self.lora_load = lora_load(self.scheduler)
-
-    def _refuse(self, seq: Sequence, message: str) -> None:
-        """End waiting `seq` with an error `message` (its abort, queued, frees it before the next step)."""
-        deliver([(seq.stream, ErrorEvent(message))])
-        self._inbox.put((_ABORT, seq.request_id))
 
     def _release(self, seq: Sequence) -> None:
         with self._lock:

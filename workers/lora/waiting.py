@@ -15,8 +15,7 @@ error naming it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from workers.engine.events import ErrorEvent, deliver
 from workers.kv.hashing import root_hash
 from workers.lora.adapter import LoraAdapter, LoraError
 from workers.lora.apply import lora_key
@@ -42,19 +41,20 @@ def attach(seq, name: str, adapter: LoraAdapter | None, model_root: bytes) -> No
     seq.cache_root = root_hash(model_root, *lora_key(adapter))
 
 
-def take_slot(table: LoraTable, seq, model_root: bytes, refuse: Callable[[object, str], None]) -> bool:
-    """Whether `seq`, waiting for adapter `seq.lora_wait`, now holds it in a slot (bound to it). False
-    while every slot is in use; a request whose adapter cannot be had any more is handed to `refuse`
-    with the reason (once) and stays out of the batch until it is aborted."""
+def take_slot(engine, seq) -> bool:
+    """Whether `seq`, waiting for adapter `seq.lora_wait` in `engine`'s queue, now holds it in a slot
+    (bound to it). False while every slot is in use; a request whose adapter cannot be had any more
+    gets an error with the reason (once) and stays out of the batch until its abort, queued, ends it."""
     if seq.finish_reason is not None:
         return False  # refused already: its abort is on the way
     try:
-        adapter = table.acquire(seq.lora_wait)
+        adapter = engine.loras.acquire(seq.lora_wait)
     except LoraSlotsFull:
         return False
     except LoraError as e:
         seq.finish_reason = "error"
-        refuse(seq, f"LoRA adapter `{seq.lora_wait}` can no longer be served: {e}")
+        deliver([(seq.stream, ErrorEvent(f"LoRA adapter `{seq.lora_wait}` can no longer be served: {e}"))])
+        engine.abort(seq.request_id)
         return False
-    attach(seq, seq.lora_wait, adapter, model_root)
+    attach(seq, seq.lora_wait, adapter, engine.scheduler.config.cache_root)
     return True
