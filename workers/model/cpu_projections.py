@@ -28,6 +28,26 @@ from kernels_local.panel_linear import cpu as cpu_gemm
 from workers.model.row_buckets import EXACT_ROWS, row_bucket
 
 PACKED_ATTR = cpu_gemm.PACKED_ATTR  # the attribute kernels_local/fused_moe/torch_path.py reads too
+
+
+@functools.cache
+def bf16_panels() -> bool:
+    """Whether this CPU's brgemm multiplies bfloat16 panels: oneDNN's bfloat16 brgemm needs AMX
+    (Intel from Sapphire Rapids); elsewhere (AVX2, AVX-512 without AMX) it refuses them, and
+    bfloat16 weights take oneDNN's packs instead. Probed once on a [1, 2] x [2, 2] product."""
+    if not cpu_gemm.load().available:
+        return False
+    w = torch.zeros(2, 2, dtype=torch.bfloat16)
+    try:
+        cpu_gemm.linear(torch.zeros(1, 2, dtype=torch.bfloat16), cpu_gemm.panels(w), None)
+    except RuntimeError:
+        return False
+    return True
+
+
+def panels_fit(weight: torch.Tensor) -> bool:
+    """Whether `weight` is laid out as brgemm column panels here (its shape and dtype, and this CPU)."""
+    return cpu_gemm.fits(weight) and (weight.dtype != torch.bfloat16 or bf16_panels())
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_PACKED_ELEMENTS = 1 << 16  # smaller matrices (a router) stay with torch's matmul: a call's setup outweighs the gain
 AVAILABLE_SHARE = 0.5  # the packs may take at most this share of the memory available after loading
@@ -188,7 +208,7 @@ def install_cpu_projections(model: nn.Module, device, dtype: torch.dtype, min_el
         from kernels_local.fused_moe import cpu_experts
 
         cpu_experts.load()
-    lay = (lambda w: cpu_gemm.panels(w) if cpu_gemm.fits(w) else pack(w)) if gemm.available else pack
+    lay = (lambda w: cpu_gemm.panels(w) if panels_fit(w) else pack(w)) if gemm.available else pack
     with torch.no_grad():
         for w in weights:
             setattr(w, PACKED_ATTR, lay(w))
