@@ -163,12 +163,13 @@ def max_model_len(longest: int) -> int:
     return max(512, -(-(longest + 64) // 256) * 256)
 
 
-def vllm_server(vllm: Path, model: Path, port: int, log_dir: Path, max_len: int = 512) -> Server:
+def vllm_server(vllm: Path, model: Path, port: int, log_dir: Path, max_len: int = 512, extra=()) -> Server:
+    """`extra`: more `vllm serve` arguments."""
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     # On the CPU, `--gpu-memory-utilization` is the share of the host's memory vLLM reserves at
     # start (0.92 by default): it refuses to start when other processes hold more than the rest.
     cmd = [str(vllm), "serve", str(model), "--dtype", "bfloat16", "--max-model-len", str(max_len),
-           "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.5"]
+           "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.5", *extra]
     return Server("vllm", cmd, port, env, log_dir, "/health")
 
 
@@ -227,8 +228,8 @@ def stopping_for(url: str, model: Path) -> tuple[list[str], str]:
 
 
 def bench(vllm: Path, server: Server, model: Path, concurrency: int, args, stopping: list[str],
-          out_dir: Path) -> dict:
-    """One `vllm bench serve` run; its result JSON."""
+          out_dir: Path, extra=()) -> dict:
+    """One `vllm bench serve` run (`extra`: more of its arguments); its result JSON."""
     name = f"{server.name}-c{concurrency}-{int(time.time() * 1000)}.json"
     prompts = args.num_prompts or max(16, 8 * concurrency)
     cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", server.url,
@@ -237,7 +238,7 @@ def bench(vllm: Path, server: Server, model: Path, concurrency: int, args, stopp
            "--num-prompts", str(prompts),
            "--max-concurrency", str(concurrency), "--temperature", "0", "--seed", str(args.seed),
            "--num-warmups", str(min(concurrency, 4)), "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
-           "--result-filename", name, *stopping]
+           "--result-filename", name, *stopping, *extra]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     done = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True)
     if done.returncode != 0:
