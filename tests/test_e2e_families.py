@@ -47,8 +47,8 @@ def served(tmp_path_factory):
                     if f.exception() is None:
                         f.result().stop()
     yield paths, routers
-    for r in routers.values():
-        r.stop()
+    with ThreadPoolExecutor(len(routers) or 1) as pool:  # each worker's exit is its own: all at once
+        list(pool.map(RouterProcess.stop, routers.values()))
     orphans = {name: r.orphans for name, r in routers.items() if r.orphans}
     assert not orphans, f"workers left running: {orphans}"
 
