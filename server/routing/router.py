@@ -289,10 +289,11 @@ class Router:
 
     def snapshot(self, h: WorkerHandle) -> dict:
         """`/workers` `routing`: measured speed, tokens in flight, prefix chunks held, decisions."""
-        speed = self.telemetry.speed(h.id)
+        speed, phases = self.telemetry.speed(h.id), self.telemetry.phases(h.id)
         prompt, new, tokens = self.inflight(h.id)
         return {
             "speed": None if speed is None else speed_entry(speed),
+            "phases": None if phases is None else speed_entry(phases),  # fitted over steps: disaggregation's
             "inflight_tokens": {"to_prefill": round(prompt), "new": round(new), "total": round(tokens)},
             "prefix_chunks": self.index.size(h.id),
             **self._tier_entry(h),

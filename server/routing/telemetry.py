@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.fleet.history import read_values
+from server.routing.phases import PhaseFit, read_moments
 from server.routing.speed import DEFAULT_DECAY, Speed, SpeedFit
 from workers.contract import GATEWAY_KV_USAGE
 
@@ -59,6 +60,7 @@ class Counters:
 @dataclass
 class _Worker:
     fit: SpeedFit
+    phases: PhaseFit  # per phase, over its steps (server/routing/phases.py)
     pid: int | None = None
     last: Counters | None = None
     kv_usage: float | None = None
@@ -76,7 +78,7 @@ class Telemetry:
 
     def _of(self, worker_id: str) -> _Worker:
         if worker_id not in self._workers:
-            self._workers[worker_id] = _Worker(SpeedFit(self.decay))
+            self._workers[worker_id] = _Worker(SpeedFit(self.decay), PhaseFit())
         return self._workers[worker_id]
 
     def sent(self, worker_id: str, chars: int, ids: int) -> None:
@@ -96,6 +98,7 @@ class Telemetry:
         last, w.last = w.last, now
         restarted = pid != w.pid or last is None or now.steps < last.steps or now.generated < last.generated
         w.pid = pid
+        w.phases.observe(read_moments(text), restarted)
         chars, ids, w.chars_sent, w.ids_sent = w.chars_sent, w.ids_sent, 0.0, 0.0
         if restarted:
             return
@@ -113,6 +116,12 @@ class Telemetry:
     def speed(self, worker_id: str) -> Speed | None:
         w = self._workers.get(worker_id)
         return None if w is None else w.fit.estimate()
+
+    def phases(self, worker_id: str) -> Speed | None:
+        """The worker's step-time model fitted over its steps (server/routing/phases.py), None
+        until enough steps with and without prompt tokens were seen."""
+        w = self._workers.get(worker_id)
+        return None if w is None else w.phases.estimate()
 
     def kv_usage(self, worker_id: str) -> float | None:
         w = self._workers.get(worker_id)

@@ -24,6 +24,8 @@ _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# the moments of `step_moments` (`np`: steps that computed prompt tokens)
+STEP_MOMENTS = ("n", "p", "b", "pp", "bb", "pb", "y", "py", "by", "np")
 
 
 class GatewayGauges:
@@ -100,12 +102,24 @@ class WorkerMetrics:
         self.batch_size = Histogram(
             f"{PREFIX}_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
         )
+        # each step's (1, P prompt tokens computed, B sequences, y seconds) summed into the moments of a
+        # least-squares fit y = c + a*P + b*B, so the router can fit each phase's cost over steps, not
+        # over its sampling intervals (server/routing/phases.py)
+        self.step_moments = Counter(f"{PREFIX}_step_moments", "Per-step sums for a least-squares fit of step time "
+                                    "(y seconds) over prompt tokens computed (p) and sequences (b): "
+                                    + ", ".join(STEP_MOMENTS), ["moment"], registry=r)
+        self._moments = {m: self.step_moments.labels(m) for m in STEP_MOMENTS}
 
     def on_step(self, seconds: float, batch: int, out, new_tokens: int) -> None:
         """One engine step; `out` is its `SchedulerOutput` (prefill and prefix-cache figures)."""
         self.steps.inc()
         self.step_seconds.observe(seconds)
         self.batch_size.observe(batch)
+        p, b, m = float(out.num_prefill_tokens), float(batch), self._moments
+        for name, value in (("n", 1.0), ("p", p), ("b", b), ("pp", p * p), ("bb", b * b), ("pb", p * b),
+                            ("y", seconds), ("py", p * seconds), ("by", b * seconds), ("np", 1.0 if p else 0.0)):
+            if value:
+                m[name].inc(value)
         if out.num_prefill_tokens:
             self.prefill_tokens.labels("computed").inc(out.num_prefill_tokens)
         if out.num_queried_tokens:
