@@ -127,3 +127,19 @@ def test_a_bf16_block_out_of_fp16_range_is_recomputed_with_the_reason(halves, tm
     foreign = decode.tier.describe()["foreign"]
     assert foreign["casts_refused"] == 1 and foreign["blocks_converted"] == 0
     assert "65504" in foreign["last_refusal"] and decode.prefill == len(ids) + 1
+
+
+def test_a_prompt_prefilled_in_part_elsewhere_at_every_block_boundary_gives_one_engines_tokens(lm, tmp_path):
+    """A split prefill (server/routing/split.py PART): one engine publishes the prompt's first k
+    tokens (as a request of its own, one token sampled and dropped), another runs the whole
+    request, reads those k from the tier and computes only the rest, for every whole-block k."""
+    ids = lm.tokenizer.encode(PROMPT).ids
+    alone = [e.token_id for e in Worker(lm).run(ids)]
+    for k in range(BLOCK, len(ids), BLOCK):
+        tier = tmp_path / f"k{k}"
+        part, rest = Worker(lm, tier), Worker(lm, tier)
+        stream = part.engine.submit(ids[:k], SamplingParams.create(max_new_tokens=1), publish_kv=True)
+        part.engine.step()
+        assert stream.events[-1].finish is not None
+        assert [e.token_id for e in rest.run(ids)] == alone, k
+        assert rest.prefill == len(ids) - k, k  # the part came from the tier, not computed again

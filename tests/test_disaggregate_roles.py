@@ -82,8 +82,8 @@ def test_explicit_roles_that_name_no_worker_or_leave_a_phase_without_one_are_ref
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
-    ("sm_89,sm_80", {"gpu0": PREFILL, "gpu1": DECODE}),  # L40S computes, A100 streams memory: 2.7
-    ("sm_80,sm_89,sm_80", {"gpu0": DECODE, "gpu1": PREFILL, "gpu2": DECODE}),
+    ("sm_89,sm_80", {"gpu0": BOTH, "gpu1": DECODE}),  # L40S computes, A100 streams memory: 2.7
+    ("sm_80,sm_89,sm_80", {"gpu0": DECODE, "gpu1": BOTH, "gpu2": DECODE}),
     ("sm_90,sm_75", {}),  # an H100 is faster at both than a T4: 1.45, not worth splitting
     ("sm_80,sm_80", {}),  # identical devices keep today's routing
     ("sm_80,cpu", {}),  # no card: nothing to compare

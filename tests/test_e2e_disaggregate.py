@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -23,12 +24,14 @@ STORY = ("The history of the river valley and the towns along its banks, told fr
          "came with their cattle and their seed corn, to the mills and the railway and the bridge that the "
          "floods of that long wet spring carried away, and what the people did then")
 MIN_PROMPT = 24
+TIMEOUT_S = 5  # a prefill of these prompts takes milliseconds; a stopped prefill worker never answers
 
 
 @pytest.fixture(scope="module")
 def router():
     yield from running_router(["--simulate", "sm_80,sm_75", "--dtype", "float32", "--kv-block-size", "16",
-                               "--prefill", "gpu0", "--decode", "gpu1", "--disaggregate-min-prompt", str(MIN_PROMPT)],
+                               "--prefill", "gpu0", "--decode", "gpu1", "--disaggregate-min-prompt", str(MIN_PROMPT),
+                               "--disaggregate-timeout", str(TIMEOUT_S)],
                               fake=False, ready_timeout=240)
 
 
@@ -109,6 +112,28 @@ def test_a_first_token_that_ends_the_answer_ends_it_on_the_prefill_worker(router
     assert router.metric("hetserve_disagg_requests_total", outcome="ended_on_prefill") >= 1
 
 
+def _fallback(router: RouterProcess, reason: str) -> float:
+    return router.metric("hetserve_disagg_fallback_total", reason=reason) or 0.0
+
+
+def test_a_prefill_worker_that_does_not_answer_in_time_leaves_the_prompt_to_the_decode_worker(router):
+    """Guards `anyio.fail_after(self.timeout_s)` around the prefill's dispatch (server/dispatch/
+    handoff.py): gpu0 stopped (SIGSTOP) takes the request and never answers; after
+    `--disaggregate-timeout` the prompt is computed on gpu1, the answer whole, the reason counted."""
+    prompt = STORY.replace("cattle", "sheep")
+    reference, _ = _stream(router, prompt, pin="gpu1")
+    before = _fallback(router, "prefill_timeout")
+    pid = router.worker("gpu0")["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        events, headers = _stream(router, prompt)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert headers["x-worker-id"] == "gpu1" and "disaggregated" not in headers["x-hetserve-route"], headers
+    assert _tokens(events) == _tokens(reference)
+    assert _fallback(router, "prefill_timeout") == before + 1
+
+
 def test_without_its_prefill_worker_the_request_is_prefilled_on_the_decode_worker(router):
     prompt = STORY.replace("valley", "delta")
     reference, _ = _stream(router, prompt, pin="gpu1")
@@ -120,3 +145,36 @@ def test_without_its_prefill_worker_the_request_is_prefilled_on_the_decode_worke
     assert _tokens(events) == _tokens(reference)
     assert events[-1]["generated_text"] == reference[-1]["generated_text"]
     assert _fallbacks(router) >= before + 1
+
+
+def test_auto_splits_by_the_measured_speeds_of_cards_alike_on_paper():
+    """`--disaggregate auto` on two sm_80s (identical cards: not split at start), gpu1 slowed to a
+    card of far less compute (prefill 6x, decode 1.2x): once the router has fitted each worker's
+    phases over its steps (server/routing/phases.py), gpu0 prefills long prompts and gpu1 decodes
+    them, the reason with the measured figures on `/workers`, and a long prompt's answer is one
+    worker's. Guards `refresh` (server/dispatch/handoff.py): without it the start's roles stay."""
+    router = RouterProcess(["--simulate", "sm_80,sm_80", "--dtype", "float32", "--kv-block-size", "16",
+                            "--disaggregate", "auto", "--disaggregate-min-prompt", str(MIN_PROMPT)],
+                           env={"HETSERVE_SLOWDOWN": "gpu1=prefill:6,decode:1.2"}, fake=False, ready_timeout=240)
+    try:
+        start = router.worker("gpu0")["disaggregation"]
+        assert start["role"] == "both" and "not disaggregated" in start["reason"], start
+        prompt = STORY.replace("river", "lake")
+        reference, _ = _stream(router, prompt, pin="gpu1")
+
+        def measured() -> bool:  # traffic on both until the router's phase fits split the roles
+            for i, wid in enumerate(("gpu0", "gpu1")):
+                _stream(router, STORY.replace("corn", f"wheat {i} {time.monotonic()}"), pin=wid, max_new_tokens=8)
+            return router.worker("gpu1")["disaggregation"]["role"] == "decode"
+
+        router.wait_for(measured, timeout=90, interval=0.5)
+        reason = router.worker("gpu0")["disaggregation"]["reason"]
+        assert router.worker("gpu0")["disaggregation"]["role"] == "both"
+        assert "measured: gpu0 prefills" in reason and "comparative advantage" in reason, reason
+        assert router.worker("gpu1")["routing"]["phases"]["prefill_tokens_per_s"] > 0
+        events, headers = _stream(router, prompt)
+        assert headers["x-worker-id"] == "gpu0" and "disaggregated: prefill on gpu0" in headers["x-hetserve-route"]
+        assert _tokens(events) == _tokens(reference)
+    finally:
+        router.stop()
+    assert not router.orphans

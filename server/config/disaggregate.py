@@ -24,6 +24,9 @@ MODES = (AUTO, OFF)  # what `--disaggregate` accepts (explicit roles come from -
 # about as much as a few decode steps, and the handoff's fixed costs (a second dispatch, the
 # blocks written to and read from the host tier) would outweigh what it saves.
 DEFAULT_MIN_PROMPT_TOKENS = 256
+# The most a prefill worker may take to compute a handed-off prompt and publish its blocks before
+# the request is prefilled on a decode worker instead (a stalled or swamped prefill worker).
+DEFAULT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class DisaggregateConfig:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     min_prompt_tokens: int = DEFAULT_MIN_PROMPT_TOKENS
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     @property
     def enabled(self) -> bool:
@@ -56,6 +60,9 @@ def add_disaggregate_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--disaggregate-min-prompt", type=int, default=None, metavar="N",
                    help=f"prompt tokens from which a request is prefilled on a prefill worker "
                         f"(default {DEFAULT_MIN_PROMPT_TOKENS})")
+    g.add_argument("--disaggregate-timeout", type=float, default=None, metavar="S",
+                   help=f"seconds a prefill worker may take to compute a handed-off prompt and publish its KV "
+                        f"blocks; past them the prompt is computed on a decode worker (default {DEFAULT_TIMEOUT_S:g})")
 
 
 def parse_devices(flag: str, value: str | None) -> tuple[str, ...]:
@@ -92,4 +99,8 @@ def disaggregate_from_args(args) -> DisaggregateConfig:
     if threshold is not None and threshold < 1:
         raise UsageError(f"`--disaggregate-min-prompt {threshold}` must be an integer >= 1 (prompt tokens)")
     n = DEFAULT_MIN_PROMPT_TOKENS if threshold is None else threshold
-    return DisaggregateConfig(EXPLICIT if explicit else (mode or OFF), prefill, decode, n)
+    timeout = getattr(args, "disaggregate_timeout", None)
+    if timeout is not None and not (0 < timeout <= 3600):  # NaN fails both
+        raise UsageError(f"`--disaggregate-timeout {timeout}` must be a number of seconds in (0, 3600]")
+    return DisaggregateConfig(EXPLICIT if explicit else (mode or OFF), prefill, decode, n,
+                              DEFAULT_TIMEOUT_S if timeout is None else timeout)

@@ -28,6 +28,7 @@ import anyio
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily
 
+from server.config.disaggregate import AUTO
 from server.config.settings import RouterSettings
 from server.dispatch.dispatcher import Dispatcher, DispatchError, WorkerReply, WorkerStream
 from server.dispatch.migration import ClientStream, StreamIncomplete, is_final, parse_event, token_ids
@@ -39,7 +40,9 @@ from server.fleet.spec import worker_id
 from server.fleet.text import INLINE_PROMPT_CHARS
 from server.routing.filter import ELIGIBLE, Constraints, eligible
 from server.routing.policy import HEADER_ROUTE
-from server.routing.roles import DECODE, PREFILL, Roles, resolve_roles
+from server.routing.roles import BOTH, DECODE, PREFILL, Roles, resolve_roles
+from server.routing.router import Router
+from server.routing.split import LOCAL, MIN_SAMPLES, PART, Side, Split, measured_roles, plan
 from workers.contract import RESUME_IDS, DeviceInfo, WorkerRequest, cpu_device
 from workers.contract.errors import is_request_fault
 
@@ -49,20 +52,42 @@ _ERROR_PREFIX = '{"error"'
 _SPECIAL_TOKENS_SLACK = 8  # tokens a tokenizer may add to a text (BOS, a template's own)
 # why a request that qualified was not handed off (`hetserve_disagg_fallback_total{reason}`)
 FALLBACK_REASONS = ("no_prefill_worker", "no_decode_worker", "no_token_channel", "prefill_unavailable",
-                    "prefill_refused", "prefill_lost")
+                    "prefill_refused", "prefill_lost", "prefill_timeout")
+# what became of a long-prompt stream the roles would hand off (`hetserve_disagg_requests_total{outcome}`)
+OUTCOMES = ("handed_off", "ended_on_prefill", "split", "kept_local")
 
 
 class Disaggregation:
     """The roles, the threshold and the handoff's counters; `open` runs one stream's handoff."""
 
     def __init__(self, roles: Roles, min_prompt_tokens: int, capacity: int,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, measured: bool = False, timeout_s: float = 30.0):
         self.roles, self.min_prompt_tokens, self.capacity = roles, min_prompt_tokens, capacity
-        self.requests = Counter("hetserve_disagg_requests", "Long-prompt streams prefilled on a prefill worker, by "
-                                "outcome (handed_off to a decode worker, ended_on_prefill by its first token).",
+        self.measured = measured  # `auto`: the roles follow the measured speeds once every worker has them
+        self.timeout_s = timeout_s  # the most a prefill worker may take to publish a prompt's blocks
+        self.requests = Counter("hetserve_disagg_requests", "Long-prompt streams under disaggregated prefill, by "
+                                "outcome (handed_off to a decode worker, ended_on_prefill by its first token, "
+                                "split: part of the prompt prefilled on another worker, kept_local: prefilled "
+                                "where it decodes, which the measured queues said was sooner).",
                                 ["outcome"], registry=registry)
         self.fallbacks = Counter("hetserve_disagg_fallback", "Long-prompt streams that were not handed off and "
                                  "were prefilled on a decode worker instead, by reason.", ["reason"], registry=registry)
+
+    def refresh(self, router: Router, workers: Iterable[WorkerHandle]) -> Roles:
+        """Under `auto`, the roles the measured speeds give now (server/routing/split.py
+        `measured_roles`), logged when they change; the start's roles until every routable worker
+        is measured. Explicit roles stay as given."""
+        if not self.measured:
+            return self.roles
+        ids = sorted(h.id for h in workers if h.routable)
+        m = measured_roles({w: router.telemetry.phases(w) for w in ids}, self.roles.active)
+        if m is None:
+            return self.roles
+        roles = Roles({w: BOTH if w == m.prefill else DECODE for w in ids} if m.prefill else {}, m.reason)
+        if dict(roles.by_worker) != dict(self.roles.by_worker):
+            logger.info("disaggregated prefill: roles now %s", m.reason)
+        self.roles = roles
+        return roles
 
     def describe(self, worker_id: str) -> dict:
         """`/workers` `disaggregation`: this worker's role and why the roles are what they are."""
@@ -90,12 +115,13 @@ class Disaggregation:
         logger.warning("disaggregated prefill fell back to a decode worker (%s): %s", reason, detail)
 
     # --- the decision --------------------------------------------------------------------
-    async def _prompt_tokens(self, workers: list[WorkerHandle], body: WorkerRequest) -> int | None:
-        """The prompt's length in tokens, as the workers tokenize it; None when it cannot reach
-        the threshold (its UTF-8 bytes are too few) or no worker gives its tokenizer."""
-        if body.input_ids is not None and len(body.input_ids) < self.min_prompt_tokens:
-            return None
-        if body.input_ids is None and len(body.inputs.encode()) + _SPECIAL_TOKENS_SLACK < self.min_prompt_tokens:
+    async def _prompt_ids(self, workers: list[WorkerHandle], body: WorkerRequest) -> tuple[int, ...] | int | None:
+        """The prompt's token ids, as the workers tokenize it; None when it cannot reach the
+        threshold (its UTF-8 bytes are too few) or no worker gives its tokenizer, -1 when the
+        workers render their streams themselves."""
+        if body.input_ids is not None:
+            return body.input_ids if len(body.input_ids) >= self.min_prompt_tokens else None
+        if len(body.inputs.encode()) + _SPECIAL_TOKENS_SLACK < self.min_prompt_tokens:
             return None
         for h in workers:
             if not h.routable or h.client is None:
@@ -106,48 +132,86 @@ class Disaggregation:
                 continue
             if model is None:
                 return -1  # the worker renders its streams: its one-token prefill would end the answer
-            if body.input_ids is not None:
-                return len(body.input_ids)
             text = body.inputs
             encode = model.tokenizer.encode
-            ids = (await asyncio.to_thread(encode, text) if len(text) > INLINE_PROMPT_CHARS else encode(text)).ids
-            return len(ids)
+            return tuple((await asyncio.to_thread(encode, text) if len(text) > INLINE_PROMPT_CHARS
+                          else encode(text)).ids)
         return None  # no worker is up to ask: the request waits for one as any other
 
-    async def _plan(self, workers: list[WorkerHandle], path: str, body, c: Constraints) -> int | None:
-        """The prompt's tokens when this request is handed off, else None (counted as a fallback
-        when it was long enough)."""
-        if not self.roles.active or path != STREAM_PATH or not isinstance(body, WorkerRequest) or c.worker:
+    async def _plan(self, workers: list[WorkerHandle], router: Router, path: str, body,
+                    c: Constraints) -> tuple[tuple[int, ...], Split | None] | None:
+        """The prompt's ids and how it is split (None: by the roles alone, some worker is not
+        measured yet) when this request is handed off, else None (counted as a fallback when it
+        was long enough, or as `kept_local` when the measured queues say a decode worker is sooner)."""
+        roles = self.refresh(router, workers)
+        if not roles.active or path != STREAM_PATH or not isinstance(body, WorkerRequest) or c.worker:
             return None
         p = body.parameters
         if body.resume_ids or body.publish_kv or p.max_new_tokens <= 1 or p.decoder_input_details:
             return None
         mine = [h for h in workers if c.model is None or h.model == c.model]
-        n = await self._prompt_tokens(mine, body)
-        if n is None or 0 <= n < self.min_prompt_tokens:
+        ids = await self._prompt_ids(mine, body)
+        if ids is None or (ids != -1 and len(ids) < self.min_prompt_tokens):
             return None
-        if n < 0:
+        if ids == -1:
             self._fallback("no_token_channel", "no worker renders its streams in the router")
             return None
-        for reason, exclude in (("no_prefill_worker", self._only(DECODE, mine)),
-                                ("no_decode_worker", self._only(PREFILL, mine))):
+        ready = {}
+        for reason, role, exclude in (("no_prefill_worker", PREFILL, self._only(DECODE, mine)),
+                                      ("no_decode_worker", DECODE, self._only(PREFILL, mine))):
             f = eligible(mine, c, self.capacity, exclude)
             if f.kind != ELIGIBLE:
                 self._fallback(reason, f.reason)
                 return None
-        return n
+            ready[role] = f.workers
+        split = self._split(router, ready[PREFILL], ready[DECODE], len(ids))
+        if split is not None and split.kind == LOCAL:
+            self.requests.labels("kept_local").inc()
+            logger.info("disaggregated prefill: a %d-token prompt stays on a decode worker: %s", len(ids), split.reason)
+            return None
+        return ids, split
+
+    def _split(self, router: Router, prefill: Sequence[WorkerHandle], decode: Sequence[WorkerHandle],
+               n: int) -> Split | None:
+        """server/routing/split.py `plan` over the workers that may take each part now, from their
+        measured speeds and the prompt work in flight there; None while one is not measured."""
+        sides, block = {}, None
+        for h in (*prefill, *decode):
+            speed = router.telemetry.phases(h.id)
+            if speed is None or speed.samples < MIN_SAMPLES:
+                return None
+            size = (h.info.capacity if h.info is not None else {}).get("kv_block_size")
+            block = size if isinstance(size, int) and size > 0 and (block is None or size == block) else block
+            sides[h.id] = Side(h.id, h in prefill, h in decode, speed.prefill_s,
+                               router.inflight(h.id)[0] * speed.prefill_s)
+        return plan(list(sides.values()), n, block or 16)
+
+    def _route(self, workers: Iterable[WorkerHandle], to: str) -> dict[str, int]:
+        """An exclusion that leaves only worker `to`."""
+        return {h.id: h.generation for h in workers if h.id != to}
 
     # --- the handoff -----------------------------------------------------------------------
     async def open(self, dispatcher: Dispatcher, path: str, body, c: Constraints) -> ClientStream | WorkerReply | None:
-        """The client stream of a handed-off request (its first event from the prefill worker),
-        the prefill worker's answer when it blames the request, or None: not handed off."""
+        """The client stream of a handed-off request (its first event from the prefill worker, or
+        from the decode worker after part of its prompt was prefilled elsewhere), the prefill
+        worker's answer when it blames the request, or None: not handed off."""
         workers = list(dispatcher.supervisor.workers.values())
-        n = await self._plan(workers, path, body, c)
-        if n is None:
+        planned = await self._plan(workers, dispatcher.router, path, body, c)
+        if planned is None:
             return None
+        ids, split = planned
+        if split is not None and split.kind == PART:
+            return await self._open_part(dispatcher, path, body, c, ids, split)
+        n = len(ids)
+        exclude = self._only(DECODE, workers) if split is None else self._route(workers, split.prefill)
         prefill_body = body.model_copy(update={"publish_kv": True})
         try:
-            opened = await dispatcher.open_stream(path, prefill_body, c, self._only(DECODE, workers), wait=False)
+            with anyio.fail_after(self.timeout_s):
+                opened = await dispatcher.open_stream(path, prefill_body, c, exclude, wait=False)
+        except TimeoutError:
+            self._fallback("prefill_timeout", f"no first token within {self.timeout_s:g} s "
+                                              "(--disaggregate-timeout): the prompt is computed on a decode worker")
+            return None
         except DispatchError as e:
             self._fallback("prefill_unavailable", e.message)
             return None
@@ -163,12 +227,66 @@ class Disaggregation:
             with anyio.CancelScope(shield=True):
                 await opened.aclose()
             return None
+        why = f"; {split.reason}" if split is not None else ""
         opened.headers[HEADER_ROUTE.lower()] = (f"disaggregated: prefill on {opened.worker.id} ({n} prompt tokens "
-                                                f">= {self.min_prompt_tokens}), decode on a decode worker")
+                                                f">= {self.min_prompt_tokens}{why}), decode on a decode worker")
         if last.startswith(_ERROR_PREFIX) or is_final(parse_event(last)):
             self.requests.labels("ended_on_prefill").inc()  # its first token ended it (or it was refused)
             return ClientStream(dispatcher, path, body, c, opened)
         return HandoffStream(dispatcher, path, body, c, opened, self)
+
+    async def _open_part(self, dispatcher: Dispatcher, path: str, body: WorkerRequest, c: Constraints,
+                         ids: tuple[int, ...], split: Split) -> ClientStream | WorkerReply | None:
+        """`split.tokens` of the prompt prefilled on `split.prefill` (its blocks published, its one
+        sampled token dropped), then the whole request on `split.decode`, which reads those blocks
+        from the tier and computes the rest; a part that fails or times out only leaves more to
+        compute there."""
+        workers = list(dispatcher.supervisor.workers.values())
+        params = body.parameters.model_copy(update={"max_new_tokens": 1, "details": False})
+        part = body.model_copy(update={"inputs": "", "input_ids": ids[:split.tokens], "parameters": params,
+                                       "publish_kv": True})
+        done = await self._prefill_part(dispatcher, path, part, c, self._route(workers, split.prefill))
+        try:
+            opened = await dispatcher.open_stream(path, body, c, self._route(workers, split.decode), wait=False)
+        except DispatchError:
+            return None  # its decode worker went away meanwhile: routed as any request
+        if isinstance(opened, WorkerReply):
+            return opened
+        what = "prefilled" if done else "not prefilled (see the log)"
+        opened.headers[HEADER_ROUTE.lower()] = (f"disaggregated: {split.tokens} of {len(ids)} prompt tokens {what} "
+                                                f"on {split.prefill}, the rest and the decode on {opened.worker.id} "
+                                                f"({split.reason})")
+        self.requests.labels("split").inc()
+        return ClientStream(dispatcher, path, body, c, opened)
+
+    async def _prefill_part(self, dispatcher: Dispatcher, path: str, part: WorkerRequest, c: Constraints,
+                            exclude: dict[str, int]) -> bool:
+        """Run one partial prefill to its end within the timeout; whether it ended cleanly."""
+        opened = None
+        try:
+            with anyio.fail_after(self.timeout_s):
+                opened = await dispatcher.open_stream(path, part, c, exclude, wait=False)
+                if isinstance(opened, WorkerReply):
+                    self._fallback("prefill_refused", f"worker {opened.worker.id} answered {opened.status}")
+                    return False
+                last = None
+                async for data in opened.events():
+                    last = data
+                if last is None or last.startswith(_ERROR_PREFIX):
+                    self._fallback("prefill_lost", f"worker {opened.worker.id}: {(last or 'no event')[:200]}")
+                    return False
+                return True
+        except TimeoutError:
+            self._fallback("prefill_timeout", f"a partial prefill took over {self.timeout_s:g} s "
+                                              "(--disaggregate-timeout): the decode worker computes it")
+            return False
+        except (DispatchError, *WorkerGone) as e:
+            self._fallback("prefill_unavailable", getattr(e, "message", repr(e)))
+            return False
+        finally:
+            if isinstance(opened, WorkerStream):
+                with anyio.CancelScope(shield=True):
+                    await opened.aclose()
 
 
 class HandoffStream(ClientStream):
@@ -208,7 +326,9 @@ class HandoffStream(ClientStream):
         workers = self.dispatcher.supervisor.workers.values()
         lost = f"the prefill on worker {prefill.worker.id} sent {len(self._delivered)} token(s)"
         opened = None
-        for exclude in (self.handoff._only(PREFILL, workers), {}):
+        # first not the prefill worker (decode goes where memory is), nor one that only prefills
+        first = {**self.handoff._only(PREFILL, workers), prefill.worker.id: prefill.worker.generation}
+        for exclude in (first, {}):
             try:
                 opened = await self.dispatcher.open_stream(self.path, body, self.constraints,
                                                            {**exclude, **self._exclude}, self._deaths)
@@ -257,4 +377,5 @@ def disaggregation(settings: RouterSettings, devices: Sequence[DeviceInfo], assi
     roles = resolve_roles(config, workers)
     logger.info("disaggregated prefill: %s; prompts from %d tokens are handed off", roles.reason,
                 config.min_prompt_tokens)
-    return Disaggregation(roles, config.min_prompt_tokens, settings.worker_capacity, registry)
+    return Disaggregation(roles, config.min_prompt_tokens, settings.worker_capacity, registry,
+                          measured=config.mode == AUTO, timeout_s=config.timeout_s)

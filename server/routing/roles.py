@@ -4,13 +4,16 @@ Explicit roles (`--prefill gpu0 --decode gpu1,gpu2`) name workers by id, index o
 named in one list has that role, one in both does both, and an unlisted one takes the other role
 when only one list is given (both when two are). `auto` chooses from each device's catalog card
 (workers/contract/catalog.py: published dense TFLOPS, which bound a prefill, and GB/s, which bound
-a decode step): the devices of the highest compute prefill and the others decode, but only when
+a decode step): the devices of the highest compute prefill long prompts (and keep serving ordinary
+requests, `both`) and the others decode them, but only when
 the prefill device's comparative advantage, (its TFLOPS / the best other's) / (its GB/s / the
 best other's), is at least `AUTO_MIN_ADVANTAGE`: each device is then better at its own phase
 than the other is (an L40S beside an A100: 2.7), while a card that is faster at both (an H100
 beside a T4: 1.5) or identical devices (1.0) keep today's routing, where every worker does both.
-Trade-off: the choice is made once at start from published figures, not per request from
-measured speeds, so a device that runs slower than its card keeps its role.
+These are the start's roles: once every worker's speed is measured, `auto` follows the measured
+figures instead (server/routing/split.py `measured_roles`), so a device that runs slower than its
+card loses its role. Trade-off: published figures until then, which a card throttled or shared
+may not meet.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ def auto_roles(workers: Mapping[str, DeviceInfo | None]) -> Roles:
                f"{b.gbs:g} GB/s: comparative advantage {advantage:.2f}")
     if advantage < AUTO_MIN_ADVANTAGE:
         return Roles({}, f"auto: not disaggregated: {figures} < {AUTO_MIN_ADVANTAGE:g}")
-    roles = {w: PREFILL if w in prefill else DECODE for w in cards}
+    roles = {w: BOTH if w in prefill else DECODE for w in cards}
     return Roles(roles, f"auto: {', '.join(prefill)} prefill, {', '.join(others)} decode ({figures})")
 
 

@@ -28,6 +28,8 @@ def _entry(ctx: RouterContext, h: WorkerHandle) -> dict:
     router = ctx.dispatcher.router
     routing = {**router.snapshot(h), "speed": speed_view(router.telemetry.speed(h.id))}  # unmeasured: None
     disagg = ctx.dispatcher.disagg  # its disaggregation role: prefill, decode or both (server/routing/roles.py)
+    if disagg is not None:  # under `auto`, the roles the measured speeds give now
+        disagg.refresh(router, ctx.supervisor.workers.values())
     role = {"role": "both", "reason": None} if disagg is None else disagg.describe(h.id)
     return {**h.snapshot(ctx.settings.max_batch), "placement": placed, "routing": routing, "disaggregation": role}
 
