@@ -50,7 +50,7 @@ def test_a_cpu_worker_loads_each_bucket_the_child_compiled_from_the_cache(tmp_pa
     worker under `--compile auto` has a child compile its buckets, then finds every bucket in the
     caches (`cache_hits`: no graph compiled in the worker, whose steps were held only for a load),
     says what it prepares meanwhile, and its compiled steps give the reference's greedy tokens."""
-    model = make_checkpoint(tmp_path / "model")
+    model = make_checkpoint(tmp_path / "model", num_hidden_layers=1)
     sock, status = tmp_path / "w.sock", tmp_path / "status.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSERVE_") and not k.startswith("TORCHINDUCTOR")}
     env["HETSERVE_TRITON_CACHE"] = str(tmp_path / "triton")  # the Inductor cache beside it: empty
