@@ -96,8 +96,8 @@ def test_packed_blocks_through_the_triton_kernels_answer_the_dequantized_workers
     GEMV (decode) in Triton's interpreter; the CPU worker dequantized the same file at load."""
     path = cached_gguf("llama", "Q4_K_M")
     router = RouterProcess(["--model", str(path), "--dtype", "float32", "--max-batch", "2", "--compile", "off",
-                            "--simulate", "sm_80,cpu"], env={"TRITON_INTERPRET": "1"}, fake=False,
-                           ready_timeout=300)
+                            "--simulate", "sm_80,cpu", "--canary-interval", "0"],  # its 8 x 16 tokens: interpreted
+                           env={"TRITON_INTERPRET": "1"}, fake=False, ready_timeout=300)
     try:
         workers = {("cpu" if w["device"]["type"] == "cpu" else "gpu"): w for w in router.workers()}
         assert workers["gpu"]["model"]["gguf"]["execution"].startswith("packed ("), workers["gpu"]["model"]["gguf"]
