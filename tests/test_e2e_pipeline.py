@@ -132,7 +132,7 @@ def test_streams_on_a_killed_pipeline_move_to_the_other_replica(tmp_path):
 
     model = make_checkpoint(tmp_path / "six", num_hidden_layers=6)
     router = RouterProcess(["--simulate", "sm_80,sm_86,sm_90", "--model", f"six={model}", "--place",
-                            "six=gpu0+gpu1,gpu2", "--dtype", "float32", "--max-batch", "8"],
+                            "six=gpu0+gpu1,gpu2", "--dtype", "float32", "--max-batch", "8", "--canary-interval", "0"],
                            env={"HETSERVE_COMPILE": "off", "HETSERVE_SLOWDOWN": "gpu1=20,gpu2=20"},  # streams last
                            fake=False, ready_timeout=300)
     try:
