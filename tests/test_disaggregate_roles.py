@@ -135,7 +135,7 @@ def test_refused_casts_of_another_dtypes_blocks_are_a_metric_per_worker():
     every per-worker series' labels (worker, capability, model)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from server.dispatch.handoff import ForeignCastCollector
+    from server.fleet.metrics import ForeignCastCollector
 
     tier = {"kv_host_tier": {"foreign": {"casts_refused": 3, "blocks_converted": 5}}}
     workers = [SimpleNamespace(id="gpu1", capability_label="7.5", model="tiny", info=None, live_capacity=tier),
@@ -147,3 +147,16 @@ def test_refused_casts_of_another_dtypes_blocks_are_a_metric_per_worker():
     series = 'capability="7.5",model="tiny",reason="kv_cast_not_exact",worker_id="gpu1"'
     assert f"hetserve_kv_tier_foreign_casts_refused_total{{{series}}} 3.0" in text
     assert 'worker_id="gpu0"' not in text
+
+
+def test_auto_counts_a_simulated_device_slowed_on_purpose_as_the_card_it_plays():
+    """Guards `slowed` in `auto_roles`: three sm_90s are identical on paper, but two slowed to a
+    card of an eighth of the compute and half the bandwidth are the slow-compute cards they play."""
+    from workers.contract.slowdown import Slowdown
+
+    workers = _workers("sm_90,sm_90,sm_90")
+    slow = Slowdown(8.0, 2.0)
+    assert not auto_roles(workers).active
+    roles = auto_roles(workers, {"gpu1": slow, "gpu2": slow})
+    assert dict(roles.by_worker) == {"gpu0": BOTH, "gpu1": DECODE, "gpu2": DECODE}
+    assert "(slowed prefill 8x, decode 2x)" in roles.reason and "comparative advantage 4.00" in roles.reason

@@ -14,6 +14,7 @@ from server.routing.split import (
     PART,
     SPLIT_OFF,
     SPLIT_ON,
+    SPLIT_UNEXPECTED,
     WHOLE,
     Side,
     measured_roles,
@@ -40,6 +41,7 @@ def test_a_card_faster_at_prefill_than_at_decode_prefills_and_the_others_decode(
 def test_identical_or_uniformly_slower_devices_keep_todays_routing(other):
     m = measured_roles({"gpu0": FAST, "gpu1": other}, active=False)
     assert m.prefill is None and m.reason.startswith("auto: not disaggregated") and m.advantage < SPLIT_ON
+    assert measured_roles({"gpu0": FAST, "gpu1": other}, active=False, expected=False).advantage < SPLIT_UNEXPECTED
 
 
 def test_the_roles_wait_for_every_worker_to_be_measured():
@@ -48,6 +50,15 @@ def test_the_roles_wait_for_every_worker_to_be_measured():
     assert measured_roles({"gpu0": FAST, "gpu1": None}, active=False) is None
     assert measured_roles({"gpu0": FAST, "gpu1": _speed(4e-4, 1.5e-3, samples=MIN_SAMPLES - 1)}, False) is None
     assert measured_roles({"gpu0": FAST}, active=False) is None
+
+
+def test_devices_alike_on_paper_need_a_large_measured_difference_to_split():
+    """Guards `SPLIT_UNEXPECTED`: where the cards say the devices are alike, an advantage of 2.7
+    (as a shared host's contention can fake between identical workers) does not split them, 5 does."""
+    speeds = {"gpu0": FAST, "gpu1": SLOW_COMPUTE}
+    assert measured_roles(speeds, active=False, expected=True).prefill == "gpu0"
+    assert measured_roles(speeds, active=False, expected=False).prefill is None
+    assert measured_roles({"gpu0": FAST, "gpu1": _speed(1e-3, 2e-3)}, False, expected=False).prefill == "gpu0"
 
 
 def test_the_split_holds_between_the_two_thresholds():
@@ -166,3 +177,14 @@ def test_a_worker_exports_its_step_moments_and_the_router_reads_them():
                                               preempted=()), b)
     got = read_moments(metrics.render().decode())
     assert got == pytest.approx(_moments([(0, 3, 0.004), (128, 2, 0.02)]))
+
+
+@pytest.mark.parametrize(("new_tokens", "stays"), [(4, True), (20, True), (21, False), (64, False)])
+def test_a_short_answer_is_decoded_where_it_was_prefilled(new_tokens, stays):
+    """Guards `new_tokens * sequence_s <= HANDOFF_S`: 1 ms a sequence adds to each decode step on
+    gpu0, so up to 20 new tokens cost it less than moving the prompt's blocks."""
+    sides = [Side("gpu0", True, True, 1e-4, 0.0, 1e-3), Side("gpu1", False, True, 4e-4, 0.0, 2e-3)]
+    s = plan(sides, 1000, 16, new_tokens)
+    assert s.kind == WHOLE and s.stays == stays
+    assert ("less than a handoff" in s.reason) == stays
+    assert not plan([Side("gpu0", True, False, 1e-4, 0.0, 1e-3), sides[1]], 1000, 16, 4).stays  # gpu0 only prefills

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily
 
 from server.config.disaggregate import AUTO
 from server.config.settings import RouterSettings
@@ -35,7 +35,6 @@ from server.dispatch.migration import ClientStream, StreamIncomplete, is_final, 
 from server.fleet.channel import STREAM_PATH
 from server.fleet.client import WorkerGone
 from server.fleet.handle import WorkerHandle
-from server.fleet.metrics import WORKER_LABELS, worker_labels
 from server.fleet.spec import worker_id
 from server.fleet.text import INLINE_PROMPT_CHARS
 from server.routing.filter import ELIGIBLE, Constraints, eligible
@@ -45,6 +44,7 @@ from server.routing.router import Router
 from server.routing.split import LOCAL, MIN_SAMPLES, PART, Side, Split, measured_roles, plan
 from workers.contract import RESUME_IDS, DeviceInfo, WorkerRequest, cpu_device
 from workers.contract.errors import is_request_fault
+from workers.contract.slowdown import ENV_SLOWDOWN, device_slowdown
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ _SPECIAL_TOKENS_SLACK = 8  # tokens a tokenizer may add to a text (BOS, a templa
 FALLBACK_REASONS = ("no_prefill_worker", "no_decode_worker", "no_token_channel", "prefill_unavailable",
                     "prefill_refused", "prefill_lost", "prefill_timeout")
 # what became of a long-prompt stream the roles would hand off (`hetserve_disagg_requests_total{outcome}`)
-OUTCOMES = ("handed_off", "ended_on_prefill", "split", "kept_local")
+OUTCOMES = ("handed_off", "ended_on_prefill", "split", "kept_local", "decoded_on_prefill")
 
 
 class Disaggregation:
@@ -63,12 +63,14 @@ class Disaggregation:
     def __init__(self, roles: Roles, min_prompt_tokens: int, capacity: int,
                  registry: CollectorRegistry | None = None, measured: bool = False, timeout_s: float = 30.0):
         self.roles, self.min_prompt_tokens, self.capacity = roles, min_prompt_tokens, capacity
+        self.prior = roles  # the start's roles, from the cards' published figures
         self.measured = measured  # `auto`: the roles follow the measured speeds once every worker has them
         self.timeout_s = timeout_s  # the most a prefill worker may take to publish a prompt's blocks
         self.requests = Counter("hetserve_disagg_requests", "Long-prompt streams under disaggregated prefill, by "
                                 "outcome (handed_off to a decode worker, ended_on_prefill by its first token, "
                                 "split: part of the prompt prefilled on another worker, kept_local: prefilled "
-                                "where it decodes, which the measured queues said was sooner).",
+                                "where it decodes, which the measured queues said was sooner, decoded_on_prefill: "
+                                "an answer short enough to decode where it was prefilled).",
                                 ["outcome"], registry=registry)
         self.fallbacks = Counter("hetserve_disagg_fallback", "Long-prompt streams that were not handed off and "
                                  "were prefilled on a decode worker instead, by reason.", ["reason"], registry=registry)
@@ -80,7 +82,7 @@ class Disaggregation:
         if not self.measured:
             return self.roles
         ids = sorted(h.id for h in workers if h.routable)
-        m = measured_roles({w: router.telemetry.phases(w) for w in ids}, self.roles.active)
+        m = measured_roles({w: router.telemetry.phases(w) for w in ids}, self.roles.active, self.prior.active)
         if m is None:
             return self.roles
         roles = Roles({w: BOTH if w == m.prefill else DECODE for w in ids} if m.prefill else {}, m.reason)
@@ -164,7 +166,7 @@ class Disaggregation:
                 self._fallback(reason, f.reason)
                 return None
             ready[role] = f.workers
-        split = self._split(router, ready[PREFILL], ready[DECODE], len(ids))
+        split = self._split(router, ready[PREFILL], ready[DECODE], len(ids), p.max_new_tokens)
         if split is not None and split.kind == LOCAL:
             self.requests.labels("kept_local").inc()
             logger.info("disaggregated prefill: a %d-token prompt stays on a decode worker: %s", len(ids), split.reason)
@@ -172,7 +174,7 @@ class Disaggregation:
         return ids, split
 
     def _split(self, router: Router, prefill: Sequence[WorkerHandle], decode: Sequence[WorkerHandle],
-               n: int) -> Split | None:
+               n: int, new_tokens: int) -> Split | None:
         """server/routing/split.py `plan` over the workers that may take each part now, from their
         measured speeds and the prompt work in flight there; None while one is not measured."""
         sides, block = {}, None
@@ -183,8 +185,8 @@ class Disaggregation:
             size = (h.info.capacity if h.info is not None else {}).get("kv_block_size")
             block = size if isinstance(size, int) and size > 0 and (block is None or size == block) else block
             sides[h.id] = Side(h.id, h in prefill, h in decode, speed.prefill_s,
-                               router.inflight(h.id)[0] * speed.prefill_s)
-        return plan(list(sides.values()), n, block or 16)
+                               router.inflight(h.id)[0] * speed.prefill_s, speed.sequence_s)
+        return plan(list(sides.values()), n, block or 16, new_tokens)
 
     def _route(self, workers: Iterable[WorkerHandle], to: str) -> dict[str, int]:
         """An exclusion that leaves only worker `to`."""
@@ -202,6 +204,8 @@ class Disaggregation:
         ids, split = planned
         if split is not None and split.kind == PART:
             return await self._open_part(dispatcher, path, body, c, ids, split)
+        if split is not None and split.stays:
+            return await self._open_here(dispatcher, path, body, c, split)
         n = len(ids)
         exclude = self._only(DECODE, workers) if split is None else self._route(workers, split.prefill)
         prefill_body = body.model_copy(update={"publish_kv": True})
@@ -234,6 +238,22 @@ class Disaggregation:
             self.requests.labels("ended_on_prefill").inc()  # its first token ended it (or it was refused)
             return ClientStream(dispatcher, path, body, c, opened)
         return HandoffStream(dispatcher, path, body, c, opened, self)
+
+    async def _open_here(self, dispatcher: Dispatcher, path: str, body: WorkerRequest, c: Constraints,
+                         split: Split) -> ClientStream | WorkerReply | None:
+        """The whole request on the prefill worker, as an ordinary stream: its answer is short
+        enough that decoding it there costs less than moving its blocks."""
+        workers = list(dispatcher.supervisor.workers.values())
+        try:
+            opened = await dispatcher.open_stream(path, body, c, self._route(workers, split.prefill), wait=False)
+        except DispatchError:
+            return None  # the prefill worker went away meanwhile: routed as any request
+        if isinstance(opened, WorkerReply):
+            return opened
+        route = f"disaggregated: prefill and decode on {opened.worker.id} ({split.reason})"
+        opened.headers[HEADER_ROUTE.lower()] = route
+        self.requests.labels("decoded_on_prefill").inc()
+        return ClientStream(dispatcher, path, body, c, opened)
 
     async def _open_part(self, dispatcher: Dispatcher, path: str, body: WorkerRequest, c: Constraints,
                          ids: tuple[int, ...], split: Split) -> ClientStream | WorkerReply | None:
@@ -345,26 +365,6 @@ class HandoffStream(ClientStream):
         return opened
 
 
-class ForeignCastCollector:
-    """`hetserve_kv_tier_foreign_casts_refused_total` per worker: the blocks of another KV dtype
-    whose cast was not exact, so the rest of their prompt was recomputed there (the workers count
-    them, workers/kvtier/foreign.py; their `/health` reports the count)."""
-
-    def __init__(self, workers_fn: Callable[[], Iterable[WorkerHandle]]):
-        self._workers_fn = workers_fn
-
-    def collect(self):
-        refused = CounterMetricFamily("hetserve_kv_tier_foreign_casts_refused", "Blocks of another KV dtype read "
-                                      "from the host tier whose cast was not exact: the rest of that prompt was "
-                                      "recomputed.", labels=[*WORKER_LABELS, "reason"])
-        for h in self._workers_fn():
-            capacity = {**(h.info.capacity if h.info is not None else {}), **h.live_capacity}
-            foreign = (capacity.get("kv_host_tier") or {}).get("foreign") or {}
-            if "casts_refused" in foreign:
-                refused.add_metric([*worker_labels(h), "kv_cast_not_exact"], foreign["casts_refused"])
-        yield refused
-
-
 def disaggregation(settings: RouterSettings, devices: Sequence[DeviceInfo], assignment: Mapping[int, object],
                    registry: CollectorRegistry | None = None) -> Disaggregation | None:
     """The handoff for `settings.disaggregate` over the workers `assignment` starts (device index
@@ -374,7 +374,9 @@ def disaggregation(settings: RouterSettings, devices: Sequence[DeviceInfo], assi
     if not config.enabled:
         return None
     workers = {worker_id(d): d for d in (devices or [cpu_device()]) if not assignment or d.index in assignment}
-    roles = resolve_roles(config, workers)
+    spec = os.environ.get(ENV_SLOWDOWN, "")  # simulated devices slowed on purpose, as the workers are
+    slowed = {w: device_slowdown(spec, w, d.simulated, d.arch) for w, d in workers.items()} if spec else None
+    roles = resolve_roles(config, workers, slowed)
     logger.info("disaggregated prefill: %s; prompts from %d tokens are handed off", roles.reason,
                 config.min_prompt_tokens)
     return Disaggregation(roles, config.min_prompt_tokens, settings.worker_capacity, registry,

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from server.canary.monitor import CanaryMonitor, run_canary
 from server.config.settings import RouterSettings
 from server.dispatch.dispatcher import Dispatcher
-from server.dispatch.handoff import ForeignCastCollector, disaggregation
+from server.dispatch.handoff import disaggregation
 from server.edge.context import VERSION, RouterContext
 from server.edge.direct import DirectRoutes
 from server.edge.disconnect import DisconnectGuard
@@ -33,7 +33,7 @@ from server.edge.routes import metrics as metrics_routes
 from server.edge.routes import models as model_routes
 from server.edge.tracing import TracingMiddleware
 from server.fleet.history import WorkerStats
-from server.fleet.metrics import RouterMetrics
+from server.fleet.metrics import ForeignCastCollector, RouterMetrics
 from server.fleet.models import ModelCollector, ModelManager
 from server.fleet.supervisor import Supervisor
 from server.routing.metrics import RoutingCollector

@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.fleet.breaker import BreakerState
@@ -234,3 +235,23 @@ def merge_worker_metrics(scrapes: list[tuple[WorkerHandle, str]]) -> str:
         lines.append(f"# TYPE {header} {'untyped' if kind == 'unknown' else kind}")
         lines.extend(samples)
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+class ForeignCastCollector:
+    """`hetserve_kv_tier_foreign_casts_refused_total` per worker: the blocks of another KV dtype
+    whose cast was not exact, so the rest of their prompt was recomputed there (the workers count
+    them, workers/kvtier/foreign.py; their `/health` reports the count)."""
+
+    def __init__(self, workers_fn: Callable[[], Iterable[WorkerHandle]]):
+        self._workers_fn = workers_fn
+
+    def collect(self):
+        refused = CounterMetricFamily("hetserve_kv_tier_foreign_casts_refused", "Blocks of another KV dtype read "
+                                      "from the host tier whose cast was not exact: the rest of that prompt was "
+                                      "recomputed.", labels=[*WORKER_LABELS, "reason"])
+        for h in self._workers_fn():
+            capacity = {**(h.info.capacity if h.info is not None else {}), **h.live_capacity}
+            foreign = (capacity.get("kv_host_tier") or {}).get("foreign") or {}
+            if "casts_refused" in foreign:
+                refused.add_metric([*worker_labels(h), "kv_cast_not_exact"], foreign["casts_refused"])
+        yield refused

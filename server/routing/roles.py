@@ -19,12 +19,13 @@ may not meet.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from server.config.disaggregate import AUTO, EXPLICIT, DisaggregateConfig
 from server.errors import UsageError
 from workers.contract.catalog import card
 from workers.contract.device import DeviceInfo
+from workers.contract.slowdown import Slowdown
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
 ROLES = (PREFILL, DECODE, BOTH)
@@ -89,13 +90,18 @@ def explicit_roles(config: DisaggregateConfig, workers: Mapping[str, DeviceInfo 
     return Roles(roles, f"explicit roles (--prefill/--decode): {named}")
 
 
-def auto_roles(workers: Mapping[str, DeviceInfo | None]) -> Roles:
-    """The roles `--disaggregate auto` chooses from the devices' catalog cards (module docstring)."""
+def auto_roles(workers: Mapping[str, DeviceInfo | None], slowed: Mapping[str, Slowdown] | None = None) -> Roles:
+    """The roles `--disaggregate auto` chooses from the devices' catalog cards (module docstring);
+    a simulated device slowed on purpose (`slowed`, from `$HETSERVE_SLOWDOWN`) counts as its card
+    with its compute and bandwidth divided by its prefill and decode factors."""
     cards = {}
     for w, d in workers.items():
         c = None if d is None else card(d.arch or d.capability_label)
         if c is None:
             return Roles({}, f"auto: not disaggregated: {w} has no catalog card (a CPU or an unknown architecture)")
+        s = (slowed or {}).get(w)
+        if s is not None and s.slowed:
+            c = replace(c, arch=f"{c.arch} (slowed {s.describe()})", tflops=c.tflops / s.prefill, gbs=c.gbs / s.decode)
         cards[w] = c
     if len(cards) < 2:
         return Roles({}, "auto: not disaggregated: one worker")
@@ -115,10 +121,11 @@ def auto_roles(workers: Mapping[str, DeviceInfo | None]) -> Roles:
     return Roles(roles, f"auto: {', '.join(prefill)} prefill, {', '.join(others)} decode ({figures})")
 
 
-def resolve_roles(config: DisaggregateConfig, workers: Mapping[str, DeviceInfo | None]) -> Roles:
+def resolve_roles(config: DisaggregateConfig, workers: Mapping[str, DeviceInfo | None],
+                  slowed: Mapping[str, Slowdown] | None = None) -> Roles:
     """The roles of `workers` (id -> its device, None for one without a single device)."""
     if config.mode == EXPLICIT:
         return explicit_roles(config, workers)
     if config.mode == AUTO:
-        return auto_roles(workers)
+        return auto_roles(workers, slowed)
     return Roles()

@@ -9,8 +9,10 @@ seconds at each batch size) and of its queues:
    advantage, (the best other's `a` / its `a`) / (the best other's decode step / its decode step,
    at one sequence: bound by reading the weights, and pinned even by traffic of one sequence
    at a time), is at least
-   `SPLIT_ON` (2: each is better at its own phase than the other is). It goes off again below
-   `SPLIT_OFF`, so noise around the threshold does not flap the roles. The prefill worker keeps
+   `SPLIT_ON` (2: each is better at its own phase than the other is), or `SPLIT_UNEXPECTED` where
+   the cards' published figures see no such difference (a fit's noise must not split identical
+   devices). It goes off again below `SPLIT_OFF`, so noise around the threshold does not flap
+   the roles. The prefill worker keeps
    serving ordinary requests too (`both`): the router's drain-time cost sends them elsewhere while
    its prefill queue is long, and lets it decode when it has room. Identical devices measure an
    advantage near 1 and keep today's routing.
@@ -29,6 +31,10 @@ seconds at each batch size) and of its queues:
    when it saves at least `MIN_GAIN` of the time (the prefill worker's queue is long), and *part*
    over the other two likewise, so a fit's noise does not move work for nothing.
 
+3. **Where a whole prompt's decode goes**: away from the prefill worker, unless the answer is
+   short: `new_tokens x b_p` (what the sequence adds to p's decode steps) at most `HANDOFF_S`
+   keeps it there, as an ordinary request that p prefills and decodes, with no blocks moved.
+
 Trade-off: first-token time alone decides the prefill; where the decode goes is the router's
 drain-time choice among the decode workers (the prefill worker left out), so a decode that would
 be faster on the prefill worker still leaves it, which is the point when its compute is worth
@@ -46,6 +52,10 @@ from server.routing.speed import Speed
 
 SPLIT_ON = AUTO_MIN_ADVANTAGE  # measured comparative advantage from which `auto` splits the phases (as the cards')
 SPLIT_OFF = 1.6  # and below which it stops again
+# where the cards' published figures say the devices are alike (so the start's roles do not split),
+# the measurements must show this much: three identical simulated workers sharing two CPU cores
+# measured 2.0 from their contention alone, which is noise, not a difference in kind
+SPLIT_UNEXPECTED = 4.0
 MIN_SAMPLES = 3  # sampling intervals a worker's speed must rest on before it decides anything
 HANDOFF_S = 0.02  # a handoff's fixed cost: a second dispatch, the blocks written to the tier and read back
 MIN_GAIN = 0.1  # a handoff (or a part over a whole) must save at least this fraction of the time
@@ -62,6 +72,7 @@ class Side:
     decode: bool
     prefill_s: float
     queued_s: float = 0.0
+    sequence_s: float = 0.0  # measured seconds a sequence adds to each of its decode steps
 
 
 @dataclass(frozen=True)
@@ -76,14 +87,16 @@ class Split:
     tokens: int = 0
     ttft_s: float = 0.0
     reason: str = ""
+    stays: bool = False  # WHOLE: the decode stays on the prefill worker (a short answer costs it less there)
 
 
 def _ms(s: float) -> str:
     return f"{1e3 * s:.0f} ms"
 
 
-def plan(sides: Sequence[Side], prompt_tokens: int, block_size: int) -> Split:
-    """The fastest way to a first token for a prompt of `prompt_tokens` (module docstring, 2)."""
+def plan(sides: Sequence[Side], prompt_tokens: int, block_size: int, new_tokens: int = 0) -> Split:
+    """The fastest way to a first token for a prompt of `prompt_tokens` (module docstring, 2), and
+    for a WHOLE, whether an answer of `new_tokens` stays where it was prefilled (module docstring, 3)."""
     n = prompt_tokens
     whole = [(s.queued_s + n * s.prefill_s + HANDOFF_S, s) for s in sides if s.prefill]
     best_whole = min(whole, key=lambda x: (x[0], x[1].id), default=None)
@@ -112,8 +125,12 @@ def plan(sides: Sequence[Side], prompt_tokens: int, block_size: int) -> Split:
     if best_part is not None and best_part[0] <= (1 - MIN_GAIN) * choice.ttft_s:
         t, k, p, d = best_part
         choice = Split(PART, p.id, d.id, k, t)
-    return Split(choice.kind, choice.prefill, choice.decode, choice.tokens, choice.ttft_s,
-                 _reason(choice, n, best_local, best_whole))
+    stays = choice.kind == WHOLE and best_whole[1].decode and new_tokens * best_whole[1].sequence_s <= HANDOFF_S
+    reason = _reason(choice, n, best_local, best_whole)
+    if stays:
+        reason += (f"; its {new_tokens} new tokens cost {choice.prefill} "
+                   f"{_ms(new_tokens * best_whole[1].sequence_s)} there, less than a handoff")
+    return Split(choice.kind, choice.prefill, choice.decode, choice.tokens, choice.ttft_s, reason, stays)
 
 
 def _reason(c: Split, n: int, best_local, best_whole) -> str:
@@ -136,10 +153,11 @@ class MeasuredRoles:
     reason: str
 
 
-def measured_roles(speeds: Mapping[str, Speed | None], active: bool) -> MeasuredRoles | None:
+def measured_roles(speeds: Mapping[str, Speed | None], active: bool, expected: bool = True) -> MeasuredRoles | None:
     """The roles the measured speeds give (module docstring, 1), or None while some worker's speed
     rests on fewer than `MIN_SAMPLES` intervals. `active`: the roles split the phases now (the
-    threshold to stay split is `SPLIT_OFF`, to start `SPLIT_ON`)."""
+    threshold to stay split is `SPLIT_OFF`); `expected`: the cards' figures split them (to start,
+    `SPLIT_ON`; else `SPLIT_UNEXPECTED`)."""
     if len(speeds) < 2 or any(s is None or s.samples < MIN_SAMPLES for s in speeds.values()):
         return None
     known: dict[str, Speed] = {w: s for w, s in speeds.items() if s is not None}
@@ -151,7 +169,7 @@ def measured_roles(speeds: Mapping[str, Speed | None], active: bool) -> Measured
     advantage = prefill_ratio / decode_ratio
     figures = (f"measured: {p} prefills {prefill_ratio:.2f}x as fast as {b} and decodes {decode_ratio:.2f}x as "
                f"fast: comparative advantage {advantage:.2f}")
-    threshold = SPLIT_OFF if active else SPLIT_ON
+    threshold = SPLIT_OFF if active else SPLIT_ON if expected else SPLIT_UNEXPECTED
     if advantage < threshold:
         return MeasuredRoles(None, advantage, f"auto: not disaggregated: {figures} < {threshold:g}")
     return MeasuredRoles(p, advantage, f"auto: {p} prefills long prompts, {', '.join(others)} decode them "
