@@ -1,19 +1,22 @@
 """Disaggregated prefill against today's routing, one server after the other in one run.
 
-    python benchmarks/disaggregated.py                       # sm_90 beside sm_75, slowed as `cards`
-    python benchmarks/disaggregated.py --roles "--prefill gpu0 --decode gpu1" --rate 2 --requests 48
+    python benchmarks/disaggregated.py                  # one fast-compute card, two slow-compute ones, auto
+    python benchmarks/disaggregated.py --roles "--prefill gpu0 --decode gpu0,gpu1,gpu2"
+    python benchmarks/disaggregated.py --simulate sm_90,sm_75 --slowdown cards --roles "--prefill gpu0"
 
-Two simulated workers of the embedded model (by default an sm_90 and an sm_75), each slowed as
-its catalog card against the sm_90 this CPU plays (`HETSERVE_SLOWDOWN=cards`: the sm_75's
-prefill by the TFLOPS ratio, its decode by the GB/s ratio). One server routes as today (every
-worker does both phases, speed-weighted by the router); the other runs with `--roles` (by
-default `--prefill gpu0 --decode gpu0,gpu1`: long prompts are prefilled only on the fast card,
-and their decode goes wherever the router finds room) and `--disaggregate-min-prompt`. Each
-gets the same seeded mixed workload at a fixed request rate (Poisson arrivals): long prompts
-with short answers and short prompts with long answers, streamed (`/generate_stream`), and
-reports time to first token (p50, p99), time per output token (p50), and throughput (generated
-tokens per second of the run); the ratios disaggregated / today are printed last. Rounds
-alternate which server goes first. A few minutes on two shared cores.
+Simulated workers of the embedded model (by default three sm_90s, gpu1 and gpu2 slowed as a card
+of less compute: prefill 4x, decode 1.5x, `HETSERVE_SLOWDOWN`). One server routes as today (every
+worker does both phases, speed-weighted by the router); the other runs with `--roles` (by default
+`--disaggregate auto`: the router measures each worker's prefill and decode speed and splits the
+phases where the measured comparative advantage says it pays, then chooses per prompt where its
+prefill runs from the measured speeds and queues) and `--disaggregate-min-prompt`. Each gets the
+same seeded mixed workload at a fixed request rate (Poisson arrivals), first `--warmup` seconds
+of it untimed (so the router has measured every worker), then `--requests` timed: long prompts
+with short answers and short prompts with long answers, streamed (`/generate_stream`). Reported:
+time to first token (p50, p99), time per output token (p50), throughput (generated tokens per
+second of the run) and goodput (requests per second that met `--slo-ttft` and `--slo-tpot`); the
+ratios disaggregated / today last. Rounds alternate which server goes first. `--identical` runs
+`--roles` once more on the same devices unslowed and prints whether it split (auto should not).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import random
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +35,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
 from router_harness import RouterProcess  # noqa: E402
 
@@ -74,10 +79,17 @@ async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
     return {"ttft": first - t0, "tpot": (end - first) / max(1, tokens - 1), "tokens": tokens}
 
 
-async def drive(url: str, requests: list[tuple[str, int]], rate: float, seed: int) -> dict:
+async def drive(url: str, requests: list[tuple[str, int]], rate: float, seed: int, warmup_s: float,
+                slo: tuple[float, float]) -> dict:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await one(client, requests[0][0], 2)  # warm up
+        warm, t0 = [], time.perf_counter()
+        while time.perf_counter() - t0 < warmup_s:  # untimed: every worker measured before the run
+            prompt, max_tokens = requests[rng.randrange(len(requests))]
+            warm.append(asyncio.create_task(one(client, prompt, max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*warm)
         tasks = []
         t0 = time.perf_counter()
         for prompt, max_tokens in requests:
@@ -86,57 +98,103 @@ async def drive(url: str, requests: list[tuple[str, int]], rate: float, seed: in
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
     ttft = [r["ttft"] for r in results]
+    good = sum(1 for r in results if r["ttft"] <= slo[0] and r["tpot"] <= slo[1])
     return {"ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
             "tpot_p50": percentile([r["tpot"] for r in results], 0.5),
-            "throughput": sum(r["tokens"] for r in results) / wall, "wall": wall}
+            "throughput": sum(r["tokens"] for r in results) / wall, "goodput": good / wall, "wall": wall}
 
 
-def serve(simulate: str, extra: list[str]) -> RouterProcess:
-    return RouterProcess(["--simulate", simulate, "--dtype", "float32", *extra],
-                         env={"HETSERVE_SLOWDOWN": "cards"}, fake=False, ready_timeout=300)
+def serve(simulate: str, slowdown: str, extra: list[str], model: Path | None = None) -> RouterProcess:
+    env = {"HETSERVE_SLOWDOWN": slowdown} if slowdown else {}
+    where = ["--model", str(model)] if model is not None else []
+    return RouterProcess(["--simulate", simulate, "--dtype", "float32", *where, *extra], env=env, fake=False,
+                         ready_timeout=300)
+
+
+def stand_in(tmp: Path, size: str) -> Path | None:
+    """`--model`: None for the embedded model, else a random llama of that hidden size (4 layers,
+    a 2048-token context) whose prefill is compute enough for the phases to differ."""
+    if size == "embedded":
+        return None
+    from tests.checkpoints import make_checkpoint
+
+    hidden = int(size)
+    return make_checkpoint(tmp / f"stand-in-{hidden}", hidden_size=hidden,
+                           intermediate_size=hidden * 8 // 3 // 64 * 64, num_hidden_layers=4,
+                           num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128),
+                           vocab_size=4096, max_position_embeddings=2048, torch_dtype="float32")
+
+
+def disagg_state(router: RouterProcess) -> str:
+    """The handoff counters and each worker's role with the reason, as the router reports them."""
+    text = httpx.get(f"{router.url}/metrics", timeout=10).text
+    counters = [ln for ln in text.splitlines() if ln.startswith("hetserve_disagg_") and not ln.endswith(" 0.0")]
+    workers = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]
+    roles = ", ".join(f"{w['id']} {w['disaggregation']['role']}" for w in workers)
+    reason = workers[0]["disaggregation"]["reason"] if workers else ""
+    return "\n  ".join([f"roles: {roles} ({reason})", *counters])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--simulate", default="sm_90,sm_75")
-    ap.add_argument("--roles", default="--prefill gpu0 --decode gpu0,gpu1")
+    ap.add_argument("--simulate", default="sm_90,sm_90,sm_90")
+    ap.add_argument("--slowdown", default="gpu1=prefill:4,decode:1.5,gpu2=prefill:4,decode:1.5",
+                    help="HETSERVE_SLOWDOWN for both servers (`cards`: each device as its catalog card)")
+    ap.add_argument("--roles", default="--disaggregate auto")
     ap.add_argument("--min-prompt", type=int, default=128)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson)")
+    ap.add_argument("--warmup", type=float, default=10.0, help="seconds of untimed requests first")
     ap.add_argument("--long-words", type=int, default=130)  # about 390 tokens of the 512-token context
     ap.add_argument("--short-words", type=int, default=12)
     ap.add_argument("--long-answer", type=int, default=48)
     ap.add_argument("--short-answer", type=int, default=4)
+    ap.add_argument("--slo-ttft", type=float, default=1.0, help="goodput: time to first token at most (s)")
+    ap.add_argument("--slo-tpot", type=float, default=0.1, help="goodput: time per output token at most (s)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="embedded", help="`embedded`, or a hidden size for a random 4-layer stand-in")
+    ap.add_argument("--identical", action="store_true", help="then --roles on the devices unslowed")
     args = ap.parse_args()
     configs = {"today": [], "disaggregated": [*shlex.split(args.roles), "--disaggregate-min-prompt",
                                               str(args.min_prompt)]}
+    slo = (args.slo_ttft, args.slo_tpot)
     results: dict[str, list[dict]] = {k: [] for k in configs}
+    tmp = Path(tempfile.mkdtemp(prefix="hetserve-disagg-"))
+    model = stand_in(tmp, args.model)
     for r in range(args.rounds):
         order = list(configs) if r % 2 == 0 else list(reversed(configs))
         for name in order:
-            router = serve(args.simulate, configs[name])
+            router = serve(args.simulate, args.slowdown, configs[name], model)
             try:
                 reqs = workload(args.seed + r, args.requests, args.long_words, args.short_words,
                                 args.long_answer, args.short_answer)
-                results[name].append(asyncio.run(drive(router.url, reqs, args.rate, args.seed + r)))
+                results[name].append(asyncio.run(drive(router.url, reqs, args.rate, args.seed + r, args.warmup, slo)))
                 if name == "disaggregated":
-                    text = httpx.get(f"{router.url}/metrics", timeout=10).text
-                    handed = [ln for ln in text.splitlines() if ln.startswith("hetserve_disagg_")]
-                    print("  " + "\n  ".join(handed))
+                    print("  " + disagg_state(router))
             finally:
                 router.stop()
-    print(f"\n{args.simulate} slowed as cards; roles `{args.roles}`, prompts from {args.min_prompt} tokens handed "
-          f"off; {args.requests} requests at {args.rate}/s, half {args.long_words} words -> {args.short_answer} "
-          f"tokens, half {args.short_words} words -> {args.long_answer} tokens; {args.rounds} round(s)\n")
+    print(f"\n{args.simulate} slowed `{args.slowdown or 'none'}`; `{args.roles}`, prompts from {args.min_prompt} "
+          f"tokens; {args.requests} requests at {args.rate}/s after {args.warmup:g} s of warm-up, half "
+          f"{args.long_words} words -> {args.short_answer} tokens, half {args.short_words} words -> "
+          f"{args.long_answer} tokens; goodput within {args.slo_ttft:g} s to the first token and "
+          f"{args.slo_tpot:g} s per output token; {args.rounds} round(s)\n")
     print("| measure | today | disaggregated | ratio |\n| --- | ---: | ---: | ---: |")
     for key, label, unit in (("ttft_p50", "time to first token, p50", "s"), ("ttft_p99", "time to first token, p99",
                              "s"), ("tpot_p50", "time per output token, p50", "s"),
-                             ("throughput", "throughput (tokens/s)", "")):
+                             ("throughput", "throughput (tokens/s)", ""), ("goodput", "goodput (requests/s)", "")):
         a = sum(x[key] for x in results["today"]) / args.rounds
         b = sum(x[key] for x in results["disaggregated"]) / args.rounds
         print(f"| {label} | {a:.3f}{unit} | {b:.3f}{unit} | {b / a:.2f}x |")
+    if args.identical:
+        router = serve(args.simulate, "", configs["disaggregated"], model)
+        try:
+            reqs = workload(args.seed, args.requests // 2, args.long_words, args.short_words, args.long_answer,
+                            args.short_answer)
+            asyncio.run(drive(router.url, reqs, args.rate, args.seed, args.warmup, slo))
+            print(f"\nidentical devices ({args.simulate}, unslowed), `{args.roles}`:\n  {disagg_state(router)}")
+        finally:
+            router.stop()
     return 0
 
 
