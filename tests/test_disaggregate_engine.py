@@ -143,3 +143,23 @@ def test_a_prompt_prefilled_in_part_elsewhere_at_every_block_boundary_gives_one_
         assert stream.events[-1].finish is not None
         assert [e.token_id for e in rest.run(ids)] == alone, k
         assert rest.prefill == len(ids) - k, k  # the part came from the tier, not computed again
+
+
+def test_an_moe_models_prompt_published_whole_or_in_part_continues_as_one_engine(tmp_path):
+    """The same two handoffs on a Qwen3-MoE (experts routed per token): the whole prompt and its
+    first token on one engine, or its first two blocks, then the other engine gives one engine's
+    tokens and computes only what the tier did not hold."""
+    from tests.family_checkpoints import make_family_checkpoint
+
+    moe = load_model(make_family_checkpoint("qwen3_moe", tmp_path / "moe"), "float32")
+    ids = moe.tokenizer.encode(PROMPT).ids
+    alone = [e.token_id for e in Worker(moe).run(ids)]
+    prefill, decode = Worker(moe, tmp_path / "whole"), Worker(moe, tmp_path / "whole")
+    stream = prefill.engine.submit(ids, SamplingParams.create(max_new_tokens=NEW), publish_kv=True)
+    prefill.engine.step()
+    assert [e.token_id for e in stream.events] == alone[:1]
+    assert [e.token_id for e in decode.run(ids, resume_ids=[alone[0]])] == alone[1:] and decode.prefill <= 1
+    part, rest = Worker(moe, tmp_path / "part"), Worker(moe, tmp_path / "part")
+    part.engine.submit(ids[:2 * BLOCK], SamplingParams.create(max_new_tokens=1), publish_kv=True)
+    part.engine.step()
+    assert [e.token_id for e in rest.run(ids)] == alone and rest.prefill == len(ids) - 2 * BLOCK

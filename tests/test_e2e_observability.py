@@ -107,7 +107,7 @@ def router(tmp_path_factory, collector):
 
     model = make_checkpoint(tmp_path_factory.mktemp("obs") / "tiny")
     r = RouterProcess(["--simulate", "sm_80,sm_89,sm_90", "--model", str(model), "--max-batch", "8",
-                       "--api-key", KEY, "--otlp-endpoint", collector.url],
+                       "--api-key", KEY, "--otlp-endpoint", collector.url, "--disaggregate", "auto"],
                       env={"OTEL_BSP_SCHEDULE_DELAY": "200"}, fake=False, ready_timeout=240)
     yield r
     r.stop()
@@ -279,6 +279,10 @@ def test_status_page_in_a_real_browser_follows_a_worker_killed_and_restarted(rou
                 "replica", "first", "replica"]
             placed = cards.nth(1).locator(".placed").inner_text()
             assert "first · needs " in placed and "MiB of 43.2 GiB" in placed and "smallest free device" in placed
+            # disaggregation's role row: `auto` does not split these cards (the H100 is faster at both
+            # phases than the A100), and each card says so
+            assert [cards.nth(i).locator("dd.role").get_attribute("data-role") for i in range(3)] == ["both"] * 3
+            assert "not disaggregated" in cards.nth(2).locator(".role-reason").inner_text()
             gpu1 = page.locator(".card[data-worker=gpu1]")
             gpu1.locator("details.kernels summary").click()
             assert (gpu1.locator("details.kernels li").count() >= 2
