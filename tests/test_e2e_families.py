@@ -34,7 +34,8 @@ def served(tmp_path_factory):
     paths = {name: make_family_checkpoint(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
 
     def start(name: str) -> RouterProcess:
-        return RouterProcess(["--model", str(paths[name]), "--max-batch", "4"], fake=False, ready_timeout=300)
+        return RouterProcess(["--model", str(paths[name]), "--max-batch", "4", "--canary-interval", "0"], fake=False,
+                             ready_timeout=300)
 
     with ThreadPoolExecutor(len(FAMILIES)) as pool:
         futures = {name: pool.submit(start, name) for name in FAMILIES}
