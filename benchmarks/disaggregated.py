@@ -4,8 +4,11 @@
     python benchmarks/disaggregated.py --roles "--prefill gpu0 --decode gpu0,gpu1,gpu2"
     python benchmarks/disaggregated.py --simulate sm_90,sm_75 --slowdown cards --roles "--prefill gpu0"
 
-Simulated workers of the embedded model (by default three sm_90s, gpu1 and gpu2 slowed as a card
-of less compute: prefill 4x, decode 1.5x, `HETSERVE_SLOWDOWN`). One server routes as today (every
+Simulated workers of a random 4-layer stand-in of hidden size 384 (`--model`; the embedded 4M
+model's prefill is too cheap for the phases to matter), by default three sm_90s, all slowed so that
+the simulated devices, not the two shared CPU cores, bound the run: gpu0 2x at both phases, gpu1
+and gpu2 as cards of an eighth of its compute and half its bandwidth (prefill 16x, decode 4x;
+`HETSERVE_SLOWDOWN`). One server routes as today (every
 worker does both phases, speed-weighted by the router); the other runs with `--roles` (by default
 `--disaggregate auto`: the router measures each worker's prefill and decode speed and splits the
 phases where the measured comparative advantage says it pays, then chooses per prompt where its
@@ -138,22 +141,22 @@ def disagg_state(router: RouterProcess) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--simulate", default="sm_90,sm_90,sm_90")
-    ap.add_argument("--slowdown", default="gpu1=prefill:4,decode:1.5,gpu2=prefill:4,decode:1.5",
+    ap.add_argument("--slowdown", default="gpu0=prefill:2,decode:2,gpu1=prefill:16,decode:4,gpu2=prefill:16,decode:4",
                     help="HETSERVE_SLOWDOWN for both servers (`cards`: each device as its catalog card)")
     ap.add_argument("--roles", default="--disaggregate auto")
     ap.add_argument("--min-prompt", type=int, default=128)
     ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson)")
+    ap.add_argument("--rate", type=float, default=2.5, help="requests per second (Poisson)")
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds of untimed requests first")
     ap.add_argument("--long-words", type=int, default=130)  # about 390 tokens of the 512-token context
     ap.add_argument("--short-words", type=int, default=12)
-    ap.add_argument("--long-answer", type=int, default=48)
+    ap.add_argument("--long-answer", type=int, default=192)
     ap.add_argument("--short-answer", type=int, default=4)
     ap.add_argument("--slo-ttft", type=float, default=1.0, help="goodput: time to first token at most (s)")
     ap.add_argument("--slo-tpot", type=float, default=0.1, help="goodput: time per output token at most (s)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default="embedded", help="`embedded`, or a hidden size for a random 4-layer stand-in")
+    ap.add_argument("--model", default="384", help="`embedded`, or a hidden size for a random 4-layer stand-in")
     ap.add_argument("--identical", action="store_true", help="then --roles on the devices unslowed")
     args = ap.parse_args()
     configs = {"today": [], "disaggregated": [*shlex.split(args.roles), "--disaggregate-min-prompt",
