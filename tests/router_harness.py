@@ -81,6 +81,10 @@ class RouterProcess:
         elif "HETSERVE_WORKER_CMD" not in (env or {}):  # the real worker, unless the test starts its own
             full_env.pop("HETSERVE_WORKER_CMD", None)
         self.log = tempfile.NamedTemporaryFile(prefix="hetserve-router-", suffix=".log", delete=False)
+        if not fake and not any(a.startswith("--canary-interval") for a in args):
+            # real workers: no canary unless the test asks for one (its startup round generates on every
+            # worker beside the test's own requests; tests/test_e2e_canary.py runs it on purpose)
+            args = [*args, "--canary-interval", "0"]
         cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
         self.worker_pids: list[int] = []
