@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter
@@ -239,21 +239,28 @@ class Disaggregation:
             return ClientStream(dispatcher, path, body, c, opened)
         return HandoffStream(dispatcher, path, body, c, opened, self)
 
+    async def _open_on(self, dispatcher: Dispatcher, path: str, body: WorkerRequest, c: Constraints, worker: str,
+                       outcome: str, route: Callable[[str], str]) -> ClientStream | WorkerReply | None:
+        """The client's request as an ordinary stream on `worker` only, `route(its id)` its
+        `X-Hetserve-Route`, counted as `outcome`; None when that worker went away meanwhile (then
+        it is routed as any request)."""
+        workers = list(dispatcher.supervisor.workers.values())
+        try:
+            opened = await dispatcher.open_stream(path, body, c, self._route(workers, worker), wait=False)
+        except DispatchError:
+            return None
+        if isinstance(opened, WorkerReply):
+            return opened
+        opened.headers[HEADER_ROUTE.lower()] = route(opened.worker.id)
+        self.requests.labels(outcome).inc()
+        return ClientStream(dispatcher, path, body, c, opened)
+
     async def _open_here(self, dispatcher: Dispatcher, path: str, body: WorkerRequest, c: Constraints,
                          split: Split) -> ClientStream | WorkerReply | None:
         """The whole request on the prefill worker, as an ordinary stream: its answer is short
         enough that decoding it there costs less than moving its blocks."""
-        workers = list(dispatcher.supervisor.workers.values())
-        try:
-            opened = await dispatcher.open_stream(path, body, c, self._route(workers, split.prefill), wait=False)
-        except DispatchError:
-            return None  # the prefill worker went away meanwhile: routed as any request
-        if isinstance(opened, WorkerReply):
-            return opened
-        route = f"disaggregated: prefill and decode on {opened.worker.id} ({split.reason})"
-        opened.headers[HEADER_ROUTE.lower()] = route
-        self.requests.labels("decoded_on_prefill").inc()
-        return ClientStream(dispatcher, path, body, c, opened)
+        return await self._open_on(dispatcher, path, body, c, split.prefill, "decoded_on_prefill",
+                                   lambda w: f"disaggregated: prefill and decode on {w} ({split.reason})")
 
     async def _open_part(self, dispatcher: Dispatcher, path: str, body: WorkerRequest, c: Constraints,
                          ids: tuple[int, ...], split: Split) -> ClientStream | WorkerReply | None:
@@ -266,18 +273,10 @@ class Disaggregation:
         part = body.model_copy(update={"inputs": "", "input_ids": ids[:split.tokens], "parameters": params,
                                        "publish_kv": True})
         done = await self._prefill_part(dispatcher, path, part, c, self._route(workers, split.prefill))
-        try:
-            opened = await dispatcher.open_stream(path, body, c, self._route(workers, split.decode), wait=False)
-        except DispatchError:
-            return None  # its decode worker went away meanwhile: routed as any request
-        if isinstance(opened, WorkerReply):
-            return opened
         what = "prefilled" if done else "not prefilled (see the log)"
-        opened.headers[HEADER_ROUTE.lower()] = (f"disaggregated: {split.tokens} of {len(ids)} prompt tokens {what} "
-                                                f"on {split.prefill}, the rest and the decode on {opened.worker.id} "
-                                                f"({split.reason})")
-        self.requests.labels("split").inc()
-        return ClientStream(dispatcher, path, body, c, opened)
+        return await self._open_on(dispatcher, path, body, c, split.decode, "split",
+                                   lambda w: f"disaggregated: {split.tokens} of {len(ids)} prompt tokens {what} on "
+                                             f"{split.prefill}, the rest and the decode on {w} ({split.reason})")
 
     async def _prefill_part(self, dispatcher: Dispatcher, path: str, part: WorkerRequest, c: Constraints,
                             exclude: dict[str, int]) -> bool:
