@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from workers.contract import GATEWAY_KV_USAGE, GATEWAY_RUNNING, GATEWAY_WAITING
@@ -44,6 +44,35 @@ class GatewayGauges:
             yield GaugeMetricFamily(name, "Fraction of the KV cache in use (1 = full).", value=usage)
         yield GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV cache blocks held by running "
                                 "sequences (cached prefix blocks nobody holds count as free)", value=usage)
+
+
+class StepMoments:
+    """`hetserve_worker_step_moments_total{moment}`: the per-step sums of `STEP_MOMENTS`, kept as
+    floats the engine thread adds to (no lock per step) and read when scraped."""
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(STEP_MOMENTS, 0.0)
+
+    def add(self, p: float, b: float, y: float) -> None:
+        s = self.sums
+        s["n"] += 1.0
+        s["p"] += p
+        s["b"] += b
+        s["pp"] += p * p
+        s["bb"] += b * b
+        s["pb"] += p * b
+        s["y"] += y
+        s["py"] += p * y
+        s["by"] += b * y
+        s["np"] += 1.0 if p else 0.0
+
+    def collect(self):
+        family = CounterMetricFamily(f"{PREFIX}_step_moments", "Per-step sums for a least-squares fit of step "
+                                     "time (y seconds) over prompt tokens computed (p) and sequences (b): "
+                                     + ", ".join(STEP_MOMENTS), labels=["moment"])
+        for m, v in list(self.sums.items()):
+            family.add_metric([m], v)
+        yield family
 
 
 class WorkerMetrics:
@@ -104,22 +133,16 @@ class WorkerMetrics:
         )
         # each step's (1, P prompt tokens computed, B sequences, y seconds) summed into the moments of a
         # least-squares fit y = c + a*P + b*B, so the router can fit each phase's cost over steps, not
-        # over its sampling intervals (server/routing/phases.py)
-        self.step_moments = Counter(f"{PREFIX}_step_moments", "Per-step sums for a least-squares fit of step time "
-                                    "(y seconds) over prompt tokens computed (p) and sequences (b): "
-                                    + ", ".join(STEP_MOMENTS), ["moment"], registry=r)
-        self._moments = {m: self.step_moments.labels(m) for m in STEP_MOMENTS}
+        # over its sampling intervals (server/routing/phases.py); plain floats, rendered when scraped
+        self.step_moments = StepMoments()
+        r.register(self.step_moments)
 
     def on_step(self, seconds: float, batch: int, out, new_tokens: int) -> None:
         """One engine step; `out` is its `SchedulerOutput` (prefill and prefix-cache figures)."""
         self.steps.inc()
         self.step_seconds.observe(seconds)
         self.batch_size.observe(batch)
-        p, b, m = float(out.num_prefill_tokens), float(batch), self._moments
-        for name, value in (("n", 1.0), ("p", p), ("b", b), ("pp", p * p), ("bb", b * b), ("pb", p * b),
-                            ("y", seconds), ("py", p * seconds), ("by", b * seconds), ("np", 1.0 if p else 0.0)):
-            if value:
-                m[name].inc(value)
+        self.step_moments.add(float(out.num_prefill_tokens), float(batch), seconds)
         if out.num_prefill_tokens:
             self.prefill_tokens.labels("computed").inc(out.num_prefill_tokens)
         if out.num_queried_tokens:
