@@ -100,9 +100,12 @@ def test_each_family_over_http_generates_transformers_greedy_tokens(served, name
         linear = model["attention"]["linear"]
         assert linear["layers"] == [0, 1, 2] and linear["kind"] == "gated_deltanet"
         assert [lt["layers"] for lt in model["attention"]["layer_types"]] == [[3]]
-        # 4 slots (--max-batch 4) x 3 layers x (conv [128, 3] + recurrent [4, 16, 16] fp32), in fp32
-        assert capacity["state_slots"] == 4 and capacity["state_bytes"] == 4 * 3 * (128 * 3 + 4 * 16 * 16) * 4
-        assert capacity["prefix_cache"] is False and "snapshots" in capacity["prefix_cache_off"]
+        # 4 running slots (--max-batch 4) and 8 spare for snapshots (workers/kv/snapshots.py) x 3 layers
+        # x (conv [128, 3] + recurrent [4, 16, 16] fp32), in fp32; the prefix cache on through them
+        per = 3 * (128 * 3 + 4 * 16 * 16) * 4
+        assert capacity["state_slots"] == 4 and capacity["state_bytes"] == (4 + 8) * per
+        snapshots = capacity["state_snapshots"]
+        assert capacity["prefix_cache"] is True and (snapshots["slots"], snapshots["bytes_each"]) == (8, per)
         assert "GatedDeltaRule" in worker["kernels"], worker["kernels"]
         if name != "qwen3_5":
             assert "FusedMoE" in worker["kernels"] and model["features"]["shared_expert"] == 48

@@ -122,18 +122,24 @@ def test_a_different_kv_format_shares_nothing(lm, tmp_path, other):
 
 
 def test_a_pool_the_tier_cannot_serve_says_why(lm, tmp_path):
-    """A hybrid's reason (`hybrid_reason`, workers/kvtier/format.py) is its state, with the bytes of
-    the snapshot it lacks, not the prefix cache its state turned off."""
+    """A hybrid without a prefix cache gets the reason about its state (`hybrid_reason`,
+    workers/kvtier/format.py), with the bytes one snapshot would take; with the cache (so with
+    snapshots) it gets a tier whose key covers the state's shapes, apart from the same attention
+    layers' dense format. Guards the `pool.states is not None and not prefix_caching` line and the
+    state's place in `KVFormat.key`."""
     from workers.kv.state import StatePool
 
     pool = KVPool.for_config(lm.config, 8, BLOCK, torch.float32, "cpu")
     tier = HostTier.open(pool, b"r", tmp_path, 1 << 20, prefix_caching=False)
     assert not tier.enabled and "--no-prefix-cache" in tier.reason
+    dense = HostTier.open(pool, b"r", tmp_path, 1 << 20).format
     pool.states = StatePool((1, 3), 2, 8, 4, 2, 4, 4)  # conv 8 x 3 and recurrent 2 x 4 x 4 fp32, two layers
     hybrid = HostTier.open(pool, b"r", tmp_path, 1 << 20, prefix_caching=False)
-    assert not hybrid.enabled and "--no-prefix-cache" not in hybrid.reason, hybrid.reason
+    assert not hybrid.enabled and "linear-attention state" in hybrid.reason, hybrid.reason
     assert "one snapshot is 448 bytes" in hybrid.reason and "not snapshotted" in hybrid.reason
     assert hybrid.describe()["reason"] == hybrid.reason
+    served = HostTier.open(pool, b"r", tmp_path, 1 << 20)
+    assert served.enabled and served.format.state_bytes == 448 and served.format.key != dense.key
     assert HostTier.open(pool, b"r", None, 1 << 20).describe() == {
         "enabled": False, "reason": "no tier directory (the router makes one; `--kv-host-dir`)"}
 

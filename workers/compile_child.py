@@ -75,7 +75,7 @@ def build_decode(spec: dict):
     install_cpu_paths(loaded, bound, False)
     groups = tuple(KVGroup(**{**g, "layers": tuple(g["layers"])}) for g in spec["groups"])
     kv = KVPool.for_config(loaded.config, groups[0].num_blocks, spec["block_size"], loaded.dtype, bound.torch_device,
-                           groups, state_slots=config.max_batch)
+                           groups, state_slots=spec.get("state_slots") or config.max_batch)
     return CompiledDecode(loaded.model, kv, bound.torch_device, tuple(spec["buckets"]), "inductor",
                           in_place=spec["in_place"])
 

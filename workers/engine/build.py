@@ -145,20 +145,24 @@ def build_kv(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, cont
         logger.info("KV cache %s bytes: %s; budget %s (%s)", kv.nbytes, shape, budget, why)
     else:
         logger.info("KV cache %s bytes: %s; budget %s (%s); prefix cache %s", kv.nbytes, shape, budget, why,
-                    "off" if config.no_prefix_cache or kv.states is not None else "on")
+                    "off" if config.no_prefix_cache or (kv.states is not None and
+                                                        kv.states.num_slots <= config.max_batch) else "on")
     return kv
 
 
 def scheduler_config(config: WorkerConfig, loaded: LoadedModel, kv: KVPool, context: int,
                      shapes: tuple[tuple[int | None, int], ...], state_slots: int) -> SchedulerConfig:
     """The scheduler's limits: the worker's flags, the KV groups' `shapes`, and the prefix cache's
-    hash root (what besides the tokens decides a block's contents)."""
+    hash root (what besides the tokens decides a block's contents); the state pool's slots past the
+    `state_slots` running ones hold snapshots (workers/kv/snapshots.py) where one full group is."""
     root = root_hash(loaded.model_id, loaded.dtype, config.quantize, config.kv_block_size)
+    spare = kv.states.num_slots - state_slots if state_slots and kv.states is not None else 0
+    snapshots = spare if len(shapes) == 1 and shapes[0][0] is None else 0
     return SchedulerConfig(
         config.max_batch, context, shapes[0][1], kv.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=not config.no_prefix_cache,
         eos_token_ids=loaded.eos_token_ids, cache_root=root, rope=loaded.model.rope_policy, kv_groups=shapes,
-        state_slots=state_slots,
+        state_slots=state_slots, state_snapshots=snapshots,
     )
 
 
@@ -328,7 +332,7 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
                                   decision.backend, in_place=cpu.in_place)
     runner = ModelRunner(loaded.model, kv, bound.torch_device, mirror=cpu.deterministic is None, compiled=compiled,
                          in_place=cpu.in_place)
-    slots = kv.states.num_slots if kv.states is not None else 0
+    slots = config.max_batch if kv.states is not None else 0  # the rest of the state pool holds snapshots
     scheduler = Scheduler(scheduler_config(config, loaded, kv, context, shapes, slots))
     exact = cpu.deterministic is not None  # the only mode whose verify step rounds as the decode step does
     speculator = speculator_for(config.speculative, config.num_speculative_tokens, scheduler, exact=exact,
@@ -348,5 +352,6 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
             return install_cpu_paths(loaded, bound, False)
     child = None  # under `auto` a CPU worker's buckets compile in a child process first (not with LoRA hooks)
     if compiled is not None and decision.backend == "inductor" and decision.mode == "auto" and not config.lora:
-        child = ChildCompile(config, kv.groups, kv.block_size, compiled.buckets)
+        child = ChildCompile(config, kv.groups, kv.block_size, compiled.buckets,
+                             kv.states.num_slots if kv.states is not None else 0)
     return BuiltEngine(engine, kv, decision, compiled, cpu=cpu, reinstall=reinstall, child=child)

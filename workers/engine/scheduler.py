@@ -67,12 +67,14 @@ class SchedulerConfig:
     rope: tuple[int, str] | None = None
     # (window, blocks) of each KV group (`KVPool.group_shapes`); None: one full group of `num_blocks`
     kv_groups: tuple[tuple[int | None, int], ...] | None = None
-    # slots of the linear layers' state pool (`StatePool.num_slots`); 0: no linear layers. A model
-    # with them reuses no prefix (workers/kv/state.py says why): `prefix_caching` is turned off
+    # running sequences' slots of the linear layers' state pool; 0: no linear layers. Such a model
+    # reuses a prefix only through snapshots of that state in `state_snapshots` spare slots
+    # (workers/kv/snapshots.py); without them `prefix_caching` is turned off
     state_slots: int = 0
+    state_snapshots: int = 0
 
     def __post_init__(self) -> None:
-        if self.state_slots and self.prefix_caching:
+        if self.state_slots and self.prefix_caching and not self.state_snapshots:
             object.__setattr__(self, "prefix_caching", False)
         if self.num_blocks is None and self.block_size >= 1:
             object.__setattr__(self, "num_blocks", self.max_sequences * -(-self.max_seq_len // self.block_size))
@@ -115,7 +117,7 @@ class Scheduler:
     def _init_kv(self) -> None:
         c = self.config
         self.kv = KVCacheManager(c.num_blocks, c.block_size, c.prefix_caching, c.cache_root, c.kv_groups,
-                                 c.state_slots)
+                                 c.state_slots, c.state_snapshots if c.prefix_caching else 0)
         self._reserve = int(WATERMARK * c.num_blocks)
 
     # -- admission ---------------------------------------------------------------------------
@@ -223,7 +225,8 @@ class Scheduler:
                 break
             if seq.status != RUNNING:  # preempted by an older one in this step
                 continue
-            n = self._fit(seq, min(seq.num_tokens - seq.num_computed, budget), scheduled, preempted)
+            n = self._fit(seq, self.kv.chunk(seq, min(seq.num_tokens - seq.num_computed, budget)), scheduled,
+                          preempted)
             if n:
                 chunks.append(self._chunk(seq, n))
                 scheduled.add(id(seq))
@@ -248,7 +251,7 @@ class Scheduler:
             if seq.computed_at_preemption:  # a resume: what neither the device nor the host tier held
                 self.num_recomputed_tokens += max(0, seq.computed_at_preemption - admission.cached_tokens)
                 seq.computed_at_preemption = 0
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self.kv.chunk(seq, min(seq.num_tokens - seq.num_computed, budget))
             chunks.append(self._chunk(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
@@ -392,7 +395,8 @@ class Scheduler:
             "kv_block_size": c.block_size, "kv_blocks_total": c.num_blocks,
             "kv_blocks_free": self.kv.num_free_blocks, "prefix_cache": c.prefix_caching,
             "max_num_batched_tokens": c.max_num_batched_tokens,
-            **({"state_slots": c.state_slots, "state_slots_free": self.kv.states.num_free,
-                "prefix_cache_off": "linear layers' state has no per-block snapshots (workers/kv/state.py)"}
+            **({"state_slots": c.state_slots, "state_slots_free": self.kv.states.num_free} if c.state_slots else {}),
+            **({"state_snapshots": self.kv.snapshots.describe()} if self.kv.snapshots is not None else
+               {"prefix_cache_off": "no slots for snapshots of the linear layers' state (workers/kv/snapshots.py)"}
                if c.state_slots else {}),
         }

@@ -31,7 +31,7 @@ class Sequence:
         "block_ids", "group_tables", "held_from", "block_hashes", "num_cached_blocks", "num_preemptions", "grammar",
         "prompt_logprobs", "computed_at_preemption",
         "cache_root", "rope_len", "state_slot", "lora", "draft_ids", "spec_drafted", "spec_accepted",
-        "publish_kv", "lora_wait",
+        "publish_kv", "lora_wait", "snapshot_key",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, generator=None):
@@ -64,6 +64,7 @@ class Sequence:
         self.lora = None  # its LoRA adapter (workers/lora/adapter.py); None: the base model
         self.lora_wait: str | None = None  # the adapter it waits for a slot of (workers/lora/waiting.py)
         self.state_slot = -1  # its slot of the linear layers' state while it holds KV blocks (workers/kv/state.py)
+        self.snapshot_key: bytes | None = None  # its latest state snapshot's key (workers/kv/snapshots.py)
         self.draft_ids: list[int] = []  # draft tokens its next decode verifies (workers/engine/speculate.py)
         self.spec_drafted = self.spec_accepted = 0  # its draft tokens verified and accepted so far
         self.publish_kv = False  # its prompt's KV is in the host tier before its last event (a prefill handed off)

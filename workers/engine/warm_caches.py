@@ -60,10 +60,12 @@ class ChildCompile:
     groups: tuple
     block_size: int
     buckets: tuple[int, ...]
+    state_slots: int = 0  # the linear layers' state pool's slots, running and spare (0: none)
 
     def spec(self, in_place: bool) -> dict:
         return {"config": self.config.to_dict(), "groups": [asdict(g) for g in self.groups],
-                "block_size": self.block_size, "buckets": list(self.buckets), "in_place": in_place}
+                "block_size": self.block_size, "buckets": list(self.buckets), "in_place": in_place,
+                "state_slots": self.state_slots}
 
 
 def fill_caches(child: ChildCompile, in_place: bool, on_bucket: Callable[[int], None] = lambda done: None,

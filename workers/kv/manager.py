@@ -8,7 +8,8 @@ became full. A sequence writes only positions past its `num_computed`, in blocks
 a cached block is never written again. The state lives on the sequence (`block_ids`,
 `group_tables`, `held_from`, `block_hashes`), so a preempted sequence finds its own blocks again
 if they were not evicted; every call covers every KV group, and the linear layers' state slot
-(`seq.state_slot`) is taken and freed with the blocks. Trade-off: a prefix is reused only in
+(`seq.state_slot`) is taken and freed with the blocks. A hybrid's prefix ends where a snapshot
+of that state does (`_at_snapshot`, workers/kv/snapshots.py). Trade-off: a prefix is reused only in
 whole blocks (up to `block_size - 1` tokens of a shared prefix recomputed), which keeps matching
 to one dictionary lookup per block."""
 
@@ -21,6 +22,7 @@ from typing import Protocol
 from workers.kv.blocks import BlockPool
 from workers.kv.groups import first_needed
 from workers.kv.hashing import chain_hashes
+from workers.kv.snapshots import Snapshots
 from workers.kv.state import StateSlots
 
 
@@ -57,7 +59,8 @@ class Admission:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, root: bytes = b"",
-                 groups: tuple[tuple[int | None, int], ...] | None = None, state_slots: int = 0) -> None:
+                 groups: tuple[tuple[int | None, int], ...] | None = None, state_slots: int = 0,
+                 state_snapshots: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"`block_size` must be >= 1, got `{block_size}`")
         groups = groups or ((None, num_blocks),)
@@ -70,9 +73,18 @@ class KVCacheManager:
         self.root = root  # the hash chain's start: model, dtype, quantization, block size
         self.states = StateSlots(state_slots) if state_slots else None  # linear layers' state slots
         self.tier: HostTierHooks | None = None  # host tier past the device cache (one full group only)
+        self.snapshots: Snapshots | None = None  # the linear layers' state at block boundaries (hybrids)
         if self.states is not None and prefix_caching:
-            raise ValueError("A prefix cache cannot serve linear layers' state (workers/kv/state.py): "
-                             "`prefix_caching` must be False with `state_slots`")
+            if not state_snapshots or len(groups) != 1 or groups[0][0] is not None:
+                raise ValueError("A prefix cache serves linear layers' state only through snapshots in one "
+                                 "full-attention group (workers/kv/snapshots.py): `prefix_caching` must be False "
+                                 "with `state_slots` but no `state_snapshots`")
+            self.snapshots = Snapshots(state_slots, state_snapshots)
+
+    def attach_states(self, pool) -> None:
+        """The state pool (`StatePool`) whose spare slots hold the snapshots (none: nothing to do)."""
+        if self.snapshots is not None:
+            self.snapshots.attach(pool)
 
     # -- capacity -----------------------------------------------------------------------------
 
@@ -119,6 +131,9 @@ class KVCacheManager:
         tokens = seq.token_ids()
         hits = self._prefix_hits(seq, tokens, max_cached)
         host, tail = self._host_hits(seq, tokens, max_cached, len(hits[0]))  # the chain's next blocks, from the host
+        snapshot = None
+        if self.snapshots is not None:  # a hybrid's prefix ends where a snapshot of its state does
+            hits, host, tail, snapshot = self._at_snapshot(seq, hits, host, tail)
         full = len(host) - (tail > 0)  # host payloads holding full blocks (a partial block comes last)
         cached = (len(hits[0]) + full) * self.block_size + tail
         num_new = min(num_new, len(tokens) - cached)
@@ -144,7 +159,20 @@ class KVCacheManager:
         seq.num_computed = cached
         if self.states is not None:
             seq.state_slot = self.states.take()
+            if snapshot is not None:
+                self.snapshots.restore(snapshot, seq.state_slot, self.tier)
         return Admission(cached, len(tokens) if self.prefix_caching and max_cached != 0 else 0)
+
+    def chunk(self, seq: KVSequence, n: int) -> int:
+        """How many of the next `n` prompt tokens `seq` computes in this step: a hybrid's chunk ends
+        on a block boundary, where its state can be snapshotted (workers/kv/snapshots.py), unless it
+        is the prompt's last or the boundary is behind it; a prompt whose KV another worker continues
+        (`publish_kv`) stops at its last boundary first, so that worker recomputes less than a block."""
+        end = seq.num_computed + n
+        if self.snapshots is None or (end == len(seq.token_ids()) and not getattr(seq, "publish_kv", False)):
+            return n
+        cut = end - end % self.block_size
+        return cut - seq.num_computed if cut > seq.num_computed else n
 
     def grow(self, seq: KVSequence, end: int) -> bool:
         """Blocks for positions `< end` in every group; False when a group has too few free."""
@@ -202,6 +230,8 @@ class KVCacheManager:
         if not self.swap_out(seq):
             return 0
         self._write_partial(seq)
+        if self.snapshots is not None:
+            self.snapshots.persist(seq, self.tier)
         return seq.num_computed
 
     def _write_partial(self, seq: KVSequence) -> None:
@@ -226,6 +256,9 @@ class KVCacheManager:
         seq.block_ids, seq.group_tables, seq.held_from = [], [], []
         seq.num_cached_blocks = 0
         if self.states is not None and seq.state_slot >= 0:
+            if self.snapshots is not None:  # its last boundary's state outlives it (a next turn, a resume)
+                self.snapshots.persist(seq, self.tier)
+                seq.snapshot_key = None
             self.states.give(seq.state_slot)
             seq.state_slot = -1
 
@@ -241,6 +274,9 @@ class KVCacheManager:
                 if pool.register(table[i], seq.block_hashes[i]) and self.tier is not None:
                     self.tier.cached(table[i], seq.block_hashes[i])  # written through to the host tier
         seq.num_cached_blocks = full
+        if self.snapshots is not None and seq.num_computed == full * self.block_size:  # the state is at a boundary
+            self.snapshots.save(seq, seq.block_hashes[full - 1], full, self.tier,
+                                keep=seq.num_computed < len(seq.prompt_ids))  # a prompt chunk's end is kept
 
     def _table(self, seq: KVSequence, group: int) -> list[int]:
         return seq.block_ids if group == 0 else seq.group_tables[group - 1]
@@ -274,6 +310,14 @@ class KVCacheManager:
                 break
             n += 1
         return (host, n) if n else (host[:k], 0)
+
+    def _at_snapshot(self, seq: KVSequence, hits: list, host, tail: int) -> tuple:
+        """A hybrid's device and host hits cut back to the last block boundary with a snapshot of
+        its linear layers' state, on the device or in the host tier (no partly filled block: the
+        state would have to end inside it); with what restores that snapshot (None: no hit)."""
+        found = len(hits[0]) + len(host) - (tail > 0)
+        n, snapshot = self.snapshots.find(seq.block_hashes, found, self.tier)
+        return [h[: min(n, len(h))] for h in hits], host[: max(0, n - len(hits[0]))], 0, snapshot
 
     def _prefix_hits(self, seq: KVSequence, tokens: list[int], max_cached: int | None) -> list[list[int | None]]:
         """Per group, the cached blocks holding the sequence's leading full blocks, before its last

@@ -6,11 +6,11 @@ sequence the last `K - 1` inputs of its convolution (model dtype) and its recurr
 holds both for every linear layer and `num_slots` sequences, allocated once and counted in the
 memory budget (`plan_state`); `StateSlots` hands a slot out at admission and takes it back with
 the sequence's blocks, so it cannot leak apart from them. A first chunk starts from zeros
-(`StateBatch.fresh`), every later chunk reads the slot and writes it back; a preempted or
-migrated sequence is recomputed from its tokens. Trade-off: no prefix caching for such models
-(a snapshot per cached block would be as large as a sequence's whole state, and the chunked
-kernels give the state only at chunk ends), so a shared prefix is recomputed per request while
-the state memory stays bounded by `num_slots`."""
+(`StateBatch.fresh`), every later chunk reads the slot and writes it back. A prefix is reused
+only where a snapshot of the state at its end exists, kept in spare slots after the running
+ones (workers/kv/snapshots.py: a snapshot is a whole sequence's state, so they are taken at
+sparse block boundaries, not per block). Trade-off: the state memory stays bounded by
+`num_slots`, running and spare, whatever the number of cached prefixes."""
 
 from __future__ import annotations
 
@@ -76,6 +76,12 @@ class StatePool:
         """Layer `index`'s conv state `[S, C, K-1]` and recurrent state `[S, Hv, Dk, Dv]` (views)."""
         local = self._local[index]
         return self.conv[local], self.recurrent[local]
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Every linear layer's state of slot `src` into slot `dst` (a snapshot taken or restored:
+        workers/kv/snapshots.py)."""
+        self.conv[:, dst].copy_(self.conv[:, src])
+        self.recurrent[:, dst].copy_(self.recurrent[:, src])
 
     def clear(self, index: int, slots: torch.Tensor) -> None:
         """Zero layer `index`'s state in `slots` [n] (sequences starting in this step)."""

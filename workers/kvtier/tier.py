@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from array import array
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +36,7 @@ import torch
 
 from workers.contract import KV_HOST_SHARE, WorkerConfig
 from workers.kvtier.foreign import ForeignReader, foreign_formats
-from workers.kvtier.format import KVFormat, format_of, model_fingerprint, partial_key, unsupported
+from workers.kvtier.format import KVFormat, format_of, model_fingerprint, partial_key, state_key, unsupported
 from workers.kvtier.store import TierStore, default_budget
 from workers.kvtier.writer import TierWriter
 
@@ -58,6 +59,8 @@ class HostTier:
         self._fence = None  # the copy stream's last event: the compute stream waits for it before the next step
         self._last: tuple[tuple, tuple] = ((), (torch.empty(0, dtype=torch.uint8), []))  # for a retry
         self.foreign: ForeignReader | None = None  # other dtypes' blocks, converted exactly (workers/kvtier/foreign.py)
+        self._last_state: tuple = (None, None)  # the last snapshot fetched (a waiting sequence asks each step)
+        self.states_written = self.states_loaded = 0
 
     @classmethod
     def open(cls, pool, root: bytes, directory: str | Path | None, budget: int,
@@ -93,7 +96,7 @@ class HostTier:
                                                 numerics.encode()))).digest()
 
         tier = cls.open(pool, identity_for(root), config.kv_host_dir, budget, prefix_caching)
-        if tier.enabled and chain_root_for is not None:
+        if tier.enabled and chain_root_for is not None and pool.states is None:  # a hybrid's state has one dtype
             formats = foreign_formats(tier.format, pool.dtype, config.kv_host_dir, chain_root_for, identity_for)
             tier.foreign = ForeignReader(tier.format, pool.dtype, formats) if formats else None
         return tier
@@ -155,6 +158,44 @@ class HostTier:
         replace = chain_hash in self._partials
         self._partials.discard(chain_hash)
         return self.store.put(chain_hash, self._on_host(payload), replace=replace)
+
+    # -- a hybrid's state snapshots (workers/kv/snapshots.py) ------------------------------------
+
+    def put_state(self, key: bytes, slot: int) -> None:
+        """A snapshot of the linear layers' state (`slot` of the state pool) at the end of the block
+        hashing to `key`: copied out now (the recurrent state, then the conv window), written behind."""
+        skey = state_key(key)
+        if self.store.contains(skey) or self.writer.peek(skey) is not None:
+            return
+        states = self.pool.states
+        parts = (states.recurrent[:, slot], states.conv[:, slot])  # [L, Hv, Dk, Dv] fp32, [L, C, K-1]
+        data = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]).cpu()
+        self.writer.submit(skey, memoryview(data.numpy()), wake=False)
+        self.states_written += 1
+
+    def fetch_state(self, key: bytes):
+        """The snapshot at the end of the block hashing to `key`, checked (queued or stored), or
+        None. A sequence that did not fit asks again each step: the last answer is kept."""
+        if self._last_state[0] == key:
+            return self._last_state[1]
+        skey = state_key(key)
+        payload = self._on_host(self.writer.peek(skey))
+        if payload is None and self.store.contains(skey):
+            payload = self.store.get(skey)
+        if payload is not None and len(payload) != self.format.state_bytes:
+            payload = None
+        self._last_state = (key, payload)
+        return payload
+
+    def load_state(self, payload, slot: int) -> None:
+        """Copy a fetched snapshot into the state pool's running slot `slot`."""
+        states, (recurrent, _, conv, _) = self.pool.states, self.format.state
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        n = math.prod(recurrent) * states.recurrent.element_size()
+        states.recurrent[:, slot].copy_(data[:n].view(states.recurrent.dtype).view(recurrent))
+        states.conv[:, slot].copy_(data[n:].view(states.conv.dtype).view(conv))
+        self._last_state = (None, None)
+        self.states_loaded += 1
 
     def write_behind(self) -> None:
         """Called once a step is scheduled: the writer writes what earlier steps cached while this
@@ -248,6 +289,8 @@ class HostTier:
         out = self.store.describe()
         out.update(enabled=self.enabled, blocks_loaded=self.blocks_loaded, partial_blocks_loaded=self.tails_loaded,
                    blocks_dropped=self.writer.dropped if self.writer else 0)
+        if self.format is not None and self.format.state:
+            out.update(state_snapshots_written=self.states_written, state_snapshots_loaded=self.states_loaded)
         if self.format is not None:
             out["format"] = self.format.describe()
             out["format_key"] = self.format.key.hex()[:16]
