@@ -73,7 +73,7 @@ class Engine:
         self.metrics = metrics or WorkerMetrics()
         self.on_fatal = on_fatal
         self.output = OutputProcessor(scheduler, self.metrics)
-        scheduler.kv.attach_states(getattr(runner.kv, "states", None))  # a hybrid's snapshots copy within it
+        scheduler.kv.attach_states(getattr(runner, "kv", None))  # a hybrid's snapshots copy within its state pool
         self._init_admission(max_queue)
         self._init_thread()
         self.metrics.track(self.load, self.kv_usage)  # the gateway gauges, read at scrape time

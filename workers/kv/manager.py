@@ -82,9 +82,9 @@ class KVCacheManager:
             self.snapshots = Snapshots(state_slots, state_snapshots)
 
     def attach_states(self, pool) -> None:
-        """The state pool (`StatePool`) whose spare slots hold the snapshots (none: nothing to do)."""
+        """The KV pool whose state pool's spare slots hold the snapshots (without: nothing to do)."""
         if self.snapshots is not None:
-            self.snapshots.attach(pool)
+            self.snapshots.attach(getattr(pool, "states", None))
 
     # -- capacity -----------------------------------------------------------------------------
 
