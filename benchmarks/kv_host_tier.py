@@ -1,6 +1,7 @@
 """The host KV tier on the embedded model: a multi-turn workload with and without it, side by side in one run.
 
     python benchmarks/kv_host_tier.py             # --threads 1 by default, like the other benchmarks
+    python benchmarks/kv_host_tier.py --arch qwen3_5   # a hybrid: its prefixes through state snapshots
 
 `--conversations` conversations take `--turns` turns in round robin; each turn resends the whole
 history plus `--user-tokens` new tokens and generates `--new-tokens` greedy tokens, so prompts grow
@@ -46,6 +47,7 @@ from workers.engine.runner import ModelRunner  # noqa: E402
 from workers.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from workers.kv.hashing import root_hash  # noqa: E402
 from workers.kv.pool import KVPool  # noqa: E402
+from workers.kv.snapshots import PER_SEQUENCE  # noqa: E402
 from workers.kvtier.publish import publish  # noqa: E402
 from workers.kvtier.tier import HostTier  # noqa: E402
 from workers.model.loader import load_model  # noqa: E402
@@ -62,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--moved-after", type=int, default=64)
+    p.add_argument("--arch", default="embedded",
+                   help="`embedded` (the default model) or a family of tests/family_checkpoints.py at benchmark "
+                        "size, e.g. `qwen3_5` (a hybrid: its state snapshots, workers/kv/snapshots.py)")
     return p.parse_args(argv)
 
 
@@ -69,9 +74,12 @@ class Side:
     """One engine (with or without the tier) and what it computed."""
 
     def __init__(self, lm, blocks: int, block: int, tier_dir: str | None, sequences: int = 1):
-        pool = KVPool.for_config(lm.config, blocks, block, lm.dtype, "cpu")
+        hybrid = bool(lm.config.state_layers)  # its state's running slots and snapshot slots, as a worker sizes them
+        spare = PER_SEQUENCE * sequences if hybrid else 0
+        pool = KVPool.for_config(lm.config, blocks, block, lm.dtype, "cpu", state_slots=sequences + spare)
         root = root_hash(lm.model_id, lm.dtype, "none", block)
-        config = SchedulerConfig(sequences, lm.config.context_length, blocks, block, 1024, True, cache_root=root)
+        config = SchedulerConfig(sequences, lm.config.context_length, blocks, block, 1024, True, cache_root=root,
+                                 state_slots=sequences if hybrid else 0, state_snapshots=spare)
         self.engine = Engine(ModelRunner(lm.model, pool, "cpu"), Scheduler(config), lm.tokenizer, max_queue=4)
         self.tier = None
         if tier_dir is not None:
@@ -165,7 +173,14 @@ def main(argv=None) -> int:
 
 def run(args, tier_dir: str) -> int:
     torch.set_num_threads(args.threads)
-    lm = load_model(DEFAULT_MODEL_DIR, "float32")
+    model = DEFAULT_MODEL_DIR
+    if args.arch != "embedded":
+        from tests.family_checkpoints import make_bench_checkpoint
+
+        model = make_bench_checkpoint(args.arch, Path(tier_dir).with_name(Path(tier_dir).name + "-model"))
+    lm = load_model(model, "float32")
+    if args.arch != "embedded":
+        shutil.rmtree(model, ignore_errors=True)
     bs = args.block_size
     last = args.first_tokens + (args.turns - 1) * (args.user_tokens + args.new_tokens) + args.new_tokens
     # a quarter of the live contexts, and at least one conversation's longest turn
@@ -235,7 +250,9 @@ def run(args, tier_dir: str) -> int:
     print(f"| (e) the same: prompt tokens the new engine computes | {m_prefill_r} | {m_prefill_t} | | |")
     print(f"| (e) the same: the old engine publishing its KV (written, acknowledged) | | {m_pub * 1e3:.1f} ms | | |")
     d = tiered.tier.describe()
-    print(f"tier: {d['blocks_written']} blocks written, {d['blocks_loaded']} loaded, {d['used_bytes']} bytes; "
+    snaps = (f", {d['state_snapshots_written']} state snapshots written ({tiered.tier.format.state_bytes} bytes "
+             f"each), {d['state_snapshots_loaded']} loaded" if "state_snapshots_written" in d else "")
+    print(f"tier: {d['blocks_written']} blocks written, {d['blocks_loaded']} loaded, {d['used_bytes']} bytes{snaps}; "
           "every request's tokens equal on both sides")
     for side in (tiered, second, by_swap):
         side.tier.close()

@@ -4,7 +4,8 @@ The vocabulary is trained here by the `tokenizers` library on the embedded model
 (sentencepiece-style BPE), then written as llama.cpp writes one: `<unk>`, `<s>`, `</s>`, the 256
 byte tokens `<0x00>`..`<0xFF>`, the pieces with their scores and no merges (both converters derive
 them from the scores). Ours (workers/gguf/tokenizer.py) must equal transformers' own GGUF
-conversion (`convert_gguf_tokenizer`) on a corpus, for Llama's Metaspace and Phi-3's normalizer."""
+conversion (`convert_gguf_tokenizer`) on a corpus, for Llama's Metaspace, Phi-3's normalizer and
+Gemma's respelled spaces and merges by position."""
 
 from __future__ import annotations
 
@@ -72,9 +73,37 @@ def test_merges_come_from_the_scores_best_first(meta):
     assert merges_from_scores(tokens, scores) == want
 
 
-def test_gemma_sentencepiece_is_refused_by_name(meta):
-    with pytest.raises(GGUFError, match=r"tokenizer model `llama` for architecture `gemma3`"):
-        build_tokenizer({**meta, "general.architecture": "gemma3"})
+@pytest.fixture(scope="module")
+def gemma_meta(meta):
+    """The same pieces as Gemma's files lay them out: `<pad>`, `<eos>`, `<bos>`, `<unk>` first, runs
+    of two to eight spaces stored as spaces, scores that do not follow the merge order (the file's
+    order does), no merges."""
+    pieces = meta["tokenizer.ggml.tokens"][259:]
+    spaces = [" " * n for n in range(2, 9)]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), *spaces, *pieces]
+    return {"general.architecture": "gemma3", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [float((i * 7919) % 101) for i in range(len(tokens))],
+            "tokenizer.ggml.token_type": [3, 3, 3, 2] + [6] * 256 + [1] * (len(spaces) + len(pieces)),
+            "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3}
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_sentencepiece_ids_match_transformers_gguf_conversion(gemma_meta, arch):
+    """Gemma's files: runs of spaces respelled, merges from the tokens' order, no prefix space (`_gemma`
+    in workers/gguf/tokenizer.py) give transformers' ids and text on the corpus, where the Llama
+    reading of the same file would not (scores as merge order, a prepended `▁`)."""
+    meta = {**gemma_meta, "general.architecture": arch}
+    ours, ref = build_tokenizer(meta), _reference(meta, arch)
+    llama = build_tokenizer({**meta, "general.architecture": "llama"})
+    differ = 0
+    for line in _corpus() + ["a   b    c", "        eight spaces", "end  "]:
+        want = ref.encode(line, add_special_tokens=False)
+        got = ours.encode(line, add_special_tokens=False)
+        assert got.ids == want.ids, line
+        assert ours.decode(got.ids) == ref.decode(want.ids) == line, line
+        differ += llama.encode(line, add_special_tokens=False).ids != want.ids
+    assert differ > len(_corpus()) // 2, differ
+    assert ours.encode("hello").ids[0] == 2  # BOS, as the file's sentencepiece model adds it
 
 
 @pytest.mark.parametrize(("meta", "error"), [

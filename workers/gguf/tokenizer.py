@@ -7,14 +7,16 @@ builds it (the same token ids), and written beside the converted config (workers
 - a byte-level BPE vocabulary (`tokenizer.ggml.model` `gpt2`: Llama 3, Qwen 2/3 and most newer
   files) keeps its merges; the text is split by the regex of its `tokenizer.ggml.pre` (GPT-2's own
   where the name is not one we know, as transformers does);
-- a sentencepiece vocabulary (`llama`: Llama 2, Mistral, Phi-3) becomes a BPE with byte fallback
-  over `▁`-prefixed text, its merges the file's or, where it has none, derived from the scores
-  (each token's splits into two known tokens, best score first); Phi-3's spaces are all `▁`.
+- a sentencepiece vocabulary (`llama`: Llama 2, Mistral, Phi-3, Gemma) becomes a BPE with byte
+  fallback over `▁`-prefixed text, its merges the file's or, where it has none, derived from the
+  scores (each token's splits into two known tokens, best score first); Phi-3's spaces are all `▁`;
+  Gemma's have no prefix, its runs of spaces are stored as spaces (respelled `▁`) and its merges
+  follow the tokens' order in the file, not their scores.
 Tokens typed control become special added tokens and user-defined ones plain added tokens, so
 neither is cut into pieces; BOS/EOS are added as `tokenizer.ggml.add_bos_token` / `add_eos_token`
 say (a sentencepiece vocabulary adds BOS unless told not to). The chat template is the file's
-`tokenizer.chat_template`. Trade-off: Gemma's sentencepiece files (respelled spaces, merges by
-position) and other tokenizer models are refused by name until their converters land.
+`tokenizer.chat_template`. Trade-off: other tokenizer models (unigram `t5`, `gemma4`) are
+refused by name until their converters land.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from workers.gguf.files import GGUFError
 TOKENIZER_MODELS = ("gpt2", "llama")
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 SPACE = "\u2581"  # sentencepiece's `▁`
-NO_SENTENCEPIECE = ("gemma2", "gemma3")  # their sentencepiece files need a converter of their own
+GEMMA = ("gemma", "gemma2", "gemma3")  # sentencepiece files spelled and ordered their own way
 
 # how each `tokenizer.ggml.pre` splits text before byte-level BPE (the model's own pre-tokenizer regex)
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -86,10 +88,8 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str]):
     from tokenizers.models import BPE
 
     arch = meta.get("general.architecture")
-    if arch in NO_SENTENCEPIECE:
-        raise GGUFError(f"Unsupported GGUF tokenizer model `llama` for architecture `{arch}` (a sentencepiece "
-                        f"vocabulary of its own). Supported: `gpt2` for every architecture, `llama` for all but "
-                        f"{', '.join(NO_SENTENCEPIECE)}")
+    if arch in GEMMA:
+        return _gemma(meta, tokens)
     if meta.get("tokenizer.ggml.merges"):
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     else:
@@ -102,6 +102,26 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str]):
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(content=" ", left=1)])
+    return tok, None
+
+
+def _gemma(meta: dict[str, Any], tokens: list[str]):
+    """Gemma's sentencepiece: a token of two or more spaces is stored as spaces and looked up as
+    `▁`s; without merges in the file they come from the tokens' order (earlier first), which Gemma's
+    scores do not follow; every space is a `▁`, none prepended; no prefix stripped when decoding."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    spelled = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    if meta.get("tokenizer.ggml.merges"):
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        merges = merges_from_scores(spelled, [-float(i) for i in range(len(spelled))])
+    tok = Tokenizer(BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges, fuse_unk=True, unk_token="<unk>",
+                        byte_fallback=True, dropout=None))
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     return tok, None
 
 

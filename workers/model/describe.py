@@ -55,8 +55,8 @@ def linear_layers(config: ModelConfig) -> dict[str, Any] | None:
             "key_heads": config.linear_num_key_heads, "value_heads": hv, "key_head_dim": dk, "value_head_dim": dv,
             "conv_kernel": config.linear_conv_kernel,
             "state": f"per sequence and layer: conv [{config.linear_conv_dim}, {config.linear_conv_kernel - 1}] in "
-                     f"the model dtype, recurrent [{hv}, {dk}, {dv}] fp32; a prefix reused where a snapshot of it at a block boundary is "
-                     "(workers/kv/snapshots.py)",
+                     f"the model dtype, recurrent [{hv}, {dk}, {dv}] fp32; a prefix reused where a snapshot of it "
+                     "at a block boundary is (workers/kv/snapshots.py)",
             "recurrent_state_bytes": len(config.state_layers) * hv * dk * dv * 4}
 
 
