@@ -274,3 +274,52 @@ def test_a_hybrids_prompt_prefilled_for_another_engine_whole_or_in_part_continue
         pass
     part.tier.flush()
     assert finish.generate(ids) == [alone] and finish.prefill == len(ids) - 8 * BLOCK
+
+
+def test_deterministic_snapshots_and_rejected_drafts_give_plain_decodings_numbers_bit_for_bit(tmp_path):
+    """In deterministic mode (the delta rule token by token) a hybrid's turns served with snapshots
+    restored and drafts verified (each draft two right tokens, then two wrong: the state rolled
+    back before the boundary's snapshot is taken, workers/engine/speculate.py `_settle`) give the
+    tokens and logprobs of recomputing every prompt and decoding plainly, bit for bit."""
+    from workers.engine.speculate import Speculator
+    from workers.model.deterministic import enable_deterministic
+    from workers.spec.policy import SpecPolicy
+
+    torch.set_num_threads(1)
+    lm = load_model(make_family_checkpoint("qwen3_5", tmp_path / "q"), "float32")
+    enable_deterministic(lm.model)
+    want: dict[tuple, list[int]] = {}
+
+    def serve(snapshots: int, drafted: bool) -> tuple[list, Engine]:
+        pool = lm.model.new_kv_pool(64, BLOCK, state_slots=RUNNING + snapshots)
+        config = SchedulerConfig(RUNNING, 512, 64, BLOCK, 24, True, eos_token_ids=(), cache_root=ROOT,
+                                 state_slots=RUNNING, state_snapshots=snapshots)
+        speculator = Speculator("ngram", SpecPolicy(4, 8)) if drafted else None
+        if speculator is not None:
+            def propose(running):
+                for seq in running:
+                    if seq.output_ids and seq.num_tokens - seq.num_computed == 1:
+                        right, n = want[tuple(seq.prompt_ids)], len(seq.output_ids)
+                        seq.draft_ids = right[n:n + 2] + [(t + 7) % lm.config.vocab_size for t in right[n + 2:n + 4]]
+
+            speculator.propose = propose
+        engine = Engine(ModelRunner(lm.model, pool, "cpu", mirror=False), Scheduler(config), lm.tokenizer,
+                        max_queue=4, speculator=speculator)
+        history, outputs = _prompts(2), []
+        for turn in range(2):
+            for c in range(len(history)):
+                stream = engine.submit(history[c], SamplingParams.create(max_new_tokens=NEW))
+                while engine.step():
+                    pass
+                out = [(e.token_id, e.logprob) for e in stream.events]
+                want.setdefault(tuple(history[c]), [t for t, _ in out])
+                outputs.append(out)
+                history[c] = history[c] + [t for t, _ in out] + [7, 8, 9 + turn]
+        return outputs, engine
+
+    plain, _ = serve(0, False)
+    spec, engine = serve(4, True)
+    assert spec == plain
+    described = engine.speculation()
+    assert 0 < described["accepted_tokens"] < described["draft_tokens"], described
+    assert engine.scheduler.kv.snapshots.restored >= 2
