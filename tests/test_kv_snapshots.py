@@ -149,11 +149,11 @@ def test_a_preempted_hybrid_resumes_from_its_last_boundary_with_the_same_tokens(
 
 def test_prompt_chunks_end_on_block_boundaries_and_a_handed_off_prompt_stops_at_its_last(hybrid):
     """A hybrid's prompt chunk that is not its last ends on a block boundary (where a snapshot can
-    be taken), and a prompt published for another worker stops at its last boundary first; a
-    dense-like scheduler without snapshots chunks by the budget alone. Guards `KVCacheManager.chunk`."""
-    def chunks(snapshots: int, publish: bool) -> list[tuple[int, int]]:
+    be taken), and a prompt published for another worker, or one of `LAST_BOUNDARY_BLOCKS` blocks
+    or more, stops at its last boundary first; without snapshots the budget alone cuts. Guards `KVCacheManager.chunk`."""
+    def chunks(snapshots: int, publish: bool, length: int = 57) -> list[tuple[int, int]]:
         engine = Counted(hybrid, snapshots).engine
-        seq = engine.submit(list(range(3, 60)), SamplingParams.create(max_new_tokens=1))  # 57 tokens
+        seq = engine.submit(list(range(3, 3 + length)), SamplingParams.create(max_new_tokens=1))
         sched = engine.scheduler
         engine._drain_inbox()
         sched.waiting[0].publish_kv = publish
@@ -171,6 +171,8 @@ def test_prompt_chunks_end_on_block_boundaries_and_a_handed_off_prompt_stops_at_
     assert chunks(0, False) == [(0, 24), (24, 24), (48, 9)]  # the budget: 24 tokens a step
     assert chunks(4, False) == [(0, 24), (24, 24), (48, 9)]  # 24 and 48 are boundaries already
     assert chunks(4, True) == [(0, 24), (24, 24), (48, 8), (56, 1)]  # 56: the last boundary of 57
+    assert chunks(4, False, 70) == [(0, 24), (24, 24), (48, 20), (68, 2)]  # 16 blocks or more: 68 first
+    assert chunks(0, False, 70) == [(0, 24), (24, 24), (48, 22)]
 
 
 def test_rolling_snapshots_replace_each_other_kept_ones_stay_and_the_oldest_is_evicted():
@@ -323,3 +325,21 @@ def test_deterministic_snapshots_and_rejected_drafts_give_plain_decodings_number
     described = engine.speculation()
     assert 0 < described["accepted_tokens"] < described["draft_tokens"], described
     assert engine.scheduler.kv.snapshots.restored >= 2
+
+
+def test_a_long_prompts_last_boundary_is_kept_so_a_next_turn_without_the_answer_reuses_it(hybrid):
+    """A template that drops the answer's reasoning from the history: the next turn shares the
+    previous prompt but not what was generated. A prompt of 16 blocks or more stops its prefill at
+    its last boundary (snapshotted, kept), so that turn recomputes only the prompt's last partial
+    block and its own new tokens, with the greedy tokens of recomputing everything. Guards the
+    `LAST_BOUNDARY_BLOCKS` condition of `KVCacheManager.chunk` (else the restore falls back to the
+    last chunk end, 48)."""
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, 4096, (70,), generator=gen).tolist()
+    later = prompt + [11, 12, 13, 14, 15] + [7, 8, 9]  # another "answer" than the one generated
+    want = [Counted(hybrid, 0).generate(p)[0] for p in (prompt, later)]
+    engine = Counted(hybrid, 8)
+    assert engine.generate(prompt) == [want[0]]
+    before = engine.prefill
+    assert engine.generate(later) == [want[1]]
+    assert engine.prefill - before == len(later) - 68, engine.prefill - before

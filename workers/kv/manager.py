@@ -22,7 +22,7 @@ from typing import Protocol
 from workers.kv.blocks import BlockPool
 from workers.kv.groups import first_needed
 from workers.kv.hashing import chain_hashes
-from workers.kv.snapshots import Snapshots
+from workers.kv.snapshots import LAST_BOUNDARY_BLOCKS, Snapshots
 from workers.kv.state import StateSlots
 
 
@@ -165,11 +165,16 @@ class KVCacheManager:
 
     def chunk(self, seq: KVSequence, n: int) -> int:
         """How many of the next `n` prompt tokens `seq` computes in this step: a hybrid's chunk ends
-        on a block boundary, where its state can be snapshotted (workers/kv/snapshots.py), unless it
-        is the prompt's last or the boundary is behind it; a prompt whose KV another worker continues
-        (`publish_kv`) stops at its last boundary first, so that worker recomputes less than a block."""
+        on a block boundary, where its state can be snapshotted (workers/kv/snapshots.py), unless the
+        boundary is behind it. The prompt's last chunk stops at its last boundary first (one more
+        step for the rest) where the prompt is long, `LAST_BOUNDARY_BLOCKS` blocks or more, so that
+        the next turn reuses it all even when the answer is not part of it (a template that drops
+        the reasoning), or where another worker continues its KV (`publish_kv`)."""
         end = seq.num_computed + n
-        if self.snapshots is None or (end == len(seq.token_ids()) and not getattr(seq, "publish_kv", False)):
+        if self.snapshots is None:
+            return n
+        if end == len(seq.token_ids()) and not getattr(seq, "publish_kv", False) and \
+                end < LAST_BOUNDARY_BLOCKS * self.block_size:
             return n
         cut = end - end % self.block_size
         return cut - seq.num_computed if cut > seq.num_computed else n

@@ -8,7 +8,10 @@ and is keyed by the chain hash of the block it ends (workers/kv/hashing.py), whi
 token before it and the model's identity. Policy, per sequence:
 - kept: the end of each prompt chunk before the prompt's last (every `--max-num-batched-tokens`
   or so of a long prompt: a shared prefix longer than a chunk is reused up to its last chunk
-  end), and every `INTERVAL_BLOCKS` blocks;
+  end), every `INTERVAL_BLOCKS` blocks, and the last block boundary of a prompt of
+  `LAST_BOUNDARY_BLOCKS` blocks or more, whose prefill stops there for one more step over the
+  rest: the next turn reuses the whole prompt even where the template drops the answer's
+  reasoning from the history, at the price of one short step on a long prompt's first token;
 - rolling: any other boundary it reaches (a decode every `block_size` tokens) replaces its
   previous rolling snapshot, so when it stops (a turn's end, a preemption, a handoff) the state
   at its last boundary is left behind: the next turn or the resume recomputes under one block.
@@ -27,6 +30,7 @@ from collections import OrderedDict
 from typing import Protocol
 
 INTERVAL_BLOCKS = 16  # a kept snapshot every this many blocks of a sequence
+LAST_BOUNDARY_BLOCKS = 16  # a prompt this long stops at its last block boundary, snapshotted, first
 PER_SEQUENCE = 2  # snapshot slots per running sequence (its rolling one and room for kept ones)
 SHARE = 0.25  # of the KV budget, at most, for snapshot slots
 
