@@ -150,7 +150,8 @@ def test_a_preempted_hybrid_resumes_from_its_last_boundary_with_the_same_tokens(
 def test_prompt_chunks_end_on_block_boundaries_and_a_handed_off_prompt_stops_at_its_last(hybrid):
     """A hybrid's prompt chunk that is not its last ends on a block boundary (where a snapshot can
     be taken), and a prompt published for another worker, or one of `LAST_BOUNDARY_BLOCKS` blocks
-    or more, stops at its last boundary first; without snapshots the budget alone cuts. Guards `KVCacheManager.chunk`."""
+    or more, stops at its last boundary first; without snapshots the budget alone cuts. Guards
+    `KVCacheManager.chunk`."""
     def chunks(snapshots: int, publish: bool, length: int = 57) -> list[tuple[int, int]]:
         engine = Counted(hybrid, snapshots).engine
         seq = engine.submit(list(range(3, 3 + length)), SamplingParams.create(max_new_tokens=1))
