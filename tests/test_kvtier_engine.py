@@ -286,3 +286,27 @@ def test_on_a_gpu_blocks_go_out_on_the_tiers_copy_stream_and_are_never_read_half
     stored = torch.frombuffer(bytearray(tier.store.get(b"h" * 32)), dtype=torch.float32)
     torch.testing.assert_close(stored.view_as(original), original.cpu(), rtol=0, atol=0)
     tier.close()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_state_snapshot_goes_out_on_the_copy_stream_and_comes_back_exactly(tmp_path):
+    """Guards the GPU branch of `HostTier.put_state`: a hybrid's snapshot copied on the tier's stream
+    into pinned memory holds the slot's values although the compute stream overwrites the slot
+    right after, and `load_state` puts them back into another slot exactly."""
+    from workers.kv.state import StatePool
+
+    pool = KVPool.for_config(load_model(default_model_dir(), "float32").config, 8, BLOCK, torch.float32, "cuda")
+    pool.states = StatePool((1, 3), 3, 8, 4, 2, 4, 4, device="cuda")
+    tier = HostTier.open(pool, b"root", tmp_path, 64 << 20)
+    assert tier.enabled and tier._copy_stream is not None, tier.reason
+    pool.states.recurrent[:, 1].copy_(torch.randn_like(pool.states.recurrent[:, 1]))
+    pool.states.conv[:, 1].copy_(torch.randn_like(pool.states.conv[:, 1]))
+    want = (pool.states.recurrent[:, 1].clone(), pool.states.conv[:, 1].clone())
+    tier.put_state(b"s" * 32, 1)
+    pool.states.recurrent[:, 1].fill_(7.0)  # the slot reused on the compute stream
+    pool.states.conv[:, 1].fill_(7.0)
+    payload = tier.fetch_state(b"s" * 32)
+    tier.load_state(payload, 2)
+    torch.testing.assert_close(pool.states.recurrent[:, 2], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(pool.states.conv[:, 2], want[1], rtol=0, atol=0)
+    tier.close()

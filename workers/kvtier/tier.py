@@ -163,14 +163,30 @@ class HostTier:
 
     def put_state(self, key: bytes, slot: int) -> None:
         """A snapshot of the linear layers' state (`slot` of the state pool) at the end of the block
-        hashing to `key`: copied out now (the recurrent state, then the conv window), written behind."""
+        hashing to `key`: copied out now (the recurrent state, then the conv window), written behind.
+        On a GPU the copy runs on the tier's stream and the engine thread does not wait for it (as
+        `_copy_out`); the compute stream does, before anything reuses the slot."""
         skey = state_key(key)
         if self.store.contains(skey) or self.writer.peek(skey) is not None:
             return
         states = self.pool.states
         parts = (states.recurrent[:, slot], states.conv[:, slot])  # [L, Hv, Dk, Dv] fp32, [L, C, K-1]
-        data = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]).cpu()
-        self.writer.submit(skey, memoryview(data.numpy()), wake=False)
+        if self._copy_stream is None:  # the CPU: a plain copy
+            payload = memoryview(torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]).numpy())
+        else:  # a GPU: on the copy stream into pinned memory; the compute stream, not the host, waits
+            data = torch.empty(self.format.state_bytes, dtype=torch.uint8, pin_memory=True)
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+            with torch.cuda.stream(self._copy_stream):
+                start = 0
+                for p in parts:
+                    size = p.numel() * p.element_size()
+                    data[start : start + size].view(p.dtype).view(p.shape).copy_(p, non_blocking=True)
+                    start += size
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+            torch.cuda.current_stream(self.pool.device).wait_event(done)  # the slot may be reused next
+            payload = (memoryview(data.numpy()), done)
+        self.writer.submit(skey, payload, wake=False)
         self.states_written += 1
 
     def fetch_state(self, key: bytes):
