@@ -188,3 +188,33 @@ def test_a_short_answer_is_decoded_where_it_was_prefilled(new_tokens, stays):
     assert s.kind == WHOLE and s.stays == stays
     assert ("less than a handoff" in s.reason) == stays
     assert not plan([Side("gpu0", True, False, 1e-4, 0.0, 1e-3), sides[1]], 1000, 16, 4).stays  # gpu0 only prefills
+
+
+def test_a_measured_split_applies_only_once_it_has_held_for_a_while(monkeypatch):
+    """Guards `Disaggregation._held` (server/dispatch/handoff.py): under `auto`, a split the cards
+    did not foresee, measured from a few noisy intervals of a shared host, changes no role until the
+    same prefill worker has been measured for `SPLIT_AFTER_S`; a split that stops being measured is
+    undone at once, and the measured figures replace the reason as soon as they exist."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    import server.dispatch.handoff as handoff
+    from server.routing.roles import BOTH, DECODE, Roles
+
+    clock = [1000.0]
+    monkeypatch.setattr(handoff.time, "monotonic", lambda: clock[0])
+    speeds = {"gpu0": FAST, "gpu1": _speed(1e-3, 1.5e-3)}  # advantage 6.67, past even SPLIT_UNEXPECTED
+    router = SimpleNamespace(telemetry=SimpleNamespace(phases=lambda w: speeds[w]))
+    workers = [SimpleNamespace(id=w, routable=True) for w in speeds]
+    d = handoff.Disaggregation(Roles({}, "auto: the cards see no difference"), 16, 8, CollectorRegistry(),
+                               measured=True)
+    assert not d.refresh(router, workers).active
+    clock[0] += handoff.SPLIT_AFTER_S - 1
+    assert not d.refresh(router, workers).active
+    clock[0] += 1
+    roles = d.refresh(router, workers)
+    assert roles.role("gpu0") == BOTH and roles.role("gpu1") == DECODE and "measured" in roles.reason
+    speeds["gpu1"] = FAST  # the difference is gone: no split, at once
+    roles = d.refresh(router, workers)
+    assert not roles.active and "not disaggregated: measured" in roles.reason

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import anyio
@@ -54,6 +55,7 @@ _SPECIAL_TOKENS_SLACK = 8  # tokens a tokenizer may add to a text (BOS, a templa
 FALLBACK_REASONS = ("no_prefill_worker", "no_decode_worker", "no_token_channel", "prefill_unavailable",
                     "prefill_refused", "prefill_lost", "prefill_timeout")
 # what became of a long-prompt stream the roles would hand off (`hetserve_disagg_requests_total{outcome}`)
+SPLIT_AFTER_S = 20.0  # a measured split (or a new prefill worker) must hold this long before it applies
 OUTCOMES = ("handed_off", "ended_on_prefill", "split", "kept_local", "decoded_on_prefill")
 
 
@@ -66,6 +68,7 @@ class Disaggregation:
         self.prior = roles  # the start's roles, from the cards' published figures
         self.measured = measured  # `auto`: the roles follow the measured speeds once every worker has them
         self.timeout_s = timeout_s  # the most a prefill worker may take to publish a prompt's blocks
+        self._proposed: tuple[str, float] | None = None  # the prefill worker measured, and since when
         self.requests = Counter("hetserve_disagg_requests", "Long-prompt streams under disaggregated prefill, by "
                                 "outcome (handed_off to a decode worker, ended_on_prefill by its first token, "
                                 "split: part of the prompt prefilled on another worker, kept_local: prefilled "
@@ -86,10 +89,22 @@ class Disaggregation:
         if m is None:
             return self.roles
         roles = Roles({w: BOTH if w == m.prefill else DECODE for w in ids} if m.prefill else {}, m.reason)
-        if dict(roles.by_worker) != dict(self.roles.by_worker):
+        changed = dict(roles.by_worker) != dict(self.roles.by_worker)
+        if changed and m.prefill is not None and not self._held(m.prefill):
+            return self.roles  # a new prefill worker: only once measured so for `SPLIT_AFTER_S`
+        if changed:
             logger.info("disaggregated prefill: roles now %s", m.reason)
         self.roles = roles
         return roles
+
+    def _held(self, prefill: str) -> bool:
+        """Whether the measurements have named `prefill` the prefill worker for `SPLIT_AFTER_S` in a
+        row: a split (or a move of it) follows a lasting difference, not a few noisy intervals (a
+        shared host's contention alone once measured an advantage of 4 between identical workers)."""
+        now = time.monotonic()
+        if self._proposed is None or self._proposed[0] != prefill:
+            self._proposed = (prefill, now)
+        return now - self._proposed[1] >= SPLIT_AFTER_S
 
     def describe(self, worker_id: str) -> dict:
         """`/workers` `disaggregation`: this worker's role and why the roles are what they are."""
