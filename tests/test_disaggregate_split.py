@@ -218,3 +218,8 @@ def test_a_measured_split_applies_only_once_it_has_held_for_a_while(monkeypatch)
     speeds["gpu1"] = FAST  # the difference is gone: no split, at once
     roles = d.refresh(router, workers)
     assert not roles.active and "not disaggregated: measured" in roles.reason
+    speeds["gpu1"] = _speed(1e-3, 1.5e-3)  # back again: it waits its full time once more
+    clock[0] += 1
+    assert not d.refresh(router, workers).active
+    clock[0] += handoff.SPLIT_AFTER_S
+    assert d.refresh(router, workers).active

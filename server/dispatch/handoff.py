@@ -90,7 +90,9 @@ class Disaggregation:
             return self.roles
         roles = Roles({w: BOTH if w == m.prefill else DECODE for w in ids} if m.prefill else {}, m.reason)
         changed = dict(roles.by_worker) != dict(self.roles.by_worker)
-        if changed and m.prefill is not None and not self._held(m.prefill):
+        if not (changed and m.prefill is not None):
+            self._proposed = None  # nothing new proposed: a later split waits its full time again
+        elif not self._held(m.prefill):
             return self.roles  # a new prefill worker: only once measured so for `SPLIT_AFTER_S`
         if changed:
             logger.info("disaggregated prefill: roles now %s", m.reason)
