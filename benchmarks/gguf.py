@@ -35,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -140,23 +139,9 @@ def hetserve(model: Path, port: int, log_dir: Path) -> Server:
 
 def bench(vllm: Path, server: Server, tokenizer: Path, concurrency: int, args, banned: list[int],
           out_dir: Path) -> dict:
-    name = f"{server.name}-c{concurrency}-{int(time.time() * 1000)}.json"
-    prompts = args.num_prompts or max(16, 8 * concurrency)
-    cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", server.url, "--endpoint",
-           "/v1/completions", "--model", NAME, "--tokenizer", str(tokenizer), "--dataset-name", "random",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--temperature", "0",
-           "--seed", str(args.seed), "--num-warmups", str(min(concurrency, 4)), "--disable-tqdm", "--save-result",
-           "--result-dir", str(out_dir), "--result-filename", name,
-           "--extra-body", json.dumps({"logit_bias": {str(t): -100 for t in banned}})]
-    done = subprocess.run(cmd, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, cwd=out_dir, capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"vllm bench serve against {server.name} failed:\n{done.stdout[-3000:]}\n"
-                           f"{done.stderr[-3000:]}")
-    result = json.loads((out_dir / name).read_text())
-    result["expected_output_tokens"] = prompts * args.output_len
-    return result
+    """vs_vllm's client run against the served name, with the file's tokenizer and `banned` token ids."""
+    stopping = ["--extra-body", json.dumps({"logit_bias": {str(t): -100 for t in banned}})]
+    return _V.bench(vllm, server, NAME, concurrency, args, stopping, out_dir, ["--tokenizer", str(tokenizer)])
 
 
 def worker_gguf(url: str) -> dict:

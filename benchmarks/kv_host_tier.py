@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kv_cache import text_ids  # noqa: E402  (the KV benchmark's English-like prompts)
 
+from tests.prefill_count import count_prefill  # noqa: E402
 from workers.contract import DEFAULT_MODEL_DIR  # noqa: E402
 from workers.engine.core import Engine  # noqa: E402
 from workers.engine.runner import ModelRunner  # noqa: E402
@@ -85,15 +86,7 @@ class Side:
         if tier_dir is not None:
             self.tier = HostTier.open(pool, root, tier_dir, 4 << 30)
             self.engine.attach_tier(self.tier)
-        self.prefill = 0
-        schedule = self.engine.scheduler.schedule
-
-        def counting(*a, **k):
-            out = schedule(*a, **k)
-            self.prefill += out.num_prefill_tokens
-            return out
-
-        self.engine.scheduler.schedule = counting
+        count_prefill(self)
 
     def serve(self, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
         """(time to first token, tokens) of one request served alone."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.checkpoints import default_model_dir
+from tests.prefill_count import count_prefill
 from workers.engine.core import Engine
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
@@ -45,15 +46,7 @@ class Worker:
             formats = foreign_formats(self.tier.format, dtype, tier_dir,
                                       lambda d: root_hash(lm.model_id, d, "none", BLOCK), lambda r: r)
             self.tier.foreign = ForeignReader(self.tier.format, dtype, formats)
-        self.prefill = 0
-        schedule = self.engine.scheduler.schedule
-
-        def counting(*a, **k):
-            out = schedule(*a, **k)
-            self.prefill += out.num_prefill_tokens
-            return out
-
-        self.engine.scheduler.schedule = counting
+        count_prefill(self)
 
     def run(self, ids: list[int], **kw) -> list:
         stream = self.engine.submit(ids, SamplingParams.create(max_new_tokens=NEW), **kw)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.family_checkpoints import make_family_checkpoint
+from tests.prefill_count import count_prefill
 from workers.engine.core import Engine
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
@@ -46,15 +47,7 @@ class Counted:
             self.tier = HostTier.open(pool, ROOT, tier_dir, 1 << 24)
             assert self.tier.enabled, self.tier.reason
             self.engine.attach_tier(self.tier)
-        self.prefill = 0
-        schedule = self.engine.scheduler.schedule
-
-        def counting(*a, **k):
-            out = schedule(*a, **k)
-            self.prefill += out.num_prefill_tokens
-            return out
-
-        self.engine.scheduler.schedule = counting
+        count_prefill(self)
 
     def generate(self, *prompts: list[int]) -> list[list[int]]:
         streams = [self.engine.submit(p, SamplingParams.create(max_new_tokens=NEW)) for p in prompts]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.checkpoints import default_model_dir
+from tests.prefill_count import count_prefill
 from workers.engine.core import Engine
 from workers.engine.events import ErrorEvent
 from workers.engine.runner import ModelRunner
@@ -43,15 +44,7 @@ class Counted:
         if self.tier is not None:
             assert self.tier.enabled, self.tier.reason
             self.engine.attach_tier(self.tier)
-        self.prefill = 0
-        schedule = self.engine.scheduler.schedule
-
-        def counting(*a, **k):
-            out = schedule(*a, **k)
-            self.prefill += out.num_prefill_tokens
-            return out
-
-        self.engine.scheduler.schedule = counting
+        count_prefill(self)
 
     def generate(self, ids: list[int]) -> list[int]:
         stream = self.engine.submit(ids, SamplingParams.create(max_new_tokens=NEW))
