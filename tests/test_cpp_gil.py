@@ -1,4 +1,4 @@
-"""The worker's C++ kernels let go of the GIL while they run (their `py::call_guard` in
+"""The worker's C++ kernels let go of the GIL while they run (called through `torch.ops`, from
 kernels_local/paged_attention/cpu_decode.cpp and kernels_local/panel_linear/cpu_gemm.cpp).
 
 Why it matters: the engine thread calls them inside every step, and the worker's HTTP thread

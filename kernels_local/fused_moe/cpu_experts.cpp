@@ -8,9 +8,10 @@
 // only the Python between them is gone (about 30 us an expert on a CPU). Over column panels the
 // products run through oneDNN's batch-reduce GEMM (`product`).
 
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/CPUBlas.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
@@ -160,8 +161,9 @@ at::Tensor experts_packed(const at::Tensor& x_in, const at::Tensor& topk_ids, co
   return fp32 ? acc : acc.to(x.scalar_type());
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL released while it runs: the worker's HTTP thread goes on meanwhile
-  m.def("experts_packed", &experts_packed, "an MoE layer's experts through their oneDNN packs (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+// called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on meanwhile
+TORCH_LIBRARY_FRAGMENT(hetserve_cpu, m) {
+  m.def("experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor[] gate_up, Tensor[] down, "
+        "Tensor? b_gate_up, Tensor? b_down, str activation, float alpha, float limit, int row_step) -> Tensor",
+        &experts_packed);
 }

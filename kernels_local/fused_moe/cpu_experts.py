@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kernels_local.cpp_build import DEFERRED, build, deferrable
+from kernels_local.cpp_build import DEFERRED, OPS, build, deferrable
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def load() -> CpuExperts:
     global _module
     if os.environ.get(ENV_CPU_EXPERTS, "").lower() in ("off", "0", "false"):
         return CpuExperts(False, f"${ENV_CPU_EXPERTS}=off: the packed experts run from a Python loop")
-    _module, why = build("hetserve_cpu_experts", SOURCE, list(FLAGS))
+    _module, why = build("hetserve_cpu_experts", SOURCE, list(FLAGS), OPS)
     if why == DEFERRED:  # a worker serving first: built behind it, then loaded again
         return CpuExperts(False, f"{DEFERRED}; the packed experts run from Python meanwhile")
     if _module is None:  # no compiler, a failed build: the Python loop serves

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels_local.cpp_build import DEFERRED, build, cpu_flags, deferrable, vector_flags
+from kernels_local.cpp_build import DEFERRED, OPS, build, cpu_flags, deferrable, vector_flags
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def load() -> CpuDecode:
     if os.environ.get(ENV_CPU_DECODE, "").lower() in ("off", "0", "false"):
         return CpuDecode(False, f"${ENV_CPU_DECODE}=off: decode attention gathers the rows' K/V in torch")
     flags, isa = _flags()
-    _module, why = build("hetserve_cpu_decode", SOURCE, flags)
+    _module, why = build("hetserve_cpu_decode", SOURCE, flags, OPS)
     if why == DEFERRED:  # a worker serving first: built behind it, then loaded again
         return CpuDecode(False, f"{DEFERRED}; decode attention gathers in torch meanwhile")
     if _module is None:  # no compiler, a failed build: the torch path serves

@@ -15,10 +15,11 @@
 // (or before its window) are skipped; gpt-oss's sink joins each head's softmax as a starting
 // logit whose weight is dropped.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -202,7 +203,7 @@ inline Vec sum_lanes(const Vec* r) {
 #endif
 }
 
-// The common case: a head of C whole vectors (D = C * Vec::size(), float, bfloat16 or half). Keys
+// The common case: a head of C whole vectors (D = C * Vec::size(), float or bfloat16). Keys
 // are read in tiles of W (one vector's lanes): each key row is loaded into C vectors once and
 // dotted with every query head of the group, and a tile's W partial vectors per head are summed
 // together (`sum_lanes`) into one vector of scores; each value row likewise is added to every
@@ -309,7 +310,9 @@ void decode_rows(const Rows<T>& r) {
       default: return decode_rows_vec<T, C, 0>(r);                    \
     }                                                                 \
   }
-  if constexpr (!std::is_same_v<T, double>) {  // float, bfloat16, half: rows in vectors
+  // float and bfloat16 rows in vectors; half (rare on a CPU) and double stage their blocks: each
+  // dtype's 36 instances of `decode_rows_vec` are a third of the kernel's build time
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     HETSERVE_DECODE_VEC(2)
     HETSERVE_DECODE_VEC(3)
     HETSERVE_DECODE_VEC(4)
@@ -324,9 +327,9 @@ void decode_rows(const Rows<T>& r) {
   decode_rows_any<T>(r);
 }
 
-torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& tables,
-                           const torch::Tensor& lens, int64_t window, double scale, double softcap,
-                           const c10::optional<torch::Tensor>& sinks) {
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& tables,
+                           const at::Tensor& lens, int64_t window, double scale, double softcap,
+                           const c10::optional<at::Tensor>& sinks) {
   // query [N, Hq, D]; kv [2, Hkv, NB, B, D] (a layer of the pool); tables [N, W]; lens [N]
   TORCH_CHECK(query.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "paged_decode: query [N, Hq, D], kv [2, Hkv, NB, B, D]");
   TORCH_CHECK(query.scalar_type() == kv.scalar_type(), "paged_decode: query and kv must share a dtype");
@@ -335,12 +338,12 @@ torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv, 
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = kv.size(1), block = kv.size(3);
   TORCH_CHECK(kv.size(4) == dim && heads % kv_heads == 0, "paged_decode: head dims or group sizes disagree");
-  auto t = tables.to(torch::kInt64).contiguous();
-  auto l = lens.to(torch::kInt64).contiguous();
+  auto t = tables.to(at::kLong).contiguous();
+  auto l = lens.to(at::kLong).contiguous();
   TORCH_CHECK(t.size(0) == rows && l.size(0) == rows, "paged_decode: one table and one length per row");
-  torch::Tensor s;
-  if (sinks.has_value()) s = sinks->to(torch::kFloat32).contiguous();
-  auto out = torch::empty({rows, heads, dim}, query.options());
+  at::Tensor s;
+  if (sinks.has_value()) s = sinks->to(at::kFloat).contiguous();
+  auto out = at::empty({rows, heads, dim}, query.options());
   if (rows == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
     const Rows<scalar_t> r{query.data_ptr<scalar_t>(), kv[0].data_ptr<scalar_t>(), kv[1].data_ptr<scalar_t>(),
@@ -355,8 +358,8 @@ torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv, 
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL released while it runs: the worker's HTTP thread goes on meanwhile
-  m.def("paged_decode", &paged_decode, "paged decode attention over the pool, in place (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+// called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on meanwhile
+TORCH_LIBRARY_FRAGMENT(hetserve_cpu, m) {
+  m.def("paged_decode(Tensor query, Tensor kv, Tensor tables, Tensor lens, int window, float scale, float softcap, "
+        "Tensor? sinks) -> Tensor", &paged_decode);
 }

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels_local.cpp_build import DEFERRED, build, cpu_flags, deferrable, vector_flags
+from kernels_local.cpp_build import DEFERRED, OPS, build, cpu_flags, deferrable, vector_flags
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def load() -> CpuGemm:
     if os.environ.get(ENV_CPU_GEMM, "").lower() in ("off", "0", "false"):
         return CpuGemm(False, f"${ENV_CPU_GEMM}=off: projections through the oneDNN packs")
     flags = [*vector_flags(cpu_flags() or frozenset())[0], "-fopenmp"]  # at::parallel_for over OpenMP, as torch is
-    _module, why = build("hetserve_cpu_gemm", SOURCE, flags)
+    _module, why = build("hetserve_cpu_gemm", SOURCE, flags, OPS)
     if why == DEFERRED:  # a worker serving first: built behind it, then loaded again
         return CpuGemm(False, f"{DEFERRED}; projections through the oneDNN packs meanwhile")
     if _module is None:

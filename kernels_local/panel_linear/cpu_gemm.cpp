@@ -14,11 +14,12 @@
 // intra-op threads; each output element is computed whole by one thread, so the result does not
 // depend on how many there are.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 
@@ -64,9 +65,9 @@ void add_bias(float* out, int64_t ldo, int64_t mb, int64_t w, const float* bias)
 }  // namespace
 
 // rows [R, K] @ panels (the weight [N, K] as above) + bias [N] -> [R, N] in the rows' dtype
-torch::Tensor panel_linear(const torch::Tensor& rows, const torch::Tensor& panels,
-                           const c10::optional<torch::Tensor>& bias) {
-  const torch::Tensor a = rows.contiguous();
+at::Tensor panel_linear(const at::Tensor& rows, const at::Tensor& panels,
+                           const c10::optional<at::Tensor>& bias) {
+  const at::Tensor a = rows.contiguous();
   const bool vnni = panels.dim() == 3;
   TORCH_CHECK(a.dim() == 2, "panel_linear: rows [R, K] expected");
   const int64_t m = a.size(0), k = a.size(1), n = panels.size(1);
@@ -77,9 +78,9 @@ torch::Tensor panel_linear(const torch::Tensor& rows, const torch::Tensor& panel
               a.scalar_type(), " rows ", a.sizes(), " and ", panels.scalar_type(), " panels ", panels.sizes());
   TORCH_CHECK(!bias.has_value() || bias->numel() == n, "panel_linear: a bias of ", n, " values expected, got ",
               bias->sizes());
-  const torch::Tensor b32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  const at::Tensor b32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
-  torch::Tensor out = torch::empty({m, n}, a.options());
+  at::Tensor out = at::empty({m, n}, a.options());
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   // the row blocks [b0, b1) against every panel: 1. each panel once, 2. each of those blocks against it,
   // 3. its sums plus the bias into the output while they are in cache (bfloat16: from a float32 tile)
@@ -114,8 +115,7 @@ torch::Tensor panel_linear(const torch::Tensor& rows, const torch::Tensor& panel
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL released while it runs: the worker's HTTP thread goes on meanwhile
-  m.def("panel_linear", &panel_linear, "a CPU projection by brgemm over column panels",
-        py::call_guard<py::gil_scoped_release>());
+// called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on meanwhile
+TORCH_LIBRARY_FRAGMENT(hetserve_cpu, m) {
+  m.def("panel_linear(Tensor rows, Tensor panels, Tensor? bias) -> Tensor", &panel_linear);
 }

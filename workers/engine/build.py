@@ -110,11 +110,10 @@ def build_cpu_kernels(dtype, deterministic: bool) -> None:
     """Build (or load) the C++ kernels a CPU worker loads at start side by side, one per core: each
     build is a compiler child, so a cold host pays about its longest build rather than their sum.
     The callers' own `load()` then finds each state made (kernels_local/cpp_build.py)."""
-    loaders = [kernel.load for kernel in list(CppKernel.made)]
+    loaders = [] if deterministic else [cpu_decode.load]  # the longest build first: the others share the other core
     if dtype in PACKED_DTYPES:
         loaders.append(cpu_gemm.load)
-    if not deterministic:
-        loaders.append(cpu_decode.load)
+    loaders += [kernel.load for kernel in list(CppKernel.made)]
     with ThreadPoolExecutor(max(1, min(len(loaders), os.cpu_count() or 1))) as pool:
         list(pool.map(lambda load: load(), loaders))
 
