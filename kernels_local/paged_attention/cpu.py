@@ -92,9 +92,14 @@ def _(query, kv, tables, lens, window, scale, softcap, sinks):
 def attend_in_place(rows, query: torch.Tensor, kv: torch.Tensor, window: int | None = None,
                     softcap: float | None = None, scale: float | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """`DecodeRows.attend` by the kernel: `rows`' block tables and lengths, the layer's options."""
-    return paged_decode_cpu(query, kv, rows.block_tables, rows.seq_lens, window or 0,
-                            query.shape[-1] ** -0.5 if scale is None else scale, softcap or 0.0, sinks)
+    """`DecodeRows.attend` by the kernel: `rows`' block tables and lengths, the layer's options. A
+    compiled step calls the custom op; an eager one the kernel itself (the custom op's eager call
+    costs Python dispatch per layer, and its first call imports `torch._dynamo`: seconds)."""
+    args = (query, kv, rows.block_tables, rows.seq_lens, window or 0,
+            query.shape[-1] ** -0.5 if scale is None else scale, softcap or 0.0, sinks)
+    if torch.compiler.is_compiling() or _module is None:
+        return paged_decode_cpu(*args)
+    return _module.paged_decode(*args)
 
 
 def in_place(device: torch.device | str) -> bool:

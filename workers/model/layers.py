@@ -17,6 +17,13 @@ from kernels import use_kernel_forward_from_hub
 from torch import nn
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding table [num, dim] left uninitialized (the checkpoint's weights replace it). Why not
+    `nn.Embedding(num, dim)`: under `torch.device("meta")` its `normal_` init goes through torch's
+    decompositions, which import `torch._dynamo` (4 s of a worker's start that never compiles)."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 @use_kernel_forward_from_hub("RMSNorm")
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from workers.model.attention import make_norm
 from workers.model.config import ModelConfig
+from workers.model.layers import embedding
 
 
 class PerLayerInputs(nn.Module):
@@ -25,7 +26,7 @@ class PerLayerInputs(nn.Module):
         super().__init__()
         h, n, p = config.hidden_size, config.num_hidden_layers, config.per_layer_input_size
         self.layers, self.width = n, p
-        self.embed = nn.Embedding(config.per_layer_vocab_size, n * p)
+        self.embed = embedding(config.per_layer_vocab_size, n * p)
         self.projection = nn.Linear(h, n * p, bias=False)
         self.norm = make_norm(config, p)
         self.embed_scale, self.projection_scale, self.combine_scale = p**0.5, h**-0.5, 2.0**-0.5

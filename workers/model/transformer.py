@@ -20,7 +20,7 @@ from workers.kv.batch import ForwardBatch
 from workers.kv.pool import KVPool
 from workers.model.attention import Attention, build_step_context, causal_mask, make_norm
 from workers.model.config import ModelConfig
-from workers.model.layers import FloatRMSNorm, GeluTanhAndMul, SiluAndMul
+from workers.model.layers import FloatRMSNorm, GeluTanhAndMul, SiluAndMul, embedding
 from workers.model.linear_attention import GatedDeltaNet
 from workers.model.moe import MoEFeedForward
 from workers.model.moe_block import MoEBlock
@@ -96,7 +96,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tok_embeddings = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_hidden_layers))
         self.per_layer_inputs = PerLayerInputs(config) if config.per_layer_input_size else None
         self.norm = make_norm(config, config.hidden_size)
