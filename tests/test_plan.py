@@ -310,8 +310,8 @@ def _record(kernel: str, ok: bool) -> dict:
     ],
 )
 def test_which_kernels_a_checkpoint_runs_per_device(quantization, device, quantize, runs, left):
-    """Guards server/commands/plan_kernels.py `unused_layers`: pure, from the workers' description."""
-    from server.commands.plan_kernels import unused_layers
+    """Guards workers/contract/kernel_layers.py `unused_layers`: pure, from the workers' description."""
+    from workers.contract.kernel_layers import unused_layers
 
     dense = {"FusedMoE": "a dense model: no experts", "GatedDeltaRule": "no linear-attention layers"}
     moe = {"SiluAndMul": "every feed-forward is a mixture of experts (FusedMoE)"}

@@ -333,16 +333,18 @@ def test_when_a_worker_runs_its_preflight_and_on_what():
 
 
 def test_a_worker_with_preflight_reports_compile_records_and_its_cache(matrix, tmp_path):
-    """A real worker process (simulated sm_80, `--preflight on`) compiles its kernels in its
-    kernelize step and `/capability` carries the records, the native fp8 verdict and its
-    architecture's cache directory."""
+    """A real worker process (simulated sm_80, `--preflight on`, `--quantize fp8`) compiles its
+    kernels in its kernelize step and `/capability` carries the records, the native fp8 verdict and
+    its architecture's cache directory. Guards `_never_run` in workers/main.py: the layers the
+    model never runs (a dense model of bf16 weights: no experts, no checkpoint's 4-bit or fp8 layers)
+    are noted, not compiled."""
     import httpx
 
     sock, status = tmp_path / "w.sock", tmp_path / "w.json"
     env = preflight_env(HETSERVE_PREFLIGHT="on")
     env.pop("TRITON_CACHE_DIR", None)
     proc = subprocess.Popen([sys.executable, "-m", "workers", "--socket", str(sock), "--simulate", "sm_80",
-                             "--status-file", str(status), "--threads", "1", "--max-batch", "2"],
+                             "--status-file", str(status), "--threads", "1", "--max-batch", "2", "--quantize", "fp8"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
         info = _wait_capability(proc, sock, status, httpx)
@@ -353,6 +355,9 @@ def test_a_worker_with_preflight_reports_compile_records_and_its_cache(matrix, t
     for layer, kernel in info["kernels"].items():
         assert kernel["compiled"]["target"] == "sm_80" and kernel["compiled"]["ok"] is True, layer
     assert info["kernels"]["Fp8Linear"]["compiled"]["instruction"].startswith("mma.sync")
+    for layer in ("FusedMoE", "Fp8FusedMoE", "Mxfp4FusedMoE", "Fp8CheckpointLinear", "Int4CheckpointLinear"):
+        assert info["kernels"][layer]["compiled"]["shared_bytes"] == 0, layer  # compiled, each GEMM stages tiles
+    assert info["kernels"]["LoraDelta"]["compiled"]["shared_bytes"] > 0, "adapters may come while it serves"
     assert "fp8e4nv not supported" in info["fp8"]["native_compile"]["error"]
 
 

@@ -158,7 +158,8 @@ def run_worker(config: WorkerConfig) -> int:
             kernels = kernelize_for_device(loaded.model, bound)
             preflight = None
             if wants_preflight(config.preflight, bound):  # every selected kernel compiled and fitting
-                preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype), _never_run(loaded))
+                preflight = preflight_or_refuse(bound, model_workload(loaded.config, loaded.dtype),
+                                                _never_run(loaded, bound, config.quantize))
         with startup_step("fp8", status):
             conv, fp8_reason, checkpoint = apply_fp8(config, bound, cap, loaded)
         failed: dict[str, str] = {}  # layers whose kernel failed on this device: their torch path serves
@@ -282,12 +283,19 @@ def _read_plan(config: WorkerConfig):
     return plan, Stages(plan, config.pipeline_plan)
 
 
-def _never_run(loaded) -> dict[str, str]:
-    """The kernel layers this model never runs, each with why: its preflight does not compile them."""
+def _never_run(loaded, bound, quantize: str) -> dict[str, str]:
+    """The kernel layers this model never runs on this device, each with why: its preflight does not
+    compile them (the plan's rule, workers/contract/kernel_layers.py, from what the worker loaded).
+    `LoraDelta` is kept: adapters may be loaded while it serves; GGUF blocks are asked of the model."""
+    from workers.contract.kernel_layers import unused_layers
     from workers.gguf.execution import gguf_layer_unused
     from workers.model.describe import describe
 
-    return {**describe(loaded.config)["kernel_layers_unused"], **gguf_layer_unused(loaded.model)}
+    described = {**describe(loaded.config), "quantization": loaded.quantization}
+    unused = unused_layers(described, bound.type, bound.capability, quantize)
+    unused.pop("LoraDelta", None)
+    unused.pop("GGUFLinear", None)
+    return {**unused, **gguf_layer_unused(loaded.model)}
 
 
 def _for_device(config: WorkerConfig, bound) -> WorkerConfig:

@@ -4,7 +4,7 @@ Design: the model's side comes from the workers' own reading of its config.json
 (`python -m workers.model.describe DIR`, one child: the router holds no torch), the device's side
 from its plan (the `PagedAttention` kernel it selects); this module only joins them, per layer type
 (full or sliding attention): the decode kernel, the prefill path, and which KV blocks the layer
-keeps. Kernel layers the model does not contain are marked `unused`, with why (`plan_kernels`).
+keeps. Kernel layers the model does not contain are marked `unused`, with why (`workers.contract.kernel_layers`).
 With several models, each device's plan is that of the model placed on it.
 Trade-off: a child process per model described."""
 
@@ -15,10 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from server.commands.plan_kernels import unused_layers
 from server.errors import UsageError
 from server.fleet.spec import worker_id
 from workers.contract import DeviceInfo, human
+from workers.contract.kernel_layers import unused_layers
 
 DESCRIBE_TIMEOUT_S = 300
 
@@ -77,7 +77,7 @@ def attention_plan(entry: dict, described: dict) -> list[dict]:
 
 def attach(entry: dict, described: dict, quantize: str = "none") -> None:
     """Add the model's attention plan to a device's entry, and mark the kernel layers it lacks
-    (`unused`, with why: `server.commands.plan_kernels`)."""
+    (`unused`, with why: `workers.contract.kernel_layers`)."""
     entry["attention"] = attention_plan(entry, described)
     linear = described["attention"].get("linear")
     if linear is not None:  # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): a state per sequence, no KV

@@ -1,14 +1,16 @@
-"""`hetserve plan --model`: which of a device's kernel layers its model runs, and why not the others.
+"""Which of a device's kernel layers a model runs, and why not the others: one rule for `hetserve
+plan --model` and for the worker's own preflight.
 
 Design: the workers' description of the model (`workers.model.describe`: `kernel_layers_unused`,
-the layers its architecture lacks, and `quantization`, what the checkpoint stores), the plan's
-`--quantize` and the device's own MXFP4 rule (`workers.contract.mxfp4_kind`) say which kernel
-layers cannot be in that device's model, each with why: `unused_layers` returns them and the text
-plan lists only the others, the rest behind `--all-kernels`. A layer is called unused only where
-it surely is absent: an fp8 checkpoint may leave some experts unquantized, so an fp8 MoE keeps
-`FusedMoE` listed beside `Fp8FusedMoE`. Pure, so it is tested without a process. The trade-off:
-which layer class each kind of checkpoint installs (workers/quant/*_reader.py) is restated here
-in a few lines, as the router cannot import the loader.
+the layers its architecture lacks, and `quantization`, what the checkpoint stores), the
+`--quantize` mode and the device's own MXFP4 rule (`workers.contract.mxfp4_kind`) say which kernel
+layers cannot be in that device's model, each with why: `unused_layers` returns them. The plan
+lists only the others (the rest behind `--all-kernels`); a worker's preflight does not compile
+them (workers/main.py `_never_run`). A layer is called unused only where it surely is absent: an
+fp8 checkpoint may leave some experts unquantized, so an fp8 MoE keeps `FusedMoE` beside
+`Fp8FusedMoE`. Pure, so it is tested without a process. The trade-off: which layer class each kind
+of checkpoint installs (workers/quant/*_reader.py) is restated here in a few lines, as the router
+cannot import the loader.
 """
 
 from __future__ import annotations
