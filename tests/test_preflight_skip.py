@@ -47,6 +47,11 @@ def test_a_dense_model_never_runs_experts_linear_attention_or_gguf_blocks():
     from workers.contract.defaults import DEFAULT_MODEL_DIR
 
     config = ModelConfig.from_hf_config(json.loads((DEFAULT_MODEL_DIR / "config.json").read_text()))
-    never = _never_run(SimpleNamespace(config=config, model=None))
+    loaded = SimpleNamespace(config=config, model=None, quantization=None)
+    never = _never_run(loaded, SimpleNamespace(type="cuda", capability=Capability(9, 0)), "none")
     assert never["GGUFLinear"] == NO_GGUF_LAYER
     assert "FusedMoE" in never and "GatedDeltaRule" in never and "PagedAttention" not in never
+    assert {"Fp8Linear", "Fp8CheckpointLinear", "Fp8FusedMoE", "Int4CheckpointLinear", "Mxfp4FusedMoE"} <= set(never)
+    assert "LoraDelta" not in never  # adapters may be loaded while it serves
+    quantized = _never_run(loaded, SimpleNamespace(type="cuda", capability=Capability(9, 0)), "fp8")
+    assert "Fp8Linear" not in quantized and "Fp8CheckpointLinear" in quantized
