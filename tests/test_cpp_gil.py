@@ -49,8 +49,8 @@ def _long_enough(call) -> None:
 
 
 def test_the_decode_kernel_releases_the_gil():
-    """Guards `py::call_guard<py::gil_scoped_release>()` on `paged_decode` (cpu_decode.cpp): without
-    it the other thread never runs during the call."""
+    """Guards the call of `paged_decode` (cpu_decode.cpp) through `torch.ops`, which lets go of the
+    GIL: a call that kept it (a pybind11 binding without a release guard) stops the other thread."""
     if not cpu_decode.load().available:
         pytest.skip(cpu_decode.load().reason)
     n, kv_heads, block, width = 256, 8, 16, 64
@@ -62,7 +62,7 @@ def test_the_decode_kernel_releases_the_gil():
 
 
 def test_the_panel_gemm_releases_the_gil():
-    """Guards `py::call_guard<py::gil_scoped_release>()` on `panel_linear` (cpu_gemm.cpp)."""
+    """Guards the call of `panel_linear` (cpu_gemm.cpp) through `torch.ops`, as the decode kernel's."""
     if not cpu_gemm.load().available:
         pytest.skip(cpu_gemm.load().reason)
     weight, rows = torch.randn(8192, 2048), torch.randn(1024, 2048)
@@ -73,8 +73,7 @@ def test_the_panel_gemm_releases_the_gil():
 @pytest.mark.parametrize("kernel", ["rms_norm", "silu_and_mul", "rotary", "greedy"])
 def test_the_cpu_kernels_registered_as_torch_ops_release_the_gil(kernel):
     """The C++ kernels registered as `torch.ops.hetserve_cpu` operators (kernels_local/cpp_build.py
-    `CppKernel`) run with the GIL let go by torch's operator call, as the pybind11 modules above
-    do through their call guards."""
+    `CppKernel`) run with the GIL let go by torch's operator call, as the two kernels above do."""
     from kernels_local.activation import cpu as activation
     from kernels_local.rmsnorm import cpu as rmsnorm
     from kernels_local.rotary import cpu as cpu_rotary

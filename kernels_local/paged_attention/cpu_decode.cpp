@@ -328,8 +328,8 @@ void decode_rows(const Rows<T>& r) {
 }
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& tables,
-                           const at::Tensor& lens, int64_t window, double scale, double softcap,
-                           const c10::optional<at::Tensor>& sinks) {
+                        const at::Tensor& lens, int64_t window, double scale, double softcap,
+                        const c10::optional<at::Tensor>& sinks) {
   // query [N, Hq, D]; kv [2, Hkv, NB, B, D] (a layer of the pool); tables [N, W]; lens [N]
   TORCH_CHECK(query.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "paged_decode: query [N, Hq, D], kv [2, Hkv, NB, B, D]");
   TORCH_CHECK(query.scalar_type() == kv.scalar_type(), "paged_decode: query and kv must share a dtype");

@@ -66,7 +66,7 @@ void add_bias(float* out, int64_t ldo, int64_t mb, int64_t w, const float* bias)
 
 // rows [R, K] @ panels (the weight [N, K] as above) + bias [N] -> [R, N] in the rows' dtype
 at::Tensor panel_linear(const at::Tensor& rows, const at::Tensor& panels,
-                           const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& bias) {
   const at::Tensor a = rows.contiguous();
   const bool vnni = panels.dim() == 3;
   TORCH_CHECK(a.dim() == 2, "panel_linear: rows [R, K] expected");
