@@ -22,6 +22,7 @@ FINISH_TIMEOUT_S = 600
 CHILD = """
 import torch
 import kernels_local.activation.cpu, kernels_local.rmsnorm.cpu, kernels_local.rotary.cpu, kernels_local.sampling.cpu
+import kernels_local.gguf_linear.cpu  # a GGUF file's CPU worker builds it at load, before ready
 from workers.engine.build import build_cpu_kernels
 build_cpu_kernels(torch.bfloat16, False)
 """

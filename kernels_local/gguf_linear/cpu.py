@@ -1,0 +1,76 @@
+"""GGUF blocks kept packed on the CPU: a C++ GEMV over the file's bytes (`cpu_gguf.cpp`).
+
+A decode step's projection reads each weight once for a handful of rows, so its time is the bytes
+it reads: Q4_K holds a weight in 0.28x the bytes of bf16 and 0.14x of float32. `gguf_linear_cpu`
+decodes one block at a time into a float32 buffer on the stack, exactly as gguf-py does, and takes
+every row's dot product with it while it is in L1. From `GEMV_MAX_M` rows on (a prompt's, where the
+matmul is compute-bound), the same decoder dequantizes the weight 256 rows at a time into a buffer
+the calling thread keeps (256 x K floats, held for the process's life: no fresh pages per call), and
+torch's matmul multiplies each panel while it is in cache. Built once per host (kernels_local/cpp_build.py);
+where it does not build, the worker dequantizes at load (workers/gguf/execution.py says so).
+The trade-off: the sums' order is the kernel's, so an output may differ from the dequantized
+matmul's in its last float32 bits; and a second decoder beside the torch reference's, for the
+five types measured here (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: the Q4_K_M/Q5_K_M mixes and Q8_0 files).
+Timings: docs/benchmarks.md "GGUF on the CPU".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kernels_local.cpp_build import CppKernel
+
+ENV_CPU_GGUF = "HETSERVE_CPU_GGUF"  # "off": the worker dequantizes GGUF blocks at load
+KERNEL = CppKernel("hetserve_cpu_gguf", Path(__file__).with_name("cpu_gguf.cpp"), ENV_CPU_GGUF,
+                   "C++ GEMV over GGUF blocks", ("-ffp-contract=off", "-fopenmp"))
+TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}  # cpu_gguf.cpp's `Type` codes
+GEMV_MAX_M = 16  # from this many rows on, panels of the weight dequantized per call and torch's matmul
+
+
+def dequantize(qweight: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+    """The blocks uint8 [N, K / QK * TYPE_SIZE] -> float32 [N, K], equal to gguf-py's `dequantize`."""
+    return KERNEL.module.gguf_dequantize(qweight, TYPES[type_name], in_features)
+
+
+def _linear(x: torch.Tensor, qweight: torch.Tensor, type_name: str, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).float()  # [M, K]
+    b = None if bias is None else bias.float()
+    op = KERNEL.module.gguf_gemm if rows.shape[0] >= GEMV_MAX_M else KERNEL.module.gguf_gemv
+    out = op(rows.contiguous(), qweight, TYPES[type_name], b)  # [M, N]
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+def _op():
+    """`hetserve::gguf_linear_cpu`, registered once per process (`kernels` may import this module
+    twice): what a compiled step calls."""
+    namespace = torch.ops.hetserve
+    if hasattr(namespace, "gguf_linear_cpu"):
+        return namespace.gguf_linear_cpu
+
+    @torch.library.custom_op("hetserve::gguf_linear_cpu", mutates_args=())
+    def gguf_linear_cpu_op(x: torch.Tensor, qweight: torch.Tensor, type_name: str,
+                           bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        return _linear(x, qweight, type_name, bias)
+
+    gguf_linear_cpu_op.register_fake(lambda x, qweight, type_name, bias: x.new_empty(*x.shape[:-1], qweight.shape[0]))
+    return namespace.gguf_linear_cpu
+
+
+OP = _op()
+
+
+def runs_cpp(x: torch.Tensor, type_name: str) -> bool:
+    """Whether `gguf_linear_cpu` runs the kernel for `x` and blocks of `type_name`."""
+    return x.device.type == "cpu" and type_name in TYPES and KERNEL.load().available
+
+
+def gguf_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, type_name: str,
+                    bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """x [..., K] @ W.T + bias -> [..., N] in x's dtype, W the blocks `qweight` of `type_name` (one of
+    `TYPES`), the products in float32; where it runs (`runs_cpp`). A compiled step calls the custom op
+    (opaque to Inductor), an eager one the kernel itself."""
+    if torch.compiler.is_compiling():
+        return OP(x, qweight, type_name, bias)
+    return _linear(x, qweight, type_name, bias)

@@ -1,0 +1,423 @@
+// GGUF blocks on the CPU: a GEMV over the packed blocks (decode), a matmul on panels of them
+// dequantized per call (a prompt's rows), and their exact dequantization; kernels_local/gguf_linear/
+// cpu.py says when each runs, how it is built and how it is checked.
+//
+// The weight is the file's bytes, uint8 [N, K / QK * TYPE_SIZE], llama.cpp's order, never repacked.
+// `decode` forms a block's values with gguf-py's own arithmetic (the same float32 products in the
+// same order, built with -ffp-contract=off so that no product and difference fuse into one
+// rounding): they equal gguf-py's `dequantize` bit for bit. The GEMV takes each output row's blocks
+// one at a time, and every activation row (four at a time) its dot product with the block while it
+// is in L1, so the packed bytes are read once per call. On AVX2, Q4_K and Q6_K blocks are decoded in
+// registers straight into the fused multiply-adds (Q4_K as dl * (q . x) - dm * sum(x), the sums of x
+// taken once per call); the other types through a float32 buffer on the stack. Either way the GEMV
+// differs from a float32 matmul on the dequantized weight only in rounding. The output rows are
+// shared among torch's intra-op threads, each output element one thread's sum in a fixed order: the
+// result depends neither on the thread count nor on the rows beside it in the call.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// the types decoded here (cpu.py `TYPES` holds the same codes)
+enum Type : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4 };
+constexpr int64_t kTypes = 5;
+constexpr int64_t kQK[kTypes] = {32, 32, 256, 256, 256};
+constexpr int64_t kSize[kTypes] = {34, 18, 144, 176, 210};
+constexpr int64_t kMaxQK = 256;
+constexpr int64_t kRowGrain = 16;  // output rows per task of the intra-op threads
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// ---- one block -> QK float32 values, as gguf-py's dequantize forms them ---------------------------
+inline void q8_0(const uint8_t* b, float* w) {
+  const float d = f16(b);
+  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+#pragma omp simd
+  for (int l = 0; l < 32; ++l) w[l] = static_cast<float>(q[l]) * d;
+}
+
+inline void q4_0(const uint8_t* b, float* w) {
+  const float d = f16(b);
+  const uint8_t* qs = b + 2;
+#pragma omp simd
+  for (int l = 0; l < 16; ++l) {
+    w[l] = d * static_cast<float>((qs[l] & 0x0F) - 8);
+    w[l + 16] = d * static_cast<float>((qs[l] >> 4) - 8);
+  }
+}
+
+// Q4_K / Q5_K's eight 6-bit scales and mins from their 12 bytes
+inline void scale_min_k4(const uint8_t* s, int* sc, int* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 0x3F;
+    mn[j] = s[j + 4] & 0x3F;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+  }
+}
+
+// Q4_K (qh null) and Q5_K: 4 chunks of 64, low nibbles of 32 bytes then their high nibbles, each 32
+// with its own scale and min; Q5_K's fifth bit of element 32j + l is bit j of qh[l]
+inline void k4(const uint8_t* b, const uint8_t* qh, const uint8_t* qs, float* w) {
+  const float d = f16(b), dmin = f16(b + 2);
+  int sc[8], mn[8];
+  scale_min_k4(b + 4, sc, mn);
+  for (int j = 0; j < 8; ++j) {
+    const float dl = d * static_cast<float>(sc[j]), dm = dmin * static_cast<float>(mn[j]);
+    const uint8_t* q = qs + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    float* o = w + 32 * j;
+    if (qh == nullptr) {
+#pragma omp simd
+      for (int l = 0; l < 32; ++l) o[l] = dl * static_cast<float>((q[l] >> shift) & 0x0F) - dm;
+    } else {
+#pragma omp simd
+      for (int l = 0; l < 32; ++l)
+        o[l] = dl * static_cast<float>(((q[l] >> shift) & 0x0F) | (((qh[l] >> j) & 1) << 4)) - dm;
+    }
+  }
+}
+
+// Q6_K: two halves of 128; element 128h + 32s + l has its low 4 bits in ql[64h + 32(s % 2) + l]
+// (low nibble for s < 2, high for s >= 2) and its top 2 in bits 2s of qh[32h + l]; 16 int8 scales
+inline void q6_k(const uint8_t* b, float* w) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = f16(b + 208);
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 4; ++s) {
+      const uint8_t* lo = ql + 64 * h + 32 * (s % 2);
+      const uint8_t* hi = qh + 32 * h;
+      const int shift = 4 * (s / 2);
+      for (int half = 0; half < 2; ++half) {  // 16 elements per scale
+        const int e0 = 128 * h + 32 * s + 16 * half;
+        const float dl = d * static_cast<float>(scales[e0 / 16]);
+#pragma omp simd
+        for (int l = 0; l < 16; ++l) {
+          const int i = 16 * half + l;
+          const int q = (((lo[i] >> shift) & 0x0F) | (((hi[i] >> (2 * s)) & 3) << 4)) - 32;
+          w[e0 + l] = dl * static_cast<float>(q);
+        }
+      }
+    }
+  }
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+constexpr bool kVectorDecode = true;
+
+// the 8 bytes of `g` (0..3) of a 32-byte vector, each widened to an int32 lane
+inline __m256i widen(__m256i v, int g) {
+  const __m128i half = g < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+  return _mm256_cvtepu8_epi32(g % 2 == 0 ? half : _mm_srli_si128(half, 8));
+}
+
+// Q4_K and Q6_K as `k4` and `q6_k` form them, eight values per instruction (the same float32
+// products in the same order: the values are equal bit for bit)
+inline void q4_k_vec(const uint8_t* b, float* w) {
+  const float d = f16(b), dmin = f16(b + 2);
+  int sc[8], mn[8];
+  scale_min_k4(b + 4, sc, mn);
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m256 dlo = _mm256_set1_ps(d * static_cast<float>(sc[2 * c])), mlo = _mm256_set1_ps(dmin * static_cast<float>(mn[2 * c]));
+    const __m256 dhi = _mm256_set1_ps(d * static_cast<float>(sc[2 * c + 1]));
+    const __m256 mhi = _mm256_set1_ps(dmin * static_cast<float>(mn[2 * c + 1]));
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 32 * c + 8 * g)));
+      _mm256_storeu_ps(w + 64 * c + 8 * g,
+                       _mm256_sub_ps(_mm256_mul_ps(dlo, _mm256_cvtepi32_ps(_mm256_and_si256(v, low4))), mlo));
+      _mm256_storeu_ps(w + 64 * c + 32 + 8 * g,
+                       _mm256_sub_ps(_mm256_mul_ps(dhi, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))), mhi));
+    }
+  }
+}
+
+inline void q6_k_vec(const uint8_t* b, float* w) {
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = f16(b + 208);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), bias = _mm256_set1_epi32(32);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    for (int s = 0; s < 4; ++s) {
+      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (s % 2)));
+      const __m256i lo = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+      const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), two), 4);
+      const __m256i q = _mm256_or_si256(lo, hi);
+      const int e0 = 128 * h + 32 * s;
+      for (int g = 0; g < 4; ++g) {
+        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(scales[(e0 + 8 * g) / 16]));
+        _mm256_storeu_ps(w + e0 + 8 * g, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_sub_epi32(widen(q, g), bias))));
+      }
+    }
+  }
+}
+#else
+constexpr bool kVectorDecode = false;
+inline void q4_k_vec(const uint8_t*, float*) {}
+inline void q6_k_vec(const uint8_t*, float*) {}
+#endif
+
+inline void decode(int64_t type, const uint8_t* b, float* w) {
+  switch (type) {
+    case kQ8_0: return q8_0(b, w);
+    case kQ4_0: return q4_0(b, w);
+    case kQ4_K: return kVectorDecode ? q4_k_vec(b, w) : k4(b, nullptr, b + 16, w);
+    case kQ5_K: return k4(b, b + 16, b + 48, w);
+    default: return kVectorDecode ? q6_k_vec(b, w) : q6_k(b, w);
+  }
+}
+
+void check(const at::Tensor& q, int64_t type, int64_t k, const char* op) {
+  TORCH_CHECK(type >= 0 && type < kTypes, op, ": type code ", type, " is none of 0..", kTypes - 1);
+  TORCH_CHECK(k > 0 && k % kQK[type] == 0, op, ": ", k, " inputs are no whole number of blocks of ", kQK[type]);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() && q.size(1) == k / kQK[type] * kSize[type],
+              op, ": contiguous uint8 [N, ", k / kQK[type] * kSize[type], "] blocks expected for ", k,
+              " inputs, got ", q.scalar_type(), " ", q.sizes());
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kFused = true;  // Q4_K and Q6_K decoded in registers, straight into the dot products
+
+// one Q4_K block against MR rows (`xs`: each row at the block's first input; `xsum`: each row's sums
+// of its 32-input groups, the block's first): sum_j dl_j * (q_j . x_j) - dm_j * sum(x_j), the codes
+// widened straight from memory, the mins taken once per block from the precomputed sums
+template <int MR>
+inline void q4_k_rows(const uint8_t* b, const float* const* xs, const float* const* xsum, __m256 (&acc)[MR][2]) {
+  const float d = f16(b), dmin = f16(b + 2);
+  int sc[8], mn[8];
+  scale_min_k4(b + 4, sc, mn);
+  alignas(32) float dl[8], dm[8];
+  for (int j = 0; j < 8; ++j) dl[j] = d * static_cast<float>(sc[j]), dm[j] = dmin * static_cast<float>(mn[j]);
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  const uint8_t* qs = b + 16;
+  for (int c = 0; c < 4; ++c) {  // 64 values: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    __m256 lo[MR], hi[MR];
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 32 * c + 8 * g)));
+      const __m256 wl = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
+      const __m256 wh = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      for (int r = 0; r < MR; ++r) {
+        lo[r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xs[r] + 64 * c + 8 * g), lo[r]);
+        hi[r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xs[r] + 64 * c + 32 + 8 * g), hi[r]);
+      }
+    }
+    const __m256 dlo = _mm256_set1_ps(dl[2 * c]), dhi = _mm256_set1_ps(dl[2 * c + 1]);
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0] = _mm256_fmadd_ps(lo[r], dlo, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(hi[r], dhi, acc[r][1]);
+    }
+  }
+  const __m256 mins = _mm256_load_ps(dm);
+  for (int r = 0; r < MR; ++r) acc[r][0] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xsum[r]), acc[r][0]);
+}
+
+// one Q6_K block against MR rows: the values formed as in `q6_k` (d * scale, times q - 32)
+template <int MR>
+inline void q6_k_rows(const uint8_t* b, const float* const* xs, __m256 (&acc)[MR][2]) {
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = f16(b + 208);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+  const __m256i bias = _mm256_set1_epi32(32);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    for (int s = 0; s < 4; ++s) {
+      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (s % 2)));
+      const __m256i lo = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+      const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), two), 4);
+      const __m256i q = _mm256_or_si256(lo, hi);
+      const int e0 = 128 * h + 32 * s;
+      for (int g = 0; g < 4; ++g) {
+        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(scales[(e0 + 8 * g) / 16]));
+        const __m256 w = _mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_sub_epi32(widen(q, g), bias)));
+        for (int r = 0; r < MR; ++r) acc[r][g & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[r] + e0 + 8 * g), acc[r][g & 1]);
+      }
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// output row `r` for the MR activation rows from `x0` (their group sums from `s0`): its blocks decoded
+// in registers
+template <int MR>
+void fused_row(int64_t type, const uint8_t* row, int64_t blocks, const float* x0, const float* s0, int64_t k,
+               float* sums) {
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const float *xs[MR], *xsum[MR];
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    for (int i = 0; i < MR; ++i) xs[i] = x0 + i * k + blk * 256, xsum[i] = s0 + i * (k / 32) + blk * 8;
+    if (type == kQ4_K) {
+      q4_k_rows<MR>(row + blk * 144, xs, xsum, acc);
+    } else {
+      q6_k_rows<MR>(row + blk * 210, xs, acc);
+    }
+  }
+  for (int i = 0; i < MR; ++i) sums[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+#else
+constexpr bool kFused = false;
+template <int MR>
+void fused_row(int64_t, const uint8_t*, int64_t, const float*, const float*, int64_t, float*) {}
+#endif
+
+// output row `r` for the MR activation rows from `x0`: each block decoded into `w`, then every row's
+// dot product with it (four vector accumulators per row)
+template <int MR>
+void decoded_row(int64_t type, const uint8_t* row, int64_t blocks, const float* x0, int64_t k, float* sums) {
+  constexpr int64_t kLanes = Vec::size();
+  const int64_t qk = kQK[type], size = kSize[type];
+  alignas(64) float w[kMaxQK];
+  Vec acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int a = 0; a < 4; ++a) acc[i][a] = Vec(0.f);
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    decode(type, row + blk * size, w);
+    for (int i = 0; i < MR; ++i) {
+      const float* xi = x0 + i * k + blk * qk;
+      for (int64_t l = 0; l < qk; l += 4 * kLanes)
+        for (int a = 0; a < 4; ++a)
+          acc[i][a] = at::vec::fmadd(Vec::loadu(w + l + a * kLanes), Vec::loadu(xi + l + a * kLanes), acc[i][a]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    const Vec sum = (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]);
+    sums[i] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+  }
+}
+
+template <int MR>
+void one_row(int64_t type, const uint8_t* row, int64_t blocks, const float* x0, const float* s0, int64_t k,
+             float* sums) {
+  if (kFused && (type == kQ4_K || type == kQ6_K)) {
+    fused_row<MR>(type, row, blocks, x0, s0, k, sums);
+  } else {
+    decoded_row<MR>(type, row, blocks, x0, k, sums);
+  }
+}
+
+// the output rows [r0, r1) of `out` (float32 [M, N]): per output row, the activation rows four at a
+// time against its blocks (the row's bytes stay in L1 between the groups)
+void gemv_rows(const float* x, const float* xsum, int64_t m, int64_t k, const uint8_t* q, int64_t type,
+               const float* bias, float* out, int64_t n, int64_t r0, int64_t r1) {
+  const int64_t blocks = k / kQK[type], row_bytes = blocks * kSize[type];
+  float sums[4];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = q + r * row_bytes;
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {
+      const float *x0 = x + i0 * k, *s0 = xsum + i0 * (k / 32);
+      const int64_t mr = std::min<int64_t>(4, m - i0);
+      switch (mr) {
+        case 1: one_row<1>(type, row, blocks, x0, s0, k, sums); break;
+        case 2: one_row<2>(type, row, blocks, x0, s0, k, sums); break;
+        case 3: one_row<3>(type, row, blocks, x0, s0, k, sums); break;
+        default: one_row<4>(type, row, blocks, x0, s0, k, sums); break;
+      }
+      for (int64_t i = 0; i < mr; ++i) out[(i0 + i) * n + r] = bias == nullptr ? sums[i] : sums[i] + bias[r];
+    }
+  }
+}
+
+}  // namespace
+
+// x [M, K] (float32) @ the blocks' weight [N, K].T + bias [N] (float32 or none) -> float32 [M, N]
+at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_gemv: float32 rows [M, K] expected, got ",
+              x.scalar_type(), " ", x.sizes());
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  check(q, type, k, "gguf_gemv");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat),
+              "gguf_gemv: a float32 bias of ", n, " values expected");
+  const at::Tensor a = x.contiguous();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({m, n}, a.options());
+  const float* xp = a.data_ptr<float>();
+  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  // each row's sums of its 32-input groups (Q4_K's mins multiply them once per block)
+  const at::Tensor xsum = type == kQ4_K ? a.view({m, k / 32, 32}).sum(-1) : at::empty({m, k / 32}, a.options());  // unread
+  const float* sp = xsum.data_ptr<float>();
+  at::parallel_for(0, n, kRowGrain,
+                   [&](int64_t r0, int64_t r1) { gemv_rows(xp, sp, m, k, qp, type, bp, op, n, r0, r1); });
+  return out;
+}
+
+// the blocks [N, K / QK * TYPE_SIZE] -> float32 [N, K], equal to gguf-py's dequantize
+at::Tensor gguf_dequantize(const at::Tensor& q, int64_t type, int64_t k) {
+  check(q, type, k, "gguf_dequantize");
+  const int64_t n = q.size(0), qk = kQK[type], size = kSize[type], blocks = k / qk;
+  at::Tensor out = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t blk = 0; blk < blocks; ++blk) decode(type, qp + (r * blocks + blk) * size, op + r * k + blk * qk);
+  });
+  return out;
+}
+
+// x [M, K] (float32) @ the blocks' weight [N, K].T + bias -> float32 [M, N] for a prompt's many rows: the
+// weight dequantized kPanel rows at a time into a buffer the calling thread keeps (no fresh pages per
+// call, and the panel is in cache when torch's matmul reads it), out.T's rows of the panel by that matmul
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_gemm: float32 rows [M, K] expected, got ",
+              x.scalar_type(), " ", x.sizes());
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  check(q, type, k, "gguf_gemm");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat),
+              "gguf_gemm: a float32 bias of ", n, " values expected");
+  constexpr int64_t kPanel = 256;
+  const int64_t qk = kQK[type], size = kSize[type], blocks = k / qk;
+  static thread_local std::vector<float> buffer;
+  buffer.resize(std::max<size_t>(buffer.size(), static_cast<size_t>(kPanel * k)));
+  const at::Tensor panel = at::from_blob(buffer.data(), {kPanel, k}, at::TensorOptions().dtype(at::kFloat));
+  const at::Tensor xt = x.t();  // [K, M]
+  at::Tensor out_t = at::empty({n, m}, x.options());  // out.T: each panel's rows contiguous
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  float* bp = buffer.data();
+  for (int64_t n0 = 0; n0 < n; n0 += kPanel) {
+    const int64_t rows = std::min(kPanel, n - n0);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t blk = 0; blk < blocks; ++blk)
+          decode(type, qp + ((n0 + r) * blocks + blk) * size, bp + r * k + blk * qk);
+    });
+    at::Tensor part = out_t.narrow(0, n0, rows);
+    at::mm_out(part, panel.narrow(0, 0, rows), xt);
+  }
+  at::Tensor out = out_t.t().contiguous();
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+// called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on meanwhile
+TORCH_LIBRARY_FRAGMENT(hetserve_cpu, m) {
+  m.def("gguf_gemv(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor", &gguf_gemv);
+  m.def("gguf_dequantize(Tensor q, int type, int k) -> Tensor", &gguf_dequantize);
+  m.def("gguf_gemm(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor", &gguf_gemm);
+}
