@@ -261,9 +261,9 @@ _ENTRIES: tuple[_Entry, ...] = (
     _Entry("Int4CheckpointLinear", _rocm(100, _ANY), "int4_linear", "Int4LinearTritonRocm", "w4a16-triton-rocm",
            f"Triton W4A16; {_RDNA}"),
     # -- GGUFLinear: a GGUF file's blocks, the ranges of the GGUF rule (workers/gguf/execution.py `gguf_rule`) ----
-    _Entry("GGUFLinear", Device(type="cpu"), "gguf_linear", "GGUFLinear", "torch",
-           "CPU: GGUF blocks dequantized at load into the model dtype, torch matmul (no measured CPU kernel on the "
-           "blocks beats it yet)"),
+    _Entry("GGUFLinear", Device(type="cpu"), "gguf_linear", "GGUFLinearCpu", "cpp-gemv",
+           "CPU: Q8_0/Q4_0/Q4_K/Q5_K/Q6_K blocks kept packed, a C++ GEMV decoding them in registers (a prompt's "
+           "rows: torch matmul on panels dequantized per call); other types dequantized at load"),
     _Entry("GGUFLinear", Device(type="cuda"), "gguf_linear", "GGUFLinear", "torch",
            "below sm_70, which Triton does not target: GGUF blocks dequantized at load, cuBLAS matmul"),
     _Entry("GGUFLinear", _cuda(70, 79), "gguf_linear", "GGUFLinearTritonSm70", "triton-sm70",

@@ -4,11 +4,12 @@ A tiny random Llama written by gguf-py's `GGUFWriter` in Q8_0 (tests/gguf_checkp
 served in float32 by a real router over a simulated mixed host (Volta to Hopper beside a CPU):
 the router prepares the file
 (config, tokenizer and template converted into its cache directory; the file is kept under
-`~/.cache/hetserve/test-gguf/`, so that directory is made once), the GPU workers keep the blocks
-packed and the CPU dequantizes them, and a greedy `/generate` on each worker gives the tokens
-transformers generates loading the same file. A Q4_K_M-like file (Q4_K, Q6_K, Q8_0 per tensor)
-served under `TRITON_INTERPRET=1` runs the sm_80 worker's packed layers through the Triton kernels
-themselves: its greedy tokens are the dequantizing CPU worker's, its logprobs within fp32 rounding.
+`~/.cache/hetserve/test-gguf/`, so that directory is made once), every worker keeps the blocks
+packed (the GPUs for the Triton kernels, the CPU for its C++ GEMV), and a greedy `/generate` on
+each worker gives the tokens transformers generates loading the same file. A Q4_K_M-like file
+(Q4_K, Q6_K, Q8_0 per tensor) served under `TRITON_INTERPRET=1` runs the sm_80 worker's packed
+layers through the Triton kernels themselves: its greedy tokens are the CPU worker's (its C++
+kernel), its logprobs within fp32 rounding.
 The model is named by its file; a file whose architecture we do not serve stops `serve` with one
 line before any worker starts.
 """
@@ -61,14 +62,13 @@ def test_a_gguf_file_over_http_generates_transformers_greedy_tokens_on_every_dev
             assert gguf["types"] == {"F32": gguf["types"]["F32"], "Q8_0": gguf["types"]["Q8_0"]}, gguf
             cap = w["device"].get("capability")
             device = f"sm_{str(cap).replace('.', '')}" if cap else "cpu"
-            packed = device != "cpu"  # the device's rule: CUDA from sm_70 keeps the blocks packed, the CPU not
-            assert gguf["rule"]["execution"] == ("packed" if packed else "dequantized"), (w["device"], gguf)
-            assert gguf["rule"]["reason"].startswith(device if packed else "CPU"), (w["device"], gguf)
-            if packed:  # every projection holds its Q8_0 blocks; the tied embeddings stay dense
-                assert gguf["execution"].startswith("packed (8 layers: Q8_0 8)"), gguf  # 2 x (wqkv, wo, gate/up, down)
-                assert w["kernels"]["GGUFLinear"]["variant"].startswith("triton-sm"), w["kernels"]["GGUFLinear"]
-            else:
-                assert gguf["execution"] == "dequantized at load to float32", gguf
+            # the device's rule: CUDA from sm_70 keeps the blocks packed for Triton, the CPU for its C++ GEMV
+            assert gguf["rule"]["execution"] == "packed", (w["device"], gguf)
+            assert gguf["rule"]["reason"].startswith("CPU" if device == "cpu" else device), (w["device"], gguf)
+            # every projection holds its Q8_0 blocks; the tied embeddings stay dense
+            assert gguf["execution"].startswith("packed (8 layers: Q8_0 8)"), gguf  # 2 x (wqkv, wo, gate/up, down)
+            variant = w["kernels"]["GGUFLinear"]["variant"]
+            assert variant == "cpp-gemv" if device == "cpu" else variant.startswith("triton-sm"), (device, variant)
             assert 0 < gguf["packed_bytes"] < gguf["resident_bytes"], gguf
             r = c.post("/generate", headers={"X-Hetserve-Worker": w["id"]}, json={"inputs": PROMPT, "parameters": {
                 "max_new_tokens": NEW_TOKENS, "details": True, "decoder_input_details": True}})
@@ -93,7 +93,7 @@ def test_a_gguf_file_over_http_generates_transformers_greedy_tokens_on_every_dev
 
 def test_packed_blocks_through_the_triton_kernels_answer_the_dequantized_workers_tokens():
     """The sm_80 worker's GGUF layers hold the blocks and run kernels_local/gguf_linear's GEMM (prompt) and
-    GEMV (decode) in Triton's interpreter; the CPU worker dequantized the same file at load."""
+    GEMV (decode) in Triton's interpreter; the CPU worker runs the same blocks through its C++ kernel."""
     path = cached_gguf("llama", "Q4_K_M")
     router = RouterProcess(["--model", str(path), "--dtype", "float32", "--max-batch", "2", "--compile", "off",
                             "--simulate", "sm_80,cpu", "--canary-interval", "0"],  # its 8 x 16 tokens: interpreted
@@ -101,7 +101,7 @@ def test_packed_blocks_through_the_triton_kernels_answer_the_dequantized_workers
     try:
         workers = {("cpu" if w["device"]["type"] == "cpu" else "gpu"): w for w in router.workers()}
         assert workers["gpu"]["model"]["gguf"]["execution"].startswith("packed ("), workers["gpu"]["model"]["gguf"]
-        assert workers["cpu"]["model"]["gguf"]["execution"] == "dequantized at load to float32"
+        assert workers["cpu"]["model"]["gguf"]["execution"].startswith("packed ("), workers["cpu"]["model"]["gguf"]
         answers = {}
         with router.client(timeout=600) as c:
             for kind, w in workers.items():
@@ -140,16 +140,18 @@ def test_plan_reads_a_gguf_file_as_a_model():
 
 def test_plan_counts_a_gguf_files_packed_blocks_where_the_device_keeps_them():
     """`hetserve plan` sizes a Q4_K_M-like file per device: its blocks on sm_80 (which lists the GGUF kernel
-    layer), the dequantized size on the CPU (workers/contract/model_size.py `need_on`'s GGUF lines)."""
+    layer) and on the CPU (whose kernel decodes the same three types), the dequantized size on sm_61
+    (workers/contract/model_size.py `need_on`'s GGUF lines)."""
     import json
 
     path = cached_gguf("llama", "Q4_K_M")
     done = subprocess.run([sys.executable, "-m", "server.cli", "plan", "--model", str(path), "--simulate",
-                           "sm_80,cpu", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "sm_80,sm_61,cpu", "--dtype", "float32", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
-    needs = {d["device"]["type"]: d["need"] for d in json.loads(done.stdout)["placement"]["devices"]}
-    assert needs["cuda"]["gguf"] == "packed" and needs["cpu"]["gguf"] == "dequantized"
-    assert needs["cuda"]["weight_bytes"] < 0.75 * needs["cpu"]["weight_bytes"]
+    needs = {d["device"].get("capability") or "cpu": d["need"] for d in json.loads(done.stdout)["placement"]["devices"]}
+    assert [needs[d]["gguf"] for d in ("8.0", "cpu", "6.1")] == ["packed", "packed", "dequantized"], needs
+    assert needs["8.0"]["weight_bytes"] == needs["cpu"]["weight_bytes"] < 0.75 * needs["6.1"]["weight_bytes"]
     text = subprocess.run([sys.executable, "-m", "server.cli", "plan", "--model", str(path), "--simulate", "sm_80"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
     assert "GGUF blocks packed" in text and "\n  GGUFLinear      triton-sm80" in text, text

@@ -1,11 +1,13 @@
 """GGUF blocks kept packed in the model's layers (workers/gguf/packed.py, workers/gguf/linear.py).
 
 What must hold:
-- on a device whose GGUF rule keeps the blocks packed (a GPU from sm_70, named to the loader as a
-  simulated one is), every projection of a Q4_K_M-like file (Q4_K, Q6_K, Q8_0 per tensor) holds its
-  file's bytes, a fused q/k/v of three types as one `GGUFLinear` per type, a Qwen3-MoE's stacked
-  experts as `GGUFExperts` (one GEMV/GEMM per active expert); the tied head, the F32 routers and
-  the embeddings stay dense; the CPU loads the same file dequantized; the logits agree in fp32;
+- on a device whose GGUF rule keeps the blocks packed (a GPU from sm_70, named to the loader as
+  a simulated one is; the CPU, whose C++ GEMV decodes the same three types), every projection of
+  a Q4_K_M-like file (Q4_K, Q6_K, Q8_0 per tensor) holds its file's bytes, a fused q/k/v of three
+  types as one `GGUFLinear` per type, a Qwen3-MoE's stacked experts as `GGUFExperts` (one
+  GEMV/GEMM per active expert); the tied head, the F32 routers and the embeddings stay dense; a
+  CPU without its kernel loads the same file dequantized; the logits agree in fp32, and the CPU
+  kernel's within fp32 rounding;
 - the bytes held: each packed layer at its file's bits per weight (Q4_K's 4.5: 0.28x bf16), the
   description's resident bytes smaller than the dequantized model's by exactly the difference;
 - under `TRITON_INTERPRET=1` (this file reruns itself in a child with it) the model kernelized for
@@ -46,9 +48,21 @@ def files(tmp_path_factory):
 
 
 def _load(path, where: str):
+    """`where`: "sm_80" or "sm_61" (simulated: CPU tensors), "cpu", or "dense" (a CPU without its GGUF kernel)."""
+    if where == "dense":
+        from kernels_local.gguf_linear import cpu
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(cpu.ENV_CPU_GGUF, "off")
+            cpu.KERNEL.reset()
+            try:
+                return load_model(path, "float32", "cpu")
+            finally:
+                cpu.KERNEL.reset()
     if where == "cpu":
         return load_model(path, "float32", "cpu")
-    return load_model(path, "float32", "cpu", SM80, device_type="cuda")  # a simulated sm_80: CPU tensors
+    cap = SM80 if where == "sm_80" else Capability(6, 1)
+    return load_model(path, "float32", "cpu", cap, device_type="cuda")
 
 
 def _ids(seed: int = 0) -> torch.Tensor:
@@ -71,7 +85,7 @@ def test_the_kernel_decodes_every_type_the_loader_keeps_packed():
 def test_a_packed_device_holds_the_files_blocks_and_the_cpu_its_dequantized_weights(files, arch):
     """Guards the loader's reader (`reader = quant or packed_gguf(...)`): without it every layer is a dense
     `nn.Linear` on sm_80 too."""
-    packed, dense = _load(files[arch], "sm_80"), _load(files[arch], "cpu")
+    packed, dense = _load(files[arch], "sm_80"), _load(files[arch], "dense")
     layers = [m for m in packed.model.modules() if isinstance(m, GGUFLinear)]
     assert {m.gguf_type for m in layers} == {"Q4_K", "Q6_K", "Q8_0"}
     assert all(m.qweight.dtype == torch.uint8 and m.weight is None for m in layers)
@@ -96,7 +110,7 @@ def test_the_description_counts_the_packed_layers_and_the_bytes_they_hold(files)
     layers = [m for m in loaded.model.modules() if isinstance(m, GGUFLinear)]
     for m in layers:  # the file's bits per weight, exactly: Q4_K 4.5 (0.28x bf16), Q6_K 6.5625, Q8_0 8.5
         assert m.nbytes() * 8 == m.in_features * m.out_features * BITS[m.gguf_type], m
-    dense = gguf_execution(loaded.model_dir, loaded.dtype, "cpu", None, _load(files["qwen2"], "cpu").model)
+    dense = gguf_execution(loaded.model_dir, loaded.dtype, "cpu", None, _load(files["qwen2"], "dense").model)
     assert described["resident_bytes"] < dense["resident_bytes"]
     assert dense["resident_bytes"] - described["resident_bytes"] == sum(
         m.in_features * m.out_features * 4 - m.nbytes() for m in layers)
@@ -146,7 +160,7 @@ def test_a_packed_kernel_failing_its_self_test_falls_back_to_dequantized_weights
     their blocks and the description says nothing of the failure."""
     from workers.kernelize.selftest import self_test_or_fall_back
 
-    loaded, dense = _load(files["qwen2"], "sm_80"), _load(files["qwen2"], "cpu")
+    loaded, dense = _load(files["qwen2"], "sm_80"), _load(files["qwen2"], "dense")
     apply_plan(loaded.model, KernelPlan("cpu", {"GGUFLinear": select("cuda", SM80)["GGUFLinear"]}))
     for m in loaded.model.modules():  # the kernel as a device that computes nonsense would run it
         if isinstance(m, GGUFLinear):
@@ -172,11 +186,35 @@ def test_placement_counts_the_bytes_each_device_holds(files, token, arch):
     from workers.contract.topology import parse_simulate
 
     device = parse_simulate(token)[0]
-    loaded = _load(files[arch], "sm_80" if token == "sm_80" else "cpu")
+    loaded = _load(files[arch], token)
     need = need_on(read_profile(loaded.model_dir), device, "float32")
     described = gguf_execution(loaded.model_dir, loaded.dtype, token, None, loaded.model)
     assert need.weight_bytes == described["resident_bytes"]
-    assert need.gguf == ("packed" if token == "sm_80" else "dequantized")
+    assert need.gguf == ("dequantized" if token == "sm_61" else "packed")
+    assert described["packed_layers"] > 0 if token != "sm_61" else described["packed_layers"] == 0
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3moe"])
+def test_the_cpu_kernel_layer_gives_the_dense_models_logits_for_a_prompt_and_decode_rows(files, arch):
+    """Guards the CPU's kernel entry (kernels_local/mapping.py `GGUFLinearCpu`) and its GEMV: the packed
+    model on the CPU, kernelized as its worker is, gives a CPU-without-the-kernel's logits within fp32
+    rounding, for a prompt (dequantized per call) and for decode rows (the GEMV: 1..3 rows per call;
+    MoE experts per active expert)."""
+    from kernels_local.gguf_linear import cpu
+
+    loaded, dense = _load(files[arch], "cpu"), _load(files[arch], "dense")
+    choice = select("cpu", None)["GGUFLinear"]
+    assert choice.layer == "GGUFLinearCpu" and cpu.KERNEL.load().available
+    assert apply_plan(loaded.model, KernelPlan("cpu", {"GGUFLinear": choice})) > 0
+    calls = []
+    ops = cpu.KERNEL.module  # torch.ops.hetserve_cpu: shared by every copy of the repository's module
+    gemv = ops.gguf_gemv
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "gguf_gemv", lambda x, *a: calls.append(x.shape[0]) or gemv(x, *a))
+        for ids in (_ids(3), _ids(3)[:1, :1], _ids(3)[:, :1]):  # 18 rows, one decode row, two
+            torch.testing.assert_close(loaded.model(ids), dense.model(ids), rtol=1e-4, atol=1e-4)
+    assert calls and max(calls) < cpu.GEMV_MAX_M and min(calls) >= 1
 
 
 @pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")

@@ -181,8 +181,9 @@ def test_the_wrappers_launches_are_declared(monkeypatch, name, tokens):
 
 
 def test_the_device_rule_and_the_kernel_mapping_agree():
-    """Guards `gguf_rule`'s ranges (CUDA from sm_70 and ROCm packed): each device whose rule keeps the
-    blocks packed gets a Triton GGUF layer from the mapping, every other the torch layer."""
+    """Guards `gguf_rule`'s ranges (CUDA from sm_70 and ROCm packed; the CPU too, for its C++ kernel): each
+    GPU whose rule keeps the blocks packed gets a Triton GGUF layer from the mapping, the CPU its C++
+    GEMV's layer, every other the torch layer."""
     from kernels_local.mapping import select
     from workers.gguf.execution import KERNEL as RULE_KERNEL
     from workers.gguf.execution import PACKED, gguf_rule
@@ -192,7 +193,8 @@ def test_the_device_rule_and_the_kernel_mapping_agree():
     devices += [("rocm", (9, 0)), ("rocm", (9, 4)), ("rocm", (9, 5))]
     for device, cap in devices:
         rule, choice = gguf_rule(device, cap), select(device, cap)["GGUFLinear"]
-        assert (rule.execution == PACKED) == ("triton" in choice.variant), (device, cap, rule, choice)
+        kernel = "cpp" if device == "cpu" else "triton"
+        assert (rule.execution == PACKED) == (kernel in choice.variant), (device, cap, rule, choice)
         assert (rule.kernel == RULE_KERNEL) == (rule.execution == PACKED)
         assert rule.reason
 

@@ -99,9 +99,10 @@ def test_without_gpus_plans_one_cpu_device(monkeypatch, capsys):
     assert entry["device"]["type"] == "cpu" and entry["device"]["capability"] is None
     assert entry["fp8"]["convention"] == "emulated"
     # the pre-quantized fp8 checkpoints' layer runs dequantized on a CPU
-    # and the 4-bit checkpoints' layer keeps its packed weights (torch); the norm and the activation in C++
+    # and the 4-bit checkpoints' layer keeps its packed weights (torch); the norm and the activation in C++,
+    # a GGUF file's blocks through the C++ GEMV
     assert {k["variant"] for k in entry["kernels"].values()} == {"torch", "emulated-torch", "dequantized-torch",
-                                                                 "packed-torch", "cpp"}
+                                                                 "packed-torch", "cpp", "cpp-gemv"}
 
 
 def test_human_readable_table(capsys):

@@ -6,9 +6,10 @@ the GGUF tensor's bytes `qweight` (uint8 [N, K / QK * TYPE_SIZE]) with their typ
 `weight` [N, K] when dequantized, and `bias`. The Triton layers refuse a module loaded for another
 execution, except a module dequantized at load (the named fallback of a tensor no kernel reads, on
 any device), which every layer runs as a plain matmul. On CPU tensors the Triton layers take the
-torch reference. `COMPILE_SPECS` names, per Triton layer, the launches its forward can make with the
-tuning its forward passes. The trade-off: one decoder and four tunings; a layer per tuning keeps
-the choice a kernel mapping entry, as for the 4-bit layers.
+torch reference; `GGUFLinearCpu` runs the C++ GEMV over the blocks (cpu.py). `COMPILE_SPECS`
+names, per Triton layer, the launches its forward can make with the tuning its forward passes.
+The trade-off: one decoder and four tunings; a layer per tuning keeps the choice a kernel mapping
+entry, as for the 4-bit layers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from .cpu import gguf_linear_cpu, runs_cpp
 from .gguf_linear import ROCM, SM70, SM80, SM90, GGUFLinearTuning, compile_specs, gguf_linear
 from .reference import gguf_linear_reference
 
@@ -38,6 +40,17 @@ class GGUFLinear(nn.Module):
     (where a module holds them) are decoded per call by the reference."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self, x, None)
+
+
+class GGUFLinearCpu(nn.Module):
+    """CPU: packed blocks of the C++ kernel's types through its GEMV (cpu.py); anything else as `GGUFLinear`."""
+
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "execution", None) == "packed" and runs_cpp(x, self.gguf_type):
+            return gguf_linear_cpu(x, self.qweight, self.gguf_type, self.bias)
         return _run(self, x, None)
 
 

@@ -66,6 +66,8 @@ class ModelProfile:
     mxfp4_bytes: int = 0  # their blocks and e8m0 `*_scales` as stored
     gguf_params: int = 0  # a GGUF file's projections of a type the kernels decode (workers/contract/gguf_rule.py)
     gguf_bytes: int = 0  # their blocks as stored: held so where the device keeps them packed
+    gguf_cpu_params: int = 0  # of those, the ones of a type the CPU keeps packed (`CPU_PACKED_TYPES`)
+    gguf_cpu_bytes: int = 0
 
     @property
     def num_parameters(self) -> int:
@@ -130,7 +132,12 @@ def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quan
     gguf = ""
     if profile.gguf_params:  # a GGUF file's projections: its blocks where the device keeps them packed
         gguf = gguf_kind(device.type, cap)
-        weights += profile.gguf_bytes if gguf == GGUF_PACKED else profile.gguf_params * size
+        if gguf != GGUF_PACKED:
+            weights += profile.gguf_params * size
+        elif device.type == "cpu":  # the CPU kernel's types packed, the rest widened at load
+            weights += profile.gguf_cpu_bytes + (profile.gguf_params - profile.gguf_cpu_params) * size
+        else:
+            weights += profile.gguf_bytes
     if quantize == "fp8":
         weights += profile.projection_params + profile.projection_rows * FP8_SCALE_BYTES
         floats -= profile.projection_params
@@ -237,7 +244,8 @@ def read_profile(model_dir: str | Path) -> ModelProfile:
         packable = gguf["packable_elements"]
         return ModelProfile(**common, float_params=gguf["elements"] - packable, projection_params=0,
                             projection_rows=0, stored_params=0, stored_bytes=0, gguf_params=packable,
-                            gguf_bytes=gguf["packable_bytes"], source="GGUF tensor table")
+                            gguf_bytes=gguf["packable_bytes"], gguf_cpu_params=gguf.get("cpu_packable_elements", 0),
+                            gguf_cpu_bytes=gguf.get("cpu_packable_bytes", 0), source="GGUF tensor table")
     files = _weight_files(model_dir)
     if not files:
         return ModelProfile(**common, **_count_from_config(hf, shape),

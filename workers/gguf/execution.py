@@ -3,10 +3,11 @@
 Design: the per-device rule of the format (`gguf_rule`), one answer with its reason, as for the
 other quantized formats. CUDA from sm_70 and ROCm keep the blocks packed: the loader holds each
 linear layer's tensors of a `PACKED_TYPES` type as the file's bytes (workers/gguf/packed.py) and the
-Triton GEMV (decode) and GEMM (prefill) of kernels_local/gguf_linear decode them in registers.
-Below sm_70 Triton does not target the device, and the CPU has no GGUF kernel measured against the
-dequantized bf16 matmul (llama.cpp's CPU path is the bar): both dequantize at load (workers/gguf/
-weights.py, exact against gguf-py). The description reads the model as loaded: how many layers hold
+Triton GEMV (decode) and GEMM (prefill) of kernels_local/gguf_linear decode them in registers. The
+CPU keeps the types its C++ GEMV decodes packed (measured against the dequantized matmuls:
+docs/benchmarks.md "GGUF on the CPU"), where that kernel builds. Below sm_70 Triton does not target
+the device: it dequantizes at load (workers/gguf/weights.py, exact against gguf-py), as does a CPU
+without the kernel. The description reads the model as loaded: how many layers hold
 blocks, which were dequantized and why (embeddings, norms, a tied head, types no kernel decodes, a
 kernel that failed its self-test here), the file's tensors by type and the bytes held beside the
 file's. Trade-off: reading the tensor table costs a header parse per description (memory-mapped, no
@@ -23,7 +24,7 @@ import torch
 
 from workers.contract import Capability, parse_token
 from workers.contract.defaults import NO_GGUF_LAYER
-from workers.contract.gguf_rule import GGUF_PACKED, PACKED_TYPES, gguf_kind
+from workers.contract.gguf_rule import GGUF_PACKED, PACKED_TYPES, gguf_kind, packed_types
 from workers.gguf.files import open_readers
 from workers.gguf.linear import GGUFLinear
 from workers.gguf.prepare import pointed_files
@@ -40,9 +41,10 @@ class GGUFRule:
     execution: str
     reason: str
     kernel: str | None = None
+    types: tuple[str, ...] = ()  # the tensor types kept packed
 
     def to_dict(self) -> dict:
-        return {"execution": self.execution, "kernel": self.kernel, "reason": self.reason}
+        return {"execution": self.execution, "kernel": self.kernel, "reason": self.reason, "types": list(self.types)}
 
 
 def _where(device_type: str, capability: Capability | None) -> str:
@@ -55,15 +57,28 @@ def gguf_rule(device_type: str, capability=None) -> GGUFRule:
     """The GGUF rule for a device (`cuda` | `rocm` | `cpu`, its capability where it has one)."""
     cap = Capability.parse_optional(capability)
     where = _where(device_type, cap)
+    if device_type == "cpu":
+        return _cpu_rule()
     if gguf_kind(device_type, cap) == GGUF_PACKED:
         return GGUFRule(PACKED, f"{where}: blocks kept packed, decoded in registers by {KERNEL}'s Triton GEMV "
                                 "(decode) and GEMM (prefill) for the 32-element, K- and IQ4 block families",
-                        KERNEL)
-    if device_type == "cuda":  # below FIRST_PACKED_CUDA
-        return GGUFRule(DEQUANTIZED, f"{where}: Triton does not target CUDA below sm_70; blocks dequantized at "
-                                     "load, a cuBLAS matmul")
-    return GGUFRule(DEQUANTIZED, f"{where}: blocks dequantized at load: no measured CPU kernel on GGUF blocks "
-                                 "beats the dequantized bf16 matmul here yet (llama.cpp's CPU path is the bar)")
+                        KERNEL, packed_types(device_type, cap))
+    return GGUFRule(DEQUANTIZED, f"{where}: Triton does not target CUDA below sm_70; blocks dequantized at "
+                                 "load, a cuBLAS matmul")
+
+
+def _cpu_rule() -> GGUFRule:
+    """The CPU's rule: packed where the C++ GEMV loads (built here once per host, now if not yet)."""
+    from kernels_local.gguf_linear import cpu
+
+    types = packed_types("cpu")
+    state = cpu.KERNEL.load()
+    if not state.available:
+        return GGUFRule(DEQUANTIZED, f"CPU: blocks dequantized at load, a float matmul: {state.reason}")
+    return GGUFRule(PACKED, f"CPU: {', '.join(types)} blocks kept packed, decoded in registers by {KERNEL}'s "
+                            f"{state.reason} (decode, fewer than {cpu.GEMV_MAX_M} rows: it reads 0.14-0.27x the "
+                            "bytes of the dequantized float32 matmul it beats there); a prompt's rows through torch's "
+                            "matmul on panels dequantized per call; other types dequantized at load", KERNEL, types)
 
 
 def _device(device: str, capability) -> tuple[str, Capability | None]:
@@ -114,7 +129,8 @@ def gguf_execution(model_dir: Path, dtype: torch.dtype, device: str, capability=
                   f"blocks were dequantized to {name}: {why}")
     elif rule.execution == PACKED and model is not None:
         reason = (f"{rule.reason}; no linear layer of this file is stored in a type the kernels decode "
-                  f"({', '.join(PACKED_TYPES)}), so each tensor is dequantized at load, exactly as gguf-py does")
+                  f"({', '.join(rule.types or PACKED_TYPES)}), so each tensor is dequantized at load, exactly as "
+                  "gguf-py does")
     else:
         reason = f"{rule.reason}; exactly as gguf-py does, and the layers run in {name}"
     return {**out, "execution": f"dequantized at load to {name}", "reason": reason}

@@ -4,7 +4,7 @@ Design: driven by the loader through the calls every quantized checkpoint's read
 (workers/quant/checkpoint.py): `bind`, `claims`, `covers`, `to_ours`, `install`. At `bind` the
 tensor table (no data) says each tensor's type, and one decision is made per module of ours: a
 plain `nn.Linear` whose GGUF tensors (all its fused parts) are of a type the kernel decodes
-(`PACKED_TYPES`) keeps them packed; anything else (norms, embeddings, a tied head, F16/BF16
+(the device rule's `types`) keeps them packed; anything else (norms, embeddings, a tied head, F16/BF16
 matrices, MXFP4, a fused module with one float part) is dequantized at load as before. `claims`
 names the tensors the loader then reads as bytes (workers/gguf/weights.py `gguf_tensors`, which
 puts Llama's q/k rows back in rotary order by moving whole rows of blocks), `to_ours` concatenates a
@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 class PackedGGUF:
     """The GGUF tensors of one model that a device keeps packed, and the layers that hold them."""
 
-    def __init__(self, files: list[Path], map_name: Callable[[str], tuple[str, object] | None]) -> None:
-        self.files, self.map_name = files, map_name
+    def __init__(self, files: list[Path], map_name: Callable[[str], tuple[str, object] | None],
+                 types: tuple[str, ...] = PACKED_TYPES) -> None:  # fmt: skip
+        self.files, self.map_name, self.kept = files, map_name, types  # `kept`: the types held packed
         self.types: dict[str, str] = {}  # HF tensor -> its GGUF type
         self.packed: dict[str, tuple[str, int]] = {}  # HF tensor kept packed -> (our module, its part)
         self.modules: dict[str, list[tuple[int, str]]] = {}  # our module -> [(part, HF tensor)] kept packed
@@ -73,14 +74,14 @@ class PackedGGUF:
                 continue
             candidates.setdefault(ours, []).append((mapped[1] or 0, hf))
         for ours, parts in candidates.items():
-            if all(self.types.get(hf) in PACKED_TYPES for _, hf in parts):
+            if all(self.types.get(hf) in self.kept for _, hf in parts):
                 self.modules[ours] = sorted(parts)
                 self.packed |= {hf: (ours, part) for part, hf in parts}
         for head, pieces in experts.items():
             m = model.get_submodule(head)
             whole = {(e, p) for e in range(getattr(m, "num_experts", 0)) for p in range(3)}
             if (type(m).__name__ == "FusedMoE" and m.b_gate_up is None and m.activation in ACTIVATIONS
-                    and set(pieces) == whole and all(self.types.get(hf) in PACKED_TYPES for hf in pieces.values())):
+                    and set(pieces) == whole and all(self.types.get(hf) in self.kept for hf in pieces.values())):
                 self.experts[head] = pieces
                 self.packed |= {hf: (head, e) for (e, _), hf in pieces.items()}
 
@@ -159,6 +160,7 @@ class PackedGGUF:
 def packed_gguf(files: list[Path] | None, map_name, device_type: str, capability) -> PackedGGUF | None:
     """The reader keeping a GGUF model's blocks packed on a device whose rule says so; None for a model
     that is no GGUF file or a device that dequantizes at load."""
-    if files is None or gguf_rule(device_type, capability).execution != "packed":
+    if files is None:
         return None
-    return PackedGGUF(files, map_name)
+    rule = gguf_rule(device_type, capability)
+    return PackedGGUF(files, map_name, rule.types) if rule.execution == "packed" else None

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.contract.gguf_rule import PACKED_TENSOR, PACKED_TYPES
+from workers.contract.gguf_rule import CPU_PACKED_TYPES, PACKED_TENSOR, PACKED_TYPES
 from workers.gguf.config import hf_config
 from workers.gguf.files import gguf_files, metadata, model_name, open_readers, tensor_infos
 from workers.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 POINTER = "gguf.json"  # the GGUF files a prepared directory stands for
-FORMAT = 5  # bump when the converted files change, so old cache entries are not reused
+FORMAT = 6  # bump when the converted files change, so old cache entries are not reused
 
 
 def cache_root() -> Path:
@@ -72,7 +72,8 @@ def _write(target: Path, files: list[Path], readers: list) -> None:
 def sizes(readers: list) -> dict:
     """The tensors' elements and bytes, those a packed device holds as blocks (`packable`) apart: what
     the router's placement counts per device (workers/contract/model_size.py)."""
-    out = {"elements": 0, "bytes": 0, "packable_elements": 0, "packable_bytes": 0}
+    out = {"elements": 0, "bytes": 0, "packable_elements": 0, "packable_bytes": 0, "cpu_packable_elements": 0,
+           "cpu_packable_bytes": 0}
     for reader in readers:
         for t in reader.tensors:
             n, b = int(t.n_elements), int(t.n_bytes)
@@ -81,6 +82,9 @@ def sizes(readers: list) -> dict:
             if t.tensor_type.name in PACKED_TYPES and PACKED_TENSOR.match(t.name):
                 out["packable_elements"] += n
                 out["packable_bytes"] += b
+                if t.tensor_type.name in CPU_PACKED_TYPES:  # the CPU's packed part of them
+                    out["cpu_packable_elements"] += n
+                    out["cpu_packable_bytes"] += b
     return out
 
 
