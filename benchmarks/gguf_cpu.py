@@ -1,0 +1,93 @@
+"""The CPU's GGUF GEMV against the dequantized matmuls it replaces, side by side in one run.
+
+    python benchmarks/gguf_cpu.py                    # a ~100M Llama's projections, Q4_K_M's types
+    python benchmarks/gguf_cpu.py --hidden 2048 --mlp 5632 --layers 4 --rows 1 4 8
+
+Every projection of a Llama of `--layers` x (q/k/v, o, gate/up, down) is quantized as llama.cpp's
+Q4_K_M lays it out here (Q4_K, with v and down in Q6_K; random blocks with finite scales: the time
+does not depend on the values), and one pass over all of them (a decode step's projections,
+`--rows` rows each) is timed three ways, alternating per repetition: kernels_local/gguf_linear's
+C++ GEMV on the blocks, `F.linear` on the same weights dequantized to float32 (what a CPU worker
+held before: `--dtype auto` is float32 on the CPU) and to bfloat16 (the issue's bar). The weights
+of a pass are far larger than the last-level cache, so every pass reads them from memory, as a
+served model's step does. Prints the median time per pass and the GEMV's speed-up over each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels_local.gguf_linear import cpu  # noqa: E402
+from kernels_local.gguf_linear.reference import BLOCKS  # noqa: E402
+
+
+def blocks(type_name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random uint8 blocks [n, k / QK * size] whose fp16 scales are finite (0.001 to 0.01)."""
+    qk, size = BLOCKS[type_name]
+    raw = torch.randint(0, 256, (n, k // qk, size), dtype=torch.uint8, generator=gen)
+    offsets = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q5_K": (0, 2)}[type_name]
+    for o in offsets:
+        scales = (torch.rand(n, k // qk, generator=gen) * 0.009 + 0.001).half()
+        raw[..., o : o + 2] = scales.view(torch.uint8).reshape(n, k // qk, 2)
+    return raw.reshape(n, -1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--kv", type=int, default=256, help="K (and V) projection rows")
+    p.add_argument("--mlp", type=int, default=2816)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, cpu.GEMV_MAX_M - 1])
+    p.add_argument("--repeats", type=int, default=15)
+    a = p.parse_args()
+    if not cpu.KERNEL.load().available:
+        sys.exit(f"the C++ kernel is not available here: {cpu.KERNEL.load().reason}")
+    gen = torch.Generator().manual_seed(0)
+    h = a.hidden
+    shapes = [("Q4_K", h + a.kv, h), ("Q6_K", a.kv, h), ("Q4_K", h, h), ("Q4_K", 2 * a.mlp, h), ("Q6_K", h, a.mlp)]
+    layers = [(t, blocks(t, n, k, gen)) for _ in range(a.layers) for t, n, k in shapes]
+    dense32 = [cpu.dequantize(q, t, q.shape[1] // BLOCKS[t][1] * BLOCKS[t][0]) for t, q in layers]
+    dense16 = [w.bfloat16() for w in dense32]
+    params = sum(w.numel() for w in dense32)
+    packed = sum(q.numel() for _, q in layers)
+    print(f"{a.layers} layers, {params / 1e6:.1f}M weights: packed {packed / 2**20:.0f} MiB, float32 "
+          f"{params * 4 / 2**20:.0f} MiB, bfloat16 {params * 2 / 2**20:.0f} MiB; {torch.get_num_threads()} threads; "
+          f"{cpu.KERNEL.load().reason}")
+    print(f"{'rows':>5} {'GEMV ms':>9} {'fp32 ms':>9} {'bf16 ms':>9} {'vs fp32':>8} {'vs bf16':>8}")
+    for m in a.rows:
+        rows = {h: torch.randn(m, h, generator=gen), a.mlp: torch.randn(m, a.mlp, generator=gen)}  # by K
+        inputs = {"gemv": rows, "fp32": rows, "bf16": {k: x.bfloat16() for k, x in rows.items()}}
+
+        def run(kind: str, inputs: dict = inputs) -> float:
+            started = time.perf_counter()
+            for (t, q), w32, w16 in zip(layers, dense32, dense16, strict=True):
+                x = inputs[kind][w32.shape[1]]
+                if kind == "gemv":
+                    cpu.gguf_linear_cpu(x, q, t, None)
+                else:
+                    F.linear(x, w32 if kind == "fp32" else w16)
+            return time.perf_counter() - started
+
+        times: dict[str, list[float]] = {"gemv": [], "fp32": [], "bf16": []}
+        for kind in times:
+            run(kind)  # warm: first calls, page faults
+        for _ in range(a.repeats):
+            for kind in times:
+                times[kind].append(run(kind))
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"{m:>5} {med['gemv']:>9.2f} {med['fp32']:>9.2f} {med['bf16']:>9.2f} "
+              f"{med['fp32'] / med['gemv']:>7.2f}x {med['bf16'] / med['gemv']:>7.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
