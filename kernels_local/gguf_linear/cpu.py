@@ -2,15 +2,17 @@
 
 A decode step's projection reads each weight once for a handful of rows, so its time is the bytes
 it reads: Q4_K holds a weight in 0.28x the bytes of bf16 and 0.14x of float32. `gguf_linear_cpu`
-decodes one block at a time into a float32 buffer on the stack, exactly as gguf-py does, and takes
-every row's dot product with it while it is in L1. From `GEMV_MAX_M` rows on (a prompt's, where the
-matmul is compute-bound), the same decoder dequantizes the weight 256 rows at a time into a buffer
-the calling thread keeps (256 x K floats, held for the process's life: no fresh pages per call), and
-torch's matmul multiplies each panel while it is in cache. Built once per host (kernels_local/cpp_build.py);
-where it does not build, the worker dequantizes at load (workers/gguf/execution.py says so).
-The trade-off: the sums' order is the kernel's, so an output may differ from the dequantized
-matmul's in its last float32 bits; and a second decoder beside the torch reference's, for the
-five types measured here (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: the Q4_K_M/Q5_K_M mixes and Q8_0 files).
+takes each output row's blocks one at a time and every activation row's dot product with the block
+while it is in L1; on AVX2 the codes are widened in registers straight into the multiply-adds,
+elsewhere the block is decoded into a float32 buffer exactly as gguf-py does. From `GEMV_MAX_M`
+rows on (a prompt's, where the matmul is compute-bound), the same decoder dequantizes the weight 256
+rows at a time into a buffer the calling thread keeps (256 x K floats, held for the process's life:
+no fresh pages per call), and torch's matmul multiplies each panel while it is in cache. Built once
+per host (kernels_local/cpp_build.py); where it does not build, the worker dequantizes at load
+(workers/gguf/execution.py says so). The trade-off: the sums are the kernel's own (the K-quants'
+mins taken from sums of x), so an output may differ from the dequantized matmul's in its last
+float32 bits; and a second decoder beside the torch reference's, for the five types measured here
+(Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: the Q4_K_M and Q5_K_M mixes, Q4_0 and Q8_0 files).
 Timings: docs/benchmarks.md "GGUF on the CPU".
 """
 

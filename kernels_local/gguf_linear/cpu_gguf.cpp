@@ -194,27 +194,34 @@ void check(const at::Tensor& q, int64_t type, int64_t k, const char* op) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-constexpr bool kFused = true;  // Q4_K and Q6_K decoded in registers, straight into the dot products
+constexpr bool kFused = true;  // every type decoded in registers, straight into the dot products
 
-// one Q4_K block against MR rows (`xs`: each row at the block's first input; `xsum`: each row's sums
-// of its 32-input groups, the block's first): sum_j dl_j * (q_j . x_j) - dm_j * sum(x_j), the codes
-// widened straight from memory, the mins taken once per block from the precomputed sums
-template <int MR>
-inline void q4_k_rows(const uint8_t* b, const float* const* xs, const float* const* xsum, __m256 (&acc)[MR][2]) {
+// one Q4_K (Q5 false) or Q5_K block against MR rows (`xs`: each row at the block's first input;
+// `xsum`: each row's sums of its 32-input groups, the block's first): sum_j dl_j * (q_j . x_j) -
+// dm_j * sum(x_j), the codes widened straight from memory, the mins taken once per block from the
+// precomputed sums
+template <int MR, bool Q5>
+inline void k4_rows(const uint8_t* b, const float* const* xs, const float* const* xsum, __m256 (&acc)[MR][2]) {
   const float d = f16(b), dmin = f16(b + 2);
   int sc[8], mn[8];
   scale_min_k4(b + 4, sc, mn);
   alignas(32) float dl[8], dm[8];
   for (int j = 0; j < 8; ++j) dl[j] = d * static_cast<float>(sc[j]), dm[j] = dmin * static_cast<float>(mn[j]);
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
-  const uint8_t* qs = b + 16;
+  const __m256i low4 = _mm256_set1_epi32(0x0F), bit = _mm256_set1_epi32(1);
+  const uint8_t* qs = b + (Q5 ? 48 : 16);
   for (int c = 0; c < 4; ++c) {  // 64 values: sub-blocks 2c (low nibbles) and 2c + 1 (high)
     __m256 lo[MR], hi[MR];
     for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int g = 0; g < 4; ++g) {
       const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 32 * c + 8 * g)));
-      const __m256 wl = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
-      const __m256 wh = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      __m256i ql = _mm256_and_si256(v, low4), qh = _mm256_srli_epi32(v, 4);
+      if (Q5) {  // Q5_K: the fifth bit of element 32j + l is bit j of qh[l]
+        const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 8 * g)));
+        ql = _mm256_or_si256(ql, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * c), bit), 4));
+        qh = _mm256_or_si256(qh, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * c + 1), bit), 4));
+      }
+      const __m256 wl = _mm256_cvtepi32_ps(ql);
+      const __m256 wh = _mm256_cvtepi32_ps(qh);
       for (int r = 0; r < MR; ++r) {
         lo[r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xs[r] + 64 * c + 8 * g), lo[r]);
         hi[r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xs[r] + 64 * c + 32 + 8 * g), hi[r]);
@@ -230,27 +237,61 @@ inline void q4_k_rows(const uint8_t* b, const float* const* xs, const float* con
   for (int r = 0; r < MR; ++r) acc[r][0] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xsum[r]), acc[r][0]);
 }
 
-// one Q6_K block against MR rows: the values formed as in `q6_k` (d * scale, times q - 32)
+// one Q6_K block against MR rows: per 16 values, (d * scale) * ((q - 32) . x)
 template <int MR>
 inline void q6_k_rows(const uint8_t* b, const float* const* xs, __m256 (&acc)[MR][2]) {
   const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
   const float d = f16(b + 208);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-  const __m256i bias = _mm256_set1_epi32(32);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
   for (int h = 0; h < 2; ++h) {
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
     for (int s = 0; s < 4; ++s) {
       const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (s % 2)));
       const __m256i lo = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
       const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), two), 4);
-      const __m256i q = _mm256_or_si256(lo, hi);
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), bias);  // q - 32, signed bytes
+      const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
       const int e0 = 128 * h + 32 * s;
-      for (int g = 0; g < 4; ++g) {
-        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(scales[(e0 + 8 * g) / 16]));
-        const __m256 w = _mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_sub_epi32(widen(q, g), bias)));
-        for (int r = 0; r < MR; ++r) acc[r][g & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[r] + e0 + 8 * g), acc[r][g & 1]);
+      for (int half = 0; half < 2; ++half) {  // 16 values per scale: (q - 32) . x, then times d * scale
+        __m256 t[MR];
+        for (int g = 0; g < 2; ++g) {
+          const __m128i bytes = g == 0 ? halves[half] : _mm_srli_si128(halves[half], 8);
+          const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+          for (int r = 0; r < MR; ++r) {
+            const __m256 xr = _mm256_loadu_ps(xs[r] + e0 + 16 * half + 8 * g);
+            t[r] = g == 0 ? _mm256_mul_ps(w, xr) : _mm256_fmadd_ps(w, xr, t[r]);
+          }
+        }
+        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(scales[(e0 + 16 * half) / 16]));
+        for (int r = 0; r < MR; ++r) acc[r][half] = _mm256_fmadd_ps(t[r], dl, acc[r][half]);
       }
     }
+  }
+}
+
+// one Q8_0 (Q4 false: int8 codes) or Q4_0 (nibbles, minus 8) block of 32 against MR rows: d * (q . x),
+// Q4_0 as d * (q . x) - 8d * sum(x); the block's parity picks the accumulator (two chains per row)
+template <int MR, bool Q4>
+inline void small_rows(const uint8_t* b, const float* const* xs, const float* const* xsum, int parity,
+                       __m256 (&acc)[MR][2]) {
+  const float d = f16(b);
+  __m256 s[MR][2];
+  for (int r = 0; r < MR; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+  for (int g = 0; g < 4; ++g) {
+    __m256 w;
+    if (Q4) {  // bytes 8(g % 2).. hold elements 8(g % 2) + l (low nibbles, g < 2) and 16 + 8(g % 2) + l (high)
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * (g % 2))));
+      w = _mm256_cvtepi32_ps(g < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(v, 4));
+    } else {
+      w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * g))));
+    }
+    for (int r = 0; r < MR; ++r) s[r][g & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[r] + 8 * g), s[r][g & 1]);
+  }
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int r = 0; r < MR; ++r) {
+    __m256 t = _mm256_mul_ps(_mm256_add_ps(s[r][0], s[r][1]), dv);
+    if (Q4) t = _mm256_sub_ps(t, _mm256_set_ps(0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 8.f * d * xsum[r][0]));
+    acc[r][parity] = _mm256_add_ps(acc[r][parity], t);
   }
 }
 
@@ -269,12 +310,16 @@ void fused_row(int64_t type, const uint8_t* row, int64_t blocks, const float* x0
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   const float *xs[MR], *xsum[MR];
+  const int64_t qk = kQK[type], size = kSize[type];
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    for (int i = 0; i < MR; ++i) xs[i] = x0 + i * k + blk * 256, xsum[i] = s0 + i * (k / 32) + blk * 8;
-    if (type == kQ4_K) {
-      q4_k_rows<MR>(row + blk * 144, xs, xsum, acc);
-    } else {
-      q6_k_rows<MR>(row + blk * 210, xs, acc);
+    for (int i = 0; i < MR; ++i) xs[i] = x0 + i * k + blk * qk, xsum[i] = s0 + i * (k / 32) + blk * (qk / 32);
+    const uint8_t* b = row + blk * size;
+    switch (type) {
+      case kQ8_0: small_rows<MR, false>(b, xs, xsum, blk & 1, acc); break;
+      case kQ4_0: small_rows<MR, true>(b, xs, xsum, blk & 1, acc); break;
+      case kQ4_K: k4_rows<MR, false>(b, xs, xsum, acc); break;
+      case kQ5_K: k4_rows<MR, true>(b, xs, xsum, acc); break;
+      default: q6_k_rows<MR>(b, xs, acc); break;
     }
   }
   for (int i = 0; i < MR; ++i) sums[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
@@ -313,7 +358,7 @@ void decoded_row(int64_t type, const uint8_t* row, int64_t blocks, const float* 
 template <int MR>
 void one_row(int64_t type, const uint8_t* row, int64_t blocks, const float* x0, const float* s0, int64_t k,
              float* sums) {
-  if (kFused && (type == kQ4_K || type == kQ6_K)) {
+  if (kFused) {
     fused_row<MR>(type, row, blocks, x0, s0, k, sums);
   } else {
     decoded_row<MR>(type, row, blocks, x0, k, sums);
@@ -359,8 +404,9 @@ at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& q, int64_t type, con
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  // each row's sums of its 32-input groups (Q4_K's mins multiply them once per block)
-  const at::Tensor xsum = type == kQ4_K ? a.view({m, k / 32, 32}).sum(-1) : at::empty({m, k / 32}, a.options());  // unread
+  // each row's sums of its 32-input groups (the K-quants' mins and Q4_0's offset multiply them once per block)
+  const bool mins = type == kQ4_K || type == kQ5_K || type == kQ4_0;
+  const at::Tensor xsum = mins ? a.view({m, k / 32, 32}).sum(-1) : at::empty({m, k / 32}, a.options());  // unread
   const float* sp = xsum.data_ptr<float>();
   at::parallel_for(0, n, kRowGrain,
                    [&](int64_t r0, int64_t r1) { gemv_rows(xp, sp, m, k, qp, type, bp, op, n, r0, r1); });
