@@ -49,12 +49,16 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, cpu.GEMV_MAX_M - 1])
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--type", choices=sorted(cpu.TYPES), default=None,
+                   help="every projection in this type (default: Q4_K_M's mix of Q4_K and Q6_K)")
     a = p.parse_args()
     if not cpu.KERNEL.load().available:
         sys.exit(f"the C++ kernel is not available here: {cpu.KERNEL.load().reason}")
     gen = torch.Generator().manual_seed(0)
     h = a.hidden
     shapes = [("Q4_K", h + a.kv, h), ("Q6_K", a.kv, h), ("Q4_K", h, h), ("Q4_K", 2 * a.mlp, h), ("Q6_K", h, a.mlp)]
+    if a.type:
+        shapes = [(a.type, n, k) for _, n, k in shapes]
     layers = [(t, blocks(t, n, k, gen)) for _ in range(a.layers) for t, n, k in shapes]
     dense32 = [cpu.dequantize(q, t, q.shape[1] // BLOCKS[t][1] * BLOCKS[t][0]) for t, q in layers]
     dense16 = [w.bfloat16() for w in dense32]
