@@ -173,8 +173,11 @@ def main(argv=None) -> int:
                 for c in args.concurrency:
                     order = ["llama.cpp", "hetserve"] if (r + args.concurrency.index(c)) % 2 == 0 else \
                         ["hetserve", "llama.cpp"]
+                    # prompts of their own per round and concurrency (the same for both servers): a prompt seen
+                    # before would hit a server's prefix cache and time a prefill that did not happen
+                    fresh = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * r + c})
                     for name in order:
-                        rows[c][name].append(summary(bench(vllm, servers[name], tokenizer, c, args, specials, out)))
+                        rows[c][name].append(summary(bench(vllm, servers[name], tokenizer, c, fresh, specials, out)))
                         log(f"round {r + 1} c={c} {name}: {rows[c][name][-1]}")
         finally:
             for s in servers.values():
