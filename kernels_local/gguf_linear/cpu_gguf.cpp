@@ -123,10 +123,20 @@ inline void q6_k(const uint8_t* b, float* w) {
 #include <immintrin.h>
 constexpr bool kVectorDecode = true;
 
-// the 8 bytes of `g` (0..3) of a 32-byte vector, each widened to an int32 lane
-inline __m256i widen(__m256i v, int g) {
+// the 8 signed bytes of `g` (0..3) of a 32-byte vector, each widened to an int32 lane
+inline __m256i widen_signed(__m256i v, int g) {
   const __m128i half = g < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
-  return _mm256_cvtepu8_epi32(g % 2 == 0 ? half : _mm_srli_si128(half, 8));
+  return _mm256_cvtepi8_epi32(g % 2 == 0 ? half : _mm_srli_si128(half, 8));
+}
+
+// Q6_K's codes minus 32 as signed bytes, for its 32 values from 128h + 32s: the low 4 bits from
+// ql[64h + 32(s % 2) + l] (low nibbles for s < 2, high for s >= 2), the top 2 from bits 2s of qh[32h + l]
+inline __m256i q6_k_codes(const uint8_t* b, int h, int s) {
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (s % 2)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+  const __m256i lo = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
+  const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), _mm256_set1_epi8(3)), 4);
+  return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
 }
 
 // Q4_K and Q6_K as `k4` and `q6_k` form them, eight values per instruction (the same float32
@@ -153,18 +163,13 @@ inline void q4_k_vec(const uint8_t* b, float* w) {
 inline void q6_k_vec(const uint8_t* b, float* w) {
   const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
   const float d = f16(b + 208);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), bias = _mm256_set1_epi32(32);
   for (int h = 0; h < 2; ++h) {
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
     for (int s = 0; s < 4; ++s) {
-      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (s % 2)));
-      const __m256i lo = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
-      const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), two), 4);
-      const __m256i q = _mm256_or_si256(lo, hi);
+      const __m256i q = q6_k_codes(b, h, s);
       const int e0 = 128 * h + 32 * s;
       for (int g = 0; g < 4; ++g) {
         const __m256 dl = _mm256_set1_ps(d * static_cast<float>(scales[(e0 + 8 * g) / 16]));
-        _mm256_storeu_ps(w + e0 + 8 * g, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(_mm256_sub_epi32(widen(q, g), bias))));
+        _mm256_storeu_ps(w + e0 + 8 * g, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(widen_signed(q, g))));
       }
     }
   }
@@ -242,21 +247,14 @@ template <int MR>
 inline void q6_k_rows(const uint8_t* b, const float* const* xs, __m256 (&acc)[MR][2]) {
   const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
   const float d = f16(b + 208);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
   for (int h = 0; h < 2; ++h) {
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
     for (int s = 0; s < 4; ++s) {
-      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (s % 2)));
-      const __m256i lo = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
-      const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), two), 4);
-      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), bias);  // q - 32, signed bytes
-      const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+      const __m256i q = q6_k_codes(b, h, s);
       const int e0 = 128 * h + 32 * s;
       for (int half = 0; half < 2; ++half) {  // 16 values per scale: (q - 32) . x, then times d * scale
         __m256 t[MR];
         for (int g = 0; g < 2; ++g) {
-          const __m128i bytes = g == 0 ? halves[half] : _mm_srli_si128(halves[half], 8);
-          const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+          const __m256 w = _mm256_cvtepi32_ps(widen_signed(q, 2 * half + g));
           for (int r = 0; r < MR; ++r) {
             const __m256 xr = _mm256_loadu_ps(xs[r] + e0 + 16 * half + 8 * g);
             t[r] = g == 0 ? _mm256_mul_ps(w, xr) : _mm256_fmadd_ps(w, xr, t[r]);
