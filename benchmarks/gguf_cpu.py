@@ -4,13 +4,15 @@
     python benchmarks/gguf_cpu.py --hidden 2048 --mlp 5632 --layers 4 --rows 1 4 8
 
 Every projection of a Llama of `--layers` x (q/k/v, o, gate/up, down) is quantized as llama.cpp's
-Q4_K_M lays it out here (Q4_K, with v and down in Q6_K; random blocks with finite scales: the time
-does not depend on the values), and one pass over all of them (a decode step's projections,
-`--rows` rows each) is timed three ways, alternating per repetition: kernels_local/gguf_linear's
-C++ GEMV on the blocks, `F.linear` on the same weights dequantized to float32 (what a CPU worker
-held before: `--dtype auto` is float32 on the CPU) and to bfloat16 (the issue's bar). The weights
-of a pass are far larger than the last-level cache, so every pass reads them from memory, as a
-served model's step does. Prints the median time per pass and the GEMV's speed-up over each.
+Q4_K_M lays it out here (Q4_K, with v and down in Q6_K; `--type`: all in one type; random blocks
+with finite scales: the time does not depend on the values), and one pass over all of them (a
+step's projections, `--rows` rows each) is timed three ways, alternating per repetition:
+kernels_local/gguf_linear's C++ kernel on the blocks (the GEMV below 16 rows, the matmul on
+dequantized panels from 16), `F.linear` on the same weights dequantized to float32 (what a CPU
+worker held before: `--dtype auto` is float32 on the CPU) and to bfloat16 (the bar for keeping
+blocks packed). The weights of a pass are far larger than the last-level cache, so every pass
+reads them from memory, as a served model's step does. Prints the median time per pass and the
+kernel's speed-up over each.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def main() -> None:
     print(f"{a.layers} layers, {params / 1e6:.1f}M weights: packed {packed / 2**20:.0f} MiB, float32 "
           f"{params * 4 / 2**20:.0f} MiB, bfloat16 {params * 2 / 2**20:.0f} MiB; {torch.get_num_threads()} threads; "
           f"{cpu.KERNEL.load().reason}")
-    print(f"{'rows':>5} {'GEMV ms':>9} {'fp32 ms':>9} {'bf16 ms':>9} {'vs fp32':>8} {'vs bf16':>8}")
+    print(f"{'rows':>5} {'kernel ms':>9} {'fp32 ms':>9} {'bf16 ms':>9} {'vs fp32':>8} {'vs bf16':>8}")
     for m in a.rows:
         rows = {h: torch.randn(m, h, generator=gen), a.mlp: torch.randn(m, a.mlp, generator=gen)}  # by K
         inputs = {"gemv": rows, "fp32": rows, "bf16": {k: x.bfloat16() for k, x in rows.items()}}
