@@ -7,9 +7,10 @@
 // same order, built with -ffp-contract=off so that no product and difference fuse into one
 // rounding): they equal gguf-py's `dequantize` bit for bit. The GEMV takes each output row's blocks
 // one at a time, and every activation row (four at a time) its dot product with the block while it
-// is in L1, so the packed bytes are read once per call. On AVX2, Q4_K and Q6_K blocks are decoded in
-// registers straight into the fused multiply-adds (Q4_K as dl * (q . x) - dm * sum(x), the sums of x
-// taken once per call); the other types through a float32 buffer on the stack. Either way the GEMV
+// is in L1, so the packed bytes are read once per call. On AVX2 every type is decoded in registers
+// straight into the fused multiply-adds (the K-quants as dl * (q . x) - dm * sum(x), the sums of x
+// taken once per call; a block's scales formed eight at a time, its fp16 factors by F16C), elsewhere
+// through a float32 buffer on the stack. Either way the GEMV
 // differs from a float32 matmul on the dequantized weight only in rounding. The output rows are
 // shared among torch's intra-op threads, each output element one thread's sum in a fixed order: the
 // result depends neither on the thread count nor on the rows beside it in the call.
@@ -20,6 +21,10 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -41,7 +46,11 @@ constexpr int64_t kRowGrain = 16;  // output rows per task of the intra-op threa
 inline float f16(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // the same exact widening as c10::Half's, one instruction
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // ---- one block -> QK float32 values, as gguf-py's dequantize forms them ---------------------------
@@ -201,17 +210,30 @@ void check(const at::Tensor& q, int64_t type, int64_t k, const char* op) {
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kFused = true;  // every type decoded in registers, straight into the dot products
 
+// a Q4_K / Q5_K block's d * scale_j into `dl` and dmin * min_j into `dm`, j = 0..7: the 6-bit scales
+// and mins unpacked from their 12 bytes as 32-bit words (scale_min_k4's bytes), the products those of
+// `k4`
+inline void k4_scales(const uint8_t* b, float* dl, __m256& dm) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint64_t sc = (u[0] & 0x3F3F3F3Fu) | static_cast<uint64_t>((u[2] & 0x0F0F0F0Fu) | ((u[0] >> 2) & 0x30303030u)) << 32;
+  const uint64_t mn = (u[1] & 0x3F3F3F3Fu) |
+                      static_cast<uint64_t>(((u[2] >> 4) & 0x0F0F0F0Fu) | ((u[1] >> 2) & 0x30303030u)) << 32;
+  const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+  const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
+  _mm256_store_ps(dl, _mm256_mul_ps(_mm256_set1_ps(f16(b)), scf));
+  dm = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mnf);
+}
+
 // one Q4_K (Q5 false) or Q5_K block against MR rows (`xs`: each row at the block's first input;
 // `xsum`: each row's sums of its 32-input groups, the block's first): sum_j dl_j * (q_j . x_j) -
 // dm_j * sum(x_j), the codes widened straight from memory, the mins taken once per block from the
 // precomputed sums
 template <int MR, bool Q5>
 inline void k4_rows(const uint8_t* b, const float* const* xs, const float* const* xsum, __m256 (&acc)[MR][2]) {
-  const float d = f16(b), dmin = f16(b + 2);
-  int sc[8], mn[8];
-  scale_min_k4(b + 4, sc, mn);
-  alignas(32) float dl[8], dm[8];
-  for (int j = 0; j < 8; ++j) dl[j] = d * static_cast<float>(sc[j]), dm[j] = dmin * static_cast<float>(mn[j]);
+  alignas(32) float dl[8];
+  __m256 mins;
+  k4_scales(b, dl, mins);
   const __m256i low4 = _mm256_set1_epi32(0x0F), bit = _mm256_set1_epi32(1);
   const uint8_t* qs = b + (Q5 ? 48 : 16);
   for (int c = 0; c < 4; ++c) {  // 64 values: sub-blocks 2c (low nibbles) and 2c + 1 (high)
@@ -232,21 +254,23 @@ inline void k4_rows(const uint8_t* b, const float* const* xs, const float* const
         hi[r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xs[r] + 64 * c + 32 + 8 * g), hi[r]);
       }
     }
-    const __m256 dlo = _mm256_set1_ps(dl[2 * c]), dhi = _mm256_set1_ps(dl[2 * c + 1]);
+    const __m256 dlo = _mm256_broadcast_ss(dl + 2 * c), dhi = _mm256_broadcast_ss(dl + 2 * c + 1);
     for (int r = 0; r < MR; ++r) {
       acc[r][0] = _mm256_fmadd_ps(lo[r], dlo, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(hi[r], dhi, acc[r][1]);
     }
   }
-  const __m256 mins = _mm256_load_ps(dm);
   for (int r = 0; r < MR; ++r) acc[r][0] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xsum[r]), acc[r][0]);
 }
 
 // one Q6_K block against MR rows: per 16 values, (d * scale) * ((q - 32) . x)
 template <int MR>
 inline void q6_k_rows(const uint8_t* b, const float* const* xs, __m256 (&acc)[MR][2]) {
-  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = f16(b + 208);
+  alignas(32) float dl[16];  // d * scale, as `q6_k` forms them
+  const __m256 d = _mm256_set1_ps(f16(b + 208));
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  _mm256_store_ps(dl, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+  _mm256_store_ps(dl + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
   for (int h = 0; h < 2; ++h) {
     for (int s = 0; s < 4; ++s) {
       const __m256i q = q6_k_codes(b, h, s);
@@ -260,8 +284,8 @@ inline void q6_k_rows(const uint8_t* b, const float* const* xs, __m256 (&acc)[MR
             t[r] = g == 0 ? _mm256_mul_ps(w, xr) : _mm256_fmadd_ps(w, xr, t[r]);
           }
         }
-        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(scales[(e0 + 16 * half) / 16]));
-        for (int r = 0; r < MR; ++r) acc[r][half] = _mm256_fmadd_ps(t[r], dl, acc[r][half]);
+        const __m256 ds = _mm256_broadcast_ss(dl + (e0 + 16 * half) / 16);
+        for (int r = 0; r < MR; ++r) acc[r][half] = _mm256_fmadd_ps(t[r], ds, acc[r][half]);
       }
     }
   }
