@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     kernelize_for_device(lm.model, BoundDevice("cpu", 0, "cpu", "cpu", None, 0, False))
     install_cpu_projections(lm.model, "cpu", lm.dtype)
     weights = sum(t.numel() * t.element_size() for t in lm.model.state_dict().values())
-    max_len = args.context + args.steps + 16
+    max_len = args.context + 2 * args.steps + 16  # 4 warm-up steps, the hooked ones, the bare ones
     ours = Ours(lm, args.batch, args.context, max_len)
     kv_row = ours.kv.nbytes / ours.kv.max_tokens  # every layer's K and V of one position
     step_bytes = weights + kv_row * args.context * args.batch

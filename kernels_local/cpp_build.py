@@ -55,11 +55,12 @@ def vector_flags(have: frozenset[str] | None = None) -> tuple[list[str], str]:
     return ["-O3", "-fopenmp-simd"], "scalar"
 
 
-def build(stem: str, source: Path, flags: list[str], ops: str | None = None):
+def build(stem: str, source: Path, flags: list[str], ops: str | None = None, fakes: dict | None = None):
     """(module, None) once `source` is built and imported, or (None, why not). `ops`: the source
     registers operators in that `torch.ops` namespace (`TORCH_LIBRARY_FRAGMENT` over ATen's lighter
     headers: a much shorter build than a pybind11 module's `torch/extension.h`; `CppKernel`'s
-    default), and the namespace is returned in place of a module.
+    default), and the namespace is returned in place of a module; `fakes` gives some of them their
+    shape rules once loaded (`register_fakes`).
 
     A build survives its builder being killed at any instant: builders of one extension take an
     `flock` on `BUILD_LOCK` in its build directory, which the kernel releases when the holder dies,
@@ -85,9 +86,25 @@ def build(stem: str, source: Path, flags: list[str], ops: str | None = None):
                 logger.info("C++ kernel %s did not load (%s); building it again", name, e)
                 _empty(directory)
                 module = _load(cpp_extension, name, _pinned_source(directory, source), flags, ops)
+        if ops is not None and fakes:
+            register_fakes(ops, fakes)
         return (module if ops is None else getattr(torch.ops, ops)), None
     except Exception as e:  # no compiler, a failed build
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
+
+
+def register_fakes(ops: str, fakes: dict) -> None:
+    """Give each operator `name` of the loaded namespace `ops` in `fakes` its shape rule (`fakes[name]`:
+    the op's arguments -> an empty output), once per process, so a compiled step calls the C++
+    operator itself: a Python custom op around it costs about 40 us a call in dispatch and aliasing
+    checks, a few per layer. The source registers such an operator's kernel for the CPU key
+    (`TORCH_LIBRARY_IMPL`): a catch-all kernel would be traced into, and refuses a fake."""
+    import torch
+
+    for name, fake in fakes.items():
+        qualname = f"{ops}::{name}"
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta"):  # `kernels` may import a copy
+            torch.library.register_fake(qualname, fake)
 
 
 DEFERRED = "deferred: building behind the serving"  # `build`'s reason for a build left for later
@@ -223,9 +240,10 @@ class CppKernel:
     made: list[CppKernel] = []
 
     def __init__(self, stem: str, source: Path, env: str, what: str, extra_flags: tuple[str, ...] = (),
-                 ops: str | None = OPS):
+                 ops: str | None = OPS, fakes: dict | None = None):
         self.stem, self.source, self.env, self.what, self.extra_flags = stem, source, env, what, extra_flags
         self.ops = ops  # the `torch.ops` namespace the source registers its operators in (None: a pybind11 module)
+        self.fakes = fakes  # the shape rules of the operators a compiled step calls (`register_fakes`)
         self.module = None
         self._state: CppState | None = None
         CppKernel.made.append(self)
@@ -248,7 +266,7 @@ class CppKernel:
         if os.environ.get(self.env, "").lower() in ("off", "0", "false"):
             return CppState(False, f"${self.env}=off: the torch reference")
         flags, isa = vector_flags()
-        self.module, why = build(self.stem, self.source, [*flags, *self.extra_flags], self.ops)
+        self.module, why = build(self.stem, self.source, [*flags, *self.extra_flags], self.ops, self.fakes)
         if why == DEFERRED:
             return CppState(False, f"{self.what}: {DEFERRED}; the torch reference meanwhile")
         if self.module is None:  # no compiler, a failed build: the torch reference serves

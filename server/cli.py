@@ -99,6 +99,10 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
                         "on a CPU or simulated device what --max-batch sequences of "
                         f"the full context need, at most {CPU_KV_MAX_DEFAULT_BYTES >> 20} MiB; with "
                         "--gpu-memory-utilization, a cap on its budget)")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads of all workers together, shared evenly (default: this process's CPUs, less "
+                        "one for the router and the HTTP side where the workers compute on the CPU: a CPU or "
+                        "simulated device)")
     g.add_argument("--kv-host-bytes", type=int, default=None, metavar="N",
                    help="host-memory KV tier shared by the workers of the same model and KV format, in bytes: "
                         "prefixes evicted from a device are copied back instead of recomputed "

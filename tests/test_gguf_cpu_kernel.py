@@ -110,3 +110,20 @@ def test_blocks_of_the_wrong_layout_or_type_are_named_errors():
             op(x.double(), raw, cpu.TYPES["Q4_K"], None)
     with pytest.raises(RuntimeError, match=r"gguf_gemm: contiguous uint8 \[N, 144\]"):
         cpu.KERNEL.module.gguf_gemm(x, raw[:, :100].contiguous(), cpu.TYPES["Q4_K"], None)
+
+
+def test_a_compiled_graph_calls_the_cpp_operator_itself():
+    """Guards `fakes=` on cpu.py's `KERNEL` (kernels_local/cpp_build.py `register_fakes`) and the CPU
+    key of cpu_gguf.cpp's `TORCH_LIBRARY_IMPL`: Dynamo traces `gguf_linear_cpu` into one call of
+    `hetserve_cpu::gguf_linear` (no Python custom op around it), [B, S, K] rows keep their shape,
+    and the compiled result is the eager one."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    raw = _weight("Q4_K", 40, 256, seed=3)
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(3))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda t: cpu.gguf_linear_cpu(t * 2, raw, "Q4_K", None), backend=counter, fullgraph=True)
+    got = compiled(x)
+    assert got.shape == (2, 3, 40) and torch.equal(got, cpu.gguf_linear_cpu(x * 2, raw, "Q4_K", None))
+    (graph,) = counter.graphs
+    assert "hetserve_cpu.gguf_linear" in str(graph.code) and "hetserve.gguf_linear_cpu" not in str(graph.code)

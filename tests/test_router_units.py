@@ -82,6 +82,24 @@ def test_cpu_workers_leave_one_core_to_the_router(monkeypatch):
     assert _specs([])[0].threads == 1
 
 
+def test_serve_threads_flag_sets_the_workers_threads(monkeypatch):
+    """Guards `--threads` (server/cli.py) and its check in `RouterSettings.from_args`: the flag's
+    count reaches every CPU worker in place of the cores-less-one default, and a count below one is
+    refused by name."""
+    import server.fleet.spec as spec_module
+    from server.cli import build_parser
+    from server.errors import UsageError
+
+    monkeypatch.setattr(spec_module, "available_cpus", lambda: 2)
+    settings = RouterSettings.from_args(build_parser().parse_args(["serve", "--threads", "2"]))
+    assert settings.threads == 2
+    specs = build_worker_specs([], settings, Path("/tmp/run"), 1, base_env={})
+    assert [s.threads for s in specs] == [2] and specs[0].environ()["OMP_NUM_THREADS"] == "2"
+    assert RouterSettings.from_args(build_parser().parse_args(["serve"])).threads is None
+    with pytest.raises(UsageError, match=r"`--threads 0` must be >= 1"):
+        RouterSettings.from_args(build_parser().parse_args(["serve", "--threads", "0"]))
+
+
 def test_each_architecture_gets_its_own_triton_cache(monkeypatch):
     """Guards `use_triton_cache` in server/fleet/spec.py: workers of different architectures
     never share a Triton cache directory; the root is HETSERVE_TRITON_CACHE, else the user's

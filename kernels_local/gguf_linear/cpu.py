@@ -25,10 +25,8 @@ import torch
 from kernels_local.cpp_build import CppKernel
 
 ENV_CPU_GGUF = "HETSERVE_CPU_GGUF"  # "off": the worker dequantizes GGUF blocks at load
-KERNEL = CppKernel("hetserve_cpu_gguf", Path(__file__).with_name("cpu_gguf.cpp"), ENV_CPU_GGUF,
-                   "C++ GEMV over GGUF blocks", ("-ffp-contract=off", "-fopenmp"))
 TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}  # cpu_gguf.cpp's `Type` codes
-GEMV_MAX_M = 16  # from this many rows on, panels of the weight dequantized per call and torch's matmul
+GEMV_MAX_M = 16  # from this many rows on, panels of the weight dequantized per call and torch's matmul (cpu_gguf.cpp's kGemvMaxM)
 
 
 def dequantize(qweight: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
@@ -36,31 +34,13 @@ def dequantize(qweight: torch.Tensor, type_name: str, in_features: int) -> torch
     return KERNEL.module.gguf_dequantize(qweight, TYPES[type_name], in_features)
 
 
-def _linear(x: torch.Tensor, qweight: torch.Tensor, type_name: str, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1]).float()  # [M, K]
-    b = None if bias is None else bias.float()
-    op = KERNEL.module.gguf_gemm if rows.shape[0] >= GEMV_MAX_M else KERNEL.module.gguf_gemv
-    out = op(rows.contiguous(), qweight, TYPES[type_name], b)  # [M, N]
-    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+def _fake_linear(x: torch.Tensor, qweight: torch.Tensor, type_code: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])  # [..., N]
 
 
-def _op():
-    """`hetserve::gguf_linear_cpu`, registered once per process (`kernels` may import this module
-    twice): what a compiled step calls."""
-    namespace = torch.ops.hetserve
-    if hasattr(namespace, "gguf_linear_cpu"):
-        return namespace.gguf_linear_cpu
-
-    @torch.library.custom_op("hetserve::gguf_linear_cpu", mutates_args=())
-    def gguf_linear_cpu_op(x: torch.Tensor, qweight: torch.Tensor, type_name: str,
-                           bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        return _linear(x, qweight, type_name, bias)
-
-    gguf_linear_cpu_op.register_fake(lambda x, qweight, type_name, bias: x.new_empty(*x.shape[:-1], qweight.shape[0]))
-    return namespace.gguf_linear_cpu
-
-
-OP = _op()
+KERNEL = CppKernel("hetserve_cpu_gguf", Path(__file__).with_name("cpu_gguf.cpp"), ENV_CPU_GGUF,
+                   "C++ GEMV over GGUF blocks", ("-ffp-contract=off", "-fopenmp"),
+                   fakes={"gguf_linear": _fake_linear})
 
 
 def runs_cpp(x: torch.Tensor, type_name: str) -> bool:
@@ -71,8 +51,6 @@ def runs_cpp(x: torch.Tensor, type_name: str) -> bool:
 def gguf_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, type_name: str,
                     bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """x [..., K] @ W.T + bias -> [..., N] in x's dtype, W the blocks `qweight` of `type_name` (one of
-    `TYPES`), the products in float32; where it runs (`runs_cpp`). A compiled step calls the custom op
-    (opaque to Inductor), an eager one the kernel itself."""
-    if torch.compiler.is_compiling():
-        return OP(x, qweight, type_name, bias)
-    return _linear(x, qweight, type_name, bias)
+    `TYPES`), the products in float32; where it runs (`runs_cpp`). One C++ operator, eager or inside a
+    compiled step (its shape rule registered at load: no Python between the graph and the kernel)."""
+    return torch.ops.hetserve_cpu.gguf_linear(x, qweight, TYPES[type_name], bias)

@@ -483,9 +483,33 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& q, int64_t type, con
   return out;
 }
 
-// called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on meanwhile
+// x [..., K] (any float dtype) @ the blocks' weight [N, K].T + bias -> [..., N] in x's dtype, the
+// products in float32: the GEMV below kGemvMaxM rows, the panel matmul from there (what a layer calls,
+// eager or from a compiled step)
+constexpr int64_t kGemvMaxM = 16;  // cpu.py's GEMV_MAX_M
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias) {
+  const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();  // [M, K]
+  c10::optional<at::Tensor> b;
+  if (bias.has_value()) b = bias->to(at::kFloat);
+  const at::Tensor out = rows.size(0) >= kGemvMaxM ? gguf_gemm(rows, q, type, b) : gguf_gemv(rows, q, type, b);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = q.size(0);
+  return out.view(shape).to(x.scalar_type());
+}
+
+// called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on
+// meanwhile; the kernels are the CPU key's, so a compiled step calls them through their fakes (cpu.py)
 TORCH_LIBRARY_FRAGMENT(hetserve_cpu, m) {
-  m.def("gguf_gemv(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor", &gguf_gemv);
-  m.def("gguf_dequantize(Tensor q, int type, int k) -> Tensor", &gguf_dequantize);
-  m.def("gguf_gemm(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor", &gguf_gemm);
+  m.def("gguf_gemv(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor");
+  m.def("gguf_dequantize(Tensor q, int type, int k) -> Tensor");
+  m.def("gguf_gemm(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hetserve_cpu, CPU, m) {
+  m.impl("gguf_gemv", &gguf_gemv);
+  m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_gemm", &gguf_gemm);
+  m.impl("gguf_linear", &gguf_linear);
 }

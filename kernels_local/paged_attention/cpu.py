@@ -5,7 +5,8 @@ position of every row copied out of its block, per layer and step), which a comp
 widens to fp32 for its batched matmuls. The kernel (`cpu_decode.cpp`) reads each row's blocks
 where they lie and keeps a running softmax in fp32, as the GPU kernels do, so nothing is copied:
 the contiguous mirror (workers/kv/mirror.py) and the compiled step's gather are not needed where
-it runs. It is one opaque op, `hetserve::paged_decode_cpu`, so a compiled step calls it as it is,
+it runs. It is one C++ operator, `hetserve_cpu::paged_decode`, with its shape rule registered at
+load, so a compiled step calls it as it is (no Python custom op between: about 40 us a layer),
 built once per host for its vector ISA (kernels_local/cpp_build.py). The trade-off: a compiler on
 the host at first use (Inductor needs one anyway) and a kernel of our own to keep equal to the
 torch path (workers/kv/paged.py `PagedRows.attend`), the reference the tests hold it to.
@@ -61,7 +62,7 @@ def load() -> CpuDecode:
     if os.environ.get(ENV_CPU_DECODE, "").lower() in ("off", "0", "false"):
         return CpuDecode(False, f"${ENV_CPU_DECODE}=off: decode attention gathers the rows' K/V in torch")
     flags, isa = _flags()
-    _module, why = build("hetserve_cpu_decode", SOURCE, flags, OPS)
+    _module, why = build("hetserve_cpu_decode", SOURCE, flags, OPS, {"paged_decode": _fake})
     if why == DEFERRED:  # a worker serving first: built behind it, then loaded again
         return CpuDecode(False, f"{DEFERRED}; decode attention gathers in torch meanwhile")
     if _module is None:  # no compiler, a failed build: the torch path serves
@@ -70,36 +71,30 @@ def load() -> CpuDecode:
     return CpuDecode(True, f"C++ kernel ({isa}): decode rows read their blocks in place, softmax in fp32")
 
 
-@torch.library.custom_op("hetserve::paged_decode_cpu", mutates_args=())
+def _fake(query, kv, tables, lens, window, scale, softcap, sinks):
+    return torch.empty_like(query)  # [N, Hq, D]
+
+
 def paged_decode_cpu(query: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, window: int,
                      scale: float, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """softmax(q k^T * scale) v for one query token per row: `query` [N, Hq, D] over the pool layer
     `kv` [2, Hkv, NB, B, D] through `tables` [N, W], row n attending positions `< lens[n]` (its last
     `window` when > 0), scores soft-capped when `softcap` > 0, `sinks` [Hq] joining each softmax;
     -> [N, Hq, D]. Scores, soft-cap, window, sinks and softmax follow the worker's torch path. A
-    `RuntimeError` naming why where the kernel cannot load (`load()`)."""
-    state = load()
-    if not state.available:
-        raise RuntimeError(f"The CPU decode kernel is not available: {state.reason}")
-    return _module.paged_decode(query, kv, tables, lens, window, scale, softcap, sinks)
-
-
-@paged_decode_cpu.register_fake
-def _(query, kv, tables, lens, window, scale, softcap, sinks):
-    return torch.empty_like(query)
+    `RuntimeError` naming why where the kernel cannot load (`load()`); eager or inside a compiled step."""
+    if _module is None:
+        state = load()
+        if not state.available:
+            raise RuntimeError(f"The CPU decode kernel is not available: {state.reason}")
+    return torch.ops.hetserve_cpu.paged_decode(query, kv, tables, lens, window, scale, softcap, sinks)
 
 
 def attend_in_place(rows, query: torch.Tensor, kv: torch.Tensor, window: int | None = None,
                     softcap: float | None = None, scale: float | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """`DecodeRows.attend` by the kernel: `rows`' block tables and lengths, the layer's options. A
-    compiled step calls the custom op; an eager one the kernel itself (the custom op's eager call
-    costs Python dispatch per layer, and its first call imports `torch._dynamo`: seconds)."""
-    args = (query, kv, rows.block_tables, rows.seq_lens, window or 0,
-            query.shape[-1] ** -0.5 if scale is None else scale, softcap or 0.0, sinks)
-    if torch.compiler.is_compiling() or _module is None:
-        return paged_decode_cpu(*args)
-    return _module.paged_decode(*args)
+    """`DecodeRows.attend` by the kernel: `rows`' block tables and lengths, the layer's options."""
+    return paged_decode_cpu(query, kv, rows.block_tables, rows.seq_lens, window or 0,
+                            query.shape[-1] ** -0.5 if scale is None else scale, softcap or 0.0, sinks)
 
 
 def in_place(device: torch.device | str) -> bool:

@@ -358,8 +358,11 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv, const at:
 
 }  // namespace
 
-// called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on meanwhile
+// called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on
+// meanwhile; the kernel is the CPU key's, so a compiled step calls it through its fake (cpu.py)
 TORCH_LIBRARY_FRAGMENT(hetserve_cpu, m) {
   m.def("paged_decode(Tensor query, Tensor kv, Tensor tables, Tensor lens, int window, float scale, float softcap, "
-        "Tensor? sinks) -> Tensor", &paged_decode);
+        "Tensor? sinks) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(hetserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

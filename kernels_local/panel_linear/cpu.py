@@ -44,6 +44,10 @@ class CpuGemm:
 _module = None
 
 
+def _fake(rows: torch.Tensor, layout: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], layout.shape[1])  # [R, N]: panels are [K, N] or [K/2, N, 2]
+
+
 @deferrable
 @functools.cache
 def load() -> CpuGemm:
@@ -52,7 +56,7 @@ def load() -> CpuGemm:
     if os.environ.get(ENV_CPU_GEMM, "").lower() in ("off", "0", "false"):
         return CpuGemm(False, f"${ENV_CPU_GEMM}=off: projections through the oneDNN packs")
     flags = [*vector_flags(cpu_flags() or frozenset())[0], "-fopenmp"]  # at::parallel_for over OpenMP, as torch is
-    _module, why = build("hetserve_cpu_gemm", SOURCE, flags, OPS)
+    _module, why = build("hetserve_cpu_gemm", SOURCE, flags, OPS, {"panel_linear": _fake})
     if why == DEFERRED:  # a worker serving first: built behind it, then loaded again
         return CpuGemm(False, f"{DEFERRED}; projections through the oneDNN packs meanwhile")
     if _module is None:
@@ -97,8 +101,9 @@ def linear(rows: torch.Tensor, layout: torch.Tensor, bias: torch.Tensor | None) 
     reduction otherwise (tests/test_cpu_gemm.py). From 256 rows (a prompt's, never a decode step's)
     the row blocks are shared among torch's intra-op threads (`at::parallel_for`, built with OpenMP
     as torch is): each output element is still one kernel's sum, so the bits do not depend on the
-    thread count."""
-    return _module.panel_linear(rows, layout, bias)
+    thread count. One C++ operator, eager or inside a compiled step (its shape rule registered at
+    load)."""
+    return torch.ops.hetserve_cpu.panel_linear(rows, layout, bias)
 
 
 def panel_linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

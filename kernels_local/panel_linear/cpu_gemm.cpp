@@ -115,7 +115,8 @@ at::Tensor panel_linear(const at::Tensor& rows, const at::Tensor& panels,
   return out;
 }
 
-// called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on meanwhile
-TORCH_LIBRARY_FRAGMENT(hetserve_cpu, m) {
-  m.def("panel_linear(Tensor rows, Tensor panels, Tensor? bias) -> Tensor", &panel_linear);
-}
+// called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on
+// meanwhile; the kernel is the CPU key's, so a compiled step calls it through its fake (cpu.py)
+TORCH_LIBRARY_FRAGMENT(hetserve_cpu, m) { m.def("panel_linear(Tensor rows, Tensor panels, Tensor? bias) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(hetserve_cpu, CPU, m) { m.impl("panel_linear", &panel_linear); }

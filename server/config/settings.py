@@ -221,6 +221,9 @@ class RouterSettings:
             off = "--kv-host-bytes 0" if kv_host == 0 else "--no-prefix-cache"
             raise UsageError(f"`{off}` turns off the host KV tier that disaggregated prefill moves KV through. "
                              "Accepted: one of them (--disaggregate off, or the tier on)")
+        threads = getattr(args, "threads", None)
+        if threads is not None and threads < 1:
+            raise UsageError(f"`--threads {threads}` must be >= 1 (the CPU threads of all workers together)")
         for name in ("max_body_bytes", "drain_timeout_s", "kv_cache_bytes", "kv_host_bytes", "threads"):
             value = getattr(args, name, None)
             if value is not None:

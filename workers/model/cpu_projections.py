@@ -7,9 +7,9 @@ deterministic mode's row tiles, which then meet one shape) and lays every plain 
 expert matrix of `MIN_PACKED_ELEMENTS` or more out once, on its dense tensor as `PACKED_ATTR`:
 as column panels for oneDNN's brgemm where the panel GEMM builds and the reduction is at most
 2048 (kernels_local/panel_linear/cpu.py, no per-call setup), else as a oneDNN pack. Projections
-multiply through it (`hetserve::packed_linear` inside `torch.compile`), and the experts' kernels
-find the same layouts; a lone float32 row on a pack and a prompt's `LARGE_ROWS` bfloat16 rows keep
-torch's matmul, faster there. float16, a dtype this CPU's oneDNN cannot pack and packs over half
+multiply through it (inside `torch.compile` the panels' C++ operator itself, a oneDNN pack through
+`hetserve::packed_linear`), and the experts' kernels find the same layouts; a lone float32 row on
+a pack and a prompt's `LARGE_ROWS` bfloat16 rows keep torch's matmul, faster there. float16, a dtype this CPU's oneDNN cannot pack and packs over half
 the memory available are refused with the reason (rows then only padded to buckets). Trade-off:
 the layouts are a second copy of the weights beside the dense tensors, which the embedding and
 the reference paths read; what they buy: docs/benchmarks.md, "CPU projections"."""
@@ -137,16 +137,22 @@ PACKED_LINEAR = _packed_linear_op()
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Through the weight's oneDNN pack, rows padded to their bucket (`hetserve::packed_linear` in a
+    compiled step: the opaque pack stays out of the graph)."""
     if x.numel() == x.shape[-1] and x.dtype == torch.float32:  # a lone float32 row: MKL's GEMV beats the pack
         return F.linear(x, self.weight, self.bias)
-    return _panel_forward(self, x)
+    if torch.compiler.is_compiling():
+        return PACKED_LINEAR(x, self.weight, self.bias)
+    return packed_linear_eager(x, self.weight, self.bias)
 
 
 def _panel_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Through the weight's pack, rows padded to their bucket; a weight laid out as column panels
-    takes every row count so (a lone float32 row too: the panels beat both the pack and MKL's GEMV)."""
+    """Through the weight's column panels, every row count as it is (a lone float32 row too: the
+    panels beat both the pack and MKL's GEMV); a compiled step calls the C++ operator itself, the
+    panels read from the weight as the graph's input."""
     if torch.compiler.is_compiling():
-        return PACKED_LINEAR(x, self.weight, self.bias)
+        out = cpu_gemm.linear(x.reshape(-1, x.shape[-1]), getattr(self.weight, PACKED_ATTR), self.bias)  # [R, N]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     return packed_linear_eager(x, self.weight, self.bias)
 
 
