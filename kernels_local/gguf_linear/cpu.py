@@ -26,7 +26,8 @@ from kernels_local.cpp_build import CppKernel
 
 ENV_CPU_GGUF = "HETSERVE_CPU_GGUF"  # "off": the worker dequantizes GGUF blocks at load
 TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}  # cpu_gguf.cpp's `Type` codes
-GEMV_MAX_M = 16  # from this many rows on, panels of the weight dequantized per call and torch's matmul (cpu_gguf.cpp's kGemvMaxM)
+# from this many rows on, panels of the weight dequantized per call and torch's matmul (cpu_gguf.cpp's kGemvMaxM)
+GEMV_MAX_M = 16
 
 
 def dequantize(qweight: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:

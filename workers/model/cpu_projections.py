@@ -9,10 +9,11 @@ as column panels for oneDNN's brgemm where the panel GEMM builds and the reducti
 2048 (kernels_local/panel_linear/cpu.py, no per-call setup), else as a oneDNN pack. Projections
 multiply through it (inside `torch.compile` the panels' C++ operator itself, a oneDNN pack through
 `hetserve::packed_linear`), and the experts' kernels find the same layouts; a lone float32 row on
-a pack and a prompt's `LARGE_ROWS` bfloat16 rows keep torch's matmul, faster there. float16, a dtype this CPU's oneDNN cannot pack and packs over half
-the memory available are refused with the reason (rows then only padded to buckets). Trade-off:
-the layouts are a second copy of the weights beside the dense tensors, which the embedding and
-the reference paths read; what they buy: docs/benchmarks.md, "CPU projections"."""
+a pack and a prompt's `LARGE_ROWS` bfloat16 rows keep torch's matmul, faster there. float16, a
+dtype this CPU's oneDNN cannot pack and packs over half the memory available are refused with the
+reason (rows then only padded to buckets). Trade-off: the layouts are a second copy of the
+weights beside the dense tensors, which the embedding and the reference paths read; what they
+buy: docs/benchmarks.md, "CPU projections"."""
 
 from __future__ import annotations
 
