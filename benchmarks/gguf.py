@@ -11,8 +11,9 @@ What it does, in order:
    would time Python, not matrix work);
 2. llama.cpp's server (`llama_cpp.server` of llama-cpp-python, built from source once into its own
    venv: scripts/llama_cpp_fixtures.py) and `hetserve serve --model FILE.gguf`, both at once on
-   their own ports, each computing with `--threads` threads (default: the host's cores; hetserve's
-   `--threads`, in place of its default of the cores less one kept for the router);
+   their own ports, llama.cpp computing with `--threads` threads (default: the host's cores),
+   hetserve with `--hetserve-threads` (default: its own, the cores less one kept for the router and
+   the HTTP side; on 2 cores it is faster so than with both, docs/benchmarks.md "Against llama.cpp");
 3. per round and concurrency, `vllm bench serve` (vLLM's client, from benchmarks/vs_vllm.py's venv)
    with random prompts of `--input-len` tokens and `--output-len` greedy ones, every special token
    banned on both by a logit bias (llama.cpp also stops on a template's end tokens) so both produce
@@ -75,7 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=0, help="0: 8 per unit of concurrency, at least 16")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="compute threads of each server (llama.cpp's `--n_threads`, hetserve's `--threads`)")
+                   help="llama.cpp's compute threads (`--n_threads`)")
+    p.add_argument("--hetserve-threads", type=int, default=None,
+                   help="hetserve's `--threads` (default: its own, the cores less one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="vLLM's venv (its client)")
     return p.parse_args(argv)
@@ -129,10 +132,10 @@ def llama_cpp_server(model: Path, port: int, log_dir: Path, threads: int, max_le
     return Server("llama.cpp", cmd, port, dict(os.environ), log_dir, "/v1/models")
 
 
-def hetserve(model: Path, port: int, log_dir: Path, threads: int) -> Server:
-    """One CPU worker computing with `threads` threads, as many as llama.cpp's."""
+def hetserve(model: Path, port: int, log_dir: Path, threads: int | None) -> Server:
+    """One CPU worker, computing with `threads` threads (None: hetserve's default)."""
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--served-model-name", NAME,
-           "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads)]
+           "--host", "127.0.0.1", "--port", str(port), *(() if threads is None else ("--threads", str(threads)))]
     env = {k: v for k, v in os.environ.items() if k not in ("HETSERVE_WORKER_CMD", "HETSERVE_COMPILE")}
     return Server("hetserve", cmd, port, env, log_dir, "/health", compiles_behind=True)
 
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
         servers = {}
         try:
             servers["llama.cpp"] = llama_cpp_server(model, 8701, out, args.threads, max_len)
-            servers["hetserve"] = hetserve(model, 8702, out, args.threads)
+            servers["hetserve"] = hetserve(model, 8702, out, args.hetserve_threads)
             described = worker_gguf(servers["hetserve"].url)
             for r in range(args.rounds):
                 for c in args.concurrency:
@@ -183,7 +186,8 @@ def main(argv=None) -> int:
             for s in servers.values():
                 s.stop()
     print(f"{model.name} ({model.stat().st_size} bytes), {args.input_len} prompt / {args.output_len} new tokens, "
-          f"{args.threads} threads each, {args.rounds} round(s), medians over rounds")
+          f"llama.cpp {args.threads} threads, hetserve {args.hetserve_threads or 'its default'}, "
+          f"{args.rounds} round(s), medians over rounds")
     print("| concurrency | llama.cpp tok/s | hetserve tok/s | ratio | target | TTFT ms (llama.cpp / hetserve) | "
           "TPOT ms (llama.cpp / hetserve) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
