@@ -373,8 +373,11 @@ def main(argv=None) -> int:
         rounds = [{kind: {} for kind in kinds} for _ in range(args.rounds)]
         for i, c in ((i, c) for i in range(args.rounds) for c in args.concurrency):
             turn = args.concurrency.index(c) + i  # which server goes first alternates
+            # prompts of their own per round and concurrency, the same for every server (one seed for all
+            # would send a later run prompts an earlier one left in the servers' prefix caches)
+            fresh = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * i + c})
             for kind in (kinds if turn % 2 == 0 else kinds[::-1]):
-                rounds[i][kind][c] = summary(bench(vllm, servers[kind], model, c, args, stopping, tmp))
+                rounds[i][kind][c] = summary(bench(vllm, servers[kind], model, c, fresh, stopping, tmp))
     finally:
         for server in servers.values():
             server.stop()

@@ -225,7 +225,8 @@ def run_model(name: str, model: Path, vllm: Path, variant: str, shapes: list[Sha
         stopping, how = base.stopping_for(servers[variant].url, model)
         for r in range(args.rounds):
             for turn, (s, c) in enumerate(runs, start=r):  # which server goes first alternates
-                shaped = argparse.Namespace(**{**vars(args), "input_len": s.input_len, "output_len": s.output_len})
+                shaped = argparse.Namespace(**{**vars(args), "input_len": s.input_len, "output_len": s.output_len,
+                                               "seed": args.seed + 100_000 * r + 1000 * shapes.index(s) + c})
                 for kind in (kinds if turn % 2 == 0 else kinds[::-1]):
                     base.log(f"{name} {s} c{c}, round {r + 1}: {servers[kind].name}")
                     runs[s, c][kind].append(base.summary(base.bench(vllm, servers[kind], model, c, shaped, stopping,

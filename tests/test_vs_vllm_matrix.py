@@ -126,3 +126,32 @@ def test_embedded_params_from_the_safetensors_header():
     kv = config["num_key_value_heads"] * config["head_dim"]
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # llama: q, o; k, v; the MLP; two norms
     assert matrix.safetensors_params(matrix.EMBEDDED) == layers * per_layer + v * h + h
+
+
+def test_every_round_and_cell_sends_prompts_of_its_own_to_both_servers(monkeypatch, tmp_path):
+    """Guards the per-round, per-cell `seed` in `run_model`: with one seed for all, a later cell or
+    round would send prompts an earlier one left in both servers' prefix caches; both servers of a
+    cell get the same prompts."""
+    from types import SimpleNamespace
+
+    sent = []
+
+    def fake_bench(vllm, server, model, c, args, stopping, out_dir, extra=()):
+        sent.append((server.name, args.seed, args.input_len, c))
+        return {"median_tpot_ms": 1, "median_ttft_ms": 1, "median_itl_ms": 1, "output_throughput": 1,
+                "total_output_tokens": 1, "expected_output_tokens": 1}
+
+    started = lambda kind, *a, **k: SimpleNamespace(name=kind, url="", ready_s=1.0, stop=lambda: None)  # noqa: E731
+    monkeypatch.setattr(matrix.base, "start", started)
+    monkeypatch.setattr(matrix.base, "stopping_for", lambda url, model: ([], "none"))
+    monkeypatch.setattr(matrix.base, "bench", fake_bench)
+    shapes = [matrix.Shape(128, 64), matrix.Shape(256, 32)]
+    args = SimpleNamespace(seed=7, rounds=2, port=9000)
+    matrix.run_model("m", tmp_path, tmp_path, "hetserve", shapes, [1, 8], args, tmp_path, 512)
+    assert len(sent) == 2 * 2 * 2 * 2  # rounds x shapes x concurrencies x servers
+    by_seed = {}
+    for name, seed, length, c in sent:
+        by_seed.setdefault(seed, set()).add((name, length, c))
+    assert len(by_seed) == 2 * 2 * 2  # one seed per round and cell
+    assert all({name for name, _, _ in runs} == {"vllm", "hetserve"} and len({(n, c) for _, n, c in runs}) == 1
+               for runs in by_seed.values())  # both servers of a cell, the same prompts
