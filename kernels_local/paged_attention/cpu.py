@@ -82,7 +82,7 @@ def paged_decode_cpu(query: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor
     `window` when > 0), scores soft-capped when `softcap` > 0, `sinks` [Hq] joining each softmax;
     -> [N, Hq, D]. Scores, soft-cap, window, sinks and softmax follow the worker's torch path. A
     `RuntimeError` naming why where the kernel cannot load (`load()`); eager or inside a compiled step."""
-    if _module is None:
+    if not torch.compiler.is_compiling():  # a compiled step attends in place only where `in_place` said so
         state = load()
         if not state.available:
             raise RuntimeError(f"The CPU decode kernel is not available: {state.reason}")
