@@ -96,8 +96,8 @@ def build(stem: str, source: Path, flags: list[str], ops: str | None = None, fak
 def register_fakes(ops: str, fakes: dict) -> None:
     """Give each operator `name` of the loaded namespace `ops` in `fakes` its shape rule (`fakes[name]`:
     the op's arguments -> an empty output), once per process, so a compiled step calls the C++
-    operator itself: a Python custom op around it costs about 40 us a call in dispatch and aliasing
-    checks, a few per layer. The source registers such an operator's kernel for the CPU key
+    operator itself, not a Python custom op around it (its dispatch and aliasing checks, a few per
+    layer: docs/benchmarks.md "Compiled decode step"). The source registers such an operator's kernel for the CPU key
     (`TORCH_LIBRARY_IMPL`): a catch-all kernel would be traced into, and refuses a fake."""
     import torch
 

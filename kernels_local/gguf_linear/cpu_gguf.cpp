@@ -129,7 +129,6 @@ inline void q6_k(const uint8_t* b, float* w) {
 }
 
 #if defined(__AVX2__)
-#include <immintrin.h>
 constexpr bool kVectorDecode = true;
 
 // the 8 signed bytes of `g` (0..3) of a 32-byte vector, each widened to an int32 lane
@@ -148,17 +147,38 @@ inline __m256i q6_k_codes(const uint8_t* b, int h, int s) {
   return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
 }
 
+// a Q4_K / Q5_K block's d * scale_j into `dl` and dmin * min_j into `dm`, j = 0..7: the 6-bit scales
+// and mins unpacked from their 12 bytes as 32-bit words (scale_min_k4's bytes), the products those of
+// `k4`
+inline void k4_scales(const uint8_t* b, float* dl, float* dm) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint64_t sc = (u[0] & 0x3F3F3F3Fu) | static_cast<uint64_t>((u[2] & 0x0F0F0F0Fu) | ((u[0] >> 2) & 0x30303030u)) << 32;
+  const uint64_t mn = (u[1] & 0x3F3F3F3Fu) |
+                      static_cast<uint64_t>(((u[2] >> 4) & 0x0F0F0F0Fu) | ((u[1] >> 2) & 0x30303030u)) << 32;
+  const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+  const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
+  _mm256_storeu_ps(dl, _mm256_mul_ps(_mm256_set1_ps(f16(b)), scf));
+  _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mnf));
+}
+
+// a Q6_K block's d * scale for each of its 16 groups of 16 values into `dl`, the products those of `q6_k`
+inline void q6_k_scales(const uint8_t* b, float* dl) {
+  const __m256 d = _mm256_set1_ps(f16(b + 208));
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  _mm256_storeu_ps(dl, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+  _mm256_storeu_ps(dl + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+}
+
 // Q4_K and Q6_K as `k4` and `q6_k` form them, eight values per instruction (the same float32
 // products in the same order: the values are equal bit for bit)
 inline void q4_k_vec(const uint8_t* b, float* w) {
-  const float d = f16(b), dmin = f16(b + 2);
-  int sc[8], mn[8];
-  scale_min_k4(b + 4, sc, mn);
+  float dl[8], dm[8];
+  k4_scales(b, dl, dm);
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   for (int c = 0; c < 4; ++c) {
-    const __m256 dlo = _mm256_set1_ps(d * static_cast<float>(sc[2 * c])), mlo = _mm256_set1_ps(dmin * static_cast<float>(mn[2 * c]));
-    const __m256 dhi = _mm256_set1_ps(d * static_cast<float>(sc[2 * c + 1]));
-    const __m256 mhi = _mm256_set1_ps(dmin * static_cast<float>(mn[2 * c + 1]));
+    const __m256 dlo = _mm256_set1_ps(dl[2 * c]), mlo = _mm256_set1_ps(dm[2 * c]);
+    const __m256 dhi = _mm256_set1_ps(dl[2 * c + 1]), mhi = _mm256_set1_ps(dm[2 * c + 1]);
     for (int g = 0; g < 4; ++g) {
       const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 32 * c + 8 * g)));
       _mm256_storeu_ps(w + 64 * c + 8 * g,
@@ -170,15 +190,15 @@ inline void q4_k_vec(const uint8_t* b, float* w) {
 }
 
 inline void q6_k_vec(const uint8_t* b, float* w) {
-  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = f16(b + 208);
+  float dl[16];
+  q6_k_scales(b, dl);
   for (int h = 0; h < 2; ++h) {
     for (int s = 0; s < 4; ++s) {
       const __m256i q = q6_k_codes(b, h, s);
       const int e0 = 128 * h + 32 * s;
       for (int g = 0; g < 4; ++g) {
-        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(scales[(e0 + 8 * g) / 16]));
-        _mm256_storeu_ps(w + e0 + 8 * g, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(widen_signed(q, g))));
+        const __m256 ds = _mm256_set1_ps(dl[(e0 + 8 * g) / 16]);
+        _mm256_storeu_ps(w + e0 + 8 * g, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(widen_signed(q, g))));
       }
     }
   }
@@ -210,30 +230,14 @@ void check(const at::Tensor& q, int64_t type, int64_t k, const char* op) {
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kFused = true;  // every type decoded in registers, straight into the dot products
 
-// a Q4_K / Q5_K block's d * scale_j into `dl` and dmin * min_j into `dm`, j = 0..7: the 6-bit scales
-// and mins unpacked from their 12 bytes as 32-bit words (scale_min_k4's bytes), the products those of
-// `k4`
-inline void k4_scales(const uint8_t* b, float* dl, __m256& dm) {
-  uint32_t u[3];
-  std::memcpy(u, b + 4, 12);
-  const uint64_t sc = (u[0] & 0x3F3F3F3Fu) | static_cast<uint64_t>((u[2] & 0x0F0F0F0Fu) | ((u[0] >> 2) & 0x30303030u)) << 32;
-  const uint64_t mn = (u[1] & 0x3F3F3F3Fu) |
-                      static_cast<uint64_t>(((u[2] >> 4) & 0x0F0F0F0Fu) | ((u[1] >> 2) & 0x30303030u)) << 32;
-  const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
-  const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
-  _mm256_store_ps(dl, _mm256_mul_ps(_mm256_set1_ps(f16(b)), scf));
-  dm = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mnf);
-}
-
 // one Q4_K (Q5 false) or Q5_K block against MR rows (`xs`: each row at the block's first input;
 // `xsum`: each row's sums of its 32-input groups, the block's first): sum_j dl_j * (q_j . x_j) -
 // dm_j * sum(x_j), the codes widened straight from memory, the mins taken once per block from the
 // precomputed sums
 template <int MR, bool Q5>
 inline void k4_rows(const uint8_t* b, const float* const* xs, const float* const* xsum, __m256 (&acc)[MR][2]) {
-  alignas(32) float dl[8];
-  __m256 mins;
-  k4_scales(b, dl, mins);
+  float dl[8], dm[8];
+  k4_scales(b, dl, dm);
   const __m256i low4 = _mm256_set1_epi32(0x0F), bit = _mm256_set1_epi32(1);
   const uint8_t* qs = b + (Q5 ? 48 : 16);
   for (int c = 0; c < 4; ++c) {  // 64 values: sub-blocks 2c (low nibbles) and 2c + 1 (high)
@@ -260,17 +264,15 @@ inline void k4_rows(const uint8_t* b, const float* const* xs, const float* const
       acc[r][1] = _mm256_fmadd_ps(hi[r], dhi, acc[r][1]);
     }
   }
+  const __m256 mins = _mm256_loadu_ps(dm);
   for (int r = 0; r < MR; ++r) acc[r][0] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xsum[r]), acc[r][0]);
 }
 
 // one Q6_K block against MR rows: per 16 values, (d * scale) * ((q - 32) . x)
 template <int MR>
 inline void q6_k_rows(const uint8_t* b, const float* const* xs, __m256 (&acc)[MR][2]) {
-  alignas(32) float dl[16];  // d * scale, as `q6_k` forms them
-  const __m256 d = _mm256_set1_ps(f16(b + 208));
-  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-  _mm256_store_ps(dl, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
-  _mm256_store_ps(dl + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+  float dl[16];
+  q6_k_scales(b, dl);
   for (int h = 0; h < 2; ++h) {
     for (int s = 0; s < 4; ++s) {
       const __m256i q = q6_k_codes(b, h, s);

@@ -6,7 +6,7 @@ widens to fp32 for its batched matmuls. The kernel (`cpu_decode.cpp`) reads each
 where they lie and keeps a running softmax in fp32, as the GPU kernels do, so nothing is copied:
 the contiguous mirror (workers/kv/mirror.py) and the compiled step's gather are not needed where
 it runs. It is one C++ operator, `hetserve_cpu::paged_decode`, with its shape rule registered at
-load, so a compiled step calls it as it is (no Python custom op between: about 40 us a layer),
+load, so a compiled step calls it as it is (no Python custom op's dispatch between),
 built once per host for its vector ISA (kernels_local/cpp_build.py). The trade-off: a compiler on
 the host at first use (Inductor needs one anyway) and a kernel of our own to keep equal to the
 torch path (workers/kv/paged.py `PagedRows.attend`), the reference the tests hold it to.
@@ -38,9 +38,6 @@ class CpuDecode:
     reason: str
 
 
-_module = None
-
-
 def _flags() -> tuple[list[str], str]:
     """The compiler flags for this CPU's vector instructions and their name (`scalar` without any)."""
     return vector_flags(cpu_flags() or frozenset())
@@ -58,14 +55,13 @@ def load() -> CpuDecode:
     `$HETSERVE_CPU_DECODE=off`, the torch path serves and the reason says why. The package's
     `layers` does not import this module: `kernels` imports a repository under a name of its own,
     and the op registers once per process (the worker imports `kernels_local.paged_attention.cpu`)."""
-    global _module
     if os.environ.get(ENV_CPU_DECODE, "").lower() in ("off", "0", "false"):
         return CpuDecode(False, f"${ENV_CPU_DECODE}=off: decode attention gathers the rows' K/V in torch")
     flags, isa = _flags()
-    _module, why = build("hetserve_cpu_decode", SOURCE, flags, OPS, {"paged_decode": _fake})
+    module, why = build("hetserve_cpu_decode", SOURCE, flags, OPS, {"paged_decode": _fake})
     if why == DEFERRED:  # a worker serving first: built behind it, then loaded again
         return CpuDecode(False, f"{DEFERRED}; decode attention gathers in torch meanwhile")
-    if _module is None:  # no compiler, a failed build: the torch path serves
+    if module is None:  # no compiler, a failed build: the torch path serves
         logger.warning("CPU decode kernel unavailable (%s); decode attention gathers in torch", why)
         return CpuDecode(False, f"C++ kernel unavailable ({why.split(':')[0]}): decode attention gathers in torch")
     return CpuDecode(True, f"C++ kernel ({isa}): decode rows read their blocks in place, softmax in fp32")

@@ -41,9 +41,6 @@ class CpuGemm:
     reason: str
 
 
-_module = None
-
-
 def _fake(rows: torch.Tensor, layout: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], layout.shape[1])  # [R, N]: panels are [K, N] or [K/2, N, 2]
 
@@ -52,14 +49,13 @@ def _fake(rows: torch.Tensor, layout: torch.Tensor, bias: torch.Tensor | None) -
 @functools.cache
 def load() -> CpuGemm:
     """Build (once per host) and load the panel GEMM; its state and reason. Never raises."""
-    global _module
     if os.environ.get(ENV_CPU_GEMM, "").lower() in ("off", "0", "false"):
         return CpuGemm(False, f"${ENV_CPU_GEMM}=off: projections through the oneDNN packs")
     flags = [*vector_flags(cpu_flags() or frozenset())[0], "-fopenmp"]  # at::parallel_for over OpenMP, as torch is
-    _module, why = build("hetserve_cpu_gemm", SOURCE, flags, OPS, {"panel_linear": _fake})
+    module, why = build("hetserve_cpu_gemm", SOURCE, flags, OPS, {"panel_linear": _fake})
     if why == DEFERRED:  # a worker serving first: built behind it, then loaded again
         return CpuGemm(False, f"{DEFERRED}; projections through the oneDNN packs meanwhile")
-    if _module is None:
+    if module is None:
         logger.warning("CPU panel GEMM unavailable (%s); projections through the oneDNN packs", why)
         return CpuGemm(False, f"panel GEMM unavailable ({why.split(':')[0]}): projections through the oneDNN packs")
     return CpuGemm(True, f"brgemm over column panels for reductions up to {MAX_K}, oneDNN packs past it")
