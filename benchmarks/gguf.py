@@ -12,8 +12,8 @@ What it does, in order:
 2. llama.cpp's server (`llama_cpp.server` of llama-cpp-python, built from source once into its own
    venv: scripts/llama_cpp_fixtures.py) and `hetserve serve --model FILE.gguf`, both at once on
    their own ports, llama.cpp computing with `--threads` threads (default: the host's cores),
-   hetserve with `--hetserve-threads` (default: its own, the cores less one kept for the router and
-   the HTTP side; on 2 cores it is faster so than with both, docs/benchmarks.md "Against llama.cpp");
+   hetserve with each of `--hetserve-threads` (default: its own choice; `default 2`: two servers,
+   measured in the same rounds, the order of all servers rotating);
 3. per round and concurrency, `vllm bench serve` (vLLM's client, from benchmarks/vs_vllm.py's venv)
    with random prompts of `--input-len` tokens and `--output-len` greedy ones, every special token
    banned on both by a logit bias (llama.cpp also stops on a template's end tokens) so both produce
@@ -77,8 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=0, help="0: 8 per unit of concurrency, at least 16")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="llama.cpp's compute threads (`--n_threads`)")
-    p.add_argument("--hetserve-threads", type=int, default=None,
-                   help="hetserve's `--threads` (default: its own, the cores less one)")
+    p.add_argument("--hetserve-threads", nargs="+", default=["default"],
+                   help="hetserve's `--threads`, one server each, all in the same rounds (`default`: its own "
+                        "choice; e.g. `default 2`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="vLLM's venv (its client)")
     return p.parse_args(argv)
@@ -132,12 +133,18 @@ def llama_cpp_server(model: Path, port: int, log_dir: Path, threads: int, max_le
     return Server("llama.cpp", cmd, port, dict(os.environ), log_dir, "/v1/models")
 
 
-def hetserve(model: Path, port: int, log_dir: Path, threads: int | None) -> Server:
-    """One CPU worker, computing with `threads` threads (None: hetserve's default)."""
+def hetserve_name(threads: str) -> str:
+    return "hetserve" if threads == "default" else f"hetserve-t{threads}"
+
+
+def hetserve(model: Path, port: int, log_dir: Path, threads: str) -> Server:
+    """One CPU worker, computing with `threads` threads ("default": hetserve's own choice)."""
+    if threads != "default" and not (threads.isdigit() and int(threads) > 0):
+        raise SystemExit(f"--hetserve-threads: `default` or a positive count expected, got {threads!r}")
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--served-model-name", NAME,
-           "--host", "127.0.0.1", "--port", str(port), *(() if threads is None else ("--threads", str(threads)))]
+           "--host", "127.0.0.1", "--port", str(port), *(() if threads == "default" else ("--threads", threads))]
     env = {k: v for k, v in os.environ.items() if k not in ("HETSERVE_WORKER_CMD", "HETSERVE_COMPILE")}
-    return Server("hetserve", cmd, port, env, log_dir, "/health", compiles_behind=True)
+    return Server(hetserve_name(threads), cmd, port, env, log_dir, "/health", compiles_behind=True)
 
 
 def bench(vllm: Path, server: Server, tokenizer: Path, concurrency: int, args, banned: list[int],
@@ -164,18 +171,21 @@ def main(argv=None) -> int:
     specials = [a["id"] for a in json.loads((tokenizer / "tokenizer.json").read_text())["added_tokens"]
                 if a["special"]]
     max_len = max(512, args.input_len + args.output_len + 64)
-    rows: dict[int, dict[str, list[dict]]] = {c: {"llama.cpp": [], "hetserve": []} for c in args.concurrency}
+    names = ["llama.cpp", *(hetserve_name(t) for t in args.hetserve_threads)]
+    rows: dict[int, dict[str, list[dict]]] = {c: {n: [] for n in names} for c in args.concurrency}
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
         out = Path(tmp)
         servers = {}
         try:
             servers["llama.cpp"] = llama_cpp_server(model, 8701, out, args.threads, max_len)
-            servers["hetserve"] = hetserve(model, 8702, out, args.hetserve_threads)
-            described = worker_gguf(servers["hetserve"].url)
+            for i, threads in enumerate(args.hetserve_threads):
+                servers[hetserve_name(threads)] = hetserve(model, 8702 + i, out, threads)
+            described = worker_gguf(servers[names[1]].url)
             for r in range(args.rounds):
                 for c in args.concurrency:
-                    order = ["llama.cpp", "hetserve"] if (r + args.concurrency.index(c)) % 2 == 0 else \
-                        ["hetserve", "llama.cpp"]
+                    # the order rotates per round and concurrency: none is always first or last
+                    shift = (r + args.concurrency.index(c)) % len(names)
+                    order = names[shift:] + names[:shift]
                     # prompts of their own per round and concurrency (the same for both servers): a prompt seen
                     # before would hit a server's prefix cache and time a prefill that did not happen
                     fresh = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * r + c})
@@ -186,21 +196,22 @@ def main(argv=None) -> int:
             for s in servers.values():
                 s.stop()
     print(f"{model.name} ({model.stat().st_size} bytes), {args.input_len} prompt / {args.output_len} new tokens, "
-          f"llama.cpp {args.threads} threads, hetserve {args.hetserve_threads or 'its default'}, "
+          f"llama.cpp {args.threads} threads, hetserve --threads {' / '.join(args.hetserve_threads)}, "
           f"{args.rounds} round(s), medians over rounds")
-    print("| concurrency | llama.cpp tok/s | hetserve tok/s | ratio | target | TTFT ms (llama.cpp / hetserve) | "
-          "TPOT ms (llama.cpp / hetserve) |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| concurrency | hetserve | llama.cpp tok/s | hetserve tok/s | ratio | target | "
+          "TTFT ms (llama.cpp / hetserve) | TPOT ms (llama.cpp / hetserve) |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c in args.concurrency:
         med = {n: {k: statistics.median(x[k] for x in rows[c][n]) for k in ("output_tok_s", "ttft_ms", "tpot_ms")}
                for n in rows[c]}
-        short = [x for n in rows[c] for x in rows[c][n] if x["output_tokens"] != x["expected_tokens"]]
-        ratio = med["hetserve"]["output_tok_s"] / (med["llama.cpp"]["output_tok_s"] or float("nan"))
-        print(f"| {c} | {med['llama.cpp']['output_tok_s']:.1f} | {med['hetserve']['output_tok_s']:.1f} | "
-              f"{ratio:.2f}x | {'>= 0.8x' if c == 1 else '>= 1x'} | {med['llama.cpp']['ttft_ms']:.0f} / "
-              f"{med['hetserve']['ttft_ms']:.0f} | {med['llama.cpp']['tpot_ms']:.1f} / "
-              f"{med['hetserve']['tpot_ms']:.1f} |"
-              + (f" ({len(short)} runs with fewer tokens than asked)" if short else ""))
+        base = med["llama.cpp"]
+        for name in names[1:]:
+            short = [x for n in ("llama.cpp", name) for x in rows[c][n] if x["output_tokens"] != x["expected_tokens"]]
+            ratio = med[name]["output_tok_s"] / (base["output_tok_s"] or float("nan"))
+            print(f"| {c} | {name} | {base['output_tok_s']:.1f} | {med[name]['output_tok_s']:.1f} | {ratio:.2f}x | "
+                  f"{'>= 0.8x' if c == 1 else '>= 1x'} | {base['ttft_ms']:.0f} / {med[name]['ttft_ms']:.0f} | "
+                  f"{base['tpot_ms']:.1f} / {med[name]['tpot_ms']:.1f} |"
+                  + (f" ({len(short)} runs with fewer tokens than asked)" if short else ""))
     if described:
         print(f"hetserve's worker: {described.get('execution')}: {described.get('reason')}")
         print(f"types {described.get('types')}; packed bytes {described.get('packed_bytes')}, resident "

@@ -25,9 +25,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# after the packages: benchmarks/gguf.py must not stand for gguf-py where a GGUF file loads
-sys.path.append(str(Path(__file__).resolve().parent))
+# benchmarks/ after the packages (a script's own directory comes first): benchmarks/gguf.py must
+# not stand for gguf-py where a GGUF file loads
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+sys.path.append(str(_HERE))
 
 KINDS = (  # (kind, what a module's class or attribute name holds), first match wins
     ("attention projections", ("wqkv", "wo", "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")),

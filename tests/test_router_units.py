@@ -68,8 +68,9 @@ def test_simulated_workers_hide_real_gpus_and_share_the_cpu_threads():
 
 
 def test_cpu_workers_leave_one_core_to_the_router(monkeypatch):
-    """Guards `compute_threads`: workers computing on the CPU get every core but one (the
-    router's and the HTTP side's), real GPUs every core, an explicit `threads` wins."""
+    """Guards `thread_choice`: workers computing on the CPU a small model (the embedded one) get
+    every core but one (the router's and the HTTP side's), real GPUs every core, an explicit
+    `threads` wins."""
     import server.fleet.spec as spec_module
 
     monkeypatch.setattr(spec_module, "available_cpus", lambda: 4)
@@ -80,6 +81,47 @@ def test_cpu_workers_leave_one_core_to_the_router(monkeypatch):
     assert _specs([], threads=4)[0].threads == 4
     monkeypatch.setattr(spec_module, "available_cpus", lambda: 1)
     assert _specs([])[0].threads == 1
+
+
+def test_a_large_model_on_the_cpu_computes_on_every_core(monkeypatch, tmp_path):
+    """Guards `thread_choice`'s `params >= SMALL_MODEL_PARAMS` branch and `worker_threads`' reading of
+    the model the workers start with: a ~100M-weight model's CPU worker gets every core (its step
+    outlasts a token's relay many times), the embedded 4M one every core but one; the reason names
+    the weights."""
+    import server.fleet.spec as spec_module
+    from workers.contract.model_size import read_profile
+
+    monkeypatch.setattr(spec_module, "available_cpus", lambda: 2)
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
+        "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "vocab_size": 32000, "max_position_embeddings": 2048}))
+    assert read_profile(big).num_parameters >= spec_module.SMALL_MODEL_PARAMS
+    settings = RouterSettings(worker_command=("python", "-m", "workers"), model_dir=big)
+    (spec,) = build_worker_specs([], settings, Path("/tmp/run"), parent_pid=42, base_env={})
+    assert spec.threads == 2 and spec.environ()["OMP_NUM_THREADS"] == "2"
+    threads, why = spec_module.worker_threads(settings, [])
+    assert threads == 2 and "M weights" in why and "every CPU" in why
+    threads, why = spec_module.worker_threads(RouterSettings(worker_command=("python", "-m", "workers")), [])
+    assert threads == 1 and "kept for the router" in why
+    # a simulated fleet shares every core among its workers (4 cores: 2 each, against 3 // 2 for a small model)
+    monkeypatch.setattr(spec_module, "available_cpus", lambda: 4)
+    assert [s.threads for s in build_worker_specs(parse_simulate("sm_80,sm_90"), settings, Path("/tmp/run"), 42,
+                                                  base_env={})] == [2, 2]
+
+
+def test_a_gguf_profile_counts_its_packed_weights():
+    """Guards `ModelProfile.num_parameters`' `+ self.gguf_params`: a GGUF file's packable blocks count as
+    weights (the thread rule and `/v1/models`' size read it), not only its floating tensors."""
+    from workers.contract.model_size import ModelProfile
+
+    profile = ModelProfile(path="x", architecture="llama", context_length=1, checkpoint_dtype=None,
+                           quantization=None, float_params=4_000_000, projection_params=0, projection_rows=0,
+                           stored_params=0, stored_bytes=0, kv_elements_per_token=1, source="GGUF tensor table",
+                           gguf_params=90_000_000, gguf_bytes=55_000_000)
+    assert profile.num_parameters == 94_000_000
 
 
 def test_serve_threads_flag_sets_the_workers_threads(monkeypatch):

@@ -165,6 +165,7 @@ class WorkerHandle:
             "id": self.id,
             "state": self.state,
             "pid": self.pid,
+            "threads": self.spec.threads,  # CPU threads it computes with (server/fleet/spec.py `thread_choice`)
             "restarts": self.restarts,
             "reason": self.reason,
             "device": self.device_dict(),

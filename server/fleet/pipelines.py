@@ -113,11 +113,11 @@ def layer_bytes(profile: ModelProfile, hf: dict, device: DeviceInfo, dtype: str,
     n = int(hf.get("num_hidden_layers") or 1)
     weights = need_on(profile, device, dtype, quantize).weight_bytes
     vocab, hidden = int(hf.get("vocab_size") or 0), int(hf.get("hidden_size") or 0)
-    per = weights // max(1, profile.num_parameters) if profile.num_parameters else 2
-    embed = vocab * hidden * per
+    per = weights / profile.num_parameters if profile.num_parameters else 2  # under one byte where packed
+    embed = int(vocab * hidden * per)
     head = 0 if hf.get("tie_word_embeddings", False) else embed
     body = max(0, weights - embed - head)
-    return [body // n] * n, embed, head + hidden * per
+    return [body // n] * n, embed, head + int(hidden * per)
 
 
 def timing_keys(hf: dict, devices: Sequence[DeviceInfo], dtype: str, quantize: str,

@@ -8,8 +8,9 @@ device's `$HETSERVE_SLOWDOWN`). Design: the environment is fixed before the chil
 starts, which is what makes "bind first" possible: a real GPU worker sees exactly one device
 (`CUDA_VISIBLE_DEVICES=<its UUID>`), a simulated one none, and each compiles into its
 architecture's own Triton cache. Trade-off: workers that compute on the CPU share this host's
-cores (`threads_per_worker`) less one for the router (`compute_threads`), so none
-oversubscribes them and each gets fewer threads than the host has.
+cores (`threads_per_worker`), less one for the router where a small model's step is as short as a
+streamed token's relay (`thread_choice`), so none oversubscribes them and each gets fewer
+threads than the host has.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from workers.contract import (
     step_token_budget,
     use_triton_cache,
 )
+from workers.contract.model_size import ModelSizeError, read_profile
 from workers.contract.slowdown import ENV_SLOWDOWN, device_slowdown
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: server/fleet/spec.py -> ../..
@@ -95,22 +97,61 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def compute_threads(settings: RouterSettings, devices: list[DeviceInfo]) -> int:
-    """CPU threads for all workers together: the settings' `threads` when given; else this
+# Under this many weights a CPU model step lasts about as long as a streamed token's relay in the
+# router, which preempts one of the step's threads when they fill every core; from here on the
+# step gains more from the last core than the relay costs it (docs/benchmarks.md, "One core for the
+# router and the HTTP side" and "Against llama.cpp").
+SMALL_MODEL_PARAMS = 32_000_000
+
+
+def model_parameters(model_dirs) -> int | None:
+    """The most weights of the models in `model_dirs` (their files' count, no weight read); None
+    where none can be read."""
+    counts = []
+    for d in model_dirs:
+        try:
+            counts.append(read_profile(d).num_parameters)
+        except (ModelSizeError, OSError, ValueError):
+            continue
+    return max(counts) if counts else None
+
+
+def thread_choice(settings: RouterSettings, devices: list[DeviceInfo], params: int | None = None) -> tuple[int, str]:
+    """(CPU threads for all workers together, why): the settings' `threads` when given; else this
     process's CPUs, less one for the router and the workers' HTTP side when the workers compute
-    on the CPU (simulated or CPU devices) and there are cores to spare, as vLLM keeps one for its
-    API server: a model step whose OpenMP threads fill every core is preempted by each streamed
-    token's relay (docs/benchmarks.md, "One core for the router and the HTTP side")."""
+    on the CPU (simulated or CPU devices), there are cores to spare and the model is small (under
+    `SMALL_MODEL_PARAMS` weights, or `params` unknown), as vLLM keeps one for its API server: a
+    small model's step whose OpenMP threads fill every core is preempted by each streamed token's
+    relay. A larger model's step is many relays long, and every core computes it."""
     if settings.threads:
-        return settings.threads
+        return settings.threads, f"--threads {settings.threads}"
     cpus = available_cpus()
-    on_cpu = all(d.computes_on_cpu for d in devices)
-    return cpus - 1 if on_cpu and cpus > 1 else cpus
+    if not all(d.computes_on_cpu for d in devices):
+        return cpus, f"every CPU ({cpus}): the workers compute on GPUs"
+    if cpus == 1:
+        return 1, "the only CPU"
+    if params is not None and params >= SMALL_MODEL_PARAMS:
+        return cpus, (f"every CPU ({cpus}): a step of {params / 1e6:.0f}M weights lasts many streamed tokens' "
+                      f"relays, and gains more from the last core than the relays cost it")
+    return cpus - 1, (f"{cpus - 1} of {cpus} CPUs, one kept for the router: a step of "
+                      f"{'an unknown model' if params is None else f'{params / 1e6:.0f}M weights'} is as short as a "
+                      f"streamed token's relay, which would preempt one of its threads")
 
 
 def threads_per_worker(total_threads: int, n_workers: int) -> int:
     """CPU threads each worker gets when `n_workers` share `total_threads` (at least one)."""
     return max(1, total_threads // max(1, n_workers))
+
+
+def worker_threads(settings: RouterSettings, devices: list[DeviceInfo],
+                   models: Mapping[int, tuple[str, Path]] | None = None) -> tuple[int, str]:  # fmt: skip
+    """(CPU threads of each worker, why): `thread_choice` for the largest model the workers start
+    with (`models`: device index -> (name, directory); default the settings' model), shared by
+    every device's worker."""
+    devices = list(devices) or [cpu_device()]
+    dirs = {m for _, m in models.values()} if models else {settings.model_dir}
+    total, why = thread_choice(settings, devices, model_parameters(dirs))
+    return threads_per_worker(total, len(devices)), why
 
 
 def worker_environment(device: DeviceInfo, threads: int, base: dict[str, str]) -> dict[str, str]:
@@ -208,9 +249,9 @@ def build_worker_specs(devices: list[DeviceInfo], settings: RouterSettings, run_
     settings' default model); the threads are shared as if every device had its worker."""
     devices = list(devices) or [cpu_device()]
     base = dict(os.environ if base_env is None else base_env)
-    threads = threads_per_worker(compute_threads(settings, devices), len(devices))
     if models is None:
         models = {d.index: (settings.model_name, settings.model_dir) for d in devices}
+    threads, _ = worker_threads(settings, devices, models)
     return [build_worker_spec(d, *models[d.index], settings, run_dir, parent_pid, threads, base)
             for d in devices if d.index in models]
 

@@ -34,10 +34,9 @@ from server.fleet.process import alive, kill, spawn
 from server.fleet.spec import (
     build_worker_spec,
     build_worker_specs,
-    compute_threads,
-    threads_per_worker,
     with_runtime_loras,
     worker_id,
+    worker_threads,
 )
 from workers.contract import DeviceInfo, WorkerState, WorkerStatus, cpu_device
 
@@ -60,7 +59,7 @@ class Supervisor:
         self._pipelines = tuple(pipelines)
         self._devices = list(devices) or [cpu_device()]
         self._models = models
-        self._threads = threads_per_worker(compute_threads(settings, self._devices), len(self._devices))
+        self._threads, self.threads_reason = worker_threads(settings, self._devices, models)
         self._generations: dict[str, int] = {}  # worker id -> the last generation of a retired worker there
         self.workers: dict[str, WorkerHandle] = {}
         self.run_dir: Path | None = None
@@ -305,7 +304,8 @@ class Supervisor:
         handle.client = WorkerClient(spec.socket_path)
         if handle.state != WorkerState.RESTARTING:
             self._set(handle, WorkerState.STARTING, "spawned")
-        logger.info("worker %s: started pid %s (%s)", handle.id, handle.pid, spec.device.name)
+        logger.info("worker %s: started pid %s (%s; %d threads: %s)", handle.id, handle.pid, spec.device.name,
+                    spec.threads, self.threads_reason)
 
     async def _drop_client(self, handle: WorkerHandle) -> None:
         if (client := handle.client) is not None:

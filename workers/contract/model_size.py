@@ -71,7 +71,9 @@ class ModelProfile:
 
     @property
     def num_parameters(self) -> int:
-        return self.float_params + self.stored_params
+        """Weights as stored: the floating ones, the stored-quantized tensors' elements and a GGUF file's
+        packable blocks' values (counted apart from the floating ones)."""
+        return self.float_params + self.stored_params + self.gguf_params
 
 
 @dataclass(frozen=True)
