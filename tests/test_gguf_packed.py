@@ -231,3 +231,36 @@ def test_deterministic_mode_tiles_the_rows_of_every_packed_projection(files):
         enable_deterministic(loaded.model)
         assert all("forward" in m.__dict__ for m in layers)  # each wrapped in fixed row tiles
         torch.testing.assert_close(loaded.model(_ids()), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
+def test_the_cpu_keeps_a_tied_heads_blocks_once_for_the_head_and_the_embedding(files):
+    """Guards workers/gguf/packed.py `_tied_candidate` (and `tied_head=device_type == "cpu"` in `packed_gguf`):
+    on the CPU a Llama's tied head is a `GGUFLinear` holding `token_embd`'s blocks and the embedding a
+    `GGUFEmbedding` reading the same tensor; its lookups equal the dequantized embedding bit for bit, the
+    logits (eager and the compiled step's graph) the dense model's within fp32 rounding, and the
+    description and placement count the blocks once."""
+    from kernels_local.gguf_linear import cpu
+    from workers.contract.model_size import need_on, read_profile
+    from workers.contract.topology import parse_simulate
+    from workers.gguf.embedding import GGUFEmbedding
+
+    loaded, dense = _load(files["llama"], "cpu"), _load(files["llama"], "dense")
+    head, embedding = loaded.model.output, loaded.model.tok_embeddings
+    assert isinstance(head, GGUFLinear) and isinstance(embedding, GGUFEmbedding)
+    assert head.qweight.data_ptr() == embedding.qweight.data_ptr() and head.gguf_type == embedding.gguf_type
+    assert type(dense.model.output) is nn.Linear and dense.model.output.weight is dense.model.tok_embeddings.weight
+    ids = _ids(4)
+    assert torch.equal(embedding(ids), dense.model.tok_embeddings(ids))
+    apply_plan(loaded.model, KernelPlan("cpu", {"GGUFLinear": select("cpu", None)["GGUFLinear"]}))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids), dense.model(ids), rtol=1e-4, atol=1e-4)
+        compiled = torch.compile(embedding, fullgraph=True)  # the decoder's shape rule: no graph break
+        assert torch.equal(compiled(ids[:, :1]), dense.model.tok_embeddings(ids[:, :1]))
+    described = gguf_execution(loaded.model_dir, loaded.dtype, "cpu", None, loaded.model)
+    assert f"keeps its {head.gguf_type} blocks" in described["reason"] and cpu.KERNEL.load().available
+    need = need_on(read_profile(loaded.model_dir), parse_simulate("cpu")[0], "float32")
+    assert need.weight_bytes == described["resident_bytes"]
+    # off the CPU (a simulated sm_80) the tied head stays a dense nn.Linear tied to the embedding
+    sim = _load(files["llama"], "sm_80").model
+    assert type(sim.output) is nn.Linear and sim.output.weight is sim.tok_embeddings.weight

@@ -32,16 +32,20 @@ GEMV_MAX_M = 16
 
 def dequantize(qweight: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
     """The blocks uint8 [N, K / QK * TYPE_SIZE] -> float32 [N, K], equal to gguf-py's `dequantize`."""
-    return KERNEL.module.gguf_dequantize(qweight, TYPES[type_name], in_features)
+    return torch.ops.hetserve_cpu.gguf_dequantize(qweight, TYPES[type_name], in_features)
 
 
 def _fake_linear(x: torch.Tensor, qweight: torch.Tensor, type_code: int, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], qweight.shape[0])  # [..., N]
 
 
+def _fake_dequantize(qweight: torch.Tensor, type_code: int, in_features: int) -> torch.Tensor:
+    return qweight.new_empty(qweight.shape[0], in_features, dtype=torch.float32)  # [N, K]
+
+
 KERNEL = CppKernel("hetserve_cpu_gguf", Path(__file__).with_name("cpu_gguf.cpp"), ENV_CPU_GGUF,
                    "C++ GEMV over GGUF blocks", ("-ffp-contract=off", "-fopenmp"),
-                   fakes={"gguf_linear": _fake_linear})
+                   fakes={"gguf_linear": _fake_linear, "gguf_dequantize": _fake_dequantize})
 
 
 def runs_cpp(x: torch.Tensor, type_name: str) -> bool:

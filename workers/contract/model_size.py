@@ -68,6 +68,8 @@ class ModelProfile:
     gguf_bytes: int = 0  # their blocks as stored: held so where the device keeps them packed
     gguf_cpu_params: int = 0  # of those, the ones of a type the CPU keeps packed (`CPU_PACKED_TYPES`)
     gguf_cpu_bytes: int = 0
+    gguf_cpu_tied_params: int = 0  # a tied head's embedding, counted as floating, that the CPU keeps as blocks
+    gguf_cpu_tied_bytes: int = 0
 
     @property
     def num_parameters(self) -> int:
@@ -138,6 +140,7 @@ def need_on(profile: ModelProfile, device: DeviceInfo, dtype: str = "auto", quan
             weights += profile.gguf_params * size
         elif device.type == "cpu":  # the CPU kernel's types packed, the rest widened at load
             weights += profile.gguf_cpu_bytes + (profile.gguf_params - profile.gguf_cpu_params) * size
+            weights += profile.gguf_cpu_tied_bytes - profile.gguf_cpu_tied_params * size  # not widened there
         else:
             weights += profile.gguf_bytes
     if quantize == "fp8":
@@ -247,7 +250,9 @@ def read_profile(model_dir: str | Path) -> ModelProfile:
         return ModelProfile(**common, float_params=gguf["elements"] - packable, projection_params=0,
                             projection_rows=0, stored_params=0, stored_bytes=0, gguf_params=packable,
                             gguf_bytes=gguf["packable_bytes"], gguf_cpu_params=gguf.get("cpu_packable_elements", 0),
-                            gguf_cpu_bytes=gguf.get("cpu_packable_bytes", 0), source="GGUF tensor table")
+                            gguf_cpu_bytes=gguf.get("cpu_packable_bytes", 0),
+                            gguf_cpu_tied_params=gguf.get("cpu_tied_elements", 0),
+                            gguf_cpu_tied_bytes=gguf.get("cpu_tied_bytes", 0), source="GGUF tensor table")
     files = _weight_files(model_dir)
     if not files:
         return ModelProfile(**common, **_count_from_config(hf, shape),

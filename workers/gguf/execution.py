@@ -8,8 +8,8 @@ CPU keeps the types its C++ GEMV decodes packed (measured against the dequantize
 docs/benchmarks.md "GGUF on the CPU"), where that kernel builds. Below sm_70 Triton does not target
 the device: it dequantizes at load (workers/gguf/weights.py, exact against gguf-py), as does a CPU
 without the kernel. The description reads the model as loaded: how many layers hold
-blocks, which were dequantized and why (embeddings, norms, a tied head, types no kernel decodes, a
-kernel that failed its self-test here), the file's tensors by type and the bytes held beside the
+blocks, which were dequantized and why (embeddings, norms, a tied head off the CPU, types no kernel
+decodes, a kernel that failed its self-test here), the file's tensors by type and the bytes held beside the
 file's. Trade-off: reading the tensor table costs a header parse per description (memory-mapped, no
 tensor data read), for a description that never goes stale.
 """
@@ -98,6 +98,16 @@ def _held(model) -> tuple[list, list]:
     return [m for m in layers if m.execution == PACKED], [m for m in layers if m.execution != PACKED]
 
 
+def _tied(model) -> str:
+    """What the description says of the embedding: shared with a packed tied head (workers/gguf/embedding.py)
+    or dequantized at load."""
+    embedding = getattr(model, "tok_embeddings", None)
+    if embedding is not None and getattr(embedding, "qweight", None) is not None:
+        return (f"the head tied to the embedding keeps its {embedding.gguf_type} blocks, which the embedding "
+                "decodes per lookup; ")
+    return "embeddings, a tied head, "
+
+
 def gguf_execution(model_dir: Path, dtype: torch.dtype, device: str, capability=None, model=None) -> dict | None:
     """What a worker on `device` (its arch token or type) holding `model` in `dtype` does with the GGUF
     file(s) `model_dir` stands for, and the device's rule; None when `model_dir` is no prepared GGUF directory.
@@ -121,8 +131,8 @@ def gguf_execution(model_dir: Path, dtype: torch.dtype, device: str, capability=
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(Counter(m.gguf_type for m in holding).items()))
         return {**out, "execution": f"packed ({len(holding)} layers: {kinds}); the rest dequantized at load to "
                                     f"{name}",
-                "reason": f"{rule.reason}; embeddings, norms, a tied head and tensors of types the kernels do not "
-                          f"decode are dequantized at load, exactly as gguf-py does"}
+                "reason": f"{rule.reason}; {_tied(model)}norms and tensors of types the kernels do not decode are "
+                          f"dequantized at load, exactly as gguf-py does"}
     if fell_back:
         why = next((m.fallback_reason for m in fell_back if m.fallback_reason), "its kernel failed on this device")
         reason = (f"{rule.reason}; but the packed layers' kernel failed its self-test on this device, so their "

@@ -4,8 +4,10 @@ Design: driven by the loader through the calls every quantized checkpoint's read
 (workers/quant/checkpoint.py): `bind`, `claims`, `covers`, `to_ours`, `install`. At `bind` the
 tensor table (no data) says each tensor's type, and one decision is made per module of ours: a
 plain `nn.Linear` whose GGUF tensors (all its fused parts) are of a type the kernel decodes
-(the device rule's `types`) keeps them packed; anything else (norms, embeddings, a tied head, F16/BF16
-matrices, MXFP4, a fused module with one float part) is dequantized at load as before. `claims`
+(the device rule's `types`) keeps them packed, and on the CPU a head tied to the embedding keeps the
+embedding's blocks, which the embedding then reads too (workers/gguf/embedding.py); anything else
+(norms, embeddings, a tied head elsewhere, F16/BF16 matrices, MXFP4, a fused module with one float
+part) is dequantized at load as before. `claims`
 names the tensors the loader then reads as bytes (workers/gguf/weights.py `gguf_tensors`, which
 puts Llama's q/k rows back in rotary order by moving whole rows of blocks), `to_ours` concatenates a
 fused module's parts that share a type and `install` swaps in `GGUFLinear` (one type) or
@@ -22,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kernels_local.gguf_linear.cpu import TYPES as CPU_TYPES
+from workers.gguf.embedding import GGUFEmbedding
 from workers.gguf.execution import PACKED_TYPES, gguf_rule
 from workers.gguf.experts import ACTIVATIONS, GGUFExperts
 from workers.gguf.files import GGUFError, metadata, open_readers, tensor_infos
@@ -35,8 +39,10 @@ class PackedGGUF:
     """The GGUF tensors of one model that a device keeps packed, and the layers that hold them."""
 
     def __init__(self, files: list[Path], map_name: Callable[[str], tuple[str, object] | None],
-                 types: tuple[str, ...] = PACKED_TYPES) -> None:  # fmt: skip
+                 types: tuple[str, ...] = PACKED_TYPES, tied_head: bool = False) -> None:  # fmt: skip
         self.files, self.map_name, self.kept = files, map_name, types  # `kept`: the types held packed
+        self.tied_head = tied_head  # a tied head may keep the embedding's blocks (workers/gguf/embedding.py)
+        self.tied: str | None = None  # the HF embedding tensor the packed head and the embedding share
         self.types: dict[str, str] = {}  # HF tensor -> its GGUF type
         self.packed: dict[str, tuple[str, int]] = {}  # HF tensor kept packed -> (our module, its part)
         self.modules: dict[str, list[tuple[int, str]]] = {}  # our module -> [(part, HF tensor)] kept packed
@@ -73,6 +79,8 @@ class PackedGGUF:
             if type(model.get_submodule(ours)) is not nn.Linear or (ours == "output" and tied):
                 continue
             candidates.setdefault(ours, []).append((mapped[1] or 0, hf))
+        if tied and self.tied_head:
+            candidates |= self._tied_candidate(model, expected)
         for ours, parts in candidates.items():
             if all(self.types.get(hf) in self.kept for _, hf in parts):
                 self.modules[ours] = sorted(parts)
@@ -84,6 +92,19 @@ class PackedGGUF:
                     and set(pieces) == whole and all(self.types.get(hf) in self.kept for hf in pieces.values())):
                 self.experts[head] = pieces
                 self.packed |= {hf: (head, e) for (e, _), hf in pieces.items()}
+
+    def _tied_candidate(self, model: nn.Module, expected: dict[str, tuple[int, ...]]) -> dict[str, list]:
+        """{"output": [(0, the HF embedding)]} where the head tied to it can read its blocks (a stage with the
+        head and a plain embedding, of a type the CPU decoder reads), else {}."""
+        if not (type(getattr(model, "output", None)) is nn.Linear
+                and type(getattr(model, "tok_embeddings", None)) is nn.Embedding):
+            return {}
+        hf = next((h for h in expected if (m := self.map_name(h)) is not None and m[0] == "tok_embeddings.weight"),
+                  None)
+        if hf is None or self.types.get(hf) not in CPU_TYPES:
+            return {}
+        self.tied = hf
+        return {"output": [(0, hf)]}
 
     def claims(self, name: str) -> bool:
         """Whether HF tensor `name` is read as its GGUF bytes (handed to `to_ours` as stored)."""
@@ -120,6 +141,8 @@ class PackedGGUF:
             for i, (_, run) in enumerate(groups):
                 key = f"{ours}.qweight" if len(groups) == 1 else f"{ours}.parts.{i}.qweight"
                 out[key] = torch.cat(run) if len(run) > 1 else run[0]
+        if self.tied is not None and "output.qweight" in out:
+            out["tok_embeddings.qweight"] = out["output.qweight"]  # one tensor, not a copy
         for head, pieces in self.experts.items():
             if not all(hf in stored for hf in pieces.values()):
                 continue  # another pipeline stage's layer
@@ -147,6 +170,10 @@ class PackedGGUF:
             else:
                 layer = GGUFFusedLinear(k, runs, bias=bias, dtype=dtype, device="meta")
             setattr(parent, attr, layer)
+        if self.tied is not None and "output" in self.specs:
+            old = model.tok_embeddings
+            model.tok_embeddings = GGUFEmbedding(old.num_embeddings, old.embedding_dim, self.types[self.tied],
+                                                 dtype=old.weight.dtype)
         for head, (hidden, runs, down) in self.expert_specs.items():
             parent_name, _, attr = head.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -163,4 +190,5 @@ def packed_gguf(files: list[Path] | None, map_name, device_type: str, capability
     if files is None:
         return None
     rule = gguf_rule(device_type, capability)
-    return PackedGGUF(files, map_name, rule.types) if rule.execution == "packed" else None
+    return PackedGGUF(files, map_name, rule.types, tied_head=device_type == "cpu") if rule.execution == "packed" \
+        else None

@@ -30,7 +30,7 @@ from workers.gguf.files import gguf_files, metadata, model_name, open_readers, t
 from workers.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 POINTER = "gguf.json"  # the GGUF files a prepared directory stands for
-FORMAT = 6  # bump when the converted files change, so old cache entries are not reused
+FORMAT = 7  # bump when the converted files change, so old cache entries are not reused
 
 
 def cache_root() -> Path:
@@ -70,10 +70,12 @@ def _write(target: Path, files: list[Path], readers: list) -> None:
 
 
 def sizes(readers: list) -> dict:
-    """The tensors' elements and bytes, those a packed device holds as blocks (`packable`) apart: what
-    the router's placement counts per device (workers/contract/model_size.py)."""
+    """The tensors' elements and bytes, those a packed device holds as blocks (`packable`) apart, and
+    the embedding a CPU's packed tied head keeps as blocks (`cpu_tied`, workers/gguf/embedding.py):
+    what the router's placement counts per device (workers/contract/model_size.py)."""
     out = {"elements": 0, "bytes": 0, "packable_elements": 0, "packable_bytes": 0, "cpu_packable_elements": 0,
-           "cpu_packable_bytes": 0}
+           "cpu_packable_bytes": 0, "cpu_tied_elements": 0, "cpu_tied_bytes": 0}
+    tied = all(t.name != "output.weight" for r in readers for t in r.tensors)  # the head reads the embedding
     for reader in readers:
         for t in reader.tensors:
             n, b = int(t.n_elements), int(t.n_bytes)
@@ -85,6 +87,8 @@ def sizes(readers: list) -> dict:
                 if t.tensor_type.name in CPU_PACKED_TYPES:  # the CPU's packed part of them
                     out["cpu_packable_elements"] += n
                     out["cpu_packable_bytes"] += b
+            elif tied and t.name == "token_embd.weight" and t.tensor_type.name in CPU_PACKED_TYPES:
+                out["cpu_tied_elements"], out["cpu_tied_bytes"] = n, b  # the CPU's packed head shares them
     return out
 
 

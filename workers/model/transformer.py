@@ -136,8 +136,14 @@ class Transformer(nn.Module):
         model.init_weights(seed, std)
         return model
 
+    def _ties(self) -> bool:
+        """Whether the head reads the embedding's weight: a stage before the last has no head, and a
+        packed GGUF head holds the blocks it shares with the embedding itself (workers/gguf/embedding.py)."""
+        return (self.config.tie_word_embeddings and hasattr(self, "output")
+                and isinstance(getattr(self, "tok_embeddings", None), nn.Embedding))
+
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings and hasattr(self, "output"):  # a stage before the last has no head
+        if self._ties():
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
@@ -159,7 +165,7 @@ class Transformer(nn.Module):
     def load_weights(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Assign `state_dict` (our names, already in the right dtype/device) and re-tie."""
         sd = dict(state_dict)
-        if self.config.tie_word_embeddings and hasattr(self, "output"):
+        if self._ties():
             sd.setdefault("output.weight", sd.get("tok_embeddings.weight"))
         self.load_state_dict(sd, strict=strict, assign=True)
         self.tie_weights()
