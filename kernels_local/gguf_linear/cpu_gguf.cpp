@@ -27,6 +27,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -42,6 +43,25 @@ constexpr int64_t kQK[kTypes] = {32, 32, 256, 256, 256};
 constexpr int64_t kSize[kTypes] = {34, 18, 144, 176, 210};
 constexpr int64_t kMaxQK = 256;
 constexpr int64_t kRowGrain = 16;  // output rows per task of the intra-op threads
+constexpr int64_t kRowChunk = 64;  // output rows a GEMV thread takes at a time
+
+// f(r0, r1) over [0, n) in chunks of `chunk` rows that the intra-op threads take in turn, each the next
+// one left, rather than a fixed share each: a thread the OS preempts (the router relaying a token on a
+// host whose every core computes) leaves its chunks to the others instead of holding the step back
+template <typename F>
+void rows_in_turn(int64_t n, int64_t chunk, const F& f) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), chunks));
+  if (threads <= 1 || at::in_parallel_region()) {
+    f(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
+      f(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
 
 inline float f16(const uint8_t* p) {
   uint16_t bits;
@@ -432,8 +452,7 @@ at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& q, int64_t type, con
   const bool mins = type == kQ4_K || type == kQ5_K || type == kQ4_0;
   const at::Tensor xsum = mins ? a.view({m, k / 32, 32}).sum(-1) : at::empty({m, k / 32}, a.options());  // unread
   const float* sp = xsum.data_ptr<float>();
-  at::parallel_for(0, n, kRowGrain,
-                   [&](int64_t r0, int64_t r1) { gemv_rows(xp, sp, m, k, qp, type, bp, op, n, r0, r1); });
+  rows_in_turn(n, kRowChunk, [&](int64_t r0, int64_t r1) { gemv_rows(xp, sp, m, k, qp, type, bp, op, n, r0, r1); });
   return out;
 }
 
