@@ -12,12 +12,14 @@ dequantized panels from 16), `F.linear` on the same weights dequantized to float
 worker held before: `--dtype auto` is float32 on the CPU) and to bfloat16 (the bar for keeping
 blocks packed). The weights of a pass are far larger than the last-level cache, so every pass
 reads them from memory, as a served model's step does. Prints the median time per pass and the
-kernel's speed-up over each.
+kernel's speed-up over each. `--competitor PCT` times it all beside a process busy PCT% of every
+10 ms, as a router relaying streamed tokens is on a host whose every core computes.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import sys
 import time
@@ -53,7 +55,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--type", choices=sorted(cpu.TYPES), default=None,
                    help="every projection in this type (default: Q4_K_M's mix of Q4_K and Q6_K)")
+    p.add_argument("--competitor", type=float, default=0.0, metavar="PCT",
+                   help="a process busy PCT%% of every 10 ms meanwhile (a router relaying streamed tokens on a host "
+                        "whose every core computes): how much a thread the OS preempts holds a pass back")
     a = p.parse_args()
+    if not 0 <= a.competitor < 100:
+        sys.exit(f"--competitor {a.competitor}: a share of a core in percent, 0 to under 100, expected")
     if not cpu.KERNEL.load().available:
         sys.exit(f"the C++ kernel is not available here: {cpu.KERNEL.load().reason}")
     gen = torch.Generator().manual_seed(0)
@@ -69,6 +76,11 @@ def main() -> None:
     print(f"{a.layers} layers, {params / 1e6:.1f}M weights: packed {packed / 2**20:.0f} MiB, float32 "
           f"{params * 4 / 2**20:.0f} MiB, bfloat16 {params * 2 / 2**20:.0f} MiB; {torch.get_num_threads()} threads; "
           f"{cpu.KERNEL.load().reason}")
+    stop = multiprocessing.Event()
+    competitor = multiprocessing.Process(target=_busy, args=(a.competitor / 100, stop), daemon=True)
+    if a.competitor:
+        competitor.start()
+        print(f"beside a process busy {a.competitor:g}% of every 10 ms")
     print(f"{'rows':>5} {'kernel ms':>9} {'fp32 ms':>9} {'bf16 ms':>9} {'vs fp32':>8} {'vs bf16':>8}")
     for m in a.rows:
         rows = {h: torch.randn(m, h, generator=gen), a.mlp: torch.randn(m, a.mlp, generator=gen)}  # by K
@@ -93,6 +105,16 @@ def main() -> None:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         print(f"{m:>5} {med['gemv']:>9.2f} {med['fp32']:>9.2f} {med['bf16']:>9.2f} "
               f"{med['fp32'] / med['gemv']:>7.2f}x {med['bf16'] / med['gemv']:>7.2f}x", flush=True)
+    stop.set()
+
+
+def _busy(share: float, stop, period: float = 0.010) -> None:
+    """Spin `share` of every `period` seconds, sleep the rest, until `stop`."""
+    while not stop.is_set():
+        started = time.perf_counter()
+        while time.perf_counter() - started < share * period:
+            pass
+        time.sleep(period * (1 - share))
 
 
 if __name__ == "__main__":
