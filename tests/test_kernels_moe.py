@@ -15,24 +15,15 @@ the output's scale (the kernel rounds where the reference does, but sums in anot
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import triton.language as tl
 
+from tests.interpreter import INTERPRETED, needs_interpreter, rerun_under_interpreter
 from tests.test_compile_specs import _jit_type, _launched, _Recorder
 from workers.model.moe import FusedMoE as ModelFusedMoE
 from workers.model.moe import grouped_experts
 
-ROOT = Path(__file__).resolve().parents[1]
-INTERPRETED = type(tl.sum).__name__ == "InterpretedFunction"
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_kernels_run_under_the_interpreter)"
-)
 moe = importlib.import_module("kernels_local.fused_moe.fused_moe")  # the package exports a function of that name
 torch_path = importlib.import_module("kernels_local.fused_moe.torch_path")
 TINY = moe.FusedMoETuning("tiny", moe.MoEConfig(16, 16, 16, 2, 1, 1), moe.MoEConfig(16, 16, 16, 2, 1, 1))
@@ -43,11 +34,9 @@ HIDDEN, INTER = 72, 40  # hidden and intermediate widths: tails in every tile di
 
 @pytest.mark.skipif(INTERPRETED, reason="already running under the interpreter")
 def test_kernels_run_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]
+    """The interpreter's run of this file: collected from the background child started with the
+    suite (tests/interpreter.py), run here only when this file runs alone."""
+    rerun_under_interpreter(__file__)
 
 
 def make_case(t, k, e, h=HIDDEN, i=INTER, *, bias=False, activation="silu", dtype=torch.float32, seed=0, gain=1.0,
