@@ -32,7 +32,9 @@ def router():
     yield from running_router(["--simulate", "sm_80,sm_75", "--dtype", "float32", "--kv-block-size", "16",
                                "--prefill", "gpu0", "--decode", "gpu1", "--disaggregate-min-prompt", str(MIN_PROMPT),
                                "--disaggregate-timeout", str(TIMEOUT_S)],
-                              fake=False, ready_timeout=240)
+                              # gpu1 prefills 4x slower: the measured plan hands every qualifying prompt
+                              # to gpu0, whatever else loads the host (server/routing/split.py `plan`)
+                              env={"HETSERVE_SLOWDOWN": "gpu1=prefill:4"}, fake=False, ready_timeout=240)
 
 
 def _stream(router: RouterProcess, text: str, pin: str | None = None, **params) -> tuple[list[dict], dict]:
