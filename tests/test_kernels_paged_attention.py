@@ -242,9 +242,9 @@ def test_compiled_paged_decode_with_layer_options_matches_the_reference_on_cuda(
 def test_the_compiled_check_runs_small_under_the_interpreter(interp, dtype):
     """The GPU test's own check, on small rows under the interpreter, so it is known to pass
     where the kernel is right before a GPU ever runs it (head dim 512 once, with its options).
-    bfloat16 takes the full options and a window with a cap and a scale: its loads, stores and
-    rounding are the dtype's own, the loop over blocks and the masks are fp32's and fp16's, and
-    the interpreter emulates bfloat16 at several times their cost."""
+    bfloat16 takes two of the option sets, no window, cap or scale and a window with a cap and a
+    scale: its loads, stores and rounding are the dtype's own, the loop over blocks and the masks
+    are fp32's and fp16's, and the interpreter emulates bfloat16 at several times their cost."""
     options = COMPILED_OPTIONS if dtype != torch.bfloat16 else COMPILED_OPTIONS[:1] + COMPILED_OPTIONS[2:3]
     for window, softcap, scale in options:
         _against_reference(interp["paged_attention"], "cpu", dtype, (2, 1, 256, 16, [1, 17, 130]),
