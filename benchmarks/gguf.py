@@ -13,7 +13,9 @@ What it does, in order:
    venv: scripts/llama_cpp_fixtures.py) and `hetserve serve --model FILE.gguf`, both at once on
    their own ports, llama.cpp computing with `--threads` threads (default: the host's cores),
    hetserve with each of `--hetserve-threads` (default: its own choice; `default 2`: two servers,
-   measured in the same rounds, the order of all servers rotating);
+   measured in the same rounds, the order of all servers rotating) and each of
+   `--hetserve-activations` (`exact int8`: a server each way, `--gguf-activations int8` rounding a
+   decode's activations to 8 bits as llama.cpp does);
 3. per round and concurrency, `vllm bench serve` (vLLM's client, from benchmarks/vs_vllm.py's venv)
    with random prompts of `--input-len` tokens and `--output-len` greedy ones, every special token
    banned on both by a logit bias (llama.cpp also stops on a template's end tokens) so both produce
@@ -80,6 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--hetserve-threads", nargs="+", default=["default"],
                    help="hetserve's `--threads`, one server each, all in the same rounds (`default`: its own "
                         "choice; e.g. `default 2`)")
+    p.add_argument("--hetserve-activations", nargs="+", default=["exact"], choices=["exact", "int8"],
+                   help="hetserve's `--gguf-activations`, one server each (with each `--hetserve-threads`), all in the "
+                        "same rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="vLLM's venv (its client)")
     return p.parse_args(argv)
@@ -133,18 +138,21 @@ def llama_cpp_server(model: Path, port: int, log_dir: Path, threads: int, max_le
     return Server("llama.cpp", cmd, port, dict(os.environ), log_dir, "/v1/models")
 
 
-def hetserve_name(threads: str) -> str:
-    return "hetserve" if threads == "default" else f"hetserve-t{threads}"
+def hetserve_name(threads: str, activations: str = "exact") -> str:
+    return ("hetserve" + ("" if threads == "default" else f"-t{threads}") +
+            ("" if activations == "exact" else f"-{activations}"))
 
 
-def hetserve(model: Path, port: int, log_dir: Path, threads: str) -> Server:
-    """One CPU worker, computing with `threads` threads ("default": hetserve's own choice)."""
+def hetserve(model: Path, port: int, log_dir: Path, threads: str, activations: str = "exact") -> Server:
+    """One CPU worker, computing with `threads` threads ("default": hetserve's own choice), its GGUF
+    GEMV's activations `activations` (`--gguf-activations`)."""
     if threads != "default" and not (threads.isdigit() and int(threads) > 0):
         raise SystemExit(f"--hetserve-threads: `default` or a positive count expected, got {threads!r}")
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--served-model-name", NAME,
-           "--host", "127.0.0.1", "--port", str(port), *(() if threads == "default" else ("--threads", threads))]
+           "--host", "127.0.0.1", "--port", str(port), "--gguf-activations", activations,
+           *(() if threads == "default" else ("--threads", threads))]
     env = {k: v for k, v in os.environ.items() if k not in ("HETSERVE_WORKER_CMD", "HETSERVE_COMPILE")}
-    return Server(hetserve_name(threads), cmd, port, env, log_dir, "/health", compiles_behind=True)
+    return Server(hetserve_name(threads, activations), cmd, port, env, log_dir, "/health", compiles_behind=True)
 
 
 def bench(vllm: Path, server: Server, tokenizer: Path, concurrency: int, args, banned: list[int],
@@ -171,15 +179,16 @@ def main(argv=None) -> int:
     specials = [a["id"] for a in json.loads((tokenizer / "tokenizer.json").read_text())["added_tokens"]
                 if a["special"]]
     max_len = max(512, args.input_len + args.output_len + 64)
-    names = ["llama.cpp", *(hetserve_name(t) for t in args.hetserve_threads)]
+    variants = [(t, a) for t in args.hetserve_threads for a in args.hetserve_activations]
+    names = ["llama.cpp", *(hetserve_name(t, a) for t, a in variants)]
     rows: dict[int, dict[str, list[dict]]] = {c: {n: [] for n in names} for c in args.concurrency}
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
         out = Path(tmp)
         servers = {}
         try:
             servers["llama.cpp"] = llama_cpp_server(model, 8701, out, args.threads, max_len)
-            for i, threads in enumerate(args.hetserve_threads):
-                servers[hetserve_name(threads)] = hetserve(model, 8702 + i, out, threads)
+            for i, (threads, activations) in enumerate(variants):
+                servers[hetserve_name(threads, activations)] = hetserve(model, 8702 + i, out, threads, activations)
             described = worker_gguf(servers[names[1]].url)
             for r in range(args.rounds):
                 for c in args.concurrency:
@@ -196,7 +205,8 @@ def main(argv=None) -> int:
             for s in servers.values():
                 s.stop()
     print(f"{model.name} ({model.stat().st_size} bytes), {args.input_len} prompt / {args.output_len} new tokens, "
-          f"llama.cpp {args.threads} threads, hetserve --threads {' / '.join(args.hetserve_threads)}, "
+          f"llama.cpp {args.threads} threads, hetserve --threads {' / '.join(args.hetserve_threads)} and "
+          f"--gguf-activations {' / '.join(args.hetserve_activations)}, "
           f"{args.rounds} round(s), medians over rounds")
     print("| concurrency | hetserve | llama.cpp tok/s | hetserve tok/s | ratio | target | "
           "TTFT ms (llama.cpp / hetserve) | TPOT ms (llama.cpp / hetserve) |")

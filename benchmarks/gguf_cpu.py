@@ -5,15 +5,17 @@
 
 Every projection of a Llama of `--layers` x (q/k/v, o, gate/up, down) is quantized as llama.cpp's
 Q4_K_M lays it out here (Q4_K, with v and down in Q6_K; `--type`: all in one type; random blocks
-with finite scales: the time does not depend on the values), and one pass over all of them (a
-step's projections, `--rows` rows each) is timed three ways, alternating per repetition:
+with finite scales: the time does not depend on the values), and one pass over all of them (a step's
+projections, `--rows` rows each) is timed four ways, alternating per repetition:
 kernels_local/gguf_linear's C++ kernel on the blocks (the GEMV below 16 rows, the matmul on
-dequantized panels from 16), `F.linear` on the same weights dequantized to float32 (what a CPU
-worker held before: `--dtype auto` is float32 on the CPU) and to bfloat16 (the bar for keeping
-blocks packed). The weights of a pass are far larger than the last-level cache, so every pass
-reads them from memory, as a served model's step does. Prints the median time per pass and the
-kernel's speed-up over each. `--competitor PCT` times it all beside a process busy PCT% of every
-10 ms, as a router relaying streamed tokens is on a host whose every core computes.
+dequantized panels from 16), its int8 GEMV (`--gguf-activations int8`: the rows rounded to 8 bits
+per 256 inputs first, as llama.cpp rounds them; from 16 rows the same panels), `F.linear` on the
+same weights dequantized to float32 (what a CPU worker held before: `--dtype auto` is float32 on the
+CPU) and to bfloat16 (the bar for keeping blocks packed). The weights of a pass are far larger than
+the last-level cache, so every pass reads them from memory, as a served model's step does. Prints
+the median time per pass and the kernel's speed-up over each. `--competitor PCT` times it all beside
+a process busy PCT% of every 10 ms, as a router relaying streamed tokens is on a host whose every
+core computes.
 """
 
 from __future__ import annotations
@@ -81,30 +83,32 @@ def main() -> None:
     if a.competitor:
         competitor.start()
         print(f"beside a process busy {a.competitor:g}% of every 10 ms")
-    print(f"{'rows':>5} {'kernel ms':>9} {'fp32 ms':>9} {'bf16 ms':>9} {'vs fp32':>8} {'vs bf16':>8}")
+    print(f"{'rows':>5} {'kernel ms':>9} {'int8 ms':>9} {'fp32 ms':>9} {'bf16 ms':>9} {'vs fp32':>8} {'vs bf16':>8} "
+          f"{'int8 vs kernel':>14}")
     for m in a.rows:
         rows = {h: torch.randn(m, h, generator=gen), a.mlp: torch.randn(m, a.mlp, generator=gen)}  # by K
-        inputs = {"gemv": rows, "fp32": rows, "bf16": {k: x.bfloat16() for k, x in rows.items()}}
+        inputs = {"gemv": rows, "int8": rows, "fp32": rows, "bf16": {k: x.bfloat16() for k, x in rows.items()}}
 
         def run(kind: str, inputs: dict = inputs) -> float:
             started = time.perf_counter()
             for (t, q), w32, w16 in zip(layers, dense32, dense16, strict=True):
                 x = inputs[kind][w32.shape[1]]
-                if kind == "gemv":
-                    cpu.gguf_linear_cpu(x, q, t, None)
+                if kind in ("gemv", "int8"):
+                    cpu.gguf_linear_cpu(x, q, t, None, int8=kind == "int8")
                 else:
                     F.linear(x, w32 if kind == "fp32" else w16)
             return time.perf_counter() - started
 
-        times: dict[str, list[float]] = {"gemv": [], "fp32": [], "bf16": []}
+        times: dict[str, list[float]] = {"gemv": [], "int8": [], "fp32": [], "bf16": []}
         for kind in times:
             run(kind)  # warm: first calls, page faults
         for _ in range(a.repeats):
             for kind in times:
                 times[kind].append(run(kind))
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        print(f"{m:>5} {med['gemv']:>9.2f} {med['fp32']:>9.2f} {med['bf16']:>9.2f} "
-              f"{med['fp32'] / med['gemv']:>7.2f}x {med['bf16'] / med['gemv']:>7.2f}x", flush=True)
+        print(f"{m:>5} {med['gemv']:>9.2f} {med['int8']:>9.2f} {med['fp32']:>9.2f} {med['bf16']:>9.2f} "
+              f"{med['fp32'] / med['gemv']:>7.2f}x {med['bf16'] / med['gemv']:>7.2f}x "
+              f"{med['gemv'] / med['int8']:>13.2f}x", flush=True)
     stop.set()
 
 

@@ -27,7 +27,8 @@ from workers.main import parse_args
 # a value for every field, none of them its default
 EVERY_FIELD = WorkerConfig(
     socket="/tmp/w.sock", worker_id="gpu3", model="/models/m", simulate="sm_89", device_index=3,
-    device_uuid="GPU-aaaa", dtype="bfloat16", quantize="fp8", max_batch=8, max_queue=0, kv_cache_bytes=1 << 20,
+    device_uuid="GPU-aaaa", dtype="bfloat16", quantize="fp8", gguf_activations="int8", max_batch=8, max_queue=0,
+    kv_cache_bytes=1 << 20,
     kv_host_bytes=1 << 24, kv_host_dir="/dev/shm/hetserve-kv-x",
     max_model_len=256, gpu_memory_utilization=0.5, kv_block_size=32, no_prefix_cache=True,
     max_num_batched_tokens=64, deterministic=True, compile="off", speculative="ngram", num_speculative_tokens=3,

@@ -34,6 +34,7 @@ from workers.contract import (
     step_token_budget,
     use_triton_cache,
 )
+from workers.contract.gguf_rule import GGUF_EXACT
 from workers.device.host_memory import keep_freed_memory
 from workers.model.row_buckets import cap_native_caches
 from workers.signals import ShutdownRequested, install_sigterm, watch_parent
@@ -151,6 +152,10 @@ def run_worker(config: WorkerConfig) -> int:
             loaded = load_model(config.model or DEFAULT_MODEL_DIR, config.dtype, bound.torch_device, cap, layers,
                                 device_type=bound.type)
             apply_slowdown(loaded.model, config.slowdowns)  # a simulated device only (`_for_device`)
+            if config.gguf_activations != GGUF_EXACT:  # a GGUF file's CPU GEMV rounds a decode's rows
+                from workers.gguf.linear import set_activations
+
+                set_activations(loaded.model, config.gguf_activations)
         with startup_step("kernelize", status):  # also checks `kernels`' own capability lookup
             from workers.kernelize.apply import kernelize_for_device
             from workers.kernelize.preflight import model_workload, preflight_or_refuse, wants_preflight

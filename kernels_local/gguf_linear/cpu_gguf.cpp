@@ -27,6 +27,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -431,6 +432,184 @@ void gemv_rows(const float* x, const float* xsum, int64_t m, int64_t k, const ui
   }
 }
 
+// ---- the int8 GEMV: activations rounded to 8 bits per 256 inputs, llama.cpp's Q8_K ------------------
+// Each activation row is rounded per group of 256 inputs to int8 codes times one float32 step (the
+// group's largest magnitude / 127), as llama.cpp rounds its activations for the K-quants; the GEMV is
+// then the exact product of the dequantized weight with those rounded rows. A block's codes meet the
+// activation codes in byte multiply-adds (`maddubs`: 32 products per instruction) with the block's
+// integer sub-scales, in int32 without overflow (|code| <= 128, |scale| <= 127); one float32
+// multiply-add per block applies d * step. The mins and Q4_0's offset multiply the rounded rows'
+// sums of 32, as in the exact GEMV. Where the host has no AVX2 the exact GEMV runs instead.
+constexpr int64_t kGroup = 256;  // inputs per activation step
+
+inline int64_t groups(int64_t k) { return (k + kGroup - 1) / kGroup; }
+
+// x [m, k] -> codes [m, k], steps [m, groups(k)], the rounded rows' sums of 32 [m, k / 32]
+void round_rows(const float* x, int64_t m, int64_t k, int8_t* codes, float* steps, float* sums) {
+  const int64_t g = groups(k);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t l0 = j * kGroup, n = std::min(kGroup, k - l0);
+      const float* xi = x + i * k + l0;
+      float amax = 0.f;
+      for (int64_t l = 0; l < n; ++l) amax = std::max(amax, std::fabs(xi[l]));
+      const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      steps[i * g + j] = step;
+      int8_t* q = codes + i * k + l0;
+      for (int64_t l = 0; l < n; ++l) q[l] = static_cast<int8_t>(std::nearbyint(xi[l] * inv));
+      for (int64_t s = 0; s < n; s += 32) {
+        int total = 0;
+        for (int64_t l = s; l < s + 32; ++l) total += q[l];
+        sums[i * (k / 32) + (l0 + s) / 32] = step * static_cast<float>(total);
+      }
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kInt8 = true;
+
+inline __m256i codes32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// unsigned weight codes u (0..127) times signed activation codes x, pairs summed to int16, then
+// times the int16 scales `s` and pairs summed to int32
+inline __m256i dot_u(__m256i u, __m256i x, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), s); }
+// signed weight codes w (-128..127) times x: |w| against x with w's sign
+inline __m256i dot_s(__m256i w, __m256i x, __m256i s) {
+  return dot_u(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w), s);
+}
+
+// one Q4_K (Q5 false) or Q5_K block against MR rows (`xq`: each row's codes at the block's first
+// input; `step`: each row's step for them; `xsum`: the rounded rows' sums of 32)
+template <int MR, bool Q5>
+inline void k4_int8(const uint8_t* b, const int8_t* const* xq, const float* step, const float* const* xsum,
+                    __m256 (&acc)[MR][2]) {
+  int sc[8], mn[8];
+  scale_min_k4(b + 4, sc, mn);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const uint8_t* qs = b + (Q5 ? 48 : 16);
+  __m256i isum[MR];
+  for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {  // 64 values: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (Q5) {  // the fifth bit of element 32j + l is bit j of qh[l]
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c + 1), one), 4));
+    }
+    const __m256i slo = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c]));
+    const __m256i shi = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1]));
+    for (int r = 0; r < MR; ++r)
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(dot_u(lo, codes32(xq[r] + 64 * c), slo),
+                                                           dot_u(hi, codes32(xq[r] + 64 * c + 32), shi)));
+  }
+  const float d = f16(b), dmin = f16(b + 2);
+  float dm[8];
+  for (int j = 0; j < 8; ++j) dm[j] = dmin * static_cast<float>(mn[j]);
+  const __m256 mins = _mm256_loadu_ps(dm);
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * step[r]), acc[r][0]);
+    acc[r][1] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xsum[r]), acc[r][1]);
+  }
+}
+
+// one Q6_K block against MR rows: per 16 values, scale * ((q - 32) . x), times d * step once
+template <int MR>
+inline void q6_k_int8(const uint8_t* b, const int8_t* const* xq, const float* step, __m256 (&acc)[MR][2]) {
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  __m256i isum[MR];
+  for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 4; ++s) {
+      const __m256i q = q6_k_codes(b, h, s);
+      const int e0 = 128 * h + 32 * s;
+      const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(scales[e0 / 16 + 1]), _mm_set1_epi16(scales[e0 / 16]));
+      for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], dot_s(q, codes32(xq[r] + e0), sv));
+    }
+  }
+  const float d = f16(b + 208);
+  for (int r = 0; r < MR; ++r)
+    acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * step[r]), acc[r][0]);
+}
+
+// one Q8_0 (Q4 false) or Q4_0 block of 32 against MR rows: d * step * (q . x), Q4_0 less 8d * sum(x)
+template <int MR, bool Q4>
+inline void small_int8(const uint8_t* b, const int8_t* const* xq, const float* step, const float* const* xsum,
+                       int parity, __m256 (&acc)[MR][2]) {
+  const float d = f16(b);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i w;
+  if (Q4) {  // bytes 0..15: elements l (low nibbles) and 16 + l (high)
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+  } else {
+    w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m256i x = codes32(xq[r]);
+    const __m256i p = Q4 ? dot_u(w, x, ones) : dot_s(w, x, ones);
+    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * step[r]));
+    if (Q4) t = _mm256_sub_ps(t, _mm256_set_ps(0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 8.f * d * xsum[r][0]));
+    acc[r][parity] = _mm256_add_ps(acc[r][parity], t);
+  }
+}
+
+// output row `r` for the MR rounded rows from `q0` (their steps from `d0`, `g` per row; their sums of 32
+// from `s0`)
+template <int MR>
+void int8_row(int64_t type, const uint8_t* row, int64_t blocks, const int8_t* q0, const float* d0, int64_t g,
+              const float* s0, int64_t k, float* sums) {
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const int8_t* xq[MR];
+  const float* xsum[MR];
+  float step[MR];
+  const int64_t qk = kQK[type], size = kSize[type];
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t l0 = blk * qk;
+    for (int i = 0; i < MR; ++i)
+      xq[i] = q0 + i * k + l0, xsum[i] = s0 + i * (k / 32) + l0 / 32, step[i] = d0[i * g + l0 / kGroup];
+    const uint8_t* b = row + blk * size;
+    switch (type) {
+      case kQ8_0: small_int8<MR, false>(b, xq, step, xsum, blk & 1, acc); break;
+      case kQ4_0: small_int8<MR, true>(b, xq, step, xsum, blk & 1, acc); break;
+      case kQ4_K: k4_int8<MR, false>(b, xq, step, xsum, acc); break;
+      case kQ5_K: k4_int8<MR, true>(b, xq, step, xsum, acc); break;
+      default: q6_k_int8<MR>(b, xq, step, acc); break;
+    }
+  }
+  for (int i = 0; i < MR; ++i) sums[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+// the output rows [r0, r1) of `out` from the rounded rows, four activation rows at a time per output row
+void int8_rows(const int8_t* codes, const float* steps, const float* xsum, int64_t m, int64_t k, const uint8_t* q,
+               int64_t type, const float* bias, float* out, int64_t n, int64_t r0, int64_t r1) {
+  const int64_t blocks = k / kQK[type], row_bytes = blocks * kSize[type], g = groups(k);
+  float sums[4];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = q + r * row_bytes;
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {
+      const int8_t* q0 = codes + i0 * k;
+      const float *d0 = steps + i0 * g, *s0 = xsum + i0 * (k / 32);
+      const int64_t mr = std::min<int64_t>(4, m - i0);
+      switch (mr) {
+        case 1: int8_row<1>(type, row, blocks, q0, d0, g, s0, k, sums); break;
+        case 2: int8_row<2>(type, row, blocks, q0, d0, g, s0, k, sums); break;
+        case 3: int8_row<3>(type, row, blocks, q0, d0, g, s0, k, sums); break;
+        default: int8_row<4>(type, row, blocks, q0, d0, g, s0, k, sums); break;
+      }
+      for (int64_t i = 0; i < mr; ++i) out[(i0 + i) * n + r] = bias == nullptr ? sums[i] : sums[i] + bias[r];
+    }
+  }
+}
+#else
+constexpr bool kInt8 = false;
+void int8_rows(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*,
+               float*, int64_t, int64_t, int64_t) {}
+#endif
+
 }  // namespace
 
 // x [M, K] (float32) @ the blocks' weight [N, K].T + bias [N] (float32 or none) -> float32 [M, N]
@@ -504,20 +683,61 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& q, int64_t type, con
   return out;
 }
 
+// x [M, K] (float32) rounded to 8 bits per 256 inputs (the int8 GEMV above) @ the blocks' weight [N, K].T +
+// bias -> float32 [M, N]; the exact GEMV where the host has no AVX2
+at::Tensor gguf_gemv_int8(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_gemv_int8: float32 rows [M, K] expected, got ",
+              x.scalar_type(), " ", x.sizes());
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  check(q, type, k, "gguf_gemv_int8");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat),
+              "gguf_gemv_int8: a float32 bias of ", n, " values expected");
+  if (!kInt8) return gguf_gemv(x, q, type, bias);
+  const at::Tensor a = x.contiguous();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  at::Tensor codes = at::empty({m, k}, a.options().dtype(at::kChar));
+  at::Tensor steps = at::empty({m, groups(k)}, a.options());
+  at::Tensor sums = at::empty({m, k / 32}, a.options());
+  round_rows(a.data_ptr<float>(), m, k, codes.data_ptr<int8_t>(), steps.data_ptr<float>(), sums.data_ptr<float>());
+  at::Tensor out = at::empty({m, n}, a.options());
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float *dp = steps.data_ptr<float>(), *sp = sums.data_ptr<float>();
+  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  rows_in_turn(n, kRowChunk, [&](int64_t r0, int64_t r1) { int8_rows(cp, dp, sp, m, k, qp, type, bp, op, n, r0, r1); });
+  return out;
+}
+
 // x [..., K] (any float dtype) @ the blocks' weight [N, K].T + bias -> [..., N] in x's dtype, the
-// products in float32: the GEMV below kGemvMaxM rows, the panel matmul from there (what a layer calls,
-// eager or from a compiled step)
+// products in float32: the GEMV below kGemvMaxM rows (`int8`: its rounded rows' variant), the panel
+// matmul from there (what a layer calls, eager or from a compiled step)
 constexpr int64_t kGemvMaxM = 16;  // cpu.py's GEMV_MAX_M
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias,
+                  bool int8) {
   const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();  // [M, K]
   c10::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->to(at::kFloat);
-  const at::Tensor out = rows.size(0) >= kGemvMaxM ? gguf_gemm(rows, q, type, b) : gguf_gemv(rows, q, type, b);
+  const at::Tensor out = rows.size(0) >= kGemvMaxM ? gguf_gemm(rows, q, type, b)
+                         : int8                    ? gguf_gemv_int8(rows, q, type, b)
+                                                   : gguf_gemv(rows, q, type, b);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = q.size(0);
   return out.view(shape).to(x.scalar_type());
 }
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias) {
+  return linear(x, q, type, bias, false);
+}
+
+at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& q, int64_t type,
+                            const c10::optional<at::Tensor>& bias) {
+  return linear(x, q, type, bias, true);
+}
+
+// whether the int8 GEMV runs here (AVX2), not the exact one in its place
+bool gguf_int8() { return kInt8; }
 
 // called through torch.ops, which releases the GIL while it runs: the worker's HTTP thread goes on
 // meanwhile; the kernels are the CPU key's, so a compiled step calls them through their fakes (cpu.py)
@@ -526,6 +746,9 @@ TORCH_LIBRARY_FRAGMENT(hetserve_cpu, m) {
   m.def("gguf_dequantize(Tensor q, int type, int k) -> Tensor");
   m.def("gguf_gemm(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor");
+  m.def("gguf_gemv_int8(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor");
+  m.def("gguf_linear_int8(Tensor x, Tensor q, int type, Tensor? bias) -> Tensor");
+  m.def("gguf_int8() -> bool", &gguf_int8);  // no tensor to dispatch on: one kernel for every key
 }
 
 TORCH_LIBRARY_IMPL(hetserve_cpu, CPU, m) {
@@ -533,4 +756,6 @@ TORCH_LIBRARY_IMPL(hetserve_cpu, CPU, m) {
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("gguf_gemm", &gguf_gemm);
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_gemv_int8", &gguf_gemv_int8);
+  m.impl("gguf_linear_int8", &gguf_linear_int8);
 }

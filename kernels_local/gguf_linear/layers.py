@@ -1,15 +1,16 @@
 """Kernel layers for a GGUF linear layer: the blocks' GEMV / GEMM with each architecture's tuning.
 
 Stateless (`kernels` layer rules): only `forward(self, x)`, reading from the module it replaces:
-`execution` ("packed" | "dequantized", set at load from the device's GGUF rule), and for packed
-the GGUF tensor's bytes `qweight` (uint8 [N, K / QK * TYPE_SIZE]) with their type `gguf_type`, or
-`weight` [N, K] when dequantized, and `bias`. The Triton layers refuse a module loaded for another
-execution, except a module dequantized at load (the named fallback of a tensor no kernel reads, on
-any device), which every layer runs as a plain matmul. On CPU tensors the Triton layers take the
-torch reference; `GGUFLinearCpu` runs the C++ GEMV over the blocks (cpu.py). `COMPILE_SPECS`
-names, per Triton layer, the launches its forward can make with the tuning its forward passes.
-The trade-off: one decoder and four tunings; a layer per tuning keeps the choice a kernel mapping
-entry, as for the 4-bit layers.
+`execution` ("packed" | "dequantized", set at load from the device's GGUF rule), and for packed the
+GGUF tensor's bytes `qweight` (uint8 [N, K / QK * TYPE_SIZE]) with their type `gguf_type`, or
+`weight` [N, K] when dequantized, and `bias`; `GGUFLinearCpu` also `activations` ("exact" or "int8",
+set at load from the worker's `--gguf-activations`; absent: exact). The Triton layers refuse a
+module loaded for another execution, except a module dequantized at load (the named fallback of a
+tensor no kernel reads, on any device), which every layer runs as a plain matmul. On CPU tensors the
+Triton layers take the torch reference; `GGUFLinearCpu` runs the C++ GEMV over the blocks (cpu.py).
+`COMPILE_SPECS` names, per Triton layer, the launches its forward can make with the tuning its
+forward passes. The trade-off: one decoder and four tunings; a layer per tuning keeps the choice a
+kernel mapping entry, as for the 4-bit layers.
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ class GGUFLinear(nn.Module):
 
 
 class GGUFLinearCpu(nn.Module):
-    """CPU: packed blocks of the C++ kernel's types through its GEMV (cpu.py); anything else as `GGUFLinear`."""
+    """CPU: packed blocks of the C++ kernel's types through its GEMV (cpu.py; the int8 one where the
+    module's `activations` say so); anything else as `GGUFLinear`."""
 
     has_backward = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self, "execution", None) == "packed" and runs_cpp(x, self.gguf_type):
-            return gguf_linear_cpu(x, self.qweight, self.gguf_type, self.bias)
+            int8 = getattr(self, "activations", "exact") == "int8"
+            return gguf_linear_cpu(x, self.qweight, self.gguf_type, self.bias, int8)
         return _run(self, x, None)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from server.config.gguf import is_gguf_path, prepare_gguf
 from server.errors import UsageError, shown
 from workers.contract import DEFAULT_MODEL_DIR
+from workers.contract.gguf_rule import GGUF_ACTIVATIONS, GGUF_EXACT
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 ACCEPTED_NAMES = "1-128 letters, digits and `._:-`, starting with a letter or digit"
@@ -93,6 +94,10 @@ def add_model_flags(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize", default="none", choices=["none", "fp8"],
                    help="fp8: quantize the projections to fp8 e4m3 at load, in each device's own fp8 convention "
                         "(default none: a pre-quantized checkpoint runs as stored)")
+    g.add_argument("--gguf-activations", default=GGUF_EXACT, choices=GGUF_ACTIVATIONS,
+                   help="a GGUF file's packed blocks on a CPU worker: exact activations (default), or int8: the "
+                        "decode GEMV rounds them to 8 bits per 256 inputs as llama.cpp does (faster on the CPU; "
+                        "logits no longer within 1e-4 of transformers')")
     g.add_argument("--served-model-name", metavar="NAME", default=None,
                    help="the name clients see (/v1/models, responses' `model`, metrics labels) for the model of a "
                         "bare --model DIR or the embedded model (default: the directory's name)")

@@ -84,6 +84,7 @@ class RouterSettings:
     port: int = 8000
     dtype: str = "auto"
     quantize: str = "none"
+    gguf_activations: str = "exact"  # --gguf-activations: a GGUF file's CPU GEMV rounds a decode's rows (int8)
     max_batch: int = DEFAULT_MAX_BATCH  # running sequences per worker
     max_queue: int = DEFAULT_MAX_QUEUE  # waiting requests per worker before it answers 429
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV cache block
@@ -186,6 +187,7 @@ class RouterSettings:
             "port": port,
             "dtype": getattr(args, "dtype", "auto"),
             "quantize": getattr(args, "quantize", "none"),
+            "gguf_activations": getattr(args, "gguf_activations", "exact"),
             "max_batch": getattr(args, "max_batch", DEFAULT_MAX_BATCH),
             "max_queue": getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
             **engine,

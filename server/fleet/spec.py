@@ -204,7 +204,8 @@ def worker_config(spec_id: str, device: DeviceInfo, settings: RouterSettings, so
         return WorkerConfig(
             socket=str(socket_path), worker_id=spec_id, model=str(model_dir or settings.model_dir),
             simulate=device.simulate_token, device_index=device.index, device_uuid=device.uuid,
-            dtype=settings.dtype, quantize=settings.quantize, max_batch=settings.max_batch,
+            dtype=settings.dtype, quantize=settings.quantize, gguf_activations=settings.gguf_activations,
+            max_batch=settings.max_batch,
             max_queue=settings.max_queue, kv_cache_bytes=settings.kv_cache_bytes,
             max_model_len=settings.max_model_len, gpu_memory_utilization=settings.gpu_memory_utilization,
             kv_block_size=settings.kv_block_size, no_prefix_cache=not settings.prefix_cache,

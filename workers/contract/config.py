@@ -39,6 +39,7 @@ from workers.contract.defaults import (
     PREFLIGHT_MODES,
     engine_limits_error,
 )
+from workers.contract.gguf_rule import GGUF_ACTIVATIONS, GGUF_EXACT
 from workers.contract.limits import (
     GRAMMAR_CACHE_MIB,
     GRAMMAR_COMPILE_MEMORY_MIB,
@@ -104,6 +105,10 @@ class WorkerConfig:
     device_uuid: str | None = field(default=None, metadata=_flag("device UUID to check after binding"))
     dtype: str = field(default="auto", metadata=_flag("the model's compute dtype", choices=DTYPES))
     quantize: str = field(default="none", metadata=_flag("fp8: quantize the weights at load", choices=QUANTIZE))
+    gguf_activations: str = field(default=GGUF_EXACT, metadata=_flag(
+        "a GGUF file's packed blocks on the CPU: exact activations, or int8: the decode GEMV rounds them to 8 bits "
+        "per 256 inputs as llama.cpp does (faster; logits no longer within 1e-4 of transformers')",
+        choices=GGUF_ACTIVATIONS))
     max_batch: int = field(default=DEFAULT_MAX_BATCH, metadata=_flag("most sequences running at once"))
     max_queue: int = field(default=DEFAULT_MAX_QUEUE, metadata=_flag("requests waiting beyond the batch before 429"))
     kv_cache_bytes: int | None = field(default=None, metadata=_flag(

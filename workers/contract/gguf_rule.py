@@ -24,6 +24,10 @@ FIRST_PACKED_CUDA = Capability(7, 0)  # Triton's oldest CUDA target
 PACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 # the types kernels_local/gguf_linear's CPU kernel decodes (cpu.py `TYPES`; a test holds the two equal)
 CPU_PACKED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# `--gguf-activations`: the CPU GEMV's activation rows as given, or rounded to 8 bits per 256 inputs as
+# llama.cpp rounds them (kernels_local/gguf_linear/cpu.py); every other path computes them exact
+GGUF_EXACT, GGUF_INT8 = "exact", "int8"
+GGUF_ACTIVATIONS = (GGUF_EXACT, GGUF_INT8)
 PACKED_TENSOR = re.compile(
     r"^(output|blk\.\d+\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down)(_shexp|_exps)?|ffn_gate_inp(_shexp)?))\.weight$")
 

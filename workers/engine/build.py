@@ -27,6 +27,7 @@ from kernels_local.cpp_build import CppKernel, build_deferred, deferring, forget
 from kernels_local.paged_attention import cpu as cpu_decode
 from kernels_local.panel_linear import cpu as cpu_gemm
 from workers.contract import WorkerConfig
+from workers.contract.gguf_rule import GGUF_EXACT
 from workers.device.bind import BoundDevice
 from workers.engine.compiled import (
     CompiledDecode,
@@ -149,12 +150,20 @@ def build_kv(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, cont
     return kv
 
 
+def numerics(config: WorkerConfig) -> tuple[str, ...]:
+    """What of the configuration, beside the model and dtype, decides a KV block's values (the prefix
+    cache's and host tier's hash root): the quantization, and a GGUF file's rounded activations."""
+    if config.gguf_activations == GGUF_EXACT:
+        return (config.quantize,)
+    return config.quantize, f"gguf-activations-{config.gguf_activations}"
+
+
 def scheduler_config(config: WorkerConfig, loaded: LoadedModel, kv: KVPool, context: int,
                      shapes: tuple[tuple[int | None, int], ...], state_slots: int) -> SchedulerConfig:
     """The scheduler's limits: the worker's flags, the KV groups' `shapes`, and the prefix cache's
     hash root (what besides the tokens decides a block's contents); the state pool's slots past the
     `state_slots` running ones hold snapshots (workers/kv/snapshots.py) where one full group is."""
-    root = root_hash(loaded.model_id, loaded.dtype, config.quantize, config.kv_block_size)
+    root = root_hash(loaded.model_id, loaded.dtype, *numerics(config), config.kv_block_size)
     spare = kv.states.num_slots - state_slots if state_slots and kv.states is not None else 0
     snapshots = spare if len(shapes) == 1 and shapes[0][0] is None else 0
     return SchedulerConfig(
@@ -341,7 +350,7 @@ def build_engine(config: WorkerConfig, bound: BoundDevice, loaded: LoadedModel, 
     sched = engine.scheduler.config
 
     def chain_root_for(dtype) -> bytes:  # the prefix cache's root, had the KV been of `dtype` (as above)
-        return root_hash(loaded.model_id, dtype, config.quantize, config.kv_block_size)
+        return root_hash(loaded.model_id, dtype, *numerics(config), config.kv_block_size)
 
     engine.attach_tier(HostTier.for_worker(config, kv, sched.cache_root, sched.prefix_caching, loaded.model_dir,
                                            chain_root_for))

@@ -24,7 +24,7 @@ import torch
 
 from workers.contract import Capability, parse_token
 from workers.contract.defaults import NO_GGUF_LAYER
-from workers.contract.gguf_rule import GGUF_PACKED, PACKED_TYPES, gguf_kind, packed_types
+from workers.contract.gguf_rule import GGUF_EXACT, GGUF_INT8, GGUF_PACKED, PACKED_TYPES, gguf_kind, packed_types
 from workers.gguf.files import open_readers
 from workers.gguf.linear import GGUFLinear
 from workers.gguf.prepare import pointed_files
@@ -108,6 +108,23 @@ def _tied(model) -> str:
     return "embeddings, a tied head, "
 
 
+def _activations(holding: list, device_type: str) -> tuple[str, str]:
+    """(how the packed layers take their activation rows, what the reason adds) (`--gguf-activations`)."""
+    if not any(m.activations == GGUF_INT8 for m in holding):
+        return GGUF_EXACT, ""
+    if device_type != "cpu":
+        return GGUF_EXACT, ("; `--gguf-activations int8` rounds the rows of the CPU's GEMV only: this device's "
+                            "kernels take them exact")
+    from kernels_local.gguf_linear import cpu
+
+    if not cpu.int8_runs():
+        return GGUF_EXACT, ("; `--gguf-activations int8` was asked, but this CPU has no AVX2 for the int8 GEMV: "
+                            "the exact one runs")
+    return GGUF_INT8, ("; a decode's activation rows are rounded to 8 bits per 256 inputs before the GEMV "
+                       "(`--gguf-activations int8`, as llama.cpp rounds them: faster, and the logits no longer "
+                       "within 1e-4 of transformers')")
+
+
 def gguf_execution(model_dir: Path, dtype: torch.dtype, device: str, capability=None, model=None) -> dict | None:
     """What a worker on `device` (its arch token or type) holding `model` in `dtype` does with the GGUF
     file(s) `model_dir` stands for, and the device's rule; None when `model_dir` is no prepared GGUF directory.
@@ -129,10 +146,11 @@ def gguf_execution(model_dir: Path, dtype: torch.dtype, device: str, capability=
            "resident_bytes": resident, "packed_layers": len(holding), "dequantized_layers": len(fell_back)}
     if holding:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(Counter(m.gguf_type for m in holding).items()))
-        return {**out, "execution": f"packed ({len(holding)} layers: {kinds}); the rest dequantized at load to "
-                                    f"{name}",
+        activations, why = _activations(holding, _device(device, capability)[0])
+        return {**out, "activations": activations,
+                "execution": f"packed ({len(holding)} layers: {kinds}); the rest dequantized at load to {name}",
                 "reason": f"{rule.reason}; {_tied(model)}norms and tensors of types the kernels do not decode are "
-                          f"dequantized at load, exactly as gguf-py does"}
+                          f"dequantized at load, exactly as gguf-py does{why}"}
     if fell_back:
         why = next((m.fallback_reason for m in fell_back if m.fallback_reason), "its kernel failed on this device")
         reason = (f"{rule.reason}; but the packed layers' kernel failed its self-test on this device, so their "

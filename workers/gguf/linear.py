@@ -9,7 +9,9 @@ dtype, an fp32 matmul. A module of ours that fuses several GGUF tensors (q/k/v i
 into `w_gate_up`) whose types differ, as Q4_K_M's q/k (Q4_K) and v (Q6_K) do, becomes a
 `GGUFFusedLinear` of one `GGUFLinear` per run of parts sharing a type, outputs concatenated in order.
 `fall_back(reason)` widens the blocks once into a dense weight (`execution` "dequantized"): what a
-worker does when the packed kernel fails its self-test on its device. Trade-off: the torch reference
+worker does when the packed kernel fails its self-test on its device. `activations` (`--gguf-activations`,
+set on every layer by `set_activations`) tells the CPU's kernel layer whether to round a decode's rows
+to 8 bits first. Trade-off: the torch reference
 decodes the blocks on every call (a correctness path, not a fast one); where the device has no
 kernel the loader dequantizes at load instead and never builds these layers.
 """
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from kernels import use_kernel_forward_from_hub
 from torch import nn
 
+from workers.contract.gguf_rule import GGUF_ACTIVATIONS, GGUF_EXACT
 from workers.gguf.dequant import BLOCKS, dequantize
 
 PACKED = "packed"
@@ -44,6 +47,7 @@ class GGUFLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.gguf_type = in_features, out_features, gguf_type
         self.execution = PACKED
+        self.activations = GGUF_EXACT  # or int8: the CPU GEMV rounds a decode's rows (`set_activations`)
         self.fallback_reason: str | None = None
         self.register_buffer("qweight", torch.empty(out_features, row_bytes(gguf_type, in_features),
                                                     dtype=torch.uint8, device=device))
@@ -109,3 +113,13 @@ def type_runs(parts: list[tuple[str, int]]) -> list[tuple[str, int]]:
         else:
             runs.append((type_name, rows))
     return runs
+
+
+def set_activations(model: nn.Module, mode: str) -> int:
+    """Set every GGUF layer's `activations` to `mode` (one of `GGUF_ACTIVATIONS`); how many layers it set."""
+    if mode not in GGUF_ACTIVATIONS:
+        raise ValueError(f"`--gguf-activations {mode}` is not accepted. Accepted: {', '.join(GGUF_ACTIVATIONS)}")
+    layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    for layer in layers:
+        layer.activations = mode
+    return len(layers)
