@@ -19,6 +19,7 @@ if "HETSERVE_STAGE_TIMINGS" not in os.environ:
     os.environ["HETSERVE_STAGE_TIMINGS"] = os.path.join(tempfile.mkdtemp(prefix="hetserve-timings-"), "timings.json")
 
 DOCKER_TESTS = "test_docker_compose.py"  # the module whose image builds in the background
+SECOND_LANE_TESTS = "test_second_lane.py"  # collects the second lane's child (tests/second_lane.py)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,33 +31,45 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.hookimpl(trylast=True)  # after `-k` and `-m` chose the items
 def pytest_collection_modifyitems(config, items):
     """The docker tests run last, their image built meanwhile (tests/docker_background.py); the
-    `gpu` ones skip on a host without CUDA."""
-    items.sort(key=lambda item: item.path.name == DOCKER_TESTS)  # stable: the rest keep their order
-    if _cuda_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none on this host)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    `gpu` ones skip on a host without CUDA; when the suite runs whole, the second lane's files leave
+    this session for its child (tests/second_lane.py)."""
+    # stable: the rest keep their order; the second lane's result is collected last of all
+    items.sort(key=lambda item: (item.path.name == SECOND_LANE_TESTS, item.path.name == DOCKER_TESTS))
+    if not _cuda_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none on this host)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    from tests import second_lane
+
+    lane = [item for item in items if second_lane.takes(item)]
+    whole = any(item.path.name == SECOND_LANE_TESTS for item in items) and len(items) - len(lane) > 50
+    if lane and whole and not second_lane.in_child() and not config.option.collectonly:
+        config.second_lane = [item.nodeid for item in lane]
+        items[:] = [item for item in items if not second_lane.takes(item)]
+        config.hook.pytest_deselected(items=lane)
 
 
 def pytest_collection_finish(session):
     """The C++ kernels (tests/cpp_background.py), the Triton interpreter runs of the collected kernel
-    files (tests/interpreter.py) and the docker tests' image (tests/docker_background.py) start in
-    the background: they use the core the rest of the suite leaves idle."""
+    files (tests/interpreter.py), then the second lane (tests/second_lane.py), and the docker tests'
+    image (tests/docker_background.py) start in the background: they use the core the rest of the
+    suite leaves idle."""
+    from tests import second_lane
     from tests.interpreter import RERUN_TEST, start_in_background
 
-    if session.config.option.collectonly:
+    if session.config.option.collectonly or second_lane.in_child():
         return
     if len(session.items) > 50:  # a run of many files: some start real workers (tests/cpp_background.py)
         from tests.cpp_background import start_kernel_build
 
         start_kernel_build()
     files = sorted({str(item.path) for item in session.items if item.name == RERUN_TEST})
-    if len(files) > 1:  # one file alone gains nothing from starting early
-        start_in_background(files)
+    started = start_in_background(files) if len(files) > 1 else []  # one file alone gains nothing from it
+    second_lane.start(getattr(session.config, "second_lane", []), after=started)
     docker = [item for item in session.items if "docker" in item.keywords]
     if docker and len(session.items) > len(docker) + 50:  # the image builds while the rest of the suite runs
         from tests.docker_background import start_image_build
@@ -65,8 +78,9 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests import cpp_background, docker_background, interpreter
+    from tests import cpp_background, docker_background, interpreter, second_lane
 
     interpreter.stop_background()
+    second_lane.stop_background()
     docker_background.stop_background()
     cpp_background.stop_background()

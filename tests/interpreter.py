@@ -59,14 +59,15 @@ def _run(file: str, timeout: float, nice: bool = False) -> subprocess.CompletedP
     return subprocess.CompletedProcess(cmd, child.returncode, out, err)
 
 
-def start_in_background(files) -> None:
-    """Start the interpreter runs of `files` now, one at a time, at the lowest priority."""
+def start_in_background(files) -> list[Future]:
+    """Start the interpreter runs of `files` now, one at a time, at the lowest priority; their futures."""
     if INTERPRETED:
-        return
+        return []
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="triton-interpreter")
     for file in files:
         _started[str(Path(file).resolve())] = pool.submit(_run, str(file), _BACKGROUND_TIMEOUT_S, True)
     pool.shutdown(wait=False)
+    return list(_started.values())
 
 
 def stop_background() -> None:

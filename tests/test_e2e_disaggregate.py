@@ -32,9 +32,11 @@ def router():
     yield from running_router(["--simulate", "sm_80,sm_75", "--dtype", "float32", "--kv-block-size", "16",
                                "--prefill", "gpu0", "--decode", "gpu1", "--disaggregate-min-prompt", str(MIN_PROMPT),
                                "--disaggregate-timeout", str(TIMEOUT_S)],
-                              # gpu1 prefills 4x slower: the measured plan hands every qualifying prompt
-                              # to gpu0, whatever else loads the host (server/routing/split.py `plan`)
-                              env={"HETSERVE_SLOWDOWN": "gpu1=prefill:4"}, fake=False, ready_timeout=240)
+                              # gpu1 prefills 20x slower: once measured, the plan hands every qualifying
+                              # prompt to gpu0 whatever else loads the host (server/routing/split.py `plan`
+                              # keeps a prompt local where its prefill there is under the handoff's 20 ms,
+                              # which a ~60-token prompt of this model at 4x was on a fast host)
+                              env={"HETSERVE_SLOWDOWN": "gpu1=prefill:20"}, fake=False, ready_timeout=240)
 
 
 def _stream(router: RouterProcess, text: str, pin: str | None = None, **params) -> tuple[list[dict], dict]:
