@@ -19,6 +19,7 @@ import importlib
 import pytest
 import torch
 
+from kernels_local import expert_pairs
 from tests.interpreter import INTERPRETED, needs_interpreter, rerun_under_interpreter
 from tests.test_compile_specs import _jit_type, _launched, _Recorder
 from workers.model.moe import FusedMoE as ModelFusedMoE
@@ -75,10 +76,10 @@ def assert_moe_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 def test_alignment_gives_each_block_one_expert_and_every_pair_once(block_m):
     ids = torch.tensor([[3, 0], [3, 5], [0, 3], [5, 3], [3, 0]])  # experts 1, 2, 4, 6, 7 get nothing
     e, p = 8, ids.numel()
-    pairs, experts, num_padded = moe.align_pairs(ids, e, block_m)
+    pairs, experts, num_padded = expert_pairs.align_pairs(ids, e, block_m)  # shared by every grouped GEMM
     counts = torch.bincount(ids.flatten(), minlength=e)
     assert num_padded.tolist() == [int(((counts + block_m - 1) // block_m * block_m).sum())]
-    assert pairs.numel() == moe.max_padded_pairs(p, e, block_m) >= num_padded.item()
+    assert pairs.numel() == expert_pairs.max_padded_pairs(p, e, block_m) >= num_padded.item()
     assert pairs.numel() % block_m == 0 and experts.numel() == pairs.numel() // block_m
     used = pairs[: num_padded.item()].view(-1, block_m)
     for block, expert in zip(used, experts, strict=False):

@@ -98,7 +98,7 @@ def _moe_mxfp4_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # 1. this program's pairs (their A rows and expert) and output columns (fused_moe.py `_moe_tile`)
+    # 1. this program's pairs (their A rows and expert) and output columns (kernels_local/expert_pairs.py `_moe_tile`)
     pid_m, pairs, pair_mask, rows, expert, offs_n, n_mask, offs_k, a_ptrs = _moe_tile(
         A, SORTED_PAIRS, BLOCK_EXPERTS, max_padded, num_pairs, top_k, N, stride_am, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     # 2. blocks past the experts' padded runs have nothing to do
