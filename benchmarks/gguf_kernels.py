@@ -1,5 +1,6 @@
 """The GGUF linear kernels on the real GPU: each type against its torch reference, timed against the
-16-bit matmul of the same weights, with the bytes the packed blocks hold against bf16's.
+16-bit matmul of the same weights, with the bytes the packed blocks hold against bf16's; then the GGUF
+experts' grouped GEMM against its reference and against one launch per active expert (`experts`).
 
 Design: for each type the kernels decode (kernels_local/gguf_linear), random blocks with finite
 fp16 scales (any byte pattern is a valid block once its scales are finite) make the weight of a
@@ -54,22 +55,32 @@ def timed(fn, rounds: int = 20) -> float:
     return (time.perf_counter() - t0) / rounds
 
 
+def _tuning(layer_name: str, what: str) -> tuple[str, torch.dtype] | None:
+    """(the tuning's name, the 16-bit dtype this GPU runs) of the Triton layer the mapping selects for
+    `layer_name` here; None (said) where it selects no Triton layer."""
+    from kernels_local.mapping import select
+
+    kind = "rocm" if torch.version.hip else "cuda"
+    cap = torch.cuda.get_device_capability(0)
+    layer = select(kind, cap)[layer_name].layer
+    if not layer.startswith(f"{layer_name}Triton"):
+        print(f"{what}: not run: this GPU runs `{layer}` (no GGUF kernel)")
+        return None
+    act = torch.bfloat16 if cap >= (8, 0) or kind == "rocm" else torch.float16
+    return layer.removeprefix(f"{layer_name}Triton").lower(), act
+
+
 def kernels() -> int:
     from kernels_local.gguf_linear import BLOCKS, TUNINGS, dequantize_rows, gguf_linear, gguf_linear_reference
-    from kernels_local.mapping import select
 
     if not torch.cuda.is_available():
         print("gguf kernels need a CUDA or ROCm device")
         return 2
-    kind = "rocm" if torch.version.hip else "cuda"
-    cap = torch.cuda.get_device_capability(0)
-    layer = select(kind, cap)["GGUFLinear"].layer
-    if not layer.startswith("GGUFLinearTriton"):
-        print(f"gguf kernels: not run: this GPU runs `{layer}` (no GGUF kernel)")
+    chosen = _tuning("GGUFLinear", "gguf kernels")
+    if chosen is None:
         return 0
-    name = layer.removeprefix("GGUFLinearTriton").lower()
+    name, act = chosen
     tuning = TUNINGS[name]
-    act = torch.bfloat16 if cap >= (8, 0) or kind == "rocm" else torch.float16
     gen = torch.Generator(device="cuda").manual_seed(0)
     bad = 0
     for type_name in BLOCKS:
@@ -90,9 +101,48 @@ def kernels() -> int:
     return 1 if bad else 0
 
 
+EXPERTS = (64, 8, 2048, 768)  # experts, top-k, hidden, intermediate: a Qwen3-30B-A3B-like layer, narrower
+EXPERT_TYPES = (("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("IQ4_XS", "IQ4_XS", "IQ4_XS"))
+
+
+def experts() -> int:
+    """The GGUF experts' grouped GEMM (one launch per projection over every active expert) against its
+    reference and against the same experts run one GGUF linear launch per active expert and projection."""
+    from kernels_local.gguf_linear import MOE_TUNINGS, TUNINGS, gguf_linear, gguf_moe, gguf_moe_experts
+
+    chosen = _tuning("GGUFExperts", "gguf experts")
+    if chosen is None:
+        return 0
+    name, act = chosen
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    e, top_k, h, i = EXPERTS
+    bad = 0
+    for types in EXPERT_TYPES:
+        gate, up, down = (random_weight(t, e * rows, k, gen).reshape(e, rows, -1)
+                          for t, (rows, k) in zip(types, ((i, h), (i, h), (h, i)), strict=True))  # fmt: skip
+        for tokens in (1, 512):
+            x = torch.randn(tokens, h, device="cuda", generator=gen).to(act)
+            ids = torch.rand(tokens, e, device="cuda", generator=gen).topk(top_k, dim=-1).indices
+            weights = torch.rand(tokens, top_k, device="cuda", generator=gen)
+            args = (x, gate, up, down, types, ids, weights, "silu")
+            want = gguf_moe_experts(*args).float()
+            got = gguf_moe(*args, tuning=MOE_TUNINGS[name]).float()
+            err = float((got - want).abs().max() / want.abs().max())
+            per_expert = lambda a=args: gguf_moe_experts(  # noqa: E731
+                *a, linear=lambda r, q, type_name: gguf_linear(r, q, type_name, tuning=TUNINGS[name]))
+            t = timed(lambda a=args: gguf_moe(*a, tuning=MOE_TUNINGS[name]))
+            t_loop = timed(per_expert, rounds=5)
+            bad += err > TOLERANCE
+            print(f"gguf experts {name} {'/'.join(types):20} T={tokens:<4} E={e} top-{top_k} H={h} I={i}: rel err "
+                  f"{err:.1e}  grouped {t * 1e3:.3f} ms vs per-expert launches {t_loop * 1e3:.3f} ms "
+                  f"({t_loop / t:.2f}x)", flush=True)  # fmt: skip
+    print("gguf experts:", "ok" if not bad else f"{bad} outside tolerance")
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
-    return kernels()
+    return kernels() or experts()
 
 
 if __name__ == "__main__":

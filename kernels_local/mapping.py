@@ -38,7 +38,7 @@ from workers.contract import (
 
 REPO_ROOT = Path(__file__).resolve().parent
 LAYERS = ("RMSNorm", "SiluAndMul", "Fp8Linear", "PagedAttention", "FusedMoE", "Fp8CheckpointLinear", "GatedDeltaRule",
-          "Fp8FusedMoE", "Int4CheckpointLinear", "Mxfp4FusedMoE", "LoraDelta", "GGUFLinear")
+          "Fp8FusedMoE", "Int4CheckpointLinear", "Mxfp4FusedMoE", "LoraDelta", "GGUFLinear", "GGUFExperts")
 
 # Open upper bound of a capability range (what `kernels` uses for a Device without properties).
 _ANY = sys.maxsize
@@ -119,6 +119,27 @@ def _triton_family(layer: str, repo: str, cls: str, cpu: str, below: str, sm70: 
         _Entry(layer, _cuda(100, _ANY), repo, f"{cls}TritonSm90", "triton-sm90", _NEWER),
         _Entry(layer, Device(type="rocm"), repo, f"{cls}TritonRocm", "triton-rocm", rocm),
         _Entry(layer, _rocm(100, _ANY), repo, f"{cls}TritonRocm", "triton-rocm", _RDNA),
+    )
+
+def _gguf_family(layer: str, cls: str, cpu_kernel: tuple[str, str], cpu: str, run: str,
+                 tiles: dict[str, str]) -> tuple[_Entry, ...]:  # fmt: skip
+    """The eight entries of a GGUF layer (the GGUF rule's ranges): `cpu_kernel` on the CPU, `cls` (blocks
+    dequantized at load) below sm_70, `<cls>Triton<tuning>` per family from sm_70, `run` with its `tiles`."""
+    packed = "GGUF blocks kept packed, decoded in registers; " + run
+
+    def triton(capability: Device, tuning: str, why: str) -> _Entry:
+        return _Entry(layer, capability, "gguf_linear", f"{cls}Triton{tuning.title()}", f"triton-{tuning}", why)
+
+    return (
+        _Entry(layer, Device(type="cpu"), "gguf_linear", *cpu_kernel, cpu),
+        _Entry(layer, Device(type="cuda"), "gguf_linear", cls, "torch",
+               "below sm_70, which Triton does not target: GGUF blocks dequantized at load, cuBLAS matmul"),
+        triton(_cuda(70, 79), "sm70", f"Volta/Turing (sm_70..sm_79): {packed}, {tiles['sm70']}"),
+        triton(_cuda(80, 89), "sm80", f"Ampere/Ada (sm_80..sm_89): {packed}, {tiles['sm80']}"),
+        triton(_cuda(90, 99), "sm90", f"Hopper (sm_90): {packed}, {tiles['sm90']}"),
+        triton(_cuda(100, _ANY), "sm90", f"{packed}, {tiles['sm90']}; {_NEWER}"),
+        triton(Device(type="rocm"), "rocm", f"{packed}, {tiles['rocm']}"),
+        triton(_rocm(100, _ANY), "rocm", f"{packed}, {tiles['rocm']}; {_RDNA}"),
     )
 
 # fmt: off
@@ -260,27 +281,19 @@ _ENTRIES: tuple[_Entry, ...] = (
            "Triton W4A16, nibbles unpacked in registers, 16-bit MFMA, tuned for CDNA's 64-lane wavefronts"),
     _Entry("Int4CheckpointLinear", _rocm(100, _ANY), "int4_linear", "Int4LinearTritonRocm", "w4a16-triton-rocm",
            f"Triton W4A16; {_RDNA}"),
-    # -- GGUFLinear: a GGUF file's blocks, the ranges of the GGUF rule (workers/gguf/execution.py `gguf_rule`) ----
-    _Entry("GGUFLinear", Device(type="cpu"), "gguf_linear", "GGUFLinearCpu", "cpp-gemv",
-           "CPU: Q8_0/Q4_0/Q4_K/Q5_K/Q6_K blocks kept packed, a C++ GEMV decoding them in registers (a prompt's "
-           "rows: torch matmul on panels dequantized per call); other types dequantized at load"),
-    _Entry("GGUFLinear", Device(type="cuda"), "gguf_linear", "GGUFLinear", "torch",
-           "below sm_70, which Triton does not target: GGUF blocks dequantized at load, cuBLAS matmul"),
-    _Entry("GGUFLinear", _cuda(70, 79), "gguf_linear", "GGUFLinearTritonSm70", "triton-sm70",
-           "Volta/Turing (sm_70..sm_79): GGUF blocks kept packed, decoded in registers; Triton GEMV (decode) and "
-           "GEMM (prefill, tiles of at most 32 rows), 2 stages"),
-    _Entry("GGUFLinear", _cuda(80, 89), "gguf_linear", "GGUFLinearTritonSm80", "triton-sm80",
-           "Ampere/Ada (sm_80..sm_89): GGUF blocks kept packed, decoded in registers; Triton GEMV (decode) and "
-           "GEMM (prefill, 16-bit mma, 64-row tiles), 2 stages"),
-    _Entry("GGUFLinear", _cuda(90, 99), "gguf_linear", "GGUFLinearTritonSm90", "triton-sm90",
-           "Hopper (sm_90): GGUF blocks kept packed, decoded in registers; Triton GEMV (decode) and GEMM (prefill, "
-           "128-wide tiles over 8 warps)"),
-    _Entry("GGUFLinear", _cuda(100, _ANY), "gguf_linear", "GGUFLinearTritonSm90", "triton-sm90",
-           f"GGUF blocks kept packed, Triton GEMV and GEMM; {_NEWER}"),
-    _Entry("GGUFLinear", Device(type="rocm"), "gguf_linear", "GGUFLinearTritonRocm", "triton-rocm",
-           "GGUF blocks kept packed, decoded in registers; Triton GEMV and GEMM tuned for CDNA's 64-lane wavefronts"),
-    _Entry("GGUFLinear", _rocm(100, _ANY), "gguf_linear", "GGUFLinearTritonRocm", "triton-rocm",
-           f"GGUF blocks kept packed, Triton GEMV and GEMM; {_RDNA}"),
+    # -- GGUFLinear / GGUFExperts: a GGUF file's blocks, the ranges of the GGUF rule (workers/gguf/execution.py) ----
+    *_gguf_family("GGUFLinear", "GGUFLinear", ("GGUFLinearCpu", "cpp-gemv"),
+                  "CPU: Q8_0/Q4_0/Q4_K/Q5_K/Q6_K blocks kept packed, a C++ GEMV decoding them in registers (a "
+                  "prompt's rows: torch matmul on panels dequantized per call); other types dequantized at load",
+                  "Triton GEMV (decode) and GEMM (prefill", {
+                      "sm70": "tiles of at most 32 rows), 2 stages", "sm80": "16-bit mma, 64-row tiles), 2 stages",
+                      "sm90": "128-wide tiles over 8 warps)", "rocm": "tuned for CDNA's 64-lane wavefronts)"}),
+    *_gguf_family("GGUFExperts", "GGUFExperts", ("GGUFExpertsCpu", "cpp-gemv"),
+                  "CPU: a MoE layer's Q8_0/Q4_0/Q4_K/Q5_K/Q6_K experts kept packed, each active expert's projections "
+                  "through the C++ GEMV",
+                  "Triton grouped GEMM over every active expert (16-row decode blocks; prefill", {
+                      "sm70": "32 x 32 tiles, 8 warps)", "sm80": "64 x 32 tiles, 8 warps, 16-bit mma)",
+                      "sm90": "16 x 32 tiles, 8 warps)", "rocm": "64 x 64 tiles, 4 wavefronts)"}),
     # -- Mxfp4FusedMoE: gpt-oss's MXFP4 experts, the ranges of the MXFP4 rule (workers/contract/mxfp4_rule.py
     #    `mxfp4_kind`, held equal by a test; the variant's first word is the execution; a dequantizing device
     #    holds no such module: its experts were widened at load into FusedMoE) ---------------------------

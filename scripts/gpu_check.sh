@@ -30,8 +30,8 @@
 #  - the fp8 checkpoint kernels (W8A16, block-scaled W8A8, the fp8 experts' grouped GEMM weight-only
 #    and native: benchmarks/fp8_checkpoint.py --kernels) and the W4A16 kernel in every tuning this GPU
 #    runs (benchmarks/int4_checkpoint.py --kernels) and the GGUF GEMV and GEMM in the tuning this GPU
-#    selects, every block type (benchmarks/gguf_kernels.py) against their torch references, timed
-#    against the 16-bit matmul;
+#    selects, every block type, and the GGUF experts' grouped GEMM (benchmarks/gguf_kernels.py) against
+#    their torch references, timed against the 16-bit matmul (the experts: against a launch per expert);
 #  - the decode step eager (--compile off) and as CUDA graphs captured per batch bucket (--compile on):
 #    tokens/s at batch 1 and 32 and whether their greedy tokens agree (both workers start with the
 #    correctness checks; only their measurements wait for the quiet GPU).
@@ -341,7 +341,7 @@ for kernel in rmsnorm silu fp8 paged moe lora; do
 done
 step fp8-kernels 60 "$DEADLINE"
 step int4-kernels 60 "$DEADLINE"
-step gguf-kernels 90 "$DEADLINE"
+step gguf-kernels 150 "$DEADLINE"
 
 # 3. the summary, and every log in one tarball
 for f in "$WORK"/*.pid; do [ -e "$f" ] && stop_worker "$(basename "$f" .pid)"; done

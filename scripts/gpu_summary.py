@@ -30,6 +30,8 @@ _INT4 = re.compile(r"^w4a16 (?P<name>\S+)\s+\S+\s+M=.*: rel err (?P<err>\S+)\s+[
                    r"\((?P<ratio>[\d.]+)x\)$")  # fmt: skip
 _GGUF = re.compile(r"^gguf (?P<name>\S+\s+\S+)\s+M=.*: rel err (?P<err>\S+)\s+bytes [\d.]+x bf16\s+[\d.]+ ms vs "
                    r"16-bit [\d.]+ ms \((?P<ratio>[\d.]+)x\)$")  # fmt: skip
+_GGUF_EXPERTS = re.compile(r"^gguf experts (?P<name>\S+\s+\S+)\s+T=.*: rel err (?P<err>\S+)\s+grouped [\d.]+ ms vs "
+                           r"per-expert launches [\d.]+ ms \((?P<ratio>[\d.]+)x\)$")  # fmt: skip
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)\b")
 _TOKENS_PER_S = re.compile(r"^compile (on|off): batch (\d+): (\d+) tokens/s$")
 
@@ -157,7 +159,7 @@ def kernel_rows(work: Path, done: dict) -> list[Row]:
     rows += _checked_rows(read(work, "int4-kernels.txt"), done.get("int4-kernels"),
                           [(_INT4, "int4 W4A16", 1e-2)], "int4 checkpoint kernels")
     rows += _checked_rows(read(work, "gguf-kernels.txt"), done.get("gguf-kernels"),
-                          [(_GGUF, "gguf", 2e-2)], "gguf kernels")
+                          [(_GGUF, "gguf", 2e-2), (_GGUF_EXPERTS, "gguf experts", 2e-2)], "gguf kernels")
     return rows
 
 

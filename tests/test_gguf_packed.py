@@ -4,8 +4,8 @@ What must hold:
 - on a device whose GGUF rule keeps the blocks packed (a GPU from sm_70, named to the loader as
   a simulated one is; the CPU, whose C++ GEMV decodes the same three types), every projection of
   a Q4_K_M-like file (Q4_K, Q6_K, Q8_0 per tensor) holds its file's bytes, a fused q/k/v of three
-  types as one `GGUFLinear` per type, a Qwen3-MoE's stacked experts as `GGUFExperts` (one
-  GEMV/GEMM per active expert); the tied head, the F32 routers and the embeddings stay dense; a
+  types as one `GGUFLinear` per type, a Qwen3-MoE's stacked experts as `GGUFExperts` (each
+  projection's experts stacked, one grouped kernel); the tied head, the F32 routers and the embeddings stay dense; a
   CPU without its kernel loads the same file dequantized; the logits agree in fp32, and the CPU
   kernel's within fp32 rounding;
 - the bytes held: each packed layer at its file's bits per weight (Q4_K's 4.5: 0.28x bf16), the
@@ -13,8 +13,8 @@ What must hold:
 - under `TRITON_INTERPRET=1` (this file reruns itself in a child with it) the model kernelized for
   sm_80 (the GEMM for a prompt, the GEMV for a decode row) gives the torch path's logits within fp32
   rounding;
-- a packed kernel that fails its self-test sends its layers back to dense weights, dequantized from
-  the blocks, and the worker's description says so with the reason.
+- a packed kernel that fails its self-test (the linear layers' or the experts') sends its layers back
+  to dense weights, dequantized from the blocks, and the worker's description says so with the reason.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from workers.contract import Capability
 
 gguf = pytest.importorskip("gguf")
 
-from kernels_local.gguf_linear import GEMV_MAX_M, TYPES  # noqa: E402
+from kernels_local.gguf_linear import TYPES  # noqa: E402
 from kernels_local.mapping import select  # noqa: E402
 from tests.gguf_checkpoints import make_gguf  # noqa: E402
 from workers.gguf.execution import PACKED_TYPES, gguf_execution, gguf_layer_unused  # noqa: E402
@@ -98,7 +98,8 @@ def test_a_packed_device_holds_the_files_blocks_and_the_cpu_its_dequantized_weig
     assert not any(isinstance(m, (GGUFLinear, GGUFFusedLinear)) for m in dense.model.modules())
     with torch.no_grad():
         torch.testing.assert_close(packed.model(_ids()), dense.model(_ids()), rtol=1e-5, atol=1e-5)
-    assert gguf_layer_unused(packed.model) == {} and "GGUFLinear" in gguf_layer_unused(dense.model)
+    assert set(gguf_layer_unused(packed.model)) == (set() if arch == "qwen3moe" else {"GGUFExperts"})
+    assert set(gguf_layer_unused(dense.model)) == {"GGUFLinear", "GGUFExperts"}
 
 
 @pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
@@ -136,14 +137,15 @@ def test_the_sm80_kernel_layers_give_the_torch_paths_logits_for_a_prompt_and_a_d
 
 @needs_interpreter
 def test_the_sm80_kernel_layers_run_a_moe_layers_experts_as_their_torch_path(files):
-    """Each active expert's packed projections through the GEMV (a decode row) and the GEMM (a prompt's rows)."""
+    """The experts' stacked blocks through the grouped kernel: a decode row (16-row blocks) and a prompt's rows
+    (prefill tiles)."""
     from workers.kernelize.selftest import reference_path
 
     experts = next(m for m in _load(files["qwen3moe"], "sm_80").model.modules() if isinstance(m, GGUFExperts))
-    assert apply_plan(experts, KernelPlan("cpu", {"GGUFLinear": select("cuda", SM80)["GGUFLinear"]})) > 0
+    assert apply_plan(experts, KernelPlan("cpu", {"GGUFExperts": select("cuda", SM80)["GGUFExperts"]})) == 1
     g = torch.Generator().manual_seed(2)
-    decode = torch.randperm(4, generator=g)[:2][None]  # [1, 2] of 4 experts: each a row, the GEMV
-    prompt = torch.tensor([[1, 3]] * (GEMV_MAX_M + 1))  # two experts of GEMV_MAX_M + 1 rows each: the GEMM
+    decode = torch.randperm(4, generator=g)[:2][None]  # [1, 2] of 4 experts
+    prompt = torch.tensor([[1, 3]] * 40)  # two experts of 40 rows each: more tokens than a decode launch
     for ids in (decode, prompt):
         tokens = ids.shape[0]
         x = torch.randn(tokens, 256, generator=g)
@@ -177,6 +179,26 @@ def test_a_packed_kernel_failing_its_self_test_falls_back_to_dequantized_weights
 
 
 @pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
+def test_an_experts_kernel_failing_its_self_test_falls_back_to_dequantized_experts(files):
+    """Guards `GGUFExperts.fall_back` (workers/gguf/experts.py), called by `to_torch_path`: without it the
+    experts keep their blocks; with it they hold gguf-py's dequantized weights and give the dense logits."""
+    from workers.kernelize.selftest import self_test_or_fall_back
+
+    loaded, dense = _load(files["qwen3moe"], "sm_80"), _load(files["qwen3moe"], "dense")
+    apply_plan(loaded.model, KernelPlan("cpu", {"GGUFExperts": select("cuda", SM80)["GGUFExperts"]}))
+    experts = [m for m in loaded.model.modules() if isinstance(m, GGUFExperts)]
+    for m in experts:  # a kernel that computes nonsense on this device
+        m.forward = lambda x, ids, weights: torch.ones_like(x)
+    result, failed = self_test_or_fall_back(loaded.model, loaded.config, torch.device("cpu"))
+    assert result.ok and set(failed) == {"GGUFExperts"}
+    assert experts and all(m.execution == "dequantized" and m.gate_qweight is None for m in experts)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(_ids()), dense.model(_ids()), rtol=1e-5, atol=1e-5)
+    described = gguf_execution(loaded.model_dir, loaded.dtype, "sm_80", None, loaded.model)
+    assert described["dequantized_layers"] == len(experts) and "2 experts layers" not in described["execution"]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch paths only: the interpreter child runs the kernels")
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3moe"])
 @pytest.mark.parametrize("token", ["sm_80", "sm_61", "cpu"])
 def test_placement_counts_the_bytes_each_device_holds(files, token, arch):
@@ -204,9 +226,12 @@ def test_the_cpu_kernel_layer_gives_the_dense_models_logits_for_a_prompt_and_dec
     from kernels_local.gguf_linear import cpu
 
     loaded, dense = _load(files[arch], "cpu"), _load(files[arch], "dense")
-    choice = select("cpu", None)["GGUFLinear"]
+    chosen = select("cpu", None)
+    choice = chosen["GGUFLinear"]
     assert choice.layer == "GGUFLinearCpu" and cpu.KERNEL.load().available
-    assert apply_plan(loaded.model, KernelPlan("cpu", {"GGUFLinear": choice})) > 0
+    assert chosen["GGUFExperts"].layer == "GGUFExpertsCpu"
+    plan = {"GGUFLinear": choice, "GGUFExperts": chosen["GGUFExperts"]}
+    assert apply_plan(loaded.model, KernelPlan("cpu", plan)) > (2 if arch == "qwen3moe" else 0)
     calls = []
     ops = cpu.KERNEL.module  # torch.ops.hetserve_cpu: shared by every copy of the repository's module
     linear = ops.gguf_linear

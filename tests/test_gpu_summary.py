@@ -55,6 +55,11 @@ def _gguf_line(type_name, err, t, t_16):  # benchmarks/gguf_kernels.py kernels()
             f"{t * 1e3:.3f} ms vs 16-bit {t_16 * 1e3:.3f} ms ({t_16 / t:.2f}x)")  # fmt: skip
 
 
+def _gguf_experts_line(types, err, t, t_loop):  # benchmarks/gguf_kernels.py experts()
+    return (f"gguf experts sm90 {types:20} T=1    E=64 top-8 H=2048 I=768: rel err {err:.1e}  grouped "
+            f"{t * 1e3:.3f} ms vs per-expert launches {t_loop * 1e3:.3f} ms ({t_loop / t:.2f}x)")  # fmt: skip
+
+
 def _probe(state="ready", text=" to be happy.", cap=None, reason=""):
     status = {"state": state, "worker_id": "worker-0", "pid": 1, "time": 0.0}
     if state != "ready":
@@ -110,7 +115,10 @@ def work(tmp_path, capsys):
     (w / "gguf-kernels.txt").write_text("\n".join([
         _gguf_line("Q4_K", 1e-3, 1e-5, 2e-5), _gguf_line("Q4_K", 3e-3, 4e-5, 2e-5),
         _gguf_line("IQ4_XS", 2e-3, 1e-5, 1e-5),
-        "gguf kernels: ok"]) + "\n")  # fmt: skip
+        "gguf kernels: ok",
+        _gguf_experts_line("Q4_K/Q4_K/Q6_K", 4e-3, 1e-4, 1.2e-3),
+        _gguf_experts_line("Q4_K/Q4_K/Q6_K", 5e-3, 1e-4, 8e-4),
+        "gguf experts: ok"]) + "\n")  # fmt: skip
     for mode, speeds in (("off", (400, 3000)), ("on", (1200, 9000))):
         (w / f"throughput-{mode}.txt").write_text(
             f"compile {mode}: batch 1: {speeds[0]} tokens/s\ncompile {mode}: batch 32: {speeds[1]} tokens/s\n")
@@ -154,6 +162,8 @@ def test_a_run_where_everything_passed_reads_all_fine(work):
     assert _row(text, "int4 W4A16 sm80") == (
         "int4 W4A16 sm80 ok (2 cases, worst rel err 2.0e-03) 0.50x..2.00x torch speed")
     assert _row(text, "gguf sm90 Q4_K") == "gguf sm90 Q4_K ok (2 cases, worst rel err 3.0e-03) 0.50x..2.00x torch speed"
+    assert _row(text, "gguf experts sm90 Q4_K/Q4_K/Q6_K") == ("gguf experts sm90 Q4_K/Q4_K/Q6_K ok (2 cases, worst "
+                                                             "rel err 5.0e-03) 8.00x..12.00x torch speed")
     assert _row(text, "batch 1") == "batch 1 eager 400, graphs 1200 tokens/s (3.00x) greedy tokens equal in 1/1"
     assert _row(text, "batch 32") == "batch 32 eager 3000, graphs 9000 tokens/s (3.00x) greedy tokens equal in 32/32"
     assert _row(text, "graphs worker") == (

@@ -114,7 +114,7 @@ def test_the_kernel_equals_the_reference(name, m, dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", ["GGUFLinear", *layers.COMPILE_SPECS])
+@pytest.mark.parametrize("name", ["GGUFLinear", *(n for n in layers.COMPILE_SPECS if n.startswith("GGUFLinear"))])
 def test_each_layer_runs_a_packed_module_and_a_dequantized_one(name):
     w = _weight("Q4_K", 8, 256)
     module = torch.nn.Module()
@@ -131,7 +131,7 @@ def test_each_layer_runs_a_packed_module_and_a_dequantized_one(name):
         layer.forward(module, x)
 
 
-@pytest.mark.parametrize("name", list(layers.COMPILE_SPECS))
+@pytest.mark.parametrize("name", [n for n in layers.COMPILE_SPECS if n.startswith("GGUFLinear")])
 def test_each_layer_passes_the_tuning_its_specs_declare(monkeypatch, name):
     """Guards `COMPILE_SPECS`: a layer whose forward passed another tuning than its entry would be
     preflighted with the wrong tile shapes."""
@@ -162,7 +162,7 @@ class _Recorder:
 
 
 @pytest.mark.parametrize("tokens", [1, GEMV_MAX_M, 7, 300])
-@pytest.mark.parametrize("name", list(layers.COMPILE_SPECS))
+@pytest.mark.parametrize("name", [n for n in layers.COMPILE_SPECS if n.startswith("GGUFLinear")])
 def test_the_wrappers_launches_are_declared(monkeypatch, name, tokens):
     declared = {(s.name, tuple(s.constexprs), s.num_warps, s.num_stages)
                 for s in layers.COMPILE_SPECS[name](Workload())}

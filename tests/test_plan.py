@@ -245,13 +245,13 @@ def test_an_unused_kernel_is_left_out_without_the_flag_and_listed_with_it(tiny_p
     for layer in ("RMSNorm", "SiluAndMul", "PagedAttention"):  # what a dense Llama runs, on the two serving devices
         assert text.count(f"\n  {layer} ") == 2 and full.count(f"\n  {layer} ") == 3
     for layer in ("FusedMoE", "GatedDeltaRule", "Fp8Linear", "Fp8CheckpointLinear", "Int4CheckpointLinear",
-                  "GGUFLinear"):
+                  "GGUFLinear", "GGUFExperts"):
         assert f"\n  {layer} " not in text and full.count(f"\n  {layer} ") == 3
     assert "not used: a dense model: no experts" in full and "not used:" not in text
     assert "not used: no `--quantize fp8`" in full
     assert ("  not listed (its model does not run them; --all-kernels lists them): Fp8Linear, FusedMoE, "
             "Fp8CheckpointLinear, GatedDeltaRule, Fp8FusedMoE, Int4CheckpointLinear, Mxfp4FusedMoE, LoraDelta, "
-            "GGUFLinear") in text
+            "GGUFLinear, GGUFExperts") in text
     assert "not listed" not in full
     for entry in tiny_plan["devices"]:  # the JSON keeps every kernel; the ones not run say why
         assert list(entry["kernels"]) == list(LAYERS)
@@ -323,3 +323,17 @@ def test_which_kernels_a_checkpoint_runs_per_device(quantization, device, quanti
     assert all(unused.values()) and set(lacks) <= set(unused)
     if quantization and quantization["method"] == "fp8":  # a dense fp8 checkpoint: no experts to hold in fp8
         assert unused["Fp8FusedMoE"] == "a dense model: no experts"
+
+
+@pytest.mark.parametrize(("moe", "device", "runs"), [
+    (True, ("cuda", "8.6"), {"GGUFLinear", "GGUFExperts"}), (False, ("cuda", "8.6"), {"GGUFLinear"}),
+    (True, ("cpu", None), {"GGUFLinear", "GGUFExperts"}), (True, ("cuda", "6.1"), set())])  # fmt: skip
+def test_a_gguf_files_experts_layer_is_listed_only_where_its_experts_stay_packed(moe, device, runs):
+    """Guards the `GGUFExperts` line of workers/contract/kernel_layers.py `unused_layers`: a MoE GGUF file on a
+    device that keeps GGUF blocks packed runs the experts' layer; a dense file, or a device that dequantizes
+    at load (sm_61), does not."""
+    from workers.contract.kernel_layers import unused_layers
+
+    lacks = {"SiluAndMul": "every feed-forward is a mixture of experts"} if moe else {"FusedMoE": "a dense model"}
+    unused = unused_layers({"kernel_layers_unused": lacks, "gguf": {"types": {"Q4_K": 3}}}, *device)
+    assert not runs & set(unused) and {"GGUFLinear", "GGUFExperts"} - runs <= set(unused), unused

@@ -291,7 +291,7 @@ def _read_plan(config: WorkerConfig):
 def _never_run(loaded, bound, quantize: str) -> dict[str, str]:
     """The kernel layers this model never runs on this device, each with why: its preflight does not
     compile them (the plan's rule, workers/contract/kernel_layers.py, from what the worker loaded).
-    `LoraDelta` is kept: adapters may be loaded while it serves; GGUF blocks are asked of the model."""
+    `LoraDelta` is kept: adapters may be loaded while it serves; GGUF blocks (and experts) are asked of the model."""
     from workers.contract.kernel_layers import unused_layers
     from workers.gguf.execution import gguf_layer_unused
     from workers.model.describe import describe
@@ -300,6 +300,7 @@ def _never_run(loaded, bound, quantize: str) -> dict[str, str]:
     unused = unused_layers(described, bound.type, bound.capability, quantize)
     unused.pop("LoraDelta", None)
     unused.pop("GGUFLinear", None)
+    unused.pop("GGUFExperts", None)
     return {**unused, **gguf_layer_unused(loaded.model)}
 
 

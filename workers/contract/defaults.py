@@ -123,3 +123,5 @@ CPU_KV_MAX_DEFAULT_BYTES = 512 << 20
 # note): its model holds no GGUF blocks (workers/gguf/execution.py).
 NO_GGUF_LAYER = ("the model holds no GGUF blocks on this device: no GGUF file, or one this device dequantizes "
                  "at load")
+NO_GGUF_EXPERTS = ("the model holds no GGUF experts on this device: no MoE GGUF file, one this device dequantizes "
+                   "at load, or experts of a type its kernel does not decode")

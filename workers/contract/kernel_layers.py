@@ -15,7 +15,7 @@ cannot import the loader.
 
 from __future__ import annotations
 
-from workers.contract.defaults import NO_GGUF_LAYER
+from workers.contract.defaults import NO_GGUF_EXPERTS, NO_GGUF_LAYER
 from workers.contract.gguf_rule import GGUF_PACKED, gguf_kind
 from workers.contract.mxfp4_rule import MXFP4_DEQUANTIZED, mxfp4_kind
 
@@ -50,6 +50,8 @@ def unused_layers(described: dict, device_type: str, capability: str | None, qua
     unused["LoraDelta"] = NO_LORA
     if not (described.get("gguf") and gguf_kind(device_type, capability) == GGUF_PACKED):
         unused["GGUFLinear"] = NO_GGUF_LAYER  # no GGUF file, or one this device dequantizes at load
+    if "GGUFLinear" in unused or "FusedMoE" in unused:  # the GGUF layers' or the experts' absence
+        unused["GGUFExperts"] = NO_GGUF_EXPERTS
     if kind != "mxfp4":
         unused["Mxfp4FusedMoE"] = NOT_STORED["mxfp4"]
     elif mxfp4_kind(device_type, capability) == MXFP4_DEQUANTIZED:

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from workers.contract import Capability, parse_token
-from workers.contract.defaults import NO_GGUF_LAYER
+from workers.contract.defaults import NO_GGUF_EXPERTS, NO_GGUF_LAYER
 from workers.contract.gguf_rule import GGUF_EXACT, GGUF_INT8, GGUF_PACKED, PACKED_TYPES, gguf_kind, packed_types
+from workers.gguf.experts import GGUFExperts
 from workers.gguf.files import open_readers
 from workers.gguf.linear import GGUFLinear
 from workers.gguf.prepare import pointed_files
@@ -93,9 +94,21 @@ def _device(device: str, capability) -> tuple[str, Capability | None]:
 
 
 def _held(model) -> tuple[list, list]:
-    """(GGUF layers holding blocks, GGUF layers dequantized after their kernel failed) of a loaded model."""
-    layers = [m for m in model.modules() if isinstance(m, GGUFLinear)] if model is not None else []
+    """(GGUF layers and experts layers holding blocks, those dequantized after their kernel failed) of a
+    loaded model."""
+    layers = [m for m in model.modules() if isinstance(m, (GGUFLinear, GGUFExperts))] if model is not None else []
     return [m for m in layers if m.execution == PACKED], [m for m in layers if m.execution != PACKED]
+
+
+def _kinds(holding: list) -> str:
+    """`N layers: Q4_K n, Q6_K m` and, with experts, `; E experts layers: Q4_K/Q4_K/Q6_K e` (gate/up/down)."""
+    linears = Counter(m.gguf_type for m in holding if isinstance(m, GGUFLinear))
+    experts = Counter("/".join(m.types) for m in holding if isinstance(m, GGUFExperts))
+    text = f"{sum(linears.values())} layers: " + ", ".join(f"{k} {v}" for k, v in sorted(linears.items()))
+    if experts:
+        text += (f"; {sum(experts.values())} experts layers (gate/up/down), one grouped kernel each: "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(experts.items())))
+    return text
 
 
 def _tied(model) -> str:
@@ -140,15 +153,14 @@ def gguf_execution(model_dir: Path, dtype: torch.dtype, device: str, capability=
     rule = gguf_rule(*_device(device, capability))
     holding, fell_back = _held(model)
     elements = sum(int(t.n_elements) for t in tensors)
-    resident = (elements - sum(m.in_features * m.out_features for m in holding)) * size
+    resident = (elements - sum(m.elements for m in holding)) * size
     resident += sum(m.nbytes() for m in holding)
     out = {"types": dict(sorted(types.items())), "rule": rule.to_dict(), "packed_bytes": packed,
            "resident_bytes": resident, "packed_layers": len(holding), "dequantized_layers": len(fell_back)}
     if holding:
-        kinds = ", ".join(f"{k} {v}" for k, v in sorted(Counter(m.gguf_type for m in holding).items()))
         activations, why = _activations(holding, _device(device, capability)[0])
         return {**out, "activations": activations,
-                "execution": f"packed ({len(holding)} layers: {kinds}); the rest dequantized at load to {name}",
+                "execution": f"packed ({_kinds(holding)}); the rest dequantized at load to {name}",
                 "reason": f"{rule.reason}; {_tied(model)}norms and tensors of types the kernels do not decode are "
                           f"dequantized at load, exactly as gguf-py does{why}"}
     if fell_back:
@@ -165,5 +177,8 @@ def gguf_execution(model_dir: Path, dtype: torch.dtype, device: str, capability=
 
 
 def gguf_layer_unused(model) -> dict[str, str]:
-    """{"GGUFLinear": why} when `model` holds no GGUF blocks (its preflight compiles no GGUF kernel), else {}."""
-    return {} if _held(model)[0] else {"GGUFLinear": NO_GGUF_LAYER}
+    """{"GGUFLinear": why, "GGUFExperts": why} for the GGUF layer kinds `model` holds no blocks in (its
+    preflight compiles no kernel of theirs)."""
+    held = _held(model)[0]
+    unused = {} if any(isinstance(m, GGUFLinear) for m in held) else {"GGUFLinear": NO_GGUF_LAYER}
+    return unused | ({} if any(isinstance(m, GGUFExperts) for m in held) else {"GGUFExperts": NO_GGUF_EXPERTS})

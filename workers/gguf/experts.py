@@ -1,65 +1,83 @@
-"""`GGUFExperts`: a MoE layer's experts holding a GGUF file's stacked blocks, one GEMV/GEMM per active expert.
+"""`GGUFExperts`: a MoE layer's experts holding a GGUF file's stacked blocks, run by a grouped kernel.
 
 Design: llama.cpp stacks each projection of every expert in one tensor (`ffn_gate_exps`,
-`ffn_up_exps`, `ffn_down_exps`, [E, rows, bytes per row]); this layer keeps expert `e`'s rows as a
-`GGUFLinear` (gate and up joined as `FusedMoE`'s `w_gate_up` is: gate rows then up rows, one layer
-per run of a type, as Q4_K_M's Q4_K gate/up and Q6_K down), so each expert's projections run the
-same per-device kernel layer as the dense projections (the gguf_linear GEMV for a few rows, the GEMM
-for more) and fall back with them. `forward` groups the token-expert pairs by expert exactly as
-`FusedMoE`'s torch path does (one stable sort, experts added in ascending order). Trade-off: one
-launch per active expert and projection instead of a fused grouped GEMM over the blocks; the
-stacked bytes are held once (each expert's layer views its rows).
+`ffn_up_exps`, `ffn_down_exps`, [E, rows, bytes per row], each of one type, as Q4_K_M's Q4_K gate/up
+and Q6_K down); this layer holds the three as the file stores them (`gate_qweight`, `up_qweight`,
+`down_qweight`, uint8) with their `types`. The kernel layers (kernels_local/gguf_linear, through the
+kernel mapping's `GGUFExperts` entries) run them per device: on CUDA and ROCm one grouped GEMM per
+projection over every active expert (the blocks decoded in registers), on the CPU each active
+expert's projections through the C++ GEMV. This class's `forward` is their torch reference (one
+reference projection per active expert, pairs grouped by expert, the kernel's roundings).
+`fall_back(reason)` widens the blocks once into dense `w_gate`, `w_up`, `w_down`: what a worker does
+when the kernel fails its self-test on its device. Trade-off: the experts' padded blocks waste most
+of a decode's dot rows, for one launch over every active expert instead of one per expert.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from kernels import use_kernel_forward_from_hub
 from torch import nn
 
-from workers.gguf.linear import GGUFFusedLinear, GGUFLinear
+from kernels_local.gguf_linear.gguf_moe import ACTIVATIONS
+from kernels_local.gguf_linear.layers import run_experts
+from workers.contract.gguf_rule import GGUF_EXACT
+from workers.gguf.dequant import dequantize
+from workers.gguf.linear import DEQUANTIZED, PACKED, row_bytes
 
-ACTIVATIONS = ("silu", "gelu_tanh")  # the experts' activations of the GGUF families with experts
-
-
-def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """[n, 2I] gate rows then up rows -> [n, I]."""
-    gate, up = h.chunk(2, dim=-1)
-    return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+__all__ = ["ACTIVATIONS", "GGUFExperts"]
 
 
+@use_kernel_forward_from_hub("GGUFExperts")
 class GGUFExperts(nn.Module):
-    """The experts of one layer. `forward(x [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H]`."""
+    """The experts of one layer. `forward(x [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H]`.
 
-    def __init__(self, num_experts: int, hidden: int, gate_up: list[tuple[str, int]], down_type: str,
+    Kernel layers read `execution`, `gate_qweight`, `up_qweight`, `down_qweight`, `types`, `activation`,
+    `activations`, and `w_gate`, `w_up`, `w_down` once dequantized."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, types: tuple[str, str, str],
                  activation: str = "silu", *, device: torch.device | str = "meta") -> None:  # fmt: skip
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"Unsupported GGUF expert activation `{activation}`. Supported: {', '.join(ACTIVATIONS)}")
-        intermediate = sum(rows for _, rows in gate_up) // 2
-        self.num_experts, self.activation = num_experts, activation
-        self.gate_up = nn.ModuleList(
-            GGUFLinear(hidden, gate_up[0][1], gate_up[0][0], device=device) if len(gate_up) == 1
-            else GGUFFusedLinear(hidden, gate_up, device=device) for _ in range(num_experts))
-        self.down = nn.ModuleList(GGUFLinear(intermediate, hidden, down_type, device=device)
-                                  for _ in range(num_experts))
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.types, self.activation = tuple(types), activation
+        self.execution = PACKED
+        self.activations = GGUF_EXACT  # or int8: the CPU GEMV rounds a decode's rows (`set_activations`)
+        self.fallback_reason: str | None = None
+        for name, t, rows, k in self._pieces():
+            self.register_buffer(f"{name}_qweight", torch.empty(num_experts, rows, row_bytes(t, k), dtype=torch.uint8,
+                                                                device=device))  # fmt: skip
+            self.register_buffer(f"w_{name}", None)
+
+    def _pieces(self) -> tuple[tuple[str, str, int, int], ...]:
+        """(name, type, rows, inputs) of gate, up and down."""
+        h, i = self.hidden, self.intermediate
+        return ("gate", self.types[0], i, h), ("up", self.types[1], i, h), ("down", self.types[2], h, i)
+
+    @property
+    def elements(self) -> int:
+        """Weight elements the three stacked tensors hold."""
+        return 3 * self.num_experts * self.hidden * self.intermediate
+
+    def fall_back(self, reason: str, dtype: torch.dtype = torch.float32) -> None:
+        """Hold the experts dequantized (exactly as gguf-py does, in `dtype`) from now on, with the reason."""
+        if self.execution == DEQUANTIZED:
+            return
+        for name, t, rows, k in self._pieces():
+            q = getattr(self, f"{name}_qweight")
+            setattr(self, f"w_{name}", torch.stack([dequantize(q[e], t, (rows, k)) for e in range(len(q))]).to(dtype))
+            setattr(self, f"{name}_qweight", None)
+        self.execution, self.fallback_reason = DEQUANTIZED, reason
+
+    def nbytes(self) -> int:
+        held = (self.gate_qweight, self.up_qweight, self.down_qweight) if self.execution == PACKED \
+            else (self.w_gate, self.w_up, self.w_down)  # fmt: skip
+        return sum(t.numel() * t.element_size() for t in held)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        k = topk_ids.shape[1]
-        flat = topk_ids.flatten()  # [T*K]
-        order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within each
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // k  # [T*K] the token of each sorted pair
-        xs = x.index_select(0, tokens)  # [T*K, H]
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                h = self.gate_up[e](xs[start:start + n])  # [n, 2I]
-                ys[start:start + n] = self.down[e](_activation(h, self.activation))  # [n, H]
-                start += n
-        ys = ys * topk_weights.flatten().index_select(0, order)[:, None].to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, ys)  # [T, H]
+        return run_experts(self, x, topk_ids, topk_weights, None)  # x [T, H] -> [T, H]
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, activation={self.activation}"
+        return (f"experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
+                f"types={'/'.join(self.types)}, activation={self.activation}, execution={self.execution}")

@@ -55,6 +55,11 @@ class GGUFLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None  # fmt: skip
 
+    @property
+    def elements(self) -> int:
+        """Weight elements the layer holds."""
+        return self.in_features * self.out_features
+
     def dense(self) -> torch.Tensor:
         """The weight [N, K] in fp32, decoded from the blocks exactly as gguf-py does."""
         return dequantize(self.qweight, self.gguf_type, (self.out_features, self.in_features))
@@ -116,10 +121,12 @@ def type_runs(parts: list[tuple[str, int]]) -> list[tuple[str, int]]:
 
 
 def set_activations(model: nn.Module, mode: str) -> int:
-    """Set every GGUF layer's `activations` to `mode` (one of `GGUF_ACTIVATIONS`); how many layers it set."""
+    """Set every GGUF layer's (and GGUF experts layer's) `activations` to `mode` (one of `GGUF_ACTIVATIONS`);
+    how many layers it set."""
     if mode not in GGUF_ACTIVATIONS:
         raise ValueError(f"`--gguf-activations {mode}` is not accepted. Accepted: {', '.join(GGUF_ACTIVATIONS)}")
-    layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    kinds = ("GGUFLinear", "GGUFExperts")
+    layers = [m for m in model.modules() if getattr(type(m), "kernel_layer_name", None) in kinds]
     for layer in layers:
         layer.activations = mode
     return len(layers)

@@ -11,8 +11,9 @@ part) is dequantized at load as before. `claims`
 names the tensors the loader then reads as bytes (workers/gguf/weights.py `gguf_tensors`, which
 puts Llama's q/k rows back in rotary order by moving whole rows of blocks), `to_ours` concatenates a
 fused module's parts that share a type and `install` swaps in `GGUFLinear` (one type) or
-`GGUFFusedLinear` (several). Trade-off: a fused module of two types takes one launch per type run
-instead of one, for keeping every tensor's own bytes.
+`GGUFFusedLinear` (several); a MoE layer whose gate, up and down experts are all of kept types becomes
+a `GGUFExperts` holding each projection's experts stacked as the file stacks them. Trade-off: a fused
+module of two types takes one launch per type run instead of one, for keeping every tensor's own bytes.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class PackedGGUF:
         self.expected: dict[str, tuple[int, ...]] = {}
         self.specs: dict[str, tuple[int, list[tuple[str, int]]]] = {}  # module -> (K, runs), to_ours
         self.experts: dict[str, dict[tuple[int, int], str]] = {}  # experts kept packed: {(e, 0 gate|1 up|2 down)}
-        self.expert_specs: dict[str, tuple[int, list[tuple[str, int]], str]] = {}  # (H, gate/up runs, down type)
+        self.expert_specs: dict[str, tuple[int, int, tuple[str, str, str]]] = {}  # (H, I, gate/up/down types)
 
     def bind(self, model: nn.Module, expected: dict[str, tuple[int, ...]]) -> None:
         """Decide, module by module, which of `model`'s linear layers keep their GGUF blocks."""
@@ -124,13 +125,8 @@ class PackedGGUF:
             for _, hf in parts:
                 if hf not in stored:
                     raise GGUFError(f"`{ours}` keeps its GGUF blocks but the file has no `{hf}`")
-                rows, k = self.expected[hf]
-                t, type_name = stored[hf], self.types[hf]
-                if tuple(t.shape) != (rows, row_bytes(type_name, k)):
-                    raise GGUFError(f"GGUF tensor for `{hf}` ({type_name}) holds {tuple(t.shape)} bytes; the config "
-                                    f"expects {rows} rows of {row_bytes(type_name, k)} for shape {(rows, k)}")
-                blocks.append(t)
-                typed.append((type_name, rows))
+                blocks.append(self._blocks(stored, hf))
+                typed.append((self.types[hf], self.expected[hf][0]))
             groups: list[tuple[str, list[torch.Tensor]]] = []  # consecutive parts sharing a type
             for t, (type_name, _) in zip(blocks, typed, strict=True):
                 if groups and groups[-1][0] == type_name:
@@ -146,17 +142,20 @@ class PackedGGUF:
         for head, pieces in self.experts.items():
             if not all(hf in stored for hf in pieces.values()):
                 continue  # another pipeline stage's layer
-            gate, up, down = (self.types[pieces[(0, p)]] for p in range(3))
-            runs = type_runs([(gate, self.expected[pieces[(0, 0)]][0]), (up, self.expected[pieces[(0, 1)]][0])])
-            for e in range(len(pieces) // 3):
-                g, u = stored[pieces[(e, 0)]], stored[pieces[(e, 1)]]
-                if len(runs) == 1:
-                    out[f"{head}.gate_up.{e}.qweight"] = torch.cat((g, u))
-                else:
-                    out[f"{head}.gate_up.{e}.parts.0.qweight"], out[f"{head}.gate_up.{e}.parts.1.qweight"] = g, u
-                out[f"{head}.down.{e}.qweight"] = stored[pieces[(e, 2)]]
-            self.expert_specs[head] = (self.expected[pieces[(0, 0)]][1], runs, down)
+            (intermediate, hidden), count = self.expected[pieces[(0, 0)]], len(pieces) // 3
+            for p, name in enumerate(("gate", "up", "down")):
+                out[f"{head}.{name}_qweight"] = torch.stack([self._blocks(stored, pieces[(e, p)])
+                                                             for e in range(count)])  # [E, rows, bytes]
+            self.expert_specs[head] = (hidden, intermediate, tuple(self.types[pieces[(0, p)]] for p in range(3)))
         return out
+
+    def _blocks(self, stored: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
+        """HF tensor `hf`'s GGUF bytes, checked against the rows of blocks its expected shape needs."""
+        (rows, k), t, type_name = self.expected[hf], stored[hf], self.types[hf]
+        if tuple(t.shape) != (rows, row_bytes(type_name, k)):
+            raise GGUFError(f"GGUF tensor for `{hf}` ({type_name}) holds {tuple(t.shape)} bytes; the config "
+                            f"expects {rows} rows of {row_bytes(type_name, k)} for shape {(rows, k)}")
+        return t
 
     def install(self, model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> int:
         """Swap each packed module of ours (built on meta) for its GGUF layer; how many."""
@@ -174,11 +173,12 @@ class PackedGGUF:
             old = model.tok_embeddings
             model.tok_embeddings = GGUFEmbedding(old.num_embeddings, old.embedding_dim, self.types[self.tied],
                                                  dtype=old.weight.dtype)
-        for head, (hidden, runs, down) in self.expert_specs.items():
+        for head, (hidden, intermediate, types) in self.expert_specs.items():
             parent_name, _, attr = head.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             old = getattr(parent, attr)
-            setattr(parent, attr, GGUFExperts(old.num_experts, hidden, runs, down, old.activation, device="meta"))
+            setattr(parent, attr, GGUFExperts(old.num_experts, hidden, intermediate, types, old.activation,
+                                              device="meta"))
         logger.info("GGUF blocks kept packed in %d layers and %d experts layers", len(self.specs),
                     len(self.expert_specs))
         return len(self.specs) + len(self.expert_specs)
