@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <atomic>
+#include <tuple>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -612,14 +613,27 @@ void int8_rows(const int8_t*, const float*, const float*, int64_t, int64_t, cons
 
 }  // namespace
 
-// x [M, K] (float32) @ the blocks' weight [N, K].T + bias [N] (float32 or none) -> float32 [M, N]
-at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_gemv: float32 rows [M, K] expected, got ",
+namespace {
+
+// (M, K, N) of float32 rows x [M, K] against blocks q of `type` for N outputs, and a float32 bias of N
+// values or none; a named error otherwise
+std::tuple<int64_t, int64_t, int64_t> check_args(const at::Tensor& x, const at::Tensor& q, int64_t type,
+                                                 const c10::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op, ": float32 rows [M, K] expected, got ",
               x.scalar_type(), " ", x.sizes());
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
-  check(q, type, k, "gguf_gemv");
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat),
-              "gguf_gemv: a float32 bias of ", n, " values expected");
+  check(q, type, k, op);
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat), op,
+              ": a float32 bias of ", n, " values expected");
+  return {m, k, n};
+}
+
+}  // namespace
+
+// x [M, K] (float32) @ the blocks' weight [N, K].T + bias [N] (float32 or none) -> float32 [M, N]
+at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias) {
+  int64_t m, k, n;
+  std::tie(m, k, n) = check_args(x, q, type, bias, "gguf_gemv");
   const at::Tensor a = x.contiguous();
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty({m, n}, a.options());
@@ -653,12 +667,8 @@ at::Tensor gguf_dequantize(const at::Tensor& q, int64_t type, int64_t k) {
 // weight dequantized kPanel rows at a time into a buffer the calling thread keeps (no fresh pages per
 // call, and the panel is in cache when torch's matmul reads it), out.T's rows of the panel by that matmul
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_gemm: float32 rows [M, K] expected, got ",
-              x.scalar_type(), " ", x.sizes());
-  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
-  check(q, type, k, "gguf_gemm");
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat),
-              "gguf_gemm: a float32 bias of ", n, " values expected");
+  int64_t m, k, n;
+  std::tie(m, k, n) = check_args(x, q, type, bias, "gguf_gemm");
   constexpr int64_t kPanel = 256;
   const int64_t qk = kQK[type], size = kSize[type], blocks = k / qk;
   static thread_local std::vector<float> buffer;
@@ -686,12 +696,8 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& q, int64_t type, con
 // x [M, K] (float32) rounded to 8 bits per 256 inputs (the int8 GEMV above) @ the blocks' weight [N, K].T +
 // bias -> float32 [M, N]; the exact GEMV where the host has no AVX2
 at::Tensor gguf_gemv_int8(const at::Tensor& x, const at::Tensor& q, int64_t type, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_gemv_int8: float32 rows [M, K] expected, got ",
-              x.scalar_type(), " ", x.sizes());
-  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
-  check(q, type, k, "gguf_gemv_int8");
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat),
-              "gguf_gemv_int8: a float32 bias of ", n, " values expected");
+  int64_t m, k, n;
+  std::tie(m, k, n) = check_args(x, q, type, bias, "gguf_gemv_int8");
   if (!kInt8) return gguf_gemv(x, q, type, bias);
   const at::Tensor a = x.contiguous();
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
