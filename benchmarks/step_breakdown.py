@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from workers.device.bind import BoundDevice
     from workers.engine.compiled import unfit_reason
+    from workers.gguf.linear import GGUF_ACTIVATIONS, set_activations
     from workers.kernelize.apply import kernelize_for_device
     from workers.model.cpu_projections import install_cpu_projections
     from workers.model.loader import load_model
@@ -130,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-compile", action="store_true", help="skip the compiled step's total")
+    p.add_argument("--gguf-activations", default="exact", choices=GGUF_ACTIVATIONS,
+                   help="a GGUF file's decode activations, as the worker's `--gguf-activations`")
     args = p.parse_args(argv)
 
     bandwidth = read_bandwidth(args.threads)
     lm = load_model(model_dir(args.model), dtype=args.dtype)
     kernelize_for_device(lm.model, BoundDevice("cpu", 0, "cpu", "cpu", None, 0, False))
     install_cpu_projections(lm.model, "cpu", lm.dtype)
+    set_activations(lm.model, args.gguf_activations)
     weights = sum(t.numel() * t.element_size() for t in lm.model.state_dict().values())
     max_len = args.context + 2 * args.steps + 16  # 4 warm-up steps, the hooked ones, the bare ones
     ours = Ours(lm, args.batch, args.context, max_len)

@@ -40,6 +40,7 @@ from workers.engine.compiled import (
 from workers.engine.core import Engine
 from workers.engine.kv_cache import build_kv_cache
 from workers.engine.mtp import mtp_drafter
+from workers.engine.openmp import pool_released
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.speculate import speculator_for
@@ -261,7 +262,11 @@ class BuiltEngine:
                       said: str) -> str:
         """Start `target` behind the serving; `said`, formed before: a compile that fails at once drops
         `compiled` in that thread, at times before this returns."""
-        self.behind = threading.Thread(target=target, args=(on_change,), name="hetserve-compile", daemon=True)
+        def behind() -> None:
+            with pool_released():  # its OpenMP pool would slow the engine thread's regions
+                target(on_change)
+
+        self.behind = threading.Thread(target=behind, name="hetserve-compile", daemon=True)
         self.behind.start()
         return said
 

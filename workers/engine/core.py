@@ -35,6 +35,7 @@ from workers.engine.ending import end_every_request
 from workers.engine.events import RequestStream, deliver
 from workers.engine.liveness import Liveness, LivenessClock
 from workers.engine.metrics import WorkerMetrics
+from workers.engine.openmp import pool_released
 from workers.engine.output import OutputProcessor
 from workers.engine.resume import check_resume_ids
 from workers.engine.scheduler import Scheduler
@@ -189,7 +190,8 @@ class Engine:
             if self.scheduler.has_unfinished() or not self._inbox.empty() or not self.accepting:
                 return False
             self.scheduler.add_request(seq)
-            self._guarded_step()
+            with pool_released():  # this thread's OpenMP pool would slow the engine thread's regions
+                self._guarded_step()
             if self.scheduler.has_unfinished():
                 self._inbox.put((_WAKE, None))
             return True

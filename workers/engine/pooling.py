@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from workers.engine.openmp import pool_released
 from workers.model.attention import causal_mask
 
 POOLINGS = ("last", "mean", "cls")
@@ -63,12 +64,13 @@ def embed(engine, texts: list[list[int]], pooling: str, dimensions: int | None, 
     `engine.side_work()`: each forward holds the step lock and stamps the liveness clock."""
     model = engine.runner.model
     out: list[list[float]] = []
-    for ids in texts:
-        if stop is not None and stop.is_set():
-            return None
-        with engine._step_lock:  # one forward on the device at a time, between engine steps
-            states = last_hidden(model, ids)
-        engine.progress()
-        engine.metrics.embedded.inc()
-        out.append(pool(states, pooling, dimensions, normalize))
+    with pool_released():  # this thread's OpenMP pool would slow the engine thread's regions
+        for ids in texts:
+            if stop is not None and stop.is_set():
+                return None
+            with engine._step_lock:  # one forward on the device at a time, between engine steps
+                states = last_hidden(model, ids)
+            engine.progress()
+            engine.metrics.embedded.inc()
+            out.append(pool(states, pooling, dimensions, normalize))
     return out

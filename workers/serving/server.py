@@ -26,6 +26,7 @@ from workers.contract import DRAIN_TIMEOUT_S, CapabilityPayload
 from workers.contract.channel import channel_socket_path
 from workers.contract.tracing import start_tracing
 from workers.engine.core import Engine
+from workers.engine.openmp import release_pool
 from workers.serving.app import create_app
 from workers.serving.engine_channel import EngineChannelServer
 from workers.serving.headers import identity_headers
@@ -109,6 +110,8 @@ class WorkerServer:
             finally:
                 await self.channel.close()
 
+        # this thread only serves from here on: its OpenMP pool would slow every region the engine starts
+        logger.info("OpenMP: %s", release_pool())
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(serve())
 

@@ -14,6 +14,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from workers.contract import LoraAdapterRequest
+from workers.engine.openmp import pool_released
 from workers.lora.adapter import LoraError
 from workers.lora.table import LoraInUse, UnknownLora
 from workers.serving.context import get_ctx
@@ -39,7 +40,8 @@ async def load(req: LoraAdapterRequest, request: Request) -> dict:
                             f"it first", "conflict")
 
     def register():
-        with engine.steps_held():  # hooks go on between steps, never under a running forward
+        # hooks go on between steps, never under a running forward; this thread's OpenMP pool given back
+        with engine.steps_held(), pool_released():
             return table.register(req.lora_name, req.lora_path)
 
     try:
