@@ -11,7 +11,10 @@ read (every weight once, the rows' KV) over this machine's read bandwidth, measu
 same threads (a sum over a 256 MB tensor), so `% of bound` says how close the step comes to what
 memory allows. Trade-off: hooks add a few microseconds per layer, and the compiled step (which
 fuses across layers) cannot be split this way: this is the eager step's anatomy, the compiled
-one's total is printed beside it where the model compiles.
+one's total is printed beside it where the model compiles. `--pools` then times the compiled step
+on a second thread (as a worker's engine thread runs it) while this thread, which computed first,
+keeps its OpenMP pool, and again once it gave it back (workers/engine/openmp.py).
+`--gguf-activations int8`: a GGUF file's decode through the int8 GEMV, as the worker's flag.
 """
 
 from __future__ import annotations
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-compile", action="store_true", help="skip the compiled step's total")
+    p.add_argument("--pools", action="store_true",
+                   help="also the compiled step on a second thread, beside this thread's OpenMP pool, then without")
     p.add_argument("--gguf-activations", default="exact", choices=GGUF_ACTIVATIONS,
                    help="a GGUF file's decode activations, as the worker's `--gguf-activations`")
     args = p.parse_args(argv)
@@ -168,13 +173,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {kind:24s} {s * 1e3:7.2f} ms  {s / (hooked / args.steps):6.1%}")
     print(f"  {'other':24s} {other * 1e3:7.2f} ms  {other / (hooked / args.steps):6.1%}")
     if not args.no_compile and unfit_reason(lm.model) is None:
-        compiled = Ours(lm, args.batch, args.context, max_len, compiled=True)
+        compiled = Ours(lm, args.batch, args.context, max_len + (2 * args.steps if args.pools else 0), compiled=True)
         for _ in range(4):
             compiled.step()
         c = statistics.median(_timed(compiled.step) for _ in range(args.steps))
         print(f"compiled step {c * 1e3:.2f} ms median ({bound / c:.0%} of bound; "
               f"compiled in {compiled.compile_s:.0f} s)")
+        if args.pools:
+            pools(compiled.step, args.steps)
     return 0
+
+
+def pools(step, steps: int) -> None:
+    """The compiled step on a second thread, as a worker's engine thread runs it, while this thread
+    (which computed before) keeps its OpenMP pool, then after it gave it back
+    (workers/engine/openmp.py): the medians and the system time per step."""
+    import resource
+    import threading
+
+    from workers.engine.openmp import release_pool
+
+    def on_thread() -> tuple[float, float]:
+        out = {}
+
+        def run():
+            sys0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+            out["median"] = statistics.median(_timed(step) for _ in range(steps))
+            out["sys"] = (resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0) / steps
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return out["median"], out["sys"]
+
+    kept, kept_sys = on_thread()
+    release_pool()
+    alone, alone_sys = on_thread()
+    print(f"on a second thread: {kept * 1e3:.2f} ms median ({kept_sys * 1e3:.2f} ms of system time a step) "
+          f"while this thread keeps its OpenMP pool, {alone * 1e3:.2f} ms ({alone_sys * 1e3:.2f} ms) once it "
+          f"gave it back: {kept / alone:.2f}x")
 
 
 if __name__ == "__main__":
