@@ -252,6 +252,14 @@ void check(const at::Tensor& q, int64_t type, int64_t k, const char* op) {
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kFused = true;  // every type decoded in registers, straight into the dot products
 
+#if defined(__AVX512F__)
+// a 16-lane sum folded to 8 lanes (the K-quants' codes are widened sixteen at a time where the host
+// has AVX-512: half the instructions for the same products, summed in another order)
+inline __m256 fold(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+
 // one Q4_K (Q5 false) or Q5_K block against MR rows (`xs`: each row at the block's first input;
 // `xsum`: each row's sums of its 32-input groups, the block's first): sum_j dl_j * (q_j . x_j) -
 // dm_j * sum(x_j), the codes widened straight from memory, the mins taken once per block from the
@@ -260,8 +268,34 @@ template <int MR, bool Q5>
 inline void k4_rows(const uint8_t* b, const float* const* xs, const float* const* xsum, __m256 (&acc)[MR][2]) {
   float dl[8], dm[8];
   k4_scales(b, dl, dm);
-  const __m256i low4 = _mm256_set1_epi32(0x0F), bit = _mm256_set1_epi32(1);
   const uint8_t* qs = b + (Q5 ? 48 : 16);
+#if defined(__AVX512F__)
+  const __m512i low4 = _mm512_set1_epi32(0x0F), bit = _mm512_set1_epi32(1);
+  for (int c = 0; c < 4; ++c) {  // as below, sixteen codes per instruction
+    __m512 lo[MR], hi[MR];
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int g = 0; g < 2; ++g) {
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * c + 16 * g)));
+      __m512i ql = _mm512_and_si512(v, low4), qh = _mm512_srli_epi32(v, 4);
+      if (Q5) {
+        const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 16 * g)));
+        ql = _mm512_or_si512(ql, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2 * c), bit), 4));
+        qh = _mm512_or_si512(qh, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2 * c + 1), bit), 4));
+      }
+      const __m512 wl = _mm512_cvtepi32_ps(ql), wh = _mm512_cvtepi32_ps(qh);
+      for (int r = 0; r < MR; ++r) {
+        lo[r] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xs[r] + 64 * c + 16 * g), lo[r]);
+        hi[r] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xs[r] + 64 * c + 32 + 16 * g), hi[r]);
+      }
+    }
+    const __m256 dlo = _mm256_broadcast_ss(dl + 2 * c), dhi = _mm256_broadcast_ss(dl + 2 * c + 1);
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0] = _mm256_fmadd_ps(fold(lo[r]), dlo, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(fold(hi[r]), dhi, acc[r][1]);
+    }
+  }
+#else
+  const __m256i low4 = _mm256_set1_epi32(0x0F), bit = _mm256_set1_epi32(1);
   for (int c = 0; c < 4; ++c) {  // 64 values: sub-blocks 2c (low nibbles) and 2c + 1 (high)
     __m256 lo[MR], hi[MR];
     for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
@@ -286,6 +320,7 @@ inline void k4_rows(const uint8_t* b, const float* const* xs, const float* const
       acc[r][1] = _mm256_fmadd_ps(hi[r], dhi, acc[r][1]);
     }
   }
+#endif
   const __m256 mins = _mm256_loadu_ps(dm);
   for (int r = 0; r < MR; ++r) acc[r][0] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xsum[r]), acc[r][0]);
 }
@@ -300,6 +335,14 @@ inline void q6_k_rows(const uint8_t* b, const float* const* xs, __m256 (&acc)[MR
       const __m256i q = q6_k_codes(b, h, s);
       const int e0 = 128 * h + 32 * s;
       for (int half = 0; half < 2; ++half) {  // 16 values per scale: (q - 32) . x, then times d * scale
+#if defined(__AVX512F__)
+        const __m128i q16 = half == 0 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16));
+        const __m256 ds = _mm256_broadcast_ss(dl + (e0 + 16 * half) / 16);
+        for (int r = 0; r < MR; ++r)
+          acc[r][half] = _mm256_fmadd_ps(fold(_mm512_mul_ps(w, _mm512_loadu_ps(xs[r] + e0 + 16 * half))), ds,
+                                         acc[r][half]);
+#else
         __m256 t[MR];
         for (int g = 0; g < 2; ++g) {
           const __m256 w = _mm256_cvtepi32_ps(widen_signed(q, 2 * half + g));
@@ -310,6 +353,7 @@ inline void q6_k_rows(const uint8_t* b, const float* const* xs, __m256 (&acc)[MR
         }
         const __m256 ds = _mm256_broadcast_ss(dl + (e0 + 16 * half) / 16);
         for (int r = 0; r < MR; ++r) acc[r][half] = _mm256_fmadd_ps(t[r], ds, acc[r][half]);
+#endif
       }
     }
   }
@@ -480,6 +524,35 @@ inline __m256i dot_s(__m256i w, __m256i x, __m256i s) {
   return dot_u(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w), s);
 }
 
+// 64 weight codes (`a` then `b`, 32 each) against the 64 activation codes from `x`, `a`'s pairs times the
+// int16 scales `sa` and `b`'s times `sb`, added to `acc`'s int32 lanes: in one 512-bit multiply-add pair
+// where the host has AVX-512BW (the integer sums are exact: the same result in another order)
+#if defined(__AVX512BW__)
+using Isum = __m512i;
+inline Isum isum_zero() { return _mm512_setzero_si512(); }
+inline __m256i isum_fold(Isum v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+inline __m512i join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+inline Isum dot64_u(Isum acc, __m256i a, __m256i b, const int8_t* x, __m256i sa, __m256i sb) {
+  const __m512i p = _mm512_maddubs_epi16(join(a, b), _mm512_loadu_si512(x));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, join(sa, sb)));
+}
+inline Isum dot64_s(Isum acc, __m256i a, __m256i b, const int8_t* x, __m256i sa, __m256i sb) {
+  const __m512i w = join(a, b), xv = _mm512_loadu_si512(x);  // x negated where w < 0, as `sign` does
+  const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xv);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), xs), join(sa, sb)));
+}
+#else
+using Isum = __m256i;
+inline Isum isum_zero() { return _mm256_setzero_si256(); }
+inline __m256i isum_fold(Isum v) { return v; }
+inline Isum dot64_u(Isum acc, __m256i a, __m256i b, const int8_t* x, __m256i sa, __m256i sb) {
+  return _mm256_add_epi32(acc, _mm256_add_epi32(dot_u(a, codes32(x), sa), dot_u(b, codes32(x + 32), sb)));
+}
+inline Isum dot64_s(Isum acc, __m256i a, __m256i b, const int8_t* x, __m256i sa, __m256i sb) {
+  return _mm256_add_epi32(acc, _mm256_add_epi32(dot_s(a, codes32(x), sa), dot_s(b, codes32(x + 32), sb)));
+}
+#endif
+
 // one Q4_K (Q5 false) or Q5_K block against MR rows (`xq`: each row's codes at the block's first
 // input; `step`: each row's step for them; `xsum`: the rounded rows' sums of 32)
 template <int MR, bool Q5>
@@ -489,8 +562,8 @@ inline void k4_int8(const uint8_t* b, const int8_t* const* xq, const float* step
   scale_min_k4(b + 4, sc, mn);
   const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   const uint8_t* qs = b + (Q5 ? 48 : 16);
-  __m256i isum[MR];
-  for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+  Isum isum[MR];
+  for (int r = 0; r < MR; ++r) isum[r] = isum_zero();
   for (int c = 0; c < 4; ++c) {  // 64 values: sub-blocks 2c (low nibbles) and 2c + 1 (high)
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
     __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -501,16 +574,14 @@ inline void k4_int8(const uint8_t* b, const int8_t* const* xq, const float* step
     }
     const __m256i slo = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c]));
     const __m256i shi = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1]));
-    for (int r = 0; r < MR; ++r)
-      isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(dot_u(lo, codes32(xq[r] + 64 * c), slo),
-                                                           dot_u(hi, codes32(xq[r] + 64 * c + 32), shi)));
+    for (int r = 0; r < MR; ++r) isum[r] = dot64_u(isum[r], lo, hi, xq[r] + 64 * c, slo, shi);
   }
   const float d = f16(b), dmin = f16(b + 2);
   float dm[8];
   for (int j = 0; j < 8; ++j) dm[j] = dmin * static_cast<float>(mn[j]);
   const __m256 mins = _mm256_loadu_ps(dm);
   for (int r = 0; r < MR; ++r) {
-    acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * step[r]), acc[r][0]);
+    acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum_fold(isum[r])), _mm256_set1_ps(d * step[r]), acc[r][0]);
     acc[r][1] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xsum[r]), acc[r][1]);
   }
 }
@@ -519,19 +590,20 @@ inline void k4_int8(const uint8_t* b, const int8_t* const* xq, const float* step
 template <int MR>
 inline void q6_k_int8(const uint8_t* b, const int8_t* const* xq, const float* step, __m256 (&acc)[MR][2]) {
   const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-  __m256i isum[MR];
-  for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+  Isum isum[MR];
+  for (int r = 0; r < MR; ++r) isum[r] = isum_zero();
   for (int h = 0; h < 2; ++h) {
-    for (int s = 0; s < 4; ++s) {
-      const __m256i q = q6_k_codes(b, h, s);
-      const int e0 = 128 * h + 32 * s;
-      const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(scales[e0 / 16 + 1]), _mm_set1_epi16(scales[e0 / 16]));
-      for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], dot_s(q, codes32(xq[r] + e0), sv));
+    for (int s = 0; s < 4; s += 2) {  // 64 values from 128h + 32s: codes s and s + 1
+      const __m256i q0 = q6_k_codes(b, h, s), q1 = q6_k_codes(b, h, s + 1);
+      const int e0 = 128 * h + 32 * s, j = e0 / 16;
+      const __m256i s0 = _mm256_set_m128i(_mm_set1_epi16(scales[j + 1]), _mm_set1_epi16(scales[j]));
+      const __m256i s1 = _mm256_set_m128i(_mm_set1_epi16(scales[j + 3]), _mm_set1_epi16(scales[j + 2]));
+      for (int r = 0; r < MR; ++r) isum[r] = dot64_s(isum[r], q0, q1, xq[r] + e0, s0, s1);
     }
   }
   const float d = f16(b + 208);
   for (int r = 0; r < MR; ++r)
-    acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * step[r]), acc[r][0]);
+    acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum_fold(isum[r])), _mm256_set1_ps(d * step[r]), acc[r][0]);
 }
 
 // one Q8_0 (Q4 false) or Q4_0 block of 32 against MR rows: d * step * (q . x), Q4_0 less 8d * sum(x)
