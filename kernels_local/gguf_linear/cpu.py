@@ -3,8 +3,7 @@
 A decode step's projection reads each weight once for a handful of rows, so its time is the bytes
 it reads: Q4_K holds a weight in 0.28x the bytes of bf16 and 0.14x of float32. `gguf_linear_cpu`
 takes each output row's blocks one at a time and every activation row's dot product with the block
-while it is in L1; on AVX2 the codes are widened in registers straight into the multiply-adds
-(the K-quants' sixteen at a time where the host has AVX-512),
+while it is in L1; on AVX2 the codes are widened in registers straight into the multiply-adds,
 elsewhere the block is decoded into a float32 buffer exactly as gguf-py does. From `GEMV_MAX_M`
 rows on (a prompt's, where the matmul is compute-bound), the same decoder dequantizes the weight 256
 rows at a time into a buffer the calling thread keeps (256 x K floats, held for the process's life:
@@ -15,8 +14,7 @@ mins taken from sums of x), so an output may differ from the dequantized matmul'
 float32 bits; and a second decoder beside the torch reference's, for the five types measured here
 (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: the Q4_K_M and Q5_K_M mixes, Q4_0 and Q8_0 files).
 `int8=True` runs the other GEMV (on AVX2): each activation row rounded to 8 bits per 256 inputs, as
-llama.cpp rounds its activations (Q8_K), its codes multiplied with the blocks' in byte multiply-adds
-(64 a pair of instructions for the K-quants where the host has AVX-512BW),
+llama.cpp rounds its activations (Q8_K), its codes multiplied with the blocks' in byte multiply-adds,
 the exact product of the dequantized weight with the rounded rows (`round_rows_reference`). It trades
 the activations' last bits (a served model's logits move off transformers' by far more than 1e-4) for
 about twice the GEMV's speed; a worker takes it only when asked (`--gguf-activations int8`).

@@ -9,8 +9,10 @@
 // one at a time, and every activation row (four at a time) its dot product with the block while it
 // is in L1, so the packed bytes are read once per call. On AVX2 every type is decoded in registers
 // straight into the fused multiply-adds (the K-quants as dl * (q . x) - dm * sum(x), the sums of x
-// taken once per call; a block's scales formed eight at a time, its fp16 factors by F16C), elsewhere
-// through a float32 buffer on the stack. Either way the GEMV
+// taken once per call; a block's scales formed eight at a time, its fp16 factors by F16C; where the
+// host has AVX-512 the K-quants' codes are widened sixteen at a time, and the int8 GEMV's byte
+// multiply-adds take 64 codes an instruction pair with AVX-512BW), elsewhere through a float32
+// buffer on the stack. Either way the GEMV
 // differs from a float32 matmul on the dequantized weight only in rounding. The output rows are
 // shared among torch's intra-op threads, each output element one thread's sum in a fixed order: the
 // result depends neither on the thread count nor on the rows beside it in the call.
